@@ -1,0 +1,169 @@
+"""Array-module dispatch: NumPy arrays take the reference path, CuPy arrays the GPU path.
+
+CuPy is imported lazily so that ``import cufused`` works on machines without it.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import numpy
+
+_CUDA_EXTRA_HINT = (
+    "the GPU path needs CuPy and cuDNN Frontend: install cufused[cuda12] or cufused[cuda13]"
+)
+
+
+def is_cupy_array(value: Any) -> bool:
+    """True for a ``cupy.ndarray`` (checked without importing CuPy)."""
+    return type(value).__module__.startswith("cupy") and hasattr(value, "__cuda_array_interface__")
+
+
+def import_cupy():
+    """Import CuPy or raise an ``ImportError`` that names the extra to install."""
+    try:
+        import cupy
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(_CUDA_EXTRA_HINT) from exc
+    return cupy
+
+
+def get_array_module(**arrays: Any):
+    """Return ``numpy`` or ``cupy`` for the named arrays (``None`` values are skipped).
+
+    Raises
+    ------
+    TypeError
+        An argument is not an array, or NumPy and CuPy arrays are mixed.
+    ValueError
+        CuPy arrays live on different devices.
+    """
+    kind = None
+    first = None
+    device = None
+    for name, value in arrays.items():
+        if value is None:
+            continue
+        if isinstance(value, numpy.ndarray):
+            this = "numpy"
+        elif is_cupy_array(value):
+            this = "cupy"
+        else:
+            raise TypeError(
+                f"{name} must be a numpy.ndarray or cupy.ndarray, got {type(value).__name__}"
+            )
+        if kind is None:
+            kind, first = this, name
+        elif this != kind:
+            raise TypeError(
+                f"{name} is a {this} array but {first} is a {kind} array; "
+                "pass all arrays from the same library"
+            )
+        if this == "cupy":
+            dev = value.device.id
+            if device is None:
+                device = dev
+            elif dev != device:
+                raise ValueError(
+                    f"{name} is on CUDA device {dev} but {first} is on CUDA device {device}"
+                )
+    if kind == "cupy":
+        return import_cupy()
+    return numpy
+
+
+def check_float_dtype(xp, **arrays: Any) -> None:
+    """Check dtypes: float16/32/64 on the NumPy path, float32 on the GPU path."""
+    allowed = ("float32",) if xp is not numpy else ("float16", "float32", "float64")
+    for name, value in arrays.items():
+        if value is not None and value.dtype.name not in allowed:
+            raise TypeError(
+                f"{name} has dtype {value.dtype.name}; supported here: {', '.join(allowed)}"
+            )
+
+
+def check_ndim(x: Any, name: str, ndims: tuple[int, ...], layout: str) -> None:
+    """Raise ``ValueError`` unless ``x.ndim`` is one of ``ndims``."""
+    if x.ndim not in ndims:
+        raise ValueError(f"{name} must be {layout} with ndim {ndims[0]}, got shape {x.shape}")
+
+
+def check_sizes(x: Any, name: str) -> None:
+    """Every dimension but the batch must be positive."""
+    if any(s <= 0 for s in x.shape[1:]):
+        raise ValueError(f"{name} has a zero-sized non-batch dimension: shape {x.shape}")
+
+
+def per_channel(value: Any, name: str, channels: int, xp, *, allow_scalar: bool = False):
+    """Flatten a per-channel parameter to a 1-D array of ``channels`` values.
+
+    Accepts any shape holding exactly ``channels`` values laid out per channel: ``(C,)``,
+    ``(C, 1, 1)``, ``(1, C, 1, 1)``, ``(1, C, 1, 1, 1)``. With ``allow_scalar`` a Python or
+    0-d scalar is broadcast to every channel.
+    """
+    if value is None:
+        return None
+    if allow_scalar and isinstance(value, numbers.Real) and not isinstance(value, bool):
+        check_scalar(value, name)
+        return xp.full(channels, value, dtype=xp.float32 if xp is not numpy else numpy.float64)
+    non_unit = [s for s in value.shape if s != 1]
+    if value.size != channels or len(non_unit) > 1:
+        raise ValueError(
+            f"{name} must hold one value per channel ({channels} values, shape like "
+            f"({channels},) or (1, {channels}, 1, 1)), got shape {value.shape}"
+        )
+    return xp.ascontiguousarray(value.reshape(channels))  # a view when already contiguous
+
+
+def check_scalar(value: Any, name: str, *, minimum: float | None = None,
+                 maximum: float | None = None, positive: bool = False) -> float:
+    """Check a real, finite scalar option and return it as ``float``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if positive and value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+    return value
+
+
+def ntuple(value: Any, n: int, name: str, *, minimum: int) -> tuple[int, ...]:
+    """Expand an int or a length-``n`` sequence of ints, each ``>= minimum``."""
+    items = (value,) * n if isinstance(value, numbers.Integral) else tuple(value)
+    if len(items) != n or not all(
+        isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in items
+    ):
+        raise TypeError(f"{name} must be an int or a sequence of {n} ints, got {value!r}")
+    items = tuple(int(v) for v in items)
+    if any(v < minimum for v in items):
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+    return items
+
+
+def check_out(out: Any, shape: tuple[int, ...], dtype, xp, like: Any) -> None:
+    """``out=`` must match the result's shape, dtype and array library/device exactly."""
+    if out is None:
+        return
+    get_array_module(out=out, x=like)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
+        raise ValueError(
+            f"out must have shape {tuple(shape)} and dtype {numpy.dtype(dtype).name}, "
+            f"got shape {tuple(out.shape)} and dtype {out.dtype.name}"
+        )
+    if xp is not numpy and not out.flags.c_contiguous:
+        raise ValueError("out must be C-contiguous")
+
+
+def finish_numpy(result: numpy.ndarray, dtype, out: numpy.ndarray | None) -> numpy.ndarray:
+    """Cast a float64 reference result to ``dtype`` and store it in ``out`` if given."""
+    if out is None:
+        return result.astype(dtype, copy=False)
+    out[...] = result
+    return out

@@ -1,0 +1,150 @@
+"""CUDA sources of cufused and the helper that compiles and caches them.
+
+Each ``.cu`` file is one op family; ``KERNELS`` lists every template instantiation the
+library launches, so one NVRTC compile per (file, device) builds them all and CI can check
+that every one of them compiles, for sm_80 and sm_90, without spilling to local memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import re
+
+KERNELS: dict[str, tuple[str, ...]] = {
+    "pooling.cu": (
+        "pool_nd<true>",
+        "pool_nd<false>",
+        "pool_extremum_stats<false>",
+        "pool_extremum_stats<true>",
+    ),
+    "normalization.cu": (
+        "key_stats_partial",
+        "stats_finalize<0>",
+        "stats_finalize<1>",
+        "channel_affine<0, 1>",
+        "channel_affine<0, 4>",
+        "channel_affine<1, 1>",
+        "channel_affine<1, 4>",
+        "channel_affine<2, 1>",
+        "channel_affine<2, 4>",
+        "group_norm_rows<0, true>",
+        "group_norm_rows<0, false>",
+        "group_norm_rows<1, true>",
+        "group_norm_rows<1, false>",
+    ),
+    "softmax.cu": (
+        "softmax_stats<false, true, false>",
+        "softmax_stats<false, true, true>",
+        "softmax_stats<false, false, true>",
+        "softmax_stats<true, true, true>",
+        "softmax_stats<true, false, true>",
+        "softmax_finalize",
+        "softmax_apply<false, 1>",
+        "softmax_apply<false, 4>",
+        "softmax_apply<true, 1>",
+        "softmax_apply<true, 4>",
+        "softmax_apply_transpose<true>",
+    ),
+}
+
+# Keep float32 math IEEE-accurate (no fast-math): the kernels are bandwidth-bound.
+COMPILE_OPTIONS = ("-std=c++17",)
+
+_INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.MULTILINE)
+
+
+@functools.cache
+def source(filename: str) -> str:
+    """Return a kernel file's text with its local ``#include "..."`` lines inlined."""
+    text = importlib.resources.files(__name__).joinpath(filename).read_text(encoding="utf-8")
+    return _INCLUDE.sub(lambda m: source(m.group(1)), text)
+
+
+def _module(filename: str):
+    import cupy
+
+    return cupy.RawModule(code=source(filename), options=COMPILE_OPTIONS,
+                          name_expressions=KERNELS[filename])
+
+
+@functools.cache
+def _memoized_module():
+    import cupy
+
+    # One compiled module per (file, device), like cupyx.scipy.ndimage's _get_*_kernel helpers.
+    return cupy.memoize(for_each_device=True)(_module)
+
+
+def get_kernel(filename: str, name: str):
+    """Return the ``cupy.RawKernel`` for ``name`` (a name expression of ``KERNELS[filename]``)."""
+    if name not in KERNELS[filename]:
+        raise KeyError(f"{name} is not a registered instantiation of {filename}")
+    return _memoized_module()(filename).get_function(name)
+
+
+def compile_offline(filename: str, arch: str) -> dict[str, str]:
+    """Compile every registered instantiation of ``filename`` to a cubin with NVRTC, no GPU needed.
+
+    Parameters
+    ----------
+    filename : str
+        A key of ``KERNELS``.
+    arch : str
+        Target such as ``"sm_80"`` or ``"sm_90"``.
+
+    Returns
+    -------
+    dict
+        ``{"log": ptxas log, "cubin_bytes": size}``; the log holds the register and spill report.
+
+    Raises
+    ------
+    RuntimeError
+        If NVRTC rejects the source; the message holds its log.
+    """
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(source(filename), filename, [], [])
+    try:
+        for name in KERNELS[filename]:
+            nvrtc.addNameExpression(prog, name)
+        try:
+            nvrtc.compileProgram(prog, [*COMPILE_OPTIONS, f"--gpu-architecture={arch}",
+                                        "-Xptxas=-v"])
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"{filename} ({arch}): {exc}\n{nvrtc.getProgramLog(prog)}") from exc
+        for name in KERNELS[filename]:
+            nvrtc.getLoweredName(prog, name)  # raises if an instantiation is missing
+        return {"log": nvrtc.getProgramLog(prog), "cubin_bytes": str(len(nvrtc.getCUBIN(prog)))}
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def optional(array):
+    """A kernel argument for an optional array: the array, or a null pointer."""
+    import numpy
+
+    return numpy.uint64(0) if array is None else array
+
+
+@functools.cache
+def _sm_count(device: int) -> int:
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
+
+
+def sm_count() -> int:
+    """Multiprocessors of the current device."""
+    import cupy
+
+    return _sm_count(cupy.cuda.runtime.getDevice())
+
+
+def launch_1d(kernel, total: int, args: tuple, *, block: int = 256) -> None:
+    """Launch a grid-stride kernel over ``total`` items (enough blocks to fill the device)."""
+    if total <= 0:
+        return
+    grid = min(-(-total // block), sm_count() * 32)
+    kernel((grid,), (block,), args)

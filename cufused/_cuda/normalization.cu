@@ -1,0 +1,188 @@
+// Normalization kernels: split statistics, their finalization into per-channel affine
+// coefficients, the affine (+ activation) apply pass, and a one-block-per-row GroupNorm.
+#include "common.cuh"
+
+#define ACT_NONE 0
+#define ACT_TANH 1
+#define ACT_CLAMP 2
+
+#define MODE_GROUP_NORM 0
+#define MODE_BATCH_NORM 1
+
+// Shifted sums for one statistics key over x[o * outer_stride + key * key_stride + i],
+// o < n_outer, i < inner, split into `splits` blocks per key (the split reduction that keeps
+// the GPU busy when there are few keys). partial[key * splits + split] = (sum d, sum d*d) with
+// d = x - shift, shift = the key's first element (written to shift_out[key]).
+__global__ void key_stats_partial(const float* __restrict__ x, float2* __restrict__ partial,
+                                  float* __restrict__ shift_out, index_t n_outer,
+                                  index_t outer_stride, index_t key_stride, index_t inner,
+                                  int splits) {
+    __shared__ float scratch[32];
+    const int split = blockIdx.x % splits;
+    const index_t key = blockIdx.x / splits;
+    const float* base = x + key * key_stride;
+    const float shift = base[0];
+    if (split == 0 && threadIdx.x == 0) shift_out[key] = shift;
+    const index_t total = n_outer * inner;
+    const index_t chunk = (total + splits - 1) / splits;
+    const index_t j_begin = split * chunk;
+    const index_t j_end = min(total, j_begin + chunk);
+    float s1 = 0.0f, s2 = 0.0f;
+    index_t j = j_begin + threadIdx.x;
+    index_t o = j / inner;
+    index_t i = j - o * inner;
+    for (; j < j_end; j += blockDim.x) {
+        const float d = __ldg(base + o * outer_stride + i) - shift;
+        s1 += d;
+        s2 = fmaf(d, d, s2);
+        i += blockDim.x;
+        while (i >= inner) { i -= inner; ++o; }
+    }
+    s1 = block_sum(s1, scratch);
+    s2 = block_sum(s2, scratch);
+    if (threadIdx.x == 0) partial[key * splits + split] = make_float2(s1, s2);
+}
+
+// One block per statistics row. The row's partials sit at
+// partial[o * outer_stride + row * row_len + m], o < n_outer, m < row_len, and are summed in
+// double. They become per-channel coefficients a, b of the affine that the next pass applies:
+//  MODE_GROUP_NORM: row = n * G + g; a[n, c] = gamma * rstd * scale,
+//                   b[n, c] = (beta - mean * gamma * rstd) * scale for the group's channels.
+//  MODE_BATCH_NORM: row = c; a[c] = gamma * rstd, b[c] = beta - mean * a[c]; with training = 0
+//                   the running statistics replace the batch ones; with training = 1 the running
+//                   buffers (when given) are updated in place as PyTorch does, the batch mean
+//                   including mean_offset[c] (a convolution bias that the statistics skipped).
+template <int MODE>
+__global__ void stats_finalize(const float2* __restrict__ partial, const float* __restrict__ shift,
+                               index_t n_outer, index_t outer_stride, int row_len, double count,
+                               const float* __restrict__ gamma, const float* __restrict__ beta,
+                               const float* __restrict__ scale, float* __restrict__ coef_a,
+                               float* __restrict__ coef_b, int C, int G, float eps, int training,
+                               float* running_mean, float* running_var,
+                               const float* __restrict__ mean_offset, float momentum) {
+    __shared__ double scratch[32];
+    __shared__ float stats[2];
+    const index_t row = blockIdx.x;
+    if (training) {
+        double s1 = 0.0, s2 = 0.0;
+        const index_t total = n_outer * row_len;
+        for (index_t j = threadIdx.x; j < total; j += blockDim.x) {
+            const index_t o = j / row_len;
+            const float2 v = partial[o * outer_stride + row * row_len + (j - o * row_len)];
+            s1 += v.x;
+            s2 += v.y;
+        }
+        s1 = block_sum(s1, scratch);
+        s2 = block_sum(s2, scratch);
+        if (threadIdx.x == 0) {
+            const double m1 = s1 / count;
+            const double var = fmax(s2 / count - m1 * m1, 0.0);
+            const double mean = (double)shift[row] + m1;
+            stats[0] = (float)mean;
+            stats[1] = (float)(1.0 / sqrt(var + (double)eps));
+            if (MODE == MODE_BATCH_NORM) {
+                const double m = momentum;
+                const double offset = mean_offset ? (double)mean_offset[row] : 0.0;
+                if (running_mean)
+                    running_mean[row] = (float)((1.0 - m) * running_mean[row] + m * (mean + offset));
+                if (running_var)
+                    running_var[row] = (float)((1.0 - m) * running_var[row]
+                                               + m * var * count / (count - 1.0));
+            }
+        }
+    } else if (threadIdx.x == 0) {
+        stats[0] = running_mean[row];
+        stats[1] = rsqrtf(running_var[row] + eps);
+    }
+    __syncthreads();
+    const float mean = stats[0], rstd = stats[1];
+    const int channels = MODE == MODE_GROUP_NORM ? C / G : 1;
+    for (int j = threadIdx.x; j < channels; j += blockDim.x) {
+        const int c = MODE == MODE_GROUP_NORM ? (int)(row % G) * channels + j : (int)row;
+        const index_t out = MODE == MODE_GROUP_NORM ? (row / G) * C + c : row;
+        const float g = gamma ? gamma[c] : 1.0f;
+        const float bt = beta ? beta[c] : 0.0f;
+        const float s = scale ? scale[c] : 1.0f;
+        coef_a[out] = g * rstd * s;
+        coef_b[out] = (bt - mean * g * rstd) * s;
+    }
+}
+
+template <int ACT>
+__device__ __forceinline__ float activate(float v, float lo, float hi) {
+    if (ACT == ACT_TANH) return tanhf(v);
+    if (ACT == ACT_CLAMP) return clamp_nan(v, lo, hi);
+    return v;
+}
+
+// y = act(a[k] * x + b[k]), k = (element / inner) % n_coef, VEC consecutive elements per
+// thread (VEC = 4 needs inner % 4 == 0 and 16-byte aligned x, y). x may equal y.
+template <int ACT, int VEC>
+__global__ void channel_affine(const float* x, float* y, const float* __restrict__ coef_a,
+                               const float* __restrict__ coef_b, index_t total_vec, index_t inner,
+                               index_t n_coef, float lo, float hi) {
+    for (index_t i = blockIdx.x * (index_t)blockDim.x + threadIdx.x; i < total_vec;
+         i += (index_t)gridDim.x * blockDim.x) {
+        const index_t k = (i * VEC / inner) % n_coef;
+        const float a = coef_a[k], b = coef_b[k];
+        if (VEC == 4) {
+            float4 v = reinterpret_cast<const float4*>(x)[i];
+            v.x = activate<ACT>(fmaf(a, v.x, b), lo, hi);
+            v.y = activate<ACT>(fmaf(a, v.y, b), lo, hi);
+            v.z = activate<ACT>(fmaf(a, v.z, b), lo, hi);
+            v.w = activate<ACT>(fmaf(a, v.w, b), lo, hi);
+            reinterpret_cast<float4*>(y)[i] = v;
+        } else {
+            y[i] = activate<ACT>(fmaf(a, x[i], b), lo, hi);
+        }
+    }
+}
+
+// GroupNorm with one block per (n, g) row of a contiguous (N, C, HW) tensor; the row is
+// Cg * HW contiguous values. PRE = ACT_TANH first maps each value to tanh(pre_a[c] * x + pre_b[c])
+// (pipeline B's BatchNorm affine + tanh on the pooled extremum). With CACHE the transformed row
+// stays in dynamic shared memory between the statistics and the normalize step; otherwise it is
+// recomputed from x. x may equal y: every element is read and written by the same thread.
+template <int PRE, bool CACHE>
+__global__ void group_norm_rows(const float* x, float* y, const float* __restrict__ pre_a,
+                                const float* __restrict__ pre_b, const float* __restrict__ gamma,
+                                const float* __restrict__ beta, int C, int G, int HW, float eps) {
+    extern __shared__ float cache[];
+    __shared__ float scratch[32];
+    const int cg = C / G;
+    const int len = cg * HW;
+    const index_t row = blockIdx.x;
+    const int c0 = (int)(row % G) * cg;
+    const float* xr = x + row * len;
+    float* yr = y + row * len;
+    const float shift = PRE == ACT_TANH ? tanhf(fmaf(pre_a[c0], xr[0], pre_b[c0])) : xr[0];
+    float s1 = 0.0f, s2 = 0.0f;
+    for (int i = threadIdx.x; i < len; i += blockDim.x) {
+        float v = xr[i];
+        if (PRE == ACT_TANH) {
+            const int c = c0 + i / HW;
+            v = tanhf(fmaf(pre_a[c], v, pre_b[c]));
+        }
+        if (CACHE) cache[i] = v;
+        const float d = v - shift;
+        s1 += d;
+        s2 = fmaf(d, d, s2);
+    }
+    s1 = block_sum(s1, scratch);
+    s2 = block_sum(s2, scratch);
+    const float m1 = s1 / len;
+    const float mean = shift + m1;
+    const float rstd = rsqrtf(fmaxf(s2 / len - m1 * m1, 0.0f) + eps);
+    for (int i = threadIdx.x; i < len; i += blockDim.x) {
+        const int c = c0 + i / HW;
+        float v;
+        if (CACHE) {
+            v = cache[i];
+        } else {
+            v = xr[i];
+            if (PRE == ACT_TANH) v = tanhf(fmaf(pre_a[c], v, pre_b[c]));
+        }
+        const float a = (gamma ? gamma[c] : 1.0f) * rstd;
+        yr[i] = fmaf(a, v - mean, beta ? beta[c] : 0.0f);
+    }
+}

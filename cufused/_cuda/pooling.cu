@@ -1,0 +1,128 @@
+// Pooling kernels: plain N-d max/avg pooling, and the pipelines' fused
+// "window extremum + normalization statistics" pass over a convolution output.
+#include "common.cuh"
+
+// Max or average pooling of a contiguous (N, C, D, H, W) tensor (2-D pooling runs with
+// D = kd = sd = 1, pd = 0), one thread per output element in NCDHW order. The output is
+// written through strides so that pipeline C's average pool can hand the convolution a
+// channels-last tensor directly. Average pooling divides by the full window size
+// (count_include_pad, floor mode).
+template <bool IS_MAX>
+__global__ void pool_nd(const float* __restrict__ x, float* __restrict__ y, index_t total, int C,
+                        int id, int ih, int iw, int od, int oh, int ow,
+                        int kd, int kh, int kw, int sd, int sh, int sw, int pd, int ph, int pw,
+                        index_t ysn, index_t ysc, index_t ysd, index_t ysh, index_t ysw) {
+    const int out_plane = od * oh * ow;
+    const float inv_count = 1.0f / (float)(kd * kh * kw);
+    for (index_t i = blockIdx.x * (index_t)blockDim.x + threadIdx.x; i < total;
+         i += (index_t)gridDim.x * blockDim.x) {
+        const index_t plane = i / out_plane;
+        int r = (int)(i - plane * out_plane);
+        const int w_o = r % ow; r /= ow;
+        const int h_o = r % oh;
+        const int d_o = r / oh;
+        const float* xp = x + plane * ((index_t)id * ih * iw);
+        float acc = IS_MAX ? -INFINITY : 0.0f;
+        for (int a = 0; a < kd; ++a) {
+            const int d = d_o * sd - pd + a;
+            if (d < 0 || d >= id) continue;  // padding: -inf (max) or 0 (avg)
+            for (int b = 0; b < kh; ++b) {
+                const int h = h_o * sh - ph + b;
+                if (h < 0 || h >= ih) continue;
+                const float* row = xp + ((index_t)d * ih + h) * iw;
+                for (int c = 0; c < kw; ++c) {
+                    const int w = w_o * sw - pw + c;
+                    if (w < 0 || w >= iw) continue;
+                    const float v = __ldg(row + w);
+                    acc = IS_MAX ? nan_max(acc, v) : acc + v;
+                }
+            }
+        }
+        const index_t n = plane / C;
+        const int ch = (int)(plane - n * C);
+        y[n * ysn + ch * ysc + d_o * ysd + h_o * ysh + w_o * ysw] = IS_MAX ? acc : acc * inv_count;
+    }
+}
+
+// One read of a convolution output y (logical N, C, H, W; any strides) yields, for
+// non-overlapping k x k pooling windows (stride == k, no padding):
+//  * ext[n, c, ph, pw] (contiguous NCHW): the window max of y + bias[c], or the window min where
+//    sign_a[c] * sign_b[c] < 0. The monotone per-channel affine that follows (GroupNorm * scale in
+//    pipeline A, BatchNorm + tanh in pipeline B) maps it to the pooled result exactly;
+//  * partial[(n * C + c) * splits + split] = (sum d, sum d*d), d = y + bias - shift, over every
+//    element of the plane, including the rows and columns that the pool drops.
+// shift is the first element of the statistics row: y + bias at (shift_per_sample ? n : 0, first
+// channel of c's group of shift_group channels, 0, 0), stored in shift_out[row]. It keeps the
+// float32 sums accurate when |mean| >> std, and all partials of a row share it.
+// Block (32, 8). NCHW: x lanes walk pooled columns (coalesced rows), y lanes channels.
+// Channels-last: x lanes walk channels (coalesced), y lanes pooled positions.
+template <bool CHANNELS_LAST>
+__global__ void pool_extremum_stats(const float* __restrict__ y, const float* __restrict__ bias,
+                                    const float* __restrict__ sign_a,
+                                    const float* __restrict__ sign_b, float* __restrict__ ext,
+                                    float2* __restrict__ partial, float* __restrict__ shift_out,
+                                    int C, int H, int W, int k, int Ho, int Wo, int splits,
+                                    int c_tiles, index_t sn, index_t sc, index_t sh, index_t sw,
+                                    int shift_group, int shift_per_sample) {
+    __shared__ float red[2][8][33];
+    const int split = blockIdx.x % splits;
+    const int tile = (blockIdx.x / splits) % c_tiles;
+    const index_t n = blockIdx.x / ((index_t)splits * c_tiles);
+    const int c = CHANNELS_LAST ? tile * 32 + threadIdx.x : tile * 8 + threadIdx.y;
+    const int lane = CHANNELS_LAST ? threadIdx.y : threadIdx.x;
+    const int step = CHANNELS_LAST ? 8 : 32;
+    const int P = Ho * Wo;
+    const int chunk = (P + splits - 1) / splits;
+    const int p_begin = split * chunk;
+    const int p_end = min(P, p_begin + chunk);
+
+    float s1 = 0.0f, s2 = 0.0f;
+    if (c < C) {
+        const float b = bias ? bias[c] : 0.0f;
+        const int c_first = (c / shift_group) * shift_group;
+        const float shift = y[(shift_per_sample ? n : 0) * sn + c_first * sc]
+                            + (bias ? bias[c_first] : 0.0f);
+        if (split == 0 && c == c_first && lane == 0 && (shift_per_sample || n == 0)) {
+            const index_t row = shift_per_sample ? n * (C / shift_group) + c / shift_group
+                                                 : c / shift_group;
+            shift_out[row] = shift;
+        }
+        const float sa = sign_a ? sign_a[c] : 1.0f;
+        const float sb = sign_b ? sign_b[c] : 1.0f;
+        const bool use_min = sa * sb < 0.0f;
+        const float* plane = y + n * sn + c * sc;
+        float* ext_plane = ext + (n * C + c) * (index_t)P;
+        for (int p = p_begin + lane; p < p_end; p += step) {
+            const int py = p / Wo;
+            const int px = p - py * Wo;
+            const int h0 = py * k, w0 = px * k;
+            const int h1 = (py == Ho - 1) ? H : h0 + k;  // the last window row also owns the
+            const int w1 = (px == Wo - 1) ? W : w0 + k;  // rows/columns the pool drops
+            float e = use_min ? INFINITY : -INFINITY;
+            for (int h = h0; h < h1; ++h) {
+                const float* row = plane + h * sh;
+                for (int w = w0; w < w1; ++w) {
+                    const float v = row[w * sw] + b;
+                    const float d = v - shift;
+                    s1 += d;
+                    s2 = fmaf(d, d, s2);
+                    if (h < h0 + k && w < w0 + k) e = use_min ? nan_min(e, v) : nan_max(e, v);
+                }
+            }
+            ext_plane[p] = e;
+        }
+    }
+    if (CHANNELS_LAST) {  // reduce over the 8 position lanes of each channel column
+        red[0][threadIdx.y][threadIdx.x] = s1;
+        red[1][threadIdx.y][threadIdx.x] = s2;
+        __syncthreads();
+        if (threadIdx.y == 0 && c < C) {
+            for (int j = 1; j < 8; ++j) { s1 += red[0][j][threadIdx.x]; s2 += red[1][j][threadIdx.x]; }
+            partial[(n * C + c) * splits + split] = make_float2(s1, s2);
+        }
+    } else {  // a warp is one channel's 32 position lanes
+        s1 = warp_sum(s1);
+        s2 = warp_sum(s2);
+        if (threadIdx.x == 0 && c < C) partial[(n * C + c) * splits + split] = make_float2(s1, s2);
+    }
+}

@@ -1,0 +1,281 @@
+"""Benchmark cases and GPU timing for ``python -m cufused bench`` and the asv suite.
+
+Timing follows KernelBench / Tensara: CUDA events around one call on the current stream,
+after warm-up, with the L2 cache flushed (a 256 MiB write) before each timed run; the median
+is reported. PyTorch eager and ``torch.compile`` run the same math in the same process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy
+
+import cufused
+
+L2_FLUSH_BYTES = 256 * 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One pipeline at one size: inputs, the cufused call, the PyTorch equivalent and its cost."""
+
+    name: str
+    pipeline: str
+    shapes: dict  # array name -> shape (inputs and parameters)
+    options: dict  # keyword options of the cufused pipeline
+    conv: dict  # the convolution inside: kind, x shape (after any pooling), weight shape, options
+
+    def make_inputs(self, rng: numpy.random.Generator) -> dict:
+        """Float32 NumPy inputs: ``x`` and the norm / scale parameters uniform [0, 1) as the
+        benchmark suites draw them; convolution weights and biases from PyTorch's default
+        init, uniform in +-1/sqrt(fan_in) (all-positive weights would saturate C's clamp)."""
+        fan_in = numpy.prod(self.shapes["weight"][1:])
+        bound = 1.0 / numpy.sqrt(fan_in)
+        inputs = {}
+        for k, s in self.shapes.items():
+            if k in ("weight", "conv_bias"):
+                inputs[k] = rng.uniform(-bound, bound, s).astype(numpy.float32)
+            else:
+                inputs[k] = rng.random(s, dtype=numpy.float32)
+        return inputs
+
+    def run_cufused(self, inputs: dict, *, precision: str, method: str = "fused", out=None,
+                    xp=None):
+        """Run the pipeline on CuPy copies of ``inputs`` (cached on the dict)."""
+        gpu = _on_gpu(inputs)
+        return getattr(cufused, self.pipeline)(*gpu.values(), **self.options,
+                                               precision=precision, method=method, out=out)
+
+    def conv_flops(self) -> float:
+        c = self.conv
+        w = c["w_shape"]
+        if c["kind"] == "fprop":
+            return 2.0 * numpy.prod(c["y_shape"]) * numpy.prod(w[1:])
+        return 2.0 * numpy.prod(c["x_shape"]) * numpy.prod(w[1:])  # each input value scatters
+
+    def io_bytes(self) -> float:
+        """Pipeline input read once plus output written once (float32)."""
+        return 4.0 * (numpy.prod(self.shapes["x"]) + numpy.prod(self.output_shape))
+
+    def post_conv_bytes(self) -> float:
+        """Conv output read once plus pipeline output written once (float32)."""
+        return 4.0 * (numpy.prod(self.conv["y_shape"]) + numpy.prod(self.output_shape))
+
+    @property
+    def output_shape(self) -> tuple[int, ...]:
+        return tuple(self.conv["out_shape"])
+
+
+def _on_gpu(inputs: dict) -> dict:
+    import cupy
+
+    cached = inputs.get("_gpu")
+    if cached is None:
+        cached = {k: cupy.asarray(v) for k, v in inputs.items() if not k.startswith("_")}
+        inputs["_gpu"] = cached
+    return cached
+
+
+def make_cases(small: bool = False) -> list[Case]:
+    """The three canonical cases of the design (KernelBench level 2 shapes), or small ones."""
+    if small:
+        na, nb, nc, hw_a, hw_b, dhw_c = 8, 16, 2, 64, 16, (16, 32, 32)
+    else:
+        na, nb, nc, hw_a, hw_b, dhw_c = 128, 512, 32, 128, 32, (32, 64, 64)
+    ha = hw_a - 2
+    hb = hw_b + 2
+    pc = tuple(s // 2 for s in dhw_c)
+    oc = tuple(2 * s for s in pc)
+    return [
+        Case("A", "conv2d_groupnorm_scale_maxpool_clamp",
+             shapes=dict(x=(na, 8, hw_a, hw_a), weight=(64, 8, 3, 3), conv_bias=(64,),
+                         gn_weight=(64,), gn_bias=(64,), scale=(64, 1, 1)),
+             options=dict(num_groups=16, pool_kernel=4, clamp_min=0.0, clamp_max=1.0),
+             conv=dict(kind="fprop", x_shape=(na, 8, hw_a, hw_a), w_shape=(64, 8, 3, 3),
+                       y_shape=(na, 64, ha, ha), out_shape=(na, 64, ha // 4, ha // 4))),
+        Case("B", "conv_transpose2d_batchnorm_tanh_maxpool_groupnorm",
+             shapes=dict(x=(nb, 64, hw_b, hw_b), weight=(64, 128, 5, 5), bn_weight=(128,),
+                         bn_bias=(128,), gn_weight=(128,), gn_bias=(128,)),
+             options=dict(num_groups=8, stride=1, padding=1),
+             conv=dict(kind="dgrad", x_shape=(nb, 64, hw_b, hw_b), w_shape=(64, 128, 5, 5),
+                       y_shape=(nb, 128, hb, hb), out_shape=(nb, 128, hb // 2, hb // 2))),
+        Case("C", "conv_transpose3d_avgpool_clamp_softmax_multiply",
+             shapes=dict(x=(nc, 32, *dhw_c), weight=(32, 64, 3, 3, 3), scale=(1, 64, 1, 1, 1)),
+             options=dict(stride=2, padding=1, output_padding=1, pool_kernel=2, clamp_min=0.0,
+                          clamp_max=1.0),
+             conv=dict(kind="dgrad", x_shape=(nc, 32, *pc), w_shape=(32, 64, 3, 3, 3),
+                       y_shape=(nc, 64, *oc), out_shape=(nc, 64, *oc))),
+    ]
+
+
+CASES = make_cases()
+
+
+def torch_pipeline(case: Case) -> Callable:
+    """The PyTorch (functional) equivalent of a case's pipeline, on torch tensors."""
+    import torch
+    import torch.nn.functional as F
+
+    o = case.options
+    if case.name == "A":
+        def run(x, weight, conv_bias, gn_weight, gn_bias, scale):
+            y = F.conv2d(x, weight, conv_bias)
+            y = F.group_norm(y, o["num_groups"], gn_weight, gn_bias) * scale
+            y = F.max_pool2d(y, o["pool_kernel"])
+            return torch.clamp(y, o["clamp_min"], o["clamp_max"])
+    elif case.name == "B":
+        def run(x, weight, bn_weight, bn_bias, gn_weight, gn_bias):
+            y = F.conv_transpose2d(x, weight, stride=o["stride"], padding=o["padding"])
+            y = torch.tanh(F.batch_norm(y, None, None, bn_weight, bn_bias, training=True))
+            y = F.max_pool2d(y, 2, 2)
+            return F.group_norm(y, o["num_groups"], gn_weight, gn_bias)
+    else:
+        def run(x, weight, scale):
+            y = F.avg_pool3d(x, o["pool_kernel"])
+            y = F.conv_transpose3d(y, weight, stride=o["stride"], padding=o["padding"],
+                                   output_padding=o["output_padding"])
+            y = torch.clamp(y, o["clamp_min"], o["clamp_max"])
+            n, c = y.shape[:2]
+            y = torch.softmax(y.view(n, c, -1), dim=2).view(y.shape)
+            return y * scale
+    return run
+
+
+def torch_reference(case: Case, inputs: dict) -> numpy.ndarray:
+    """The case computed by PyTorch on CUDA in float64 (an oracle for the canonical sizes)."""
+    import torch
+
+    args = [torch.from_numpy(numpy.asarray(v, dtype=numpy.float64)).cuda()
+            for k, v in inputs.items() if not k.startswith("_")]
+    with torch.no_grad():
+        return torch_pipeline(case)(*args).cpu().numpy()
+
+
+class Timer:
+    """CUDA-event timing with an L2 flush before each run (median of ``repeat`` runs)."""
+
+    def __init__(self, repeat: int = 20, warmup: int = 3):
+        import cupy
+
+        self.repeat, self.warmup = repeat, warmup
+        self._flush = cupy.empty(L2_FLUSH_BYTES // 4, dtype=cupy.float32)
+
+    def __call__(self, fn: Callable[[], Any]) -> float:
+        import cupy
+
+        for _ in range(self.warmup):
+            fn()
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        times = []
+        for _ in range(self.repeat):
+            self._flush.fill(1.0)
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, stop))
+        return float(numpy.median(times))
+
+
+def measure_ceilings(timer: Timer) -> dict:
+    """Device-to-device copy bandwidth and float32 / TF32 matrix rates, measured."""
+    import cupy
+
+    a = cupy.empty(256 * 1024 * 1024, dtype=cupy.float32)  # 1 GiB
+    b = cupy.empty_like(a)
+    a.fill(1.0)
+    ms = timer(lambda: b.__setitem__(Ellipsis, a))
+    result = {"copy_TBps": 2 * a.nbytes / (ms * 1e-3) / 1e12}
+    del a, b
+    m = cupy.random.default_rng(0).random((8192, 8192), dtype=cupy.float32)
+    ms = timer(lambda: m @ m)
+    result["fp32_TFLOPs"] = 2 * 8192**3 / (ms * 1e-3) / 1e12
+    try:
+        import torch
+
+        t = torch.rand(8192, 8192, device="cuda")
+        torch.backends.cuda.matmul.allow_tf32 = True
+        ms = timer(lambda: t @ t)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        result["tf32_TFLOPs"] = 2 * 8192**3 / (ms * 1e-3) / 1e12
+    except ImportError:
+        pass
+    return result
+
+
+def set_torch_precision(precision: str) -> None:
+    import torch
+
+    tf32 = precision == "tf32"
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def conv_plan_for(case: Case, precision: str):
+    """The cached cuDNN plan that the fused pipeline uses for this case's convolution."""
+    from ._cudnn import ConvProblem, conv_plan
+    from .convolution import check_conv_args
+
+    c = case.conv
+    opts = {k: case.options[k] for k in ("stride", "padding", "output_padding")
+            if k in case.options}
+    args = check_conv_args(c["x_shape"], c["w_shape"], len(c["x_shape"]) - 2,
+                           transposed=c["kind"] == "dgrad", **{"stride": 1, "padding": 0,
+                                                               **opts})
+    problem = ConvProblem(c["kind"], tuple(c["x_shape"]), tuple(c["w_shape"]), args.out_shape,
+                          args.stride, args.padding, args.dilation, precision)
+    return conv_plan(problem, convert_input=case.name != "C", convert_output=False)
+
+
+def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_eager=True,
+               torch_compile=True, rng=None) -> list[dict]:
+    """Time one case: fused, unfused, the internal convolution, PyTorch eager and compiled."""
+    import cupy
+
+    from ._cudnn import empty_in_layout
+
+    rng = rng or numpy.random.default_rng(0)
+    inputs = case.make_inputs(rng)
+    gpu = _on_gpu(inputs)
+    out = cupy.empty(case.output_shape, dtype=cupy.float32)
+    rows = []
+    torch_fns = {}
+    if torch_eager or torch_compile:
+        try:
+            import torch
+
+            targs = [torch.as_tensor(v, device="cuda") for v in gpu.values()]
+            fn = torch_pipeline(case)
+            if torch_eager:
+                torch_fns["torch_eager"] = fn
+            if torch_compile:
+                torch_fns["torch_compile"] = torch.compile(fn)
+        except ImportError:
+            pass
+    for precision in precisions:
+        row = {"case": case.name, "precision": precision}
+        row["fused"] = timer(lambda: case.run_cufused(inputs, precision=precision, out=out))
+        row["unfused"] = timer(lambda: case.run_cufused(inputs, precision=precision,
+                                                        method="unfused"))
+        plan = conv_plan_for(case, precision)
+        xs = empty_in_layout(plan.problem.x_shape, plan.layout)
+        ws = empty_in_layout(plan.problem.w_shape, plan.layout)
+        ys = empty_in_layout(plan.problem.y_shape, plan.layout)
+        xs[...] = 0.5
+        ws[...] = 0.01
+        row["conv_layout"] = plan.layout
+        row["conv"] = timer(lambda: plan.run(xs, ws, ys))
+        del xs, ws, ys
+        if torch_fns:
+            import torch
+
+            set_torch_precision(precision)
+            with torch.no_grad():
+                for name, fn in torch_fns.items():
+                    row[name] = timer(lambda fn=fn: fn(*targs))
+            set_torch_precision("ieee")
+        rows.append(row)
+    return rows

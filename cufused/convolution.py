@@ -1,0 +1,287 @@
+"""Convolutions: ``conv2d``, ``conv3d``, ``conv_transpose2d``, ``conv_transpose3d``.
+
+NumPy arrays run the float64 reference (:mod:`cufused.reference`); CuPy float32 arrays run
+cuDNN through :mod:`cufused._cudnn`. Layouts, weight shapes and output-size formulas are
+PyTorch's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy
+
+from . import reference
+from ._arrays import (check_float_dtype, check_ndim, check_out, check_sizes, finish_numpy,
+                      get_array_module, ntuple, per_channel)
+from ._precision import resolve_precision
+
+__all__ = ["conv2d", "conv3d", "conv_transpose2d", "conv_transpose3d"]
+
+_LAYOUT_NAMES = {2: "NCHW", 3: "NCDHW"}
+
+
+@dataclass(frozen=True)
+class ConvArgs:
+    """Checked, normalized arguments of one convolution."""
+
+    transposed: bool
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    output_padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    groups: int
+    out_shape: tuple[int, ...]
+
+
+def check_conv_args(x_shape, w_shape, nd: int, *, transposed: bool, stride, padding,
+                    output_padding=0, dilation=1, groups=1, x_name: str = "x",
+                    weight_name: str = "weight") -> ConvArgs:
+    """Validate a (transposed) convolution and compute its output shape.
+
+    Raises ``TypeError`` / ``ValueError`` that name the offending argument.
+    """
+    stride = ntuple(stride, nd, "stride", minimum=1)
+    padding = ntuple(padding, nd, "padding", minimum=0)
+    dilation = ntuple(dilation, nd, "dilation", minimum=1)
+    output_padding = ntuple(output_padding, nd, "output_padding", minimum=0)
+    if isinstance(groups, bool) or not isinstance(groups, (int, numpy.integer)) or groups < 1:
+        raise ValueError(f"groups must be a positive int, got {groups!r}")
+    groups = int(groups)
+    if len(w_shape) != nd + 2:
+        raise ValueError(f"{weight_name} must have ndim {nd + 2}, got shape {tuple(w_shape)}")
+    if any(s <= 0 for s in w_shape):
+        raise ValueError(f"{weight_name} has a zero-sized dimension: shape {tuple(w_shape)}")
+    n, c = x_shape[:2]
+    if c % groups:
+        raise ValueError(f"groups={groups} must divide the {c} input channels of {x_name}")
+    k = w_shape[2:]
+    if transposed:
+        if w_shape[0] != c:
+            raise ValueError(
+                f"{weight_name} must have shape (in_channels={c}, out_channels/groups, *kernel) "
+                f"for a transposed convolution, got {tuple(w_shape)}"
+            )
+        for i in range(nd):
+            if output_padding[i] >= max(stride[i], dilation[i]):
+                raise ValueError(
+                    f"output_padding must be smaller than stride or dilation, got "
+                    f"output_padding={output_padding}, stride={stride}, dilation={dilation}"
+                )
+        size = tuple((x_shape[2 + i] - 1) * stride[i] - 2 * padding[i]
+                     + dilation[i] * (k[i] - 1) + output_padding[i] + 1 for i in range(nd))
+        out_channels = w_shape[1] * groups
+    else:
+        if any(op for op in output_padding):
+            raise ValueError("output_padding applies to transposed convolutions only")
+        if w_shape[1] * groups != c or w_shape[0] % groups:
+            raise ValueError(
+                f"{weight_name} must have shape (out_channels, in_channels/groups={c // groups}, "
+                f"*kernel) with out_channels divisible by groups={groups}, got {tuple(w_shape)}"
+            )
+        size = tuple((x_shape[2 + i] + 2 * padding[i] - dilation[i] * (k[i] - 1) - 1)
+                     // stride[i] + 1 for i in range(nd))
+        out_channels = w_shape[0]
+    if any(s <= 0 for s in size):
+        raise ValueError(
+            f"the convolution output of {x_name} (shape {tuple(x_shape)}) would be empty: "
+            f"kernel {tuple(k)} with padding {padding}, dilation {dilation} is larger than the input"
+        )
+    return ConvArgs(transposed, stride, padding, output_padding, dilation, groups,
+                    (n, out_channels, *size))
+
+
+def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_input: bool = True,
+                convert_output: bool = True, out=None):
+    """Run the cuDNN convolution of checked CuPy arrays.
+
+    Returns ``(y, layout)``: with ``convert_output`` the result is NCHW/NCDHW (written to
+    ``out`` if given); without it ``y`` is in the plan's layout (a channels-last view when
+    ``layout == "nhwc"``) for a fused kernel to read. With ``convert_input=False`` the caller
+    promises ``x`` is already in the layout of :func:`gpu_conv_layout`.
+    """
+    from ._cudnn import ConvProblem, conv_plan, empty_in_layout, to_layout
+
+    cupy = get_array_module(x=x)
+    problem = ConvProblem("dgrad" if args.transposed else "fprop", tuple(x.shape),
+                          tuple(weight.shape), args.out_shape, args.stride, args.padding,
+                          args.dilation, precision)
+    plan = conv_plan(problem, convert_input=convert_input, convert_output=convert_output)
+    xl = to_layout(x, plan.layout)
+    wl = to_layout(weight, plan.layout)
+    if plan.layout == "nchw" and out is not None:
+        y = out
+    else:
+        y = empty_in_layout(args.out_shape, plan.layout)
+    plan.run(xl, wl, y)
+    if convert_output and plan.layout != "nchw":
+        result = out if out is not None else cupy.empty(args.out_shape, dtype=cupy.float32)
+        result[...] = y
+        return result, "nchw"
+    return y, plan.layout
+
+
+def gpu_conv_layout(x_shape, w_shape, args: ConvArgs, precision: str, *,
+                    convert_input: bool, convert_output: bool) -> str:
+    """The memory layout the cached cuDNN plan of this problem wants its input in."""
+    from ._cudnn import ConvProblem, conv_plan
+
+    problem = ConvProblem("dgrad" if args.transposed else "fprop", tuple(x_shape),
+                          tuple(w_shape), args.out_shape, args.stride, args.padding,
+                          args.dilation, precision)
+    return conv_plan(problem, convert_input=convert_input, convert_output=convert_output).layout
+
+
+def _convolve(nd: int, transposed: bool, x, weight, bias, *, stride, padding, output_padding,
+              dilation, groups, precision, out):
+    xp = get_array_module(x=x, weight=weight, bias=bias)
+    check_float_dtype(xp, x=x, weight=weight, bias=bias)
+    check_ndim(x, "x", (nd + 2,), _LAYOUT_NAMES[nd])
+    check_sizes(x, "x")
+    args = check_conv_args(x.shape, weight.shape, nd, transposed=transposed, stride=stride,
+                           padding=padding, output_padding=output_padding, dilation=dilation,
+                           groups=groups)
+    bias = per_channel(bias, "bias", args.out_shape[1], xp)
+    precision = resolve_precision(precision)
+    check_out(out, args.out_shape, x.dtype, xp, x)
+    if xp is numpy:
+        if transposed:
+            y = reference.conv_transpose(x, weight, bias, args.stride, args.padding,
+                                         args.output_padding, args.dilation, args.groups)
+        else:
+            y = reference.conv(x, weight, bias, args.stride, args.padding, args.dilation,
+                               args.groups)
+        return finish_numpy(y, x.dtype, out)
+    if args.out_shape[0] == 0:
+        return out if out is not None else xp.empty(args.out_shape, dtype=x.dtype)
+    y, _ = conv_on_gpu(x, weight, args, precision, out=out)
+    if bias is not None:
+        xp.add(y, bias.reshape((1, -1) + (1,) * nd), out=y)
+    return y
+
+
+_COMMON_DOC = """
+    Parameters
+    ----------
+    x : numpy.ndarray or cupy.ndarray
+        Input of shape {xshape}. NumPy arrays (float16/32/64) run the float64 reference on the
+        CPU; CuPy arrays (float32) run cuDNN on the array's device and CuPy's current stream.
+    weight : array
+        {wdesc}
+    bias : array, optional
+        One value per output channel.
+    stride, padding, dilation : int or tuple of int
+        As in PyTorch; one value or one per spatial dimension.{extra}
+    groups : int
+        Blocked channel connections; must divide the input (and output) channels.
+    precision : {{"ieee", "tf32"}}, optional
+        ``"tf32"`` lets cuDNN use TF32 tensor cores; ``None`` uses the default
+        (:func:`cufused.get_default_precision`). Ignored on the NumPy path.
+    out : array, optional
+        Destination with exactly the result's shape and dtype.
+
+    Returns
+    -------
+    array
+        {rdesc}, same array library and dtype as ``x``.
+
+    Raises
+    ------
+    TypeError
+        Arrays of different libraries, or an unsupported dtype.
+    ValueError
+        Shapes or options that do not form a valid convolution.
+"""
+
+
+def conv2d(x: Any, weight: Any, bias: Any = None, *, stride=1, padding=0, dilation=1,
+           groups: int = 1, precision: str | None = None, out: Any = None) -> Any:
+    return _convolve(2, False, x, weight, bias, stride=stride, padding=padding, output_padding=0,
+                     dilation=dilation, groups=groups, precision=precision, out=out)
+
+
+def conv3d(x: Any, weight: Any, bias: Any = None, *, stride=1, padding=0, dilation=1,
+           groups: int = 1, precision: str | None = None, out: Any = None) -> Any:
+    return _convolve(3, False, x, weight, bias, stride=stride, padding=padding, output_padding=0,
+                     dilation=dilation, groups=groups, precision=precision, out=out)
+
+
+def conv_transpose2d(x: Any, weight: Any, bias: Any = None, *, stride=1, padding=0,
+                     output_padding=0, dilation=1, groups: int = 1,
+                     precision: str | None = None, out: Any = None) -> Any:
+    return _convolve(2, True, x, weight, bias, stride=stride, padding=padding,
+                     output_padding=output_padding, dilation=dilation, groups=groups,
+                     precision=precision, out=out)
+
+
+def conv_transpose3d(x: Any, weight: Any, bias: Any = None, *, stride=1, padding=0,
+                     output_padding=0, dilation=1, groups: int = 1,
+                     precision: str | None = None, out: Any = None) -> Any:
+    return _convolve(3, True, x, weight, bias, stride=stride, padding=padding,
+                     output_padding=output_padding, dilation=dilation, groups=groups,
+                     precision=precision, out=out)
+
+
+_OUTPAD = """
+    output_padding : int or tuple of int
+        Extra size added to one side of the output (must be below stride or dilation)."""
+
+conv2d.__doc__ = """2-D convolution (cross-correlation), as ``torch.nn.functional.conv2d``.
+""" + _COMMON_DOC.format(
+    xshape="(N, C_in, H, W)", wdesc="Shape (C_out, C_in / groups, kH, kW).", extra="",
+    rdesc="Shape (N, C_out, H_out, W_out)") + """
+    Examples
+    --------
+    >>> import numpy as np, cufused
+    >>> x = np.ones((1, 1, 3, 3), dtype=np.float32)
+    >>> w = np.ones((1, 1, 2, 2), dtype=np.float32)
+    >>> cufused.conv2d(x, w)
+    array([[[[4., 4.],
+             [4., 4.]]]], dtype=float32)
+"""
+
+conv3d.__doc__ = """3-D convolution (cross-correlation), as ``torch.nn.functional.conv3d``.
+""" + _COMMON_DOC.format(
+    xshape="(N, C_in, D, H, W)", wdesc="Shape (C_out, C_in / groups, kD, kH, kW).", extra="",
+    rdesc="Shape (N, C_out, D_out, H_out, W_out)") + """
+    Examples
+    --------
+    >>> import numpy as np, cufused
+    >>> x = np.ones((1, 2, 3, 3, 3))
+    >>> w = np.ones((4, 2, 3, 3, 3))
+    >>> cufused.conv3d(x, w, padding=1).shape
+    (1, 4, 3, 3, 3)
+"""
+
+conv_transpose2d.__doc__ = """2-D transposed convolution, as ``torch.nn.functional.conv_transpose2d``.
+
+    On the GPU this is cuDNN's data-gradient convolution with the output shape set explicitly.
+""" + _COMMON_DOC.format(
+    xshape="(N, C_in, H, W)", wdesc="Shape (C_in, C_out / groups, kH, kW) (PyTorch's layout).",
+    extra=_OUTPAD, rdesc="Shape (N, C_out, H_out, W_out) with "
+    "H_out = (H - 1) * stride - 2 * padding + dilation * (kH - 1) + output_padding + 1") + """
+    Examples
+    --------
+    >>> import numpy as np, cufused
+    >>> x = np.ones((1, 1, 2, 2))
+    >>> w = np.ones((1, 1, 2, 2))
+    >>> cufused.conv_transpose2d(x, w)
+    array([[[[1., 2., 1.],
+             [2., 4., 2.],
+             [1., 2., 1.]]]])
+"""
+
+conv_transpose3d.__doc__ = """3-D transposed convolution, as ``torch.nn.functional.conv_transpose3d``.
+""" + _COMMON_DOC.format(
+    xshape="(N, C_in, D, H, W)",
+    wdesc="Shape (C_in, C_out / groups, kD, kH, kW) (PyTorch's layout).", extra=_OUTPAD,
+    rdesc="Shape (N, C_out, D_out, H_out, W_out)") + """
+    Examples
+    --------
+    >>> import numpy as np, cufused
+    >>> x = np.ones((1, 2, 2, 2, 2))
+    >>> w = np.ones((2, 3, 3, 3, 3))
+    >>> cufused.conv_transpose3d(x, w, stride=2, padding=1, output_padding=1).shape
+    (1, 3, 4, 4, 4)
+"""

@@ -1,0 +1,274 @@
+"""Normalization: ``group_norm`` and ``batch_norm`` (with a fused ``tanh``).
+
+GPU statistics are float32 shifted sums (the shift is each row's first value, so
+``|mean| >> std`` stays accurate) combined in float64; the normalization is folded into a
+per-channel ``a * x + b`` applied in one pass.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import numpy
+
+from . import reference
+from ._arrays import (check_float_dtype, check_ndim, check_out, check_scalar, check_sizes,
+                      finish_numpy, get_array_module, per_channel)
+from ._cuda import get_kernel, launch_1d, optional
+
+__all__ = ["group_norm", "batch_norm"]
+
+ACTIVATIONS = {None: 0, "tanh": 1}
+_NORM = "normalization.cu"
+# Rows up to this many float32 values stay in shared memory between the two passes.
+_ROW_CACHE_BYTES = 48 * 1024
+# Aim for at least this many blocks in a split reduction.
+_TARGET_BLOCKS = 2048
+
+
+def check_num_groups(num_groups: Any, channels: int) -> int:
+    """``num_groups`` must be a positive int dividing ``channels``."""
+    if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral):
+        raise TypeError(f"num_groups must be an int, got {type(num_groups).__name__}")
+    if num_groups < 1 or channels % num_groups:
+        raise ValueError(f"num_groups={num_groups} must be positive and divide the {channels} channels")
+    return int(num_groups)
+
+
+def split_count(keys: int, elements_per_key: int) -> int:
+    """How many blocks share one statistics key: enough blocks overall, at least 1024 values each."""
+    want = -(-_TARGET_BLOCKS // max(keys, 1))
+    return max(1, min(want, -(-elements_per_key // 1024)))
+
+
+def _affine_apply(cupy, x, y, coef_a, coef_b, inner: int, n_coef: int, act: int,
+                  lo: float = 0.0, hi: float = 0.0) -> None:
+    """``y = act(a[k] * x + b[k])`` over a contiguous tensor, k = (i // inner) % n_coef."""
+    vec = 4 if inner % 4 == 0 and x.data.ptr % 16 == 0 and y.data.ptr % 16 == 0 else 1
+    kernel = get_kernel(_NORM, f"channel_affine<{act}, {vec}>")
+    total = x.size // vec
+    launch_1d(kernel, total, (x, y, coef_a, coef_b, numpy.int64(total), numpy.int64(inner),
+                              numpy.int64(n_coef), numpy.float32(lo), numpy.float32(hi)))
+
+
+def _group_norm_gpu(cupy, x, num_groups, weight, bias, eps, out):
+    n, c = x.shape[:2]
+    hw = x.size // (n * c)
+    length = (c // num_groups) * hw
+    rows = n * num_groups
+    if length * 4 <= _ROW_CACHE_BYTES:
+        kernel = get_kernel(_NORM, "group_norm_rows<0, true>")
+        kernel((rows,), (256,), (x, out, numpy.uint64(0), numpy.uint64(0), optional(weight),
+                                 optional(bias), numpy.int32(c), numpy.int32(num_groups),
+                                 numpy.int32(hw), numpy.float32(eps)), shared_mem=length * 4)
+        return out
+    splits = split_count(rows, length)
+    partial = cupy.empty((rows, splits, 2), dtype=cupy.float32)
+    shift = cupy.empty(rows, dtype=cupy.float32)
+    get_kernel(_NORM, "key_stats_partial")(
+        (rows * splits,), (256,),
+        (x, partial, shift, numpy.int64(1), numpy.int64(0), numpy.int64(length),
+         numpy.int64(length), numpy.int32(splits)))
+    coef = cupy.empty((2, n * c), dtype=cupy.float32)
+    get_kernel(_NORM, "stats_finalize<0>")(
+        (rows,), (256,),
+        (partial, shift, numpy.int64(1), numpy.int64(0), numpy.int32(splits),
+         numpy.float64(length), optional(weight), optional(bias), numpy.uint64(0), coef[0],
+         coef[1], numpy.int32(c), numpy.int32(num_groups), numpy.float32(eps), numpy.int32(1),
+         numpy.uint64(0), numpy.uint64(0), numpy.uint64(0), numpy.float32(0)))
+    _affine_apply(cupy, x, out, coef[0], coef[1], hw, n * c, 0)
+    return out
+
+
+def group_norm(x: Any, num_groups: int, weight: Any = None, bias: Any = None, *,
+               eps: float = 1e-5, out: Any = None) -> Any:
+    """Group normalization, as ``torch.nn.functional.group_norm``.
+
+    The channels are split into ``num_groups`` groups; each (sample, group) is normalized by
+    its own mean and biased variance, then the per-channel affine ``weight * y + bias`` applies.
+
+    Parameters
+    ----------
+    x : numpy.ndarray or cupy.ndarray
+        Shape (N, C, *spatial) with at least 2 dimensions.
+    num_groups : int
+        Number of groups; must divide C.
+    weight, bias : array, optional
+        One value per channel (``(C,)``, ``(C, 1, 1)``, ``(1, C, 1, 1)``, ...).
+    eps : float
+        Added to the variance; finite and >= 0.
+    out : array, optional
+        Destination with the shape and dtype of ``x``.
+
+    Returns
+    -------
+    array
+        Same shape, dtype and array library as ``x``.
+
+    Raises
+    ------
+    TypeError
+        Mixed array libraries or an unsupported dtype.
+    ValueError
+        ``num_groups`` does not divide C, wrong parameter sizes, bad ``eps``.
+
+    Examples
+    --------
+    >>> import numpy as np, cufused
+    >>> x = np.arange(8, dtype=np.float64).reshape(1, 2, 4)
+    >>> cufused.group_norm(x, 1).round(3)
+    array([[[-1.528, -1.091, -0.655, -0.218],
+            [ 0.218,  0.655,  1.091,  1.528]]])
+    """
+    xp = get_array_module(x=x, weight=weight, bias=bias)
+    check_float_dtype(xp, x=x, weight=weight, bias=bias)
+    if x.ndim < 2:
+        raise ValueError(f"x must have at least 2 dimensions (N, C, ...), got shape {x.shape}")
+    check_sizes(x, "x")
+    c = x.shape[1]
+    num_groups = check_num_groups(num_groups, c)
+    weight = per_channel(weight, "weight", c, xp)
+    bias = per_channel(bias, "bias", c, xp)
+    eps = check_scalar(eps, "eps", minimum=0.0)
+    check_out(out, x.shape, x.dtype, xp, x)
+    if xp is numpy:
+        return finish_numpy(reference.group_norm(x, num_groups, weight, bias, eps), x.dtype, out)
+    if out is None:
+        out = xp.empty(x.shape, dtype=x.dtype)
+    if x.shape[0] == 0:
+        return out
+    return _group_norm_gpu(xp, xp.ascontiguousarray(x), num_groups, weight, bias, eps, out)
+
+
+def check_running_buffer(buf: Any, name: str, channels: int, xp) -> Any:
+    """A running-statistics buffer: C values, contiguous (it is updated in place)."""
+    if buf is None:
+        return None
+    flat = per_channel(buf, name, channels, xp)
+    if not buf.flags.c_contiguous:
+        raise ValueError(f"{name} must be contiguous: it is updated in place")
+    return flat
+
+
+def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: Any = None,
+               running_var: Any = None, training: bool = True, momentum: float = 0.1,
+               eps: float = 1e-5, activation: str | None = None, out: Any = None) -> Any:
+    """Batch normalization, as ``torch.nn.functional.batch_norm``, with an optional fused tanh.
+
+    Parameters
+    ----------
+    x : numpy.ndarray or cupy.ndarray
+        Shape (N, C, *spatial) with at least 2 dimensions.
+    weight, bias : array, optional
+        One value per channel.
+    running_mean, running_var : array, optional
+        Running statistics, C values each. In training they are updated in place when given
+        (``(1 - momentum) * old + momentum * batch``, with the unbiased batch variance for
+        ``running_var``); in inference both are required and used.
+    training : bool
+        Normalize with the batch statistics (biased variance) instead of the running ones.
+    momentum : float
+        Weight of the batch statistics in the running update, in [0, 1].
+    eps : float
+        Added to the variance; finite and >= 0.
+    activation : {None, "tanh"}
+        Activation fused after the affine.
+    out : array, optional
+        Destination with the shape and dtype of ``x``.
+
+    Returns
+    -------
+    array
+        Same shape, dtype and array library as ``x``.
+
+    Raises
+    ------
+    TypeError
+        Mixed array libraries or an unsupported dtype.
+    ValueError
+        Wrong parameter sizes, a single value per channel in training, missing running
+        statistics in inference, bad ``momentum`` / ``eps`` / ``activation``.
+
+    Examples
+    --------
+    >>> import numpy as np, cufused
+    >>> x = np.array([[[1.0], [10.0]], [[3.0], [30.0]]])   # N=2, C=2, L=1
+    >>> rm, rv = np.zeros(2), np.ones(2)
+    >>> cufused.batch_norm(x, running_mean=rm, running_var=rv, eps=0.0)[:, :, 0]
+    array([[-1., -1.],
+           [ 1.,  1.]])
+    >>> rm, rv
+    (array([0.2, 2. ]), array([ 1.1, 20.9]))
+    """
+    xp = get_array_module(x=x, weight=weight, bias=bias, running_mean=running_mean,
+                          running_var=running_var)
+    check_float_dtype(xp, x=x, weight=weight, bias=bias, running_mean=running_mean,
+                      running_var=running_var)
+    if x.ndim < 2:
+        raise ValueError(f"x must have at least 2 dimensions (N, C, ...), got shape {x.shape}")
+    check_sizes(x, "x")
+    c = x.shape[1]
+    weight = per_channel(weight, "weight", c, xp)
+    bias = per_channel(bias, "bias", c, xp)
+    running_mean = check_running_buffer(running_mean, "running_mean", c, xp)
+    running_var = check_running_buffer(running_var, "running_var", c, xp)
+    momentum = check_scalar(momentum, "momentum", minimum=0.0, maximum=1.0)
+    eps = check_scalar(eps, "eps", minimum=0.0)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be None or 'tanh', got {activation!r}")
+    training = bool(training)
+    if training and x.shape[0] and x.size // c < 2:
+        raise ValueError(f"expected more than 1 value per channel when training, got x of shape {x.shape}")
+    if not training and (running_mean is None or running_var is None):
+        raise ValueError("running_mean and running_var are required when training=False")
+    check_out(out, x.shape, x.dtype, xp, x)
+    if xp is numpy:
+        y = reference.batch_norm(x, weight, bias, running_mean, running_var, training, momentum,
+                                 eps, activation)
+        return finish_numpy(y, x.dtype, out)
+    if out is None:
+        out = xp.empty(x.shape, dtype=x.dtype)
+    if x.shape[0] == 0:
+        return out
+    x = xp.ascontiguousarray(x)
+    coef = bn_coefficients(xp, x, weight, bias, running_mean, running_var, training, momentum,
+                           eps)
+    hw = x.size // (x.shape[0] * c)
+    _affine_apply(xp, x, out, coef[0], coef[1], hw, c, ACTIVATIONS[activation])
+    return out
+
+
+def bn_coefficients(cupy, x, weight, bias, running_mean, running_var, training, momentum, eps,
+                    *, partial=None, splits=None, mean_offset=None):
+    """Per-channel ``(a, b)`` (a (2, C) array) of BatchNorm's affine on the GPU.
+
+    In training the batch statistics come from ``partial`` (shifted sums laid out
+    ``[n][c][split]``, as the pipelines' fused pass writes them) or, without it, from a
+    split reduction over contiguous ``x``; the running buffers are updated in place.
+    """
+    n, c = x.shape[:2]
+    hw = x.size // (n * c)
+    coef = cupy.empty((2, c), dtype=cupy.float32)
+    if training and partial is None:
+        splits = split_count(c, n * hw)
+        partial = cupy.empty((c, splits, 2), dtype=cupy.float32)
+        shift = cupy.empty(c, dtype=cupy.float32)
+        get_kernel(_NORM, "key_stats_partial")(
+            (c * splits,), (256,),
+            (x, partial, shift, numpy.int64(n), numpy.int64(c * hw), numpy.int64(hw),
+             numpy.int64(hw), numpy.int32(splits)))
+        n_outer, outer_stride = 1, 0
+    elif training:
+        partial, shift = partial
+        n_outer, outer_stride = n, c * splits
+    else:
+        partial, shift, n_outer, outer_stride, splits = numpy.uint64(0), numpy.uint64(0), 0, 0, 1
+    get_kernel(_NORM, "stats_finalize<1>")(
+        (c,), (256,),
+        (partial, shift, numpy.int64(n_outer), numpy.int64(outer_stride), numpy.int32(splits),
+         numpy.float64(n * hw), optional(weight), optional(bias), numpy.uint64(0), coef[0],
+         coef[1], numpy.int32(c), numpy.int32(c), numpy.float32(eps), numpy.int32(training),
+         optional(running_mean), optional(running_var), optional(mean_offset),
+         numpy.float32(momentum)))
+    return coef

@@ -1,0 +1,150 @@
+"""Pooling: ``max_pool2d``, ``max_pool3d``, ``avg_pool2d``, ``avg_pool3d``.
+
+Floor mode, stride defaulting to the kernel size, implicit ``-inf`` (max) or zero (average,
+counted in the divisor as PyTorch's default ``count_include_pad=True``) padding. One N-d
+kernel serves both ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy
+
+from . import reference
+from ._arrays import (check_float_dtype, check_ndim, check_out, check_sizes, finish_numpy,
+                      get_array_module, ntuple)
+from ._cuda import get_kernel, launch_1d
+
+__all__ = ["max_pool2d", "max_pool3d", "avg_pool2d", "avg_pool3d"]
+
+
+def check_pool_args(in_size, nd: int, kernel_size, stride, padding, *, name: str = "x"):
+    """Validate pooling options; return ``(kernel, stride, padding, out_size)`` tuples."""
+    kernel = ntuple(kernel_size, nd, "kernel_size", minimum=1)
+    stride = kernel if stride is None else ntuple(stride, nd, "stride", minimum=1)
+    padding = ntuple(padding, nd, "padding", minimum=0)
+    if any(p > k // 2 for p, k in zip(padding, kernel)):
+        raise ValueError(f"padding must be at most half the kernel size, got padding={padding} "
+                         f"for kernel_size={kernel}")
+    out_size = tuple((in_size[i] + 2 * padding[i] - kernel[i]) // stride[i] + 1
+                     for i in range(nd))
+    if any(in_size[i] + 2 * padding[i] < kernel[i] for i in range(nd)):
+        raise ValueError(f"pooling window {kernel} is larger than the padded input of {name} "
+                         f"(spatial size {tuple(in_size)}, padding {padding})")
+    return kernel, stride, padding, out_size
+
+
+def pool_into(x, y, kernel, stride, padding, *, is_max: bool) -> None:
+    """Pool contiguous CuPy ``x`` into ``y`` (logical (N, C, *out); any strides)."""
+    nd = x.ndim - 2
+    pad3 = (1,) * (3 - nd)
+    in3 = pad3 + x.shape[2:]
+    out3 = pad3 + y.shape[2:]
+    k3, s3, p3 = pad3 + kernel, pad3 + stride, (0,) * (3 - nd) + padding
+    ystr = [s // y.itemsize for s in y.strides]
+    ystr3 = ystr[:2] + [0] * (3 - nd) + ystr[2:]
+    i32 = numpy.int32
+    args = (x, y, numpy.int64(y.size), i32(x.shape[1]), *map(i32, in3), *map(i32, out3),
+            *map(i32, k3), *map(i32, s3), *map(i32, p3), *map(numpy.int64, ystr3))
+    launch_1d(get_kernel("pooling.cu", f"pool_nd<{'true' if is_max else 'false'}>"), y.size, args)
+
+
+def _pool(nd: int, is_max: bool, x, kernel_size, stride, padding, out):
+    xp = get_array_module(x=x)
+    check_float_dtype(xp, x=x)
+    check_ndim(x, "x", (nd + 2,), "NCHW" if nd == 2 else "NCDHW")
+    check_sizes(x, "x")
+    kernel, stride, padding, out_size = check_pool_args(x.shape[2:], nd, kernel_size, stride,
+                                                        padding)
+    shape = x.shape[:2] + out_size
+    check_out(out, shape, x.dtype, xp, x)
+    if xp is numpy:
+        fn = reference.max_pool if is_max else reference.avg_pool
+        return finish_numpy(fn(x, kernel, stride, padding), x.dtype, out)
+    if out is None:
+        out = xp.empty(shape, dtype=x.dtype)
+    if x.shape[0]:
+        pool_into(xp.ascontiguousarray(x), out, kernel, stride, padding, is_max=is_max)
+    return out
+
+
+_DOC = """{title}
+
+    Parameters
+    ----------
+    x : numpy.ndarray or cupy.ndarray
+        Shape {shape}.
+    kernel_size : int or tuple of int
+        Window size, one value or one per spatial dimension.
+    stride : int or tuple of int, optional
+        Window step; defaults to ``kernel_size``.
+    padding : int or tuple of int
+        Implicit padding on both sides ({pad}); at most half the kernel size.
+    out : array, optional
+        Destination with exactly the result's shape and dtype.
+
+    Returns
+    -------
+    array
+        Shape (N, C, {outdims}) with ``out = (in + 2 * padding - kernel) // stride + 1``.
+
+    Raises
+    ------
+    TypeError
+        Not an array, or an unsupported dtype.
+    ValueError
+        Wrong ndim, bad options, or a window larger than the padded input.
+
+    Examples
+    --------
+    {example}
+"""
+
+
+def max_pool2d(x: Any, kernel_size, stride=None, padding=0, *, out: Any = None) -> Any:
+    return _pool(2, True, x, kernel_size, stride, padding, out)
+
+
+def max_pool3d(x: Any, kernel_size, stride=None, padding=0, *, out: Any = None) -> Any:
+    return _pool(3, True, x, kernel_size, stride, padding, out)
+
+
+def avg_pool2d(x: Any, kernel_size, stride=None, padding=0, *, out: Any = None) -> Any:
+    return _pool(2, False, x, kernel_size, stride, padding, out)
+
+
+def avg_pool3d(x: Any, kernel_size, stride=None, padding=0, *, out: Any = None) -> Any:
+    return _pool(3, False, x, kernel_size, stride, padding, out)
+
+
+max_pool2d.__doc__ = _DOC.format(
+    title="2-D max pooling, as ``torch.nn.functional.max_pool2d``; a NaN in a window gives NaN.",
+    shape="(N, C, H, W)", pad="``-inf``", outdims="H_out, W_out",
+    example=""">>> import numpy as np, cufused
+    >>> x = np.arange(16.0).reshape(1, 1, 4, 4)
+    >>> cufused.max_pool2d(x, 2)
+    array([[[[ 5.,  7.],
+             [13., 15.]]]])""")
+max_pool3d.__doc__ = _DOC.format(
+    title="3-D max pooling, as ``torch.nn.functional.max_pool3d``; a NaN in a window gives NaN.",
+    shape="(N, C, D, H, W)", pad="``-inf``", outdims="D_out, H_out, W_out",
+    example=""">>> import numpy as np, cufused
+    >>> x = np.arange(8.0).reshape(1, 1, 2, 2, 2)
+    >>> cufused.max_pool3d(x, 2)
+    array([[[[[7.]]]]])""")
+avg_pool2d.__doc__ = _DOC.format(
+    title="2-D average pooling, as ``torch.nn.functional.avg_pool2d``.",
+    shape="(N, C, H, W)", pad="zeros, counted in the divisor", outdims="H_out, W_out",
+    example=""">>> import numpy as np, cufused
+    >>> x = np.arange(16.0).reshape(1, 1, 4, 4)
+    >>> cufused.avg_pool2d(x, 2)
+    array([[[[ 2.5,  4.5],
+             [10.5, 12.5]]]])""")
+avg_pool3d.__doc__ = _DOC.format(
+    title="3-D average pooling, as ``torch.nn.functional.avg_pool3d``.",
+    shape="(N, C, D, H, W)", pad="zeros, counted in the divisor", outdims="D_out, H_out, W_out",
+    example=""">>> import numpy as np, cufused
+    >>> x = np.arange(8.0).reshape(1, 1, 2, 2, 2)
+    >>> cufused.avg_pool3d(x, 2)
+    array([[[[[3.5]]]]])""")

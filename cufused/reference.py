@@ -1,0 +1,192 @@
+"""Float64 NumPy reference of every operator and pipeline: the semantics that the GPU path matches.
+
+Every function takes NumPy arrays, computes in float64 and returns float64. Arguments are
+assumed valid (the public functions in :mod:`cufused` check them) and use PyTorch's
+conventions: NCHW / NCDHW data, weights ``(out, in/groups, *k)`` for convolutions and
+``(in, out/groups, *k)`` for transposed convolutions, integer options expanded to one value
+per spatial dimension. Loops run over kernel offsets and groups, never over pixels.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+__all__ = [
+    "conv", "conv_transpose", "group_norm", "batch_norm", "max_pool", "avg_pool", "softmax",
+    "conv2d_groupnorm_scale_maxpool_clamp", "conv_transpose2d_batchnorm_tanh_maxpool_groupnorm",
+    "conv_transpose3d_avgpool_clamp_softmax_multiply",
+]
+
+
+def _f64(a):
+    return None if a is None else np.asarray(a, dtype=np.float64)
+
+
+def _channel_view(p, ndim):
+    """Per-channel vector as an array broadcasting over an (N, C, *spatial) tensor."""
+    return np.asarray(p, dtype=np.float64).reshape((1, -1) + (1,) * (ndim - 2))
+
+
+def conv(x, weight, bias, stride, padding, dilation, groups):
+    """N-d cross-correlation as ``torch.nn.functional.conv{2,3}d``."""
+    x, weight = _f64(x), _f64(weight)
+    nd = x.ndim - 2
+    n, c = x.shape[:2]
+    o, k = weight.shape[0], weight.shape[2:]
+    xp = np.pad(x, [(0, 0), (0, 0)] + [(p, p) for p in padding])
+    out_size = [(xp.shape[2 + i] - dilation[i] * (k[i] - 1) - 1) // stride[i] + 1 for i in range(nd)]
+    xg = xp.reshape(n, groups, c // groups, *xp.shape[2:])
+    wg = weight.reshape(groups, o // groups, c // groups, *k)
+    out = np.zeros((n, groups, o // groups, int(np.prod(out_size))))
+    for offs in itertools.product(*(range(kk) for kk in k)):
+        window = tuple(slice(f * d, f * d + s * (m - 1) + 1, s)
+                       for f, d, s, m in zip(offs, dilation, stride, out_size))
+        patch = xg[(slice(None),) * 3 + window].reshape(n, groups, c // groups, -1)
+        out += wg[(Ellipsis,) + offs] @ patch  # (G, Og, Cg) @ (N, G, Cg, P)
+    out = out.reshape(n, o, *out_size)
+    if bias is not None:
+        out += _channel_view(bias, out.ndim)
+    return out
+
+
+def conv_transpose(x, weight, bias, stride, padding, output_padding, dilation, groups):
+    """N-d transposed convolution as ``torch.nn.functional.conv_transpose{2,3}d``.
+
+    Each input pixel scatters ``weight`` into the output at ``stride`` spacing; the
+    ``padding`` rows are cropped from both ends and ``output_padding`` extends the far end.
+    """
+    x, weight = _f64(x), _f64(weight)
+    nd = x.ndim - 2
+    n, cin = x.shape[:2]
+    in_size = x.shape[2:]
+    og, k = weight.shape[1], weight.shape[2:]
+    out_size = [(in_size[i] - 1) * stride[i] - 2 * padding[i] + dilation[i] * (k[i] - 1)
+                + output_padding[i] + 1 for i in range(nd)]
+    full = [(in_size[i] - 1) * stride[i] + dilation[i] * (k[i] - 1) + 1 + output_padding[i]
+            for i in range(nd)]
+    buf = np.zeros((n, groups, og, *full))
+    xg = x.reshape(n, groups, cin // groups, -1)
+    wg = weight.reshape(groups, cin // groups, og, *k)
+    for offs in itertools.product(*(range(kk) for kk in k)):
+        contrib = np.swapaxes(wg[(Ellipsis,) + offs], 1, 2) @ xg  # (G, Og, Cg) @ (N, G, Cg, P)
+        window = tuple(slice(f * d, f * d + s * (m - 1) + 1, s)
+                       for f, d, s, m in zip(offs, dilation, stride, in_size))
+        buf[(slice(None),) * 3 + window] += contrib.reshape(n, groups, og, *in_size)
+    crop = tuple(slice(p, p + m) for p, m in zip(padding, out_size))
+    out = buf[(slice(None),) * 3 + crop].reshape(n, groups * og, *out_size)
+    if bias is not None:
+        out = out + _channel_view(bias, out.ndim)
+    return out
+
+
+def group_norm(x, num_groups, weight, bias, eps):
+    """GroupNorm: statistics over each (sample, group) of channels, biased variance."""
+    x = _f64(x)
+    n = x.shape[0]
+    rows = x.reshape(n, num_groups, -1)
+    mean = rows.mean(axis=2, keepdims=True)
+    var = rows.var(axis=2, keepdims=True)
+    out = ((rows - mean) / np.sqrt(var + eps)).reshape(x.shape)
+    if weight is not None:
+        out = out * _channel_view(weight, x.ndim)
+    if bias is not None:
+        out = out + _channel_view(bias, x.ndim)
+    return out
+
+
+def batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps,
+               activation=None):
+    """BatchNorm as ``torch.nn.functional.batch_norm``, with an optional fused ``tanh``.
+
+    In training the batch statistics (biased variance) normalize ``x`` and the running
+    buffers, when given, are updated in place: ``(1 - momentum) * old + momentum * new``
+    with the unbiased batch variance. In inference the running statistics are used.
+    """
+    x = _f64(x)
+    axes = (0,) + tuple(range(2, x.ndim))
+    if training:
+        mean = x.mean(axis=axes)
+        var = x.var(axis=axes)
+        count = x.size // x.shape[1]
+        if running_mean is not None:
+            running_mean[...] = (1 - momentum) * _f64(running_mean) + momentum * mean
+        if running_var is not None:
+            running_var[...] = ((1 - momentum) * _f64(running_var)
+                                + momentum * var * count / (count - 1))
+    else:
+        mean, var = _f64(running_mean), _f64(running_var)
+    out = (x - _channel_view(mean, x.ndim)) / np.sqrt(_channel_view(var, x.ndim) + eps)
+    if weight is not None:
+        out = out * _channel_view(weight, x.ndim)
+    if bias is not None:
+        out = out + _channel_view(bias, x.ndim)
+    if activation == "tanh":
+        out = np.tanh(out)
+    return out
+
+
+def _windows(x, kernel_size, stride, padding, fill):
+    """Pooling windows of an (N, C, *spatial) array: shape (N, C, *out, *kernel)."""
+    nd = x.ndim - 2
+    xp = np.pad(_f64(x), [(0, 0), (0, 0)] + [(p, p) for p in padding], constant_values=fill)
+    win = sliding_window_view(xp, kernel_size, axis=tuple(range(2, 2 + nd)))
+    return win[(slice(None), slice(None)) + tuple(slice(None, None, s) for s in stride)]
+
+
+def max_pool(x, kernel_size, stride, padding):
+    """Max pooling (floor mode, implicit ``-inf`` padding; NaN in a window gives NaN)."""
+    win = _windows(x, kernel_size, stride, padding, -np.inf)
+    return win.max(axis=tuple(range(-len(kernel_size), 0)))
+
+
+def avg_pool(x, kernel_size, stride, padding):
+    """Average pooling (floor mode, zero padding counted in the divisor as PyTorch's default)."""
+    win = _windows(x, kernel_size, stride, padding, 0.0)
+    return win.mean(axis=tuple(range(-len(kernel_size), 0)))
+
+
+def softmax(x, axes):
+    """Softmax over ``axes`` (a tuple), max-shifted."""
+    x = _f64(x)
+    shifted = x - x.max(axis=axes, keepdims=True)
+    e = np.exp(shifted)
+    return e / e.sum(axis=axes, keepdims=True)
+
+
+def conv2d_groupnorm_scale_maxpool_clamp(x, weight, conv_bias, gn_weight, gn_bias, scale, *,
+                                         num_groups, pool_kernel, clamp_min, clamp_max,
+                                         stride, padding, eps):
+    """Pipeline A: ``clamp(max_pool2d(group_norm(conv2d(x)) * scale), clamp_min, clamp_max)``."""
+    y = conv(x, weight, conv_bias, stride, padding, (1, 1), 1)
+    y = group_norm(y, num_groups, gn_weight, gn_bias, eps) * _channel_view(scale, 4)
+    y = max_pool(y, pool_kernel, pool_kernel, (0, 0))
+    return np.minimum(np.maximum(y, clamp_min), clamp_max)
+
+
+def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(x, weight, bn_weight, bn_bias, gn_weight,
+                                                      gn_bias, *, num_groups, stride, padding,
+                                                      output_padding, groups, conv_bias,
+                                                      pool_kernel, eps, running_mean,
+                                                      running_var, momentum):
+    """Pipeline B: ``group_norm(max_pool2d(tanh(batch_norm(conv_transpose2d(x)))))``."""
+    y = conv_transpose(x, weight, conv_bias, stride, padding, output_padding, (1, 1), groups)
+    y = batch_norm(y, bn_weight, bn_bias, running_mean, running_var, True, momentum, eps,
+                   activation="tanh")
+    y = max_pool(y, pool_kernel, pool_kernel, (0, 0))
+    return group_norm(y, num_groups, gn_weight, gn_bias, eps)
+
+
+def conv_transpose3d_avgpool_clamp_softmax_multiply(x, weight, scale, *, stride, padding,
+                                                    output_padding, pool_kernel, clamp_min,
+                                                    clamp_max, conv_bias, groups):
+    """Pipeline C: ``softmax(clamp(conv_transpose3d(avg_pool3d(x))), axis=(2, 3, 4)) * scale``.
+
+    The average pool runs first, on the input.
+    """
+    y = avg_pool(x, pool_kernel, pool_kernel, (0, 0, 0))
+    y = conv_transpose(y, weight, conv_bias, stride, padding, output_padding, (1, 1, 1), groups)
+    y = np.minimum(np.maximum(y, clamp_min), clamp_max)
+    return softmax(y, (2, 3, 4)) * _channel_view(scale, 5)

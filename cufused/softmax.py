@@ -1,0 +1,138 @@
+"""Softmax over one axis or a tuple of axes (the "spatial softmax" is ``axis=(2, 3, 4)``)."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import numpy
+
+from . import reference
+from ._arrays import check_float_dtype, check_out, finish_numpy, get_array_module
+from ._cuda import get_kernel, launch_1d, optional
+from .normalization import split_count
+
+__all__ = ["softmax"]
+
+_SOFTMAX = "softmax.cu"
+
+
+def normalize_axes(axis: Any, ndim: int) -> tuple[int, ...]:
+    """Turn an int or a tuple of ints into sorted, non-negative, distinct axes."""
+    items = (axis,) if isinstance(axis, numbers.Integral) else axis
+    if not isinstance(items, (tuple, list)) or not items or not all(
+            isinstance(a, numbers.Integral) and not isinstance(a, bool) for a in items):
+        raise TypeError(f"axis must be an int or a non-empty tuple of ints, got {axis!r}")
+    axes = []
+    for a in items:
+        if not -ndim <= a < ndim:
+            raise ValueError(f"axis {a} is out of bounds for an array of ndim {ndim}")
+        axes.append(int(a) % ndim)
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"axis contains a repeated axis: {axis!r}")
+    return tuple(sorted(axes))
+
+
+def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *,
+                 channels_last: bool = False, bias=None, scale=None, clamp=None) -> None:
+    """Softmax of ``rows`` = N * ``channels`` rows of ``length`` values, into contiguous ``out``.
+
+    ``y`` is read through element ``strides`` (sn, sc, ss); ``channels_last`` picks the thread
+    mapping (channel stride 1) and the tiled transposing apply. ``bias`` is added and
+    ``clamp = (lo, hi)`` applied before the softmax; the result is multiplied by ``scale[c]``.
+    When ``hi - lo`` is small, exp(v - hi) can neither overflow nor underflow, so the running
+    maximum is skipped.
+    """
+    n = rows // channels
+    c_tiles = -(-channels // (32 if channels_last else 8))
+    splits = split_count(n * c_tiles, length)
+    splits = max(1, min(splits, -(-length // 32)))
+    lo, hi = clamp if clamp is not None else (0.0, 0.0)
+    online = clamp is None or hi - lo > 60.0  # exp(-60) ~ 1e-26: far from float32's underflow
+    cl, on, cp = (str(v).lower() for v in (channels_last, online, clamp is not None))
+    partial = cupy.empty((rows, splits, 2), dtype=cupy.float32)
+    sn, sc, ss = (numpy.int64(s) for s in strides)
+    f32, i32 = numpy.float32, numpy.int32
+    get_kernel(_SOFTMAX, f"softmax_stats<{cl}, {on}, {cp}>")(
+        (splits * c_tiles * n,), (32, 8),
+        (y, optional(bias), partial, i32(channels), numpy.int64(length), i32(splits),
+         i32(c_tiles), sn, sc, ss, f32(lo), f32(hi)))
+    coef = cupy.empty((2, rows), dtype=cupy.float32)
+    get_kernel(_SOFTMAX, "softmax_finalize")(
+        (-(-rows // 256),), (256,),
+        (partial, numpy.int64(rows), i32(channels), i32(splits), optional(scale), coef[0],
+         coef[1]))
+    if channels_last:
+        get_kernel(_SOFTMAX, f"softmax_apply_transpose<{cp}>")(
+            (-(-length // 32), -(-channels // 32), n), (32, 8),
+            (y, out, optional(bias), coef[0], coef[1], numpy.int64(length), i32(channels), sn,
+             ss, f32(lo), f32(hi)))
+        return
+    vec = 4 if length % 4 == 0 and y.data.ptr % 16 == 0 and out.data.ptr % 16 == 0 else 1
+    total = rows * length // vec
+    launch_1d(get_kernel(_SOFTMAX, f"softmax_apply<{cp}, {vec}>"), total,
+              (y, out, optional(bias), coef[0], coef[1], numpy.int64(total),
+               numpy.int64(length), i32(channels), f32(lo), f32(hi)))
+
+
+def softmax(x: Any, axis=-1, *, out: Any = None) -> Any:
+    """Softmax over ``axis``, as ``torch.softmax``, where ``axis`` may be a tuple of axes.
+
+    ``exp(x - max) / sum(exp(x - max))`` over the elements that share every other index.
+    On the GPU: one pass for the per-row (max, sum) pairs (an online softmax, split across
+    blocks) and one normalize pass.
+
+    Parameters
+    ----------
+    x : numpy.ndarray or cupy.ndarray
+        Any shape with at least one dimension.
+    axis : int or tuple of int
+        The axis or axes normalized together.
+    out : array, optional
+        Destination with the shape and dtype of ``x``.
+
+    Returns
+    -------
+    array
+        Same shape, dtype and array library as ``x``.
+
+    Raises
+    ------
+    TypeError
+        Not an array, an unsupported dtype, or a non-integer axis.
+    ValueError
+        An axis out of range or repeated.
+
+    Examples
+    --------
+    >>> import numpy as np, cufused
+    >>> cufused.softmax(np.log(np.array([[1.0, 3.0], [2.0, 2.0]])), axis=1)
+    array([[0.25, 0.75],
+           [0.5 , 0.5 ]])
+    >>> float(cufused.softmax(np.zeros((1, 2, 2, 2, 2)), axis=(2, 3, 4))[0, 0].sum())
+    1.0
+    """
+    xp = get_array_module(x=x)
+    check_float_dtype(xp, x=x)
+    if x.ndim == 0:
+        raise ValueError("x must have at least one dimension")
+    axes = normalize_axes(axis, x.ndim)
+    check_out(out, x.shape, x.dtype, xp, x)
+    if xp is numpy:
+        return finish_numpy(reference.softmax(x, axes), x.dtype, out)
+    if out is None:
+        out = xp.empty(x.shape, dtype=x.dtype)
+    if x.size == 0:
+        return out
+    kept = tuple(a for a in range(x.ndim) if a not in axes)
+    perm = kept + axes
+    moved = xp.ascontiguousarray(x.transpose(perm))
+    length = int(numpy.prod([x.shape[a] for a in axes]))
+    rows = x.size // length
+    if perm == tuple(range(x.ndim)):
+        softmax_rows(xp, moved, out, rows, length, rows, (0, length, 1))
+        return out
+    result = xp.empty(moved.shape, dtype=x.dtype)
+    softmax_rows(xp, moved, result, rows, length, rows, (0, length, 1))
+    out[...] = result.transpose(numpy.argsort(perm))
+    return out

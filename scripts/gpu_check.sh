@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# GPU check for the device machine: GPU tests, the canonical check and the benchmark.
+# Usage (repo root): bash scripts/gpu_check.sh [tests|bench|all] [extra pytest args...]
+# Installs carried wheels from .whl/ (cuDNN Frontend) into /tmp/site when present.
+# Full logs go to $OUT (or ./gpu_check_out); a short summary is printed last.
+set -u
+what=${1:-all}; shift || true
+out=${OUT:-gpu_check_out}
+mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+summary=()
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  python3 -m pytest tests -m gpu -q -p no:cacheprovider -o addopts="" "$@" 2>&1 | tee "$out/pytest.log"
+  summary+=("pytest: $(grep -E '^(=+ )?[0-9]+ (passed|failed)|(passed|failed|error).* in [0-9.]+s' "$out/pytest.log" | tail -1)")
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  python3 -m cufused check 2>&1 | tee "$out/check.log"
+  python3 -m cufused bench --json "$out/bench.json" --plot "$out/bench.png" 2>&1 | tee "$out/bench.log"
+  summary+=("check: $(tail -2 "$out/check.log" | head -1)")
+fi
+echo "================ summary ($(cat "$out/device.txt"))"
+for line in "${summary[@]}"; do echo "$line"; done
+[ -f "$out/bench.log" ] && grep -A20 '^median ms' "$out/bench.log"
+exit 0

@@ -1,0 +1,362 @@
+"""GPU path against the float64 NumPy reference (and PyTorch CUDA where importable)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cufused
+from cufused import reference
+
+from conftest import GPU, assert_close, mixed, rel_err
+
+pytestmark = pytest.mark.gpu
+
+if GPU:
+    import cupy as cp
+
+TOL = {"ieee": 1e-5, "tf32": 5e-3}
+
+
+@pytest.fixture(autouse=True)
+def quick_plans():
+    """Heuristic cuDNN plans (no autotuning) keep the suite fast; tests opt back in."""
+    from cufused._cudnn import plan_options
+
+    with plan_options(autotune=False):
+        yield
+
+
+@pytest.fixture(params=["nchw", "nhwc"])
+def layout(request):
+    """Pin the convolution layout, so the fused kernels' NCHW and channels-last paths both run."""
+    from cufused._cudnn import plan_options
+
+    with plan_options(autotune=False, layouts=(request.param,)):
+        yield request.param
+
+
+def to_gpu(*arrays):
+    return [None if a is None else cp.asarray(a, dtype=cp.float32) for a in arrays]
+
+
+def poisoned(shape):
+    return cp.full(shape, cp.nan, dtype=cp.float32)
+
+
+# ---------------------------------------------------------------------------------- convolutions
+
+CONV_CASES = [
+    # nd, transposed, x shape, w shape, options
+    (2, False, (3, 5, 17, 13), (7, 5, 3, 3), dict(stride=1, padding=0)),
+    (2, False, (2, 6, 19, 23), (9, 3, 3, 5), dict(stride=(2, 1), padding=(1, 2), dilation=(1, 2), groups=3)),
+    (2, False, (1, 3, 11, 11), (4, 3, 1, 1), dict(stride=3)),
+    (3, False, (2, 4, 7, 9, 8), (5, 2, 3, 3, 3), dict(stride=2, padding=1, groups=2)),
+    (2, True, (3, 6, 7, 11), (6, 5, 5, 5), dict(stride=1, padding=1)),
+    (2, True, (2, 4, 9, 7), (4, 3, 3, 4), dict(stride=(2, 3), padding=(1, 0), output_padding=(1, 2), groups=2)),
+    (2, True, (1, 3, 5, 5), (3, 2, 3, 3), dict(stride=2, dilation=2, output_padding=1)),
+    (3, True, (2, 5, 4, 5, 3), (5, 7, 3, 3, 3), dict(stride=2, padding=1, output_padding=1)),
+]
+
+
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+@pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: f"{c[0]}d{'T' if c[1] else ''}{c[2]}")
+def test_conv_matches_reference(rng, case, precision, layout):
+    nd, transposed, xs, ws, opts = case
+    x = rng.standard_normal(xs)
+    w = rng.standard_normal(ws)
+    b = rng.standard_normal(ws[1] * opts.get("groups", 1) if transposed else ws[0])
+    fn = {(2, False): cufused.conv2d, (3, False): cufused.conv3d,
+          (2, True): cufused.conv_transpose2d, (3, True): cufused.conv_transpose3d}[nd, transposed]
+    ref = fn(x, w, b, **opts)
+    xg, wg, bg = to_gpu(x, w, b)
+    out = poisoned(ref.shape)
+    got = fn(xg, wg, bg, precision=precision, out=out, **opts)
+    assert got is out
+    assert_close(got.get(), ref, TOL[precision])
+
+
+def test_conv_non_contiguous_input_and_stream(rng):
+    x = rng.standard_normal((4, 3, 12, 10))
+    w = rng.standard_normal((5, 3, 3, 3))
+    ref = cufused.conv2d(x[:, :, ::2], w, padding=1)
+    xg = cp.asarray(x, dtype=cp.float32)[:, :, ::2]
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        got = cufused.conv2d(xg, cp.asarray(w, dtype=cp.float32), padding=1)
+    stream.synchronize()
+    assert_close(got.get(), ref, TOL["ieee"])
+
+
+def test_conv_matches_torch_cuda(rng):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch without CUDA")
+    x = rng.standard_normal((2, 8, 16, 16)).astype(np.float32)
+    w = rng.standard_normal((8, 4, 3, 3)).astype(np.float32)
+    ref = torch.nn.functional.conv_transpose2d(
+        torch.from_numpy(x).cuda().double(), torch.from_numpy(w).cuda().double(), stride=2,
+        padding=1, output_padding=1).cpu().numpy()
+    got = cufused.conv_transpose2d(cp.asarray(x), cp.asarray(w), stride=2, padding=1,
+                                   output_padding=1)
+    assert_close(got.get(), ref, TOL["ieee"])
+
+
+def test_conv_autotune_times_both_layouts(rng):
+    from cufused import _cudnn
+
+    x = rng.standard_normal((2, 3, 9, 9))
+    w = rng.standard_normal((4, 3, 2, 2))
+    with _cudnn.plan_options(autotune=True):
+        got = cufused.conv2d(*to_gpu(x, w), stride=2)
+    assert_close(got.get(), cufused.conv2d(x, w, stride=2), TOL["ieee"])
+    plans = [p for k, p in _cudnn._plans.items() if k[1].x_shape == (2, 3, 9, 9) and k[4]]
+    assert len(plans) == 1 and plans[0].candidates
+    assert min(plans[0].candidates.values()) == plans[0].milliseconds
+
+
+# ---------------------------------------------------------------------------- building blocks
+
+
+@pytest.mark.parametrize("shape,groups", [((3, 12, 7, 5), 4), ((2, 6, 67, 131), 2),
+                                          ((1, 4, 1), 1), ((5, 9, 11), 3)])
+def test_group_norm(rng, shape, groups):
+    # |mean| >> std: the shifted sums must keep the variance accurate.
+    x = 1000.0 + rng.standard_normal(shape)
+    w, b = mixed(rng, shape[1]), rng.standard_normal(shape[1])
+    ref = cufused.group_norm(x, groups, w, b)
+    out = poisoned(shape)
+    cufused.group_norm(*to_gpu(x), groups, *to_gpu(w, b), out=out)
+    assert_close(out.get(), ref, 1e-4)
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("activation", [None, "tanh"])
+def test_batch_norm(rng, training, activation):
+    x = 5.0 + 3.0 * rng.standard_normal((6, 7, 9, 11))
+    w, b = mixed(rng, 7), rng.standard_normal(7)
+    rm, rv = rng.standard_normal(7), rng.uniform(0.5, 2.0, 7)
+    rm_g, rv_g = to_gpu(rm, rv)
+    ref = cufused.batch_norm(x, w, b, running_mean=rm, running_var=rv, training=training,
+                             momentum=0.3, activation=activation)
+    out = poisoned(x.shape)
+    cufused.batch_norm(*to_gpu(x, w, b), running_mean=rm_g, running_var=rv_g,
+                       training=training, momentum=0.3, activation=activation, out=out)
+    assert_close(out.get(), ref, 1e-5)
+    assert_close(rm_g.get(), rm, 1e-5)
+    assert_close(rv_g.get(), rv, 1e-5)
+
+
+@pytest.mark.parametrize("nd", [2, 3])
+@pytest.mark.parametrize("is_max", [True, False])
+def test_pooling(rng, nd, is_max):
+    shape = (2, 3, 11, 13) if nd == 2 else (2, 3, 7, 9, 8)
+    x = rng.standard_normal(shape)
+    if is_max:
+        x[0, 0, 1, 1] = np.nan
+    fn = getattr(cufused, f"{'max' if is_max else 'avg'}_pool{nd}d")
+    for opts in (dict(kernel_size=2), dict(kernel_size=3, stride=2, padding=1)):
+        ref = fn(x, **opts)
+        out = poisoned(ref.shape)
+        fn(*to_gpu(x), **opts, out=out)
+        got = out.get()
+        assert np.array_equal(np.isnan(got), np.isnan(ref))
+        mask = ~np.isnan(ref)
+        assert_close(got[mask], ref[mask], 1e-6)
+
+
+@pytest.mark.parametrize("shape,axis", [((3, 5, 7), -1), ((2, 3, 4, 5, 6), (2, 3, 4)),
+                                        ((4, 6, 5), 1), ((2, 3, 4), (0, 2)), ((1000, 3), 0)])
+def test_softmax(rng, shape, axis):
+    x = 10 * rng.standard_normal(shape)
+    ref = cufused.softmax(x, axis)
+    out = poisoned(shape)
+    cufused.softmax(*to_gpu(x), axis, out=out)
+    assert_close(out.get(), ref, 1e-5)
+
+
+def test_softmax_nan_and_inf():
+    x = np.zeros((3, 4))
+    x[0, 1] = np.nan
+    x[1, 2] = -np.inf
+    x[2, 3] = np.inf
+    got = cufused.softmax(cp.asarray(x, dtype=cp.float32), axis=1).get()
+    assert np.isnan(got[0]).all() and np.isnan(got[2]).all()
+    assert_close(got[1], cufused.softmax(x, 1)[1], 1e-6)
+
+
+# -------------------------------------------------------------------------------- pipelines
+
+
+def pipeline_a_args(rng, n=3, cin=5, h=23, w=19, cout=12, k=3, groups=4, pool=4, sign=True):
+    x = rng.random((n, cin, h, w))
+    wt = rng.standard_normal((cout, cin, k, k)) * 0.3
+    cb = rng.standard_normal(cout)
+    gw = mixed(rng, cout) if sign else rng.random(cout)
+    gb = rng.standard_normal(cout) * 0.5
+    scale = mixed(rng, cout).reshape(cout, 1, 1) if sign else rng.random((cout, 1, 1))
+    return (x, wt, cb, gw, gb, scale), dict(num_groups=groups, pool_kernel=pool,
+                                            clamp_min=-0.5, clamp_max=0.7)
+
+
+@pytest.mark.parametrize("method", ["fused", "unfused"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+@pytest.mark.parametrize("sign", [True, False])
+def test_pipeline_a(rng, layout, method, precision, sign):
+    arrays, opts = pipeline_a_args(rng, sign=sign)
+    ref = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts)
+    out = poisoned(ref.shape)
+    cufused.conv2d_groupnorm_scale_maxpool_clamp(*to_gpu(*arrays), **opts, method=method,
+                                                 precision=precision, out=out)
+    assert_close(out.get(), ref, 10 * TOL[precision])
+
+
+def test_pipeline_a_dropped_rows_count_in_stats(rng, layout):
+    # 126 // 4 = 31 windows; rows/cols 124-125 are pooled away but shape the statistics.
+    arrays, opts = pipeline_a_args(rng, n=2, cin=3, h=128, w=128, cout=8, groups=2)
+    x = arrays[0]
+    x[:, :, 125:, :] += 50.0  # feeds only conv rows the pool drops
+    ref = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts)
+    got = cufused.conv2d_groupnorm_scale_maxpool_clamp(*to_gpu(*arrays), **opts)
+    assert_close(got.get(), ref, 1e-4)
+
+
+def pipeline_b_args(rng, n=4, cin=6, h=9, w=7, cout=8, groups=2, conv_groups=1):
+    x = rng.random((n, cin, h, w))
+    wt = rng.standard_normal((cin, cout // conv_groups, 3, 3)) * 0.3
+    return (x, wt, mixed(rng, cout), rng.standard_normal(cout), mixed(rng, cout),
+            rng.standard_normal(cout)), dict(num_groups=groups, groups=conv_groups)
+
+
+@pytest.mark.parametrize("method", ["fused", "unfused"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+def test_pipeline_b(rng, layout, method, precision):
+    arrays, opts = pipeline_b_args(rng)
+    cb = rng.standard_normal(8)
+    rm, rv = rng.standard_normal(8), rng.uniform(0.5, 2, 8)
+    rm_g, rv_g = to_gpu(rm, rv)
+    opts.update(stride=2, padding=1, output_padding=1)
+    ref = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        *arrays, **opts, conv_bias=cb, running_mean=rm, running_var=rv)
+    out = poisoned(ref.shape)
+    cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        *to_gpu(*arrays), **opts, conv_bias=to_gpu(cb)[0], running_mean=rm_g,
+        running_var=rv_g, method=method, precision=precision, out=out)
+    assert_close(out.get(), ref, 10 * TOL[precision])
+    assert_close(rm_g.get(), rm, 10 * TOL[precision])
+    assert_close(rv_g.get(), rv, 10 * TOL[precision])
+
+
+def test_pipeline_b_large_groups_uncached(rng, layout):
+    # A (n, group) row of 64 * 17 * 17 floats exceeds the shared-memory cache: re-read path.
+    arrays, opts = pipeline_b_args(rng, n=2, cin=4, h=32, w=32, cout=64, groups=1,
+                                   conv_groups=2)
+    ref = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(*arrays, **opts)
+    got = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(*to_gpu(*arrays), **opts)
+    assert_close(got.get(), ref, 1e-4)
+
+
+def pipeline_c_args(rng, n=2, cin=3, d=8, h=10, w=6, cout=5, groups=1):
+    x = rng.random((n, cin, d, h, w))
+    wt = rng.standard_normal((cin, cout // groups, 3, 3, 3))
+    return (x, wt, mixed(rng, cout).reshape(1, cout, 1, 1, 1)), dict(
+        stride=2, padding=1, output_padding=1, pool_kernel=2, clamp_min=0.0, clamp_max=1.0,
+        groups=groups)
+
+
+@pytest.mark.parametrize("method", ["fused", "unfused"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+@pytest.mark.parametrize("clamp", [(0.0, 1.0), (-50.0, 40.0)])
+def test_pipeline_c(rng, layout, method, precision, clamp):
+    arrays, opts = pipeline_c_args(rng)
+    opts.update(clamp_min=clamp[0], clamp_max=clamp[1])
+    cb = rng.standard_normal(5)
+    ref = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(*arrays, **opts, conv_bias=cb)
+    out = poisoned(ref.shape)
+    cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
+        *to_gpu(*arrays), **opts, conv_bias=to_gpu(cb)[0], method=method,
+        precision=precision, out=out)
+    # Outputs are tiny (~1 / (D*H*W)): only a relative check can tell them from zeros.
+    assert rel_err(out.get(), ref) < 10 * TOL[precision]
+
+
+def test_pipelines_propagate_nan(rng):
+    arrays, opts = pipeline_a_args(rng)
+    arrays[0][1, 2, 5, 5] = np.nan
+    ref = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts)
+    got = cufused.conv2d_groupnorm_scale_maxpool_clamp(*to_gpu(*arrays), **opts).get()
+    assert np.isnan(ref[1]).all() and np.array_equal(np.isnan(got), np.isnan(ref))
+    arrays, opts = pipeline_c_args(rng)
+    arrays[0][0, 0, 0, 0, 0] = np.inf
+    ref = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(*arrays, **opts)
+    got = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(*to_gpu(*arrays), **opts)
+    got = got.get()
+    assert np.array_equal(np.isnan(got), np.isnan(ref))
+    mask = ~np.isnan(ref)
+    assert rel_err(got[mask], ref[mask]) < 1e-4
+
+
+def test_empty_batch():
+    x = cp.empty((0, 5, 9, 9), dtype=cp.float32)
+    w, ones = to_gpu(np.ones((8, 5, 3, 3)), np.ones(8))
+    got = cufused.conv2d_groupnorm_scale_maxpool_clamp(
+        x, w, None, ones, None, ones, num_groups=2, pool_kernel=2, clamp_min=0, clamp_max=1)
+    assert got.shape == (0, 8, 3, 3)
+
+
+def test_pipeline_capture_in_cuda_graph(rng, layout):
+    arrays, opts = pipeline_a_args(rng)
+    garrays = to_gpu(*arrays)
+    ref = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        out = cp.empty(ref.shape, dtype=cp.float32)
+        cufused.conv2d_groupnorm_scale_maxpool_clamp(*garrays, **opts, out=out)  # warm
+        stream.begin_capture()
+        cufused.conv2d_groupnorm_scale_maxpool_clamp(*garrays, **opts, out=out)
+        graph = stream.end_capture()
+        out.fill(cp.nan)
+        graph.launch()
+    stream.synchronize()
+    assert_close(out.get(), ref, 1e-4)
+
+
+def test_tensor_past_2_31_elements(rng):
+    # (n, 1, 256, 256) with n = 2**15 + 1: 2**31 + 65536 elements. Each sample is independent,
+    # so the first and last samples are checked against the reference.
+    n = 2**15 + 1
+    x = cp.random.default_rng(int(rng.integers(2**31))).random((n, 1, 256, 256),
+                                                              dtype=cp.float32)
+    assert x.size > 2**31
+    x[-1, 0, 7, 9] = 9.0
+    for fn, kwargs in ((cufused.max_pool2d, dict(kernel_size=2)),
+                       (cufused.group_norm, dict(num_groups=1)),
+                       (cufused.softmax, dict(axis=(2, 3)))):
+        y = fn(x, **kwargs)
+        for i in (0, n - 1):
+            ref = fn(x[i:i + 1].get(), **kwargs)
+            assert_close(y[i:i + 1].get(), ref, 1e-5)
+        del y
+    del x
+    cp.get_default_memory_pool().free_all_blocks()
+
+
+# ----------------------------------------------------------------------- canonical shapes
+
+
+def test_canonical_pipelines_match_torch_cuda(rng):
+    from cufused._cudnn import plan_options
+
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch without CUDA")
+    from cufused.benchmark import CASES, torch_reference
+
+    for case in CASES:
+        inputs = case.make_inputs(np.random.default_rng(int(rng.integers(2**31))))
+        for precision in ("ieee", "tf32"):
+            with plan_options(autotune=True):  # the plans the benchmark uses
+                got = case.run_cufused(inputs, precision=precision).get()
+            ref = torch_reference(case, inputs)
+            err = rel_err(got, ref)
+            assert err < 10 * TOL[precision], (case.name, precision, err)
