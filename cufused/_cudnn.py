@@ -123,6 +123,24 @@ def empty_in_layout(shape: tuple[int, ...], layout: str):
     return physical.transpose(0, nd - 1, *range(1, nd - 1))
 
 
+def transpose_channels(src, dst, *, to_channels_last: bool, bias=None) -> None:
+    """Copy contiguous NC(D)HW ``src`` to channels-last ``dst`` or back (+ ``bias[c]``).
+
+    Both arrays have the same logical shape; ``src``'s memory is in the source layout and
+    ``dst``'s in the other one. One tiled-transpose kernel, coalesced on both sides.
+    """
+    from ._cuda import get_kernel, optional
+
+    n, c = src.shape[:2]
+    s = src.size // max(n * c, 1)
+    a, b = (c, s) if to_channels_last else (s, c)
+    if src.size == 0:
+        return
+    kernel = get_kernel("layout.cu", f"transpose_batched<{'false' if bias is None else 'true'}>")
+    kernel((-(-b // 32), -(-a // 32), min(n, 65535)), (32, 8),
+           (src, dst, optional(bias), numpy.int64(n), numpy.int64(a), numpy.int64(b)))
+
+
 def to_layout(a, layout: str):
     """``a`` (logical N, C, *spatial) with its memory in ``layout``, copied only if needed."""
     cupy = import_cupy()
@@ -132,7 +150,7 @@ def to_layout(a, layout: str):
     if a.strides == want:
         return a
     out = empty_in_layout(a.shape, layout)
-    out[...] = a
+    transpose_channels(cupy.ascontiguousarray(a), out, to_channels_last=True)
     return out
 
 

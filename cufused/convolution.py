@@ -93,15 +93,17 @@ def check_conv_args(x_shape, w_shape, nd: int, *, transposed: bool, stride, padd
 
 
 def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_input: bool = True,
-                convert_output: bool = True, out=None):
+                convert_output: bool = True, out=None, bias=None):
     """Run the cuDNN convolution of checked CuPy arrays.
 
     Returns ``(y, layout)``: with ``convert_output`` the result is NCHW/NCDHW (written to
-    ``out`` if given); without it ``y`` is in the plan's layout (a channels-last view when
-    ``layout == "nhwc"``) for a fused kernel to read. With ``convert_input=False`` the caller
-    promises ``x`` is already in the layout of :func:`gpu_conv_layout`.
+    ``out`` if given) plus ``bias``; without it ``y`` is in the plan's layout (a channels-last
+    view when ``layout == "nhwc"``) for a fused kernel to read, and ``bias`` must be None.
+    With ``convert_input=False`` the caller promises ``x`` is already in the layout of
+    :func:`gpu_conv_layout`.
     """
-    from ._cudnn import ConvProblem, conv_plan, empty_in_layout, to_layout
+    from ._cudnn import (ConvProblem, conv_plan, empty_in_layout, to_layout,
+                         transpose_channels)
 
     cupy = get_array_module(x=x)
     problem = ConvProblem("dgrad" if args.transposed else "fprop", tuple(x.shape),
@@ -116,9 +118,12 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_input: boo
         y = empty_in_layout(args.out_shape, plan.layout)
     plan.run(xl, wl, y)
     if convert_output and plan.layout != "nchw":
+        # The bias rides along with the transpose back to NCHW: no extra pass.
         result = out if out is not None else cupy.empty(args.out_shape, dtype=cupy.float32)
-        result[...] = y
+        transpose_channels(y, result, to_channels_last=False, bias=bias)
         return result, "nchw"
+    if bias is not None:
+        cupy.add(y, bias.reshape((1, -1) + (1,) * (y.ndim - 2)), out=y)
     return y, plan.layout
 
 
@@ -155,9 +160,7 @@ def _convolve(nd: int, transposed: bool, x, weight, bias, *, stride, padding, ou
         return finish_numpy(y, x.dtype, out)
     if args.out_shape[0] == 0:
         return out if out is not None else xp.empty(args.out_shape, dtype=x.dtype)
-    y, _ = conv_on_gpu(x, weight, args, precision, out=out)
-    if bias is not None:
-        xp.add(y, bias.reshape((1, -1) + (1,) * nd), out=y)
+    y, _ = conv_on_gpu(x, weight, args, precision, out=out, bias=bias)
     return y
 
 

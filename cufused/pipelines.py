@@ -66,9 +66,14 @@ def _pool_extremum_stats(cupy, y, ext, pool: int, *, bias, sign_a, sign_b, shift
     partial = cupy.empty((n, c, splits, 2), dtype=cupy.float32)
     shift = cupy.empty(n * c // shift_group if per_sample else c // shift_group,
                        dtype=cupy.float32)
-    sn, sc, sh, sw = (numpy.int64(s // y.itemsize) for s in y.strides)
+    sn, sc, sh, sw = (s // y.itemsize for s in y.strides)
+    fixed = pool if pool in (2, 4) else 0
+    vec2 = (not channels_last and fixed and sw == 1 and sh % 2 == 0 and sc % 2 == 0
+            and sn % 2 == 0 and y.data.ptr % 8 == 0)
+    sn, sc, sh, sw = map(numpy.int64, (sn, sc, sh, sw))
     i32 = numpy.int32
-    kernel = get_kernel("pooling.cu", f"pool_extremum_stats<{str(channels_last).lower()}>")
+    kernel = get_kernel("pooling.cu", f"pool_extremum_stats<{str(channels_last).lower()}, "
+                                      f"{fixed}, {str(bool(vec2)).lower()}>")
     kernel((splits * c_tiles * n,), (32, 8),
            (y, optional(bias), optional(sign_a), optional(sign_b), ext, partial, shift, i32(c),
             i32(h), i32(w), i32(pool), i32(ho), i32(wo), i32(splits), i32(c_tiles), sn, sc, sh,

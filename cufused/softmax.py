@@ -33,6 +33,26 @@ def normalize_axes(axis: Any, ndim: int) -> tuple[int, ...]:
     return tuple(sorted(axes))
 
 
+def _cluster_values_per_thread(y, out, length: int, channels_last: bool, strides) -> int:
+    """Values per thread of the one-read cluster kernel for rows of ``length``, or 0 when it
+    does not apply (pre-Hopper device, channels-last or strided rows, unaligned, too long)."""
+    import cupy
+
+    if channels_last or tuple(strides[1:]) != (length, 1) or length % 4:
+        return 0
+    if strides[0] != (y.size // y.shape[0]) and y.shape[0] != 1:
+        return 0
+    if y.data.ptr % 16 or out.data.ptr % 16:
+        return 0
+    if int(cupy.cuda.Device().compute_capability) < 90:
+        return 0
+    chunk = -(-length // 32) * 4
+    for vpt in (4, 8, 16, 32):
+        if 512 * vpt >= chunk:
+            return vpt
+    return 0
+
+
 def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *,
                  channels_last: bool = False, bias=None, scale=None, clamp=None) -> None:
     """Softmax of ``rows`` = N * ``channels`` rows of ``length`` values, into contiguous ``out``.
@@ -40,19 +60,27 @@ def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *
     ``y`` is read through element ``strides`` (sn, sc, ss); ``channels_last`` picks the thread
     mapping (channel stride 1) and the tiled transposing apply. ``bias`` is added and
     ``clamp = (lo, hi)`` applied before the softmax; the result is multiplied by ``scale[c]``.
-    When ``hi - lo`` is small, exp(v - hi) can neither overflow nor underflow, so the running
-    maximum is skipped.
+    Contiguous rows of up to 131072 values on Hopper take the one-read cluster kernel;
+    otherwise a statistics pass and a normalize pass run. There, when ``hi - lo`` is small,
+    exp(v - hi) can neither overflow nor underflow, so the running maximum is skipped.
     """
+    lo, hi = clamp if clamp is not None else (0.0, 0.0)
+    cp = str(clamp is not None).lower()
+    f32, i32 = numpy.float32, numpy.int32
+    vpt = _cluster_values_per_thread(y, out, length, channels_last, strides)
+    if vpt:
+        get_kernel(_SOFTMAX, f"softmax_rows_cluster<{cp}, {vpt}>")(
+            (rows * 8,), (512,), (y, out, optional(bias), optional(scale), numpy.int64(length),
+                                  i32(channels), f32(lo), f32(hi)))
+        return
     n = rows // channels
     c_tiles = -(-channels // (32 if channels_last else 8))
     splits = split_count(n * c_tiles, length)
     splits = max(1, min(splits, -(-length // 32)))
-    lo, hi = clamp if clamp is not None else (0.0, 0.0)
     online = clamp is None or hi - lo > 60.0  # exp(-60) ~ 1e-26: far from float32's underflow
-    cl, on, cp = (str(v).lower() for v in (channels_last, online, clamp is not None))
+    cl, on = (str(v).lower() for v in (channels_last, online))
     partial = cupy.empty((rows, splits, 2), dtype=cupy.float32)
     sn, sc, ss = (numpy.int64(s) for s in strides)
-    f32, i32 = numpy.float32, numpy.int32
     get_kernel(_SOFTMAX, f"softmax_stats<{cl}, {on}, {cp}>")(
         (splits * c_tiles * n,), (32, 8),
         (y, optional(bias), partial, i32(channels), numpy.int64(length), i32(splits),

@@ -166,7 +166,8 @@ def test_pooling(rng, nd, is_max):
 
 
 @pytest.mark.parametrize("shape,axis", [((3, 5, 7), -1), ((2, 3, 4, 5, 6), (2, 3, 4)),
-                                        ((4, 6, 5), 1), ((2, 3, 4), (0, 2)), ((1000, 3), 0)])
+                                        ((4, 6, 5), 1), ((2, 3, 4), (0, 2)), ((1000, 3), 0),
+                                        ((2, 200_000), -1)])
 def test_softmax(rng, shape, axis):
     x = 10 * rng.standard_normal(shape)
     ref = cufused.softmax(x, axis)

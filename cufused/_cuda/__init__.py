@@ -15,8 +15,18 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "pooling.cu": (
         "pool_nd<true>",
         "pool_nd<false>",
-        "pool_extremum_stats<false>",
-        "pool_extremum_stats<true>",
+        "pool_extremum_stats<false, 0, false>",
+        "pool_extremum_stats<false, 2, false>",
+        "pool_extremum_stats<false, 2, true>",
+        "pool_extremum_stats<false, 4, false>",
+        "pool_extremum_stats<false, 4, true>",
+        "pool_extremum_stats<true, 0, false>",
+        "pool_extremum_stats<true, 2, false>",
+        "pool_extremum_stats<true, 4, false>",
+    ),
+    "layout.cu": (
+        "transpose_batched<false>",
+        "transpose_batched<true>",
     ),
     "normalization.cu": (
         "key_stats_partial",
@@ -45,6 +55,14 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "softmax_apply<true, 1>",
         "softmax_apply<true, 4>",
         "softmax_apply_transpose<true>",
+        "softmax_rows_cluster<false, 4>",
+        "softmax_rows_cluster<false, 8>",
+        "softmax_rows_cluster<false, 16>",
+        "softmax_rows_cluster<false, 32>",
+        "softmax_rows_cluster<true, 4>",
+        "softmax_rows_cluster<true, 8>",
+        "softmax_rows_cluster<true, 16>",
+        "softmax_rows_cluster<true, 32>",
     ),
 }
 

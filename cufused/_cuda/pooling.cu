@@ -56,15 +56,18 @@ __global__ void pool_nd(const float* __restrict__ x, float* __restrict__ y, inde
 // float32 sums accurate when |mean| >> std, and all partials of a row share it.
 // Block (32, 8). NCHW: x lanes walk pooled columns (coalesced rows), y lanes channels.
 // Channels-last: x lanes walk channels (coalesced), y lanes pooled positions.
-template <bool CHANNELS_LAST>
+// K > 0 fixes the window at compile time so that its K*K loads are unrolled and all in flight
+// (K = 0: run-time k). VEC2 (NCHW, even K, 8-byte aligned rows) loads pairs of columns.
+template <bool CHANNELS_LAST, int K, bool VEC2>
 __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __restrict__ bias,
                                     const float* __restrict__ sign_a,
                                     const float* __restrict__ sign_b, float* __restrict__ ext,
                                     float2* __restrict__ partial, float* __restrict__ shift_out,
-                                    int C, int H, int W, int k, int Ho, int Wo, int splits,
+                                    int C, int H, int W, int k_runtime, int Ho, int Wo, int splits,
                                     int c_tiles, index_t sn, index_t sc, index_t sh, index_t sw,
                                     int shift_group, int shift_per_sample) {
     __shared__ float red[2][8][33];
+    const int k = K > 0 ? K : k_runtime;
     const int split = blockIdx.x % splits;
     const int tile = (blockIdx.x / splits) % c_tiles;
     const index_t n = blockIdx.x / ((index_t)splits * c_tiles);
@@ -92,24 +95,54 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
         const bool use_min = sa * sb < 0.0f;
         const float* plane = y + n * sn + c * sc;
         float* ext_plane = ext + (n * C + c) * (index_t)P;
+        auto take = [&](float v) {
+            const float d = v + b - shift;
+            s1 += d;
+            s2 = fmaf(d, d, s2);
+        };
         for (int p = p_begin + lane; p < p_end; p += step) {
             const int py = p / Wo;
             const int px = p - py * Wo;
             const int h0 = py * k, w0 = px * k;
-            const int h1 = (py == Ho - 1) ? H : h0 + k;  // the last window row also owns the
-            const int w1 = (px == Wo - 1) ? W : w0 + k;  // rows/columns the pool drops
             float e = use_min ? INFINITY : -INFINITY;
-            for (int h = h0; h < h1; ++h) {
-                const float* row = plane + h * sh;
-                for (int w = w0; w < w1; ++w) {
-                    const float v = row[w * sw] + b;
-                    const float d = v - shift;
-                    s1 += d;
-                    s2 = fmaf(d, d, s2);
-                    if (h < h0 + k && w < w0 + k) e = use_min ? nan_min(e, v) : nan_max(e, v);
+            if (K > 0) {
+                float v[K > 0 ? K * K : 1];
+#pragma unroll
+                for (int a = 0; a < (K > 0 ? K : 1); ++a) {
+                    const float* row = plane + (h0 + a) * sh + w0 * sw;
+#pragma unroll
+                    for (int j = 0; j < (K > 0 ? K : 1); j += (VEC2 ? 2 : 1)) {
+                        if (VEC2) {
+                            const float2 t = *reinterpret_cast<const float2*>(row + j);
+                            v[a * K + j] = t.x;
+                            v[a * K + j + 1] = t.y;
+                        } else {
+                            v[a * K + j] = row[j * sw];
+                        }
+                    }
                 }
+#pragma unroll
+                for (int j = 0; j < (K > 0 ? K * K : 1); ++j) {
+                    take(v[j]);
+                    e = use_min ? nan_min(e, v[j]) : nan_max(e, v[j]);
+                }
+            } else {
+                for (int h = h0; h < h0 + k; ++h)
+                    for (int w = w0; w < w0 + k; ++w) {
+                        const float v = plane[h * sh + w * sw];
+                        take(v);
+                        e = use_min ? nan_min(e, v) : nan_max(e, v);
+                    }
             }
-            ext_plane[p] = e;
+            ext_plane[p] = e + b;
+            // The last window row / column also owns the rows / columns the pool drops.
+            const int w1 = (px == Wo - 1) ? W : w0 + k;
+            if (py == Ho - 1)
+                for (int h = h0 + k; h < H; ++h)
+                    for (int w = w0; w < w1; ++w) take(plane[h * sh + w * sw]);
+            if (px == Wo - 1)
+                for (int h = h0; h < h0 + k; ++h)
+                    for (int w = w0 + k; w < W; ++w) take(plane[h * sh + w * sw]);
         }
     }
     if (CHANNELS_LAST) {  // reduce over the 8 position lanes of each channel column
