@@ -38,5 +38,25 @@ def main():
                   f" host {host_us:.0f} us/call")
 
 
+
+
+def one_call(name: str, precision: str) -> None:
+    """Warm one case, then run it once inside an NVTX range "measure" (for ncu --nvtx)."""
+    case = next(c for c in make_cases() if c.name == name)
+    inputs = case.make_inputs(numpy.random.default_rng(0))
+    out = cupy.empty(case.output_shape, dtype=cupy.float32)
+    case.run_cufused(inputs, precision=precision, out=out)
+    cupy.cuda.Device().synchronize()
+    cupy.cuda.nvtx.RangePush("measure")
+    case.run_cufused(inputs, precision=precision, out=out)
+    cupy.cuda.nvtx.RangePop()
+    cupy.cuda.Device().synchronize()
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if len(sys.argv) == 3:
+        one_call(sys.argv[1], sys.argv[2])
+    else:
+        main()
