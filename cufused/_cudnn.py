@@ -179,17 +179,21 @@ class ConvPlan:
     plan_index: int
     workspace_size: int
     milliseconds: float = float("nan")
-    candidates: dict = field(default_factory=dict)
+    candidates: dict = field(default_factory=dict)  # plan index -> ms, this layout
+    layout_costs: dict = field(default_factory=dict)  # layout -> best ms + conversions
 
     def run(self, x, w, y) -> None:
         """Run on arrays whose memory is in ``self.layout`` (raw pointers, current stream)."""
         cupy = import_cupy()
         handle = _handle()
+        # A raw workspace pointer: an array would take the DLPack route, whose stream
+        # synchronization breaks CUDA-graph capture.
         workspace = (cupy.empty(self.workspace_size, dtype=cupy.uint8)
                      if self.workspace_size else None)
         pack = {self.tensors[0]: x.data.ptr, self.tensors[1]: w.data.ptr,
                 self.tensors[2]: y.data.ptr}
-        self.graph.execute_plan_at_index(pack, workspace, self.plan_index, handle=handle)
+        self.graph.execute_plan_at_index(pack, None if workspace is None else workspace.data.ptr,
+                                         self.plan_index, handle=handle)
 
 
 def _build_graph(problem: ConvProblem, layout: str):
@@ -314,6 +318,7 @@ def conv_plan(problem: ConvProblem, *, convert_input: bool, convert_output: bool
         if not choices:
             raise ValueError(f"cuDNN supports no plan for this convolution: {problem}")
         plan = min(choices, key=lambda c: c[0])[1]
+        plan.layout_costs = {c.layout: cost for cost, c in choices}
         _plans[key] = plan
         return plan
 

@@ -10,7 +10,7 @@ import time
 import cupy
 import numpy
 
-from cufused.benchmark import Timer, make_cases
+from cufused.benchmark import Timer, conv_plan_for, make_cases
 
 
 def main():
@@ -34,8 +34,10 @@ def main():
                 call()
                 graph = stream.end_capture()
             graphed = timer(lambda: graph.launch(stream=cupy.cuda.get_current_stream()))
+            plan = conv_plan_for(case, precision)
+            costs = ", ".join(f"{k} {v:.3f}" for k, v in plan.layout_costs.items())
             print(f"{case.name} {precision}: direct {direct:.3f} ms, graph replay {graphed:.3f} ms,"
-                  f" host {host_us:.0f} us/call")
+                  f" host {host_us:.0f} us/call; conv layouts (ms, with conversions): {costs}")
 
 
 
