@@ -181,6 +181,7 @@ class ConvPlan:
     milliseconds: float = float("nan")
     candidates: dict = field(default_factory=dict)  # plan index -> ms, this layout
     layout_costs: dict = field(default_factory=dict)  # layout -> best ms + conversions
+    conversion_ms: float = 0.0  # measured layout conversions this layout's plan needs
 
     def run(self, x, w, y) -> None:
         """Run on arrays whose memory is in ``self.layout`` (raw pointers, current stream)."""
@@ -313,12 +314,13 @@ def conv_plan(problem: ConvProblem, *, convert_input: bool, convert_output: bool
                 continue
             cost = candidate.milliseconds
             if layout != "nchw" and tune and len(layouts) > 1:
-                cost += _conversion_ms(problem, convert_input, convert_output)
+                candidate.conversion_ms = _conversion_ms(problem, convert_input, convert_output)
+                cost += candidate.conversion_ms
             choices.append((cost, candidate))
         if not choices:
             raise ValueError(f"cuDNN supports no plan for this convolution: {problem}")
         plan = min(choices, key=lambda c: c[0])[1]
-        plan.layout_costs = {c.layout: cost for cost, c in choices}
+        plan.layout_costs = {c.layout: (c.milliseconds, c.conversion_ms) for _, c in choices}
         _plans[key] = plan
         return plan
 
