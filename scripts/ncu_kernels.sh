@@ -10,7 +10,7 @@ head, body = rows[0], rows[1:]
 name, unit, value = head.index("Kernel Name"), head.index("Metric Unit"), head.index("Metric Value")
 total = 0.0
 for r in body:
-    v = float(r[value].replace(",", "")) * {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0}[r[unit]]
+    v = float(r[value].replace(",", "")) * {"n": 1e-6, "u": 1e-3, "m": 1.0}[r[unit][0]]
     total += v
     print(f"  {v:8.3f} ms  {r[name][:90]}")
 print(f"  {total:8.3f} ms  total")
