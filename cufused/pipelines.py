@@ -454,12 +454,17 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
         xp.minimum(xp.maximum(y, lo), hi, out=y)
         y = softmax(y, axis=(2, 3, 4), out=y)
         return xp.multiply(y, scale.reshape(1, c, 1, 1, 1), out=out)
-    from ._cudnn import empty_in_layout
+    from ._cudnn import empty_in_layout, transpose_channels
 
     layout = gpu_conv_layout(pooled_shape, weight.shape, args, precision, convert_input=False,
                              convert_output=False)
-    x_pooled = empty_in_layout(pooled_shape, layout)
+    x_pooled = xp.empty(pooled_shape, dtype=xp.float32)
     pool_into(xp.ascontiguousarray(x), x_pooled, (k, k, k), (k, k, k), (0, 0, 0), is_max=False)
+    if layout == "nhwc":
+        # Pool with coalesced writes, then one tiled transpose of the 8x smaller tensor.
+        x_cl = empty_in_layout(pooled_shape, layout)
+        transpose_channels(x_pooled, x_cl, to_channels_last=True)
+        x_pooled = x_cl
     y, layout = conv_on_gpu(x_pooled, weight, args, precision, convert_input=False,
                             convert_output=False, out=out)
     strides = [s // y.itemsize for s in y.strides]

@@ -33,26 +33,6 @@ def normalize_axes(axis: Any, ndim: int) -> tuple[int, ...]:
     return tuple(sorted(axes))
 
 
-def _cluster_values_per_thread(y, out, length: int, channels_last: bool, strides) -> int:
-    """Values per thread of the one-read cluster kernel for rows of ``length``, or 0 when it
-    does not apply (pre-Hopper device, channels-last or strided rows, unaligned, too long)."""
-    import cupy
-
-    if channels_last or tuple(strides[1:]) != (length, 1) or length % 4:
-        return 0
-    if strides[0] != (y.size // y.shape[0]) and y.shape[0] != 1:
-        return 0
-    if y.data.ptr % 16 or out.data.ptr % 16:
-        return 0
-    if int(cupy.cuda.Device().compute_capability) < 90:
-        return 0
-    chunk = -(-length // 32) * 4
-    for vpt in (4, 8, 16, 32):
-        if 512 * vpt >= chunk:
-            return vpt
-    return 0
-
-
 def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *,
                  channels_last: bool = False, bias=None, scale=None, clamp=None) -> None:
     """Softmax of ``rows`` = N * ``channels`` rows of ``length`` values, into contiguous ``out``.
@@ -60,19 +40,12 @@ def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *
     ``y`` is read through element ``strides`` (sn, sc, ss); ``channels_last`` picks the thread
     mapping (channel stride 1) and the tiled transposing apply. ``bias`` is added and
     ``clamp = (lo, hi)`` applied before the softmax; the result is multiplied by ``scale[c]``.
-    Contiguous rows of up to 131072 values on Hopper take the one-read cluster kernel;
-    otherwise a statistics pass and a normalize pass run. There, when ``hi - lo`` is small,
-    exp(v - hi) can neither overflow nor underflow, so the running maximum is skipped.
+    A statistics pass and a normalize pass run; when ``hi - lo`` is small, exp(v - hi) can
+    neither overflow nor underflow, so the statistics pass needs no running maximum.
     """
     lo, hi = clamp if clamp is not None else (0.0, 0.0)
     cp = str(clamp is not None).lower()
     f32, i32 = numpy.float32, numpy.int32
-    vpt = _cluster_values_per_thread(y, out, length, channels_last, strides)
-    if vpt:
-        get_kernel(_SOFTMAX, f"softmax_rows_cluster<{cp}, {vpt}>")(
-            (rows * 8,), (512,), (y, out, optional(bias), optional(scale), numpy.int64(length),
-                                  i32(channels), f32(lo), f32(hi)))
-        return
     n = rows // channels
     c_tiles = -(-channels // (32 if channels_last else 8))
     splits = split_count(n * c_tiles, length)
@@ -92,7 +65,7 @@ def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *
          coef[1]))
     if channels_last:
         get_kernel(_SOFTMAX, f"softmax_apply_transpose<{cp}>")(
-            (-(-length // 32), -(-channels // 32), n), (32, 8),
+            (-(-length // 128), -(-channels // 32), n), (32, 8),
             (y, out, optional(bias), coef[0], coef[1], numpy.int64(length), i32(channels), sn,
              ss, f32(lo), f32(hi)))
         return

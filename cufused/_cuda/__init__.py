@@ -13,8 +13,12 @@ import re
 
 KERNELS: dict[str, tuple[str, ...]] = {
     "pooling.cu": (
-        "pool_nd<true>",
-        "pool_nd<false>",
+        "pool_nd<true, 0, 0>",
+        "pool_nd<false, 0, 0>",
+        "pool_nd<true, 1, 2>",
+        "pool_nd<false, 1, 2>",
+        "pool_nd<true, 2, 2>",
+        "pool_nd<false, 2, 2>",
         "pool_extremum_stats<false, 0, false>",
         "pool_extremum_stats<false, 2, false>",
         "pool_extremum_stats<false, 2, true>",
@@ -55,14 +59,6 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "softmax_apply<true, 1>",
         "softmax_apply<true, 4>",
         "softmax_apply_transpose<true>",
-        "softmax_rows_cluster<false, 4>",
-        "softmax_rows_cluster<false, 8>",
-        "softmax_rows_cluster<false, 16>",
-        "softmax_rows_cluster<false, 32>",
-        "softmax_rows_cluster<true, 4>",
-        "softmax_rows_cluster<true, 8>",
-        "softmax_rows_cluster<true, 16>",
-        "softmax_rows_cluster<true, 32>",
     ),
 }
 

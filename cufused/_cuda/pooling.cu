@@ -3,11 +3,11 @@
 #include "common.cuh"
 
 // Max or average pooling of a contiguous (N, C, D, H, W) tensor (2-D pooling runs with
-// D = kd = sd = 1, pd = 0), one thread per output element in NCDHW order. The output is
-// written through strides so that pipeline C's average pool can hand the convolution a
-// channels-last tensor directly. Average pooling divides by the full window size
-// (count_include_pad, floor mode).
-template <bool IS_MAX>
+// D = kd = sd = 1, pd = 0), one thread per output element in NCDHW order, written through
+// output strides. Average pooling divides by the full window size (count_include_pad, floor
+// mode). KD, KHW > 0 fix a window with stride == kernel and no padding at compile time, so its
+// loads are unrolled and all in flight (pipeline C's 2x2x2 average pool); 0 means run time.
+template <bool IS_MAX, int KD, int KHW>
 __global__ void pool_nd(const float* __restrict__ x, float* __restrict__ y, index_t total, int C,
                         int id, int ih, int iw, int od, int oh, int ow,
                         int kd, int kh, int kw, int sd, int sh, int sw, int pd, int ph, int pw,
@@ -23,18 +23,34 @@ __global__ void pool_nd(const float* __restrict__ x, float* __restrict__ y, inde
         const int d_o = r / oh;
         const float* xp = x + plane * ((index_t)id * ih * iw);
         float acc = IS_MAX ? -INFINITY : 0.0f;
-        for (int a = 0; a < kd; ++a) {
-            const int d = d_o * sd - pd + a;
-            if (d < 0 || d >= id) continue;  // padding: -inf (max) or 0 (avg)
-            for (int b = 0; b < kh; ++b) {
-                const int h = h_o * sh - ph + b;
-                if (h < 0 || h >= ih) continue;
-                const float* row = xp + ((index_t)d * ih + h) * iw;
-                for (int c = 0; c < kw; ++c) {
-                    const int w = w_o * sw - pw + c;
-                    if (w < 0 || w >= iw) continue;
-                    const float v = __ldg(row + w);
-                    acc = IS_MAX ? nan_max(acc, v) : acc + v;
+        if (KD > 0 && KHW > 0) {
+            float v[KD > 0 && KHW > 0 ? KD * KHW * KHW : 1];
+#pragma unroll
+            for (int a = 0; a < (KD > 0 ? KD : 1); ++a)
+#pragma unroll
+                for (int b = 0; b < (KHW > 0 ? KHW : 1); ++b)
+#pragma unroll
+                    for (int c = 0; c < (KHW > 0 ? KHW : 1); ++c)
+                        v[(a * KHW + b) * KHW + c] =
+                            __ldg(xp + ((index_t)(d_o * KD + a) * ih + h_o * KHW + b) * iw
+                                  + w_o * KHW + c);
+#pragma unroll
+            for (int j = 0; j < (KD > 0 && KHW > 0 ? KD * KHW * KHW : 1); ++j)
+                acc = IS_MAX ? nan_max(acc, v[j]) : acc + v[j];
+        } else {
+            for (int a = 0; a < kd; ++a) {
+                const int d = d_o * sd - pd + a;
+                if (d < 0 || d >= id) continue;  // padding: -inf (max) or 0 (avg)
+                for (int b = 0; b < kh; ++b) {
+                    const int h = h_o * sh - ph + b;
+                    if (h < 0 || h >= ih) continue;
+                    const float* row = xp + ((index_t)d * ih + h) * iw;
+                    for (int c = 0; c < kw; ++c) {
+                        const int w = w_o * sw - pw + c;
+                        if (w < 0 || w >= iw) continue;
+                        const float v = __ldg(row + w);
+                        acc = IS_MAX ? nan_max(acc, v) : acc + v;
+                    }
                 }
             }
         }
@@ -100,49 +116,66 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
             s1 += d;
             s2 = fmaf(d, d, s2);
         };
-        for (int p = p_begin + lane; p < p_end; p += step) {
-            const int py = p / Wo;
-            const int px = p - py * Wo;
-            const int h0 = py * k, w0 = px * k;
-            float e = use_min ? INFINITY : -INFINITY;
-            if (K > 0) {
-                float v[K > 0 ? K * K : 1];
+        // U positions per iteration with all their window loads issued first: enough
+        // independent loads in flight to cover memory latency (a 2x2 window is only 4).
+        constexpr int KK = K > 0 ? K * K : 1;
+        constexpr int U = K == 2 ? 4 : 1;
+        for (int p0 = p_begin + lane; p0 < p_end; p0 += U * step) {
+            float v[U][KK];
 #pragma unroll
-                for (int a = 0; a < (K > 0 ? K : 1); ++a) {
-                    const float* row = plane + (h0 + a) * sh + w0 * sw;
+            for (int u = 0; u < U; ++u) {
+                const int p = min(p0 + u * step, p_end - 1);  // clamped: loads stay in bounds
+                const int py = p / Wo;
+                const int px = p - py * Wo;
+                if (K > 0) {
 #pragma unroll
-                    for (int j = 0; j < (K > 0 ? K : 1); j += (VEC2 ? 2 : 1)) {
-                        if (VEC2) {
-                            const float2 t = *reinterpret_cast<const float2*>(row + j);
-                            v[a * K + j] = t.x;
-                            v[a * K + j + 1] = t.y;
-                        } else {
-                            v[a * K + j] = row[j * sw];
+                    for (int a = 0; a < (K > 0 ? K : 1); ++a) {
+                        const float* row = plane + (py * k + a) * sh + (index_t)px * k * sw;
+#pragma unroll
+                        for (int j = 0; j < (K > 0 ? K : 1); j += (VEC2 ? 2 : 1)) {
+                            if (VEC2) {
+                                const float2 t = *reinterpret_cast<const float2*>(row + j);
+                                v[u][a * K + j] = t.x;
+                                v[u][a * K + j + 1] = t.y;
+                            } else {
+                                v[u][a * K + j] = row[j * sw];
+                            }
                         }
                     }
                 }
-#pragma unroll
-                for (int j = 0; j < (K > 0 ? K * K : 1); ++j) {
-                    take(v[j]);
-                    e = use_min ? nan_min(e, v[j]) : nan_max(e, v[j]);
-                }
-            } else {
-                for (int h = h0; h < h0 + k; ++h)
-                    for (int w = w0; w < w0 + k; ++w) {
-                        const float v = plane[h * sh + w * sw];
-                        take(v);
-                        e = use_min ? nan_min(e, v) : nan_max(e, v);
-                    }
             }
-            ext_plane[p] = e + b;
-            // The last window row / column also owns the rows / columns the pool drops.
-            const int w1 = (px == Wo - 1) ? W : w0 + k;
-            if (py == Ho - 1)
-                for (int h = h0 + k; h < H; ++h)
-                    for (int w = w0; w < w1; ++w) take(plane[h * sh + w * sw]);
-            if (px == Wo - 1)
-                for (int h = h0; h < h0 + k; ++h)
-                    for (int w = w0 + k; w < W; ++w) take(plane[h * sh + w * sw]);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int p = p0 + u * step;
+                if (p >= p_end) break;
+                const int py = p / Wo;
+                const int px = p - py * Wo;
+                const int h0 = py * k, w0 = px * k;
+                float e = use_min ? INFINITY : -INFINITY;
+                if (K > 0) {
+#pragma unroll
+                    for (int j = 0; j < KK; ++j) {
+                        take(v[u][j]);
+                        e = use_min ? nan_min(e, v[u][j]) : nan_max(e, v[u][j]);
+                    }
+                } else {
+                    for (int h = h0; h < h0 + k; ++h)
+                        for (int w = w0; w < w0 + k; ++w) {
+                            const float x = plane[h * sh + w * sw];
+                            take(x);
+                            e = use_min ? nan_min(e, x) : nan_max(e, x);
+                        }
+                }
+                ext_plane[p] = e + b;
+                // The last window row / column also owns the rows / columns the pool drops.
+                const int w1 = (px == Wo - 1) ? W : w0 + k;
+                if (py == Ho - 1)
+                    for (int h = h0 + k; h < H; ++h)
+                        for (int w = w0; w < w1; ++w) take(plane[h * sh + w * sw]);
+                if (px == Wo - 1)
+                    for (int h = h0; h < h0 + k; ++h)
+                        for (int w = w0 + k; w < W; ++w) take(plane[h * sh + w * sw]);
+            }
         }
     }
     if (CHANNELS_LAST) {  // reduce over the 8 position lanes of each channel column

@@ -125,17 +125,18 @@ __global__ void softmax_apply(const float* y, float* out, const float* __restric
 }
 
 // The same for a channels-last input y[n, s, c] (strides sn, 1 for c, ss), writing the
-// contiguous (N, C, S) output: a 32 x 32 shared-memory tile turns the transpose into
-// coalesced reads and writes. Grid (ceil(S / 32), ceil(C / 32), N), block (32, 8).
+// contiguous (N, C, S) output: a 128-position x 32-channel tile in shared memory turns the
+// transpose into coalesced reads and writes, with 16 loads per thread in flight.
+// Grid (ceil(S / 128), ceil(C / 32), N), block (32, 8).
 template <bool CLAMP>
 __global__ void softmax_apply_transpose(const float* __restrict__ y, float* __restrict__ out,
                                         const float* __restrict__ bias,
                                         const float* __restrict__ shift,
                                         const float* __restrict__ factor, index_t S, int C,
                                         index_t sn, index_t ss, float lo, float hi) {
-    __shared__ float tile[32][33];
+    __shared__ float tile[128][33];
     const index_t n = blockIdx.z;
-    const index_t p0 = (index_t)blockIdx.x * 32;
+    const index_t p0 = (index_t)blockIdx.x * 128;
     const int c0 = blockIdx.y * 32;
     {
         const int c = c0 + threadIdx.x;
@@ -143,114 +144,26 @@ __global__ void softmax_apply_transpose(const float* __restrict__ y, float* __re
             const index_t row = n * C + c;
             const float b = bias ? bias[c] : 0.0f;
             const float m = shift[row], f = factor[row];
-            for (int j = threadIdx.y; j < 32; j += 8) {
-                const index_t p = p0 + j;
-                if (p < S)
-                    tile[j][threadIdx.x] =
-                        expf(load_value<CLAMP>(y + n * sn + p * ss + c, b, lo, hi) - m) * f;
+            float v[16];
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                const index_t p = min(p0 + threadIdx.y + 8 * j, S - 1);  // in bounds
+                v[j] = load_value<CLAMP>(y + n * sn + p * ss + c, b, lo, hi);
             }
+#pragma unroll
+            for (int j = 0; j < 16; ++j) tile[threadIdx.y + 8 * j][threadIdx.x] = expf(v[j] - m) * f;
         }
     }
     __syncthreads();
-    const index_t p = p0 + threadIdx.x;
-    if (p < S) {
-        for (int j = threadIdx.y; j < 32; j += 8) {
-            const int c = c0 + j;
-            if (c < C) out[(n * C + c) * S + p] = tile[threadIdx.x][j];
-        }
-    }
-}
-
-// Thread-block clusters (sm_90): eight blocks of 512 threads share one (n, c) row of a
-// contiguous (N, C, S) tensor, S % 4 == 0 and S <= 8 * 512 * VPT. Each thread keeps its VPT
-// values in registers from the load to the store, so y is read once and out written once (the
-// three-pass path reads y twice). The blocks' (max, sum) pairs meet in distributed shared
-// memory. y may be out. Compiled for sm_80 too, where the host never launches it.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define CLUSTER_OF_8 __cluster_dims__(8, 1, 1)
-#else
-#define CLUSTER_OF_8
-#endif
-
-__device__ __forceinline__ void cluster_sync_all() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release.aligned;\n"
-                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
-#endif
-}
-
-// Read a float from the shared memory of block `rank` of this cluster.
-__device__ __forceinline__ float cluster_load(const float* smem, unsigned rank) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    unsigned local = (unsigned)__cvta_generic_to_shared(smem), remote;
-    float v;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-    return v;
-#else
-    return smem[0];
-#endif
-}
-
-template <bool CLAMP, int VPT>
-__global__ void CLUSTER_OF_8 __launch_bounds__(512)
-softmax_rows_cluster(const float* y, float* out, const float* __restrict__ bias,
-                     const float* __restrict__ scale, index_t S, int C, float lo, float hi) {
-    __shared__ float scratch[32];
-    __shared__ float pair[2];
-    const unsigned rank = blockIdx.x % 8;
-    const index_t row = blockIdx.x / 8;
-    const index_t chunk = ((S + 31) / 32) * 4;  // per block, a multiple of 4
-    const index_t begin = rank * chunk;
-    const index_t end = min(S, begin + chunk);
-    const float* src = y + row * S;
-    float* dst = out + row * S;
-    const float b = bias ? bias[row % C] : 0.0f;
-    float v[VPT];
 #pragma unroll
-    for (int j = 0; j < VPT / 4; ++j) {
-        const index_t i = begin + ((index_t)j * 512 + threadIdx.x) * 4;
-        float4 t = make_float4(-INFINITY, -INFINITY, -INFINITY, -INFINITY);
-        if (i < end) t = *reinterpret_cast<const float4*>(src + i);
-        v[4 * j] = t.x; v[4 * j + 1] = t.y; v[4 * j + 2] = t.z; v[4 * j + 3] = t.w;
-    }
-    float m = -INFINITY;
+    for (int t = 0; t < 4; ++t) {
+        const index_t p = p0 + t * 32 + threadIdx.x;
+        if (p < S) {
 #pragma unroll
-    for (int j = 0; j < VPT; ++j) {
-        const index_t i = begin + ((index_t)(j / 4) * 512 + threadIdx.x) * 4 + (j % 4);
-        if (i < end) v[j] = load_value<CLAMP>(&v[j], b, lo, hi);
-        m = nan_max(m, v[j]);
-    }
-    // Block max (NaN-propagating), then the block's sum of exp(v - max).
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1)
-        m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, offset));
-    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = m;
-    __syncthreads();
-    m = scratch[0];
-    for (int w = 1; w < 16; ++w) m = nan_max(m, scratch[w]);
-    float s = 0.0f;
-#pragma unroll
-    for (int j = 0; j < VPT; ++j) s += (v[j] == -INFINITY) ? 0.0f : expf(v[j] - m);
-    s = block_sum(s, scratch);
-    if (threadIdx.x == 0) { pair[0] = m; pair[1] = s; }
-    cluster_sync_all();
-    float gm = -INFINITY, gs = 0.0f;
-    for (unsigned r = 0; r < 8; ++r)
-        softmax_merge(gm, gs, cluster_load(&pair[0], r), cluster_load(&pair[1], r));
-    cluster_sync_all();  // no block may leave while another still reads its pair
-    if (gm == INFINITY || gm != gm) gs = NAN;  // +inf or NaN in the row: all NaN, as PyTorch
-    const float f = (scale ? scale[row % C] : 1.0f) / gs;
-#pragma unroll
-    for (int j = 0; j < VPT / 4; ++j) {
-        const index_t i = begin + ((index_t)j * 512 + threadIdx.x) * 4;
-        if (i < end) {
-            float4 t;
-            t.x = expf(v[4 * j] - gm) * f;
-            t.y = expf(v[4 * j + 1] - gm) * f;
-            t.z = expf(v[4 * j + 2] - gm) * f;
-            t.w = expf(v[4 * j + 3] - gm) * f;
-            *reinterpret_cast<float4*>(dst + i) = t;
+            for (int j = threadIdx.y; j < 32; j += 8) {
+                const int c = c0 + j;
+                if (c < C) out[(n * C + c) * S + p] = tile[t * 32 + threadIdx.x][j];
+            }
         }
     }
 }
