@@ -31,6 +31,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "layout.cu": (
         "transpose_batched<false>",
         "transpose_batched<true>",
+        "nchw_to_nhwc8",
     ),
     "normalization.cu": (
         "key_stats_partial",

@@ -157,16 +157,23 @@ __global__ void group_norm_rows(const float* x, float* y, const float* __restric
     float* yr = y + row * len;
     const float shift = PRE == ACT_TANH ? tanhf(fmaf(pre_a[c0], xr[0], pre_b[c0])) : xr[0];
     float s1 = 0.0f, s2 = 0.0f;
-    for (int i = threadIdx.x; i < len; i += blockDim.x) {
-        float v = xr[i];
-        if (PRE == ACT_TANH) {
-            const int c = c0 + i / HW;
-            v = tanhf(fmaf(pre_a[c], v, pre_b[c]));
+    for (int i0 = threadIdx.x; i0 < len; i0 += 4 * blockDim.x) {
+        float v[4];  // four independent loads in flight before any is used
+#pragma unroll
+        for (int u = 0; u < 4; ++u) v[u] = xr[min(i0 + u * (int)blockDim.x, len - 1)];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int i = i0 + u * blockDim.x;
+            if (i >= len) break;
+            if (PRE == ACT_TANH) {
+                const int c = c0 + i / HW;
+                v[u] = tanhf(fmaf(pre_a[c], v[u], pre_b[c]));
+            }
+            if (CACHE) cache[i] = v[u];
+            const float d = v[u] - shift;
+            s1 += d;
+            s2 = fmaf(d, d, s2);
         }
-        if (CACHE) cache[i] = v;
-        const float d = v - shift;
-        s1 += d;
-        s2 = fmaf(d, d, s2);
     }
     s1 = block_sum(s1, scratch);
     s2 = block_sum(s2, scratch);

@@ -82,76 +82,75 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
                                     int C, int H, int W, int k_runtime, int Ho, int Wo, int splits,
                                     int c_tiles, index_t sn, index_t sc, index_t sh, index_t sw,
                                     int shift_group, int shift_per_sample) {
+    // U positions per iteration, all their window loads issued before any is used: enough
+    // independent loads in flight to cover memory latency (a 2x2 window is only 4 values).
+    constexpr int KK = K > 0 ? K * K : 1;
+    constexpr int U = K == 2 ? (CHANNELS_LAST ? 4 : 8) : 1;
+    constexpr int STEP = CHANNELS_LAST ? 8 : 32;
+    constexpr int SPAN = U * STEP;
     __shared__ float red[2][8][33];
+    __shared__ float stage[CHANNELS_LAST ? SPAN : 1][33];
     const int k = K > 0 ? K : k_runtime;
     const int split = blockIdx.x % splits;
     const int tile = (blockIdx.x / splits) % c_tiles;
     const index_t n = blockIdx.x / ((index_t)splits * c_tiles);
     const int c = CHANNELS_LAST ? tile * 32 + threadIdx.x : tile * 8 + threadIdx.y;
+    const bool active = c < C;
+    const int cc = active ? c : C - 1;  // idle lanes of a partial tile read a valid channel
     const int lane = CHANNELS_LAST ? threadIdx.y : threadIdx.x;
-    const int step = CHANNELS_LAST ? 8 : 32;
     const int P = Ho * Wo;
     const int chunk = (P + splits - 1) / splits;
     const int p_begin = split * chunk;
     const int p_end = min(P, p_begin + chunk);
 
+    const float b = bias ? bias[cc] : 0.0f;
+    const int c_first = (cc / shift_group) * shift_group;
+    const float shift = y[(shift_per_sample ? n : 0) * sn + c_first * sc]
+                        + (bias ? bias[c_first] : 0.0f);
+    if (active && split == 0 && c == c_first && lane == 0 && (shift_per_sample || n == 0))
+        shift_out[shift_per_sample ? n * (C / shift_group) + c / shift_group : c / shift_group] =
+            shift;
+    const bool use_min = (sign_a ? sign_a[cc] : 1.0f) * (sign_b ? sign_b[cc] : 1.0f) < 0.0f;
+    const float* plane = y + n * sn + cc * sc;
     float s1 = 0.0f, s2 = 0.0f;
-    if (c < C) {
-        const float b = bias ? bias[c] : 0.0f;
-        const int c_first = (c / shift_group) * shift_group;
-        const float shift = y[(shift_per_sample ? n : 0) * sn + c_first * sc]
-                            + (bias ? bias[c_first] : 0.0f);
-        if (split == 0 && c == c_first && lane == 0 && (shift_per_sample || n == 0)) {
-            const index_t row = shift_per_sample ? n * (C / shift_group) + c / shift_group
-                                                 : c / shift_group;
-            shift_out[row] = shift;
-        }
-        const float sa = sign_a ? sign_a[c] : 1.0f;
-        const float sb = sign_b ? sign_b[c] : 1.0f;
-        const bool use_min = sa * sb < 0.0f;
-        const float* plane = y + n * sn + c * sc;
-        float* ext_plane = ext + (n * C + c) * (index_t)P;
-        auto take = [&](float v) {
-            const float d = v + b - shift;
-            s1 += d;
-            s2 = fmaf(d, d, s2);
-        };
-        // U positions per iteration with all their window loads issued first: enough
-        // independent loads in flight to cover memory latency (a 2x2 window is only 4).
-        constexpr int KK = K > 0 ? K * K : 1;
-        constexpr int U = K == 2 ? 4 : 1;
-        for (int p0 = p_begin + lane; p0 < p_end; p0 += U * step) {
-            float v[U][KK];
+    auto take = [&](float v) {
+        const float d = v + b - shift;
+        s1 += d;
+        s2 = fmaf(d, d, s2);
+    };
+    for (int base = p_begin; base < p_end; base += SPAN) {  // same trip count for the block
+        float v[U][KK];
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int p = min(p0 + u * step, p_end - 1);  // clamped: loads stay in bounds
-                const int py = p / Wo;
-                const int px = p - py * Wo;
-                if (K > 0) {
+        for (int u = 0; u < U; ++u) {
+            const int p = min(base + lane + u * STEP, p_end - 1);  // clamped: loads in bounds
+            const int py = p / Wo;
+            const int px = p - py * Wo;
+            if (K > 0) {
 #pragma unroll
-                    for (int a = 0; a < (K > 0 ? K : 1); ++a) {
-                        const float* row = plane + (py * k + a) * sh + (index_t)px * k * sw;
+                for (int a = 0; a < (K > 0 ? K : 1); ++a) {
+                    const float* row = plane + (py * k + a) * sh + (index_t)px * k * sw;
 #pragma unroll
-                        for (int j = 0; j < (K > 0 ? K : 1); j += (VEC2 ? 2 : 1)) {
-                            if (VEC2) {
-                                const float2 t = *reinterpret_cast<const float2*>(row + j);
-                                v[u][a * K + j] = t.x;
-                                v[u][a * K + j + 1] = t.y;
-                            } else {
-                                v[u][a * K + j] = row[j * sw];
-                            }
+                    for (int j = 0; j < (K > 0 ? K : 1); j += (VEC2 ? 2 : 1)) {
+                        if (VEC2) {
+                            const float2 t = *reinterpret_cast<const float2*>(row + j);
+                            v[u][a * K + j] = t.x;
+                            v[u][a * K + j + 1] = t.y;
+                        } else {
+                            v[u][a * K + j] = row[j * sw];
                         }
                     }
                 }
             }
+        }
+        float e_out[U];
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const int p = p0 + u * step;
-                if (p >= p_end) break;
+        for (int u = 0; u < U; ++u) {
+            const int p = base + lane + u * STEP;
+            float e = use_min ? INFINITY : -INFINITY;
+            if (active && p < p_end) {
                 const int py = p / Wo;
                 const int px = p - py * Wo;
                 const int h0 = py * k, w0 = px * k;
-                float e = use_min ? INFINITY : -INFINITY;
                 if (K > 0) {
 #pragma unroll
                     for (int j = 0; j < KK; ++j) {
@@ -166,7 +165,6 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
                             e = use_min ? nan_min(e, x) : nan_max(e, x);
                         }
                 }
-                ext_plane[p] = e + b;
                 // The last window row / column also owns the rows / columns the pool drops.
                 const int w1 = (px == Wo - 1) ? W : w0 + k;
                 if (py == Ho - 1)
@@ -175,20 +173,36 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
                 if (px == Wo - 1)
                     for (int h = h0; h < h0 + k; ++h)
                         for (int w = w0 + k; w < W; ++w) take(plane[h * sh + w * sw]);
+                if (!CHANNELS_LAST) ext[(n * C + c) * (index_t)P + p] = e + b;
             }
+            e_out[u] = e + b;
+        }
+        if (CHANNELS_LAST) {
+            // Lanes hold 32 channels of one position: stage the block's SPAN x 32 extrema in
+            // shared memory and write them position-contiguous (scattered 4-byte writes would
+            // bottleneck the L2).
+#pragma unroll
+            for (int u = 0; u < U; ++u) stage[threadIdx.y + u * STEP][threadIdx.x] = e_out[u];
+            __syncthreads();
+            for (int i = threadIdx.y * 32 + threadIdx.x; i < 32 * SPAN; i += 256) {
+                const int ch = i / SPAN, q = i - ch * SPAN;
+                const int cg = tile * 32 + ch, p = base + q;
+                if (cg < C && p < p_end) ext[(n * C + cg) * (index_t)P + p] = stage[q][ch];
+            }
+            __syncthreads();
         }
     }
     if (CHANNELS_LAST) {  // reduce over the 8 position lanes of each channel column
         red[0][threadIdx.y][threadIdx.x] = s1;
         red[1][threadIdx.y][threadIdx.x] = s2;
         __syncthreads();
-        if (threadIdx.y == 0 && c < C) {
+        if (threadIdx.y == 0 && active) {
             for (int j = 1; j < 8; ++j) { s1 += red[0][j][threadIdx.x]; s2 += red[1][j][threadIdx.x]; }
             partial[(n * C + c) * splits + split] = make_float2(s1, s2);
         }
     } else {  // a warp is one channel's 32 position lanes
         s1 = warp_sum(s1);
         s2 = warp_sum(s2);
-        if (threadIdx.x == 0 && c < C) partial[(n * C + c) * splits + split] = make_float2(s1, s2);
+        if (threadIdx.x == 0 && active) partial[(n * C + c) * splits + split] = make_float2(s1, s2);
     }
 }
