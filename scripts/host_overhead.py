@@ -29,6 +29,9 @@ def main():
     conv = lambda: cufused.conv_transpose2d(g["x"], g["weight"], padding=1)  # noqa: E731
     pipe = lambda: case.run_cufused(inputs, precision="ieee")  # noqa: E731
     print(f"conv_transpose2d host: {host_us(conv):.0f} us/call")
+    from cufused import _cudnn
+
+    print("direct cuDNN backend call in use:", [bool(p._direct) for p in _cudnn._plans.values()])
     print(f"pipeline B host: {host_us(pipe):.0f} us/call")
     prof = cProfile.Profile()
     prof.enable()
