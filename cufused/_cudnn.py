@@ -136,7 +136,10 @@ def transpose_channels(src, dst, *, to_channels_last: bool, bias=None) -> None:
     a, b = (c, s) if to_channels_last else (s, c)
     if src.size == 0:
         return
-    if to_channels_last and c % 8 == 0 and src.data.ptr % 16 == 0 and dst.data.ptr % 16 == 0:
+    # Few channels idle most of a 32 x 32 tile: gather 8 channels per thread instead (measured
+    # faster for C = 8, slower for C >= 32).
+    if (to_channels_last and c in (8, 16) and src.data.ptr % 16 == 0
+            and dst.data.ptr % 16 == 0):
         launch_1d(get_kernel("layout.cu", "nchw_to_nhwc8"), n * (c // 8) * s,
                   (src, dst, numpy.int64(n), numpy.int32(c), numpy.int64(s)))
         return

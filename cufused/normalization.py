@@ -22,7 +22,7 @@ __all__ = ["group_norm", "batch_norm"]
 ACTIVATIONS = {None: 0, "tanh": 1}
 _NORM = "normalization.cu"
 # Rows up to this many float32 values stay in shared memory between the two passes.
-_ROW_CACHE_BYTES = 48 * 1024
+ROW_CACHE_BYTES = 48 * 1024
 # Aim for at least this many blocks in a split reduction.
 _TARGET_BLOCKS = 2048
 
@@ -57,7 +57,7 @@ def _group_norm_gpu(cupy, x, num_groups, weight, bias, eps, out):
     hw = x.size // (n * c)
     length = (c // num_groups) * hw
     rows = n * num_groups
-    if length * 4 <= _ROW_CACHE_BYTES:
+    if length * 4 <= ROW_CACHE_BYTES:
         kernel = get_kernel(_NORM, "group_norm_rows<0, true>")
         kernel((rows,), (256,), (x, out, numpy.uint64(0), numpy.uint64(0), optional(weight),
                                  optional(bias), numpy.int32(c), numpy.int32(num_groups),

@@ -34,8 +34,8 @@ from ._cuda import get_kernel, optional
 from ._precision import resolve_precision
 from .convolution import (check_conv_args, conv2d, conv_on_gpu, conv_transpose2d,
                           conv_transpose3d, gpu_conv_layout)
-from .normalization import (_affine_apply, batch_norm, bn_coefficients, check_num_groups,
-                            check_running_buffer, group_norm, split_count)
+from .normalization import (ROW_CACHE_BYTES, _affine_apply, batch_norm, bn_coefficients,
+                            check_num_groups, check_running_buffer, group_norm, split_count)
 from .pooling import avg_pool3d, check_pool_args, max_pool2d, pool_into
 from .softmax import softmax, softmax_rows
 
@@ -46,7 +46,6 @@ __all__ = [
 ]
 
 METHODS = ("fused", "unfused")
-_ROW_CACHE_BYTES = 48 * 1024
 
 
 def _check_method(method: str) -> None:
@@ -345,7 +344,7 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
                            mean_offset=conv_bias)
     hw = pooled[0] * pooled[1]
     row_bytes = (c // num_groups) * hw * 4
-    cache = row_bytes <= _ROW_CACHE_BYTES
+    cache = row_bytes <= ROW_CACHE_BYTES
     kernel = get_kernel("normalization.cu", f"group_norm_rows<1, {str(cache).lower()}>")
     kernel((shape[0] * num_groups,), (256,),
            (out, out, coef[0], coef[1], optional(gn_weight), optional(gn_bias), numpy.int32(c),

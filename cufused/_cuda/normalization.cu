@@ -138,6 +138,15 @@ __global__ void channel_affine(const float* x, float* y, const float* __restrict
     }
 }
 
+// i / hw without an integer division: a float estimate, then corrected (one step at most for
+// i < 2**24, a few beyond).
+__device__ __forceinline__ int channel_of(int i, int hw, float inv_hw) {
+    int q = __float2int_rz((float)i * inv_hw);
+    while (q * hw > i) --q;
+    while ((q + 1) * hw <= i) ++q;
+    return q;
+}
+
 // GroupNorm with one block per (n, g) row of a contiguous (N, C, HW) tensor; the row is
 // Cg * HW contiguous values. PRE = ACT_TANH first maps each value to tanh(pre_a[c] * x + pre_b[c])
 // (pipeline B's BatchNorm affine + tanh on the pooled extremum). With CACHE the transformed row
@@ -156,6 +165,7 @@ __global__ void group_norm_rows(const float* x, float* y, const float* __restric
     const float* xr = x + row * len;
     float* yr = y + row * len;
     const float shift = PRE == ACT_TANH ? tanhf(fmaf(pre_a[c0], xr[0], pre_b[c0])) : xr[0];
+    const float inv_hw = 1.0f / HW;
     float s1 = 0.0f, s2 = 0.0f;
     for (int i0 = threadIdx.x; i0 < len; i0 += 4 * blockDim.x) {
         float v[4];  // four independent loads in flight before any is used
@@ -166,7 +176,7 @@ __global__ void group_norm_rows(const float* x, float* y, const float* __restric
             const int i = i0 + u * blockDim.x;
             if (i >= len) break;
             if (PRE == ACT_TANH) {
-                const int c = c0 + i / HW;
+                const int c = c0 + channel_of(i, HW, inv_hw);
                 v[u] = tanhf(fmaf(pre_a[c], v[u], pre_b[c]));
             }
             if (CACHE) cache[i] = v[u];
@@ -181,7 +191,7 @@ __global__ void group_norm_rows(const float* x, float* y, const float* __restric
     const float mean = shift + m1;
     const float rstd = rsqrtf(fmaxf(s2 / len - m1 * m1, 0.0f) + eps);
     for (int i = threadIdx.x; i < len; i += blockDim.x) {
-        const int c = c0 + i / HW;
+        const int c = c0 + channel_of(i, HW, inv_hw);
         float v;
         if (CACHE) {
             v = cache[i];

@@ -85,7 +85,7 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
     // U positions per iteration, all their window loads issued before any is used: enough
     // independent loads in flight to cover memory latency (a 2x2 window is only 4 values).
     constexpr int KK = K > 0 ? K * K : 1;
-    constexpr int U = K == 2 ? (CHANNELS_LAST ? 4 : 8) : 1;
+    constexpr int U = K == 2 ? 4 : (K == 4 && CHANNELS_LAST ? 2 : 1);
     constexpr int STEP = CHANNELS_LAST ? 8 : 32;
     constexpr int SPAN = U * STEP;
     __shared__ float red[2][8][33];
