@@ -65,7 +65,7 @@ def _pool(nd: int, is_max: bool, x, kernel_size, stride, padding, out):
                                                         padding)
     shape = x.shape[:2] + out_size
     check_out(out, shape, x.dtype, xp, x)
-    if xp is numpy:
+    if xp is numpy and x.size:  # an empty batch falls through to the empty result below
         fn = reference.max_pool if is_max else reference.avg_pool
         return finish_numpy(fn(x, kernel, stride, padding), x.dtype, out)
     if out is None:

@@ -1,0 +1,334 @@
+"""The float64 NumPy reference against PyTorch CPU (float64), the independent oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cufused
+
+from conftest import assert_close, mixed, rel_err
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+TOL = 1e-10
+
+
+def t(a):
+    return None if a is None else torch.from_numpy(np.asarray(a, dtype=np.float64))
+
+
+# ------------------------------------------------------------------------------ convolutions
+
+CONV2D = [
+    ((2, 3, 9, 11), (4, 3, 3, 3), {}),
+    ((1, 1, 5, 5), (1, 1, 1, 1), {}),
+    ((3, 4, 13, 7), (6, 2, 3, 2), dict(groups=2, stride=(2, 1), padding=(1, 0))),
+    ((2, 6, 17, 19), (9, 2, 5, 3), dict(groups=3, dilation=(2, 1), padding=2)),
+    ((1, 5, 8, 8), (5, 1, 3, 3), dict(groups=5, stride=3, padding=1)),
+    ((4, 2, 7, 11), (3, 2, 7, 11), {}),
+    ((2, 3, 31, 29), (7, 3, 4, 4), dict(stride=2, padding=3, dilation=2)),
+]
+
+
+@pytest.mark.parametrize("xs,ws,opts", CONV2D)
+def test_conv2d(rng, xs, ws, opts):
+    x, w, b = rng.standard_normal(xs), rng.standard_normal(ws), rng.standard_normal(ws[0])
+    got = cufused.conv2d(x, w, b, **opts)
+    ref = F.conv2d(t(x), t(w), t(b), **opts).numpy()
+    assert rel_err(got, ref) < TOL
+
+
+CONV3D = [
+    ((2, 3, 5, 6, 7), (4, 3, 3, 3, 3), {}),
+    ((1, 4, 7, 5, 6), (6, 2, 2, 3, 1), dict(groups=2, stride=(1, 2, 1), padding=(1, 0, 1))),
+    ((2, 2, 9, 9, 9), (3, 2, 3, 3, 3), dict(dilation=2, stride=2)),
+]
+
+
+@pytest.mark.parametrize("xs,ws,opts", CONV3D)
+def test_conv3d(rng, xs, ws, opts):
+    x, w = rng.standard_normal(xs), rng.standard_normal(ws)
+    got = cufused.conv3d(x, w, **opts)
+    assert rel_err(got, F.conv3d(t(x), t(w), **opts).numpy()) < TOL
+
+
+CONVT2D = [
+    ((2, 3, 5, 7), (3, 4, 3, 3), {}),
+    ((512 // 256, 64 // 16, 8, 8), (4, 8, 5, 5), dict(stride=1, padding=1)),
+    ((2, 4, 6, 5), (4, 3, 3, 4), dict(stride=(2, 3), padding=(1, 0), output_padding=(1, 2))),
+    ((1, 6, 4, 4), (6, 2, 3, 3), dict(groups=3, stride=2, output_padding=1)),
+    ((3, 2, 7, 3), (2, 5, 2, 2), dict(stride=2, dilation=3, output_padding=2)),
+    ((1, 1, 1, 1), (1, 1, 1, 1), {}),
+    ((2, 3, 5, 6), (3, 2, 5, 5), dict(padding=2, dilation=(1, 2))),
+]
+
+
+@pytest.mark.parametrize("xs,ws,opts", CONVT2D)
+def test_conv_transpose2d(rng, xs, ws, opts):
+    x, w = rng.standard_normal(xs), rng.standard_normal(ws)
+    b = rng.standard_normal(ws[1] * opts.get("groups", 1))
+    got = cufused.conv_transpose2d(x, w, b, **opts)
+    assert rel_err(got, F.conv_transpose2d(t(x), t(w), t(b), **opts).numpy()) < TOL
+
+
+CONVT3D = [
+    ((2, 3, 3, 4, 5), (3, 4, 3, 3, 3), dict(stride=2, padding=1, output_padding=1)),
+    ((1, 4, 2, 3, 2), (4, 2, 2, 3, 2), dict(groups=2, stride=(1, 2, 3), output_padding=(0, 1, 2))),
+    ((2, 2, 3, 3, 3), (2, 3, 3, 3, 3), dict(dilation=2, padding=2)),
+]
+
+
+@pytest.mark.parametrize("xs,ws,opts", CONVT3D)
+def test_conv_transpose3d(rng, xs, ws, opts):
+    x, w = rng.standard_normal(xs), rng.standard_normal(ws)
+    got = cufused.conv_transpose3d(x, w, **opts)
+    assert rel_err(got, F.conv_transpose3d(t(x), t(w), **opts).numpy()) < TOL
+
+
+# ---------------------------------------------------------------------------- normalization
+
+
+@pytest.mark.parametrize("shape,groups", [((2, 6, 5, 7), 3), ((3, 8, 11), 8), ((1, 4, 2, 3, 5), 1),
+                                          ((5, 12, 1, 1), 4), ((2, 7), 7)])
+@pytest.mark.parametrize("affine", [False, True])
+def test_group_norm(rng, shape, groups, affine):
+    x = rng.standard_normal(shape) * 3 + 2
+    w, b = (mixed(rng, shape[1]), rng.standard_normal(shape[1])) if affine else (None, None)
+    got = cufused.group_norm(x, groups, w, b, eps=1e-3)
+    assert rel_err(got, F.group_norm(t(x), groups, t(w), t(b), eps=1e-3).numpy()) < TOL
+
+
+def test_group_norm_mean_much_larger_than_std(rng):
+    x = 1e6 + rng.standard_normal((2, 4, 8, 8))
+    got = cufused.group_norm(x, 2)
+    assert rel_err(got, F.group_norm(t(x), 2).numpy()) < 1e-8
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("shape", [(4, 3, 5, 6), (7, 5), (2, 3, 2, 3, 4)])
+@pytest.mark.parametrize("activation", [None, "tanh"])
+def test_batch_norm(rng, training, shape, activation):
+    c = shape[1]
+    x = rng.standard_normal(shape) * 2 - 1
+    w, b = mixed(rng, c), rng.standard_normal(c)
+    rm, rv = rng.standard_normal(c), rng.uniform(0.5, 2, c)
+    rm_t, rv_t = t(rm.copy()), t(rv.copy())
+    got = cufused.batch_norm(x, w, b, running_mean=rm, running_var=rv, training=training,
+                             momentum=0.2, eps=1e-4, activation=activation)
+    ref = F.batch_norm(t(x), rm_t, rv_t, t(w), t(b), training=training, momentum=0.2, eps=1e-4)
+    if activation:
+        ref = torch.tanh(ref)
+    assert rel_err(got, ref.numpy()) < TOL
+    assert rel_err(rm, rm_t.numpy()) < TOL and rel_err(rv, rv_t.numpy()) < TOL
+
+
+def test_batch_norm_without_running_stats_leaves_nothing_to_update(rng):
+    x = rng.standard_normal((3, 2, 4))
+    got = cufused.batch_norm(x)
+    assert rel_err(got, F.batch_norm(t(x), None, None, training=True).numpy()) < TOL
+
+
+# ---------------------------------------------------------------------------------- pooling
+
+POOL2D = [((2, 3, 8, 8), dict(kernel_size=2)), ((1, 2, 9, 7), dict(kernel_size=3, stride=2, padding=1)),
+          ((2, 1, 11, 13), dict(kernel_size=(2, 3), stride=(1, 2))), ((1, 1, 5, 5), dict(kernel_size=5))]
+POOL3D = [((2, 2, 4, 6, 8), dict(kernel_size=2)), ((1, 3, 7, 5, 6), dict(kernel_size=3, stride=2, padding=1))]
+
+
+@pytest.mark.parametrize("xs,opts", POOL2D)
+@pytest.mark.parametrize("kind", ["max", "avg"])
+def test_pool2d(rng, xs, opts, kind):
+    x = rng.standard_normal(xs)
+    got = getattr(cufused, f"{kind}_pool2d")(x, **opts)
+    ref = getattr(F, f"{kind}_pool2d")(t(x), **opts).numpy()
+    assert rel_err(got, ref) < TOL
+
+
+@pytest.mark.parametrize("xs,opts", POOL3D)
+@pytest.mark.parametrize("kind", ["max", "avg"])
+def test_pool3d(rng, xs, opts, kind):
+    x = rng.standard_normal(xs)
+    got = getattr(cufused, f"{kind}_pool3d")(x, **opts)
+    ref = getattr(F, f"{kind}_pool3d")(t(x), **opts).numpy()
+    assert rel_err(got, ref) < TOL
+
+
+def test_max_pool_propagates_nan(rng):
+    x = rng.standard_normal((1, 2, 6, 6))
+    x[0, 1, 2, 3] = np.nan
+    got = cufused.max_pool2d(x, 2)
+    ref = F.max_pool2d(t(x), 2).numpy()
+    assert np.array_equal(np.isnan(got), np.isnan(ref)) and np.isnan(got[0, 1, 1, 1])
+    assert np.allclose(got[~np.isnan(ref)], ref[~np.isnan(ref)], rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------- softmax
+
+
+@pytest.mark.parametrize("shape,axis", [((3, 4), -1), ((2, 3, 5), 1), ((2, 3, 4, 5, 6), (2, 3, 4)),
+                                        ((4, 3, 2), (0, 2)), ((7,), 0)])
+def test_softmax(rng, shape, axis):
+    x = 20 * rng.standard_normal(shape)
+    got = cufused.softmax(x, axis)
+    axes = (axis,) if isinstance(axis, int) else axis
+    xt = t(x)
+    # PyTorch's softmax takes one dim: move the axes to the end and flatten them.
+    kept = [a for a in range(x.ndim) if a not in [a % x.ndim for a in axes]]
+    perm = kept + [a % x.ndim for a in axes]
+    moved = xt.permute(perm)
+    ref = torch.softmax(moved.reshape(*moved.shape[:len(kept)], -1), dim=-1).reshape(moved.shape)
+    ref = ref.permute(list(np.argsort(perm))).numpy()
+    assert rel_err(got, ref) < TOL
+
+
+# -------------------------------------------------------------------------------- pipelines
+
+
+def torch_a(x, w, cb, gw, gb, scale, *, num_groups, pool_kernel, clamp_min, clamp_max, stride=1,
+            padding=0, eps=1e-5):
+    y = F.conv2d(t(x), t(w), t(cb), stride=stride, padding=padding)
+    y = F.group_norm(y, num_groups, t(gw), t(gb), eps=eps) * t(scale).reshape(1, -1, 1, 1)
+    return torch.clamp(F.max_pool2d(y, pool_kernel), clamp_min, clamp_max).numpy()
+
+
+def args_a(rng, n=2, cin=3, h=14, w=11, cout=8, k=3, groups=4, pool=2, positive=False):
+    x = rng.random((n, cin, h, w))
+    wt = rng.standard_normal((cout, cin, k, k))
+    cb = rng.standard_normal(cout)
+    gw = rng.random(cout) if positive else mixed(rng, cout)
+    gb = rng.standard_normal(cout)
+    scale = (rng.random(cout) if positive else mixed(rng, cout)).reshape(cout, 1, 1)
+    return (x, wt, cb, gw, gb, scale), dict(num_groups=groups, pool_kernel=pool,
+                                            clamp_min=-0.4, clamp_max=0.6)
+
+
+@pytest.mark.parametrize("positive", [False, True])
+@pytest.mark.parametrize("geometry", [dict(), dict(n=1, h=13, w=17, pool=3, groups=2),
+                                      dict(n=3, cin=1, cout=4, groups=1, k=1, pool=4),
+                                      dict(stride=2, padding=1)])
+def test_pipeline_a(rng, positive, geometry):
+    conv_opts = {k: geometry.pop(k) for k in ("stride", "padding") if k in geometry}
+    arrays, opts = args_a(rng, positive=positive, **geometry)
+    got = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts, **conv_opts)
+    assert rel_err(got, torch_a(*arrays, **opts, **conv_opts)) < TOL
+
+
+def test_pipeline_a_statistics_include_rows_the_pool_drops(rng):
+    # 126 x 126 conv output, pool 4 -> 31 x 31: rows/cols 124-125 are dropped by the pool but
+    # count in the GroupNorm statistics. Changing only what feeds them must change the result.
+    arrays, opts = args_a(rng, n=1, cin=2, h=128, w=128, cout=4, groups=2, pool=4)
+    base = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts)
+    x = arrays[0].copy()
+    x[:, :, 126:, :] += 10.0
+    moved = cufused.conv2d_groupnorm_scale_maxpool_clamp(x, *arrays[1:], **opts)
+    assert rel_err(moved, torch_a(x, *arrays[1:], **opts)) < TOL
+    assert not np.allclose(base, moved)
+
+
+def torch_b(x, w, bw, bb, gw, gb, *, num_groups, stride=1, padding=0, output_padding=0,
+            groups=1, conv_bias=None, pool_kernel=2, eps=1e-5, running_mean=None,
+            running_var=None, momentum=0.1):
+    y = F.conv_transpose2d(t(x), t(w), t(conv_bias), stride=stride, padding=padding,
+                           output_padding=output_padding, groups=groups)
+    y = torch.tanh(F.batch_norm(y, running_mean, running_var, t(bw), t(bb), training=True,
+                                momentum=momentum, eps=eps))
+    return F.group_norm(F.max_pool2d(y, pool_kernel, pool_kernel), num_groups, t(gw), t(gb),
+                        eps=eps).numpy()
+
+
+def args_b(rng, n=3, cin=4, h=6, w=5, cout=8, k=3, conv_groups=1):
+    x = rng.random((n, cin, h, w))
+    wt = rng.standard_normal((cin, cout // conv_groups, k, k))
+    return (x, wt, mixed(rng, cout), rng.standard_normal(cout), mixed(rng, cout),
+            rng.standard_normal(cout))
+
+
+@pytest.mark.parametrize("opts", [dict(num_groups=2), dict(num_groups=4, stride=2, padding=1, output_padding=1),
+                                  dict(num_groups=8, groups=2, pool_kernel=3),
+                                  dict(num_groups=1, eps=1e-3, momentum=0.5)])
+def test_pipeline_b(rng, opts):
+    arrays = args_b(rng, conv_groups=opts.get("groups", 1))
+    cb = rng.standard_normal(8)
+    rm, rv = rng.standard_normal(8), rng.uniform(0.5, 2, 8)
+    rm_t, rv_t = t(rm.copy()), t(rv.copy())
+    got = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        *arrays, **opts, conv_bias=cb, running_mean=rm, running_var=rv)
+    ref = torch_b(*arrays, **opts, conv_bias=cb, running_mean=rm_t, running_var=rv_t)
+    assert rel_err(got, ref) < TOL
+    assert rel_err(rm, rm_t.numpy()) < TOL and rel_err(rv, rv_t.numpy()) < TOL
+
+
+def test_pipeline_b_conv_bias_cancels_but_moves_running_mean(rng):
+    arrays = args_b(rng)
+    rm0, rm1 = np.zeros(8), np.zeros(8)
+    out0 = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(*arrays, num_groups=2,
+                                                                     running_mean=rm0)
+    out1 = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        *arrays, num_groups=2, conv_bias=np.full(8, 5.0), running_mean=rm1)
+    assert rel_err(out1, out0) < 1e-12
+    assert np.allclose(rm1 - rm0, 0.1 * 5.0)
+
+
+def torch_c(x, w, scale, *, stride, padding, output_padding, pool_kernel, clamp_min, clamp_max,
+            conv_bias=None, groups=1):
+    y = F.avg_pool3d(t(x), pool_kernel)
+    y = F.conv_transpose3d(y, t(w), t(conv_bias), stride=stride, padding=padding,
+                           output_padding=output_padding, groups=groups)
+    y = torch.clamp(y, clamp_min, clamp_max)
+    n, c = y.shape[:2]
+    return (torch.softmax(y.reshape(n, c, -1), 2).reshape(y.shape)
+            * t(scale).reshape(1, -1, 1, 1, 1)).numpy()
+
+
+@pytest.mark.parametrize("opts", [
+    dict(stride=2, padding=1, output_padding=1, pool_kernel=2, clamp_min=0.0, clamp_max=1.0),
+    dict(stride=1, padding=0, output_padding=0, pool_kernel=3, clamp_min=-0.5, clamp_max=0.25),
+    dict(stride=2, padding=0, output_padding=1, pool_kernel=2, clamp_min=-2.0, clamp_max=2.0, groups=2),
+])
+def test_pipeline_c(rng, opts):
+    g = opts.get("groups", 1)
+    x = rng.random((2, 4, 6, 7, 8))
+    w = rng.standard_normal((4, 6 // g, 3, 3, 3))
+    scale, cb = mixed(rng, 6).reshape(1, 6, 1, 1, 1), rng.standard_normal(6)
+    got = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(x, w, scale, **opts, conv_bias=cb)
+    ref = torch_c(x, w, scale, **opts, conv_bias=cb)
+    # Outputs are ~1 / (D*H*W): only a relative measure can tell them from zeros.
+    assert rel_err(got, ref) < TOL
+    assert rel_err(np.zeros_like(ref), ref) == 1.0
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_results_keep_input_dtype_and_shape(rng, dtype):
+    arrays, opts = args_a(rng)
+    arrays = tuple(a.astype(dtype) for a in arrays)
+    got = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts)
+    assert got.dtype == dtype and got.shape == (2, 8, 6, 4)
+    ref = torch_a(*(a.astype(np.float64) for a in arrays), **opts)
+    assert rel_err(got, ref) < {np.float16: 2e-3, np.float32: 1e-6, np.float64: TOL}[dtype]
+
+
+def test_out_argument_is_filled_and_returned(rng):
+    x = rng.standard_normal((2, 3, 6, 6))
+    out = np.full((2, 3, 3, 3), np.nan)
+    res = cufused.max_pool2d(x, 2, out=out)
+    assert res is out and not np.isnan(out).any()
+    assert_close(out, F.max_pool2d(t(x), 2).numpy(), 1e-12)
+
+
+def test_empty_batch_returns_empty(rng):
+    x = np.empty((0, 3, 8, 8))
+    w = rng.standard_normal((4, 3, 3, 3))
+    ones = np.ones(4)
+    got = cufused.conv2d_groupnorm_scale_maxpool_clamp(x, w, None, ones, None, ones, num_groups=2,
+                                                       pool_kernel=2, clamp_min=0, clamp_max=1)
+    assert got.shape == (0, 4, 3, 3)
+    assert cufused.softmax(np.empty((0, 3)), 1).shape == (0, 3)
+
+
+def test_clamp_min_above_max_gives_max_like_torch(rng):
+    arrays, opts = args_a(rng)
+    opts.update(clamp_min=0.5, clamp_max=-0.5)
+    got = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts)
+    assert np.all(got == -0.5)
+    assert rel_err(got, torch_a(*arrays, **opts)) < TOL

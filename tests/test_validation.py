@@ -1,0 +1,151 @@
+"""Bad input gets a TypeError / ValueError that names the argument, before any work."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cufused
+
+X4 = np.ones((2, 4, 8, 8), dtype=np.float32)
+X5 = np.ones((1, 2, 4, 4, 4), dtype=np.float32)
+W = np.ones((8, 4, 3, 3), dtype=np.float32)
+C8 = np.ones(8, dtype=np.float32)
+
+A_OPTS = dict(num_groups=2, pool_kernel=2, clamp_min=0.0, clamp_max=1.0)
+
+
+def pipeline_a(**changes):
+    args = dict(x=X4, weight=W, conv_bias=None, gn_weight=C8, gn_bias=None, scale=C8)
+    opts = dict(A_OPTS)
+    for k, v in changes.items():
+        (args if k in args else opts)[k] = v
+    return cufused.conv2d_groupnorm_scale_maxpool_clamp(*args.values(), **opts)
+
+
+CASES = [
+    # (callable, exception, message fragment)
+    (lambda: cufused.conv2d(X4, W, stride=0), ValueError, "stride"),
+    (lambda: cufused.conv2d(X4, W, padding=-1), ValueError, "padding"),
+    (lambda: cufused.conv2d(X4, W, dilation=(1,)), TypeError, "dilation"),
+    (lambda: cufused.conv2d(X4, W, groups=3), ValueError, "groups"),
+    (lambda: cufused.conv2d(X4, W, groups=0), ValueError, "groups"),
+    (lambda: cufused.conv2d(X4, np.ones((8, 3, 3, 3), np.float32)), ValueError, "weight"),
+    (lambda: cufused.conv2d(X4, np.ones((8, 4, 3), np.float32)), ValueError, "weight"),
+    (lambda: cufused.conv2d(X4[0], W), ValueError, "x must be NCHW"),
+    (lambda: cufused.conv2d(X4, np.ones((8, 4, 9, 9), np.float32)), ValueError, "empty"),
+    (lambda: cufused.conv2d(X4, W, np.ones(7, np.float32)), ValueError, "bias"),
+    (lambda: cufused.conv2d(X4.astype(np.int32), W), TypeError, "x has dtype int32"),
+    (lambda: cufused.conv2d([[1.0]], W), TypeError, "x must be a numpy.ndarray"),
+    (lambda: cufused.conv2d(X4, W, precision="fp16"), ValueError, "precision"),
+    (lambda: cufused.conv2d(X4, W, out=np.empty((2, 8, 6, 5), np.float32)), ValueError, "out"),
+    (lambda: cufused.conv2d(X4, W, out=np.empty((2, 8, 6, 6), np.float64)), ValueError, "out"),
+    (lambda: cufused.conv2d(np.ones((2, 4, 0, 8), np.float32), W), ValueError, "zero-sized"),
+    (lambda: cufused.conv3d(X4, W), ValueError, "NCDHW"),
+    (lambda: cufused.conv_transpose2d(X4, W), ValueError, "in_channels=4"),
+    (lambda: cufused.conv_transpose2d(X4, np.ones((4, 2, 3, 3), np.float32), output_padding=1),
+     ValueError, "output_padding"),
+    (lambda: cufused.convolution.check_conv_args((1, 4, 8, 8), (8, 4, 3, 3), 2, transposed=False,
+                                                 stride=1, padding=0, output_padding=1),
+     ValueError, "output_padding"),
+    (lambda: cufused.conv_transpose3d(X5, np.ones((3, 2, 3, 3, 3), np.float32)), ValueError, "weight"),
+    (lambda: cufused.group_norm(X4, 3), ValueError, "num_groups"),
+    (lambda: cufused.group_norm(X4, 2.0), TypeError, "num_groups"),
+    (lambda: cufused.group_norm(X4, 2, np.ones(3, np.float32)), ValueError, "weight"),
+    (lambda: cufused.group_norm(X4, 2, eps=float("nan")), ValueError, "eps"),
+    (lambda: cufused.group_norm(X4, 2, eps=-1.0), ValueError, "eps"),
+    (lambda: cufused.group_norm(np.ones(4, np.float32), 2), ValueError, "at least 2"),
+    (lambda: cufused.batch_norm(X4, momentum=1.5), ValueError, "momentum"),
+    (lambda: cufused.batch_norm(X4, momentum="a"), TypeError, "momentum"),
+    (lambda: cufused.batch_norm(X4, activation="relu"), ValueError, "activation"),
+    (lambda: cufused.batch_norm(X4, training=False), ValueError, "running_mean"),
+    (lambda: cufused.batch_norm(np.ones((1, 3), np.float32)), ValueError, "more than 1 value"),
+    (lambda: cufused.batch_norm(X4, running_mean=np.zeros(3, np.float32)), ValueError, "running_mean"),
+    (lambda: cufused.batch_norm(X4, running_var=np.ones((4, 2), np.float32)[:, 0]), ValueError,
+     "running_var"),
+    (lambda: cufused.max_pool2d(X4, 0), ValueError, "kernel_size"),
+    (lambda: cufused.max_pool2d(X4, 9), ValueError, "larger than the padded input"),
+    (lambda: cufused.max_pool2d(X4, 2, padding=2), ValueError, "padding"),
+    (lambda: cufused.avg_pool3d(X4, 2), ValueError, "NCDHW"),
+    (lambda: cufused.avg_pool2d(X4, 2, stride=(1, 0)), ValueError, "stride"),
+    (lambda: cufused.softmax(X4, axis=4), ValueError, "axis 4"),
+    (lambda: cufused.softmax(X4, axis=(1, 1)), ValueError, "repeated"),
+    (lambda: cufused.softmax(X4, axis=1.0), TypeError, "axis"),
+    (lambda: cufused.softmax(np.ones((), np.float32)), ValueError, "dimension"),
+    (lambda: pipeline_a(num_groups=3), ValueError, "num_groups"),
+    (lambda: pipeline_a(pool_kernel=7), ValueError, "larger than the padded input"),
+    (lambda: pipeline_a(pool_kernel=(2, 3)), ValueError, "pool_kernel"),
+    (lambda: pipeline_a(clamp_min=float("inf")), ValueError, "clamp_min"),
+    (lambda: pipeline_a(clamp_max=None), TypeError, "clamp_max"),
+    (lambda: pipeline_a(scale=np.ones((1, 7, 1, 1), np.float32)), ValueError, "scale"),
+    (lambda: pipeline_a(scale=np.ones((2, 4), np.float32)), ValueError, "scale"),
+    (lambda: pipeline_a(gn_weight=np.ones(4, np.float32)), ValueError, "gn_weight"),
+    (lambda: pipeline_a(eps=float("inf")), ValueError, "eps"),
+    (lambda: pipeline_a(method="fast"), ValueError, "method"),
+    (lambda: pipeline_a(weight=np.ones((8, 3, 3, 3), np.float32)), ValueError, "weight"),
+    (lambda: cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        X4, np.ones((4, 8, 3, 3), np.float32), None, None, None, None, num_groups=3),
+     ValueError, "num_groups"),
+    (lambda: cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        X4, np.ones((4, 8, 3, 3), np.float32), np.ones(5, np.float32), None, None, None,
+        num_groups=2), ValueError, "bn_weight"),
+    (lambda: cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        X4, np.ones((4, 8, 3, 3), np.float32), None, None, None, None, num_groups=2,
+        momentum=-0.1), ValueError, "momentum"),
+    (lambda: cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
+        X5, np.ones((2, 3, 3, 3, 3), np.float32), 1.0, stride=2, padding=1, output_padding=2,
+        pool_kernel=2, clamp_min=0, clamp_max=1), ValueError, "output_padding"),
+    (lambda: cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
+        X5, np.ones((2, 3, 3, 3, 3), np.float32), 1.0, stride=2, padding=1, output_padding=1,
+        pool_kernel=5, clamp_min=0, clamp_max=1), ValueError, "larger than the padded input"),
+    (lambda: cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
+        X4, np.ones((2, 3, 3, 3, 3), np.float32), 1.0, stride=2, padding=1, output_padding=1,
+        pool_kernel=2, clamp_min=0, clamp_max=1), ValueError, "NCDHW"),
+    (lambda: cufused.set_default_precision("double"), ValueError, "precision"),
+]
+
+
+@pytest.mark.parametrize("call,exc,fragment", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_bad_input_raises_with_a_clear_message(call, exc, fragment):
+    with pytest.raises(exc, match=fragment):
+        call()
+
+
+def test_mixing_numpy_and_cupy_is_a_type_error_naming_the_argument():
+    class FakeCupyArray:  # what get_array_module sees of a CuPy array: module and protocol
+        __module__ = "cupy._core.core"
+        __cuda_array_interface__ = {}
+
+    fake = FakeCupyArray()
+    with pytest.raises(TypeError, match="weight is a cupy array but x is a numpy array"):
+        cufused._arrays.get_array_module(x=X4, weight=fake)
+
+
+def test_errors_come_before_any_work():
+    # A wrong option after valid arrays: nothing is written to out.
+    out = np.full((2, 8, 3, 3), 7.0, dtype=np.float32)
+    with pytest.raises(ValueError, match="clamp_max"):
+        pipeline_a(clamp_max=float("nan"), out=out)
+    assert np.all(out == 7.0)
+
+
+def test_precision_default_context_manager_restores():
+    assert cufused.get_default_precision() == "ieee"
+    with cufused.default_precision("tf32"):
+        assert cufused.get_default_precision() == "tf32"
+    assert cufused.get_default_precision() == "ieee"
+
+
+def test_gpu_call_without_cupy_names_the_extra(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_cupy(name, *args, **kwargs):
+        if name == "cupy" or name.startswith("cupy."):
+            raise ImportError("No module named 'cupy'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_cupy)
+    with pytest.raises(ImportError, match=r"cufused\[cuda12\] or cufused\[cuda13\]"):
+        cufused._arrays.import_cupy()
