@@ -384,6 +384,12 @@ def _conversion_ms(problem: ConvProblem, convert_input: bool, convert_output: bo
 
 
 def clear_plan_cache() -> None:
-    """Forget every built plan (they are rebuilt, and re-tuned, on next use)."""
+    """Forget every built cuDNN plan; they are rebuilt, and re-tuned, on next use.
+
+    Examples
+    --------
+    >>> import cufused
+    >>> cufused.clear_plan_cache()
+    """
     with _plans_lock:
         _plans.clear()

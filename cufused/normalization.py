@@ -91,7 +91,7 @@ def group_norm(x: Any, num_groups: int, weight: Any = None, bias: Any = None, *,
     Parameters
     ----------
     x : numpy.ndarray or cupy.ndarray
-        Shape (N, C, *spatial) with at least 2 dimensions.
+        Shape ``(N, C, ...)`` with at least 2 dimensions.
     num_groups : int
         Number of groups; must divide C.
     weight, bias : array, optional
@@ -159,7 +159,7 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
     Parameters
     ----------
     x : numpy.ndarray or cupy.ndarray
-        Shape (N, C, *spatial) with at least 2 dimensions.
+        Shape ``(N, C, ...)`` with at least 2 dimensions.
     weight, bias : array, optional
         One value per channel.
     running_mean, running_var : array, optional

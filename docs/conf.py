@@ -1,0 +1,48 @@
+"""Sphinx configuration for cufused (builds without a GPU and without network access)."""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.abspath(".."))
+
+import cufused  # noqa: E402
+from cufused.__main__ import format_table  # noqa: E402
+
+project = "cufused"
+author = "the cufused developers"
+copyright = "2026, the cufused developers"
+release = version = cufused.__version__
+
+extensions = [
+    "sphinx.ext.autodoc",
+    "sphinx.ext.autosummary",
+    "sphinx.ext.intersphinx",
+    "sphinx.ext.mathjax",
+    "numpydoc",
+]
+autosummary_generate = True
+autosummary_generate_overwrite = True
+numpydoc_show_class_members = False
+numpydoc_xref_param_type = False
+autodoc_typehints = "none"  # numpydoc sections carry the types
+
+# Local inventories (see _intersphinx/make_inventories.py): no network at build time.
+intersphinx_mapping = {
+    "numpy": ("https://numpy.org/doc/stable/", "_intersphinx/numpy.inv"),
+    "cupy": ("https://docs.cupy.dev/en/stable/", "_intersphinx/cupy.inv"),
+    "torch": ("https://docs.pytorch.org/docs/stable/", "_intersphinx/torch.inv"),
+}
+
+html_theme = "pydata_sphinx_theme"
+html_static_path = ["_static"]
+html_title = f"cufused {release}"
+html_theme_options = {"navigation_with_keys": False}
+exclude_patterns = ["_build", "_intersphinx"]
+
+# The performance page shows the committed benchmark data as the bench command prints it.
+with open(os.path.join(os.path.dirname(__file__), "_static", "bench.json")) as fh:
+    _bench = json.load(fh)
+os.makedirs(os.path.join(os.path.dirname(__file__), "generated"), exist_ok=True)
+with open(os.path.join(os.path.dirname(__file__), "generated", "bench_table.txt"), "w") as fh:
+    fh.write(format_table(_bench) + "\n")
