@@ -15,7 +15,7 @@ import numpy
 from . import reference
 from ._arrays import (check_float_dtype, check_ndim, check_out, check_scalar, check_sizes,
                       finish_numpy, get_array_module, per_channel)
-from ._cuda import get_kernel, launch_1d, optional
+from ._cuda import get_kernel, optional
 
 __all__ = ["group_norm", "batch_norm"]
 
@@ -44,12 +44,16 @@ def split_count(keys: int, elements_per_key: int) -> int:
 
 def _affine_apply(cupy, x, y, coef_a, coef_b, inner: int, n_coef: int, act: int,
                   lo: float = 0.0, hi: float = 0.0) -> None:
-    """``y = act(a[k] * x + b[k])`` over a contiguous tensor, k = (i // inner) % n_coef."""
+    """``y = act(a[k] * x + b[k])`` over contiguous planes of ``inner`` values,
+    k = plane % n_coef. A block covers a chunk of one plane of at most ~4096 values."""
     vec = 4 if inner % 4 == 0 and x.data.ptr % 16 == 0 and y.data.ptr % 16 == 0 else 1
+    planes = x.size // inner
+    chunks = max(1, -(-inner // 4096))
     kernel = get_kernel(_NORM, f"channel_affine<{act}, {vec}>")
-    total = x.size // vec
-    launch_1d(kernel, total, (x, y, coef_a, coef_b, numpy.int64(total), numpy.int64(inner),
-                              numpy.int64(n_coef), numpy.float32(lo), numpy.float32(hi)))
+    if planes:
+        kernel((planes * chunks,), (256,),
+               (x, y, coef_a, coef_b, numpy.int64(inner), numpy.int64(n_coef),
+                numpy.int32(chunks), numpy.float32(lo), numpy.float32(hi)))
 
 
 def _group_norm_gpu(cupy, x, num_groups, weight, bias, eps, out):

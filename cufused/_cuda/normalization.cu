@@ -115,25 +115,33 @@ __device__ __forceinline__ float activate(float v, float lo, float hi) {
     return v;
 }
 
-// y = act(a[k] * x + b[k]), k = (element / inner) % n_coef, VEC consecutive elements per
-// thread (VEC = 4 needs inner % 4 == 0 and 16-byte aligned x, y). x may equal y.
+// y = act(a[k] * x + b[k]) over planes of `inner` contiguous values, k = plane % n_coef.
+// Each block covers one chunk of one plane (no per-element division), VEC consecutive values
+// per thread (VEC = 4 needs inner % 4 == 0 and 16-byte aligned x, y). x may equal y.
 template <int ACT, int VEC>
 __global__ void channel_affine(const float* x, float* y, const float* __restrict__ coef_a,
-                               const float* __restrict__ coef_b, index_t total_vec, index_t inner,
-                               index_t n_coef, float lo, float hi) {
-    for (index_t i = blockIdx.x * (index_t)blockDim.x + threadIdx.x; i < total_vec;
-         i += (index_t)gridDim.x * blockDim.x) {
-        const index_t k = (i * VEC / inner) % n_coef;
-        const float a = coef_a[k], b = coef_b[k];
+                               const float* __restrict__ coef_b, index_t inner, index_t n_coef,
+                               int chunks, float lo, float hi) {
+    const index_t plane = blockIdx.x / chunks;
+    const int chunk = blockIdx.x - (int)(plane * chunks);
+    const index_t k = plane % n_coef;
+    const float a = coef_a[k], b = coef_b[k];
+    const index_t n_vec = inner / VEC;
+    const index_t per_chunk = (n_vec + chunks - 1) / chunks;
+    const index_t begin = chunk * per_chunk;
+    const index_t end = min(n_vec, begin + per_chunk);
+    const float* xp = x + plane * inner;
+    float* yp = y + plane * inner;
+    for (index_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
         if (VEC == 4) {
-            float4 v = reinterpret_cast<const float4*>(x)[i];
+            float4 v = reinterpret_cast<const float4*>(xp)[i];
             v.x = activate<ACT>(fmaf(a, v.x, b), lo, hi);
             v.y = activate<ACT>(fmaf(a, v.y, b), lo, hi);
             v.z = activate<ACT>(fmaf(a, v.z, b), lo, hi);
             v.w = activate<ACT>(fmaf(a, v.w, b), lo, hi);
-            reinterpret_cast<float4*>(y)[i] = v;
+            reinterpret_cast<float4*>(yp)[i] = v;
         } else {
-            y[i] = activate<ACT>(fmaf(a, x[i], b), lo, hi);
+            yp[i] = activate<ACT>(fmaf(a, xp[i], b), lo, hi);
         }
     }
 }
