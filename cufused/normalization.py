@@ -45,15 +45,17 @@ def split_count(keys: int, elements_per_key: int) -> int:
 def _affine_apply(cupy, x, y, coef_a, coef_b, inner: int, n_coef: int, act: int,
                   lo: float = 0.0, hi: float = 0.0) -> None:
     """``y = act(a[k] * x + b[k])`` over contiguous planes of ``inner`` values,
-    k = plane % n_coef. A block covers a chunk of one plane of at most ~4096 values."""
+    k = plane % n_coef. A block covers ~4096 values: a chunk of a plane, or whole planes."""
     vec = 4 if inner % 4 == 0 and x.data.ptr % 16 == 0 and y.data.ptr % 16 == 0 else 1
     planes = x.size // inner
     chunks = max(1, -(-inner // 4096))
+    per_block = max(1, 4096 // inner)
     kernel = get_kernel(_NORM, f"channel_affine<{act}, {vec}>")
     if planes:
-        kernel((planes * chunks,), (256,),
-               (x, y, coef_a, coef_b, numpy.int64(inner), numpy.int64(n_coef),
-                numpy.int32(chunks), numpy.float32(lo), numpy.float32(hi)))
+        kernel((-(-planes // per_block) * chunks,), (256,),
+               (x, y, coef_a, coef_b, numpy.int64(planes), numpy.int64(inner),
+                numpy.int64(n_coef), numpy.int32(chunks), numpy.int32(per_block),
+                numpy.float32(lo), numpy.float32(hi)))
 
 
 def _group_norm_gpu(cupy, x, num_groups, weight, bias, eps, out):

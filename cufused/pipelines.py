@@ -69,7 +69,10 @@ def _pool_extremum_stats(cupy, y, ext, pool: int, *, bias, sign_a, sign_b, shift
     fixed = pool if pool in (2, 4) else 0
     vec2 = (not channels_last and fixed and sw == 1 and sh % 2 == 0 and sc % 2 == 0
             and sn % 2 == 0 and y.data.ptr % 8 == 0)
-    sn, sc, sh, sw = map(numpy.int64, (sn, sc, sh, sw))
+    if sn >= 2**31:
+        raise ValueError(f"one sample of the convolution output has {sn} elements; the fused "
+                         "pass supports fewer than 2**31 per sample (use method='unfused')")
+    sn, sc, sh, sw = numpy.int64(sn), numpy.int64(sc), numpy.int32(sh), numpy.int32(sw)
     i32 = numpy.int32
     kernel = get_kernel("pooling.cu", f"pool_extremum_stats<{str(channels_last).lower()}, "
                                       f"{fixed}, {str(bool(vec2)).lower()}>")

@@ -116,32 +116,35 @@ __device__ __forceinline__ float activate(float v, float lo, float hi) {
 }
 
 // y = act(a[k] * x + b[k]) over planes of `inner` contiguous values, k = plane % n_coef.
-// Each block covers one chunk of one plane (no per-element division), VEC consecutive values
-// per thread (VEC = 4 needs inner % 4 == 0 and 16-byte aligned x, y). x may equal y.
+// A block covers `chunks` blocks per plane when planes are long, or `per_block` whole planes
+// when they are short: no per-element division. VEC consecutive values per thread (VEC = 4
+// needs inner % 4 == 0 and 16-byte aligned x, y). x may equal y.
 template <int ACT, int VEC>
 __global__ void channel_affine(const float* x, float* y, const float* __restrict__ coef_a,
-                               const float* __restrict__ coef_b, index_t inner, index_t n_coef,
-                               int chunks, float lo, float hi) {
-    const index_t plane = blockIdx.x / chunks;
-    const int chunk = blockIdx.x - (int)(plane * chunks);
-    const index_t k = plane % n_coef;
-    const float a = coef_a[k], b = coef_b[k];
+                               const float* __restrict__ coef_b, index_t planes, index_t inner,
+                               index_t n_coef, int chunks, int per_block, float lo, float hi) {
     const index_t n_vec = inner / VEC;
+    const index_t first = (index_t)(blockIdx.x / chunks) * per_block;
+    const int chunk = blockIdx.x % chunks;
     const index_t per_chunk = (n_vec + chunks - 1) / chunks;
     const index_t begin = chunk * per_chunk;
     const index_t end = min(n_vec, begin + per_chunk);
-    const float* xp = x + plane * inner;
-    float* yp = y + plane * inner;
-    for (index_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-        if (VEC == 4) {
-            float4 v = reinterpret_cast<const float4*>(xp)[i];
-            v.x = activate<ACT>(fmaf(a, v.x, b), lo, hi);
-            v.y = activate<ACT>(fmaf(a, v.y, b), lo, hi);
-            v.z = activate<ACT>(fmaf(a, v.z, b), lo, hi);
-            v.w = activate<ACT>(fmaf(a, v.w, b), lo, hi);
-            reinterpret_cast<float4*>(yp)[i] = v;
-        } else {
-            yp[i] = activate<ACT>(fmaf(a, xp[i], b), lo, hi);
+    for (index_t plane = first; plane < min(planes, first + per_block); ++plane) {
+        const index_t k = plane % n_coef;
+        const float a = coef_a[k], b = coef_b[k];
+        const float* xp = x + plane * inner;
+        float* yp = y + plane * inner;
+        for (index_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+            if (VEC == 4) {
+                float4 v = reinterpret_cast<const float4*>(xp)[i];
+                v.x = activate<ACT>(fmaf(a, v.x, b), lo, hi);
+                v.y = activate<ACT>(fmaf(a, v.y, b), lo, hi);
+                v.z = activate<ACT>(fmaf(a, v.z, b), lo, hi);
+                v.w = activate<ACT>(fmaf(a, v.w, b), lo, hi);
+                reinterpret_cast<float4*>(yp)[i] = v;
+            } else {
+                yp[i] = activate<ACT>(fmaf(a, xp[i], b), lo, hi);
+            }
         }
     }
 }
@@ -168,25 +171,38 @@ __global__ void group_norm_rows(const float* x, float* y, const float* __restric
     __shared__ float scratch[32];
     const int cg = C / G;
     const int len = cg * HW;
+    const int bd = blockDim.x;
     const index_t row = blockIdx.x;
     const int c0 = (int)(row % G) * cg;
     const float* xr = x + row * len;
     float* yr = y + row * len;
     const float shift = PRE == ACT_TANH ? tanhf(fmaf(pre_a[c0], xr[0], pre_b[c0])) : xr[0];
     const float inv_hw = 1.0f / HW;
+    // The thread's channel advances with its index: a compare per element, not a division.
+    auto advance = [&](int& c, int& j) {
+        j += bd;
+        if (j >= HW) {
+            const int q = channel_of(j, HW, inv_hw);
+            c += q;
+            j -= q * HW;
+        }
+    };
     float s1 = 0.0f, s2 = 0.0f;
-    for (int i0 = threadIdx.x; i0 < len; i0 += 4 * blockDim.x) {
+    int c = channel_of(threadIdx.x, HW, inv_hw), j = threadIdx.x - c * HW;
+    for (int i0 = threadIdx.x; i0 < len; i0 += 4 * bd) {
         float v[4];  // four independent loads in flight before any is used
-#pragma unroll
-        for (int u = 0; u < 4; ++u) v[u] = xr[min(i0 + u * (int)blockDim.x, len - 1)];
+        int cs[4];
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
-            const int i = i0 + u * blockDim.x;
+            v[u] = xr[min(i0 + u * bd, len - 1)];
+            cs[u] = c0 + c;
+            advance(c, j);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int i = i0 + u * bd;
             if (i >= len) break;
-            if (PRE == ACT_TANH) {
-                const int c = c0 + channel_of(i, HW, inv_hw);
-                v[u] = tanhf(fmaf(pre_a[c], v[u], pre_b[c]));
-            }
+            if (PRE == ACT_TANH) v[u] = tanhf(fmaf(__ldg(pre_a + cs[u]), v[u], __ldg(pre_b + cs[u])));
             if (CACHE) cache[i] = v[u];
             const float d = v[u] - shift;
             s1 += d;
@@ -198,16 +214,19 @@ __global__ void group_norm_rows(const float* x, float* y, const float* __restric
     const float m1 = s1 / len;
     const float mean = shift + m1;
     const float rstd = rsqrtf(fmaxf(s2 / len - m1 * m1, 0.0f) + eps);
-    for (int i = threadIdx.x; i < len; i += blockDim.x) {
-        const int c = c0 + channel_of(i, HW, inv_hw);
+    c = channel_of(threadIdx.x, HW, inv_hw);
+    j = threadIdx.x - c * HW;
+    for (int i = threadIdx.x; i < len; i += bd) {
+        const int ch = c0 + c;
         float v;
         if (CACHE) {
             v = cache[i];
         } else {
             v = xr[i];
-            if (PRE == ACT_TANH) v = tanhf(fmaf(pre_a[c], v, pre_b[c]));
+            if (PRE == ACT_TANH) v = tanhf(fmaf(__ldg(pre_a + ch), v, __ldg(pre_b + ch)));
         }
-        const float a = (gamma ? gamma[c] : 1.0f) * rstd;
-        yr[i] = fmaf(a, v - mean, beta ? beta[c] : 0.0f);
+        const float a = (gamma ? __ldg(gamma + ch) : 1.0f) * rstd;
+        yr[i] = fmaf(a, v - mean, beta ? __ldg(beta + ch) : 0.0f);
+        advance(c, j);
     }
 }

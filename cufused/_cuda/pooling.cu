@@ -63,7 +63,7 @@ __global__ void pool_nd(const float* __restrict__ x, float* __restrict__ y, inde
 // One read of a convolution output y (logical N, C, H, W; any strides) yields, for
 // non-overlapping k x k pooling windows (stride == k, no padding):
 //  * ext[n, c, ph, pw] (contiguous NCHW): the window max of y + bias[c], or the window min where
-//    sign_a[c] * sign_b[c] < 0. The monotone per-channel affine that follows (GroupNorm * scale in
+//    sign_a[c] * sign_b[c] < 0 (in-plane offsets, H * W * C per sample, are 32-bit). The monotone per-channel affine that follows (GroupNorm * scale in
 //    pipeline A, BatchNorm + tanh in pipeline B) maps it to the pooled result exactly;
 //  * partial[(n * C + c) * splits + split] = (sum d, sum d*d), d = y + bias - shift, over every
 //    element of the plane, including the rows and columns that the pool drops.
@@ -80,7 +80,7 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
                                     const float* __restrict__ sign_b, float* __restrict__ ext,
                                     float2* __restrict__ partial, float* __restrict__ shift_out,
                                     int C, int H, int W, int k_runtime, int Ho, int Wo, int splits,
-                                    int c_tiles, index_t sn, index_t sc, index_t sh, index_t sw,
+                                    int c_tiles, index_t sn, index_t sc, int sh, int sw,
                                     int shift_group, int shift_per_sample) {
     // U positions per iteration, all their window loads issued before any is used: enough
     // independent loads in flight to cover memory latency (a 2x2 window is only 4 values).
@@ -102,6 +102,7 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
     const int chunk = (P + splits - 1) / splits;
     const int p_begin = split * chunk;
     const int p_end = min(P, p_begin + chunk);
+    const float inv_wo = 1.0f / Wo;
 
     const float b = bias ? bias[cc] : 0.0f;
     const int c_first = (cc / shift_group) * shift_group;
@@ -110,25 +111,35 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
     if (active && split == 0 && c == c_first && lane == 0 && (shift_per_sample || n == 0))
         shift_out[shift_per_sample ? n * (C / shift_group) + c / shift_group : c / shift_group] =
             shift;
-    const bool use_min = (sign_a ? sign_a[cc] : 1.0f) * (sign_b ? sign_b[cc] : 1.0f) < 0.0f;
-    const float* plane = y + n * sn + cc * sc;
+    // min(v) = -max(-v): one fmaxf per value. fmaxf drops NaN, which cannot matter here: a NaN
+    // (or inf) anywhere in a statistics row makes that row's mean NaN, and with it every output
+    // the extremum feeds.
+    const float sgn =
+        (sign_a ? sign_a[cc] : 1.0f) * (sign_b ? sign_b[cc] : 1.0f) < 0.0f ? -1.0f : 1.0f;
+    const float bs = b - shift;
+    const float* plane = y + n * sn + cc * sc;  // in-plane offsets are 32-bit
     float s1 = 0.0f, s2 = 0.0f;
     auto take = [&](float v) {
-        const float d = v + b - shift;
+        const float d = v + bs;
         s1 += d;
         s2 = fmaf(d, d, s2);
+    };
+    auto row_col = [&](int p, int& py, int& px) {  // p / Wo without an integer division
+        py = __float2int_rz((float)p * inv_wo);
+        while (py * Wo > p) --py;
+        while ((py + 1) * Wo <= p) ++py;
+        px = p - py * Wo;
     };
     for (int base = p_begin; base < p_end; base += SPAN) {  // same trip count for the block
         float v[U][KK];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int p = min(base + lane + u * STEP, p_end - 1);  // clamped: loads in bounds
-            const int py = p / Wo;
-            const int px = p - py * Wo;
+            int py, px;
+            row_col(min(base + lane + u * STEP, p_end - 1), py, px);  // clamped: in bounds
             if (K > 0) {
 #pragma unroll
                 for (int a = 0; a < (K > 0 ? K : 1); ++a) {
-                    const float* row = plane + (py * k + a) * sh + (index_t)px * k * sw;
+                    const float* row = plane + (py * k + a) * sh + px * k * sw;
 #pragma unroll
                     for (int j = 0; j < (K > 0 ? K : 1); j += (VEC2 ? 2 : 1)) {
                         if (VEC2) {
@@ -146,23 +157,23 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int p = base + lane + u * STEP;
-            float e = use_min ? INFINITY : -INFINITY;
+            float e = -INFINITY;
             if (active && p < p_end) {
-                const int py = p / Wo;
-                const int px = p - py * Wo;
+                int py, px;
+                row_col(p, py, px);
                 const int h0 = py * k, w0 = px * k;
                 if (K > 0) {
 #pragma unroll
                     for (int j = 0; j < KK; ++j) {
                         take(v[u][j]);
-                        e = use_min ? nan_min(e, v[u][j]) : nan_max(e, v[u][j]);
+                        e = fmaxf(e, sgn * v[u][j]);
                     }
                 } else {
                     for (int h = h0; h < h0 + k; ++h)
                         for (int w = w0; w < w0 + k; ++w) {
                             const float x = plane[h * sh + w * sw];
                             take(x);
-                            e = use_min ? nan_min(e, x) : nan_max(e, x);
+                            e = fmaxf(e, sgn * x);
                         }
                 }
                 // The last window row / column also owns the rows / columns the pool drops.
@@ -173,9 +184,9 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
                 if (px == Wo - 1)
                     for (int h = h0; h < h0 + k; ++h)
                         for (int w = w0 + k; w < W; ++w) take(plane[h * sh + w * sw]);
-                if (!CHANNELS_LAST) ext[(n * C + c) * (index_t)P + p] = e + b;
+                if (!CHANNELS_LAST) ext[(n * C + c) * (index_t)P + p] = fmaf(sgn, e, b);
             }
-            e_out[u] = e + b;
+            e_out[u] = fmaf(sgn, e, b);
         }
         if (CHANNELS_LAST) {
             // Lanes hold 32 channels of one position: stage the block's SPAN x 32 extrema in
