@@ -125,6 +125,14 @@ def format_table(result: dict) -> str:
             f"{f('torch_eager')} {f('torch_compile', '8.3f')} {xe:7.2f} {xc:8.2f} "
             f"{r['conv']:6.3f} {r['conv_layout']:>6} {r['fused'] - r['conv']:6.3f} "
             f"{r['post_floor']:9.3f} {r['floor']:6.3f} {r['fused'] / r['floor']:6.2f}")
+    lines += ["", "convolutions alone (ms): cufused plan in its layout, cufused public call "
+              "(NCHW in/out), PyTorch (same call)",
+              f"{'case':<4} {'prec':<5} {'plan':>7} {'layout':>6} {'public':>7} {'torch':>7} "
+              f"{'torch/public':>12}"]
+    for r in result["rows"]:
+        tc = r.get("torch_conv", float("nan"))
+        lines.append(f"{r['case']:<4} {r['precision']:<5} {r['conv']:7.3f} {r['conv_layout']:>6} "
+                     f"{r['conv_public']:7.3f} {tc:7.3f} {tc / r['conv_public']:12.2f}")
     return "\n".join(lines)
 
 

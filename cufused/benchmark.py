@@ -230,6 +230,16 @@ def conv_plan_for(case: Case, precision: str):
     return conv_plan(problem, convert_input=case.name != "C", convert_output=False)
 
 
+def _public_conv(case: Case):
+    """The public cufused convolution of a case and its options."""
+    c = case.conv
+    nd = len(c["x_shape"]) - 2
+    name = ("conv" if c["kind"] == "fprop" else "conv_transpose") + f"{nd}d"
+    opts = {k: case.options[k] for k in ("stride", "padding", "output_padding")
+            if k in case.options}
+    return getattr(cufused, name), opts
+
+
 def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_eager=True,
                torch_compile=True, rng=None) -> list[dict]:
     """Time one case: fused, unfused, the internal convolution, PyTorch eager and compiled."""
@@ -269,6 +279,11 @@ def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_e
         row["conv_layout"] = plan.layout
         row["conv"] = timer(lambda: plan.run(xs, ws, ys))
         del xs, ws, ys
+        # The public convolution (NCHW in and out, conversions included) on the conv input.
+        conv_fn, conv_opts = _public_conv(case)
+        xc = cupy.asarray(rng.random(case.conv["x_shape"], dtype=numpy.float32))
+        wc = gpu["weight"]
+        row["conv_public"] = timer(lambda: conv_fn(xc, wc, **conv_opts, precision=precision))
         if torch_fns:
             import torch
 
@@ -276,6 +291,9 @@ def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_e
             with torch.no_grad():
                 for name, fn in torch_fns.items():
                     row[name] = timer(lambda fn=fn: fn(*targs))
+                torch_conv = getattr(torch.nn.functional, conv_fn.__name__)
+                xt, wt = torch.as_tensor(xc, device="cuda"), torch.as_tensor(wc, device="cuda")
+                row["torch_conv"] = timer(lambda: torch_conv(xt, wt, **conv_opts))
             set_torch_precision("ieee")
         rows.append(row)
     return rows
