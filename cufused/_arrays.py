@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, Union
 
 import numpy
+
+#: An option given once for every spatial dimension, or once per dimension.
+Size = Union[int, tuple[int, ...]]
 
 _CUDA_EXTRA_HINT = (
     "the GPU path needs CuPy and cuDNN Frontend: install cufused[cuda12] or cufused[cuda13]"

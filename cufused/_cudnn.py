@@ -371,7 +371,6 @@ def conv_plan(problem: ConvProblem, *, convert_input: bool, convert_output: bool
 
 def _conversion_ms(problem: ConvProblem, convert_input: bool, convert_output: bool) -> float:
     """Device time of the tiled transposes a channels-last plan adds for this caller."""
-    cupy = import_cupy()
     total = 0.0
     for shape, needed, to_cl in ((problem.x_shape, convert_input, True),
                                  (problem.y_shape, convert_output, False)):

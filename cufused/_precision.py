@@ -68,6 +68,11 @@ def default_precision(precision: str) -> Iterator[None]:
     precision : {"ieee", "tf32"}
         The default inside the block; the previous default is restored on exit.
 
+    Raises
+    ------
+    ValueError
+        For any other value.
+
     Examples
     --------
     >>> import cufused

@@ -13,7 +13,7 @@ from typing import Any
 import numpy
 
 from . import reference
-from ._arrays import (check_float_dtype, check_ndim, check_out, check_sizes, finish_numpy,
+from ._arrays import (Size, check_float_dtype, check_ndim, check_out, check_sizes, finish_numpy,
                       get_array_module, ntuple, per_channel)
 from ._precision import resolve_precision
 
@@ -198,28 +198,32 @@ _COMMON_DOC = """
 """
 
 
-def conv2d(x: Any, weight: Any, bias: Any = None, *, stride=1, padding=0, dilation=1,
-           groups: int = 1, precision: str | None = None, out: Any = None) -> Any:
+def conv2d(x: Any, weight: Any, bias: Any = None, *, stride: Size = 1,
+           padding: Size = 0, dilation: Size = 1, groups: int = 1,
+           precision: str | None = None, out: Any = None) -> Any:
     return _convolve(2, False, x, weight, bias, stride=stride, padding=padding, output_padding=0,
                      dilation=dilation, groups=groups, precision=precision, out=out)
 
 
-def conv3d(x: Any, weight: Any, bias: Any = None, *, stride=1, padding=0, dilation=1,
-           groups: int = 1, precision: str | None = None, out: Any = None) -> Any:
+def conv3d(x: Any, weight: Any, bias: Any = None, *, stride: Size = 1,
+           padding: Size = 0, dilation: Size = 1, groups: int = 1,
+           precision: str | None = None, out: Any = None) -> Any:
     return _convolve(3, False, x, weight, bias, stride=stride, padding=padding, output_padding=0,
                      dilation=dilation, groups=groups, precision=precision, out=out)
 
 
-def conv_transpose2d(x: Any, weight: Any, bias: Any = None, *, stride=1, padding=0,
-                     output_padding=0, dilation=1, groups: int = 1,
+def conv_transpose2d(x: Any, weight: Any, bias: Any = None, *, stride: Size = 1,
+                     padding: Size = 0, output_padding: Size = 0,
+                     dilation: Size = 1, groups: int = 1,
                      precision: str | None = None, out: Any = None) -> Any:
     return _convolve(2, True, x, weight, bias, stride=stride, padding=padding,
                      output_padding=output_padding, dilation=dilation, groups=groups,
                      precision=precision, out=out)
 
 
-def conv_transpose3d(x: Any, weight: Any, bias: Any = None, *, stride=1, padding=0,
-                     output_padding=0, dilation=1, groups: int = 1,
+def conv_transpose3d(x: Any, weight: Any, bias: Any = None, *, stride: Size = 1,
+                     padding: Size = 0, output_padding: Size = 0,
+                     dilation: Size = 1, groups: int = 1,
                      precision: str | None = None, out: Any = None) -> Any:
     return _convolve(3, True, x, weight, bias, stride=stride, padding=padding,
                      output_padding=output_padding, dilation=dilation, groups=groups,

@@ -13,7 +13,7 @@ from typing import Any
 import numpy
 
 from . import reference
-from ._arrays import (check_float_dtype, check_ndim, check_out, check_scalar, check_sizes,
+from ._arrays import (check_float_dtype, check_out, check_scalar, check_sizes,
                       finish_numpy, get_array_module, per_channel)
 from ._cuda import get_kernel, optional
 

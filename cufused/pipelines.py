@@ -28,7 +28,7 @@ from typing import Any
 import numpy
 
 from . import reference
-from ._arrays import (check_float_dtype, check_ndim, check_out, check_scalar, check_sizes,
+from ._arrays import (Size, check_float_dtype, check_ndim, check_out, check_scalar, check_sizes,
                       finish_numpy, get_array_module, ntuple, per_channel)
 from ._cuda import get_kernel, optional
 from ._precision import resolve_precision
@@ -97,9 +97,9 @@ def _tuple_pool(pool_kernel, nd: int) -> int:
 
 def conv2d_groupnorm_scale_maxpool_clamp(
         x: Any, weight: Any, conv_bias: Any, gn_weight: Any, gn_bias: Any, scale: Any, *,
-        num_groups: int, pool_kernel: int, clamp_min: float, clamp_max: float, stride=1,
-        padding=0, eps: float = 1e-5, precision: str | None = None, method: str = "fused",
-        out: Any = None) -> Any:
+        num_groups: int, pool_kernel: int, clamp_min: float, clamp_max: float,
+        stride: Size = 1, padding: Size = 0, eps: float = 1e-5,
+        precision: str | None = None, method: str = "fused", out: Any = None) -> Any:
     """Pipeline A: ``clamp(max_pool2d(group_norm(conv2d(x)) * scale, k), clamp_min, clamp_max)``.
 
     KernelBench level 2 / Tensara "Conv2d_GroupNorm_Scale_MaxPool_Clamp". The GroupNorm
@@ -223,7 +223,8 @@ def conv2d_groupnorm_scale_maxpool_clamp(
 
 def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
         x: Any, weight: Any, bn_weight: Any, bn_bias: Any, gn_weight: Any, gn_bias: Any, *,
-        num_groups: int, stride=1, padding=0, output_padding=0, groups: int = 1,
+        num_groups: int, stride: Size = 1, padding: Size = 0,
+        output_padding: Size = 0, groups: int = 1,
         conv_bias: Any = None, pool_kernel: int = 2, eps: float = 1e-5,
         running_mean: Any = None, running_var: Any = None, momentum: float = 0.1,
         precision: str | None = None, method: str = "fused", out: Any = None) -> Any:
@@ -361,7 +362,8 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
 
 
 def conv_transpose3d_avgpool_clamp_softmax_multiply(
-        x: Any, weight: Any, scale: Any, *, stride, padding, output_padding, pool_kernel,
+        x: Any, weight: Any, scale: Any, *, stride: Size, padding: Size,
+        output_padding: Size, pool_kernel: int,
         clamp_min: float, clamp_max: float, conv_bias: Any = None, groups: int = 1,
         precision: str | None = None, method: str = "fused", out: Any = None) -> Any:
     """Pipeline C: ``softmax(clamp(conv_transpose3d(avg_pool3d(x, k))), axis=(2, 3, 4)) * scale``.

@@ -12,7 +12,7 @@ from typing import Any
 import numpy
 
 from . import reference
-from ._arrays import (check_float_dtype, check_ndim, check_out, check_sizes, finish_numpy,
+from ._arrays import (Size, check_float_dtype, check_ndim, check_out, check_sizes, finish_numpy,
                       get_array_module, ntuple)
 from ._cuda import get_kernel, launch_1d
 
@@ -108,19 +108,23 @@ _DOC = """{title}
 """
 
 
-def max_pool2d(x: Any, kernel_size, stride=None, padding=0, *, out: Any = None) -> Any:
+def max_pool2d(x: Any, kernel_size: Size, stride: Size | None = None,
+               padding: Size = 0, *, out: Any = None) -> Any:
     return _pool(2, True, x, kernel_size, stride, padding, out)
 
 
-def max_pool3d(x: Any, kernel_size, stride=None, padding=0, *, out: Any = None) -> Any:
+def max_pool3d(x: Any, kernel_size: Size, stride: Size | None = None,
+               padding: Size = 0, *, out: Any = None) -> Any:
     return _pool(3, True, x, kernel_size, stride, padding, out)
 
 
-def avg_pool2d(x: Any, kernel_size, stride=None, padding=0, *, out: Any = None) -> Any:
+def avg_pool2d(x: Any, kernel_size: Size, stride: Size | None = None,
+               padding: Size = 0, *, out: Any = None) -> Any:
     return _pool(2, False, x, kernel_size, stride, padding, out)
 
 
-def avg_pool3d(x: Any, kernel_size, stride=None, padding=0, *, out: Any = None) -> Any:
+def avg_pool3d(x: Any, kernel_size: Size, stride: Size | None = None,
+               padding: Size = 0, *, out: Any = None) -> Any:
     return _pool(3, False, x, kernel_size, stride, padding, out)
 
 

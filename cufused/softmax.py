@@ -8,7 +8,7 @@ from typing import Any
 import numpy
 
 from . import reference
-from ._arrays import check_float_dtype, check_out, finish_numpy, get_array_module
+from ._arrays import Size, check_float_dtype, check_out, finish_numpy, get_array_module
 from ._cuda import get_kernel, launch_1d, optional
 from .normalization import split_count
 
@@ -76,7 +76,7 @@ def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *
                numpy.int64(length), i32(channels), f32(lo), f32(hi)))
 
 
-def softmax(x: Any, axis=-1, *, out: Any = None) -> Any:
+def softmax(x: Any, axis: Size = -1, *, out: Any = None) -> Any:
     """Softmax over ``axis``, as ``torch.softmax``, where ``axis`` may be a tuple of axes.
 
     ``exp(x - max) / sum(exp(x - max))`` over the elements that share every other index.

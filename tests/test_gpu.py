@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 import cufused
-from cufused import reference
 
 from conftest import GPU, assert_close, mixed, rel_err
 

@@ -1,7 +1,5 @@
 """Building blocks on the tensors the pipelines produce (canonical and small sizes)."""
 
-import numpy
-
 from .common import gpu_ms, require_gpu
 
 # name -> (shape at canonical size, shape at small size, call)
