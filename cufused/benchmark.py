@@ -42,8 +42,7 @@ class Case:
                 inputs[k] = rng.random(s, dtype=numpy.float32)
         return inputs
 
-    def run_cufused(self, inputs: dict, *, precision: str, method: str = "fused", out=None,
-                    xp=None):
+    def run_cufused(self, inputs: dict, *, precision: str, method: str = "fused", out=None):
         """Run the pipeline on CuPy copies of ``inputs`` (cached on the dict)."""
         gpu = _on_gpu(inputs)
         return getattr(cufused, self.pipeline)(*gpu.values(), **self.options,
