@@ -20,70 +20,40 @@ def t(a):
 
 # ------------------------------------------------------------------------------ convolutions
 
-CONV2D = [
-    ((2, 3, 9, 11), (4, 3, 3, 3), {}),
-    ((1, 1, 5, 5), (1, 1, 1, 1), {}),
-    ((3, 4, 13, 7), (6, 2, 3, 2), dict(groups=2, stride=(2, 1), padding=(1, 0))),
-    ((2, 6, 17, 19), (9, 2, 5, 3), dict(groups=3, dilation=(2, 1), padding=2)),
-    ((1, 5, 8, 8), (5, 1, 3, 3), dict(groups=5, stride=3, padding=1)),
-    ((4, 2, 7, 11), (3, 2, 7, 11), {}),
-    ((2, 3, 31, 29), (7, 3, 4, 4), dict(stride=2, padding=3, dilation=2)),
+# (function name, x shape, weight shape, options); every case also gets a bias.
+CONV_CASES = [
+    ("conv2d", (2, 3, 9, 11), (4, 3, 3, 3), {}),
+    ("conv2d", (1, 1, 5, 5), (1, 1, 1, 1), {}),
+    ("conv2d", (3, 4, 13, 7), (6, 2, 3, 2), dict(groups=2, stride=(2, 1), padding=(1, 0))),
+    ("conv2d", (2, 6, 17, 19), (9, 2, 5, 3), dict(groups=3, dilation=(2, 1), padding=2)),
+    ("conv2d", (1, 5, 8, 8), (5, 1, 3, 3), dict(groups=5, stride=3, padding=1)),
+    ("conv2d", (4, 2, 7, 11), (3, 2, 7, 11), {}),
+    ("conv2d", (2, 3, 31, 29), (7, 3, 4, 4), dict(stride=2, padding=3, dilation=2)),
+    ("conv3d", (2, 3, 5, 6, 7), (4, 3, 3, 3, 3), {}),
+    ("conv3d", (1, 4, 7, 5, 6), (6, 2, 2, 3, 1), dict(groups=2, stride=(1, 2, 1), padding=(1, 0, 1))),
+    ("conv3d", (2, 2, 9, 9, 9), (3, 2, 3, 3, 3), dict(dilation=2, stride=2)),
+    ("conv_transpose2d", (2, 3, 5, 7), (3, 4, 3, 3), {}),
+    ("conv_transpose2d", (2, 4, 8, 8), (4, 8, 5, 5), dict(stride=1, padding=1)),
+    ("conv_transpose2d", (2, 4, 6, 5), (4, 3, 3, 4),
+     dict(stride=(2, 3), padding=(1, 0), output_padding=(1, 2))),
+    ("conv_transpose2d", (1, 6, 4, 4), (6, 2, 3, 3), dict(groups=3, stride=2, output_padding=1)),
+    ("conv_transpose2d", (3, 2, 7, 3), (2, 5, 2, 2), dict(stride=2, dilation=3, output_padding=2)),
+    ("conv_transpose2d", (1, 1, 1, 1), (1, 1, 1, 1), {}),
+    ("conv_transpose2d", (2, 3, 5, 6), (3, 2, 5, 5), dict(padding=2, dilation=(1, 2))),
+    ("conv_transpose3d", (2, 3, 3, 4, 5), (3, 4, 3, 3, 3), dict(stride=2, padding=1, output_padding=1)),
+    ("conv_transpose3d", (1, 4, 2, 3, 2), (4, 2, 2, 3, 2),
+     dict(groups=2, stride=(1, 2, 3), output_padding=(0, 1, 2))),
+    ("conv_transpose3d", (2, 2, 3, 3, 3), (2, 3, 3, 3, 3), dict(dilation=2, padding=2)),
 ]
 
 
-@pytest.mark.parametrize("xs,ws,opts", CONV2D)
-def test_conv2d(rng, xs, ws, opts):
-    x, w, b = rng.standard_normal(xs), rng.standard_normal(ws), rng.standard_normal(ws[0])
-    got = cufused.conv2d(x, w, b, **opts)
-    ref = F.conv2d(t(x), t(w), t(b), **opts).numpy()
+@pytest.mark.parametrize("name,xs,ws,opts", CONV_CASES)
+def test_convolutions(rng, name, xs, ws, opts):
+    out_channels = ws[1] * opts.get("groups", 1) if "transpose" in name else ws[0]
+    x, w, b = rng.standard_normal(xs), rng.standard_normal(ws), rng.standard_normal(out_channels)
+    got = getattr(cufused, name)(x, w, b, **opts)
+    ref = getattr(F, name)(t(x), t(w), t(b), **opts).numpy()
     assert rel_err(got, ref) < TOL
-
-
-CONV3D = [
-    ((2, 3, 5, 6, 7), (4, 3, 3, 3, 3), {}),
-    ((1, 4, 7, 5, 6), (6, 2, 2, 3, 1), dict(groups=2, stride=(1, 2, 1), padding=(1, 0, 1))),
-    ((2, 2, 9, 9, 9), (3, 2, 3, 3, 3), dict(dilation=2, stride=2)),
-]
-
-
-@pytest.mark.parametrize("xs,ws,opts", CONV3D)
-def test_conv3d(rng, xs, ws, opts):
-    x, w = rng.standard_normal(xs), rng.standard_normal(ws)
-    got = cufused.conv3d(x, w, **opts)
-    assert rel_err(got, F.conv3d(t(x), t(w), **opts).numpy()) < TOL
-
-
-CONVT2D = [
-    ((2, 3, 5, 7), (3, 4, 3, 3), {}),
-    ((512 // 256, 64 // 16, 8, 8), (4, 8, 5, 5), dict(stride=1, padding=1)),
-    ((2, 4, 6, 5), (4, 3, 3, 4), dict(stride=(2, 3), padding=(1, 0), output_padding=(1, 2))),
-    ((1, 6, 4, 4), (6, 2, 3, 3), dict(groups=3, stride=2, output_padding=1)),
-    ((3, 2, 7, 3), (2, 5, 2, 2), dict(stride=2, dilation=3, output_padding=2)),
-    ((1, 1, 1, 1), (1, 1, 1, 1), {}),
-    ((2, 3, 5, 6), (3, 2, 5, 5), dict(padding=2, dilation=(1, 2))),
-]
-
-
-@pytest.mark.parametrize("xs,ws,opts", CONVT2D)
-def test_conv_transpose2d(rng, xs, ws, opts):
-    x, w = rng.standard_normal(xs), rng.standard_normal(ws)
-    b = rng.standard_normal(ws[1] * opts.get("groups", 1))
-    got = cufused.conv_transpose2d(x, w, b, **opts)
-    assert rel_err(got, F.conv_transpose2d(t(x), t(w), t(b), **opts).numpy()) < TOL
-
-
-CONVT3D = [
-    ((2, 3, 3, 4, 5), (3, 4, 3, 3, 3), dict(stride=2, padding=1, output_padding=1)),
-    ((1, 4, 2, 3, 2), (4, 2, 2, 3, 2), dict(groups=2, stride=(1, 2, 3), output_padding=(0, 1, 2))),
-    ((2, 2, 3, 3, 3), (2, 3, 3, 3, 3), dict(dilation=2, padding=2)),
-]
-
-
-@pytest.mark.parametrize("xs,ws,opts", CONVT3D)
-def test_conv_transpose3d(rng, xs, ws, opts):
-    x, w = rng.standard_normal(xs), rng.standard_normal(ws)
-    got = cufused.conv_transpose3d(x, w, **opts)
-    assert rel_err(got, F.conv_transpose3d(t(x), t(w), **opts).numpy()) < TOL
 
 
 # ---------------------------------------------------------------------------- normalization
@@ -131,26 +101,23 @@ def test_batch_norm_without_running_stats_leaves_nothing_to_update(rng):
 
 # ---------------------------------------------------------------------------------- pooling
 
-POOL2D = [((2, 3, 8, 8), dict(kernel_size=2)), ((1, 2, 9, 7), dict(kernel_size=3, stride=2, padding=1)),
-          ((2, 1, 11, 13), dict(kernel_size=(2, 3), stride=(1, 2))), ((1, 1, 5, 5), dict(kernel_size=5))]
-POOL3D = [((2, 2, 4, 6, 8), dict(kernel_size=2)), ((1, 3, 7, 5, 6), dict(kernel_size=3, stride=2, padding=1))]
+POOL_CASES = [
+    ((2, 3, 8, 8), dict(kernel_size=2)),
+    ((1, 2, 9, 7), dict(kernel_size=3, stride=2, padding=1)),
+    ((2, 1, 11, 13), dict(kernel_size=(2, 3), stride=(1, 2))),
+    ((1, 1, 5, 5), dict(kernel_size=5)),
+    ((2, 2, 4, 6, 8), dict(kernel_size=2)),
+    ((1, 3, 7, 5, 6), dict(kernel_size=3, stride=2, padding=1)),
+]
 
 
-@pytest.mark.parametrize("xs,opts", POOL2D)
+@pytest.mark.parametrize("xs,opts", POOL_CASES)
 @pytest.mark.parametrize("kind", ["max", "avg"])
-def test_pool2d(rng, xs, opts, kind):
+def test_pooling(rng, xs, opts, kind):
+    name = f"{kind}_pool{len(xs) - 2}d"
     x = rng.standard_normal(xs)
-    got = getattr(cufused, f"{kind}_pool2d")(x, **opts)
-    ref = getattr(F, f"{kind}_pool2d")(t(x), **opts).numpy()
-    assert rel_err(got, ref) < TOL
-
-
-@pytest.mark.parametrize("xs,opts", POOL3D)
-@pytest.mark.parametrize("kind", ["max", "avg"])
-def test_pool3d(rng, xs, opts, kind):
-    x = rng.standard_normal(xs)
-    got = getattr(cufused, f"{kind}_pool3d")(x, **opts)
-    ref = getattr(F, f"{kind}_pool3d")(t(x), **opts).numpy()
+    got = getattr(cufused, name)(x, **opts)
+    ref = getattr(F, name)(t(x), **opts).numpy()
     assert rel_err(got, ref) < TOL
 
 
