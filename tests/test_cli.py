@@ -45,3 +45,24 @@ def test_bench_without_gpu_says_so():
 
 def test_unknown_command_fails():
     assert run("frobnicate").returncode != 0
+
+
+def test_bench_table_and_plot_from_committed_result(tmp_path):
+    # The committed device result (docs/_static/bench.json) renders as the bench command prints
+    # it, and as a bar chart.
+    import json
+    import pathlib
+
+    from cufused.__main__ import format_table, plot
+
+    result = json.loads((pathlib.Path(__file__).parent.parent / "docs" / "_static"
+                         / "bench.json").read_text())
+    table = format_table(result)
+    assert result["header"]["device"] in table
+    rows = [line for line in table.splitlines() if line[:2] in ("A ", "B ", "C ")]
+    assert len(rows) == 2 * len(result["rows"])  # pipeline rows and convolution rows
+    first = result["rows"][0]
+    assert f"{first['torch_eager'] / first['fused']:.2f}" in rows[0]
+    pytest.importorskip("matplotlib")
+    plot(result, str(tmp_path / "bench.png"))
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
