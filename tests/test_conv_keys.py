@@ -1,0 +1,47 @@
+"""CPU-side convolution logic: output shapes, plan cache keys, layout strides."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cufused._cudnn import ConvProblem, layout_strides
+from cufused.convolution import check_conv_args
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("transposed,opts", [
+    (False, dict(stride=1, padding=0)), (False, dict(stride=2, padding=1)),
+    (False, dict(stride=(3, 1), padding=(0, 2), dilation=(2, 1))),
+    (True, dict(stride=1, padding=0)), (True, dict(stride=2, padding=1, output_padding=1)),
+    (True, dict(stride=(3, 1), padding=(0, 2), dilation=(2, 1), output_padding=(2, 0))),
+])
+def test_output_shape_matches_torch(transposed, opts):
+    x_shape = (2, 4, 11, 9)
+    w_shape = (4, 6, 3, 3) if transposed else (6, 4, 3, 3)
+    args = check_conv_args(x_shape, w_shape, 2, transposed=transposed, **opts)
+    fn = torch.nn.functional.conv_transpose2d if transposed else torch.nn.functional.conv2d
+    ref = fn(torch.zeros(x_shape), torch.zeros(w_shape), **opts).shape
+    assert args.out_shape == tuple(ref)
+
+
+def test_plan_cache_key_separates_what_changes_the_plan():
+    base = dict(kind="fprop", x_shape=(1, 3, 8, 8), w_shape=(4, 3, 3, 3), y_shape=(1, 4, 6, 6),
+                stride=(1, 1), padding=(0, 0), dilation=(1, 1), precision="ieee")
+    a, b = ConvProblem(**base), ConvProblem(**base)
+    assert a == b and hash(a) == hash(b)
+    for field, value in [("precision", "tf32"), ("kind", "dgrad"), ("stride", (2, 1)),
+                         ("x_shape", (2, 3, 8, 8))]:
+        assert ConvProblem(**{**base, field: value}) != a
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 5), (2, 3, 4, 5, 6), (1, 1, 1, 1)])
+def test_layout_strides_match_numpy_transposes(shape):
+    nd = len(shape)
+    a = np.empty(shape)
+    assert layout_strides(shape, "nchw") == tuple(s // 8 for s in a.strides)
+    physical = np.empty((shape[0], *shape[2:], shape[1]))
+    view = physical.transpose(0, nd - 1, *range(1, nd - 1))
+    assert view.shape == shape
+    assert layout_strides(shape, "nhwc") == tuple(s // 8 for s in view.strides)
