@@ -12,16 +12,8 @@ import time
 import numpy
 
 from . import __version__
+from ._arrays import gpu_available
 from .benchmark import make_cases
-
-
-def _gpu_available() -> bool:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # noqa: BLE001 - no CuPy, driver or device
-        return False
 
 
 def _rel_err(out, ref) -> float:
@@ -42,7 +34,7 @@ def _progress(i: int, n: int, label: str) -> None:
 
 
 def cmd_check(args) -> int:
-    gpu = _gpu_available()
+    gpu = gpu_available()
     small = args.small or not gpu
     if not gpu:
         print("no CUDA GPU available: checking the NumPy reference path at a small size")
@@ -137,7 +129,7 @@ def format_table(result: dict) -> str:
 
 
 def cmd_bench(args) -> int:
-    if not _gpu_available():
+    if not gpu_available():
         print("no CUDA GPU available: bench needs one")
         return 1
     from .benchmark import Timer, bench_case, measure_ceilings

@@ -33,6 +33,16 @@ def import_cupy():
     return cupy
 
 
+def gpu_available() -> bool:
+    """True when CuPy imports and sees at least one CUDA device."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # noqa: BLE001 - no CuPy, no driver or no device
+        return False
+
+
 def get_array_module(**arrays: Any):
     """Return ``numpy`` or ``cupy`` for the named arrays (``None`` values are skipped).
 

@@ -5,17 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from cufused._arrays import gpu_available
 
-def _gpu_available() -> bool:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # noqa: BLE001 - no CuPy, no driver or no device
-        return False
-
-
-GPU = _gpu_available()
+GPU = gpu_available()
 
 
 def pytest_collection_modifyitems(config, items):
