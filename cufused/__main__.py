@@ -105,8 +105,8 @@ def format_table(result: dict) -> str:
                            else ""),
              "median ms, L2 flushed; speedup = PyTorch time / cufused fused time",
              f"{'case':<4} {'prec':<5} {'fused':>7} {'unfused':>8} {'eager':>7} {'compile':>8} "
-             f"{'xeager':>7} {'xcompile':>8} {'conv':>6} {'layout':>6} {'post':>6} "
-             f"{'postfloor':>9} {'floor':>6} {'/floor':>6}"]
+             f"{'xeager':>7} {'xcompile':>8} {'conv':>6} {'post':>6} "
+             f"{'postfloor':>9} {'floor':>6} {'/floor':>6}  conv strategy"]
     for r in result["rows"]:
         def f(key, fmt="7.3f"):
             return format(r[key], fmt) if key in r else "-".rjust(int(fmt.split(".")[0]))
@@ -115,16 +115,18 @@ def format_table(result: dict) -> str:
         lines.append(
             f"{r['case']:<4} {r['precision']:<5} {f('fused')} {f('unfused', '8.3f')} "
             f"{f('torch_eager')} {f('torch_compile', '8.3f')} {xe:7.2f} {xc:8.2f} "
-            f"{r['conv']:6.3f} {r['conv_layout']:>6} {r['fused'] - r['conv']:6.3f} "
-            f"{r['post_floor']:9.3f} {r['floor']:6.3f} {r['fused'] / r['floor']:6.2f}")
+            f"{r['conv']:6.3f} {r['fused'] - r['conv']:6.3f} "
+            f"{r['post_floor']:9.3f} {r['floor']:6.3f} {r['fused'] / r['floor']:6.2f}  "
+            f"{r['conv_layout']}")
     lines += ["", "convolutions alone (ms): cufused plan in its layout, cufused public call "
               "(NCHW in/out), PyTorch (same call)",
-              f"{'case':<4} {'prec':<5} {'plan':>7} {'layout':>6} {'public':>7} {'torch':>7} "
-              f"{'torch/public':>12}"]
+              f"{'case':<4} {'prec':<5} {'plan':>7} {'public':>7} {'torch':>7} "
+              f"{'torch/public':>12}  plan strategy"]
     for r in result["rows"]:
         tc = r.get("torch_conv", float("nan"))
-        lines.append(f"{r['case']:<4} {r['precision']:<5} {r['conv']:7.3f} {r['conv_layout']:>6} "
-                     f"{r['conv_public']:7.3f} {tc:7.3f} {tc / r['conv_public']:12.2f}")
+        lines.append(f"{r['case']:<4} {r['precision']:<5} {r['conv']:7.3f} "
+                     f"{r['conv_public']:7.3f} {tc:7.3f} {tc / r['conv_public']:12.2f}  "
+                     f"{r['conv_layout']}")
     return "\n".join(lines)
 
 

@@ -1,11 +1,14 @@
 """cuDNN convolutions through cuDNN Frontend's Python API.
 
 A forward convolution is ``conv_fprop``; a transposed convolution is ``conv_dgrad`` with the
-ConvTranspose weight unchanged and the output shape set explicitly. Each distinct problem
-(device, kind, shapes, parameters, precision) gets a :class:`ConvPlan`, built once: on first
-use the candidate plans of both layouts (NCHW and channels-last) are timed with CUDA events,
-like ``torch.backends.cudnn.benchmark``, and the fastest (layout, plan) pair is kept. The plan
-exposes its layout so that the fused kernels downstream read a channels-last output directly.
+ConvTranspose weight unchanged and the output shape set explicitly, or (the "subpixel"
+method, :mod:`cufused._subpixel`) one ``conv_fprop`` per output residue class with a
+rearranged weight. Each distinct problem (device, kind, shapes, parameters, precision, bias)
+gets a :class:`ConvPlan`, built once: on first use every candidate :class:`Strategy` (method,
+input layout, output layout, bias inside the graph or not) has its cuDNN plans timed with
+CUDA events, like ``torch.backends.cudnn.benchmark``, and the fastest strategy, timed with the
+layout conversions its caller would pay, is kept. The plan exposes its layouts so that the
+fused kernels downstream read a channels-last or class-major output directly.
 """
 
 from __future__ import annotations
@@ -18,22 +21,26 @@ from typing import Any
 import numpy
 
 from ._arrays import import_cupy
+from ._subpixel import subpixel_parts, subpixel_weight_index
 
 LAYOUTS = ("nchw", "nhwc")
+# (input layout, output layout) pairs tried; channels-last engines fed an NCHW input skip
+# the input transpose (measured faster for pipeline B's TF32 convolution).
+_LAYOUT_PAIRS = (("nchw", "nchw"), ("nhwc", "nhwc"), ("nchw", "nhwc"))
 
 _state = threading.local()
 _plans: dict[tuple, ConvPlan] = {}
 _plans_lock = threading.Lock()
-# Plan-choice settings: autotuning on/off and the layouts considered (tests pin one layout).
-_config = {"autotune": True, "layouts": LAYOUTS}
+# Plan-choice settings: autotuning on/off, and strategy labels to pin (tests), None for all.
+_config: dict[str, Any] = {"autotune": True, "pins": None}
 
 
 def set_conv_autotune(enabled: bool) -> None:
     """Switch plan autotuning on (default) or off.
 
-    With autotuning, the first call for a convolution problem times every cuDNN plan in both
-    layouts and keeps the fastest; without it, the first plan of cuDNN's heuristics in the NCHW
-    layout is used. Plans already chosen are kept.
+    With autotuning, the first call for a convolution problem times every cuDNN plan of every
+    strategy (layouts, method) and keeps the fastest; without it, the first plan of cuDNN's
+    heuristics for a plain NCHW convolution is used. Plans already chosen are kept.
 
     Parameters
     ----------
@@ -50,45 +57,57 @@ def set_conv_autotune(enabled: bool) -> None:
 
 
 @contextlib.contextmanager
-def plan_options(*, autotune: bool | None = None, layouts: tuple[str, ...] | None = None):
-    """Temporarily change how new plans are chosen (tests use it to pin a layout)."""
+def plan_options(*, autotune: bool | None = None, pins: tuple[str, ...] | None = None):
+    """Temporarily change how new plans are chosen.
+
+    ``pins`` restricts the strategies to those whose :attr:`Strategy.label` is listed (tests
+    pin each one in turn); a problem that has none of them falls back to the direct method in
+    the pinned layouts.
+    """
     saved = dict(_config)
     if autotune is not None:
         _config["autotune"] = autotune
-    if layouts is not None:
-        _config["layouts"] = tuple(layouts)
+    if pins is not None:
+        _config["pins"] = tuple(pins)
     try:
         yield
     finally:
         _config.update(saved)
 
 
+_cudnn_module = None
+
+
 def import_cudnn():
     """Import cuDNN Frontend or raise an ``ImportError`` naming the extra to install."""
-    try:
-        import cudnn
-    except (ImportError, OSError) as exc:
-        raise ImportError(
-            "cuDNN Frontend (module 'cudnn') is not importable: install cufused[cuda12] or "
-            f"cufused[cuda13] ({exc})"
-        ) from exc
-    return cudnn
+    global _cudnn_module
+    if _cudnn_module is None:
+        try:
+            import cudnn
+        except (ImportError, OSError) as exc:
+            raise ImportError(
+                "cuDNN Frontend (module 'cudnn') is not importable: install cufused[cuda12] or "
+                f"cufused[cuda13] ({exc})"
+            ) from exc
+        _cudnn_module = cudnn
+    return _cudnn_module
 
 
 def _handle():
     """One cuDNN handle per (thread, device), bound to CuPy's current stream."""
     cupy = import_cupy()
-    cudnn = import_cudnn()
     handles = getattr(_state, "handles", None)
     if handles is None:
         handles = _state.handles = {}
     device = cupy.cuda.runtime.getDevice()
-    handle = handles.get(device)
-    if handle is None:
-        handle = handles[device] = cudnn.create_handle()
-    # Cheap when the stream has not changed: the Handle remembers its last stream.
-    cudnn.set_stream(handle=handle, stream=cupy.cuda.get_current_stream().ptr)
-    return handle
+    stream = cupy.cuda.get_current_stream().ptr
+    entry = handles.get(device)
+    if entry is None:
+        entry = handles[device] = [import_cudnn().create_handle(), None]
+    if entry[1] != stream:
+        import_cudnn().set_stream(handle=entry[0], stream=stream)
+        entry[1] = stream
+    return entry[0]
 
 
 def layout_strides(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
@@ -164,6 +183,44 @@ def to_layout(a, layout: str):
     return out
 
 
+def add_channel_bias(y, bias) -> None:
+    """``y[:, c] += bias[c]`` in place for a contiguous NC(D)HW ``y``."""
+    from ._cuda import get_kernel, launch_1d
+
+    s = y.size // max(y.shape[0] * y.shape[1], 1)
+    vec = 4 if s % 4 == 0 and y.data.ptr % 16 == 0 else 1
+    total = y.size // vec
+    launch_1d(get_kernel("layout.cu", f"add_channel_bias<{vec}>"), total,
+              (y, bias, numpy.int64(total), numpy.int64(s), numpy.int32(y.shape[1])))
+
+
+def class_geometry(classes, out) -> tuple[int, int, int, tuple]:
+    """How to launch a kernel built on ``interleave_classes`` (common.cuh).
+
+    ``classes`` holds class blocks of shape (P, N, C, *M) and ``out`` is (N, C, *(s * M)).
+    Returns ``(SW, VEC, items, (rows, C, Md, Mh, Mw, sd, sh))``: the template arguments, the
+    number of grid-stride items and the geometry arguments, in the kernels' order.
+    """
+    n, c, *m = classes.shape[1:]
+    s = [o // q for o, q in zip(out.shape[2:], m)]
+    if len(m) == 2:
+        m, s = [1, *m], [1, *s]
+    vec = 4 if m[2] % 4 == 0 and classes.data.ptr % 16 == 0 and out.data.ptr % 16 == 0 else 1
+    items = n * c * s[0] * m[0] * s[1] * m[1] * (m[2] // vec)
+    geometry = (numpy.int64(n * c), numpy.int32(c),
+                *(numpy.int32(v) for v in (m[0], m[1], m[2], s[0], s[1])))
+    return s[2], vec, items, geometry
+
+
+def interleave_classes(classes, out, bias=None) -> None:
+    """Write a sub-pixel convolution's class blocks into the NC(D)HW ``out`` (+ ``bias[c]``)."""
+    from ._cuda import get_kernel, launch_1d, optional
+
+    sw, vec, items, geometry = class_geometry(classes, out)
+    launch_1d(get_kernel("layout.cu", f"subpixel_interleave<{sw}, {vec}>"), items,
+              (classes, out, optional(bias), *geometry))
+
+
 @dataclass(frozen=True)
 class ConvProblem:
     """What identifies a convolution plan (besides the device)."""
@@ -176,46 +233,189 @@ class ConvProblem:
     padding: tuple[int, ...]
     dilation: tuple[int, ...]
     precision: str
+    bias: bool = False  # the caller adds a bias (only public calls do; pipelines fuse it)
+
+    @property
+    def groups(self) -> int:
+        if self.kind == "fprop":
+            return self.x_shape[1] // self.w_shape[1]
+        return self.y_shape[1] // self.w_shape[1]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How a plan computes its problem.
+
+    ``method`` is "direct" (one cuDNN fprop/dgrad) or "subpixel" (forward convolutions per
+    output residue class); ``y_layout`` "classes" means class-major blocks (N, C, *M) per
+    residue class, each NCHW-packed.
+    """
+
+    method: str
+    x_layout: str
+    y_layout: str
+    bias_in_graph: bool = False
+
+    @property
+    def label(self) -> str:
+        """A short name: "nchw", "nchw>nhwc", "nchw+bias", "subpixel nchw", ..."""
+        xl, yl = self.x_layout, self.y_layout
+        name = xl if yl in (xl, "classes") else f"{xl}>{yl}"
+        if self.bias_in_graph:
+            name += "+bias"
+        return name if self.method == "direct" else f"{self.method} {name}"
+
+
+def strategies(problem: ConvProblem, accept_classes: bool) -> list[Strategy]:
+    """Every strategy that can compute ``problem``; the plain NCHW convolution first."""
+    found = []
+    for xl, yl in _LAYOUT_PAIRS:
+        found.append(Strategy("direct", xl, yl))
+        if problem.bias and yl == "nchw":
+            found.append(Strategy("direct", xl, yl, bias_in_graph=True))
+    parts = _subpixel_split(problem)
+    if parts is not None:
+        if len(parts) == 1:
+            found += [Strategy("subpixel", xl, yl) for xl, yl in _LAYOUT_PAIRS]
+        elif accept_classes and problem.stride[-1] <= 2:  # the kernels interleave up to 2
+            found.append(Strategy("subpixel", "nchw", "classes"))
+    return found
+
+
+def _subpixel_split(problem: ConvProblem):
+    if problem.kind != "dgrad" or any(d != 1 for d in problem.dilation):
+        return None
+    return subpixel_parts(problem.x_shape[2:], problem.w_shape[2:], problem.stride,
+                          problem.padding, problem.y_shape[2:])
+
+
+@dataclass(frozen=True)
+class _PartSpec:
+    """One cuDNN graph of a strategy: tensor dims/strides and the operands' element offsets."""
+
+    kind: str
+    x_dims: tuple[int, ...]
+    x_strides: tuple[int, ...]
+    w_dims: tuple[int, ...]
+    w_strides: tuple[int, ...]
+    y_dims: tuple[int, ...]
+    y_strides: tuple[int, ...]
+    pre_padding: tuple[int, ...]
+    post_padding: tuple[int, ...]
+    stride: tuple[int, ...]
+    dilation: tuple[int, ...]
+    bias_strides: tuple[int, ...] | None
+    x_offset: int = 0
+    w_offset: int = 0
+    y_offset: int = 0
+
+    def graph_key(self):
+        """The fields that define the graph (parts that differ only in offsets share one)."""
+        return (self.kind, self.x_dims, self.x_strides, self.w_dims, self.w_strides, self.y_dims,
+                self.y_strides, self.pre_padding, self.post_padding, self.stride, self.dilation,
+                self.bias_strides)
+
+
+def _part_specs(problem: ConvProblem, strategy: Strategy):
+    """The graphs of ``strategy``, the output shape it writes, and its weight gather index."""
+    xl, yl = strategy.x_layout, strategy.y_layout
+    x_strides = layout_strides(problem.x_shape, xl)
+    nd = len(problem.x_shape) - 2
+    c_out = problem.y_shape[1]
+    bias_strides = (layout_strides((1, c_out) + (1,) * nd, yl)
+                    if strategy.bias_in_graph else None)
+    if strategy.method == "direct":
+        spec = _PartSpec(problem.kind, problem.x_shape, x_strides, problem.w_shape,
+                         layout_strides(problem.w_shape, xl), problem.y_shape,
+                         layout_strides(problem.y_shape, yl), problem.padding, problem.padding,
+                         problem.stride, problem.dilation, bias_strides)
+        return [spec], problem.y_shape, None
+    parts = _subpixel_split(problem)
+    n, c_in = problem.x_shape[:2]
+    ones = (1,) * nd
+    if yl == "classes":
+        class_shape = (n, c_out, *(o // s for o, s in zip(problem.y_shape[2:], problem.stride)))
+        y_shape = (len(parts), *class_shape)
+    else:
+        class_shape = y_shape = problem.y_shape
+    y_strides = layout_strides(class_shape, "nchw" if yl == "classes" else yl)
+    specs, w_offset = [], 0
+    for i, part in enumerate(parts):
+        w_dims = (c_out, c_in // problem.groups, *part.taps)
+        specs.append(_PartSpec(
+            "fprop", (n, c_in, *part.x_size), x_strides, w_dims, layout_strides(w_dims, xl),
+            class_shape, y_strides, part.pre_padding, part.post_padding, ones, ones, None,
+            x_offset=sum(a * b for a, b in zip(part.x_start, x_strides[2:])),
+            w_offset=w_offset, y_offset=i * int(numpy.prod(class_shape)) if len(parts) > 1 else 0))
+        w_offset += int(numpy.prod(w_dims))
+    index = subpixel_weight_index(problem.w_shape, problem.groups, problem.stride, parts,
+                                  channels_last=xl == "nhwc")
+    return specs, y_shape, index
+
+
+def _build_graph(spec: _PartSpec, precision: str):
+    cudnn = import_cudnn()
+    f32 = cudnn.data_type.FLOAT
+    graph = cudnn.pygraph(io_data_type=f32, intermediate_data_type=f32, compute_data_type=f32,
+                          handle=_handle())
+    x = graph.tensor(name="x", dim=list(spec.x_dims), stride=list(spec.x_strides), data_type=f32)
+    w = graph.tensor(name="w", dim=list(spec.w_dims), stride=list(spec.w_strides), data_type=f32)
+    conv = graph.conv_fprop if spec.kind == "fprop" else graph.conv_dgrad
+    operands = {"image": x, "weight": w} if spec.kind == "fprop" else {"loss": x, "filter": w}
+    y = conv(**operands, pre_padding=list(spec.pre_padding),
+             post_padding=list(spec.post_padding), stride=list(spec.stride),
+             dilation=list(spec.dilation), compute_data_type=f32)
+    y.set_dim(list(spec.y_dims)).set_stride(list(spec.y_strides)).set_data_type(f32)
+    tensors = [x, w]
+    if spec.bias_strides is not None:
+        b = graph.tensor(name="b", dim=[1, spec.y_dims[1]] + [1] * (len(spec.y_dims) - 2),
+                         stride=list(spec.bias_strides), data_type=f32)
+        y = graph.bias(input=y, bias=b)
+        y.set_dim(list(spec.y_dims)).set_stride(list(spec.y_strides)).set_data_type(f32)
+        tensors.append(b)
+    y.set_output(True)
+    tensors.append(y)
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    if precision == "ieee":
+        # Keep float32 float32: no TF32 tensor cores, no down-converted inputs.
+        graph.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE,
+                                      cudnn.numerical_note.DOWN_CONVERT_INPUTS])
+    graph.check_support()
+    return graph, tensors
 
 
 @dataclass
-class ConvPlan:
-    """A built cuDNN graph for one problem in one layout, with its chosen execution plan."""
+class _Part:
+    """A built graph with its chosen execution plan, and where its operands start."""
 
-    problem: ConvProblem
-    layout: str
+    spec: _PartSpec
     graph: Any
-    tensors: tuple[Any, Any, Any]  # the graph's x, w, y tensors: keys of the variant pack
+    tensors: list  # the graph's x, w, [bias], y tensors: keys of the variant pack
     plan_index: int
     workspace_size: int
     milliseconds: float = float("nan")
-    candidates: dict = field(default_factory=dict)  # plan index -> ms, this layout
-    layout_costs: dict = field(default_factory=dict)  # layout -> best ms + conversions
-    conversion_ms: float = 0.0  # measured layout conversions this layout's plan needs
     _direct: Any = None  # resolved backend call (see _direct_executor), False when unavailable
 
-    def run(self, x, w, y) -> None:
-        """Run on arrays whose memory is in ``self.layout`` (raw pointers, current stream)."""
-        cupy = import_cupy()
-        handle = _handle()
-        # A raw workspace pointer: an array would take the DLPack route, whose stream
-        # synchronization breaks CUDA-graph capture.
-        workspace = (cupy.empty(self.workspace_size, dtype=cupy.uint8)
-                     if self.workspace_size else None)
-        ws_ptr = 0 if workspace is None else workspace.data.ptr
+    def execute(self, x_ptr: int, w_ptr: int, y_ptr: int, b_ptr: int, ws_ptr: int,
+                handle) -> None:
+        spec = self.spec
+        ptrs = [x_ptr + 4 * spec.x_offset, w_ptr + 4 * spec.w_offset]
+        if spec.bias_strides is not None:
+            ptrs.append(b_ptr)
+        ptrs.append(y_ptr + 4 * spec.y_offset)
         if self._direct is None:
             self._direct = _direct_executor(self) or False
         if self._direct:
             execute, cpp_index, uids = self._direct
-            execute({uids[0]: x.data.ptr, uids[1]: w.data.ptr, uids[2]: y.data.ptr}, ws_ptr,
-                    cpp_index, handle.backend_handle)
+            execute(dict(zip(uids, ptrs)), ws_ptr, cpp_index, handle.backend_handle)
             return
-        pack = {self.tensors[0]: x.data.ptr, self.tensors[1]: w.data.ptr,
-                self.tensors[2]: y.data.ptr}
-        self.graph.execute_plan_at_index(pack, ws_ptr or None, self.plan_index, handle=handle)
+        self.graph.execute_plan_at_index(dict(zip(self.tensors, ptrs)), ws_ptr or None,
+                                         self.plan_index, handle=handle)
 
 
-def _direct_executor(plan: ConvPlan):
+def _direct_executor(part: _Part):
     """The backend call that ``execute_plan_at_index`` ends in, resolved once.
 
     cuDNN Frontend 1.28 re-resolves the plan, the operand uids and the pointers on every
@@ -224,50 +424,97 @@ def _direct_executor(plan: ConvPlan):
     a convolution several-fold. Private API: anything unexpected falls back to the public call.
     """
     try:
-        graph = plan.graph
-        if graph._engine_for(graph._plans[plan.plan_index]) is not None:
+        graph = part.graph
+        if graph._engine_for(graph._plans[part.plan_index]) is not None:
             return None  # a Python engine: only the public path runs it
-        cfg = graph._materialize_backend_plan(plan.plan_index)
+        cfg = graph._materialize_backend_plan(part.plan_index)
         if cfg.cpp_index is None:
             return None
         return (graph._lowered_graph._execute_plan_at_index, cfg.cpp_index,
-                tuple(t.uid for t in plan.tensors))
+                tuple(t.uid for t in part.tensors))
     except Exception:  # noqa: BLE001 - internals differ in another cuDNN Frontend version
         return None
 
 
-def _build_graph(problem: ConvProblem, layout: str):
-    cudnn = import_cudnn()
-    f32 = cudnn.data_type.FLOAT
-    graph = cudnn.pygraph(io_data_type=f32, intermediate_data_type=f32, compute_data_type=f32,
-                          handle=_handle())
-    if problem.kind == "fprop":
-        x = graph.tensor(name="x", dim=list(problem.x_shape),
-                         stride=list(layout_strides(problem.x_shape, layout)), data_type=f32)
-        w = graph.tensor(name="w", dim=list(problem.w_shape),
-                         stride=list(layout_strides(problem.w_shape, layout)), data_type=f32)
-        y = graph.conv_fprop(image=x, weight=w, padding=list(problem.padding),
-                             stride=list(problem.stride), dilation=list(problem.dilation),
-                             compute_data_type=f32)
-    else:
-        x = graph.tensor(name="dy", dim=list(problem.x_shape),
-                         stride=list(layout_strides(problem.x_shape, layout)), data_type=f32)
-        w = graph.tensor(name="w", dim=list(problem.w_shape),
-                         stride=list(layout_strides(problem.w_shape, layout)), data_type=f32)
-        y = graph.conv_dgrad(loss=x, filter=w, padding=list(problem.padding),
-                             stride=list(problem.stride), dilation=list(problem.dilation),
-                             compute_data_type=f32)
-    y.set_output(True).set_dim(list(problem.y_shape)).set_stride(
-        list(layout_strides(problem.y_shape, layout))).set_data_type(f32)
-    graph.validate()
-    graph.build_operation_graph()
-    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    if problem.precision == "ieee":
-        # Keep float32 float32: no TF32 tensor cores, no down-converted inputs.
-        graph.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE,
-                                      cudnn.numerical_note.DOWN_CONVERT_INPUTS])
-    graph.check_support()
-    return graph, (x, w, y)
+@dataclass
+class ConvPlan:
+    """A problem's chosen strategy: its cuDNN graphs and plans, and how to feed them."""
+
+    problem: ConvProblem
+    strategy: Strategy
+    parts: list[_Part]
+    y_shape: tuple[int, ...]  # the output as written: the problem's, or (P, N, C, *M) classes
+    weight_index: Any  # CuPy gather index of the sub-kernels (subpixel), else None
+    workspace_size: int
+    milliseconds: float = float("nan")  # the convolution alone (strategy timing)
+    cost: float = float("nan")  # with the caller's layout conversions
+    candidates: dict = field(default_factory=dict)  # strategy label -> (ms, cost)
+
+    @property
+    def x_layout(self) -> str:
+        return self.strategy.x_layout
+
+    @property
+    def layout(self) -> str:
+        """The layout of the output as written: "nchw", "nhwc" or "classes"."""
+        return self.strategy.y_layout
+
+    def example_operands(self):
+        """``(x, w, y)`` for :meth:`run` (timings): random inputs, an empty output."""
+        return (_random(self.problem.x_shape, self.x_layout), _random(self.problem.w_shape),
+                self.empty_output())
+
+    def empty_output(self):
+        """An uninitialized output buffer in the plan's output layout."""
+        if self.layout == "classes":
+            return import_cupy().empty(self.y_shape, dtype=numpy.float32)
+        return empty_in_layout(self.y_shape, self.layout)
+
+    def run(self, x, w, y, bias=None) -> None:
+        """Run on ``x`` in ``x_layout``, the PyTorch-layout weight ``w`` and ``y`` from
+        :meth:`empty_output` (or a contiguous NCHW array for an "nchw" plan); ``bias`` is used
+        only by a plan that has it inside its graph. Raw pointers, CuPy's current stream."""
+        cupy = import_cupy()
+        handle = _handle()
+        if self.weight_index is not None:
+            w = cupy.take(cupy.ascontiguousarray(w).ravel(), self.weight_index)
+        else:
+            w = to_layout(w, self.x_layout)
+        # A raw workspace pointer: an array would take the DLPack route, whose stream
+        # synchronization breaks CUDA-graph capture.
+        workspace = (cupy.empty(self.workspace_size, dtype=cupy.uint8)
+                     if self.workspace_size else None)
+        ws_ptr = 0 if workspace is None else workspace.data.ptr
+        b_ptr = 0 if bias is None else bias.data.ptr
+        for part in self.parts:
+            part.execute(x.data.ptr, w.data.ptr, y.data.ptr, b_ptr, ws_ptr, handle)
+
+    def apply(self, x, w, *, bias=None, out=None, convert_output: bool = True):
+        """The convolution of NCHW (or ``x_layout``) ``x``; returns ``(y, layout)``.
+
+        With ``convert_output`` the result is contiguous NCHW (``out`` if given) plus
+        ``bias``; without it ``y`` is in the plan's output layout (for "nchw", ``out`` if given)
+        and ``bias`` must be None.
+        """
+        cupy = import_cupy()
+        layout = self.layout
+        xl = to_layout(x, self.x_layout)
+        y = out if layout == "nchw" and out is not None else self.empty_output()
+        in_graph = self.strategy.bias_in_graph
+        self.run(xl, w, y, bias if in_graph else None)
+        if not convert_output:
+            return y, layout
+        if layout == "nchw":
+            if bias is not None and not in_graph:
+                add_channel_bias(y, bias)
+            return y, "nchw"
+        result = out if out is not None else cupy.empty(self.problem.y_shape,
+                                                         dtype=cupy.float32)
+        if layout == "nhwc":  # the bias rides along with the transpose back: no extra pass
+            transpose_channels(y, result, to_channels_last=False, bias=bias)
+        else:
+            interleave_classes(y, result, bias)
+        return result, "nchw"
 
 
 def _time_ms(fn, repeat: int = 5, batch: int = 3) -> float:
@@ -290,60 +537,85 @@ def _time_ms(fn, repeat: int = 5, batch: int = 3) -> float:
     return float(numpy.median(times))
 
 
-def _tune(problem: ConvProblem, layout: str, tune: bool) -> ConvPlan | None:
-    """Build the graph in ``layout`` and pick its fastest plan (or the heuristic one)."""
+def _random(shape, layout="nchw"):
+    """Random (not zero: zeros can run faster) float32 test data in ``layout``."""
+    cupy = import_cupy()
+    a = empty_in_layout(shape, layout)
+    a[...] = cupy.random.default_rng(0).random(a.shape, dtype=cupy.float32)
+    return a
+
+
+def _make_plan(problem: ConvProblem, strategy: Strategy, tune: bool) -> ConvPlan | None:
+    """Build ``strategy``'s graphs and pick each one's fastest plan (or its heuristic one)."""
     cudnn = import_cudnn()
     cupy = import_cupy()
     try:
-        graph, tensors = _build_graph(problem, layout)
+        specs, y_shape, index = _part_specs(problem, strategy)
+        graphs = {}
+        for spec in specs:
+            if spec.graph_key() not in graphs:
+                graphs[spec.graph_key()] = _build_graph(spec, problem.precision)
     except Exception:  # noqa: BLE001 - cuDNN reports "not supported" in several ways
         return None
-    if not tune:  # the first plan, in cuDNN's heuristic order, that builds
-        for index in range(graph.get_execution_plan_count()):
+    index = None if index is None else cupy.asarray(index)
+    if tune:
+        x = _random(problem.x_shape, strategy.x_layout)
+        w = _random((int(index.size),) if index is not None else problem.w_shape,
+                    "nchw" if index is not None else strategy.x_layout)
+        b = _random((problem.y_shape[1],))
+        y = cupy.empty(y_shape, dtype=cupy.float32)
+        handle = _handle()
+    parts, built = [], set()
+    for spec in specs:
+        graph, tensors = graphs[spec.graph_key()]
+        best = None
+        if tune and spec.graph_key() not in built:
+            graph.build_plans(cudnn.build_plan_policy.ALL)
+            built.add(spec.graph_key())
+        for i in range(graph.get_execution_plan_count()):
             try:
-                graph.build_plan_at_index(index)
-            except Exception:  # noqa: BLE001
+                if not tune:
+                    graph.build_plan_at_index(i)
+                part = _Part(spec, graph, tensors, i, graph.get_workspace_size_plan_at_index(i))
+                if not tune:
+                    best = part
+                    break
+                ws = cupy.empty(max(part.workspace_size, 1), dtype=cupy.uint8)
+                part.milliseconds = _time_ms(lambda p=part, ws=ws: p.execute(
+                    x.data.ptr, w.data.ptr, y.data.ptr, b.data.ptr, ws.data.ptr, handle))
+            except Exception:  # noqa: BLE001 - a plan that did not build or run is skipped
                 continue
-            return ConvPlan(problem, layout, graph, tensors, index,
-                            graph.get_workspace_size_plan_at_index(index))
-        return None
-    graph.build_plans(cudnn.build_plan_policy.ALL)
-    x = empty_in_layout(problem.x_shape, layout)
-    w = empty_in_layout(problem.w_shape, layout)
-    y = empty_in_layout(problem.y_shape, layout)
-    rng = cupy.random.default_rng(0)
-    for a in (x, w):
-        a[...] = rng.random(a.shape, dtype=cupy.float32)  # not zeros: they can run faster
-    best = None
-    candidates = {}
-    for index in range(graph.get_execution_plan_count()):
-        try:
-            size = graph.get_workspace_size_plan_at_index(index)
-            plan = ConvPlan(problem, layout, graph, tensors, index, size)
-            ms = _time_ms(lambda plan=plan: plan.run(x, w, y))
-        except Exception:  # noqa: BLE001 - a plan that did not build or run is skipped
-            continue
-        candidates[index] = ms
-        if best is None or ms < best.milliseconds:
-            plan.milliseconds = ms
-            best = plan
-    if best is not None:
-        best.candidates = candidates
-    return best
+            if best is None or part.milliseconds < best.milliseconds:
+                best = part
+        if best is None:
+            return None
+        parts.append(best)
+    return ConvPlan(problem, strategy, parts, y_shape, index,
+                    max(p.workspace_size for p in parts))
 
 
-def conv_plan(problem: ConvProblem, *, convert_input: bool, convert_output: bool) -> ConvPlan:
-    """Return the cached plan for ``problem``, choosing layout and engine on first use.
+def _pinned(found: list[Strategy], pins) -> list[Strategy]:
+    if pins is None:
+        return found
+    chosen = [s for s in found if s.label in pins]
+    # Then the direct method in the pinned layouts: for a problem without the pinned method
+    # (subpixel for a forward convolution) or whose pinned graph cuDNN cannot build.
+    layouts = {p.split()[-1].replace("+bias", "") for p in pins}
+    return chosen + [s for s in found if s.label in layouts and s not in chosen]
 
-    ``convert_input`` / ``convert_output`` say whether the caller would pay a layout
-    conversion of the input / output for a channels-last plan; its measured cost is added to
-    that layout's time before the layouts are compared.
+
+def conv_plan(problem: ConvProblem, *, convert_input: bool, convert_output: bool,
+              accept_classes: bool = False) -> ConvPlan:
+    """Return the cached plan for ``problem``, choosing its strategy and plans on first use.
+
+    ``convert_input`` / ``convert_output`` say whether the caller passes an NCHW input / needs
+    an NCHW output, so that the layout conversions it would pay count in the comparison;
+    ``accept_classes`` whether it reads class-major output (without ``convert_output``).
     """
     cupy = import_cupy()
-    tune, layouts = _config["autotune"], _config["layouts"]
-    if not tune and layouts == LAYOUTS:
-        layouts = ("nchw",)
-    key = (cupy.cuda.runtime.getDevice(), problem, convert_input, convert_output, tune, layouts)
+    tune, pins = _config["autotune"], _config["pins"]
+    key = (cupy.cuda.runtime.getDevice(), problem, convert_input, convert_output,
+           accept_classes, tune, pins)
     plan = _plans.get(key)
     if plan is not None:
         return plan
@@ -351,35 +623,35 @@ def conv_plan(problem: ConvProblem, *, convert_input: bool, convert_output: bool
         plan = _plans.get(key)
         if plan is not None:
             return plan
-        choices = []
-        for layout in layouts:
-            candidate = _tune(problem, layout, tune)
-            if candidate is None:
-                continue
-            cost = candidate.milliseconds
-            if layout != "nchw" and tune and len(layouts) > 1:
-                candidate.conversion_ms = _conversion_ms(problem, convert_input, convert_output)
-                cost += candidate.conversion_ms
-            choices.append((cost, candidate))
-        if not choices:
-            raise ValueError(f"cuDNN supports no plan for this convolution: {problem}")
-        plan = min(choices, key=lambda c: c[0])[1]
-        plan.layout_costs = {c.layout: (c.milliseconds, c.conversion_ms) for _, c in choices}
+        plan = _choose(problem, convert_input, convert_output, accept_classes, tune, pins)
         _plans[key] = plan
         return plan
 
 
-def _conversion_ms(problem: ConvProblem, convert_input: bool, convert_output: bool) -> float:
-    """Device time of the tiled transposes a channels-last plan adds for this caller."""
-    total = 0.0
-    for shape, needed, to_cl in ((problem.x_shape, convert_input, True),
-                                 (problem.y_shape, convert_output, False)):
-        if needed:
-            src = empty_in_layout(shape, "nchw" if to_cl else "nhwc")
-            dst = empty_in_layout(shape, "nhwc" if to_cl else "nchw")
-            src[...] = 0.5
-            total += _time_ms(lambda: transpose_channels(src, dst, to_channels_last=to_cl))
-    return total
+def _choose(problem, convert_input, convert_output, accept_classes, tune, pins) -> ConvPlan:
+    found = _pinned(strategies(problem, accept_classes or convert_output), pins)
+    if not tune:  # the first strategy, in order, that builds
+        found = [s for s in found if not s.bias_in_graph] or found
+    best, candidates = None, {}
+    for strategy in found:
+        plan = _make_plan(problem, strategy, tune)
+        if plan is None:
+            continue
+        if not tune:
+            best = plan
+            break
+        x = _random(problem.x_shape, "nchw" if convert_input else strategy.x_layout)
+        w = _random(problem.w_shape)
+        b = _random((problem.y_shape[1],)) if problem.bias else None
+        plan.milliseconds = sum(p.milliseconds for p in plan.parts)
+        plan.cost = _time_ms(lambda: plan.apply(x, w, bias=b, convert_output=convert_output))
+        candidates[strategy.label] = (plan.milliseconds, plan.cost)
+        if best is None or plan.cost < best.cost:
+            best = plan
+    if best is None:
+        raise ValueError(f"cuDNN supports no plan for this convolution: {problem}")
+    best.candidates = candidates
+    return best
 
 
 def clear_plan_cache() -> None:

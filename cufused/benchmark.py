@@ -226,7 +226,8 @@ def conv_plan_for(case: Case, precision: str):
                                                                **opts})
     problem = ConvProblem(c["kind"], tuple(c["x_shape"]), tuple(c["w_shape"]), args.out_shape,
                           args.stride, args.padding, args.dilation, precision)
-    return conv_plan(problem, convert_input=case.name != "C", convert_output=False)
+    return conv_plan(problem, convert_input=case.name != "C", convert_output=False,
+                     accept_classes=case.name == "C")
 
 
 def _public_conv(case: Case):
@@ -243,8 +244,6 @@ def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_e
                torch_compile=True, rng=None) -> list[dict]:
     """Time one case: fused, unfused, the internal convolution, PyTorch eager and compiled."""
     import cupy
-
-    from ._cudnn import empty_in_layout
 
     rng = rng or numpy.random.default_rng(0)
     inputs = case.make_inputs(rng)
@@ -270,14 +269,10 @@ def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_e
         row["unfused"] = timer(lambda: case.run_cufused(inputs, precision=precision,
                                                         method="unfused"))
         plan = conv_plan_for(case, precision)
-        xs = empty_in_layout(plan.problem.x_shape, plan.layout)
-        ws = empty_in_layout(plan.problem.w_shape, plan.layout)
-        ys = empty_in_layout(plan.problem.y_shape, plan.layout)
-        xs[...] = 0.5
-        ws[...] = 0.01
-        row["conv_layout"] = plan.layout
-        row["conv"] = timer(lambda: plan.run(xs, ws, ys))
-        xs = ws = ys = None
+        operands = plan.example_operands()
+        row["conv_layout"] = plan.strategy.label
+        row["conv"] = timer(lambda: plan.run(*operands))
+        operands = None
         # The public convolution (NCHW in and out, conversions included) on the conv input.
         conv_fn, conv_opts = _public_conv(case)
         xc = cupy.asarray(rng.random(case.conv["x_shape"], dtype=numpy.float32))

@@ -93,49 +93,64 @@ def check_conv_args(x_shape, w_shape, nd: int, *, transposed: bool, stride, padd
 
 
 def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_input: bool = True,
-                convert_output: bool = True, out=None, bias=None):
+                convert_output: bool = True, accept_classes: bool = False, out=None, bias=None):
     """Run the cuDNN convolution of checked CuPy arrays.
 
     Returns ``(y, layout)``: with ``convert_output`` the result is NCHW/NCDHW (written to
-    ``out`` if given) plus ``bias``; without it ``y`` is in the plan's layout (a channels-last
-    view when ``layout == "nhwc"``) for a fused kernel to read, and ``bias`` must be None.
-    With ``convert_input=False`` the caller promises ``x`` is already in the layout of
-    :func:`gpu_conv_layout`.
+    ``out`` if given) plus ``bias``; without it ``y`` is in the plan's output layout ("nchw",
+    a channels-last view for "nhwc", or class blocks of shape (P, N, C, *M) for "classes",
+    which only a caller passing ``accept_classes`` gets) for a fused kernel to read, and
+    ``bias`` must be None. With ``convert_input=False`` the caller promises ``x`` is already
+    in the layout of :func:`gpu_conv_layout`.
     """
-    from ._cudnn import (ConvProblem, conv_plan, empty_in_layout, to_layout,
-                         transpose_channels)
-
-    cupy = get_array_module(x=x)
-    problem = ConvProblem("dgrad" if args.transposed else "fprop", tuple(x.shape),
-                          tuple(weight.shape), args.out_shape, args.stride, args.padding,
-                          args.dilation, precision)
-    plan = conv_plan(problem, convert_input=convert_input, convert_output=convert_output)
-    xl = to_layout(x, plan.layout)
-    wl = to_layout(weight, plan.layout)
-    if plan.layout == "nchw" and out is not None:
-        y = out
-    else:
-        y = empty_in_layout(args.out_shape, plan.layout)
-    plan.run(xl, wl, y)
-    if convert_output and plan.layout != "nchw":
-        # The bias rides along with the transpose back to NCHW: no extra pass.
-        result = out if out is not None else cupy.empty(args.out_shape, dtype=cupy.float32)
-        transpose_channels(y, result, to_channels_last=False, bias=bias)
-        return result, "nchw"
-    if bias is not None:
-        cupy.add(y, bias.reshape((1, -1) + (1,) * (y.ndim - 2)), out=y)
-    return y, plan.layout
+    plan = _plan(x.shape, weight.shape, args, precision, bias is not None, convert_input,
+                 convert_output, accept_classes)
+    return plan.apply(x, weight, bias=bias, out=out, convert_output=convert_output)
 
 
 def gpu_conv_layout(x_shape, w_shape, args: ConvArgs, precision: str, *,
-                    convert_input: bool, convert_output: bool) -> str:
+                    convert_input: bool, convert_output: bool,
+                    accept_classes: bool = False) -> str:
     """The memory layout the cached cuDNN plan of this problem wants its input in."""
+    return _plan(x_shape, w_shape, args, precision, False, convert_input, convert_output,
+                 accept_classes).x_layout
+
+
+def _plan(x_shape, w_shape, args: ConvArgs, precision: str, bias: bool, convert_input: bool,
+          convert_output: bool, accept_classes: bool):
     from ._cudnn import ConvProblem, conv_plan
 
     problem = ConvProblem("dgrad" if args.transposed else "fprop", tuple(x_shape),
                           tuple(w_shape), args.out_shape, args.stride, args.padding,
-                          args.dilation, precision)
-    return conv_plan(problem, convert_input=convert_input, convert_output=convert_output).layout
+                          args.dilation, precision, bias)
+    return conv_plan(problem, convert_input=convert_input, convert_output=convert_output,
+                     accept_classes=accept_classes)
+
+
+# Checked arguments of recent calls: validating the options costs more host time than
+# running a cached cuDNN plan. Keys keep each value's type, so that a cached (1, 1) never
+# stands in for an invalid (True, 1).
+_ARGS_CACHE: dict[tuple, ConvArgs] = {}
+
+
+def _typed(value):
+    if isinstance(value, (tuple, list)):
+        return type(value), tuple((type(v), v) for v in value)
+    return type(value), value
+
+
+def _cached_conv_args(x_shape, w_shape, nd: int, **options) -> ConvArgs:
+    try:
+        key = (x_shape, w_shape, nd, *(_typed(v) for v in options.values()))
+        args = _ARGS_CACHE.get(key)
+    except TypeError:  # an unhashable option: validate it the slow way (and fail there)
+        return check_conv_args(x_shape, w_shape, nd, **options)
+    if args is None:
+        args = check_conv_args(x_shape, w_shape, nd, **options)
+        if len(_ARGS_CACHE) >= 1024:
+            _ARGS_CACHE.clear()
+        _ARGS_CACHE[key] = args
+    return args
 
 
 def _convolve(nd: int, transposed: bool, x, weight, bias, *, stride, padding, output_padding,
@@ -144,9 +159,9 @@ def _convolve(nd: int, transposed: bool, x, weight, bias, *, stride, padding, ou
     check_float_dtype(xp, x=x, weight=weight, bias=bias)
     check_ndim(x, "x", (nd + 2,), _LAYOUT_NAMES[nd])
     check_sizes(x, "x")
-    args = check_conv_args(x.shape, weight.shape, nd, transposed=transposed, stride=stride,
-                           padding=padding, output_padding=output_padding, dilation=dilation,
-                           groups=groups)
+    args = _cached_conv_args(x.shape, weight.shape, nd, transposed=transposed, stride=stride,
+                             padding=padding, output_padding=output_padding,
+                             dilation=dilation, groups=groups)
     bias = per_channel(bias, "bias", args.out_shape[1], xp)
     precision = resolve_precision(precision)
     check_out(out, args.out_shape, x.dtype, xp, x)

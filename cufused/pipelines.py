@@ -461,7 +461,7 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
     from ._cudnn import empty_in_layout, transpose_channels
 
     layout = gpu_conv_layout(pooled_shape, weight.shape, args, precision, convert_input=False,
-                             convert_output=False)
+                             convert_output=False, accept_classes=True)
     x_pooled = xp.empty(pooled_shape, dtype=xp.float32)
     pool_into(xp.ascontiguousarray(x), x_pooled, (k, k, k), (k, k, k), (0, 0, 0), is_max=False)
     if layout == "nhwc":
@@ -470,9 +470,9 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
         transpose_channels(x_pooled, x_cl, to_channels_last=True)
         x_pooled = x_cl
     y, layout = conv_on_gpu(x_pooled, weight, args, precision, convert_input=False,
-                            convert_output=False, out=out)
+                            convert_output=False, accept_classes=True, out=out)
     strides = [s // y.itemsize for s in y.strides]
     length = shape[2] * shape[3] * shape[4]
-    softmax_rows(xp, y, out, shape[0] * c, length, c, (strides[0], strides[1], strides[4]),
-                 channels_last=layout == "nhwc", bias=conv_bias, scale=scale, clamp=(lo, hi))
+    softmax_rows(xp, y, out, shape[0] * c, length, c, (strides[0], strides[1], strides[-1]),
+                 layout=layout, bias=conv_bias, scale=scale, clamp=(lo, hi))
     return out

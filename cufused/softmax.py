@@ -34,11 +34,13 @@ def normalize_axes(axis: Any, ndim: int) -> tuple[int, ...]:
 
 
 def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *,
-                 channels_last: bool = False, bias=None, scale=None, clamp=None) -> None:
+                 layout: str = "nchw", bias=None, scale=None, clamp=None) -> None:
     """Softmax of ``rows`` = N * ``channels`` rows of ``length`` values, into contiguous ``out``.
 
-    ``y`` is read through element ``strides`` (sn, sc, ss); ``channels_last`` picks the thread
-    mapping (channel stride 1) and the tiled transposing apply. ``bias`` is added and
+    ``y`` is read through element ``strides`` (sn, sc, ss) in ``layout``: "nchw",
+    "nhwc" (channel stride 1: the thread mapping and a tiled transposing normalize pass change)
+    or "classes" (a sub-pixel convolution's class blocks (P, N, C, *M), see
+    :func:`cufused._cudnn.class_geometry`; ``strides`` unused). ``bias`` is added and
     ``clamp = (lo, hi)`` applied before the softmax; the result is multiplied by ``scale[c]``.
     A statistics pass and a normalize pass run; when ``hi - lo`` is small, exp(v - hi) can
     neither overflow nor underflow, so the statistics pass needs no running maximum.
@@ -46,13 +48,20 @@ def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *
     lo, hi = clamp if clamp is not None else (0.0, 0.0)
     cp = str(clamp is not None).lower()
     f32, i32 = numpy.float32, numpy.int32
-    n = rows // channels
+    channels_last = layout == "nhwc"
+    parts = y.shape[0] if layout == "classes" else 1
+    if layout == "classes":
+        # Each class block is an NCHW tensor of rows of length / parts values: the statistics
+        # pass sees parts * N samples and the finalize merges a row's parts.
+        length //= parts
+        strides = (channels * length, length, 1)
+    n = rows // channels * parts
     c_tiles = -(-channels // (32 if channels_last else 8))
     splits = split_count(n * c_tiles, length)
     splits = max(1, min(splits, -(-length // 32)))
     online = clamp is None or hi - lo > 60.0  # exp(-60) ~ 1e-26: far from float32's underflow
     cl, on = (str(v).lower() for v in (channels_last, online))
-    partial = cupy.empty((rows, splits, 2), dtype=cupy.float32)
+    partial = cupy.empty((parts * rows, splits, 2), dtype=cupy.float32)
     sn, sc, ss = (numpy.int64(s) for s in strides)
     get_kernel(_SOFTMAX, f"softmax_stats<{cl}, {on}, {cp}>")(
         (splits * c_tiles * n,), (32, 8),
@@ -61,8 +70,15 @@ def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *
     coef = cupy.empty((2, rows), dtype=cupy.float32)
     get_kernel(_SOFTMAX, "softmax_finalize")(
         (-(-rows // 256),), (256,),
-        (partial, numpy.int64(rows), i32(channels), i32(splits), optional(scale), coef[0],
-         coef[1]))
+        (partial, numpy.int64(rows), i32(channels), i32(splits), i32(parts), optional(scale),
+         coef[0], coef[1]))
+    if layout == "classes":
+        from ._cudnn import class_geometry
+
+        sw, vec, items, geometry = class_geometry(y, out)
+        launch_1d(get_kernel(_SOFTMAX, f"softmax_apply_subpixel<{cp}, {sw}, {vec}>"), items,
+                  (y, out, optional(bias), coef[0], coef[1], *geometry, f32(lo), f32(hi)))
+        return
     if channels_last:
         get_kernel(_SOFTMAX, f"softmax_apply_transpose<{cp}>")(
             (-(-length // 128), -(-channels // 32), n), (32, 8),

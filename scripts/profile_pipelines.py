@@ -35,9 +35,10 @@ def main():
                 graph = stream.end_capture()
             graphed = timer(lambda: graph.launch(stream=cupy.cuda.get_current_stream()))
             plan = conv_plan_for(case, precision)
-            costs = ", ".join(f"{k} {v[0]:.3f}+{v[1]:.3f}" for k, v in plan.layout_costs.items())
+            costs = ", ".join(f"{k} {v[0]:.3f}/{v[1]:.3f}" for k, v in plan.candidates.items())
             print(f"{case.name} {precision}: direct {direct:.3f} ms, graph replay {graphed:.3f} ms,"
-                  f" host {host_us:.0f} us/call; conv layouts (ms, with conversions): {costs}")
+                  f" host {host_us:.0f} us/call; conv strategies (ms alone/with conversions): "
+                  f"{costs}; chosen {plan.strategy.label}")
 
 
 

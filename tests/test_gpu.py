@@ -26,12 +26,29 @@ def quick_plans():
         yield
 
 
-@pytest.fixture(params=["nchw", "nhwc"])
-def layout(request):
-    """Pin the convolution layout, so the fused kernels' NCHW and channels-last paths both run."""
+# Convolution strategies pinned in turn (labels of cufused._cudnn.Strategy), so that every
+# cuDNN graph form and every layout the fused kernels read runs: NCHW, channels-last, an NCHW
+# input with a channels-last output, the bias inside the graph, and the sub-pixel split
+# (flipped-kernel forward convolution for stride 1, class-major blocks for stride 2).
+CONV_PINS = ["nchw", "nhwc", "nchw>nhwc", "nchw+bias", "subpixel nchw", "subpixel nhwc"]
+PIPELINE_PINS = ["nchw", "nhwc", "nchw>nhwc", "subpixel nchw"]
+
+
+def _pinned(pin):
     from cufused._cudnn import plan_options
 
-    with plan_options(autotune=False, layouts=(request.param,)):
+    return plan_options(autotune=False, pins=(pin,))
+
+
+@pytest.fixture(params=CONV_PINS)
+def conv_pin(request):
+    with _pinned(request.param):
+        yield request.param
+
+
+@pytest.fixture(params=PIPELINE_PINS)
+def layout(request):
+    with _pinned(request.param):
         yield request.param
 
 
@@ -55,12 +72,14 @@ CONV_CASES = [
     (2, True, (2, 4, 9, 7), (4, 3, 3, 4), dict(stride=(2, 3), padding=(1, 0), output_padding=(1, 2), groups=2)),
     (2, True, (1, 3, 5, 5), (3, 2, 3, 3), dict(stride=2, dilation=2, output_padding=1)),
     (3, True, (2, 5, 4, 5, 3), (5, 7, 3, 3, 3), dict(stride=2, padding=1, output_padding=1)),
+    (2, True, (2, 6, 8, 12), (6, 4, 4, 4), dict(stride=2, padding=1, groups=2)),
+    (2, True, (2, 4, 3, 6), (4, 3, 2, 2), dict(stride=2, padding=1)),  # sub-pixel input crops
 ]
 
 
 @pytest.mark.parametrize("precision", ["ieee", "tf32"])
 @pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: f"{c[0]}d{'T' if c[1] else ''}{c[2]}")
-def test_conv_matches_reference(rng, case, precision, layout):
+def test_conv_matches_reference(rng, case, precision, conv_pin):
     nd, transposed, xs, ws, opts = case
     x = rng.standard_normal(xs)
     w = rng.standard_normal(ws)
@@ -109,9 +128,22 @@ def test_conv_autotune_times_both_layouts(rng):
     with _cudnn.plan_options(autotune=True):
         got = cufused.conv2d(*to_gpu(x, w), stride=2)
     assert_close(got.get(), cufused.conv2d(x, w, stride=2), TOL["ieee"])
-    plans = [p for k, p in _cudnn._plans.items() if k[1].x_shape == (2, 3, 9, 9) and k[4]]
-    assert len(plans) == 1 and plans[0].candidates
-    assert min(plans[0].candidates.values()) == plans[0].milliseconds
+    plans = [p for k, p in _cudnn._plans.items() if k[1].x_shape == (2, 3, 9, 9) and k[5]]
+    assert len(plans) == 1 and len(plans[0].candidates) >= 3  # NCHW, NHWC, NCHW -> NHWC
+    assert min(cost for _, cost in plans[0].candidates.values()) == plans[0].cost
+
+
+def test_conv_autotune_weighs_subpixel_split(rng):
+    from cufused import _cudnn
+
+    x = rng.standard_normal((2, 4, 4, 6, 8))
+    w = rng.standard_normal((4, 3, 3, 3, 3))
+    opts = dict(stride=2, padding=1, output_padding=1)
+    with _cudnn.plan_options(autotune=True):
+        got = cufused.conv_transpose3d(*to_gpu(x, w), **opts)
+    assert_close(got.get(), cufused.conv_transpose3d(x, w, **opts), TOL["ieee"])
+    plans = [p for k, p in _cudnn._plans.items() if k[1].x_shape == (2, 4, 4, 6, 8) and k[5]]
+    assert len(plans) == 1 and "subpixel nchw" in plans[0].candidates
 
 
 # ---------------------------------------------------------------------------- building blocks

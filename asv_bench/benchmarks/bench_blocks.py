@@ -47,14 +47,10 @@ class Convolutions:
 
     def setup(self, case, precision):
         require_gpu()
-        from cufused._cudnn import empty_in_layout
         from cufused.benchmark import conv_plan_for, make_cases
 
         self.plan = conv_plan_for(next(c for c in make_cases() if c.name == case), precision)
-        p = self.plan.problem
-        self.arrays = [empty_in_layout(s, self.plan.layout) for s in (p.x_shape, p.w_shape, p.y_shape)]
-        for a in self.arrays[:2]:
-            a[...] = 0.5
+        self.arrays = self.plan.example_operands()
 
     def track_gpu_ms(self, case, precision):
         return gpu_ms(lambda: self.plan.run(*self.arrays))

@@ -32,6 +32,12 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "transpose_batched<false>",
         "transpose_batched<true>",
         "nchw_to_nhwc8",
+        "add_channel_bias<1>",
+        "add_channel_bias<4>",
+        "subpixel_interleave<1, 1>",
+        "subpixel_interleave<1, 4>",
+        "subpixel_interleave<2, 1>",
+        "subpixel_interleave<2, 4>",
     ),
     "normalization.cu": (
         "key_stats_partial",
@@ -60,6 +66,10 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "softmax_apply<true, 1>",
         "softmax_apply<true, 4>",
         "softmax_apply_transpose<true>",
+        "softmax_apply_subpixel<true, 1, 1>",
+        "softmax_apply_subpixel<true, 1, 4>",
+        "softmax_apply_subpixel<true, 2, 1>",
+        "softmax_apply_subpixel<true, 2, 4>",
     ),
 }
 

@@ -59,3 +59,57 @@ __device__ __forceinline__ void softmax_merge(float& m, float& s, float m2, floa
     s = s * expf(m - mx) + s2 * expf(m2 - mx);
     m = mx;
 }
+
+// The residue classes of a sub-pixel transposed convolution (see cufused/_subpixel.py) are
+// stored class-major: blocks [P][R][Md][Mh][Mw], P = sd * sh * SW classes, class index
+// (rd * sh + rh) * SW + rw, R = N * C rows. This visits the NC(D)HW output
+// out[R][sd * Md][sh * Mh][SW * Mw] with coalesced reads and writes: each item reads VEC
+// consecutive values of each of the SW classes that share a (row, d, h) and writes their
+// SW * VEC interleaved outputs; op.row(r) is called once per item, op(v) maps each value.
+// VEC = 4 needs Mw % 4 == 0 and 16-byte aligned buffers.
+template <int SW, int VEC, class Op>
+__device__ __forceinline__ void interleave_classes(const float* __restrict__ classes,
+                                                   float* __restrict__ out, index_t rows,
+                                                   int Md, int Mh, int Mw, int sd, int sh,
+                                                   Op op) {
+    const int wvecs = Mw / VEC;
+    const int plane_items = sd * Md * sh * Mh;  // (d, h) pairs of one output row
+    const index_t block = rows * Md * Mh * (index_t)Mw;
+    const index_t items = rows * plane_items * wvecs;
+    for (index_t i = blockIdx.x * (index_t)blockDim.x + threadIdx.x; i < items;
+         i += (index_t)gridDim.x * blockDim.x) {
+        const index_t t = i / wvecs;
+        const int wv = (int)(i - t * wvecs);
+        const index_t row = t / plane_items;
+        const int dh = (int)(t - row * plane_items);
+        const int d = dh / (sh * Mh), h = dh - d * (sh * Mh);
+        const int rd = d % sd, qd = d / sd, rh = h % sh, qh = h / sh;
+        const float* src = classes + (index_t)((rd * sh + rh) * SW) * block +
+                           (row * Md * Mh + (index_t)qd * Mh + qh) * Mw + wv * VEC;
+        float v[SW][VEC];
+#pragma unroll
+        for (int rw = 0; rw < SW; ++rw) {
+            if (VEC == 4) {
+                const float4 q = __ldg(reinterpret_cast<const float4*>(src + rw * block));
+                v[rw][0] = q.x; v[rw][1] = q.y; v[rw][2] = q.z; v[rw][3] = q.w;
+            } else {
+#pragma unroll
+                for (int j = 0; j < VEC; ++j) v[rw][j] = __ldg(src + rw * block + j);
+            }
+        }
+        op.row(row);
+        float* dst = out + (t * (index_t)SW * Mw) + (index_t)wv * VEC * SW;
+        if ((SW * VEC) % 4 == 0) {
+#pragma unroll
+            for (int q = 0; q < SW * VEC / 4; ++q) {
+                float o[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) o[e] = op(v[(4 * q + e) % SW][(4 * q + e) / SW]);
+                reinterpret_cast<float4*>(dst)[q] = make_float4(o[0], o[1], o[2], o[3]);
+            }
+        } else {
+#pragma unroll
+            for (int e = 0; e < SW * VEC; ++e) dst[e] = op(v[e % SW][e / SW]);
+        }
+    }
+}

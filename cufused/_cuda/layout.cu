@@ -63,3 +63,39 @@ __global__ void nchw_to_nhwc8(const float* __restrict__ in, float* __restrict__ 
         dst[1] = make_float4(v[4], v[5], v[6], v[7]);
     }
 }
+
+// y[n, c, s] += bias[c] in place, contiguous (R = N * C rows of S values), VEC values per
+// thread (VEC = 4 needs S % 4 == 0 and a 16-byte aligned y).
+template <int VEC>
+__global__ void add_channel_bias(float* __restrict__ y, const float* __restrict__ bias,
+                                 index_t total_vec, index_t S, int C) {
+    for (index_t i = blockIdx.x * (index_t)blockDim.x + threadIdx.x; i < total_vec;
+         i += (index_t)gridDim.x * blockDim.x) {
+        const float b = bias[(i * VEC / S) % C];
+        if (VEC == 4) {
+            float4 v = reinterpret_cast<float4*>(y)[i];
+            v.x += b; v.y += b; v.z += b; v.w += b;
+            reinterpret_cast<float4*>(y)[i] = v;
+        } else {
+            y[i] += b;
+        }
+    }
+}
+
+struct AddChannelBias {
+    const float* bias;
+    int C;
+    float b;
+    __device__ void row(index_t r) { b = bias ? bias[r % C] : 0.0f; }
+    __device__ float operator()(float v) const { return v + b; }
+};
+
+// A sub-pixel transposed convolution's class blocks -> the NC(D)HW result (+ bias[c]).
+// Grid-stride over the items of interleave_classes.
+template <int SW, int VEC>
+__global__ void subpixel_interleave(const float* __restrict__ classes, float* __restrict__ out,
+                                    const float* __restrict__ bias, index_t rows, int C, int Md,
+                                    int Mh, int Mw, int sd, int sh) {
+    interleave_classes<SW, VEC>(classes, out, rows, Md, Mh, Mw, sd, sh,
+                                AddChannelBias{bias, C, 0.0f});
+}

@@ -83,17 +83,24 @@ __global__ void softmax_stats(const float* __restrict__ y, const float* __restri
 
 // One thread per (n, c) row: merge the splits' (m, s) pairs (sums in double) into the row's
 // shift and factor: softmax(v) * scale[c] = exp(v - shift) * factor.
+// A row may come in `parts` pieces (the residue classes of a sub-pixel convolution), whose
+// pairs lie `rows * splits` apart.
 __global__ void softmax_finalize(const float2* __restrict__ partial, index_t rows, int C,
-                                 int splits, const float* __restrict__ scale,
+                                 int splits, int parts, const float* __restrict__ scale,
                                  float* __restrict__ shift, float* __restrict__ factor) {
     const index_t row = blockIdx.x * (index_t)blockDim.x + threadIdx.x;
     if (row >= rows) return;
-    const float2* p = partial + row * splits;
     float m = -INFINITY;
-    for (int j = 0; j < splits; ++j) m = nan_max(m, p[j].x);
+    for (int k = 0; k < parts; ++k) {
+        const float2* p = partial + (k * rows + row) * splits;
+        for (int j = 0; j < splits; ++j) m = nan_max(m, p[j].x);
+    }
     double s = 0.0;
-    for (int j = 0; j < splits; ++j)
-        if (p[j].x != -INFINITY) s += (double)p[j].y * exp((double)p[j].x - (double)m);
+    for (int k = 0; k < parts; ++k) {
+        const float2* p = partial + (k * rows + row) * splits;
+        for (int j = 0; j < splits; ++j)
+            if (p[j].x != -INFINITY) s += (double)p[j].y * exp((double)p[j].x - (double)m);
+    }
     // A +inf input makes every value of the row NaN (inf - inf), as in PyTorch.
     if (m == INFINITY) s = NAN;
     shift[row] = m;
@@ -166,4 +173,32 @@ __global__ void softmax_apply_transpose(const float* __restrict__ y, float* __re
             }
         }
     }
+}
+
+template <bool CLAMP>
+struct SoftmaxRowOp {
+    const float* bias;
+    const float* shift;
+    const float* factor;
+    int C;
+    float lo, hi, b, m, f;
+    __device__ void row(index_t r) {
+        b = bias ? bias[r % C] : 0.0f;
+        m = shift[r];
+        f = factor[r];
+    }
+    __device__ float operator()(float v) const { return expf(load_value<CLAMP>(&v, b, lo, hi) - m) * f; }
+};
+
+// The normalize pass reading a sub-pixel convolution's class blocks (see interleave_classes
+// in common.cuh) and writing the contiguous NC(D)HW result.
+template <bool CLAMP, int SW, int VEC>
+__global__ void softmax_apply_subpixel(const float* __restrict__ classes, float* __restrict__ out,
+                                       const float* __restrict__ bias,
+                                       const float* __restrict__ shift,
+                                       const float* __restrict__ factor, index_t rows, int C,
+                                       int Md, int Mh, int Mw, int sd, int sh, float lo,
+                                       float hi) {
+    interleave_classes<SW, VEC>(classes, out, rows, Md, Mh, Mw, sd, sh,
+                                SoftmaxRowOp<CLAMP>{bias, shift, factor, C, lo, hi});
 }

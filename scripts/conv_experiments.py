@@ -1,0 +1,257 @@
+"""cuDNN experiments behind the convolution design choices (run on the device machine).
+
+1. host time of a warm convolution call, split into its parts;
+2. bias inside the cuDNN graph vs a separate epilogue;
+3. a stride-1 transposed convolution as a forward convolution with flipped weights;
+4. a stride-2 transposed 3-D convolution as 8 forward sub-convolutions (sub-pixel split).
+Prints one line per measurement (device ms are medians of CUDA events, L2 not flushed).
+"""
+
+import cProfile
+import itertools
+import pstats
+import sys
+import time
+
+import cupy
+
+import cufused
+from cufused import _cudnn
+from cufused.convolution import check_conv_args, conv_on_gpu
+
+
+def host_us(fn, n=30):
+    fn()
+    cupy.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t = (time.perf_counter() - t0) / n * 1e6
+    cupy.cuda.Device().synchronize()
+    return t
+
+
+CONVS = {  # name: (transposed, x shape, w shape, kwargs)
+    "A": (False, (128, 8, 128, 128), (64, 8, 3, 3), {}),
+    "B": (True, (512, 64, 32, 32), (64, 128, 5, 5), {"padding": 1}),
+    "C": (True, (32, 32, 16, 32, 32), (32, 64, 3, 3, 3),
+          {"stride": 2, "padding": 1, "output_padding": 1}),
+    "Bsmall": (True, (4, 64, 8, 8), (64, 128, 5, 5), {"padding": 1}),
+}
+
+
+def host_breakdown():
+    rng = cupy.random.default_rng(0)
+    for name, (transposed, xs, ws, kw) in CONVS.items():
+        for precision in ("ieee", "tf32"):
+            x = rng.random(xs, dtype=cupy.float32)
+            w = rng.random(ws, dtype=cupy.float32)
+            nd = len(xs) - 2
+            fn = {(False, 2): cufused.conv2d, (True, 2): cufused.conv_transpose2d,
+                  (True, 3): cufused.conv_transpose3d}[(transposed, nd)]
+            public = lambda: fn(x, w, precision=precision, **kw)  # noqa: E731
+            public()
+            args = check_conv_args(xs, ws, nd, transposed=transposed,
+                                   stride=kw.get("stride", 1), padding=kw.get("padding", 0),
+                                   output_padding=kw.get("output_padding", 0))
+            problem = _cudnn.ConvProblem("dgrad" if transposed else "fprop", xs, ws,
+                                         args.out_shape, args.stride, args.padding,
+                                         args.dilation, precision)
+            plan = _cudnn.conv_plan(problem, convert_input=True, convert_output=True)
+            xl = _cudnn.to_layout(x, plan.x_layout)
+            y = plan.empty_output()
+            part = plan.parts[0]
+            ws_buf = cupy.empty(max(plan.workspace_size, 1), dtype=cupy.uint8)
+            handle = _cudnn._handle()
+            parts = {
+                "public": public,
+                "conv_on_gpu": lambda: conv_on_gpu(x, w, args, precision),
+                "plan.apply": lambda: plan.apply(x, w),
+                "plan.run": lambda: plan.run(xl, w, y),
+                "part.execute": lambda: part.execute(xl.data.ptr, w.data.ptr, y.data.ptr, 0,
+                                                     ws_buf.data.ptr, handle),
+                "_handle": _cudnn._handle,
+                "ws empty": lambda: cupy.empty(plan.workspace_size, dtype=cupy.uint8),
+                "problem+plan lookup": lambda: _cudnn.conv_plan(
+                    _cudnn.ConvProblem("dgrad" if transposed else "fprop", xs, ws,
+                                       args.out_shape, args.stride, args.padding,
+                                       args.dilation, precision),
+                    convert_input=True, convert_output=True),
+                "check_conv_args": lambda: check_conv_args(
+                    xs, ws, nd, transposed=transposed, stride=kw.get("stride", 1),
+                    padding=kw.get("padding", 0), output_padding=kw.get("output_padding", 0)),
+            }
+            line = " ".join(f"{k}={host_us(f):.1f}" for k, f in parts.items())
+            print(f"host_us {name} {precision} strategy={plan.strategy.label} "
+                  f"ws={plan.workspace_size} {line}", flush=True)
+    x = rng.random(CONVS["Bsmall"][1], dtype=cupy.float32)
+    w = rng.random(CONVS["Bsmall"][2], dtype=cupy.float32)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(300):
+        cufused.conv_transpose2d(x, w, padding=1)
+    prof.disable()
+    cupy.cuda.Device().synchronize()
+    pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(14)
+
+
+def build(kind, xs, ws, ys, pre, post, stride, layout, precision, bias=False, y_strides=None):
+    """``layout`` is one layout for all tensors or an (x, w, y) tuple of layouts."""
+    cudnn = _cudnn.import_cudnn()
+    lx, lw, ly = (layout,) * 3 if isinstance(layout, str) else layout
+    f32 = cudnn.data_type.FLOAT
+    g = cudnn.pygraph(io_data_type=f32, intermediate_data_type=f32, compute_data_type=f32,
+                      handle=_cudnn._handle())
+    x = g.tensor(name="x", dim=list(xs), stride=list(_cudnn.layout_strides(xs, lx)),
+                 data_type=f32)
+    w = g.tensor(name="w", dim=list(ws), stride=list(_cudnn.layout_strides(ws, lw)),
+                 data_type=f32)
+    nd = len(xs) - 2
+    common = dict(pre_padding=list(pre), post_padding=list(post), stride=list(stride),
+                  dilation=[1] * nd, compute_data_type=f32)
+    if kind == "fprop":
+        y = g.conv_fprop(image=x, weight=w, **common)
+    else:
+        y = g.conv_dgrad(loss=x, filter=w, **common)
+        y.set_dim(list(ys))
+    tensors = [x, w]
+    if bias:
+        bs = (1, ys[1]) + (1,) * nd
+        b = g.tensor(name="b", dim=list(bs), stride=list(_cudnn.layout_strides(bs, ly)),
+                     data_type=f32)
+        y.set_data_type(f32).set_stride(list(_cudnn.layout_strides(ys, ly)))
+        y = g.bias(input=y, bias=b)
+        tensors.append(b)
+    y.set_output(True).set_dim(list(ys)).set_stride(
+        list(y_strides or _cudnn.layout_strides(ys, ly))).set_data_type(f32)
+    tensors.append(y)
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    if precision == "ieee":
+        g.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE,
+                                  cudnn.numerical_note.DOWN_CONVERT_INPUTS])
+    g.check_support()
+    g.build_plans(cudnn.build_plan_policy.ALL)
+    return g, tensors
+
+
+def best_plan_ms(kind, xs, ws, ys, pre, post, stride, layout, precision, bias=False,
+                 y_strides=None):
+    """(best ms, plans timed) over every plan that builds, or (nan, 0)."""
+    try:
+        g, tensors = build(kind, xs, ws, ys, pre, post, stride, layout, precision, bias,
+                           y_strides)
+    except Exception as exc:  # noqa: BLE001
+        return float("nan"), f"build failed: {str(exc)[:80]}"
+    rng = cupy.random.default_rng(1)
+    arrays = []
+    layouts = (layout,) * 4 if isinstance(layout, str) else (*layout, layout[-1])
+    for t, lt in zip(tensors, layouts[:2] + layouts[-len(tensors) + 2:]):
+        a = _cudnn.empty_in_layout(tuple(t.get_dim()), lt)
+        if y_strides is not None and t is tensors[-1]:  # a strided view of a 2**nd larger array
+            nd = len(xs) - 2
+            big = _cudnn.empty_in_layout((ys[0], ys[1], *(2 * e for e in ys[2:])), lt)
+            a = big[(slice(None), slice(None)) + (slice(None, None, 2),) * nd]
+        a[...] = rng.random(a.shape, dtype=cupy.float32)
+        arrays.append(a)
+    handle = _cudnn._handle()
+    best, count = float("nan"), 0
+    for i in range(g.get_execution_plan_count()):
+        try:
+            size = g.get_workspace_size_plan_at_index(i)
+            ws_buf = cupy.empty(max(size, 1), dtype=cupy.uint8)
+            pack = {t: a.data.ptr for t, a in zip(tensors, arrays)}
+            run = lambda: g.execute_plan_at_index(pack, ws_buf.data.ptr, i,  # noqa: E731
+                                                  handle=handle)
+            ms = _cudnn._time_ms(run, repeat=3, batch=2)
+        except Exception:  # noqa: BLE001
+            continue
+        count += 1
+        if not best <= ms:
+            best = ms
+    return best, count
+
+
+def bias_in_graph():
+    for name, kind, xs, ws, ys, pad, stride in (
+            ("A", "fprop", (128, 8, 128, 128), (64, 8, 3, 3), (128, 64, 126, 126), 0, 1),
+            ("B", "dgrad", (512, 64, 32, 32), (64, 128, 5, 5), (512, 128, 34, 34), 1, 1),
+            ("C", "dgrad", (32, 32, 16, 32, 32), (32, 64, 3, 3, 3), (32, 64, 32, 64, 64), 1, 2)):
+        nd = len(xs) - 2
+        for layout, precision in (("nchw", "ieee"), ("nhwc", "tf32"), ("nchw", "tf32")):
+            res = {}
+            for bias in (False, True):
+                res[bias] = best_plan_ms(kind, xs, ws, ys, [pad] * nd, [pad] * nd,
+                                         [stride] * nd, layout, precision, bias)
+            y = _cudnn.empty_in_layout(ys, layout)
+            b = cupy.ones((1, ys[1]) + (1,) * nd, dtype=cupy.float32)
+            add_ms = _cudnn._time_ms(lambda: cupy.add(y, b, out=y), repeat=3, batch=2)
+            print(f"bias {name} {layout} {precision}: plain {res[False]} in-graph {res[True]} "
+                  f"separate add pass {add_ms:.3f} ms", flush=True)
+
+
+def flipped_fprop_for_b():
+    xs, ys = (512, 64, 32, 32), (512, 128, 34, 34)
+    for layout, precision in itertools.product(("nchw", "nhwc"), ("ieee", "tf32")):
+        dgrad = best_plan_ms("dgrad", xs, (64, 128, 5, 5), ys, [1, 1], [1, 1], [1, 1],
+                             layout, precision)
+        fprop = best_plan_ms("fprop", xs, (128, 64, 5, 5), ys, [3, 3], [3, 3], [1, 1],
+                             layout, precision)
+        print(f"B {layout} {precision}: dgrad {dgrad} fprop(flipped) {fprop}", flush=True)
+
+
+def subpixel_for_c():
+    xs = (32, 32, 16, 32, 32)
+    for layout, precision in (("nchw", "ieee"), ("nhwc", "ieee"), ("nhwc", "tf32"),
+                              ("nchw", "tf32")):
+        total, parts = 0.0, []
+        for taps in itertools.product((1, 2), repeat=3):
+            ws = (64, 32, *taps)
+            ys = (32, 64, 16, 32, 32)
+            ms, count = best_plan_ms("fprop", xs, ws, ys, [0, 0, 0], [t - 1 for t in taps],
+                                     [1, 1, 1], layout, precision)
+            total += ms
+            parts.append(f"{''.join(map(str, taps))}:{ms:.3f}/{count}")
+        print(f"C subpixel {layout} {precision}: total {total:.3f} ms  {' '.join(parts)}",
+              flush=True)
+
+
+def subpixel_strided():
+    """The sub-pixel split of C writing each class straight into the interleaved output."""
+    xs, ys = (32, 32, 16, 32, 32), (32, 64, 16, 32, 32)
+    for layout, precision in (("nchw", "ieee"), ("nhwc", "tf32")):
+        full = _cudnn.layout_strides((32, 64, 32, 64, 64), layout)
+        y_strides = [full[0], full[1], *(2 * e for e in full[2:])]
+        total, parts = 0.0, []
+        for taps in itertools.product((1, 2), repeat=3):
+            ms, count = best_plan_ms("fprop", xs, (64, 32, *taps), ys, [0, 0, 0],
+                                     [t - 1 for t in taps], [1, 1, 1], layout, precision,
+                                     y_strides=y_strides)
+            total += ms
+            parts.append(f"{''.join(map(str, taps))}:{ms:.3f}/{count}")
+        print(f"C subpixel strided {layout} {precision}: total {total:.3f} ms  "
+              f"{' '.join(parts)}", flush=True)
+
+
+def mixed_layouts():
+    """Channels-last engines fed an NCHW input (no input transpose) or writing NCHW."""
+    cases = (("A fprop", "fprop", (128, 8, 128, 128), (64, 8, 3, 3), (128, 64, 126, 126), 0),
+             ("B fprop", "fprop", (512, 64, 32, 32), (128, 64, 5, 5), (512, 128, 34, 34), 3),
+             ("B dgrad", "dgrad", (512, 64, 32, 32), (64, 128, 5, 5), (512, 128, 34, 34), 1))
+    for name, kind, xs, ws, ys, pad in cases:
+        for layout in (("nchw", "nhwc", "nhwc"), ("nhwc", "nhwc", "nchw"),
+                       ("nchw", "nchw", "nhwc")):
+            ms = best_plan_ms(kind, xs, ws, ys, [pad, pad], [pad, pad], [1, 1], layout, "tf32")
+            print(f"mixed {name} x/w/y={'/'.join(layout)} tf32: {ms}", flush=True)
+
+
+if __name__ == "__main__":
+    which = sys.argv[1:] or ["host", "bias", "flip", "subpixel", "mixed"]
+    for name, fn in (("host", host_breakdown), ("bias", bias_in_graph),
+                     ("flip", flipped_fprop_for_b), ("subpixel", subpixel_for_c),
+                     ("mixed", mixed_layouts), ("strided", subpixel_strided)):
+        if name in which:
+            t0 = time.time()
+            fn()
+            print(f"[{name} done in {time.time() - t0:.0f} s]", flush=True)
