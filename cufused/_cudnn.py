@@ -316,6 +316,16 @@ class _PartSpec:
                 self.bias_strides)
 
 
+# cuDNN rejects operand pointers that are not 16-byte aligned (CUDNN_STATUS_BAD_PARAM_
+# MISALIGNED_POINTER): sub-pixel parts start at multiples of 4 float32 values.
+_ALIGN = 4
+
+
+def _aligned(a):
+    """``a``, or a copy in the same memory order when its pointer is not 16-byte aligned."""
+    return a if a is None or a.data.ptr % (4 * _ALIGN) == 0 else a.copy(order="K")
+
+
 def _part_specs(problem: ConvProblem, strategy: Strategy):
     """The graphs of ``strategy``, the output shape it writes, and its weight gather index."""
     xl, yl = strategy.x_layout, strategy.y_layout
@@ -339,6 +349,7 @@ def _part_specs(problem: ConvProblem, strategy: Strategy):
     else:
         class_shape = y_shape = problem.y_shape
     y_strides = layout_strides(class_shape, "nchw" if yl == "classes" else yl)
+    block = int(numpy.prod(class_shape))
     specs, w_offset = [], 0
     for i, part in enumerate(parts):
         w_dims = (c_out, c_in // problem.groups, *part.taps)
@@ -346,10 +357,12 @@ def _part_specs(problem: ConvProblem, strategy: Strategy):
             "fprop", (n, c_in, *part.x_size), x_strides, w_dims, layout_strides(w_dims, xl),
             class_shape, y_strides, part.pre_padding, part.post_padding, ones, ones, None,
             x_offset=sum(a * b for a, b in zip(part.x_start, x_strides[2:])),
-            w_offset=w_offset, y_offset=i * int(numpy.prod(class_shape)) if len(parts) > 1 else 0))
-        w_offset += int(numpy.prod(w_dims))
+            w_offset=w_offset, y_offset=i * block if len(parts) > 1 else 0))
+        w_offset += -(-int(numpy.prod(w_dims)) // _ALIGN) * _ALIGN
+    if any((s.x_offset % _ALIGN) or (s.y_offset % _ALIGN) for s in specs):
+        raise ValueError("a sub-pixel part would start at a misaligned address")
     index = subpixel_weight_index(problem.w_shape, problem.groups, problem.stride, parts,
-                                  channels_last=xl == "nhwc")
+                                  channels_last=xl == "nhwc", align=_ALIGN)
     return specs, y_shape, index
 
 
@@ -479,7 +492,8 @@ class ConvPlan:
         if self.weight_index is not None:
             w = cupy.take(cupy.ascontiguousarray(w).ravel(), self.weight_index)
         else:
-            w = to_layout(w, self.x_layout)
+            w = _aligned(to_layout(w, self.x_layout))
+        x, bias = _aligned(x), _aligned(bias)
         # A raw workspace pointer: an array would take the DLPack route, whose stream
         # synchronization breaks CUDA-graph capture.
         workspace = (cupy.empty(self.workspace_size, dtype=cupy.uint8)
@@ -499,15 +513,19 @@ class ConvPlan:
         cupy = import_cupy()
         layout = self.layout
         xl = to_layout(x, self.x_layout)
-        y = out if layout == "nchw" and out is not None else self.empty_output()
+        direct_out = layout == "nchw" and out is not None and out.data.ptr % 16 == 0
+        y = out if direct_out else self.empty_output()
         in_graph = self.strategy.bias_in_graph
         self.run(xl, w, y, bias if in_graph else None)
+        if layout == "nchw":
+            if convert_output and bias is not None and not in_graph:
+                add_channel_bias(y, bias)
+            if out is not None and not direct_out:
+                out[...] = y
+                y = out
+            return y, layout
         if not convert_output:
             return y, layout
-        if layout == "nchw":
-            if bias is not None and not in_graph:
-                add_channel_bias(y, bias)
-            return y, "nchw"
         result = out if out is not None else cupy.empty(self.problem.y_shape,
                                                          dtype=cupy.float32)
         if layout == "nhwc":  # the bias rides along with the transpose back: no extra pass

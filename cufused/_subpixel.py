@@ -71,12 +71,13 @@ def subpixel_parts(x_spatial, kernel, stride, padding, out_spatial) -> list[Subp
 
 
 def subpixel_weight_index(w_shape, groups: int, stride, parts: list[SubpixelPart],
-                          channels_last: bool) -> numpy.ndarray:
+                          channels_last: bool, align: int = 1) -> numpy.ndarray:
     """Flat gather indices that turn a ConvTranspose weight into every part's sub-kernel.
 
     ``weight.ravel()[index]`` is the concatenation of the parts' forward-convolution weights,
     each of logical shape ``(C_out, C_in / groups, *taps)`` (stored channels-last when asked):
-    ``W'[g * Co + o, i, t] = W[g * Ci + i, o, first_tap + (taps - 1 - t) * stride]``.
+    ``W'[g * Co + o, i, t] = W[g * Ci + i, o, first_tap + (taps - 1 - t) * stride]``. Each
+    part starts at a multiple of ``align`` elements (the gaps repeat element 0).
     """
     c_in, c_out_g = w_shape[:2]
     c_in_g = c_in // groups
@@ -92,4 +93,5 @@ def subpixel_weight_index(w_shape, groups: int, stride, parts: list[SubpixelPart
         if channels_last:
             sub = numpy.moveaxis(sub, 1, -1)
         chunks.append(sub.ravel())
+        chunks.append(numpy.zeros(-sub.size % align, dtype=numpy.int64))
     return numpy.concatenate(chunks)
