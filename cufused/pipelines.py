@@ -59,23 +59,28 @@ def _pool_extremum_stats(cupy, y, ext, pool: int, *, bias, sign_a, sign_b, shift
     n, c, h, w = y.shape
     ho, wo = h // pool, w // pool
     channels_last = y.strides[1] == y.itemsize and c > 1
-    lanes = 8 if channels_last else 32
+    sn, sc, sh, sw = (s // y.itemsize for s in y.strides)
+    fixed = pool if pool in (2, 4) else 0
+    vec2 = (not channels_last and fixed and sw == 1 and sh % 2 == 0 and sc % 2 == 0
+            and sn % 2 == 0 and y.data.ptr % 8 == 0)
+    vec4 = (channels_last and fixed and c % 4 == 0 and sh % 4 == 0 and sw % 4 == 0
+            and sn % 4 == 0 and y.data.ptr % 16 == 0)
+    lanes = 32 if vec4 or not channels_last else 8
     c_tiles = -(-c // (32 if channels_last else 8))
     splits = max(1, min(split_count(n * c_tiles, 1 << 30), -(-ho * wo // lanes)))
     partial = cupy.empty((n, c, splits, 2), dtype=cupy.float32)
     shift = cupy.empty(n * c // shift_group if per_sample else c // shift_group,
                        dtype=cupy.float32)
-    sn, sc, sh, sw = (s // y.itemsize for s in y.strides)
-    fixed = pool if pool in (2, 4) else 0
-    vec2 = (not channels_last and fixed and sw == 1 and sh % 2 == 0 and sc % 2 == 0
-            and sn % 2 == 0 and y.data.ptr % 8 == 0)
     if sn >= 2**31:
         raise ValueError(f"one sample of the convolution output has {sn} elements; the fused "
                          "pass supports fewer than 2**31 per sample (use method='unfused')")
     sn, sc, sh, sw = numpy.int64(sn), numpy.int64(sc), numpy.int32(sh), numpy.int32(sw)
     i32 = numpy.int32
-    kernel = get_kernel("pooling.cu", f"pool_extremum_stats<{str(channels_last).lower()}, "
-                                      f"{fixed}, {str(bool(vec2)).lower()}>")
+    if vec4:
+        kernel = get_kernel("pooling.cu", f"pool_extremum_stats_nhwc4<{fixed}>")
+    else:
+        kernel = get_kernel("pooling.cu", f"pool_extremum_stats<{str(channels_last).lower()}, "
+                                          f"{fixed}, {str(bool(vec2)).lower()}>")
     kernel((splits * c_tiles * n,), (32, 8),
            (y, optional(bias), optional(sign_a), optional(sign_b), ext, partial, shift, i32(c),
             i32(h), i32(w), i32(pool), i32(ho), i32(wo), i32(splits), i32(c_tiles), sn, sc, sh,

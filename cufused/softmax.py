@@ -80,7 +80,9 @@ def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *
                   (y, out, optional(bias), coef[0], coef[1], *geometry, f32(lo), f32(hi)))
         return
     if channels_last:
-        get_kernel(_SOFTMAX, f"softmax_apply_transpose<{cp}>")(
+        vec4 = (channels % 4 == 0 and length % 4 == 0 and sn % 4 == 0 and ss % 4 == 0
+                and y.data.ptr % 16 == 0 and out.data.ptr % 16 == 0)
+        get_kernel(_SOFTMAX, f"softmax_apply_transpose{'4' if vec4 else ''}<{cp}>")(
             (-(-length // 128), -(-channels // 32), n), (32, 8),
             (y, out, optional(bias), coef[0], coef[1], numpy.int64(length), i32(channels), sn,
              ss, f32(lo), f32(hi)))

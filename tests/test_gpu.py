@@ -312,6 +312,18 @@ def test_pipeline_c(rng, layout, method, precision, clamp):
     assert rel_err(out.get(), ref) < 10 * TOL[precision]
 
 
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+def test_pipeline_c_channels_last_vectorized(rng, precision):
+    # C_out % 4 == 0 and D*H*W % 4 == 0: the 16-byte transposing normalize pass runs.
+    arrays, opts = pipeline_c_args(rng, cout=8)
+    ref = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(*arrays, **opts)
+    out = poisoned(ref.shape)
+    with _pinned("nhwc"):
+        cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
+            *to_gpu(*arrays), **opts, precision=precision, out=out)
+    assert rel_err(out.get(), ref) < 10 * TOL[precision]
+
+
 def test_pipelines_propagate_nan(rng):
     arrays, opts = pipeline_a_args(rng)
     arrays[0][1, 2, 5, 5] = np.nan

@@ -27,6 +27,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "pool_extremum_stats<true, 0, false>",
         "pool_extremum_stats<true, 2, false>",
         "pool_extremum_stats<true, 4, false>",
+        "pool_extremum_stats_nhwc4<2>",
+        "pool_extremum_stats_nhwc4<4>",
     ),
     "layout.cu": (
         "transpose_batched<false>",
@@ -66,6 +68,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "softmax_apply<true, 1>",
         "softmax_apply<true, 4>",
         "softmax_apply_transpose<true>",
+        "softmax_apply_transpose4<true>",
         "softmax_apply_subpixel<true, 1, 1>",
         "softmax_apply_subpixel<true, 1, 4>",
         "softmax_apply_subpixel<true, 2, 1>",
