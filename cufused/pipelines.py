@@ -54,8 +54,10 @@ def _check_method(method: str) -> None:
 
 
 def _pool_extremum_stats(cupy, y, ext, pool: int, *, bias, sign_a, sign_b, shift_group: int,
-                         per_sample: bool):
-    """Launch the fused window-extremum + statistics pass; return (partial, shift, splits)."""
+                         per_sample: bool, vec4: bool = True):
+    """Launch the fused window-extremum + statistics pass; return (partial, shift, splits).
+
+    ``vec4=False`` keeps a channels-last input on the scalar kernel (timing comparisons)."""
     n, c, h, w = y.shape
     ho, wo = h // pool, w // pool
     channels_last = y.strides[1] == y.itemsize and c > 1
@@ -63,7 +65,7 @@ def _pool_extremum_stats(cupy, y, ext, pool: int, *, bias, sign_a, sign_b, shift
     fixed = pool if pool in (2, 4) else 0
     vec2 = (not channels_last and fixed and sw == 1 and sh % 2 == 0 and sc % 2 == 0
             and sn % 2 == 0 and y.data.ptr % 8 == 0)
-    vec4 = (channels_last and fixed and c % 4 == 0 and sh % 4 == 0 and sw % 4 == 0
+    vec4 = (vec4 and channels_last and fixed and c % 4 == 0 and sh % 4 == 0 and sw % 4 == 0
             and sn % 4 == 0 and y.data.ptr % 16 == 0)
     lanes = 32 if vec4 or not channels_last else 8
     c_tiles = -(-c // (32 if channels_last else 8))

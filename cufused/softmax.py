@@ -34,7 +34,8 @@ def normalize_axes(axis: Any, ndim: int) -> tuple[int, ...]:
 
 
 def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *,
-                 layout: str = "nchw", bias=None, scale=None, clamp=None) -> None:
+                 layout: str = "nchw", bias=None, scale=None, clamp=None,
+                 vec4: bool = True) -> None:
     """Softmax of ``rows`` = N * ``channels`` rows of ``length`` values, into contiguous ``out``.
 
     ``y`` is read through element ``strides`` (sn, sc, ss) in ``layout``: "nchw",
@@ -44,6 +45,7 @@ def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *
     ``clamp = (lo, hi)`` applied before the softmax; the result is multiplied by ``scale[c]``.
     A statistics pass and a normalize pass run; when ``hi - lo`` is small, exp(v - hi) can
     neither overflow nor underflow, so the statistics pass needs no running maximum.
+    ``vec4=False`` keeps the channels-last normalize pass on its scalar kernel (timings).
     """
     lo, hi = clamp if clamp is not None else (0.0, 0.0)
     cp = str(clamp is not None).lower()
@@ -80,8 +82,8 @@ def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *
                   (y, out, optional(bias), coef[0], coef[1], *geometry, f32(lo), f32(hi)))
         return
     if channels_last:
-        vec4 = (channels % 4 == 0 and length % 4 == 0 and sn % 4 == 0 and ss % 4 == 0
-                and y.data.ptr % 16 == 0 and out.data.ptr % 16 == 0)
+        vec4 = (vec4 and channels % 4 == 0 and length % 4 == 0 and sn % 4 == 0
+                and ss % 4 == 0 and y.data.ptr % 16 == 0 and out.data.ptr % 16 == 0)
         get_kernel(_SOFTMAX, f"softmax_apply_transpose{'4' if vec4 else ''}<{cp}>")(
             (-(-length // 128), -(-channels // 32), n), (32, 8),
             (y, out, optional(bias), coef[0], coef[1], numpy.int64(length), i32(channels), sn,

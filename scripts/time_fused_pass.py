@@ -1,0 +1,51 @@
+"""Device time of the fused window-extremum + statistics pass, per kernel variant (device).
+
+For the canonical conv outputs of A (k = 4) and B (k = 2) in both layouts: the scalar kernel
+and, channels-last, the 16-byte one; and pipeline C's channels-last normalize pass, scalar vs
+16-byte. Median ms, L2 flushed, with the read-once floor at the measured copy bandwidth.
+"""
+
+import cupy
+import numpy
+
+from cufused import pipelines, softmax
+from cufused._cudnn import empty_in_layout
+from cufused.benchmark import Timer, measure_ceilings
+
+
+def main():
+    timer = Timer(repeat=20)
+    copy = measure_ceilings(timer)["copy_TBps"] * 1e12
+    for name, shape, pool, group in (("A", (128, 64, 126, 126), 4, 4),
+                                     ("B", (512, 128, 34, 34), 2, 1)):
+        for layout in ("nchw", "nhwc"):
+            y = empty_in_layout(shape, layout)
+            y[...] = cupy.random.default_rng(0).random(shape, dtype=cupy.float32)
+            n, c, h, w = shape
+            ext = cupy.empty((n, c, h // pool, w // pool), dtype=cupy.float32)
+            sign = cupy.ones(c, dtype=cupy.float32)
+            variants = {"default": {}}
+            if layout == "nhwc":
+                variants = {"scalar": {"vec4": False}, "vec4": {"vec4": True}}
+            for label, kw in variants.items():
+                ms = timer(lambda: pipelines._pool_extremum_stats(
+                    cupy, y, ext, pool, bias=None, sign_a=sign, sign_b=None,
+                    shift_group=group, per_sample=group > 1, **kw))
+                floor = y.nbytes / copy * 1e3
+                print(f"{name} {layout} {label}: {ms:.3f} ms (floor {floor:.3f})", flush=True)
+    shape = (32, 64, 32, 64, 64)
+    y = empty_in_layout(shape, "nhwc")
+    y[...] = 0.5
+    out = cupy.empty(shape, dtype=cupy.float32)
+    strides = [s // 4 for s in y.strides]
+    for vec4 in (False, True):
+        ms = timer(lambda: softmax.softmax_rows(
+            cupy, y, out, 32 * 64, 32 * 64 * 64, 64, (strides[0], strides[1], strides[-1]),
+            layout="nhwc", clamp=(0.0, 1.0), vec4=vec4))
+        print(f"C softmax nhwc vec4={vec4}: {ms:.3f} ms (stats + apply; floor "
+              f"{3 * y.nbytes / copy * 1e3:.3f})", flush=True)
+
+
+if __name__ == "__main__":
+    numpy.random.seed(0)
+    main()
