@@ -53,11 +53,19 @@ def _check_method(method: str) -> None:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
 
+# Instantiated (K, T) of pool_extremum_stats_nhwc_rows: T = K * C / 128 float4 per lane and
+# window row (C = 32 ... 128); larger T would spill.
+_ROWS_KERNELS = ((2, 1), (2, 2), (4, 1), (4, 2))
+
+
 def _pool_extremum_stats(cupy, y, ext, pool: int, *, bias, sign_a, sign_b, shift_group: int,
-                         per_sample: bool, vec4: bool = True):
+                         per_sample: bool, variant: str | None = None):
     """Launch the fused window-extremum + statistics pass; return (partial, shift, splits).
 
-    ``vec4=False`` keeps a channels-last input on the scalar kernel (timing comparisons)."""
+    Kernel variants: "scalar" (any layout), and for channels-last inputs "vec4" (16-byte
+    loads, 4 channels per thread) and "rows" (a warp reads whole window rows); ``variant``
+    forces one (timing comparisons), None picks the fastest measured one that applies.
+    """
     n, c, h, w = y.shape
     ho, wo = h // pool, w // pool
     channels_last = y.strides[1] == y.itemsize and c > 1
@@ -65,10 +73,16 @@ def _pool_extremum_stats(cupy, y, ext, pool: int, *, bias, sign_a, sign_b, shift
     fixed = pool if pool in (2, 4) else 0
     vec2 = (not channels_last and fixed and sw == 1 and sh % 2 == 0 and sc % 2 == 0
             and sn % 2 == 0 and y.data.ptr % 8 == 0)
-    vec4 = (vec4 and channels_last and fixed and c % 4 == 0 and sh % 4 == 0 and sw % 4 == 0
-            and sn % 4 == 0 and y.data.ptr % 16 == 0)
-    lanes = 32 if vec4 or not channels_last else 8
-    c_tiles = -(-c // (32 if channels_last else 8))
+    aligned4 = bool(channels_last and fixed and c % 4 == 0 and sh % 4 == 0 and sw % 4 == 0
+                    and sn % 4 == 0 and y.data.ptr % 16 == 0)
+    rows_t = fixed * c // 128 if aligned4 and sw == c and 32 % (c // 4) == 0 else 0
+    usable = {"scalar": True, "vec4": aligned4, "rows": (fixed, rows_t) in _ROWS_KERNELS}
+    if variant is None:
+        variant = "rows" if usable["rows"] else "vec4" if usable["vec4"] else "scalar"
+    elif not usable[variant]:
+        raise ValueError(f"kernel variant {variant!r} does not apply to this input")
+    lanes = 8 if channels_last and variant == "scalar" else 16 if variant == "rows" else 32
+    c_tiles = 1 if variant == "rows" else -(-c // (32 if channels_last else 8))
     splits = max(1, min(split_count(n * c_tiles, 1 << 30), -(-ho * wo // lanes)))
     partial = cupy.empty((n, c, splits, 2), dtype=cupy.float32)
     shift = cupy.empty(n * c // shift_group if per_sample else c // shift_group,
@@ -78,7 +92,9 @@ def _pool_extremum_stats(cupy, y, ext, pool: int, *, bias, sign_a, sign_b, shift
                          "pass supports fewer than 2**31 per sample (use method='unfused')")
     sn, sc, sh, sw = numpy.int64(sn), numpy.int64(sc), numpy.int32(sh), numpy.int32(sw)
     i32 = numpy.int32
-    if vec4:
+    if variant == "rows":
+        kernel = get_kernel("pooling.cu", f"pool_extremum_stats_nhwc_rows<{fixed}, {rows_t}>")
+    elif variant == "vec4":
         kernel = get_kernel("pooling.cu", f"pool_extremum_stats_nhwc4<{fixed}>")
     else:
         kernel = get_kernel("pooling.cu", f"pool_extremum_stats<{str(channels_last).lower()}, "

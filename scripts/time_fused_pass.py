@@ -8,7 +8,8 @@ and, channels-last, the 16-byte one; and pipeline C's channels-last normalize pa
 import cupy
 import numpy
 
-from cufused import pipelines, softmax
+from cufused import pipelines
+from cufused.softmax import softmax_rows
 from cufused._cudnn import empty_in_layout
 from cufused.benchmark import Timer, measure_ceilings
 
@@ -24,13 +25,11 @@ def main():
             n, c, h, w = shape
             ext = cupy.empty((n, c, h // pool, w // pool), dtype=cupy.float32)
             sign = cupy.ones(c, dtype=cupy.float32)
-            variants = {"default": {}}
-            if layout == "nhwc":
-                variants = {"scalar": {"vec4": False}, "vec4": {"vec4": True}}
-            for label, kw in variants.items():
+            variants = ("scalar", "vec4", "rows") if layout == "nhwc" else ("scalar",)
+            for label in variants:
                 ms = timer(lambda: pipelines._pool_extremum_stats(
                     cupy, y, ext, pool, bias=None, sign_a=sign, sign_b=None,
-                    shift_group=group, per_sample=group > 1, **kw))
+                    shift_group=group, per_sample=group > 1, variant=label))
                 floor = y.nbytes / copy * 1e3
                 print(f"{name} {layout} {label}: {ms:.3f} ms (floor {floor:.3f})", flush=True)
     shape = (32, 64, 32, 64, 64)
@@ -39,7 +38,7 @@ def main():
     out = cupy.empty(shape, dtype=cupy.float32)
     strides = [s // 4 for s in y.strides]
     for vec4 in (False, True):
-        ms = timer(lambda: softmax.softmax_rows(
+        ms = timer(lambda: softmax_rows(
             cupy, y, out, 32 * 64, 32 * 64 * 64, 64, (strides[0], strides[1], strides[-1]),
             layout="nhwc", clamp=(0.0, 1.0), vec4=vec4))
         print(f"C softmax nhwc vec4={vec4}: {ms:.3f} ms (stats + apply; floor "

@@ -312,6 +312,23 @@ def test_pipeline_c(rng, layout, method, precision, clamp):
     assert rel_err(out.get(), ref) < 10 * TOL[precision]
 
 
+@pytest.mark.parametrize("pipeline,cout", [("A", 32), ("A", 64), ("B", 64), ("B", 128)])
+def test_pipeline_channels_last_window_rows(rng, pipeline, cout):
+    # C_out in {32, 64, 128}, channels-last: the fused pass reads whole window rows per warp
+    # (pool 4 for A, 2 for B), with rows and columns the pool drops.
+    if pipeline == "A":
+        arrays, opts = pipeline_a_args(rng, cout=cout, groups=8)
+        fn = cufused.conv2d_groupnorm_scale_maxpool_clamp
+    else:
+        arrays, opts = pipeline_b_args(rng, cout=cout, groups=4)
+        fn = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm
+    ref = fn(*arrays, **opts)
+    out = poisoned(ref.shape)
+    with _pinned("nhwc"):
+        fn(*to_gpu(*arrays), **opts, out=out)
+    assert_close(out.get(), ref, 10 * TOL["ieee"])
+
+
 @pytest.mark.parametrize("precision", ["ieee", "tf32"])
 def test_pipeline_c_channels_last_vectorized(rng, precision):
     # C_out % 4 == 0 and D*H*W % 4 == 0: the 16-byte transposing normalize pass runs.

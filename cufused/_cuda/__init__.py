@@ -29,6 +29,10 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "pool_extremum_stats<true, 4, false>",
         "pool_extremum_stats_nhwc4<2>",
         "pool_extremum_stats_nhwc4<4>",
+        "pool_extremum_stats_nhwc_rows<2, 1>",
+        "pool_extremum_stats_nhwc_rows<2, 2>",
+        "pool_extremum_stats_nhwc_rows<4, 1>",
+        "pool_extremum_stats_nhwc_rows<4, 2>",
     ),
     "layout.cu": (
         "transpose_batched<false>",

@@ -359,3 +359,146 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
         }
     }
 }
+
+// pool_extremum_stats for a channels-last y and k = K, one warp per pooled position: a
+// window row's K columns of all C channels are K * C contiguous floats, read as 512-byte
+// coalesced float4 rows (the per-channel kernels above touch 128 bytes per instruction, and
+// for K = 4 the 16-byte one measured no faster than the scalar one). Lane l holds chunks
+// j = l + 32 t (t < T = K * C / 128) of a row: channel quad l % (C / 4), column j / (C / 4);
+// needs C / 4 to divide 32, T >= 1, and 16-byte alignment. The lanes of one channel quad
+// combine their extrema and sums through shuffles. Block (32, 8), grid N * splits, all C
+// channels per block (c_tiles = 1); same arguments and outputs as pool_extremum_stats.
+template <int K, int T>
+__global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_rows(
+        const float* __restrict__ y, const float* __restrict__ bias,
+        const float* __restrict__ sign_a, const float* __restrict__ sign_b,
+        float* __restrict__ ext, float2* __restrict__ partial, float* __restrict__ shift_out,
+        int C, int H, int W, int k_runtime, int Ho, int Wo, int splits, int c_tiles, index_t sn,
+        index_t sc, int sh, int sw, int shift_group, int shift_per_sample) {
+    constexpr int U = 2;  // positions per warp and iteration: 2 * K * T loads in flight
+    constexpr int SPAN = 8 * U;
+    __shared__ float stage[SPAN][129];
+    __shared__ float red[2][8][128];
+    const int split = blockIdx.x % splits;
+    const index_t n = blockIdx.x / splits;
+    const int lane = threadIdx.x, warp = threadIdx.y;
+    const int quads = C / 4;
+    const int c0 = (lane % quads) * 4;
+    const int P = Ho * Wo;
+    const int chunk = (P + splits - 1) / splits;
+    const int p_begin = split * chunk;
+    const int p_end = min(P, p_begin + chunk);
+    const float inv_wo = 1.0f / Wo;
+
+    float b[4], bs[4], sgn[4], s1[4], s2[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const int c = c0 + q;
+        b[q] = bias ? bias[c] : 0.0f;
+        const int c_first = (c / shift_group) * shift_group;
+        const float shift = y[(shift_per_sample ? n : 0) * sn + c_first]
+                            + (bias ? bias[c_first] : 0.0f);
+        if (split == 0 && warp == 0 && lane < quads && c == c_first &&
+            (shift_per_sample || n == 0))
+            shift_out[shift_per_sample ? n * (C / shift_group) + c / shift_group
+                                       : c / shift_group] = shift;
+        sgn[q] = (sign_a ? sign_a[c] : 1.0f) * (sign_b ? sign_b[c] : 1.0f) < 0.0f ? -1.0f : 1.0f;
+        bs[q] = b[q] - shift;
+        s1[q] = 0.0f;
+        s2[q] = 0.0f;
+    }
+    const float* plane = y + n * sn + 4 * lane;
+    auto load4 = [&](int offset) { return __ldg(reinterpret_cast<const float4*>(plane + offset)); };
+    auto take = [&](float4 v) {
+        const float t[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const float d = t[q] + bs[q];
+            s1[q] += d;
+            s2[q] = fmaf(d, d, s2[q]);
+        }
+    };
+    // Values of row h, columns [wa, wb): chunks j = lane, lane + 32, ... of (wb - wa) * C floats.
+    auto take_span = [&](int h, int wa, int wb) {
+        for (int j = lane; j < (wb - wa) * quads; j += 32) take(load4(h * sh + wa * sw + 4 * (j - lane)));
+    };
+    auto row_col = [&](int p, int& py, int& px) {  // p / Wo without an integer division
+        py = __float2int_rz((float)p * inv_wo);
+        while (py * Wo > p) --py;
+        while ((py + 1) * Wo <= p) ++py;
+        px = p - py * Wo;
+    };
+    for (int base = p_begin; base < p_end; base += SPAN) {  // same trip count for the block
+        float4 v[U][K][T];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            int py, px;
+            row_col(min(base + warp * U + u, p_end - 1), py, px);  // clamped: in bounds
+#pragma unroll
+            for (int a = 0; a < K; ++a)
+#pragma unroll
+                for (int t = 0; t < T; ++t)
+                    v[u][a][t] = load4((py * K + a) * sh + px * K * sw + 128 * t);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int p = base + warp * U + u;
+            float e[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+            if (p < p_end) {  // warp-uniform
+#pragma unroll
+                for (int a = 0; a < K; ++a)
+#pragma unroll
+                    for (int t = 0; t < T; ++t) {
+                        take(v[u][a][t]);
+                        e[0] = fmaxf(e[0], sgn[0] * v[u][a][t].x);
+                        e[1] = fmaxf(e[1], sgn[1] * v[u][a][t].y);
+                        e[2] = fmaxf(e[2], sgn[2] * v[u][a][t].z);
+                        e[3] = fmaxf(e[3], sgn[3] * v[u][a][t].w);
+                    }
+                int py, px;
+                row_col(p, py, px);
+                const int h0 = py * K, w0 = px * K;
+                // The last window row / column also owns the rows / columns the pool drops.
+                const int w1 = (px == Wo - 1) ? W : w0 + K;
+                if (py == Ho - 1)
+                    for (int h = h0 + K; h < H; ++h) take_span(h, w0, w1);
+                if (px == Wo - 1)
+                    for (int h = h0; h < h0 + K; ++h) take_span(h, w0 + K, W);
+            }
+#pragma unroll
+            for (int off = quads; off < 32; off <<= 1)
+#pragma unroll
+                for (int q = 0; q < 4; ++q) e[q] = fmaxf(e[q], __shfl_xor_sync(0xffffffffu, e[q], off));
+            if (lane < quads) {
+#pragma unroll
+                for (int q = 0; q < 4; ++q) stage[warp * U + u][c0 + q] = fmaf(sgn[q], e[q], b[q]);
+            }
+        }
+        __syncthreads();
+        for (int i = warp * 32 + lane; i < C * SPAN; i += 256) {
+            const int ch = i / SPAN, q = i - ch * SPAN;
+            if (base + q < p_end) ext[(n * C + ch) * (index_t)P + base + q] = stage[q][ch];
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int off = quads; off < 32; off <<= 1)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            s1[q] += __shfl_xor_sync(0xffffffffu, s1[q], off);
+            s2[q] += __shfl_xor_sync(0xffffffffu, s2[q], off);
+        }
+    if (lane < quads) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            red[0][warp][c0 + q] = s1[q];
+            red[1][warp][c0 + q] = s2[q];
+        }
+    }
+    __syncthreads();
+    for (int c = warp * 32 + lane; c < C; c += 256) {
+        float t1 = 0.0f, t2 = 0.0f;
+        for (int j = 0; j < 8; ++j) { t1 += red[0][j][c]; t2 += red[1][j][c]; }
+        partial[(n * C + c) * splits + split] = make_float2(t1, t2);
+    }
+}
