@@ -96,42 +96,17 @@ def host_breakdown():
 
 
 def build(kind, xs, ws, ys, pre, post, stride, layout, precision, bias=False, y_strides=None):
-    """``layout`` is one layout for all tensors or an (x, w, y) tuple of layouts."""
+    """The library's graph builder with every plan built; ``layout`` is one layout for all
+    tensors or an (x, w, y) tuple of layouts."""
     cudnn = _cudnn.import_cudnn()
     lx, lw, ly = (layout,) * 3 if isinstance(layout, str) else layout
-    f32 = cudnn.data_type.FLOAT
-    g = cudnn.pygraph(io_data_type=f32, intermediate_data_type=f32, compute_data_type=f32,
-                      handle=_cudnn._handle())
-    x = g.tensor(name="x", dim=list(xs), stride=list(_cudnn.layout_strides(xs, lx)),
-                 data_type=f32)
-    w = g.tensor(name="w", dim=list(ws), stride=list(_cudnn.layout_strides(ws, lw)),
-                 data_type=f32)
     nd = len(xs) - 2
-    common = dict(pre_padding=list(pre), post_padding=list(post), stride=list(stride),
-                  dilation=[1] * nd, compute_data_type=f32)
-    if kind == "fprop":
-        y = g.conv_fprop(image=x, weight=w, **common)
-    else:
-        y = g.conv_dgrad(loss=x, filter=w, **common)
-        y.set_dim(list(ys))
-    tensors = [x, w]
-    if bias:
-        bs = (1, ys[1]) + (1,) * nd
-        b = g.tensor(name="b", dim=list(bs), stride=list(_cudnn.layout_strides(bs, ly)),
-                     data_type=f32)
-        y.set_data_type(f32).set_stride(list(_cudnn.layout_strides(ys, ly)))
-        y = g.bias(input=y, bias=b)
-        tensors.append(b)
-    y.set_output(True).set_dim(list(ys)).set_stride(
-        list(y_strides or _cudnn.layout_strides(ys, ly))).set_data_type(f32)
-    tensors.append(y)
-    g.validate()
-    g.build_operation_graph()
-    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    if precision == "ieee":
-        g.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE,
-                                  cudnn.numerical_note.DOWN_CONVERT_INPUTS])
-    g.check_support()
+    spec = _cudnn._PartSpec(
+        kind, tuple(xs), _cudnn.layout_strides(xs, lx), tuple(ws), _cudnn.layout_strides(ws, lw),
+        tuple(ys), tuple(y_strides or _cudnn.layout_strides(ys, ly)), tuple(pre), tuple(post),
+        tuple(stride), (1,) * nd,
+        _cudnn.layout_strides((1, ys[1]) + (1,) * nd, ly) if bias else None)
+    g, tensors = _cudnn._build_graph(spec, precision)
     g.build_plans(cudnn.build_plan_policy.ALL)
     return g, tensors
 
