@@ -13,15 +13,7 @@ import numpy
 
 from . import __version__
 from ._arrays import gpu_available
-from .benchmark import make_cases
-
-
-def _rel_err(out, ref) -> float:
-    out = numpy.asarray(out, dtype=numpy.float64)
-    ref = numpy.asarray(ref, dtype=numpy.float64)
-    if numpy.isnan(out).any():
-        return float("inf")
-    return float(numpy.linalg.norm(out - ref) / numpy.linalg.norm(ref))
+from .benchmark import make_cases, rel_err
 
 
 def _progress(i: int, n: int, label: str) -> None:
@@ -65,7 +57,7 @@ def cmd_check(args) -> int:
         else:
             runs.append(("numpy f32", "-", fn(*arrays.values(), **case.options)))
         for path, precision, out in runs:
-            err = _rel_err(out, ref)
+            err = rel_err(out, ref)
             ok = err < tol.get(precision, 1e-5)
             failed += not ok
             print(f"{case.name:<5} {path:<12} {precision:<9} {err:>11.3e}  {'ok' if ok else 'FAIL'}")

@@ -18,6 +18,23 @@ import cufused
 L2_FLUSH_BYTES = 256 * 1024 * 1024
 
 
+def rel_err(out, ref) -> float:
+    """``||out - ref|| / ||ref||`` in float64; NaN in ``out`` where ``ref`` has none gives inf.
+
+    Examples
+    --------
+    >>> rel_err([1.0, 2.0], [1.0, 2.0])
+    0.0
+    >>> rel_err([float("nan")], [1.0])
+    inf
+    """
+    out = numpy.asarray(out, dtype=numpy.float64)
+    ref = numpy.asarray(ref, dtype=numpy.float64)
+    if numpy.isnan(out).any() and not numpy.isnan(ref).any():
+        return float("inf")
+    return float(numpy.linalg.norm(out - ref) / max(numpy.linalg.norm(ref), 1e-300))
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One pipeline at one size: inputs, the cufused call, the PyTorch equivalent and its cost."""
