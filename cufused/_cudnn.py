@@ -23,7 +23,6 @@ import numpy
 from ._arrays import import_cupy
 from ._subpixel import subpixel_parts, subpixel_weight_index
 
-LAYOUTS = ("nchw", "nhwc")
 # (input layout, output layout) pairs tried; channels-last engines fed an NCHW input skip
 # the input transpose (measured faster for pipeline B's TF32 convolution).
 _LAYOUT_PAIRS = (("nchw", "nchw"), ("nhwc", "nhwc"), ("nchw", "nhwc"))
