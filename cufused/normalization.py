@@ -58,16 +58,36 @@ def _affine_apply(cupy, x, y, coef_a, coef_b, inner: int, n_coef: int, act: int,
                 numpy.float32(lo), numpy.float32(hi)))
 
 
+def launch_group_norm_rows(x, y, num_groups: int, weight, bias, eps: float, *,
+                           pre=None) -> None:
+    """GroupNorm of contiguous ``x`` (N, C, ...) into ``y`` with one block per (n, group) row.
+
+    ``pre = (a, b)`` first maps each value to ``tanh(a[c] * x + b[c])``. The row stays in
+    shared memory between statistics and normalize when it fits in ``ROW_CACHE_BYTES``;
+    16-byte accesses when the row length and pointers allow.
+    """
+    n, c = x.shape[:2]
+    hw = x.size // max(n * c, 1)
+    length = (c // num_groups) * hw
+    cache = length * 4 <= ROW_CACHE_BYTES
+    vec = 4 if (length % 4 == 0 and hw >= 4 and x.data.ptr % 16 == 0
+                and y.data.ptr % 16 == 0) else 1
+    pre_a, pre_b = pre if pre is not None else (None, None)
+    kernel = get_kernel(_NORM, f"group_norm_rows<{int(pre is not None)}, "
+                               f"{str(cache).lower()}, {vec}>")
+    kernel((n * num_groups,), (256,),
+           (x, y, optional(pre_a), optional(pre_b), optional(weight), optional(bias),
+            numpy.int32(c), numpy.int32(num_groups), numpy.int32(hw), numpy.float32(eps)),
+           shared_mem=length * 4 if cache else 0)
+
+
 def _group_norm_gpu(cupy, x, num_groups, weight, bias, eps, out):
     n, c = x.shape[:2]
     hw = x.size // (n * c)
     length = (c // num_groups) * hw
     rows = n * num_groups
     if length * 4 <= ROW_CACHE_BYTES:
-        kernel = get_kernel(_NORM, "group_norm_rows<0, true>")
-        kernel((rows,), (256,), (x, out, numpy.uint64(0), numpy.uint64(0), optional(weight),
-                                 optional(bias), numpy.int32(c), numpy.int32(num_groups),
-                                 numpy.int32(hw), numpy.float32(eps)), shared_mem=length * 4)
+        launch_group_norm_rows(x, out, num_groups, weight, bias, eps)
         return out
     splits = split_count(rows, length)
     partial = cupy.empty((rows, splits, 2), dtype=cupy.float32)

@@ -34,8 +34,9 @@ from ._cuda import get_kernel, optional
 from ._precision import resolve_precision
 from .convolution import (check_conv_args, conv2d, conv_on_gpu, conv_transpose2d,
                           conv_transpose3d, gpu_conv_layout)
-from .normalization import (ROW_CACHE_BYTES, _affine_apply, batch_norm, bn_coefficients,
-                            check_num_groups, check_running_buffer, group_norm, split_count)
+from .normalization import (_affine_apply, batch_norm, bn_coefficients, check_num_groups,
+                            check_running_buffer, group_norm, launch_group_norm_rows,
+                            split_count)
 from .pooling import avg_pool3d, check_pool_args, max_pool2d, pool_into
 from .softmax import softmax, softmax_rows
 
@@ -371,14 +372,7 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     coef = bn_coefficients(xp, y, bn_weight, bn_bias, running_mean, running_var, True,
                            momentum, eps, partial=(partial, shift), splits=splits,
                            mean_offset=conv_bias)
-    hw = pooled[0] * pooled[1]
-    row_bytes = (c // num_groups) * hw * 4
-    cache = row_bytes <= ROW_CACHE_BYTES
-    kernel = get_kernel("normalization.cu", f"group_norm_rows<1, {str(cache).lower()}>")
-    kernel((shape[0] * num_groups,), (256,),
-           (out, out, coef[0], coef[1], optional(gn_weight), optional(gn_bias), numpy.int32(c),
-            numpy.int32(num_groups), numpy.int32(hw), numpy.float32(eps)),
-           shared_mem=row_bytes if cache else 0)
+    launch_group_norm_rows(out, out, num_groups, gn_weight, gn_bias, eps, pre=coef)
     return out
 
 
@@ -483,17 +477,13 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
         xp.minimum(xp.maximum(y, lo), hi, out=y)
         y = softmax(y, axis=(2, 3, 4), out=y)
         return xp.multiply(y, scale.reshape(1, c, 1, 1, 1), out=out)
-    from ._cudnn import empty_in_layout, transpose_channels
+    from ._cudnn import empty_in_layout
 
     layout = gpu_conv_layout(pooled_shape, weight.shape, args, precision, convert_input=False,
                              convert_output=False, accept_classes=True)
-    x_pooled = xp.empty(pooled_shape, dtype=xp.float32)
+    # The pool writes the conv input straight into the plan's input layout.
+    x_pooled = empty_in_layout(pooled_shape, layout)
     pool_into(xp.ascontiguousarray(x), x_pooled, (k, k, k), (k, k, k), (0, 0, 0), is_max=False)
-    if layout == "nhwc":
-        # Pool with coalesced writes, then one tiled transpose of the 8x smaller tensor.
-        x_cl = empty_in_layout(pooled_shape, layout)
-        transpose_channels(x_pooled, x_cl, to_channels_last=True)
-        x_pooled = x_cl
     y, layout = conv_on_gpu(x_pooled, weight, args, precision, convert_input=False,
                             convert_output=False, accept_classes=True, out=out)
     strides = [s // y.itemsize for s in y.strides]

@@ -150,7 +150,8 @@ def test_conv_autotune_weighs_subpixel_split(rng):
 
 
 @pytest.mark.parametrize("shape,groups", [((3, 12, 7, 5), 4), ((2, 6, 67, 131), 2),
-                                          ((1, 4, 1), 1), ((5, 9, 11), 3)])
+                                          ((1, 4, 1), 1), ((5, 9, 11), 3),
+                                          ((2, 8, 6, 10), 4), ((3, 8, 2, 3), 4)])
 def test_group_norm(rng, shape, groups):
     # |mean| >> std: the shifted sums must keep the variance accurate.
     x = 1000.0 + rng.standard_normal(shape)
@@ -189,6 +190,29 @@ def test_pooling(rng, nd, is_max):
     for opts in (dict(kernel_size=2), dict(kernel_size=3, stride=2, padding=1)):
         ref = fn(x, **opts)
         out = poisoned(ref.shape)
+        fn(*to_gpu(x), **opts, out=out)
+        got = out.get()
+        assert np.array_equal(np.isnan(got), np.isnan(ref))
+        mask = ~np.isnan(ref)
+        assert_close(got[mask], ref[mask], 1e-6)
+
+
+@pytest.mark.parametrize("nd", [2, 3])
+@pytest.mark.parametrize("is_max", [True, False])
+def test_pooling_into_channels_last(rng, nd, is_max):
+    # A channels-last out= (pipeline C's conv input): 37 channels and 5 * 7 (* 3) positions
+    # leave partial 32 x 32 tiles; the 2-window kernel writes it directly, the 3-window path
+    # pools into a temporary and transposes.
+    from cufused._cudnn import empty_in_layout
+
+    shape = (2, 37, 10, 14) if nd == 2 else (2, 37, 6, 10, 14)
+    x = rng.standard_normal(shape)
+    x[1, 36, 1, 1] = np.nan
+    fn = getattr(cufused, f"{'max' if is_max else 'avg'}_pool{nd}d")
+    for opts in (dict(kernel_size=2), dict(kernel_size=3, stride=2, padding=1)):
+        ref = fn(x, **opts)
+        out = empty_in_layout(ref.shape, "nhwc")
+        out[...] = cp.nan
         fn(*to_gpu(x), **opts, out=out)
         got = out.get()
         assert np.array_equal(np.isnan(got), np.isnan(ref))
@@ -279,10 +303,12 @@ def test_pipeline_b(rng, layout, method, precision):
     assert_close(rv_g.get(), rv, 10 * TOL[precision])
 
 
-def test_pipeline_b_large_groups_uncached(rng, layout):
-    # A (n, group) row of 64 * 17 * 17 floats exceeds the shared-memory cache: re-read path.
-    arrays, opts = pipeline_b_args(rng, n=2, cin=4, h=32, w=32, cout=64, groups=1,
-                                   conv_groups=2)
+@pytest.mark.parametrize("cout", [64, 63])
+def test_pipeline_b_large_groups_uncached(rng, layout, cout):
+    # A (n, group) row of C * 17 * 17 floats exceeds the shared-memory cache: re-read path,
+    # with 16-byte accesses (C = 64) and without (C = 63: odd row length).
+    arrays, opts = pipeline_b_args(rng, n=2, cin=4, h=32, w=32, cout=cout, groups=1,
+                                   conv_groups=1 if cout % 2 else 2)
     ref = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(*arrays, **opts)
     got = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(*to_gpu(*arrays), **opts)
     assert_close(got.get(), ref, 1e-4)
@@ -310,6 +336,15 @@ def test_pipeline_c(rng, layout, method, precision, clamp):
         precision=precision, out=out)
     # Outputs are tiny (~1 / (D*H*W)): only a relative check can tell them from zeros.
     assert rel_err(out.get(), ref) < 10 * TOL[precision]
+
+
+def test_pipeline_b_odd_group_rows(rng, layout):
+    # One channel of 5 * 5 pooled values per group: rows too short for 16-byte accesses.
+    arrays, opts = pipeline_b_args(rng, h=8, w=8, cout=8, groups=8)
+    ref = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(*arrays, **opts)
+    out = poisoned(ref.shape)
+    cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(*to_gpu(*arrays), **opts, out=out)
+    assert_close(out.get(), ref, 1e-4)
 
 
 @pytest.mark.parametrize("pipeline,cout", [("A", 32), ("A", 64), ("B", 64), ("B", 128)])

@@ -50,6 +50,22 @@ __device__ T block_sum(T v, T* scratch) {
     return scratch[0];
 }
 
+// VEC (1 or 4) consecutive floats p[VEC * i ...] in the first VEC lanes of a float4 (VEC = 4:
+// one 16-byte access, p 16-byte aligned). No __ldg: callers may write where they read.
+template <int VEC>
+__device__ __forceinline__ float4 load_vec(const float* p, index_t i) {
+    if (VEC == 4) return reinterpret_cast<const float4*>(p)[i];
+    return make_float4(p[i], 0.0f, 0.0f, 0.0f);
+}
+
+template <int VEC>
+__device__ __forceinline__ void store_vec(float* p, index_t i, float4 v) {
+    if (VEC == 4)
+        reinterpret_cast<float4*>(p)[i] = v;
+    else
+        p[i] = v.x;
+}
+
 // Combine (max, sum of exp(x - max)) pairs of an online softmax.
 __device__ __forceinline__ void softmax_merge(float& m, float& s, float m2, float s2) {
     if (m2 == -INFINITY) return;

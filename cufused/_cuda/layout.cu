@@ -20,7 +20,8 @@ __global__ void transpose_batched(const float* __restrict__ in, float* __restric
         for (int t = 0; t < 4; ++t) {
             const int b = b0 + t * 32 + threadIdx.x;
 #pragma unroll
-            for (int j = threadIdx.y; j < 32; j += 8) {
+            for (int k = 0; k < 4; ++k) {  // a constant trip count keeps all 16 loads in flight
+                const int j = threadIdx.y + 8 * k;
                 const int a = a0 + j;
                 if (a < a_len && b < b_len) tile[t][j][threadIdx.x] = src[a * b_len + b];
             }
@@ -30,7 +31,8 @@ __global__ void transpose_batched(const float* __restrict__ in, float* __restric
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
 #pragma unroll
-            for (int j = threadIdx.y; j < 32; j += 8) {
+            for (int k = 0; k < 4; ++k) {
+                const int j = threadIdx.y + 8 * k;
                 const int b = b0 + t * 32 + j;
                 if (a < a_len && b < b_len)
                     dst[b * a_len + a] = tile[t][threadIdx.x][j] + (BIAS ? bias[b] : 0.0f);

@@ -117,12 +117,14 @@ __device__ __forceinline__ float activate(float v, float lo, float hi) {
 
 // y = act(a[k] * x + b[k]) over planes of `inner` contiguous values, k = plane % n_coef.
 // A block covers `chunks` blocks per plane when planes are long, or `per_block` whole planes
-// when they are short: no per-element division. VEC consecutive values per thread (VEC = 4
-// needs inner % 4 == 0 and 16-byte aligned x, y). x may equal y.
+// when they are short: no per-element division. Each thread has UNROLL vectors of VEC
+// consecutive values in flight (one load at a time left pipeline A's 31 x 31 planes at
+// 1.7 TB/s). VEC = 4 needs inner % 4 == 0 and 16-byte aligned x, y. x may equal y.
 template <int ACT, int VEC>
 __global__ void channel_affine(const float* x, float* y, const float* __restrict__ coef_a,
                                const float* __restrict__ coef_b, index_t planes, index_t inner,
                                index_t n_coef, int chunks, int per_block, float lo, float hi) {
+    constexpr int UNROLL = 4;
     const index_t n_vec = inner / VEC;
     const index_t first = (index_t)(blockIdx.x / chunks) * per_block;
     const int chunk = blockIdx.x % chunks;
@@ -134,16 +136,21 @@ __global__ void channel_affine(const float* x, float* y, const float* __restrict
         const float a = coef_a[k], b = coef_b[k];
         const float* xp = x + plane * inner;
         float* yp = y + plane * inner;
-        for (index_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-            if (VEC == 4) {
-                float4 v = reinterpret_cast<const float4*>(xp)[i];
-                v.x = activate<ACT>(fmaf(a, v.x, b), lo, hi);
-                v.y = activate<ACT>(fmaf(a, v.y, b), lo, hi);
-                v.z = activate<ACT>(fmaf(a, v.z, b), lo, hi);
-                v.w = activate<ACT>(fmaf(a, v.w, b), lo, hi);
-                reinterpret_cast<float4*>(yp)[i] = v;
-            } else {
-                yp[i] = activate<ACT>(fmaf(a, xp[i], b), lo, hi);
+        for (index_t i0 = begin + threadIdx.x; i0 < end; i0 += UNROLL * blockDim.x) {
+            float4 v[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u)
+                if (i0 + u * blockDim.x < end) v[u] = load_vec<VEC>(xp, i0 + u * blockDim.x);
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                if (i0 + u * blockDim.x >= end) break;
+                v[u].x = activate<ACT>(fmaf(a, v[u].x, b), lo, hi);
+                if (VEC == 4) {
+                    v[u].y = activate<ACT>(fmaf(a, v[u].y, b), lo, hi);
+                    v[u].z = activate<ACT>(fmaf(a, v[u].z, b), lo, hi);
+                    v[u].w = activate<ACT>(fmaf(a, v[u].w, b), lo, hi);
+                }
+                store_vec<VEC>(yp, i0 + u * blockDim.x, v[u]);
             }
         }
     }
@@ -159,54 +166,63 @@ __device__ __forceinline__ int channel_of(int i, int hw, float inv_hw) {
 }
 
 // GroupNorm with one block per (n, g) row of a contiguous (N, C, HW) tensor; the row is
-// Cg * HW contiguous values. PRE = ACT_TANH first maps each value to tanh(pre_a[c] * x + pre_b[c])
-// (pipeline B's BatchNorm affine + tanh on the pooled extremum). With CACHE the transformed row
-// stays in dynamic shared memory between the statistics and the normalize step; otherwise it is
-// recomputed from x. x may equal y: every element is read and written by the same thread.
-template <int PRE, bool CACHE>
+// Cg * HW contiguous values, visited as vectors of VEC (VEC = 4: 16-byte accesses, which needs
+// Cg * HW % 4 == 0, HW >= 4 and 16-byte aligned x, y; a vector then spans at most two
+// channels). PRE = ACT_TANH first maps each value to tanh(pre_a[c] * x + pre_b[c]) (pipeline
+// B's BatchNorm affine + tanh on the pooled extremum). With CACHE the transformed row stays in
+// dynamic shared memory between the statistics and the normalize step; otherwise it is
+// recomputed from x. Each thread has UNROLL vectors in flight. x may equal y: every element is
+// read and written by the same thread.
+template <int PRE, bool CACHE, int VEC>
 __global__ void group_norm_rows(const float* x, float* y, const float* __restrict__ pre_a,
                                 const float* __restrict__ pre_b, const float* __restrict__ gamma,
                                 const float* __restrict__ beta, int C, int G, int HW, float eps) {
-    extern __shared__ float cache[];
+    constexpr int UNROLL = 4;
+    extern __shared__ float4 cache[];
     __shared__ float scratch[32];
     const int cg = C / G;
     const int len = cg * HW;
+    const int n_vec = len / VEC;
     const int bd = blockDim.x;
     const index_t row = blockIdx.x;
     const int c0 = (int)(row % G) * cg;
     const float* xr = x + row * len;
     float* yr = y + row * len;
-    const float shift = PRE == ACT_TANH ? tanhf(fmaf(pre_a[c0], xr[0], pre_b[c0])) : xr[0];
     const float inv_hw = 1.0f / HW;
-    // The thread's channel advances with its index: a compare per element, not a division.
-    auto advance = [&](int& c, int& j) {
-        j += bd;
-        if (j >= HW) {
-            const int q = channel_of(j, HW, inv_hw);
-            c += q;
-            j -= q * HW;
-        }
+    // Channel (within the group) of each of vector q's VEC values.
+    auto channels = [&](int q, int (&ch)[VEC]) {
+        const int e = q * VEC;
+        const int c = channel_of(e, HW, inv_hw);
+        const int left = (c + 1) * HW - e;  // values of channel c from e on
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) ch[k] = c0 + c + (k >= left);
     };
+    auto pre = [&](float v, int ch) {
+        return PRE == ACT_TANH ? tanhf(fmaf(__ldg(pre_a + ch), v, __ldg(pre_b + ch))) : v;
+    };
+    auto lane = [](float4& v, int k) -> float& { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; };
+    const float shift = pre(xr[0], c0);
     float s1 = 0.0f, s2 = 0.0f;
-    int c = channel_of(threadIdx.x, HW, inv_hw), j = threadIdx.x - c * HW;
-    for (int i0 = threadIdx.x; i0 < len; i0 += 4 * bd) {
-        float v[4];  // four independent loads in flight before any is used
-        int cs[4];
+    for (int q0 = threadIdx.x; q0 < n_vec; q0 += UNROLL * bd) {
+        float4 v[UNROLL];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            v[u] = xr[min(i0 + u * bd, len - 1)];
-            cs[u] = c0 + c;
-            advance(c, j);
-        }
+        for (int u = 0; u < UNROLL; ++u)
+            if (q0 + u * bd < n_vec) v[u] = load_vec<VEC>(xr, q0 + u * bd);
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            const int i = i0 + u * bd;
-            if (i >= len) break;
-            if (PRE == ACT_TANH) v[u] = tanhf(fmaf(__ldg(pre_a + cs[u]), v[u], __ldg(pre_b + cs[u])));
-            if (CACHE) cache[i] = v[u];
-            const float d = v[u] - shift;
-            s1 += d;
-            s2 = fmaf(d, d, s2);
+        for (int u = 0; u < UNROLL; ++u) {
+            const int q = q0 + u * bd;
+            if (q >= n_vec) break;
+            int ch[VEC];
+            channels(q, ch);
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) {
+                float& t = lane(v[u], k);
+                t = pre(t, ch[k]);
+                const float d = t - shift;
+                s1 += d;
+                s2 = fmaf(d, d, s2);
+            }
+            if (CACHE) store_vec<VEC>(reinterpret_cast<float*>(cache), q, v[u]);
         }
     }
     s1 = block_sum(s1, scratch);
@@ -214,19 +230,26 @@ __global__ void group_norm_rows(const float* x, float* y, const float* __restric
     const float m1 = s1 / len;
     const float mean = shift + m1;
     const float rstd = rsqrtf(fmaxf(s2 / len - m1 * m1, 0.0f) + eps);
-    c = channel_of(threadIdx.x, HW, inv_hw);
-    j = threadIdx.x - c * HW;
-    for (int i = threadIdx.x; i < len; i += bd) {
-        const int ch = c0 + c;
-        float v;
-        if (CACHE) {
-            v = cache[i];
-        } else {
-            v = xr[i];
-            if (PRE == ACT_TANH) v = tanhf(fmaf(__ldg(pre_a + ch), v, __ldg(pre_b + ch)));
+    for (int q0 = threadIdx.x; q0 < n_vec; q0 += UNROLL * bd) {
+        float4 v[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+            if (q0 + u * bd < n_vec)
+                v[u] = load_vec<VEC>(CACHE ? reinterpret_cast<const float*>(cache) : xr, q0 + u * bd);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int q = q0 + u * bd;
+            if (q >= n_vec) break;
+            int ch[VEC];
+            channels(q, ch);
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) {
+                float& t = lane(v[u], k);
+                if (!CACHE) t = pre(t, ch[k]);
+                const float a = (gamma ? __ldg(gamma + ch[k]) : 1.0f) * rstd;
+                t = fmaf(a, t - mean, beta ? __ldg(beta + ch[k]) : 0.0f);
+            }
+            store_vec<VEC>(yr, q, v[u]);
         }
-        const float a = (gamma ? __ldg(gamma + ch) : 1.0f) * rstd;
-        yr[i] = fmaf(a, v - mean, beta ? __ldg(beta + ch) : 0.0f);
-        advance(c, j);
     }
 }

@@ -60,6 +60,61 @@ __global__ void pool_nd(const float* __restrict__ x, float* __restrict__ y, inde
     }
 }
 
+// Max or average pooling with a window of KD x 2 x 2 (KD = 1: 2-D pooling, D = 1), stride ==
+// window, no padding, from contiguous NC(D)HW x into contiguous channels-last y
+// (N, Do, Ho, Wo, C): pipeline C's pool writes its convolution's input in the layout of the
+// cuDNN plan, with no separate transpose. A block pools 32 channels x 32 consecutive output
+// positions through shared memory: lanes read 8-byte pairs along W (a warp reads 256
+// contiguous bytes per window row) and write 32 channels (128 bytes) per position. Each thread
+// has its 4 channels' KD * 2 loads in flight. Needs even W, x 8-byte aligned, C * Do * Ho * Wo
+// < 2**31. Grid (ceil(S / 32), ceil(C / 32), min(N, 65535)), block (32, 8), S = Do * Ho * Wo.
+template <bool IS_MAX, int KD>
+__global__ void pool2_to_channels_last(const float* __restrict__ x, float* __restrict__ y,
+                                       index_t N, int C, int D, int H, int W, int od, int oh,
+                                       int ow) {
+    __shared__ float tile[32][33];  // [channel][position]
+    const int S = od * oh * ow;
+    const int s0 = blockIdx.x * 32, c0 = blockIdx.y * 32;
+    const int s = s0 + threadIdx.x;
+    const int w_o = s % ow, h_o = (s / ow) % oh, d_o = s / (ow * oh);
+    const index_t plane = (index_t)D * H * W;
+    const int offset = ((d_o * KD) * H + 2 * h_o) * W + 2 * w_o;
+    for (index_t n = blockIdx.z; n < N; n += gridDim.z) {
+        float2 v[4][KD][2];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int c = c0 + threadIdx.y + 8 * k;
+            const float* p = x + (n * C + min(c, C - 1)) * plane + offset;
+#pragma unroll
+            for (int a = 0; a < KD; ++a)
+#pragma unroll
+                for (int b = 0; b < 2; ++b)
+                    v[k][a][b] = s < S ? __ldg(reinterpret_cast<const float2*>(
+                                             p + (a * H + b) * (index_t)W))
+                                       : make_float2(0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            float acc = IS_MAX ? -INFINITY : 0.0f;
+#pragma unroll
+            for (int a = 0; a < KD; ++a)
+#pragma unroll
+                for (int b = 0; b < 2; ++b)
+                    acc = IS_MAX ? nan_max(nan_max(acc, v[k][a][b].x), v[k][a][b].y)
+                                 : acc + v[k][a][b].x + v[k][a][b].y;
+            tile[threadIdx.y + 8 * k][threadIdx.x] = IS_MAX ? acc : acc * (1.0f / (4 * KD));
+        }
+        __syncthreads();
+        const int c = c0 + threadIdx.x;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int j = threadIdx.y + 8 * k;
+            if (c < C && s0 + j < S) y[(n * S + s0 + j) * C + c] = tile[threadIdx.x][j];
+        }
+        __syncthreads();
+    }
+}
+
 // One read of a convolution output y (logical N, C, H, W; any strides) yields, for
 // non-overlapping k x k pooling windows (stride == k, no padding):
 //  * ext[n, c, ph, pw] (contiguous NCHW): the window max of y + bias[c], or the window min where
