@@ -200,10 +200,11 @@ def test_pooling(rng, nd, is_max):
 @pytest.mark.parametrize("nd", [2, 3])
 @pytest.mark.parametrize("is_max", [True, False])
 def test_pooling_into_channels_last(rng, nd, is_max):
-    # A channels-last out= (pipeline C's conv input): 37 channels and 5 * 7 (* 3) positions
-    # leave partial 32 x 32 tiles; the 2-window kernel writes it directly, the 3-window path
-    # pools into a temporary and transposes.
+    # The internal pool into a channels-last destination (pipeline C's conv input): 37
+    # channels and 5 * 7 (* 3) positions leave partial 32 x 32 tiles; the 2-window kernel
+    # writes it directly, the 3-window path pools into a temporary and transposes.
     from cufused._cudnn import empty_in_layout
+    from cufused.pooling import check_pool_args, pool_into
 
     shape = (2, 37, 10, 14) if nd == 2 else (2, 37, 6, 10, 14)
     x = rng.standard_normal(shape)
@@ -213,7 +214,9 @@ def test_pooling_into_channels_last(rng, nd, is_max):
         ref = fn(x, **opts)
         out = empty_in_layout(ref.shape, "nhwc")
         out[...] = cp.nan
-        fn(*to_gpu(x), **opts, out=out)
+        kernel, stride, padding, _ = check_pool_args(
+            shape[2:], nd, opts["kernel_size"], opts.get("stride"), opts.get("padding", 0))
+        pool_into(*to_gpu(x), out, kernel, stride, padding, is_max=is_max)
         got = out.get()
         assert np.array_equal(np.isnan(got), np.isnan(ref))
         mask = ~np.isnan(ref)

@@ -50,6 +50,15 @@ __device__ T block_sum(T v, T* scratch) {
     return scratch[0];
 }
 
+// i / d for 0 <= i < 2**31 without an integer division: a float estimate times the
+// precomputed inv_d = 1.0f / d, then corrected (one step at most for i < 2**24, a few beyond).
+__device__ __forceinline__ int quotient(int i, int d, float inv_d) {
+    int q = __float2int_rz((float)i * inv_d);
+    while (q * d > i) --q;
+    while ((q + 1) * d <= i) ++q;
+    return q;
+}
+
 // VEC (1 or 4) consecutive floats p[VEC * i ...] in the first VEC lanes of a float4 (VEC = 4:
 // one 16-byte access, p 16-byte aligned). No __ldg: callers may write where they read.
 template <int VEC>

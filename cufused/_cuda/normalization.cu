@@ -156,15 +156,6 @@ __global__ void channel_affine(const float* x, float* y, const float* __restrict
     }
 }
 
-// i / hw without an integer division: a float estimate, then corrected (one step at most for
-// i < 2**24, a few beyond).
-__device__ __forceinline__ int channel_of(int i, int hw, float inv_hw) {
-    int q = __float2int_rz((float)i * inv_hw);
-    while (q * hw > i) --q;
-    while ((q + 1) * hw <= i) ++q;
-    return q;
-}
-
 // GroupNorm with one block per (n, g) row of a contiguous (N, C, HW) tensor; the row is
 // Cg * HW contiguous values, visited as vectors of VEC (VEC = 4: 16-byte accesses, which needs
 // Cg * HW % 4 == 0, HW >= 4 and 16-byte aligned x, y; a vector then spans at most two
@@ -192,7 +183,7 @@ __global__ void group_norm_rows(const float* x, float* y, const float* __restric
     // Channel (within the group) of each of vector q's VEC values.
     auto channels = [&](int q, int (&ch)[VEC]) {
         const int e = q * VEC;
-        const int c = channel_of(e, HW, inv_hw);
+        const int c = quotient(e, HW, inv_hw);
         const int left = (c + 1) * HW - e;  // values of channel c from e on
 #pragma unroll
         for (int k = 0; k < VEC; ++k) ch[k] = c0 + c + (k >= left);
@@ -201,55 +192,50 @@ __global__ void group_norm_rows(const float* x, float* y, const float* __restric
         return PRE == ACT_TANH ? tanhf(fmaf(__ldg(pre_a + ch), v, __ldg(pre_b + ch))) : v;
     };
     auto lane = [](float4& v, int k) -> float& { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; };
+    // f(q, v, ch) for each vector q of src (values v, channels ch), UNROLL in flight per thread.
+    auto visit = [&](const float* src, auto&& f) {
+        for (int q0 = threadIdx.x; q0 < n_vec; q0 += UNROLL * bd) {
+            float4 v[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u)
+                if (q0 + u * bd < n_vec) v[u] = load_vec<VEC>(src, q0 + u * bd);
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const int q = q0 + u * bd;
+                if (q >= n_vec) break;
+                int ch[VEC];
+                channels(q, ch);
+                f(q, v[u], ch);
+            }
+        }
+    };
     const float shift = pre(xr[0], c0);
     float s1 = 0.0f, s2 = 0.0f;
-    for (int q0 = threadIdx.x; q0 < n_vec; q0 += UNROLL * bd) {
-        float4 v[UNROLL];
+    visit(xr, [&](int q, float4& v, const int (&ch)[VEC]) {
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u)
-            if (q0 + u * bd < n_vec) v[u] = load_vec<VEC>(xr, q0 + u * bd);
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int q = q0 + u * bd;
-            if (q >= n_vec) break;
-            int ch[VEC];
-            channels(q, ch);
-#pragma unroll
-            for (int k = 0; k < VEC; ++k) {
-                float& t = lane(v[u], k);
-                t = pre(t, ch[k]);
-                const float d = t - shift;
-                s1 += d;
-                s2 = fmaf(d, d, s2);
-            }
-            if (CACHE) store_vec<VEC>(reinterpret_cast<float*>(cache), q, v[u]);
+        for (int k = 0; k < VEC; ++k) {
+            float& t = lane(v, k);
+            t = pre(t, ch[k]);
+            const float d = t - shift;
+            s1 += d;
+            s2 = fmaf(d, d, s2);
         }
-    }
+        if (CACHE) store_vec<VEC>(reinterpret_cast<float*>(cache), q, v);
+    });
     s1 = block_sum(s1, scratch);
     s2 = block_sum(s2, scratch);
     const float m1 = s1 / len;
     const float mean = shift + m1;
     const float rstd = rsqrtf(fmaxf(s2 / len - m1 * m1, 0.0f) + eps);
-    for (int q0 = threadIdx.x; q0 < n_vec; q0 += UNROLL * bd) {
-        float4 v[UNROLL];
+    visit(CACHE ? reinterpret_cast<const float*>(cache) : xr,
+          [&](int q, float4& v, const int (&ch)[VEC]) {
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u)
-            if (q0 + u * bd < n_vec)
-                v[u] = load_vec<VEC>(CACHE ? reinterpret_cast<const float*>(cache) : xr, q0 + u * bd);
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int q = q0 + u * bd;
-            if (q >= n_vec) break;
-            int ch[VEC];
-            channels(q, ch);
-#pragma unroll
-            for (int k = 0; k < VEC; ++k) {
-                float& t = lane(v[u], k);
-                if (!CACHE) t = pre(t, ch[k]);
-                const float a = (gamma ? __ldg(gamma + ch[k]) : 1.0f) * rstd;
-                t = fmaf(a, t - mean, beta ? __ldg(beta + ch[k]) : 0.0f);
-            }
-            store_vec<VEC>(yr, q, v[u]);
+        for (int k = 0; k < VEC; ++k) {
+            float& t = lane(v, k);
+            if (!CACHE) t = pre(t, ch[k]);
+            const float a = (gamma ? __ldg(gamma + ch[k]) : 1.0f) * rstd;
+            t = fmaf(a, t - mean, beta ? __ldg(beta + ch[k]) : 0.0f);
         }
-    }
+        store_vec<VEC>(yr, q, v);
+    });
 }

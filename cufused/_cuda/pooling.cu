@@ -179,10 +179,8 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
         s1 += d;
         s2 = fmaf(d, d, s2);
     };
-    auto row_col = [&](int p, int& py, int& px) {  // p / Wo without an integer division
-        py = __float2int_rz((float)p * inv_wo);
-        while (py * Wo > p) --py;
-        while ((py + 1) * Wo <= p) ++py;
+    auto row_col = [&](int p, int& py, int& px) {
+        py = quotient(p, Wo, inv_wo);
         px = p - py * Wo;
     };
     for (int base = p_begin; base < p_end; base += SPAN) {  // same trip count for the block
@@ -273,6 +271,62 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
     }
 }
 
+// Per-thread state of the 16-byte channels-last passes: 4 consecutive channels c0 .. c0 + 3 of
+// sample n with their bias, extremum sign (sign_a * sign_b < 0 takes the min as -max(-v)) and
+// the sums of d = y + bias - shift; `writer` threads store the shift of each statistics row
+// that starts in their quad (see pool_extremum_stats).
+struct ChannelQuad {
+    float b[4], bs[4], sgn[4], s1[4], s2[4];
+
+    __device__ __forceinline__ ChannelQuad(const float* __restrict__ y,
+                                           const float* __restrict__ bias,
+                                           const float* __restrict__ sign_a,
+                                           const float* __restrict__ sign_b,
+                                           float* __restrict__ shift_out, int c0, index_t n,
+                                           index_t sn, int C, int shift_group,
+                                           int shift_per_sample, bool writer) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int c = c0 + q;
+            b[q] = bias ? bias[c] : 0.0f;
+            const int c_first = (c / shift_group) * shift_group;
+            const float shift = y[(shift_per_sample ? n : 0) * sn + c_first]
+                                + (bias ? bias[c_first] : 0.0f);
+            if (writer && c == c_first && (shift_per_sample || n == 0))
+                shift_out[shift_per_sample ? n * (C / shift_group) + c / shift_group
+                                           : c / shift_group] = shift;
+            sgn[q] = (sign_a ? sign_a[c] : 1.0f) * (sign_b ? sign_b[c] : 1.0f) < 0.0f ? -1.0f
+                                                                                       : 1.0f;
+            bs[q] = b[q] - shift;
+            s1[q] = 0.0f;
+            s2[q] = 0.0f;
+        }
+    }
+
+    // One value of each channel into the sums.
+    __device__ __forceinline__ void take(float4 v) {
+        const float t[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const float d = t[q] + bs[q];
+            s1[q] += d;
+            s2[q] = fmaf(d, d, s2[q]);
+        }
+    }
+
+    // A window value: into the sums and the signed extrema e.
+    __device__ __forceinline__ void take_window(float4 v, float (&e)[4]) {
+        take(v);
+        e[0] = fmaxf(e[0], sgn[0] * v.x);
+        e[1] = fmaxf(e[1], sgn[1] * v.y);
+        e[2] = fmaxf(e[2], sgn[2] * v.z);
+        e[3] = fmaxf(e[3], sgn[3] * v.w);
+    }
+
+    // Channel q's window max (or min) of y + bias from its signed extremum.
+    __device__ __forceinline__ float pooled(float e, int q) const { return fmaf(sgn[q], e, b[q]); }
+};
+
 // pool_extremum_stats for a channels-last y with 16-byte loads: a thread owns 4 consecutive
 // channels (C % 4 == 0; y, its position strides and sn 16-byte aligned), so one load
 // instruction moves 4 values where the scalar kernel needs 4 (its channels-last pass was
@@ -310,37 +364,13 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
     const int p_end = min(P, p_begin + chunk);
     const float inv_wo = 1.0f / Wo;
 
-    float b[4], bs[4], sgn[4], s1[4], s2[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        const int c = cc0 + q;
-        b[q] = bias ? bias[c] : 0.0f;
-        const int c_first = (c / shift_group) * shift_group;
-        const float shift = y[(shift_per_sample ? n : 0) * sn + c_first]
-                            + (bias ? bias[c_first] : 0.0f);
-        if (active && split == 0 && c == c_first && lane == 0 && (shift_per_sample || n == 0))
-            shift_out[shift_per_sample ? n * (C / shift_group) + c / shift_group
-                                       : c / shift_group] = shift;
-        sgn[q] = (sign_a ? sign_a[c] : 1.0f) * (sign_b ? sign_b[c] : 1.0f) < 0.0f ? -1.0f : 1.0f;
-        bs[q] = b[q] - shift;
-        s1[q] = 0.0f;
-        s2[q] = 0.0f;
-    }
+    ChannelQuad quad_stats(y, bias, sign_a, sign_b, shift_out, cc0, n, sn, C, shift_group,
+                           shift_per_sample, active && split == 0 && lane == 0);
     const float* plane = y + n * sn + cc0;
     auto load4 = [&](int offset) { return __ldg(reinterpret_cast<const float4*>(plane + offset)); };
-    auto take = [&](float4 v) {
-        const float t[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const float d = t[q] + bs[q];
-            s1[q] += d;
-            s2[q] = fmaf(d, d, s2[q]);
-        }
-    };
-    auto row_col = [&](int p, int& py, int& px) {  // p / Wo without an integer division
-        py = __float2int_rz((float)p * inv_wo);
-        while (py * Wo > p) --py;
-        while ((py + 1) * Wo <= p) ++py;
+    auto take = [&](float4 v) { quad_stats.take(v); };
+    auto row_col = [&](int p, int& py, int& px) {
+        py = quotient(p, Wo, inv_wo);
         px = p - py * Wo;
     };
     for (int base = p_begin; base < p_end; base += SPAN) {  // same trip count for the block
@@ -361,11 +391,7 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
             if (active && p < p_end) {
 #pragma unroll
                 for (int j = 0; j < KK; ++j) {
-                    take(v[u][j]);
-                    e[0] = fmaxf(e[0], sgn[0] * v[u][j].x);
-                    e[1] = fmaxf(e[1], sgn[1] * v[u][j].y);
-                    e[2] = fmaxf(e[2], sgn[2] * v[u][j].z);
-                    e[3] = fmaxf(e[3], sgn[3] * v[u][j].w);
+                    quad_stats.take_window(v[u][j], e);
                 }
                 int py, px;
                 row_col(p, py, px);
@@ -381,7 +407,7 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
             }
             // Stage the extrema; written position-contiguous below (coalesced).
 #pragma unroll
-            for (int q = 0; q < 4; ++q) stage[lane + u * STEP][quad * 4 + q] = fmaf(sgn[q], e[q], b[q]);
+            for (int q = 0; q < 4; ++q) stage[lane + u * STEP][quad * 4 + q] = quad_stats.pooled(e[q], q);
         }
         __syncthreads();
         for (int i = threadIdx.y * 32 + threadIdx.x; i < 32 * SPAN; i += 256) {
@@ -395,13 +421,13 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
     // then the 8 warps through shared memory.
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-        s1[q] += __shfl_xor_sync(0xffffffffu, s1[q], 8);
-        s1[q] += __shfl_xor_sync(0xffffffffu, s1[q], 16);
-        s2[q] += __shfl_xor_sync(0xffffffffu, s2[q], 8);
-        s2[q] += __shfl_xor_sync(0xffffffffu, s2[q], 16);
+        quad_stats.s1[q] += __shfl_xor_sync(0xffffffffu, quad_stats.s1[q], 8);
+        quad_stats.s1[q] += __shfl_xor_sync(0xffffffffu, quad_stats.s1[q], 16);
+        quad_stats.s2[q] += __shfl_xor_sync(0xffffffffu, quad_stats.s2[q], 8);
+        quad_stats.s2[q] += __shfl_xor_sync(0xffffffffu, quad_stats.s2[q], 16);
         if (threadIdx.x < 8) {
-            red[0][threadIdx.y][quad * 4 + q] = s1[q];
-            red[1][threadIdx.y][quad * 4 + q] = s2[q];
+            red[0][threadIdx.y][quad * 4 + q] = quad_stats.s1[q];
+            red[1][threadIdx.y][quad * 4 + q] = quad_stats.s2[q];
         }
     }
     __syncthreads();
@@ -445,42 +471,17 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_rows(
     const int p_end = min(P, p_begin + chunk);
     const float inv_wo = 1.0f / Wo;
 
-    float b[4], bs[4], sgn[4], s1[4], s2[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        const int c = c0 + q;
-        b[q] = bias ? bias[c] : 0.0f;
-        const int c_first = (c / shift_group) * shift_group;
-        const float shift = y[(shift_per_sample ? n : 0) * sn + c_first]
-                            + (bias ? bias[c_first] : 0.0f);
-        if (split == 0 && warp == 0 && lane < quads && c == c_first &&
-            (shift_per_sample || n == 0))
-            shift_out[shift_per_sample ? n * (C / shift_group) + c / shift_group
-                                       : c / shift_group] = shift;
-        sgn[q] = (sign_a ? sign_a[c] : 1.0f) * (sign_b ? sign_b[c] : 1.0f) < 0.0f ? -1.0f : 1.0f;
-        bs[q] = b[q] - shift;
-        s1[q] = 0.0f;
-        s2[q] = 0.0f;
-    }
+    ChannelQuad quad_stats(y, bias, sign_a, sign_b, shift_out, c0, n, sn, C, shift_group,
+                           shift_per_sample, split == 0 && warp == 0 && lane < quads);
     const float* plane = y + n * sn + 4 * lane;
     auto load4 = [&](int offset) { return __ldg(reinterpret_cast<const float4*>(plane + offset)); };
-    auto take = [&](float4 v) {
-        const float t[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const float d = t[q] + bs[q];
-            s1[q] += d;
-            s2[q] = fmaf(d, d, s2[q]);
-        }
-    };
+    auto take = [&](float4 v) { quad_stats.take(v); };
     // Values of row h, columns [wa, wb): chunks j = lane, lane + 32, ... of (wb - wa) * C floats.
     auto take_span = [&](int h, int wa, int wb) {
         for (int j = lane; j < (wb - wa) * quads; j += 32) take(load4(h * sh + wa * sw + 4 * (j - lane)));
     };
-    auto row_col = [&](int p, int& py, int& px) {  // p / Wo without an integer division
-        py = __float2int_rz((float)p * inv_wo);
-        while (py * Wo > p) --py;
-        while ((py + 1) * Wo <= p) ++py;
+    auto row_col = [&](int p, int& py, int& px) {
+        py = quotient(p, Wo, inv_wo);
         px = p - py * Wo;
     };
     for (int base = p_begin; base < p_end; base += SPAN) {  // same trip count for the block
@@ -503,13 +504,7 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_rows(
 #pragma unroll
                 for (int a = 0; a < K; ++a)
 #pragma unroll
-                    for (int t = 0; t < T; ++t) {
-                        take(v[u][a][t]);
-                        e[0] = fmaxf(e[0], sgn[0] * v[u][a][t].x);
-                        e[1] = fmaxf(e[1], sgn[1] * v[u][a][t].y);
-                        e[2] = fmaxf(e[2], sgn[2] * v[u][a][t].z);
-                        e[3] = fmaxf(e[3], sgn[3] * v[u][a][t].w);
-                    }
+                    for (int t = 0; t < T; ++t) quad_stats.take_window(v[u][a][t], e);
                 int py, px;
                 row_col(p, py, px);
                 const int h0 = py * K, w0 = px * K;
@@ -526,7 +521,7 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_rows(
                 for (int q = 0; q < 4; ++q) e[q] = fmaxf(e[q], __shfl_xor_sync(0xffffffffu, e[q], off));
             if (lane < quads) {
 #pragma unroll
-                for (int q = 0; q < 4; ++q) stage[warp * U + u][c0 + q] = fmaf(sgn[q], e[q], b[q]);
+                for (int q = 0; q < 4; ++q) stage[warp * U + u][c0 + q] = quad_stats.pooled(e[q], q);
             }
         }
         __syncthreads();
@@ -540,14 +535,14 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_rows(
     for (int off = quads; off < 32; off <<= 1)
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-            s1[q] += __shfl_xor_sync(0xffffffffu, s1[q], off);
-            s2[q] += __shfl_xor_sync(0xffffffffu, s2[q], off);
+            quad_stats.s1[q] += __shfl_xor_sync(0xffffffffu, quad_stats.s1[q], off);
+            quad_stats.s2[q] += __shfl_xor_sync(0xffffffffu, quad_stats.s2[q], off);
         }
     if (lane < quads) {
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-            red[0][warp][c0 + q] = s1[q];
-            red[1][warp][c0 + q] = s2[q];
+            red[0][warp][c0 + q] = quad_stats.s1[q];
+            red[1][warp][c0 + q] = quad_stats.s2[q];
         }
     }
     __syncthreads();
