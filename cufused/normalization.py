@@ -36,6 +36,11 @@ def check_num_groups(num_groups: Any, channels: int) -> int:
     return int(num_groups)
 
 
+def finalize_threads(partials_per_row: int) -> int:
+    """Threads of a ``stats_finalize`` block: fewer for short rows (pipeline A sums 16)."""
+    return min(256, 32 * max(1, -(-partials_per_row // 32)))
+
+
 def split_count(keys: int, elements_per_key: int) -> int:
     """How many blocks share one statistics key: enough blocks overall, at least 1024 values each."""
     want = -(-_TARGET_BLOCKS // max(keys, 1))
@@ -98,7 +103,7 @@ def _group_norm_gpu(cupy, x, num_groups, weight, bias, eps, out):
          numpy.int64(length), numpy.int32(splits)))
     coef = cupy.empty((2, n * c), dtype=cupy.float32)
     get_kernel(_NORM, "stats_finalize<0>")(
-        (rows,), (256,),
+        (rows,), (finalize_threads(splits),),
         (partial, shift, numpy.int64(1), numpy.int64(0), numpy.int32(splits),
          numpy.float64(length), optional(weight), optional(bias), numpy.uint64(0), coef[0],
          coef[1], numpy.int32(c), numpy.int32(num_groups), numpy.float32(eps), numpy.int32(1),
@@ -291,7 +296,7 @@ def bn_coefficients(cupy, x, weight, bias, running_mean, running_var, training, 
     else:
         partial, shift, n_outer, outer_stride, splits = numpy.uint64(0), numpy.uint64(0), 0, 0, 1
     get_kernel(_NORM, "stats_finalize<1>")(
-        (c,), (256,),
+        (c,), (finalize_threads(n_outer * splits),),
         (partial, shift, numpy.int64(n_outer), numpy.int64(outer_stride), numpy.int32(splits),
          numpy.float64(n * hw), optional(weight), optional(bias), numpy.uint64(0), coef[0],
          coef[1], numpy.int32(c), numpy.int32(c), numpy.float32(eps), numpy.int32(training),

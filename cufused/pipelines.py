@@ -35,8 +35,8 @@ from ._precision import resolve_precision
 from .convolution import (check_conv_args, conv2d, conv_on_gpu, conv_transpose2d,
                           conv_transpose3d, gpu_conv_layout)
 from .normalization import (_affine_apply, batch_norm, bn_coefficients, check_num_groups,
-                            check_running_buffer, group_norm, launch_group_norm_rows,
-                            split_count)
+                            check_running_buffer, finalize_threads, group_norm,
+                            launch_group_norm_rows, split_count)
 from .pooling import avg_pool3d, check_pool_args, max_pool2d, pool_into
 from .softmax import softmax, softmax_rows
 
@@ -234,7 +234,7 @@ def conv2d_groupnorm_scale_maxpool_clamp(
         per_sample=True)
     coef = xp.empty((2, n * c), dtype=xp.float32)
     get_kernel("normalization.cu", "stats_finalize<0>")(
-        (n * num_groups,), (256,),
+        (n * num_groups,), (finalize_threads(cg * splits),),
         (partial, shift, numpy.int64(1), numpy.int64(0), numpy.int32(cg * splits),
          numpy.float64(cg * h * w), optional(gn_weight), optional(gn_bias), scale, coef[0],
          coef[1], numpy.int32(c), numpy.int32(num_groups), numpy.float32(eps), numpy.int32(1),
