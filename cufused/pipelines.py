@@ -57,15 +57,20 @@ def _check_method(method: str) -> None:
 # Instantiated (K, T) of pool_extremum_stats_nhwc_rows: T = K * C / 128 float4 per lane and
 # window row (C = 32 ... 128); larger T would spill.
 _ROWS_KERNELS = ((2, 1), (2, 2), (4, 1), (4, 2))
+# Floats in one chunk of pool_extremum_stats_nchw_bands (32 lanes x 10 float4): the most
+# that one K-row band may hold.
+_BAND_CHUNK = 32 * 10 * 4
 
 
 def _pool_extremum_stats(cupy, y, ext, pool: int, *, bias, sign_a, sign_b, shift_group: int,
                          per_sample: bool, variant: str | None = None):
     """Launch the fused window-extremum + statistics pass; return (partial, shift, splits).
 
-    Kernel variants: "scalar" (any layout), and for channels-last inputs "vec4" (16-byte
-    loads, 4 channels per thread) and "rows" (a warp reads whole window rows); ``variant``
-    forces one (timing comparisons), None picks the fastest measured one that applies.
+    Kernel variants: "scalar" (any layout); for channels-last inputs "vec4" (16-byte loads,
+    4 channels per thread) and "rows" (a warp reads whole window rows); for NCHW inputs with
+    contiguous planes "bands" (a warp reads K-row bands of one plane with 16-byte loads);
+    ``variant`` forces one (timing comparisons), None picks the fastest measured one that
+    applies.
     """
     n, c, h, w = y.shape
     ho, wo = h // pool, w // pool
@@ -77,16 +82,23 @@ def _pool_extremum_stats(cupy, y, ext, pool: int, *, bias, sign_a, sign_b, shift
     aligned4 = bool(channels_last and fixed and c % 4 == 0 and sh % 4 == 0 and sw % 4 == 0
                     and sn % 4 == 0 and y.data.ptr % 16 == 0)
     rows_t = fixed * c // 128 if aligned4 and sw == c and 32 % (c // 4) == 0 else 0
-    usable = {"scalar": True, "vec4": aligned4, "rows": (fixed, rows_t) in _ROWS_KERNELS}
+    bands = bool(not channels_last and fixed and sw == 1 and sh == w and sc == h * w
+                 and fixed * w % 4 == 0 and h * w % 4 == 0 and sn % 4 == 0
+                 and y.data.ptr % 16 == 0
+                 and fixed * w <= _BAND_CHUNK)
+    usable = {"scalar": True, "vec4": aligned4, "rows": (fixed, rows_t) in _ROWS_KERNELS,
+              "bands": bands}
     if variant is None:  # measured (H200): k = 4 rows 0.178 ms, vec4 0.235, scalar 0.218;
         # k = 2 vec4 0.127, rows 0.153, scalar 0.147 (canonical A and B outputs)
         variant = ("rows" if usable["rows"] and fixed == 4 else
-                   "vec4" if usable["vec4"] and fixed == 2 else "scalar")
+                   "vec4" if usable["vec4"] and fixed == 2 else
+                   "bands" if usable["bands"] else "scalar")
     elif not usable[variant]:
         raise ValueError(f"kernel variant {variant!r} does not apply to this input")
     lanes = 8 if channels_last and variant == "scalar" else 16 if variant == "rows" else 32
     c_tiles = 1 if variant == "rows" else -(-c // (32 if channels_last else 8))
-    splits = max(1, min(split_count(n * c_tiles, 1 << 30), -(-ho * wo // lanes)))
+    units = ho if variant == "bands" else -(-ho * wo // lanes)  # what splits divide
+    splits = max(1, min(split_count(n * c_tiles, 1 << 30), units))
     partial = cupy.empty((n, c, splits, 2), dtype=cupy.float32)
     shift = cupy.empty(n * c // shift_group if per_sample else c // shift_group,
                        dtype=cupy.float32)
@@ -97,6 +109,8 @@ def _pool_extremum_stats(cupy, y, ext, pool: int, *, bias, sign_a, sign_b, shift
     i32 = numpy.int32
     if variant == "rows":
         kernel = get_kernel("pooling.cu", f"pool_extremum_stats_nhwc_rows<{fixed}, {rows_t}>")
+    elif variant == "bands":
+        kernel = get_kernel("pooling.cu", f"pool_extremum_stats_nchw_bands<{fixed}>")
     elif variant == "vec4":
         kernel = get_kernel("pooling.cu", f"pool_extremum_stats_nhwc4<{fixed}>")
     else:

@@ -350,6 +350,33 @@ def test_pipeline_b_odd_group_rows(rng, layout):
     assert_close(out.get(), ref, 1e-4)
 
 
+@pytest.mark.parametrize("pool", [2, 4])
+def test_fused_pass_nchw_bands_matches_scalar(rng, pool):
+    # The band kernel against the scalar one and float64 sums: 12 channels (a partial tile of
+    # 8), mixed extremum signs, a bias, rows and columns the pool drops (k = 4), statistics
+    # rows of 3 channels per sample.
+    from cufused import pipelines
+
+    n, c, h, w = 3, 12, 22, 18
+    y_host = 5.0 + rng.standard_normal((n, c, h, w))
+    y = cp.asarray(y_host, dtype=cp.float32)
+    bias, sign = to_gpu(rng.standard_normal(c), mixed(rng, c))
+    results = {}
+    for variant in ("scalar", "bands"):
+        ext = poisoned((n, c, h // pool, w // pool))
+        partial, shift, _ = pipelines._pool_extremum_stats(
+            cp, y, ext, pool, bias=bias, sign_a=sign, sign_b=None, shift_group=3,
+            per_sample=True, variant=variant)
+        results[variant] = ext.get(), partial.get().sum(axis=2), shift.get()
+    (ext_s, sums_s, shift_s), (ext_b, sums_b, shift_b) = results["scalar"], results["bands"]
+    assert np.array_equal(ext_b, ext_s) and not np.isnan(ext_b).any()
+    assert np.array_equal(shift_b, shift_s)
+    d = y.get().astype(np.float64) + bias.get()[:, None, None] - np.repeat(shift_b.reshape(n, -1), 3, axis=1)[:, :, None, None]
+    assert_close(sums_b[..., 0], d.sum(axis=(2, 3)), 1e-5)
+    assert_close(sums_b[..., 1], (d * d).sum(axis=(2, 3)), 1e-5)
+    assert_close(sums_b, sums_s, 1e-5)
+
+
 @pytest.mark.parametrize("pipeline,cout", [("A", 32), ("A", 64), ("B", 64), ("B", 128)])
 def test_pipeline_channels_last_window_rows(rng, pipeline, cout):
     # C_out in {32, 64, 128}, channels-last: the fused pass reads whole window rows per warp

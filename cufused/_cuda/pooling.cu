@@ -115,6 +115,75 @@ __global__ void pool2_to_channels_last(const float* __restrict__ x, float* __res
     }
 }
 
+// Per-thread statistics state of the fused passes for Q consecutive channels c0 .. c0 + Q - 1
+// of sample n (Q = 4: the 16-byte channels-last kernels): each channel's bias, extremum sign
+// (sign_a * sign_b < 0 takes the min as -max(-v); fmaxf drops NaN, which cannot matter: a NaN
+// or inf in a statistics row makes that row's mean NaN, and with it every output the
+// extremum feeds) and sums of d = y + bias - shift. `writer` threads store the shift of each
+// statistics row that starts at one of their channels (see pool_extremum_stats).
+template <int Q>
+struct ChannelStats {
+    float b[Q], bs[Q], sgn[Q], s1[Q], s2[Q];
+
+    __device__ __forceinline__ ChannelStats(const float* __restrict__ y,
+                                            const float* __restrict__ bias,
+                                            const float* __restrict__ sign_a,
+                                            const float* __restrict__ sign_b,
+                                            float* __restrict__ shift_out, int c0, index_t n,
+                                            index_t sn, index_t sc, int C, int shift_group,
+                                            int shift_per_sample, bool writer) {
+#pragma unroll
+        for (int q = 0; q < Q; ++q) {
+            const int c = c0 + q;
+            b[q] = bias ? bias[c] : 0.0f;
+            const int c_first = (c / shift_group) * shift_group;
+            const float shift = y[(shift_per_sample ? n : 0) * sn + c_first * sc]
+                                + (bias ? bias[c_first] : 0.0f);
+            if (writer && c == c_first && (shift_per_sample || n == 0))
+                shift_out[shift_per_sample ? n * (C / shift_group) + c / shift_group
+                                           : c / shift_group] = shift;
+            sgn[q] = (sign_a ? sign_a[c] : 1.0f) * (sign_b ? sign_b[c] : 1.0f) < 0.0f ? -1.0f
+                                                                                       : 1.0f;
+            bs[q] = b[q] - shift;
+            s1[q] = 0.0f;
+            s2[q] = 0.0f;
+        }
+    }
+
+    // A value of channel q into its sums.
+    __device__ __forceinline__ void take(float v, int q = 0) {
+        const float d = v + bs[q];
+        s1[q] += d;
+        s2[q] = fmaf(d, d, s2[q]);
+    }
+
+    // One value of each of 4 channels (Q = 4) into the sums.
+    __device__ __forceinline__ void take(float4 v) {
+        take(v.x, 0);
+        take(v.y, 1);
+        take(v.z, 2);
+        take(v.w, 3);
+    }
+
+    // A window value: into the sums and the signed extremum e.
+    __device__ __forceinline__ void take_window(float v, float& e, int q = 0) {
+        take(v, q);
+        e = fmaxf(e, sgn[q] * v);
+    }
+
+    __device__ __forceinline__ void take_window(float4 v, float (&e)[4]) {
+        take_window(v.x, e[0], 0);
+        take_window(v.y, e[1], 1);
+        take_window(v.z, e[2], 2);
+        take_window(v.w, e[3], 3);
+    }
+
+    // Channel q's window max (or min) of y + bias from its signed extremum.
+    __device__ __forceinline__ float pooled(float e, int q = 0) const {
+        return fmaf(sgn[q], e, b[q]);
+    }
+};
+
 // One read of a convolution output y (logical N, C, H, W; any strides) yields, for
 // non-overlapping k x k pooling windows (stride == k, no padding):
 //  * ext[n, c, ph, pw] (contiguous NCHW): the window max of y + bias[c], or the window min where
@@ -159,26 +228,10 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
     const int p_end = min(P, p_begin + chunk);
     const float inv_wo = 1.0f / Wo;
 
-    const float b = bias ? bias[cc] : 0.0f;
-    const int c_first = (cc / shift_group) * shift_group;
-    const float shift = y[(shift_per_sample ? n : 0) * sn + c_first * sc]
-                        + (bias ? bias[c_first] : 0.0f);
-    if (active && split == 0 && c == c_first && lane == 0 && (shift_per_sample || n == 0))
-        shift_out[shift_per_sample ? n * (C / shift_group) + c / shift_group : c / shift_group] =
-            shift;
-    // min(v) = -max(-v): one fmaxf per value. fmaxf drops NaN, which cannot matter here: a NaN
-    // (or inf) anywhere in a statistics row makes that row's mean NaN, and with it every output
-    // the extremum feeds.
-    const float sgn =
-        (sign_a ? sign_a[cc] : 1.0f) * (sign_b ? sign_b[cc] : 1.0f) < 0.0f ? -1.0f : 1.0f;
-    const float bs = b - shift;
+    ChannelStats<1> stats(y, bias, sign_a, sign_b, shift_out, cc, n, sn, sc, C, shift_group,
+                          shift_per_sample, active && split == 0 && lane == 0);
     const float* plane = y + n * sn + cc * sc;  // in-plane offsets are 32-bit
-    float s1 = 0.0f, s2 = 0.0f;
-    auto take = [&](float v) {
-        const float d = v + bs;
-        s1 += d;
-        s2 = fmaf(d, d, s2);
-    };
+    auto take = [&](float v) { stats.take(v); };
     auto row_col = [&](int p, int& py, int& px) {
         py = quotient(p, Wo, inv_wo);
         px = p - py * Wo;
@@ -217,16 +270,11 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
                 const int h0 = py * k, w0 = px * k;
                 if (K > 0) {
 #pragma unroll
-                    for (int j = 0; j < KK; ++j) {
-                        take(v[u][j]);
-                        e = fmaxf(e, sgn * v[u][j]);
-                    }
+                    for (int j = 0; j < KK; ++j) stats.take_window(v[u][j], e);
                 } else {
                     for (int h = h0; h < h0 + k; ++h)
                         for (int w = w0; w < w0 + k; ++w) {
-                            const float x = plane[h * sh + w * sw];
-                            take(x);
-                            e = fmaxf(e, sgn * x);
+                            stats.take_window(plane[h * sh + w * sw], e);
                         }
                 }
                 // The last window row / column also owns the rows / columns the pool drops.
@@ -237,9 +285,9 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
                 if (px == Wo - 1)
                     for (int h = h0; h < h0 + k; ++h)
                         for (int w = w0 + k; w < W; ++w) take(plane[h * sh + w * sw]);
-                if (!CHANNELS_LAST) ext[(n * C + c) * (index_t)P + p] = fmaf(sgn, e, b);
+                if (!CHANNELS_LAST) ext[(n * C + c) * (index_t)P + p] = stats.pooled(e);
             }
-            e_out[u] = fmaf(sgn, e, b);
+            e_out[u] = stats.pooled(e);
         }
         if (CHANNELS_LAST) {
             // Lanes hold 32 channels of one position: stage the block's SPAN x 32 extrema in
@@ -256,6 +304,7 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
             __syncthreads();
         }
     }
+    float s1 = stats.s1[0], s2 = stats.s2[0];
     if (CHANNELS_LAST) {  // reduce over the 8 position lanes of each channel column
         red[0][threadIdx.y][threadIdx.x] = s1;
         red[1][threadIdx.y][threadIdx.x] = s2;
@@ -271,61 +320,76 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
     }
 }
 
-// Per-thread state of the 16-byte channels-last passes: 4 consecutive channels c0 .. c0 + 3 of
-// sample n with their bias, extremum sign (sign_a * sign_b < 0 takes the min as -max(-v)) and
-// the sums of d = y + bias - shift; `writer` threads store the shift of each statistics row
-// that starts in their quad (see pool_extremum_stats).
-struct ChannelQuad {
-    float b[4], bs[4], sgn[4], s1[4], s2[4];
-
-    __device__ __forceinline__ ChannelQuad(const float* __restrict__ y,
-                                           const float* __restrict__ bias,
-                                           const float* __restrict__ sign_a,
-                                           const float* __restrict__ sign_b,
-                                           float* __restrict__ shift_out, int c0, index_t n,
-                                           index_t sn, int C, int shift_group,
-                                           int shift_per_sample, bool writer) {
+// pool_extremum_stats for an NCHW y whose planes are contiguous (sh = W, sw = 1, sc = H * W),
+// with K * W and H * W multiples of 4 and y 16-byte aligned. A warp owns one (n, c) plane
+// (block (32, 8): 8 channels, grid N * ceil(C / 8) * splits, splits over window-row bands)
+// and reads it in chunks of whole K-row bands: up to 32 * V float4 contiguous loads, all in
+// flight (B's 34 x 34 plane is one chunk), every value into the statistics straight from the
+// registers, the chunk staged in shared memory for the window extrema. The scalar kernel's
+// position lanes issue one window (4 values for K = 2) per load round. The rows below the
+// last band (H % K) only enter the statistics, in the last split. Same arguments and outputs
+// as pool_extremum_stats (k_runtime, sc, sh, sw unused).
+template <int K>
+__global__ void __launch_bounds__(256) pool_extremum_stats_nchw_bands(
+        const float* __restrict__ y, const float* __restrict__ bias,
+        const float* __restrict__ sign_a, const float* __restrict__ sign_b,
+        float* __restrict__ ext, float2* __restrict__ partial, float* __restrict__ shift_out,
+        int C, int H, int W, int k_runtime, int Ho, int Wo, int splits, int c_tiles, index_t sn,
+        index_t sc, int sh, int sw, int shift_group, int shift_per_sample) {
+    constexpr int V = 10;  // float4 per lane and chunk: 40 registers, 5 KB of shared memory
+    __shared__ float4 chunk_buf[8][32 * V];
+    const int split = blockIdx.x % splits;
+    const int tile = (blockIdx.x / splits) % c_tiles;
+    const index_t n = blockIdx.x / ((index_t)splits * c_tiles);
+    const int lane = threadIdx.x, warp = threadIdx.y;
+    const int c = tile * 8 + warp;
+    if (c >= C) return;  // no block-wide barriers below
+    const int plane_size = H * W;
+    ChannelStats<1> stats(y, bias, sign_a, sign_b, shift_out, c, n, sn, plane_size, C,
+                          shift_group, shift_per_sample, split == 0 && lane == 0);
+    const float* plane = y + n * sn + (index_t)c * plane_size;
+    float* ext_plane = ext + (n * C + c) * (index_t)(Ho * Wo);
+    const float* buf = reinterpret_cast<const float*>(chunk_buf[warp]);
+    const int band = K * W;
+    const int bands_per_chunk = 32 * V * 4 / band;
+    const int per_split = (Ho + splits - 1) / splits;
+    const int b_begin = split * per_split, b_end = min(Ho, b_begin + per_split);
+    const float inv_wo = 1.0f / Wo;
+    for (int b0 = b_begin; b0 < b_end; b0 += bands_per_chunk) {
+        const int nb = min(bands_per_chunk, b_end - b0);
+        const int n_vec = nb * band / 4;
+        const float4* src = reinterpret_cast<const float4*>(plane + b0 * band);
+        float4 v[V];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const int c = c0 + q;
-            b[q] = bias ? bias[c] : 0.0f;
-            const int c_first = (c / shift_group) * shift_group;
-            const float shift = y[(shift_per_sample ? n : 0) * sn + c_first]
-                                + (bias ? bias[c_first] : 0.0f);
-            if (writer && c == c_first && (shift_per_sample || n == 0))
-                shift_out[shift_per_sample ? n * (C / shift_group) + c / shift_group
-                                           : c / shift_group] = shift;
-            sgn[q] = (sign_a ? sign_a[c] : 1.0f) * (sign_b ? sign_b[c] : 1.0f) < 0.0f ? -1.0f
-                                                                                       : 1.0f;
-            bs[q] = b[q] - shift;
-            s1[q] = 0.0f;
-            s2[q] = 0.0f;
-        }
-    }
-
-    // One value of each channel into the sums.
-    __device__ __forceinline__ void take(float4 v) {
-        const float t[4] = {v.x, v.y, v.z, v.w};
+        for (int i = 0; i < V; ++i)
+            if (lane + 32 * i < n_vec) v[i] = __ldg(src + lane + 32 * i);
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            const float d = t[q] + bs[q];
-            s1[q] += d;
-            s2[q] = fmaf(d, d, s2[q]);
+        for (int i = 0; i < V; ++i) {
+            if (lane + 32 * i < n_vec) {
+                stats.take(v[i].x);
+                stats.take(v[i].y);
+                stats.take(v[i].z);
+                stats.take(v[i].w);
+                chunk_buf[warp][lane + 32 * i] = v[i];
+            }
         }
+        __syncwarp();
+        for (int j = lane; j < nb * Wo; j += 32) {
+            const int bb = quotient(j, Wo, inv_wo), px = j - bb * Wo;
+            float e = -INFINITY;
+#pragma unroll
+            for (int a = 0; a < K; ++a)
+#pragma unroll
+                for (int i = 0; i < K; ++i) e = fmaxf(e, stats.sgn[0] * buf[(bb * K + a) * W + px * K + i]);
+            ext_plane[(b0 + bb) * Wo + px] = stats.pooled(e);
+        }
+        __syncwarp();  // the next chunk overwrites the buffer
     }
-
-    // A window value: into the sums and the signed extrema e.
-    __device__ __forceinline__ void take_window(float4 v, float (&e)[4]) {
-        take(v);
-        e[0] = fmaxf(e[0], sgn[0] * v.x);
-        e[1] = fmaxf(e[1], sgn[1] * v.y);
-        e[2] = fmaxf(e[2], sgn[2] * v.z);
-        e[3] = fmaxf(e[3], sgn[3] * v.w);
-    }
-
-    // Channel q's window max (or min) of y + bias from its signed extremum.
-    __device__ __forceinline__ float pooled(float e, int q) const { return fmaf(sgn[q], e, b[q]); }
-};
+    if (split == splits - 1)
+        for (int i = Ho * band + lane; i < plane_size; i += 32) stats.take(plane[i]);
+    const float s1 = warp_sum(stats.s1[0]), s2 = warp_sum(stats.s2[0]);
+    if (lane == 0) partial[(n * C + c) * splits + split] = make_float2(s1, s2);
+}
 
 // pool_extremum_stats for a channels-last y with 16-byte loads: a thread owns 4 consecutive
 // channels (C % 4 == 0; y, its position strides and sn 16-byte aligned), so one load
@@ -364,8 +428,8 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
     const int p_end = min(P, p_begin + chunk);
     const float inv_wo = 1.0f / Wo;
 
-    ChannelQuad quad_stats(y, bias, sign_a, sign_b, shift_out, cc0, n, sn, C, shift_group,
-                           shift_per_sample, active && split == 0 && lane == 0);
+    ChannelStats<4> quad_stats(y, bias, sign_a, sign_b, shift_out, cc0, n, sn, 1, C,
+                               shift_group, shift_per_sample, active && split == 0 && lane == 0);
     const float* plane = y + n * sn + cc0;
     auto load4 = [&](int offset) { return __ldg(reinterpret_cast<const float4*>(plane + offset)); };
     auto take = [&](float4 v) { quad_stats.take(v); };
@@ -471,8 +535,8 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_rows(
     const int p_end = min(P, p_begin + chunk);
     const float inv_wo = 1.0f / Wo;
 
-    ChannelQuad quad_stats(y, bias, sign_a, sign_b, shift_out, c0, n, sn, C, shift_group,
-                           shift_per_sample, split == 0 && warp == 0 && lane < quads);
+    ChannelStats<4> quad_stats(y, bias, sign_a, sign_b, shift_out, c0, n, sn, 1, C, shift_group,
+                               shift_per_sample, split == 0 && warp == 0 && lane < quads);
     const float* plane = y + n * sn + 4 * lane;
     auto load4 = [&](int offset) { return __ldg(reinterpret_cast<const float4*>(plane + offset)); };
     auto take = [&](float4 v) { quad_stats.take(v); };
