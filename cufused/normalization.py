@@ -15,7 +15,7 @@ import numpy
 from . import reference
 from ._arrays import (check_float_dtype, check_out, check_scalar, check_sizes,
                       finish_numpy, get_array_module, per_channel)
-from ._cuda import get_kernel, optional
+from ._cuda import get_kernel, launch_1d, optional
 
 __all__ = ["group_norm", "batch_norm"]
 
@@ -50,17 +50,13 @@ def split_count(keys: int, elements_per_key: int) -> int:
 def _affine_apply(cupy, x, y, coef_a, coef_b, inner: int, n_coef: int, act: int,
                   lo: float = 0.0, hi: float = 0.0) -> None:
     """``y = act(a[k] * x + b[k])`` over contiguous planes of ``inner`` values,
-    k = plane % n_coef. A block covers ~4096 values: a chunk of a plane, or whole planes."""
-    vec = 4 if inner % 4 == 0 and x.data.ptr % 16 == 0 and y.data.ptr % 16 == 0 else 1
-    planes = x.size // inner
-    chunks = max(1, -(-inner // 4096))
-    per_block = max(1, 4096 // inner)
-    kernel = get_kernel(_NORM, f"channel_affine<{act}, {vec}>")
-    if planes:
-        kernel((-(-planes // per_block) * chunks,), (256,),
-               (x, y, coef_a, coef_b, numpy.int64(planes), numpy.int64(inner),
-                numpy.int64(n_coef), numpy.int32(chunks), numpy.int32(per_block),
-                numpy.float32(lo), numpy.float32(hi)))
+    k = plane % n_coef: one flat grid-stride pass, 16-byte accesses where aligned."""
+    vec = 4 if (x.size % 4 == 0 and inner >= 4 and x.data.ptr % 16 == 0
+                and y.data.ptr % 16 == 0) else 1
+    n_vec = x.size // vec
+    launch_1d(get_kernel(_NORM, f"channel_affine<{act}, {vec}>"), -(-n_vec // 4),  # 4 per thread
+              (x, y, coef_a, coef_b, numpy.int64(n_vec), numpy.int64(inner),
+               numpy.int64(n_coef), numpy.float32(lo), numpy.float32(hi)))
 
 
 def launch_group_norm_rows(x, y, num_groups: int, weight, bias, eps: float, *,

@@ -162,12 +162,16 @@ def test_group_norm(rng, shape, groups):
     assert_close(out.get(), ref, 1e-4)
 
 
+# (6, 7, 9, 11): scalar apply pass; (4, 7, 9, 11): 16-byte vectors that straddle the odd
+# 99-value planes; (5, 3, 2): planes shorter than a vector.
+@pytest.mark.parametrize("shape", [(6, 7, 9, 11), (4, 7, 9, 11), (5, 3, 2)])
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("activation", [None, "tanh"])
-def test_batch_norm(rng, training, activation):
-    x = 5.0 + 3.0 * rng.standard_normal((6, 7, 9, 11))
-    w, b = mixed(rng, 7), rng.standard_normal(7)
-    rm, rv = rng.standard_normal(7), rng.uniform(0.5, 2.0, 7)
+def test_batch_norm(rng, shape, training, activation):
+    x = 5.0 + 3.0 * rng.standard_normal(shape)
+    c = shape[1]
+    w, b = mixed(rng, c), rng.standard_normal(c)
+    rm, rv = rng.standard_normal(c), rng.uniform(0.5, 2.0, c)
     rm_g, rv_g = to_gpu(rm, rv)
     ref = cufused.batch_norm(x, w, b, running_mean=rm, running_var=rv, training=training,
                              momentum=0.3, activation=activation)

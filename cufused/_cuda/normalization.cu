@@ -115,43 +115,42 @@ __device__ __forceinline__ float activate(float v, float lo, float hi) {
     return v;
 }
 
-// y = act(a[k] * x + b[k]) over planes of `inner` contiguous values, k = plane % n_coef.
-// A block covers `chunks` blocks per plane when planes are long, or `per_block` whole planes
-// when they are short: no per-element division. Each thread has UNROLL vectors of VEC
-// consecutive values in flight (one load at a time left pipeline A's 31 x 31 planes at
-// 1.7 TB/s). VEC = 4 needs inner % 4 == 0 and 16-byte aligned x, y. x may equal y.
+// y = act(a[k] * x + b[k]) over a contiguous tensor of planes of `inner` values,
+// k = plane % n_coef, visited flat as vectors of VEC values (VEC = 4: 16-byte accesses; needs
+// size % 4 == 0, inner >= 4 and 16-byte aligned x, y, so a vector spans at most two planes;
+// the planes themselves need no alignment: pipeline A's are 31 x 31). Each thread has UNROLL
+// vectors in flight (a grid-stride loop). x may equal y.
 template <int ACT, int VEC>
 __global__ void channel_affine(const float* x, float* y, const float* __restrict__ coef_a,
-                               const float* __restrict__ coef_b, index_t planes, index_t inner,
-                               index_t n_coef, int chunks, int per_block, float lo, float hi) {
+                               const float* __restrict__ coef_b, index_t n_vec, index_t inner,
+                               index_t n_coef, float lo, float hi) {
     constexpr int UNROLL = 4;
-    const index_t n_vec = inner / VEC;
-    const index_t first = (index_t)(blockIdx.x / chunks) * per_block;
-    const int chunk = blockIdx.x % chunks;
-    const index_t per_chunk = (n_vec + chunks - 1) / chunks;
-    const index_t begin = chunk * per_chunk;
-    const index_t end = min(n_vec, begin + per_chunk);
-    for (index_t plane = first; plane < min(planes, first + per_block); ++plane) {
-        const index_t k = plane % n_coef;
-        const float a = coef_a[k], b = coef_b[k];
-        const float* xp = x + plane * inner;
-        float* yp = y + plane * inner;
-        for (index_t i0 = begin + threadIdx.x; i0 < end; i0 += UNROLL * blockDim.x) {
-            float4 v[UNROLL];
+    const index_t stride = (index_t)gridDim.x * blockDim.x;
+    // A float-reciprocal quotient while offsets fit in 32 bits, a 64-bit division beyond.
+    const bool small = n_vec * VEC < (1LL << 31);
+    const float inv_inner = 1.0f / (float)inner;
+    for (index_t i0 = blockIdx.x * (index_t)blockDim.x + threadIdx.x; i0 < n_vec;
+         i0 += UNROLL * stride) {
+        float4 v[UNROLL];
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u)
-                if (i0 + u * blockDim.x < end) v[u] = load_vec<VEC>(xp, i0 + u * blockDim.x);
+        for (int u = 0; u < UNROLL; ++u)
+            if (i0 + u * stride < n_vec) v[u] = load_vec<VEC>(x, i0 + u * stride);
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                if (i0 + u * blockDim.x >= end) break;
-                v[u].x = activate<ACT>(fmaf(a, v[u].x, b), lo, hi);
-                if (VEC == 4) {
-                    v[u].y = activate<ACT>(fmaf(a, v[u].y, b), lo, hi);
-                    v[u].z = activate<ACT>(fmaf(a, v[u].z, b), lo, hi);
-                    v[u].w = activate<ACT>(fmaf(a, v[u].w, b), lo, hi);
-                }
-                store_vec<VEC>(yp, i0 + u * blockDim.x, v[u]);
+        for (int u = 0; u < UNROLL; ++u) {
+            const index_t i = i0 + u * stride;
+            if (i >= n_vec) break;
+            const index_t e = i * VEC;
+            const index_t plane = small ? quotient((int)e, (int)inner, inv_inner) : e / inner;
+            const index_t left = (plane + 1) * inner - e;  // values of this plane from e on
+            const int k0 = (int)(plane % n_coef);
+            const int k1 = k0 + 1 == n_coef ? 0 : k0 + 1;
+            float* t = &v[u].x;
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) {
+                const int k = j < left ? k0 : k1;
+                t[j] = activate<ACT>(fmaf(__ldg(coef_a + k), t[j], __ldg(coef_b + k)), lo, hi);
             }
+            store_vec<VEC>(y, i, v[u]);
         }
     }
 }
