@@ -84,12 +84,12 @@ def _pool_extremum_stats(cupy, y, ext, pool: int, *, bias, sign_a, sign_b, shift
     rows_t = fixed * c // 128 if aligned4 and sw == c and 32 % (c // 4) == 0 else 0
     bands = bool(not channels_last and fixed and sw == 1 and sh == w and sc == h * w
                  and fixed * w % 4 == 0 and h * w % 4 == 0 and sn % 4 == 0
-                 and y.data.ptr % 16 == 0
-                 and fixed * w <= _BAND_CHUNK)
+                 and y.data.ptr % 16 == 0 and fixed * w <= _BAND_CHUNK)
     usable = {"scalar": True, "vec4": aligned4, "rows": (fixed, rows_t) in _ROWS_KERNELS,
               "bands": bands}
-    if variant is None:  # measured (H200): k = 4 rows 0.178 ms, vec4 0.235, scalar 0.218;
-        # k = 2 vec4 0.127, rows 0.153, scalar 0.147 (canonical A and B outputs)
+    if variant is None:  # measured (H200, canonical A and B outputs): channels-last k = 4
+        # rows 0.179 ms, vec4 0.236, scalar 0.218; k = 2 vec4 0.127, rows 0.153, scalar 0.148;
+        # NCHW k = 4 bands 0.154, scalar 0.170; k = 2 bands 0.119, scalar 0.163
         variant = ("rows" if usable["rows"] and fixed == 4 else
                    "vec4" if usable["vec4"] and fixed == 2 else
                    "bands" if usable["bands"] else "scalar")

@@ -1,8 +1,9 @@
 """Device time of the fused window-extremum + statistics pass, per kernel variant (device).
 
 For the canonical conv outputs of A (k = 4) and B (k = 2) in both layouts: the scalar kernel
-and the 16-byte ones (channels-last: per channel quad and per window row; NCHW: per band); and pipeline C's channels-last normalize pass, scalar vs
-16-byte. Median ms, L2 flushed, with the read-once floor at the measured copy bandwidth.
+and the 16-byte ones (channels-last: per channel quad and per window row; NCHW: per band);
+and pipeline C's channels-last normalize pass, scalar vs 16-byte. Median ms, L2 flushed, with
+the read-once floor at the measured copy bandwidth.
 """
 
 import cupy
