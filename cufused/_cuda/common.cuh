@@ -59,6 +59,12 @@ __device__ __forceinline__ int quotient(int i, int d, float inv_d) {
     return q;
 }
 
+// Row and column of position p in rows of `width` values (inv_width = 1.0f / width).
+__device__ __forceinline__ void row_col(int p, int width, float inv_width, int& row, int& col) {
+    row = quotient(p, width, inv_width);
+    col = p - row * width;
+}
+
 // VEC (1 or 4) consecutive floats p[VEC * i ...] in the first VEC lanes of a float4 (VEC = 4:
 // one 16-byte access, p 16-byte aligned). No __ldg: callers may write where they read.
 template <int VEC>
@@ -73,6 +79,24 @@ __device__ __forceinline__ void store_vec(float* p, index_t i, float4 v) {
         reinterpret_cast<float4*>(p)[i] = v;
     else
         p[i] = v.x;
+}
+
+// f(i, v) for the vectors i = first, first + stride, ... < n of src (v: VEC values, see
+// load_vec), with UNROLL loads in flight per thread before any is used.
+template <int VEC, int UNROLL, class I, class F>
+__device__ __forceinline__ void for_each_vector(const float* src, I first, I n, I stride, F&& f) {
+    for (I i0 = first; i0 < n; i0 += UNROLL * stride) {
+        float4 v[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u)
+            if (i0 + u * stride < n) v[u] = load_vec<VEC>(src, i0 + u * stride);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const I i = i0 + u * stride;
+            if (i >= n) break;
+            f(i, v[u]);
+        }
+    }
 }
 
 // Combine (max, sum of exp(x - max)) pairs of an online softmax.

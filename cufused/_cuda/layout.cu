@@ -2,10 +2,10 @@
 #include "common.cuh"
 
 // out[n, b, a] = in[n, a, b] (+ bias[b]) for in of shape (N, A, B), out (N, B, A), both
-// contiguous, A * B < 2**31 (offsets within one sample are 32-bit). A block moves a 32 x 128 tile through shared memory: 16 loads per thread in
-// flight, reads and writes coalesced. NCHW -> NHWC is (A, B) = (C, H*W); NHWC -> NCHW with
-// the convolution bias is (H*W, C). Grid (ceil(B / 128), ceil(A / 32), min(N, 65535)),
-// block (32, 8).
+// contiguous, A * B < 2**31 (offsets within one sample are 32-bit). A block moves a 32 x 128
+// tile through shared memory: 16 loads per thread in flight, reads and writes coalesced.
+// NCHW -> NHWC is (A, B) = (C, H*W); NHWC -> NCHW with the convolution bias is (H*W, C).
+// Grid (ceil(B / 128), ceil(A / 32), min(N, 65535)), block (32, 8).
 template <bool BIAS>
 __global__ void transpose_batched(const float* __restrict__ in, float* __restrict__ out,
                                   const float* __restrict__ bias, index_t N, index_t A,

@@ -84,7 +84,8 @@ __global__ void stats_finalize(const float2* __restrict__ partial, const float* 
                 const double m = momentum;
                 const double offset = mean_offset ? (double)mean_offset[row] : 0.0;
                 if (running_mean)
-                    running_mean[row] = (float)((1.0 - m) * running_mean[row] + m * (mean + offset));
+                    running_mean[row] =
+                        (float)((1.0 - m) * running_mean[row] + m * (mean + offset));
                 if (running_var)
                     running_var[row] = (float)((1.0 - m) * running_var[row]
                                                + m * var * count / (count - 1.0));
@@ -124,35 +125,25 @@ template <int ACT, int VEC>
 __global__ void channel_affine(const float* x, float* y, const float* __restrict__ coef_a,
                                const float* __restrict__ coef_b, index_t n_vec, index_t inner,
                                index_t n_coef, float lo, float hi) {
-    constexpr int UNROLL = 4;
     const index_t stride = (index_t)gridDim.x * blockDim.x;
     // A float-reciprocal quotient while offsets fit in 32 bits, a 64-bit division beyond.
     const bool small = n_vec * VEC < (1LL << 31);
     const float inv_inner = 1.0f / (float)inner;
-    for (index_t i0 = blockIdx.x * (index_t)blockDim.x + threadIdx.x; i0 < n_vec;
-         i0 += UNROLL * stride) {
-        float4 v[UNROLL];
+    const index_t first = blockIdx.x * (index_t)blockDim.x + threadIdx.x;
+    for_each_vector<VEC, 4>(x, first, n_vec, stride, [&](index_t i, float4& v) {
+        const index_t e = i * VEC;
+        const index_t plane = small ? quotient((int)e, (int)inner, inv_inner) : e / inner;
+        const index_t left = (plane + 1) * inner - e;  // values of this plane from e on
+        const int k0 = (int)(plane % n_coef);
+        const int k1 = k0 + 1 == n_coef ? 0 : k0 + 1;
+        float* t = &v.x;
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u)
-            if (i0 + u * stride < n_vec) v[u] = load_vec<VEC>(x, i0 + u * stride);
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const index_t i = i0 + u * stride;
-            if (i >= n_vec) break;
-            const index_t e = i * VEC;
-            const index_t plane = small ? quotient((int)e, (int)inner, inv_inner) : e / inner;
-            const index_t left = (plane + 1) * inner - e;  // values of this plane from e on
-            const int k0 = (int)(plane % n_coef);
-            const int k1 = k0 + 1 == n_coef ? 0 : k0 + 1;
-            float* t = &v[u].x;
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) {
-                const int k = j < left ? k0 : k1;
-                t[j] = activate<ACT>(fmaf(__ldg(coef_a + k), t[j], __ldg(coef_b + k)), lo, hi);
-            }
-            store_vec<VEC>(y, i, v[u]);
+        for (int j = 0; j < VEC; ++j) {
+            const int k = j < left ? k0 : k1;
+            t[j] = activate<ACT>(fmaf(__ldg(coef_a + k), t[j], __ldg(coef_b + k)), lo, hi);
         }
-    }
+        store_vec<VEC>(y, i, v);
+    });
 }
 
 // GroupNorm with one block per (n, g) row of a contiguous (N, C, HW) tensor; the row is
@@ -167,7 +158,6 @@ template <int PRE, bool CACHE, int VEC>
 __global__ void group_norm_rows(const float* x, float* y, const float* __restrict__ pre_a,
                                 const float* __restrict__ pre_b, const float* __restrict__ gamma,
                                 const float* __restrict__ beta, int C, int G, int HW, float eps) {
-    constexpr int UNROLL = 4;
     extern __shared__ float4 cache[];
     __shared__ float scratch[32];
     const int cg = C / G;
@@ -190,23 +180,16 @@ __global__ void group_norm_rows(const float* x, float* y, const float* __restric
     auto pre = [&](float v, int ch) {
         return PRE == ACT_TANH ? tanhf(fmaf(__ldg(pre_a + ch), v, __ldg(pre_b + ch))) : v;
     };
-    auto lane = [](float4& v, int k) -> float& { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; };
-    // f(q, v, ch) for each vector q of src (values v, channels ch), UNROLL in flight per thread.
+    auto lane = [](float4& v, int k) -> float& {
+        return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
+    };
+    // f(q, v, ch) for each vector q of src (values v, channels ch), 4 in flight per thread.
     auto visit = [&](const float* src, auto&& f) {
-        for (int q0 = threadIdx.x; q0 < n_vec; q0 += UNROLL * bd) {
-            float4 v[UNROLL];
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u)
-                if (q0 + u * bd < n_vec) v[u] = load_vec<VEC>(src, q0 + u * bd);
-#pragma unroll
-            for (int u = 0; u < UNROLL; ++u) {
-                const int q = q0 + u * bd;
-                if (q >= n_vec) break;
-                int ch[VEC];
-                channels(q, ch);
-                f(q, v[u], ch);
-            }
-        }
+        for_each_vector<VEC, 4>(src, (int)threadIdx.x, n_vec, bd, [&](int q, float4& v) {
+            int ch[VEC];
+            channels(q, ch);
+            f(q, v, ch);
+        });
     };
     const float shift = pre(xr[0], c0);
     float s1 = 0.0f, s2 = 0.0f;

@@ -187,8 +187,9 @@ struct ChannelStats {
 // One read of a convolution output y (logical N, C, H, W; any strides) yields, for
 // non-overlapping k x k pooling windows (stride == k, no padding):
 //  * ext[n, c, ph, pw] (contiguous NCHW): the window max of y + bias[c], or the window min where
-//    sign_a[c] * sign_b[c] < 0 (in-plane offsets, H * W * C per sample, are 32-bit). The monotone per-channel affine that follows (GroupNorm * scale in
-//    pipeline A, BatchNorm + tanh in pipeline B) maps it to the pooled result exactly;
+//    sign_a[c] * sign_b[c] < 0 (in-plane offsets, H * W * C per sample, are 32-bit). The
+//    monotone per-channel affine that follows (GroupNorm * scale in pipeline A, BatchNorm +
+//    tanh in pipeline B) maps it to the pooled result exactly;
 //  * partial[(n * C + c) * splits + split] = (sum d, sum d*d), d = y + bias - shift, over every
 //    element of the plane, including the rows and columns that the pool drops.
 // shift is the first element of the statistics row: y + bias at (shift_per_sample ? n : 0, first
@@ -232,16 +233,13 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
                           shift_per_sample, active && split == 0 && lane == 0);
     const float* plane = y + n * sn + cc * sc;  // in-plane offsets are 32-bit
     auto take = [&](float v) { stats.take(v); };
-    auto row_col = [&](int p, int& py, int& px) {
-        py = quotient(p, Wo, inv_wo);
-        px = p - py * Wo;
-    };
     for (int base = p_begin; base < p_end; base += SPAN) {  // same trip count for the block
         float v[U][KK];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             int py, px;
-            row_col(min(base + lane + u * STEP, p_end - 1), py, px);  // clamped: in bounds
+            // clamped: in bounds
+            row_col(min(base + lane + u * STEP, p_end - 1), Wo, inv_wo, py, px);
             if (K > 0) {
 #pragma unroll
                 for (int a = 0; a < (K > 0 ? K : 1); ++a) {
@@ -266,7 +264,7 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
             float e = -INFINITY;
             if (active && p < p_end) {
                 int py, px;
-                row_col(p, py, px);
+                row_col(p, Wo, inv_wo, py, px);
                 const int h0 = py * k, w0 = px * k;
                 if (K > 0) {
 #pragma unroll
@@ -310,7 +308,10 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
         red[1][threadIdx.y][threadIdx.x] = s2;
         __syncthreads();
         if (threadIdx.y == 0 && active) {
-            for (int j = 1; j < 8; ++j) { s1 += red[0][j][threadIdx.x]; s2 += red[1][j][threadIdx.x]; }
+            for (int j = 1; j < 8; ++j) {
+                s1 += red[0][j][threadIdx.x];
+                s2 += red[1][j][threadIdx.x];
+            }
             partial[(n * C + c) * splits + split] = make_float2(s1, s2);
         }
     } else {  // a warp is one channel's 32 position lanes
@@ -380,7 +381,8 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nchw_bands(
 #pragma unroll
             for (int a = 0; a < K; ++a)
 #pragma unroll
-                for (int i = 0; i < K; ++i) e = fmaxf(e, stats.sgn[0] * buf[(bb * K + a) * W + px * K + i]);
+                for (int i = 0; i < K; ++i)
+                    e = fmaxf(e, stats.sgn[0] * buf[(bb * K + a) * W + px * K + i]);
             ext_plane[(b0 + bb) * Wo + px] = stats.pooled(e);
         }
         __syncwarp();  // the next chunk overwrites the buffer
@@ -433,20 +435,18 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
     const float* plane = y + n * sn + cc0;
     auto load4 = [&](int offset) { return __ldg(reinterpret_cast<const float4*>(plane + offset)); };
     auto take = [&](float4 v) { quad_stats.take(v); };
-    auto row_col = [&](int p, int& py, int& px) {
-        py = quotient(p, Wo, inv_wo);
-        px = p - py * Wo;
-    };
     for (int base = p_begin; base < p_end; base += SPAN) {  // same trip count for the block
         float4 v[U][KK];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             int py, px;
-            row_col(min(base + lane + u * STEP, p_end - 1), py, px);  // clamped: in bounds
+            // clamped: in bounds
+            row_col(min(base + lane + u * STEP, p_end - 1), Wo, inv_wo, py, px);
 #pragma unroll
             for (int a = 0; a < K; ++a)
 #pragma unroll
-                for (int j = 0; j < K; ++j) v[u][a * K + j] = load4((py * K + a) * sh + (px * K + j) * sw);
+                for (int j = 0; j < K; ++j)
+                    v[u][a * K + j] = load4((py * K + a) * sh + (px * K + j) * sw);
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -458,7 +458,7 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
                     quad_stats.take_window(v[u][j], e);
                 }
                 int py, px;
-                row_col(p, py, px);
+                row_col(p, Wo, inv_wo, py, px);
                 const int h0 = py * K, w0 = px * K;
                 // The last window row / column also owns the rows / columns the pool drops.
                 const int w1 = (px == Wo - 1) ? W : w0 + K;
@@ -471,7 +471,8 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
             }
             // Stage the extrema; written position-contiguous below (coalesced).
 #pragma unroll
-            for (int q = 0; q < 4; ++q) stage[lane + u * STEP][quad * 4 + q] = quad_stats.pooled(e[q], q);
+            for (int q = 0; q < 4; ++q)
+                stage[lane + u * STEP][quad * 4 + q] = quad_stats.pooled(e[q], q);
         }
         __syncthreads();
         for (int i = threadIdx.y * 32 + threadIdx.x; i < 32 * SPAN; i += 256) {
@@ -499,7 +500,10 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
         const int c = tile * 32 + threadIdx.x;
         if (c < C) {
             float t1 = 0.0f, t2 = 0.0f;
-            for (int j = 0; j < 8; ++j) { t1 += red[0][j][threadIdx.x]; t2 += red[1][j][threadIdx.x]; }
+            for (int j = 0; j < 8; ++j) {
+                t1 += red[0][j][threadIdx.x];
+                t2 += red[1][j][threadIdx.x];
+            }
             partial[(n * C + c) * splits + split] = make_float2(t1, t2);
         }
     }
@@ -542,18 +546,15 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_rows(
     auto take = [&](float4 v) { quad_stats.take(v); };
     // Values of row h, columns [wa, wb): chunks j = lane, lane + 32, ... of (wb - wa) * C floats.
     auto take_span = [&](int h, int wa, int wb) {
-        for (int j = lane; j < (wb - wa) * quads; j += 32) take(load4(h * sh + wa * sw + 4 * (j - lane)));
-    };
-    auto row_col = [&](int p, int& py, int& px) {
-        py = quotient(p, Wo, inv_wo);
-        px = p - py * Wo;
+        for (int j = lane; j < (wb - wa) * quads; j += 32)
+            take(load4(h * sh + wa * sw + 4 * (j - lane)));
     };
     for (int base = p_begin; base < p_end; base += SPAN) {  // same trip count for the block
         float4 v[U][K][T];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             int py, px;
-            row_col(min(base + warp * U + u, p_end - 1), py, px);  // clamped: in bounds
+            row_col(min(base + warp * U + u, p_end - 1), Wo, inv_wo, py, px);  // clamped: in bounds
 #pragma unroll
             for (int a = 0; a < K; ++a)
 #pragma unroll
@@ -570,7 +571,7 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_rows(
 #pragma unroll
                     for (int t = 0; t < T; ++t) quad_stats.take_window(v[u][a][t], e);
                 int py, px;
-                row_col(p, py, px);
+                row_col(p, Wo, inv_wo, py, px);
                 const int h0 = py * K, w0 = px * K;
                 // The last window row / column also owns the rows / columns the pool drops.
                 const int w1 = (px == Wo - 1) ? W : w0 + K;
@@ -582,10 +583,12 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_rows(
 #pragma unroll
             for (int off = quads; off < 32; off <<= 1)
 #pragma unroll
-                for (int q = 0; q < 4; ++q) e[q] = fmaxf(e[q], __shfl_xor_sync(0xffffffffu, e[q], off));
+                for (int q = 0; q < 4; ++q)
+                    e[q] = fmaxf(e[q], __shfl_xor_sync(0xffffffffu, e[q], off));
             if (lane < quads) {
 #pragma unroll
-                for (int q = 0; q < 4; ++q) stage[warp * U + u][c0 + q] = quad_stats.pooled(e[q], q);
+                for (int q = 0; q < 4; ++q)
+                    stage[warp * U + u][c0 + q] = quad_stats.pooled(e[q], q);
             }
         }
         __syncthreads();

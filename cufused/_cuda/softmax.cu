@@ -52,7 +52,8 @@ __global__ void softmax_stats(const float* __restrict__ y, const float* __restri
         for (; p + 3 * step < p_end; p += 4 * step) {
             float v[4];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) v[j] = load_value<CLAMP>(plane + (p + j * step) * ss, b, lo, hi);
+            for (int j = 0; j < 4; ++j)
+                v[j] = load_value<CLAMP>(plane + (p + j * step) * ss, b, lo, hi);
 #pragma unroll
             for (int j = 0; j < 4; ++j) take(v[j]);
         }
@@ -158,7 +159,8 @@ __global__ void softmax_apply_transpose(const float* __restrict__ y, float* __re
                 v[j] = load_value<CLAMP>(y + n * sn + p * ss + c, b, lo, hi);
             }
 #pragma unroll
-            for (int j = 0; j < 16; ++j) tile[threadIdx.y + 8 * j][threadIdx.x] = expf(v[j] - m) * f;
+            for (int j = 0; j < 16; ++j)
+                tile[threadIdx.y + 8 * j][threadIdx.x] = expf(v[j] - m) * f;
         }
     }
     __syncthreads();
@@ -239,7 +241,9 @@ struct SoftmaxRowOp {
         m = shift[r];
         f = factor[r];
     }
-    __device__ float operator()(float v) const { return expf(load_value<CLAMP>(&v, b, lo, hi) - m) * f; }
+    __device__ float operator()(float v) const {
+        return expf(load_value<CLAMP>(&v, b, lo, hi) - m) * f;
+    }
 };
 
 // The normalize pass reading a sub-pixel convolution's class blocks (see interleave_classes
