@@ -59,6 +59,14 @@ __device__ __forceinline__ int quotient(int i, int d, float inv_d) {
     return q;
 }
 
+// [begin, end): the part of 0 .. total - 1 that split `split` of `splits` equal parts covers.
+template <class I>
+__device__ __forceinline__ void split_range(I total, int splits, int split, I& begin, I& end) {
+    const I chunk = (total + splits - 1) / splits;
+    begin = split * chunk;
+    end = min(total, begin + chunk);
+}
+
 // Row and column of position p in rows of `width` values (inv_width = 1.0f / width).
 __device__ __forceinline__ void row_col(int p, int width, float inv_width, int& row, int& col) {
     row = quotient(p, width, inv_width);

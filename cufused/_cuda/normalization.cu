@@ -24,9 +24,8 @@ __global__ void key_stats_partial(const float* __restrict__ x, float2* __restric
     const float shift = base[0];
     if (split == 0 && threadIdx.x == 0) shift_out[key] = shift;
     const index_t total = n_outer * inner;
-    const index_t chunk = (total + splits - 1) / splits;
-    const index_t j_begin = split * chunk;
-    const index_t j_end = min(total, j_begin + chunk);
+    index_t j_begin, j_end;
+    split_range(total, splits, split, j_begin, j_end);
     float s1 = 0.0f, s2 = 0.0f;
     index_t j = j_begin + threadIdx.x;
     index_t o = j / inner;

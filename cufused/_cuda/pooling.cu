@@ -224,9 +224,8 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
     const int cc = active ? c : C - 1;  // idle lanes of a partial tile read a valid channel
     const int lane = CHANNELS_LAST ? threadIdx.y : threadIdx.x;
     const int P = Ho * Wo;
-    const int chunk = (P + splits - 1) / splits;
-    const int p_begin = split * chunk;
-    const int p_end = min(P, p_begin + chunk);
+    int p_begin, p_end;
+    split_range(P, splits, split, p_begin, p_end);
     const float inv_wo = 1.0f / Wo;
 
     ChannelStats<1> stats(y, bias, sign_a, sign_b, shift_out, cc, n, sn, sc, C, shift_group,
@@ -353,8 +352,8 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nchw_bands(
     const float* buf = reinterpret_cast<const float*>(chunk_buf[warp]);
     const int band = K * W;
     const int bands_per_chunk = 32 * V * 4 / band;
-    const int per_split = (Ho + splits - 1) / splits;
-    const int b_begin = split * per_split, b_end = min(Ho, b_begin + per_split);
+    int b_begin, b_end;
+    split_range(Ho, splits, split, b_begin, b_end);
     const float inv_wo = 1.0f / Wo;
     for (int b0 = b_begin; b0 < b_end; b0 += bands_per_chunk) {
         const int nb = min(bands_per_chunk, b_end - b0);
@@ -425,9 +424,8 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
     const bool active = c0 < C;
     const int cc0 = active ? c0 : C - 4;  // idle quads of a partial tile read valid channels
     const int P = Ho * Wo;
-    const int chunk = (P + splits - 1) / splits;
-    const int p_begin = split * chunk;
-    const int p_end = min(P, p_begin + chunk);
+    int p_begin, p_end;
+    split_range(P, splits, split, p_begin, p_end);
     const float inv_wo = 1.0f / Wo;
 
     ChannelStats<4> quad_stats(y, bias, sign_a, sign_b, shift_out, cc0, n, sn, 1, C,
@@ -534,9 +532,8 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_rows(
     const int quads = C / 4;
     const int c0 = (lane % quads) * 4;
     const int P = Ho * Wo;
-    const int chunk = (P + splits - 1) / splits;
-    const int p_begin = split * chunk;
-    const int p_end = min(P, p_begin + chunk);
+    int p_begin, p_end;
+    split_range(P, splits, split, p_begin, p_end);
     const float inv_wo = 1.0f / Wo;
 
     ChannelStats<4> quad_stats(y, bias, sign_a, sign_b, shift_out, c0, n, sn, 1, C, shift_group,

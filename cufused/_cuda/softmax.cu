@@ -26,9 +26,8 @@ __global__ void softmax_stats(const float* __restrict__ y, const float* __restri
     const int c = CHANNELS_LAST ? tile * 32 + threadIdx.x : tile * 8 + threadIdx.y;
     const int lane = CHANNELS_LAST ? threadIdx.y : threadIdx.x;
     const int step = CHANNELS_LAST ? 8 : 32;
-    const index_t chunk = (S + splits - 1) / splits;
-    const index_t p_begin = split * chunk;
-    const index_t p_end = min(S, p_begin + chunk);
+    index_t p_begin, p_end;
+    split_range(S, splits, split, p_begin, p_end);
 
     float m = ONLINE ? -INFINITY : hi, s = 0.0f;
     if (c < C) {
