@@ -169,13 +169,25 @@ def transpose_channels(src, dst, *, to_channels_last: bool, bias=None) -> None:
            (src, dst, optional(bias), numpy.int64(n), numpy.int64(a), numpy.int64(b)))
 
 
+def stored_in(a, layout: str) -> bool:
+    """Whether the memory of ``a`` (logical N, C, *spatial) is exactly ``layout``, packed.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> a = np.zeros((2, 4, 5, 3)).transpose(0, 3, 1, 2)  # NHWC memory, logical NCHW
+    >>> stored_in(a, "nhwc"), stored_in(a, "nchw")
+    (True, False)
+    """
+    return a.strides == tuple(s * a.itemsize for s in layout_strides(a.shape, layout))
+
+
 def to_layout(a, layout: str):
     """``a`` (logical N, C, *spatial) with its memory in ``layout``, copied only if needed."""
     cupy = import_cupy()
     if layout == "nchw":
         return cupy.ascontiguousarray(a)
-    want = tuple(s * a.itemsize for s in layout_strides(a.shape, layout))
-    if a.strides == want:
+    if stored_in(a, layout):
         return a
     out = empty_in_layout(a.shape, layout)
     transpose_channels(cupy.ascontiguousarray(a), out, to_channels_last=True)

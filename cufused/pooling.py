@@ -15,6 +15,7 @@ from . import reference
 from ._arrays import (Size, check_float_dtype, check_ndim, check_out, check_sizes, finish_numpy,
                       get_array_module, ntuple)
 from ._cuda import get_kernel, launch_1d
+from ._cudnn import stored_in, transpose_channels
 
 __all__ = ["max_pool2d", "max_pool3d", "avg_pool2d", "avg_pool3d"]
 
@@ -42,13 +43,11 @@ def pool_into(x, y, kernel, stride, padding, *, is_max: bool) -> None:
     ``y`` is channels-last, a tiled kernel that writes it with coalesced stores; other windows
     pool into a contiguous temporary that one tiled transpose moves to a channels-last ``y``.
     """
-    from ._cudnn import layout_strides, transpose_channels
-
     nd = x.ndim - 2
     n, c = x.shape[:2]
     fixed = kernel == stride == (2,) * nd and not any(padding)
     i32 = numpy.int32
-    if c > 1 and y.strides == tuple(s * y.itemsize for s in layout_strides(y.shape, "nhwc")):
+    if c > 1 and stored_in(y, "nhwc"):
         spatial = y.size // (n * c)
         if fixed and x.shape[-1] % 2 == 0 and x.data.ptr % 8 == 0 and c * spatial < 2**31:
             name = f"pool2_to_channels_last<{str(is_max).lower()}, {2 if nd == 3 else 1}>"
