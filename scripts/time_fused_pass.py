@@ -1,7 +1,8 @@
 """Device time of the fused window-extremum + statistics pass, per kernel variant (device).
 
 For the canonical conv outputs of A (k = 4) and B (k = 2) in both layouts: the scalar kernel
-and the 16-byte ones (channels-last: per channel quad and per window row; NCHW: per band);
+and the 16-byte ones (bands of K rows: per plane for NCHW, per sample for channels-last;
+channels-last also per channel quad and per window row);
 and pipeline C's channels-last normalize pass, scalar vs 16-byte. Median ms, L2 flushed, with
 the read-once floor at the measured copy bandwidth.
 """
@@ -26,7 +27,7 @@ def main():
             n, c, h, w = shape
             ext = cupy.empty((n, c, h // pool, w // pool), dtype=cupy.float32)
             sign = cupy.ones(c, dtype=cupy.float32)
-            variants = ("scalar", "vec4", "rows") if layout == "nhwc" else ("scalar", "bands")
+            variants = ("scalar", "bands") + (("vec4", "rows") if layout == "nhwc" else ())
             for label in variants:
                 ms = timer(lambda: pipelines._pool_extremum_stats(
                     cupy, y, ext, pool, bias=None, sign_a=sign, sign_b=None,

@@ -354,31 +354,45 @@ def test_pipeline_b_odd_group_rows(rng, layout):
     assert_close(out.get(), ref, 1e-4)
 
 
-@pytest.mark.parametrize("pool", [2, 4])
-def test_fused_pass_nchw_bands_matches_scalar(rng, pool):
-    # The band kernel against the scalar one and float64 sums: 12 channels (a partial tile of
-    # 8), mixed extremum signs, a bias, rows and columns the pool drops (k = 4), statistics
-    # rows of 3 channels per sample.
+@pytest.mark.parametrize("layout,pool,c,h,w,variants", [
+    ("nchw", 2, 12, 22, 18, ["bands"]),
+    ("nchw", 4, 12, 22, 18, ["bands"]),
+    # Channels-last bands: two column chunks per band (Wo = 20 and 7 for C = 128), 1 and 4
+    # channel quads per warp (C = 4, 16), rows and columns the pool drops.
+    ("nhwc", 2, 128, 9, 41, ["bands", "vec4", "rows"]),
+    ("nhwc", 4, 128, 13, 30, ["bands", "vec4", "rows"]),
+    ("nhwc", 4, 16, 22, 18, ["bands", "vec4"]),
+    ("nhwc", 2, 4, 6, 7, ["bands", "vec4"]),
+])
+def test_fused_pass_variants_match_scalar(rng, layout, pool, c, h, w, variants):
+    # The 16-byte kernels against the scalar one and float64 sums: mixed extremum signs, a
+    # bias, statistics rows of c / 4 channels per sample (partial channel tiles for c = 12).
     from cufused import pipelines
+    from cufused._cudnn import empty_in_layout
 
-    n, c, h, w = 3, 12, 22, 18
+    n, group = 3, max(c // 4, 1)
     y_host = 5.0 + rng.standard_normal((n, c, h, w))
-    y = cp.asarray(y_host, dtype=cp.float32)
+    y = empty_in_layout(y_host.shape, layout)
+    y[...] = cp.asarray(y_host, dtype=cp.float32)
     bias, sign = to_gpu(rng.standard_normal(c), mixed(rng, c))
     results = {}
-    for variant in ("scalar", "bands"):
+    for variant in ["scalar", *variants]:
         ext = poisoned((n, c, h // pool, w // pool))
         partial, shift, _ = pipelines._pool_extremum_stats(
-            cp, y, ext, pool, bias=bias, sign_a=sign, sign_b=None, shift_group=3,
+            cp, y, ext, pool, bias=bias, sign_a=sign, sign_b=None, shift_group=group,
             per_sample=True, variant=variant)
         results[variant] = ext.get(), partial.get().sum(axis=2), shift.get()
-    (ext_s, sums_s, shift_s), (ext_b, sums_b, shift_b) = results["scalar"], results["bands"]
-    assert np.array_equal(ext_b, ext_s) and not np.isnan(ext_b).any()
-    assert np.array_equal(shift_b, shift_s)
-    d = y.get().astype(np.float64) + bias.get()[:, None, None] - np.repeat(shift_b.reshape(n, -1), 3, axis=1)[:, :, None, None]
-    assert_close(sums_b[..., 0], d.sum(axis=(2, 3)), 1e-5)
-    assert_close(sums_b[..., 1], (d * d).sum(axis=(2, 3)), 1e-5)
-    assert_close(sums_b, sums_s, 1e-5)
+    ext_s, sums_s, shift_s = results["scalar"]
+    assert not np.isnan(ext_s).any()
+    d = (y.get().astype(np.float64) + bias.get()[:, None, None]
+         - np.repeat(shift_s.reshape(n, -1), group, axis=1)[:, :, None, None])
+    assert_close(sums_s[..., 0], d.sum(axis=(2, 3)), 1e-5)
+    assert_close(sums_s[..., 1], (d * d).sum(axis=(2, 3)), 1e-5)
+    for variant in variants:
+        ext_v, sums_v, shift_v = results[variant]
+        assert np.array_equal(ext_v, ext_s), variant
+        assert np.array_equal(shift_v, shift_s), variant
+        assert_close(sums_v, sums_s, 1e-5)
 
 
 @pytest.mark.parametrize("pipeline,cout", [("A", 32), ("A", 64), ("B", 64), ("B", 128)])

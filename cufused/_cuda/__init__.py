@@ -33,6 +33,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "pool_extremum_stats<true, 4, false>",
         "pool_extremum_stats_nchw_bands<2>",
         "pool_extremum_stats_nchw_bands<4>",
+        "pool_extremum_stats_nhwc_bands<2>",
+        "pool_extremum_stats_nhwc_bands<4>",
         "pool_extremum_stats_nhwc4<2>",
         "pool_extremum_stats_nhwc4<4>",
         "pool_extremum_stats_nhwc_rows<2, 1>",

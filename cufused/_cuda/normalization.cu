@@ -168,36 +168,47 @@ __global__ void group_norm_rows(const float* x, float* y, const float* __restric
     const float* xr = x + row * len;
     float* yr = y + row * len;
     const float inv_hw = 1.0f / HW;
-    // Channel (within the group) of each of vector q's VEC values.
-    auto channels = [&](int q, int (&ch)[VEC]) {
+    // A vector's values belong to channel c (the first `left` of them) and c + 1: per-channel
+    // parameters are loaded once per vector and picked per value.
+    struct Span { int c, left; };
+    auto span = [&](int q) {
         const int e = q * VEC;
         const int c = quotient(e, HW, inv_hw);
-        const int left = (c + 1) * HW - e;  // values of channel c from e on
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) ch[k] = c0 + c + (k >= left);
+        return Span{c0 + c, (c + 1) * HW - e};
     };
-    auto pre = [&](float v, int ch) {
-        return PRE == ACT_TANH ? tanhf(fmaf(__ldg(pre_a + ch), v, __ldg(pre_b + ch))) : v;
+    auto param = [&](const float* p, Span s, float fallback, float (&out)[2]) {
+        out[0] = p ? __ldg(p + s.c) : fallback;
+        out[1] = p && s.left < VEC ? __ldg(p + s.c + 1) : out[0];
     };
     auto lane = [](float4& v, int k) -> float& {
         return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
     };
-    // f(q, v, ch) for each vector q of src (values v, channels ch), 4 in flight per thread.
-    auto visit = [&](const float* src, auto&& f) {
-        for_each_vector<VEC, 4>(src, (int)threadIdx.x, n_vec, bd, [&](int q, float4& v) {
-            int ch[VEC];
-            channels(q, ch);
-            f(q, v, ch);
-        });
-    };
-    const float shift = pre(xr[0], c0);
-    float s1 = 0.0f, s2 = 0.0f;
-    visit(xr, [&](int q, float4& v, const int (&ch)[VEC]) {
+    // PRE: each value of a vector to tanh(pre_a[ch] * v + pre_b[ch]).
+    auto pre = [&](float4& v, Span s) {
+        if (PRE != ACT_TANH) return;
+        float a[2], b[2];
+        param(pre_a, s, 1.0f, a);
+        param(pre_b, s, 0.0f, b);
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
-            float& t = lane(v, k);
-            t = pre(t, ch[k]);
-            const float d = t - shift;
+            const int j = k >= s.left;
+            lane(v, k) = tanhf(fmaf(a[j], lane(v, k), b[j]));
+        }
+    };
+    // f(q, v, span) for each vector q of src, 4 in flight per thread.
+    auto visit = [&](const float* src, auto&& f) {
+        for_each_vector<VEC, 4>(src, (int)threadIdx.x, n_vec, bd,
+                                [&](int q, float4& v) { f(q, v, span(q)); });
+    };
+    float4 first = make_float4(xr[0], 0.0f, 0.0f, 0.0f);
+    pre(first, Span{c0, HW});
+    const float shift = first.x;
+    float s1 = 0.0f, s2 = 0.0f;
+    visit(xr, [&](int q, float4& v, Span s) {
+        pre(v, s);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+            const float d = lane(v, k) - shift;
             s1 += d;
             s2 = fmaf(d, d, s2);
         }
@@ -208,14 +219,15 @@ __global__ void group_norm_rows(const float* x, float* y, const float* __restric
     const float m1 = s1 / len;
     const float mean = shift + m1;
     const float rstd = rsqrtf(fmaxf(s2 / len - m1 * m1, 0.0f) + eps);
-    visit(CACHE ? reinterpret_cast<const float*>(cache) : xr,
-          [&](int q, float4& v, const int (&ch)[VEC]) {
+    visit(CACHE ? reinterpret_cast<const float*>(cache) : xr, [&](int q, float4& v, Span s) {
+        if (!CACHE) pre(v, s);
+        float g[2], bt[2];
+        param(gamma, s, 1.0f, g);
+        param(beta, s, 0.0f, bt);
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
-            float& t = lane(v, k);
-            if (!CACHE) t = pre(t, ch[k]);
-            const float a = (gamma ? __ldg(gamma + ch[k]) : 1.0f) * rstd;
-            t = fmaf(a, t - mean, beta ? __ldg(beta + ch[k]) : 0.0f);
+            const int j = k >= s.left;
+            lane(v, k) = fmaf(g[j] * rstd, lane(v, k) - mean, bt[j]);
         }
         store_vec<VEC>(yr, q, v);
     });
