@@ -16,6 +16,7 @@ from . import reference
 from ._arrays import (check_float_dtype, check_out, check_scalar, check_sizes,
                       finish_numpy, get_array_module, per_channel)
 from ._cuda import get_kernel, launch_1d, optional
+from ._cudnn import stored_in
 
 __all__ = ["group_norm", "batch_norm"]
 
@@ -59,13 +60,21 @@ def _affine_apply(cupy, x, y, coef_a, coef_b, inner: int, n_coef: int, act: int,
                numpy.int64(n_coef), numpy.float32(lo), numpy.float32(hi)))
 
 
+def reads_channels_last(c: int, num_groups: int, hw: int) -> bool:
+    """Whether ``launch_group_norm_rows`` can read a channels-last (N, HW, C) input: groups of
+    4, 8, ..., 128 channels (a thread keeps one 16-byte channel quad), rows that stay cached."""
+    cg = c // num_groups
+    return cg % 4 == 0 and 32 % (cg // 4) == 0 and cg * hw * 4 <= ROW_CACHE_BYTES
+
+
 def launch_group_norm_rows(x, y, num_groups: int, weight, bias, eps: float, *,
                            pre=None) -> None:
-    """GroupNorm of contiguous ``x`` (N, C, ...) into ``y`` with one block per (n, group) row.
+    """GroupNorm of ``x`` (N, C, ...) into contiguous ``y`` with one block per (n, group) row.
 
-    ``pre = (a, b)`` first maps each value to ``tanh(a[c] * x + b[c])``. The row stays in
-    shared memory between statistics and normalize when it fits in ``ROW_CACHE_BYTES``;
-    16-byte accesses when the row length and pointers allow.
+    ``x`` is contiguous, or contiguous channels-last where ``reads_channels_last`` allows
+    (and 16-byte aligned). ``pre = (a, b)`` first maps each value to ``tanh(a[c] * x + b[c])``.
+    The row stays in shared memory between statistics and normalize when it fits in
+    ``ROW_CACHE_BYTES``; 16-byte accesses when the row length and pointers allow.
     """
     n, c = x.shape[:2]
     hw = x.size // max(n * c, 1)
@@ -74,12 +83,17 @@ def launch_group_norm_rows(x, y, num_groups: int, weight, bias, eps: float, *,
     vec = 4 if (length % 4 == 0 and hw >= 4 and x.data.ptr % 16 == 0
                 and y.data.ptr % 16 == 0) else 1
     pre_a, pre_b = pre if pre is not None else (None, None)
-    kernel = get_kernel(_NORM, f"group_norm_rows<{int(pre is not None)}, "
-                               f"{str(cache).lower()}, {vec}>")
-    kernel((n * num_groups,), (256,),
-           (x, y, optional(pre_a), optional(pre_b), optional(weight), optional(bias),
-            numpy.int32(c), numpy.int32(num_groups), numpy.int32(hw), numpy.float32(eps)),
-           shared_mem=length * 4 if cache else 0)
+    if x.ndim > 2 and c > 1 and hw > 1 and stored_in(x, "nhwc"):
+        if not (reads_channels_last(c, num_groups, hw) and x.data.ptr % 16 == 0):
+            raise ValueError("this channels-last input needs a contiguous copy first")
+        name = f"group_norm_rows_from_nhwc<{int(pre is not None)}, {vec}>"
+    else:
+        name = f"group_norm_rows<{int(pre is not None)}, {str(cache).lower()}, {vec}>"
+    get_kernel(_NORM, name)(
+        (n * num_groups,), (256,),
+        (x, y, optional(pre_a), optional(pre_b), optional(weight), optional(bias),
+         numpy.int32(c), numpy.int32(num_groups), numpy.int32(hw), numpy.float32(eps)),
+        shared_mem=length * 4 if cache else 0)
 
 
 def _group_norm_gpu(cupy, x, num_groups, weight, bias, eps, out):
@@ -165,7 +179,11 @@ def group_norm(x: Any, num_groups: int, weight: Any = None, bias: Any = None, *,
         out = xp.empty(x.shape, dtype=x.dtype)
     if x.shape[0] == 0:
         return out
-    return _group_norm_gpu(xp, xp.ascontiguousarray(x), num_groups, weight, bias, eps, out)
+    hw = x.size // (x.shape[0] * c)
+    if not (x.ndim > 2 and c > 1 and hw > 1 and stored_in(x, "nhwc")
+            and x.data.ptr % 16 == 0 and reads_channels_last(c, num_groups, hw)):
+        x = xp.ascontiguousarray(x)  # else a channels-last x is read in place
+    return _group_norm_gpu(xp, x, num_groups, weight, bias, eps, out)
 
 
 def check_running_buffer(buf: Any, name: str, channels: int, xp) -> Any:

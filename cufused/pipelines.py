@@ -32,11 +32,12 @@ from ._arrays import (Size, check_float_dtype, check_ndim, check_out, check_scal
                       finish_numpy, get_array_module, ntuple, per_channel)
 from ._cuda import get_kernel, optional
 from ._precision import resolve_precision
+from ._cudnn import empty_in_layout, stored_in
 from .convolution import (check_conv_args, conv2d, conv_on_gpu, conv_transpose2d,
                           conv_transpose3d, gpu_conv_layout)
 from .normalization import (_affine_apply, batch_norm, bn_coefficients, check_num_groups,
                             check_running_buffer, finalize_threads, group_norm,
-                            launch_group_norm_rows, split_count)
+                            launch_group_norm_rows, reads_channels_last, split_count)
 from .pooling import avg_pool3d, check_pool_args, max_pool2d, pool_into
 from .softmax import softmax, softmax_rows
 
@@ -60,19 +61,33 @@ _ROWS_KERNELS = ((2, 1), (2, 2), (4, 1), (4, 2))
 # Floats in one chunk of pool_extremum_stats_nchw_bands (32 lanes x 10 float4): the most
 # that one K-row band may hold.
 _BAND_CHUNK = 32 * 10 * 4
-# float4 per thread and chunk of pool_extremum_stats_nhwc_bands (its V).
-_NHWC_BAND_V = 9
+
+
+def _fused_pass_variants(y, pool: int) -> dict:
+    """Which kernel variants of the fused pass (see ``_pool_extremum_stats``) apply to ``y``."""
+    n, c, h, w = y.shape
+    channels_last = y.strides[1] == y.itemsize and c > 1
+    sn, sc, sh, sw = (s // y.itemsize for s in y.strides)
+    fixed = pool if pool in (2, 4) else 0
+    aligned4 = bool(channels_last and fixed and c % 4 == 0 and sh % 4 == 0 and sw % 4 == 0
+                    and sn % 4 == 0 and y.data.ptr % 16 == 0)
+    rows_t = fixed * c // 128 if aligned4 and sw == c and 32 % (c // 4) == 0 else 0
+    bands = bool(not channels_last and fixed and sw == 1 and sh == w and sc == h * w
+                 and fixed * w % 4 == 0 and h * w % 4 == 0 and sn % 4 == 0
+                 and y.data.ptr % 16 == 0 and fixed * w <= _BAND_CHUNK)
+    return {"scalar": True, "vec4": aligned4, "rows": (fixed, rows_t) in _ROWS_KERNELS,
+            "bands": bands}
 
 
 def _pool_extremum_stats(cupy, y, ext, pool: int, *, bias, sign_a, sign_b, shift_group: int,
                          per_sample: bool, variant: str | None = None):
     """Launch the fused window-extremum + statistics pass; return (partial, shift, splits).
 
-    Kernel variants: "scalar" (any layout); "bands" (16-byte loads of whole K-row bands: of
-    one plane per warp for NCHW inputs with contiguous planes, of one sample per block for
-    contiguous channels-last samples); for channels-last inputs also "vec4" (16-byte loads,
-    4 channels per thread) and "rows" (a warp reads whole window rows). ``variant`` forces
-    one (timing comparisons), None picks the fastest measured one that applies.
+    Kernel variants: "scalar" (any layout); for channels-last inputs "vec4" (16-byte loads,
+    4 channels per thread) and "rows" (a warp reads whole window rows); for NCHW inputs with
+    contiguous planes "bands" (a warp reads K-row bands of one plane with 16-byte loads);
+    ``variant`` forces one (timing comparisons), None picks the fastest measured one that
+    applies. ``ext`` is NCHW, or contiguous channels-last for "vec4" with ``pool`` 2.
     """
     n, c, h, w = y.shape
     ho, wo = h // pool, w // pool
@@ -81,50 +96,23 @@ def _pool_extremum_stats(cupy, y, ext, pool: int, *, bias, sign_a, sign_b, shift
     fixed = pool if pool in (2, 4) else 0
     vec2 = (not channels_last and fixed and sw == 1 and sh % 2 == 0 and sc % 2 == 0
             and sn % 2 == 0 and y.data.ptr % 8 == 0)
-    aligned4 = bool(channels_last and fixed and c % 4 == 0 and sh % 4 == 0 and sw % 4 == 0
-                    and sn % 4 == 0 and y.data.ptr % 16 == 0)
-    quads_fit_warp = c % 4 == 0 and 32 % (c // 4) == 0  # C = 4, 8, ..., 128
-    rows_t = fixed * c // 128 if aligned4 and sw == c and quads_fit_warp else 0
-    if channels_last:
-        bands = aligned4 and quads_fit_warp and sw == c and sh == w * c
-    else:
-        bands = bool(fixed and sw == 1 and sh == w and sc == h * w and fixed * w % 4 == 0
-                     and h * w % 4 == 0 and sn % 4 == 0 and y.data.ptr % 16 == 0
-                     and fixed * w <= _BAND_CHUNK)
-    usable = {"scalar": True, "vec4": aligned4, "rows": (fixed, rows_t) in _ROWS_KERNELS,
-              "bands": bands}
+    usable = _fused_pass_variants(y, pool)
+    rows_t = fixed * c // 128
     if variant is None:  # measured (H200, canonical A and B outputs): channels-last k = 4
         # rows 0.179 ms, vec4 0.236, scalar 0.218; k = 2 vec4 0.127, rows 0.153, scalar 0.148;
         # NCHW k = 4 bands 0.154, scalar 0.170; k = 2 bands 0.119, scalar 0.163
-        variant = ("bands" if usable["bands"] else
-                   "rows" if usable["rows"] and fixed == 4 else
-                   "vec4" if usable["vec4"] and fixed == 2 else "scalar")
+        variant = ("rows" if usable["rows"] and fixed == 4 else
+                   "vec4" if usable["vec4"] and fixed == 2 else
+                   "bands" if usable["bands"] else "scalar")
     elif not usable[variant]:
         raise ValueError(f"kernel variant {variant!r} does not apply to this input")
-    shared_mem = 0
-    if variant == "bands" and channels_last:
-        kernel = get_kernel("pooling.cu", f"pool_extremum_stats_nhwc_bands<{fixed}>")
-        col_chunks = -(-wo // ((256 * _NHWC_BAND_V - fixed * (w - wo * fixed) * (c // 4))
-                               // (fixed * fixed * c // 4)))
-        c_tiles, units = 1, ho * col_chunks
-        shared_mem = 4 * (256 * _NHWC_BAND_V * 4 + 1024 * _NHWC_BAND_V // pool**2 + c)
-    elif variant == "bands":
-        kernel = get_kernel("pooling.cu", f"pool_extremum_stats_nchw_bands<{fixed}>")
-        c_tiles, units = -(-c // 8), ho
-    else:
-        if variant == "rows":
-            kernel = get_kernel("pooling.cu",
-                                f"pool_extremum_stats_nhwc_rows<{fixed}, {rows_t}>")
-        elif variant == "vec4":
-            kernel = get_kernel("pooling.cu", f"pool_extremum_stats_nhwc4<{fixed}>")
-        else:
-            kernel = get_kernel("pooling.cu",
-                                f"pool_extremum_stats<{str(channels_last).lower()}, "
-                                f"{fixed}, {str(bool(vec2)).lower()}>")
-        lanes = 8 if channels_last and variant == "scalar" else 16 if variant == "rows" else 32
-        c_tiles = 1 if variant == "rows" else -(-c // (32 if channels_last else 8))
-        units = -(-ho * wo // lanes)
-    splits = max(1, min(split_count(n * c_tiles, 1 << 30), units))  # splits divide units
+    ext_channels_last = stored_in(ext, "nhwc")
+    if ext_channels_last and not (variant == "vec4" and fixed == 2 and ext.data.ptr % 16 == 0):
+        raise ValueError("a channels-last ext needs the 'vec4' variant with pool 2")
+    lanes = 8 if channels_last and variant == "scalar" else 16 if variant == "rows" else 32
+    c_tiles = 1 if variant == "rows" else -(-c // (32 if channels_last else 8))
+    units = ho if variant == "bands" else -(-ho * wo // lanes)  # what splits divide
+    splits = max(1, min(split_count(n * c_tiles, 1 << 30), units))
     partial = cupy.empty((n, c, splits, 2), dtype=cupy.float32)
     shift = cupy.empty(n * c // shift_group if per_sample else c // shift_group,
                        dtype=cupy.float32)
@@ -133,10 +121,20 @@ def _pool_extremum_stats(cupy, y, ext, pool: int, *, bias, sign_a, sign_b, shift
                          "pass supports fewer than 2**31 per sample (use method='unfused')")
     sn, sc, sh, sw = numpy.int64(sn), numpy.int64(sc), numpy.int32(sh), numpy.int32(sw)
     i32 = numpy.int32
+    if variant == "rows":
+        kernel = get_kernel("pooling.cu", f"pool_extremum_stats_nhwc_rows<{fixed}, {rows_t}>")
+    elif variant == "bands":
+        kernel = get_kernel("pooling.cu", f"pool_extremum_stats_nchw_bands<{fixed}>")
+    elif variant == "vec4":
+        kernel = get_kernel("pooling.cu", f"pool_extremum_stats_nhwc4<{fixed}, "
+                                          f"{str(ext_channels_last).lower()}>")
+    else:
+        kernel = get_kernel("pooling.cu", f"pool_extremum_stats<{str(channels_last).lower()}, "
+                                          f"{fixed}, {str(bool(vec2)).lower()}>")
     kernel((splits * c_tiles * n,), (32, 8),
            (y, optional(bias), optional(sign_a), optional(sign_b), ext, partial, shift, i32(c),
             i32(h), i32(w), i32(pool), i32(ho), i32(wo), i32(splits), i32(c_tiles), sn, sc, sh,
-            sw, i32(shift_group), i32(per_sample)), shared_mem=shared_mem)
+            sw, i32(shift_group), i32(per_sample)))
     return partial, shift, splits
 
 
@@ -397,13 +395,19 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
                        activation="tanh", out=y)
         return group_norm(max_pool2d(y, k), num_groups, gn_weight, gn_bias, eps=eps, out=out)
     y, _ = conv_on_gpu(x, weight, args, precision, convert_output=False)
+    # From a channels-last conv output the pass stores the pooled extrema channels-last with
+    # 16-byte stores, and the GroupNorm transposes them (in shared memory) into out.
+    ext = out
+    if (k == 2 and _fused_pass_variants(y, k)["vec4"]
+            and reads_channels_last(c, num_groups, pooled[0] * pooled[1])):
+        ext = empty_in_layout(shape, "nhwc")
     partial, shift, splits = _pool_extremum_stats(
-        xp, y, out, k, bias=None, sign_a=bn_weight, sign_b=None, shift_group=1,
+        xp, y, ext, k, bias=None, sign_a=bn_weight, sign_b=None, shift_group=1,
         per_sample=False)
     coef = bn_coefficients(xp, y, bn_weight, bn_bias, running_mean, running_var, True,
                            momentum, eps, partial=(partial, shift), splits=splits,
                            mean_offset=conv_bias)
-    launch_group_norm_rows(out, out, num_groups, gn_weight, gn_bias, eps, pre=coef)
+    launch_group_norm_rows(ext, out, num_groups, gn_weight, gn_bias, eps, pre=coef)
     return out
 
 

@@ -1,8 +1,8 @@
 """Device time of the fused window-extremum + statistics pass, per kernel variant (device).
 
 For the canonical conv outputs of A (k = 4) and B (k = 2) in both layouts: the scalar kernel
-and the 16-byte ones (bands of K rows: per plane for NCHW, per sample for channels-last;
-channels-last also per channel quad and per window row);
+and the 16-byte ones (NCHW: K-row bands per plane; channels-last: per channel quad, with the
+extrema NCHW or channels-last ("vec4>nhwc"), and per window row);
 and pipeline C's channels-last normalize pass, scalar vs 16-byte. Median ms, L2 flushed, with
 the read-once floor at the measured copy bandwidth.
 """
@@ -27,11 +27,14 @@ def main():
             n, c, h, w = shape
             ext = cupy.empty((n, c, h // pool, w // pool), dtype=cupy.float32)
             sign = cupy.ones(c, dtype=cupy.float32)
-            variants = ("scalar", "bands") + (("vec4", "rows") if layout == "nhwc" else ())
+            variants = (("scalar", "vec4", "rows") + (("vec4>nhwc",) if pool == 2 else ())
+                        if layout == "nhwc" else ("scalar", "bands"))
             for label in variants:
+                dst = empty_in_layout(ext.shape, "nhwc") if label.endswith(">nhwc") else ext
                 ms = timer(lambda: pipelines._pool_extremum_stats(
-                    cupy, y, ext, pool, bias=None, sign_a=sign, sign_b=None,
-                    shift_group=group, per_sample=group > 1, variant=label))
+                    cupy, y, dst, pool, bias=None, sign_a=sign, sign_b=None,
+                    shift_group=group, per_sample=group > 1,
+                    variant=label.removesuffix(">nhwc")))
                 floor = y.nbytes / copy * 1e3
                 print(f"{name} {layout} {label}: {ms:.3f} ms (floor {floor:.3f})", flush=True)
     shape = (32, 64, 32, 64, 64)

@@ -162,6 +162,23 @@ def test_group_norm(rng, shape, groups):
     assert_close(out.get(), ref, 1e-4)
 
 
+# Channels-last inputs read in place (groups of 4, 8, 32 channels; 16-byte output vectors
+# where H*W >= 4, scalar ones for (2, 16, 1, 3)) and one that is copied (groups of 3).
+@pytest.mark.parametrize("shape,groups", [((3, 24, 5, 7), 3), ((2, 16, 1, 3), 4),
+                                          ((2, 64, 9, 10), 2), ((2, 12, 4, 4), 4)])
+def test_group_norm_channels_last_input(rng, shape, groups):
+    from cufused._cudnn import empty_in_layout
+
+    x = 1000.0 + rng.standard_normal(shape)
+    w, b = mixed(rng, shape[1]), rng.standard_normal(shape[1])
+    ref = cufused.group_norm(x, groups, w, b)
+    x_gpu = empty_in_layout(shape, "nhwc")
+    x_gpu[...] = cp.asarray(x, dtype=cp.float32)
+    out = poisoned(shape)
+    cufused.group_norm(x_gpu, groups, *to_gpu(w, b), out=out)
+    assert_close(out.get(), ref, 1e-4)
+
+
 # (6, 7, 9, 11): scalar apply pass; (4, 7, 9, 11): 16-byte vectors that straddle the odd
 # 99-value planes; (5, 3, 2): planes shorter than a vector.
 @pytest.mark.parametrize("shape", [(6, 7, 9, 11), (4, 7, 9, 11), (5, 3, 2)])
@@ -357,16 +374,16 @@ def test_pipeline_b_odd_group_rows(rng, layout):
 @pytest.mark.parametrize("layout,pool,c,h,w,variants", [
     ("nchw", 2, 12, 22, 18, ["bands"]),
     ("nchw", 4, 12, 22, 18, ["bands"]),
-    # Channels-last bands: two column chunks per band (Wo = 20 and 7 for C = 128), 1 and 4
-    # channel quads per warp (C = 4, 16), rows and columns the pool drops.
-    ("nhwc", 2, 128, 9, 41, ["bands", "vec4", "rows"]),
-    ("nhwc", 4, 128, 13, 30, ["bands", "vec4", "rows"]),
-    ("nhwc", 4, 16, 22, 18, ["bands", "vec4"]),
-    ("nhwc", 2, 4, 6, 7, ["bands", "vec4"]),
+    # Channels-last: 1 to 32 channel quads per warp; "vec4>nhwc" writes ext channels-last.
+    ("nhwc", 2, 128, 9, 41, ["vec4", "vec4>nhwc", "rows"]),
+    ("nhwc", 4, 64, 13, 30, ["vec4", "rows"]),
+    ("nhwc", 4, 16, 22, 18, ["vec4"]),
+    ("nhwc", 2, 4, 6, 7, ["vec4", "vec4>nhwc"]),
 ])
 def test_fused_pass_variants_match_scalar(rng, layout, pool, c, h, w, variants):
     # The 16-byte kernels against the scalar one and float64 sums: mixed extremum signs, a
-    # bias, statistics rows of c / 4 channels per sample (partial channel tiles for c = 12).
+    # bias, statistics rows of c / 4 channels per sample (partial channel tiles for c = 12),
+    # rows and columns the pool drops.
     from cufused import pipelines
     from cufused._cudnn import empty_in_layout
 
@@ -377,10 +394,15 @@ def test_fused_pass_variants_match_scalar(rng, layout, pool, c, h, w, variants):
     bias, sign = to_gpu(rng.standard_normal(c), mixed(rng, c))
     results = {}
     for variant in ["scalar", *variants]:
-        ext = poisoned((n, c, h // pool, w // pool))
+        ext_shape = (n, c, h // pool, w // pool)
+        if variant.endswith(">nhwc"):
+            ext = empty_in_layout(ext_shape, "nhwc")
+            ext[...] = cp.nan
+        else:
+            ext = poisoned(ext_shape)
         partial, shift, _ = pipelines._pool_extremum_stats(
             cp, y, ext, pool, bias=bias, sign_a=sign, sign_b=None, shift_group=group,
-            per_sample=True, variant=variant)
+            per_sample=True, variant=variant.removesuffix(">nhwc"))
         results[variant] = ext.get(), partial.get().sum(axis=2), shift.get()
     ext_s, sums_s, shift_s = results["scalar"]
     assert not np.isnan(ext_s).any()
@@ -397,8 +419,9 @@ def test_fused_pass_variants_match_scalar(rng, layout, pool, c, h, w, variants):
 
 @pytest.mark.parametrize("pipeline,cout", [("A", 32), ("A", 64), ("B", 64), ("B", 128)])
 def test_pipeline_channels_last_window_rows(rng, pipeline, cout):
-    # C_out in {32, 64, 128}, channels-last: the fused pass reads whole window rows per warp
-    # (pool 4 for A, 2 for B), with rows and columns the pool drops.
+    # C_out in {32, 64, 128}, channels-last, with rows and columns the pool drops. A (pool 4):
+    # the fused pass reads whole window rows per warp; B (pool 2): 16-byte channel quads, the
+    # pooled extrema stored channels-last and read so by the GroupNorm.
     if pipeline == "A":
         arrays, opts = pipeline_a_args(rng, cout=cout, groups=8)
         fn = cufused.conv2d_groupnorm_scale_maxpool_clamp

@@ -145,14 +145,91 @@ __global__ void channel_affine(const float* x, float* y, const float* __restrict
     });
 }
 
-// GroupNorm with one block per (n, g) row of a contiguous (N, C, HW) tensor; the row is
-// Cg * HW contiguous values, visited as vectors of VEC (VEC = 4: 16-byte accesses, which needs
-// Cg * HW % 4 == 0, HW >= 4 and 16-byte aligned x, y; a vector then spans at most two
-// channels). PRE = ACT_TANH first maps each value to tanh(pre_a[c] * x + pre_b[c]) (pipeline
-// B's BatchNorm affine + tanh on the pooled extremum). With CACHE the transformed row stays in
-// dynamic shared memory between the statistics and the normalize step; otherwise it is
-// recomputed from x. Each thread has UNROLL vectors in flight. x may equal y: every element is
-// read and written by the same thread.
+// One (n, g) row of GroupNorm for a block: the row's Cg * HW values in NCHW order, visited
+// as vectors of VEC (VEC = 4: 16-byte accesses, which needs Cg * HW % 4 == 0, HW >= 4 and
+// 16-byte aligned buffers; a vector then spans at most two channels, c and c + 1). PRE =
+// ACT_TANH first maps each value to tanh(pre_a[c] * x + pre_b[c]) (pipeline B's BatchNorm
+// affine + tanh on the pooled extremum).
+template <int PRE, int VEC>
+struct GroupNormRow {
+    const float* pre_a;
+    const float* pre_b;
+    const float* gamma;
+    const float* beta;
+    int c0, HW, n_vec;
+    float inv_hw;
+
+    // A vector's values belong to channel c (the first `left` of them) and c + 1.
+    struct Span { int c, left; };
+    // A parameter of a vector's two channels (picked with ?:, not an indexed array, which
+    // would live in local memory).
+    struct Pair {
+        float first, second;
+        __device__ float operator()(bool in_second) const { return in_second ? second : first; }
+    };
+
+    __device__ Span span(int q) const {
+        const int e = q * VEC;
+        const int c = quotient(e, HW, inv_hw);
+        return Span{c0 + c, (c + 1) * HW - e};
+    }
+
+    __device__ Pair param(const float* p, Span s, float fallback) const {
+        const float first = p ? __ldg(p + s.c) : fallback;
+        return Pair{first, p && s.left < VEC ? __ldg(p + s.c + 1) : first};
+    }
+
+    __device__ static float& lane(float4& v, int k) {
+        return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
+    }
+
+    __device__ static float pre_value(float a, float b, float v) {
+        return PRE == ACT_TANH ? tanhf(fmaf(a, v, b)) : v;
+    }
+
+    __device__ void pre(float4& v, Span s) const {
+        if (PRE != ACT_TANH) return;
+        const Pair a = param(pre_a, s, 1.0f), b = param(pre_b, s, 0.0f);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+            const bool j = k >= s.left;
+            lane(v, k) = pre_value(a(j), b(j), lane(v, k));
+        }
+    }
+
+    // y row = gamma * (value - mean) * rstd + beta from src (the cached, already mapped row,
+    // or the input row that is mapped again), 4 vectors in flight per thread.
+    __device__ void normalize(const float* src, bool mapped, float* yr, float mean,
+                              float rstd) const {
+        for_each_vector<VEC, 4>(src, (int)threadIdx.x, n_vec, (int)blockDim.x,
+                                [&](int q, float4& v) {
+            const Span s = span(q);
+            if (!mapped) pre(v, s);
+            const Pair g = param(gamma, s, 1.0f), bt = param(beta, s, 0.0f);
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) {
+                const bool j = k >= s.left;
+                lane(v, k) = fmaf(g(j) * rstd, lane(v, k) - mean, bt(j));
+            }
+            store_vec<VEC>(yr, q, v);
+        });
+    }
+};
+
+// mean and rstd of a row from its block's shifted sums (len values).
+__device__ __forceinline__ void row_moments(float s1, float s2, float shift, int len, float eps,
+                                            float* scratch, float& mean, float& rstd) {
+    s1 = block_sum(s1, scratch);
+    s2 = block_sum(s2, scratch);
+    const float m1 = s1 / len;
+    mean = shift + m1;
+    rstd = rsqrtf(fmaxf(s2 / len - m1 * m1, 0.0f) + eps);
+}
+
+// GroupNorm with one block per (n, g) row of a contiguous (N, C, HW) tensor (see
+// GroupNormRow). With CACHE the mapped row stays in dynamic shared memory between the
+// statistics and the normalize step; otherwise it is recomputed from x. x may equal y: every
+// element is read and written by the same thread.
 template <int PRE, bool CACHE, int VEC>
 __global__ void group_norm_rows(const float* x, float* y, const float* __restrict__ pre_a,
                                 const float* __restrict__ pre_b, const float* __restrict__ gamma,
@@ -161,74 +238,88 @@ __global__ void group_norm_rows(const float* x, float* y, const float* __restric
     __shared__ float scratch[32];
     const int cg = C / G;
     const int len = cg * HW;
-    const int n_vec = len / VEC;
-    const int bd = blockDim.x;
     const index_t row = blockIdx.x;
-    const int c0 = (int)(row % G) * cg;
+    const GroupNormRow<PRE, VEC> gn{pre_a, pre_b, gamma, beta, (int)(row % G) * cg, HW,
+                                    len / VEC, 1.0f / HW};
     const float* xr = x + row * len;
-    float* yr = y + row * len;
-    const float inv_hw = 1.0f / HW;
-    // A vector's values belong to channel c (the first `left` of them) and c + 1: per-channel
-    // parameters are loaded once per vector and picked per value.
-    struct Span { int c, left; };
-    auto span = [&](int q) {
-        const int e = q * VEC;
-        const int c = quotient(e, HW, inv_hw);
-        return Span{c0 + c, (c + 1) * HW - e};
-    };
-    auto param = [&](const float* p, Span s, float fallback, float (&out)[2]) {
-        out[0] = p ? __ldg(p + s.c) : fallback;
-        out[1] = p && s.left < VEC ? __ldg(p + s.c + 1) : out[0];
-    };
-    auto lane = [](float4& v, int k) -> float& {
-        return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
-    };
-    // PRE: each value of a vector to tanh(pre_a[ch] * v + pre_b[ch]).
-    auto pre = [&](float4& v, Span s) {
-        if (PRE != ACT_TANH) return;
-        float a[2], b[2];
-        param(pre_a, s, 1.0f, a);
-        param(pre_b, s, 0.0f, b);
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-            const int j = k >= s.left;
-            lane(v, k) = tanhf(fmaf(a[j], lane(v, k), b[j]));
-        }
-    };
-    // f(q, v, span) for each vector q of src, 4 in flight per thread.
-    auto visit = [&](const float* src, auto&& f) {
-        for_each_vector<VEC, 4>(src, (int)threadIdx.x, n_vec, bd,
-                                [&](int q, float4& v) { f(q, v, span(q)); });
-    };
     float4 first = make_float4(xr[0], 0.0f, 0.0f, 0.0f);
-    pre(first, Span{c0, HW});
+    gn.pre(first, {gn.c0, HW});
     const float shift = first.x;
     float s1 = 0.0f, s2 = 0.0f;
-    visit(xr, [&](int q, float4& v, Span s) {
-        pre(v, s);
+    for_each_vector<VEC, 4>(xr, (int)threadIdx.x, gn.n_vec, (int)blockDim.x,
+                            [&](int q, float4& v) {
+        gn.pre(v, gn.span(q));
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
-            const float d = lane(v, k) - shift;
+            const float d = gn.lane(v, k) - shift;
             s1 += d;
             s2 = fmaf(d, d, s2);
         }
         if (CACHE) store_vec<VEC>(reinterpret_cast<float*>(cache), q, v);
     });
-    s1 = block_sum(s1, scratch);
-    s2 = block_sum(s2, scratch);
-    const float m1 = s1 / len;
-    const float mean = shift + m1;
-    const float rstd = rsqrtf(fmaxf(s2 / len - m1 * m1, 0.0f) + eps);
-    visit(CACHE ? reinterpret_cast<const float*>(cache) : xr, [&](int q, float4& v, Span s) {
-        if (!CACHE) pre(v, s);
-        float g[2], bt[2];
-        param(gamma, s, 1.0f, g);
-        param(beta, s, 0.0f, bt);
+    float mean, rstd;
+    row_moments(s1, s2, shift, len, eps, scratch, mean, rstd);
+    gn.normalize(CACHE ? reinterpret_cast<const float*>(cache) : xr, CACHE, y + row * len, mean,
+                 rstd);
+}
+
+// group_norm_rows (PRE, CACHE) for x stored channels-last, (N, HW, C), the output NCHW: pipeline
+// B's pooled extrema, which its channels-last fused pass writes with 16-byte stores. Each
+// thread reads 16-byte quads of the group's channels (Cg / 4 dividing 32, so a thread's quad
+// is fixed: its pre_a, pre_b are loaded once) and scatters them into the cached row in NCHW
+// order; the normalize step is group_norm_rows'. Needs C % 4 == 0 and x 16-byte aligned.
+template <int PRE, int VEC>
+__global__ void group_norm_rows_from_nhwc(const float* __restrict__ x, float* __restrict__ y,
+                                          const float* __restrict__ pre_a,
+                                          const float* __restrict__ pre_b,
+                                          const float* __restrict__ gamma,
+                                          const float* __restrict__ beta, int C, int G, int HW,
+                                          float eps) {
+    extern __shared__ float4 cache[];
+    float* row_cache = reinterpret_cast<float*>(cache);
+    __shared__ float scratch[32];
+    const int cg = C / G;
+    const int len = cg * HW;
+    const index_t row = blockIdx.x;
+    const index_t n = row / G;
+    const GroupNormRow<PRE, VEC> gn{pre_a, pre_b, gamma, beta, (int)(row % G) * cg, HW,
+                                    len / VEC, 1.0f / HW};
+    const int quads = cg / 4;
+    const int quad = threadIdx.x % quads, lanes = blockDim.x / quads;
+    const int cq = gn.c0 + 4 * quad;
+    float a[4], b[4];
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-            const int j = k >= s.left;
-            lane(v, k) = fmaf(g[j] * rstd, lane(v, k) - mean, bt[j]);
+    for (int k = 0; k < 4; ++k) {
+        a[k] = pre_a ? __ldg(pre_a + cq + k) : 1.0f;
+        b[k] = pre_b ? __ldg(pre_b + cq + k) : 0.0f;
+    }
+    const float* xs = x + n * HW * C + cq;
+    const float shift = GroupNormRow<PRE, VEC>::pre_value(
+        pre_a ? __ldg(pre_a + gn.c0) : 1.0f, pre_b ? __ldg(pre_b + gn.c0) : 0.0f,
+        x[n * HW * C + gn.c0]);
+    float s1 = 0.0f, s2 = 0.0f;
+    // Positions p = threadIdx.x / quads + lanes * i, 4 loads in flight.
+    for (int p0 = threadIdx.x / quads; p0 < HW; p0 += 4 * lanes) {
+        float4 v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+            if (p0 + u * lanes < HW)
+                v[u] = __ldg(reinterpret_cast<const float4*>(xs + (p0 + u * lanes) * C));
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int p = p0 + u * lanes;
+            if (p >= HW) break;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const float t = GroupNormRow<PRE, VEC>::pre_value(a[k], b[k], gn.lane(v[u], k));
+                const float d = t - shift;
+                s1 += d;
+                s2 = fmaf(d, d, s2);
+                row_cache[(4 * quad + k) * HW + p] = t;
+            }
         }
-        store_vec<VEC>(yr, q, v);
-    });
+    }
+    float mean, rstd;
+    row_moments(s1, s2, shift, len, eps, scratch, mean, rstd);  // its barriers order the cache
+    gn.normalize(row_cache, true, y + row * len, mean, rstd);
 }

@@ -397,9 +397,12 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nchw_bands(
 // instruction moves 4 values where the scalar kernel needs 4 (its channels-last pass was
 // issue-bound: SM ~70 %, DRAM ~40 %). Block (32, 8) per (n, 32-channel tile, split): bits 0-2
 // of threadIdx.x pick the channel quad, the other bits and threadIdx.y one of 32 position
-// lanes. Same arguments and outputs as pool_extremum_stats (k_runtime and sc unused). At most
-// 128 registers: two blocks per SM, so one block's staging barrier does not idle the SM.
-template <int K>
+// lanes. Same arguments and outputs as pool_extremum_stats (k_runtime and sc unused), except
+// that with EXT_CHANNELS_LAST ext is contiguous channels-last, (N, Ho, Wo, C), 16-byte
+// aligned: each thread stores its 4 pooled values as one float4, with no staging barrier
+// (pipeline B's GroupNorm reads it channels-last). At most 128 registers: two blocks per SM,
+// so one block's staging barrier does not idle the SM.
+template <int K, bool EXT_CHANNELS_LAST>
 __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float* __restrict__ y,
                                           const float* __restrict__ bias,
                                           const float* __restrict__ sign_a,
@@ -414,7 +417,7 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
     constexpr int STEP = 32;
     constexpr int SPAN = U * STEP;
     __shared__ float red[2][8][33];
-    __shared__ float stage[SPAN][33];
+    __shared__ float stage[EXT_CHANNELS_LAST ? 1 : SPAN][33];
     const int split = blockIdx.x % splits;
     const int tile = (blockIdx.x / splits) % c_tiles;
     const index_t n = blockIdx.x / ((index_t)splits * c_tiles);
@@ -467,18 +470,26 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
                     for (int h = h0; h < h0 + K; ++h)
                         for (int w = w0 + K; w < W; ++w) take(load4(h * sh + w * sw));
             }
-            // Stage the extrema; written position-contiguous below (coalesced).
+            if (EXT_CHANNELS_LAST) {
+                if (active && p < p_end)
+                    reinterpret_cast<float4*>(ext)[((n * P + p) * C + c0) / 4] = make_float4(
+                        quad_stats.pooled(e[0], 0), quad_stats.pooled(e[1], 1),
+                        quad_stats.pooled(e[2], 2), quad_stats.pooled(e[3], 3));
+            } else {  // stage the extrema; written position-contiguous below (coalesced)
 #pragma unroll
-            for (int q = 0; q < 4; ++q)
-                stage[lane + u * STEP][quad * 4 + q] = quad_stats.pooled(e[q], q);
+                for (int q = 0; q < 4; ++q)
+                    stage[lane + u * STEP][quad * 4 + q] = quad_stats.pooled(e[q], q);
+            }
         }
-        __syncthreads();
-        for (int i = threadIdx.y * 32 + threadIdx.x; i < 32 * SPAN; i += 256) {
-            const int ch = i / SPAN, q = i - ch * SPAN;
-            const int cg = tile * 32 + ch, p = base + q;
-            if (cg < C && p < p_end) ext[(n * C + cg) * (index_t)P + p] = stage[q][ch];
+        if (!EXT_CHANNELS_LAST) {
+            __syncthreads();
+            for (int i = threadIdx.y * 32 + threadIdx.x; i < 32 * SPAN; i += 256) {
+                const int ch = i / SPAN, q = i - ch * SPAN;
+                const int cg = tile * 32 + ch, p = base + q;
+                if (cg < C && p < p_end) ext[(n * C + cg) * (index_t)P + p] = stage[q][ch];
+            }
+            __syncthreads();
         }
-        __syncthreads();
     }
     // Reduce over the 32 position lanes of each channel: 4 in the warp (threadIdx.x bits 3-4),
     // then the 8 warps through shared memory.
@@ -614,128 +625,5 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_rows(
         float t1 = 0.0f, t2 = 0.0f;
         for (int j = 0; j < 8; ++j) { t1 += red[0][j][c]; t2 += red[1][j][c]; }
         partial[(n * C + c) * splits + split] = make_float2(t1, t2);
-    }
-}
-
-// pool_extremum_stats for a channels-last y whose samples are contiguous (sw = C, sh = W * C)
-// with C / 4 dividing 32 (C = 4 ... 128), sn % 4 == 0 and y 16-byte aligned. A window-row band
-// of a sample is K contiguous rows of W * C floats, so the block (256 threads, one sample,
-// splits over (band, column chunk) units) reads a chunk of it (K row segments, the last chunk
-// of a band running on to W: the dropped columns) as up to 256 * V float4, all in flight and
-// each 512-byte warp access contiguous. Thread t's float4 are all of channel quad t % (C / 4):
-// their sums come straight from the registers; the chunk goes to shared memory, where thread
-// t takes the window extrema of channel t % C (a warp reads consecutive channels), stages the
-// pooled values and the block writes them NCHW, runs of a chunk's columns per channel. Rows
-// below the last band (H % K) only enter the statistics, in the last split. Dynamic shared
-// memory: 256 * V float4 + (1024 * V / (K * K) + C) floats. Same arguments and outputs as
-// pool_extremum_stats (k_runtime, c_tiles = 1, sc, sh, sw unused).
-template <int K>
-__global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_bands(
-        const float* __restrict__ y, const float* __restrict__ bias,
-        const float* __restrict__ sign_a, const float* __restrict__ sign_b,
-        float* __restrict__ ext, float2* __restrict__ partial, float* __restrict__ shift_out,
-        int C, int H, int W, int k_runtime, int Ho, int Wo, int splits, int c_tiles, index_t sn,
-        index_t sc, int sh, int sw, int shift_group, int shift_per_sample) {
-    constexpr int V = 9;                  // float4 per thread and chunk: 36 registers
-    constexpr int OUT = (4 * V + K * K - 1) / (K * K);  // bound on a thread's pooled values
-    extern __shared__ float4 chunk_buf[];
-    const float* buf = reinterpret_cast<const float*>(chunk_buf);
-    float* staged = reinterpret_cast<float*>(chunk_buf + 256 * V);  // [C][pitch]
-    const int t = threadIdx.y * 32 + threadIdx.x;
-    const int split = blockIdx.x % splits;
-    const index_t n = blockIdx.x / splits;
-    const int quads = C / 4;
-    // Window columns per chunk: as many as fit, the last chunk holding the dropped columns
-    // too; then evened out over the band's chunks.
-    const int cols_fit = (256 * V - K * (W - Wo * K) * quads) / (K * K * quads);
-    const int col_chunks = (Wo + cols_fit - 1) / cols_fit;
-    const int cols_per = (Wo + col_chunks - 1) / col_chunks;
-    const int P = Ho * Wo;
-    ChannelStats<4> quad_stats(y, bias, sign_a, sign_b, shift_out, (t % quads) * 4, n, sn, 1,
-                               C, shift_group, shift_per_sample, split == 0 && t < quads);
-    const int c_out = t % C;  // this thread's extremum channel
-    const ChannelStats<1> out_channel(y, bias, sign_a, sign_b, shift_out, c_out, n, sn, 1, C,
-                                      shift_group, shift_per_sample, false);
-    const float* sample = y + n * sn;  // in-sample offsets are 32-bit
-    int u_begin, u_end;
-    split_range(Ho * col_chunks, splits, split, u_begin, u_end);
-    for (int u = u_begin; u < u_end; ++u) {
-        const int py = u / col_chunks, px0 = (u - py * col_chunks) * cols_per;
-        const int cols = min(cols_per, Wo - px0);
-        const int w0 = px0 * K, w1 = px0 + cols == Wo ? W : w0 + cols * K;
-        const int seg4 = (w1 - w0) * quads;  // float4 per row segment
-        const float inv_seg4 = 1.0f / seg4;
-        const float* src = sample + (py * K * W + w0) * C;
-        float4 v[V];
-#pragma unroll
-        for (int i = 0; i < V; ++i) {
-            const int f = t + 256 * i;
-            if (f < K * seg4) {
-                const int a = quotient(f, seg4, inv_seg4);
-                v[i] = __ldg(reinterpret_cast<const float4*>(src + a * W * C) + (f - a * seg4));
-            }
-        }
-        __syncthreads();  // the previous chunk's buffer and staged values are consumed
-#pragma unroll
-        for (int i = 0; i < V; ++i) {
-            const int f = t + 256 * i;
-            if (f < K * seg4) {
-                quad_stats.take(v[i]);
-                chunk_buf[f] = v[i];
-            }
-        }
-        __syncthreads();
-        const int pitch = cols | 1;  // odd: the staged writes below hit distinct banks
-#pragma unroll
-        for (int j = 0; j < OUT; ++j) {
-            const int o = t + 256 * j;  // channel o % C = c_out, column o / C
-            if (o < cols * C) {
-                const int pxl = o / C;
-                float e = -INFINITY;
-#pragma unroll
-                for (int a = 0; a < K; ++a)
-#pragma unroll
-                    for (int i = 0; i < K; ++i)
-                        e = fmaxf(e, out_channel.sgn[0]
-                                         * buf[a * 4 * seg4 + (pxl * K + i) * C + c_out]);
-                staged[c_out * pitch + pxl] = out_channel.pooled(e);
-            }
-        }
-        __syncthreads();
-        float* ext_row = ext + n * C * (index_t)P + py * Wo + px0;
-        for (int o = t; o < cols * C; o += 256) {
-            const int c = o / cols, pxl = o - c * cols;
-            ext_row[c * (index_t)P + pxl] = staged[c * pitch + pxl];
-        }
-    }
-    if (split == splits - 1) {
-        const float4* rest = reinterpret_cast<const float4*>(sample + Ho * K * W * C);
-        for (int f = t; f < (H - Ho * K) * W * quads; f += 256) quad_stats.take(__ldg(rest + f));
-    }
-    // Reduce over the threads of each channel quad: 32 / quads lanes per warp, then 8 warps
-    // through the chunk buffer (no longer read: the last chunk's barriers are behind us).
-    float (*red)[8][128] = reinterpret_cast<float (*)[8][128]>(chunk_buf);
-#pragma unroll
-    for (int off = quads; off < 32; off <<= 1)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            quad_stats.s1[q] += __shfl_xor_sync(0xffffffffu, quad_stats.s1[q], off);
-            quad_stats.s2[q] += __shfl_xor_sync(0xffffffffu, quad_stats.s2[q], off);
-        }
-    if (threadIdx.x < quads) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            red[0][threadIdx.y][threadIdx.x * 4 + q] = quad_stats.s1[q];
-            red[1][threadIdx.y][threadIdx.x * 4 + q] = quad_stats.s2[q];
-        }
-    }
-    __syncthreads();
-    if (t < C) {
-        float t1 = 0.0f, t2 = 0.0f;
-        for (int j = 0; j < 8; ++j) {
-            t1 += red[0][j][t];
-            t2 += red[1][j][t];
-        }
-        partial[(n * C + t) * splits + split] = make_float2(t1, t2);
     }
 }
