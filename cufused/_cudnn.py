@@ -14,6 +14,7 @@ fused kernels downstream read a channels-last or class-major output directly.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +32,11 @@ _state = threading.local()
 _plans: dict[tuple, ConvPlan] = {}
 _plans_lock = threading.Lock()
 # Plan-choice settings: autotuning on/off, and strategy labels to pin (tests), None for all.
-_config: dict[str, Any] = {"autotune": True, "pins": None}
+_config: dict[str, Any] = {"autotune": True, "pins": None, "replay": True}
+# CUDA graphs kept per plan (one per operand pointers and stream), and how many calls with the
+# same operands come before one is captured (a one-off call is not worth a capture).
+_MAX_REPLAYS = 8
+_CALLS_BEFORE_CAPTURE = 2
 
 
 def set_conv_autotune(enabled: bool) -> None:
@@ -56,18 +61,22 @@ def set_conv_autotune(enabled: bool) -> None:
 
 
 @contextlib.contextmanager
-def plan_options(*, autotune: bool | None = None, pins: tuple[str, ...] | None = None):
-    """Temporarily change how new plans are chosen.
+def plan_options(*, autotune: bool | None = None, pins: tuple[str, ...] | None = None,
+                 replay: bool | None = None):
+    """Temporarily change how new plans are chosen, and how plans run.
 
     ``pins`` restricts the strategies to those whose :attr:`Strategy.label` is listed (tests
     pin each one in turn); a problem that has none of them falls back to the direct method in
-    the pinned layouts.
+    the pinned layouts. ``replay=False`` runs every call through cuDNN directly instead of
+    replaying the CUDA graph captured for repeated operands (see :meth:`ConvPlan.run`).
     """
     saved = dict(_config)
     if autotune is not None:
         _config["autotune"] = autotune
     if pins is not None:
         _config["pins"] = tuple(pins)
+    if replay is not None:
+        _config["replay"] = replay
     try:
         yield
     finally:
@@ -439,6 +448,12 @@ class _Part:
                                          self.plan_index, handle=handle)
 
 
+def _launch_graph(graph, stream, buffers) -> None:
+    """Launch a captured plan on ``stream``; ``buffers`` (its workspace and prepared weight)
+    are only held here, so that they live as long as the graph that writes them."""
+    graph.launch(stream=stream)
+
+
 def _direct_executor(part: _Part):
     """The backend call that ``execute_plan_at_index`` ends in, resolved once.
 
@@ -473,6 +488,9 @@ class ConvPlan:
     milliseconds: float = float("nan")  # the convolution alone (strategy timing)
     cost: float = float("nan")  # with the caller's layout conversions
     candidates: dict = field(default_factory=dict)  # strategy label -> (ms, cost)
+    # CUDA graphs of warm calls (see run): operand key -> launcher; None after a failed capture
+    _replays: dict | None = field(default_factory=dict, repr=False)
+    _calls: dict = field(default_factory=dict, repr=False)  # calls per key not yet captured
 
     @property
     def x_layout(self) -> str:
@@ -497,22 +515,95 @@ class ConvPlan:
     def run(self, x, w, y, bias=None) -> None:
         """Run on ``x`` in ``x_layout``, the PyTorch-layout weight ``w`` and ``y`` from
         :meth:`empty_output` (or a contiguous NCHW array for an "nchw" plan); ``bias`` is used
-        only by a plan that has it inside its graph. Raw pointers, CuPy's current stream."""
+        only by a plan that has it inside its graph. Raw pointers, CuPy's current stream.
+
+        From the second call with the same operand pointers on a stream, the call replays a
+        CUDA graph of the whole plan (the weight preparation and every cuDNN execution): one
+        launch instead of the host work of each part, which for FFT and sub-pixel plans is
+        well over 100 us. The graph keeps its own workspace and prepared weight.
+        """
         cupy = import_cupy()
-        handle = _handle()
-        if self.weight_index is not None:
-            w = cupy.take(cupy.ascontiguousarray(w).ravel(), self.weight_index)
-        else:
-            w = _aligned(to_layout(w, self.x_layout))
         x, bias = _aligned(x), _aligned(bias)
-        # A raw workspace pointer: an array would take the DLPack route, whose stream
-        # synchronization breaks CUDA-graph capture.
+        if self.weight_index is not None or not stored_in(w, self.x_layout):
+            w = cupy.ascontiguousarray(w)
+        w = _aligned(w)
+        replay = self._replay(cupy, x, w, y, bias)
+        if replay is not None:
+            replay.launch()
+            return
         workspace = (cupy.empty(self.workspace_size, dtype=cupy.uint8)
                      if self.workspace_size else None)
+        self._execute(x, w, y, bias, self._weight_buffer(w), workspace)
+
+    def _weight_buffer(self, w):
+        """Where the prepared weight goes, or None where the graphs read ``w`` itself."""
+        if self.weight_index is not None:  # the gathered sub-kernels (subpixel)
+            return import_cupy().empty(self.weight_index.shape, dtype=numpy.float32)
+        return None if stored_in(w, self.x_layout) else empty_in_layout(w.shape, self.x_layout)
+
+    def _execute(self, x, w, y, bias, w_buffer, workspace) -> None:
+        """Prepare the weight ``w`` (contiguous, or already in ``x_layout``) into ``w_buffer``
+        and run every part."""
+        if self.weight_index is not None:
+            import_cupy().take(w.ravel(), self.weight_index, out=w_buffer)
+        elif w_buffer is not None:
+            transpose_channels(w, w_buffer, to_channels_last=True)
+        w = w if w_buffer is None else w_buffer
+        # Raw pointers: an array would take the DLPack route, whose stream synchronization
+        # breaks CUDA-graph capture.
         ws_ptr = 0 if workspace is None else workspace.data.ptr
         b_ptr = 0 if bias is None else bias.data.ptr
+        handle = _handle()
         for part in self.parts:
             part.execute(x.data.ptr, w.data.ptr, y.data.ptr, b_ptr, ws_ptr, handle)
+
+    def _replay(self, cupy, x, w, y, bias):
+        """The CUDA graph for these operands on the current stream: cached, captured now (on
+        their second call), or None (replay off, a capture in progress, a failed capture)."""
+        if not _config["replay"] or self._replays is None:
+            return None
+        stream = cupy.cuda.get_current_stream()
+        try:
+            if stream.is_capturing():  # the caller's capture records the cuDNN calls
+                return None
+        except Exception:  # noqa: BLE001 - the query is illegal during some global captures
+            return None
+        key = (stream.ptr, x.data.ptr, w.data.ptr, y.data.ptr,
+               0 if bias is None else bias.data.ptr)
+        replay = self._replays.get(key)
+        if replay is not None:
+            return replay
+        calls = self._calls.get(key, 0) + 1
+        if calls < _CALLS_BEFORE_CAPTURE:
+            if len(self._calls) >= 8 * _MAX_REPLAYS:
+                self._calls.clear()
+            self._calls[key] = calls
+            return None
+        self._calls.pop(key, None)
+        replay = self._capture(cupy, stream, x, w, y, bias)
+        if replay is not None:
+            if len(self._replays) >= _MAX_REPLAYS:
+                self._replays.pop(next(iter(self._replays)))  # the oldest
+            self._replays[key] = replay
+        return replay
+
+    def _capture(self, cupy, stream, x, w, y, bias):
+        """Capture :meth:`_execute` into a graph that launches on ``stream``."""
+        workspace = (cupy.empty(self.workspace_size, dtype=cupy.uint8)
+                     if self.workspace_size else None)
+        w_buffer = self._weight_buffer(w)
+        side = cupy.cuda.Stream(non_blocking=True)
+        try:
+            with side:
+                side.begin_capture()
+                try:
+                    self._execute(x, w, y, bias, w_buffer, workspace)
+                finally:
+                    graph = side.end_capture()
+        except Exception:  # noqa: BLE001 - an engine that cannot be captured runs directly
+            self._replays = None
+            return None
+        return functools.partial(_launch_graph, graph, stream, (workspace, w_buffer))
 
     def apply(self, x, w, *, bias=None, out=None, convert_output: bool = True):
         """The convolution of NCHW (or ``x_layout``) ``x``; returns ``(y, layout)``.

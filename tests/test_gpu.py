@@ -94,6 +94,56 @@ def test_conv_matches_reference(rng, case, precision, conv_pin):
     assert_close(got.get(), ref, TOL[precision])
 
 
+@pytest.mark.parametrize("case", [CONV_CASES[0], CONV_CASES[5], CONV_CASES[7]],
+                         ids=["2d", "2dT", "3dT"])
+def test_conv_plan_replays_graph(rng, case, conv_pin):
+    # From the second call with the same operands a plan replays a CUDA graph of its weight
+    # preparation and cuDNN calls; new values behind the same pointers (the weight included)
+    # must reach it, and it must match a direct run.
+    from cufused import _cudnn
+
+    nd, transposed, xs, ws, opts = case
+    fn = {(2, False): cufused.conv2d, (3, False): cufused.conv3d,
+          (2, True): cufused.conv_transpose2d, (3, True): cufused.conv_transpose3d}[nd, transposed]
+    xg, wg = to_gpu(rng.standard_normal(xs), rng.standard_normal(ws))
+    fn(xg, wg, **opts)
+    plan = [p for k, p in _cudnn._plans.items()
+            if k[1].x_shape == xs and k[1].precision == "ieee" and k[6] == (conv_pin,)][-1]
+    x = _cudnn.to_layout(xg, plan.x_layout)
+    y, direct = plan.empty_output(), plan.empty_output()
+    for _ in range(3):
+        plan.run(x, wg, y)
+    assert len(plan._replays) == 1
+    x[...] = cp.asarray(rng.standard_normal(xs), dtype=cp.float32)
+    wg[...] = cp.asarray(rng.standard_normal(ws), dtype=cp.float32)
+    y.fill(cp.nan)
+    plan.run(x, wg, y)  # a replay
+    with _cudnn.plan_options(replay=False):
+        plan.run(x, wg, direct)
+    assert len(plan._replays) == 1 and not cp.isnan(y).any()
+    assert_close(y.get(), direct.get(), 1e-6)
+
+
+def test_conv_capture_in_cuda_graph(rng, conv_pin):
+    # A caller's capture records the cuDNN calls themselves (no graph launch inside it), also
+    # after warm calls on that stream have captured the plan's own graph.
+    x, w = rng.standard_normal((3, 6, 7, 11)), rng.standard_normal((6, 5, 5, 5))
+    ref = cufused.conv_transpose2d(x, w, padding=1)
+    xg, wg = to_gpu(x, w)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        out = cp.empty(ref.shape, dtype=cp.float32)
+        for _ in range(3):
+            cufused.conv_transpose2d(xg, wg, padding=1, out=out)
+        stream.begin_capture()
+        cufused.conv_transpose2d(xg, wg, padding=1, out=out)
+        graph = stream.end_capture()
+        out.fill(cp.nan)
+        graph.launch()
+    stream.synchronize()
+    assert_close(out.get(), ref, TOL["ieee"])
+
+
 def test_conv_non_contiguous_input_and_stream(rng):
     x = rng.standard_normal((4, 3, 12, 10))
     w = rng.standard_normal((5, 3, 3, 3))

@@ -68,6 +68,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "group_norm_rows<1, true, 4>",
         "group_norm_rows<1, false, 1>",
         "group_norm_rows<1, false, 4>",
+        "group_norm_rows_from_nhwc<0, 1>",
+        "group_norm_rows_from_nhwc<0, 4>",
         "group_norm_rows_from_nhwc<1, 1>",
         "group_norm_rows_from_nhwc<1, 4>",
     ),

@@ -298,15 +298,17 @@ __global__ void group_norm_rows_from_nhwc(const float* __restrict__ x, float* __
         pre_a ? __ldg(pre_a + gn.c0) : 1.0f, pre_b ? __ldg(pre_b + gn.c0) : 0.0f,
         x[n * HW * C + gn.c0]);
     float s1 = 0.0f, s2 = 0.0f;
-    // Positions p = threadIdx.x / quads + lanes * i, 4 loads in flight.
-    for (int p0 = threadIdx.x / quads; p0 < HW; p0 += 4 * lanes) {
-        float4 v[4];
+    // Positions p = threadIdx.x / quads + lanes * i, UNROLL loads in flight (B's rows are
+    // 9 positions per thread: 2 rounds, not 3 of group_norm_rows' 4).
+    constexpr int UNROLL = 8;
+    for (int p0 = threadIdx.x / quads; p0 < HW; p0 += UNROLL * lanes) {
+        float4 v[UNROLL];
 #pragma unroll
-        for (int u = 0; u < 4; ++u)
+        for (int u = 0; u < UNROLL; ++u)
             if (p0 + u * lanes < HW)
                 v[u] = __ldg(reinterpret_cast<const float4*>(xs + (p0 + u * lanes) * C));
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
+        for (int u = 0; u < UNROLL; ++u) {
             const int p = p0 + u * lanes;
             if (p >= HW) break;
 #pragma unroll
