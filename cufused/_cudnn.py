@@ -529,7 +529,7 @@ class ConvPlan:
         w = _aligned(w)
         replay = self._replay(cupy, x, w, y, bias)
         if replay is not None:
-            replay.launch()
+            replay()
             return
         workspace = (cupy.empty(self.workspace_size, dtype=cupy.uint8)
                      if self.workspace_size else None)
