@@ -298,9 +298,9 @@ __global__ void group_norm_rows_from_nhwc(const float* __restrict__ x, float* __
         pre_a ? __ldg(pre_a + gn.c0) : 1.0f, pre_b ? __ldg(pre_b + gn.c0) : 0.0f,
         x[n * HW * C + gn.c0]);
     float s1 = 0.0f, s2 = 0.0f;
-    // Positions p = threadIdx.x / quads + lanes * i, UNROLL loads in flight (B's rows are
-    // 9 positions per thread: 2 rounds, not 3 of group_norm_rows' 4).
-    constexpr int UNROLL = 8;
+    // Positions p = threadIdx.x / quads + lanes * i, UNROLL loads in flight (8 measured
+    // slower on B: 72 registers, 3 blocks per SM instead of 4).
+    constexpr int UNROLL = 4;
     for (int p0 = threadIdx.x / quads; p0 < HW; p0 += UNROLL * lanes) {
         float4 v[UNROLL];
 #pragma unroll
