@@ -3,8 +3,13 @@ A, B and C in both precisions, with CUDA-graph replay of the plan on and off.
 
 Host time = wall time of issuing 20 back-to-back calls / 20, without synchronizing in between
 (the device work queues up behind them), median of 5 repeats, microseconds.
+``host_time.py profile CASE PRECISION`` prints where a warm call's host time goes (cProfile,
+the heuristic plan of the autotuner's usual strategy, so that no tuning runs first).
 """
 
+import cProfile
+import pstats
+import sys
 import time
 
 import cupy
@@ -48,9 +53,36 @@ def main():
                     call()
                     call()
                     times[replay] = host_us(call)
+            plans = [p for k, p in _cudnn._plans.items()
+                     if k[1].x_shape == xs and k[1].precision == precision]
+            graphs = ", ".join(f"{p.strategy.label}: "
+                               f"{'capture failed' if p._replays is None else len(p._replays)}"
+                               for p in plans)
             print(f"host_us {name} {precision}: replay {times[True]:.0f}, "
-                  f"direct {times[False]:.0f}", flush=True)
+                  f"direct {times[False]:.0f} (graphs per plan: {graphs})", flush=True)
+
+
+def profile(name, precision, calls=300):
+    fn, xs, ws, kw = CONVS[name]
+    rng = cupy.random.default_rng(0)
+    x, w = rng.random(xs, dtype=cupy.float32), rng.random(ws, dtype=cupy.float32)
+    label = {"A": "nchw", "B": "subpixel nchw", "C": "subpixel nchw"}[name]
+    with _cudnn.plan_options(autotune=False, pins=(label,)):
+        out = fn(x, w, precision=precision, **kw)
+        for _ in range(3):
+            fn(x, w, precision=precision, out=out, **kw)
+        cupy.cuda.Device().synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fn(x, w, precision=precision, out=out, **kw)
+        prof.disable()
+    cupy.cuda.Device().synchronize()
+    pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(16)
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["profile"]:
+        profile(sys.argv[2], sys.argv[3])
+    else:
+        main()
