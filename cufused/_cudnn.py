@@ -449,8 +449,8 @@ class _Part:
 
 
 def _launch_graph(graph, stream, buffers) -> None:
-    """Launch a captured plan on ``stream``; ``buffers`` (its workspace and prepared weight)
-    are only held here, so that they live as long as the graph that writes them."""
+    """Launch a captured plan on ``stream``; ``buffers`` (its workspace, prepared weight and
+    intermediates) are only held here, so that they live as long as the graph that uses them."""
     graph.launch(stream=stream)
 
 
@@ -522,28 +522,36 @@ class ConvPlan:
         launch instead of the host work of each part, which for FFT and sub-pixel plans is
         well over 100 us. The graph keeps its own workspace and prepared weight.
         """
-        cupy = import_cupy()
-        x, bias = _aligned(x), _aligned(bias)
+        x, w, bias = self._operands(x, w, bias)
+
+        def work(buffers):
+            self._execute(x, w, y, bias, *buffers)
+
+        self._launch("run", (x, w, y, bias), lambda: self._buffers(w), work)
+
+    def _operands(self, x, w, bias):
+        """16-byte aligned operands; ``w`` contiguous unless already stored in ``x_layout``."""
         if self.weight_index is not None or not stored_in(w, self.x_layout):
-            w = cupy.ascontiguousarray(w)
-        w = _aligned(w)
-        replay = self._replay(cupy, x, w, y, bias)
-        if replay is not None:
-            replay()
-            return
+            w = import_cupy().ascontiguousarray(w)
+        return _aligned(x), _aligned(w), _aligned(bias)
+
+    def _buffers(self, w):
+        """(where the prepared weight goes, or None where the graphs read ``w`` itself;
+        the workspace, or None)."""
+        cupy = import_cupy()
+        if self.weight_index is not None:  # the gathered sub-kernels (subpixel)
+            w_buffer = cupy.empty(self.weight_index.shape, dtype=numpy.float32)
+        elif stored_in(w, self.x_layout):
+            w_buffer = None
+        else:
+            w_buffer = empty_in_layout(w.shape, self.x_layout)
         workspace = (cupy.empty(self.workspace_size, dtype=cupy.uint8)
                      if self.workspace_size else None)
-        self._execute(x, w, y, bias, self._weight_buffer(w), workspace)
-
-    def _weight_buffer(self, w):
-        """Where the prepared weight goes, or None where the graphs read ``w`` itself."""
-        if self.weight_index is not None:  # the gathered sub-kernels (subpixel)
-            return import_cupy().empty(self.weight_index.shape, dtype=numpy.float32)
-        return None if stored_in(w, self.x_layout) else empty_in_layout(w.shape, self.x_layout)
+        return w_buffer, workspace
 
     def _execute(self, x, w, y, bias, w_buffer, workspace) -> None:
-        """Prepare the weight ``w`` (contiguous, or already in ``x_layout``) into ``w_buffer``
-        and run every part."""
+        """Prepare the weight ``w`` (see :meth:`_operands`) into ``w_buffer`` and run every
+        part."""
         if self.weight_index is not None:
             import_cupy().take(w.ravel(), self.weight_index, out=w_buffer)
         elif w_buffer is not None:
@@ -557,19 +565,30 @@ class ConvPlan:
         for part in self.parts:
             part.execute(x.data.ptr, w.data.ptr, y.data.ptr, b_ptr, ws_ptr, handle)
 
-    def _replay(self, cupy, x, w, y, bias):
-        """The CUDA graph for these operands on the current stream: cached, captured now (on
-        their second call), or None (replay off, a capture in progress, a failed capture)."""
+    def _launch(self, kind: str, operands, buffers, work) -> None:
+        """``work(buffers())`` on the current stream, or the replay of its CUDA graph: the
+        graph for (``kind``, the stream, the operands' pointers) once these have been seen
+        before, captured with buffers of its own that it keeps (``buffers`` allocates them;
+        ``work`` must not allocate)."""
+        replay = self._replay(kind, operands, buffers, work)
+        if replay is not None:
+            replay()
+        else:
+            work(buffers())
+
+    def _replay(self, kind, operands, buffers, work):
+        """The graph launcher for ``_launch``: cached, captured now (on the second call with
+        these operands), or None (replay off, a capture in progress, a failed capture)."""
         if not _config["replay"] or self._replays is None:
             return None
+        cupy = import_cupy()
         stream = cupy.cuda.get_current_stream()
         try:
             if stream.is_capturing():  # the caller's capture records the cuDNN calls
                 return None
         except Exception:  # noqa: BLE001 - the query is illegal during some global captures
             return None
-        key = (stream.ptr, x.data.ptr, w.data.ptr, y.data.ptr,
-               0 if bias is None else bias.data.ptr)
+        key = (kind, stream.ptr, *(0 if a is None else a.data.ptr for a in operands))
         replay = self._replays.get(key)
         if replay is not None:
             return replay
@@ -580,44 +599,54 @@ class ConvPlan:
             self._calls[key] = calls
             return None
         self._calls.pop(key, None)
-        replay = self._capture(cupy, stream, x, w, y, bias)
-        if replay is not None:
-            if len(self._replays) >= _MAX_REPLAYS:
-                self._replays.pop(next(iter(self._replays)))  # the oldest
-            self._replays[key] = replay
-        return replay
-
-    def _capture(self, cupy, stream, x, w, y, bias):
-        """Capture :meth:`_execute` into a graph that launches on ``stream``."""
-        workspace = (cupy.empty(self.workspace_size, dtype=cupy.uint8)
-                     if self.workspace_size else None)
-        w_buffer = self._weight_buffer(w)
+        kept = buffers()  # allocated on the caller's stream, outside the capture
         side = cupy.cuda.Stream(non_blocking=True)
         try:
             with side:
                 side.begin_capture()
                 try:
-                    self._execute(x, w, y, bias, w_buffer, workspace)
+                    work(kept)
                 finally:
                     graph = side.end_capture()
         except Exception:  # noqa: BLE001 - an engine that cannot be captured runs directly
             self._replays = None
             return None
-        return functools.partial(_launch_graph, graph, stream, (workspace, w_buffer))
+        replay = functools.partial(_launch_graph, graph, stream, kept)
+        if len(self._replays) >= _MAX_REPLAYS:
+            self._replays.pop(next(iter(self._replays)))  # the oldest
+        self._replays[key] = replay
+        return replay
 
     def apply(self, x, w, *, bias=None, out=None, convert_output: bool = True):
         """The convolution of NCHW (or ``x_layout``) ``x``; returns ``(y, layout)``.
 
         With ``convert_output`` the result is contiguous NCHW (``out`` if given) plus
         ``bias``; without it ``y`` is in the plan's output layout (for "nchw", ``out`` if given)
-        and ``bias`` must be None.
+        and ``bias`` must be None. A converted result replays one graph for the convolution
+        and the conversion (see :meth:`run`), whose intermediate output it keeps.
         """
         cupy = import_cupy()
         layout = self.layout
         xl = to_layout(x, self.x_layout)
+        in_graph = self.strategy.bias_in_graph
+        if layout != "nchw" and convert_output:
+            result = out if out is not None else cupy.empty(self.problem.y_shape,
+                                                             dtype=cupy.float32)
+            xl, w, run_bias = self._operands(xl, w, bias if in_graph else None)
+
+            def work(buffers):
+                w_buffer, workspace, y = buffers
+                self._execute(xl, w, y, run_bias, w_buffer, workspace)
+                if layout == "nhwc":  # the bias rides along with the transpose back
+                    transpose_channels(y, result, to_channels_last=False, bias=bias)
+                else:
+                    interleave_classes(y, result, bias)
+
+            self._launch("apply", (xl, w, bias, result),
+                         lambda: (*self._buffers(w), self.empty_output()), work)
+            return result, "nchw"
         direct_out = layout == "nchw" and out is not None and out.data.ptr % 16 == 0
         y = out if direct_out else self.empty_output()
-        in_graph = self.strategy.bias_in_graph
         self.run(xl, w, y, bias if in_graph else None)
         if layout == "nchw":
             if convert_output and bias is not None and not in_graph:
@@ -625,16 +654,7 @@ class ConvPlan:
             if out is not None and not direct_out:
                 out[...] = y
                 y = out
-            return y, layout
-        if not convert_output:
-            return y, layout
-        result = out if out is not None else cupy.empty(self.problem.y_shape,
-                                                         dtype=cupy.float32)
-        if layout == "nhwc":  # the bias rides along with the transpose back: no extra pass
-            transpose_channels(y, result, to_channels_last=False, bias=bias)
-        else:
-            interleave_classes(y, result, bias)
-        return result, "nchw"
+        return y, layout
 
 
 def _time_ms(fn, repeat: int = 5, batch: int = 3) -> float:

@@ -122,6 +122,16 @@ def test_conv_plan_replays_graph(rng, case, conv_pin):
         plan.run(x, wg, direct)
     assert len(plan._replays) == 1 and not cp.isnan(y).any()
     assert_close(y.get(), direct.get(), 1e-6)
+    # Public calls replay the convolution together with its conversion to NCHW.
+    out = cp.empty(plan.problem.y_shape, dtype=cp.float32)
+    for _ in range(3):
+        fn(xg, wg, out=out, **opts)
+    x_new, w_new = rng.standard_normal(xs), rng.standard_normal(ws)
+    xg[...], wg[...] = to_gpu(x_new, w_new)
+    out.fill(cp.nan)
+    fn(xg, wg, out=out, **opts)
+    assert len(plan._replays) >= 2
+    assert_close(out.get(), fn(x_new, w_new, **opts), TOL["ieee"])
 
 
 def test_conv_capture_in_cuda_graph(rng, conv_pin):
