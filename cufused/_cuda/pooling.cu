@@ -184,6 +184,25 @@ struct ChannelStats {
     }
 };
 
+// Write a (32, 8) block's staged window extrema, stage[q][ch] for positions base + q
+// (q < SPAN) and channels c0 + ch (ch < channels), to the NCHW ext, position-contiguous per
+// channel (coalesced); the barriers order the staging before and the next staging after it.
+// (The window-row kernel keeps its own loop: this one's channel bound costs it a spill on
+// sm_80.)
+template <int SPAN, int ROWS, int PITCH>
+__device__ __forceinline__ void write_staged_extrema(const float (&stage)[ROWS][PITCH],
+                                                     float* __restrict__ ext, index_t n, int C,
+                                                     int P, int c0, int channels, int base,
+                                                     int p_end) {
+    __syncthreads();
+    for (int i = threadIdx.y * 32 + threadIdx.x; i < channels * SPAN; i += 256) {  // (32, 8)
+        const int ch = i / SPAN, q = i - ch * SPAN;
+        const int c = c0 + ch, p = base + q;
+        if (c < C && p < p_end) ext[(n * C + c) * (index_t)P + p] = stage[q][ch];
+    }
+    __syncthreads();
+}
+
 // One read of a convolution output y (logical N, C, H, W; any strides) yields, for
 // non-overlapping k x k pooling windows (stride == k, no padding):
 //  * ext[n, c, ph, pw] (contiguous NCHW): the window max of y + bias[c], or the window min where
@@ -292,13 +311,7 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
             // bottleneck the L2).
 #pragma unroll
             for (int u = 0; u < U; ++u) stage[threadIdx.y + u * STEP][threadIdx.x] = e_out[u];
-            __syncthreads();
-            for (int i = threadIdx.y * 32 + threadIdx.x; i < 32 * SPAN; i += 256) {
-                const int ch = i / SPAN, q = i - ch * SPAN;
-                const int cg = tile * 32 + ch, p = base + q;
-                if (cg < C && p < p_end) ext[(n * C + cg) * (index_t)P + p] = stage[q][ch];
-            }
-            __syncthreads();
+            write_staged_extrema<SPAN>(stage, ext, n, C, P, tile * 32, 32, base, p_end);
         }
     }
     float s1 = stats.s1[0], s2 = stats.s2[0];
@@ -483,15 +496,8 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
                     stage[lane + u * STEP][quad * 4 + q] = quad_stats.pooled(e[q], q);
             }
         }
-        if (!EXT_CHANNELS_LAST) {
-            __syncthreads();
-            for (int i = threadIdx.y * 32 + threadIdx.x; i < 32 * SPAN; i += 256) {
-                const int ch = i / SPAN, q = i - ch * SPAN;
-                const int cg = tile * 32 + ch, p = base + q;
-                if (cg < C && p < p_end) ext[(n * C + cg) * (index_t)P + p] = stage[q][ch];
-            }
-            __syncthreads();
-        }
+        if (!EXT_CHANNELS_LAST)
+            write_staged_extrema<SPAN>(stage, ext, n, C, P, tile * 32, 32, base, p_end);
     }
     // Reduce over the 32 position lanes of each channel: 4 in the warp (threadIdx.x bits 3-4),
     // then the 8 warps through shared memory.
