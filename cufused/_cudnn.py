@@ -150,11 +150,13 @@ def empty_in_layout(shape: tuple[int, ...], layout: str):
     return physical.transpose(0, nd - 1, *range(1, nd - 1))
 
 
-def transpose_channels(src, dst, *, to_channels_last: bool, bias=None) -> None:
+def transpose_channels(src, dst, *, to_channels_last: bool, bias=None, affine=None) -> None:
     """Copy contiguous NC(D)HW ``src`` to channels-last ``dst`` or back (+ ``bias[c]``).
 
     Both arrays have the same logical shape; ``src``'s memory is in the source layout and
-    ``dst``'s in the other one. One tiled-transpose kernel, coalesced on both sides.
+    ``dst``'s in the other one. One tiled-transpose kernel, coalesced on both sides. Back to
+    NC(D)HW, ``affine = (scale, shift, lo, hi)`` instead writes
+    ``clip(scale[n, c] * src + shift[n, c], lo, hi)`` (scale, shift: N * C values).
     """
     from ._cuda import get_kernel, launch_1d, optional
 
@@ -170,12 +172,24 @@ def transpose_channels(src, dst, *, to_channels_last: bool, bias=None) -> None:
         launch_1d(get_kernel("layout.cu", "nchw_to_nhwc8"), n * (c // 8) * s,
                   (src, dst, numpy.int64(n), numpy.int32(c), numpy.int64(s)))
         return
+    if affine is not None:
+        scale, shift, lo, hi = affine
+        epilogue = 2
+    else:
+        scale, shift, lo, hi = None, bias, 0.0, 0.0
+        epilogue = 0 if bias is None else 1
     if a * b >= 2**31:  # the kernel's per-sample offsets are 32-bit
+        if affine is not None:
+            raise ValueError(f"one sample has {a * b} elements; the transposing affine "
+                             "supports fewer than 2**31")
         dst[...] = src
+        if bias is not None:
+            add_channel_bias(dst, bias)
         return
-    kernel = get_kernel("layout.cu", f"transpose_batched<{'false' if bias is None else 'true'}>")
-    kernel((-(-b // 128), -(-a // 32), min(n, 65535)), (32, 8),
-           (src, dst, optional(bias), numpy.int64(n), numpy.int64(a), numpy.int64(b)))
+    get_kernel("layout.cu", f"transpose_batched<{epilogue}>")(
+        (-(-b // 128), -(-a // 32), min(n, 65535)), (32, 8),
+        (src, dst, optional(scale), optional(shift), numpy.float32(lo), numpy.float32(hi),
+         numpy.int64(n), numpy.int64(a), numpy.int64(b)))
 
 
 def stored_in(a, layout: str) -> bool:

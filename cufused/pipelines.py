@@ -32,7 +32,7 @@ from ._arrays import (Size, check_float_dtype, check_ndim, check_out, check_scal
                       finish_numpy, get_array_module, ntuple, per_channel)
 from ._cuda import get_kernel, optional
 from ._precision import resolve_precision
-from ._cudnn import empty_in_layout, stored_in
+from ._cudnn import empty_in_layout, stored_in, transpose_channels
 from .convolution import (check_conv_args, conv2d, conv_on_gpu, conv_transpose2d,
                           conv_transpose3d, gpu_conv_layout)
 from .normalization import (_affine_apply, batch_norm, bn_coefficients, check_num_groups,
@@ -79,6 +79,14 @@ def _fused_pass_variants(y, pool: int) -> dict:
             "bands": bands}
 
 
+def _extrema_channels_last(y, pool: int) -> bool:
+    """Whether the fused pass over ``y`` (channels-last) runs a variant that stores the pooled
+    extrema channels-last without staging them (its default "vec4" for pool 2, "rows" for
+    pool 4): the pipelines then give it a channels-last ext and transpose in the next pass."""
+    usable = _fused_pass_variants(y, pool)
+    return (pool == 2 and usable["vec4"]) or (pool == 4 and usable["rows"])
+
+
 def _pool_extremum_stats(cupy, y, ext, pool: int, *, bias, sign_a, sign_b, shift_group: int,
                          per_sample: bool, variant: str | None = None):
     """Launch the fused window-extremum + statistics pass; return (partial, shift, splits).
@@ -107,8 +115,10 @@ def _pool_extremum_stats(cupy, y, ext, pool: int, *, bias, sign_a, sign_b, shift
     elif not usable[variant]:
         raise ValueError(f"kernel variant {variant!r} does not apply to this input")
     ext_channels_last = stored_in(ext, "nhwc")
-    if ext_channels_last and not (variant == "vec4" and fixed == 2 and ext.data.ptr % 16 == 0):
-        raise ValueError("a channels-last ext needs the 'vec4' variant with pool 2")
+    if ext_channels_last and not ((variant, fixed) in (("vec4", 2), ("rows", 4))
+                                  and ext.data.ptr % 16 == 0):
+        raise ValueError("a channels-last ext needs the 'vec4' variant with pool 2 or the "
+                         "'rows' variant with pool 4")
     lanes = 8 if channels_last and variant == "scalar" else 16 if variant == "rows" else 32
     c_tiles = 1 if variant == "rows" else -(-c // (32 if channels_last else 8))
     units = ho if variant == "bands" else -(-ho * wo // lanes)  # what splits divide
@@ -122,7 +132,8 @@ def _pool_extremum_stats(cupy, y, ext, pool: int, *, bias, sign_a, sign_b, shift
     sn, sc, sh, sw = numpy.int64(sn), numpy.int64(sc), numpy.int32(sh), numpy.int32(sw)
     i32 = numpy.int32
     if variant == "rows":
-        kernel = get_kernel("pooling.cu", f"pool_extremum_stats_nhwc_rows<{fixed}, {rows_t}>")
+        kernel = get_kernel("pooling.cu", f"pool_extremum_stats_nhwc_rows<{fixed}, {rows_t}, "
+                                          f"{str(ext_channels_last).lower()}>")
     elif variant == "bands":
         kernel = get_kernel("pooling.cu", f"pool_extremum_stats_nchw_bands<{fixed}>")
     elif variant == "vec4":
@@ -258,8 +269,11 @@ def conv2d_groupnorm_scale_maxpool_clamp(
     y, _ = conv_on_gpu(x, weight, args, precision, convert_output=False)
     n, _, h, w = y.shape
     cg = c // num_groups
+    # From a channels-last conv output the pass stores the extrema channels-last and the
+    # affine pass transposes them into out.
+    ext = empty_in_layout(out.shape, "nhwc") if _extrema_channels_last(y, k) else out
     partial, shift, splits = _pool_extremum_stats(
-        xp, y, out, k, bias=conv_bias, sign_a=gn_weight, sign_b=scale, shift_group=cg,
+        xp, y, ext, k, bias=conv_bias, sign_a=gn_weight, sign_b=scale, shift_group=cg,
         per_sample=True)
     coef = xp.empty((2, n * c), dtype=xp.float32)
     get_kernel("normalization.cu", "stats_finalize<0>")(
@@ -268,7 +282,10 @@ def conv2d_groupnorm_scale_maxpool_clamp(
          numpy.float64(cg * h * w), optional(gn_weight), optional(gn_bias), scale, coef[0],
          coef[1], numpy.int32(c), numpy.int32(num_groups), numpy.float32(eps), numpy.int32(1),
          numpy.uint64(0), numpy.uint64(0), numpy.uint64(0), numpy.float32(0)))
-    _affine_apply(xp, out, out, coef[0], coef[1], pooled[0] * pooled[1], n * c, 2, lo, hi)
+    if ext is out:
+        _affine_apply(xp, out, out, coef[0], coef[1], pooled[0] * pooled[1], n * c, 2, lo, hi)
+    else:
+        transpose_channels(ext, out, to_channels_last=False, affine=(coef[0], coef[1], lo, hi))
     return out
 
 
@@ -398,7 +415,7 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     # From a channels-last conv output the pass stores the pooled extrema channels-last with
     # 16-byte stores, and the GroupNorm transposes them (in shared memory) into out.
     ext = out
-    if (k == 2 and _fused_pass_variants(y, k)["vec4"]
+    if (k == 2 and _extrema_channels_last(y, k)
             and reads_channels_last(c, num_groups, pooled[0] * pooled[1])):
         ext = empty_in_layout(shape, "nhwc")
     partial, shift, splits = _pool_extremum_stats(

@@ -422,6 +422,26 @@ def test_pipeline_c(rng, layout, method, precision, clamp):
     assert rel_err(out.get(), ref) < 10 * TOL[precision]
 
 
+def test_transpose_channels_affine(rng):
+    # Channels-last -> NCHW with clamp(scale[n, c] * v + shift[n, c]): 37 channels (partial
+    # tiles), NaN kept, bounds applied.
+    from cufused._cudnn import empty_in_layout, transpose_channels
+
+    n, c, h, w = 3, 37, 5, 7
+    x = rng.standard_normal((n, c, h, w))
+    x[1, 4, 2, 3] = np.nan
+    scale, shift = rng.standard_normal((n, c)), rng.standard_normal((n, c))
+    src = empty_in_layout(x.shape, "nhwc")
+    src[...] = cp.asarray(x, dtype=cp.float32)
+    out = poisoned(x.shape)
+    transpose_channels(src, out, to_channels_last=False,
+                       affine=(*to_gpu(scale.ravel(), shift.ravel()), -0.5, 0.75))
+    ref = np.clip(scale[:, :, None, None] * x + shift[:, :, None, None], -0.5, 0.75)
+    got = out.get()
+    assert np.array_equal(np.isnan(got), np.isnan(ref))
+    assert_close(np.nan_to_num(got), np.nan_to_num(ref), 1e-6)
+
+
 def test_pipeline_b_odd_group_rows(rng, layout):
     # One channel of 5 * 5 pooled values per group: rows too short for 16-byte accesses.
     arrays, opts = pipeline_b_args(rng, h=8, w=8, cout=8, groups=8)
@@ -434,9 +454,10 @@ def test_pipeline_b_odd_group_rows(rng, layout):
 @pytest.mark.parametrize("layout,pool,c,h,w,variants", [
     ("nchw", 2, 12, 22, 18, ["bands"]),
     ("nchw", 4, 12, 22, 18, ["bands"]),
-    # Channels-last: 1 to 32 channel quads per warp; "vec4>nhwc" writes ext channels-last.
+    # Channels-last: 1 to 32 channel quads per warp; ">nhwc" writes ext channels-last.
     ("nhwc", 2, 128, 9, 41, ["vec4", "vec4>nhwc", "rows"]),
-    ("nhwc", 4, 64, 13, 30, ["vec4", "rows"]),
+    ("nhwc", 4, 64, 13, 30, ["vec4", "rows", "rows>nhwc"]),
+    ("nhwc", 4, 32, 9, 10, ["rows", "rows>nhwc"]),
     ("nhwc", 4, 16, 22, 18, ["vec4"]),
     ("nhwc", 2, 4, 6, 7, ["vec4", "vec4>nhwc"]),
 ])

@@ -1,15 +1,22 @@
 // Layout conversion between NC(D)HW and channels-last, viewed as batched matrix transposes.
 #include "common.cuh"
 
-// out[n, b, a] = in[n, a, b] (+ bias[b]) for in of shape (N, A, B), out (N, B, A), both
+// What transpose_batched does to each value on its way out: nothing, + bias[b], or pipeline
+// A's GroupNorm affine and clamp, clamp(scale[n, b] * v + shift[n, b], lo, hi).
+#define EPILOGUE_NONE 0
+#define EPILOGUE_BIAS 1
+#define EPILOGUE_AFFINE_CLAMP 2
+
+// out[n, b, a] = epilogue(in[n, a, b]) for in of shape (N, A, B), out (N, B, A), both
 // contiguous, A * B < 2**31 (offsets within one sample are 32-bit). A block moves a 32 x 128
 // tile through shared memory: 16 loads per thread in flight, reads and writes coalesced.
-// NCHW -> NHWC is (A, B) = (C, H*W); NHWC -> NCHW with the convolution bias is (H*W, C).
-// Grid (ceil(B / 128), ceil(A / 32), min(N, 65535)), block (32, 8).
-template <bool BIAS>
+// NCHW -> NHWC is (A, B) = (C, H*W); NHWC -> NCHW with the convolution bias or the affine is
+// (H*W, C). Grid (ceil(B / 128), ceil(A / 32), min(N, 65535)), block (32, 8).
+template <int EPILOGUE>
 __global__ void transpose_batched(const float* __restrict__ in, float* __restrict__ out,
-                                  const float* __restrict__ bias, index_t N, index_t A,
-                                  index_t B) {
+                                  const float* __restrict__ scale,
+                                  const float* __restrict__ shift, float lo, float hi,
+                                  index_t N, index_t A, index_t B) {
     __shared__ float tile[4][32][33];
     const int b0 = blockIdx.x * 128, a0 = blockIdx.y * 32;
     const int a_len = (int)A, b_len = (int)B;
@@ -34,8 +41,13 @@ __global__ void transpose_batched(const float* __restrict__ in, float* __restric
             for (int k = 0; k < 4; ++k) {
                 const int j = threadIdx.y + 8 * k;
                 const int b = b0 + t * 32 + j;
-                if (a < a_len && b < b_len)
-                    dst[b * a_len + a] = tile[t][threadIdx.x][j] + (BIAS ? bias[b] : 0.0f);
+                if (a < a_len && b < b_len) {
+                    float v = tile[t][threadIdx.x][j];
+                    if (EPILOGUE == EPILOGUE_BIAS) v += shift[b];
+                    if (EPILOGUE == EPILOGUE_AFFINE_CLAMP)
+                        v = clamp_nan(fmaf(scale[n * B + b], v, shift[n * B + b]), lo, hi);
+                    dst[b * a_len + a] = v;
+                }
             }
         }
         __syncthreads();

@@ -533,17 +533,19 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
 // j = l + 32 t (t < T = K * C / 128) of a row: channel quad l % (C / 4), column j / (C / 4);
 // needs C / 4 to divide 32, T >= 1, and 16-byte alignment. The lanes of one channel quad
 // combine their extrema and sums through shuffles. Block (32, 8), grid N * splits, all C
-// channels per block (c_tiles = 1); same arguments and outputs as pool_extremum_stats.
-template <int K, int T>
+// channels per block (c_tiles = 1); same arguments and outputs as pool_extremum_stats, except
+// that with EXT_CHANNELS_LAST ext is contiguous channels-last (N, Ho, Wo, C), 16-byte aligned:
+// the first C / 4 lanes store a position's extrema as float4, with no staging barrier.
+template <int K, int T, bool EXT_CHANNELS_LAST, int UU = 0>
 __global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_rows(
         const float* __restrict__ y, const float* __restrict__ bias,
         const float* __restrict__ sign_a, const float* __restrict__ sign_b,
         float* __restrict__ ext, float2* __restrict__ partial, float* __restrict__ shift_out,
         int C, int H, int W, int k_runtime, int Ho, int Wo, int splits, int c_tiles, index_t sn,
         index_t sc, int sh, int sw, int shift_group, int shift_per_sample) {
-    constexpr int U = 2;  // positions per warp and iteration: 2 * K * T loads in flight
+    constexpr int U = UU ? UU : 2;  // positions per warp and iteration: U * K * T loads in flight
     constexpr int SPAN = 8 * U;
-    __shared__ float stage[SPAN][129];
+    __shared__ float stage[EXT_CHANNELS_LAST ? 1 : SPAN][129];
     __shared__ float red[2][8][128];
     const int split = blockIdx.x % splits;
     const index_t n = blockIdx.x / splits;
@@ -602,17 +604,26 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_rows(
                 for (int q = 0; q < 4; ++q)
                     e[q] = fmaxf(e[q], __shfl_xor_sync(0xffffffffu, e[q], off));
             if (lane < quads) {
+                if (EXT_CHANNELS_LAST) {
+                    if (p < p_end)
+                        reinterpret_cast<float4*>(ext)[((n * P + p) * C + c0) / 4] = make_float4(
+                            quad_stats.pooled(e[0], 0), quad_stats.pooled(e[1], 1),
+                            quad_stats.pooled(e[2], 2), quad_stats.pooled(e[3], 3));
+                } else {
 #pragma unroll
-                for (int q = 0; q < 4; ++q)
-                    stage[warp * U + u][c0 + q] = quad_stats.pooled(e[q], q);
+                    for (int q = 0; q < 4; ++q)
+                        stage[warp * U + u][c0 + q] = quad_stats.pooled(e[q], q);
+                }
             }
         }
-        __syncthreads();
-        for (int i = warp * 32 + lane; i < C * SPAN; i += 256) {
-            const int ch = i / SPAN, q = i - ch * SPAN;
-            if (base + q < p_end) ext[(n * C + ch) * (index_t)P + base + q] = stage[q][ch];
+        if (!EXT_CHANNELS_LAST) {
+            __syncthreads();
+            for (int i = warp * 32 + lane; i < C * SPAN; i += 256) {
+                const int ch = i / SPAN, q = i - ch * SPAN;
+                if (base + q < p_end) ext[(n * C + ch) * (index_t)P + base + q] = stage[q][ch];
+            }
+            __syncthreads();
         }
-        __syncthreads();
     }
 #pragma unroll
     for (int off = quads; off < 32; off <<= 1)
