@@ -186,8 +186,9 @@ def transpose_channels(src, dst, *, to_channels_last: bool, bias=None, affine=No
         if bias is not None:
             add_channel_bias(dst, bias)
         return
-    get_kernel("layout.cu", f"transpose_batched<{epilogue}>")(
-        (-(-b // 128), -(-a // 32), min(n, 65535)), (32, 8),
+    tiles = 4 if b > 64 else 2 if b > 32 else 1  # 32-wide tiles along b per block
+    get_kernel("layout.cu", f"transpose_batched<{epilogue}, {tiles}>")(
+        (-(-b // (32 * tiles)), -(-a // 32), min(n, 65535)), (32, 8),
         (src, dst, optional(scale), optional(shift), numpy.float32(lo), numpy.float32(hi),
          numpy.int64(n), numpy.int64(a), numpy.int64(b)))
 

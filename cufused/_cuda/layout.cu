@@ -8,23 +8,25 @@
 #define EPILOGUE_AFFINE_CLAMP 2
 
 // out[n, b, a] = epilogue(in[n, a, b]) for in of shape (N, A, B), out (N, B, A), both
-// contiguous, A * B < 2**31 (offsets within one sample are 32-bit). A block moves a 32 x 128
-// tile through shared memory: 16 loads per thread in flight, reads and writes coalesced.
-// NCHW -> NHWC is (A, B) = (C, H*W); NHWC -> NCHW with the convolution bias or the affine is
-// (H*W, C). Grid (ceil(B / 128), ceil(A / 32), min(N, 65535)), block (32, 8).
-template <int EPILOGUE>
+// contiguous, A * B < 2**31 (offsets within one sample are 32-bit). A block moves a 32 x
+// (32 * TILES) tile through shared memory: 4 * TILES loads per thread in flight, reads and
+// writes coalesced. TILES = 4 unless B is short (pipeline A's 64 channels: 2; a 128-wide tile
+// left half the threads idle at 1.3 TB/s). NCHW -> NHWC is (A, B) = (C, H*W); NHWC -> NCHW
+// with the convolution bias or the affine is (H*W, C).
+// Grid (ceil(B / (32 * TILES)), ceil(A / 32), min(N, 65535)), block (32, 8).
+template <int EPILOGUE, int TILES>
 __global__ void transpose_batched(const float* __restrict__ in, float* __restrict__ out,
                                   const float* __restrict__ scale,
                                   const float* __restrict__ shift, float lo, float hi,
                                   index_t N, index_t A, index_t B) {
-    __shared__ float tile[4][32][33];
-    const int b0 = blockIdx.x * 128, a0 = blockIdx.y * 32;
+    __shared__ float tile[TILES][32][33];
+    const int b0 = blockIdx.x * 32 * TILES, a0 = blockIdx.y * 32;
     const int a_len = (int)A, b_len = (int)B;
     for (index_t n = blockIdx.z; n < N; n += gridDim.z) {
         const float* src = in + n * A * B;
         float* dst = out + n * A * B;
 #pragma unroll
-        for (int t = 0; t < 4; ++t) {
+        for (int t = 0; t < TILES; ++t) {
             const int b = b0 + t * 32 + threadIdx.x;
 #pragma unroll
             for (int k = 0; k < 4; ++k) {  // a constant trip count keeps all 16 loads in flight
@@ -36,7 +38,7 @@ __global__ void transpose_batched(const float* __restrict__ in, float* __restric
         __syncthreads();
         const int a = a0 + threadIdx.x;
 #pragma unroll
-        for (int t = 0; t < 4; ++t) {
+        for (int t = 0; t < TILES; ++t) {
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 const int j = threadIdx.y + 8 * k;
