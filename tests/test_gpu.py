@@ -422,6 +422,23 @@ def test_pipeline_c(rng, layout, method, precision, clamp):
     assert rel_err(out.get(), ref) < 10 * TOL[precision]
 
 
+def test_tanh_accuracy():
+    # The kernels' branch-free tanh (through batch_norm's inference affine, a = 1, b = 0):
+    # both sides of its 0.25 cutoff, tiny and saturated values, +-inf and NaN.
+    x = np.concatenate([np.linspace(-12.0, 12.0, 400_001), [0.2499999, 0.25, 0.2500001],
+                        [1e-30, -1e-8, 3e-4, np.inf, -np.inf, np.nan]]).astype(np.float32)
+    xg = cp.asarray(x.reshape(1, 1, -1))
+    ones, zeros = cp.ones(1, dtype=cp.float32), cp.zeros(1, dtype=cp.float32)
+    got = cufused.batch_norm(xg, ones, zeros, running_mean=zeros, running_var=ones, eps=0.0,
+                             training=False, activation="tanh").get().ravel()
+    ref = np.tanh(x.astype(np.float64))
+    assert np.array_equal(np.isnan(got), np.isnan(ref))
+    finite = ~np.isnan(ref)
+    assert np.abs(got[finite] - ref[finite]).max() < 2e-7
+    nonzero = finite & (ref != 0)
+    assert (np.abs(got[nonzero] - ref[nonzero]) / np.abs(ref[nonzero])).max() < 6e-7
+
+
 def test_transpose_channels_affine(rng):
     # Channels-last -> NCHW with clamp(scale[n, c] * v + shift[n, c]): 37 channels (partial
     # tiles), NaN kept, bounds applied.

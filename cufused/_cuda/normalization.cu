@@ -110,7 +110,7 @@ __global__ void stats_finalize(const float2* __restrict__ partial, const float* 
 
 template <int ACT>
 __device__ __forceinline__ float activate(float v, float lo, float hi) {
-    if (ACT == ACT_TANH) return tanhf(v);
+    if (ACT == ACT_TANH) return tanh_branchless(v);
     if (ACT == ACT_CLAMP) return clamp_nan(v, lo, hi);
     return v;
 }
@@ -184,7 +184,7 @@ struct GroupNormRow {
     }
 
     __device__ static float pre_value(float a, float b, float v) {
-        return PRE == ACT_TANH ? tanhf(fmaf(a, v, b)) : v;
+        return PRE == ACT_TANH ? tanh_branchless(fmaf(a, v, b)) : v;
     }
 
     __device__ void pre(float4& v, Span s) const {
