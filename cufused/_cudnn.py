@@ -60,6 +60,29 @@ def set_conv_autotune(enabled: bool) -> None:
     _config["autotune"] = bool(enabled)
 
 
+def set_conv_graph_replay(enabled: bool) -> None:
+    """Switch the CUDA-graph replay of warm convolution calls on (default) or off.
+
+    From the second call with the same operand pointers on a stream, a convolution replays one
+    CUDA graph of its cuDNN calls, weight preparation and output conversion instead of issuing
+    each again: 28-34 us of host time per call instead of 47-213 us for the canonical
+    convolutions on an H200. Each graph keeps its own workspace (up to 8 graphs per plan).
+    A call made while the stream is being captured always runs directly.
+
+    Parameters
+    ----------
+    enabled : bool
+        Whether warm calls replay graphs.
+
+    Examples
+    --------
+    >>> import cufused
+    >>> cufused.set_conv_graph_replay(False)
+    >>> cufused.set_conv_graph_replay(True)
+    """
+    _config["replay"] = bool(enabled)
+
+
 @contextlib.contextmanager
 def plan_options(*, autotune: bool | None = None, pins: tuple[str, ...] | None = None,
                  replay: bool | None = None):

@@ -1,8 +1,8 @@
 """Device time of the fused window-extremum + statistics pass, per kernel variant (device).
 
 For the canonical conv outputs of A (k = 4) and B (k = 2) in both layouts: the scalar kernel
-and the 16-byte ones (NCHW: K-row bands per plane; channels-last: per channel quad, with the
-extrema NCHW or channels-last ("vec4>nhwc"), and per window row);
+and the 16-byte ones (NCHW: K-row bands per plane; channels-last: per channel quad and per
+window row, with the extrema NCHW or, "...>nhwc", channels-last);
 and pipeline C's channels-last normalize pass, scalar vs 16-byte. Median ms, L2 flushed, with
 the read-once floor at the measured copy bandwidth.
 """
@@ -27,7 +27,7 @@ def main():
             n, c, h, w = shape
             ext = cupy.empty((n, c, h // pool, w // pool), dtype=cupy.float32)
             sign = cupy.ones(c, dtype=cupy.float32)
-            variants = (("scalar", "vec4", "rows") + (("vec4>nhwc",) if pool == 2 else ())
+            variants = (("scalar", "vec4", "rows", "vec4>nhwc" if pool == 2 else "rows>nhwc")
                         if layout == "nhwc" else ("scalar", "bands"))
             for label in variants:
                 dst = empty_in_layout(ext.shape, "nhwc") if label.endswith(">nhwc") else ext
