@@ -95,7 +95,8 @@ def _pool_extremum_stats(cupy, y, ext, pool: int, *, bias, sign_a, sign_b, shift
     4 channels per thread) and "rows" (a warp reads whole window rows); for NCHW inputs with
     contiguous planes "bands" (a warp reads K-row bands of one plane with 16-byte loads);
     ``variant`` forces one (timing comparisons), None picks the fastest measured one that
-    applies. ``ext`` is NCHW, or contiguous channels-last for "vec4" with ``pool`` 2.
+    applies. ``ext`` is NCHW, or contiguous channels-last for "vec4" with ``pool`` 2 and
+    "rows" with ``pool`` 4 (see ``_extrema_channels_last``).
     """
     n, c, h, w = y.shape
     ho, wo = h // pool, w // pool
