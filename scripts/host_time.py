@@ -15,15 +15,19 @@ import time
 import cupy
 import numpy
 
-import cufused
 from cufused import _cudnn
+from cufused.benchmark import _public_conv, make_cases
 
-CONVS = {  # name: (function, x shape, w shape, kwargs)
-    "A": (cufused.conv2d, (128, 8, 128, 128), (64, 8, 3, 3), {}),
-    "B": (cufused.conv_transpose2d, (512, 64, 32, 32), (64, 128, 5, 5), {"padding": 1}),
-    "C": (cufused.conv_transpose3d, (32, 32, 16, 32, 32), (32, 64, 3, 3, 3),
-          {"stride": 2, "padding": 1, "output_padding": 1}),
-}
+
+def canonical_convs():
+    """name -> (public function, x, w, options) of each case's convolution, random inputs."""
+    rng = cupy.random.default_rng(0)
+    convs = {}
+    for case in make_cases():
+        fn, opts = _public_conv(case)
+        convs[case.name] = (fn, rng.random(case.conv["x_shape"], dtype=cupy.float32),
+                            rng.random(case.conv["w_shape"], dtype=cupy.float32), opts)
+    return convs
 
 
 def host_us(fn, calls=20, repeat=5):
@@ -39,11 +43,7 @@ def host_us(fn, calls=20, repeat=5):
 
 
 def main():
-    rng = cupy.random.default_rng(0)
-    for name, (fn, xs, ws, kw) in CONVS.items():
-        x = rng.random(xs, dtype=cupy.float32)
-        w = rng.random(ws, dtype=cupy.float32)
-        out = None
+    for name, (fn, x, w, kw) in canonical_convs().items():
         for precision in ("ieee", "tf32"):
             out = fn(x, w, precision=precision, **kw)
             times = {}
@@ -54,7 +54,7 @@ def main():
                     call()
                     times[replay] = host_us(call)
             plans = [p for k, p in _cudnn._plans.items()
-                     if k[1].x_shape == xs and k[1].precision == precision]
+                     if k[1].x_shape == x.shape and k[1].precision == precision]
             graphs = ", ".join(f"{p.strategy.label}: "
                                f"{'capture failed' if p._replays is None else len(p._replays)}"
                                for p in plans)
@@ -63,9 +63,7 @@ def main():
 
 
 def profile(name, precision, calls=300):
-    fn, xs, ws, kw = CONVS[name]
-    rng = cupy.random.default_rng(0)
-    x, w = rng.random(xs, dtype=cupy.float32), rng.random(ws, dtype=cupy.float32)
+    fn, x, w, kw = canonical_convs()[name]
     label = {"A": "nchw", "B": "subpixel nchw", "C": "subpixel nchw"}[name]
     with _cudnn.plan_options(autotune=False, pins=(label,)):
         out = fn(x, w, precision=precision, **kw)
