@@ -60,19 +60,29 @@ def _affine_apply(cupy, x, y, coef_a, coef_b, inner: int, n_coef: int, act: int,
                numpy.int64(n_coef), numpy.float32(lo), numpy.float32(hi)))
 
 
-def reads_channels_last(c: int, num_groups: int, hw: int) -> bool:
-    """Whether ``launch_group_norm_rows`` can read a channels-last (N, HW, C) input: groups of
-    4, 8, ..., 128 channels (a thread keeps one 16-byte channel quad), rows that stay cached."""
+def group_rows_fit_channels_last(c: int, num_groups: int, hw: int) -> bool:
+    """Whether GroupNorm rows of this shape can be read from a channels-last (N, HW, C)
+    input: groups of 4, 8, ..., 128 channels (a thread keeps one 16-byte channel quad), rows
+    that stay cached in shared memory."""
     cg = c // num_groups
     return cg % 4 == 0 and 32 % (cg // 4) == 0 and cg * hw * 4 <= ROW_CACHE_BYTES
+
+
+def reads_channels_last(x, num_groups: int) -> bool:
+    """Whether ``launch_group_norm_rows`` reads ``x`` in place as channels-last: stored so,
+    16-byte aligned, with rows that ``group_rows_fit_channels_last`` allows."""
+    n, c = x.shape[:2]
+    hw = x.size // max(n * c, 1)
+    return (x.ndim > 2 and c > 1 and hw > 1 and stored_in(x, "nhwc") and x.data.ptr % 16 == 0
+            and group_rows_fit_channels_last(c, num_groups, hw))
 
 
 def launch_group_norm_rows(x, y, num_groups: int, weight, bias, eps: float, *,
                            pre=None) -> None:
     """GroupNorm of ``x`` (N, C, ...) into contiguous ``y`` with one block per (n, group) row.
 
-    ``x`` is contiguous, or contiguous channels-last where ``reads_channels_last`` allows
-    (and 16-byte aligned). ``pre = (a, b)`` first maps each value to ``tanh(a[c] * x + b[c])``.
+    ``x`` is contiguous, or channels-last where ``reads_channels_last`` allows.
+    ``pre = (a, b)`` first maps each value to ``tanh(a[c] * x + b[c])``.
     The row stays in shared memory between statistics and normalize when it fits in
     ``ROW_CACHE_BYTES``; 16-byte accesses when the row length and pointers allow.
     """
@@ -83,10 +93,10 @@ def launch_group_norm_rows(x, y, num_groups: int, weight, bias, eps: float, *,
     vec = 4 if (length % 4 == 0 and hw >= 4 and x.data.ptr % 16 == 0
                 and y.data.ptr % 16 == 0) else 1
     pre_a, pre_b = pre if pre is not None else (None, None)
-    if x.ndim > 2 and c > 1 and hw > 1 and stored_in(x, "nhwc"):
-        if not (reads_channels_last(c, num_groups, hw) and x.data.ptr % 16 == 0):
-            raise ValueError("this channels-last input needs a contiguous copy first")
+    if reads_channels_last(x, num_groups):
         name = f"group_norm_rows_from_nhwc<{int(pre is not None)}, {vec}>"
+    elif not x.flags.c_contiguous:
+        raise ValueError("x must be contiguous, or channels-last as reads_channels_last allows")
     else:
         name = f"group_norm_rows<{int(pre is not None)}, {str(cache).lower()}, {vec}>"
     get_kernel(_NORM, name)(
@@ -179,10 +189,8 @@ def group_norm(x: Any, num_groups: int, weight: Any = None, bias: Any = None, *,
         out = xp.empty(x.shape, dtype=x.dtype)
     if x.shape[0] == 0:
         return out
-    hw = x.size // (x.shape[0] * c)
-    if not (x.ndim > 2 and c > 1 and hw > 1 and stored_in(x, "nhwc")
-            and x.data.ptr % 16 == 0 and reads_channels_last(c, num_groups, hw)):
-        x = xp.ascontiguousarray(x)  # else a channels-last x is read in place
+    if not reads_channels_last(x, num_groups):
+        x = xp.ascontiguousarray(x)  # a channels-last x is read in place
     return _group_norm_gpu(xp, x, num_groups, weight, bias, eps, out)
 
 

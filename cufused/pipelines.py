@@ -37,7 +37,8 @@ from .convolution import (check_conv_args, conv2d, conv_on_gpu, conv_transpose2d
                           conv_transpose3d, gpu_conv_layout)
 from .normalization import (_affine_apply, batch_norm, bn_coefficients, check_num_groups,
                             check_running_buffer, finalize_threads, group_norm,
-                            launch_group_norm_rows, reads_channels_last, split_count)
+                            group_rows_fit_channels_last, launch_group_norm_rows,
+                            split_count)
 from .pooling import avg_pool3d, check_pool_args, max_pool2d, pool_into
 from .softmax import softmax, softmax_rows
 
@@ -63,8 +64,17 @@ _ROWS_KERNELS = ((2, 1), (2, 2), (4, 1), (4, 2))
 _BAND_CHUNK = 32 * 10 * 4
 
 
-def _fused_pass_variants(y, pool: int) -> dict:
-    """Which kernel variants of the fused pass (see ``_pool_extremum_stats``) apply to ``y``."""
+# The variant that stores the pooled extrema channels-last (one float4 per thread, no
+# staging through shared memory), by pool size; the next pass transposes them while reading.
+_CHANNELS_LAST_EXT = {2: "vec4", 4: "rows"}
+
+
+def _fused_pass_variant(y, pool: int, variant: str | None = None) -> str:
+    """The kernel variant of the fused pass (see ``_pool_extremum_stats``) for ``y``.
+
+    ``variant`` forces one (timing comparisons; ValueError where it does not apply); None
+    picks the fastest measured one that applies.
+    """
     n, c, h, w = y.shape
     channels_last = y.strides[1] == y.itemsize and c > 1
     sn, sc, sh, sw = (s // y.itemsize for s in y.strides)
@@ -75,28 +85,29 @@ def _fused_pass_variants(y, pool: int) -> dict:
     bands = bool(not channels_last and fixed and sw == 1 and sh == w and sc == h * w
                  and fixed * w % 4 == 0 and h * w % 4 == 0 and sn % 4 == 0
                  and y.data.ptr % 16 == 0 and fixed * w <= _BAND_CHUNK)
-    return {"scalar": True, "vec4": aligned4, "rows": (fixed, rows_t) in _ROWS_KERNELS,
-            "bands": bands}
-
-
-def _extrema_channels_last(y, pool: int) -> bool:
-    """Whether the fused pass over ``y`` (channels-last) runs a variant that stores the pooled
-    extrema channels-last without staging them (its default "vec4" for pool 2, "rows" for
-    pool 4): the pipelines then give it a channels-last ext and transpose in the next pass."""
-    usable = _fused_pass_variants(y, pool)
-    return (pool == 2 and usable["vec4"]) or (pool == 4 and usable["rows"])
+    usable = {"scalar": True, "vec4": aligned4, "rows": (fixed, rows_t) in _ROWS_KERNELS,
+              "bands": bands}
+    if variant is None:  # measured (H200, canonical A and B outputs): channels-last k = 4
+        # rows 0.179 ms, vec4 0.236, scalar 0.218; k = 2 vec4 0.127, rows 0.153, scalar 0.148;
+        # with channels-last extrema rows 0.150 (k = 4), vec4 0.102 (k = 2); NCHW k = 4 bands
+        # 0.154, scalar 0.170; k = 2 bands 0.119, scalar 0.163
+        return ("rows" if usable["rows"] and fixed == 4 else
+                "vec4" if usable["vec4"] and fixed == 2 else
+                "bands" if usable["bands"] else "scalar")
+    if not usable.get(variant, False):
+        raise ValueError(f"kernel variant {variant!r} does not apply to this input")
+    return variant
 
 
 def _pool_extremum_stats(cupy, y, ext, pool: int, *, bias, sign_a, sign_b, shift_group: int,
-                         per_sample: bool, variant: str | None = None):
+                         per_sample: bool, variant: str):
     """Launch the fused window-extremum + statistics pass; return (partial, shift, splits).
 
-    Kernel variants: "scalar" (any layout); for channels-last inputs "vec4" (16-byte loads,
-    4 channels per thread) and "rows" (a warp reads whole window rows); for NCHW inputs with
-    contiguous planes "bands" (a warp reads K-row bands of one plane with 16-byte loads);
-    ``variant`` forces one (timing comparisons), None picks the fastest measured one that
-    applies. ``ext`` is NCHW, or contiguous channels-last for "vec4" with ``pool`` 2 and
-    "rows" with ``pool`` 4 (see ``_extrema_channels_last``).
+    Kernel ``variant`` (from ``_fused_pass_variant``): "scalar" (any layout); for
+    channels-last inputs "vec4" (16-byte loads, 4 channels per thread) and "rows" (a warp
+    reads whole window rows); for NCHW inputs with contiguous planes "bands" (a warp reads
+    K-row bands of one plane with 16-byte loads). ``ext`` is NCHW, or 16-byte aligned
+    channels-last for the variant ``_CHANNELS_LAST_EXT`` names for ``pool``.
     """
     n, c, h, w = y.shape
     ho, wo = h // pool, w // pool
@@ -105,22 +116,12 @@ def _pool_extremum_stats(cupy, y, ext, pool: int, *, bias, sign_a, sign_b, shift
     fixed = pool if pool in (2, 4) else 0
     vec2 = (not channels_last and fixed and sw == 1 and sh % 2 == 0 and sc % 2 == 0
             and sn % 2 == 0 and y.data.ptr % 8 == 0)
-    usable = _fused_pass_variants(y, pool)
     rows_t = fixed * c // 128
-    if variant is None:  # measured (H200, canonical A and B outputs): channels-last k = 4
-        # rows 0.179 ms, vec4 0.236, scalar 0.218; k = 2 vec4 0.127, rows 0.153, scalar 0.148;
-        # with channels-last extrema rows 0.150 (k = 4), vec4 0.102 (k = 2); NCHW k = 4 bands
-        # 0.154, scalar 0.170; k = 2 bands 0.119, scalar 0.163
-        variant = ("rows" if usable["rows"] and fixed == 4 else
-                   "vec4" if usable["vec4"] and fixed == 2 else
-                   "bands" if usable["bands"] else "scalar")
-    elif not usable[variant]:
-        raise ValueError(f"kernel variant {variant!r} does not apply to this input")
     ext_channels_last = stored_in(ext, "nhwc")
-    if ext_channels_last and not ((variant, fixed) in (("vec4", 2), ("rows", 4))
+    if ext_channels_last and not (_CHANNELS_LAST_EXT.get(fixed) == variant
                                   and ext.data.ptr % 16 == 0):
-        raise ValueError("a channels-last ext needs the 'vec4' variant with pool 2 or the "
-                         "'rows' variant with pool 4")
+        raise ValueError(f"a channels-last ext needs variant {_CHANNELS_LAST_EXT.get(fixed)!r}"
+                         f" for pool {pool} (got {variant!r}) and 16-byte alignment")
     lanes = 8 if channels_last and variant == "scalar" else 16 if variant == "rows" else 32
     c_tiles = 1 if variant == "rows" else -(-c // (32 if channels_last else 8))
     units = ho if variant == "bands" else -(-ho * wo // lanes)  # what splits divide
@@ -273,10 +274,11 @@ def conv2d_groupnorm_scale_maxpool_clamp(
     cg = c // num_groups
     # From a channels-last conv output the pass stores the extrema channels-last and the
     # affine pass transposes them into out.
-    ext = empty_in_layout(out.shape, "nhwc") if _extrema_channels_last(y, k) else out
+    variant = _fused_pass_variant(y, k)
+    ext = empty_in_layout(out.shape, "nhwc") if _CHANNELS_LAST_EXT.get(k) == variant else out
     partial, shift, splits = _pool_extremum_stats(
         xp, y, ext, k, bias=conv_bias, sign_a=gn_weight, sign_b=scale, shift_group=cg,
-        per_sample=True)
+        per_sample=True, variant=variant)
     coef = xp.empty((2, n * c), dtype=xp.float32)
     get_kernel("normalization.cu", "stats_finalize<0>")(
         (n * num_groups,), (finalize_threads(cg * splits),),
@@ -416,13 +418,14 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     y, _ = conv_on_gpu(x, weight, args, precision, convert_output=False)
     # From a channels-last conv output the pass stores the pooled extrema channels-last with
     # 16-byte stores, and the GroupNorm transposes them (in shared memory) into out.
+    variant = _fused_pass_variant(y, k)
     ext = out
-    if (k == 2 and _extrema_channels_last(y, k)
-            and reads_channels_last(c, num_groups, pooled[0] * pooled[1])):
+    if (_CHANNELS_LAST_EXT.get(k) == variant
+            and group_rows_fit_channels_last(c, num_groups, pooled[0] * pooled[1])):
         ext = empty_in_layout(shape, "nhwc")
     partial, shift, splits = _pool_extremum_stats(
         xp, y, ext, k, bias=None, sign_a=bn_weight, sign_b=None, shift_group=1,
-        per_sample=False)
+        per_sample=False, variant=variant)
     coef = bn_coefficients(xp, y, bn_weight, bn_bias, running_mean, running_var, True,
                            momentum, eps, partial=(partial, shift), splits=splits,
                            mean_offset=conv_bias)
@@ -531,8 +534,6 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
         xp.minimum(xp.maximum(y, lo), hi, out=y)
         y = softmax(y, axis=(2, 3, 4), out=y)
         return xp.multiply(y, scale.reshape(1, c, 1, 1, 1), out=out)
-    from ._cudnn import empty_in_layout
-
     layout = gpu_conv_layout(pooled_shape, weight.shape, args, precision, convert_input=False,
                              convert_output=False, accept_classes=True)
     # The pool writes the conv input straight into the plan's input layout.

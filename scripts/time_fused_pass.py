@@ -31,10 +31,10 @@ def main():
                         if layout == "nhwc" else ("scalar", "bands"))
             for label in variants:
                 dst = empty_in_layout(ext.shape, "nhwc") if label.endswith(">nhwc") else ext
+                variant = pipelines._fused_pass_variant(y, pool, label.removesuffix(">nhwc"))
                 ms = timer(lambda: pipelines._pool_extremum_stats(
                     cupy, y, dst, pool, bias=None, sign_a=sign, sign_b=None,
-                    shift_group=group, per_sample=group > 1,
-                    variant=label.removesuffix(">nhwc")))
+                    shift_group=group, per_sample=group > 1, variant=variant))
                 floor = y.nbytes / copy * 1e3
                 print(f"{name} {layout} {label}: {ms:.3f} ms (floor {floor:.3f})", flush=True)
     shape = (32, 64, 32, 64, 64)

@@ -498,9 +498,10 @@ def test_fused_pass_variants_match_scalar(rng, layout, pool, c, h, w, variants):
             ext[...] = cp.nan
         else:
             ext = poisoned(ext_shape)
+        kernel = pipelines._fused_pass_variant(y, pool, variant.removesuffix(">nhwc"))
         partial, shift, _ = pipelines._pool_extremum_stats(
             cp, y, ext, pool, bias=bias, sign_a=sign, sign_b=None, shift_group=group,
-            per_sample=True, variant=variant.removesuffix(">nhwc"))
+            per_sample=True, variant=kernel)
         results[variant] = ext.get(), partial.get().sum(axis=2), shift.get()
     ext_s, sums_s, shift_s = results["scalar"]
     assert not np.isnan(ext_s).any()
