@@ -1,8 +1,13 @@
-"""Host time of warm public convolution calls (device): the canonical convolutions of cases
-A, B and C in both precisions, with CUDA-graph replay of the plan on and off.
+"""Host and device time of warm public convolution calls (device): the canonical convolutions
+of cases A, B and C in both precisions, with CUDA-graph replay of the plan on and off.
 
 Host time = wall time of issuing 20 back-to-back calls / 20, without synchronizing in between
-(the device work queues up behind them), median of 5 repeats, microseconds.
+(the device work queues up behind them), median of 5 repeats, microseconds. Device time =
+CUDA events around one call after an L2 flush, replayed and direct calls alternating,
+median of 30 each, milliseconds.
+``host_time.py once CASE PRECISION replay|direct`` runs one warm call between
+``cudaProfilerStart`` and ``Stop`` (for ``ncu --profile-from-start off``: per-kernel times
+of the replayed graph's nodes against the direct launches).
 ``host_time.py profile CASE PRECISION`` prints where a warm call's host time goes (cProfile,
 the heuristic plan of the autotuner's usual strategy, so that no tuning runs first).
 """
@@ -16,7 +21,7 @@ import cupy
 import numpy
 
 from cufused import _cudnn
-from cufused.benchmark import _public_conv, make_cases
+from cufused.benchmark import Timer, _public_conv, make_cases
 
 
 def canonical_convs():
@@ -42,24 +47,38 @@ def host_us(fn, calls=20, repeat=5):
     return float(numpy.median(samples))
 
 
+def device_ms(calls, rounds=30):
+    """Median device time of each call in ``calls``, the calls alternating round by round."""
+    timer = Timer(repeat=1, warmup=0)
+    samples = [[timer(call) for call in calls] for _ in range(rounds)]
+    return numpy.median(numpy.array(samples), axis=0)
+
+
 def main():
     for name, (fn, x, w, kw) in canonical_convs().items():
         for precision in ("ieee", "tf32"):
             out = fn(x, w, precision=precision, **kw)
-            times = {}
+            times, calls = {}, {}
             for replay in (True, False):
                 with _cudnn.plan_options(replay=replay):
                     call = lambda: fn(x, w, precision=precision, out=out, **kw)  # noqa: E731
                     call()
                     call()
                     times[replay] = host_us(call)
+
+                def timed(replay=replay):
+                    with _cudnn.plan_options(replay=replay):
+                        fn(x, w, precision=precision, out=out, **kw)
+                calls[replay] = timed
+            replayed, direct = device_ms([calls[True], calls[False]])
             plans = [p for k, p in _cudnn._plans.items()
                      if k[1].x_shape == x.shape and k[1].precision == precision]
             graphs = ", ".join(f"{p.strategy.label}: "
                                f"{'capture failed' if p._replays is None else len(p._replays)}"
                                for p in plans)
-            print(f"host_us {name} {precision}: replay {times[True]:.0f}, "
-                  f"direct {times[False]:.0f} (graphs per plan: {graphs})", flush=True)
+            print(f"{name} {precision}: host us replay {times[True]:.0f}, direct "
+                  f"{times[False]:.0f}; device ms replay {replayed:.3f}, direct {direct:.3f} "
+                  f"(graphs per plan: {graphs})", flush=True)
 
 
 def profile(name, precision, calls=300):
@@ -79,8 +98,23 @@ def profile(name, precision, calls=300):
     pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(16)
 
 
+def once(name, precision, mode):
+    fn, x, w, kw = canonical_convs()[name]
+    with _cudnn.plan_options(replay=mode == "replay"):
+        out = fn(x, w, precision=precision, **kw)
+        for _ in range(3):
+            fn(x, w, precision=precision, out=out, **kw)
+        cupy.cuda.Device().synchronize()
+        cupy.cuda.profiler.start()
+        fn(x, w, precision=precision, out=out, **kw)
+        cupy.cuda.profiler.stop()
+    cupy.cuda.Device().synchronize()
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["profile"]:
         profile(sys.argv[2], sys.argv[3])
+    elif sys.argv[1:2] == ["once"]:
+        once(*sys.argv[2:5])
     else:
         main()

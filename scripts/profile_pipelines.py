@@ -41,8 +41,6 @@ def main():
                   f"{costs}; chosen {plan.strategy.label}")
 
 
-
-
 def one_call(name: str, precision: str) -> None:
     """Warm one case, then run it once inside an NVTX range "measure" (for ncu --nvtx)."""
     case = next(c for c in make_cases() if c.name == name)
