@@ -37,6 +37,8 @@ _config: dict[str, Any] = {"autotune": True, "pins": None, "replay": True}
 # same operands come before one is captured (a one-off call is not worth a capture).
 _MAX_REPLAYS = 8
 _CALLS_BEFORE_CAPTURE = 2
+# How much faster (fraction of device time) direct calls must measure to turn replay off.
+_REPLAY_MARGIN = 0.005
 
 
 def set_conv_autotune(enabled: bool) -> None:
@@ -69,7 +71,8 @@ def set_conv_graph_replay(enabled: bool) -> None:
     convolutions on an H200. Each graph keeps its own workspace, prepared weight and, where
     the plan writes another layout than the NCHW result, its intermediate output (up to 8
     graphs per plan; :func:`clear_plan_cache` frees them). A call made while the stream is
-    being captured always runs directly.
+    being captured always runs directly, and so does a plan for which the autotuner measured
+    direct calls faster on the device.
 
     Parameters
     ----------
@@ -528,7 +531,8 @@ class ConvPlan:
     milliseconds: float = float("nan")  # the convolution alone (strategy timing)
     cost: float = float("nan")  # with the caller's layout conversions
     candidates: dict = field(default_factory=dict)  # strategy label -> (ms, cost)
-    # CUDA graphs of warm calls (see run): operand key -> launcher; None after a failed capture
+    # CUDA graphs of warm calls (see run): operand key -> launcher; None where calls run
+    # directly (a failed capture, or direct calls measured faster: see _decide_replay)
     _replays: dict | None = field(default_factory=dict, repr=False)
     _calls: dict = field(default_factory=dict, repr=False)  # calls per key not yet captured
 
@@ -560,7 +564,8 @@ class ConvPlan:
         From the second call with the same operand pointers on a stream, the call replays a
         CUDA graph of the whole plan (the weight preparation and every cuDNN execution): one
         launch instead of the host work of each part, which for FFT and sub-pixel plans is
-        well over 100 us. The graph keeps its own workspace and prepared weight.
+        well over 100 us; unless the autotuner measured direct calls faster (see
+        ``_decide_replay``). The graph keeps its own workspace and prepared weight.
         """
         x, w, bias = self._operands(x, w, bias)
 
@@ -824,14 +829,38 @@ def _choose(problem, convert_input, convert_output, accept_classes, tune, pins) 
         w = _random(problem.w_shape)
         b = _random((problem.y_shape[1],)) if problem.bias else None
         plan.milliseconds = sum(p.milliseconds for p in plan.parts)
-        plan.cost = _time_ms(lambda: plan.apply(x, w, bias=b, convert_output=convert_output))
+        call = functools.partial(plan.apply, x, w, bias=b, convert_output=convert_output)
+        plan.cost = _time_ms(call)
         candidates[strategy.label] = (plan.milliseconds, plan.cost)
         if best is None or plan.cost < best.cost:
-            best = plan
+            best, best_call = plan, call
     if best is None:
         raise ValueError(f"cuDNN supports no plan for this convolution: {problem}")
     best.candidates = candidates
+    if tune and _config["replay"]:
+        _decide_replay(best, best_call)
     return best
+
+
+def _decide_replay(plan: ConvPlan, call, rounds: int = 7) -> None:
+    """Let ``plan`` replay CUDA graphs of warm calls unless direct calls measure faster.
+
+    A replay saves host time, which costs device time only where the device would wait for
+    the host; but a captured plan can also run slower on the device than issued directly
+    (B's FFT data-gradient plan: 2.378 vs 2.357 ms on an H200, with the same kernel times in
+    ncu). ``call`` (the autotuner's operands) is timed both ways, alternately; direct calls
+    must win by more than ``_REPLAY_MARGIN`` to turn replay off for this plan.
+    """
+    times = {True: [], False: []}
+    for _ in range(rounds):
+        for replay in (True, False):
+            with plan_options(replay=replay):
+                times[replay].append(_time_ms(call, repeat=1))
+    if plan._replays is not None:
+        plan._replays.clear()  # the graphs of the autotuner's operands
+    plan._calls.clear()
+    if numpy.median(times[False]) * (1 + _REPLAY_MARGIN) < numpy.median(times[True]):
+        plan._replays = None
 
 
 def clear_plan_cache() -> None:

@@ -24,6 +24,8 @@ ACTIVATIONS = {None: 0, "tanh": 1}
 _NORM = "normalization.cu"
 # Rows up to this many float32 values stay in shared memory between the two passes.
 ROW_CACHE_BYTES = 48 * 1024
+# Threads of a GroupNorm row block (launch_group_norm_rows).
+GROUP_NORM_THREADS = 256
 # Aim for at least this many blocks in a split reduction.
 _TARGET_BLOCKS = 2048
 
@@ -100,7 +102,7 @@ def launch_group_norm_rows(x, y, num_groups: int, weight, bias, eps: float, *,
     else:
         name = f"group_norm_rows<{int(pre is not None)}, {str(cache).lower()}, {vec}>"
     get_kernel(_NORM, name)(
-        (n * num_groups,), (256,),
+        (n * num_groups,), (GROUP_NORM_THREADS,),
         (x, y, optional(pre_a), optional(pre_b), optional(weight), optional(bias),
          numpy.int32(c), numpy.int32(num_groups), numpy.int32(hw), numpy.float32(eps)),
         shared_mem=length * 4 if cache else 0)

@@ -3,6 +3,7 @@
 For the canonical conv outputs of A (k = 4) and B (k = 2) in both layouts: the scalar kernel
 and the 16-byte ones (NCHW: K-row bands per plane; channels-last: per channel quad and per
 window row, with the extrema NCHW or, "...>nhwc", channels-last);
+pipeline B's GroupNorm of the pooled extrema (NCHW or channels-last) per block size;
 and pipeline C's channels-last normalize pass, scalar vs 16-byte. Median ms, L2 flushed, with
 the read-once floor at the measured copy bandwidth.
 """
@@ -10,7 +11,7 @@ the read-once floor at the measured copy bandwidth.
 import cupy
 import numpy
 
-from cufused import pipelines
+from cufused import normalization, pipelines
 from cufused.softmax import softmax_rows
 from cufused._cudnn import empty_in_layout
 from cufused.benchmark import Timer, measure_ceilings
@@ -37,6 +38,19 @@ def main():
                     shift_group=group, per_sample=group > 1, variant=variant))
                 floor = y.nbytes / copy * 1e3
                 print(f"{name} {layout} {label}: {ms:.3f} ms (floor {floor:.3f})", flush=True)
+    shape = (512, 128, 17, 17)
+    coef = cupy.random.default_rng(1).random((2, 128), dtype=cupy.float32)
+    out = cupy.empty(shape, dtype=cupy.float32)
+    for layout in ("nchw", "nhwc"):
+        ext = empty_in_layout(shape, layout)
+        ext[...] = cupy.random.default_rng(0).random(shape, dtype=cupy.float32)
+        for threads in (128, 256, 512):
+            normalization.GROUP_NORM_THREADS = threads
+            ms = timer(lambda: normalization.launch_group_norm_rows(
+                ext, out, 8, None, None, 1e-5, pre=coef))
+            print(f"B GroupNorm from {layout}, {threads} threads: {ms:.3f} ms (floor "
+                  f"{2 * ext.nbytes / copy * 1e3:.3f})", flush=True)
+    normalization.GROUP_NORM_THREADS = 256
     shape = (32, 64, 32, 64, 64)
     y = empty_in_layout(shape, "nhwc")
     y[...] = 0.5

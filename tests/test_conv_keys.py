@@ -1,6 +1,9 @@
-"""CPU-side convolution logic: output shapes, plan cache keys, layout strides."""
+"""CPU-side convolution logic: output shapes, plan cache keys, layout strides, the choice
+between CUDA-graph replay and direct calls."""
 
 from __future__ import annotations
+
+import types
 
 import numpy as np
 import pytest
@@ -45,3 +48,31 @@ def test_layout_strides_match_numpy_transposes(shape):
     view = physical.transpose(0, nd - 1, *range(1, nd - 1))
     assert view.shape == shape
     assert layout_strides(shape, "nhwc") == tuple(s // 8 for s in view.strides)
+
+
+@pytest.mark.parametrize("replayed_ms,direct_ms,keeps", [
+    (1.000, 1.000, True),    # a tie keeps replay (it saves host time)
+    (1.004, 1.000, True),    # inside the margin
+    (1.009, 1.000, False),   # direct calls measured faster: B's FFT plan on the H200
+    (0.500, 1.000, True),    # a host-bound plan
+])
+def test_decide_replay_keeps_graphs_unless_direct_is_faster(monkeypatch, replayed_ms, direct_ms,
+                                                            keeps):
+    from cufused import _cudnn
+
+    plan = types.SimpleNamespace(_replays={"autotune operands": "graph"},
+                                 _calls={"other operands": 1})
+    seen = []
+
+    def fake_time_ms(call, repeat):
+        seen.append(_cudnn._config["replay"])
+        call()
+        return replayed_ms if _cudnn._config["replay"] else direct_ms
+
+    monkeypatch.setattr(_cudnn, "_time_ms", fake_time_ms)
+    calls = []
+    _cudnn._decide_replay(plan, lambda: calls.append(1), rounds=3)
+    assert seen == [True, False] * 3 and len(calls) == 6
+    assert _cudnn._config["replay"] is True  # restored
+    assert plan._calls == {}
+    assert plan._replays == ({} if keeps else None)

@@ -134,6 +134,23 @@ def test_conv_plan_replays_graph(rng, case, conv_pin):
     assert_close(out.get(), fn(x_new, w_new, **opts), TOL["ieee"])
 
 
+def test_autotuned_plan_replays_a_host_bound_conv(rng):
+    # The autotuner times its chosen plan replayed and issued directly; a small convolution
+    # is host-bound, so replay stays on, and the graphs of the autotuner's operands are gone.
+    from cufused import _cudnn
+
+    xs, ws = (2, 3, 9, 13), (5, 3, 3, 3)
+    xg, wg = to_gpu(rng.standard_normal(xs), rng.standard_normal(ws))
+    with _cudnn.plan_options(autotune=True, replay=True):
+        out = cufused.conv2d(xg, wg)
+        plan = [p for k, p in _cudnn._plans.items() if k[1].x_shape == xs][-1]
+        assert plan._replays == {}
+        for _ in range(2):
+            cufused.conv2d(xg, wg, out=out)
+    assert len(plan._replays) == 1
+    assert_close(out.get(), cufused.conv2d(xg.get(), wg.get()), TOL["ieee"])
+
+
 def test_conv_capture_in_cuda_graph(rng, conv_pin):
     # A caller's capture records the cuDNN calls themselves (no graph launch inside it), also
     # after warm calls on that stream have captured the plan's own graph.

@@ -38,20 +38,26 @@ __device__ __forceinline__ float clamp_nan(float v, float lo, float hi) {
     return v != v ? v : fminf(fmaxf(v, lo), hi);
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
+// Sum over a warp; every lane gets it.
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
     return v;
 }
 
-__device__ __forceinline__ double warp_sum(double v) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-    return v;
+// Sums of the (s1, s2) pairs of statistics, both components at once.
+__device__ __forceinline__ float2 warp_sum(float2 v) {
+    return make_float2(warp_sum(v.x), warp_sum(v.y));
 }
 
-// Sum over the whole block (blockDim.x * blockDim.y a multiple of 32, at most 1024 threads).
-// Every thread gets the result. `scratch` holds 32 values.
+__device__ __forceinline__ double2 warp_sum(double2 v) {
+    return make_double2(warp_sum(v.x), warp_sum(v.y));
+}
+
+// Sum over the whole block (blockDim.x * blockDim.y a multiple of 32, at most 1024 threads)
+// of a float2 or double2 pair: one set of barriers for both sums. Every thread gets the
+// result. `scratch` holds 32 pairs.
 template <typename T>
 __device__ T block_sum(T v, T* scratch) {
     const int tid = threadIdx.y * blockDim.x + threadIdx.x;
@@ -60,7 +66,7 @@ __device__ T block_sum(T v, T* scratch) {
     __syncthreads();  // scratch may still be read by a previous call
     if ((tid & 31) == 0) scratch[tid >> 5] = v;
     __syncthreads();
-    v = (tid < nwarps) ? scratch[tid] : T(0);
+    v = (tid < nwarps) ? scratch[tid] : T{};
     if (tid < 32) v = warp_sum(v);
     if (tid == 0) scratch[0] = v;
     __syncthreads();

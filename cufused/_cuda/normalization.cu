@@ -17,7 +17,7 @@ __global__ void key_stats_partial(const float* __restrict__ x, float2* __restric
                                   float* __restrict__ shift_out, index_t n_outer,
                                   index_t outer_stride, index_t key_stride, index_t inner,
                                   int splits) {
-    __shared__ float scratch[32];
+    __shared__ float2 scratch[32];
     const int split = blockIdx.x % splits;
     const index_t key = blockIdx.x / splits;
     const float* base = x + key * key_stride;
@@ -37,9 +37,8 @@ __global__ void key_stats_partial(const float* __restrict__ x, float2* __restric
         i += blockDim.x;
         while (i >= inner) { i -= inner; ++o; }
     }
-    s1 = block_sum(s1, scratch);
-    s2 = block_sum(s2, scratch);
-    if (threadIdx.x == 0) partial[key * splits + split] = make_float2(s1, s2);
+    const float2 sums = block_sum(make_float2(s1, s2), scratch);
+    if (threadIdx.x == 0) partial[key * splits + split] = sums;
 }
 
 // One block per statistics row. The row's partials sit at
@@ -59,23 +58,22 @@ __global__ void stats_finalize(const float2* __restrict__ partial, const float* 
                                float* __restrict__ coef_b, int C, int G, float eps, int training,
                                float* running_mean, float* running_var,
                                const float* __restrict__ mean_offset, float momentum) {
-    __shared__ double scratch[32];
+    __shared__ double2 scratch[32];
     __shared__ float stats[2];
     const index_t row = blockIdx.x;
     if (training) {
-        double s1 = 0.0, s2 = 0.0;
+        double2 s = make_double2(0.0, 0.0);
         const index_t total = n_outer * row_len;
         for (index_t j = threadIdx.x; j < total; j += blockDim.x) {
             const index_t o = j / row_len;
             const float2 v = partial[o * outer_stride + row * row_len + (j - o * row_len)];
-            s1 += v.x;
-            s2 += v.y;
+            s.x += v.x;
+            s.y += v.y;
         }
-        s1 = block_sum(s1, scratch);
-        s2 = block_sum(s2, scratch);
+        s = block_sum(s, scratch);
         if (threadIdx.x == 0) {
-            const double m1 = s1 / count;
-            const double var = fmax(s2 / count - m1 * m1, 0.0);
+            const double m1 = s.x / count;
+            const double var = fmax(s.y / count - m1 * m1, 0.0);
             const double mean = (double)shift[row] + m1;
             stats[0] = (float)mean;
             stats[1] = (float)(1.0 / sqrt(var + (double)eps));
@@ -218,12 +216,11 @@ struct GroupNormRow {
 
 // mean and rstd of a row from its block's shifted sums (len values).
 __device__ __forceinline__ void row_moments(float s1, float s2, float shift, int len, float eps,
-                                            float* scratch, float& mean, float& rstd) {
-    s1 = block_sum(s1, scratch);
-    s2 = block_sum(s2, scratch);
-    const float m1 = s1 / len;
+                                            float2* scratch, float& mean, float& rstd) {
+    const float2 s = block_sum(make_float2(s1, s2), scratch);
+    const float m1 = s.x / len;
     mean = shift + m1;
-    rstd = rsqrtf(fmaxf(s2 / len - m1 * m1, 0.0f) + eps);
+    rstd = rsqrtf(fmaxf(s.y / len - m1 * m1, 0.0f) + eps);
 }
 
 // GroupNorm with one block per (n, g) row of a contiguous (N, C, HW) tensor (see
@@ -235,7 +232,7 @@ __global__ void group_norm_rows(const float* x, float* y, const float* __restric
                                 const float* __restrict__ pre_b, const float* __restrict__ gamma,
                                 const float* __restrict__ beta, int C, int G, int HW, float eps) {
     extern __shared__ float4 cache[];
-    __shared__ float scratch[32];
+    __shared__ float2 scratch[32];
     const int cg = C / G;
     const int len = cg * HW;
     const index_t row = blockIdx.x;
@@ -277,7 +274,7 @@ __global__ void group_norm_rows_from_nhwc(const float* __restrict__ x, float* __
                                           float eps) {
     extern __shared__ float4 cache[];
     float* row_cache = reinterpret_cast<float*>(cache);
-    __shared__ float scratch[32];
+    __shared__ float2 scratch[32];
     const int cg = C / G;
     const int len = cg * HW;
     const index_t row = blockIdx.x;
