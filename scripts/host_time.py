@@ -74,7 +74,7 @@ def main():
             plans = [p for k, p in _cudnn._plans.items()
                      if k[1].x_shape == x.shape and k[1].precision == precision]
             graphs = ", ".join(f"{p.strategy.label}: "
-                               f"{'capture failed' if p._replays is None else len(p._replays)}"
+                               f"{'direct calls' if p._replays is None else len(p._replays)}"
                                for p in plans)
             print(f"{name} {precision}: host us replay {times[True]:.0f}, direct "
                   f"{times[False]:.0f}; device ms replay {replayed:.3f}, direct {direct:.3f} "

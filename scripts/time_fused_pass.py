@@ -39,18 +39,19 @@ def main():
                 floor = y.nbytes / copy * 1e3
                 print(f"{name} {layout} {label}: {ms:.3f} ms (floor {floor:.3f})", flush=True)
     shape = (512, 128, 17, 17)
+    default_threads = normalization.group_norm_threads
     coef = cupy.random.default_rng(1).random((2, 128), dtype=cupy.float32)
     out = cupy.empty(shape, dtype=cupy.float32)
     for layout in ("nchw", "nhwc"):
         ext = empty_in_layout(shape, layout)
         ext[...] = cupy.random.default_rng(0).random(shape, dtype=cupy.float32)
-        for threads in (128, 256, 512):
-            normalization.GROUP_NORM_THREADS = threads
+        for threads in (64, 96, 128, 256):
+            normalization.group_norm_threads = lambda shared_bytes, t=threads: t
             ms = timer(lambda: normalization.launch_group_norm_rows(
                 ext, out, 8, None, None, 1e-5, pre=coef))
             print(f"B GroupNorm from {layout}, {threads} threads: {ms:.3f} ms (floor "
                   f"{2 * ext.nbytes / copy * 1e3:.3f})", flush=True)
-    normalization.GROUP_NORM_THREADS = 256
+    normalization.group_norm_threads = default_threads
     shape = (32, 64, 32, 64, 64)
     y = empty_in_layout(shape, "nhwc")
     y[...] = 0.5
