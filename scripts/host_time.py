@@ -8,6 +8,9 @@ median of 30 each, milliseconds.
 ``host_time.py once CASE PRECISION replay|direct`` runs one warm call between
 ``cudaProfilerStart`` and ``Stop`` (for ``ncu --profile-from-start off``: per-kernel times
 of the replayed graph's nodes against the direct launches).
+``host_time.py trace CASE PRECISION`` prints the device timeline (kernel starts, durations
+and the gaps between them, from PyTorch's CUPTI-based profiler) of warm replayed and direct
+calls.
 ``host_time.py profile CASE PRECISION`` prints where a warm call's host time goes (cProfile,
 the heuristic plan of the autotuner's usual strategy, so that no tuning runs first).
 """
@@ -111,9 +114,40 @@ def once(name, precision, mode):
     cupy.cuda.Device().synchronize()
 
 
+def trace(name, precision, calls=3):
+    import torch
+
+    fn, x, w, kw = canonical_convs()[name]
+    out = fn(x, w, precision=precision, **kw)
+    for plan in _cudnn._plans.values():
+        if plan._replays is None:  # replay on even where the autotuner chose direct calls
+            plan._replays = {}
+    for mode in ("replay", "direct"):
+        with _cudnn.plan_options(replay=mode == "replay"):
+            for _ in range(3):
+                fn(x, w, precision=precision, out=out, **kw)
+            cupy.cuda.Device().synchronize()
+            with torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(calls):
+                    fn(x, w, precision=precision, out=out, **kw)
+                cupy.cuda.Device().synchronize()
+        kernels = sorted((e.time_range.start, e.time_range.end, e.name)
+                         for e in prof.events() if e.device_type.name == "CUDA")
+        print(f"== {name} {precision} {mode}: {len(kernels)} device activities")
+        previous = None
+        for start, end, label in kernels:
+            gap = "" if previous is None else f"{start - previous:8.1f}"
+            print(f"{gap:>8} us gap {end - start:9.1f} us  {label[:70]}")
+            previous = end
+        print(f"   span {kernels[-1][1] - kernels[0][0]:.1f} us for {calls} calls")
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["profile"]:
         profile(sys.argv[2], sys.argv[3])
+    elif sys.argv[1:2] == ["trace"]:
+        trace(sys.argv[2], sys.argv[3])
     elif sys.argv[1:2] == ["once"]:
         once(*sys.argv[2:5])
     else:
