@@ -728,7 +728,7 @@ class ConvPlan:
         if result is not None:
             return result, "nchw"
         y = target if target is not None else kept[3]
-        if layout == "nchw" and out is not None and y is not out:  # a misaligned out
+        if out is not None and y is not out:  # a misaligned out
             out[...] = y
             y = out
         return y, layout
