@@ -69,8 +69,8 @@ def set_conv_graph_replay(enabled: bool) -> None:
     CUDA graph of its cuDNN calls, weight preparation and output conversion instead of issuing
     each again: 28-34 us of host time per call instead of 47-213 us for the canonical
     convolutions on an H200. Each graph keeps its own workspace, prepared weight and, where
-    the plan reads or writes another layout than NCHW, its converted input and intermediate
-    output (up to 8 graphs per plan; :func:`clear_plan_cache` frees them). A call made while the stream is
+    the plan writes another layout than the NCHW result, its intermediate output (up to 8
+    graphs per plan; :func:`clear_plan_cache` frees them). A call made while the stream is
     being captured always runs directly, and so does a plan for which the autotuner measured
     direct calls faster on the device.
 
@@ -498,6 +498,12 @@ class _Part:
                                          self.plan_index, handle=handle)
 
 
+def _launch_graph(graph, stream, buffers) -> None:
+    """Launch a captured plan on ``stream``; ``buffers`` (its workspace, prepared weight and
+    intermediates) are only held here, so that they live as long as the graph that uses them."""
+    graph.launch(stream=stream)
+
+
 def _direct_executor(part: _Part):
     """The backend call that ``execute_plan_at_index`` ends in, resolved once.
 
@@ -611,40 +617,30 @@ class ConvPlan:
         for part in self.parts:
             part.execute(x.data.ptr, w.data.ptr, y.data.ptr, b_ptr, ws_ptr, handle)
 
-    def _launch(self, kind: str, operands, buffers, work):
+    def _launch(self, kind: str, operands, buffers, work) -> None:
         """``work(buffers())`` on the current stream, or the replay of its CUDA graph: the
-        graph for (``kind``, the stream, the operands' pointers and strides) once these have
-        been seen before, captured with buffers of its own that it keeps (``buffers``
-        allocates them; ``work`` must not allocate). Returns the buffers used."""
-        cupy = import_cupy()
-        stream = cupy.cuda.get_current_stream()
-        key = self._replay_key(kind, stream, operands)
-        replay = None if key is None else self._replay(key, buffers, work)
-        if replay is None:
-            kept = buffers()
-            work(kept)
-            return kept
-        graph, kept = replay
-        graph.launch(stream=stream)
-        return kept
+        graph for (``kind``, the stream, the operands' pointers) once these have been seen
+        before, captured with buffers of its own that it keeps (``buffers`` allocates them;
+        ``work`` must not allocate)."""
+        replay = self._replay(kind, operands, buffers, work)
+        if replay is not None:
+            replay()
+        else:
+            work(buffers())
 
-    def _replay_key(self, kind, stream, operands):
-        """The graph key of a call, or None where calls run directly (replay off, a failed
-        capture or direct calls measured faster, the stream being captured)."""
+    def _replay(self, kind, operands, buffers, work):
+        """The graph launcher for ``_launch``: cached, captured now (on the second call with
+        these operands), or None (replay off, a capture in progress, a failed capture)."""
         if not _config["replay"] or self._replays is None:
             return None
+        cupy = import_cupy()
+        stream = cupy.cuda.get_current_stream()
         try:
             if stream.is_capturing():  # the caller's capture records the cuDNN calls
                 return None
         except Exception:  # noqa: BLE001 - the query is illegal during some global captures
             return None
-        return (kind, stream.ptr,
-                *((None, None) if a is None else (a.data.ptr, a.strides) for a in operands))
-
-    def _replay(self, key, buffers, work):
-        """The (graph, kept buffers) of ``key``: cached, captured now (on the second call
-        with this key), or None (not yet, or a failed capture)."""
-        cupy = import_cupy()
+        key = (kind, stream.ptr, *(0 if a is None else a.data.ptr for a in operands))
         replay = self._replays.get(key)
         if replay is not None:
             return replay
@@ -667,70 +663,49 @@ class ConvPlan:
         except Exception:  # noqa: BLE001 - an engine that cannot be captured runs directly
             self._replays = None
             return None
+        replay = functools.partial(_launch_graph, graph, stream, kept)
         if len(self._replays) >= _MAX_REPLAYS:
             self._replays.pop(next(iter(self._replays)))  # the oldest
-        self._replays[key] = graph, kept
-        return graph, kept
+        self._replays[key] = replay
+        return replay
 
     def apply(self, x, w, *, bias=None, out=None, convert_output: bool = True):
         """The convolution of NCHW (or ``x_layout``) ``x``; returns ``(y, layout)``.
 
         With ``convert_output`` the result is contiguous NCHW (``out`` if given) plus
         ``bias``; without it ``y`` is in the plan's output layout (for "nchw", ``out`` if given)
-        and ``bias`` must be None. From the second call with the same ``x``, ``w``, ``bias``
-        and ``out`` on a stream, one CUDA graph replays the input conversion, the
-        convolution, the bias and the output conversion (see :meth:`run`). The graph keeps
-        the converted input and the output in the plan's layout; without ``convert_output``
-        and ``out`` the returned ``y`` is that kept output, valid until the next call with
-        the same operands on that stream (the pipelines read it at once).
+        and ``bias`` must be None. A converted result replays one graph for the convolution
+        and the conversion (see :meth:`run`), whose intermediate output it keeps.
         """
         cupy = import_cupy()
         layout = self.layout
-        convert_input = not (x.flags.c_contiguous if self.x_layout == "nchw"
-                             else stored_in(x, self.x_layout))
-        target = None  # where the convolution writes, unless in a buffer of its own
-        if layout == "nchw" and out is not None and out.data.ptr % 16 == 0:
-            target = out
-        elif layout == "nchw" and convert_output and out is None:
-            target = self.empty_output()  # the caller's new result
-        result = None  # the NCHW result converted from the plan's layout
-        if convert_output and layout != "nchw":
+        xl = to_layout(x, self.x_layout)
+        in_graph = self.strategy.bias_in_graph
+        if layout != "nchw" and convert_output:
             result = out if out is not None else cupy.empty(self.problem.y_shape,
                                                              dtype=cupy.float32)
-        # What the graph reads: the caller's x to convert, or x itself (a copy if misaligned).
-        x_ready, w, run_bias = self._operands(None if convert_input else x, w,
-                                              bias if self.strategy.bias_in_graph else None)
-        x = x if convert_input else x_ready
+            xl, w, run_bias = self._operands(xl, w, bias if in_graph else None)
 
-        def buffers():
-            return (*self._buffers(w),
-                    empty_in_layout(x.shape, self.x_layout) if convert_input else None,
-                    self.empty_output() if target is None else None)
-
-        def work(kept):
-            w_buffer, workspace, xl, y = kept
-            if xl is not None:
-                if self.x_layout == "nhwc" and x.flags.c_contiguous:
-                    transpose_channels(x, xl, to_channels_last=True)
+            def work(buffers):
+                w_buffer, workspace, y = buffers
+                self._execute(xl, w, y, run_bias, w_buffer, workspace)
+                if layout == "nhwc":  # the bias rides along with the transpose back
+                    transpose_channels(y, result, to_channels_last=False, bias=bias)
                 else:
-                    xl[...] = x
-            y = target if y is None else y
-            self._execute(x if xl is None else xl, w, y, run_bias, w_buffer, workspace)
-            if result is None:
-                if convert_output and bias is not None and run_bias is None:
-                    add_channel_bias(y, bias)
-            elif layout == "nhwc":  # the bias rides along with the transpose back
-                transpose_channels(y, result, to_channels_last=False, bias=bias)
-            else:
-                interleave_classes(y, result, bias)
+                    interleave_classes(y, result, bias)
 
-        kept = self._launch("apply", (x, w, run_bias, bias, target, result), buffers, work)
-        if result is not None:
+            self._launch("apply", (xl, w, bias, result),
+                         lambda: (*self._buffers(w), self.empty_output()), work)
             return result, "nchw"
-        y = target if target is not None else kept[3]
-        if out is not None and y is not out:  # a misaligned out
-            out[...] = y
-            y = out
+        direct_out = layout == "nchw" and out is not None and out.data.ptr % 16 == 0
+        y = out if direct_out else self.empty_output()
+        self.run(xl, w, y, bias if in_graph else None)
+        if layout == "nchw":
+            if convert_output and bias is not None and not in_graph:
+                add_channel_bias(y, bias)
+            if out is not None and not direct_out:
+                out[...] = y
+                y = out
         return y, layout
 
 

@@ -134,31 +134,6 @@ def test_conv_plan_replays_graph(rng, case, conv_pin):
     assert_close(out.get(), fn(x_new, w_new, **opts), TOL["ieee"])
 
 
-def test_apply_replays_with_conversions_in_its_graph(rng):
-    # A pipeline's call (NCHW x into a channels-last plan, output left channels-last) replays
-    # one graph keyed on the caller's operands only: the converted input and the output are
-    # the graph's own buffers, so allocations between calls (which move the memory pool's
-    # free blocks) do not make new keys; each replay reads the new values behind x.
-    from cufused import _cudnn
-    from cufused.convolution import _plan, check_conv_args
-
-    xs, ws = (2, 8, 9, 12), (12, 8, 3, 3)
-    args = check_conv_args(xs, ws, 2, transposed=False, stride=1, padding=1)
-    xg, wg = to_gpu(rng.standard_normal(xs), rng.standard_normal(ws))
-    held = []
-    with _pinned("nhwc"):
-        plan = _plan(xs, ws, args, "ieee", False, True, False, False)
-        assert plan.x_layout == "nhwc" and plan.layout == "nhwc"
-        for _ in range(4):
-            x = rng.standard_normal(xs)
-            xg[...] = cp.asarray(x, dtype=cp.float32)
-            held.append(cp.empty(int(rng.integers(1, 1 << 20)), dtype=cp.float32))
-            y, layout = plan.apply(xg, wg, convert_output=False)
-            assert layout == "nhwc" and _cudnn.stored_in(y, "nhwc")
-            assert_close(y.get(), cufused.conv2d(x, wg.get(), padding=1), TOL["ieee"])
-    assert len(plan._replays) == 1
-
-
 def test_autotuned_plan_replays_a_host_bound_conv(rng):
     # The autotuner times its chosen plan replayed and issued directly; a small convolution
     # is host-bound, so replay stays on, and the graphs of the autotuner's operands are gone.
