@@ -178,16 +178,13 @@ def empty_in_layout(shape: tuple[int, ...], layout: str):
     return physical.transpose(0, nd - 1, *range(1, nd - 1))
 
 
-def transpose_channels(src, dst, *, to_channels_last: bool, bias=None, affine=None,
-                       vec4: bool = True) -> None:
+def transpose_channels(src, dst, *, to_channels_last: bool, bias=None, affine=None) -> None:
     """Copy contiguous NC(D)HW ``src`` to channels-last ``dst`` or back (+ ``bias[c]``).
 
     Both arrays have the same logical shape; ``src``'s memory is in the source layout and
-    ``dst``'s in the other one. One transpose kernel, coalesced on both sides: 4 x 4 blocks
-    in registers with 16-byte accesses where C and the positions per sample are multiples of
-    4 and both buffers 16-byte aligned, else 32-wide tiles in shared memory (``vec4=False``
-    forces these, for timings). Back to NC(D)HW, ``affine = (scale, shift, lo, hi)`` instead
-    writes ``clip(scale[n, c] * src + shift[n, c], lo, hi)`` (scale, shift: N * C values).
+    ``dst``'s in the other one. One tiled-transpose kernel, coalesced on both sides. Back to
+    NC(D)HW, ``affine = (scale, shift, lo, hi)`` instead writes
+    ``clip(scale[n, c] * src + shift[n, c], lo, hi)`` (scale, shift: N * C values).
     """
     from ._cuda import get_kernel, launch_1d, optional
 
@@ -217,15 +214,11 @@ def transpose_channels(src, dst, *, to_channels_last: bool, bias=None, affine=No
         if bias is not None:
             add_channel_bias(dst, bias)
         return
-    args = (src, dst, optional(scale), optional(shift), numpy.float32(lo), numpy.float32(hi),
-            numpy.int64(n), numpy.int64(a), numpy.int64(b))
-    if vec4 and a % 4 == 0 and b % 4 == 0 and src.data.ptr % 16 == 0 and dst.data.ptr % 16 == 0:
-        get_kernel("layout.cu", f"transpose_batched4<{epilogue}>")(
-            (-(-b // 64) * -(-a // 64), 1, min(n, 65535)), (32, 8), args)
-        return
     tiles = 4 if b > 64 else 2 if b > 32 else 1  # 32-wide tiles along b per block
     get_kernel("layout.cu", f"transpose_batched<{epilogue}, {tiles}>")(
-        (-(-b // (32 * tiles)) * -(-a // 32), 1, min(n, 65535)), (32, 8), args)
+        (-(-b // (32 * tiles)) * -(-a // 32), 1, min(n, 65535)), (32, 8),
+        (src, dst, optional(scale), optional(shift), numpy.float32(lo), numpy.float32(hi),
+         numpy.int64(n), numpy.int64(a), numpy.int64(b)))
 
 
 def stored_in(a, layout: str) -> bool:

@@ -476,22 +476,20 @@ def test_transpose_channels_affine(rng):
     assert_close(np.nan_to_num(got), np.nan_to_num(ref), 1e-6)
 
 
-@pytest.mark.parametrize("vec4", [True, False])
 @pytest.mark.parametrize("shape", [(3, 20, 9, 12), (2, 37, 5, 7), (1, 4, 2_200_000)])
-def test_transpose_channels_both_ways(rng, shape, vec4):
-    # NCHW -> channels-last and back (+ bias), through the 4 x 4 register kernel (C and the
-    # positions multiples of 4: partial 64 x 64 blocks) or the tiled one; the last shape has
-    # more than 65535 tiles of positions per sample (once past the grid's y limit).
+def test_transpose_channels_both_ways(rng, shape):
+    # NCHW -> channels-last and back (+ bias), partial tiles; the last shape has more than
+    # 65535 tiles of positions per sample (once past the grid's y limit).
     from cufused._cudnn import empty_in_layout, transpose_channels
 
     x = cp.asarray(rng.standard_normal(shape), dtype=cp.float32)
     bias = cp.asarray(rng.standard_normal(shape[1]), dtype=cp.float32)
     nhwc = empty_in_layout(shape, "nhwc")
     nhwc.fill(cp.nan)
-    transpose_channels(x, nhwc, to_channels_last=True, vec4=vec4)
+    transpose_channels(x, nhwc, to_channels_last=True)
     assert bool((nhwc == x).all())
     back = poisoned(shape)
-    transpose_channels(nhwc, back, to_channels_last=False, bias=bias, vec4=vec4)
+    transpose_channels(nhwc, back, to_channels_last=False, bias=bias)
     assert bool((back == x + bias.reshape(1, -1, *[1] * (len(shape) - 2))).all())
 
 

@@ -58,47 +58,6 @@ __global__ void transpose_batched(const float* __restrict__ in, float* __restric
     }
 }
 
-// transpose_batched for A % 4 == 0, B % 4 == 0 and 16-byte aligned in and out: each thread
-// moves a 4 x 4 block through its registers, four 16-byte loads along b and four 16-byte
-// stores along a, with no shared memory and no barrier (a quarter of the memory instructions
-// of the tiled kernel). Lanes 0-15 of a warp take consecutive a quads, so each store row is
-// 256 contiguous bytes; a load row is 32 (two b quads), whole sectors. Block (32, 8) covers
-// 64 a x 64 b. Grid (ceil(B / 64) * ceil(A / 64), 1, min(N, 65535)), numbered as above.
-template <int EPILOGUE>
-__global__ void transpose_batched4(const float* __restrict__ in, float* __restrict__ out,
-                                   const float* __restrict__ scale,
-                                   const float* __restrict__ shift, float lo, float hi,
-                                   index_t N, index_t A, index_t B) {
-    const int tid = threadIdx.y * 32 + threadIdx.x;
-    const int a_len = (int)A, b_len = (int)B;
-    const int b_tiles = (b_len + 63) / 64;
-    const int a0 = (blockIdx.x / b_tiles) * 64 + 4 * (tid & 15);
-    const int b0 = (blockIdx.x % b_tiles) * 64 + 4 * (tid >> 4);
-    if (a0 >= a_len || b0 >= b_len) return;  // whole quads: A and B are multiples of 4
-    for (index_t n = blockIdx.z; n < N; n += gridDim.z) {
-        const float* src = in + n * A * B;
-        float* dst = out + n * A * B;
-        float4 v[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-            v[i] = __ldg(reinterpret_cast<const float4*>(src + (a0 + i) * b_len + b0));
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int b = b0 + j;
-            float t[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float* row = &v[i].x;
-                t[i] = row[j];
-                if (EPILOGUE == EPILOGUE_BIAS) t[i] += shift[b];
-                if (EPILOGUE == EPILOGUE_AFFINE_CLAMP)
-                    t[i] = clamp_nan(fmaf(scale[n * B + b], t[i], shift[n * B + b]), lo, hi);
-            }
-            *reinterpret_cast<float4*>(dst + b * a_len + a0) = make_float4(t[0], t[1], t[2], t[3]);
-        }
-    }
-}
-
 // out[n, s, c] = in[n, c, s] for C % 8 == 0 and 16-byte aligned buffers: a thread gathers 8
 // channels of one position (loads coalesced across the warp's positions) and writes them as two
 // 16-byte stores, a full 32-byte sector. Unlike a 32 x 32 tile it does not idle when there are
