@@ -68,9 +68,10 @@ def set_conv_graph_replay(enabled: bool) -> None:
     From the second call with the same operand pointers on a stream, a convolution replays one
     CUDA graph of its cuDNN calls, weight preparation and output conversion instead of issuing
     each again: 29-67 us of host time per call instead of 54-218 us for the canonical
-    convolutions on the H200 machines (their CPUs differ). Each graph keeps its own workspace, prepared weight and, where
-    the plan writes another layout than the NCHW result, its intermediate output (up to 8
-    graphs per plan; :func:`clear_plan_cache` frees them). A call made while the stream is
+    convolutions on the H200 machines (their CPUs differ). Each graph keeps its own
+    workspace, prepared weight and, where the plan writes another layout than the NCHW
+    result, its intermediate output (up to 8 graphs per plan; :func:`clear_plan_cache` frees
+    them). A call made while the stream is
     being captured always runs directly, and so does a plan for which the autotuner measured
     direct calls faster on the device.
 
