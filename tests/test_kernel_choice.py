@@ -1,0 +1,60 @@
+"""Which GPU kernel variant and launch shape a call gets: host-side rules, checked on the CPU
+with stand-ins that carry only what the rules read (shape, strides, item size, pointer)."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+
+from cufused import normalization, pipelines
+from cufused._cudnn import layout_strides
+
+
+def device_array(shape, layout="nchw", ptr=256):
+    """A float32 stand-in for a CuPy array of logical ``shape`` stored in ``layout``."""
+    strides = tuple(4 * s for s in layout_strides(shape, layout))
+    return types.SimpleNamespace(shape=shape, ndim=len(shape), size=int(np.prod(shape)),
+                                 strides=strides, itemsize=4, data=types.SimpleNamespace(ptr=ptr))
+
+
+@pytest.mark.parametrize("shape,layout,pool,expected", [
+    ((512, 128, 34, 34), "nchw", 2, "bands"),    # B ieee's conv output
+    ((512, 128, 34, 34), "nhwc", 2, "vec4"),     # B tf32's
+    ((128, 64, 126, 126), "nhwc", 4, "rows"),    # A tf32's
+    ((128, 64, 126, 126), "nchw", 4, "bands"),   # A ieee's
+    ((2, 12, 9, 9), "nhwc", 3, "scalar"),        # a run-time window
+    ((2, 6, 9, 9), "nhwc", 2, "scalar"),         # channels not a multiple of 4
+    ((2, 12, 9, 9), "nchw", 2, "scalar"),        # odd rows: no 16-byte bands
+])
+def test_fused_pass_variant_default(shape, layout, pool, expected):
+    assert pipelines._fused_pass_variant(device_array(shape, layout), pool) == expected
+
+
+def test_fused_pass_variant_misaligned_and_forced():
+    y = device_array((512, 128, 34, 34), "nhwc", ptr=260)  # not 16-byte aligned
+    assert pipelines._fused_pass_variant(y, 2) == "scalar"
+    with pytest.raises(ValueError, match="'vec4' does not apply"):
+        pipelines._fused_pass_variant(y, 2, "vec4")
+    with pytest.raises(ValueError, match="'bands' does not apply"):
+        pipelines._fused_pass_variant(device_array((2, 8, 8, 8), "nhwc"), 2, "bands")
+
+
+@pytest.mark.parametrize("shape,layout,groups,expected", [
+    ((512, 128, 17, 17), "nhwc", 8, True),     # B tf32's pooled extrema: 16 channels a group
+    ((512, 128, 17, 17), "nchw", 8, False),    # stored NCHW
+    ((512, 128, 17, 17), "nhwc", 128, False),  # one channel per group: no channel quads
+    ((2, 96, 5, 5), "nhwc", 2, False),         # 48 channels per group: 12 quads do not divide 32
+    ((2, 64, 1, 1), "nhwc", 4, False),         # one position: plain contiguous
+    ((2, 16, 64, 64), "nhwc", 1, False),       # a row of 256 KB does not stay cached
+])
+def test_group_norm_reads_channels_last(shape, layout, groups, expected):
+    x = device_array(shape, layout)
+    assert normalization.reads_channels_last(x, groups) is expected
+
+
+def test_group_norm_threads():
+    assert normalization.group_norm_threads(16 * 289 * 4) == 128  # B: 8 blocks fit per SM
+    assert normalization.group_norm_threads(0) == 128             # rows read twice, no cache
+    assert normalization.group_norm_threads(48 * 1024) == 256
