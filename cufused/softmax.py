@@ -9,12 +9,20 @@ import numpy
 
 from . import reference
 from ._arrays import Size, check_float_dtype, check_out, finish_numpy, get_array_module
-from ._cuda import get_kernel, launch_1d, optional
+from ._cuda import get_kernel, launch_1d, optional, with_shared_memory
 from .normalization import split_count
 
 __all__ = ["softmax"]
 
 _SOFTMAX = "softmax.cu"
+
+# softmax_rows_cluster: 8 blocks of 256 threads per row, each holding at most 64 KB of it.
+_CLUSTER_BLOCKS = 8
+_CLUSTER_THREADS = 256
+_CLUSTER_BYTES = 64 * 1024
+# exp(-60) ~ 1e-26: with a clamp narrower than this, exp(v - hi) cannot underflow to zero for
+# a whole row, so no running maximum is needed.
+_MAX_FREE_CLAMP = 60.0
 
 
 def normalize_axes(axis: Any, ndim: int) -> tuple[int, ...]:
@@ -33,9 +41,45 @@ def normalize_axes(axis: Any, ndim: int) -> tuple[int, ...]:
     return tuple(sorted(axes))
 
 
+def one_read_geometry(y, out, layout: str, length: int, channels: int, strides,
+                      clamp) -> tuple | None:
+    """``(SW, (Md, Mh, Mw, sd, sh), shared bytes)`` for ``softmax_rows_cluster``, or ``None``.
+
+    The one-read kernel needs thread-block clusters (compute capability 9.0), a clamp narrow
+    enough to skip the running maximum, rows that split into 8 parts of whole output planes
+    (at most 64 KB each), 16-byte aligned buffers, and either contiguous rows ("nchw") or a
+    sub-pixel convolution's class blocks ("classes", up to 2 classes along the last axis).
+    """
+    import cupy
+
+    if clamp is None or clamp[1] - clamp[0] > _MAX_FREE_CLAMP:
+        return None
+    if int(cupy.cuda.Device().compute_capability) < 90:
+        return None
+    if y.data.ptr % 16 or out.data.ptr % 16:
+        return None
+    if layout == "classes":
+        from ._cudnn import class_geometry
+
+        sw, _, _, (_, _, md, mh, mw, sd, sh) = class_geometry(y, out)
+        md, mh, mw, sd, sh = (int(v) for v in (md, mh, mw, sd, sh))
+    elif layout == "nchw" and tuple(strides[1:]) == (length, 1) and (
+            strides[0] == channels * length or length * channels == y.size):
+        sw, md, mh, mw, sd, sh = 1, _CLUSTER_BLOCKS, 1, length // _CLUSTER_BLOCKS, 1, 1
+        if length % _CLUSTER_BLOCKS:
+            return None
+    else:
+        return None
+    nbytes = 4 * sd * sh * sw * (md // _CLUSTER_BLOCKS) * mh * mw
+    if (sw not in (1, 2) or md % _CLUSTER_BLOCKS or (mh * mw) % 4 or (sw * mw) % 4
+            or nbytes > _CLUSTER_BYTES):
+        return None
+    return sw, (md, mh, mw, sd, sh), nbytes
+
+
 def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *,
                  layout: str = "nchw", bias=None, scale=None, clamp=None,
-                 vec4: bool = True) -> None:
+                 vec4: bool = True, one_read: bool = True) -> None:
     """Softmax of ``rows`` = N * ``channels`` rows of ``length`` values, into contiguous ``out``.
 
     ``y`` is read through element ``strides`` (sn, sc, ss) in ``layout``: "nchw",
@@ -43,13 +87,23 @@ def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *
     or "classes" (a sub-pixel convolution's class blocks (P, N, C, *M), see
     :func:`cufused._cudnn.class_geometry`; ``strides`` unused). ``bias`` is added and
     ``clamp = (lo, hi)`` applied before the softmax; the result is multiplied by ``scale[c]``.
-    A statistics pass and a normalize pass run; when ``hi - lo`` is small, exp(v - hi) can
-    neither overflow nor underflow, so the statistics pass needs no running maximum.
-    ``vec4=False`` keeps the channels-last normalize pass on its scalar kernel (timings).
+    When ``hi - lo`` is small, exp(v - hi) can neither overflow nor underflow, so no running
+    maximum is needed; then, where :func:`one_read_geometry` allows, one kernel reads ``y``
+    once (a thread-block cluster per row). Otherwise a statistics pass and a normalize pass
+    run. ``vec4=False`` keeps the channels-last normalize pass on its scalar kernel and
+    ``one_read=False`` the two passes (timings).
     """
     lo, hi = clamp if clamp is not None else (0.0, 0.0)
     cp = str(clamp is not None).lower()
     f32, i32 = numpy.float32, numpy.int32
+    geometry = one_read and one_read_geometry(y, out, layout, length, channels, strides, clamp)
+    if geometry:
+        sw, dims, nbytes = geometry
+        kernel = with_shared_memory(get_kernel(_SOFTMAX, f"softmax_rows_cluster<{sw}>"), nbytes)
+        kernel((rows * _CLUSTER_BLOCKS,), (_CLUSTER_THREADS,),
+               (y, out, optional(bias), optional(scale), i32(channels),
+                *(i32(v) for v in dims), f32(lo), f32(hi)), shared_mem=nbytes)
+        return
     channels_last = layout == "nhwc"
     parts = y.shape[0] if layout == "classes" else 1
     if layout == "classes":
@@ -61,7 +115,7 @@ def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *
     c_tiles = -(-channels // (32 if channels_last else 8))
     splits = split_count(n * c_tiles, length)
     splits = max(1, min(splits, -(-length // 32)))
-    online = clamp is None or hi - lo > 60.0  # exp(-60) ~ 1e-26: far from float32's underflow
+    online = clamp is None or hi - lo > _MAX_FREE_CLAMP
     cl, on = (str(v).lower() for v in (channels_last, online))
     partial = cupy.empty((parts * rows, splits, 2), dtype=cupy.float32)
     sn, sc, ss = (numpy.int64(s) for s in strides)

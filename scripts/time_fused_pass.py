@@ -4,7 +4,8 @@ For the canonical conv outputs of A (k = 4) and B (k = 2) in both layouts: the s
 and the 16-byte ones (NCHW: K-row bands per plane; channels-last: per channel quad and per
 window row, with the extrema NCHW or, "...>nhwc", channels-last);
 pipeline B's GroupNorm of the pooled extrema (NCHW or channels-last) per block size;
-and pipeline C's channels-last normalize pass, scalar vs 16-byte. Median ms, L2 flushed, with
+pipeline C's channels-last normalize pass, scalar vs 16-byte, and its softmax of class blocks
+or NCDHW rows, two passes vs the one-read cluster kernel. Median ms, L2 flushed, with
 the read-once floor at the measured copy bandwidth.
 """
 
@@ -63,6 +64,19 @@ def main():
             layout="nhwc", clamp=(0.0, 1.0), vec4=vec4))
         print(f"C softmax nhwc vec4={vec4}: {ms:.3f} ms (stats + apply; floor "
               f"{3 * y.nbytes / copy * 1e3:.3f})", flush=True)
+    # Class blocks of C ieee's sub-pixel convolution ((P, N, C, 16, 32, 32), P = 8) and the
+    # plain NCDHW output: the two-pass path against the one-read cluster kernel.
+    classes = cupy.random.default_rng(0).random((8, 32, 64, 16, 32, 32), dtype=cupy.float32)
+    plain = cupy.random.default_rng(0).random(shape, dtype=cupy.float32)
+    for layout, src, strides in (("classes", classes, None),
+                                 ("nchw", plain, (64 * 131072, 131072, 1))):
+        for one_read in (False, True):
+            ms = timer(lambda: softmax_rows(
+                cupy, src, out, 32 * 64, 32 * 64 * 64, 64, strides, layout=layout,
+                clamp=(0.0, 1.0), one_read=one_read))
+            print(f"C softmax {layout} one_read={one_read}: {ms:.3f} ms (floors: one read "
+                  f"{2 * out.nbytes / copy * 1e3:.3f}, two {3 * out.nbytes / copy * 1e3:.3f})",
+                  flush=True)
 
 
 if __name__ == "__main__":

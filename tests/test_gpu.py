@@ -580,6 +580,33 @@ def test_pipeline_c_channels_last_vectorized(rng, precision):
     assert rel_err(out.get(), ref) < 10 * TOL[precision]
 
 
+@pytest.mark.parametrize("pin", ["subpixel nchw", "nchw"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+def test_pipeline_c_one_read(rng, monkeypatch, pin, precision):
+    # Output D = 16 (whole planes for each of a cluster's 8 blocks) and H * W % 4 == 0: the
+    # one-read cluster kernel normalizes the class blocks ("subpixel nchw") or the NCDHW rows
+    # ("nchw"). A NaN input turns its sample's rows to NaN.
+    from cufused import softmax as softmax_module
+
+    chosen = []
+    one_read_geometry = softmax_module.one_read_geometry
+    monkeypatch.setattr(softmax_module, "one_read_geometry",
+                        lambda *args: chosen.append(one_read_geometry(*args)) or chosen[-1])
+    arrays, opts = pipeline_c_args(rng, n=3, cin=4, d=16, h=12, w=4, cout=6)
+    arrays[0][2, 1, 3, 5, 1] = np.nan
+    cb = rng.standard_normal(6)
+    ref = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(*arrays, **opts, conv_bias=cb)
+    out = poisoned(ref.shape)
+    with _pinned(pin):
+        cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
+            *to_gpu(*arrays), **opts, conv_bias=to_gpu(cb)[0], precision=precision, out=out)
+    assert chosen and chosen[-1] is not None
+    got = out.get()
+    assert np.isnan(ref[2]).all() and np.array_equal(np.isnan(got), np.isnan(ref))
+    mask = ~np.isnan(ref)
+    assert rel_err(got[mask], ref[mask]) < 10 * TOL[precision]
+
+
 def test_pipelines_propagate_nan(rng):
     arrays, opts = pipeline_a_args(rng)
     arrays[0][1, 2, 5, 5] = np.nan

@@ -99,6 +99,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "softmax_apply_subpixel<true, 1, 4>",
         "softmax_apply_subpixel<true, 2, 1>",
         "softmax_apply_subpixel<true, 2, 4>",
+        "softmax_rows_cluster<1>",
+        "softmax_rows_cluster<2>",
     ),
 }
 
@@ -173,6 +175,20 @@ def compile_offline(filename: str, arch: str) -> dict[str, str]:
         return {"log": nvrtc.getProgramLog(prog), "cubin_bytes": str(len(nvrtc.getCUBIN(prog)))}
     finally:
         nvrtc.destroyProgram(prog)
+
+
+_shared_opt_in: dict[int, int] = {}
+
+
+def with_shared_memory(kernel, nbytes: int):
+    """``kernel``, allowed ``nbytes`` of dynamic shared memory (past the default 48 KB)."""
+    if _shared_opt_in.get(kernel.ptr, 0) < nbytes:
+        from cupy_backends.cuda.api import driver
+
+        driver.funcSetAttribute(kernel.ptr,
+                                driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
+        _shared_opt_in[kernel.ptr] = nbytes
+    return kernel
 
 
 def optional(array):

@@ -257,3 +257,117 @@ __global__ void softmax_apply_subpixel(const float* __restrict__ classes, float*
     interleave_classes<SW, VEC>(classes, out, rows, Md, Mh, Mw, sd, sh,
                                 SoftmaxRowOp<CLAMP>{bias, shift, factor, C, lo, hi});
 }
+
+// ---------------------------------------------------------------------------------------------
+// One-read softmax on Hopper (sm_90): a thread-block cluster of 8 blocks per (n, c) row, for a
+// clamped row (exp(v - hi) needs no running maximum). Block `rank` owns the rank-th eighth of
+// the row's output, (sd * Md / 8) whole output planes. It reads the values of those planes
+// once, from the P = sd * sh * SW class blocks of a sub-pixel convolution (blocks
+// [P][R][Md][Mh][Mw], see interleave_classes; a contiguous (R, S) tensor is the case
+// P = 1, Md = 8, Mh = 1, Mw = S / 8), keeps exp(v - hi) in shared memory (at most 64 KB),
+// and writes its part of the contiguous output once the cluster's 8 partial sums have met
+// in distributed shared memory. So the conv output is read once instead of twice. In place
+// (y == out, P = 1) works: a block writes only what it has read, after the cluster barrier.
+// Needs Md % 8 == 0, Mh * Mw % 4 == 0, SW * Mw % 4 == 0 and 16-byte aligned buffers.
+// Compiled for sm_80 too, where it traps (the host launches it on sm_90 and later only).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define CLUSTER_OF_8 __cluster_dims__(8, 1, 1)
+#define HAS_CLUSTERS 1
+#else
+#define CLUSTER_OF_8
+#define HAS_CLUSTERS 0
+#endif
+
+constexpr int CLUSTER_ROW_THREADS = 256;
+
+template <int SW>
+__global__ void CLUSTER_OF_8 __launch_bounds__(CLUSTER_ROW_THREADS)
+softmax_rows_cluster(const float* y, float* out, const float* __restrict__ bias,
+                     const float* __restrict__ scale, int C, int Md, int Mh, int Mw, int sd,
+                     int sh, float lo, float hi) {
+#if HAS_CLUSTERS
+    extern __shared__ float4 staged4[];  // exp(v - hi) of this block's values, class-major
+    __shared__ float scratch[32];
+    __shared__ float block_total;
+    const float* staged = reinterpret_cast<const float*>(staged4);
+    const unsigned rank = blockIdx.x % 8;
+    const index_t row = blockIdx.x / 8;
+    const index_t rows = gridDim.x / 8;
+    const int P = sd * sh * SW, Mq = Md / 8;
+    const int Q = Mq * Mh * Mw;  // values per class in this block
+    const int q4 = Q / 4, n4 = P * q4;
+    const index_t class_block = rows * Md * (index_t)(Mh * Mw);
+    const float* src = y + (row * Md + rank * Mq) * (index_t)(Mh * Mw);
+    const float b = bias ? bias[row % C] : 0.0f;
+
+    // Read: eight 16-byte loads in flight per thread before their values are used.
+    constexpr int UNROLL = 8;
+    float s = 0.0f;
+    for (int i0 = threadIdx.x; i0 < n4; i0 += UNROLL * CLUSTER_ROW_THREADS) {
+        float4 v[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int i = i0 + u * CLUSTER_ROW_THREADS;
+            if (i < n4) {
+                const int k = i / q4;
+                v[u] = *reinterpret_cast<const float4*>(src + k * class_block + 4 * (i - k * q4));
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const int i = i0 + u * CLUSTER_ROW_THREADS;
+            if (i < n4) {
+                float4 e;
+                e.x = expf(clamp_nan(v[u].x + b, lo, hi) - hi);
+                e.y = expf(clamp_nan(v[u].y + b, lo, hi) - hi);
+                e.z = expf(clamp_nan(v[u].z + b, lo, hi) - hi);
+                e.w = expf(clamp_nan(v[u].w + b, lo, hi) - hi);
+                s += (e.x + e.y) + (e.z + e.w);
+                staged4[i] = e;
+            }
+        }
+    }
+    s = block_sum(s, scratch);  // its barriers also publish `staged` to the whole block
+    if (threadIdx.x == 0) block_total = s;
+
+    // The row's sum, added in rank order in every block (so all 8 agree bit for bit).
+    asm volatile("barrier.cluster.arrive.release.aligned;\n"
+                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+    const unsigned local = (unsigned)__cvta_generic_to_shared(&block_total);
+    float total = 0.0f;
+    for (unsigned r = 0; r < 8; ++r) {
+        unsigned remote;
+        float t;
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(r));
+        asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(t) : "r"(remote) : "memory");
+        total += t;
+    }
+    // Arrive now, wait before leaving: no block exits while another may still read its total.
+    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+    const float f = (scale ? scale[row % C] : 1.0f) / total;  // NaN in the row: all NaN
+
+    // Write: 16-byte stores of the contiguous output planes, gathered from the classes.
+    const int H = sh * Mh, W4 = SW * Mw / 4;
+    float4* dst = reinterpret_cast<float4*>(out + (row * P * Md + (index_t)rank * P * Mq) *
+                                            (index_t)(Mh * Mw));
+    for (int t = threadIdx.x; t < n4; t += CLUSTER_ROW_THREADS) {
+        const int w4 = t % W4, dh = t / W4;
+        const int h = dh % H, dl = dh / H;
+        const int k = ((dl % sd) * sh + h % sh) * SW;
+        const int base = k * Q + ((dl / sd) * Mh + h / sh) * Mw;
+        float4 o;
+        if (SW == 2) {  // outputs alternate between classes k and k + 1
+            const float2 e0 = reinterpret_cast<const float2*>(staged + base)[w4];
+            const float2 e1 = reinterpret_cast<const float2*>(staged + base + Q)[w4];
+            o = make_float4(e0.x * f, e1.x * f, e0.y * f, e1.y * f);
+        } else {
+            const float4 e = reinterpret_cast<const float4*>(staged + base)[w4];
+            o = make_float4(e.x * f, e.y * f, e.z * f, e.w * f);
+        }
+        dst[t] = o;
+    }
+    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+    __trap();
+#endif
+}
