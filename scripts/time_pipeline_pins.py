@@ -23,7 +23,7 @@ def main(names):
         if case.name not in names:
             continue
         inputs = case.make_inputs(numpy.random.default_rng(0))
-        out = cupy.empty(case.output_shape(), dtype=cupy.float32)
+        out = cupy.empty(case.output_shape, dtype=cupy.float32)
         for precision in ("ieee", "tf32"):
             for pin in PINS:
                 options = {"autotune": True} if pin is None else {"autotune": True,
