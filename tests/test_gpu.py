@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 
@@ -586,8 +588,7 @@ def test_pipeline_c_one_read(rng, monkeypatch, pin, precision):
     # Output D = 16 (whole planes for each of a cluster's 8 blocks) and H * W % 4 == 0: the
     # one-read cluster kernel normalizes the class blocks ("subpixel nchw") or the NCDHW rows
     # ("nchw"). A NaN input turns its sample's rows to NaN.
-    from cufused import softmax as softmax_module
-
+    softmax_module = importlib.import_module("cufused.softmax")  # cufused.softmax: the function
     chosen = []
     one_read_geometry = softmax_module.one_read_geometry
     monkeypatch.setattr(softmax_module, "one_read_geometry",
