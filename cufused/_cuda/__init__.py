@@ -177,17 +177,11 @@ def compile_offline(filename: str, arch: str) -> dict[str, str]:
         nvrtc.destroyProgram(prog)
 
 
-_shared_opt_in: dict[int, int] = {}
-
-
 def with_shared_memory(kernel, nbytes: int):
-    """``kernel``, allowed ``nbytes`` of dynamic shared memory (past the default 48 KB)."""
-    if _shared_opt_in.get(kernel.ptr, 0) < nbytes:
-        from cupy_backends.cuda.api import driver
-
-        driver.funcSetAttribute(kernel.ptr,
-                                driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
-        _shared_opt_in[kernel.ptr] = nbytes
+    """``kernel`` (a ``cupy.RawKernel``), allowed ``nbytes`` of dynamic shared memory (past the
+    default 48 KB)."""
+    if kernel.max_dynamic_shared_size_bytes < nbytes:
+        kernel.max_dynamic_shared_size_bytes = nbytes
     return kernel
 
 
