@@ -43,12 +43,12 @@ def normalize_axes(axis: Any, ndim: int) -> tuple[int, ...]:
 
 def one_read_geometry(y, out, layout: str, length: int, channels: int, strides,
                       clamp) -> tuple | None:
-    """``(SW, (Md, Mh, Mw, sd, sh), shared bytes)`` for ``softmax_rows_cluster``, or ``None``.
+    """``((SD, SH, SW), (Md, Mh, Mw), shared bytes)`` for ``softmax_rows_cluster``, or ``None``.
 
     The one-read kernel needs thread-block clusters (compute capability 9.0), a clamp narrow
     enough to skip the running maximum, rows that split into 8 parts of whole output planes
     (at most 64 KB each), 16-byte aligned buffers, and either contiguous rows ("nchw") or a
-    sub-pixel convolution's class blocks ("classes", up to 2 classes along the last axis).
+    sub-pixel convolution's class blocks ("classes", up to 2 classes along each axis).
     """
     import cupy
 
@@ -71,10 +71,10 @@ def one_read_geometry(y, out, layout: str, length: int, channels: int, strides,
     else:
         return None
     nbytes = 4 * sd * sh * sw * (md // _CLUSTER_BLOCKS) * mh * mw
-    if (sw not in (1, 2) or md % _CLUSTER_BLOCKS or (mh * mw) % 4 or (sw * mw) % 4
+    if (max(sd, sh, sw) > 2 or md % _CLUSTER_BLOCKS or (mh * mw) % 4 or (sw * mw) % 4
             or nbytes > _CLUSTER_BYTES):
         return None
-    return sw, (md, mh, mw, sd, sh), nbytes
+    return (sd, sh, sw), (md, mh, mw), nbytes
 
 
 def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *,
@@ -98,8 +98,9 @@ def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *
     f32, i32 = numpy.float32, numpy.int32
     geometry = one_read and one_read_geometry(y, out, layout, length, channels, strides, clamp)
     if geometry:
-        sw, dims, nbytes = geometry
-        kernel = with_shared_memory(get_kernel(_SOFTMAX, f"softmax_rows_cluster<{sw}>"), nbytes)
+        classes, dims, nbytes = geometry
+        name = f"softmax_rows_cluster<{', '.join(map(str, classes))}>"
+        kernel = with_shared_memory(get_kernel(_SOFTMAX, name), nbytes)
         kernel((rows * _CLUSTER_BLOCKS,), (_CLUSTER_THREADS,),
                (y, out, optional(bias), optional(scale), i32(channels),
                 *(i32(v) for v in dims), f32(lo), f32(hi)), shared_mem=nbytes)

@@ -7,7 +7,10 @@ pipeline B's GroupNorm of the pooled extrema (NCHW or channels-last) per block s
 pipeline C's channels-last normalize pass, scalar vs 16-byte, and its softmax of class blocks
 or NCDHW rows, two passes vs the one-read cluster kernel. Median ms, L2 flushed, with
 the read-once floor at the measured copy bandwidth.
+Usage: python scripts/time_fused_pass.py [passes] [groupnorm] [softmax] (default: all).
 """
+
+import sys
 
 import cupy
 import numpy
@@ -18,9 +21,7 @@ from cufused._cudnn import empty_in_layout
 from cufused.benchmark import Timer, measure_ceilings
 
 
-def main():
-    timer = Timer(repeat=20)
-    copy = measure_ceilings(timer)["copy_TBps"] * 1e12
+def fused_passes(timer, copy):
     for name, shape, pool, group in (("A", (128, 64, 126, 126), 4, 4),
                                      ("B", (512, 128, 34, 34), 2, 1)):
         for layout in ("nchw", "nhwc"):
@@ -39,6 +40,9 @@ def main():
                     shift_group=group, per_sample=group > 1, variant=variant))
                 floor = y.nbytes / copy * 1e3
                 print(f"{name} {layout} {label}: {ms:.3f} ms (floor {floor:.3f})", flush=True)
+
+
+def group_norm_b(timer, copy):
     shape = (512, 128, 17, 17)
     default_threads = normalization.group_norm_threads
     coef = cupy.random.default_rng(1).random((2, 128), dtype=cupy.float32)
@@ -53,6 +57,9 @@ def main():
             print(f"B GroupNorm from {layout}, {threads} threads: {ms:.3f} ms (floor "
                   f"{2 * ext.nbytes / copy * 1e3:.3f})", flush=True)
     normalization.group_norm_threads = default_threads
+
+
+def softmax_c(timer, copy):
     shape = (32, 64, 32, 64, 64)
     y = empty_in_layout(shape, "nhwc")
     y[...] = 0.5
@@ -79,6 +86,16 @@ def main():
                   flush=True)
 
 
+SECTIONS = {"passes": fused_passes, "groupnorm": group_norm_b, "softmax": softmax_c}
+
+
+def main(names):
+    timer = Timer(repeat=20)
+    copy = measure_ceilings(timer)["copy_TBps"] * 1e12
+    for name in names or SECTIONS:
+        SECTIONS[name](timer, copy)
+
+
 if __name__ == "__main__":
     numpy.random.seed(0)
-    main()
+    main(sys.argv[1:])

@@ -99,8 +99,14 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "softmax_apply_subpixel<true, 1, 4>",
         "softmax_apply_subpixel<true, 2, 1>",
         "softmax_apply_subpixel<true, 2, 4>",
-        "softmax_rows_cluster<1>",
-        "softmax_rows_cluster<2>",
+        "softmax_rows_cluster<1, 1, 1>",
+        "softmax_rows_cluster<1, 1, 2>",
+        "softmax_rows_cluster<1, 2, 1>",
+        "softmax_rows_cluster<1, 2, 2>",
+        "softmax_rows_cluster<2, 1, 1>",
+        "softmax_rows_cluster<2, 1, 2>",
+        "softmax_rows_cluster<2, 2, 1>",
+        "softmax_rows_cluster<2, 2, 2>",
     ),
 }
 

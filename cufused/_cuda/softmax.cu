@@ -268,7 +268,8 @@ __global__ void softmax_apply_subpixel(const float* __restrict__ classes, float*
 // and writes its part of the contiguous output once the cluster's 8 partial sums have met
 // in distributed shared memory. So the conv output is read once instead of twice. In place
 // (y == out, P = 1) works: a block writes only what it has read, after the cluster barrier.
-// Needs Md % 8 == 0, Mh * Mw % 4 == 0, SW * Mw % 4 == 0 and 16-byte aligned buffers.
+// SD, SH, SW (1 or 2): the classes along each axis. Needs Md % 8 == 0, Mh * Mw % 4 == 0,
+// SW * Mw % 4 == 0 and 16-byte aligned buffers.
 // Compiled for sm_80 too, where it traps (the host launches it on sm_90 and later only).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define CLUSTER_OF_8 __cluster_dims__(8, 1, 1)
@@ -280,11 +281,11 @@ __global__ void softmax_apply_subpixel(const float* __restrict__ classes, float*
 
 constexpr int CLUSTER_ROW_THREADS = 256;
 
-template <int SW>
+template <int SD, int SH, int SW>
 __global__ void CLUSTER_OF_8 __launch_bounds__(CLUSTER_ROW_THREADS)
 softmax_rows_cluster(const float* y, float* out, const float* __restrict__ bias,
-                     const float* __restrict__ scale, int C, int Md, int Mh, int Mw, int sd,
-                     int sh, float lo, float hi) {
+                     const float* __restrict__ scale, int C, int Md, int Mh, int Mw, float lo,
+                     float hi) {
 #if HAS_CLUSTERS
     extern __shared__ float4 staged4[];  // exp(v - hi) of this block's values, class-major
     __shared__ float scratch[32];
@@ -293,9 +294,11 @@ softmax_rows_cluster(const float* y, float* out, const float* __restrict__ bias,
     const unsigned rank = blockIdx.x % 8;
     const index_t row = blockIdx.x / 8;
     const index_t rows = gridDim.x / 8;
-    const int P = sd * sh * SW, Mq = Md / 8;
+    constexpr int P = SD * SH * SW;
+    const int Mq = Md / 8;
     const int Q = Mq * Mh * Mw;  // values per class in this block
     const int q4 = Q / 4, n4 = P * q4;
+    const float inv_q4 = 1.0f / q4;
     const index_t class_block = rows * Md * (index_t)(Mh * Mw);
     const float* src = y + (row * Md + rank * Mq) * (index_t)(Mh * Mw);
     const float b = bias ? bias[row % C] : 0.0f;
@@ -309,7 +312,7 @@ softmax_rows_cluster(const float* y, float* out, const float* __restrict__ bias,
         for (int u = 0; u < UNROLL; ++u) {
             const int i = i0 + u * CLUSTER_ROW_THREADS;
             if (i < n4) {
-                const int k = i / q4;
+                const int k = P == 1 ? 0 : quotient(i, q4, inv_q4);
                 v[u] = *reinterpret_cast<const float4*>(src + k * class_block + 4 * (i - k * q4));
             }
         }
@@ -347,14 +350,15 @@ softmax_rows_cluster(const float* y, float* out, const float* __restrict__ bias,
     const float f = (scale ? scale[row % C] : 1.0f) / total;  // NaN in the row: all NaN
 
     // Write: 16-byte stores of the contiguous output planes, gathered from the classes.
-    const int H = sh * Mh, W4 = SW * Mw / 4;
+    const int H = SH * Mh, W4 = SW * Mw / 4;
+    const float inv_w4 = 1.0f / W4, inv_h = 1.0f / H;
     float4* dst = reinterpret_cast<float4*>(out + (row * P * Md + (index_t)rank * P * Mq) *
                                             (index_t)(Mh * Mw));
     for (int t = threadIdx.x; t < n4; t += CLUSTER_ROW_THREADS) {
-        const int w4 = t % W4, dh = t / W4;
-        const int h = dh % H, dl = dh / H;
-        const int k = ((dl % sd) * sh + h % sh) * SW;
-        const int base = k * Q + ((dl / sd) * Mh + h / sh) * Mw;
+        const int dh = quotient(t, W4, inv_w4), w4 = t - dh * W4;
+        const int dl = quotient(dh, H, inv_h), h = dh - dl * H;
+        const int k = ((dl % SD) * SH + h % SH) * SW;
+        const int base = k * Q + ((dl / SD) * Mh + h / SH) * Mw;
         float4 o;
         if (SW == 2) {  // outputs alternate between classes k and k + 1
             const float2 e0 = reinterpret_cast<const float2*>(staged + base)[w4];
