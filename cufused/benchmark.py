@@ -77,8 +77,13 @@ class Case:
         return 4.0 * (numpy.prod(self.shapes["x"]) + numpy.prod(self.output_shape))
 
     def post_conv_bytes(self) -> float:
-        """Conv output read once plus pipeline output written once (float32)."""
-        return 4.0 * (numpy.prod(self.conv["y_shape"]) + numpy.prod(self.output_shape))
+        """What the pipeline moves besides the convolution (float32): the conv output read once
+        plus the pipeline output written once, and where the input is pooled before the conv
+        (C), the input read once plus the conv input written once."""
+        moved = numpy.prod(self.conv["y_shape"]) + numpy.prod(self.output_shape)
+        if tuple(self.conv["x_shape"]) != tuple(self.shapes["x"]):
+            moved += numpy.prod(self.shapes["x"]) + numpy.prod(self.conv["x_shape"])
+        return 4.0 * moved
 
     @property
     def output_shape(self) -> tuple[int, ...]:

@@ -66,3 +66,15 @@ def test_bench_table_and_plot_from_committed_result(tmp_path):
     pytest.importorskip("matplotlib")
     plot(result, str(tmp_path / "bench.png"))
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_post_conv_floor_counts_the_bytes_each_case_moves():
+    from cufused.benchmark import CASES
+
+    by_name = {case.name: case for case in CASES}
+    # A: conv output (128, 64, 126, 126) read, result (128, 64, 31, 31) written.
+    assert by_name["A"].post_conv_bytes() == 4 * 128 * 64 * (126 * 126 + 31 * 31)
+    # C pools its input before the conv: input read, pooled input written, then the conv
+    # output read and the (same-shaped) result written.
+    assert by_name["C"].post_conv_bytes() == 4 * 32 * (32 * 32 * 64 * 64 + 32 * 16 * 32 * 32
+                                                       + 2 * 64 * 32 * 64 * 64)
