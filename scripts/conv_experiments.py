@@ -219,6 +219,13 @@ def mixed_layouts():
                        ("nchw", "nchw", "nhwc")):
             ms = best_plan_ms(kind, xs, ws, ys, [pad, pad], [pad, pad], [1, 1], layout, "tf32")
             print(f"mixed {name} x/w/y={'/'.join(layout)} tf32: {ms}", flush=True)
+    # C: its pool writes the conv input in any layout for free; an NCDHW output would let the
+    # one-read softmax run on it.
+    for layout in (("nhwc", "nhwc", "nhwc"), ("nhwc", "nhwc", "nchw"), ("nchw", "nhwc", "nchw"),
+                   ("nchw", "nchw", "nchw")):
+        ms = best_plan_ms("dgrad", (32, 32, 16, 32, 32), (32, 64, 3, 3, 3), (32, 64, 32, 64, 64),
+                          [1] * 3, [1] * 3, [2] * 3, layout, "tf32")
+        print(f"mixed C dgrad x/w/y={'/'.join(layout)} tf32: {ms}", flush=True)
 
 
 if __name__ == "__main__":
