@@ -3,6 +3,7 @@
 For each case and precision: the pipeline timed as in the benchmark (L2 flushed), the same
 call replayed from a CUDA graph (no host overhead), the host time of one call, and the
 per-kernel device times of one call from CuPy's profiler-free event timing of each stage.
+Usage: python scripts/profile_pipelines.py [CASE PRECISION | trace CASE PRECISION].
 """
 
 import time
@@ -54,10 +55,39 @@ def one_call(name: str, precision: str) -> None:
     cupy.cuda.Device().synchronize()
 
 
+def trace(name: str, precision: str, calls: int = 3) -> None:
+    """The device timeline (PyTorch's CUPTI profiler) of ``calls`` warm calls, each after an
+    L2 flush as in the benchmark: every kernel with the idle gap before it."""
+    import torch
+
+    case = next(c for c in make_cases() if c.name == name)
+    inputs = case.make_inputs(numpy.random.default_rng(0))
+    out = cupy.empty(case.output_shape, dtype=cupy.float32)
+    flush = Timer(repeat=1)._flush
+    for _ in range(3):
+        case.run_cufused(inputs, precision=precision, out=out)
+    cupy.cuda.Device().synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            flush.fill(1.0)
+            case.run_cufused(inputs, precision=precision, out=out)
+        cupy.cuda.Device().synchronize()
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name)
+                     for e in prof.events() if e.device_type.name == "CUDA")
+    print(f"== {name} {precision}: {len(kernels)} device activities")
+    previous = None
+    for start, end, label in kernels:
+        gap = "" if previous is None else f"{start - previous:8.1f}"
+        print(f"{gap:>8} us gap {end - start:9.1f} us  {label[:70]}")
+        previous = end
+
+
 if __name__ == "__main__":
     import sys
 
-    if len(sys.argv) == 3:
+    if sys.argv[1:2] == ["trace"]:
+        trace(sys.argv[2], sys.argv[3])
+    elif len(sys.argv) == 3:
         one_call(sys.argv[1], sys.argv[2])
     else:
         main()
