@@ -3,7 +3,8 @@
 For each case and precision: the pipeline timed as in the benchmark (L2 flushed), the same
 call replayed from a CUDA graph (no host overhead), the host time of one call, and the
 per-kernel device times of one call from CuPy's profiler-free event timing of each stage.
-Usage: python scripts/profile_pipelines.py [CASE PRECISION | trace CASE PRECISION].
+Usage: python scripts/profile_pipelines.py [CASE PRECISION | trace CASE PRECISION |
+host CASE PRECISION].
 """
 
 import time
@@ -82,11 +83,51 @@ def trace(name: str, precision: str, calls: int = 3) -> None:
         previous = end
 
 
+def host(name: str, precision: str, calls: int = 200) -> None:
+    """Is the flushed timing host-bound? The benchmark's timing (one 256 MB flush, ~0.3 ms of
+    device time for the host to run ahead) against a four-times longer head start, the host
+    time of back-to-back calls, and where that host time goes (cProfile)."""
+    import cProfile
+    import pstats
+    import sys
+
+    case = next(c for c in make_cases() if c.name == name)
+    inputs = case.make_inputs(numpy.random.default_rng(0))
+    out = cupy.empty(case.output_shape, dtype=cupy.float32)
+    call = lambda: case.run_cufused(inputs, precision=precision, out=out)  # noqa: E731
+    timer = Timer(repeat=30)
+    flushed = timer(call)
+    flush = timer._flush
+
+    def head_start():
+        for _ in range(3):
+            flush.fill(2.0)
+        call()
+    longer = timer(head_start) - 3 * timer(lambda: flush.fill(2.0))  # approximate
+    cupy.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        call()
+    host_us = (time.perf_counter() - t0) / calls * 1e6
+    cupy.cuda.Device().synchronize()
+    print(f"{name} {precision}: flushed {flushed:.3f} ms, with a longer head start "
+          f"~{longer:.3f} ms, host {host_us:.0f} us/call")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        call()
+        cupy.cuda.Device().synchronize()
+    prof.disable()
+    pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(18)
+
+
 if __name__ == "__main__":
     import sys
 
     if sys.argv[1:2] == ["trace"]:
         trace(sys.argv[2], sys.argv[3])
+    elif sys.argv[1:2] == ["host"]:
+        host(sys.argv[2], sys.argv[3])
     elif len(sys.argv) == 3:
         one_call(sys.argv[1], sys.argv[2])
     else:
