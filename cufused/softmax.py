@@ -126,7 +126,7 @@ def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *
          i32(c_tiles), sn, sc, ss, f32(lo), f32(hi)))
     coef = cupy.empty((2, rows), dtype=cupy.float32)
     get_kernel(_SOFTMAX, "softmax_finalize")(
-        (-(-rows // 256),), (256,),
+        (-(-rows * 32 // 256),), (256,),
         (partial, numpy.int64(rows), i32(channels), i32(splits), i32(parts), optional(scale),
          coef[0], coef[1]))
     if layout == "classes":
