@@ -185,20 +185,27 @@ class Timer:
         self._flush = cupy.empty(L2_FLUSH_BYTES // 4, dtype=cupy.float32)
 
     def __call__(self, fn: Callable[[], Any]) -> float:
+        return self.compare({"fn": fn})["fn"]
+
+    def compare(self, fns: dict[str, Callable[[], Any]]) -> dict[str, float]:
+        """Median ms of each of ``fns``: all warmed up first, then timed in alternating
+        rounds, so that clock or memory-state drift during the run weighs on all alike."""
         import cupy
 
-        for _ in range(self.warmup):
-            fn()
+        for fn in fns.values():
+            for _ in range(self.warmup):
+                fn()
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        times = []
+        times = {name: [] for name in fns}
         for _ in range(self.repeat):
-            self._flush.fill(1.0)
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            times.append(cupy.cuda.get_elapsed_time(start, stop))
-        return float(numpy.median(times))
+            for name, fn in fns.items():
+                self._flush.fill(1.0)
+                start.record()
+                fn()
+                stop.record()
+                stop.synchronize()
+                times[name].append(cupy.cuda.get_elapsed_time(start, stop))
+        return {name: float(numpy.median(t)) for name, t in times.items()}
 
 
 def measure_ceilings(timer: Timer) -> dict:
@@ -286,30 +293,33 @@ def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_e
         except ImportError:
             pass
     for precision in precisions:
-        row = {"case": case.name, "precision": precision}
-        row["fused"] = timer(lambda: case.run_cufused(inputs, precision=precision, out=out))
-        row["unfused"] = timer(lambda: case.run_cufused(inputs, precision=precision,
-                                                        method="unfused"))
         plan = conv_plan_for(case, precision)
         operands = plan.example_operands()
-        row["conv_layout"] = plan.strategy.label
-        row["conv"] = timer(lambda: plan.run(*operands))
-        operands = None
         # The public convolution (NCHW in and out, conversions included) on the conv input.
         conv_fn, conv_opts = _public_conv(case)
         xc = cupy.asarray(rng.random(case.conv["x_shape"], dtype=numpy.float32))
         wc = gpu["weight"]
-        row["conv_public"] = timer(lambda: conv_fn(xc, wc, **conv_opts, precision=precision))
+        fns = {
+            "fused": lambda: case.run_cufused(inputs, precision=precision, out=out),
+            "unfused": lambda: case.run_cufused(inputs, precision=precision, method="unfused"),
+            "conv": lambda: plan.run(*operands),
+            "conv_public": lambda: conv_fn(xc, wc, **conv_opts, precision=precision),
+        }
         if torch_fns:
             import torch
 
             set_torch_precision(precision)
+            fns.update(torch_fns)
+            torch_conv = getattr(torch.nn.functional, conv_fn.__name__)
+            xt, wt = torch.as_tensor(xc, device="cuda"), torch.as_tensor(wc, device="cuda")
+            fns["torch_conv"] = lambda: torch_conv(xt, wt, **conv_opts)
             with torch.no_grad():
-                for name, fn in torch_fns.items():
-                    row[name] = timer(lambda fn=fn: fn(*targs))
-                torch_conv = getattr(torch.nn.functional, conv_fn.__name__)
-                xt, wt = torch.as_tensor(xc, device="cuda"), torch.as_tensor(wc, device="cuda")
-                row["torch_conv"] = timer(lambda: torch_conv(xt, wt, **conv_opts))
+                row = timer.compare({k: (lambda f=f: f(*targs)) if k in torch_fns else f
+                                     for k, f in fns.items()})
             set_torch_precision("ieee")
+        else:
+            row = timer.compare(fns)
+        row.update(case=case.name, precision=precision, conv_layout=plan.strategy.label)
         rows.append(row)
+        operands = None
     return rows

@@ -52,9 +52,8 @@ def host_us(fn, calls=20, repeat=5):
 
 def device_ms(calls, rounds=30):
     """Median device time of each call in ``calls``, the calls alternating round by round."""
-    timer = Timer(repeat=1, warmup=0)
-    samples = [[timer(call) for call in calls] for _ in range(rounds)]
-    return numpy.median(numpy.array(samples), axis=0)
+    times = Timer(repeat=rounds, warmup=0).compare(dict(enumerate(calls)))
+    return [times[i] for i in range(len(calls))]
 
 
 def main():
