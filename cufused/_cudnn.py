@@ -491,6 +491,12 @@ class _Part:
                                          self.plan_index, handle=handle)
 
 
+@functools.cache
+def _graph_buffer_pool():
+    """The memory pool of the buffers that captured plan graphs keep."""
+    return import_cupy().cuda.MemoryPool()
+
+
 def _launch_graph(graph, stream, buffers) -> None:
     """Launch a captured plan on ``stream``; ``buffers`` (its workspace, prepared weight and
     intermediates) are only held here, so that they live as long as the graph that uses them."""
@@ -644,7 +650,11 @@ class ConvPlan:
             self._calls[key] = calls
             return None
         self._calls.pop(key, None)
-        kept = buffers()  # allocated on the caller's stream, outside the capture
+        # Allocated on the caller's stream, outside the capture, from a pool of their own:
+        # buffers that outlive the call would shift the addresses that the default pool hands
+        # out to later calls' temporaries, and new addresses mean new keys and more captures.
+        with cupy.cuda.using_allocator(_graph_buffer_pool().malloc):
+            kept = buffers()
         side = cupy.cuda.Stream(non_blocking=True)
         try:
             with side:

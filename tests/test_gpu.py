@@ -136,6 +136,26 @@ def test_conv_plan_replays_graph(rng, case, conv_pin):
     assert_close(out.get(), fn(x_new, w_new, **opts), TOL["ieee"])
 
 
+def test_graph_buffers_leave_the_default_pool_alone(rng):
+    # What a captured graph keeps (prepared weight, workspace, channels-last output) comes from
+    # a pool of its own: taken from CuPy's default pool, it would move later calls'
+    # temporaries to new addresses, which are new graph keys and new captures.
+    from cufused import _cudnn
+
+    xs, ws = (2, 6, 9, 7), (6, 4, 3, 3)
+    xg, wg = to_gpu(rng.standard_normal(xs), rng.standard_normal(ws))
+    out = cp.empty((2, 4, 11, 9), dtype=cp.float32)
+    pool = cp.get_default_memory_pool()
+    with _pinned("nhwc"):
+        cufused.conv_transpose2d(xg, wg, out=out)
+        used = pool.used_bytes()
+        for _ in range(3):
+            cufused.conv_transpose2d(xg, wg, out=out)
+        assert pool.used_bytes() == used
+    plan = [p for k, p in _cudnn._plans.items() if k[1].x_shape == xs and k[6] == ("nhwc",)][-1]
+    assert plan.layout == "nhwc" and len(plan._replays) == 1
+
+
 def test_autotuned_plan_replays_a_host_bound_conv(rng):
     # The autotuner times its chosen plan replayed and issued directly; a small convolution
     # is host-bound, so replay stays on, and the graphs of the autotuner's operands are gone.
