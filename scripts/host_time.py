@@ -131,15 +131,22 @@ def trace(name, precision, calls=3):
                 for _ in range(calls):
                     fn(x, w, precision=precision, out=out, **kw)
                 cupy.cuda.Device().synchronize()
-        kernels = sorted((e.time_range.start, e.time_range.end, e.name)
-                         for e in prof.events() if e.device_type.name == "CUDA")
-        print(f"== {name} {precision} {mode}: {len(kernels)} device activities")
-        previous = None
-        for start, end, label in kernels:
-            gap = "" if previous is None else f"{start - previous:8.1f}"
-            print(f"{gap:>8} us gap {end - start:9.1f} us  {label[:70]}")
-            previous = end
+        kernels = print_timeline(prof, f"{name} {precision} {mode}")
         print(f"   span {kernels[-1][1] - kernels[0][0]:.1f} us for {calls} calls")
+
+
+def print_timeline(prof, title):
+    """Print a PyTorch profile's device activities in order, each with the idle gap before
+    it (negative: overlapping); return them as (start, end, name) in microseconds."""
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name)
+                     for e in prof.events() if e.device_type.name == "CUDA")
+    print(f"== {title}: {len(kernels)} device activities")
+    previous = None
+    for start, end, label in kernels:
+        gap = "" if previous is None else f"{start - previous:8.1f}"
+        print(f"{gap:>8} us gap {end - start:9.1f} us  {label[:70]}")
+        previous = end
+    return kernels
 
 
 if __name__ == "__main__":

@@ -7,12 +7,11 @@ Usage: python scripts/profile_pipelines.py [CASE PRECISION | trace CASE PRECISIO
 host CASE PRECISION].
 """
 
-import time
-
 import cupy
 import numpy
 
 from cufused.benchmark import Timer, conv_plan_for, make_cases
+from host_time import host_us, print_timeline  # scripts/, the script's own folder
 
 
 def main():
@@ -23,12 +22,7 @@ def main():
         for precision in ("ieee", "tf32"):
             call = lambda: case.run_cufused(inputs, precision=precision, out=out)  # noqa: E731
             direct = timer(call)
-            cupy.cuda.Device().synchronize()
-            t0 = time.perf_counter()
-            for _ in range(20):
-                call()
-            host_us = (time.perf_counter() - t0) / 20 * 1e6
-            cupy.cuda.Device().synchronize()
+            host = host_us(call, calls=20, repeat=1)
             stream = cupy.cuda.Stream(non_blocking=True)
             with stream:
                 call()
@@ -39,7 +33,7 @@ def main():
             plan = conv_plan_for(case, precision)
             costs = ", ".join(f"{k} {v[0]:.3f}/{v[1]:.3f}" for k, v in plan.candidates.items())
             print(f"{case.name} {precision}: direct {direct:.3f} ms, graph replay {graphed:.3f} ms,"
-                  f" host {host_us:.0f} us/call; conv strategies (ms alone/with conversions): "
+                  f" host {host:.0f} us/call; conv strategies (ms alone/with conversions): "
                   f"{costs}; chosen {plan.strategy.label}")
 
 
@@ -73,14 +67,7 @@ def trace(name: str, precision: str, calls: int = 3) -> None:
             flush.fill(1.0)
             case.run_cufused(inputs, precision=precision, out=out)
         cupy.cuda.Device().synchronize()
-    kernels = sorted((e.time_range.start, e.time_range.end, e.name)
-                     for e in prof.events() if e.device_type.name == "CUDA")
-    print(f"== {name} {precision}: {len(kernels)} device activities")
-    previous = None
-    for start, end, label in kernels:
-        gap = "" if previous is None else f"{start - previous:8.1f}"
-        print(f"{gap:>8} us gap {end - start:9.1f} us  {label[:70]}")
-        previous = end
+    print_timeline(prof, f"{name} {precision}")
 
 
 def host(name: str, precision: str, calls: int = 200) -> None:
@@ -104,14 +91,8 @@ def host(name: str, precision: str, calls: int = 200) -> None:
             flush.fill(2.0)
         call()
     longer = timer(head_start) - 3 * timer(lambda: flush.fill(2.0))  # approximate
-    cupy.cuda.Device().synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        call()
-    host_us = (time.perf_counter() - t0) / calls * 1e6
-    cupy.cuda.Device().synchronize()
     print(f"{name} {precision}: flushed {flushed:.3f} ms, with a longer head start "
-          f"~{longer:.3f} ms, host {host_us:.0f} us/call")
+          f"~{longer:.3f} ms, host {host_us(call, calls=calls, repeat=1):.0f} us/call")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):
