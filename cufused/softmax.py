@@ -41,14 +41,30 @@ def normalize_axes(axis: Any, ndim: int) -> tuple[int, ...]:
     return tuple(sorted(axes))
 
 
+def cluster_row_split(classes: tuple[int, int, int], class_dims: tuple[int, int, int]):
+    """``(classes, class_dims, shared bytes)`` for ``softmax_rows_cluster``, or ``None``.
+
+    A row is ``classes`` = (SD, SH, SW) class blocks of ``class_dims`` = (Md, Mh, Mw) values
+    each (contiguous rows: classes (1, 1, 1), dims (8, 1, length / 8)). The kernel's 8 blocks
+    take Md / 8 planes of every class each, at most 64 KB in all, with 16-byte loads and
+    stores: Md % 8 == 0, Mh * Mw % 4 == 0, SW * Mw % 4 == 0, at most 2 classes per axis.
+    """
+    sd, sh, sw = classes
+    md, mh, mw = class_dims
+    nbytes = 4 * sd * sh * sw * (md // _CLUSTER_BLOCKS) * mh * mw
+    if (max(classes) > 2 or md % _CLUSTER_BLOCKS or (mh * mw) % 4 or (sw * mw) % 4
+            or not 0 < nbytes <= _CLUSTER_BYTES):
+        return None
+    return (sd, sh, sw), (md, mh, mw), nbytes
+
+
 def one_read_geometry(y, out, layout: str, length: int, channels: int, strides,
                       clamp) -> tuple | None:
-    """``((SD, SH, SW), (Md, Mh, Mw), shared bytes)`` for ``softmax_rows_cluster``, or ``None``.
+    """:func:`cluster_row_split` of ``y``'s rows where the one-read kernel applies, else None.
 
-    The one-read kernel needs thread-block clusters (compute capability 9.0), a clamp narrow
-    enough to skip the running maximum, rows that split into 8 parts of whole output planes
-    (at most 64 KB each), 16-byte aligned buffers, and either contiguous rows ("nchw") or a
-    sub-pixel convolution's class blocks ("classes", up to 2 classes along each axis).
+    It needs thread-block clusters (compute capability 9.0), a clamp narrow enough to skip
+    the running maximum, 16-byte aligned buffers, and either contiguous rows ("nchw") or a
+    sub-pixel convolution's class blocks ("classes").
     """
     import cupy
 
@@ -62,19 +78,11 @@ def one_read_geometry(y, out, layout: str, length: int, channels: int, strides,
         from ._cudnn import class_geometry
 
         sw, _, _, (_, _, md, mh, mw, sd, sh) = class_geometry(y, out)
-        md, mh, mw, sd, sh = (int(v) for v in (md, mh, mw, sd, sh))
-    elif layout == "nchw" and tuple(strides[1:]) == (length, 1) and (
-            strides[0] == channels * length or length * channels == y.size):
-        sw, md, mh, mw, sd, sh = 1, _CLUSTER_BLOCKS, 1, length // _CLUSTER_BLOCKS, 1, 1
-        if length % _CLUSTER_BLOCKS:
-            return None
-    else:
-        return None
-    nbytes = 4 * sd * sh * sw * (md // _CLUSTER_BLOCKS) * mh * mw
-    if (max(sd, sh, sw) > 2 or md % _CLUSTER_BLOCKS or (mh * mw) % 4 or (sw * mw) % 4
-            or nbytes > _CLUSTER_BYTES):
-        return None
-    return (sd, sh, sw), (md, mh, mw), nbytes
+        return cluster_row_split((int(sd), int(sh), sw), (int(md), int(mh), int(mw)))
+    if (layout == "nchw" and tuple(strides[1:]) == (length, 1) and length % _CLUSTER_BLOCKS == 0
+            and (strides[0] == channels * length or length * channels == y.size)):
+        return cluster_row_split((1, 1, 1), (_CLUSTER_BLOCKS, 1, length // _CLUSTER_BLOCKS))
+    return None
 
 
 def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *,

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from cufused import normalization, pipelines
+from cufused.softmax import cluster_row_split
 from cufused._cudnn import layout_strides
 
 
@@ -58,3 +59,21 @@ def test_group_norm_threads():
     assert normalization.group_norm_threads(16 * 289 * 4) == 128  # B: 8 blocks fit per SM
     assert normalization.group_norm_threads(0) == 128             # rows read twice, no cache
     assert normalization.group_norm_threads(48 * 1024) == 256
+
+
+@pytest.mark.parametrize("classes,dims,expected", [
+    ((2, 2, 2), (16, 32, 32), 65536),   # C ieee's class blocks: 8 x 8 KB per cluster block
+    ((1, 1, 1), (8, 1, 16384), 65536),  # a contiguous row of 131072 values
+    ((2, 2, 2), (8, 6, 2), 384),        # the GPU test's class blocks
+    ((1, 1, 1), (8, 1, 32768), None),   # 128 KB per block: past the shared memory
+    ((2, 2, 2), (12, 32, 32), None),    # Md not a multiple of 8: no whole planes
+    ((3, 3, 3), (8, 4, 4), None),       # 3 classes per axis (stride 3)
+    ((2, 2, 2), (8, 3, 3), None),       # Mh * Mw not a multiple of 4: no 16-byte loads
+    ((1, 2, 1), (8, 2, 2), None),       # output rows of SW * Mw = 2: no 16-byte stores
+])
+def test_cluster_row_split(classes, dims, expected):
+    split = cluster_row_split(classes, dims)
+    if expected is None:
+        assert split is None
+    else:
+        assert split == (classes, dims, expected)
