@@ -295,27 +295,30 @@ def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_e
     for precision in precisions:
         plan = conv_plan_for(case, precision)
         operands = plan.example_operands()
-        # The public convolution (NCHW in and out, conversions included) on the conv input.
+        # The public convolution (NCHW in and out, conversions included) on the conv input,
+        # without and with a per-channel bias (PyTorch adds a bias in a pass of its own).
         conv_fn, conv_opts = _public_conv(case)
         xc = cupy.asarray(rng.random(case.conv["x_shape"], dtype=numpy.float32))
         wc = gpu["weight"]
+        bc = cupy.asarray(rng.uniform(-0.1, 0.1, case.conv["y_shape"][1]).astype(numpy.float32))
         fns = {
             "fused": lambda: case.run_cufused(inputs, precision=precision, out=out),
             "unfused": lambda: case.run_cufused(inputs, precision=precision, method="unfused"),
             "conv": lambda: plan.run(*operands),
             "conv_public": lambda: conv_fn(xc, wc, **conv_opts, precision=precision),
+            "conv_public_bias": lambda: conv_fn(xc, wc, bc, **conv_opts, precision=precision),
         }
         if torch_fns:
             import torch
 
             set_torch_precision(precision)
-            fns.update(torch_fns)
+            fns.update({k: (lambda f=f: f(*targs)) for k, f in torch_fns.items()})
             torch_conv = getattr(torch.nn.functional, conv_fn.__name__)
-            xt, wt = torch.as_tensor(xc, device="cuda"), torch.as_tensor(wc, device="cuda")
+            xt, wt, bt = (torch.as_tensor(a, device="cuda") for a in (xc, wc, bc))
             fns["torch_conv"] = lambda: torch_conv(xt, wt, **conv_opts)
+            fns["torch_conv_bias"] = lambda: torch_conv(xt, wt, bt, **conv_opts)
             with torch.no_grad():
-                row = timer.compare({k: (lambda f=f: f(*targs)) if k in torch_fns else f
-                                     for k, f in fns.items()})
+                row = timer.compare(fns)
             set_torch_precision("ieee")
         else:
             row = timer.compare(fns)

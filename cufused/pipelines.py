@@ -69,6 +69,14 @@ _BAND_CHUNK = 32 * 10 * 4
 _CHANNELS_LAST_EXT = {2: "vec4", 4: "rows"}
 
 
+def _pass_geometry(y, pool: int) -> tuple[bool, tuple[int, ...], int]:
+    """``y``'s (channels-last flag, element strides, the pool size when a kernel has it fixed
+    (2 or 4) else 0), as the fused pass's kernels see them."""
+    channels_last = y.strides[1] == y.itemsize and y.shape[1] > 1
+    return (channels_last, tuple(s // y.itemsize for s in y.strides),
+            pool if pool in (2, 4) else 0)
+
+
 def _fused_pass_variant(y, pool: int, variant: str | None = None) -> str:
     """The kernel variant of the fused pass (see ``_pool_extremum_stats``) for ``y``.
 
@@ -76,9 +84,7 @@ def _fused_pass_variant(y, pool: int, variant: str | None = None) -> str:
     picks the fastest measured one that applies.
     """
     n, c, h, w = y.shape
-    channels_last = y.strides[1] == y.itemsize and c > 1
-    sn, sc, sh, sw = (s // y.itemsize for s in y.strides)
-    fixed = pool if pool in (2, 4) else 0
+    channels_last, (sn, sc, sh, sw), fixed = _pass_geometry(y, pool)
     aligned4 = bool(channels_last and fixed and c % 4 == 0 and sh % 4 == 0 and sw % 4 == 0
                     and sn % 4 == 0 and y.data.ptr % 16 == 0)
     rows_t = fixed * c // 128 if aligned4 and sw == c and 32 % (c // 4) == 0 else 0
@@ -111,9 +117,7 @@ def _pool_extremum_stats(cupy, y, ext, pool: int, *, bias, sign_a, sign_b, shift
     """
     n, c, h, w = y.shape
     ho, wo = h // pool, w // pool
-    channels_last = y.strides[1] == y.itemsize and c > 1
-    sn, sc, sh, sw = (s // y.itemsize for s in y.strides)
-    fixed = pool if pool in (2, 4) else 0
+    channels_last, (sn, sc, sh, sw), fixed = _pass_geometry(y, pool)
     vec2 = (not channels_last and fixed and sw == 1 and sh % 2 == 0 and sc % 2 == 0
             and sn % 2 == 0 and y.data.ptr % 8 == 0)
     rows_t = fixed * c // 128

@@ -9,7 +9,7 @@ import numpy
 
 from . import reference
 from ._arrays import Size, check_float_dtype, check_out, finish_numpy, get_array_module
-from ._cuda import get_kernel, launch_1d, optional, with_shared_memory
+from ._cuda import get_kernel, launch_1d, optional
 from .normalization import split_count
 
 __all__ = ["softmax"]
@@ -108,7 +108,7 @@ def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *
     if geometry:
         classes, dims, nbytes = geometry
         name = f"softmax_rows_cluster<{', '.join(map(str, classes))}>"
-        kernel = with_shared_memory(get_kernel(_SOFTMAX, name), nbytes)
+        kernel = get_kernel(_SOFTMAX, name, shared_bytes=nbytes)
         kernel((rows * _CLUSTER_BLOCKS,), (_CLUSTER_THREADS,),
                (y, out, optional(bias), optional(scale), i32(channels),
                 *(i32(v) for v in dims), f32(lo), f32(hi)), shared_mem=nbytes)

@@ -154,6 +154,12 @@ def test_graph_buffers_leave_the_default_pool_alone(rng):
         assert pool.used_bytes() == used
     plan = [p for k, p in _cudnn._plans.items() if k[1].x_shape == xs and k[6] == ("nhwc",)][-1]
     assert plan.layout == "nhwc" and len(plan._replays) == 1
+    graph_pool = _cudnn._graph_buffer_pool()
+    assert graph_pool.used_bytes() > 0
+    # Forgetting the plans frees what their graphs kept, back to the device.
+    plan = None
+    cufused.clear_plan_cache()
+    assert graph_pool.used_bytes() == 0 and graph_pool.total_bytes() == 0
 
 
 def test_autotuned_plan_replays_a_host_bound_conv(rng):

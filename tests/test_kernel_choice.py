@@ -77,3 +77,16 @@ def test_cluster_row_split(classes, dims, expected):
         assert split is None
     else:
         assert split == (classes, dims, expected)
+
+
+def test_strategy_score_handicaps_input_conversions():
+    # The autotuner's A tf32 tie (H200): "nhwc" converts the NCHW input, "nchw>nhwc" does
+    # not; within the margin the one without the conversion wins, past it the faster one.
+    from cufused._cudnn import _INPUT_CONVERSION_MARGIN, Strategy, strategy_score
+
+    nhwc, mixed = Strategy("direct", "nhwc", "nhwc"), Strategy("direct", "nchw", "nhwc")
+    assert strategy_score(0.412, nhwc, convert_input=False) == 0.412  # input already NHWC
+    assert strategy_score(0.408, mixed, convert_input=True) == 0.408
+    assert strategy_score(0.400, nhwc, True) > strategy_score(0.408, mixed, True)
+    faster = 0.408 / (1 + 2 * _INPUT_CONVERSION_MARGIN)
+    assert strategy_score(faster, nhwc, True) < strategy_score(0.408, mixed, True)

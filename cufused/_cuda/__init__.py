@@ -138,11 +138,25 @@ def _memoized_module():
     return cupy.memoize(for_each_device=True)(_module)
 
 
-def get_kernel(filename: str, name: str):
-    """Return the ``cupy.RawKernel`` for ``name`` (a name expression of ``KERNELS[filename]``)."""
+# Dynamic shared memory granted past the default 48 KB, per (compiled module, kernel): the
+# attribute belongs to the compiled function, so it is set once, not queried per launch. The
+# module is kept with its entry, so that its id is not reused while the entry exists.
+_shared_granted: dict[tuple[int, str], tuple[object, int]] = {}
+
+
+def get_kernel(filename: str, name: str, *, shared_bytes: int = 0):
+    """Return the ``cupy.RawKernel`` for ``name`` (a name expression of ``KERNELS[filename]``),
+    allowed ``shared_bytes`` of dynamic shared memory where that passes the default 48 KB."""
     if name not in KERNELS[filename]:
         raise KeyError(f"{name} is not a registered instantiation of {filename}")
-    return _memoized_module()(filename).get_function(name)
+    module = _memoized_module()(filename)
+    kernel = module.get_function(name)
+    if shared_bytes > 48 * 1024:
+        key = (id(module), name)
+        if _shared_granted.get(key, (None, 0))[1] < shared_bytes:
+            kernel.max_dynamic_shared_size_bytes = shared_bytes
+            _shared_granted[key] = (module, shared_bytes)
+    return kernel
 
 
 def compile_offline(filename: str, arch: str) -> dict[str, str]:
@@ -181,14 +195,6 @@ def compile_offline(filename: str, arch: str) -> dict[str, str]:
         return {"log": nvrtc.getProgramLog(prog), "cubin_bytes": str(len(nvrtc.getCUBIN(prog)))}
     finally:
         nvrtc.destroyProgram(prog)
-
-
-def with_shared_memory(kernel, nbytes: int):
-    """``kernel`` (a ``cupy.RawKernel``), allowed ``nbytes`` of dynamic shared memory (past the
-    default 48 KB)."""
-    if kernel.max_dynamic_shared_size_bytes < nbytes:
-        kernel.max_dynamic_shared_size_bytes = nbytes
-    return kernel
 
 
 def optional(array):

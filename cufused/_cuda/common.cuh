@@ -38,6 +38,20 @@ __device__ __forceinline__ float clamp_nan(float v, float lo, float hi) {
     return v != v ? v : fminf(fmaxf(v, lo), hi);
 }
 
+// The (split, channel tile, sample) of a block in the 1-D grid of a pass over a convolution
+// output, splits x c_tiles blocks per sample, last samples first: the convolution wrote them
+// last, so they are the ones that may still be in L2 (the pass after this one then visits
+// the samples first-first, reading the last-written ones of this pass first).
+struct SampleBlock {
+    int split, tile;
+    index_t n;
+};
+
+__device__ __forceinline__ SampleBlock sample_block_last_first(int splits, int c_tiles) {
+    const unsigned b = gridDim.x - 1 - blockIdx.x;  // 32-bit: fewer than 2**31 blocks
+    return {int(b % splits), int(b / splits % c_tiles), index_t(b / (splits * c_tiles))};
+}
+
 // Sum over a warp; every lane gets it.
 template <typename T>
 __device__ __forceinline__ T warp_sum(T v) {

@@ -218,6 +218,10 @@ __device__ __forceinline__ void write_staged_extrema(const float (&stage)[ROWS][
 // Channels-last: x lanes walk channels (coalesced), y lanes pooled positions.
 // K > 0 fixes the window at compile time so that its K*K loads are unrolled and all in flight
 // (K = 0: run-time k). VEC2 (NCHW, even K, 8-byte aligned rows) loads pairs of columns.
+// All variants visit the samples last-first (sample_block_last_first); the two of pipeline B
+// (nchw_bands, nhwc4) read y with evict-first loads (__ldcs: each value is read once), so that
+// the L2 keeps more of the 76 MB of extrema they write for the GroupNorm pass (pipeline A's
+// extrema, 32 MB, fit in the L2 anyway).
 template <bool CHANNELS_LAST, int K, bool VEC2>
 __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __restrict__ bias,
                                     const float* __restrict__ sign_a,
@@ -235,9 +239,9 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
     __shared__ float red[2][8][33];
     __shared__ float stage[CHANNELS_LAST ? SPAN : 1][33];
     const int k = K > 0 ? K : k_runtime;
-    const int split = blockIdx.x % splits;
-    const int tile = (blockIdx.x / splits) % c_tiles;
-    const index_t n = blockIdx.x / ((index_t)splits * c_tiles);
+    const SampleBlock block = sample_block_last_first(splits, c_tiles);
+    const int split = block.split, tile = block.tile;
+    const index_t n = block.n;
     const int c = CHANNELS_LAST ? tile * 32 + threadIdx.x : tile * 8 + threadIdx.y;
     const bool active = c < C;
     const int cc = active ? c : C - 1;  // idle lanes of a partial tile read a valid channel
@@ -342,8 +346,10 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
 // position lanes issue one window (4 values for K = 2) per load round. The rows below the
 // last band (H % K) only enter the statistics, in the last split. Same arguments and outputs
 // as pool_extremum_stats (k_runtime, sc, sh, sw unused).
+// 3 blocks per SM (80 registers) are set as a bound: left to itself ptxas chose 80 registers
+// with a small spill once the loads became evict-first.
 template <int K>
-__global__ void __launch_bounds__(256) pool_extremum_stats_nchw_bands(
+__global__ void __launch_bounds__(256, 3) pool_extremum_stats_nchw_bands(
         const float* __restrict__ y, const float* __restrict__ bias,
         const float* __restrict__ sign_a, const float* __restrict__ sign_b,
         float* __restrict__ ext, float2* __restrict__ partial, float* __restrict__ shift_out,
@@ -351,9 +357,9 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nchw_bands(
         index_t sc, int sh, int sw, int shift_group, int shift_per_sample) {
     constexpr int V = 10;  // float4 per lane and chunk: 40 registers, 5 KB of shared memory
     __shared__ float4 chunk_buf[8][32 * V];
-    const int split = blockIdx.x % splits;
-    const int tile = (blockIdx.x / splits) % c_tiles;
-    const index_t n = blockIdx.x / ((index_t)splits * c_tiles);
+    const SampleBlock block = sample_block_last_first(splits, c_tiles);
+    const int split = block.split, tile = block.tile;
+    const index_t n = block.n;
     const int lane = threadIdx.x, warp = threadIdx.y;
     const int c = tile * 8 + warp;
     if (c >= C) return;  // no block-wide barriers below
@@ -375,7 +381,7 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nchw_bands(
         float4 v[V];
 #pragma unroll
         for (int i = 0; i < V; ++i)
-            if (lane + 32 * i < n_vec) v[i] = __ldg(src + lane + 32 * i);
+            if (lane + 32 * i < n_vec) v[i] = __ldcs(src + lane + 32 * i);
 #pragma unroll
         for (int i = 0; i < V; ++i) {
             if (lane + 32 * i < n_vec) {
@@ -433,9 +439,9 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
     constexpr int SPAN = U * STEP;
     __shared__ float red[2][8][33];
     __shared__ float stage[EXT_CHANNELS_LAST ? 1 : SPAN][33];
-    const int split = blockIdx.x % splits;
-    const int tile = (blockIdx.x / splits) % c_tiles;
-    const index_t n = blockIdx.x / ((index_t)splits * c_tiles);
+    const SampleBlock block = sample_block_last_first(splits, c_tiles);
+    const int split = block.split, tile = block.tile;
+    const index_t n = block.n;
     const int quad = threadIdx.x & 7;
     const int lane = (threadIdx.x >> 3) + 4 * threadIdx.y;
     const int c0 = tile * 32 + quad * 4;
@@ -449,7 +455,7 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
     ChannelStats<4> quad_stats(y, bias, sign_a, sign_b, shift_out, cc0, n, sn, 1, C,
                                shift_group, shift_per_sample, active && split == 0 && lane == 0);
     const float* plane = y + n * sn + cc0;
-    auto load4 = [&](int offset) { return __ldg(reinterpret_cast<const float4*>(plane + offset)); };
+    auto load4 = [&](int offset) { return __ldcs(reinterpret_cast<const float4*>(plane + offset)); };
     auto take = [&](float4 v) { quad_stats.take(v); };
     for (int base = p_begin; base < p_end; base += SPAN) {  // same trip count for the block
         float4 v[U][KK];
@@ -549,8 +555,9 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_rows(
     constexpr int SPAN = 8 * U;
     __shared__ float stage[EXT_CHANNELS_LAST ? 1 : SPAN][129];
     __shared__ float red[2][8][128];
-    const int split = blockIdx.x % splits;
-    const index_t n = blockIdx.x / splits;
+    const SampleBlock block = sample_block_last_first(splits, 1);
+    const int split = block.split;
+    const index_t n = block.n;
     const int lane = threadIdx.x, warp = threadIdx.y;
     const int quads = C / 4;
     const int c0 = (lane % quads) * 4;

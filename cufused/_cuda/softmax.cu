@@ -20,9 +20,9 @@ __global__ void softmax_stats(const float* __restrict__ y, const float* __restri
                               int c_tiles, index_t sn, index_t sc, index_t ss, float lo,
                               float hi) {
     __shared__ float red[2][8][33];
-    const int split = blockIdx.x % splits;
-    const int tile = (blockIdx.x / splits) % c_tiles;
-    const index_t n = blockIdx.x / ((index_t)splits * c_tiles);
+    const SampleBlock block = sample_block_last_first(splits, c_tiles);
+    const int split = block.split, tile = block.tile;
+    const index_t n = block.n;
     const int c = CHANNELS_LAST ? tile * 32 + threadIdx.x : tile * 8 + threadIdx.y;
     const int lane = CHANNELS_LAST ? threadIdx.y : threadIdx.x;
     const int step = CHANNELS_LAST ? 8 : 32;
@@ -150,8 +150,8 @@ __global__ void softmax_apply_transpose(const float* __restrict__ y, float* __re
                                         const float* __restrict__ factor, index_t S, int C,
                                         index_t sn, index_t ss, float lo, float hi) {
     __shared__ float tile[128][33];
-    // Last samples first: the statistics pass read them last, so they may still be in L2.
-    const index_t n = gridDim.z - 1 - blockIdx.z;
+    // First samples first: the statistics pass read them last, so they may still be in L2.
+    const index_t n = blockIdx.z;
     const index_t p0 = (index_t)blockIdx.x * 128;
     const int c0 = blockIdx.y * 32;
     {
@@ -195,8 +195,8 @@ __global__ void softmax_apply_transpose4(const float* __restrict__ y, float* __r
                                          const float* __restrict__ factor, index_t S, int C,
                                          index_t sn, index_t ss, float lo, float hi) {
     __shared__ __align__(16) float tile[32][132];  // [channel][position]: float4 rows
-    // Last samples first: the statistics pass read them last, so they may still be in L2.
-    const index_t n = gridDim.z - 1 - blockIdx.z;
+    // First samples first: the statistics pass read them last, so they may still be in L2.
+    const index_t n = blockIdx.z;
     const index_t p0 = (index_t)blockIdx.x * 128;
     const int c0 = blockIdx.y * 32;
     const int quad = threadIdx.x & 7;
@@ -302,8 +302,9 @@ softmax_rows_cluster(const float* y, float* out, const float* __restrict__ bias,
     __shared__ float block_total;
     const float* staged = reinterpret_cast<const float*>(staged4);
     const unsigned rank = blockIdx.x % 8;
-    const index_t row = blockIdx.x / 8;
+    // Last rows first: the convolution wrote them last, so they may still be in L2.
     const index_t rows = gridDim.x / 8;
+    const index_t row = rows - 1 - blockIdx.x / 8;
     constexpr int P = SD * SH * SW;
     const int Mq = Md / 8;
     const int Q = Mq * Mh * Mw;  // values per class in this block
