@@ -3,7 +3,9 @@
 1. host time of a warm convolution call, split into its parts;
 2. bias inside the cuDNN graph vs a separate epilogue;
 3. a stride-1 transposed convolution as a forward convolution with flipped weights;
-4. a stride-2 transposed 3-D convolution as 8 forward sub-convolutions (sub-pixel split).
+4. a stride-2 transposed 3-D convolution as 8 forward sub-convolutions (sub-pixel split);
+5. pipeline B's convolution in two batch halves, the first half's fused pass on a second
+   stream beside the second half's convolution (can the pass hide behind the convolution?).
 Prints one line per measurement (device ms are medians of CUDA events, L2 not flushed).
 """
 
@@ -228,11 +230,59 @@ def mixed_layouts():
         print(f"mixed C dgrad x/w/y={'/'.join(layout)} tf32: {ms}", flush=True)
 
 
+def overlap_halves():
+    """B's convolution (the pipeline's plan, its own output layout) whole and in two batch
+    halves, and the fused pass over one half alone and beside the other half's convolution
+    (L2 flushed, alternating rounds)."""
+    from cufused import pipelines
+    from cufused.benchmark import Timer
+
+    timer = Timer(repeat=20)
+    _, xs, ws, kw = CONVS["B"]
+    x = cupy.random.default_rng(0).random(xs, dtype=cupy.float32)
+    w = cupy.random.default_rng(1).random(ws, dtype=cupy.float32) - 0.5
+    half = xs[0] // 2
+    args = check_conv_args(xs, ws, 2, transposed=True, **kw)
+    half_args = check_conv_args((half, *xs[1:]), ws, 2, transposed=True, **kw)
+    sign = cupy.ones(ws[1], dtype=cupy.float32)
+    side = cupy.cuda.Stream(non_blocking=True)
+    for precision in ("ieee", "tf32"):
+        def conv(lo, hi, a):
+            return conv_on_gpu(x[lo:hi], w, a, precision, convert_output=False)[0]
+
+        y = conv(0, half, half_args)
+        ext = cupy.empty((half, ws[1], y.shape[2] // 2, y.shape[3] // 2), dtype=cupy.float32)
+        variant = pipelines._fused_pass_variant(y, 2)
+
+        def fused_pass():
+            pipelines._pool_extremum_stats(cupy, y, ext, 2, bias=None, sign_a=sign,
+                                           sign_b=None, shift_group=1, per_sample=False,
+                                           variant=variant)
+
+        def overlapped():
+            main = cupy.cuda.get_current_stream()
+            side.wait_event(main.record())
+            with side:
+                fused_pass()
+            conv(half, xs[0], half_args)
+            main.wait_event(side.record())
+
+        ms = timer.compare({"whole conv": lambda: conv(0, xs[0], args),
+                            "two half convs": lambda: (conv(0, half, half_args),
+                                                       conv(half, xs[0], half_args)),
+                            "half conv": lambda: conv(half, xs[0], half_args),
+                            "half pass": fused_pass,
+                            "half conv beside half pass": overlapped})
+        print(f"B {precision} halves: " + ", ".join(f"{k} {v:.3f}" for k, v in ms.items()),
+              flush=True)
+
+
 if __name__ == "__main__":
     which = sys.argv[1:] or ["host", "bias", "flip", "subpixel", "mixed"]
     for name, fn in (("host", host_breakdown), ("bias", bias_in_graph),
                      ("flip", flipped_fprop_for_b), ("subpixel", subpixel_for_c),
-                     ("mixed", mixed_layouts), ("strided", subpixel_strided)):
+                     ("mixed", mixed_layouts), ("strided", subpixel_strided),
+                     ("halves", overlap_halves)):
         if name in which:
             t0 = time.time()
             fn()
