@@ -242,8 +242,9 @@ def overlap_halves():
     x = cupy.random.default_rng(0).random(xs, dtype=cupy.float32)
     w = cupy.random.default_rng(1).random(ws, dtype=cupy.float32) - 0.5
     half = xs[0] // 2
-    args = check_conv_args(xs, ws, 2, transposed=True, **kw)
-    half_args = check_conv_args((half, *xs[1:]), ws, 2, transposed=True, **kw)
+    options = {"stride": 1, "padding": 0, **kw}
+    args = check_conv_args(xs, ws, 2, transposed=True, **options)
+    half_args = check_conv_args((half, *xs[1:]), ws, 2, transposed=True, **options)
     sign = cupy.ones(ws[1], dtype=cupy.float32)
     side = cupy.cuda.Stream(non_blocking=True)
     for precision in ("ieee", "tf32"):
