@@ -18,6 +18,11 @@ fi
 export PYTHONUNBUFFERED=1
 summary=()
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
+# Clocks, temperature, power and throttle reasons once a second, to tell run-to-run drift of
+# the device from that of the code.
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,temperature.gpu,power.draw,clocks_event_reasons.active \
+  --format=csv,noheader -lms 1000 > "$out/clocks.csv" 2>&1 &
+clocks_pid=$!
 if [ "$what" = tests ] || [ "$what" = all ]; then
   python3 -m pytest tests -m gpu -q -p no:cacheprovider -o addopts="" "$@" 2>&1 | tee "$out/pytest.log"
   summary+=("pytest: $(grep -E '^(=+ )?[0-9]+ (passed|failed)|(passed|failed|error).* in [0-9.]+s' "$out/pytest.log" | tail -1)")
@@ -29,6 +34,8 @@ if [ "$what" = check ]; then
   python3 -m cufused check 2>&1 | tee "$out/check.log"
   summary+=("check: $(tail -2 "$out/check.log" | head -1)")
 fi
+kill "$clocks_pid" 2>/dev/null
+summary+=("clocks (SM MHz, throttle reasons: seconds): $(awk -F', ' '{print $2, $6}' "$out/clocks.csv" | sort | uniq -c | sort -rn | head -4 | awk '{printf "%s %s %s: %s; ", $2, $3, $4, $1}')")
 echo "================ summary ($(cat "$out/device.txt"))"
 for line in "${summary[@]}"; do echo "$line"; done
 [ -f "$out/bench.log" ] && grep -A20 '^median ms' "$out/bench.log"
