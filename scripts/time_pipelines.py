@@ -3,7 +3,9 @@
 A quicker, PyTorch-free slice of ``python -m cufused bench`` for comparing two trees on one
 machine: run it once per tree (``PYTHONPATH=<tree>``), alternately. Median ms, CUDA events,
 L2 flushed, the pipeline and its convolution timed in alternating rounds.
-Usage: python scripts/time_pipelines.py [CASE ...] (default: A B C).
+With ``--touch GIB`` a third call in the rounds writes a GIB-sized buffer of its own, as
+the other calls of the benchmark (PyTorch's, the unfused path) move other memory between two
+fused calls. Usage: python scripts/time_pipelines.py [--touch GIB] [CASE ...] (default: A B C).
 """
 
 import sys
@@ -15,9 +17,10 @@ import cufused
 from cufused.benchmark import CASES, Timer, conv_plan_for
 
 
-def main(names):
+def main(names, touch_gib=0.0):
     timer = Timer(repeat=30)
-    print(f"cufused from {cufused.__file__}")
+    print(f"cufused from {cufused.__file__}, touching {touch_gib} GiB between calls")
+    other = cupy.empty(int(touch_gib * 2**30) // 4, dtype=cupy.float32)
     for case in CASES:
         if case.name not in names:
             continue
@@ -26,12 +29,18 @@ def main(names):
         for precision in ("ieee", "tf32"):
             plan = conv_plan_for(case, precision)
             operands = plan.example_operands()
-            ms = timer.compare({
-                "fused": lambda: case.run_cufused(inputs, precision=precision, out=out),
-                "conv": lambda: plan.run(*operands)})
+            calls = {"fused": lambda: case.run_cufused(inputs, precision=precision, out=out),
+                     "conv": lambda: plan.run(*operands)}
+            if other.size:
+                calls["touch"] = lambda: other.fill(1.0)
+            ms = timer.compare(calls)
             print(f"{case.name} {precision}: fused {ms['fused']:.3f} conv {ms['conv']:.3f} "
                   f"post {ms['fused'] - ms['conv']:.3f} ms ({plan.strategy.label})", flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["A", "B", "C"])
+    argv = sys.argv[1:]
+    gib = 0.0
+    if argv[:1] == ["--touch"]:
+        gib, argv = float(argv[1]), argv[2:]
+    main(argv or ["A", "B", "C"], gib)
