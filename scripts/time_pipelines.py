@@ -3,9 +3,10 @@
 A quicker, PyTorch-free slice of ``python -m cufused bench`` for comparing two trees on one
 machine: run it once per tree (``PYTHONPATH=<tree>``), alternately. Median ms, CUDA events,
 L2 flushed, the pipeline and its convolution timed in alternating rounds.
-With ``--touch GIB`` a third call in the rounds writes a GIB-sized buffer of its own, as
-the other calls of the benchmark (PyTorch's, the unfused path) move other memory between two
-fused calls. Usage: python scripts/time_pipelines.py [--touch GIB] [CASE ...] (default: A B C).
+With ``--touch GIB`` a call that writes a GIB-sized buffer of its own follows each timed
+call in the rounds, as the other calls of the benchmark (PyTorch's, the unfused path) move
+other memory between two fused calls: both the pipeline and its convolution are then timed
+after it. Usage: python scripts/time_pipelines.py [--touch GIB] [CASE ...] (default: A B C).
 """
 
 import sys
@@ -30,9 +31,11 @@ def main(names, touch_gib=0.0):
             plan = conv_plan_for(case, precision)
             operands = plan.example_operands()
             calls = {"fused": lambda: case.run_cufused(inputs, precision=precision, out=out),
-                     "conv": lambda: plan.run(*operands)}
-            if other.size:
-                calls["touch"] = lambda: other.fill(1.0)
+                     "touch after fused": lambda: other.fill(1.0),
+                     "conv": lambda: plan.run(*operands),
+                     "touch after conv": lambda: other.fill(1.0)}
+            if not other.size:  # both timed calls right after the other's
+                calls = {k: v for k, v in calls.items() if not k.startswith("touch")}
             ms = timer.compare(calls)
             print(f"{case.name} {precision}: fused {ms['fused']:.3f} conv {ms['conv']:.3f} "
                   f"post {ms['fused'] - ms['conv']:.3f} ms ({plan.strategy.label})", flush=True)
