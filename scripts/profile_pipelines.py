@@ -3,8 +3,8 @@
 For each case and precision: the pipeline timed as in the benchmark (L2 flushed), the same
 call replayed from a CUDA graph (no host overhead), the host time of one call, and the
 per-kernel device times of one call from CuPy's profiler-free event timing of each stage.
-Usage: python scripts/profile_pipelines.py [CASE PRECISION | trace CASE PRECISION |
-host CASE PRECISION].
+Usage: python scripts/profile_pipelines.py [CASE PRECISION | trace CASE PRECISION [TOUCH_GIB]
+| host CASE PRECISION].
 """
 
 import cupy
@@ -50,20 +50,23 @@ def one_call(name: str, precision: str) -> None:
     cupy.cuda.Device().synchronize()
 
 
-def trace(name: str, precision: str, calls: int = 3) -> None:
+def trace(name: str, precision: str, touch_gib: float = 0.0, calls: int = 3) -> None:
     """The device timeline (PyTorch's CUPTI profiler) of ``calls`` warm calls, each after an
-    L2 flush as in the benchmark: every kernel with the idle gap before it."""
+    L2 flush as in the benchmark (and after ``touch_gib`` GiB of other memory written): every
+    kernel with the idle gap before it."""
     import torch
 
     case = next(c for c in make_cases() if c.name == name)
     inputs = case.make_inputs(numpy.random.default_rng(0))
     out = cupy.empty(case.output_shape, dtype=cupy.float32)
     flush = Timer(repeat=1)._flush
+    other = cupy.empty(int(touch_gib * 2**30) // 4, dtype=cupy.float32)
     for _ in range(3):
         case.run_cufused(inputs, precision=precision, out=out)
     cupy.cuda.Device().synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
+            other.fill(1.0)
             flush.fill(1.0)
             case.run_cufused(inputs, precision=precision, out=out)
         cupy.cuda.Device().synchronize()
@@ -106,7 +109,7 @@ if __name__ == "__main__":
     import sys
 
     if sys.argv[1:2] == ["trace"]:
-        trace(sys.argv[2], sys.argv[3])
+        trace(sys.argv[2], sys.argv[3], *map(float, sys.argv[4:5]))
     elif sys.argv[1:2] == ["host"]:
         host(sys.argv[2], sys.argv[3])
     elif len(sys.argv) == 3:
