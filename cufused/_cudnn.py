@@ -78,8 +78,7 @@ def set_conv_graph_replay(enabled: bool) -> None:
     workspace, prepared weight and, where the plan writes another layout than the NCHW
     result, its intermediate output (up to 8 graphs per plan; :func:`clear_plan_cache` frees
     them). A call made while the stream is being captured always runs directly, and so does a
-    plan for which the autotuner measured direct calls faster (single calls, see
-    ``_decide_replay``).
+    plan for which the autotuner measured direct calls faster on the device.
 
     Parameters
     ----------
@@ -870,21 +869,17 @@ def _choose(problem, convert_input, convert_output, accept_classes, tune, pins) 
 def _decide_replay(plan: ConvPlan, call, rounds: int = 7) -> None:
     """Let ``plan`` replay CUDA graphs of warm calls unless direct calls measure faster.
 
-    A replay saves host time; a captured plan can also run slower on the device than issued
-    directly (B's FFT data-gradient plan: 2.378 vs 2.357 ms back to back on an H200, the
-    same kernel times in ncu). ``call`` (the autotuner's operands) is timed both ways,
-    alternately, one call at a time from an idle device, as a caller that waits for its
-    result sees it: the host time until the device has work counts. (Timed back to back,
-    direct calls won for that plan; but after the host had waited a few milliseconds, e.g.
-    on other work, its direct calls measured 0.1-0.4 ms slower, the device idle while cuDNN's
-    FFT execution was issued.) Direct calls must win by more than ``_REPLAY_MARGIN`` to turn
-    replay off for this plan.
+    A replay saves host time, which costs device time only where the device would wait for
+    the host; but a captured plan can also run slower on the device than issued directly
+    (B's FFT data-gradient plan: 2.378 vs 2.357 ms on an H200, with the same kernel times in
+    ncu). ``call`` (the autotuner's operands) is timed both ways, alternately; direct calls
+    must win by more than ``_REPLAY_MARGIN`` to turn replay off for this plan.
     """
     times = {True: [], False: []}
     for _ in range(rounds):
         for replay in (True, False):
             with plan_options(replay=replay):
-                times[replay].append(_time_ms(call, repeat=1, batch=1))
+                times[replay].append(_time_ms(call, repeat=1))
     if plan._replays is not None:
         plan._replays.clear()  # the graphs of the autotuner's operands
     plan._calls.clear()

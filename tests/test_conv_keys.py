@@ -53,7 +53,7 @@ def test_layout_strides_match_numpy_transposes(shape):
 @pytest.mark.parametrize("replayed_ms,direct_ms,keeps", [
     (1.000, 1.000, True),    # a tie keeps replay (it saves host time)
     (1.004, 1.000, True),    # inside the margin
-    (1.009, 1.000, False),   # direct calls measured faster
+    (1.009, 1.000, False),   # direct calls measured faster: B's FFT plan on the H200
     (0.500, 1.000, True),    # a host-bound plan
 ])
 def test_decide_replay_keeps_graphs_unless_direct_is_faster(monkeypatch, replayed_ms, direct_ms,
@@ -64,8 +64,7 @@ def test_decide_replay_keeps_graphs_unless_direct_is_faster(monkeypatch, replaye
                                  _calls={"other operands": 1})
     seen = []
 
-    def fake_time_ms(call, repeat, batch):
-        assert (repeat, batch) == (1, 1)  # single calls: the host's latency counts
+    def fake_time_ms(call, repeat):
         seen.append(_cudnn._config["replay"])
         call()
         return replayed_ms if _cudnn._config["replay"] else direct_ms
