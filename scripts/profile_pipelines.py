@@ -12,29 +12,20 @@ import numpy
 
 from cufused.benchmark import Timer, conv_plan_for, make_cases
 from host_time import host_us, print_timeline  # scripts/, the script's own folder
+from pipeline_calls import graph_replay_ms, pipeline_calls
 
 
 def main():
     timer = Timer(repeat=15)
-    for case in make_cases():
-        inputs = case.make_inputs(numpy.random.default_rng(0))
-        out = cupy.empty(case.output_shape, dtype=cupy.float32)
-        for precision in ("ieee", "tf32"):
-            call = lambda: case.run_cufused(inputs, precision=precision, out=out)  # noqa: E731
-            direct = timer(call)
-            host = host_us(call, calls=20, repeat=1)
-            stream = cupy.cuda.Stream(non_blocking=True)
-            with stream:
-                call()
-                stream.begin_capture()
-                call()
-                graph = stream.end_capture()
-            graphed = timer(lambda: graph.launch(stream=cupy.cuda.get_current_stream()))
-            plan = conv_plan_for(case, precision)
-            costs = ", ".join(f"{k} {v[0]:.3f}/{v[1]:.3f}" for k, v in plan.candidates.items())
-            print(f"{case.name} {precision}: direct {direct:.3f} ms, graph replay {graphed:.3f} ms,"
-                  f" host {host:.0f} us/call; conv strategies (ms alone/with conversions): "
-                  f"{costs}; chosen {plan.strategy.label}")
+    for case, precision, call in pipeline_calls("ABC"):
+        direct = timer(call)
+        host = host_us(call, calls=20, repeat=1)
+        graphed = graph_replay_ms(timer, call)
+        plan = conv_plan_for(case, precision)
+        costs = ", ".join(f"{k} {v[0]:.3f}/{v[1]:.3f}" for k, v in plan.candidates.items())
+        print(f"{case.name} {precision}: direct {direct:.3f} ms, graph replay {graphed:.3f} ms,"
+              f" host {host:.0f} us/call; conv strategies (ms alone/with conversions): "
+              f"{costs}; chosen {plan.strategy.label}")
 
 
 def one_call(name: str, precision: str) -> None:

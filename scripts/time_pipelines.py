@@ -12,33 +12,28 @@ after it. Usage: python scripts/time_pipelines.py [--touch GIB] [CASE ...] (defa
 import sys
 
 import cupy
-import numpy
 
 import cufused
-from cufused.benchmark import CASES, Timer, conv_plan_for
+from cufused.benchmark import Timer, conv_plan_for
+from pipeline_calls import pipeline_calls  # scripts/, the script's own folder
 
 
 def main(names, touch_gib=0.0):
     timer = Timer(repeat=30)
     print(f"cufused from {cufused.__file__}, touching {touch_gib} GiB between calls")
     other = cupy.empty(int(touch_gib * 2**30) // 4, dtype=cupy.float32)
-    for case in CASES:
-        if case.name not in names:
-            continue
-        inputs = case.make_inputs(numpy.random.default_rng(0))
-        out = cupy.empty(case.output_shape, dtype=cupy.float32)
-        for precision in ("ieee", "tf32"):
-            plan = conv_plan_for(case, precision)
-            operands = plan.example_operands()
-            calls = {"fused": lambda: case.run_cufused(inputs, precision=precision, out=out),
-                     "touch after fused": lambda: other.fill(1.0),
-                     "conv": lambda: plan.run(*operands),
-                     "touch after conv": lambda: other.fill(1.0)}
-            if not other.size:  # both timed calls right after the other's
-                calls = {k: v for k, v in calls.items() if not k.startswith("touch")}
-            ms = timer.compare(calls)
-            print(f"{case.name} {precision}: fused {ms['fused']:.3f} conv {ms['conv']:.3f} "
-                  f"post {ms['fused'] - ms['conv']:.3f} ms ({plan.strategy.label})", flush=True)
+    for case, precision, call in pipeline_calls(names):
+        plan = conv_plan_for(case, precision)
+        operands = plan.example_operands()
+        calls = {"fused": call,
+                 "touch after fused": lambda: other.fill(1.0),
+                 "conv": lambda: plan.run(*operands),
+                 "touch after conv": lambda: other.fill(1.0)}
+        if not other.size:  # both timed calls right after the other's
+            calls = {k: v for k, v in calls.items() if not k.startswith("touch")}
+        ms = timer.compare(calls)
+        print(f"{case.name} {precision}: fused {ms['fused']:.3f} conv {ms['conv']:.3f} "
+              f"post {ms['fused'] - ms['conv']:.3f} ms ({plan.strategy.label})", flush=True)
 
 
 if __name__ == "__main__":
