@@ -41,7 +41,8 @@ __device__ __forceinline__ float clamp_nan(float v, float lo, float hi) {
 // The (split, channel tile, sample) of a block in the 1-D grid of a pass over a convolution
 // output, splits x c_tiles blocks per sample, last samples first: the convolution wrote them
 // last, so they are the ones that may still be in L2 (the pass after this one then visits
-// the samples first-first, reading the last-written ones of this pass first).
+// the samples first-first, reading the last-written ones of this pass first). The whole
+// block order is reversed, splits and tiles within a sample too (no pass depends on it).
 struct SampleBlock {
     int split, tile;
     index_t n;
