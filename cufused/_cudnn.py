@@ -78,7 +78,8 @@ def set_conv_graph_replay(enabled: bool) -> None:
     workspace, prepared weight and, where the plan writes another layout than the NCHW
     result, its intermediate output (up to 8 graphs per plan; :func:`clear_plan_cache` frees
     them). A call made while the stream is being captured always runs directly, and so does a
-    plan for which the autotuner measured direct calls faster on the device.
+    public convolution's plan for which the autotuner measured direct calls faster on the
+    device (a pipeline's convolution always replays).
 
     Parameters
     ----------
@@ -861,7 +862,11 @@ def _choose(problem, convert_input, convert_output, accept_classes, tune, pins) 
     if best is None:
         raise ValueError(f"cuDNN supports no plan for this convolution: {problem}")
     best.candidates = candidates
-    if tune and _config["replay"]:
+    # A plan whose output feeds a fused pass always replays: its pipeline's own host work
+    # comes before the convolution and leaves no head start to hide a direct call's (B ieee,
+    # H200, after other work: 2.54-2.61 ms replayed, 2.61-2.68 direct). A standalone
+    # convolution keeps direct calls where they measure faster.
+    if tune and _config["replay"] and convert_output:
         _decide_replay(best, best_call)
     return best
 

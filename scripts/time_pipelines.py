@@ -33,7 +33,8 @@ def main(names, touch_gib=0.0):
             calls = {k: v for k, v in calls.items() if not k.startswith("touch")}
         ms = timer.compare(calls)
         print(f"{case.name} {precision}: fused {ms['fused']:.3f} conv {ms['conv']:.3f} "
-              f"post {ms['fused'] - ms['conv']:.3f} ms ({plan.strategy.label})", flush=True)
+              f"post {ms['fused'] - ms['conv']:.3f} ms ({plan.strategy.label}, "
+              f"{'direct calls' if plan._replays is None else 'replayed'})", flush=True)
 
 
 if __name__ == "__main__":

@@ -76,3 +76,24 @@ def test_decide_replay_keeps_graphs_unless_direct_is_faster(monkeypatch, replaye
     assert _cudnn._config["replay"] is True  # restored
     assert plan._calls == {}
     assert plan._replays == ({} if keeps else None)
+
+
+@pytest.mark.parametrize("convert_output", [True, False])
+def test_only_standalone_convolutions_measure_replay(monkeypatch, convert_output):
+    # A pipeline's plan (its output feeds a fused pass) always replays; a public one is timed.
+    from cufused import _cudnn
+
+    problem = _cudnn.ConvProblem("fprop", (1, 2, 5, 5), (3, 2, 3, 3), (1, 3, 3, 3), (1, 1),
+                                 (0, 0), (1, 1), "ieee")
+    plan = types.SimpleNamespace(parts=[types.SimpleNamespace(milliseconds=1.0)],
+                                 apply=lambda *args, **kwargs: None, _replays={})
+    monkeypatch.setattr(_cudnn, "strategies",
+                        lambda problem, accept: [_cudnn.Strategy("direct", "nchw", "nchw")])
+    monkeypatch.setattr(_cudnn, "_make_plan", lambda problem, strategy, tune: plan)
+    monkeypatch.setattr(_cudnn, "_random", lambda shape, layout="nchw": None)
+    monkeypatch.setattr(_cudnn, "_time_ms", lambda call: 1.0)
+    decided = []
+    monkeypatch.setattr(_cudnn, "_decide_replay", lambda p, call: decided.append(p))
+    best = _cudnn._choose(problem, True, convert_output, False, True, None)
+    assert best is plan and best.candidates == {"nchw": (1.0, 1.0)}
+    assert decided == ([plan] if convert_output else [])
