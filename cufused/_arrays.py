@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from typing import Any, Union
 
 import numpy
@@ -20,8 +21,10 @@ _CUDA_EXTRA_HINT = (
 
 
 def is_cupy_array(value: Any) -> bool:
-    """True for a ``cupy.ndarray`` (checked without importing CuPy)."""
-    return type(value).__module__.startswith("cupy") and hasattr(value, "__cuda_array_interface__")
+    """True for a ``cupy.ndarray`` (checked without importing CuPy: before CuPy is imported,
+    no CuPy array exists)."""
+    cupy = sys.modules.get("cupy")
+    return cupy is not None and isinstance(value, cupy.ndarray)
 
 
 def import_cupy():
@@ -75,7 +78,7 @@ def get_array_module(**arrays: Any):
                 "pass all arrays from the same library"
             )
         if this == "cupy":
-            dev = value.device.id
+            dev = value.data.device_id  # cheaper than value.device.id (a new Device object)
             if device is None:
                 device = dev
             elif dev != device:
@@ -123,6 +126,8 @@ def per_channel(value: Any, name: str, channels: int, xp, *, allow_scalar: bool 
     if allow_scalar and isinstance(value, numbers.Real) and not isinstance(value, bool):
         check_scalar(value, name)
         return xp.full(channels, value, dtype=xp.float32 if xp is not numpy else numpy.float64)
+    if value.shape == (channels,):  # the usual case: no reshaped view to create
+        return xp.ascontiguousarray(value)
     non_unit = [s for s in value.shape if s != 1]
     if value.size != channels or len(non_unit) > 1:
         raise ValueError(

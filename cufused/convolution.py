@@ -139,7 +139,8 @@ def _typed(value):
     return type(value), value
 
 
-def _cached_conv_args(x_shape, w_shape, nd: int, **options) -> ConvArgs:
+def cached_conv_args(x_shape, w_shape, nd: int, **options) -> ConvArgs:
+    """:func:`check_conv_args` (keyword options), remembered for recent argument values."""
     try:
         key = (x_shape, w_shape, nd, *(_typed(v) for v in options.values()))
         args = _ARGS_CACHE.get(key)
@@ -159,7 +160,7 @@ def _convolve(nd: int, transposed: bool, x, weight, bias, *, stride, padding, ou
     check_float_dtype(xp, x=x, weight=weight, bias=bias)
     check_ndim(x, "x", (nd + 2,), _LAYOUT_NAMES[nd])
     check_sizes(x, "x")
-    args = _cached_conv_args(x.shape, weight.shape, nd, transposed=transposed, stride=stride,
+    args = cached_conv_args(x.shape, weight.shape, nd, transposed=transposed, stride=stride,
                              padding=padding, output_padding=output_padding,
                              dilation=dilation, groups=groups)
     bias = per_channel(bias, "bias", args.out_shape[1], xp)

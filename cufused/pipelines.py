@@ -33,7 +33,7 @@ from ._arrays import (Size, check_float_dtype, check_ndim, check_out, check_scal
 from ._cuda import get_kernel, optional
 from ._precision import resolve_precision
 from ._cudnn import empty_in_layout, stored_in, transpose_channels
-from .convolution import (check_conv_args, conv2d, conv_on_gpu, conv_transpose2d,
+from .convolution import (cached_conv_args, conv2d, conv_on_gpu, conv_transpose2d,
                           conv_transpose3d, gpu_conv_layout)
 from .normalization import (_affine_apply, batch_norm, bn_coefficients, check_num_groups,
                             check_running_buffer, finalize_threads, group_norm,
@@ -237,7 +237,7 @@ def conv2d_groupnorm_scale_maxpool_clamp(
                       gn_bias=gn_bias)
     check_ndim(x, "x", (4,), "NCHW")
     check_sizes(x, "x")
-    args = check_conv_args(x.shape, weight.shape, 2, transposed=False, stride=stride,
+    args = cached_conv_args(x.shape, weight.shape, 2, transposed=False, stride=stride,
                            padding=padding)
     c = args.out_shape[1]
     conv_bias = per_channel(conv_bias, "conv_bias", c, xp)
@@ -379,7 +379,7 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
                       running_mean=running_mean, running_var=running_var)
     check_ndim(x, "x", (4,), "NCHW")
     check_sizes(x, "x")
-    args = check_conv_args(x.shape, weight.shape, 2, transposed=True, stride=stride,
+    args = cached_conv_args(x.shape, weight.shape, 2, transposed=True, stride=stride,
                            padding=padding, output_padding=output_padding, groups=groups)
     c = args.out_shape[1]
     bn_weight = per_channel(bn_weight, "bn_weight", c, xp)
@@ -509,7 +509,7 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
     k = _tuple_pool(pool_kernel, 3)
     _, _, _, pooled = check_pool_args(x.shape[2:], 3, k, k, 0)
     pooled_shape = x.shape[:2] + pooled
-    args = check_conv_args(pooled_shape, weight.shape, 3, transposed=True, stride=stride,
+    args = cached_conv_args(pooled_shape, weight.shape, 3, transposed=True, stride=stride,
                            padding=padding, output_padding=output_padding, groups=groups)
     c = args.out_shape[1]
     scale = per_channel(scale, "scale", c, xp, allow_scalar=True)
