@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import types
+
 import numpy as np
 import pytest
 
@@ -111,11 +114,11 @@ def test_bad_input_raises_with_a_clear_message(call, exc, fragment):
         call()
 
 
-def test_mixing_numpy_and_cupy_is_a_type_error_naming_the_argument():
-    class FakeCupyArray:  # what get_array_module sees of a CuPy array: module and protocol
-        __module__ = "cupy._core.core"
-        __cuda_array_interface__ = {}
+def test_mixing_numpy_and_cupy_is_a_type_error_naming_the_argument(monkeypatch):
+    class FakeCupyArray:  # what get_array_module sees of a CuPy array: a cupy.ndarray
+        pass
 
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(ndarray=FakeCupyArray))
     fake = FakeCupyArray()
     with pytest.raises(TypeError, match="weight is a cupy array but x is a numpy array"):
         cufused._arrays.get_array_module(x=X4, weight=fake)
