@@ -161,7 +161,7 @@ def ntuple(value: Any, n: int, name: str, *, minimum: int) -> tuple[int, ...]:
     else:
         items = (value,) * n if isinstance(value, numbers.Integral) else tuple(value)
         if len(items) != n or not all(
-            type(v) is int or isinstance(v, numbers.Integral) and not isinstance(v, bool)
+            type(v) is int or (isinstance(v, numbers.Integral) and not isinstance(v, bool))
             for v in items
         ):
             raise TypeError(f"{name} must be an int or a sequence of {n} ints, got {value!r}")

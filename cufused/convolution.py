@@ -161,8 +161,8 @@ def _convolve(nd: int, transposed: bool, x, weight, bias, *, stride, padding, ou
     check_ndim(x, "x", (nd + 2,), _LAYOUT_NAMES[nd])
     check_sizes(x, "x")
     args = cached_conv_args(x.shape, weight.shape, nd, transposed=transposed, stride=stride,
-                             padding=padding, output_padding=output_padding,
-                             dilation=dilation, groups=groups)
+                            padding=padding, output_padding=output_padding,
+                            dilation=dilation, groups=groups)
     bias = per_channel(bias, "bias", args.out_shape[1], xp)
     precision = resolve_precision(precision)
     check_out(out, args.out_shape, x.dtype, xp, x)

@@ -238,7 +238,7 @@ def conv2d_groupnorm_scale_maxpool_clamp(
     check_ndim(x, "x", (4,), "NCHW")
     check_sizes(x, "x")
     args = cached_conv_args(x.shape, weight.shape, 2, transposed=False, stride=stride,
-                           padding=padding)
+                            padding=padding)
     c = args.out_shape[1]
     conv_bias = per_channel(conv_bias, "conv_bias", c, xp)
     gn_weight = per_channel(gn_weight, "gn_weight", c, xp)
@@ -380,7 +380,7 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     check_ndim(x, "x", (4,), "NCHW")
     check_sizes(x, "x")
     args = cached_conv_args(x.shape, weight.shape, 2, transposed=True, stride=stride,
-                           padding=padding, output_padding=output_padding, groups=groups)
+                            padding=padding, output_padding=output_padding, groups=groups)
     c = args.out_shape[1]
     bn_weight = per_channel(bn_weight, "bn_weight", c, xp)
     bn_bias = per_channel(bn_bias, "bn_bias", c, xp)
@@ -510,7 +510,7 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
     _, _, _, pooled = check_pool_args(x.shape[2:], 3, k, k, 0)
     pooled_shape = x.shape[:2] + pooled
     args = cached_conv_args(pooled_shape, weight.shape, 3, transposed=True, stride=stride,
-                           padding=padding, output_padding=output_padding, groups=groups)
+                            padding=padding, output_padding=output_padding, groups=groups)
     c = args.out_shape[1]
     scale = per_channel(scale, "scale", c, xp, allow_scalar=True)
     if xp is not numpy:
