@@ -135,11 +135,16 @@ def trace(name, precision, calls=3):
         print(f"   span {kernels[-1][1] - kernels[0][0]:.1f} us for {calls} calls")
 
 
+def device_activities(prof):
+    """A PyTorch profile's device activities as (start, end, name), us, in start order."""
+    return sorted((e.time_range.start, e.time_range.end, e.name)
+                  for e in prof.events() if e.device_type.name == "CUDA")
+
+
 def print_timeline(prof, title):
     """Print a PyTorch profile's device activities in order, each with the idle gap before
     it (negative: overlapping); return them as (start, end, name) in microseconds."""
-    kernels = sorted((e.time_range.start, e.time_range.end, e.name)
-                     for e in prof.events() if e.device_type.name == "CUDA")
+    kernels = device_activities(prof)
     print(f"== {title}: {len(kernels)} device activities")
     previous = None
     for start, end, label in kernels:

@@ -21,7 +21,8 @@ import numpy
 
 import cufused
 from cufused.benchmark import Timer, conv_plan_for
-from pipeline_calls import pipeline_calls  # scripts/, the script's own folder
+from host_time import device_activities  # scripts/, the script's own folder
+from pipeline_calls import pipeline_calls
 
 
 def with_host_time(fn, samples):
@@ -47,8 +48,7 @@ def call_timeline(call, flush, other, calls=5):
             flush.fill(1.0)
             call()
             cupy.cuda.Device().synchronize()
-    events = sorted((e.time_range.start, e.time_range.end, e.name)
-                    for e in prof.events() if e.device_type.name == "CUDA")
+    events = device_activities(prof)
     fill = events[0][2]  # the touch's or the flush's kernel
     rows, body, ready = [], [], None
     for start, end, name in events + [(0.0, 0.0, fill)]:
