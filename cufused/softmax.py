@@ -23,6 +23,8 @@ _CLUSTER_BYTES = 64 * 1024
 # exp(-60) ~ 1e-26: with a clamp narrower than this, exp(v - hi) cannot underflow to zero for
 # a whole row, so no running maximum is needed.
 _MAX_FREE_CLAMP = 60.0
+# 128-position tiles per block of the 16-byte channels-last normalize pass.
+_APPLY_TILES = 4
 
 
 def normalize_axes(axis: Any, ndim: int) -> tuple[int, ...]:
@@ -56,6 +58,17 @@ def cluster_row_split(classes: tuple[int, int, int], class_dims: tuple[int, int,
             or not 0 < nbytes <= _CLUSTER_BYTES):
         return None
     return (sd, sh, sw), (md, mh, mw), nbytes
+
+
+def stats_quads(channels: int) -> int:
+    """Threads per position of ``softmax_stats_nhwc4`` (4 channels each): the largest power of
+    two up to 32 that divides ``channels / 4``; 0 where ``channels % 4 != 0``."""
+    if channels % 4:
+        return 0
+    quads = 32
+    while (channels // 4) % quads:
+        quads //= 2
+    return quads
 
 
 def one_read_geometry(y, out, layout: str, length: int, channels: int, strides,
@@ -98,7 +111,7 @@ def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *
     When ``hi - lo`` is small, exp(v - hi) can neither overflow nor underflow, so no running
     maximum is needed; then, where :func:`one_read_geometry` allows, one kernel reads ``y``
     once (a thread-block cluster per row). Otherwise a statistics pass and a normalize pass
-    run. ``vec4=False`` keeps the channels-last normalize pass on its scalar kernel and
+    run. ``vec4=False`` keeps both channels-last passes on their scalar kernels and
     ``one_read=False`` the two passes (timings).
     """
     lo, hi = clamp if clamp is not None else (0.0, 0.0)
@@ -121,17 +134,29 @@ def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *
         length //= parts
         strides = (channels * length, length, 1)
     n = rows // channels * parts
-    c_tiles = -(-channels // (32 if channels_last else 8))
+    sn, sc, ss = (numpy.int64(s) for s in strides)
+    # 16-byte loads of 4 channels of a position (both passes), and stores of 4 positions.
+    loads4 = (vec4 and channels_last and channels % 4 == 0 and sn % 4 == 0 and ss % 4 == 0
+              and y.data.ptr % 16 == 0)
+    stores4 = loads4 and length % 4 == 0 and out.data.ptr % 16 == 0
+    quads = stats_quads(channels) if loads4 else 0
+    c_tiles = (channels // (4 * quads) if quads else
+               -(-channels // (32 if channels_last else 8)))
     splits = split_count(n * c_tiles, length)
     splits = max(1, min(splits, -(-length // 32)))
     online = clamp is None or hi - lo > _MAX_FREE_CLAMP
     cl, on = (str(v).lower() for v in (channels_last, online))
     partial = cupy.empty((parts * rows, splits, 2), dtype=cupy.float32)
-    sn, sc, ss = (numpy.int64(s) for s in strides)
-    get_kernel(_SOFTMAX, f"softmax_stats<{cl}, {on}, {cp}>")(
-        (splits * c_tiles * n,), (32, 8),
-        (y, optional(bias), partial, i32(channels), numpy.int64(length), i32(splits),
-         i32(c_tiles), sn, sc, ss, f32(lo), f32(hi)))
+    if quads:
+        get_kernel(_SOFTMAX, f"softmax_stats_nhwc4<{on}, {cp}>")(
+            (splits * c_tiles * n,), (256,),
+            (y, optional(bias), partial, i32(channels), numpy.int64(length), i32(splits),
+             i32(c_tiles), i32(quads), sn, ss, f32(lo), f32(hi)))
+    else:
+        get_kernel(_SOFTMAX, f"softmax_stats<{cl}, {on}, {cp}>")(
+            (splits * c_tiles * n,), (32, 8),
+            (y, optional(bias), partial, i32(channels), numpy.int64(length), i32(splits),
+             i32(c_tiles), sn, sc, ss, f32(lo), f32(hi)))
     coef = cupy.empty((2, rows), dtype=cupy.float32)
     get_kernel(_SOFTMAX, "softmax_finalize")(
         (-(-rows * 32 // 256),), (256,),
@@ -145,10 +170,11 @@ def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *
                   (y, out, optional(bias), coef[0], coef[1], *geometry, f32(lo), f32(hi)))
         return
     if channels_last:
-        vec4 = (vec4 and channels % 4 == 0 and length % 4 == 0 and sn % 4 == 0
-                and ss % 4 == 0 and y.data.ptr % 16 == 0 and out.data.ptr % 16 == 0)
-        get_kernel(_SOFTMAX, f"softmax_apply_transpose{'4' if vec4 else ''}<{cp}>")(
-            (-(-length // 128), -(-channels // 32), n), (32, 8),
+        tiles = _APPLY_TILES if stores4 else 1
+        name = (f"softmax_apply_transpose4<{cp}, {tiles}>" if stores4 else
+                f"softmax_apply_transpose<{cp}>")
+        get_kernel(_SOFTMAX, name)(
+            (-(-length // (128 * tiles)), -(-channels // 32), n), (32, 8),
             (y, out, optional(bias), coef[0], coef[1], numpy.int64(length), i32(channels), sn,
              ss, f32(lo), f32(hi)))
         return

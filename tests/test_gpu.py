@@ -360,6 +360,42 @@ def test_softmax(rng, shape, axis):
     assert_close(out.get(), ref, 1e-5)
 
 
+@pytest.mark.parametrize("tiles", [1, 4, 8])
+@pytest.mark.parametrize("vec4", [True, False])
+@pytest.mark.parametrize("clamp", [(-0.5, 1.5), (-80.0, 80.0)])  # no running max / online
+@pytest.mark.parametrize("channels,length", [(4, 1000), (12, 999), (64, 1536), (256, 260)])
+def test_softmax_rows_channels_last(rng, monkeypatch, channels, length, clamp, vec4, tiles):
+    # Pipeline C's softmax over a channels-last (N, S, C) tensor: bias, clamp and scale fused,
+    # the 16-byte statistics kernel (with 1 to 32 threads per position) or the scalar one,
+    # and the transposing normalize pass with 1 to 8 position tiles per block.
+    softmax_module = importlib.import_module("cufused.softmax")
+    monkeypatch.setattr(softmax_module, "_APPLY_TILES", tiles)
+    launched = []
+    get_kernel = softmax_module.get_kernel
+    monkeypatch.setattr(softmax_module, "get_kernel",
+                        lambda f, name, **kw: launched.append(name) or get_kernel(f, name, **kw))
+    n = 3
+    y = 20 * rng.standard_normal((n, length, channels))
+    y[1, 7, channels - 1] = np.nan
+    bias, scale = rng.standard_normal(channels), rng.standard_normal(channels)
+    v = np.clip(y + bias, *clamp)
+    e = np.exp(v - v.max(axis=1, keepdims=True))
+    ref = (e / e.sum(axis=1, keepdims=True) * scale).transpose(0, 2, 1)
+    y_gpu, bias_gpu, scale_gpu = to_gpu(y, bias, scale)
+    out = poisoned(ref.shape)
+    softmax_module.softmax_rows(cp, y_gpu, out, n * channels, length, channels,
+                                (length * channels, 1, channels), layout="nhwc",
+                                bias=bias_gpu, scale=scale_gpu, clamp=clamp, vec4=vec4)
+    uses_vec4 = vec4 and channels % 4 == 0
+    assert any(k.startswith("softmax_stats_nhwc4") for k in launched) == uses_vec4
+    assert any(k.startswith("softmax_apply_transpose4") for k in launched) == (
+        uses_vec4 and length % 4 == 0)
+    got = out.get()
+    assert np.array_equal(np.isnan(got), np.isnan(ref)) and np.isnan(got[1, -1]).all()
+    mask = ~np.isnan(ref)
+    assert_close(got[mask], ref[mask], 1e-5)
+
+
 def test_softmax_nan_and_inf():
     x = np.zeros((3, 4))
     x[0, 1] = np.nan

@@ -8,6 +8,23 @@ __device__ __forceinline__ float load_value(const float* p, float b, float lo, f
     return CLAMP ? clamp_nan(v, lo, hi) : v;
 }
 
+// Add value v to a running (m, s) pair of softmax_stats: s += exp(v - hi) without ONLINE
+// (m stays hi), else the online update with a running maximum m.
+template <bool ONLINE>
+__device__ __forceinline__ void softmax_take(float& m, float& s, float v, float hi) {
+    if (!ONLINE) {
+        s += expf(v - hi);
+    } else if (v > m) {
+        s = s * expf(m - v) + 1.0f;
+        m = v;
+    } else if (v == v && m != -INFINITY) {
+        s += expf(v - m);
+    } else if (v != v) {
+        m = v;  // NaN propagates through the merges and the finalize
+        s = v;
+    }
+}
+
 // Per (n, c, split): the pair (m, sum exp(v - m)) over positions [split * chunk, ...), with
 // v = y + bias (clamped to [lo, hi] when CLAMP). ONLINE keeps a running max; without it m = hi,
 // valid because clamped values never exceed hi, so exp(v - hi) <= 1 cannot overflow and, for
@@ -33,19 +50,7 @@ __global__ void softmax_stats(const float* __restrict__ y, const float* __restri
     if (c < C) {
         const float b = bias ? bias[c] : 0.0f;
         const float* plane = y + n * sn + c * sc;
-        auto take = [&](float v) {
-            if (!ONLINE) {
-                s += expf(v - hi);
-            } else if (v > m) {
-                s = s * expf(m - v) + 1.0f;
-                m = v;
-            } else if (v == v && m != -INFINITY) {
-                s += expf(v - m);
-            } else if (v != v) {
-                m = v;  // NaN propagates through the merges and the finalize
-                s = v;
-            }
-        };
+        auto take = [&](float v) { softmax_take<ONLINE>(m, s, v, hi); };
         index_t p = p_begin + lane;
         // Four independent loads in flight per thread before their values are used.
         for (; p + 3 * step < p_end; p += 4 * step) {
@@ -78,6 +83,70 @@ __global__ void softmax_stats(const float* __restrict__ y, const float* __restri
             else s += s2;
         }
         if (threadIdx.x == 0 && c < C) partial[(n * C + c) * splits + split] = make_float2(m, s);
+    }
+}
+
+// softmax_stats for a channels-last y with 16-byte loads: a thread keeps the pairs of 4
+// channels (one float4 per position); Q threads (Q dividing 32) cover the 4 Q channels of a
+// tile at one position, so 256 threads read 256 / Q positions per step, 4 steps in flight:
+// 64 bytes per thread against the scalar kernel's 16, too few to cover the DRAM latency (C
+// tf32: 78 % of peak bandwidth). Grid splits * c_tiles * N (last samples first), block 256.
+// Needs C % (4 Q) == 0, sn and ss multiples of 4, y 16-byte aligned.
+template <bool ONLINE, bool CLAMP>
+__global__ void softmax_stats_nhwc4(const float* __restrict__ y, const float* __restrict__ bias,
+                                    float2* __restrict__ partial, int C, index_t S, int splits,
+                                    int c_tiles, int Q, index_t sn, index_t ss, float lo,
+                                    float hi) {
+    __shared__ float2 red[8][128];  // [warp][channel of the tile]
+    const SampleBlock block = sample_block_last_first(splits, c_tiles);
+    const int quad = threadIdx.x % Q, lanes = blockDim.x / Q;
+    const int c = block.tile * 4 * Q + 4 * quad;
+    index_t p_begin, p_end;
+    split_range(S, splits, block.split, p_begin, p_end);
+    float b[4], m[4], s[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        b[k] = bias ? bias[c + k] : 0.0f;
+        m[k] = ONLINE ? -INFINITY : hi;
+        s[k] = 0.0f;
+    }
+    const float* base = y + block.n * sn + c;
+    auto take1 = [&](int k, float x) {
+        softmax_take<ONLINE>(m[k], s[k], load_value<CLAMP>(&x, b[k], lo, hi), hi);
+    };
+    auto take = [&](float4 v) { take1(0, v.x); take1(1, v.y); take1(2, v.z); take1(3, v.w); };
+    index_t p = p_begin + threadIdx.x / Q;
+    for (; p + 3 * lanes < p_end; p += 4 * lanes) {
+        float4 v[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            v[j] = __ldg(reinterpret_cast<const float4*>(base + (p + j * lanes) * ss));
+#pragma unroll
+        for (int j = 0; j < 4; ++j) take(v[j]);
+    }
+    for (; p < p_end; p += lanes) take(__ldg(reinterpret_cast<const float4*>(base + p * ss)));
+    // The lanes of a quad: first within the warp (Q, 2 Q, ... apart), then across the warps.
+    for (int offset = 16; offset >= Q; offset >>= 1) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float m2 = __shfl_xor_sync(0xffffffffu, m[k], offset);
+            const float s2 = __shfl_xor_sync(0xffffffffu, s[k], offset);
+            if (ONLINE) softmax_merge(m[k], s[k], m2, s2);
+            else s[k] += s2;
+        }
+    }
+    if ((threadIdx.x & 31) < Q) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) red[threadIdx.x >> 5][4 * quad + k] = make_float2(m[k], s[k]);
+    }
+    __syncthreads();
+    if (threadIdx.x < 4 * Q) {
+        float2 r = red[0][threadIdx.x];
+        for (int w = 1; w < (int)(blockDim.x >> 5); ++w) {
+            if (ONLINE) softmax_merge(r.x, r.y, red[w][threadIdx.x].x, red[w][threadIdx.x].y);
+            else r.y += red[w][threadIdx.x].y;
+        }
+        partial[(block.n * C + block.tile * 4 * Q + threadIdx.x) * splits + block.split] = r;
     }
 }
 
@@ -187,8 +256,10 @@ __global__ void softmax_apply_transpose(const float* __restrict__ y, float* __re
 
 // softmax_apply_transpose with 16-byte loads and stores (C, S and ss multiples of 4, 16-byte
 // aligned buffers): a thread loads 4 channels of a position and stores 4 positions of a
-// channel, a quarter of the memory instructions. Same grid, block and arguments.
-template <bool CLAMP>
+// channel, a quarter of the memory instructions. A block does TILES consecutive 128-position
+// tiles, loading the next tile while it stores the current one. Grid
+// (ceil(S / (128 TILES)), ceil(C / 32), N), block (32, 8), the same arguments.
+template <bool CLAMP, int TILES>
 __global__ void softmax_apply_transpose4(const float* __restrict__ y, float* __restrict__ out,
                                          const float* __restrict__ bias,
                                          const float* __restrict__ shift,
@@ -197,44 +268,52 @@ __global__ void softmax_apply_transpose4(const float* __restrict__ y, float* __r
     __shared__ __align__(16) float tile[32][132];  // [channel][position]: float4 rows
     // First samples first: the statistics pass read them last, so they may still be in L2.
     const index_t n = blockIdx.z;
-    const index_t p0 = (index_t)blockIdx.x * 128;
+    const index_t first = (index_t)blockIdx.x * 128 * TILES;
     const int c0 = blockIdx.y * 32;
     const int quad = threadIdx.x & 7;
     const int lane = (threadIdx.x >> 3) + 4 * threadIdx.y;
-    const int c = c0 + quad * 4;
-    if (c < C) {
-        float b[4], m[4], f[4];
+    const int c = min(c0 + quad * 4, C - 4);  // in bounds; lanes past C store nothing
+    const int tid = threadIdx.y * 32 + threadIdx.x;
+    float b[4], m[4], f[4];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            b[q] = bias ? bias[c + q] : 0.0f;
-            m[q] = shift[n * C + c + q];
-            f[q] = factor[n * C + c + q];
-        }
-        float4 v[4];
+    for (int q = 0; q < 4; ++q) {
+        b[q] = bias ? bias[c + q] : 0.0f;
+        m[q] = shift[n * C + c + q];
+        f[q] = factor[n * C + c + q];
+    }
+    float4 v[4];
+    auto load = [&](index_t p0) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const index_t p = min(p0 + lane + 32 * j, S - 1);  // in bounds
             v[j] = __ldg(reinterpret_cast<const float4*>(y + n * sn + p * ss + c));
         }
+    };
+    load(first);
+#pragma unroll 1
+    for (int t = 0; t < TILES; ++t) {
+        const index_t p0 = first + 128 * t;
+        if (p0 >= S) break;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const float t[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+            const float x[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
 #pragma unroll
             for (int q = 0; q < 4; ++q)
                 tile[quad * 4 + q][lane + 32 * j] =
-                    expf(load_value<CLAMP>(&t[q], b[q], lo, hi) - m[q]) * f[q];
+                    expf(load_value<CLAMP>(&x[q], b[q], lo, hi) - m[q]) * f[q];
         }
-    }
-    __syncthreads();
-    const int tid = threadIdx.y * 32 + threadIdx.x;
+        __syncthreads();
+        if (t + 1 < TILES) load(p0 + 128);  // in flight during the stores below
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        const int i = tid + 256 * r;
-        const int ch = i >> 5, pq = i & 31;
-        const index_t p = p0 + pq * 4;
-        if (c0 + ch < C && p < S)
-            *reinterpret_cast<float4*>(out + (n * C + c0 + ch) * S + p) =
-                *reinterpret_cast<const float4*>(&tile[ch][pq * 4]);
+        for (int r = 0; r < 4; ++r) {
+            const int i = tid + 256 * r;
+            const int ch = i >> 5, pq = i & 31;
+            const index_t p = p0 + pq * 4;
+            if (c0 + ch < C && p < S)
+                *reinterpret_cast<float4*>(out + (n * C + c0 + ch) * S + p) =
+                    *reinterpret_cast<const float4*>(&tile[ch][pq * 4]);
+        }
+        __syncthreads();
     }
 }
 
