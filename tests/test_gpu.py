@@ -360,16 +360,17 @@ def test_softmax(rng, shape, axis):
     assert_close(out.get(), ref, 1e-5)
 
 
-@pytest.mark.parametrize("tiles", [1, 4, 8])
+@pytest.mark.parametrize("channel_tile", [32, 64])
 @pytest.mark.parametrize("vec4", [True, False])
 @pytest.mark.parametrize("clamp", [(-0.5, 1.5), (-80.0, 80.0)])  # no running max / online
 @pytest.mark.parametrize("channels,length", [(4, 1000), (12, 999), (64, 1536), (256, 260)])
-def test_softmax_rows_channels_last(rng, monkeypatch, channels, length, clamp, vec4, tiles):
+def test_softmax_rows_channels_last(rng, monkeypatch, channels, length, clamp, vec4,
+                                    channel_tile):
     # Pipeline C's softmax over a channels-last (N, S, C) tensor: bias, clamp and scale fused,
     # the 16-byte statistics kernel (with 1 to 32 threads per position) or the scalar one,
-    # and the transposing normalize pass with 1 to 8 position tiles per block.
+    # and the transposing normalize pass over 32- or 64-channel tiles.
     softmax_module = importlib.import_module("cufused.softmax")
-    monkeypatch.setattr(softmax_module, "_APPLY_TILES", tiles)
+    monkeypatch.setattr(softmax_module, "_APPLY_CHANNEL_TILES", (channel_tile,))
     launched = []
     get_kernel = softmax_module.get_kernel
     monkeypatch.setattr(softmax_module, "get_kernel",
@@ -388,7 +389,8 @@ def test_softmax_rows_channels_last(rng, monkeypatch, channels, length, clamp, v
                                 bias=bias_gpu, scale=scale_gpu, clamp=clamp, vec4=vec4)
     uses_vec4 = vec4 and channels % 4 == 0
     assert any(k.startswith("softmax_stats_nhwc4") for k in launched) == uses_vec4
-    assert any(k.startswith("softmax_apply_transpose4") for k in launched) == (
+    tile = channel_tile if channels % channel_tile == 0 else 32
+    assert (f"softmax_apply_transpose4<true, {tile}>" in launched) == (
         uses_vec4 and length % 4 == 0)
     got = out.get()
     assert np.array_equal(np.isnan(got), np.isnan(ref)) and np.isnan(got[1, -1]).all()
@@ -569,6 +571,8 @@ def test_pipeline_b_odd_group_rows(rng, layout):
 @pytest.mark.parametrize("layout,pool,c,h,w,variants", [
     ("nchw", 2, 12, 22, 18, ["bands"]),
     ("nchw", 4, 12, 22, 18, ["bands"]),
+    ("nchw", 2, 8, 70, 42, ["bands"]),  # three chunks of 15 bands, 21 windows per band
+    ("nchw", 2, 4, 11, 80, ["bands"]),  # 40 windows per band: more than a warp
     # Channels-last: 1 to 32 channel quads per warp; ">nhwc" writes ext channels-last.
     ("nhwc", 2, 128, 9, 41, ["vec4", "vec4>nhwc", "rows"]),
     ("nhwc", 4, 64, 13, 30, ["vec4", "rows", "rows>nhwc"]),

@@ -374,6 +374,10 @@ __global__ void __launch_bounds__(256, 3) pool_extremum_stats_nchw_bands(
     int b_begin, b_end;
     split_range(Ho, splits, split, b_begin, b_end);
     const float inv_wo = 1.0f / Wo;
+    // A lane's windows j = lane, lane + 32, ... of a chunk: band bb, column px, stepped by
+    // (32 / Wo, 32 % Wo) with a carry instead of a division per window.
+    const int first_b = quotient(lane, Wo, inv_wo), first_p = lane - first_b * Wo;
+    const int step_b = quotient(32, Wo, inv_wo), step_p = 32 - step_b * Wo;
     for (int b0 = b_begin; b0 < b_end; b0 += bands_per_chunk) {
         const int nb = min(bands_per_chunk, b_end - b0);
         const int n_vec = nb * band / 4;
@@ -393,15 +397,29 @@ __global__ void __launch_bounds__(256, 3) pool_extremum_stats_nchw_bands(
             }
         }
         __syncwarp();
+        int bb = first_b, px = first_p;
         for (int j = lane; j < nb * Wo; j += 32) {
-            const int bb = quotient(j, Wo, inv_wo), px = j - bb * Wo;
-            float e = -INFINITY;
+            const float sgn = stats.sgn[0];
+            const float* win = buf + bb * K * W + px * K;
+            float e;
+            if (K == 2) {  // W is even (K * W % 4 == 0): 8-byte window rows
+                const float2 r0 = *reinterpret_cast<const float2*>(win);
+                const float2 r1 = *reinterpret_cast<const float2*>(win + W);
+                e = fmaxf(fmaxf(sgn * r0.x, sgn * r0.y), fmaxf(sgn * r1.x, sgn * r1.y));
+            } else {
+                e = -INFINITY;
 #pragma unroll
-            for (int a = 0; a < K; ++a)
+                for (int a = 0; a < K; ++a)
 #pragma unroll
-                for (int i = 0; i < K; ++i)
-                    e = fmaxf(e, stats.sgn[0] * buf[(bb * K + a) * W + px * K + i]);
+                    for (int i = 0; i < K; ++i) e = fmaxf(e, sgn * win[a * W + i]);
+            }
             ext_plane[(b0 + bb) * Wo + px] = stats.pooled(e);
+            bb += step_b;
+            px += step_p;
+            if (px >= Wo) {
+                px -= Wo;
+                ++bb;
+            }
         }
         __syncwarp();  // the next chunk overwrites the buffer
     }
