@@ -23,9 +23,6 @@ _CLUSTER_BYTES = 64 * 1024
 # exp(-60) ~ 1e-26: with a clamp narrower than this, exp(v - hi) cannot underflow to zero for
 # a whole row, so no running maximum is needed.
 _MAX_FREE_CLAMP = 60.0
-# Channels per block of the 16-byte channels-last normalize pass, preferred first (the first
-# that divides C; else 32, with the lanes past C idle).
-_APPLY_CHANNEL_TILES = (64, 32)
 
 
 def normalize_axes(axis: Any, ndim: int) -> tuple[int, ...]:
@@ -170,15 +167,8 @@ def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *
         launch_1d(get_kernel(_SOFTMAX, f"softmax_apply_subpixel<{cp}, {sw}, {vec}>"), items,
                   (y, out, optional(bias), coef[0], coef[1], *geometry, f32(lo), f32(hi)))
         return
-    if channels_last and stores4:
-        ct = next((t for t in _APPLY_CHANNEL_TILES if channels % t == 0), 32)
-        get_kernel(_SOFTMAX, f"softmax_apply_transpose4<{cp}, {ct}>")(
-            (-(-channels // ct), -(-length // 128), n), (32, 8),
-            (y, out, optional(bias), coef[0], coef[1], numpy.int64(length), i32(channels), sn,
-             ss, f32(lo), f32(hi)))
-        return
     if channels_last:
-        get_kernel(_SOFTMAX, f"softmax_apply_transpose<{cp}>")(
+        get_kernel(_SOFTMAX, f"softmax_apply_transpose{'4' if stores4 else ''}<{cp}>")(
             (-(-length // 128), -(-channels // 32), n), (32, 8),
             (y, out, optional(bias), coef[0], coef[1], numpy.int64(length), i32(channels), sn,
              ss, f32(lo), f32(hi)))

@@ -256,24 +256,20 @@ __global__ void softmax_apply_transpose(const float* __restrict__ y, float* __re
 
 // softmax_apply_transpose with 16-byte loads and stores (C, S and ss multiples of 4, 16-byte
 // aligned buffers): a thread loads 4 channels of a position and stores 4 positions of a
-// channel, a quarter of the memory instructions. A block transposes CT channels (32 or 64) x
-// 128 positions; the channel tiles of a position tile are neighbours in the grid, so the
-// parts of one position's channels are read close together in time. Grid
-// (ceil(C / CT), ceil(S / 128), N), block (32, 8), the same arguments.
-template <bool CLAMP, int CT>
+// channel, a quarter of the memory instructions. Same grid, block and arguments.
+template <bool CLAMP>
 __global__ void softmax_apply_transpose4(const float* __restrict__ y, float* __restrict__ out,
                                          const float* __restrict__ bias,
                                          const float* __restrict__ shift,
                                          const float* __restrict__ factor, index_t S, int C,
                                          index_t sn, index_t ss, float lo, float hi) {
-    constexpr int QUADS = CT / 4, LANES = 256 / QUADS, STEPS = 128 / LANES;
-    __shared__ __align__(16) float tile[CT][132];  // [channel][position]: float4 rows
+    __shared__ __align__(16) float tile[32][132];  // [channel][position]: float4 rows
     // First samples first: the statistics pass read them last, so they may still be in L2.
     const index_t n = blockIdx.z;
-    const index_t p0 = (index_t)blockIdx.y * 128;
-    const int c0 = blockIdx.x * CT;
-    const int tid = threadIdx.y * 32 + threadIdx.x;
-    const int quad = tid % QUADS, lane = tid / QUADS;
+    const index_t p0 = (index_t)blockIdx.x * 128;
+    const int c0 = blockIdx.y * 32;
+    const int quad = threadIdx.x & 7;
+    const int lane = (threadIdx.x >> 3) + 4 * threadIdx.y;
     const int c = c0 + quad * 4;
     if (c < C) {
         float b[4], m[4], f[4];
@@ -283,24 +279,25 @@ __global__ void softmax_apply_transpose4(const float* __restrict__ y, float* __r
             m[q] = shift[n * C + c + q];
             f[q] = factor[n * C + c + q];
         }
-        float4 v[STEPS];
+        float4 v[4];
 #pragma unroll
-        for (int j = 0; j < STEPS; ++j) {
-            const index_t p = min(p0 + lane + LANES * j, S - 1);  // in bounds
+        for (int j = 0; j < 4; ++j) {
+            const index_t p = min(p0 + lane + 32 * j, S - 1);  // in bounds
             v[j] = __ldg(reinterpret_cast<const float4*>(y + n * sn + p * ss + c));
         }
 #pragma unroll
-        for (int j = 0; j < STEPS; ++j) {
+        for (int j = 0; j < 4; ++j) {
             const float t[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
 #pragma unroll
             for (int q = 0; q < 4; ++q)
-                tile[quad * 4 + q][lane + LANES * j] =
+                tile[quad * 4 + q][lane + 32 * j] =
                     expf(load_value<CLAMP>(&t[q], b[q], lo, hi) - m[q]) * f[q];
         }
     }
     __syncthreads();
+    const int tid = threadIdx.y * 32 + threadIdx.x;
 #pragma unroll
-    for (int r = 0; r < CT / 8; ++r) {
+    for (int r = 0; r < 4; ++r) {
         const int i = tid + 256 * r;
         const int ch = i >> 5, pq = i & 31;
         const index_t p = p0 + pq * 4;
