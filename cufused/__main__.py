@@ -110,17 +110,19 @@ def format_table(result: dict) -> str:
             f"{r['conv']:6.3f} {r['fused'] - r['conv']:6.3f} "
             f"{r['post_floor']:9.3f} {r['floor']:6.3f} {r['fused'] / r['floor']:6.2f}  "
             f"{r['conv_layout']}")
-    lines += ["", "convolutions alone (ms): cufused plan in its layout, cufused public call "
-              "(NCHW in/out) and PyTorch's, without / with a bias",
-              f"{'case':<4} {'prec':<5} {'plan':>7} {'public':>7} {'torch':>7} "
+    lines += ["", "convolutions alone (ms): cufused plan as the pipeline runs it (NCHW input "
+              "where the pipeline gets one) and for an input in any layout (free), cufused public "
+              "call (NCHW in/out) and PyTorch's, without / with a bias",
+              f"{'case':<4} {'prec':<5} {'plan':>7} {'free':>7} {'public':>7} {'torch':>7} "
               f"{'torch/public':>12} {'+bias':>7} {'torch':>7} {'torch/public':>12}  "
-              "plan strategy"]
+              "plan / free strategy"]
     for r in result["rows"]:
-        tc, tb, pb = (r.get(k, float("nan"))
-                      for k in ("torch_conv", "torch_conv_bias", "conv_public_bias"))
-        lines.append(f"{r['case']:<4} {r['precision']:<5} {r['conv']:7.3f} "
+        tc, tb, pb, fr = (r.get(k, float("nan")) for k in (
+            "torch_conv", "torch_conv_bias", "conv_public_bias", "conv_free"))
+        lines.append(f"{r['case']:<4} {r['precision']:<5} {r['conv']:7.3f} {fr:7.3f} "
                      f"{r['conv_public']:7.3f} {tc:7.3f} {tc / r['conv_public']:12.2f} "
-                     f"{pb:7.3f} {tb:7.3f} {tb / pb:12.2f}  {r['conv_layout']}")
+                     f"{pb:7.3f} {tb:7.3f} {tb / pb:12.2f}  {r['conv_layout']} / "
+                     f"{r.get('conv_free_layout', '-')}")
     return "\n".join(lines)
 
 

@@ -242,8 +242,10 @@ def set_torch_precision(precision: str) -> None:
     torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
-def conv_plan_for(case: Case, precision: str):
-    """The cached cuDNN plan that the fused pipeline uses for this case's convolution."""
+def conv_plan_for(case: Case, precision: str, *, layout_free: bool = False):
+    """The cached cuDNN plan that the fused pipeline uses for this case's convolution, or with
+    ``layout_free`` the one chosen for an input that may come in any layout (the setting of
+    the best-plan table in the design: no input conversion counted)."""
     from ._cudnn import ConvProblem, conv_plan
     from .convolution import check_conv_args
 
@@ -255,8 +257,8 @@ def conv_plan_for(case: Case, precision: str):
                                                                **opts})
     problem = ConvProblem(c["kind"], tuple(c["x_shape"]), tuple(c["w_shape"]), args.out_shape,
                           args.stride, args.padding, args.dilation, precision)
-    return conv_plan(problem, convert_input=case.name != "C", convert_output=False,
-                     accept_classes=case.name == "C")
+    return conv_plan(problem, convert_input=case.name != "C" and not layout_free,
+                     convert_output=False, accept_classes=case.name == "C")
 
 
 def _public_conv(case: Case):
@@ -271,7 +273,8 @@ def _public_conv(case: Case):
 
 def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_eager=True,
                torch_compile=True, rng=None) -> list[dict]:
-    """Time one case: fused, unfused, the internal convolution, PyTorch eager and compiled."""
+    """Time one case: fused, unfused, the internal convolution (the pipeline's plan, and the
+    plan for an input in any layout), the public convolution, PyTorch eager and compiled."""
     import cupy
 
     rng = rng or numpy.random.default_rng(0)
@@ -295,6 +298,8 @@ def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_e
     for precision in precisions:
         plan = conv_plan_for(case, precision)
         operands = plan.example_operands()
+        free_plan = conv_plan_for(case, precision, layout_free=True)
+        free_operands = free_plan.example_operands()
         # The public convolution (NCHW in and out, conversions included) on the conv input,
         # without and with a per-channel bias (PyTorch adds a bias in a pass of its own).
         conv_fn, conv_opts = _public_conv(case)
@@ -305,6 +310,7 @@ def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_e
             "fused": lambda: case.run_cufused(inputs, precision=precision, out=out),
             "unfused": lambda: case.run_cufused(inputs, precision=precision, method="unfused"),
             "conv": lambda: plan.run(*operands),
+            "conv_free": lambda: free_plan.run(*free_operands),
             "conv_public": lambda: conv_fn(xc, wc, **conv_opts, precision=precision),
             "conv_public_bias": lambda: conv_fn(xc, wc, bc, **conv_opts, precision=precision),
         }
@@ -322,7 +328,8 @@ def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_e
             set_torch_precision("ieee")
         else:
             row = timer.compare(fns)
-        row.update(case=case.name, precision=precision, conv_layout=plan.strategy.label)
+        row.update(case=case.name, precision=precision, conv_layout=plan.strategy.label,
+                   conv_free_layout=free_plan.strategy.label)
         rows.append(row)
-        operands = None
+        operands = free_operands = None
     return rows
