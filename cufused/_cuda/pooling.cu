@@ -346,16 +346,18 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
 // position lanes issue one window (4 values for K = 2) per load round. The rows below the
 // last band (H % K) only enter the statistics, in the last split. Same arguments and outputs
 // as pool_extremum_stats (k_runtime, sc, sh, sw unused).
-// 3 blocks per SM (80 registers) are set as a bound: left to itself ptxas chose 80 registers
-// with a small spill once the loads became evict-first.
+// Chunks of V = 6 float4 per lane for K = 2 (B's plane: two chunks), with 4 blocks per SM set
+// as a bound; 10 for K = 4 (two of A's 126-wide bands per chunk), 3 blocks per SM (80
+// registers: left to itself ptxas chose 80 with a small spill once the loads became
+// evict-first).
 template <int K>
-__global__ void __launch_bounds__(256, 3) pool_extremum_stats_nchw_bands(
+__global__ void __launch_bounds__(256, K == 2 ? 4 : 3) pool_extremum_stats_nchw_bands(
         const float* __restrict__ y, const float* __restrict__ bias,
         const float* __restrict__ sign_a, const float* __restrict__ sign_b,
         float* __restrict__ ext, float2* __restrict__ partial, float* __restrict__ shift_out,
         int C, int H, int W, int k_runtime, int Ho, int Wo, int splits, int c_tiles, index_t sn,
         index_t sc, int sh, int sw, int shift_group, int shift_per_sample) {
-    constexpr int V = 10;  // float4 per lane and chunk: 40 registers, 5 KB of shared memory
+    constexpr int V = K == 2 ? 6 : 10;  // float4 per lane and chunk
     __shared__ float4 chunk_buf[8][32 * V];
     const SampleBlock block = sample_block_last_first(splits, c_tiles);
     const int split = block.split, tile = block.tile;
