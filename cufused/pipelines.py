@@ -59,9 +59,9 @@ def _check_method(method: str) -> None:
 # Instantiated (K, T) of pool_extremum_stats_nhwc_rows: T = K * C / 128 float4 per lane and
 # window row (C = 32 ... 128); larger T would spill.
 _ROWS_KERNELS = ((2, 1), (2, 2), (4, 1), (4, 2))
-# Floats in one chunk of pool_extremum_stats_nchw_bands<K> (32 lanes x 6 or 10 float4): the
-# most that one K-row band may hold.
-_BAND_CHUNK = {2: 32 * 6 * 4, 4: 32 * 10 * 4}
+# Floats in one chunk of pool_extremum_stats_nchw_bands (32 lanes x 10 float4): the most
+# that one K-row band may hold.
+_BAND_CHUNK = 32 * 10 * 4
 
 
 # The variant that stores the pooled extrema channels-last (one float4 per thread, no
@@ -90,7 +90,7 @@ def _fused_pass_variant(y, pool: int, variant: str | None = None) -> str:
     rows_t = fixed * c // 128 if aligned4 and sw == c and 32 % (c // 4) == 0 else 0
     bands = bool(not channels_last and fixed and sw == 1 and sh == w and sc == h * w
                  and fixed * w % 4 == 0 and h * w % 4 == 0 and sn % 4 == 0
-                 and y.data.ptr % 16 == 0 and fixed * w <= _BAND_CHUNK[fixed])
+                 and y.data.ptr % 16 == 0 and fixed * w <= _BAND_CHUNK)
     usable = {"scalar": True, "vec4": aligned4, "rows": (fixed, rows_t) in _ROWS_KERNELS,
               "bands": bands}
     if variant is None:  # measured (H200, canonical A and B outputs): channels-last k = 4

@@ -346,18 +346,16 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
 // position lanes issue one window (4 values for K = 2) per load round. The rows below the
 // last band (H % K) only enter the statistics, in the last split. Same arguments and outputs
 // as pool_extremum_stats (k_runtime, sc, sh, sw unused).
-// Chunks of V = 6 float4 per lane for K = 2 (B's plane: two chunks), with 4 blocks per SM set
-// as a bound; 10 for K = 4 (two of A's 126-wide bands per chunk), 3 blocks per SM (80
-// registers: left to itself ptxas chose 80 with a small spill once the loads became
-// evict-first).
+// 3 blocks per SM (80 registers) are set as a bound: left to itself ptxas chose 80 registers
+// with a small spill once the loads became evict-first.
 template <int K>
-__global__ void __launch_bounds__(256, K == 2 ? 4 : 3) pool_extremum_stats_nchw_bands(
+__global__ void __launch_bounds__(256, 3) pool_extremum_stats_nchw_bands(
         const float* __restrict__ y, const float* __restrict__ bias,
         const float* __restrict__ sign_a, const float* __restrict__ sign_b,
         float* __restrict__ ext, float2* __restrict__ partial, float* __restrict__ shift_out,
         int C, int H, int W, int k_runtime, int Ho, int Wo, int splits, int c_tiles, index_t sn,
         index_t sc, int sh, int sw, int shift_group, int shift_per_sample) {
-    constexpr int V = K == 2 ? 6 : 10;  // float4 per lane and chunk
+    constexpr int V = 10;  // float4 per lane and chunk: 40 registers, 5 KB of shared memory
     __shared__ float4 chunk_buf[8][32 * V];
     const SampleBlock block = sample_block_last_first(splits, c_tiles);
     const int split = block.split, tile = block.tile;
@@ -376,8 +374,10 @@ __global__ void __launch_bounds__(256, K == 2 ? 4 : 3) pool_extremum_stats_nchw_
     int b_begin, b_end;
     split_range(Ho, splits, split, b_begin, b_end);
     const float inv_wo = 1.0f / Wo;
-    // A lane's windows j = lane, lane + 32, ... of a chunk: band bb, column px, stepped by
-    // (32 / Wo, 32 % Wo) with a carry instead of a division per window.
+    // For K = 2, a lane's windows j = lane, lane + 32, ... of a chunk: band bb, column px,
+    // stepped by (32 / Wo, 32 % Wo) with a carry instead of a division per window, and read
+    // as two 8-byte rows (B: 108.8 -> 97.5 us in ncu; with the same loop for K = 4, pipeline A
+    // ieee measured 0.011 ms slower, so K = 4 keeps the division).
     const int first_b = quotient(lane, Wo, inv_wo), first_p = lane - first_b * Wo;
     const int step_b = quotient(32, Wo, inv_wo), step_p = 32 - step_b * Wo;
     for (int b0 = b_begin; b0 < b_end; b0 += bands_per_chunk) {
@@ -399,28 +399,33 @@ __global__ void __launch_bounds__(256, K == 2 ? 4 : 3) pool_extremum_stats_nchw_
             }
         }
         __syncwarp();
-        int bb = first_b, px = first_p;
-        for (int j = lane; j < nb * Wo; j += 32) {
-            const float sgn = stats.sgn[0];
-            const float* win = buf + bb * K * W + px * K;
-            float e;
-            if (K == 2) {  // W is even (K * W % 4 == 0): 8-byte window rows
+        const float sgn = stats.sgn[0];
+        if (K == 2) {
+            int bb = first_b, px = first_p;
+            for (int j = lane; j < nb * Wo; j += 32) {
+                const float* win = buf + bb * 2 * W + px * 2;  // W is even (K * W % 4 == 0)
                 const float2 r0 = *reinterpret_cast<const float2*>(win);
                 const float2 r1 = *reinterpret_cast<const float2*>(win + W);
-                e = fmaxf(fmaxf(sgn * r0.x, sgn * r0.y), fmaxf(sgn * r1.x, sgn * r1.y));
-            } else {
-                e = -INFINITY;
+                const float e = fmaxf(fmaxf(sgn * r0.x, sgn * r0.y),
+                                      fmaxf(sgn * r1.x, sgn * r1.y));
+                ext_plane[(b0 + bb) * Wo + px] = stats.pooled(e);
+                bb += step_b;
+                px += step_p;
+                if (px >= Wo) {
+                    px -= Wo;
+                    ++bb;
+                }
+            }
+        } else {
+            for (int j = lane; j < nb * Wo; j += 32) {
+                const int bb = quotient(j, Wo, inv_wo), px = j - bb * Wo;
+                float e = -INFINITY;
 #pragma unroll
                 for (int a = 0; a < K; ++a)
 #pragma unroll
-                    for (int i = 0; i < K; ++i) e = fmaxf(e, sgn * win[a * W + i]);
-            }
-            ext_plane[(b0 + bb) * Wo + px] = stats.pooled(e);
-            bb += step_b;
-            px += step_p;
-            if (px >= Wo) {
-                px -= Wo;
-                ++bb;
+                    for (int i = 0; i < K; ++i)
+                        e = fmaxf(e, sgn * buf[(bb * K + a) * W + px * K + i]);
+                ext_plane[(b0 + bb) * Wo + px] = stats.pooled(e);
             }
         }
         __syncwarp();  // the next chunk overwrites the buffer
