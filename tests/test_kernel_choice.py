@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cufused import normalization, pipelines
-from cufused.softmax import cluster_row_split
+from cufused.softmax import cluster_row_split, stats_quads
 from cufused._cudnn import layout_strides
 
 
@@ -77,6 +77,16 @@ def test_cluster_row_split(classes, dims, expected):
         assert split is None
     else:
         assert split == (classes, dims, expected)
+
+
+@pytest.mark.parametrize("channels,quads", [(64, 16), (256, 32), (128, 32), (96, 8), (12, 1),
+                                             (8, 2), (4, 1), (6, 0), (3, 0)])
+def test_softmax_stats_quads(channels, quads):
+    # Threads per position of the 16-byte channels-last statistics kernel: each covers 4
+    # channels, they divide a warp, and a channel tile (4 * quads) divides the channels.
+    assert stats_quads(channels) == quads
+    if quads:
+        assert 32 % quads == 0 and channels % (4 * quads) == 0
 
 
 def test_strategy_score_handicaps_input_conversions():
