@@ -11,8 +11,9 @@ of the replayed graph's nodes against the direct launches).
 ``host_time.py trace CASE PRECISION`` prints the device timeline (kernel starts, durations
 and the gaps between them, from PyTorch's CUPTI-based profiler) of warm replayed and direct
 calls.
-``host_time.py profile CASE PRECISION`` prints where a warm call's host time goes (cProfile,
-the heuristic plan of the autotuner's usual strategy, so that no tuning runs first).
+``host_time.py profile CASE PRECISION [STRATEGY]`` prints where a warm call's host time goes
+(cProfile, the heuristic plan of STRATEGY, by default the autotuner's usual one for the case,
+so that no tuning runs first).
 """
 
 import cProfile
@@ -83,9 +84,9 @@ def main():
                   f"(graphs per plan: {graphs})", flush=True)
 
 
-def profile(name, precision, calls=300):
+def profile(name, precision, label=None, calls=300):
     fn, x, w, kw = canonical_convs()[name]
-    label = {"A": "nchw", "B": "subpixel nchw", "C": "subpixel nchw"}[name]
+    label = label or {"A": "nchw", "B": "subpixel nchw", "C": "subpixel nchw"}[name]
     with _cudnn.plan_options(autotune=False, pins=(label,)):
         out = fn(x, w, precision=precision, **kw)
         for _ in range(3):
@@ -156,7 +157,7 @@ def print_timeline(prof, title):
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["profile"]:
-        profile(sys.argv[2], sys.argv[3])
+        profile(*sys.argv[2:5])
     elif sys.argv[1:2] == ["trace"]:
         trace(sys.argv[2], sys.argv[3])
     elif sys.argv[1:2] == ["once"]:
