@@ -25,6 +25,14 @@ __device__ __forceinline__ void softmax_take(float& m, float& s, float v, float 
     }
 }
 
+// Combine two pairs of softmax_take: with ONLINE as softmax_merge does; without it both share
+// m = hi, so the sums add.
+template <bool ONLINE>
+__device__ __forceinline__ void softmax_combine(float& m, float& s, float m2, float s2) {
+    if (ONLINE) softmax_merge(m, s, m2, s2);
+    else s += s2;
+}
+
 // Per (n, c, split): the pair (m, sum exp(v - m)) over positions [split * chunk, ...), with
 // v = y + bias (clamped to [lo, hi] when CLAMP). ONLINE keeps a running max; without it m = hi,
 // valid because clamped values never exceed hi, so exp(v - hi) <= 1 cannot overflow and, for
@@ -68,10 +76,8 @@ __global__ void softmax_stats(const float* __restrict__ y, const float* __restri
         red[1][threadIdx.y][threadIdx.x] = s;
         __syncthreads();
         if (threadIdx.y == 0 && c < C) {
-            for (int j = 1; j < 8; ++j) {
-                if (ONLINE) softmax_merge(m, s, red[0][j][threadIdx.x], red[1][j][threadIdx.x]);
-                else s += red[1][j][threadIdx.x];
-            }
+            for (int j = 1; j < 8; ++j)
+                softmax_combine<ONLINE>(m, s, red[0][j][threadIdx.x], red[1][j][threadIdx.x]);
             partial[(n * C + c) * splits + split] = make_float2(m, s);
         }
     } else {
@@ -79,8 +85,7 @@ __global__ void softmax_stats(const float* __restrict__ y, const float* __restri
         for (int offset = 16; offset > 0; offset >>= 1) {
             const float m2 = __shfl_xor_sync(0xffffffffu, m, offset);
             const float s2 = __shfl_xor_sync(0xffffffffu, s, offset);
-            if (ONLINE) softmax_merge(m, s, m2, s2);
-            else s += s2;
+            softmax_combine<ONLINE>(m, s, m2, s2);
         }
         if (threadIdx.x == 0 && c < C) partial[(n * C + c) * splits + split] = make_float2(m, s);
     }
@@ -131,8 +136,7 @@ __global__ void softmax_stats_nhwc4(const float* __restrict__ y, const float* __
         for (int k = 0; k < 4; ++k) {
             const float m2 = __shfl_xor_sync(0xffffffffu, m[k], offset);
             const float s2 = __shfl_xor_sync(0xffffffffu, s[k], offset);
-            if (ONLINE) softmax_merge(m[k], s[k], m2, s2);
-            else s[k] += s2;
+            softmax_combine<ONLINE>(m[k], s[k], m2, s2);
         }
     }
     if ((threadIdx.x & 31) < Q) {
@@ -143,8 +147,7 @@ __global__ void softmax_stats_nhwc4(const float* __restrict__ y, const float* __
     if (threadIdx.x < 4 * Q) {
         float2 r = red[0][threadIdx.x];
         for (int w = 1; w < (int)(blockDim.x >> 5); ++w) {
-            if (ONLINE) softmax_merge(r.x, r.y, red[w][threadIdx.x].x, red[w][threadIdx.x].y);
-            else r.y += red[w][threadIdx.x].y;
+            softmax_combine<ONLINE>(r.x, r.y, red[w][threadIdx.x].x, red[w][threadIdx.x].y);
         }
         partial[(block.n * C + block.tile * 4 * Q + threadIdx.x) * splits + block.split] = r;
     }
