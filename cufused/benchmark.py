@@ -299,7 +299,7 @@ def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_e
         plan = conv_plan_for(case, precision)
         operands = plan.example_operands()
         free_plan = conv_plan_for(case, precision, layout_free=True)
-        free_operands = free_plan.example_operands()
+        free_operands = free_plan.example_operands() if free_plan is not plan else None
         # The public convolution (NCHW in and out, conversions included) on the conv input,
         # without and with a per-channel bias (PyTorch adds a bias in a pass of its own).
         conv_fn, conv_opts = _public_conv(case)
@@ -310,10 +310,11 @@ def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_e
             "fused": lambda: case.run_cufused(inputs, precision=precision, out=out),
             "unfused": lambda: case.run_cufused(inputs, precision=precision, method="unfused"),
             "conv": lambda: plan.run(*operands),
-            "conv_free": lambda: free_plan.run(*free_operands),
             "conv_public": lambda: conv_fn(xc, wc, **conv_opts, precision=precision),
             "conv_public_bias": lambda: conv_fn(xc, wc, bc, **conv_opts, precision=precision),
         }
+        if free_plan is not plan:  # else (C) the pipeline already runs the layout-free plan
+            fns["conv_free"] = lambda: free_plan.run(*free_operands)
         if torch_fns:
             import torch
 
@@ -328,6 +329,7 @@ def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_e
             set_torch_precision("ieee")
         else:
             row = timer.compare(fns)
+        row.setdefault("conv_free", row["conv"])
         row.update(case=case.name, precision=precision, conv_layout=plan.strategy.label,
                    conv_free_layout=free_plan.strategy.label)
         rows.append(row)
