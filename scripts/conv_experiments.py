@@ -5,7 +5,9 @@
 3. a stride-1 transposed convolution as a forward convolution with flipped weights;
 4. a stride-2 transposed 3-D convolution as 8 forward sub-convolutions (sub-pixel split);
 5. pipeline B's convolution in two batch halves, the first half's fused pass on a second
-   stream beside the second half's convolution (can the pass hide behind the convolution?).
+   stream beside the second half's convolution (can the pass hide behind the convolution?);
+6. every engine and knob setting cuDNN offers (not only the heuristics' list) for the
+   canonical convolutions.
 Prints one line per measurement (device ms are medians of CUDA events, L2 not flushed).
 """
 
@@ -16,6 +18,7 @@ import sys
 import time
 
 import cupy
+import numpy
 
 import cufused
 from cufused import _cudnn
@@ -278,12 +281,118 @@ def overlap_halves():
               flush=True)
 
 
+def _engine_plans(graph, *, all_knobs: bool, cap: int = 64) -> int:
+    """Add a plan per engine (default knobs), or per engine x knob setting (up to ``cap``
+    settings per engine, 30 s at most); returns how many were accepted."""
+    added, deadline = 0, time.time() + 30
+    for engine in range(graph.get_engine_count()):
+        if time.time() > deadline:
+            break
+        settings = [{}]
+        if all_knobs:
+            try:
+                axes = [[(k.type, v) for v in range(k.min_value, k.max_value + 1,
+                                                    max(k.stride, 1))][:16]
+                        for k in graph.get_knobs_for_engine(engine)]
+            except Exception:  # noqa: BLE001 - engine not supported for this graph
+                continue
+            settings = [dict(c) for c in itertools.islice(itertools.product(*axes), cap)]
+        for knobs in settings:
+            try:
+                graph.create_execution_plan(engine, knobs)
+                added += 1
+            except Exception:  # noqa: BLE001
+                continue
+    return added
+
+
+def every_engine_and_knob():
+    """Plans of the heuristics' list against every engine (default knobs) and every engine x
+    knob setting, per canonical convolution: time of each plan (single-run screen first), and
+    the fastest plan's largest difference from the heuristics' fastest."""
+    cudnn = _cudnn.import_cudnn()
+    cases = (("B dgrad", "dgrad", (512, 64, 32, 32), (64, 128, 5, 5), (512, 128, 34, 34), 1,
+              "nchw", "ieee"),
+             ("B fprop(flipped)", "fprop", (512, 64, 32, 32), (128, 64, 5, 5),
+              (512, 128, 34, 34), 3, "nchw", "ieee"),
+             ("A fprop", "fprop", (128, 8, 128, 128), (64, 8, 3, 3), (128, 64, 126, 126), 0,
+              "nchw", "ieee"),
+             ("C dgrad", "dgrad", (32, 32, 16, 32, 32), (32, 64, 3, 3, 3), (32, 64, 32, 64, 64),
+              1, "nhwc", "tf32"))
+    handle = _cudnn._handle()
+    for name, kind, xs, ws, ys, pad, layout, precision in cases:
+        nd = len(xs) - 2
+        spec = _cudnn._PartSpec(kind, xs, _cudnn.layout_strides(xs, layout), ws,
+                                _cudnn.layout_strides(ws, layout), ys,
+                                _cudnn.layout_strides(ys, layout), (pad,) * nd, (pad,) * nd,
+                                (2 if name.startswith("C") else 1,) * nd, (1,) * nd, None)
+        rng = cupy.random.default_rng(1)
+        arrays = [_cudnn.empty_in_layout(d, layout) for d in (xs, ws, ys)]
+        for a in arrays[:2]:
+            a[...] = rng.random(a.shape, dtype=cupy.float32) - 0.5
+        reference = None
+        if precision == "ieee":  # float64 on the first sample (C's is too slow on the CPU)
+            from cufused import reference as ref
+            x0, w0 = cupy.asnumpy(arrays[0][:1]), cupy.asnumpy(arrays[1])
+            reference = (ref.conv_transpose(x0, w0, None, (1,) * nd, (pad,) * nd, (0,) * nd,
+                                            (1,) * nd, 1) if kind == "dgrad"
+                         else ref.conv(x0, w0, None, (1,) * nd, (pad,) * nd, (1,) * nd, 1))
+        outputs = {}
+        for label, all_knobs in (("heuristics", None), ("engines", False), ("knobs", True)):
+            t0 = time.time()
+            g, tensors = _cudnn._build_graph(spec, precision)
+            heuristic = g.get_execution_plan_count()
+            added = 0 if all_knobs is None else _engine_plans(g, all_knobs=all_knobs)
+            if precision == "ieee":
+                g.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE,
+                                          cudnn.numerical_note.DOWN_CONVERT_INPUTS])
+            g.check_support()
+            g.build_plans(cudnn.build_plan_policy.ALL)
+            built = time.time() - t0
+            pack = {t: a.data.ptr for t, a in zip(tensors, arrays)}
+            results = []
+            for i in range(g.get_execution_plan_count()):
+                if time.time() - t0 > 60:
+                    break
+                try:
+                    ws_buf = cupy.empty(max(g.get_workspace_size_plan_at_index(i), 1),
+                                        cupy.uint8)
+                    run = lambda: g.execute_plan_at_index(  # noqa: E731
+                        pack, ws_buf.data.ptr, i, handle=handle)
+                    once = _cudnn._time_ms(run, repeat=1, batch=1)
+                    if results and once > 1.3 * min(r[0] for r in results):
+                        continue
+                    results.append((_cudnn._time_ms(run, repeat=3, batch=2),
+                                    g.get_plan_name_at_index(i), i))
+                except Exception:  # noqa: BLE001
+                    continue
+            if not results:
+                print(f"{label:10s} {name} {layout} {precision}: nothing timed in 60 s")
+                continue
+            results.sort()
+            ms, plan, i = results[0]
+            ws_buf = cupy.empty(max(g.get_workspace_size_plan_at_index(i), 1), cupy.uint8)
+            arrays[2].fill(cupy.nan)
+            g.execute_plan_at_index(pack, ws_buf.data.ptr, i, handle=handle)
+            outputs[label] = arrays[2].copy()
+            diff = float(cupy.abs(outputs[label] - outputs["heuristics"]).max()
+                         / cupy.abs(outputs["heuristics"]).max())
+            top = "; ".join(f"{m:.3f} {p}" for m, p, _ in results[:4])
+            if reference is not None:
+                got = cupy.asnumpy(outputs[label][:1]).astype(numpy.float64)
+                top += (f"; its error vs float64 (sample 0) "
+                        f"{abs(got - reference).max() / abs(reference).max():.2e}")
+            print(f"{label:10s} {name} {layout} {precision}: {heuristic}+{added} plans, built in "
+                  f"{built:.1f} s, timed {len(results)}; max diff from heuristics' best "
+                  f"{diff:.2e}; fastest: {top}  [{time.time() - t0:.0f} s]", flush=True)
+
+
 if __name__ == "__main__":
     which = sys.argv[1:] or ["host", "bias", "flip", "subpixel", "mixed"]
     for name, fn in (("host", host_breakdown), ("bias", bias_in_graph),
                      ("flip", flipped_fprop_for_b), ("subpixel", subpixel_for_c),
                      ("mixed", mixed_layouts), ("strided", subpixel_strided),
-                     ("halves", overlap_halves)):
+                     ("halves", overlap_halves), ("knobs", every_engine_and_knob)):
         if name in which:
             t0 = time.time()
             fn()
