@@ -92,7 +92,8 @@ def launch_group_norm_rows(x, y, num_groups: int, weight, bias, eps: float, *,
     ``x`` is contiguous, or channels-last where ``reads_channels_last`` allows.
     ``pre = (a, b)`` first maps each value to ``tanh(a[c] * x + b[c])``.
     The row stays in shared memory between statistics and normalize when it fits in
-    ``ROW_CACHE_BYTES``; 16-byte accesses when the row length and pointers allow.
+    ``ROW_CACHE_BYTES``, and is then visited one warp per channel where a channel has at
+    least 32 values; 16-byte accesses when the row length and pointers allow.
     """
     n, c = x.shape[:2]
     hw = x.size // max(n * c, 1)
@@ -105,6 +106,8 @@ def launch_group_norm_rows(x, y, num_groups: int, weight, bias, eps: float, *,
         name = f"group_norm_rows_from_nhwc<{int(pre is not None)}, {vec}>"
     elif not x.flags.c_contiguous:
         raise ValueError("x must be contiguous, or channels-last as reads_channels_last allows")
+    elif cache and hw >= 32:
+        name = f"group_norm_rows_by_channel<{int(pre is not None)}, {vec}>"
     else:
         name = f"group_norm_rows<{int(pre is not None)}, {str(cache).lower()}, {vec}>"
     shared = length * 4 if cache else 0

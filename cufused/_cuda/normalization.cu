@@ -223,6 +223,78 @@ __device__ __forceinline__ void row_moments(float s1, float s2, float shift, int
     rstd = rsqrtf(fmaxf(s.y / len - m1 * m1, 0.0f) + eps);
 }
 
+// Maps every value of a row cached in shared memory as (Cg, HW), one warp per channel at a
+// time and its lanes over the channel's positions: channel(c) returns the channel's value map,
+// so its parameters are warp-uniform registers and no value needs channel arithmetic (the
+// per-vector channel of GroupNormRow made B's GroupNorm issue-bound, item 45). Lanes idle
+// past HW, so callers use it for HW >= 32.
+template <class Channel>
+__device__ __forceinline__ void map_cached_row(float* row, int cg, int HW, Channel&& channel) {
+    const int lane = threadIdx.x & 31;
+    for (int c = threadIdx.x >> 5; c < cg; c += blockDim.x >> 5) {
+        const auto f = channel(c);
+        float* v = row + c * HW;
+#pragma unroll 4
+        for (int p = lane; p < HW; p += 32) v[p] = f(v[p]);
+    }
+}
+
+// y row = gamma * (value - mean) * rstd + beta for a cached, already mapped row: normalized
+// in place channel by channel (map_cached_row), then stored with VEC-wide accesses.
+template <int VEC>
+__device__ void normalize_cached_row(float* row_cache, float* yr, const float* gamma,
+                                     const float* beta, int c0, int cg, int HW, float mean,
+                                     float rstd) {
+    map_cached_row(row_cache, cg, HW, [&](int c) {
+        const float g = (gamma ? __ldg(gamma + c0 + c) : 1.0f) * rstd;
+        const float bt = beta ? __ldg(beta + c0 + c) : 0.0f;
+        return [=](float v) { return fmaf(g, v - mean, bt); };
+    });
+    __syncthreads();
+    for (int q = threadIdx.x; q < cg * HW / VEC; q += blockDim.x)
+        store_vec<VEC>(yr, q, load_vec<VEC>(row_cache, q));
+}
+
+// group_norm_rows (PRE, cached) for rows of HW >= 32, visited channel by channel: the row is
+// copied into shared memory with VEC-wide loads, mapped (PRE) and summed with map_cached_row,
+// then normalized by normalize_cached_row. x may equal y.
+template <int PRE, int VEC>
+__global__ void group_norm_rows_by_channel(const float* x, float* y,
+                                           const float* __restrict__ pre_a,
+                                           const float* __restrict__ pre_b,
+                                           const float* __restrict__ gamma,
+                                           const float* __restrict__ beta, int C, int G, int HW,
+                                           float eps) {
+    extern __shared__ float4 cache[];
+    float* row_cache = reinterpret_cast<float*>(cache);
+    __shared__ float2 scratch[32];
+    const int cg = C / G;
+    const int len = cg * HW;
+    const index_t row = blockIdx.x;
+    const int c0 = (int)(row % G) * cg;
+    for_each_vector<VEC, 4>(x + row * len, (int)threadIdx.x, len / VEC, (int)blockDim.x,
+                            [&](int q, float4& v) { store_vec<VEC>(row_cache, q, v); });
+    __syncthreads();
+    using Row = GroupNormRow<PRE, VEC>;
+    const float shift = Row::pre_value(pre_a ? __ldg(pre_a + c0) : 1.0f,
+                                       pre_b ? __ldg(pre_b + c0) : 0.0f, row_cache[0]);
+    float s1 = 0.0f, s2 = 0.0f;
+    map_cached_row(row_cache, cg, HW, [&](int c) {
+        const float a = pre_a ? __ldg(pre_a + c0 + c) : 1.0f;
+        const float b = pre_b ? __ldg(pre_b + c0 + c) : 0.0f;
+        return [&, a, b](float v) {
+            const float t = Row::pre_value(a, b, v);
+            const float d = t - shift;
+            s1 += d;
+            s2 = fmaf(d, d, s2);
+            return t;
+        };
+    });
+    float mean, rstd;
+    row_moments(s1, s2, shift, len, eps, scratch, mean, rstd);  // its barriers order the cache
+    normalize_cached_row<VEC>(row_cache, y + row * len, gamma, beta, c0, cg, HW, mean, rstd);
+}
+
 // GroupNorm with one block per (n, g) row of a contiguous (N, C, HW) tensor (see
 // GroupNormRow). With CACHE the mapped row stays in dynamic shared memory between the
 // statistics and the normalize step; otherwise it is recomputed from x. x may equal y: every
@@ -320,5 +392,9 @@ __global__ void group_norm_rows_from_nhwc(const float* __restrict__ x, float* __
     }
     float mean, rstd;
     row_moments(s1, s2, shift, len, eps, scratch, mean, rstd);  // its barriers order the cache
-    gn.normalize(row_cache, true, y + row * len, mean, rstd);
+    if (HW >= 32)
+        normalize_cached_row<VEC>(row_cache, y + row * len, gamma, beta, gn.c0, cg, HW, mean,
+                                  rstd);
+    else
+        gn.normalize(row_cache, true, y + row * len, mean, rstd);
 }
