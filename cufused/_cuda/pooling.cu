@@ -364,15 +364,27 @@ __global__ void __launch_bounds__(256, 3) pool_extremum_stats_nchw_bands(
     const int c = tile * 8 + warp;
     if (c >= C) return;  // no block-wide barriers below
     const int plane_size = H * W;
-    ChannelStats<1> stats(y, bias, sign_a, sign_b, shift_out, c, n, sn, plane_size, C,
-                          shift_group, shift_per_sample, split == 0 && lane == 0);
     const float* plane = y + n * sn + (index_t)c * plane_size;
-    float* ext_plane = ext + (n * C + c) * (index_t)(Ho * Wo);
-    const float* buf = reinterpret_cast<const float*>(chunk_buf[warp]);
     const int band = K * W;
     const int bands_per_chunk = 32 * V * 4 / band;
     int b_begin, b_end;
     split_range(Ho, splits, split, b_begin, b_end);
+    // A chunk's loads go out one chunk ahead: the first before the channel's parameters and
+    // shift are loaded, the next before the current chunk's windows are taken, so that
+    // neither waits a memory latency of its own.
+    float4 v[V];
+    const auto load_chunk = [&](int b0) {
+        const int n_vec = min(bands_per_chunk, b_end - b0) * band / 4;
+        const float4* src = reinterpret_cast<const float4*>(plane + b0 * band);
+#pragma unroll
+        for (int i = 0; i < V; ++i)
+            if (lane + 32 * i < n_vec) v[i] = __ldcs(src + lane + 32 * i);
+    };
+    if (b_begin < b_end) load_chunk(b_begin);
+    ChannelStats<1> stats(y, bias, sign_a, sign_b, shift_out, c, n, sn, plane_size, C,
+                          shift_group, shift_per_sample, split == 0 && lane == 0);
+    float* ext_plane = ext + (n * C + c) * (index_t)(Ho * Wo);
+    const float* buf = reinterpret_cast<const float*>(chunk_buf[warp]);
     const float inv_wo = 1.0f / Wo;
     // For K = 2, a lane's windows j = lane, lane + 32, ... of a chunk: band bb, column px,
     // stepped by (32 / Wo, 32 % Wo) with a carry instead of a division per window, and read
@@ -383,11 +395,6 @@ __global__ void __launch_bounds__(256, 3) pool_extremum_stats_nchw_bands(
     for (int b0 = b_begin; b0 < b_end; b0 += bands_per_chunk) {
         const int nb = min(bands_per_chunk, b_end - b0);
         const int n_vec = nb * band / 4;
-        const float4* src = reinterpret_cast<const float4*>(plane + b0 * band);
-        float4 v[V];
-#pragma unroll
-        for (int i = 0; i < V; ++i)
-            if (lane + 32 * i < n_vec) v[i] = __ldcs(src + lane + 32 * i);
 #pragma unroll
         for (int i = 0; i < V; ++i) {
             if (lane + 32 * i < n_vec) {
@@ -399,6 +406,7 @@ __global__ void __launch_bounds__(256, 3) pool_extremum_stats_nchw_bands(
             }
         }
         __syncwarp();
+        if (b0 + bands_per_chunk < b_end) load_chunk(b0 + bands_per_chunk);
         const float sgn = stats.sgn[0];
         if (K == 2) {
             int bb = first_b, px = first_p;
