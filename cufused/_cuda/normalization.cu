@@ -255,8 +255,23 @@ __device__ void normalize_cached_row(float* row_cache, float* yr, const float* g
         store_vec<VEC>(yr, q, load_vec<VEC>(row_cache, q));
 }
 
+// Copies n_vec vectors of VEC floats from global src to shared dst with cp.async: no
+// registers hold them, so each thread has all of its copies in flight at once. Returns once
+// the thread's own copies have landed (the caller's barrier then publishes them).
+template <int VEC>
+__device__ __forceinline__ void copy_to_shared(float* dst, const float* src, int n_vec) {
+    for (int q = threadIdx.x; q < n_vec; q += blockDim.x) {
+        const unsigned d = (unsigned)__cvta_generic_to_shared(dst + q * VEC);
+        if (VEC == 4)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src + q * 4));
+        else
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src + q));
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
 // group_norm_rows (PRE, cached) for rows of HW >= 32, visited channel by channel: the row is
-// copied into shared memory with VEC-wide loads, mapped (PRE) and summed with map_cached_row,
+// copied into shared memory (copy_to_shared), mapped (PRE) and summed with map_cached_row,
 // then normalized by normalize_cached_row. x may equal y.
 template <int PRE, int VEC>
 __global__ void group_norm_rows_by_channel(const float* x, float* y,
@@ -272,8 +287,7 @@ __global__ void group_norm_rows_by_channel(const float* x, float* y,
     const int len = cg * HW;
     const index_t row = blockIdx.x;
     const int c0 = (int)(row % G) * cg;
-    for_each_vector<VEC, 4>(x + row * len, (int)threadIdx.x, len / VEC, (int)blockDim.x,
-                            [&](int q, float4& v) { store_vec<VEC>(row_cache, q, v); });
+    copy_to_shared<VEC>(row_cache, x + row * len, len / VEC);
     __syncthreads();
     using Row = GroupNormRow<PRE, VEC>;
     const float shift = Row::pre_value(pre_a ? __ldg(pre_a + c0) : 1.0f,
