@@ -254,9 +254,12 @@ def test_conv_autotune_weighs_subpixel_split(rng):
 # ---------------------------------------------------------------------------- building blocks
 
 
+# Rows cached and visited by channel (H*W >= 32; (2, 24, 6, 7): more channels per row than
+# warps), cached per vector (H*W < 32) and uncached ((2, 6, 67, 131)).
 @pytest.mark.parametrize("shape,groups", [((3, 12, 7, 5), 4), ((2, 6, 67, 131), 2),
                                           ((1, 4, 1), 1), ((5, 9, 11), 3),
-                                          ((2, 8, 6, 10), 4), ((3, 8, 2, 3), 4)])
+                                          ((2, 8, 6, 10), 4), ((3, 8, 2, 3), 4),
+                                          ((2, 24, 6, 7), 2)])
 def test_group_norm(rng, shape, groups):
     # |mean| >> std: the shifted sums must keep the variance accurate. The reference sees the
     # float32 input the GPU sees (rounding 1000 + x to float32 moves a 4-value group's
