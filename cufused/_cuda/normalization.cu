@@ -225,9 +225,9 @@ __device__ __forceinline__ void row_moments(float s1, float s2, float shift, int
 
 // Maps every value of a row cached in shared memory as (Cg, HW), one warp per channel at a
 // time and its lanes over the channel's positions: channel(c) returns the channel's value map,
-// so its parameters are warp-uniform registers and no value needs channel arithmetic (the
-// per-vector channel of GroupNormRow made B's GroupNorm issue-bound, item 45). Lanes idle
-// past HW, so callers use it for HW >= 32.
+// so its parameters are warp-uniform registers and no value needs channel arithmetic (B's
+// GroupNorm: 37.2 -> 31.0 M instructions against GroupNormRow's per-vector channel, PERF_NOTES
+// item 53). Lanes idle past HW, so callers use it for HW >= 32.
 template <class Channel>
 __device__ __forceinline__ void map_cached_row(float* row, int cg, int HW, Channel&& channel) {
     const int lane = threadIdx.x & 31;
@@ -350,7 +350,8 @@ __global__ void group_norm_rows(const float* x, float* y, const float* __restric
 // B's pooled extrema, which its channels-last fused pass writes with 16-byte stores. Each
 // thread reads 16-byte quads of the group's channels (Cg / 4 dividing 32, so a thread's quad
 // is fixed: its pre_a, pre_b are loaded once) and scatters them into the cached row in NCHW
-// order; the normalize step is group_norm_rows'. Needs C % 4 == 0 and x 16-byte aligned.
+// order; the normalize step is normalize_cached_row's (HW >= 32) or GroupNormRow's. Needs
+// C % 4 == 0 and x 16-byte aligned.
 template <int PRE, int VEC>
 __global__ void group_norm_rows_from_nhwc(const float* __restrict__ x, float* __restrict__ y,
                                           const float* __restrict__ pre_a,
