@@ -17,9 +17,10 @@ __device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a 
 __device__ __forceinline__ float nan_min(float a, float b) { return (a < b || a != a) ? a : b; }
 
 // tanh without tanhf's branch: a warp whose |x| fall on both sides of tanhf's cutoff runs
-// both of its paths, and pipeline B's GroupNorm maps every value through tanh. An odd Taylor polynomial for |x| < 0.25 (truncation below 1e-8 relative),
-// else sign(x) * (1 - t) / (1 + t), t = exp(-2|x|): within ~5 ulp (tanhf: 2). t comes from
-// the flush-to-zero ex2 instruction, which exp2f wraps in a denormal fix-up (3 more
+// both of its paths, and pipeline B's GroupNorm maps every value through tanh. An odd
+// Taylor polynomial for |x| < 0.25 (truncation below 1e-8 relative), else
+// sign(x) * (1 - t) / (1 + t), t = exp(-2|x|): within ~5 ulp (tanhf: 2). t comes from the
+// flush-to-zero ex2 instruction, which exp2f wraps in a denormal fix-up (3 more
 // instructions); a denormal t (|x| > 43) makes no difference to 1 - t or 1 + t. NaN and
 // +-inf map as tanhf maps them.
 __device__ __forceinline__ float tanh_branchless(float x) {
