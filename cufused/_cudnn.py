@@ -78,8 +78,7 @@ def set_conv_graph_replay(enabled: bool) -> None:
     workspace, prepared weight and, where the plan writes another layout than the NCHW
     result, its intermediate output (up to 8 graphs per plan; :func:`clear_plan_cache` frees
     them). A call made while the stream is being captured always runs directly, and so does a
-    public convolution's plan for which the autotuner measured direct calls faster on the
-    device (a pipeline's convolution always replays).
+    plan for which the autotuner measured direct calls faster on the device.
 
     Parameters
     ----------
@@ -684,39 +683,51 @@ class ConvPlan:
 
         With ``convert_output`` the result is contiguous NCHW (``out`` if given) plus
         ``bias``; without it ``y`` is in the plan's output layout (for "nchw", ``out`` if given)
-        and ``bias`` must be None. A converted result replays one graph for the convolution
-        and the conversion (see :meth:`run`), whose intermediate output it keeps.
+        and ``bias`` must be None. Warm calls replay one graph (see :meth:`run`) that also
+        holds the input's conversion to ``x_layout``, the output's conversion back and the
+        bias; it keeps the converted input and the intermediate output.
         """
         cupy = import_cupy()
         layout = self.layout
-        xl = to_layout(x, self.x_layout)
         in_graph = self.strategy.bias_in_graph
-        if layout != "nchw" and convert_output:
+        convert_x = self.x_layout != "nchw" and not stored_in(x, self.x_layout)
+        if convert_x or self.x_layout == "nchw":
+            x = cupy.ascontiguousarray(x)
+        convert_y = layout != "nchw" and convert_output
+        direct_out = (not convert_y and layout == "nchw" and out is not None
+                      and out.data.ptr % 16 == 0)
+        if convert_y:
             result = out if out is not None else cupy.empty(self.problem.y_shape,
                                                              dtype=cupy.float32)
-            xl, w, run_bias = self._operands(xl, w, bias if in_graph else None)
+        else:
+            result = out if direct_out else self.empty_output()
+        add_bias = bias is not None and not in_graph and convert_output and layout == "nchw"
+        x, w, run_bias = self._operands(x, w, bias if in_graph else None)
 
-            def work(buffers):
-                w_buffer, workspace, y = buffers
-                self._execute(xl, w, y, run_bias, w_buffer, workspace)
-                if layout == "nhwc":  # the bias rides along with the transpose back
-                    transpose_channels(y, result, to_channels_last=False, bias=bias)
-                else:
-                    interleave_classes(y, result, bias)
+        def buffers():
+            return (*self._buffers(w),
+                    empty_in_layout(x.shape, self.x_layout) if convert_x else None,
+                    self.empty_output() if convert_y else None)
 
-            self._launch("apply", (xl, w, bias, result),
-                         lambda: (*self._buffers(w), self.empty_output()), work)
-            return result, "nchw"
-        direct_out = layout == "nchw" and out is not None and out.data.ptr % 16 == 0
-        y = out if direct_out else self.empty_output()
-        self.run(xl, w, y, bias if in_graph else None)
-        if layout == "nchw":
-            if convert_output and bias is not None and not in_graph:
+        def work(buffers):
+            w_buffer, workspace, x_buffer, y_buffer = buffers
+            if x_buffer is not None:
+                transpose_channels(x, x_buffer, to_channels_last=True)
+            y = result if y_buffer is None else y_buffer
+            self._execute(x if x_buffer is None else x_buffer, w, y, run_bias, w_buffer,
+                          workspace)
+            if layout == "nhwc" and convert_y:  # the bias rides along with the transpose back
+                transpose_channels(y, result, to_channels_last=False, bias=bias)
+            elif convert_y:
+                interleave_classes(y, result, bias)
+            elif add_bias:
                 add_channel_bias(y, bias)
-            if out is not None and not direct_out:
-                out[...] = y
-                y = out
-        return y, layout
+
+        self._launch("apply", (x, w, bias, result), buffers, work)
+        if out is not None and result is not out and (convert_y or layout == "nchw"):
+            out[...] = result  # a misaligned out
+            result = out
+        return result, "nchw" if convert_y else layout
 
 
 def _time_ms(fn, repeat: int = 5, batch: int = 3) -> float:
@@ -862,11 +873,11 @@ def _choose(problem, convert_input, convert_output, accept_classes, tune, pins) 
     if best is None:
         raise ValueError(f"cuDNN supports no plan for this convolution: {problem}")
     best.candidates = candidates
-    # A plan whose output feeds a fused pass always replays: its pipeline's argument checks
-    # come before the convolution and use up the head start that hides a direct call's host
-    # work (~30 us replayed, ~150 direct for B ieee's FFT plan). A standalone convolution
-    # keeps direct calls where they measure faster.
-    if tune and _config["replay"] and convert_output:
+    # Also for a plan whose output feeds a fused pass: with the argument checks at ~40 us the
+    # pipeline's head start still hides a direct call's host work (B ieee's FFT plan, ~140 us
+    # direct), and the pipeline measured faster with it issued directly (H200: 2.521 vs
+    # 2.541 ms; scripts/pipeline_conv_replay.py).
+    if tune and _config["replay"]:
         _decide_replay(best, best_call)
     return best
 

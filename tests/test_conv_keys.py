@@ -79,8 +79,9 @@ def test_decide_replay_keeps_graphs_unless_direct_is_faster(monkeypatch, replaye
 
 
 @pytest.mark.parametrize("convert_output", [True, False])
-def test_only_standalone_convolutions_measure_replay(monkeypatch, convert_output):
-    # A pipeline's plan (its output feeds a fused pass) always replays; a public one is timed.
+def test_autotuner_measures_replay_of_every_plan(monkeypatch, convert_output):
+    # Public plans and pipeline plans (output for a fused pass) alike: replayed or direct is
+    # measured; with autotuning off it is not.
     from cufused import _cudnn
 
     problem = _cudnn.ConvProblem("fprop", (1, 2, 5, 5), (3, 2, 3, 3), (1, 3, 3, 3), (1, 1),
@@ -96,4 +97,6 @@ def test_only_standalone_convolutions_measure_replay(monkeypatch, convert_output
     monkeypatch.setattr(_cudnn, "_decide_replay", lambda p, call: decided.append(p))
     best = _cudnn._choose(problem, True, convert_output, False, True, None)
     assert best is plan and best.candidates == {"nchw": (1.0, 1.0)}
-    assert decided == ([plan] if convert_output else [])
+    assert decided == [plan]
+    assert _cudnn._choose(problem, True, convert_output, False, False, None) is plan
+    assert decided == [plan]

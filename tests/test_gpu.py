@@ -134,6 +134,16 @@ def test_conv_plan_replays_graph(rng, case, conv_pin):
     fn(xg, wg, out=out, **opts)
     assert len(plan._replays) >= 2
     assert_close(out.get(), fn(x_new, w_new, **opts), TOL["ieee"])
+    # With a bias (another plan): new bias values reach the replayed graph too.
+    cout = ws[1] * opts.get("groups", 1) if transposed else ws[0]
+    bg = cp.asarray(rng.standard_normal(cout), dtype=cp.float32)
+    for _ in range(3):
+        fn(xg, wg, bg, out=out, **opts)
+    b_new = rng.standard_normal(cout)
+    bg[...] = cp.asarray(b_new, dtype=cp.float32)
+    out.fill(cp.nan)
+    fn(xg, wg, bg, out=out, **opts)
+    assert_close(out.get(), fn(x_new, w_new, b_new, **opts), TOL["ieee"])
 
 
 def test_graph_buffers_leave_the_default_pool_alone(rng):

@@ -1,0 +1,64 @@
+"""Public cufused convolutions against PyTorch's cuDNN call on the same operands, paired
+(device): where both run the same cuDNN engine, is the difference more than noise?
+
+Each round times both calls once (CUDA events, L2 flushed, the order alternating between
+rounds); per case and precision it prints the medians, the median of the per-round ratios
+torch / cufused and a 95 % bootstrap interval of that median (resampled rounds).
+Usage: python scripts/conv_vs_torch.py [ROUNDS] (default 200)
+"""
+
+import sys
+
+import cupy
+import numpy
+import torch
+
+from cufused.benchmark import L2_FLUSH_BYTES, _public_conv, make_cases, set_torch_precision
+
+
+def paired_ms(fns, rounds):
+    """Per-round ms of each of the two ``fns`` (name -> call), warmed up first."""
+    flush = cupy.empty(L2_FLUSH_BYTES // 4, dtype=cupy.float32)
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    times = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            flush.fill(1.0)
+            start.record()
+            fns[name]()
+            stop.record()
+            stop.synchronize()
+            times[name].append(cupy.cuda.get_elapsed_time(start, stop))
+    return {name: numpy.array(t) for name, t in times.items()}
+
+
+def main(rounds):
+    rng = numpy.random.default_rng(0)
+    boot = numpy.random.default_rng(1)
+    print(torch.cuda.get_device_name(), f"{rounds} rounds")
+    for case in make_cases():
+        fn, opts = _public_conv(case)
+        x = cupy.asarray(rng.random(case.conv["x_shape"], dtype=numpy.float32))
+        w = cupy.asarray(rng.uniform(-0.1, 0.1, case.conv["w_shape"]).astype(numpy.float32))
+        xt, wt = torch.as_tensor(x, device="cuda"), torch.as_tensor(w, device="cuda")
+        torch_fn = getattr(torch.nn.functional, fn.__name__)
+        for precision in ("ieee", "tf32"):
+            set_torch_precision(precision)
+            with torch.no_grad():
+                t = paired_ms({"cufused": lambda: fn(x, w, precision=precision, **opts),
+                               "torch": lambda: torch_fn(xt, wt, **opts)}, rounds)
+            ratio = t["torch"] / t["cufused"]
+            medians = [numpy.median(boot.choice(ratio, ratio.size)) for _ in range(2000)]
+            lo, hi = numpy.percentile(medians, [2.5, 97.5])
+            print(f"{case.name} {precision}: cufused {numpy.median(t['cufused']):.3f} ms, "
+                  f"torch {numpy.median(t['torch']):.3f} ms; torch/cufused per round: median "
+                  f"{numpy.median(ratio):.4f}, 95 % interval [{lo:.4f}, {hi:.4f}]", flush=True)
+    set_torch_precision("ieee")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 200)
