@@ -13,6 +13,7 @@ import cupy
 import numpy
 import torch
 
+from cufused import _cudnn
 from cufused.benchmark import L2_FLUSH_BYTES, _public_conv, make_cases, set_torch_precision
 
 
@@ -54,7 +55,11 @@ def main(rounds):
             ratio = t["torch"] / t["cufused"]
             medians = [numpy.median(boot.choice(ratio, ratio.size)) for _ in range(2000)]
             lo, hi = numpy.percentile(medians, [2.5, 97.5])
-            print(f"{case.name} {precision}: cufused {numpy.median(t['cufused']):.3f} ms, "
+            plans = [p for k, p in _cudnn._plans.items()
+                     if k[1].x_shape == x.shape and k[1].precision == precision]
+            how = ", ".join(f"{p.strategy.label} {'direct' if p._replays is None else 'replayed'}"
+                            for p in plans)
+            print(f"{case.name} {precision} ({how}): cufused {numpy.median(t['cufused']):.3f} ms, "
                   f"torch {numpy.median(t['torch']):.3f} ms; torch/cufused per round: median "
                   f"{numpy.median(ratio):.4f}, 95 % interval [{lo:.4f}, {hi:.4f}]", flush=True)
     set_torch_precision("ieee")

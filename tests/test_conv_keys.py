@@ -64,12 +64,14 @@ def test_decide_replay_keeps_graphs_unless_direct_is_faster(monkeypatch, replaye
                                  _calls={"other operands": 1})
     seen = []
 
-    def fake_time_ms(call, repeat):
+    def fake_time_ms(call, repeat, batch, flush):
+        assert (repeat, batch, flush) == (1, 1, "flush")  # single calls after an L2 flush
         seen.append(_cudnn._config["replay"])
         call()
         return replayed_ms if _cudnn._config["replay"] else direct_ms
 
     monkeypatch.setattr(_cudnn, "_time_ms", fake_time_ms)
+    monkeypatch.setattr(_cudnn, "_l2_flush_buffer", lambda: "flush")
     calls = []
     _cudnn._decide_replay(plan, lambda: calls.append(1), rounds=3)
     assert seen == [True, False] * 3 and len(calls) == 6
