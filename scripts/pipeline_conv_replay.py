@@ -26,13 +26,15 @@ def main(names):
     for case, precision, call in pipeline_calls(names):
         call()
         plan = conv_plan_for(case, precision)
+        chosen = "direct" if plan._replays is None else "replayed"
         graphs = {} if plan._replays is None else plan._replays
         times = Timer(repeat=40).compare({
             "replayed": with_replays(plan, graphs, call),
             "direct": with_replays(plan, None, call)})
         plan._replays = graphs
-        print(f"{case.name} {precision} ({plan.strategy.label}): pipeline ms replayed "
-              f"{times['replayed']:.3f}, direct {times['direct']:.3f}", flush=True)
+        print(f"{case.name} {precision} ({plan.strategy.label}, autotuner: {chosen}): "
+              f"pipeline ms replayed {times['replayed']:.3f}, direct {times['direct']:.3f}",
+              flush=True)
 
 
 if __name__ == "__main__":
