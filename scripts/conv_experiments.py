@@ -7,7 +7,9 @@
 5. pipeline B's convolution in two batch halves, the first half's fused pass on a second
    stream beside the second half's convolution (can the pass hide behind the convolution?);
 6. every engine and knob setting cuDNN offers (not only the heuristics' list) for the
-   canonical convolutions.
+   canonical convolutions;
+7. B's float32-exact convolution posed other ways (crop of the full convolution, batch or
+   channel chunks, a forward convolution of a zero-padded input).
 Prints one line per measurement (device ms are medians of CUDA events, L2 not flushed).
 """
 
@@ -118,7 +120,7 @@ def build(kind, xs, ws, ys, pre, post, stride, layout, precision, bias=False, y_
 
 def best_plan_ms(kind, xs, ws, ys, pre, post, stride, layout, precision, bias=False,
                  y_strides=None):
-    """(best ms, plans timed) over every plan that builds, or (nan, 0)."""
+    """(best ms, "N plans, fastest NAME") over every plan that builds, or (nan, reason)."""
     try:
         g, tensors = build(kind, xs, ws, ys, pre, post, stride, layout, precision, bias,
                            y_strides)
@@ -136,7 +138,7 @@ def best_plan_ms(kind, xs, ws, ys, pre, post, stride, layout, precision, bias=Fa
         a[...] = rng.random(a.shape, dtype=cupy.float32)
         arrays.append(a)
     handle = _cudnn._handle()
-    best, count = float("nan"), 0
+    best, count, name = float("nan"), 0, ""
     for i in range(g.get_execution_plan_count()):
         try:
             size = g.get_workspace_size_plan_at_index(i)
@@ -149,8 +151,8 @@ def best_plan_ms(kind, xs, ws, ys, pre, post, stride, layout, precision, bias=Fa
             continue
         count += 1
         if not best <= ms:
-            best = ms
-    return best, count
+            best, name = ms, g.get_plan_name_at_index(i)
+    return best, f"{count} plans, fastest {name}"
 
 
 def bias_in_graph():
@@ -231,6 +233,30 @@ def mixed_layouts():
         ms = best_plan_ms("dgrad", (32, 32, 16, 32, 32), (32, 64, 3, 3, 3), (32, 64, 32, 64, 64),
                           [1] * 3, [1] * 3, [2] * 3, layout, "tf32")
         print(f"mixed C dgrad x/w/y={'/'.join(layout)} tf32: {ms}", flush=True)
+
+
+def b_formulations():
+    """B's float32-exact convolution posed other ways that give the same output (or a
+    superset to crop): the full 36 x 36 convolution, batch chunks, output-channel halves, the
+    flipped forward convolution of a zero-padded input. Totals are chunk time x chunk count."""
+    xs, ws = (512, 64, 32, 32), (64, 128, 5, 5)
+    runs = [("dgrad pad 1 -> 34x34 (now)", 1, "dgrad", xs, ws, (512, 128, 34, 34), 1),
+            ("dgrad pad 0 -> 36x36 (crop)", 1, "dgrad", xs, ws, (512, 128, 36, 36), 0),
+            ("dgrad pad 2 -> 32x32 (interior only)", 1, "dgrad", xs, ws, (512, 128, 32, 32), 2),
+            ("fprop valid on 40x40 zero-padded x", 1, "fprop", (512, 64, 40, 40),
+             (128, 64, 5, 5), (512, 128, 36, 36), 0),
+            ("fprop valid on 38x38 zero-padded x", 1, "fprop", (512, 64, 38, 38),
+             (128, 64, 5, 5), (512, 128, 34, 34), 0),
+            ("dgrad out-channel halves", 2, "dgrad", xs, (64, 64, 5, 5), (512, 64, 34, 34), 1)]
+    for n in (256, 128, 64, 32):
+        runs.append((f"dgrad batch chunks of {n}", 512 // n, "dgrad", (n, 64, 32, 32), ws,
+                     (n, 128, 34, 34), 1))
+    for label, count, kind, x_shape, w_shape, y_shape, pad in runs:
+        for layout in ("nchw", "nhwc"):
+            ms, info = best_plan_ms(kind, x_shape, w_shape, y_shape, [pad, pad], [pad, pad],
+                                    [1, 1], layout, "ieee")
+            print(f"B ieee {layout} {label}: {count} x {ms:.3f} = {count * ms:.3f} ms ({info})",
+                  flush=True)
 
 
 def overlap_halves():
@@ -392,7 +418,8 @@ if __name__ == "__main__":
     for name, fn in (("host", host_breakdown), ("bias", bias_in_graph),
                      ("flip", flipped_fprop_for_b), ("subpixel", subpixel_for_c),
                      ("mixed", mixed_layouts), ("strided", subpixel_strided),
-                     ("halves", overlap_halves), ("knobs", every_engine_and_knob)):
+                     ("halves", overlap_halves), ("bforms", b_formulations),
+                     ("knobs", every_engine_and_knob)):
         if name in which:
             t0 = time.time()
             fn()
