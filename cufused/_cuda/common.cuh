@@ -105,7 +105,8 @@ __device__ __forceinline__ void row_moments(float s1, float s2, float shift, int
 __device__ __forceinline__ void shifted_moments(double2 s, double count, float shift,
                                                 double& mean, double& var) {
     const double m1 = s.x / count;
-    var = fmax(s.y / count - m1 * m1, 0.0);
+    var = s.y / count - m1 * m1;
+    var = var < 0.0 ? 0.0 : var;  // rounding can push it below 0; NaN stays NaN (fmax drops it)
     mean = (double)shift + m1;
 }
 
