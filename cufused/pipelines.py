@@ -509,13 +509,12 @@ def _pool_batch_group_norm_resident(cupy, y, out, geometry, num_groups, bn_weigh
     n, c, h, w = y.shape
     per_group = grid // num_groups
     partial = cupy.empty((c, per_group, 2), dtype=cupy.float32)
-    coef = cupy.empty(2 * c, dtype=cupy.float32)
-    gate = cupy.zeros(2, dtype=cupy.int32)
+    gate = cupy.zeros(1, dtype=cupy.int32)
     i32 = numpy.int32
     get_kernel("resident.cu", name, shared_bytes=shared)(
         (grid,), (threads,),
         (y, out, optional(bn_weight), optional(bn_bias), optional(gn_weight), optional(gn_bias),
-         partial, coef, gate, optional(running_mean), optional(running_var),
+         partial, gate, optional(running_mean), optional(running_var),
          optional(conv_bias), i32(n), i32(c), i32(num_groups), i32(h), i32(w), i32(slots),
          numpy.float32(eps), numpy.float32(momentum)),
         shared_mem=shared)

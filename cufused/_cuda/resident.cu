@@ -3,32 +3,17 @@
 // resident at once and the blocks may wait for each other.
 #include "common.cuh"
 
-// A grid-wide barrier at which the last block to arrive runs last() before any block goes
-// on: gate[0] counts arrivals, gate[1] is the release flag, both zero at launch (one use per
-// launch). Fences order every block's writes before last() and last()'s writes before the
-// release.
-template <class Last>
-__device__ __forceinline__ void grid_barrier_last(int* gate, Last&& last) {
-    __shared__ int is_last;
+// A grid-wide barrier (one use per launch, *count zero at launch): each block's writes before
+// it are visible to every block after it.
+__device__ __forceinline__ void grid_barrier(int* count) {
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
-        is_last = atomicAdd(gate, 1) == (int)gridDim.x - 1;
+        atomicAdd(count, 1);
+        while (*(volatile int*)count < (int)gridDim.x) __nanosleep(128);
+        __threadfence();
     }
     __syncthreads();
-    if (is_last) {
-        __threadfence();
-        last();
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) atomicExch(gate + 1, 1);
-    } else {
-        if (threadIdx.x == 0) {
-            while (*(volatile int*)(gate + 1) == 0) __nanosleep(64);
-            __threadfence();
-        }
-        __syncthreads();
-    }
 }
 
 // Pipeline B after its convolution, in one kernel: 2 x 2 max pool of y (N, C, H, W; NCHW,
@@ -42,26 +27,28 @@ __device__ __forceinline__ void grid_barrier_last(int* gate, Last&& last) {
 // block's index among them; last samples first: the convolution wrote them last, so some are
 // still in the L2). A (sample, group) unit's Cg * P extrema (P = H * W / 4) stay in shared
 // memory for the block's first `slots` units; the rest go to out, where they are normalized
-// in place. Then, at the grid barrier, the last block turns the per-block shifted sums into
-// BatchNorm's per-channel (a, b) (coef[c], coef[C + c]) and updates the running buffers, and
-// every block maps its units (tanh(a * e + b)) and normalizes each (GroupNorm, shifted sums)
-// from registers: the spilled units first, last-written first (the most likely still in the
-// L2), then the kept ones. A lane holds its windows p = lane + 32 * i, i < I (P <= 32 * I)
-// of its warp's channel from the first read to the last write, so it reads only what it
-// wrote itself until the units' shift (value 0 of channel g * Cg), which the barrier orders.
-// partial holds C * J float2 (a block's sums per channel), gate 2 zeroed ints.
+// in place. After the grid barrier every warp forms its channel's BatchNorm (a, b) from the
+// blocks' shifted sums (partial: C * J float2; every block sums them in the same order, so
+// all agree), block j = 0 of each group updates the running buffers, and each block maps its
+// units (tanh(a * e + b)) and normalizes them (GroupNorm, shifted sums) from registers: the
+// spilled units first, last-written first (the most likely still in the L2), then the kept
+// ones, each unit's loads issued while the previous unit is reduced. A lane holds its windows
+// p = lane + 32 * i, i < I (P <= 32 * I) of its warp's channel from the first read to the last
+// write, so it reads only what it wrote itself, but for the unit's shift (value 0 of channel
+// g * Cg), which barriers order. gate: one zeroed int.
 template <int I>
 __global__ void __launch_bounds__(1024) pool2_batch_norm_tanh_group_norm(
         const float* __restrict__ y, float* __restrict__ out,
         const float* __restrict__ bn_gamma, const float* __restrict__ bn_beta,
         const float* __restrict__ gn_gamma, const float* __restrict__ gn_beta,
-        float2* __restrict__ partial, float* __restrict__ coef, int* __restrict__ gate,
-        float* running_mean, float* running_var, const float* __restrict__ mean_offset,
-        int N, int C, int G, int H, int W, int slots, float eps, float momentum) {
-    constexpr int U = 5;  // windows per lane with their loads in flight at once
+        float2* __restrict__ partial, int* __restrict__ gate, float* running_mean,
+        float* running_var, const float* __restrict__ mean_offset, int N, int C, int G, int H,
+        int W, int slots, float eps, float momentum) {
+    constexpr int U = 7;  // windows per lane with loads in flight at once (10 spills)
     extern __shared__ float4 kept_raw[];
     float* kept = reinterpret_cast<float*>(kept_raw);
     __shared__ float2 scratch[32];
+    __shared__ float2 first_channel;  // (a, b) of channel g * Cg, for the units' shift
     const int cg = C / G, Wo = W / 2, P = (H / 2) * Wo, HW = H * W;
     const int J = gridDim.x / G;
     const int g = blockIdx.x / J, j = blockIdx.x - g * J;
@@ -118,59 +105,69 @@ __global__ void __launch_bounds__(1024) pool2_batch_norm_tanh_group_norm(
     s1 = warp_sum(s1);
     s2 = warp_sum(s2);
     if (lane == 0) partial[(index_t)c * J + j] = make_float2(s1, s2);
+    grid_barrier(gate);
 
-    grid_barrier_last(gate, [&] {
-        const double count = (double)N * HW;
-        for (int ch = w; ch < C; ch += blockDim.x >> 5) {
-            double2 s = make_double2(0.0, 0.0);
-            for (int b = lane; b < J; b += 32) {
-                const float2 v = __ldcg(partial + (index_t)ch * J + b);
-                s.x += v.x;
-                s.y += v.y;
-            }
-            s = warp_sum(s);
-            if (lane == 0) {
-                double mean, var;
-                shifted_moments(s, count, y[(index_t)ch * HW], mean, var);
-                const float rstd = (float)(1.0 / sqrt(var + (double)eps));
-                const float a = (bn_gamma ? bn_gamma[ch] : 1.0f) * rstd;
-                coef[ch] = a;
-                coef[C + ch] = (bn_beta ? bn_beta[ch] : 0.0f) - (float)mean * a;
-                update_running_stats(running_mean, running_var, ch, mean, var, count,
-                                     mean_offset, momentum);
-            }
+    float a, b;
+    {
+        double2 s = make_double2(0.0, 0.0);
+        for (int blk = lane; blk < J; blk += 32) {
+            const float2 v = __ldcg(partial + (index_t)c * J + blk);
+            s.x += v.x;
+            s.y += v.y;
         }
-    });
-
-    const float a = __ldcg(coef + c), b = __ldcg(coef + C + c);
-    const float a0 = __ldcg(coef + g * cg), b0 = __ldcg(coef + C + g * cg);
+        s = warp_sum(s);
+        const double count = (double)N * HW;
+        double mean, var;
+        shifted_moments(s, count, shift, mean, var);
+        const float rstd = (float)(1.0 / sqrt(var + (double)eps));
+        a = (bn_gamma ? bn_gamma[c] : 1.0f) * rstd;
+        b = (bn_beta ? bn_beta[c] : 0.0f) - (float)mean * a;
+        if (lane == 0 && j == 0)
+            update_running_stats(running_mean, running_var, c, mean, var, count, mean_offset,
+                                 momentum);
+        if (threadIdx.x == 0) first_channel = make_float2(a, b);
+        __syncthreads();
+    }
+    const float a0 = first_channel.x, b0 = first_channel.y;
     const float gamma = gn_gamma ? gn_gamma[c] : 1.0f, beta = gn_beta ? gn_beta[c] : 0.0f;
     const int n_kept = min(slots, units), n_spilled = units - n_kept;
+    // Unit q of the visiting order: spilled units last-written first, then the kept ones.
+    const auto unit_of = [&](int q) { return q < n_spilled ? units - 1 - q : q - n_spilled; };
+    const auto unit_out = [&](int k) {
+        return out + ((N - 1 - j - (index_t)k * J) * C + g * cg) * (index_t)P;
+    };
+    const auto unit_ext = [&](int k) -> const float* {
+        return k < slots ? kept + k * cg * P : unit_out(k);
+    };
+    float e[I], e0;
+    const auto load_unit = [&](int k) {
+        const float* src = unit_ext(k);
+        e0 = src[0];
+#pragma unroll
+        for (int i = 0; i < I; ++i)
+            if (lane + 32 * i < P) e[i] = src[w * P + lane + 32 * i];
+    };
+    load_unit(unit_of(0));
     for (int q = 0; q < units; ++q) {
-        const int k = q < n_spilled ? units - 1 - q : q - n_spilled;
-        const index_t n = N - 1 - j - (index_t)k * J;
-        float* unit_out = out + (n * C + g * cg) * (index_t)P;
-        const float* unit_ext = k < slots ? kept + k * cg * P : unit_out;
-        const float unit_shift = tanh_branchless(fmaf(a0, unit_ext[0], b0));
+        float* dst = unit_out(unit_of(q)) + w * P;
+        const float unit_shift = tanh_branchless(fmaf(a0, e0, b0));
         float t[I];
         float u1 = 0.0f, u2 = 0.0f;
 #pragma unroll
         for (int i = 0; i < I; ++i) {
-            const int p = lane + 32 * i;
-            if (p < P) {
-                t[i] = tanh_branchless(fmaf(a, unit_ext[w * P + p], b));
+            if (lane + 32 * i < P) {
+                t[i] = tanh_branchless(fmaf(a, e[i], b));
                 const float d = t[i] - unit_shift;
                 u1 += d;
                 u2 = fmaf(d, d, u2);
             }
         }
+        if (q + 1 < units) load_unit(unit_of(q + 1));
         float mean, rstd;
-        row_moments(u1, u2, unit_shift, cg * P, eps, scratch, mean, rstd);  // all read [0]
+        row_moments(u1, u2, unit_shift, cg * P, eps, scratch, mean, rstd);
         const float scale = gamma * rstd;
 #pragma unroll
-        for (int i = 0; i < I; ++i) {
-            const int p = lane + 32 * i;
-            if (p < P) unit_out[w * P + p] = fmaf(scale, t[i] - mean, beta);
-        }
+        for (int i = 0; i < I; ++i)
+            if (lane + 32 * i < P) dst[lane + 32 * i] = fmaf(scale, t[i] - mean, beta);
     }
 }
