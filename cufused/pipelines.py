@@ -23,7 +23,6 @@ reading the large convolution output as few times as possible:
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import numpy
@@ -31,7 +30,7 @@ import numpy
 from . import reference
 from ._arrays import (Size, check_float_dtype, check_ndim, check_out, check_scalar, check_sizes,
                       finish_numpy, get_array_module, ntuple, per_channel)
-from ._cuda import device_properties, get_kernel, optional, resident_blocks_per_sm, sm_count
+from ._cuda import get_kernel, optional
 from ._precision import resolve_precision
 from ._cudnn import empty_in_layout, stored_in, transpose_channels
 from .convolution import (cached_conv_args, conv2d, conv_on_gpu, conv_transpose2d,
@@ -421,12 +420,6 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
                        activation="tanh", out=y)
         return group_norm(max_pool2d(y, k), num_groups, gn_weight, gn_bias, eps=eps, out=out)
     y, _ = conv_on_gpu(x, weight, args, precision, convert_output=False)
-    geometry = _resident_geometry(y, k, num_groups)
-    if geometry is not None:
-        _pool_batch_group_norm_resident(xp, y, out, geometry, num_groups, bn_weight, bn_bias,
-                                        gn_weight, gn_bias, running_mean, running_var,
-                                        conv_bias, eps, momentum)
-        return out
     # From a channels-last conv output the pass stores the pooled extrema channels-last with
     # 16-byte stores, and the GroupNorm transposes them (in shared memory) into out (for
     # B's 2 x 2 pool: the path measured and tested on the GPU).
@@ -443,81 +436,6 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
                            mean_offset=conv_bias)
     launch_group_norm_rows(ext, out, num_groups, gn_weight, gn_bias, eps, pre=coef)
     return out
-
-
-# Pool windows per lane (I) of the instantiations of pool2_batch_norm_tanh_group_norm: a lane
-# keeps I pooled values of its channel in registers, so P <= 32 * I.
-_RESIDENT_WINDOWS = (1, 4, 10)  # 16 spills (64 registers at most)
-# Warps per multiprocessor that the resident kernel's blocks aim for (memory latency).
-_RESIDENT_WARPS_PER_SM = 32
-# Off only in tests, to check the three-kernel path on inputs the resident kernel takes.
-_resident_enabled = True
-
-
-def _resident_geometry(y, pool: int, num_groups: int):
-    """(kernel, threads, grid, kept units per block, dynamic shared bytes) of pipeline B's
-    one-kernel post-convolution pass for conv output ``y``, or None where it does not apply.
-
-    It needs a 2 x 2 pool of even H and W, a contiguous NCHW ``y``, at most 32 channels per
-    group, P = H * W / 4 <= 320 pooled values per channel, and one block per group resident at
-    once at least.
-    """
-    import cupy
-
-    n, c, h, w = y.shape
-    cg, p = c // num_groups, h * w // 4
-    if not (_resident_enabled and pool == 2 and h % 2 == 0 and w % 2 == 0 and cg <= 32
-            and y.flags.c_contiguous and y.data.ptr % 8 == 0
-            and 0 < p <= 32 * _RESIDENT_WINDOWS[-1]):
-        return None
-    return _resident_launch_shape(cupy.cuda.runtime.getDevice(), n, c, num_groups, p)
-
-
-@functools.lru_cache(maxsize=64)
-def _resident_launch_shape(device: int, n: int, c: int, num_groups: int, p: int):
-    # Blocks per multiprocessor: _RESIDENT_WARPS_PER_SM warps in all; each block's share of
-    # the shared memory holds whole (sample, group) units of extrema ("slots"; units beyond
-    # them go through the output buffer).
-    cg = c // num_groups
-    threads = 32 * cg
-    windows = next(i for i in _RESIDENT_WINDOWS if p <= 32 * i)
-    name = f"pool2_batch_norm_tanh_group_norm<{windows}>"
-    props = device_properties()
-    blocks = max(1, _RESIDENT_WARPS_PER_SM // cg)
-    static = get_kernel("resident.cu", name).shared_size_bytes
-    per_block = min(props["sharedMemPerBlockOptin"],
-                    props["sharedMemPerMultiprocessor"] // blocks
-                    - props.get("reservedSharedMemPerBlock", 1024)) - static
-    unit_bytes = cg * p * 4
-    slots = max(per_block // unit_bytes, 0)
-    shared = slots * unit_bytes
-    kernel = get_kernel("resident.cu", name, shared_bytes=shared)
-    per_group = min(n, resident_blocks_per_sm(kernel, threads, shared) * sm_count()
-                    // num_groups)
-    if per_group < 1:
-        return None
-    return name, threads, per_group * num_groups, slots, shared
-
-
-def _pool_batch_group_norm_resident(cupy, y, out, geometry, num_groups, bn_weight, bn_bias,
-                                    gn_weight, gn_bias, running_mean, running_var, conv_bias,
-                                    eps, momentum) -> None:
-    """Pipeline B after its convolution in one cooperative kernel (see resident.cu): the
-    pooled extrema of as many (sample, group) units as fit stay in shared memory across the
-    wait for BatchNorm's batch statistics."""
-    name, threads, grid, slots, shared = geometry
-    n, c, h, w = y.shape
-    per_group = grid // num_groups
-    partial = cupy.empty((c, per_group, 2), dtype=cupy.float32)
-    gate = cupy.zeros(1, dtype=cupy.int32)
-    i32 = numpy.int32
-    get_kernel("resident.cu", name, shared_bytes=shared)(
-        (grid,), (threads,),
-        (y, out, optional(bn_weight), optional(bn_bias), optional(gn_weight), optional(gn_bias),
-         partial, gate, optional(running_mean), optional(running_var),
-         optional(conv_bias), i32(n), i32(c), i32(num_groups), i32(h), i32(w), i32(slots),
-         numpy.float32(eps), numpy.float32(momentum)),
-        shared_mem=shared)
 
 
 # --------------------------------------------------------------------------------------------

@@ -578,80 +578,6 @@ def test_pipeline_b_odd_group_rows(rng, layout):
     assert_close(out.get(), ref, 1e-4)
 
 
-def _count_resident_calls(monkeypatch):
-    from cufused import pipelines
-
-    calls = []
-    resident = pipelines._pool_batch_group_norm_resident
-    monkeypatch.setattr(pipelines, "_pool_batch_group_norm_resident",
-                        lambda *args: calls.append(args[3]) or resident(*args))
-    return calls
-
-
-@pytest.mark.parametrize("n,cin,h,w,cout,groups,nan", [
-    (5, 3, 6, 6, 6, 3, False),  # conv 8 x 8: P = 16, one register window per lane
-    (3, 4, 10, 16, 4, 4, False),  # 12 x 18: P = 54, 1 channel per group
-    (4, 3, 32, 32, 32, 2, False),  # B's 34 x 34: P = 289, 16 channels per group
-    (3, 2, 18, 28, 64, 2, True),  # 20 x 30: 32 channels per group; a NaN input value
-])
-@pytest.mark.parametrize("precision", ["ieee", "tf32"])
-def test_pipeline_b_resident(rng, monkeypatch, n, cin, h, w, cout, groups, nan, precision):
-    # The one-kernel path (pool, batch statistics, grid barrier, BatchNorm + tanh + GroupNorm
-    # from registers) against the float64 reference, with running buffers, a conv bias and
-    # mixed BatchNorm signs. A NaN input value reaches every channel's batch statistics, so
-    # every output and running buffer.
-    calls = _count_resident_calls(monkeypatch)
-    x = rng.random((n, cin, h, w))
-    if nan:
-        x[1, 0, 3, 4] = np.nan
-    arrays = (x, rng.standard_normal((cin, cout, 3, 3)) * 0.3, mixed(rng, cout),
-              rng.standard_normal(cout), mixed(rng, cout), rng.standard_normal(cout))
-    cb, rm, rv = rng.standard_normal(cout), rng.standard_normal(cout), rng.uniform(0.5, 2, cout)
-    rm_g, rv_g = to_gpu(rm, rv)
-    ref = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
-        *arrays, num_groups=groups, conv_bias=cb, running_mean=rm, running_var=rv)
-    out = poisoned(ref.shape)
-    with _pinned("nchw"):
-        cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
-            *to_gpu(*arrays), num_groups=groups, conv_bias=to_gpu(cb)[0], running_mean=rm_g,
-            running_var=rv_g, precision=precision, out=out)
-    assert len(calls) == 1
-    for got, expected in ((out, ref), (rm_g, rm), (rv_g, rv)):
-        got = got.get()
-        if nan:
-            assert np.isnan(expected).all() and np.isnan(got).all()
-        else:
-            assert_close(got, expected, 10 * TOL[precision])
-
-
-def test_pipeline_b_resident_spills_match_three_kernel_path(rng, monkeypatch):
-    # More (sample, group) units per block than its shared memory keeps: the rest go through
-    # the output buffer and are normalized there. The result equals the three-kernel path's
-    # (fused pass, finalize, GroupNorm) up to summation order.
-    from cufused import pipelines
-
-    cin, cout, groups, h, w = 4, 128, 4, 30, 38  # conv 32 x 40: P = 320, 32 channels per group
-    _, _, grid, slots, _ = pipelines._resident_launch_shape(
-        cp.cuda.runtime.getDevice(), 2**20, cout, groups, (h + 2) * (w + 2) // 4)
-    n = (slots + 1) * (grid // groups)  # slots + 1 units for every block
-    calls = _count_resident_calls(monkeypatch)
-    xg = cp.asarray(rng.random((n, cin, h, w)), dtype=cp.float32)
-    params = to_gpu(rng.standard_normal((cin, cout, 3, 3)) * 0.3, mixed(rng, cout),
-                    rng.standard_normal(cout), mixed(rng, cout), rng.standard_normal(cout))
-    results = []
-    for enabled in (True, False):
-        monkeypatch.setattr(pipelines, "_resident_enabled", enabled)
-        running = [cp.zeros(cout, dtype=cp.float32), cp.ones(cout, dtype=cp.float32)]
-        with _pinned("nchw"):
-            out = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
-                xg, *params, num_groups=groups, running_mean=running[0],
-                running_var=running[1])
-        results.append([out.get(), *(r.get() for r in running)])
-    assert len(calls) == 1 and calls[0][3] == slots
-    for resident, three_kernel in zip(*results):
-        assert_close(resident, three_kernel, 1e-5)
-
-
 @pytest.mark.parametrize("layout,pool,c,h,w,variants", [
     ("nchw", 2, 12, 22, 18, ["bands"]),
     ("nchw", 4, 12, 22, 18, ["bands"]),
@@ -756,6 +682,22 @@ def test_pipeline_c_one_read(rng, monkeypatch, pin, precision):
     assert np.isnan(ref[2]).all() and np.array_equal(np.isnan(got), np.isnan(ref))
     mask = ~np.isnan(ref)
     assert rel_err(got[mask], ref[mask]) < 10 * TOL[precision]
+
+
+@pytest.mark.parametrize("method", ["fused", "unfused"])
+def test_pipeline_b_nan_reaches_running_buffers(rng, method):
+    # A NaN input value reaches every channel's batch statistics: every output and both running
+    # buffers turn NaN, as in PyTorch (the variance's clamp at 0 must not drop the NaN).
+    arrays, opts = pipeline_b_args(rng)
+    arrays[0][1, 0, 3, 4] = np.nan
+    rm, rv = rng.standard_normal(8), rng.uniform(0.5, 2, 8)
+    rm_g, rv_g = to_gpu(rm, rv)
+    ref = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        *arrays, **opts, running_mean=rm, running_var=rv)
+    got = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        *to_gpu(*arrays), **opts, running_mean=rm_g, running_var=rv_g, method=method)
+    for expected, result in ((ref, got), (rm, rm_g), (rv, rv_g)):
+        assert np.isnan(expected).all() and np.isnan(result.get()).all()
 
 
 def test_pipelines_propagate_nan(rng):

@@ -114,17 +114,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "softmax_rows_cluster<2, 2, 1>",
         "softmax_rows_cluster<2, 2, 2>",
     ),
-    "resident.cu": (
-        "pool2_batch_norm_tanh_group_norm<1>",
-        "pool2_batch_norm_tanh_group_norm<4>",
-        "pool2_batch_norm_tanh_group_norm<10>",
-    ),
 }
-
-# Files whose kernels wait for each other across the grid: CuPy launches every kernel of such
-# a module with cuLaunchCooperativeKernel, which fails rather than starting a grid that cannot
-# be resident all at once.
-COOPERATIVE_FILES = frozenset({"resident.cu"})
 
 # Keep float32 math IEEE-accurate (no fast-math): the kernels are bandwidth-bound.
 COMPILE_OPTIONS = ("-std=c++17",)
@@ -143,8 +133,7 @@ def _module(filename: str):
     import cupy
 
     return cupy.RawModule(code=source(filename), options=COMPILE_OPTIONS,
-                          name_expressions=KERNELS[filename],
-                          enable_cooperative_groups=filename in COOPERATIVE_FILES)
+                          name_expressions=KERNELS[filename])
 
 
 @functools.cache
@@ -222,32 +211,17 @@ def optional(array):
 
 
 @functools.cache
-def _device_properties(device: int) -> dict:
+def _sm_count(device: int) -> int:
     import cupy
 
-    return cupy.cuda.runtime.getDeviceProperties(device)
-
-
-def device_properties() -> dict:
-    """``cudaGetDeviceProperties`` of the current device (cached)."""
-    import cupy
-
-    return _device_properties(cupy.cuda.runtime.getDevice())
+    return cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
 
 
 def sm_count() -> int:
     """Multiprocessors of the current device."""
-    return device_properties()["multiProcessorCount"]
+    import cupy
 
-
-def resident_blocks_per_sm(kernel, threads: int, shared_bytes: int) -> int:
-    """How many blocks of ``kernel`` (``threads`` each, ``shared_bytes`` of dynamic shared
-    memory) one multiprocessor holds at once: the occupancy calculator's answer, which bounds
-    a cooperative launch."""
-    from cupy_backends.cuda.api import driver
-
-    return driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.kernel.ptr, threads,
-                                                            shared_bytes)
+    return _sm_count(cupy.cuda.runtime.getDevice())
 
 
 def launch_1d(kernel, total: int, args: tuple, *, block: int = 256) -> None:

@@ -91,41 +91,6 @@ __device__ T block_sum(T v, T* scratch) {
     return scratch[0];
 }
 
-// mean and rstd of a row from its block's shifted sums (len values).
-__device__ __forceinline__ void row_moments(float s1, float s2, float shift, int len, float eps,
-                                            float2* scratch, float& mean, float& rstd) {
-    const float2 s = block_sum(make_float2(s1, s2), scratch);
-    const float m1 = s.x / len;
-    mean = shift + m1;
-    rstd = rsqrtf(fmaxf(s.y / len - m1 * m1, 0.0f) + eps);
-}
-
-// Mean and biased variance of `count` values from their sums (s.x, s.y) of d and d * d,
-// d = value - shift.
-__device__ __forceinline__ void shifted_moments(double2 s, double count, float shift,
-                                                double& mean, double& var) {
-    const double m1 = s.x / count;
-    var = s.y / count - m1 * m1;
-    var = var < 0.0 ? 0.0 : var;  // rounding can push it below 0; NaN stays NaN (fmax drops it)
-    mean = (double)shift + m1;
-}
-
-// BatchNorm's running buffers (either may be null) of channel c, updated in place as PyTorch
-// does: the unbiased variance, and the batch mean plus mean_offset[c] (a convolution bias
-// that the statistics skipped; may be null).
-__device__ __forceinline__ void update_running_stats(float* running_mean, float* running_var,
-                                                     int c, double mean, double var,
-                                                     double count,
-                                                     const float* __restrict__ mean_offset,
-                                                     float momentum) {
-    const double m = momentum;
-    const double offset = mean_offset ? (double)mean_offset[c] : 0.0;
-    if (running_mean)
-        running_mean[c] = (float)((1.0 - m) * running_mean[c] + m * (mean + offset));
-    if (running_var)
-        running_var[c] = (float)((1.0 - m) * running_var[c] + m * var * count / (count - 1.0));
-}
-
 // i / d for 0 <= i < 2**31 without an integer division: a float estimate times the
 // precomputed inv_d = 1.0f / d, then corrected (one step at most for i < 2**24, a few beyond).
 __device__ __forceinline__ int quotient(int i, int d, float inv_d) {

@@ -72,13 +72,23 @@ __global__ void stats_finalize(const float2* __restrict__ partial, const float* 
         }
         s = block_sum(s, scratch);
         if (threadIdx.x == 0) {
-            double mean, var;
-            shifted_moments(s, count, shift[row], mean, var);
+            const double m1 = s.x / count;
+            // Rounding can push the variance below 0; a NaN must stay NaN (fmax drops it).
+            const double diff = s.y / count - m1 * m1;
+            const double var = diff < 0.0 ? 0.0 : diff;
+            const double mean = (double)shift[row] + m1;
             stats[0] = (float)mean;
             stats[1] = (float)(1.0 / sqrt(var + (double)eps));
-            if (MODE == MODE_BATCH_NORM)
-                update_running_stats(running_mean, running_var, (int)row, mean, var, count,
-                                     mean_offset, momentum);
+            if (MODE == MODE_BATCH_NORM) {
+                const double m = momentum;
+                const double offset = mean_offset ? (double)mean_offset[row] : 0.0;
+                if (running_mean)
+                    running_mean[row] =
+                        (float)((1.0 - m) * running_mean[row] + m * (mean + offset));
+                if (running_var)
+                    running_var[row] = (float)((1.0 - m) * running_var[row]
+                                               + m * var * count / (count - 1.0));
+            }
         }
     } else if (threadIdx.x == 0) {
         stats[0] = running_mean[row];
@@ -205,6 +215,15 @@ struct GroupNormRow {
         });
     }
 };
+
+// mean and rstd of a row from its block's shifted sums (len values).
+__device__ __forceinline__ void row_moments(float s1, float s2, float shift, int len, float eps,
+                                            float2* scratch, float& mean, float& rstd) {
+    const float2 s = block_sum(make_float2(s1, s2), scratch);
+    const float m1 = s.x / len;
+    mean = shift + m1;
+    rstd = rsqrtf(fmaxf(s.y / len - m1 * m1, 0.0f) + eps);
+}
 
 // Maps every value of a row cached in shared memory as (Cg, HW), one warp per channel at a
 // time and its lanes over the channel's positions: channel(c) returns the channel's value map,
