@@ -240,18 +240,6 @@ def stored_in(a, layout: str) -> bool:
     return a.strides == tuple(s * a.itemsize for s in layout_strides(a.shape, layout))
 
 
-def to_layout(a, layout: str):
-    """``a`` (logical N, C, *spatial) with its memory in ``layout``, copied only if needed."""
-    cupy = import_cupy()
-    if layout == "nchw":
-        return cupy.ascontiguousarray(a)
-    if stored_in(a, layout):
-        return a
-    out = empty_in_layout(a.shape, layout)
-    transpose_channels(cupy.ascontiguousarray(a), out, to_channels_last=True)
-    return out
-
-
 def add_channel_bias(y, bias) -> None:
     """``y[:, c] += bias[c]`` in place for a contiguous NC(D)HW ``y``."""
     from ._cuda import get_kernel, launch_1d
@@ -694,8 +682,7 @@ class ConvPlan:
         if convert_x or self.x_layout == "nchw":
             x = cupy.ascontiguousarray(x)
         convert_y = layout != "nchw" and convert_output
-        direct_out = (not convert_y and layout == "nchw" and out is not None
-                      and out.data.ptr % 16 == 0)
+        direct_out = layout == "nchw" and out is not None and out.data.ptr % 16 == 0
         if convert_y:
             result = out if out is not None else cupy.empty(self.problem.y_shape,
                                                              dtype=cupy.float32)
@@ -724,7 +711,7 @@ class ConvPlan:
                 add_channel_bias(y, bias)
 
         self._launch("apply", (x, w, bias, result), buffers, work)
-        if out is not None and result is not out and (convert_y or layout == "nchw"):
+        if out is not None and result is not out and layout == "nchw":
             out[...] = result  # a misaligned out
             result = out
         return result, "nchw" if convert_y else layout
@@ -886,9 +873,14 @@ def _choose(problem, convert_input, convert_output, accept_classes, tune, pins) 
 
 
 def _l2_flush_buffer():
-    """A float32 array twice the size of the current device's L2 cache."""
+    """A float32 array twice the size of the current device's L2 cache, or None when that
+    much memory is not free (the autotuner then times without flushing)."""
     cupy = import_cupy()
-    return cupy.empty(cupy.cuda.Device().attributes["L2CacheSize"] // 2, dtype=cupy.float32)
+    try:
+        return cupy.empty(cupy.cuda.Device().attributes["L2CacheSize"] // 2,
+                          dtype=cupy.float32)
+    except cupy.cuda.memory.OutOfMemoryError:
+        return None
 
 
 def _decide_replay(plan: ConvPlan, call, rounds: int = 11) -> None:

@@ -188,8 +188,13 @@ class Timer:
         return self.compare({"fn": fn})["fn"]
 
     def compare(self, fns: dict[str, Callable[[], Any]]) -> dict[str, float]:
-        """Median ms of each of ``fns``: all warmed up first, then timed in alternating
-        rounds, so that clock or memory-state drift during the run weighs on all alike."""
+        """Median ms of each of ``fns`` (see ``samples``)."""
+        return {name: float(numpy.median(t)) for name, t in self.samples(fns).items()}
+
+    def samples(self, fns: dict[str, Callable[[], Any]]) -> dict[str, numpy.ndarray]:
+        """Each round's ms of each of ``fns``: all warmed up first, then timed in ``repeat``
+        rounds of one call each, the order reversed every other round, so that clock or
+        memory-state drift during the run, and the call before, weigh on all alike."""
         import cupy
 
         for fn in fns.values():
@@ -197,15 +202,16 @@ class Timer:
                 fn()
         start, stop = cupy.cuda.Event(), cupy.cuda.Event()
         times = {name: [] for name in fns}
-        for _ in range(self.repeat):
-            for name, fn in fns.items():
+        names = list(fns)
+        for r in range(self.repeat):
+            for name in names if r % 2 == 0 else names[::-1]:
                 self._flush.fill(1.0)
                 start.record()
-                fn()
+                fns[name]()
                 stop.record()
                 stop.synchronize()
                 times[name].append(cupy.cuda.get_elapsed_time(start, stop))
-        return {name: float(numpy.median(t)) for name, t in times.items()}
+        return {name: numpy.array(t) for name, t in times.items()}
 
 
 def measure_ceilings(timer: Timer) -> dict:

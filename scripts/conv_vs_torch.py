@@ -14,32 +14,13 @@ import numpy
 import torch
 
 from cufused import _cudnn
-from cufused.benchmark import L2_FLUSH_BYTES, _public_conv, make_cases, set_torch_precision
-
-
-def paired_ms(fns, rounds):
-    """Per-round ms of each of the two ``fns`` (name -> call), warmed up first."""
-    flush = cupy.empty(L2_FLUSH_BYTES // 4, dtype=cupy.float32)
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    for fn in fns.values():
-        for _ in range(3):
-            fn()
-    times = {name: [] for name in fns}
-    names = list(fns)
-    for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            flush.fill(1.0)
-            start.record()
-            fns[name]()
-            stop.record()
-            stop.synchronize()
-            times[name].append(cupy.cuda.get_elapsed_time(start, stop))
-    return {name: numpy.array(t) for name, t in times.items()}
+from cufused.benchmark import Timer, _public_conv, make_cases, set_torch_precision
 
 
 def main(rounds):
     rng = numpy.random.default_rng(0)
     boot = numpy.random.default_rng(1)
+    timer = Timer(repeat=rounds)
     print(torch.cuda.get_device_name(), f"{rounds} rounds")
     for case in make_cases():
         fn, opts = _public_conv(case)
@@ -50,8 +31,8 @@ def main(rounds):
         for precision in ("ieee", "tf32"):
             set_torch_precision(precision)
             with torch.no_grad():
-                t = paired_ms({"cufused": lambda: fn(x, w, precision=precision, **opts),
-                               "torch": lambda: torch_fn(xt, wt, **opts)}, rounds)
+                t = timer.samples({"cufused": lambda: fn(x, w, precision=precision, **opts),
+                                   "torch": lambda: torch_fn(xt, wt, **opts)})
             ratio = t["torch"] / t["cufused"]
             medians = [numpy.median(boot.choice(ratio, ratio.size)) for _ in range(2000)]
             lo, hi = numpy.percentile(medians, [2.5, 97.5])

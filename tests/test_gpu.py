@@ -111,7 +111,8 @@ def test_conv_plan_replays_graph(rng, case, conv_pin):
     fn(xg, wg, **opts)
     plan = [p for k, p in _cudnn._plans.items()
             if k[1].x_shape == xs and k[1].precision == "ieee" and k[6] == (conv_pin,)][-1]
-    x = _cudnn.to_layout(xg, plan.x_layout)
+    x = _cudnn.empty_in_layout(xs, plan.x_layout)
+    x[...] = xg
     y, direct = plan.empty_output(), plan.empty_output()
     for _ in range(3):
         plan.run(x, wg, y)
@@ -144,6 +145,17 @@ def test_conv_plan_replays_graph(rng, case, conv_pin):
     out.fill(cp.nan)
     fn(xg, wg, bg, out=out, **opts)
     assert_close(out.get(), fn(x_new, w_new, b_new, **opts), TOL["ieee"])
+
+
+def test_replay_decision_without_memory_for_a_flush(monkeypatch):
+    # With no room for the L2 flush buffer the autotuner times unflushed instead of failing.
+    from cufused import _cudnn
+
+    def out_of_memory(*args, **kwargs):
+        raise cp.cuda.memory.OutOfMemoryError(1 << 40, 0)
+
+    monkeypatch.setattr(cp, "empty", out_of_memory)
+    assert _cudnn._l2_flush_buffer() is None
 
 
 def test_graph_buffers_leave_the_default_pool_alone(rng):

@@ -108,6 +108,11 @@ __global__ void stats_finalize(const float2* __restrict__ partial, const float* 
     }
 }
 
+// Channel c's value of an optional per-channel parameter (null: `fallback`).
+__device__ __forceinline__ float param_or(const float* __restrict__ p, int c, float fallback) {
+    return p ? __ldg(p + c) : fallback;
+}
+
 template <int ACT>
 __device__ __forceinline__ float activate(float v, float lo, float hi) {
     if (ACT == ACT_TANH) return tanh_branchless(v);
@@ -175,7 +180,7 @@ struct GroupNormRow {
     }
 
     __device__ Pair param(const float* p, Span s, float fallback) const {
-        const float first = p ? __ldg(p + s.c) : fallback;
+        const float first = param_or(p, s.c, fallback);
         return Pair{first, p && s.left < VEC ? __ldg(p + s.c + 1) : first};
     }
 
@@ -185,6 +190,11 @@ struct GroupNormRow {
 
     __device__ static float pre_value(float a, float b, float v) {
         return PRE == ACT_TANH ? tanh_branchless(fmaf(a, v, b)) : v;
+    }
+
+    // Value v of channel c after the pre-map (a row's shift is its first value, mapped).
+    __device__ static float pre_map(const float* pre_a, const float* pre_b, int c, float v) {
+        return pre_value(param_or(pre_a, c, 1.0f), param_or(pre_b, c, 0.0f), v);
     }
 
     __device__ void pre(float4& v, Span s) const {
@@ -248,8 +258,8 @@ __device__ void normalize_cached_row(float* row_cache, float* yr, const float* g
                                      const float* beta, int c0, int cg, int HW, float mean,
                                      float rstd) {
     map_cached_row(row_cache, cg, HW, [&](int c) {
-        const float g = (gamma ? __ldg(gamma + c0 + c) : 1.0f) * rstd;
-        const float bt = beta ? __ldg(beta + c0 + c) : 0.0f;
+        const float g = param_or(gamma, c0 + c, 1.0f) * rstd;
+        const float bt = param_or(beta, c0 + c, 0.0f);
         return [=](float v) { return fmaf(g, v - mean, bt); };
     });
     __syncthreads();
@@ -292,12 +302,10 @@ __global__ void group_norm_rows_by_channel(const float* x, float* y,
     copy_to_shared<VEC>(row_cache, x + row * len, len / VEC);
     __syncthreads();
     using Row = GroupNormRow<PRE, VEC>;
-    const float shift = Row::pre_value(pre_a ? __ldg(pre_a + c0) : 1.0f,
-                                       pre_b ? __ldg(pre_b + c0) : 0.0f, row_cache[0]);
+    const float shift = Row::pre_map(pre_a, pre_b, c0, row_cache[0]);
     float s1 = 0.0f, s2 = 0.0f;
     map_cached_row(row_cache, cg, HW, [&](int c) {
-        const float a = pre_a ? __ldg(pre_a + c0 + c) : 1.0f;
-        const float b = pre_b ? __ldg(pre_b + c0 + c) : 0.0f;
+        const float a = param_or(pre_a, c0 + c, 1.0f), b = param_or(pre_b, c0 + c, 0.0f);
         return [&, a, b](float v) {
             const float t = Row::pre_value(a, b, v);
             const float d = t - shift;
@@ -327,9 +335,7 @@ __global__ void group_norm_rows(const float* x, float* y, const float* __restric
     const GroupNormRow<PRE, VEC> gn{pre_a, pre_b, gamma, beta, (int)(row % G) * cg, HW,
                                     len / VEC, 1.0f / HW};
     const float* xr = x + row * len;
-    float4 first = make_float4(xr[0], 0.0f, 0.0f, 0.0f);
-    gn.pre(first, {gn.c0, HW});
-    const float shift = first.x;
+    const float shift = GroupNormRow<PRE, VEC>::pre_map(pre_a, pre_b, gn.c0, xr[0]);
     float s1 = 0.0f, s2 = 0.0f;
     for_each_vector<VEC, 4>(xr, (int)threadIdx.x, gn.n_vec, (int)blockDim.x,
                             [&](int q, float4& v) {
@@ -376,13 +382,11 @@ __global__ void group_norm_rows_from_nhwc(const float* __restrict__ x, float* __
     float a[4], b[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-        a[k] = pre_a ? __ldg(pre_a + cq + k) : 1.0f;
-        b[k] = pre_b ? __ldg(pre_b + cq + k) : 0.0f;
+        a[k] = param_or(pre_a, cq + k, 1.0f);
+        b[k] = param_or(pre_b, cq + k, 0.0f);
     }
     const float* xs = x + n * HW * C + cq;
-    const float shift = GroupNormRow<PRE, VEC>::pre_value(
-        pre_a ? __ldg(pre_a + gn.c0) : 1.0f, pre_b ? __ldg(pre_b + gn.c0) : 0.0f,
-        x[n * HW * C + gn.c0]);
+    const float shift = GroupNormRow<PRE, VEC>::pre_map(pre_a, pre_b, gn.c0, x[n * HW * C + gn.c0]);
     float s1 = 0.0f, s2 = 0.0f;
     // Positions p = threadIdx.x / quads + lanes * i, UNROLL loads in flight (8 measured
     // slower on B: 72 registers, 3 blocks per SM instead of 4).
