@@ -161,8 +161,21 @@ struct GroupNormRow {
     const float* pre_b;
     const float* gamma;
     const float* beta;
-    int c0, HW, n_vec;
+    int c0, cg, HW, n_vec;  // first channel, channels, values per channel, vectors in the row
     float inv_hw;
+
+    // The block's row, (n, g) = (blockIdx.x / G, blockIdx.x % G) of an (N, C, HW) tensor.
+    __device__ static GroupNormRow of_block(const float* pre_a, const float* pre_b,
+                                            const float* gamma, const float* beta, int C, int G,
+                                            int HW) {
+        const int cg = C / G;
+        return {pre_a, pre_b, gamma, beta, (int)(blockIdx.x % G) * cg, cg, HW, cg * HW / VEC,
+                1.0f / HW};
+    }
+
+    __device__ int len() const { return cg * HW; }
+    // The row's first value in a contiguous (N, C, HW) tensor.
+    __device__ static index_t start(int len) { return (index_t)blockIdx.x * len; }
 
     // A vector's values belong to channel c (the first `left` of them) and c + 1.
     struct Span { int c, left; };
@@ -295,16 +308,14 @@ __global__ void group_norm_rows_by_channel(const float* x, float* y,
     extern __shared__ float4 cache[];
     float* row_cache = reinterpret_cast<float*>(cache);
     __shared__ float2 scratch[32];
-    const int cg = C / G;
-    const int len = cg * HW;
-    const index_t row = blockIdx.x;
-    const int c0 = (int)(row % G) * cg;
-    copy_to_shared<VEC>(row_cache, x + row * len, len / VEC);
-    __syncthreads();
     using Row = GroupNormRow<PRE, VEC>;
+    const Row gn = Row::of_block(pre_a, pre_b, gamma, beta, C, G, HW);
+    const int c0 = gn.c0, len = gn.len();
+    copy_to_shared<VEC>(row_cache, x + Row::start(len), gn.n_vec);
+    __syncthreads();
     const float shift = Row::pre_map(pre_a, pre_b, c0, row_cache[0]);
     float s1 = 0.0f, s2 = 0.0f;
-    map_cached_row(row_cache, cg, HW, [&](int c) {
+    map_cached_row(row_cache, gn.cg, HW, [&](int c) {
         const float a = param_or(pre_a, c0 + c, 1.0f), b = param_or(pre_b, c0 + c, 0.0f);
         return [&, a, b](float v) {
             const float t = Row::pre_value(a, b, v);
@@ -316,7 +327,8 @@ __global__ void group_norm_rows_by_channel(const float* x, float* y,
     });
     float mean, rstd;
     row_moments(s1, s2, shift, len, eps, scratch, mean, rstd);  // its barriers order the cache
-    normalize_cached_row<VEC>(row_cache, y + row * len, gamma, beta, c0, cg, HW, mean, rstd);
+    normalize_cached_row<VEC>(row_cache, y + Row::start(len), gamma, beta, c0, gn.cg, HW, mean,
+                              rstd);
 }
 
 // GroupNorm with one block per (n, g) row of a contiguous (N, C, HW) tensor (see
@@ -329,13 +341,11 @@ __global__ void group_norm_rows(const float* x, float* y, const float* __restric
                                 const float* __restrict__ beta, int C, int G, int HW, float eps) {
     extern __shared__ float4 cache[];
     __shared__ float2 scratch[32];
-    const int cg = C / G;
-    const int len = cg * HW;
-    const index_t row = blockIdx.x;
-    const GroupNormRow<PRE, VEC> gn{pre_a, pre_b, gamma, beta, (int)(row % G) * cg, HW,
-                                    len / VEC, 1.0f / HW};
-    const float* xr = x + row * len;
-    const float shift = GroupNormRow<PRE, VEC>::pre_map(pre_a, pre_b, gn.c0, xr[0]);
+    using Row = GroupNormRow<PRE, VEC>;
+    const Row gn = Row::of_block(pre_a, pre_b, gamma, beta, C, G, HW);
+    const int len = gn.len();
+    const float* xr = x + Row::start(len);
+    const float shift = Row::pre_map(pre_a, pre_b, gn.c0, xr[0]);
     float s1 = 0.0f, s2 = 0.0f;
     for_each_vector<VEC, 4>(xr, (int)threadIdx.x, gn.n_vec, (int)blockDim.x,
                             [&](int q, float4& v) {
@@ -350,8 +360,8 @@ __global__ void group_norm_rows(const float* x, float* y, const float* __restric
     });
     float mean, rstd;
     row_moments(s1, s2, shift, len, eps, scratch, mean, rstd);
-    gn.normalize(CACHE ? reinterpret_cast<const float*>(cache) : xr, CACHE, y + row * len, mean,
-                 rstd);
+    gn.normalize(CACHE ? reinterpret_cast<const float*>(cache) : xr, CACHE, y + Row::start(len),
+                 mean, rstd);
 }
 
 // group_norm_rows (PRE, CACHE) for x stored channels-last, (N, HW, C), the output NCHW: pipeline
@@ -370,12 +380,10 @@ __global__ void group_norm_rows_from_nhwc(const float* __restrict__ x, float* __
     extern __shared__ float4 cache[];
     float* row_cache = reinterpret_cast<float*>(cache);
     __shared__ float2 scratch[32];
-    const int cg = C / G;
-    const int len = cg * HW;
-    const index_t row = blockIdx.x;
-    const index_t n = row / G;
-    const GroupNormRow<PRE, VEC> gn{pre_a, pre_b, gamma, beta, (int)(row % G) * cg, HW,
-                                    len / VEC, 1.0f / HW};
+    using Row = GroupNormRow<PRE, VEC>;
+    const Row gn = Row::of_block(pre_a, pre_b, gamma, beta, C, G, HW);
+    const int cg = gn.cg, len = gn.len();
+    const index_t n = blockIdx.x / G;
     const int quads = cg / 4;
     const int quad = threadIdx.x % quads, lanes = blockDim.x / quads;
     const int cq = gn.c0 + 4 * quad;
@@ -386,7 +394,7 @@ __global__ void group_norm_rows_from_nhwc(const float* __restrict__ x, float* __
         b[k] = param_or(pre_b, cq + k, 0.0f);
     }
     const float* xs = x + n * HW * C + cq;
-    const float shift = GroupNormRow<PRE, VEC>::pre_map(pre_a, pre_b, gn.c0, x[n * HW * C + gn.c0]);
+    const float shift = Row::pre_map(pre_a, pre_b, gn.c0, x[n * HW * C + gn.c0]);
     float s1 = 0.0f, s2 = 0.0f;
     // Positions p = threadIdx.x / quads + lanes * i, UNROLL loads in flight (8 measured
     // slower on B: 72 registers, 3 blocks per SM instead of 4).
@@ -403,7 +411,7 @@ __global__ void group_norm_rows_from_nhwc(const float* __restrict__ x, float* __
             if (p >= HW) break;
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
-                const float t = GroupNormRow<PRE, VEC>::pre_value(a[k], b[k], gn.lane(v[u], k));
+                const float t = Row::pre_value(a[k], b[k], gn.lane(v[u], k));
                 const float d = t - shift;
                 s1 += d;
                 s2 = fmaf(d, d, s2);
@@ -414,8 +422,8 @@ __global__ void group_norm_rows_from_nhwc(const float* __restrict__ x, float* __
     float mean, rstd;
     row_moments(s1, s2, shift, len, eps, scratch, mean, rstd);  // its barriers order the cache
     if (HW >= 32)
-        normalize_cached_row<VEC>(row_cache, y + row * len, gamma, beta, gn.c0, cg, HW, mean,
+        normalize_cached_row<VEC>(row_cache, y + Row::start(len), gamma, beta, gn.c0, cg, HW, mean,
                                   rstd);
     else
-        gn.normalize(row_cache, true, y + row * len, mean, rstd);
+        gn.normalize(row_cache, true, y + Row::start(len), mean, rstd);
 }
