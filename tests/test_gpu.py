@@ -184,9 +184,12 @@ def test_graph_buffers_leave_the_default_pool_alone(rng):
     assert graph_pool.used_bytes() == 0 and graph_pool.total_bytes() == 0
 
 
-def test_autotuned_plan_replays_a_host_bound_conv(rng):
-    # The autotuner times its chosen plan replayed and issued directly; a small convolution
-    # is host-bound, so replay stays on, and the graphs of the autotuner's operands are gone.
+def test_autotuned_plan_keeps_none_of_its_graphs(rng):
+    # The autotuner times its chosen plan replayed and issued directly. Which way wins is a
+    # measurement of this host (a tiny convolution: the graph launch's own latency against a
+    # direct call's host work, behind the flush's head start; the choice is unit-tested with
+    # fake timings in test_conv_keys), but either way none of the graphs of the autotuner's
+    # operands is kept, and a replaying plan captures one graph for the caller's operands.
     from cufused import _cudnn
 
     xs, ws = (2, 3, 9, 13), (5, 3, 3, 3)
@@ -194,10 +197,10 @@ def test_autotuned_plan_replays_a_host_bound_conv(rng):
     with _cudnn.plan_options(autotune=True, replay=True):
         out = cufused.conv2d(xg, wg)
         plan = [p for k, p in _cudnn._plans.items() if k[1].x_shape == xs][-1]
-        assert plan._replays == {}
+        assert plan._replays is None or plan._replays == {}
         for _ in range(2):
             cufused.conv2d(xg, wg, out=out)
-    assert len(plan._replays) == 1
+    assert plan._replays is None or len(plan._replays) == 1
     assert_close(out.get(), cufused.conv2d(xg.get(), wg.get()), TOL["ieee"])
 
 
