@@ -184,23 +184,33 @@ def test_graph_buffers_leave_the_default_pool_alone(rng):
     assert graph_pool.used_bytes() == 0 and graph_pool.total_bytes() == 0
 
 
-def test_autotuned_plan_keeps_none_of_its_graphs(rng):
-    # The autotuner times its chosen plan replayed and issued directly. Which way wins is a
-    # measurement of this host (a tiny convolution: the graph launch's own latency against a
-    # direct call's host work, behind the flush's head start; the choice is unit-tested with
-    # fake timings in test_conv_keys), but either way none of the graphs of the autotuner's
-    # operands is kept, and a replaying plan captures one graph for the caller's operands.
+@pytest.mark.parametrize("direct_wins", [False, True])
+def test_autotuned_plan_replay_decision(rng, monkeypatch, direct_wins):
+    # The autotuner times its chosen plan replayed and issued directly and keeps direct calls
+    # only where they win by more than _REPLAY_MARGIN. Which way a tiny convolution's timings
+    # fall is a measurement of the host, so the margin forces each outcome here (the rule
+    # itself is unit-tested with fake timings in test_conv_keys). Either way none of the
+    # graphs of the autotuner's operands is kept; a replaying plan then captures one graph
+    # for the caller's operands, a direct one none.
     from cufused import _cudnn
 
+    monkeypatch.setattr(_cudnn, "_REPLAY_MARGIN", -1.0 if direct_wins else 1e9)
+    cufused.clear_plan_cache()  # so that the plan is autotuned under this margin
     xs, ws = (2, 3, 9, 13), (5, 3, 3, 3)
     xg, wg = to_gpu(rng.standard_normal(xs), rng.standard_normal(ws))
     with _cudnn.plan_options(autotune=True, replay=True):
         out = cufused.conv2d(xg, wg)
         plan = [p for k, p in _cudnn._plans.items() if k[1].x_shape == xs][-1]
-        assert plan._replays is None or plan._replays == {}
+        if direct_wins:
+            assert plan._replays is None
+        else:
+            assert plan._replays == {}
         for _ in range(2):
             cufused.conv2d(xg, wg, out=out)
-    assert plan._replays is None or len(plan._replays) == 1
+    if direct_wins:
+        assert plan._replays is None
+    else:
+        assert len(plan._replays) == 1
     assert_close(out.get(), cufused.conv2d(xg.get(), wg.get()), TOL["ieee"])
 
 
