@@ -86,10 +86,14 @@ def group_norm_threads(shared_bytes: int) -> int:
 
 
 def launch_group_norm_rows(x, y, num_groups: int, weight, bias, eps: float, *,
-                           pre=None) -> None:
+                           pre=None, x_block: int | None = None) -> None:
     """GroupNorm of ``x`` (N, C, ...) into contiguous ``y`` with one block per (n, group) row.
 
-    ``x`` is contiguous, or channels-last where ``reads_channels_last`` allows.
+    ``x`` is contiguous, or channels-last where ``reads_channels_last`` allows. With
+    ``x_block``, the memory of ``x`` holds channels-last values in blocks of ``x_block``
+    channels, a whole number of groups (``blocked_channels_last`` in common.cuh), whatever
+    its strides say, with rows that ``group_rows_fit_channels_last`` allows and 16-byte
+    alignment; ``x`` may then be ``y`` when a block is one group.
     ``pre = (a, b)`` first maps each value to ``tanh(a[c] * x + b[c])``.
     The row stays in shared memory between statistics and normalize when it fits in
     ``ROW_CACHE_BYTES``, and is then visited one warp per channel where a channel has at
@@ -102,7 +106,14 @@ def launch_group_norm_rows(x, y, num_groups: int, weight, bias, eps: float, *,
     vec = 4 if (length % 4 == 0 and hw >= 4 and x.data.ptr % 16 == 0
                 and y.data.ptr % 16 == 0) else 1
     pre_a, pre_b = pre if pre is not None else (None, None)
-    if reads_channels_last(x, num_groups):
+    if x_block is None and reads_channels_last(x, num_groups):
+        x_block = c
+    elif x_block is not None and not (x_block % (c // num_groups) == 0 and c % x_block == 0
+                                      and group_rows_fit_channels_last(c, num_groups, hw)
+                                      and x.data.ptr % 16 == 0):
+        raise ValueError(f"x_block={x_block} needs whole groups of 4k channels per block, rows "
+                         "that fit in shared memory and 16-byte alignment")
+    if x_block is not None:
         name = f"group_norm_rows_from_nhwc<{int(pre is not None)}, {vec}>"
     elif not x.flags.c_contiguous:
         raise ValueError("x must be contiguous, or channels-last as reads_channels_last allows")
@@ -111,11 +122,12 @@ def launch_group_norm_rows(x, y, num_groups: int, weight, bias, eps: float, *,
     else:
         name = f"group_norm_rows<{int(pre is not None)}, {str(cache).lower()}, {vec}>"
     shared = length * 4 if cache else 0
-    get_kernel(_NORM, name)(
-        (n * num_groups,), (group_norm_threads(shared),),
-        (x, y, optional(pre_a), optional(pre_b), optional(weight), optional(bias),
-         numpy.int32(c), numpy.int32(num_groups), numpy.int32(hw), numpy.float32(eps)),
-        shared_mem=shared)
+    args = (x, y, optional(pre_a), optional(pre_b), optional(weight), optional(bias),
+            numpy.int32(c), numpy.int32(num_groups), numpy.int32(hw), numpy.float32(eps))
+    if x_block is not None:
+        args += (numpy.int32(x_block),)
+    get_kernel(_NORM, name)((n * num_groups,), (group_norm_threads(shared),), args,
+                            shared_mem=shared)
 
 
 def _group_norm_gpu(cupy, x, num_groups, weight, bias, eps, out):

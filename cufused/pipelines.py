@@ -106,14 +106,18 @@ def _fused_pass_variant(y, pool: int, variant: str | None = None) -> str:
 
 
 def _pool_extremum_stats(cupy, y, ext, pool: int, *, bias, sign_a, sign_b, shift_group: int,
-                         per_sample: bool, variant: str):
+                         per_sample: bool, variant: str, ext_block: int | None = None):
     """Launch the fused window-extremum + statistics pass; return (partial, shift, splits).
 
     Kernel ``variant`` (from ``_fused_pass_variant``): "scalar" (any layout); for
     channels-last inputs "vec4" (16-byte loads, 4 channels per thread) and "rows" (a warp
     reads whole window rows); for NCHW inputs with contiguous planes "bands" (a warp reads
     K-row bands of one plane with 16-byte loads). ``ext`` is NCHW, or 16-byte aligned
-    channels-last for the variant ``_CHANNELS_LAST_EXT`` names for ``pool``.
+    channels-last for the variant ``_CHANNELS_LAST_EXT`` names for ``pool``. A channels-last
+    ``ext`` is stored in blocks of ``ext_block`` channels (a multiple of 4 dividing C; see
+    ``blocked_channels_last`` in common.cuh), whatever its strides say: pipeline B passes its
+    contiguous ``out`` with a GroupNorm group per block. None: C where ``ext`` is stored
+    channels-last, else NCHW.
     """
     n, c, h, w = y.shape
     ho, wo = h // pool, w // pool
@@ -121,11 +125,15 @@ def _pool_extremum_stats(cupy, y, ext, pool: int, *, bias, sign_a, sign_b, shift
     vec2 = (not channels_last and fixed and sw == 1 and sh % 2 == 0 and sc % 2 == 0
             and sn % 2 == 0 and y.data.ptr % 8 == 0)
     rows_t = fixed * c // 128
-    ext_channels_last = stored_in(ext, "nhwc")
+    if ext_block is None:
+        ext_block = c if stored_in(ext, "nhwc") else 0
+    ext_channels_last = ext_block > 0
     if ext_channels_last and not (_CHANNELS_LAST_EXT.get(fixed) == variant
-                                  and ext.data.ptr % 16 == 0):
+                                  and ext.data.ptr % 16 == 0 and ext_block % 4 == 0
+                                  and c % ext_block == 0):
         raise ValueError(f"a channels-last ext needs variant {_CHANNELS_LAST_EXT.get(fixed)!r}"
-                         f" for pool {pool} (got {variant!r}) and 16-byte alignment")
+                         f" for pool {pool} (got {variant!r}), 16-byte alignment and blocks of"
+                         f" 4k channels dividing C (got {ext_block})")
     lanes = 8 if channels_last and variant == "scalar" else 16 if variant == "rows" else 32
     c_tiles = 1 if variant == "rows" else -(-c // (32 if channels_last else 8))
     units = ho if variant == "bands" else -(-ho * wo // lanes)  # what splits divide
@@ -152,7 +160,7 @@ def _pool_extremum_stats(cupy, y, ext, pool: int, *, bias, sign_a, sign_b, shift
     kernel((splits * c_tiles * n,), (32, 8),
            (y, optional(bias), optional(sign_a), optional(sign_b), ext, partial, shift, i32(c),
             i32(h), i32(w), i32(pool), i32(ho), i32(wo), i32(splits), i32(c_tiles), sn, sc, sh,
-            sw, i32(shift_group), i32(per_sample)))
+            sw, i32(shift_group), i32(per_sample), i32(ext_block)))
     return partial, shift, splits
 
 
@@ -420,21 +428,25 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
                        activation="tanh", out=y)
         return group_norm(max_pool2d(y, k), num_groups, gn_weight, gn_bias, eps=eps, out=out)
     y, _ = conv_on_gpu(x, weight, args, precision, convert_output=False)
-    # From a channels-last conv output the pass stores the pooled extrema channels-last with
-    # 16-byte stores, and the GroupNorm transposes them (in shared memory) into out (for
-    # B's 2 x 2 pool: the path measured and tested on the GPU).
+    # The pooled extrema go into out, and the GroupNorm maps them in place. From a
+    # channels-last conv output the pass stores them channels-last with 16-byte stores, in
+    # blocks of one group's channels: each (n, group) row then has the bytes it has in NCHW,
+    # and the GroupNorm transposes it (in shared memory) where it stands (for B's 2 x 2 pool:
+    # the path measured and tested on the GPU). Unlike a separate channels-last buffer, this
+    # leaves no dirty lines of a temporary in the L2 to be written back during the GroupNorm.
     variant = _fused_pass_variant(y, k)
-    ext = out
-    if (k == 2 and _CHANNELS_LAST_EXT[k] == variant
+    ext_block = 0
+    if (k == 2 and _CHANNELS_LAST_EXT[k] == variant and out.data.ptr % 16 == 0
             and group_rows_fit_channels_last(c, num_groups, pooled[0] * pooled[1])):
-        ext = empty_in_layout(shape, "nhwc")
+        ext_block = c // num_groups
     partial, shift, splits = _pool_extremum_stats(
-        xp, y, ext, k, bias=None, sign_a=bn_weight, sign_b=None, shift_group=1,
-        per_sample=False, variant=variant)
+        xp, y, out, k, bias=None, sign_a=bn_weight, sign_b=None, shift_group=1,
+        per_sample=False, variant=variant, ext_block=ext_block)
     coef = bn_coefficients(xp, y, bn_weight, bn_bias, running_mean, running_var, True,
                            momentum, eps, partial=(partial, shift), splits=splits,
                            mean_offset=conv_bias)
-    launch_group_norm_rows(ext, out, num_groups, gn_weight, gn_bias, eps, pre=coef)
+    launch_group_norm_rows(out, out, num_groups, gn_weight, gn_bias, eps, pre=coef,
+                           x_block=ext_block or None)
     return out
 
 

@@ -47,16 +47,17 @@ def test_unknown_command_fails():
     assert run("frobnicate").returncode != 0
 
 
-def test_bench_table_and_plot_from_committed_result(tmp_path):
-    # The committed device result (docs/_static/bench.json) renders as the bench command prints
-    # it, and as a bar chart.
+@pytest.mark.parametrize("name", ["bench.json", "bench_h100.json"])
+def test_bench_table_and_plot_from_committed_result(tmp_path, name):
+    # The committed device results (docs/_static/bench*.json, H200 and H100) render as the
+    # bench command prints them, and as a bar chart.
     import json
     import pathlib
 
     from cufused.__main__ import format_table, plot
 
     result = json.loads((pathlib.Path(__file__).parent.parent / "docs" / "_static"
-                         / "bench.json").read_text())
+                         / name).read_text())
     table = format_table(result)
     assert result["header"]["device"] in table
     rows = [line for line in table.splitlines() if line[:2] in ("A ", "B ", "C ")]

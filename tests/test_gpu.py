@@ -324,6 +324,32 @@ def test_group_norm_channels_last_input(rng, shape, groups):
     assert_close(out.get(), ref, 1e-4)
 
 
+# Pipeline B's in-place GroupNorm: rows stored channels-last in blocks of one group's
+# channels (16-byte output vectors for 9 x 10, scalar ones for 3 x 3 and 1 x 3), with and
+# without the BatchNorm affine + tanh map first; and from a separate blocked buffer with two
+# groups per block.
+@pytest.mark.parametrize("shape,groups", [((3, 24, 9, 10), 6), ((2, 32, 3, 3), 2),
+                                          ((2, 16, 1, 3), 4)])
+@pytest.mark.parametrize("pre", [False, True])
+def test_group_norm_rows_from_blocked_channels_last(rng, shape, groups, pre):
+    from cufused.normalization import launch_group_norm_rows
+
+    n, c = shape[:2]
+    x = (3.0 + rng.standard_normal(shape)).astype(np.float32).astype(np.float64)
+    w, b = mixed(rng, c), rng.standard_normal(c)
+    a_pre, b_pre = mixed(rng, c), rng.standard_normal(c)
+    mapped = np.tanh(a_pre[:, None, None] * x + b_pre[:, None, None]) if pre else x
+    ref = cufused.group_norm(mapped, groups, w, b)
+    pre_gpu = tuple(to_gpu(a_pre, b_pre)) if pre else None
+    for block, in_place in [(c // groups, True), (2 * c // groups, False)]:
+        blocked = x.reshape(n, c // block, block, -1).transpose(0, 1, 3, 2)
+        x_gpu = cp.asarray(np.ascontiguousarray(blocked).reshape(shape), dtype=cp.float32)
+        out = x_gpu if in_place else poisoned(shape)
+        launch_group_norm_rows(x_gpu, out, groups, *to_gpu(w, b), 1e-5, pre=pre_gpu,
+                               x_block=block)
+        assert_close(out.get(), ref, 1e-4 if pre else 1e-5)
+
+
 # (6, 7, 9, 11): scalar apply pass; (4, 7, 9, 11): 16-byte vectors that straddle the odd
 # 99-value planes; (5, 3, 2): planes shorter than a vector.
 @pytest.mark.parametrize("shape", [(6, 7, 9, 11), (4, 7, 9, 11), (5, 3, 2)])
@@ -608,9 +634,10 @@ def test_pipeline_b_odd_group_rows(rng, layout):
     ("nchw", 4, 12, 22, 18, ["bands"]),
     ("nchw", 2, 8, 70, 42, ["bands"]),  # three chunks of 15 bands, 21 windows per band
     ("nchw", 2, 4, 11, 80, ["bands"]),  # 40 windows per band: more than a warp
-    # Channels-last: 1 to 32 channel quads per warp; ">nhwc" writes ext channels-last.
-    ("nhwc", 2, 128, 9, 41, ["vec4", "vec4>nhwc", "rows"]),
-    ("nhwc", 4, 64, 13, 30, ["vec4", "rows", "rows>nhwc"]),
+    # Channels-last: 1 to 32 channel quads per warp; ">nhwc" writes ext channels-last,
+    # ">blocked" channels-last in blocks of 4 channels and of a statistics group's channels.
+    ("nhwc", 2, 128, 9, 41, ["vec4", "vec4>nhwc", "vec4>blocked", "rows"]),
+    ("nhwc", 4, 64, 13, 30, ["vec4", "rows", "rows>nhwc", "rows>blocked"]),
     ("nhwc", 4, 32, 9, 10, ["rows", "rows>nhwc"]),
     ("nhwc", 4, 16, 22, 18, ["vec4"]),
     ("nhwc", 2, 4, 6, 7, ["vec4", "vec4>nhwc"]),
@@ -628,25 +655,33 @@ def test_fused_pass_variants_match_scalar(rng, layout, pool, c, h, w, variants):
     y[...] = cp.asarray(y_host, dtype=cp.float32)
     bias, sign = to_gpu(rng.standard_normal(c), mixed(rng, c))
     results = {}
+    ext_shape = (n, c, h // pool, w // pool)
     for variant in ["scalar", *variants]:
-        ext_shape = (n, c, h // pool, w // pool)
-        if variant.endswith(">nhwc"):
-            ext = empty_in_layout(ext_shape, "nhwc")
-            ext[...] = cp.nan
-        else:
-            ext = poisoned(ext_shape)
-        kernel = pipelines._fused_pass_variant(y, pool, variant.removesuffix(">nhwc"))
-        partial, shift, _ = pipelines._pool_extremum_stats(
-            cp, y, ext, pool, bias=bias, sign_a=sign, sign_b=None, shift_group=group,
-            per_sample=True, variant=kernel)
-        results[variant] = ext.get(), partial.get().sum(axis=2), shift.get()
+        kernel, _, ext_layout = variant.partition(">")
+        for block in ([4, group] if ext_layout == "blocked" else [None]):
+            if ext_layout == "nhwc":
+                ext = empty_in_layout(ext_shape, "nhwc")
+                ext[...] = cp.nan
+            else:
+                ext = poisoned(ext_shape)
+            partial, shift, _ = pipelines._pool_extremum_stats(
+                cp, y, ext, pool, bias=bias, sign_a=sign, sign_b=None, shift_group=group,
+                per_sample=True, variant=pipelines._fused_pass_variant(y, pool, kernel),
+                ext_block=block)
+            ext = ext.get()
+            if block:  # (N, C / block, P, block) memory -> NCHW
+                ext = (ext.reshape(n, c // block, -1, block).transpose(0, 1, 3, 2)
+                       .reshape(ext_shape))
+            results[variant if block in (None, 4) else f"{variant} {block}"] = (
+                ext, partial.get().sum(axis=2), shift.get())
     ext_s, sums_s, shift_s = results["scalar"]
     assert not np.isnan(ext_s).any()
     d = (y.get().astype(np.float64) + bias.get()[:, None, None]
          - np.repeat(shift_s.reshape(n, -1), group, axis=1)[:, :, None, None])
     assert_close(sums_s[..., 0], d.sum(axis=(2, 3)), 1e-5)
     assert_close(sums_s[..., 1], (d * d).sum(axis=(2, 3)), 1e-5)
-    for variant in variants:
+    assert len(results) == 1 + len(variants) + sum(v.endswith(">blocked") for v in variants)
+    for variant in set(results) - {"scalar"}:
         ext_v, sums_v, shift_v = results[variant]
         assert np.array_equal(ext_v, ext_s), variant
         assert np.array_equal(shift_v, shift_s), variant

@@ -114,6 +114,15 @@ __device__ __forceinline__ void row_col(int p, int width, float inv_width, int& 
     col = p - row * width;
 }
 
+// Offset of value (n, c, p) in a channels-last tensor of C channels and P positions stored in
+// blocks of `block` channels, (N, C / block, P, block). block = C is plain channels-last
+// (N, P, C); block = a GroupNorm group's channel count puts each (n, group) row on the bytes
+// that the row has in NCHW, so a pass that turns one layout into the other can run in place.
+__device__ __forceinline__ index_t blocked_channels_last(index_t n, int c, index_t p, int C,
+                                                         index_t P, int block) {
+    return (n * C + c / block * block) * P + p * block + c % block;
+}
+
 // VEC (1 or 4) consecutive floats p[VEC * i ...] in the first VEC lanes of a float4 (VEC = 4:
 // one 16-byte access, p 16-byte aligned). No __ldg: callers may write where they read.
 template <int VEC>

@@ -364,19 +364,21 @@ __global__ void group_norm_rows(const float* x, float* y, const float* __restric
                  mean, rstd);
 }
 
-// group_norm_rows (PRE, CACHE) for x stored channels-last, (N, HW, C), the output NCHW: pipeline
-// B's pooled extrema, which its channels-last fused pass writes with 16-byte stores. Each
-// thread reads 16-byte quads of the group's channels (Cg / 4 dividing 32, so a thread's quad
-// is fixed: its pre_a, pre_b are loaded once) and scatters them into the cached row in NCHW
-// order; the normalize step is normalize_cached_row's (HW >= 32) or GroupNormRow's. Needs
-// C % 4 == 0 and x 16-byte aligned.
+// group_norm_rows (PRE, CACHE) for x stored channels-last in blocks of `block` channels
+// (blocked_channels_last: block = C is (N, HW, C)), the output NCHW: pipeline B's pooled
+// extrema, which its channels-last fused pass writes with 16-byte stores. Each thread reads
+// 16-byte quads of the group's channels (Cg / 4 dividing 32, so a thread's quad is fixed: its
+// pre_a, pre_b are loaded once) and scatters them into the cached row in NCHW order; the
+// normalize step is normalize_cached_row's (HW >= 32) or GroupNormRow's. Needs C % 4 == 0, a
+// block of whole groups and x 16-byte aligned. With block = Cg a row has the same bytes in x
+// as in y, and x may equal y: the block reads its whole row before it writes (no __ldg).
 template <int PRE, int VEC>
-__global__ void group_norm_rows_from_nhwc(const float* __restrict__ x, float* __restrict__ y,
+__global__ void group_norm_rows_from_nhwc(const float* x, float* y,
                                           const float* __restrict__ pre_a,
                                           const float* __restrict__ pre_b,
                                           const float* __restrict__ gamma,
                                           const float* __restrict__ beta, int C, int G, int HW,
-                                          float eps) {
+                                          float eps, int block) {
     extern __shared__ float4 cache[];
     float* row_cache = reinterpret_cast<float*>(cache);
     __shared__ float2 scratch[32];
@@ -393,8 +395,9 @@ __global__ void group_norm_rows_from_nhwc(const float* __restrict__ x, float* __
         a[k] = param_or(pre_a, cq + k, 1.0f);
         b[k] = param_or(pre_b, cq + k, 0.0f);
     }
-    const float* xs = x + n * HW * C + cq;
-    const float shift = Row::pre_map(pre_a, pre_b, gn.c0, x[n * HW * C + gn.c0]);
+    const float* xs = x + blocked_channels_last(n, cq, 0, C, HW, block);
+    const float shift =
+        Row::pre_map(pre_a, pre_b, gn.c0, x[blocked_channels_last(n, gn.c0, 0, C, HW, block)]);
     float s1 = 0.0f, s2 = 0.0f;
     // Positions p = threadIdx.x / quads + lanes * i, UNROLL loads in flight (8 measured
     // slower on B: 72 registers, 3 blocks per SM instead of 4).
@@ -404,7 +407,7 @@ __global__ void group_norm_rows_from_nhwc(const float* __restrict__ x, float* __
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u)
             if (p0 + u * lanes < HW)
-                v[u] = __ldg(reinterpret_cast<const float4*>(xs + (p0 + u * lanes) * C));
+                v[u] = *reinterpret_cast<const float4*>(xs + (p0 + u * lanes) * block);
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const int p = p0 + u * lanes;

@@ -214,6 +214,8 @@ __device__ __forceinline__ void write_staged_extrema(const float (&stage)[ROWS][
 // shift is the first element of the statistics row: y + bias at (shift_per_sample ? n : 0, first
 // channel of c's group of shift_group channels, 0, 0), stored in shift_out[row]. It keeps the
 // float32 sums accurate when |mean| >> std, and all partials of a row share it.
+// ext_block is for the variants that may store ext channels-last (see below): the channels
+// per block of that layout (blocked_channels_last); the others ignore it.
 // Block (32, 8). NCHW: x lanes walk pooled columns (coalesced rows), y lanes channels.
 // Channels-last: x lanes walk channels (coalesced), y lanes pooled positions.
 // K > 0 fixes the window at compile time so that its K*K loads are unrolled and all in flight
@@ -229,7 +231,7 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
                                     float2* __restrict__ partial, float* __restrict__ shift_out,
                                     int C, int H, int W, int k_runtime, int Ho, int Wo, int splits,
                                     int c_tiles, index_t sn, index_t sc, int sh, int sw,
-                                    int shift_group, int shift_per_sample) {
+                                    int shift_group, int shift_per_sample, int ext_block) {
     // U positions per iteration, all their window loads issued before any is used: enough
     // independent loads in flight to cover memory latency (a 2x2 window is only 4 values).
     constexpr int KK = K > 0 ? K * K : 1;
@@ -354,7 +356,7 @@ __global__ void __launch_bounds__(256, 3) pool_extremum_stats_nchw_bands(
         const float* __restrict__ sign_a, const float* __restrict__ sign_b,
         float* __restrict__ ext, float2* __restrict__ partial, float* __restrict__ shift_out,
         int C, int H, int W, int k_runtime, int Ho, int Wo, int splits, int c_tiles, index_t sn,
-        index_t sc, int sh, int sw, int shift_group, int shift_per_sample) {
+        index_t sc, int sh, int sw, int shift_group, int shift_per_sample, int ext_block) {
     constexpr int V = 10;  // float4 per lane and chunk: 40 registers, 5 KB of shared memory
     __shared__ float4 chunk_buf[8][32 * V];
     const SampleBlock block = sample_block_last_first(splits, c_tiles);
@@ -450,9 +452,10 @@ __global__ void __launch_bounds__(256, 3) pool_extremum_stats_nchw_bands(
 // issue-bound: SM ~70 %, DRAM ~40 %). Block (32, 8) per (n, 32-channel tile, split): bits 0-2
 // of threadIdx.x pick the channel quad, the other bits and threadIdx.y one of 32 position
 // lanes. Same arguments and outputs as pool_extremum_stats (k_runtime and sc unused), except
-// that with EXT_CHANNELS_LAST ext is contiguous channels-last, (N, Ho, Wo, C), 16-byte
+// that with EXT_CHANNELS_LAST ext is contiguous channels-last in blocks of ext_block channels
+// (blocked_channels_last; ext_block = C: (N, Ho, Wo, C)), ext_block % 4 == 0, 16-byte
 // aligned: each thread stores its 4 pooled values as one float4, with no staging barrier
-// (pipeline B's GroupNorm reads it channels-last). At most 128 registers: two blocks per SM,
+// (pipeline B's GroupNorm reads it so, in place). At most 128 registers: two blocks per SM,
 // so one block's staging barrier does not idle the SM.
 template <int K, bool EXT_CHANNELS_LAST>
 __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float* __restrict__ y,
@@ -463,7 +466,7 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
                                           float* __restrict__ shift_out, int C, int H, int W,
                                           int k_runtime, int Ho, int Wo, int splits, int c_tiles,
                                           index_t sn, index_t sc, int sh, int sw,
-                                          int shift_group, int shift_per_sample) {
+                                          int shift_group, int shift_per_sample, int ext_block) {
     constexpr int KK = K * K;
     // Positions per thread and iteration: 8-16 loads of 16 bytes in flight. Without the
     // staging buffer 4 fit in 128 registers (B: 0.102 ms vs 0.108 for 2, 0.104 for 3).
@@ -526,7 +529,8 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
             }
             if (EXT_CHANNELS_LAST) {
                 if (active && p < p_end)
-                    reinterpret_cast<float4*>(ext)[((n * P + p) * C + c0) / 4] = make_float4(
+                    *reinterpret_cast<float4*>(ext + blocked_channels_last(
+                        n, c0, p, C, P, ext_block)) = make_float4(
                         quad_stats.pooled(e[0], 0), quad_stats.pooled(e[1], 1),
                         quad_stats.pooled(e[2], 2), quad_stats.pooled(e[3], 3));
             } else {  // stage the extrema; written position-contiguous below (coalesced)
@@ -573,7 +577,8 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
 // needs C / 4 to divide 32, T >= 1, and 16-byte alignment. The lanes of one channel quad
 // combine their extrema and sums through shuffles. Block (32, 8), grid N * splits, all C
 // channels per block (c_tiles = 1); same arguments and outputs as pool_extremum_stats, except
-// that with EXT_CHANNELS_LAST ext is contiguous channels-last (N, Ho, Wo, C), 16-byte aligned:
+// that with EXT_CHANNELS_LAST ext is contiguous channels-last in blocks of ext_block channels
+// (blocked_channels_last; ext_block % 4 == 0), 16-byte aligned:
 // the first C / 4 lanes store a position's extrema as float4, with no staging barrier.
 template <int K, int T, bool EXT_CHANNELS_LAST>
 __global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_rows(
@@ -581,7 +586,7 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_rows(
         const float* __restrict__ sign_a, const float* __restrict__ sign_b,
         float* __restrict__ ext, float2* __restrict__ partial, float* __restrict__ shift_out,
         int C, int H, int W, int k_runtime, int Ho, int Wo, int splits, int c_tiles, index_t sn,
-        index_t sc, int sh, int sw, int shift_group, int shift_per_sample) {
+        index_t sc, int sh, int sw, int shift_group, int shift_per_sample, int ext_block) {
     // Positions per warp and iteration, U * K * T loads in flight. Without the staging
     // barrier one is best (A: 0.150 ms; 2: 0.156, 3: 0.207; staged NCHW extrema: 0.177).
     constexpr int U = EXT_CHANNELS_LAST ? 1 : 2;
@@ -648,7 +653,8 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_rows(
             if (lane < quads) {
                 if (EXT_CHANNELS_LAST) {
                     if (p < p_end)
-                        reinterpret_cast<float4*>(ext)[((n * P + p) * C + c0) / 4] = make_float4(
+                        *reinterpret_cast<float4*>(ext + blocked_channels_last(
+                            n, c0, p, C, P, ext_block)) = make_float4(
                             quad_stats.pooled(e[0], 0), quad_stats.pooled(e[1], 1),
                             quad_stats.pooled(e[2], 2), quad_stats.pooled(e[3], 3));
                 } else {
