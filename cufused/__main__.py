@@ -60,7 +60,8 @@ def cmd_check(args) -> int:
             err = rel_err(out, ref)
             ok = err < tol.get(precision, 1e-5)
             failed += not ok
-            print(f"{case.name:<5} {path:<12} {precision:<9} {err:>11.3e}  {'ok' if ok else 'FAIL'}")
+            verdict = "ok" if ok else "FAIL"
+            print(f"{case.name:<5} {path:<12} {precision:<9} {err:>11.3e}  {verdict}")
     print("all checks passed" if not failed else f"{failed} check(s) FAILED")
     return 1 if failed else 0
 
@@ -183,8 +184,10 @@ def plot(result: dict, path: str) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cufused", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("check", help="run the three pipelines and compare with the float64 reference")
-    p.add_argument("--small", action="store_true", help="small shapes instead of the canonical ones")
+    p = sub.add_parser("check",
+                       help="run the three pipelines and compare with the float64 reference")
+    p.add_argument("--small", action="store_true",
+                   help="small shapes instead of the canonical ones")
     p.set_defaults(func=cmd_check)
     p = sub.add_parser("bench", help="time the pipelines against PyTorch eager and torch.compile")
     p.add_argument("--quick", action="store_true", help="small shapes")

@@ -842,7 +842,7 @@ def _choose(problem, convert_input, convert_output, accept_classes, tune, pins) 
     found = _pinned(strategies(problem, accept_classes or convert_output), pins)
     if not tune:  # the first strategy, in order, that builds
         found = [s for s in found if not s.bias_in_graph] or found
-    best, candidates = None, {}
+    best, best_score, candidates = None, float("inf"), {}
     for strategy in found:
         plan = _make_plan(problem, strategy, tune)
         if plan is None:
@@ -858,7 +858,7 @@ def _choose(problem, convert_input, convert_output, accept_classes, tune, pins) 
         plan.cost = _time_ms(call)
         candidates[strategy.label] = (plan.milliseconds, plan.cost)
         score = strategy_score(plan.cost, strategy, convert_input)
-        if best is None or score < best_score:
+        if score < best_score:
             best, best_call, best_score = plan, call, score
     if best is None:
         raise ValueError(f"cuDNN supports no plan for this convolution: {problem}")

@@ -86,7 +86,8 @@ def check_conv_args(x_shape, w_shape, nd: int, *, transposed: bool, stride, padd
     if any(s <= 0 for s in size):
         raise ValueError(
             f"the convolution output of {x_name} (shape {tuple(x_shape)}) would be empty: "
-            f"kernel {tuple(k)} with padding {padding}, dilation {dilation} is larger than the input"
+            f"kernel {tuple(k)} with padding {padding}, dilation {dilation} is larger than the "
+            "input"
         )
     return ConvArgs(transposed, stride, padding, output_padding, dilation, groups,
                     (n, out_channels, *size))
@@ -277,7 +278,7 @@ conv3d.__doc__ = """3-D convolution (cross-correlation), as ``torch.nn.functiona
     (1, 4, 3, 3, 3)
 """
 
-conv_transpose2d.__doc__ = """2-D transposed convolution, as ``torch.nn.functional.conv_transpose2d``.
+conv_transpose2d.__doc__ = """2-D transposed convolution, as PyTorch's ``conv_transpose2d``.
 
     On the GPU this is cuDNN's data-gradient convolution with the output shape set explicitly.
 """ + _COMMON_DOC.format(
@@ -295,7 +296,7 @@ conv_transpose2d.__doc__ = """2-D transposed convolution, as ``torch.nn.function
              [1., 2., 1.]]]])
 """
 
-conv_transpose3d.__doc__ = """3-D transposed convolution, as ``torch.nn.functional.conv_transpose3d``.
+conv_transpose3d.__doc__ = """3-D transposed convolution, as PyTorch's ``conv_transpose3d``.
 """ + _COMMON_DOC.format(
     xshape="(N, C_in, D, H, W)",
     wdesc="Shape (C_in, C_out / groups, kD, kH, kW) (PyTorch's layout).", extra=_OUTPAD,

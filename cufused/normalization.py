@@ -33,7 +33,8 @@ def check_num_groups(num_groups: Any, channels: int) -> int:
     if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral):
         raise TypeError(f"num_groups must be an int, got {type(num_groups).__name__}")
     if num_groups < 1 or channels % num_groups:
-        raise ValueError(f"num_groups={num_groups} must be positive and divide the {channels} channels")
+        raise ValueError(f"num_groups={num_groups} must be positive and divide the {channels} "
+                         "channels")
     return int(num_groups)
 
 
@@ -43,7 +44,8 @@ def finalize_threads(partials_per_row: int) -> int:
 
 
 def split_count(keys: int, elements_per_key: int) -> int:
-    """How many blocks share one statistics key: enough blocks overall, at least 1024 values each."""
+    """How many blocks share one statistics key: enough blocks overall, at least 1024 values
+    each."""
     want = -(-_TARGET_BLOCKS // max(keys, 1))
     return max(1, min(want, -(-elements_per_key // 1024)))
 
@@ -296,7 +298,8 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
         raise ValueError(f"activation must be None or 'tanh', got {activation!r}")
     training = bool(training)
     if training and x.shape[0] and x.size // c < 2:
-        raise ValueError(f"expected more than 1 value per channel when training, got x of shape {x.shape}")
+        raise ValueError("expected more than 1 value per channel when training, got x of "
+                         f"shape {x.shape}")
     if not training and (running_mean is None or running_var is None):
         raise ValueError("running_mean and running_var are required when training=False")
     check_out(out, x.shape, x.dtype, xp, x)

@@ -37,7 +37,8 @@ def conv(x, weight, bias, stride, padding, dilation, groups):
     n, c = x.shape[:2]
     o, k = weight.shape[0], weight.shape[2:]
     xp = np.pad(x, [(0, 0), (0, 0)] + [(p, p) for p in padding])
-    out_size = [(xp.shape[2 + i] - dilation[i] * (k[i] - 1) - 1) // stride[i] + 1 for i in range(nd)]
+    out_size = [(xp.shape[2 + i] - dilation[i] * (k[i] - 1) - 1) // stride[i] + 1
+                for i in range(nd)]
     xg = xp.reshape(n, groups, c // groups, *xp.shape[2:])
     wg = weight.reshape(groups, o // groups, c // groups, *k)
     out = np.zeros((n, groups, o // groups, int(np.prod(out_size))))

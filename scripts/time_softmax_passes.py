@@ -2,7 +2,8 @@
 
 The canonical C tf32 shape (32 x 64 channels x 32 * 64 * 64 positions, channels-last), clamp
 [0, 1], bias and scale: the statistics + finalize + normalize passes of ``softmax_rows``
-with the scalar kernels or the 16-byte ones. Median ms, CUDA events, L2 flushed, the variants in alternating rounds.
+with the scalar kernels or the 16-byte ones. Median ms, CUDA events, L2 flushed, the variants
+in alternating rounds.
 Usage: python scripts/time_softmax_passes.py
 """
 

@@ -67,11 +67,13 @@ def poisoned(shape):
 CONV_CASES = [
     # nd, transposed, x shape, w shape, options
     (2, False, (3, 5, 17, 13), (7, 5, 3, 3), dict(stride=1, padding=0)),
-    (2, False, (2, 6, 19, 23), (9, 2, 3, 5), dict(stride=(2, 1), padding=(1, 2), dilation=(1, 2), groups=3)),
+    (2, False, (2, 6, 19, 23), (9, 2, 3, 5),
+     dict(stride=(2, 1), padding=(1, 2), dilation=(1, 2), groups=3)),
     (2, False, (1, 3, 11, 11), (4, 3, 1, 1), dict(stride=3)),
     (3, False, (2, 4, 7, 9, 8), (6, 2, 3, 3, 3), dict(stride=2, padding=1, groups=2)),
     (2, True, (3, 6, 7, 11), (6, 5, 5, 5), dict(stride=1, padding=1)),
-    (2, True, (2, 4, 9, 7), (4, 3, 3, 4), dict(stride=(2, 3), padding=(1, 0), output_padding=(1, 2), groups=2)),
+    (2, True, (2, 4, 9, 7), (4, 3, 3, 4),
+     dict(stride=(2, 3), padding=(1, 0), output_padding=(1, 2), groups=2)),
     (2, True, (1, 3, 5, 5), (3, 2, 3, 3), dict(stride=2, dilation=2, output_padding=1)),
     (3, True, (2, 5, 4, 5, 3), (5, 7, 3, 3, 3), dict(stride=2, padding=1, output_padding=1)),
     (2, True, (2, 6, 8, 12), (6, 4, 4, 4), dict(stride=2, padding=1, groups=2)),

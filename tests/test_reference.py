@@ -30,7 +30,8 @@ CONV_CASES = [
     ("conv2d", (4, 2, 7, 11), (3, 2, 7, 11), {}),
     ("conv2d", (2, 3, 31, 29), (7, 3, 4, 4), dict(stride=2, padding=3, dilation=2)),
     ("conv3d", (2, 3, 5, 6, 7), (4, 3, 3, 3, 3), {}),
-    ("conv3d", (1, 4, 7, 5, 6), (6, 2, 2, 3, 1), dict(groups=2, stride=(1, 2, 1), padding=(1, 0, 1))),
+    ("conv3d", (1, 4, 7, 5, 6), (6, 2, 2, 3, 1),
+     dict(groups=2, stride=(1, 2, 1), padding=(1, 0, 1))),
     ("conv3d", (2, 2, 9, 9, 9), (3, 2, 3, 3, 3), dict(dilation=2, stride=2)),
     ("conv_transpose2d", (2, 3, 5, 7), (3, 4, 3, 3), {}),
     ("conv_transpose2d", (2, 4, 8, 8), (4, 8, 5, 5), dict(stride=1, padding=1)),
@@ -40,7 +41,8 @@ CONV_CASES = [
     ("conv_transpose2d", (3, 2, 7, 3), (2, 5, 2, 2), dict(stride=2, dilation=3, output_padding=2)),
     ("conv_transpose2d", (1, 1, 1, 1), (1, 1, 1, 1), {}),
     ("conv_transpose2d", (2, 3, 5, 6), (3, 2, 5, 5), dict(padding=2, dilation=(1, 2))),
-    ("conv_transpose3d", (2, 3, 3, 4, 5), (3, 4, 3, 3, 3), dict(stride=2, padding=1, output_padding=1)),
+    ("conv_transpose3d", (2, 3, 3, 4, 5), (3, 4, 3, 3, 3),
+     dict(stride=2, padding=1, output_padding=1)),
     ("conv_transpose3d", (1, 4, 2, 3, 2), (4, 2, 2, 3, 2),
      dict(groups=2, stride=(1, 2, 3), output_padding=(0, 1, 2))),
     ("conv_transpose3d", (2, 2, 3, 3, 3), (2, 3, 3, 3, 3), dict(dilation=2, padding=2)),
@@ -211,7 +213,8 @@ def args_b(rng, n=3, cin=4, h=6, w=5, cout=8, k=3, conv_groups=1):
             rng.standard_normal(cout))
 
 
-@pytest.mark.parametrize("opts", [dict(num_groups=2), dict(num_groups=4, stride=2, padding=1, output_padding=1),
+@pytest.mark.parametrize("opts", [dict(num_groups=2),
+                                  dict(num_groups=4, stride=2, padding=1, output_padding=1),
                                   dict(num_groups=8, groups=2, pool_kernel=3),
                                   dict(num_groups=1, eps=1e-3, momentum=0.5)])
 def test_pipeline_b(rng, opts):
@@ -251,7 +254,8 @@ def torch_c(x, w, scale, *, stride, padding, output_padding, pool_kernel, clamp_
 @pytest.mark.parametrize("opts", [
     dict(stride=2, padding=1, output_padding=1, pool_kernel=2, clamp_min=0.0, clamp_max=1.0),
     dict(stride=1, padding=0, output_padding=0, pool_kernel=3, clamp_min=-0.5, clamp_max=0.25),
-    dict(stride=2, padding=0, output_padding=1, pool_kernel=2, clamp_min=-2.0, clamp_max=2.0, groups=2),
+    dict(stride=2, padding=0, output_padding=1, pool_kernel=2, clamp_min=-2.0, clamp_max=2.0,
+         groups=2),
 ])
 def test_pipeline_c(rng, opts):
     g = opts.get("groups", 1)

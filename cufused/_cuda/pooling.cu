@@ -491,7 +491,9 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
     ChannelStats<4> quad_stats(y, bias, sign_a, sign_b, shift_out, cc0, n, sn, 1, C,
                                shift_group, shift_per_sample, active && split == 0 && lane == 0);
     const float* plane = y + n * sn + cc0;
-    auto load4 = [&](int offset) { return __ldcs(reinterpret_cast<const float4*>(plane + offset)); };
+    auto load4 = [&](int offset) {
+        return __ldcs(reinterpret_cast<const float4*>(plane + offset));
+    };
     auto take = [&](float4 v) { quad_stats.take(v); };
     for (int base = p_begin; base < p_end; base += SPAN) {  // same trip count for the block
         float4 v[U][KK];
