@@ -99,18 +99,21 @@ def format_table(result: dict) -> str:
              "median ms, L2 flushed; speedup = PyTorch time / cufused fused time",
              f"{'case':<4} {'prec':<5} {'fused':>7} {'unfused':>8} {'eager':>7} {'compile':>8} "
              f"{'xeager':>7} {'xcompile':>8} {'conv':>6} {'post':>6} "
-             f"{'postfloor':>9} {'floor':>6} {'/floor':>6}  conv strategy"]
+             f"{'postfloor':>9} {'post/pf':>7} {'floor':>6} {'/floor':>6}  conv strategy"]
     for r in result["rows"]:
         def f(key, fmt="7.3f"):
             return format(r[key], fmt) if key in r else "-".rjust(int(fmt.split(".")[0]))
         xe = r["torch_eager"] / r["fused"] if "torch_eager" in r else float("nan")
         xc = r["torch_compile"] / r["fused"] if "torch_compile" in r else float("nan")
+        post = r["fused"] - r["conv"]
+        # How the plan's warm calls ran (older results do not say).
+        calls = f" ({r['conv_calls']})" if "conv_calls" in r else ""
         lines.append(
             f"{r['case']:<4} {r['precision']:<5} {f('fused')} {f('unfused', '8.3f')} "
             f"{f('torch_eager')} {f('torch_compile', '8.3f')} {xe:7.2f} {xc:8.2f} "
-            f"{r['conv']:6.3f} {r['fused'] - r['conv']:6.3f} "
-            f"{r['post_floor']:9.3f} {r['floor']:6.3f} {r['fused'] / r['floor']:6.2f}  "
-            f"{r['conv_layout']}")
+            f"{r['conv']:6.3f} {post:6.3f} {r['post_floor']:9.3f} "
+            f"{post / r['post_floor']:7.2f} {r['floor']:6.3f} {r['fused'] / r['floor']:6.2f}  "
+            f"{r['conv_layout']}{calls}")
     lines += ["", "convolutions alone (ms): cufused plan as the pipeline runs it (NCHW input "
               "where the pipeline gets one) and for an input in any layout (free), cufused public "
               "call (NCHW in/out) and PyTorch's, without / with a bias",

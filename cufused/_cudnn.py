@@ -541,6 +541,12 @@ class ConvPlan:
         return self.strategy.x_layout
 
     @property
+    def replays(self) -> bool:
+        """Whether warm calls replay a captured CUDA graph; False where they go to cuDNN
+        directly (the autotuner measured that faster, see ``_decide_replay``)."""
+        return self._replays is not None
+
+    @property
     def layout(self) -> str:
         """The layout of the output as written: "nchw", "nhwc" or "classes"."""
         return self.strategy.y_layout

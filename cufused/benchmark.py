@@ -337,6 +337,7 @@ def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_e
             row = timer.compare(fns)
         row.setdefault("conv_free", row["conv"])
         row.update(case=case.name, precision=precision, conv_layout=plan.strategy.label,
+                   conv_calls="replayed" if plan.replays else "direct",
                    conv_free_layout=free_plan.strategy.label)
         rows.append(row)
         operands = free_operands = None

@@ -102,19 +102,19 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_input: boo
     a channels-last view for "nhwc", or class blocks of shape (P, N, C, *M) for "classes",
     which only a caller passing ``accept_classes`` gets) for a fused kernel to read, and
     ``bias`` must be None. With ``convert_input=False`` the caller promises ``x`` is already
-    in the layout of :func:`gpu_conv_layout`.
+    in the input layout of the plan :func:`gpu_conv_plan` returns.
     """
     plan = _plan(x.shape, weight.shape, args, precision, bias is not None, convert_input,
                  convert_output, accept_classes)
     return plan.apply(x, weight, bias=bias, out=out, convert_output=convert_output)
 
 
-def gpu_conv_layout(x_shape, w_shape, args: ConvArgs, precision: str, *,
-                    convert_input: bool, convert_output: bool,
-                    accept_classes: bool = False) -> str:
-    """The memory layout the cached cuDNN plan of this problem wants its input in."""
+def gpu_conv_plan(x_shape, w_shape, args: ConvArgs, precision: str, *,
+                  convert_input: bool, convert_output: bool, accept_classes: bool = False):
+    """The cached cuDNN plan of this problem (no bias), for a caller that puts the input in
+    the plan's ``x_layout`` itself before calling its ``apply``."""
     return _plan(x_shape, w_shape, args, precision, False, convert_input, convert_output,
-                 accept_classes).x_layout
+                 accept_classes)
 
 
 def _plan(x_shape, w_shape, args: ConvArgs, precision: str, bias: bool, convert_input: bool,

@@ -34,7 +34,7 @@ from ._cuda import get_kernel, optional
 from ._precision import resolve_precision
 from ._cudnn import empty_in_layout, stored_in, transpose_channels
 from .convolution import (cached_conv_args, conv2d, conv_on_gpu, conv_transpose2d,
-                          conv_transpose3d, gpu_conv_layout)
+                          conv_transpose3d, gpu_conv_plan)
 from .normalization import (_affine_apply, batch_norm, bn_coefficients, check_num_groups,
                             check_running_buffer, finalize_threads, group_norm,
                             group_rows_fit_channels_last, launch_group_norm_rows,
@@ -551,13 +551,12 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
         xp.minimum(xp.maximum(y, lo), hi, out=y)
         y = softmax(y, axis=(2, 3, 4), out=y)
         return xp.multiply(y, scale.reshape(1, c, 1, 1, 1), out=out)
-    layout = gpu_conv_layout(pooled_shape, weight.shape, args, precision, convert_input=False,
-                             convert_output=False, accept_classes=True)
+    plan = gpu_conv_plan(pooled_shape, weight.shape, args, precision, convert_input=False,
+                         convert_output=False, accept_classes=True)
     # The pool writes the conv input straight into the plan's input layout.
-    x_pooled = empty_in_layout(pooled_shape, layout)
+    x_pooled = empty_in_layout(pooled_shape, plan.x_layout)
     pool_into(xp.ascontiguousarray(x), x_pooled, (k, k, k), (k, k, k), (0, 0, 0), is_max=False)
-    y, layout = conv_on_gpu(x_pooled, weight, args, precision, convert_input=False,
-                            convert_output=False, accept_classes=True, out=out)
+    y, layout = plan.apply(x_pooled, weight, out=out, convert_output=False)
     strides = [s // y.itemsize for s in y.strides]
     length = shape[2] * shape[3] * shape[4]
     softmax_rows(xp, y, out, shape[0] * c, length, c, (strides[0], strides[1], strides[-1]),

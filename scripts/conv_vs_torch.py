@@ -38,7 +38,7 @@ def main(rounds):
             lo, hi = numpy.percentile(medians, [2.5, 97.5])
             plans = [p for k, p in _cudnn._plans.items()
                      if k[1].x_shape == x.shape and k[1].precision == precision]
-            how = ", ".join(f"{p.strategy.label} {'direct' if p._replays is None else 'replayed'}"
+            how = ", ".join(f"{p.strategy.label} {'replayed' if p.replays else 'direct'}"
                             for p in plans)
             print(f"{case.name} {precision} ({how}): cufused {numpy.median(t['cufused']):.3f} ms, "
                   f"torch {numpy.median(t['torch']):.3f} ms; torch/cufused per round: median "

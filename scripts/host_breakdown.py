@@ -40,7 +40,7 @@ def main(names, calls=50):
                  "conv_transpose2d_batchnorm_tanh_maxpool_groupnorm",
                  "conv_transpose3d_avgpool_clamp_softmax_multiply"):
         traced(cufused, name)
-    for name in ("conv_on_gpu", "gpu_conv_layout", "pool_into", "_fused_pass_variant",
+    for name in ("conv_on_gpu", "gpu_conv_plan", "pool_into", "_fused_pass_variant",
                  "_pool_extremum_stats", "bn_coefficients", "launch_group_norm_rows",
                  "softmax_rows", "group_stats_coefficients", "_affine_apply"):
         if hasattr(pipelines, name):

@@ -84,7 +84,7 @@ def main(names, touch_gib=0.0, trace=False):
         ms = timer.compare(calls)
         print(f"{case.name} {precision}: fused {ms['fused']:.3f} conv {ms['conv']:.3f} "
               f"post {ms['fused'] - ms['conv']:.3f} ms ({plan.strategy.label}, "
-              f"{'direct calls' if plan._replays is None else 'replayed'}); host "
+              f"{'replayed' if plan.replays else 'direct calls'}); host "
               f"{numpy.median(host):.0f} us/call", flush=True)
         if trace:
             first, between, busy = call_timeline(call, timer._flush, other)

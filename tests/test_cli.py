@@ -64,6 +64,8 @@ def test_bench_table_and_plot_from_committed_result(tmp_path, name):
     assert len(rows) == 2 * len(result["rows"])  # pipeline rows and convolution rows
     first = result["rows"][0]
     assert f"{first['torch_eager'] / first['fused']:.2f}" in rows[0]
+    post_ratio = (first["fused"] - first["conv"]) / first["post_floor"]
+    assert f"{post_ratio:7.2f} " in rows[0]
     pytest.importorskip("matplotlib")
     plot(result, str(tmp_path / "bench.png"))
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
