@@ -485,6 +485,12 @@ class _Part:
                                          self.plan_index, handle=handle)
 
 
+def operand_key(a) -> tuple:
+    """What a captured graph depends on in an operand: its address, shape, strides and dtype
+    (one buffer is routinely handed out again holding another layout or shape)."""
+    return a.data.ptr, a.shape, a.strides, a.dtype.char
+
+
 @functools.cache
 def _graph_buffer_pool():
     """The memory pool of the buffers that captured plan graphs keep."""
@@ -618,8 +624,8 @@ class ConvPlan:
 
     def _launch(self, kind: str, operands, buffers, work) -> None:
         """``work(buffers())`` on the current stream, or the replay of its CUDA graph: the
-        graph for (``kind``, the stream, the operands' pointers) once these have been seen
-        before, captured with buffers of its own that it keeps (``buffers`` allocates them;
+        graph for (``kind``, the device, the stream, each operand's address, shape, strides
+        and dtype) once these have been seen before, captured with buffers of its own that it keeps (``buffers`` allocates them;
         ``work`` must not allocate)."""
         replay = self._replay(kind, operands, buffers, work)
         if replay is not None:
@@ -639,7 +645,8 @@ class ConvPlan:
                 return None
         except Exception:  # noqa: BLE001 - the query is illegal during some global captures
             return None
-        key = (kind, stream.ptr, *(0 if a is None else a.data.ptr for a in operands))
+        key = (kind, cupy.cuda.runtime.getDevice(), stream.ptr,
+               *(None if a is None else operand_key(a) for a in operands))
         replay = self._replays.get(key)
         if replay is not None:
             return replay
@@ -716,7 +723,7 @@ class ConvPlan:
             elif add_bias:
                 add_channel_bias(y, bias)
 
-        self._launch("apply", (x, w, bias, result), buffers, work)
+        self._launch(("apply", convert_output), (x, w, bias, result), buffers, work)
         if out is not None and result is not out and layout == "nchw":
             out[...] = result  # a misaligned out
             result = out
