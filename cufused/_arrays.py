@@ -195,7 +195,7 @@ def ntuple(value: Any, n: int, name: str, *, minimum: int) -> tuple[int, ...]:
 
 def check_writeable(value: Any, name: str) -> None:
     """An array that the call writes must be writeable (a read-only NumPy view is not)."""
-    if value is not None and not value.flags.writeable:
+    if value is not None and not getattr(value.flags, "writeable", True):  # CuPy: always
         raise ValueError(f"{name} is read-only")
 
 
