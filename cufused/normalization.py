@@ -154,7 +154,7 @@ def _group_norm_gpu(cupy, x, num_groups, weight, bias, eps, out):
         (partial, shift, numpy.int64(1), numpy.int64(0), numpy.int32(splits),
          numpy.float64(length), optional(weight), optional(bias), numpy.uint64(0), coef[0],
          coef[1], numpy.int32(c), numpy.int32(num_groups), numpy.float32(eps), numpy.int32(1),
-         numpy.uint64(0), numpy.uint64(0), numpy.uint64(0), numpy.float32(0)))
+         numpy.uint64(0), numpy.uint64(0), numpy.uint64(0), numpy.float32(0), numpy.uint64(0)))
     _affine_apply(cupy, x, out, coef[0], coef[1], hw, n * c, 0)
     return out
 
@@ -339,12 +339,13 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
 
 
 def bn_coefficients(cupy, x, weight, bias, running_mean, running_var, training, momentum, eps,
-                    *, partial=None, splits=None, mean_offset=None):
+                    *, partial=None, splits=None, mean_offset=None, moments=None):
     """Per-channel ``(a, b)`` (a (2, C) array) of BatchNorm's affine on the GPU.
 
     In training the batch statistics come from ``partial`` (shifted sums laid out
     ``[n][c][split]``, as the pipelines' fused pass writes them) or, without it, from a
     split reduction over contiguous ``x``; the running buffers are updated in place.
+    ``moments``, a (C, 2) float32 array, receives each channel's (mean, rstd).
     """
     n, c = x.shape[:2]
     hw = x.size // (n * c)
@@ -369,5 +370,5 @@ def bn_coefficients(cupy, x, weight, bias, running_mean, running_var, training, 
          numpy.float64(n * hw), optional(weight), optional(bias), numpy.uint64(0), coef[0],
          coef[1], numpy.int32(c), numpy.int32(c), numpy.float32(eps), numpy.int32(training),
          optional(running_mean), optional(running_var), optional(mean_offset),
-         numpy.float32(momentum)))
+         numpy.float32(momentum), optional(moments)))
     return coef

@@ -311,17 +311,25 @@ def conv2d_groupnorm_scale_maxpool_clamp(
         xp, y, ext, k, bias=conv_bias, sign_a=gn_weight, sign_b=scale, shift_group=cg,
         per_sample=True, variant=variant)
     coef = xp.empty((2, n * c), dtype=xp.float32)
+    moments = xp.empty((n * num_groups, 2), dtype=xp.float32)
     get_kernel("normalization.cu", "stats_finalize<0>")(
         (n * num_groups,), (finalize_threads(cg * splits),),
         (partial, shift, numpy.int64(1), numpy.int64(0), numpy.int32(cg * splits),
          numpy.float64(cg * h * w), optional(gn_weight), optional(gn_bias), optional(scale),
-         coef[0],
-         coef[1], numpy.int32(c), numpy.int32(num_groups), numpy.float32(eps), numpy.int32(1),
-         numpy.uint64(0), numpy.uint64(0), numpy.uint64(0), numpy.float32(0)))
+         coef[0], coef[1], numpy.int32(c), numpy.int32(num_groups), numpy.float32(eps),
+         numpy.int32(1), numpy.uint64(0), numpy.uint64(0), numpy.uint64(0), numpy.float32(0),
+         moments))
     if ext is out:
         _affine_apply(xp, out, out, coef[0], coef[1], pooled[0] * pooled[1], n * c, 2, lo, hi)
     else:
         transpose_channels(ext, out, to_channels_last=False, affine=(coef[0], coef[1], lo, hi))
+    sn, sc, sh, sw = (numpy.int64(st // y.itemsize) for st in y.strides)
+    get_kernel("pooling.cu", "pool_affine_nonfinite")(
+        (c,), (256,),
+        (y, optional(conv_bias), moments, optional(gn_weight), optional(gn_bias),
+         optional(scale), out, numpy.int32(n), numpy.int32(c), numpy.int32(num_groups),
+         numpy.int32(k), numpy.int32(pooled[0]), numpy.int32(pooled[1]), sn, sc, sh, sw,
+         numpy.float32(lo), numpy.float32(hi)))
     return out
 
 
@@ -468,9 +476,17 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     partial, shift, splits = _pool_extremum_stats(
         xp, y, out, k, bias=None, sign_a=bn_weight, sign_b=None, shift_group=1,
         per_sample=False, variant=variant, ext_block=ext_block)
+    moments = xp.empty((c, 2), dtype=xp.float32)
     coef = bn_coefficients(xp, y, bn_weight, bn_bias, running_mean, running_var, True,
                            momentum, eps, partial=(partial, shift), splits=splits,
-                           mean_offset=conv_bias)
+                           mean_offset=conv_bias, moments=moments)
+    sn, sc, sh, sw = (numpy.int64(st // y.itemsize) for st in y.strides)
+    get_kernel("pooling.cu", "pool_bn_tanh_nonfinite")(
+        (c,), (256,),
+        (y, optional(conv_bias), moments, optional(bn_weight), optional(bn_bias), coef[0],
+         coef[1], out, numpy.int32(x.shape[0]), numpy.int32(c), numpy.int32(k),
+         numpy.int32(pooled[0]),
+         numpy.int32(pooled[1]), sn, sc, sh, sw, numpy.int32(ext_block)))
     launch_group_norm_rows(out, out, num_groups, gn_weight, gn_bias, eps, pre=coef,
                            x_block=ext_block or None)
     return out
