@@ -810,6 +810,10 @@ def _make_plan(problem: ConvProblem, strategy: Strategy, tune: bool) -> ConvPlan
                     max(p.workspace_size for p in parts))
 
 
+class UnsupportedConvolution(ValueError):
+    """No cuDNN plan computes this convolution (the caller may take another route)."""
+
+
 def _pinned(found: list[Strategy], pins) -> list[Strategy]:
     if pins is None:
         return found
@@ -832,16 +836,20 @@ def conv_plan(problem: ConvProblem, *, convert_input: bool, convert_output: bool
     tune, pins = _config["autotune"], _config["pins"]
     key = (cupy.cuda.runtime.getDevice(), problem, convert_input, convert_output,
            accept_classes, tune, pins)
-    plan = _plans.get(key)
-    if plan is not None:
-        return plan
-    with _plans_lock:
-        plan = _plans.get(key)
-        if plan is not None:
-            return plan
-        plan = _choose(problem, convert_input, convert_output, accept_classes, tune, pins)
-        _plans[key] = plan
-        return plan
+    plan = _plans.get(key, False)
+    if plan is False:
+        with _plans_lock:
+            plan = _plans.get(key, False)
+            if plan is False:
+                try:
+                    plan = _choose(problem, convert_input, convert_output, accept_classes, tune,
+                                   pins)
+                except UnsupportedConvolution:
+                    plan = None  # remembered: the search is not repeated on every call
+                _plans[key] = plan
+    if plan is None:
+        raise UnsupportedConvolution(f"cuDNN supports no plan for this convolution: {problem}")
+    return plan
 
 
 def strategy_score(cost: float, strategy: Strategy, convert_input: bool) -> float:
@@ -874,7 +882,7 @@ def _choose(problem, convert_input, convert_output, accept_classes, tune, pins) 
         if score < best_score:
             best, best_call, best_score = plan, call, score
     if best is None:
-        raise ValueError(f"cuDNN supports no plan for this convolution: {problem}")
+        raise UnsupportedConvolution(f"cuDNN supports no plan for this convolution: {problem}")
     best.candidates = candidates
     # Also for a plan whose output feeds a fused pass: with the argument checks at ~40 us the
     # pipeline's head start still hides a direct call's host work (B ieee's FFT plan, ~140 us

@@ -121,9 +121,47 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_input: boo
     ``bias`` must be None. With ``convert_input=False`` the caller promises ``x`` is already
     in the input layout of the plan :func:`gpu_conv_plan` returns.
     """
-    plan = _plan(x.shape, weight.shape, args, precision, bias is not None, convert_input,
-                 convert_output, accept_classes)
+    from ._cudnn import UnsupportedConvolution
+
+    try:
+        plan = _plan(x.shape, weight.shape, args, precision, bias is not None, convert_input,
+                     convert_output, accept_classes)
+    except UnsupportedConvolution:
+        if not args.transposed:
+            raise
+        return _transposed_as_forward(x, weight, args, precision, bias=bias, out=out), "nchw"
     return plan.apply(x, weight, bias=bias, out=out, convert_output=convert_output)
+
+
+def _transposed_as_forward(x, weight, args: ConvArgs, precision: str, *, bias=None, out=None):
+    """A transposed convolution that no cuDNN data-gradient plan computes, as a forward one:
+    the input spread out by the stride (zeros between its values) and padded by
+    ``dilation * (k - 1) - padding`` on each side (plus ``output_padding`` at the far end;
+    cropped where negative), convolved with the spatially flipped weight, in and out channels
+    swapped per group. The spread input costs stride**d times the input's memory."""
+    import cupy
+
+    nd = x.ndim - 2
+    n, c_in = x.shape[:2]
+    k = weight.shape[2:]
+    g = args.groups
+    before = [d * (kk - 1) - p for d, kk, p in zip(args.dilation, k, args.padding)]
+    after = [b + op for b, op in zip(before, args.output_padding)]
+    spread = [(s - 1) * st + 1 for s, st in zip(x.shape[2:], args.stride)]
+    full = [sp + max(b, 0) + max(a, 0) for sp, b, a in zip(spread, before, after)]
+    z = cupy.zeros((n, c_in, *full), dtype=cupy.float32)
+    z[(slice(None), slice(None), *(slice(max(b, 0), max(b, 0) + sp, st) for b, sp, st
+                                   in zip(before, spread, args.stride)))] = x
+    z = z[(slice(None), slice(None), *(slice(max(-b, 0), f - max(-a, 0)) for b, a, f
+                                       in zip(before, after, full)))]
+    c_out_g = weight.shape[1]
+    flipped = weight.reshape(g, c_in // g, c_out_g, *k).swapaxes(1, 2).reshape(
+        g * c_out_g, c_in // g, *k)[(Ellipsis, *(slice(None, None, -1),) * nd)]
+    forward = ConvArgs(False, (1,) * nd, (0,) * nd, (0,) * nd, args.dilation, g,
+                       args.out_shape)
+    y, _ = conv_on_gpu(cupy.ascontiguousarray(z), cupy.ascontiguousarray(flipped), forward,
+                       precision, out=out, bias=bias)
+    return y
 
 
 def gpu_conv_plan(x_shape, w_shape, args: ConvArgs, precision: str, *,

@@ -33,7 +33,7 @@ from ._arrays import (Size, check_float_dtype, check_ndim, check_out, check_requ
                       per_channel, run_reference)
 from ._cuda import get_kernel, optional
 from ._precision import resolve_precision
-from ._cudnn import empty_in_layout, stored_in, transpose_channels
+from ._cudnn import UnsupportedConvolution, empty_in_layout, stored_in, transpose_channels
 from .convolution import (cached_conv_args, check_conv_memory, conv2d, conv_on_gpu,
                           conv_transpose2d, conv_transpose3d, gpu_conv_plan)
 from .normalization import (_affine_apply, batch_norm, bn_coefficients, check_num_groups,
@@ -600,12 +600,19 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
             return softmax(y, axis=(2, 3, 4), out=out)
         y = softmax(y, axis=(2, 3, 4), out=y)
         return xp.multiply(y, scale.reshape(1, c, 1, 1, 1), out=out)
-    plan = gpu_conv_plan(pooled_shape, weight.shape, args, precision, convert_input=False,
-                         convert_output=False, accept_classes=True)
-    # The pool writes the conv input straight into the plan's input layout.
-    x_pooled = empty_in_layout(pooled_shape, plan.x_layout)
-    pool_into(xp.ascontiguousarray(x), x_pooled, (k, k, k), (k, k, k), (0, 0, 0), is_max=False)
-    y, layout = plan.apply(x_pooled, weight, out=out, convert_output=False)
+    try:
+        plan = gpu_conv_plan(pooled_shape, weight.shape, args, precision, convert_input=False,
+                             convert_output=False, accept_classes=True)
+    except UnsupportedConvolution:  # conv_on_gpu's route for what no cuDNN plan computes
+        x_pooled = avg_pool3d(x, k)
+        y, layout = conv_on_gpu(x_pooled, weight, args, precision, out=out,
+                                convert_output=False)
+    else:
+        # The pool writes the conv input straight into the plan's input layout.
+        x_pooled = empty_in_layout(pooled_shape, plan.x_layout)
+        pool_into(xp.ascontiguousarray(x), x_pooled, (k, k, k), (k, k, k), (0, 0, 0),
+                  is_max=False)
+        y, layout = plan.apply(x_pooled, weight, out=out, convert_output=False)
     strides = [s // y.itemsize for s in y.strides]
     length = shape[2] * shape[3] * shape[4]
     softmax_rows(xp, y, out, shape[0] * c, length, c, (strides[0], strides[1], strides[-1]),
