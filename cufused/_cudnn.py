@@ -625,8 +625,8 @@ class ConvPlan:
     def _launch(self, kind: str, operands, buffers, work) -> None:
         """``work(buffers())`` on the current stream, or the replay of its CUDA graph: the
         graph for (``kind``, the device, the stream, each operand's address, shape, strides
-        and dtype) once these have been seen before, captured with buffers of its own that it keeps (``buffers`` allocates them;
-        ``work`` must not allocate)."""
+        and dtype) once these have been seen before, captured with buffers of its own that it
+        keeps (``buffers`` allocates them; ``work`` must not allocate)."""
         replay = self._replay(kind, operands, buffers, work)
         if replay is not None:
             replay()

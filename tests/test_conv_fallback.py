@@ -3,7 +3,6 @@ spread-out input (and the pipelines take that route too)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 import cufused
