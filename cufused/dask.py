@@ -111,7 +111,7 @@ def _check_params(params: dict[str, Any]) -> None:
     for name, value in params.items():
         if is_dask_collection(value):
             raise TypeError(
-                f"{name} is a {type(value).__name__}, a dask collection: pass it as a NumPy or "
+                f"{name} is a dask collection ({type(value).__name__}): pass it as a NumPy or "
                 f"CuPy array of the chunks' library ({name}.compute()); every chunk reads all "
                 "of it")
 
