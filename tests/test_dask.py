@@ -346,8 +346,17 @@ def test_bench_script_smoke_run_on_numpy_chunks(tmp_path):
 
 # --------------------------------------------------------------------------------- on the GPU
 
+@pytest.fixture
+def quick_plans():
+    """Heuristic cuDNN plans (no autotuning for each new chunk size) keep the tests fast."""
+    from cufused._cudnn import plan_options
+
+    with plan_options(autotune=False):
+        yield
+
+
 @pytest.fixture(params=[1, 4])
-def gpu_threads(request):
+def gpu_threads(request, quick_plans):
     """The threaded scheduler with one worker thread (one CUDA stream's order) or four."""
     with dask.config.set(scheduler="threads", num_workers=request.param):
         yield request.param
@@ -422,9 +431,10 @@ def test_gpu_batch_norm_and_blocks_threaded(rng, gpu_threads):
 
 
 @pytest.mark.gpu
-def test_gpu_pipelines_on_a_local_cuda_cluster(rng):
+def test_gpu_pipelines_on_a_local_cuda_cluster(rng, quick_plans):
     dask_cuda = pytest.importorskip("dask_cuda")
     distributed = pytest.importorskip("distributed")
     with dask_cuda.LocalCUDACluster(n_workers=1, dashboard_address=None) as local, \
             distributed.Client(local, set_as_default=False) as client:
+        client.run(cufused.set_conv_autotune, False)
         check_gpu_pipelines(rng, lambda arrays: dask.compute(*arrays, scheduler=client))
