@@ -45,7 +45,7 @@ try:
     import dask
     import dask.array as da
     from dask.array.utils import meta_from_array
-    from dask.base import is_dask_collection
+    from dask.base import is_dask_collection, tokenize
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("cufused.dask needs Dask: install cufused[dask] "
                       "(dask[array,distributed]; dask-cuda for GPU clusters)") from exc
@@ -116,6 +116,13 @@ def _check_params(params: dict[str, Any]) -> None:
                 "of it")
 
 
+def _key_name(label: str, *inputs: Any) -> str:
+    """A full key name for ``map_blocks``: a readable prefix and the hash of everything the
+    output depends on. (Dask's ``token=`` prefix is deprecated in some releases and ``name=``
+    is a prefix in some, a full name in others; a full unique name suits them all.)"""
+    return f"cufused-{label}-{tokenize(*inputs)}"
+
+
 def _map_chunks(func: Callable, x: Array, params: dict[str, Any], options: dict[str, Any],
                 empty=None) -> Array:
     """``func(chunk, *params.values(), **options)`` on every batch chunk of ``x``."""
@@ -124,9 +131,10 @@ def _map_chunks(func: Callable, x: Array, params: dict[str, Any], options: dict[
     _check_params({**params, **options})
     probe = func(empty, *params.values(), **options)  # checks everything, computes nothing
     chunks = (x.chunks[0],) + tuple((s,) for s in probe.shape[1:])
-    return da.map_blocks(functools.partial(func, **options), x, *params.values(),
-                         chunks=chunks, dtype=probe.dtype, meta=meta_from_array(probe),
-                         token=f"cufused-{func.__name__}")
+    task = functools.partial(func, **options)
+    return da.map_blocks(task, x, *params.values(), chunks=chunks, dtype=probe.dtype,
+                         meta=meta_from_array(probe),
+                         name=_key_name(func.__name__, task, x, *params.values()))
 
 
 # --------------------------------------------------------------------------------------------
@@ -462,9 +470,10 @@ def batch_norm(x: Array, weight: Any = None, bias: Any = None, *, running_mean: 
     blocks = x.to_delayed(optimize_graph=False).ravel()
     moments = [dask.delayed(_channel_moments, pure=True)(block) for block in blocks]
     stats = _batch_statistics(moments, running_mean, running_var, momentum, split_every)
-    out = da.map_blocks(functools.partial(_normalize, eps=eps, activation=activation), x,
-                        stats[0], stats[1], weight, bias, dtype=x.dtype,
-                        meta=meta_from_array(probe), token="cufused-batch_norm")
+    task = functools.partial(_normalize, eps=eps, activation=activation)
+    args = (x, stats[0], stats[1], weight, bias)
+    out = da.map_blocks(task, *args, dtype=x.dtype, meta=meta_from_array(probe),
+                        name=_key_name("batch_norm", task, *args))
     if return_running_stats:
         return (out,) + _running_results(stats, running_mean, running_var, empty)
     return out
@@ -790,11 +799,12 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
                                       meta=work_meta))
         moments.append(part)
     stats = _batch_statistics(moments, running_mean, running_var, momentum, split_every)
-    out = da.map_blocks(
-        functools.partial(_normalize_pooled, num_groups=num_groups, eps=eps, dtype=x.dtype),
-        da.concatenate(pooled, axis=0), stats[0], stats[1], bn_weight, bn_bias, gn_weight,
-        gn_bias, dtype=x.dtype, meta=meta_from_array(probe),
-        token="cufused-conv_transpose2d_batchnorm_tanh_maxpool_groupnorm")
+    task = functools.partial(_normalize_pooled, num_groups=num_groups, eps=eps, dtype=x.dtype)
+    args = (da.concatenate(pooled, axis=0), stats[0], stats[1], bn_weight, bn_bias, gn_weight,
+            gn_bias)
+    out = da.map_blocks(task, *args, dtype=x.dtype, meta=meta_from_array(probe),
+                        name=_key_name("conv_transpose2d_batchnorm_tanh_maxpool_groupnorm", task,
+                                       *args))
     if return_running_stats:
         return (out,) + _running_results(stats, running_mean, running_var, empty)
     return out
