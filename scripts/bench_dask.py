@@ -113,9 +113,6 @@ def bench_case(case, xp, params, x_shape, factor, precisions, repeat, threads, c
         if client is not None:
             rows[precision]["cluster"] = cluster_time(client, lazy, params, opts, total, n,
                                                       repeat)
-    del x, chunks, x_dask
-    if xp is not numpy:
-        xp.get_default_memory_pool().free_all_blocks()
     return rows
 
 
@@ -144,8 +141,6 @@ def cluster_time(client, lazy, params, opts, total, n, repeat) -> float:
         out = run()
         times.append(time.perf_counter() - start)
         del out
-    del x
-    client.run(lambda: cupy.get_default_memory_pool().free_all_blocks())
     return statistics.median(times)
 
 
@@ -238,6 +233,8 @@ def main(argv=None) -> int:
             params = [xp.asarray(v) for k, v in inputs.items() if k != "x"]
             rows = bench_case(case, xp, params, shape, args.factor, args.precisions,
                               args.repeat, args.threads, client)
+            if xp is not numpy:  # the case's arrays are gone: give their memory back
+                xp.get_default_memory_pool().free_all_blocks()
             for precision, times in rows.items():
                 result["rows"].append(dict(case=case.name, precision=precision,
                                            images=args.factor * shape[0], chunk=shape[0],
