@@ -172,8 +172,7 @@ def _channel_moments(y) -> tuple[int, Any, Any]:
     sums = partial.sum(axis=1, dtype=xp.float64)
     offset = sums[:, 0] / count
     m2 = sums[:, 1] - sums[:, 0] * offset
-    # Rounding can push M2 below 0; a NaN must stay NaN (maximum would keep it, but where is
-    # explicit about it).
+    # Rounding can push M2 below 0: clamp it, keeping a NaN (NaN < 0 is false).
     return count, shift.astype(xp.float64) + offset, xp.where(m2 < 0, 0.0, m2)
 
 
