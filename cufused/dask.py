@@ -203,13 +203,11 @@ def _finish_statistics(moments: tuple[int, Any, Any], running_mean, running_var,
     if count == 0:
         return mean, m2, _copy(running_mean), _copy(running_var)
     var = m2 / count
-    if running_mean is not None:
-        running_mean[...] = ((1.0 - momentum) * running_mean.astype(numpy.float64)
-                             + momentum * mean.reshape(running_mean.shape))
-    if running_var is not None:
-        unbiased = var * (count / (count - 1))  # count >= 2: checked with the graph
-        running_var[...] = ((1.0 - momentum) * running_var.astype(numpy.float64)
-                            + momentum * unbiased.reshape(running_var.shape))
+    unbiased = var * (count / (count - 1))  # count >= 2: checked with the graph
+    for buf, batch in ((running_mean, mean), (running_var, unbiased)):
+        if buf is not None:
+            buf[...] = ((1.0 - momentum) * buf.astype(numpy.float64)
+                        + momentum * batch.reshape(buf.shape)).astype(buf.dtype)
     return mean, var, _copy(running_mean), _copy(running_var)
 
 
@@ -660,8 +658,8 @@ def _flip_channels(xp, weight, conv_bias, bn_weight, groups: int, channels: int)
     """
     if bn_weight is None:
         return weight, conv_bias, None
-    sign = xp.where(per_channel(bn_weight, "bn_weight", channels, xp) < 0, -1.0, 1.0)
-    sign = sign.astype(weight.dtype)
+    negative = per_channel(bn_weight, "bn_weight", channels, xp) < 0
+    sign = 1 - 2 * negative.astype(weight.dtype)
     c_in, c_group = weight.shape[:2]
     flipped = (weight.reshape(groups, c_in // groups, c_group, -1)
                * sign.reshape(groups, 1, c_group, 1)).reshape(weight.shape)
