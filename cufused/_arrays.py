@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import sys
 from typing import Any, Union
 
@@ -44,6 +45,13 @@ def gpu_available() -> bool:
         return cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:  # noqa: BLE001 - no CuPy, no driver or no device
         return False
+
+
+def check_required(**arrays: Any) -> None:
+    """Raise ``TypeError`` naming the first of these required arrays that is ``None``."""
+    for name, value in arrays.items():
+        if value is None:
+            raise TypeError(f"{name} must be a numpy.ndarray or cupy.ndarray, got None")
 
 
 def get_array_module(**arrays: Any):
@@ -124,10 +132,15 @@ def per_channel(value: Any, name: str, channels: int, xp, *, allow_scalar: bool 
     if value is None:
         return None
     if allow_scalar and isinstance(value, numbers.Real) and not isinstance(value, bool):
-        check_scalar(value, name)
+        check_scalar(value, name, finite=False)
         return xp.full(channels, value, dtype=xp.float32 if xp is not numpy else numpy.float64)
+    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+        kinds = "an array or a real number" if allow_scalar else "an array"
+        raise TypeError(f"{name} must be {kinds}, got {type(value).__name__}")
     if value.shape == (channels,):  # the usual case: no reshaped view to create
         return xp.ascontiguousarray(value)
+    if allow_scalar and value.ndim == 0:  # a 0-d array: one value for every channel
+        return xp.ascontiguousarray(xp.broadcast_to(value.reshape(1), (channels,)))
     non_unit = [s for s in value.shape if s != 1]
     if value.size != channels or len(non_unit) > 1:
         raise ValueError(
@@ -138,12 +151,14 @@ def per_channel(value: Any, name: str, channels: int, xp, *, allow_scalar: bool 
 
 
 def check_scalar(value: Any, name: str, *, minimum: float | None = None,
-                 maximum: float | None = None, positive: bool = False) -> float:
-    """Check a real, finite scalar option and return it as ``float``."""
+                 maximum: float | None = None, positive: bool = False,
+                 finite: bool = True) -> float:
+    """Check a real scalar option (finite unless ``finite=False``) and return it as
+    ``float``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     value = float(value)
-    if not math.isfinite(value):
+    if finite and not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     if positive and value <= 0:
         raise ValueError(f"{name} must be > 0, got {value}")
@@ -159,7 +174,12 @@ def ntuple(value: Any, n: int, name: str, *, minimum: int) -> tuple[int, ...]:
     if type(value) is int:  # the common case, without the slower numbers.Integral checks
         items = (value,) * n
     else:
-        items = (value,) * n if isinstance(value, numbers.Integral) else tuple(value)
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            items = (value,) * n
+        elif isinstance(value, (tuple, list)):
+            items = tuple(value)
+        else:
+            raise TypeError(f"{name} must be an int or a sequence of {n} ints, got {value!r}")
         if len(items) != n or not all(
             type(v) is int or (isinstance(v, numbers.Integral) and not isinstance(v, bool))
             for v in items
@@ -168,11 +188,38 @@ def ntuple(value: Any, n: int, name: str, *, minimum: int) -> tuple[int, ...]:
         items = tuple(int(v) for v in items)
     if any(v < minimum for v in items):
         raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+    if any(v > MAX_OPTION for v in items):
+        raise ValueError(f"{name} must be at most {MAX_OPTION}, got {value!r}")
     return items
 
 
-def check_out(out: Any, shape: tuple[int, ...], dtype, xp, like: Any) -> None:
-    """``out=`` must match the result's shape, dtype and array library/device exactly."""
+def check_writeable(value: Any, name: str) -> None:
+    """An array that the call writes must be writeable (a read-only NumPy view is not)."""
+    if value is not None and not getattr(value.flags, "writeable", True):  # CuPy: always
+        raise ValueError(f"{name} is read-only")
+
+
+def _byte_span(a: Any) -> tuple[int, int]:
+    """The [first, last) byte addresses that array ``a`` touches."""
+    start = a.data.ptr if is_cupy_array(a) else a.__array_interface__["data"][0]
+    if a.size == 0:
+        return start, start
+    low = start + sum(s * (n - 1) for s, n in zip(a.strides, a.shape) if s < 0)
+    high = start + sum(s * (n - 1) for s, n in zip(a.strides, a.shape) if s > 0)
+    return low, high + a.itemsize
+
+
+def same_view(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are the same elements in the same order (exact aliasing)."""
+    return _byte_span(a)[0] == _byte_span(b)[0] and a.shape == b.shape and (
+        a.strides == b.strides)
+
+
+def check_out(out: Any, shape: tuple[int, ...], dtype, xp, like: Any, *,
+              inputs: dict[str, Any] | None = None, in_place: bool = False) -> None:
+    """``out=`` must match the result's shape, dtype and array library/device exactly, be
+    writeable, and share no memory with ``inputs`` (name -> array), except that with
+    ``in_place`` it may be exactly an input (an op that reads each value before writing it)."""
     if out is None:
         return
     get_array_module(out=out, x=like)
@@ -183,11 +230,60 @@ def check_out(out: Any, shape: tuple[int, ...], dtype, xp, like: Any) -> None:
         )
     if xp is not numpy and not out.flags.c_contiguous:
         raise ValueError("out must be C-contiguous")
+    check_writeable(out, "out")
+    low, high = _byte_span(out)
+    for name, value in (inputs or {}).items():
+        if value is None or not hasattr(value, "strides") or value.size == 0:
+            continue
+        v_low, v_high = _byte_span(value)
+        if v_low < high and low < v_high and not (in_place and same_view(out, value)):
+            allowed = " (only exactly the same array is allowed)" if in_place else ""
+            raise ValueError(f"out overlaps the memory of {name}{allowed}")
+
+
+#: The largest stride, padding, dilation or window size accepted (cuDNN and the kernels take
+#: them as 32-bit ints).
+MAX_OPTION = 2**31 - 1
+
+
+def _memory_limit(xp) -> int:
+    """Bytes of memory that one array may take: the current device's, or the host's."""
+    if xp is numpy:
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX host
+            return 2**63 - 1
+    device = xp.cuda.runtime.getDevice()
+    limit = _DEVICE_MEMORY.get(device)
+    if limit is None:
+        limit = _DEVICE_MEMORY[device] = xp.cuda.runtime.getDeviceProperties(device)[
+            "totalGlobalMem"]
+    return limit
+
+
+_DEVICE_MEMORY: dict[int, int] = {}
+
+
+def check_fits(shape: tuple[int, ...], xp, what: str) -> None:
+    """Raise ``ValueError`` before any work when an array of ``shape`` (float32 on the GPU,
+    float64 in the reference) could not fit in memory."""
+    nbytes = math.prod(shape) * (8 if xp is numpy else 4)
+    if nbytes > _memory_limit(xp):
+        raise ValueError(f"{what} would have shape {tuple(shape)} ({nbytes / 2**30:.3g} GiB), "
+                         "more than this machine's memory")
+
+
+def run_reference(fn, *args, **kwargs):
+    """Call a float64 reference function without NumPy's floating-point warnings (NaN and inf
+    inputs propagate silently, as in PyTorch)."""
+    with numpy.errstate(all="ignore"):
+        return fn(*args, **kwargs)
 
 
 def finish_numpy(result: numpy.ndarray, dtype, out: numpy.ndarray | None) -> numpy.ndarray:
     """Cast a float64 reference result to ``dtype`` and store it in ``out`` if given."""
-    if out is None:
-        return result.astype(dtype, copy=False)
-    out[...] = result
+    with numpy.errstate(all="ignore"):  # float64 values beyond float32 become inf silently
+        if out is None:
+            return result.astype(dtype, copy=False)
+        out[...] = result
     return out

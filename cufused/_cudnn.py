@@ -485,6 +485,12 @@ class _Part:
                                          self.plan_index, handle=handle)
 
 
+def operand_key(a) -> tuple:
+    """What a captured graph depends on in an operand: its address, shape, strides and dtype
+    (one buffer is routinely handed out again holding another layout or shape)."""
+    return a.data.ptr, a.shape, a.strides, a.dtype.char
+
+
 @functools.cache
 def _graph_buffer_pool():
     """The memory pool of the buffers that captured plan graphs keep."""
@@ -618,8 +624,8 @@ class ConvPlan:
 
     def _launch(self, kind: str, operands, buffers, work) -> None:
         """``work(buffers())`` on the current stream, or the replay of its CUDA graph: the
-        graph for (``kind``, the stream, the operands' pointers) once these have been seen
-        before, captured with buffers of its own that it keeps (``buffers`` allocates them;
+        graph for (``kind``, the device, the stream, each operand's address, shape, strides
+        and dtype) once these have been seen before, captured with buffers of its own that it keeps (``buffers`` allocates them;
         ``work`` must not allocate)."""
         replay = self._replay(kind, operands, buffers, work)
         if replay is not None:
@@ -639,7 +645,8 @@ class ConvPlan:
                 return None
         except Exception:  # noqa: BLE001 - the query is illegal during some global captures
             return None
-        key = (kind, stream.ptr, *(0 if a is None else a.data.ptr for a in operands))
+        key = (kind, cupy.cuda.runtime.getDevice(), stream.ptr,
+               *(None if a is None else operand_key(a) for a in operands))
         replay = self._replays.get(key)
         if replay is not None:
             return replay
@@ -716,7 +723,7 @@ class ConvPlan:
             elif add_bias:
                 add_channel_bias(y, bias)
 
-        self._launch("apply", (x, w, bias, result), buffers, work)
+        self._launch(("apply", convert_output), (x, w, bias, result), buffers, work)
         if out is not None and result is not out and layout == "nchw":
             out[...] = result  # a misaligned out
             result = out
@@ -803,6 +810,10 @@ def _make_plan(problem: ConvProblem, strategy: Strategy, tune: bool) -> ConvPlan
                     max(p.workspace_size for p in parts))
 
 
+class UnsupportedConvolution(ValueError):
+    """No cuDNN plan computes this convolution (the caller may take another route)."""
+
+
 def _pinned(found: list[Strategy], pins) -> list[Strategy]:
     if pins is None:
         return found
@@ -825,16 +836,20 @@ def conv_plan(problem: ConvProblem, *, convert_input: bool, convert_output: bool
     tune, pins = _config["autotune"], _config["pins"]
     key = (cupy.cuda.runtime.getDevice(), problem, convert_input, convert_output,
            accept_classes, tune, pins)
-    plan = _plans.get(key)
-    if plan is not None:
-        return plan
-    with _plans_lock:
-        plan = _plans.get(key)
-        if plan is not None:
-            return plan
-        plan = _choose(problem, convert_input, convert_output, accept_classes, tune, pins)
-        _plans[key] = plan
-        return plan
+    plan = _plans.get(key, False)
+    if plan is False:
+        with _plans_lock:
+            plan = _plans.get(key, False)
+            if plan is False:
+                try:
+                    plan = _choose(problem, convert_input, convert_output, accept_classes, tune,
+                                   pins)
+                except UnsupportedConvolution:
+                    plan = None  # remembered: the search is not repeated on every call
+                _plans[key] = plan
+    if plan is None:
+        raise UnsupportedConvolution(f"cuDNN supports no plan for this convolution: {problem}")
+    return plan
 
 
 def strategy_score(cost: float, strategy: Strategy, convert_input: bool) -> float:
@@ -867,7 +882,7 @@ def _choose(problem, convert_input, convert_output, accept_classes, tune, pins) 
         if score < best_score:
             best, best_call, best_score = plan, call, score
     if best is None:
-        raise ValueError(f"cuDNN supports no plan for this convolution: {problem}")
+        raise UnsupportedConvolution(f"cuDNN supports no plan for this convolution: {problem}")
     best.candidates = candidates
     # Also for a plan whose output feeds a fused pass: with the argument checks at ~40 us the
     # pipeline's head start still hides a direct call's host work (B ieee's FFT plan, ~140 us

@@ -1,18 +1,29 @@
-"""Process-wide float32 precision policy for the cuDNN convolutions."""
+"""The float32 precision policy of the convolutions: a process-wide default and a scoped
+override.
+
+:func:`set_default_precision` changes the default for every thread, like the
+``torch.backends`` flags; :func:`default_precision` overrides it inside a ``with`` block for
+the current thread (or asyncio task) only, through a context variable, so that concurrent
+code keeps its own setting.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 from collections.abc import Iterator
 
 PRECISIONS = ("ieee", "tf32")
 
-_default = contextvars.ContextVar("cufused_precision", default="ieee")
+_process_default = ["ieee"]
+_lock = threading.Lock()
+_override: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "cufused_precision_override", default=None)
 
 
 def _check(precision: str) -> str:
-    if precision not in PRECISIONS:
+    if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS} or None, got {precision!r}")
     return precision
 
@@ -23,7 +34,8 @@ def get_default_precision() -> str:
     Returns
     -------
     str
-        ``"ieee"`` (true float32, the initial default) or ``"tf32"``.
+        The innermost :func:`default_precision` block's precision in this thread, else the
+        process-wide default (``"ieee"`` until :func:`set_default_precision` changes it).
 
     Examples
     --------
@@ -31,11 +43,14 @@ def get_default_precision() -> str:
     >>> cufused.get_default_precision()
     'ieee'
     """
-    return _default.get()
+    override = _override.get()
+    return _process_default[0] if override is None else override
 
 
 def set_default_precision(precision: str) -> None:
-    """Set the precision used when a call passes ``precision=None``.
+    """Set the process-wide precision used when a call passes ``precision=None``.
+
+    Every thread sees the new default, except inside a :func:`default_precision` block.
 
     Parameters
     ----------
@@ -56,17 +71,22 @@ def set_default_precision(precision: str) -> None:
     'tf32'
     >>> cufused.set_default_precision("ieee")
     """
-    _default.set(_check(precision))
+    precision = _check(precision)
+    with _lock:
+        _process_default[0] = precision
 
 
 @contextlib.contextmanager
 def default_precision(precision: str) -> Iterator[None]:
-    """Context manager that sets the default precision inside a ``with`` block.
+    """Context manager that overrides the default precision inside a ``with`` block.
+
+    The override holds in the current thread (or asyncio task) only; other threads keep the
+    process-wide default. The previous setting is restored on exit.
 
     Parameters
     ----------
     precision : {"ieee", "tf32"}
-        The default inside the block; the previous default is restored on exit.
+        The default inside the block.
 
     Raises
     ------
@@ -82,13 +102,13 @@ def default_precision(precision: str) -> Iterator[None]:
     >>> cufused.get_default_precision()
     'ieee'
     """
-    token = _default.set(_check(precision))
+    token = _override.set(_check(precision))
     try:
         yield
     finally:
-        _default.reset(token)
+        _override.reset(token)
 
 
 def resolve_precision(precision: str | None) -> str:
     """Per-call precision, or the default when ``None``."""
-    return _default.get() if precision is None else _check(precision)
+    return get_default_precision() if precision is None else _check(precision)

@@ -13,8 +13,9 @@ from typing import Any
 import numpy
 
 from . import reference
-from ._arrays import (Size, check_float_dtype, check_ndim, check_out, check_sizes, finish_numpy,
-                      get_array_module, ntuple, per_channel)
+from ._arrays import (Size, check_fits, check_float_dtype, check_ndim, check_out,
+                      check_required, check_sizes, finish_numpy, get_array_module, ntuple,
+                      per_channel, run_reference)
 from ._precision import resolve_precision
 
 __all__ = ["conv2d", "conv3d", "conv_transpose2d", "conv_transpose3d"]
@@ -46,7 +47,9 @@ def check_conv_args(x_shape, w_shape, nd: int, *, transposed: bool, stride, padd
     padding = ntuple(padding, nd, "padding", minimum=0)
     dilation = ntuple(dilation, nd, "dilation", minimum=1)
     output_padding = ntuple(output_padding, nd, "output_padding", minimum=0)
-    if isinstance(groups, bool) or not isinstance(groups, (int, numpy.integer)) or groups < 1:
+    if isinstance(groups, bool) or not isinstance(groups, (int, numpy.integer)):
+        raise TypeError(f"groups must be a positive int, got {groups!r}")
+    if groups < 1:
         raise ValueError(f"groups must be a positive int, got {groups!r}")
     groups = int(groups)
     if len(w_shape) != nd + 2:
@@ -93,6 +96,20 @@ def check_conv_args(x_shape, w_shape, nd: int, *, transposed: bool, stride, padd
                     (n, out_channels, *size))
 
 
+def check_conv_memory(x_shape, args: ConvArgs, xp, what: str = "the convolution output"):
+    """Check before any work that the convolution's output, and on the reference path its
+    padded (or, transposed, uncropped) intermediate, fit in memory."""
+    check_fits(args.out_shape, xp, what)
+    if xp is numpy:
+        if args.transposed:
+            lead = args.out_shape[:2]
+            inner = tuple(o + 2 * p for o, p in zip(args.out_shape[2:], args.padding))
+        else:
+            lead = x_shape[:2]
+            inner = tuple(s + 2 * p for s, p in zip(x_shape[2:], args.padding))
+        check_fits((*lead, *inner), xp, f"the padded input of {what}")
+
+
 def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_input: bool = True,
                 convert_output: bool = True, accept_classes: bool = False, out=None, bias=None):
     """Run the cuDNN convolution of checked CuPy arrays.
@@ -104,9 +121,47 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_input: boo
     ``bias`` must be None. With ``convert_input=False`` the caller promises ``x`` is already
     in the input layout of the plan :func:`gpu_conv_plan` returns.
     """
-    plan = _plan(x.shape, weight.shape, args, precision, bias is not None, convert_input,
-                 convert_output, accept_classes)
+    from ._cudnn import UnsupportedConvolution
+
+    try:
+        plan = _plan(x.shape, weight.shape, args, precision, bias is not None, convert_input,
+                     convert_output, accept_classes)
+    except UnsupportedConvolution:
+        if not args.transposed:
+            raise
+        return _transposed_as_forward(x, weight, args, precision, bias=bias, out=out), "nchw"
     return plan.apply(x, weight, bias=bias, out=out, convert_output=convert_output)
+
+
+def _transposed_as_forward(x, weight, args: ConvArgs, precision: str, *, bias=None, out=None):
+    """A transposed convolution that no cuDNN data-gradient plan computes, as a forward one:
+    the input spread out by the stride (zeros between its values) and padded by
+    ``dilation * (k - 1) - padding`` on each side (plus ``output_padding`` at the far end;
+    cropped where negative), convolved with the spatially flipped weight, in and out channels
+    swapped per group. The spread input costs stride**d times the input's memory."""
+    import cupy
+
+    nd = x.ndim - 2
+    n, c_in = x.shape[:2]
+    k = weight.shape[2:]
+    g = args.groups
+    before = [d * (kk - 1) - p for d, kk, p in zip(args.dilation, k, args.padding)]
+    after = [b + op for b, op in zip(before, args.output_padding)]
+    spread = [(s - 1) * st + 1 for s, st in zip(x.shape[2:], args.stride)]
+    full = [sp + max(b, 0) + max(a, 0) for sp, b, a in zip(spread, before, after)]
+    z = cupy.zeros((n, c_in, *full), dtype=cupy.float32)
+    z[(slice(None), slice(None), *(slice(max(b, 0), max(b, 0) + sp, st) for b, sp, st
+                                   in zip(before, spread, args.stride)))] = x
+    z = z[(slice(None), slice(None), *(slice(max(-b, 0), f - max(-a, 0)) for b, a, f
+                                       in zip(before, after, full)))]
+    c_out_g = weight.shape[1]
+    flipped = weight.reshape(g, c_in // g, c_out_g, *k).swapaxes(1, 2).reshape(
+        g * c_out_g, c_in // g, *k)[(Ellipsis, *(slice(None, None, -1),) * nd)]
+    forward = ConvArgs(False, (1,) * nd, (0,) * nd, (0,) * nd, args.dilation, g,
+                       args.out_shape)
+    y, _ = conv_on_gpu(cupy.ascontiguousarray(z), cupy.ascontiguousarray(flipped), forward,
+                       precision, out=out, bias=bias)
+    return y
 
 
 def gpu_conv_plan(x_shape, w_shape, args: ConvArgs, precision: str, *,
@@ -157,6 +212,7 @@ def cached_conv_args(x_shape, w_shape, nd: int, **options) -> ConvArgs:
 
 def _convolve(nd: int, transposed: bool, x, weight, bias, *, stride, padding, output_padding,
               dilation, groups, precision, out):
+    check_required(x=x, weight=weight)
     xp = get_array_module(x=x, weight=weight, bias=bias)
     check_float_dtype(xp, x=x, weight=weight, bias=bias)
     check_ndim(x, "x", (nd + 2,), _LAYOUT_NAMES[nd])
@@ -166,14 +222,16 @@ def _convolve(nd: int, transposed: bool, x, weight, bias, *, stride, padding, ou
                             dilation=dilation, groups=groups)
     bias = per_channel(bias, "bias", args.out_shape[1], xp)
     precision = resolve_precision(precision)
-    check_out(out, args.out_shape, x.dtype, xp, x)
+    check_conv_memory(x.shape, args, xp)
+    check_out(out, args.out_shape, x.dtype, xp, x, inputs={"x": x, "weight": weight,
+                                                            "bias": bias})
     if xp is numpy and x.size:  # an empty batch falls through to the empty result below
         if transposed:
-            y = reference.conv_transpose(x, weight, bias, args.stride, args.padding,
-                                         args.output_padding, args.dilation, args.groups)
+            y = run_reference(reference.conv_transpose, x, weight, bias, args.stride,
+                              args.padding, args.output_padding, args.dilation, args.groups)
         else:
-            y = reference.conv(x, weight, bias, args.stride, args.padding, args.dilation,
-                               args.groups)
+            y = run_reference(reference.conv, x, weight, bias, args.stride, args.padding,
+                              args.dilation, args.groups)
         return finish_numpy(y, x.dtype, out)
     if args.out_shape[0] == 0:
         return out if out is not None else xp.empty(args.out_shape, dtype=x.dtype)

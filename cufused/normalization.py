@@ -13,8 +13,9 @@ from typing import Any
 import numpy
 
 from . import reference
-from ._arrays import (check_float_dtype, check_out, check_scalar, check_sizes,
-                      finish_numpy, get_array_module, per_channel)
+from ._arrays import (check_float_dtype, check_out, check_required, check_scalar, check_sizes,
+                      check_writeable, finish_numpy, get_array_module, per_channel,
+                      run_reference)
 from ._cuda import get_kernel, launch_1d, optional
 from ._cudnn import stored_in
 
@@ -153,7 +154,7 @@ def _group_norm_gpu(cupy, x, num_groups, weight, bias, eps, out):
         (partial, shift, numpy.int64(1), numpy.int64(0), numpy.int32(splits),
          numpy.float64(length), optional(weight), optional(bias), numpy.uint64(0), coef[0],
          coef[1], numpy.int32(c), numpy.int32(num_groups), numpy.float32(eps), numpy.int32(1),
-         numpy.uint64(0), numpy.uint64(0), numpy.uint64(0), numpy.float32(0)))
+         numpy.uint64(0), numpy.uint64(0), numpy.uint64(0), numpy.float32(0), numpy.uint64(0)))
     _affine_apply(cupy, x, out, coef[0], coef[1], hw, n * c, 0)
     return out
 
@@ -198,6 +199,7 @@ def group_norm(x: Any, num_groups: int, weight: Any = None, bias: Any = None, *,
     array([[[-1.528, -1.091, -0.655, -0.218],
             [ 0.218,  0.655,  1.091,  1.528]]])
     """
+    check_required(x=x)
     xp = get_array_module(x=x, weight=weight, bias=bias)
     check_float_dtype(xp, x=x, weight=weight, bias=bias)
     if x.ndim < 2:
@@ -205,12 +207,18 @@ def group_norm(x: Any, num_groups: int, weight: Any = None, bias: Any = None, *,
     check_sizes(x, "x")
     c = x.shape[1]
     num_groups = check_num_groups(num_groups, c)
+    # PyTorch's rule: at least two values per (sample, group) across the batch.
+    if x.size // num_groups == 1:
+        raise ValueError("expected more than 1 value per group of x, got shape "
+                         f"{x.shape} with num_groups={num_groups}")
     weight = per_channel(weight, "weight", c, xp)
     bias = per_channel(bias, "bias", c, xp)
     eps = check_scalar(eps, "eps", minimum=0.0)
-    check_out(out, x.shape, x.dtype, xp, x)
+    check_out(out, x.shape, x.dtype, xp, x, inputs={"x": x, "weight": weight, "bias": bias},
+              in_place=True)
     if xp is numpy and x.size:  # an empty batch falls through to the empty result below
-        return finish_numpy(reference.group_norm(x, num_groups, weight, bias, eps), x.dtype, out)
+        y = run_reference(reference.group_norm, x, num_groups, weight, bias, eps)
+        return finish_numpy(y, x.dtype, out)
     if out is None:
         out = xp.empty(x.shape, dtype=x.dtype)
     if x.shape[0] == 0:
@@ -227,7 +235,15 @@ def check_running_buffer(buf: Any, name: str, channels: int, xp) -> Any:
     flat = per_channel(buf, name, channels, xp)
     if not buf.flags.c_contiguous:
         raise ValueError(f"{name} must be contiguous: it is updated in place")
+    check_writeable(buf, name)
     return flat
+
+
+def check_training(training: Any) -> bool:
+    """``training`` must be a bool (NumPy's too), as in PyTorch."""
+    if not isinstance(training, (bool, numpy.bool_)):
+        raise TypeError(f"training must be a bool, got {type(training).__name__}")
+    return bool(training)
 
 
 def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: Any = None,
@@ -280,6 +296,7 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
     >>> rm, rv
     (array([0.2, 2. ]), array([ 1.1, 20.9]))
     """
+    check_required(x=x)
     xp = get_array_module(x=x, weight=weight, bias=bias, running_mean=running_mean,
                           running_var=running_var)
     check_float_dtype(xp, x=x, weight=weight, bias=bias, running_mean=running_mean,
@@ -296,16 +313,18 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
     eps = check_scalar(eps, "eps", minimum=0.0)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be None or 'tanh', got {activation!r}")
-    training = bool(training)
+    training = check_training(training)
     if training and x.shape[0] and x.size // c < 2:
         raise ValueError("expected more than 1 value per channel when training, got x of "
                          f"shape {x.shape}")
     if not training and (running_mean is None or running_var is None):
         raise ValueError("running_mean and running_var are required when training=False")
-    check_out(out, x.shape, x.dtype, xp, x)
+    check_out(out, x.shape, x.dtype, xp, x, in_place=True,
+              inputs={"x": x, "weight": weight, "bias": bias, "running_mean": running_mean,
+                      "running_var": running_var})
     if xp is numpy and x.size:  # an empty batch falls through to the empty result below
-        y = reference.batch_norm(x, weight, bias, running_mean, running_var, training, momentum,
-                                 eps, activation)
+        y = run_reference(reference.batch_norm, x, weight, bias, running_mean, running_var,
+                          training, momentum, eps, activation)
         return finish_numpy(y, x.dtype, out)
     if out is None:
         out = xp.empty(x.shape, dtype=x.dtype)
@@ -320,12 +339,13 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
 
 
 def bn_coefficients(cupy, x, weight, bias, running_mean, running_var, training, momentum, eps,
-                    *, partial=None, splits=None, mean_offset=None):
+                    *, partial=None, splits=None, mean_offset=None, moments=None):
     """Per-channel ``(a, b)`` (a (2, C) array) of BatchNorm's affine on the GPU.
 
     In training the batch statistics come from ``partial`` (shifted sums laid out
     ``[n][c][split]``, as the pipelines' fused pass writes them) or, without it, from a
     split reduction over contiguous ``x``; the running buffers are updated in place.
+    ``moments``, a (C, 2) float32 array, receives each channel's (mean, rstd).
     """
     n, c = x.shape[:2]
     hw = x.size // (n * c)
@@ -350,5 +370,5 @@ def bn_coefficients(cupy, x, weight, bias, running_mean, running_var, training, 
          numpy.float64(n * hw), optional(weight), optional(bias), numpy.uint64(0), coef[0],
          coef[1], numpy.int32(c), numpy.int32(c), numpy.float32(eps), numpy.int32(training),
          optional(running_mean), optional(running_var), optional(mean_offset),
-         numpy.float32(momentum)))
+         numpy.float32(momentum), optional(moments)))
     return coef

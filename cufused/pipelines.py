@@ -28,13 +28,14 @@ from typing import Any
 import numpy
 
 from . import reference
-from ._arrays import (Size, check_float_dtype, check_ndim, check_out, check_scalar, check_sizes,
-                      finish_numpy, get_array_module, ntuple, per_channel)
+from ._arrays import (Size, check_float_dtype, check_ndim, check_out, check_required,
+                      check_scalar, check_sizes, finish_numpy, get_array_module, ntuple,
+                      per_channel, run_reference)
 from ._cuda import get_kernel, optional
 from ._precision import resolve_precision
-from ._cudnn import empty_in_layout, stored_in, transpose_channels
-from .convolution import (cached_conv_args, conv2d, conv_on_gpu, conv_transpose2d,
-                          conv_transpose3d, gpu_conv_plan)
+from ._cudnn import UnsupportedConvolution, empty_in_layout, stored_in, transpose_channels
+from .convolution import (cached_conv_args, check_conv_memory, conv2d, conv_on_gpu,
+                          conv_transpose2d, conv_transpose3d, gpu_conv_plan)
 from .normalization import (_affine_apply, batch_norm, bn_coefficients, check_num_groups,
                             check_running_buffer, finalize_threads, group_norm,
                             group_rows_fit_channels_last, launch_group_norm_rows,
@@ -54,6 +55,21 @@ METHODS = ("fused", "unfused")
 def _check_method(method: str) -> None:
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+
+
+def _gpu_method(method: str, conv_out_shape: tuple[int, ...]) -> str:
+    """The GPU method that runs: the fused pass indexes within a sample with 32-bit offsets,
+    so a larger sample of the convolution output takes the unfused building blocks, which
+    index with 64 bits."""
+    if method == "fused" and numpy.prod(conv_out_shape[1:]) >= 2**31:
+        return "unfused"
+    return method
+
+
+def _ones_if_none(value, channels: int, xp):
+    """``value``, or one for every channel (``scale=None`` means no scaling)."""
+    return xp.ones(channels, dtype=xp.float64 if xp is numpy else xp.float32) if (
+        value is None) else value
 
 
 # Instantiated (K, T) of pool_extremum_stats_nhwc_rows: T = K * C / 128 float4 per lane and
@@ -141,9 +157,6 @@ def _pool_extremum_stats(cupy, y, ext, pool: int, *, bias, sign_a, sign_b, shift
     partial = cupy.empty((n, c, splits, 2), dtype=cupy.float32)
     shift = cupy.empty(n * c // shift_group if per_sample else c // shift_group,
                        dtype=cupy.float32)
-    if sn >= 2**31:
-        raise ValueError(f"one sample of the convolution output has {sn} elements; the fused "
-                         "pass supports fewer than 2**31 per sample (use method='unfused')")
     sn, sc, sh, sw = numpy.int64(sn), numpy.int64(sc), numpy.int32(sh), numpy.int32(sw)
     i32 = numpy.int32
     if variant == "rows":
@@ -194,8 +207,9 @@ def conv2d_groupnorm_scale_maxpool_clamp(
         Convolution weight, shape (C_out, C_in, kH, kW).
     conv_bias, gn_weight, gn_bias : array or None
         Per-output-channel convolution bias and GroupNorm affine.
-    scale : array or float
-        Per-channel multiplier after GroupNorm (e.g. shape (C_out, 1, 1)), or one number.
+    scale : array, float or None
+        Per-channel multiplier after GroupNorm (e.g. shape (C_out, 1, 1)), one number (a
+        Python number or a 0-d array), or None for no scaling.
     num_groups : int
         GroupNorm groups; must divide C_out.
     pool_kernel : int
@@ -239,6 +253,7 @@ def conv2d_groupnorm_scale_maxpool_clamp(
     >>> y.shape, y.dtype, bool(y.min() >= 0.0 and y.max() <= 1.0)
     ((2, 8, 4, 4), dtype('float32'), True)
     """
+    check_required(x=x, weight=weight)
     xp = get_array_module(x=x, weight=weight, conv_bias=conv_bias, gn_weight=gn_weight,
                           gn_bias=gn_bias, scale=None if numpy.isscalar(scale) else scale)
     check_float_dtype(xp, x=x, weight=weight, conv_bias=conv_bias, gn_weight=gn_weight,
@@ -247,6 +262,7 @@ def conv2d_groupnorm_scale_maxpool_clamp(
     check_sizes(x, "x")
     args = cached_conv_args(x.shape, weight.shape, 2, transposed=False, stride=stride,
                             padding=padding)
+    check_conv_memory(x.shape, args, xp)
     c = args.out_shape[1]
     conv_bias = per_channel(conv_bias, "conv_bias", c, xp)
     gn_weight = per_channel(gn_weight, "gn_weight", c, xp)
@@ -263,22 +279,25 @@ def conv2d_groupnorm_scale_maxpool_clamp(
     precision = resolve_precision(precision)
     _check_method(method)
     shape = args.out_shape[:2] + pooled
-    check_out(out, shape, x.dtype, xp, x)
+    check_out(out, shape, x.dtype, xp, x, inputs={
+        "x": x, "weight": weight, "conv_bias": conv_bias, "gn_weight": gn_weight,
+        "gn_bias": gn_bias, "scale": scale})
     if xp is numpy and x.size:  # an empty batch falls through to the empty result below
-        y = reference.conv2d_groupnorm_scale_maxpool_clamp(
-            x, weight, conv_bias, gn_weight, gn_bias, scale, num_groups=num_groups,
-            pool_kernel=(k, k), clamp_min=lo, clamp_max=hi, stride=args.stride,
-            padding=args.padding, eps=eps)
+        y = run_reference(
+            reference.conv2d_groupnorm_scale_maxpool_clamp, x, weight, conv_bias, gn_weight,
+            gn_bias, _ones_if_none(scale, c, xp), num_groups=num_groups, pool_kernel=(k, k),
+            clamp_min=lo, clamp_max=hi, stride=args.stride, padding=args.padding, eps=eps)
         return finish_numpy(y, x.dtype, out)
     if out is None:
         out = xp.empty(shape, dtype=x.dtype)
     if x.shape[0] == 0:
         return out
-    if method == "unfused":
+    if _gpu_method(method, args.out_shape) == "unfused":
         y = conv2d(x, weight, conv_bias, stride=args.stride, padding=args.padding,
                    precision=precision)
         y = group_norm(y, num_groups, gn_weight, gn_bias, eps=eps, out=y)
-        xp.multiply(y, scale.reshape(1, c, 1, 1), out=y)
+        if scale is not None:
+            xp.multiply(y, scale.reshape(1, c, 1, 1), out=y)
         y = max_pool2d(y, k)
         return xp.minimum(xp.maximum(y, lo), hi, out=out)
     y, _ = conv_on_gpu(x, weight, args, precision, convert_output=False)
@@ -292,16 +311,25 @@ def conv2d_groupnorm_scale_maxpool_clamp(
         xp, y, ext, k, bias=conv_bias, sign_a=gn_weight, sign_b=scale, shift_group=cg,
         per_sample=True, variant=variant)
     coef = xp.empty((2, n * c), dtype=xp.float32)
+    moments = xp.empty((n * num_groups, 2), dtype=xp.float32)
     get_kernel("normalization.cu", "stats_finalize<0>")(
         (n * num_groups,), (finalize_threads(cg * splits),),
         (partial, shift, numpy.int64(1), numpy.int64(0), numpy.int32(cg * splits),
-         numpy.float64(cg * h * w), optional(gn_weight), optional(gn_bias), scale, coef[0],
-         coef[1], numpy.int32(c), numpy.int32(num_groups), numpy.float32(eps), numpy.int32(1),
-         numpy.uint64(0), numpy.uint64(0), numpy.uint64(0), numpy.float32(0)))
+         numpy.float64(cg * h * w), optional(gn_weight), optional(gn_bias), optional(scale),
+         coef[0], coef[1], numpy.int32(c), numpy.int32(num_groups), numpy.float32(eps),
+         numpy.int32(1), numpy.uint64(0), numpy.uint64(0), numpy.uint64(0), numpy.float32(0),
+         moments))
     if ext is out:
         _affine_apply(xp, out, out, coef[0], coef[1], pooled[0] * pooled[1], n * c, 2, lo, hi)
     else:
         transpose_channels(ext, out, to_channels_last=False, affine=(coef[0], coef[1], lo, hi))
+    sn, sc, sh, sw = (numpy.int64(st // y.itemsize) for st in y.strides)
+    get_kernel("pooling.cu", "pool_affine_nonfinite")(
+        (c,), (256,),
+        (y, optional(conv_bias), moments, optional(gn_weight), optional(gn_bias),
+         optional(scale), out, numpy.int32(n), numpy.int32(c), numpy.int32(num_groups),
+         numpy.int32(k), numpy.int32(pooled[0]), numpy.int32(pooled[1]), sn, sc, sh, sw,
+         numpy.float32(lo), numpy.float32(hi)))
     return out
 
 
@@ -379,6 +407,7 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     >>> bool(abs(y[0, :4].mean()) < 1e-5)   # each (sample, group) is normalized
     True
     """
+    check_required(x=x, weight=weight)
     xp = get_array_module(x=x, weight=weight, bn_weight=bn_weight, bn_bias=bn_bias,
                           gn_weight=gn_weight, gn_bias=gn_bias, conv_bias=conv_bias,
                           running_mean=running_mean, running_var=running_var)
@@ -389,6 +418,7 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     check_sizes(x, "x")
     args = cached_conv_args(x.shape, weight.shape, 2, transposed=True, stride=stride,
                             padding=padding, output_padding=output_padding, groups=groups)
+    check_conv_memory(x.shape, args, xp)
     c = args.out_shape[1]
     bn_weight = per_channel(bn_weight, "bn_weight", c, xp)
     bn_bias = per_channel(bn_bias, "bn_bias", c, xp)
@@ -407,19 +437,23 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     precision = resolve_precision(precision)
     _check_method(method)
     shape = args.out_shape[:2] + pooled
-    check_out(out, shape, x.dtype, xp, x)
+    check_out(out, shape, x.dtype, xp, x, inputs={
+        "x": x, "weight": weight, "bn_weight": bn_weight, "bn_bias": bn_bias,
+        "gn_weight": gn_weight, "gn_bias": gn_bias, "conv_bias": conv_bias,
+        "running_mean": running_mean, "running_var": running_var})
     if xp is numpy and x.size:  # an empty batch falls through to the empty result below
-        y = reference.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
-            x, weight, bn_weight, bn_bias, gn_weight, gn_bias, num_groups=num_groups,
-            stride=args.stride, padding=args.padding, output_padding=args.output_padding,
-            groups=args.groups, conv_bias=conv_bias, pool_kernel=(k, k), eps=eps,
-            running_mean=running_mean, running_var=running_var, momentum=momentum)
+        y = run_reference(
+            reference.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm, x, weight, bn_weight,
+            bn_bias, gn_weight, gn_bias, num_groups=num_groups, stride=args.stride,
+            padding=args.padding, output_padding=args.output_padding, groups=args.groups,
+            conv_bias=conv_bias, pool_kernel=(k, k), eps=eps, running_mean=running_mean,
+            running_var=running_var, momentum=momentum)
         return finish_numpy(y, x.dtype, out)
     if out is None:
         out = xp.empty(shape, dtype=x.dtype)
     if x.shape[0] == 0:
         return out
-    if method == "unfused":
+    if _gpu_method(method, args.out_shape) == "unfused":
         y = conv_transpose2d(x, weight, conv_bias, stride=args.stride, padding=args.padding,
                              output_padding=args.output_padding, groups=args.groups,
                              precision=precision)
@@ -442,9 +476,17 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     partial, shift, splits = _pool_extremum_stats(
         xp, y, out, k, bias=None, sign_a=bn_weight, sign_b=None, shift_group=1,
         per_sample=False, variant=variant, ext_block=ext_block)
+    moments = xp.empty((c, 2), dtype=xp.float32)
     coef = bn_coefficients(xp, y, bn_weight, bn_bias, running_mean, running_var, True,
                            momentum, eps, partial=(partial, shift), splits=splits,
-                           mean_offset=conv_bias)
+                           mean_offset=conv_bias, moments=moments)
+    sn, sc, sh, sw = (numpy.int64(st // y.itemsize) for st in y.strides)
+    get_kernel("pooling.cu", "pool_bn_tanh_nonfinite")(
+        (c,), (256,),
+        (y, optional(conv_bias), moments, optional(bn_weight), optional(bn_bias), coef[0],
+         coef[1], out, numpy.int32(x.shape[0]), numpy.int32(c), numpy.int32(k),
+         numpy.int32(pooled[0]),
+         numpy.int32(pooled[1]), sn, sc, sh, sw, numpy.int32(ext_block)))
     launch_group_norm_rows(out, out, num_groups, gn_weight, gn_bias, eps, pre=coef,
                            x_block=ext_block or None)
     return out
@@ -470,8 +512,9 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
         Input, shape (N, C_in, D, H, W).
     weight : array
         ConvTranspose3d weight, shape (C_in, C_out / groups, kD, kH, kW).
-    scale : array or float
-        Per-channel multiplier (e.g. shape (1, C_out, 1, 1, 1)), or one number.
+    scale : array, float or None
+        Per-channel multiplier (e.g. shape (1, C_out, 1, 1, 1)), one number (a Python number
+        or a 0-d array), or None for no scaling.
     stride, padding, output_padding : int or tuple of int
         Transposed-convolution options.
     pool_kernel : int
@@ -513,16 +556,18 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
     >>> y.shape, np.allclose(y.sum(axis=(2, 3, 4)), 1.0)
     ((1, 3, 4, 4, 4), True)
     """
+    check_required(x=x, weight=weight)
     xp = get_array_module(x=x, weight=weight, scale=None if numpy.isscalar(scale) else scale,
                           conv_bias=conv_bias)
     check_float_dtype(xp, x=x, weight=weight, conv_bias=conv_bias)
     check_ndim(x, "x", (5,), "NCDHW")
     check_sizes(x, "x")
     k = _tuple_pool(pool_kernel, 3)
-    _, _, _, pooled = check_pool_args(x.shape[2:], 3, k, k, 0)
+    _, _, _, pooled = check_pool_args(x.shape[2:], 3, k, k, 0, unpadded_window=True)
     pooled_shape = x.shape[:2] + pooled
     args = cached_conv_args(pooled_shape, weight.shape, 3, transposed=True, stride=stride,
                             padding=padding, output_padding=output_padding, groups=groups)
+    check_conv_memory(pooled_shape, args, xp)
     c = args.out_shape[1]
     scale = per_channel(scale, "scale", c, xp, allow_scalar=True)
     if xp is not numpy:
@@ -533,10 +578,12 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
     precision = resolve_precision(precision)
     _check_method(method)
     shape = args.out_shape
-    check_out(out, shape, x.dtype, xp, x)
+    check_out(out, shape, x.dtype, xp, x, inputs={
+        "x": x, "weight": weight, "scale": scale, "conv_bias": conv_bias})
     if xp is numpy and x.size:  # an empty batch falls through to the empty result below
-        y = reference.conv_transpose3d_avgpool_clamp_softmax_multiply(
-            x, weight, scale, stride=args.stride, padding=args.padding,
+        y = run_reference(
+            reference.conv_transpose3d_avgpool_clamp_softmax_multiply, x, weight,
+            _ones_if_none(scale, c, xp), stride=args.stride, padding=args.padding,
             output_padding=args.output_padding, pool_kernel=(k, k, k), clamp_min=lo,
             clamp_max=hi, conv_bias=conv_bias, groups=args.groups)
         return finish_numpy(y, x.dtype, out)
@@ -549,14 +596,23 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
                              padding=args.padding, output_padding=args.output_padding,
                              groups=args.groups, precision=precision)
         xp.minimum(xp.maximum(y, lo), hi, out=y)
+        if scale is None:
+            return softmax(y, axis=(2, 3, 4), out=out)
         y = softmax(y, axis=(2, 3, 4), out=y)
         return xp.multiply(y, scale.reshape(1, c, 1, 1, 1), out=out)
-    plan = gpu_conv_plan(pooled_shape, weight.shape, args, precision, convert_input=False,
-                         convert_output=False, accept_classes=True)
-    # The pool writes the conv input straight into the plan's input layout.
-    x_pooled = empty_in_layout(pooled_shape, plan.x_layout)
-    pool_into(xp.ascontiguousarray(x), x_pooled, (k, k, k), (k, k, k), (0, 0, 0), is_max=False)
-    y, layout = plan.apply(x_pooled, weight, out=out, convert_output=False)
+    try:
+        plan = gpu_conv_plan(pooled_shape, weight.shape, args, precision, convert_input=False,
+                             convert_output=False, accept_classes=True)
+    except UnsupportedConvolution:  # conv_on_gpu's route for what no cuDNN plan computes
+        x_pooled = avg_pool3d(x, k)
+        y, layout = conv_on_gpu(x_pooled, weight, args, precision, out=out,
+                                convert_output=False)
+    else:
+        # The pool writes the conv input straight into the plan's input layout.
+        x_pooled = empty_in_layout(pooled_shape, plan.x_layout)
+        pool_into(xp.ascontiguousarray(x), x_pooled, (k, k, k), (k, k, k), (0, 0, 0),
+                  is_max=False)
+        y, layout = plan.apply(x_pooled, weight, out=out, convert_output=False)
     strides = [s // y.itemsize for s in y.strides]
     length = shape[2] * shape[3] * shape[4]
     softmax_rows(xp, y, out, shape[0] * c, length, c, (strides[0], strides[1], strides[-1]),

@@ -12,16 +12,21 @@ from typing import Any
 import numpy
 
 from . import reference
-from ._arrays import (Size, check_float_dtype, check_ndim, check_out, check_sizes, finish_numpy,
-                      get_array_module, ntuple)
+from ._arrays import (Size, check_float_dtype, check_ndim, check_out, check_required,
+                      check_sizes, finish_numpy, get_array_module, ntuple, run_reference)
 from ._cuda import get_kernel, launch_1d
 from ._cudnn import stored_in, transpose_channels
 
 __all__ = ["max_pool2d", "max_pool3d", "avg_pool2d", "avg_pool3d"]
 
 
-def check_pool_args(in_size, nd: int, kernel_size, stride, padding, *, name: str = "x"):
-    """Validate pooling options; return ``(kernel, stride, padding, out_size)`` tuples."""
+def check_pool_args(in_size, nd: int, kernel_size, stride, padding, *, name: str = "x",
+                    unpadded_window: bool = False):
+    """Validate pooling options; return ``(kernel, stride, padding, out_size)`` tuples.
+
+    With ``unpadded_window`` the window must also fit in the unpadded input, as PyTorch's
+    ``avg_pool3d`` requires.
+    """
     kernel = ntuple(kernel_size, nd, "kernel_size", minimum=1)
     stride = kernel if stride is None else ntuple(stride, nd, "stride", minimum=1)
     padding = ntuple(padding, nd, "padding", minimum=0)
@@ -33,6 +38,9 @@ def check_pool_args(in_size, nd: int, kernel_size, stride, padding, *, name: str
     if any(in_size[i] + 2 * padding[i] < kernel[i] for i in range(nd)):
         raise ValueError(f"pooling window {kernel} is larger than the padded input of {name} "
                          f"(spatial size {tuple(in_size)}, padding {padding})")
+    if unpadded_window and any(in_size[i] < kernel[i] for i in range(nd)):
+        raise ValueError(f"pooling window {kernel} is larger than the input of {name} "
+                         f"(spatial size {tuple(in_size)})")
     return kernel, stride, padding, out_size
 
 
@@ -74,17 +82,18 @@ def pool_into(x, y, kernel, stride, padding, *, is_max: bool) -> None:
 
 
 def _pool(nd: int, is_max: bool, x, kernel_size, stride, padding, out):
+    check_required(x=x)
     xp = get_array_module(x=x)
     check_float_dtype(xp, x=x)
     check_ndim(x, "x", (nd + 2,), "NCHW" if nd == 2 else "NCDHW")
     check_sizes(x, "x")
-    kernel, stride, padding, out_size = check_pool_args(x.shape[2:], nd, kernel_size, stride,
-                                                        padding)
+    kernel, stride, padding, out_size = check_pool_args(
+        x.shape[2:], nd, kernel_size, stride, padding, unpadded_window=nd == 3 and not is_max)
     shape = x.shape[:2] + out_size
-    check_out(out, shape, x.dtype, xp, x)
+    check_out(out, shape, x.dtype, xp, x, inputs={"x": x})
     if xp is numpy and x.size:  # an empty batch falls through to the empty result below
         fn = reference.max_pool if is_max else reference.avg_pool
-        return finish_numpy(fn(x, kernel, stride, padding), x.dtype, out)
+        return finish_numpy(run_reference(fn, x, kernel, stride, padding), x.dtype, out)
     if out is None:
         out = xp.empty(shape, dtype=x.dtype)
     if x.shape[0]:

@@ -90,12 +90,24 @@ def group_norm(x, num_groups, weight, bias, eps):
     rows = x.reshape(n, num_groups, -1)
     mean = rows.mean(axis=2, keepdims=True)
     var = rows.var(axis=2, keepdims=True)
-    out = ((rows - mean) / np.sqrt(var + eps)).reshape(x.shape)
-    if weight is not None:
-        out = out * _channel_view(weight, x.ndim)
-    if bias is not None:
-        out = out + _channel_view(bias, x.ndim)
-    return out
+    shape = (n, num_groups, x.shape[1] // num_groups, -1)
+    rstd = (1.0 / np.sqrt(var + eps)).reshape(n, num_groups, 1, 1)
+    return _affine(x.reshape(shape), rstd, mean.reshape(n, num_groups, 1, 1),
+                   _grouped(weight, shape), _grouped(bias, shape)).reshape(x.shape)
+
+
+def _grouped(p, shape):
+    """A per-channel parameter as (1, G, C/G, 1) for a (N, G, C/G, L) view, or None."""
+    return None if p is None else np.asarray(p, dtype=np.float64).reshape(1, *shape[1:3], 1)
+
+
+def _affine(x, rstd, mean, weight, bias):
+    """``weight * (x - mean) * rstd + bias`` in PyTorch's form ``a * x + b`` with
+    ``a = rstd * weight`` and ``b = bias - mean * a``, so that an infinite weight or bias gives
+    the infinities and NaNs that PyTorch gives."""
+    a = rstd if weight is None else rstd * weight
+    b = -mean * a if bias is None else bias - mean * a
+    return a * x + b
 
 
 def batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps,
@@ -119,11 +131,10 @@ def batch_norm(x, weight, bias, running_mean, running_var, training, momentum, e
                                 + momentum * var * count / (count - 1))
     else:
         mean, var = _f64(running_mean), _f64(running_var)
-    out = (x - _channel_view(mean, x.ndim)) / np.sqrt(_channel_view(var, x.ndim) + eps)
-    if weight is not None:
-        out = out * _channel_view(weight, x.ndim)
-    if bias is not None:
-        out = out + _channel_view(bias, x.ndim)
+    out = _affine(x, 1.0 / np.sqrt(_channel_view(var, x.ndim) + eps),
+                  _channel_view(mean, x.ndim),
+                  None if weight is None else _channel_view(weight, x.ndim),
+                  None if bias is None else _channel_view(bias, x.ndim))
     if activation == "tanh":
         out = np.tanh(out)
     return out

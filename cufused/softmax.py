@@ -8,7 +8,8 @@ from typing import Any
 import numpy
 
 from . import reference
-from ._arrays import Size, check_float_dtype, check_out, finish_numpy, get_array_module
+from ._arrays import (Size, check_float_dtype, check_out, check_required, finish_numpy,
+                      get_array_module, run_reference)
 from ._cuda import get_kernel, launch_1d, optional
 from .normalization import split_count
 
@@ -217,14 +218,15 @@ def softmax(x: Any, axis: Size = -1, *, out: Any = None) -> Any:
     >>> float(cufused.softmax(np.zeros((1, 2, 2, 2, 2)), axis=(2, 3, 4))[0, 0].sum())
     1.0
     """
+    check_required(x=x)
     xp = get_array_module(x=x)
     check_float_dtype(xp, x=x)
     if x.ndim == 0:
         raise ValueError("x must have at least one dimension")
     axes = normalize_axes(axis, x.ndim)
-    check_out(out, x.shape, x.dtype, xp, x)
+    check_out(out, x.shape, x.dtype, xp, x, inputs={"x": x}, in_place=True)
     if xp is numpy and x.size:  # an empty batch falls through to the empty result below
-        return finish_numpy(reference.softmax(x, axes), x.dtype, out)
+        return finish_numpy(run_reference(reference.softmax, x, axes), x.dtype, out)
     if out is None:
         out = xp.empty(x.shape, dtype=x.dtype)
     if x.size == 0:

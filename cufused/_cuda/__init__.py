@@ -42,6 +42,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "pool_extremum_stats_nhwc_rows<4, 2, false>",
         "pool_extremum_stats_nhwc_rows<4, 1, true>",
         "pool_extremum_stats_nhwc_rows<4, 2, true>",
+        "pool_affine_nonfinite",
+        "pool_bn_tanh_nonfinite",
     ),
     "layout.cu": (
         "transpose_batched<0, 1>",

@@ -57,7 +57,8 @@ __global__ void stats_finalize(const float2* __restrict__ partial, const float* 
                                const float* __restrict__ scale, float* __restrict__ coef_a,
                                float* __restrict__ coef_b, int C, int G, float eps, int training,
                                float* running_mean, float* running_var,
-                               const float* __restrict__ mean_offset, float momentum) {
+                               const float* __restrict__ mean_offset, float momentum,
+                               float2* __restrict__ moments) {
     __shared__ double2 scratch[32];
     __shared__ float stats[2];
     const index_t row = blockIdx.x;
@@ -75,13 +76,17 @@ __global__ void stats_finalize(const float2* __restrict__ partial, const float* 
             const double m1 = s.x / count;
             // Rounding can push the variance below 0; a NaN must stay NaN (fmax drops it).
             const double diff = s.y / count - m1 * m1;
-            const double var = diff < 0.0 ? 0.0 : diff;
-            const double mean = (double)shift[row] + m1;
+            double var = diff < 0.0 ? 0.0 : diff;
+            double mean = (double)shift[row] + m1;
+            const double offset = mean_offset ? (double)mean_offset[row] : 0.0;
+            // The offset (a convolution bias the statistics skipped) cancels for finite
+            // values; a NaN or infinite one makes the channel's statistics NaN, as adding it
+            // to every value first would.
+            if (!isfinite(offset)) var = mean = __longlong_as_double(0x7ff8000000000000LL);
             stats[0] = (float)mean;
             stats[1] = (float)(1.0 / sqrt(var + (double)eps));
             if (MODE == MODE_BATCH_NORM) {
                 const double m = momentum;
-                const double offset = mean_offset ? (double)mean_offset[row] : 0.0;
                 if (running_mean)
                     running_mean[row] =
                         (float)((1.0 - m) * running_mean[row] + m * (mean + offset));
@@ -96,6 +101,7 @@ __global__ void stats_finalize(const float2* __restrict__ partial, const float* 
     }
     __syncthreads();
     const float mean = stats[0], rstd = stats[1];
+    if (moments && threadIdx.x == 0) moments[row] = make_float2(mean, rstd);
     const int channels = MODE == MODE_GROUP_NORM ? C / G : 1;
     for (int j = threadIdx.x; j < channels; j += blockDim.x) {
         const int c = MODE == MODE_GROUP_NORM ? (int)(row % G) * channels + j : (int)row;
@@ -103,8 +109,11 @@ __global__ void stats_finalize(const float2* __restrict__ partial, const float* 
         const float g = gamma ? gamma[c] : 1.0f;
         const float bt = beta ? beta[c] : 0.0f;
         const float s = scale ? scale[c] : 1.0f;
-        coef_a[out] = g * rstd * s;
-        coef_b[out] = (bt - mean * g * rstd) * s;
+        // PyTorch's forms (a = gamma * rstd, b = beta - mean * a), so that an infinite
+        // parameter gives the infinities and NaNs that PyTorch gives.
+        const float a = g * rstd;
+        coef_a[out] = a * s;
+        coef_b[out] = (bt - mean * a) * s;
     }
 }
 
@@ -119,6 +128,20 @@ __device__ __forceinline__ float activate(float v, float lo, float hi) {
     if (ACT == ACT_CLAMP) return clamp_nan(v, lo, hi);
     return v;
 }
+
+// GroupNorm's gamma * (v - mean) * rstd + beta. Finite coefficients take the form that keeps
+// |mean| >> std accurate; otherwise PyTorch's a * v + b (a = gamma * rstd, b = beta - mean * a),
+// so that an infinite gamma gives the infinities and NaNs that PyTorch gives.
+struct GroupNormAffine {
+    float a, b, mean, beta;
+    bool finite;
+    __device__ GroupNormAffine(float gamma, float beta_, float mean_, float rstd)
+        : a(gamma * rstd), b(beta_ - mean_ * (gamma * rstd)), mean(mean_), beta(beta_),
+          finite(isfinite(a) && isfinite(b)) {}
+    __device__ float operator()(float v) const {
+        return finite ? fmaf(a, v - mean, beta) : fmaf(a, v, b);
+    }
+};
 
 // y = act(a[k] * x + b[k]) over a contiguous tensor of planes of `inner` values,
 // k = plane % n_coef, visited flat as vectors of VEC values (VEC = 4: 16-byte accesses; needs
@@ -220,7 +243,7 @@ struct GroupNormRow {
         }
     }
 
-    // y row = gamma * (value - mean) * rstd + beta from src (the cached, already mapped row,
+    // y row = GroupNormAffine(value) from src (the cached, already mapped row,
     // or the input row that is mapped again), 4 vectors in flight per thread.
     __device__ void normalize(const float* src, bool mapped, float* yr, float mean,
                               float rstd) const {
@@ -229,11 +252,11 @@ struct GroupNormRow {
             const Span s = span(q);
             if (!mapped) pre(v, s);
             const Pair g = param(gamma, s, 1.0f), bt = param(beta, s, 0.0f);
+            const GroupNormAffine first(g(false), bt(false), mean, rstd);
+            const GroupNormAffine second(g(true), bt(true), mean, rstd);
 #pragma unroll
-            for (int k = 0; k < VEC; ++k) {
-                const bool j = k >= s.left;
-                lane(v, k) = fmaf(g(j) * rstd, lane(v, k) - mean, bt(j));
-            }
+            for (int k = 0; k < VEC; ++k)
+                lane(v, k) = k >= s.left ? second(lane(v, k)) : first(lane(v, k));
             store_vec<VEC>(yr, q, v);
         });
     }
@@ -245,7 +268,8 @@ __device__ __forceinline__ void row_moments(float s1, float s2, float shift, int
     const float2 s = block_sum(make_float2(s1, s2), scratch);
     const float m1 = s.x / len;
     mean = shift + m1;
-    rstd = rsqrtf(fmaxf(s.y / len - m1 * m1, 0.0f) + eps);
+    const float var = s.y / len - m1 * m1;
+    rstd = rsqrtf((var < 0.0f ? 0.0f : var) + eps);  // a NaN variance stays NaN
 }
 
 // Maps every value of a row cached in shared memory as (Cg, HW), one warp per channel at a
@@ -271,9 +295,9 @@ __device__ void normalize_cached_row(float* row_cache, float* yr, const float* g
                                      const float* beta, int c0, int cg, int HW, float mean,
                                      float rstd) {
     map_cached_row(row_cache, cg, HW, [&](int c) {
-        const float g = param_or(gamma, c0 + c, 1.0f) * rstd;
-        const float bt = param_or(beta, c0 + c, 0.0f);
-        return [=](float v) { return fmaf(g, v - mean, bt); };
+        const GroupNormAffine f(param_or(gamma, c0 + c, 1.0f), param_or(beta, c0 + c, 0.0f),
+                                mean, rstd);
+        return [=](float v) { return f(v); };
     });
     __syncthreads();
     for (int q = threadIdx.x; q < cg * HW / VEC; q += blockDim.x)

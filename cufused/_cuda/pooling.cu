@@ -696,3 +696,102 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_rows(
         partial[(n * C + c) * splits + split] = make_float2(t1, t2);
     }
 }
+
+// Pipeline A's exact path for channels whose GroupNorm or scale coefficients are not finite.
+// The fused pass keeps one extremum per window and applies the folded affine
+// (a * s) * v + b * s to it, which equals PyTorch's max over the window of
+// clamp(s * (a * v + b)) only for finite a, b, s: with an infinite gamma or scale, one
+// window holds +-inf and NaN values that no single extremum predicts. One block per channel
+// checks every sample's coefficients (a = gamma * rstd, b = beta - mean * a, as PyTorch forms
+// them) and recomputes the flagged (sample, channel) planes of out from the convolution output
+// y (strides sn, sc, sh, sw; plus bias) in PyTorch's order: GroupNorm affine, scale, max
+// (NaN-propagating) over each k x k window, clamp. A finite-parameter call costs one flag
+// check per (sample, channel).
+__global__ void pool_affine_nonfinite(const float* __restrict__ y, const float* __restrict__ bias,
+                                      const float2* __restrict__ moments,
+                                      const float* __restrict__ gamma,
+                                      const float* __restrict__ beta,
+                                      const float* __restrict__ scale, float* __restrict__ out,
+                                      int N, int C, int G, int k, int Ho, int Wo, index_t sn,
+                                      index_t sc, index_t sh, index_t sw, float lo, float hi) {
+    __shared__ int flagged;
+    const int c = blockIdx.x;
+    const float g = gamma ? gamma[c] : 1.0f, bt = beta ? beta[c] : 0.0f;
+    const float s = scale ? scale[c] : 1.0f, b0 = bias ? bias[c] : 0.0f;
+    const int group = c / (C / G);
+    auto coefficients = [&](int n, float& a, float& b) {
+        const float2 m = moments[(index_t)n * G + group];
+        a = g * m.y;
+        b = bt - m.x * a;
+        return isfinite(a) && isfinite(b) && isfinite(s) && isfinite(a * s) && isfinite(b * s);
+    };
+    if (threadIdx.x == 0) flagged = 0;
+    __syncthreads();
+    for (int n = threadIdx.x; n < N; n += blockDim.x) {
+        float a, b;
+        if (!coefficients(n, a, b)) flagged = 1;
+    }
+    __syncthreads();
+    if (!flagged) return;
+    const int P = Ho * Wo;
+    for (int n = 0; n < N; ++n) {
+        float a, b;
+        if (coefficients(n, a, b)) continue;
+        const float* plane = y + n * sn + c * sc;
+        for (int p = threadIdx.x; p < P; p += blockDim.x) {
+            const int i = p / Wo, j = p - i * Wo;
+            float acc = -INFINITY;
+            for (int di = 0; di < k; ++di)
+                for (int dj = 0; dj < k; ++dj) {
+                    const float v = plane[(i * k + di) * sh + (j * k + dj) * sw] + b0;
+                    acc = nan_max(acc, (a * v + b) * s);
+                }
+            out[((index_t)n * C + c) * P + p] = clamp_nan(acc, lo, hi);
+        }
+    }
+}
+
+// Pipeline B's exact path for channels whose BatchNorm coefficients are not finite (an
+// infinite or NaN weight or bias). The fused pass keeps the window extremum that the sign of
+// the weight selects, which equals PyTorch's max over the window of tanh(a * v + b) only for
+// finite a, b. One block per channel recomputes that max from the convolution output y
+// (strides sn, sc, sh, sw; plus the convolution bias, with which PyTorch forms the
+// statistics: a = gamma * rstd, b = beta - (mean + bias) * a) and stores atanh of it (+-inf
+// for +-1, NaN for NaN) in ext (NCHW, or blocked channels-last with ext_block > 0), then sets
+// the channel's coefficients to the identity, so that the GroupNorm pass's tanh(1 * e + 0)
+// reads back the exact value. Runs after bn_coefficients and before the GroupNorm pass.
+__global__ void pool_bn_tanh_nonfinite(const float* __restrict__ y,
+                                       const float* __restrict__ bias,
+                                       const float2* __restrict__ moments,
+                                       const float* __restrict__ gamma,
+                                       const float* __restrict__ beta, float* coef_a,
+                                       float* coef_b, float* ext, int N, int C, int k, int Ho,
+                                       int Wo, index_t sn, index_t sc, index_t sh, index_t sw,
+                                       int ext_block) {
+    const int c = blockIdx.x;
+    if (isfinite(coef_a[c]) && isfinite(coef_b[c])) return;
+    const float2 m = moments[c];
+    const float b0 = bias ? bias[c] : 0.0f;
+    const float a = (gamma ? gamma[c] : 1.0f) * m.y;
+    const float b = (beta ? beta[c] : 0.0f) - (m.x + b0) * a;
+    const int P = Ho * Wo;
+    for (index_t i = threadIdx.x; i < (index_t)N * P; i += blockDim.x) {
+        const index_t n = i / P;
+        const int p = (int)(i - n * P), r = p / Wo, q = p - r * Wo;
+        const float* plane = y + n * sn + c * sc;
+        float acc = -INFINITY;
+        for (int dr = 0; dr < k; ++dr)
+            for (int dq = 0; dq < k; ++dq) {
+                const float v = plane[(r * k + dr) * sh + (q * k + dq) * sw] + b0;
+                acc = nan_max(acc, tanh_branchless(a * v + b));
+            }
+        const index_t at = ext_block ? blocked_channels_last(n, c, p, C, P, ext_block)
+                                     : ((index_t)n * C + c) * P + p;
+        ext[at] = atanhf(acc);
+    }
+    __syncthreads();  // every thread has read the coefficients (at the top) before they change
+    if (threadIdx.x == 0) {
+        coef_a[c] = 1.0f;
+        coef_b[c] = 0.0f;
+    }
+}

@@ -1,0 +1,265 @@
+"""Bad input raises TypeError / ValueError naming the argument before any work and any side
+effect; NaN and inf inputs raise no NumPy warning; the precision default is process-wide.
+
+Each case runs on NumPy arrays here and, on a GPU machine, on CuPy arrays too (``xp``)."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import numpy as np
+import pytest
+
+import cufused
+
+from conftest import GPU
+
+XPS = ["numpy", pytest.param("cupy", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(params=XPS)
+def xp(request):
+    if request.param == "numpy":
+        return np
+    import cupy
+
+    return cupy
+
+
+def arrays(xp):
+    """Valid arguments for every public function, as ``xp`` float32 arrays."""
+    rng = np.random.default_rng(0)
+
+    def a(*shape):
+        return xp.asarray(rng.uniform(0.5, 1.5, shape).astype(np.float32))
+
+    return {"x4": a(2, 4, 8, 8), "w": a(8, 4, 3, 3), "wt": a(4, 8, 3, 3), "c8": a(8),
+            "x5": a(1, 2, 8, 8, 8), "w5": a(2, 4, 3, 3, 3), "c4": a(4), "c2": a(2)}
+
+
+def pipeline_a(d, **changes):
+    args = dict(x=d["x4"], weight=d["w"], conv_bias=None, gn_weight=d["c8"], gn_bias=None,
+                scale=d["c8"])
+    opts = dict(num_groups=2, pool_kernel=2, clamp_min=0.0, clamp_max=1.0)
+    for k, v in changes.items():
+        (args if k in args else opts)[k] = v
+    return cufused.conv2d_groupnorm_scale_maxpool_clamp(*args.values(), **opts)
+
+
+def pipeline_b(d, **changes):
+    args = dict(x=d["x4"], weight=d["wt"], bn_weight=d["c8"], bn_bias=None, gn_weight=None,
+                gn_bias=None)
+    opts = dict(num_groups=2, padding=1)
+    for k, v in changes.items():
+        (args if k in args else opts)[k] = v
+    return cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(*args.values(), **opts)
+
+
+def pipeline_c(d, **changes):
+    args = dict(x=d["x5"], weight=d["w5"], scale=d["c4"])
+    opts = dict(stride=2, padding=1, output_padding=1, pool_kernel=2, clamp_min=0.0,
+                clamp_max=1.0)
+    for k, v in changes.items():
+        (args if k in args else opts)[k] = v
+    return cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(*args.values(), **opts)
+
+
+CASES = {
+    # name: (call(d), exception, fragment of the message)
+    "conv x None": (lambda d: cufused.conv2d(None, d["w"]), TypeError, "x"),
+    "conv weight None": (lambda d: cufused.conv2d(d["x4"], None), TypeError, "weight"),
+    "conv weight str": (lambda d: cufused.conv2d(d["x4"], "w"), TypeError, "weight"),
+    "conv stride float": (lambda d: cufused.conv2d(d["x4"], d["w"], stride=1.0), TypeError,
+                          "stride"),
+    "conv stride None": (lambda d: cufused.conv2d(d["x4"], d["w"], stride=None), TypeError,
+                         "stride"),
+    "conv padding str": (lambda d: cufused.conv2d(d["x4"], d["w"], padding="same"), TypeError,
+                         "padding"),
+    "conv groups float": (lambda d: cufused.conv2d(d["x4"], d["w"], groups=1.0), TypeError,
+                          "groups"),
+    "conv huge padding": (lambda d: cufused.conv2d(d["x4"], d["w"], padding=2**40), ValueError,
+                          "padding"),
+    "conv huge output": (lambda d: cufused.conv_transpose2d(d["x4"], d["wt"], stride=2**30),
+                         ValueError, "memory"),
+    "pool kernel None": (lambda d: cufused.max_pool2d(d["x4"], None), TypeError, "kernel_size"),
+    "pool kernel float": (lambda d: cufused.max_pool2d(d["x4"], 2.0), TypeError, "kernel_size"),
+    "pool stride float": (lambda d: cufused.avg_pool2d(d["x4"], 2, 1.5), TypeError, "stride"),
+    "pool x None": (lambda d: cufused.max_pool2d(None, 2), TypeError, "x"),
+    "avg_pool3d window over unpadded input": (
+        lambda d: cufused.avg_pool3d(d["x5"][:, :, :1], 2, padding=1), ValueError, "larger"),
+    "group_norm one value per group": (
+        lambda d: cufused.group_norm(d["x4"][:1, :, :1, :1], 4), ValueError, "more than 1"),
+    "group_norm weight complex": (
+        lambda d: cufused.group_norm(d["x4"], 2, 1j), TypeError, "weight"),
+    "batch_norm training str": (
+        lambda d: cufused.batch_norm(d["x4"], training="yes"), TypeError, "training"),
+    "batch_norm training None": (
+        lambda d: cufused.batch_norm(d["x4"], training=None), TypeError, "training"),
+    "softmax x None": (lambda d: cufused.softmax(None), TypeError, "x"),
+    "A x None": (lambda d: pipeline_a(d, x=None), TypeError, "x"),
+    "A scale str": (lambda d: pipeline_a(d, scale="2"), TypeError, "scale"),
+    "A scale complex": (lambda d: pipeline_a(d, scale=2j), TypeError, "scale"),
+    "A gn_weight str": (lambda d: pipeline_a(d, gn_weight="w"), TypeError, "gn_weight"),
+    "A clamp_min None": (lambda d: pipeline_a(d, clamp_min=None), TypeError, "clamp_min"),
+    "A clamp_max complex": (lambda d: pipeline_a(d, clamp_max=1j), TypeError, "clamp_max"),
+    "A pool_kernel float": (lambda d: pipeline_a(d, pool_kernel=2.0), TypeError, "pool_kernel"),
+    "A pool_kernel None": (lambda d: pipeline_a(d, pool_kernel=None), TypeError,
+                           "pool_kernel"),
+    "A stride None": (lambda d: pipeline_a(d, stride=None), TypeError, "stride"),
+    "B weight None": (lambda d: pipeline_b(d, weight=None), TypeError, "weight"),
+    "B stride float": (lambda d: pipeline_b(d, stride=1.0), TypeError, "stride"),
+    "B momentum str": (lambda d: pipeline_b(d, momentum="0.1"), TypeError, "momentum"),
+    "C scale str": (lambda d: pipeline_c(d, scale="1"), TypeError, "scale"),
+    "C pool_kernel float": (lambda d: pipeline_c(d, pool_kernel=2.5), TypeError, "pool_kernel"),
+    "C pool window over input": (lambda d: pipeline_c(d, x=d["x5"][:, :, :1]), ValueError,
+                                 "larger"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_raises(xp, case):
+    call, exc, fragment = CASES[case]
+    with pytest.raises(exc, match=fragment):
+        call(arrays(xp))
+
+
+def test_reference_refuses_a_padded_input_beyond_memory():
+    # The reference materializes the padded input; cuDNN does not need to.
+    d = arrays(np)
+    with pytest.raises(ValueError, match="padded input"):
+        cufused.conv2d(d["x4"], d["w"], padding=2**30, stride=2**30)
+
+
+def test_read_only_out_and_buffers_raise_before_side_effects():
+    d = arrays(np)
+    out = np.empty((2, 8, 3, 3), np.float32)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="out is read-only"):
+        pipeline_a(d, out=out)
+    rm, rv = np.zeros(8, np.float32), np.ones(8, np.float32)
+    rv.flags.writeable = False
+    with pytest.raises(ValueError, match="running_var is read-only"):
+        pipeline_b(d, running_mean=rm, running_var=rv)
+    assert (rm == 0).all()  # raised before the running mean was touched
+    with pytest.raises(ValueError, match="running_var is read-only"):
+        cufused.batch_norm(d["x4"][:, :2].reshape(2, 8, 4, 4), running_mean=rm,
+                           running_var=rv)
+    assert (rm == 0).all()
+
+
+def test_out_overlapping_an_input_raises(xp):
+    d = arrays(xp)
+    x = d["x4"]
+    # Partial overlap: never allowed.
+    big = xp.zeros((2 * x.size,), dtype=xp.float32)
+    a, b = big[: x.size].reshape(x.shape), big[x.size // 2: x.size // 2 + x.size].reshape(x.shape)
+    a[...] = x
+    with pytest.raises(ValueError, match="overlaps the memory of x"):
+        cufused.group_norm(a, 2, out=b)
+    with pytest.raises(ValueError, match="overlaps the memory of x"):
+        cufused.softmax(a, axis=1, out=b)
+    # Exact aliasing: in place where documented (group_norm, batch_norm, softmax) ...
+    ref = cufused.group_norm(x, 2)
+    y = x.copy()
+    assert cufused.group_norm(y, 2, out=y) is y
+    np.testing.assert_allclose(_host(y), _host(ref), rtol=1e-5, atol=1e-6)
+    y = x.copy()
+    assert cufused.softmax(y, axis=(2, 3), out=y) is y
+    np.testing.assert_allclose(_host(y), _host(cufused.softmax(x, axis=(2, 3))), rtol=1e-5)
+    # ... and never for ops whose output is read while written (pooling, convolutions).
+    flat = xp.zeros(x.size, dtype=xp.float32)
+    with pytest.raises(ValueError, match="overlaps the memory of x"):
+        cufused.max_pool2d(flat.reshape(x.shape), 2, out=flat[: x.size // 4].reshape(2, 4, 4, 4))
+    # The weight in the first half of one allocation, out starting inside it.
+    w = d["w"]
+    size = 2 * 8 * 6 * 6
+    pool = xp.zeros(w.size + size, dtype=xp.float32)
+    pool[: w.size] = w.ravel()
+    with pytest.raises(ValueError, match="overlaps the memory of weight"):
+        cufused.conv2d(x, pool[: w.size].reshape(w.shape),
+                       out=pool[w.size // 2: w.size // 2 + size].reshape(2, 8, 6, 6))
+
+
+def _host(a):
+    return a.get() if hasattr(a, "get") else a
+
+
+def test_scale_none_means_no_scaling(xp):
+    d = arrays(xp)
+    ones = xp.ones(8, dtype=xp.float32)
+    got = pipeline_a(d, scale=None)
+    assert not np.isnan(_host(got)).any()
+    np.testing.assert_allclose(_host(got), _host(pipeline_a(d, scale=ones)), rtol=1e-6)
+    got = pipeline_c(d, scale=None)
+    np.testing.assert_allclose(_host(got), _host(pipeline_c(d, scale=xp.ones(4, xp.float32))),
+                               rtol=1e-6)
+
+
+def test_zero_dim_scale_broadcasts(xp):
+    d = arrays(xp)
+    got = pipeline_a(d, scale=xp.asarray(np.float32(0.5)))
+    want = pipeline_a(d, scale=xp.full(8, 0.5, dtype=xp.float32))
+    np.testing.assert_allclose(_host(got), _host(want), rtol=1e-6)
+    got = pipeline_c(d, scale=xp.asarray(np.float32(3.0)))
+    want = pipeline_c(d, scale=3.0)
+    np.testing.assert_allclose(_host(got), _host(want), rtol=1e-6)
+
+
+def test_reference_path_raises_no_warnings():
+    d = arrays(np)
+    x = d["x4"].copy()
+    x[0, 0, 0, 0], x[1, 1, 2, 2], x[1, 2, 3, 3] = np.nan, np.inf, -np.inf
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipeline_a(d, x=x)
+        pipeline_b(d, x=x)
+        cufused.group_norm(x, 2)
+        cufused.batch_norm(x, activation="tanh")
+        cufused.softmax(x, axis=(2, 3))
+        cufused.max_pool2d(x, 2)
+        cufused.conv2d(x, d["w"])
+        x5 = d["x5"].copy()
+        x5[0, 0, 0, 0, 0] = np.inf
+        pipeline_c(d, x=x5)
+        pipeline_a(d, scale=np.full(8, np.inf, np.float32))
+
+
+def test_default_precision_is_process_wide_and_the_block_scoped():
+    seen = {}
+
+    def read(key):
+        seen[key] = cufused.get_default_precision()
+
+    cufused.set_default_precision("tf32")
+    try:
+        t = threading.Thread(target=read, args=("setter",))
+        t.start()
+        t.join()
+        with cufused.default_precision("ieee"):
+            assert cufused.get_default_precision() == "ieee"
+            t = threading.Thread(target=read, args=("other thread in a block",))
+            t.start()
+            t.join()
+        assert cufused.get_default_precision() == "tf32"
+    finally:
+        cufused.set_default_precision("ieee")
+    assert seen == {"setter": "tf32", "other thread in a block": "tf32"}
+    with pytest.raises(ValueError, match="precision"):
+        cufused.set_default_precision("fp8")
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device with CuPy")
+@pytest.mark.gpu
+def test_bad_input_does_no_gpu_work():
+    # A call that fails validation leaves the running buffers and out untouched and
+    # queues nothing: checked by the buffers' contents after a synchronize.
+    import cupy
+
+    d = arrays(cupy)
+    rm, rv = cupy.zeros(8, cupy.float32), cupy.ones(8, cupy.float32)
+    out = cupy.full((2, 8, 5, 5), cupy.nan, cupy.float32)
+    with pytest.raises(TypeError):
+        pipeline_b(d, running_mean=rm, running_var=rv, out=out, momentum="x")
+    cupy.cuda.get_current_stream().synchronize()
+    assert (rm == 0).all() and (rv == 1).all() and cupy.isnan(out).all()

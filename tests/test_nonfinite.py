@@ -1,0 +1,157 @@
+"""NaN and inf land where PyTorch puts them: one NaN, +inf or -inf planted in each input and
+parameter of every pipeline and normalization block, on both paths. The NumPy path is compared
+with PyTorch CPU in float64 and the GPU path with PyTorch CUDA in float32 (cuDNN's transposed
+convolution puts an infinite weight's NaNs elsewhere than PyTorch's CPU kernel does, and
+each path follows the PyTorch of its device)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cufused
+
+from conftest import GPU
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+VALUES = [np.nan, np.inf, -np.inf]
+
+
+def _t(v, device, dtype):
+    return None if v is None else torch.as_tensor(v, dtype=dtype, device=device)
+
+
+def torch_a(v, device, dtype):
+    x, w, cb, gw, gb, s = (_t(a, device, dtype) for a in v)
+    y = F.group_norm(F.conv2d(x, w, cb), 4, gw, gb, eps=1e-5) * s.view(1, -1, 1, 1)
+    return torch.clamp(F.max_pool2d(y, 2), 0.0, 1.0)
+
+
+def torch_b(v, device, dtype):
+    x, w, bw, bb, gw, gb, cb = (_t(a, device, dtype) for a in v)
+    y = F.conv_transpose2d(x, w, cb, padding=1)
+    y = torch.tanh(F.batch_norm(y, None, None, bw, bb, training=True, eps=1e-5))
+    return F.group_norm(F.max_pool2d(y, 2, 2), 4, gw, gb, eps=1e-5)
+
+
+def torch_c(v, device, dtype):
+    x, w, s, cb = (_t(a, device, dtype) for a in v)
+    y = F.conv_transpose3d(F.avg_pool3d(x, 2), w, cb, stride=2, padding=1, output_padding=1)
+    y = torch.clamp(y, 0.0, 1.0)
+    n, c = y.shape[:2]
+    return torch.softmax(y.reshape(n, c, -1), dim=2).reshape(y.shape) * s.view(1, -1, 1, 1, 1)
+
+
+def torch_gn(v, device, dtype):
+    x, w, b = (_t(a, device, dtype) for a in v)
+    return F.group_norm(x, 2, w, b)
+
+
+def torch_bn(v, device, dtype):
+    x, w, b = (_t(a, device, dtype) for a in v)
+    return torch.tanh(F.batch_norm(x, None, None, w, b, training=True))
+
+
+def ours_a(v):
+    x, w, cb, gw, gb, s = v
+    return cufused.conv2d_groupnorm_scale_maxpool_clamp(
+        x, w, cb, gw, gb, s, num_groups=4, pool_kernel=2, clamp_min=0.0, clamp_max=1.0)
+
+
+def ours_b(v):
+    x, w, bw, bb, gw, gb, cb = v
+    return cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        x, w, bw, bb, gw, gb, num_groups=4, padding=1, conv_bias=cb)
+
+
+def ours_c(v):
+    x, w, s, cb = v
+    return cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
+        x, w, s, stride=2, padding=1, output_padding=1, pool_kernel=2, clamp_min=0.0,
+        clamp_max=1.0, conv_bias=cb)
+
+
+def ours_gn(v):
+    return cufused.group_norm(v[0], 2, v[1], v[2])
+
+
+def ours_bn(v):
+    return cufused.batch_norm(v[0], v[1], v[2], activation="tanh")
+
+
+def make(case, rng):
+    """(parameter names, float64 values) with mixed signs."""
+    n = rng.standard_normal
+    if case == "A":
+        return (["x", "weight", "conv_bias", "gn_weight", "gn_bias", "scale"],
+                [rng.random((2, 3, 10, 10)), n((8, 3, 3, 3)) * 0.3, n(8) * 0.1, n(8),
+                 n(8) * 0.1, n(8)])
+    if case == "B":
+        return (["x", "weight", "bn_weight", "bn_bias", "gn_weight", "gn_bias", "conv_bias"],
+                [rng.random((3, 4, 5, 5)), n((4, 8, 3, 3)) * 0.3, n(8), n(8) * 0.1, n(8),
+                 n(8) * 0.1, n(8) * 0.1])
+    if case == "C":
+        return (["x", "weight", "scale", "conv_bias"],
+                [rng.random((2, 3, 4, 6, 6)), n((3, 4, 3, 3, 3)) * 0.3, n(4), n(4) * 0.1])
+    if case == "group_norm rows":  # rows that stay in shared memory
+        return ["x", "weight", "bias"], [n((2, 4, 3, 3)), n(4), n(4)]
+    if case == "group_norm split":  # rows that take the split statistics and affine pass
+        return ["x", "weight", "bias"], [n((2, 4, 80, 80)), n(4), n(4)]
+    return ["x", "weight", "bias"], [n((3, 4, 5, 5)), n(4), n(4)]
+
+
+CASES = {"A": (torch_a, ours_a), "B": (torch_b, ours_b), "C": (torch_c, ours_c),
+         "group_norm rows": (torch_gn, ours_gn), "group_norm split": (torch_gn, ours_gn),
+         "batch_norm tanh": (torch_bn, ours_bn)}
+PLANTS = [(case, i, value) for case in CASES
+          for i in range(len(make(case, np.random.default_rng())[0])) for value in VALUES]
+
+
+def _ids(p):
+    case, i, value = p
+    return f"{case}-{make(case, np.random.default_rng())[0][i]}-{value}"
+
+
+def _planted(case, i, value, rng):
+    names, values = make(case, rng)
+    target = values[i]
+    target[tuple(int(rng.integers(s)) for s in target.shape)] = value
+    return values
+
+
+def assert_same_placement(got, want):
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    assert got.shape == want.shape
+    for name, test in (("NaN", np.isnan), ("+inf", np.isposinf), ("-inf", np.isneginf)):
+        diff = test(got) != test(want)
+        assert not diff.any(), f"{int(diff.sum())} elements differ in {name} placement"
+    finite = np.isfinite(want)
+    scale = max(float(np.abs(want[finite]).max()), 1e-30) if finite.any() else 1.0
+    assert np.abs(got[finite] - want[finite]).max(initial=0.0) <= 1e-4 * scale
+
+
+@pytest.mark.parametrize("plant", PLANTS, ids=_ids)
+def test_numpy_path_matches_torch_cpu(rng, plant):
+    case, i, value = plant
+    values = _planted(case, i, value, rng)
+    torch_fn, ours = CASES[case]
+    want = torch_fn(values, "cpu", torch.float64).numpy()
+    assert_same_placement(ours([v.astype(np.float32) for v in values]), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device with CuPy")
+@pytest.mark.parametrize("plant", PLANTS, ids=_ids)
+def test_gpu_path_matches_torch_cuda(rng, plant):
+    import cupy as cp
+
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch without CUDA")
+    case, i, value = plant
+    values = _planted(case, i, value, rng)
+    torch_fn, ours = CASES[case]
+    want = torch_fn(values, "cuda", torch.float32).cpu().numpy()
+    got = ours([cp.asarray(v, dtype=cp.float32) for v in values]).get()
+    assert_same_placement(got, want)
