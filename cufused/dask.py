@@ -141,6 +141,17 @@ def _map_chunks(func: Callable, x: Array, params: dict[str, Any], options: dict[
 # Batch statistics: phase 1 (partial moments), phase 2 (tree reduction), phase 3 (apply)
 
 
+def _without_numpy_warnings(func: Callable) -> Callable:
+    """NaN and inf propagate silently through the statistics, as through the single call's
+    reference (``run_reference``)."""
+    @functools.wraps(func)
+    def quiet(*args, **kwargs):
+        with numpy.errstate(all="ignore"):
+            return func(*args, **kwargs)
+    return quiet
+
+
+@_without_numpy_warnings
 def _channel_moments(y) -> tuple[int, Any, Any]:
     """Per-channel ``(count, mean, M2)`` of ``y`` (N, C, ...) over every axis but 1, in float64
     arrays of ``y``'s library; ``M2`` is the sum of squared deviations from the mean.
@@ -176,6 +187,7 @@ def _channel_moments(y) -> tuple[int, Any, Any]:
     return count, shift.astype(xp.float64) + offset, xp.where(m2 < 0, 0.0, m2)
 
 
+@_without_numpy_warnings
 def _merge_moments(*parts: tuple[int, Any, Any]) -> tuple[int, Any, Any]:
     """Chan et al.'s parallel combination of partial ``(count, mean, M2)`` moments."""
     count, mean, m2 = parts[0]
@@ -193,6 +205,7 @@ def _merge_moments(*parts: tuple[int, Any, Any]) -> tuple[int, Any, Any]:
     return count, mean, m2
 
 
+@_without_numpy_warnings
 def _finish_statistics(moments: tuple[int, Any, Any], running_mean, running_var,
                        momentum: float) -> tuple[Any, Any, Any, Any]:
     """Batch ``(mean, biased variance)`` from the merged moments; the running buffers, when

@@ -143,6 +143,7 @@ def test_pipeline_b_statistics_cover_the_whole_batch(rng):
     assert np.abs(per_chunk - ref).max() > 1e-3
 
 
+@pytest.mark.filterwarnings("error")  # NaN and inf propagate silently
 def test_pipeline_b_zero_and_nan_bn_weights(rng):
     # Weight 0 maps a channel to one value (either extremum serves); NaN turns it NaN, and
     # with it the GroupNorm group.
@@ -157,6 +158,25 @@ def test_pipeline_b_zero_and_nan_bn_weights(rng):
     assert_close(y[~nan], ref[~nan], 1e-10)
 
 
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.filterwarnings("error")  # NaN and inf propagate silently
+def test_pipeline_b_non_finite_conv_bias_and_bn_weight(rng, value):
+    # A non-finite conv bias makes its channel's statistics, and so its GroupNorm group, NaN
+    # (the single call as PyTorch); an infinite BatchNorm weight goes where the single call
+    # takes it.
+    x, params, options = case_b(rng, np.float64)
+    options["conv_bias"][2] = value
+    bn_weight = params[1].copy()
+    bn_weight[6] = -value if np.isinf(value) else 1.0
+    params = (params[0], bn_weight) + params[2:]
+    y, ref, new, _ = run_b(x, params, options, (2, 3), "threads")
+    assert np.isnan(ref[:, :4]).all()
+    assert np.array_equal(np.isnan(y), np.isnan(ref))
+    finite = ~np.isnan(ref)
+    assert_close(y[finite], ref[finite], 1e-10)
+
+
+@pytest.mark.filterwarnings("error")  # NaN and inf propagate silently
 def test_pipeline_b_nan_input_reaches_the_batch_statistics(rng):
     # One NaN input value reaches the batch statistics of its convolution group's channels
     # (0-3): they turn NaN in every sample, in the output and in both running buffers.
