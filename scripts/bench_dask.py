@@ -1,0 +1,258 @@
+"""Dask's overhead on one GPU: images per second of each pipeline over a dask array of
+FACTOR x the canonical batch in chunks of the canonical batch, against a plain Python loop
+over the same chunks (issue 28's target: at most 10 % slower).
+
+Each figure is the median wall time of ``--repeat`` runs after one warm-up, from the first
+call issued to the device being idle, with every result kept until then (as Dask's
+``persist`` keeps its chunks): the loop calls the pipeline on each chunk; for pipeline B it
+runs the same three phases that ``cufused.dask`` runs (the batch statistics span all chunks),
+and the column "B 1-call" is one fused call per chunk (each chunk's own statistics: another
+result, shown for its cost). Dask runs with the threaded scheduler in this process and, where
+``dask_cuda`` imports, on a ``LocalCUDACluster`` with one worker, whose input is made on the
+worker; the loop's time is this process's.
+
+Without a GPU, ``--small`` is a smoke run of the same code on NumPy chunks (the float64
+reference) with small shapes and the threaded scheduler only.
+
+Usage: python scripts/bench_dask.py [--small] [--cases A B C] [--precisions ieee tf32]
+       [--factor 8] [--batch N] [--repeat 3] [--threads N] [--no-cluster] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import statistics
+import sys
+import time
+
+import numpy
+
+import cufused
+from cufused._arrays import gpu_available
+from cufused.benchmark import make_cases
+
+
+def _sync(xp) -> None:
+    if xp is not numpy:
+        xp.cuda.Device().synchronize()
+
+
+def wall_time(fn, xp, repeat: int) -> float:
+    """Median seconds of ``fn()`` from the first call issued to the device being idle, after
+    one warm-up run; each run's result is kept until then."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        _sync(xp)
+        start = time.perf_counter()
+        result = fn()
+        _sync(xp)
+        times.append(time.perf_counter() - start)
+        del result
+    return statistics.median(times)
+
+
+def b_phases_loop(chunks, weight, bn_weight, bn_bias, gn_weight, gn_bias, *, num_groups,
+                  stride=1, padding=0, output_padding=0, groups=1, conv_bias=None,
+                  pool_kernel=2, eps=1e-5, precision):
+    """Pipeline B over ``chunks`` as one batch without Dask: ``cufused.dask``'s phases, one
+    after another in this thread."""
+    from cufused import dask as cdask
+
+    xp = cufused._arrays.get_array_module(x=chunks[0])
+    prepared = cdask._flip_channels(xp, weight, conv_bias, bn_weight, groups, gn_weight.size)
+    parts = [cdask._pool_moments_phase(c, prepared, stride=stride, padding=padding,
+                                       output_padding=output_padding, groups=groups,
+                                       pool=pool_kernel, precision=precision) for c in chunks]
+    mean, var, _, _ = cdask._finish_statistics(
+        cdask._merge_moments(*(moments for _, moments in parts)), None, None, 0.0)
+    return [cdask._normalize_pooled(pooled, mean, var, bn_weight, bn_bias, gn_weight, gn_bias,
+                                    num_groups=num_groups, eps=eps, dtype=chunks[0].dtype)
+            for pooled, _ in parts]
+
+
+def _random_chunk(block_id=None, *, shape, seed):
+    """One float32 chunk drawn where the task runs (a worker's GPU)."""
+    import cupy
+
+    rng = cupy.random.default_rng(seed + block_id[0])
+    return rng.random(shape, dtype=cupy.float32)
+
+
+def bench_case(case, xp, params, x_shape, factor, precisions, repeat, threads, client):
+    """The rows of one case: {precision: {runner: seconds}}."""
+    import dask.array as da
+
+    from cufused import dask as cdask
+
+    n = x_shape[0]
+    total = (factor * n,) + x_shape[1:]
+    if xp is numpy:
+        x = numpy.random.default_rng(1).random(total, dtype=numpy.float32)
+    else:
+        x = xp.random.default_rng(1).random(total, dtype=xp.float32)
+    chunks = [x[i * n:(i + 1) * n] for i in range(factor)]
+    # name=False: no hash of the whole input (for CuPy, a copy to the host and back).
+    x_dask = da.from_array(x, chunks={0: n}, asarray=False, name=False).persist(
+        scheduler="threads")
+    single = getattr(cufused, case.pipeline)
+    lazy = getattr(cdask, case.pipeline)
+    rows = {}
+    for precision in precisions:
+        opts = dict(case.options, precision=precision)
+        runners = {}
+        if case.name == "B":
+            runners["loop"] = lambda: b_phases_loop(chunks, *params, **opts)
+            runners["one_call_per_chunk"] = lambda: [single(c, *params, **opts) for c in chunks]
+        else:
+            runners["loop"] = lambda: [single(c, *params, **opts) for c in chunks]
+        runners["threads"] = lambda: lazy(x_dask, *params, **opts).persist(
+            scheduler="threads", num_workers=threads)
+        rows[precision] = {name: wall_time(fn, xp, repeat) for name, fn in runners.items()}
+        if client is not None:
+            rows[precision]["cluster"] = cluster_time(client, lazy, params, opts, total, n,
+                                                      repeat)
+    return rows
+
+
+def cluster_time(client, lazy, params, opts, total, n, repeat) -> float:
+    """Median seconds on the cluster's worker, input made and kept there first."""
+    import cupy
+    import dask.array as da
+    from distributed import wait
+
+    x = da.map_blocks(_random_chunk, shape=(n,) + total[1:], seed=1, chunks=(
+        (n,) * (total[0] // n),) + tuple((s,) for s in total[1:]), dtype=numpy.float32,
+        meta=cupy.empty((0,) * len(total), dtype=cupy.float32))
+    x = client.persist(x)
+    wait(x)
+
+    def run():
+        out = client.persist(lazy(x, *params, **opts))
+        wait(out)
+        client.run(lambda: cupy.cuda.Device().synchronize())
+        return out
+
+    run()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        out = run()
+        times.append(time.perf_counter() - start)
+        del out
+    return statistics.median(times)
+
+
+def header(xp, args) -> dict:
+    import dask
+
+    info = {"cufused": cufused.__version__, "dask": dask.__version__,
+            "python": platform.python_version(), "factor": args.factor,
+            "repeat": args.repeat}
+    if xp is numpy:
+        info["device"] = "CPU (NumPy chunks)"
+    else:
+        props = xp.cuda.runtime.getDeviceProperties(xp.cuda.runtime.getDevice())
+        name = props["name"]
+        info["device"] = name.decode() if isinstance(name, bytes) else name
+    try:
+        import dask_cuda
+
+        info["dask_cuda"] = dask_cuda.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def format_table(result: dict) -> str:
+    """Images per second of each runner, and Dask's overhead over the loop."""
+    lines = [" ".join(f"{k}={v}" for k, v in result["header"].items()),
+             "images/s (median wall time, issue to device idle); overhead = time / loop - 1",
+             f"{'case':<4} {'prec':<5} {'images':>7} {'chunk':>6} {'loop':>9} {'threads':>9} "
+             f"{'ovh':>7} {'cluster':>9} {'ovh':>7} {'B 1-call':>9}"]
+    for r in result["rows"]:
+        def rate(key):
+            return f"{r['images'] / r[key]:9.1f}" if key in r else f"{'-':>9}"
+
+        def overhead(key):
+            return f"{r[key] / r['loop'] - 1:+7.1%}" if key in r else f"{'-':>7}"
+
+        lines.append(f"{r['case']:<4} {r['precision']:<5} {r['images']:>7} {r['chunk']:>6} "
+                     f"{rate('loop')} {rate('threads')} {overhead('threads')} "
+                     f"{rate('cluster')} {overhead('cluster')} {rate('one_call_per_chunk')}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true",
+                        help="small shapes (a GPU smoke run; without a GPU, NumPy chunks)")
+    parser.add_argument("--cases", nargs="*", choices=["A", "B", "C"], default=["A", "B", "C"])
+    parser.add_argument("--precisions", nargs="*", choices=["ieee", "tf32", "3xtf32"],
+                        default=["ieee", "tf32"], help="GPU precisions (default ieee tf32)")
+    parser.add_argument("--factor", type=int, default=8, help="chunks per dask array (8)")
+    parser.add_argument("--batch", type=int, help="images per chunk (default: the case's)")
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs per figure (3)")
+    parser.add_argument("--threads", type=int, help="threaded scheduler's workers (Dask's "
+                                                    "default)")
+    parser.add_argument("--no-cluster", action="store_true", help="skip the LocalCUDACluster")
+    parser.add_argument("--json", metavar="FILE", help="write the figures to FILE")
+    args = parser.parse_args(argv)
+    gpu = gpu_available()
+    if not gpu and not args.small:
+        print("no CUDA GPU available: only --small runs without one (NumPy chunks)")
+        return 1
+    if gpu:
+        import cupy as xp
+    else:
+        xp, args.precisions = numpy, ["ieee"]
+    client = None
+    if gpu and not args.no_cluster:
+        try:
+            import dask_cuda
+            from distributed import Client
+
+            client = Client(dask_cuda.LocalCUDACluster(n_workers=1, dashboard_address=None),
+                            set_as_default=False)
+        except Exception as exc:  # noqa: BLE001 - the threaded figures stand without it
+            print(f"no LocalCUDACluster ({type(exc).__name__}: {exc}): no cluster column")
+    result = {"header": header(xp, args), "rows": []}
+    print("\n".join(format_table(result).splitlines()[:3]), flush=True)
+    try:
+        for case in make_cases(small=args.small):
+            if case.name not in args.cases:
+                continue
+            shape = tuple(case.shapes["x"])
+            if args.batch:
+                shape = (args.batch,) + shape[1:]
+            # The parameters as the benchmark draws them (x: one sample, unused).
+            one = dataclasses.replace(case, shapes={**case.shapes, "x": (1,) + shape[1:]})
+            inputs = one.make_inputs(numpy.random.default_rng(0))
+            params = [xp.asarray(v) for k, v in inputs.items() if k != "x"]
+            rows = bench_case(case, xp, params, shape, args.factor, args.precisions,
+                              args.repeat, args.threads, client)
+            if xp is not numpy:  # the case's arrays are gone: give their memory back
+                xp.get_default_memory_pool().free_all_blocks()
+            for precision, times in rows.items():
+                result["rows"].append(dict(case=case.name, precision=precision,
+                                           images=args.factor * shape[0], chunk=shape[0],
+                                           **times))
+                print(format_table(result).splitlines()[-1], flush=True)
+    finally:
+        if client is not None:
+            client.close()
+            client.cluster.close()
+    print()
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
