@@ -9,8 +9,13 @@ import cufused
 
 from conftest import assert_close, mixed, rel_err
 
-torch = pytest.importorskip("torch")
-F = torch.nn.functional
+try:
+    import torch
+    import torch.nn.functional as F
+except ImportError:  # collected and skipped as oracle tests (see conftest.py)
+    torch = F = None
+
+pytestmark = pytest.mark.oracle
 TOL = 1e-10
 
 
