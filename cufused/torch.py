@@ -266,6 +266,18 @@ def _torch_allocator(cupy) -> Callable:
     return _TORCH_MALLOC
 
 
+def _launch_elsewhere(fn: Callable, args: list, kwargs: dict, device: int, stream, cupy,
+                      capturing: bool) -> None:
+    """The rare call: on a device other than the current one, or during a graph capture."""
+    with contextlib.ExitStack() as scope:
+        if device != cupy.cuda.runtime.getDevice():
+            scope.enter_context(cupy.cuda.Device(device))
+        scope.enter_context(stream)
+        if capturing:
+            scope.enter_context(cupy.cuda.using_allocator(_torch_allocator(cupy)))
+        fn(*args, **kwargs)
+
+
 def _cuda_kernel(name: str, shape: Callable) -> Callable:
     fn = getattr(cufused, name)
 
@@ -286,12 +298,7 @@ def _cuda_kernel(name: str, shape: Callable) -> Callable:
             with stream:
                 fn(*cargs, **ckwargs)
         else:
-            with contextlib.ExitStack() as scope:
-                scope.enter_context(cupy.cuda.Device(device))
-                scope.enter_context(stream)
-                if capturing:
-                    scope.enter_context(cupy.cuda.using_allocator(_torch_allocator(cupy)))
-                fn(*cargs, **ckwargs)
+            _launch_elsewhere(fn, cargs, ckwargs, device, stream, cupy, capturing)
         return out
     return cuda
 
