@@ -206,11 +206,13 @@ def _cpu_kernel(name: str) -> Callable:
 _NUMPY_DTYPES = {torch.float16: numpy.dtype(numpy.float16),
                  torch.float32: numpy.dtype(numpy.float32),
                  torch.float64: numpy.dtype(numpy.float64)}
+_CUPY = None  # imported on the first CUDA call
 # CuPy views of recent tensors, by (address, dtype, shape, strides): creating a view costs
 # more host time than looking it up, and weights and recycled activations repeat. A view
 # holds no reference to the tensor; the caller's tensor keeps the memory alive during a call.
 _VIEWS: dict[tuple, Any] = {}
-_CUPY = None
+# CuPy handles of PyTorch's streams, by (stream, device).
+_STREAMS: dict[tuple[int, int], Any] = {}
 _TORCH_MALLOC = None
 
 
@@ -219,10 +221,11 @@ def _load_cupy():
     _CUPY = import_cupy()
     return _CUPY
 
-_STREAMS: dict[tuple[int, int], Any] = {}
-
 
 def _new_view(t: torch.Tensor, cupy) -> Any:
+    if not t.is_cuda:
+        raise ValueError(f"a tensor on {t.device} was passed with CUDA tensors; cufused needs "
+                         "all tensors of a call on the same device")
     dtype = _NUMPY_DTYPES.get(t.dtype)
     if dtype is None:
         raise TypeError(f"cufused has no CUDA path for dtype {t.dtype}")

@@ -335,8 +335,11 @@ def test_forward_only_errors():
         torch.compile(model, fullgraph=True, backend="aot_eager")(x)
 
 
+# Inductor, except for B, whose BatchNorm bookkeeping (num_batches_tracked += 1) inductor
+# compiles to C++ for tens of seconds on the CPU; aot_eager still functionalizes B's in-place
+# update of the running statistics.
 @pytest.mark.parametrize("name,backend", [("A", "inductor"), ("B", "aot_eager"),
-                                          ("C", "aot_eager")])
+                                          ("C", "inductor")])
 def test_torch_compile_fullgraph_cpu(name, backend):
     init, shape = SMALL[name]
     _, mine = make_pair(name, init)
