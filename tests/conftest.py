@@ -29,18 +29,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_oracle)
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    skipped = terminalreporter.stats.get("skipped", [])
-    config._oracle_skips = sum(NO_ORACLE in str(report.longrepr) for report in skipped)
-
-
 def pytest_unconfigure(config):
     # After pytest's own closing line, so that it is the last line of the run.
-    missing = getattr(config, "_oracle_skips", 0)
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
+    missing = sum(NO_ORACLE in str(report.longrepr)
+                  for report in reporter.stats.get("skipped", []))
     if missing:
-        config.get_terminal_writer().line(
-            f"{missing} PyTorch-oracle tests did not run (PyTorch is not installed); "
-            f"to run them: {ORACLE_COMMAND}", yellow=True, bold=True)
+        reporter.write_line(f"{missing} PyTorch-oracle tests did not run (PyTorch is not "
+                            f"installed); to run them: {ORACLE_COMMAND}", yellow=True, bold=True)
 
 
 def rel_err(out, ref) -> float:
