@@ -1,4 +1,4 @@
-"""Command line: ``python -m cufused check`` and ``python -m cufused bench``."""
+"""The command line: ``python -m cufused check`` and ``python -m cufused bench``."""
 
 from __future__ import annotations
 
@@ -25,45 +25,108 @@ def _progress(i: int, n: int, label: str) -> None:
         sys.stderr.write("\n")
 
 
-def cmd_check(args) -> int:
-    gpu = gpu_available()
-    small = args.small or not gpu
-    if not gpu:
-        print("no CUDA GPU available: checking the NumPy reference path at a small size")
-    cases = make_cases(small=small)
-    tol = {"ieee": 1e-4, "tf32": 1e-2}
-    failed = 0
-    print(f"{'case':<5} {'path':<12} {'precision':<9} {'rel. error':>11}  result")
-    rng = numpy.random.default_rng()
-    for case in cases:
-        inputs = case.make_inputs(rng)
-        arrays = {k: v for k, v in inputs.items() if not k.startswith("_")}
-        fn = getattr(__import__("cufused"), case.pipeline)
-        if gpu and not small:
-            from .benchmark import torch_reference
+TOLERANCE = {"ieee": 1e-4, "tf32": 1e-2}
+# Float64 against float64 (cufused's CPU path against PyTorch CPU): rounding only.
+CPU_TOLERANCE = 1e-10
+METRIC = "relative error ||out - ref|| / ||ref|| over the whole output, in float64"
+INSTALL_TORCH_CPU = ("python -m pip install torch --index-url "
+                     "https://download.pytorch.org/whl/cpu")
 
-            try:
-                ref = torch_reference(case, inputs)
-            except (ImportError, RuntimeError, AssertionError):
-                ref = fn(*(a.astype(numpy.float64) for a in arrays.values()), **case.options)
-        else:
-            ref = fn(*(a.astype(numpy.float64) for a in arrays.values()), **case.options)
-        runs = []
-        if gpu:
-            for precision in ("ieee", "tf32"):
-                for method in ("fused", "unfused"):
-                    out = case.run_cufused(inputs, precision=precision, method=method).get()
-                    runs.append((f"gpu {method}", precision, out))
-        else:
-            runs.append(("numpy f32", "-", fn(*arrays.values(), **case.options)))
-        for path, precision, out in runs:
-            err = rel_err(out, ref)
-            ok = err < tol.get(precision, 1e-5)
-            failed += not ok
-            verdict = "ok" if ok else "FAIL"
-            print(f"{case.name:<5} {path:<12} {precision:<9} {err:>11.3e}  {verdict}")
+
+def describe(case) -> str:
+    """One line: the pipeline, its array shapes, its options and the output shape."""
+    shapes = ", ".join(f"{k} {tuple(v)}" for k, v in case.shapes.items())
+    options = ", ".join(f"{k}={v}" for k, v in case.options.items())
+    return f"{case.name}: {case.pipeline}({shapes}; {options}) -> {case.output_shape}"
+
+
+def _row(path: str, precision: str, err: float, tol: float, seconds: float) -> bool:
+    ok = err < tol
+    print(f"   {path:<14} {precision:<6} {err:>10.3e}  < {tol:<8.0e} {'ok' if ok else 'FAIL':<5}"
+          f"({seconds:.1f} s)", flush=True)
+    return ok
+
+
+def _check_gpu(cases, seed: int) -> int:
+    import cupy
+
+    device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["name"]
+    device = device.decode() if isinstance(device, bytes) else device
+    print(f"cufused {__version__} check on {device}: each pipeline against the float64 "
+          "reference computed on the GPU (cufused.reference on CuPy arrays: the same code as "
+          "the NumPy reference)")
+    print(f"metric: {METRIC}; tolerance: {TOLERANCE['ieee']:.0e} (ieee), "
+          f"{TOLERANCE['tf32']:.0e} (tf32); inputs: seed {seed}", flush=True)
+    failed = 0
+    for i, case in enumerate(cases):
+        print(describe(case), flush=True)
+        start = time.perf_counter()
+        inputs = case.make_inputs(numpy.random.default_rng([seed, i]))
+        gpu = {k: cupy.asarray(v) for k, v in inputs.items()}
+        inputs["_gpu"] = gpu
+        ref = case.reference(gpu)
+        cupy.cuda.get_current_stream().synchronize()
+        print(f"   float64 reference on the GPU ({time.perf_counter() - start:.1f} s)", flush=True)
+        for precision in ("ieee", "tf32"):
+            for method in ("fused", "unfused"):
+                start = time.perf_counter()
+                out = case.run_cufused(inputs, precision=precision, method=method)
+                err = rel_err(out, ref)
+                failed += not _row(f"gpu {method}", precision, err, TOLERANCE[precision],
+                                   time.perf_counter() - start)
+                del out
+        del ref, gpu, inputs
+        cupy.get_default_memory_pool().free_all_blocks()
     print("all checks passed" if not failed else f"{failed} check(s) FAILED")
     return 1 if failed else 0
+
+
+def _check_cpu(cases, seed: int) -> int:
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    import cufused
+
+    from .benchmark import torch_pipeline
+
+    if torch is None:
+        print("no CUDA GPU, and PyTorch is not installed: there is no independent oracle to "
+              "compare cufused's CPU path (the float64 NumPy reference) with. It runs below at "
+              f"small sizes, unchecked. To compare it with PyTorch CPU: {INSTALL_TORCH_CPU}")
+    else:
+        print(f"no CUDA GPU: checking cufused's CPU path (the float64 NumPy reference) against "
+              f"PyTorch {torch.__version__} on the CPU, both in float64, at small sizes")
+        print(f"metric: {METRIC}; tolerance: {CPU_TOLERANCE:.0e}; inputs: seed {seed}")
+    failed = 0
+    for i, case in enumerate(cases):
+        print(describe(case), flush=True)
+        start = time.perf_counter()
+        inputs = case.make_inputs(numpy.random.default_rng([seed, i]))
+        arrays = [a.astype(numpy.float64) for a in inputs.values()]
+        out = getattr(cufused, case.pipeline)(*arrays, **case.options)
+        if torch is None:
+            finite = bool(numpy.isfinite(out).all())
+            print(f"   numpy float64  -> shape {out.shape}, finite: {finite} "
+                  f"({time.perf_counter() - start:.1f} s)", flush=True)
+            continue
+        with torch.no_grad():
+            ref = torch_pipeline(case)(*(torch.from_numpy(a) for a in arrays)).numpy()
+        failed += not _row("numpy float64", "-", rel_err(out, ref), CPU_TOLERANCE,
+                           time.perf_counter() - start)
+    if torch is None:
+        print("the reference ran; nothing was compared (PyTorch is not installed)")
+        return 0
+    print("all checks passed" if not failed else f"{failed} check(s) FAILED")
+    return 1 if failed else 0
+
+
+def cmd_check(args) -> int:
+    gpu = gpu_available()
+    cases = make_cases(small=args.small or not gpu)
+    if args.cases:
+        cases = [c for c in cases if c.name in args.cases]
+    return _check_gpu(cases, args.seed) if gpu else _check_cpu(cases, args.seed)
 
 
 def _header() -> dict:
@@ -184,15 +247,34 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+DESCRIPTION = """\
+cufused: fused GPU operator pipelines for convolutional networks.
+
+  check   run the three pipelines (KernelBench level 2 cases A, B, C) and compare them with
+          the float64 reference: on a GPU at the canonical sizes, the reference computed on
+          the GPU; without one, cufused's CPU path against PyTorch CPU at small sizes
+  bench   time the pipelines against PyTorch eager and torch.compile (needs a GPU)
+
+Run "python -m cufused COMMAND --help" for a command's options."""
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cufused", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("check",
-                       help="run the three pipelines and compare with the float64 reference")
+    parser = argparse.ArgumentParser(prog="python -m cufused", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"cufused {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("check", help="compare the three pipelines with the float64 reference",
+                       description="Compare the three pipelines with the float64 reference "
+                                   "(GPU: canonical sizes, reference on the GPU; CPU: small "
+                                   "sizes, against PyTorch CPU when installed).")
     p.add_argument("--small", action="store_true",
-                   help="small shapes instead of the canonical ones")
+                   help="small shapes instead of the canonical ones (always without a GPU)")
+    p.add_argument("--cases", nargs="*", choices=["A", "B", "C"], help="only these cases")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     p.set_defaults(func=cmd_check)
-    p = sub.add_parser("bench", help="time the pipelines against PyTorch eager and torch.compile")
+    p = sub.add_parser("bench", help="time the pipelines against PyTorch eager and torch.compile",
+                       description="Time the pipelines (fused and unfused) against PyTorch eager "
+                                   "and torch.compile, in both precisions (needs a GPU).")
     p.add_argument("--quick", action="store_true", help="small shapes")
     p.add_argument("--json", metavar="FILE", help="write every figure to FILE")
     p.add_argument("--plot", metavar="FILE.png", help="draw a bar chart (needs matplotlib)")

@@ -15,11 +15,16 @@ import numpy
 
 import cufused
 
+from . import reference
+from ._arrays import import_cupy, is_cupy_array
+
 L2_FLUSH_BYTES = 256 * 1024 * 1024
 
 
 def rel_err(out, ref) -> float:
     """``||out - ref|| / ||ref||`` in float64; NaN in ``out`` where ``ref`` has none gives inf.
+
+    With a CuPy array among them, it is computed on the GPU.
 
     Examples
     --------
@@ -28,11 +33,12 @@ def rel_err(out, ref) -> float:
     >>> rel_err([float("nan")], [1.0])
     inf
     """
-    out = numpy.asarray(out, dtype=numpy.float64)
-    ref = numpy.asarray(ref, dtype=numpy.float64)
-    if numpy.isnan(out).any() and not numpy.isnan(ref).any():
+    xp = import_cupy() if is_cupy_array(out) or is_cupy_array(ref) else numpy
+    out = xp.asarray(out, dtype=numpy.float64)
+    ref = xp.asarray(ref, dtype=numpy.float64)
+    if bool(xp.isnan(out).any()) and not bool(xp.isnan(ref).any()):
         return float("inf")
-    return float(numpy.linalg.norm(out - ref) / max(numpy.linalg.norm(ref), 1e-300))
+    return float(xp.linalg.norm(out - ref)) / max(float(xp.linalg.norm(ref)), 1e-300)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +64,29 @@ class Case:
             else:
                 inputs[k] = rng.random(s, dtype=numpy.float32)
         return inputs
+
+    def reference(self, arrays: dict):
+        """The pipeline computed by :mod:`cufused.reference` in float64 on ``arrays`` (NumPy or
+        CuPy arrays keyed as ``shapes``; on CuPy arrays it runs on the GPU)."""
+        o, a = self.options, arrays
+        if self.name == "A":
+            k = o["pool_kernel"]
+            return reference.conv2d_groupnorm_scale_maxpool_clamp(
+                a["x"], a["weight"], a["conv_bias"], a["gn_weight"], a["gn_bias"], a["scale"],
+                num_groups=o["num_groups"], pool_kernel=(k, k), clamp_min=o["clamp_min"],
+                clamp_max=o["clamp_max"], stride=(1, 1), padding=(0, 0), eps=1e-5)
+        if self.name == "B":
+            s, p = o["stride"], o["padding"]
+            return reference.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+                a["x"], a["weight"], a["bn_weight"], a["bn_bias"], a["gn_weight"], a["gn_bias"],
+                num_groups=o["num_groups"], stride=(s, s), padding=(p, p), output_padding=(0, 0),
+                groups=1, conv_bias=None, pool_kernel=(2, 2), eps=1e-5, running_mean=None,
+                running_var=None, momentum=0.1)
+        s, p, op, k = (o[key] for key in ("stride", "padding", "output_padding", "pool_kernel"))
+        return reference.conv_transpose3d_avgpool_clamp_softmax_multiply(
+            a["x"], a["weight"], a["scale"], stride=(s,) * 3, padding=(p,) * 3,
+            output_padding=(op,) * 3, pool_kernel=(k,) * 3, clamp_min=o["clamp_min"],
+            clamp_max=o["clamp_max"], conv_bias=None, groups=1)
 
     def run_cufused(self, inputs: dict, *, precision: str, method: str = "fused", out=None):
         """Run the pipeline on CuPy copies of ``inputs`` (cached on the dict)."""

@@ -1,6 +1,8 @@
-"""Float64 NumPy reference of every operator and pipeline: the semantics that the GPU path matches.
+"""Float64 reference of every operator and pipeline: the semantics that the GPU path matches.
 
-Every function takes NumPy arrays, computes in float64 and returns float64. Arguments are
+Every function takes NumPy arrays, computes in float64 and returns float64. The code is
+written against the array module of its input, so CuPy arrays run the same code in float64 on
+the GPU (``python -m cufused check`` computes the canonical references that way). Arguments are
 assumed valid (the public functions in :mod:`cufused` check them) and use PyTorch's
 conventions: NCHW / NCDHW data, weights ``(out, in/groups, *k)`` for convolutions and
 ``(in, out/groups, *k)`` for transposed convolutions, integer options expanded to one value
@@ -10,9 +12,9 @@ per spatial dimension. Loops run over kernel offsets and groups, never over pixe
 from __future__ import annotations
 
 import itertools
+import sys
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 __all__ = [
     "conv", "conv_transpose", "group_norm", "batch_norm", "max_pool", "avg_pool", "softmax",
@@ -21,27 +23,34 @@ __all__ = [
 ]
 
 
+def _xp(a):
+    """The array module of ``a``: CuPy for a CuPy array, else NumPy."""
+    cupy = sys.modules.get("cupy")  # no CuPy array exists before CuPy is imported
+    return cupy if cupy is not None and isinstance(a, cupy.ndarray) else np
+
+
 def _f64(a):
-    return None if a is None else np.asarray(a, dtype=np.float64)
+    return None if a is None else _xp(a).asarray(a, dtype=np.float64)
 
 
 def _channel_view(p, ndim):
     """Per-channel vector as an array broadcasting over an (N, C, *spatial) tensor."""
-    return np.asarray(p, dtype=np.float64).reshape((1, -1) + (1,) * (ndim - 2))
+    return _f64(p).reshape((1, -1) + (1,) * (ndim - 2))
 
 
 def conv(x, weight, bias, stride, padding, dilation, groups):
     """N-d cross-correlation as ``torch.nn.functional.conv{2,3}d``."""
+    xp = _xp(x)
     x, weight = _f64(x), _f64(weight)
     nd = x.ndim - 2
     n, c = x.shape[:2]
     o, k = weight.shape[0], weight.shape[2:]
-    xp = np.pad(x, [(0, 0), (0, 0)] + [(p, p) for p in padding])
-    out_size = [(xp.shape[2 + i] - dilation[i] * (k[i] - 1) - 1) // stride[i] + 1
+    padded = xp.pad(x, [(0, 0), (0, 0)] + [(p, p) for p in padding])
+    out_size = [(padded.shape[2 + i] - dilation[i] * (k[i] - 1) - 1) // stride[i] + 1
                 for i in range(nd)]
-    xg = xp.reshape(n, groups, c // groups, *xp.shape[2:])
+    xg = padded.reshape(n, groups, c // groups, *padded.shape[2:])
     wg = weight.reshape(groups, o // groups, c // groups, *k)
-    out = np.zeros((n, groups, o // groups, int(np.prod(out_size))))
+    out = xp.zeros((n, groups, o // groups, int(np.prod(out_size))))
     for offs in itertools.product(*(range(kk) for kk in k)):
         window = tuple(slice(f * d, f * d + s * (m - 1) + 1, s)
                        for f, d, s, m in zip(offs, dilation, stride, out_size))
@@ -59,6 +68,7 @@ def conv_transpose(x, weight, bias, stride, padding, output_padding, dilation, g
     Each input pixel scatters ``weight`` into the output at ``stride`` spacing; the
     ``padding`` rows are cropped from both ends and ``output_padding`` extends the far end.
     """
+    xp = _xp(x)
     x, weight = _f64(x), _f64(weight)
     nd = x.ndim - 2
     n, cin = x.shape[:2]
@@ -68,11 +78,11 @@ def conv_transpose(x, weight, bias, stride, padding, output_padding, dilation, g
                 + output_padding[i] + 1 for i in range(nd)]
     full = [(in_size[i] - 1) * stride[i] + dilation[i] * (k[i] - 1) + 1 + output_padding[i]
             for i in range(nd)]
-    buf = np.zeros((n, groups, og, *full))
+    buf = xp.zeros((n, groups, og, *full))
     xg = x.reshape(n, groups, cin // groups, -1)
     wg = weight.reshape(groups, cin // groups, og, *k)
     for offs in itertools.product(*(range(kk) for kk in k)):
-        contrib = np.swapaxes(wg[(Ellipsis,) + offs], 1, 2) @ xg  # (G, Og, Cg) @ (N, G, Cg, P)
+        contrib = xp.swapaxes(wg[(Ellipsis,) + offs], 1, 2) @ xg  # (G, Og, Cg) @ (N, G, Cg, P)
         window = tuple(slice(f * d, f * d + s * (m - 1) + 1, s)
                        for f, d, s, m in zip(offs, dilation, stride, in_size))
         buf[(slice(None),) * 3 + window] += contrib.reshape(n, groups, og, *in_size)
@@ -85,20 +95,21 @@ def conv_transpose(x, weight, bias, stride, padding, output_padding, dilation, g
 
 def group_norm(x, num_groups, weight, bias, eps):
     """GroupNorm: statistics over each (sample, group) of channels, biased variance."""
+    xp = _xp(x)
     x = _f64(x)
     n = x.shape[0]
     rows = x.reshape(n, num_groups, -1)
     mean = rows.mean(axis=2, keepdims=True)
     var = rows.var(axis=2, keepdims=True)
     shape = (n, num_groups, x.shape[1] // num_groups, -1)
-    rstd = (1.0 / np.sqrt(var + eps)).reshape(n, num_groups, 1, 1)
+    rstd = (1.0 / xp.sqrt(var + eps)).reshape(n, num_groups, 1, 1)
     return _affine(x.reshape(shape), rstd, mean.reshape(n, num_groups, 1, 1),
                    _grouped(weight, shape), _grouped(bias, shape)).reshape(x.shape)
 
 
 def _grouped(p, shape):
     """A per-channel parameter as (1, G, C/G, 1) for a (N, G, C/G, L) view, or None."""
-    return None if p is None else np.asarray(p, dtype=np.float64).reshape(1, *shape[1:3], 1)
+    return None if p is None else _f64(p).reshape(1, *shape[1:3], 1)
 
 
 def _affine(x, rstd, mean, weight, bias):
@@ -118,6 +129,7 @@ def batch_norm(x, weight, bias, running_mean, running_var, training, momentum, e
     buffers, when given, are updated in place: ``(1 - momentum) * old + momentum * new``
     with the unbiased batch variance. In inference the running statistics are used.
     """
+    xp = _xp(x)
     x = _f64(x)
     axes = (0,) + tuple(range(2, x.ndim))
     if training:
@@ -131,20 +143,22 @@ def batch_norm(x, weight, bias, running_mean, running_var, training, momentum, e
                                 + momentum * var * count / (count - 1))
     else:
         mean, var = _f64(running_mean), _f64(running_var)
-    out = _affine(x, 1.0 / np.sqrt(_channel_view(var, x.ndim) + eps),
+    out = _affine(x, 1.0 / xp.sqrt(_channel_view(var, x.ndim) + eps),
                   _channel_view(mean, x.ndim),
                   None if weight is None else _channel_view(weight, x.ndim),
                   None if bias is None else _channel_view(bias, x.ndim))
     if activation == "tanh":
-        out = np.tanh(out)
+        out = xp.tanh(out)
     return out
 
 
 def _windows(x, kernel_size, stride, padding, fill):
     """Pooling windows of an (N, C, *spatial) array: shape (N, C, *out, *kernel)."""
+    xp = _xp(x)
     nd = x.ndim - 2
-    xp = np.pad(_f64(x), [(0, 0), (0, 0)] + [(p, p) for p in padding], constant_values=fill)
-    win = sliding_window_view(xp, kernel_size, axis=tuple(range(2, 2 + nd)))
+    padded = xp.pad(_f64(x), [(0, 0), (0, 0)] + [(p, p) for p in padding], constant_values=fill)
+    win = xp.lib.stride_tricks.sliding_window_view(padded, kernel_size,
+                                                   axis=tuple(range(2, 2 + nd)))
     return win[(slice(None), slice(None)) + tuple(slice(None, None, s) for s in stride)]
 
 
@@ -164,7 +178,7 @@ def softmax(x, axes):
     """Softmax over ``axes`` (a tuple), max-shifted."""
     x = _f64(x)
     shifted = x - x.max(axis=axes, keepdims=True)
-    e = np.exp(shifted)
+    e = _xp(x).exp(shifted)
     return e / e.sum(axis=axes, keepdims=True)
 
 
@@ -172,10 +186,11 @@ def conv2d_groupnorm_scale_maxpool_clamp(x, weight, conv_bias, gn_weight, gn_bia
                                          num_groups, pool_kernel, clamp_min, clamp_max,
                                          stride, padding, eps):
     """Pipeline A: ``clamp(max_pool2d(group_norm(conv2d(x)) * scale), clamp_min, clamp_max)``."""
+    xp = _xp(x)
     y = conv(x, weight, conv_bias, stride, padding, (1, 1), 1)
     y = group_norm(y, num_groups, gn_weight, gn_bias, eps) * _channel_view(scale, 4)
     y = max_pool(y, pool_kernel, pool_kernel, (0, 0))
-    return np.minimum(np.maximum(y, clamp_min), clamp_max)
+    return xp.minimum(xp.maximum(y, clamp_min), clamp_max)
 
 
 def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(x, weight, bn_weight, bn_bias, gn_weight,
@@ -198,7 +213,8 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(x, weight, scale, *, stride,
 
     The average pool runs first, on the input.
     """
+    xp = _xp(x)
     y = avg_pool(x, pool_kernel, pool_kernel, (0, 0, 0))
     y = conv_transpose(y, weight, conv_bias, stride, padding, output_padding, (1, 1, 1), groups)
-    y = np.minimum(np.maximum(y, clamp_min), clamp_max)
+    y = xp.minimum(xp.maximum(y, clamp_min), clamp_max)
     return softmax(y, (2, 3, 4)) * _channel_view(scale, 5)

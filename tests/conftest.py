@@ -1,6 +1,8 @@
-"""Shared test helpers: the GPU marker, error metrics, random parameters."""
+"""Shared test helpers: the GPU and oracle markers, error metrics, random parameters."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import numpy as np
 import pytest
@@ -9,15 +11,34 @@ from cufused import benchmark
 from cufused._arrays import gpu_available
 
 GPU = gpu_available()
+TORCH = importlib.util.find_spec("torch") is not None
+NO_ORACLE = "needs PyTorch, the independent oracle, which is not installed"
+# The command of the summary line that counts the oracle tests that did not run: PyTorch's
+# CPU build (about 200 MB, without the CUDA libraries of the default Linux wheel).
+ORACLE_COMMAND = ("python -m pip install torch --index-url https://download.pytorch.org/whl/cpu"
+                  " && python -m pytest")
 
 
 def pytest_collection_modifyitems(config, items):
-    if GPU:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device with CuPy")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device with CuPy")
+    skip_oracle = pytest.mark.skip(reason=NO_ORACLE)
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if not GPU and "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+        elif not TORCH and "oracle" in item.keywords:
+            item.add_marker(skip_oracle)
+
+
+def pytest_unconfigure(config):
+    # After pytest's own closing line, so that it is the last line of the run.
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
+    missing = sum(NO_ORACLE in str(report.longrepr)
+                  for report in reporter.stats.get("skipped", []))
+    if missing:
+        reporter.write_line(f"{missing} PyTorch-oracle tests did not run (PyTorch is not "
+                            f"installed); to run them: {ORACLE_COMMAND}", yellow=True, bold=True)
 
 
 def rel_err(out, ref) -> float:

@@ -18,9 +18,19 @@ def test_help(args):
     res = run(*args)
     assert res.returncode == 0
     assert "usage: python -m cufused" in res.stdout
+    assert "``" not in res.stdout and ":func:" not in res.stdout  # no reStructuredText markup
 
 
-def test_check_without_gpu_runs_the_reference():
+def test_version():
+    import cufused
+
+    res = run("--version")
+    assert res.returncode == 0
+    assert res.stdout.strip() == f"cufused {cufused.__version__}"
+
+
+@pytest.mark.oracle
+def test_check_without_gpu_compares_with_pytorch():
     from conftest import GPU
 
     if GPU:
@@ -28,9 +38,65 @@ def test_check_without_gpu_runs_the_reference():
     res = run("check")
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
-    assert lines[0].startswith("no CUDA GPU available")
-    assert sum(" ok" in line for line in lines) == 3
+    assert lines[0].startswith("no CUDA GPU: checking cufused's CPU path")
+    assert "against PyTorch" in lines[0]
+    assert lines[1].startswith("metric: relative error") and "tolerance: 1e-10" in lines[1]
+    # Each case says what it is: the pipeline, its shapes and options, the output shape.
+    assert any(line.startswith("A: conv2d_groupnorm_scale_maxpool_clamp(x (8, 8, 64, 64)")
+               and "num_groups=16" in line and line.endswith("-> (8, 64, 15, 15)")
+               for line in lines)
+    assert sum(line.strip().startswith("numpy float64") and " ok " in line for line in lines) == 3
     assert lines[-1] == "all checks passed"
+
+
+@pytest.mark.oracle
+def test_check_without_gpu_catches_a_semantic_error(monkeypatch, capsys):
+    # The CPU check compares with an independent implementation: a pipeline that differs
+    # from PyTorch's by a little (GroupNorm eps 1e-3 instead of 1e-5) fails it.
+    import torch.nn.functional as F
+
+    from cufused import __main__
+
+    monkeypatch.setattr(__main__, "gpu_available", lambda: False)
+    group_norm = F.group_norm
+    monkeypatch.setattr(F, "group_norm", lambda *a, **k: group_norm(*a, **{**k, "eps": 1e-3}))
+    assert __main__.main(["check", "--cases", "A"]) == 1
+    out = capsys.readouterr().out
+    assert " FAIL " in out and out.splitlines()[-1] == "1 check(s) FAILED"
+
+
+def test_check_without_gpu_or_torch_says_so(monkeypatch, capsys):
+    import sys
+
+    from cufused import __main__
+
+    monkeypatch.setattr(__main__, "gpu_available", lambda: False)
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    assert __main__.main(["check", "--cases", "C"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("no CUDA GPU, and PyTorch is not installed")
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in lines[0]
+    assert "finite: True" in lines[2]
+    assert lines[-1] == "the reference ran; nothing was compared (PyTorch is not installed)"
+
+
+@pytest.mark.gpu
+def test_check_on_gpu_canonical_sizes_within_30_s():
+    # The main job on the device: every case and path passes, with the float64 references
+    # computed on the GPU, in under 30 s (issue 27's target on an H100 or H200; kernels and
+    # cuDNN plans are built during the run).
+    import time
+
+    start = time.perf_counter()
+    res = run("check")
+    seconds = time.perf_counter() - start
+    print(res.stdout)
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.splitlines()
+    assert "float64 reference computed on the GPU" in lines[0]
+    assert sum(line.strip().startswith("gpu ") and " ok " in line for line in lines) == 12
+    assert lines[-1] == "all checks passed"
+    assert seconds < 30, f"check took {seconds:.1f} s"
 
 
 def test_bench_without_gpu_says_so():
@@ -81,3 +147,18 @@ def test_post_conv_floor_counts_the_bytes_each_case_moves():
     # output read and the (same-shaped) result written.
     assert by_name["C"].post_conv_bytes() == 4 * 32 * (32 * 32 * 64 * 64 + 32 * 16 * 32 * 32
                                                        + 2 * 64 * 32 * 64 * 64)
+
+
+def test_case_reference_is_the_public_pipeline():
+    # check's GPU path calls cufused.reference directly (on CuPy arrays) with each case's
+    # options expanded: on NumPy arrays that is the public pipeline's result.
+    import numpy as np
+
+    import cufused
+    from cufused.benchmark import make_cases, rel_err
+
+    for i, case in enumerate(make_cases(small=True)):
+        inputs = {k: v.astype(np.float64)
+                  for k, v in case.make_inputs(np.random.default_rng(i)).items()}
+        want = getattr(cufused, case.pipeline)(*inputs.values(), **case.options)
+        assert rel_err(case.reference(inputs), want) < 1e-14, case.name
