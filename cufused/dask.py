@@ -682,19 +682,20 @@ def _flip_channels(xp, weight, conv_bias, bn_weight, groups: int, channels: int)
 
 
 def _pool_moments_phase(x, prepared, *, stride, padding, output_padding, groups: int,
-                        pool: int, precision: str):
+                        pool: int | None, precision: str):
     """Phase 1 of pipeline B on one chunk: ``(pooled extrema, channel moments)`` of the
     transposed convolution (with its bias, as the single call's statistics include it).
 
     ``prepared`` = ``_flip_channels``'s (weight, bias, sign). NumPy chunks run in float64, as
-    the reference does end to end."""
+    the reference does end to end. ``pool=None`` returns the whole convolution output instead
+    of the extrema (for ``_normalize_pooled``'s exact route)."""
     weight, bias, sign = prepared
     if get_array_module(x=x) is numpy:
         x = x.astype(numpy.float64, copy=False)
     y = cufused.conv_transpose2d(x, weight, bias, stride=stride, padding=padding,
                                  output_padding=output_padding, groups=groups,
                                  precision=precision)
-    pooled = cufused.max_pool2d(y, pool)
+    pooled = y if pool is None else cufused.max_pool2d(y, pool)
     count, mean, m2 = _channel_moments(y)
     if sign is not None:
         pooled *= sign.reshape(1, -1, 1, 1)
@@ -703,12 +704,25 @@ def _pool_moments_phase(x, prepared, *, stride, padding, output_padding, groups:
 
 
 def _normalize_pooled(pooled, mean, var, bn_weight, bn_bias, gn_weight, gn_bias, *,
-                      num_groups: int, eps: float, dtype):
+                      num_groups: int, eps: float, dtype, pool: int | None = None):
     """Phase 3 of pipeline B on one chunk: BatchNorm with the batch statistics and tanh on
-    the pooled extrema, then GroupNorm; cast to the input's dtype."""
+    the pooled extrema, then GroupNorm; cast to the input's dtype.
+
+    With ``pool``, ``pooled`` is the whole convolution output, pooled after the tanh: the
+    exact route for an infinite BatchNorm weight, whose windows hold +-1 and NaN values that no
+    single extremum predicts."""
     y = _normalize(pooled, mean, var, bn_weight, bn_bias, eps=eps, activation="tanh")
+    if pool is not None:
+        y = cufused.max_pool2d(y, pool)
     return cufused.group_norm(y, num_groups, gn_weight, gn_bias, eps=eps).astype(dtype,
                                                                                copy=False)
+
+
+def _has_infinity(a) -> bool:
+    """Whether the parameter ``a`` (NumPy, CuPy or None) holds an infinite value."""
+    if a is None:
+        return False
+    return bool(numpy.isinf(a.get() if hasattr(a, "get") else numpy.asarray(a)).any())
 
 
 def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
@@ -801,18 +815,24 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     phase1 = dask.delayed(_pool_moments_phase, pure=True, nout=2)
     work_dtype = numpy.float64 if xp is numpy else x.dtype
     work_meta = meta_from_array(probe, dtype=work_dtype)
+    # An infinite BatchNorm weight pools after the tanh (the whole convolution output crosses
+    # to phase 3), as the single call does for such channels.
+    exact = _has_infinity(bn_weight)
+    phase1_shape = conv_shape[1:] if exact else probe.shape[1:]
     pooled, moments = [], []
     for block, n in zip(x.to_delayed(optimize_graph=False).ravel(), x.chunks[0]):
-        ext, part = phase1(block, prepared, pool=pool_kernel, precision=precision,
-                           **conv_options)
-        pooled.append(da.from_delayed(ext, shape=(n,) + probe.shape[1:], dtype=work_dtype,
+        ext, part = phase1(block, prepared, pool=None if exact else pool_kernel,
+                           precision=precision, **conv_options)
+        pooled.append(da.from_delayed(ext, shape=(n,) + phase1_shape, dtype=work_dtype,
                                       meta=work_meta))
         moments.append(part)
     stats = _batch_statistics(moments, running_mean, running_var, momentum, split_every)
-    task = functools.partial(_normalize_pooled, num_groups=num_groups, eps=eps, dtype=x.dtype)
+    task = functools.partial(_normalize_pooled, num_groups=num_groups, eps=eps, dtype=x.dtype,
+                             pool=pool_kernel if exact else None)
     args = (da.concatenate(pooled, axis=0), stats[0], stats[1], bn_weight, bn_bias, gn_weight,
             gn_bias)
     out = da.map_blocks(task, *args, dtype=x.dtype, meta=meta_from_array(probe),
+                        chunks=(x.chunks[0], *((s,) for s in probe.shape[1:])),
                         name=_key_name("conv_transpose2d_batchnorm_tanh_maxpool_groupnorm", task,
                                        *args))
     if return_running_stats:

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # GPU check for the device machine: GPU tests, the benchmark, and the canonical check.
 # Usage (repo root): bash scripts/gpu_check.sh [tests|bench|check|all] [extra pytest args...]
-# "all" = tests + bench (~6 minutes on an H200); "check" (float64 references of the canonical
-# cases on the CPU, ~4 minutes) runs on its own: with both, one call passed 10 minutes.
-# Installs carried wheels from .whl/ (cuDNN Frontend) into /tmp/site when present.
+# "all" = tests + bench; "check" (the canonical cases against float64 references computed on
+# the GPU) runs on its own.
+# Installs carried wheels from .whl/ (cuDNN Frontend, Dask) into /tmp/site when present.
 # Full logs go to $OUT (or ./gpu_check_out); a short summary is printed last.
 set -u
 what=${1:-all}; shift || true
