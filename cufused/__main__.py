@@ -50,13 +50,23 @@ def _row(path: str, precision: str, err: float, tol: float, seconds: float) -> b
 def _check_gpu(cases, seed: int) -> int:
     import cupy
 
+    from ._cudnn import plan_options
+
+    # cuDNN's heuristic plans: the check is about results, and autotuning each new
+    # convolution (every plan timed, tens of seconds for B) would dominate its run time.
+    with plan_options(autotune=False):
+        return _check_gpu_cases(cupy, cases, seed)
+
+
+def _check_gpu_cases(cupy, cases, seed: int) -> int:
     device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["name"]
     device = device.decode() if isinstance(device, bytes) else device
     print(f"cufused {__version__} check on {device}: each pipeline against the float64 "
           "reference computed on the GPU (cufused.reference on CuPy arrays: the same code as "
           "the NumPy reference)")
     print(f"metric: {METRIC}; tolerance: {TOLERANCE['ieee']:.0e} (ieee), "
-          f"{TOLERANCE['tf32']:.0e} (tf32); inputs: seed {seed}", flush=True)
+          f"{TOLERANCE['tf32']:.0e} (tf32); inputs: seed {seed}; cuDNN's heuristic "
+          "convolution plans (no autotuning)", flush=True)
     failed = 0
     for i, case in enumerate(cases):
         print(describe(case), flush=True)

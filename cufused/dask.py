@@ -307,7 +307,7 @@ _CONV_DOC = """{title}, each batch chunk running :func:`cufused.{name}`.
         NumPy or CuPy arrays of the chunks' library (``bias`` may be None).
     stride, padding, {extra}dilation, groups
         As in :func:`cufused.{name}`.
-    precision : {{"ieee", "tf32", "3xtf32"}}, optional
+    precision : {{"ieee", "tf32"}}, optional
         ``None`` is the caller's default (:func:`cufused.get_default_precision`) when the
         graph is built, not the workers' when it runs.
 {returns}
@@ -593,7 +593,7 @@ def conv2d_groupnorm_scale_maxpool_clamp(
         Parameters of the chunks' library (``scale`` may be a number), as in the single call.
     num_groups, pool_kernel, clamp_min, clamp_max, stride, padding, eps
         As in :func:`cufused.conv2d_groupnorm_scale_maxpool_clamp`.
-    precision : {"ieee", "tf32", "3xtf32"}, optional
+    precision : {"ieee", "tf32"}, optional
         ``None`` is the caller's default when the graph is built.
     {returns}
     Examples
@@ -635,7 +635,7 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
         Parameters of the chunks' library (``scale`` may be a number), as in the single call.
     stride, padding, output_padding, pool_kernel, clamp_min, clamp_max, groups
         As in :func:`cufused.conv_transpose3d_avgpool_clamp_softmax_multiply`.
-    precision : {"ieee", "tf32", "3xtf32"}, optional
+    precision : {"ieee", "tf32"}, optional
         ``None`` is the caller's default when the graph is built.
     {returns}
     Examples
@@ -750,7 +750,7 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     running_mean, running_var : array, optional
         BatchNorm running buffers, updated in place by the statistics task, as in
         :func:`batch_norm`.
-    precision : {"ieee", "tf32", "3xtf32"}, optional
+    precision : {"ieee", "tf32"}, optional
         ``None`` is the caller's default when the graph is built.
     split_every : int, optional
         Partial moments merged per node of the tree reduction (default 8).

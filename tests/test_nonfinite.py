@@ -141,9 +141,15 @@ def test_numpy_path_matches_torch_cpu(rng, plant):
     assert_same_placement(ours([v.astype(np.float32) for v in values]), want)
 
 
+# On the GPU, where an infinite weight of C's transposed convolution puts NaNs (inf * 0 on the
+# zeros the stride inserts, or not) depends on the cuDNN algorithm: PyTorch CUDA's own
+# placement changes with its TF32 setting. Those plants have no single PyTorch answer.
+GPU_PLANTS = [p for p in PLANTS if not (p[0] == "C" and p[1] == 1 and np.isinf(p[2]))]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device with CuPy")
-@pytest.mark.parametrize("plant", PLANTS, ids=_ids)
+@pytest.mark.parametrize("plant", GPU_PLANTS, ids=_ids)
 def test_gpu_path_matches_torch_cuda(rng, plant, monkeypatch):
     import cupy as cp
 
