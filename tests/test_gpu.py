@@ -822,6 +822,31 @@ def test_tensor_past_2_31_elements(rng):
     cp.get_default_memory_pool().free_all_blocks()
 
 
+def test_pipeline_a_sample_past_2_31_elements(rng):
+    # One sample whose convolution output has 64 * 5798**2 > 2**31 elements: the fused pass
+    # indexes within a sample in 32 bits, so the call takes the unfused blocks; checked against
+    # PyTorch CUDA in float32 (a float64 reference of 2**31 values would not fit the test).
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch without CUDA")
+    F = torch.nn.functional
+    x = cp.random.default_rng(int(rng.integers(2**31))).random((1, 1, 5800, 5800),
+                                                              dtype=cp.float32)
+    w, b, gw, gb, s = to_gpu(rng.standard_normal((64, 1, 3, 3)), rng.standard_normal(64),
+                             mixed(rng, 64), rng.standard_normal(64), mixed(rng, 64))
+    got = cufused.conv2d_groupnorm_scale_maxpool_clamp(
+        x, w, b, gw, gb, s, num_groups=16, pool_kernel=4, clamp_min=-0.5, clamp_max=0.5)
+    t = [torch.from_dlpack(a) for a in (x, w, b, gw, gb, s)]
+    with torch.backends.cudnn.flags(allow_tf32=False):
+        y = F.group_norm(F.conv2d(t[0], t[1], t[2]), 16, t[3], t[4]) * t[5].view(1, -1, 1, 1)
+        want = torch.clamp(F.max_pool2d(y, 4), -0.5, 0.5)
+    del y
+    assert_close(got.get(), want.cpu().numpy(), 1e-4)
+    del got, want, t, x
+    cp.get_default_memory_pool().free_all_blocks()
+    torch.cuda.empty_cache()
+
+
 # ----------------------------------------------------------------------- canonical shapes
 
 
