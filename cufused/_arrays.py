@@ -209,12 +209,6 @@ def _byte_span(a: Any) -> tuple[int, int]:
     return low, high + a.itemsize
 
 
-def same_view(a: Any, b: Any) -> bool:
-    """Whether ``a`` and ``b`` are the same elements in the same order (exact aliasing)."""
-    return _byte_span(a)[0] == _byte_span(b)[0] and a.shape == b.shape and (
-        a.strides == b.strides)
-
-
 def check_out(out: Any, shape: tuple[int, ...], dtype, xp, like: Any, *,
               inputs: dict[str, Any] | None = None, in_place: bool = False) -> None:
     """``out=`` must match the result's shape, dtype and array library/device exactly, be
@@ -236,7 +230,9 @@ def check_out(out: Any, shape: tuple[int, ...], dtype, xp, like: Any, *,
         if value is None or not hasattr(value, "strides") or value.size == 0:
             continue
         v_low, v_high = _byte_span(value)
-        if v_low < high and low < v_high and not (in_place and same_view(out, value)):
+        # Same lowest address, shape and strides: exactly the same elements in the same order.
+        exact = v_low == low and value.shape == out.shape and value.strides == out.strides
+        if v_low < high and low < v_high and not (in_place and exact):
             allowed = " (only exactly the same array is allowed)" if in_place else ""
             raise ValueError(f"out overlaps the memory of {name}{allowed}")
 
@@ -244,6 +240,9 @@ def check_out(out: Any, shape: tuple[int, ...], dtype, xp, like: Any, *,
 #: The largest stride, padding, dilation or window size accepted (cuDNN and the kernels take
 #: them as 32-bit ints).
 MAX_OPTION = 2**31 - 1
+
+
+_DEVICE_MEMORY: dict[int, int] = {}  # total memory by device
 
 
 def _memory_limit(xp) -> int:
@@ -259,9 +258,6 @@ def _memory_limit(xp) -> int:
         limit = _DEVICE_MEMORY[device] = xp.cuda.runtime.getDeviceProperties(device)[
             "totalGlobalMem"]
     return limit
-
-
-_DEVICE_MEMORY: dict[int, int] = {}
 
 
 def check_fits(shape: tuple[int, ...], xp, what: str) -> None:
