@@ -122,17 +122,19 @@ def cluster_time(client, lazy, params, opts, total, n, repeat) -> float:
     """Median seconds on the cluster's worker, input made and kept there first."""
     import cupy
     import dask.array as da
-    from distributed import wait
+    from distributed import futures_of, wait
 
     x = da.map_blocks(_random_chunk, shape=(n,) + total[1:], seed=1, chunks=(
         (n,) * (total[0] // n),) + tuple((s,) for s in total[1:]), dtype=numpy.float32,
         meta=cupy.empty((0,) * len(total), dtype=cupy.float32))
     x = client.persist(x)
-    wait(x)
+    with client.as_current():
+        wait(futures_of(x))
 
     def run():
         out = client.persist(lazy(x, *params, **opts))
-        wait(out)
+        with client.as_current():
+            wait(futures_of(out))
         client.run(lambda: cupy.cuda.Device().synchronize())
         return out
 
