@@ -5,12 +5,13 @@ chunks (the float64 reference runs on each) or CuPy chunks (the GPU path runs on
 function checks its arguments and returns a lazy dask array with the result's shape, dtype,
 chunks and chunk type (``meta``); nothing is computed until the result is. Parameters
 (weights, biases, norm affines) are NumPy or CuPy arrays of the chunks' library that every
-chunk reads whole; Dask puts each into the graph once.
+chunk reads whole; each is one key of the graph, which Dask neither traverses nor copies per
+task.
 
-Most operations are independent per sample and run the single call on each chunk
-(``map_blocks``): the convolutions, GroupNorm, the pools, softmax over non-batch axes, BatchNorm
-in inference, and pipelines A and C. BatchNorm in training mode, alone or inside pipeline B,
-normalizes with the statistics of the whole batch, in three phases:
+Most operations are independent per sample and run the single call on each chunk: the
+convolutions, GroupNorm, the pools, softmax over non-batch axes, BatchNorm in inference, and
+pipelines A and C. BatchNorm in training mode, alone or inside pipeline B, normalizes with the
+statistics of the whole batch, in three phases:
 
 1. per chunk, the per-channel partial moments (count, mean, M2) in float64; in pipeline B the
    transposed convolution and each pooling window's extremum (the BatchNorm weight's sign
@@ -30,22 +31,30 @@ runs it (``compute``/``persist`` of the result, or of anything depending on it).
 threaded and synchronous schedulers run it in this process, on the caller's buffers; a
 distributed worker updates its own copy, so there ``return_running_stats=True`` returns the
 updated buffers as dask arrays to compute along with the result.
+
+Every call builds its graph directly (a dict of tasks over the keys of ``x``'s chunks) under
+key names unique to the call: the readable prefix ``cufused-<function>-`` and a random token,
+not a hash of the inputs, since hashing would copy every CuPy parameter to the host. Two
+equal calls are therefore not deduplicated: computed together, each runs (and in training
+each updates the running buffers, as two single calls would).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import operator
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 import numpy
 
 try:
-    import dask
     import dask.array as da
     from dask.array.utils import meta_from_array
-    from dask.base import is_dask_collection, tokenize
+    from dask.base import is_dask_collection
+    from dask.highlevelgraph import HighLevelGraph
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("cufused.dask needs Dask: install cufused[dask] "
                       "(dask[array,distributed]; dask-cuda for GPU clusters)") from exc
@@ -116,11 +125,61 @@ def _check_params(params: dict[str, Any]) -> None:
                 "of it")
 
 
-def _key_name(label: str, *inputs: Any) -> str:
-    """A full key name for ``map_blocks``: a readable prefix and the hash of everything the
-    output depends on. (Dask's ``token=`` prefix is deprecated in some releases and ``name=``
-    is a prefix in some, a full name in others; a full unique name suits them all.)"""
-    return f"cufused-{label}-{tokenize(*inputs)}"
+def _is_array(value: Any) -> bool:
+    """Whether ``value`` is a NumPy or CuPy array (a key of the graph, not a literal)."""
+    return isinstance(value, numpy.ndarray) or is_cupy_array(value)
+
+
+def _call_keywords(func: Callable, keywords: tuple[str, ...], options: dict[str, Any], chunk,
+                   *args):
+    """``func(chunk, *args, **options)``, the last ``len(keywords)`` of ``args`` passed by
+    those keywords: array parameters travel as task arguments (keys of the graph), keyword-only
+    ones included."""
+    split = len(args) - len(keywords)
+    return func(chunk, *args[:split], **options, **dict(zip(keywords, args[split:])))
+
+
+class _Graph:
+    """The task graph of one call over the batch chunks of ``x``: a dict of old-style tasks
+    ``(func, arg, ...)`` whose arguments are keys of the graph, nested tasks or literals.
+
+    Every key is named ``cufused-<label>[-<part>]-<token>``, with a random token per call
+    (module docstring). Each array parameter is one key, which every task reading it names:
+    Dask neither traverses nor copies it per task, and a distributed worker fetches it once.
+    """
+
+    def __init__(self, label: str, x: Array):
+        self.label = label
+        self.token = uuid.uuid4().hex
+        self.x = x
+        self.name = self.key_name()  # the result's
+        self.dsk: dict = {}
+
+    def key_name(self, part: str = "") -> str:
+        return f"cufused-{self.label}{'-' if part else ''}{part}-{self.token}"
+
+    def input_keys(self) -> list[tuple]:
+        """The keys of ``x``'s chunks, in batch order (every other axis is one chunk)."""
+        rest = (0,) * (self.x.ndim - 1)
+        return [(self.x.name, i) + rest for i in range(len(self.x.chunks[0]))]
+
+    def constant(self, name: str, value: Any) -> Any:
+        """A parameter as a task argument: its key for an array, else the value itself."""
+        if not _is_array(value):
+            return value
+        key = self.key_name(name)
+        self.dsk[key] = value
+        return key
+
+    def array(self, func: Callable, chunk_args: list[tuple], probe) -> Array:
+        """The result: ``func(*chunk_args[i])`` on batch chunk ``i``, with the shape beyond the
+        batch axis, dtype and chunk type of ``probe`` (the single call on an empty batch)."""
+        rest = (0,) * (probe.ndim - 1)
+        for i, args in enumerate(chunk_args):
+            self.dsk[(self.name, i) + rest] = (func, *args)
+        graph = HighLevelGraph.from_collections(self.name, self.dsk, dependencies=[self.x])
+        chunks = (self.x.chunks[0],) + tuple((s,) for s in probe.shape[1:])
+        return da.Array(graph, self.name, chunks, meta=probe)
 
 
 def _map_chunks(func: Callable, x: Array, params: dict[str, Any], options: dict[str, Any],
@@ -130,11 +189,12 @@ def _map_chunks(func: Callable, x: Array, params: dict[str, Any], options: dict[
         empty = _empty_batch(x, func.__name__)
     _check_params({**params, **options})
     probe = func(empty, *params.values(), **options)  # checks everything, computes nothing
-    chunks = (x.chunks[0],) + tuple((s,) for s in probe.shape[1:])
-    task = functools.partial(func, **options)
-    return da.map_blocks(task, x, *params.values(), chunks=chunks, dtype=probe.dtype,
-                         meta=meta_from_array(probe),
-                         name=_key_name(func.__name__, task, x, *params.values()))
+    graph = _Graph(func.__name__, x)
+    keyed = {k: v for k, v in options.items() if _is_array(v)}
+    task = functools.partial(_call_keywords, func, tuple(keyed),
+                             {k: v for k, v in options.items() if k not in keyed})
+    args = [graph.constant(k, v) for k, v in (*params.items(), *keyed.items())]
+    return graph.array(task, [(key, *args) for key in graph.input_keys()], probe)
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,24 +288,30 @@ def _copy(buf):
     return None if buf is None else buf.copy()
 
 
-def _batch_statistics(moments: list, running_mean, running_var, momentum: float,
-                      split_every: int | None):
-    """Phase 2: the tree reduction of the chunks' moments and the statistics task.
+def _batch_statistics(graph: _Graph, moments: list, running_mean, running_var,
+                      momentum: float, split_every: int | None) -> str:
+    """Phase 2 in ``graph``: each chunk's partial moments (``moments``, a task each) under a
+    key of its own, their tree reduction and the statistics task, whose key is returned; its
+    value is ``_finish_statistics``'s.
 
-    Returns four ``Delayed``: the batch mean and biased variance (float64, C values), the
-    updated running mean and variance (copies; None where not given).
+    The key is fresh per graph built, as every key of ``graph``: each graph updates the
+    buffers when it computes, even where two are built from equal inputs.
     """
     split_every = SPLIT_EVERY if split_every is None else split_every
     if isinstance(split_every, bool) or not isinstance(split_every, int) or split_every < 2:
         raise ValueError(f"split_every must be an int >= 2, got {split_every!r}")
-    merge = dask.delayed(_merge_moments, pure=True)
-    while len(moments) > 1:
-        moments = [merge(*moments[i:i + split_every])
-                   for i in range(0, len(moments), split_every)]
-    # Impure (a fresh key per graph): each graph built updates the buffers when it computes,
-    # even where two graphs are built from equal inputs.
-    return tuple(dask.delayed(_finish_statistics, pure=False, nout=4)(
-        moments[0], running_mean, running_var, momentum))
+    keys = [(graph.key_name("moments"), i) for i in range(len(moments))]
+    graph.dsk.update(zip(keys, moments))
+    merge, depth = graph.key_name("merge"), 0
+    while len(keys) > 1:
+        depth += 1
+        parts = [keys[i:i + split_every] for i in range(0, len(keys), split_every)]
+        keys = [(merge, depth, j) for j in range(len(parts))]
+        graph.dsk.update((key, (_merge_moments, *part)) for key, part in zip(keys, parts))
+    key = graph.key_name("statistics")
+    graph.dsk[key] = (_finish_statistics, keys[0], graph.constant("running_mean", running_mean),
+                      graph.constant("running_var", running_var), momentum)
+    return key
 
 
 def _normalize(chunk, mean, var, weight, bias, *, eps: float, activation: str | None):
@@ -257,12 +323,28 @@ def _normalize(chunk, mean, var, weight, bias, *, eps: float, activation: str | 
                               training=False, eps=eps, activation=activation)
 
 
-def _running_results(stats, running_mean, running_var, meta) -> tuple:
-    """The updated running buffers as dask arrays (None where not given)."""
-    return tuple(None if buf is None else
-                 da.from_delayed(value, shape=buf.shape, dtype=buf.dtype,
-                                 meta=meta_from_array(meta, buf.ndim, buf.dtype))
-                 for value, buf in zip(stats[2:], (running_mean, running_var)))
+def _normalized_batch(graph: _Graph, statistics: str, task: Callable, inputs: list,
+                      params: dict[str, Any], probe, running_mean, running_var,
+                      return_running_stats: bool) -> Array | tuple:
+    """Phase 3 in ``graph``: ``task(inputs[i], mean, var, *params.values())`` on chunk ``i``
+    with the batch statistics of the task ``statistics``; with ``return_running_stats``, also
+    the updated running buffers as dask arrays of one chunk (None where not given)."""
+    shared = ((operator.getitem, statistics, 0), (operator.getitem, statistics, 1),
+              *(graph.constant(name, value) for name, value in params.items()))
+    out = graph.array(task, [(first, *shared) for first in inputs], probe)
+    if not return_running_stats:
+        return out
+    results = [out]
+    for index, part, buf in ((2, "running_mean", running_mean), (3, "running_var", running_var)):
+        if buf is None:
+            results.append(None)
+            continue
+        name = graph.key_name(f"updated_{part}")
+        layer = {(name,) + (0,) * buf.ndim: (operator.getitem, statistics, index)}
+        results.append(da.Array(HighLevelGraph.from_collections(name, layer, dependencies=[out]),
+                                name, tuple((s,) for s in buf.shape),
+                                meta=meta_from_array(probe, buf.ndim, buf.dtype)))
+    return tuple(results)
 
 
 def _check_count(count: int) -> None:
@@ -477,16 +559,13 @@ def batch_norm(x: Array, weight: Any = None, bias: Any = None, *, running_mean: 
                                running_var=running_var, momentum=momentum, eps=eps,
                                activation=activation)
     _check_count(x.size // x.shape[1])
-    blocks = x.to_delayed(optimize_graph=False).ravel()
-    moments = [dask.delayed(_channel_moments, pure=True)(block) for block in blocks]
-    stats = _batch_statistics(moments, running_mean, running_var, momentum, split_every)
-    task = functools.partial(_normalize, eps=eps, activation=activation)
-    args = (x, stats[0], stats[1], weight, bias)
-    out = da.map_blocks(task, *args, dtype=x.dtype, meta=meta_from_array(probe),
-                        name=_key_name("batch_norm", task, *args))
-    if return_running_stats:
-        return (out,) + _running_results(stats, running_mean, running_var, empty)
-    return out
+    graph = _Graph("batch_norm", x)
+    inputs = graph.input_keys()
+    stats = _batch_statistics(graph, [(_channel_moments, key) for key in inputs], running_mean,
+                              running_var, momentum, split_every)
+    return _normalized_batch(graph, stats, functools.partial(
+        _normalize, eps=eps, activation=activation), inputs, dict(weight=weight, bias=bias),
+        probe, running_mean, running_var, return_running_stats)
 
 
 _POOL_DOC = """{title}, each batch chunk running :func:`cufused.{name}`.
@@ -809,33 +888,29 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     if xp is numpy:  # the reference's float64 end to end
         weight, conv_bias = (None if a is None else a.astype(numpy.float64)
                              for a in (weight, conv_bias))
-    # Prepared once, a constant of the graph (read by every phase-1 task).
-    prepared = dask.delayed(_flip_channels(xp, weight, conv_bias, bn_weight, groups,
-                                           probe.shape[1]), pure=True, traverse=False)
-    phase1 = dask.delayed(_pool_moments_phase, pure=True, nout=2)
-    work_dtype = numpy.float64 if xp is numpy else x.dtype
-    work_meta = meta_from_array(probe, dtype=work_dtype)
+    graph = _Graph("conv_transpose2d_batchnorm_tanh_maxpool_groupnorm", x)
+    # Prepared once: each array a constant of the graph, read by every phase-1 task.
+    prepared = graph.key_name("prepared")
+    graph.dsk[prepared] = (tuple, [graph.constant(name, value) for name, value in zip(
+        ("weight", "conv_bias", "sign"),
+        _flip_channels(xp, weight, conv_bias, bn_weight, groups, probe.shape[1]))])
     # An infinite BatchNorm weight pools after the tanh (the whole convolution output crosses
     # to phase 3), as the single call does for such channels.
     exact = _has_infinity(bn_weight)
-    phase1_shape = conv_shape[1:] if exact else probe.shape[1:]
-    pooled, moments = [], []
-    for block, n in zip(x.to_delayed(optimize_graph=False).ravel(), x.chunks[0]):
-        ext, part = phase1(block, prepared, pool=None if exact else pool_kernel,
-                           precision=precision, **conv_options)
-        pooled.append(da.from_delayed(ext, shape=(n,) + phase1_shape, dtype=work_dtype,
-                                      meta=work_meta))
-        moments.append(part)
-    stats = _batch_statistics(moments, running_mean, running_var, momentum, split_every)
-    task = functools.partial(_normalize_pooled, num_groups=num_groups, eps=eps, dtype=x.dtype,
-                             pool=pool_kernel if exact else None)
-    args = (da.concatenate(pooled, axis=0), stats[0], stats[1], bn_weight, bn_bias, gn_weight,
-            gn_bias)
-    out = da.map_blocks(task, *args, dtype=x.dtype, meta=meta_from_array(probe),
-                        chunks=(x.chunks[0], *((s,) for s in probe.shape[1:])),
-                        name=_key_name("conv_transpose2d_batchnorm_tanh_maxpool_groupnorm", task,
-                                       *args))
-    if return_running_stats:
-        return (out,) + _running_results(stats, running_mean, running_var, empty)
-    return out
+    phase1 = functools.partial(_pool_moments_phase, pool=None if exact else pool_kernel,
+                               precision=precision, **conv_options)
+    name = graph.key_name("phase1")
+    keys = [(name, i) for i in range(len(x.chunks[0]))]
+    graph.dsk.update((key, (phase1, chunk, prepared))
+                     for key, chunk in zip(keys, graph.input_keys()))
+    # The moments reach the reduction alone (a key each, so a distributed worker fetches no
+    # pooled data); phase 3 reads the pooled part where phase 1 ran.
+    stats = _batch_statistics(graph, [(operator.getitem, key, 1) for key in keys], running_mean,
+                              running_var, momentum, split_every)
+    return _normalized_batch(
+        graph, stats, functools.partial(_normalize_pooled, num_groups=num_groups, eps=eps,
+                                        dtype=x.dtype, pool=pool_kernel if exact else None),
+        [(operator.getitem, key, 0) for key in keys],
+        dict(bn_weight=bn_weight, bn_bias=bn_bias, gn_weight=gn_weight, gn_bias=gn_bias),
+        probe, running_mean, running_var, return_running_stats)
 

@@ -3,6 +3,7 @@ scheduler and on a two-process ``distributed.LocalCluster``; CuPy chunks on the 
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import subprocess
 import sys
@@ -337,6 +338,104 @@ def test_input_errors_name_the_argument(rng):
         cdask.batch_norm(chunked(x, (5,)), running_mean=np.zeros(4, np.float32),
                          running_var=np.ones(4, np.float32), training=False,
                          return_running_stats=True)
+
+
+# ------------------------------------------------------------------------------------ the graph
+
+class Unhashed(np.ndarray):
+    """A parameter that fails the test where Dask hashes it (for a CuPy parameter, a copy to
+    the host and a synchronization)."""
+
+
+@pytest.fixture
+def no_parameter_hashing(monkeypatch):
+    from dask.base import normalize_token
+
+    def refuse(value):
+        raise AssertionError("cufused.dask hashed a parameter")
+
+    monkeypatch.setitem(normalize_token._lookup, Unhashed, refuse)
+
+
+def unhashed(value):
+    return value.view(Unhashed) if isinstance(value, np.ndarray) else value
+
+
+def arrays_in(task):
+    """The arrays inside a task of the graph, literal or bound in a functools.partial."""
+    if isinstance(task, np.ndarray):
+        yield task
+    elif isinstance(task, (tuple, list)):
+        for item in task:
+            yield from arrays_in(item)
+    elif isinstance(task, dict):
+        yield from arrays_in(list(task.values()))
+    elif isinstance(task, functools.partial):
+        yield from arrays_in((task.func, task.args, task.keywords))
+
+
+@pytest.mark.parametrize("name, make", PER_SAMPLE_PIPELINES + [
+    ("conv_transpose2d_batchnorm_tanh_maxpool_groupnorm", case_b)])
+def test_parameters_are_not_hashed_and_keys_are_unique_per_call(rng, no_parameter_hashing,
+                                                                name, make):
+    x, params, options = make(rng)
+    lazy = [getattr(cdask, name)(chunked(x, (2, 3)), *map(unhashed, params),
+                                 **{k: unhashed(v) for k, v in options.items()})
+            for _ in range(2)]
+    assert lazy[0].name.startswith(f"cufused-{name}-") and lazy[0].name != lazy[1].name
+    ref = getattr(cufused, name)(x, *params, **options)
+    for got in dask.compute(*lazy, scheduler="sync"):
+        assert_close(got, ref, 1e-5)
+
+
+def test_batch_norm_does_not_hash_its_parameters(rng, no_parameter_hashing):
+    x = rng.random((5, 3, 4))
+    weight, rm, rv = mixed(rng, 3), np.zeros(3), np.ones(3)
+    ref_rm, ref_rv = rm.copy(), rv.copy()
+    y = cdask.batch_norm(chunked(x, (2, 3)), unhashed(weight), running_mean=unhashed(rm),
+                         running_var=unhashed(rv))
+    assert_close(y.compute(scheduler="sync"),
+                 cufused.batch_norm(x, weight, running_mean=ref_rm, running_var=ref_rv), 1e-12)
+    assert_close(rm, ref_rm, 1e-12)  # the caller's buffer, updated through the view
+    assert_close(rv, ref_rv, 1e-12)
+
+
+def test_equal_graphs_each_update_the_running_buffers(rng):
+    # No deduplication of equal calls: computed together, each runs its statistics task.
+    x, params, options = case_b(rng, np.float64)
+    rm, rv = np.zeros(8), np.ones(8)
+    ref_rm, ref_rv = rm.copy(), rv.copy()
+    lazy = [cdask.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        chunked(x, (2, 3)), *params, **options, running_mean=rm, running_var=rv)
+        for _ in range(2)]
+    dask.compute(*lazy, scheduler="threads")
+    for _ in range(2):
+        cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+            x, *params, **options, running_mean=ref_rm, running_var=ref_rv)
+    assert_close(rm, ref_rm, 1e-12)
+    assert_close(rv, ref_rv, 1e-12)
+
+
+@pytest.mark.parametrize("chunks", CHUNKINGS[:2])
+def test_each_array_parameter_is_one_key_of_the_graph(rng, chunks):
+    # Tasks name the parameters by key: Dask neither traverses nor copies them per task.
+    x, params, options = case_b(rng, np.float64)
+    rm, rv = np.zeros(8), np.ones(8)
+    y, *stats = cdask.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        chunked(x, chunks), *params, **options, running_mean=rm, running_var=rv,
+        split_every=2, return_running_stats=True)
+    xc, params_c, options_c = case_c(rng, np.float64)
+    c = cdask.conv_transpose3d_avgpool_clamp_softmax_multiply(chunked(xc, chunks), *params_c,
+                                                              **options_c)
+    for lazy, names in ((y, ("bn_weight", "bn_bias", "gn_weight", "gn_bias", "running_mean",
+                             "running_var", "weight", "conv_bias", "sign")),
+                        (c, ("weight", "scale", "conv_bias"))):
+        layer = dict(lazy.dask.layers[lazy.name])
+        constants = {k: v for k, v in layer.items() if isinstance(v, np.ndarray)}
+        assert sorted(k.split("-")[-2] for k in constants) == sorted(names)
+        assert not any(list(arrays_in(task)) for task in layer.values()
+                       if not isinstance(task, np.ndarray))
+    assert [s.chunks for s in stats] == [((8,),)] * 2
 
 
 # ------------------------------------------------------------------------------ the benchmark
