@@ -69,4 +69,7 @@ def main(names, calls=50):
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)
+        sys.exit()
     main(sys.argv[1:] or ["A", "B", "C"])

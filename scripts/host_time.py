@@ -14,6 +14,8 @@ calls.
 ``host_time.py profile CASE PRECISION [STRATEGY]`` prints where a warm call's host time goes
 (cProfile, the heuristic plan of STRATEGY, by default the autotuner's usual one for the case,
 so that no tuning runs first).
+Usage: python scripts/host_time.py [once CASE PRECISION replay|direct | trace CASE PRECISION
+| profile CASE PRECISION [STRATEGY]].
 """
 
 import cProfile
@@ -156,6 +158,9 @@ def print_timeline(prof, title):
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)
+        sys.exit()
     if sys.argv[1:2] == ["profile"]:
         profile(*sys.argv[2:5])
     elif sys.argv[1:2] == ["trace"]:

@@ -99,6 +99,9 @@ def host(name: str, precision: str, calls: int = 200) -> None:
 if __name__ == "__main__":
     import sys
 
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)
+        sys.exit()
     if sys.argv[1:2] == ["trace"]:
         trace(sys.argv[2], sys.argv[3], *map(float, sys.argv[4:5]))
     elif sys.argv[1:2] == ["host"]:

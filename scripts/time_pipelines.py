@@ -93,6 +93,9 @@ def main(names, touch_gib=0.0, trace=False):
 
 
 if __name__ == "__main__":
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        print(__doc__)
+        sys.exit()
     argv = sys.argv[1:]
     gib, trace = 0.0, "--trace" in argv
     argv = [a for a in argv if a != "--trace"]

@@ -1,0 +1,142 @@
+"""The contributor tools under scripts/ without a GPU: every Python script compiles, names only
+modules and names that exist, documents its usage and answers ``--help`` (a helper module
+imports); the shell scripts parse; every ``scripts/...`` path the repository mentions exists.
+(``bench_dask.py --small``, a CPU run of that script, is in test_dask.py.)"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import pathlib
+import py_compile
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "scripts"
+PYTHON_SCRIPTS = sorted(SCRIPTS.glob("*.py"))
+SHELL_SCRIPTS = sorted(SCRIPTS.glob("*.sh"))
+# Third-party packages the scripts may import; anything else must be the standard library,
+# cufused or a script beside them.
+EXTERNAL = {"cupy", "cupyx", "numpy", "torch", "dask", "distributed", "dask_cuda"}
+HAS_CUPY = importlib.util.find_spec("cupy") is not None
+
+
+def _tree(path: pathlib.Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"), str(path))
+
+
+def _is_command(path: pathlib.Path) -> bool:
+    """Whether the script has an ``if __name__ == "__main__":`` block."""
+    return any(isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
+               for node in _tree(path).body)
+
+
+def _top_level_names(path: pathlib.Path) -> set[str]:
+    names = set()
+    for node in _tree(path).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+COMMANDS = [p for p in PYTHON_SCRIPTS if _is_command(p)]
+HELPERS = [p for p in PYTHON_SCRIPTS if not _is_command(p)]
+
+
+def test_the_contributor_tools_are_there():
+    names = {p.name for p in PYTHON_SCRIPTS + SHELL_SCRIPTS}
+    assert names >= {"gpu_check.sh", "ncu_kernels.sh", "bench_dask.py", "profile_pipelines.py",
+                     "host_breakdown.py", "time_pipelines.py", "pipeline_calls.py",
+                     "host_time.py"}, names
+    assert {p.name for p in HELPERS} == {"pipeline_calls.py"}
+
+
+@pytest.mark.parametrize("path", PYTHON_SCRIPTS, ids=lambda p: p.name)
+def test_script_compiles(path, tmp_path):
+    py_compile.compile(str(path), cfile=str(tmp_path / "script.pyc"), doraise=True)
+
+
+@pytest.mark.parametrize("path", PYTHON_SCRIPTS, ids=lambda p: p.name)
+def test_script_imports_only_what_exists(path):
+    """Each import names the standard library, a known package, a script beside it (and a
+    name it defines) or cufused (and a name it has): a script must not outlive a helper or a
+    library name it relies on."""
+    for node in ast.walk(_tree(path)):
+        if isinstance(node, ast.Import):
+            modules = [(a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path.name}: relative import"
+            modules = [(node.module, [a.name for a in node.names])]
+        else:
+            continue
+        for module, names in modules:
+            top = module.split(".")[0]
+            sibling = SCRIPTS / f"{top}.py"
+            if sibling.exists():
+                missing = set(names) - _top_level_names(sibling)
+                assert not missing, f"{path.name}: {sorted(missing)} not in {sibling.name}"
+            elif top == "cufused":
+                mod = importlib.import_module(module)
+                for name in names:
+                    assert (hasattr(mod, name)
+                            or importlib.util.find_spec(f"{module}.{name}") is not None), \
+                        f"{path.name}: {module}.{name} does not exist"
+            else:
+                assert top in sys.stdlib_module_names or top in EXTERNAL, \
+                    f"{path.name} imports {module}, which is neither a script nor known"
+
+
+@pytest.mark.parametrize("path", COMMANDS, ids=lambda p: p.name)
+def test_script_documents_its_usage(path):
+    doc = ast.get_docstring(_tree(path))
+    assert doc and f"Usage: python scripts/{path.name}" in doc
+
+
+@pytest.mark.parametrize("path", COMMANDS, ids=lambda p: p.name)
+def test_script_help_runs_without_a_gpu(path):
+    """``--help`` runs the script's imports (CuPy imports without a GPU) and prints its usage."""
+    if not HAS_CUPY:
+        pytest.skip("the script imports CuPy; without it only compilation and imports are checked")
+    res = subprocess.run([sys.executable, str(path), "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "usage" in res.stdout.lower(), res.stdout
+
+
+@pytest.mark.parametrize("path", HELPERS, ids=lambda p: p.name)
+def test_helper_imports_without_a_gpu(path):
+    if not HAS_CUPY:
+        pytest.skip("the helper imports CuPy; without it only compilation and imports are checked")
+    res = subprocess.run([sys.executable, "-c", f"import {path.stem}"], cwd=SCRIPTS,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("path", SHELL_SCRIPTS, ids=lambda p: p.name)
+def test_shell_script_parses(path):
+    res = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+
+
+def test_every_mentioned_script_exists():
+    """README, docs, scripts, tests, the asv suite and the library's comments name only
+    scripts that exist."""
+    files = [ROOT / "README.md", *(ROOT / "docs").glob("*.rst"), *SCRIPTS.iterdir(),
+             *(ROOT / "tests").glob("*.py"), *(ROOT / "asv_bench" / "benchmarks").glob("*.py"),
+             *(ROOT / "cufused").rglob("*.py"), *(ROOT / "cufused" / "_cuda").glob("*.cu*")]
+    pattern = re.compile(r"scripts/([\w-]+\.(?:py|sh))\b")
+    mentioned = {(f.relative_to(ROOT), name) for f in files if f.is_file()
+                 for name in pattern.findall(f.read_text(encoding="utf-8"))}
+    assert any(name == "profile_pipelines.py" for _, name in mentioned)  # the scan finds them
+    missing = sorted((str(f), name) for f, name in mentioned if not (SCRIPTS / name).exists())
+    assert not missing, missing
