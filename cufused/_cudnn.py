@@ -25,7 +25,7 @@ from ._arrays import import_cupy
 from ._subpixel import subpixel_parts, subpixel_weight_index
 
 # (input layout, output layout) pairs tried; channels-last engines fed an NCHW input skip
-# the input transpose (measured faster for pipeline B's TF32 convolution).
+# the input transpose (the fastest choice for pipeline B's TF32 convolution).
 _LAYOUT_PAIRS = (("nchw", "nchw"), ("nhwc", "nhwc"), ("nchw", "nhwc"))
 
 _state = threading.local()
@@ -40,10 +40,10 @@ _CALLS_BEFORE_CAPTURE = 2
 # How much faster (fraction of device time) direct calls must measure to turn replay off.
 _REPLAY_MARGIN = 0.005
 # A strategy that first converts the caller's NCHW input competes with its measured cost
-# raised by this fraction. The autotuner's timing of the conversion varies (H200, A tf32:
-# "nhwc" 0.369 ms alone, 0.423-0.462 with it, against 0.413-0.415 for "nchw>nhwc"), and the
-# pipelines it ends up in measured 0.590-0.668 ms against 0.590-0.594; a 3 % handicap still
-# let "nhwc" win in one of two processes.
+# raised by this fraction: the autotuner's timing of the conversion varies between processes
+# by more than the gap to a strategy that reads NCHW directly, and a pipeline that converts
+# runs no faster (docs/design.rst, "Convolution plans"). A smaller margin lets the choice
+# flip from process to process.
 _INPUT_CONVERSION_MARGIN = 0.10
 
 
@@ -73,8 +73,8 @@ def set_conv_graph_replay(enabled: bool) -> None:
 
     From the second call with the same operand pointers on a stream, a convolution replays one
     CUDA graph of its cuDNN calls, weight preparation and output conversion instead of issuing
-    each again: 29-67 us of host time per call instead of 54-218 us for the canonical
-    convolutions on the H200 machines (their CPUs differ). Each graph keeps its own
+    each again, which takes a few tens of microseconds of host time per call where issuing
+    the parts takes up to a few hundred (FFT and sub-pixel plans). Each graph keeps its own
     workspace, prepared weight and, where the plan writes another layout than the NCHW
     result, its intermediate output (up to 8 graphs per plan; :func:`clear_plan_cache` frees
     them). A call made while the stream is being captured always runs directly, and so does a
@@ -884,10 +884,9 @@ def _choose(problem, convert_input, convert_output, accept_classes, tune, pins) 
     if best is None:
         raise UnsupportedConvolution(f"cuDNN supports no plan for this convolution: {problem}")
     best.candidates = candidates
-    # Also for a plan whose output feeds a fused pass: with the argument checks at ~40 us the
-    # pipeline's head start still hides a direct call's host work (B ieee's FFT plan, ~140 us
-    # direct), and the pipeline measured faster with it issued directly (H200: 2.521 vs
-    # 2.541 ms; scripts/pipeline_conv_replay.py).
+    # Also for a plan whose output feeds a fused pass: the pipeline's argument checks are
+    # short enough that its head start still hides a direct call's host work, so the choice
+    # made from the convolution alone holds inside the pipeline (docs/design.rst).
     if tune and _config["replay"]:
         _decide_replay(best, best_call)
     return best
@@ -909,12 +908,12 @@ def _decide_replay(plan: ConvPlan, call, rounds: int = 11) -> None:
 
     A replay saves host time, which costs device time only where the device would wait for
     the host; but a captured plan can also run slower on the device than issued directly
-    (B's FFT data-gradient plan: 2.378 vs 2.357 ms on an H200, with the same kernel times in
-    ncu). ``call`` (the autotuner's operands) is timed both ways, alternately, one call at a
-    time after an L2 flush, as a call that follows other work runs: there a direct call's
-    host work counts where the device waits for it. (Back to back, which hides all host
-    work, B's two ways measured within noise, 7185 vs 7195 us for three calls, and the
-    choice fell either way between processes.) Direct calls must win by more than
+    (B's FFT data-gradient plan, whose kernels overlap on several streams in another order
+    when captured: docs/design.rst). ``call`` (the autotuner's operands) is timed both ways,
+    alternately, one call at a time after an L2 flush, as a call that follows other work
+    runs: there a direct call's host work counts where the device waits for it. (Back to
+    back, which hides all host work, such a plan's two ways are within noise and the choice
+    would not be stable between processes.) Direct calls must win by more than
     ``_REPLAY_MARGIN`` to turn replay off for this plan.
     """
     flush = _l2_flush_buffer()

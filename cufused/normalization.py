@@ -83,8 +83,8 @@ def reads_channels_last(x, num_groups: int) -> bool:
 def group_norm_threads(shared_bytes: int) -> int:
     """Threads of a GroupNorm row block that caches ``shared_bytes``: 128 while 8 blocks fit
     in an SM's shared memory (more blocks per SM overlap one block's reductions with another's
-    loads; B's GroupNorm took 0.056 ms at 128 threads, 0.064 at 256, 0.080 at 512 on the
-    H200), else 256, so that an SM still runs 1024 threads."""
+    loads: the fastest block size for B's GroupNorm, docs/design.rst), else 256, so that an
+    SM still runs 1024 threads."""
     return 128 if 8 * shared_bytes <= 224 * 1024 else 256
 
 

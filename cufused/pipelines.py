@@ -109,10 +109,8 @@ def _fused_pass_variant(y, pool: int, variant: str | None = None) -> str:
                  and y.data.ptr % 16 == 0 and fixed * w <= _BAND_CHUNK)
     usable = {"scalar": True, "vec4": aligned4, "rows": (fixed, rows_t) in _ROWS_KERNELS,
               "bands": bands}
-    if variant is None:  # measured (H200, canonical A and B outputs): channels-last k = 4
-        # rows 0.179 ms, vec4 0.236, scalar 0.218; k = 2 vec4 0.127, rows 0.153, scalar 0.148;
-        # with channels-last extrema rows 0.150 (k = 4), vec4 0.102 (k = 2); NCHW k = 4 bands
-        # 0.154, scalar 0.170; k = 2 bands 0.119, scalar 0.163
+    if variant is None:  # the fastest per layout and window on the canonical A and B
+        # outputs (timings: docs/design.rst, "The fused pooling + statistics pass")
         return ("rows" if usable["rows"] and fixed == 4 else
                 "vec4" if usable["vec4"] and fixed == 2 else
                 "bands" if usable["bands"] else "scalar")

@@ -10,8 +10,8 @@
 // out[n, b, a] = epilogue(in[n, a, b]) for in of shape (N, A, B), out (N, B, A), both
 // contiguous, A * B < 2**31 (offsets within one sample are 32-bit). A block moves a 32 x
 // (32 * TILES) tile through shared memory: 4 * TILES loads per thread in flight, reads and
-// writes coalesced. TILES = 4 unless B is short (pipeline A's 64 channels: 2; a 128-wide tile
-// left half the threads idle at 1.3 TB/s). NCHW -> NHWC is (A, B) = (C, H*W); NHWC -> NCHW
+// writes coalesced. TILES = 4 unless B is short (pipeline A's 64 channels: 2, where a 128-wide
+// tile would leave half the threads idle). NCHW -> NHWC is (A, B) = (C, H*W); NHWC -> NCHW
 // with the convolution bias or the affine is (H*W, C).
 // Grid (ceil(B / (32 * TILES)) * ceil(A / 32), 1, min(N, 65535)), block (32, 8): the tiles of
 // a sample are numbered along b first in grid x, which, unlike grid y, takes a long A.

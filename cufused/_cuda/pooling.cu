@@ -348,8 +348,8 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
 // position lanes issue one window (4 values for K = 2) per load round. The rows below the
 // last band (H % K) only enter the statistics, in the last split. Same arguments and outputs
 // as pool_extremum_stats (k_runtime, sc, sh, sw unused).
-// 3 blocks per SM (80 registers) are set as a bound: left to itself ptxas chose 80 registers
-// with a small spill once the loads became evict-first.
+// 3 blocks per SM (80 registers) are set as a bound: left to itself ptxas picks 80 registers
+// with a small spill for the evict-first loads.
 template <int K>
 __global__ void __launch_bounds__(256, 3) pool_extremum_stats_nchw_bands(
         const float* __restrict__ y, const float* __restrict__ bias,
@@ -390,8 +390,8 @@ __global__ void __launch_bounds__(256, 3) pool_extremum_stats_nchw_bands(
     const float inv_wo = 1.0f / Wo;
     // For K = 2, a lane's windows j = lane, lane + 32, ... of a chunk: band bb, column px,
     // stepped by (32 / Wo, 32 % Wo) with a carry instead of a division per window, and read
-    // as two 8-byte rows (B: 108.8 -> 97.5 us in ncu; with the same loop for K = 4, pipeline A
-    // ieee measured 0.011 ms slower, so K = 4 keeps the division).
+    // as two 8-byte rows (fewer instructions per window for B; for K = 4 the same loop makes
+    // pipeline A slower, so K = 4 keeps the division).
     const int first_b = quotient(lane, Wo, inv_wo), first_p = lane - first_b * Wo;
     const int step_b = quotient(32, Wo, inv_wo), step_p = 32 - step_b * Wo;
     for (int b0 = b_begin; b0 < b_end; b0 += bands_per_chunk) {
@@ -448,8 +448,8 @@ __global__ void __launch_bounds__(256, 3) pool_extremum_stats_nchw_bands(
 
 // pool_extremum_stats for a channels-last y with 16-byte loads: a thread owns 4 consecutive
 // channels (C % 4 == 0; y, its position strides and sn 16-byte aligned), so one load
-// instruction moves 4 values where the scalar kernel needs 4 (its channels-last pass was
-// issue-bound: SM ~70 %, DRAM ~40 %). Block (32, 8) per (n, 32-channel tile, split): bits 0-2
+// instruction moves 4 values where the scalar kernel needs 4 (its channels-last pass is
+// issue-bound, not bandwidth-bound). Block (32, 8) per (n, 32-channel tile, split): bits 0-2
 // of threadIdx.x pick the channel quad, the other bits and threadIdx.y one of 32 position
 // lanes. Same arguments and outputs as pool_extremum_stats (k_runtime and sc unused), except
 // that with EXT_CHANNELS_LAST ext is contiguous channels-last in blocks of ext_block channels
@@ -469,7 +469,7 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
                                           int shift_group, int shift_per_sample, int ext_block) {
     constexpr int KK = K * K;
     // Positions per thread and iteration: 8-16 loads of 16 bytes in flight. Without the
-    // staging buffer 4 fit in 128 registers (B: 0.102 ms vs 0.108 for 2, 0.104 for 3).
+    // staging buffer 4 fit in 128 registers, and 4 are faster than 2 or 3 for B.
     constexpr int U = K == 2 ? (EXT_CHANNELS_LAST ? 4 : 2) : 1;
     constexpr int STEP = 32;
     constexpr int SPAN = U * STEP;
@@ -574,7 +574,7 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
 // pool_extremum_stats for a channels-last y and k = K, one warp per pooled position: a
 // window row's K columns of all C channels are K * C contiguous floats, read as 512-byte
 // coalesced float4 rows (the per-channel kernels above touch 128 bytes per instruction, and
-// for K = 4 the 16-byte one measured no faster than the scalar one). Lane l holds chunks
+// for K = 4 the 16-byte one is no faster than the scalar one). Lane l holds chunks
 // j = l + 32 t (t < T = K * C / 128) of a row: channel quad l % (C / 4), column j / (C / 4);
 // needs C / 4 to divide 32, T >= 1, and 16-byte alignment. The lanes of one channel quad
 // combine their extrema and sums through shuffles. Block (32, 8), grid N * splits, all C
@@ -590,7 +590,7 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_rows(
         int C, int H, int W, int k_runtime, int Ho, int Wo, int splits, int c_tiles, index_t sn,
         index_t sc, int sh, int sw, int shift_group, int shift_per_sample, int ext_block) {
     // Positions per warp and iteration, U * K * T loads in flight. Without the staging
-    // barrier one is best (A: 0.150 ms; 2: 0.156, 3: 0.207; staged NCHW extrema: 0.177).
+    // barrier one is fastest for A (two and three are slower).
     constexpr int U = EXT_CHANNELS_LAST ? 1 : 2;
     constexpr int SPAN = 8 * U;
     __shared__ float stage[EXT_CHANNELS_LAST ? 1 : SPAN][129];

@@ -94,8 +94,8 @@ __global__ void softmax_stats(const float* __restrict__ y, const float* __restri
 // softmax_stats for a channels-last y with 16-byte loads: a thread keeps the pairs of 4
 // channels (one float4 per position); Q threads (Q dividing 32) cover the 4 Q channels of a
 // tile at one position, so 256 threads read 256 / Q positions per step, 4 steps in flight:
-// 64 bytes per thread against the scalar kernel's 16, too few to cover the DRAM latency (C
-// tf32: 78 % of peak bandwidth). Grid splits * c_tiles * N (last samples first), block 256.
+// 64 bytes per thread against the scalar kernel's 16, which are too few to cover the DRAM
+// latency. Grid splits * c_tiles * N (last samples first), block 256.
 // Needs C % (4 Q) == 0, sn and ss multiples of 4, y 16-byte aligned.
 template <bool ONLINE, bool CLAMP>
 __global__ void softmax_stats_nhwc4(const float* __restrict__ y, const float* __restrict__ bias,
@@ -154,8 +154,8 @@ __global__ void softmax_stats_nhwc4(const float* __restrict__ y, const float* __
 }
 
 // One warp per (n, c) row: merge the splits' (m, s) pairs (sums in double) into the row's
-// shift and factor: softmax(v) * scale[c] = exp(v - shift) * factor. (A thread per row ran
-// its pairs one after another: 16 us for C's 2048 rows.)
+// shift and factor: softmax(v) * scale[c] = exp(v - shift) * factor. (A thread per row would
+// walk its pairs one after another, about 4x slower for C's 2048 rows.)
 // A row may come in `parts` pieces (the residue classes of a sub-pixel convolution), whose
 // pairs lie `rows * splits` apart.
 __global__ void softmax_finalize(const float2* __restrict__ partial, index_t rows, int C,
