@@ -122,12 +122,18 @@ def check_sizes(x: Any, name: str) -> None:
         raise ValueError(f"{name} has a zero-sized non-batch dimension: shape {x.shape}")
 
 
-def per_channel(value: Any, name: str, channels: int, xp, *, allow_scalar: bool = False):
+def per_channel(value: Any, name: str, channels: int, xp, *, allow_scalar: bool = False,
+                broadcast_ndim: int | None = None):
     """Flatten a per-channel parameter to a 1-D array of ``channels`` values.
 
     Accepts any shape holding exactly ``channels`` values laid out per channel: ``(C,)``,
-    ``(C, 1, 1)``, ``(1, C, 1, 1)``, ``(1, C, 1, 1, 1)``. With ``allow_scalar`` a Python or
-    0-d scalar is broadcast to every channel.
+    ``(C, 1, 1)``, ``(1, C, 1, 1)``, ``(1, C, 1, 1, 1)``. With ``allow_scalar`` a Python
+    number or an array of one value is broadcast to every channel.
+
+    ``broadcast_ndim`` is the ndim of the (N, C, ...) tensor that the parameter multiplies by
+    broadcasting (``y * scale`` in PyTorch): an array of 2 or more dimensions must then put its
+    C values on the channel axis under NumPy's trailing alignment (``(C, 1, 1)`` against
+    (N, C, H, W), ``(C, 1, 1, 1)`` against (N, C, D, H, W)); ``(C,)`` stays per channel.
     """
     if value is None:
         return None
@@ -139,13 +145,18 @@ def per_channel(value: Any, name: str, channels: int, xp, *, allow_scalar: bool 
         raise TypeError(f"{name} must be {kinds}, got {type(value).__name__}")
     if value.shape == (channels,):  # the usual case: no reshaped view to create
         return xp.ascontiguousarray(value)
-    if allow_scalar and value.ndim == 0:  # a 0-d array: one value for every channel
+    fits = broadcast_ndim is None or value.ndim <= broadcast_ndim
+    if allow_scalar and value.size == 1 and fits:  # one value for every channel
         return xp.ascontiguousarray(xp.broadcast_to(value.reshape(1), (channels,)))
     non_unit = [s for s in value.shape if s != 1]
-    if value.size != channels or len(non_unit) > 1:
+    if broadcast_ndim is not None and value.ndim > 1:
+        axis = value.ndim - broadcast_ndim + 1  # the channel axis, aligned from the right
+        fits = fits and axis >= 0 and value.shape[axis] == channels
+    if value.size != channels or len(non_unit) > 1 or not fits:
         raise ValueError(
             f"{name} must hold one value per channel ({channels} values, shape like "
-            f"({channels},) or (1, {channels}, 1, 1)), got shape {value.shape}"
+            f"({channels},) or (1, {channels}, 1, 1), its C values on the channel axis), "
+            f"got shape {value.shape}"
         )
     return xp.ascontiguousarray(value.reshape(channels))  # a view when already contiguous
 
@@ -170,14 +181,21 @@ def check_scalar(value: Any, name: str, *, minimum: float | None = None,
 
 
 def ntuple(value: Any, n: int, name: str, *, minimum: int) -> tuple[int, ...]:
-    """Expand an int or a length-``n`` sequence of ints, each ``>= minimum``."""
+    """Expand an int, a length-1 or a length-``n`` sequence of ints, each ``>= minimum``.
+
+    Examples
+    --------
+    >>> ntuple(2, 3, "stride", minimum=1), ntuple([2], 2, "stride", minimum=1)
+    ((2, 2, 2), (2, 2))
+    """
     if type(value) is int:  # the common case, without the slower numbers.Integral checks
         items = (value,) * n
     else:
         if isinstance(value, numbers.Integral) and not isinstance(value, bool):
             items = (value,) * n
         elif isinstance(value, (tuple, list)):
-            items = tuple(value)
+            # One value stands for every dimension, as PyTorch's ``_ntuple`` reads it.
+            items = tuple(value) * n if len(value) == 1 else tuple(value)
         else:
             raise TypeError(f"{name} must be an int or a sequence of {n} ints, got {value!r}")
         if len(items) != n or not all(

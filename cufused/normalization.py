@@ -7,6 +7,7 @@ per-channel ``a * x + b`` applied in one pass.
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -37,6 +38,20 @@ def check_num_groups(num_groups: Any, channels: int) -> int:
         raise ValueError(f"num_groups={num_groups} must be positive and divide the {channels} "
                          "channels")
     return int(num_groups)
+
+
+def check_group_values(shape: tuple[int, ...], num_groups: int, name: str) -> None:
+    """PyTorch's GroupNorm rule: more than one value per group across the batch
+    (N * C / num_groups * spatial values; an empty batch passes)."""
+    if math.prod(shape) // num_groups == 1:
+        raise ValueError(f"expected more than 1 value per group of {name}, got shape "
+                         f"{tuple(shape)} with num_groups={num_groups}")
+
+
+def check_running_pair(running_mean: Any, running_var: Any) -> None:
+    """Both running buffers or neither, as PyTorch requires."""
+    if (running_mean is None) != (running_var is None):
+        raise ValueError("running_mean and running_var must both be given or both be None")
 
 
 def finalize_threads(partials_per_row: int) -> int:
@@ -207,10 +222,7 @@ def group_norm(x: Any, num_groups: int, weight: Any = None, bias: Any = None, *,
     check_sizes(x, "x")
     c = x.shape[1]
     num_groups = check_num_groups(num_groups, c)
-    # PyTorch's rule: at least two values per (sample, group) across the batch.
-    if x.size // num_groups == 1:
-        raise ValueError("expected more than 1 value per group of x, got shape "
-                         f"{x.shape} with num_groups={num_groups}")
+    check_group_values(x.shape, num_groups, "x")
     weight = per_channel(weight, "weight", c, xp)
     bias = per_channel(bias, "bias", c, xp)
     eps = check_scalar(eps, "eps", minimum=0.0)
@@ -309,6 +321,7 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
     bias = per_channel(bias, "bias", c, xp)
     running_mean = check_running_buffer(running_mean, "running_mean", c, xp)
     running_var = check_running_buffer(running_var, "running_var", c, xp)
+    check_running_pair(running_mean, running_var)
     momentum = check_scalar(momentum, "momentum", minimum=0.0, maximum=1.0)
     eps = check_scalar(eps, "eps", minimum=0.0)
     if activation not in ACTIVATIONS:

@@ -36,10 +36,10 @@ from ._precision import resolve_precision
 from ._cudnn import UnsupportedConvolution, empty_in_layout, stored_in, transpose_channels
 from .convolution import (cached_conv_args, check_conv_memory, conv2d, conv_on_gpu,
                           conv_transpose2d, conv_transpose3d, gpu_conv_plan)
-from .normalization import (_affine_apply, batch_norm, bn_coefficients, check_num_groups,
-                            check_running_buffer, finalize_threads, group_norm,
-                            group_rows_fit_channels_last, launch_group_norm_rows,
-                            split_count)
+from .normalization import (_affine_apply, batch_norm, bn_coefficients, check_group_values,
+                            check_num_groups, check_running_buffer, check_running_pair,
+                            finalize_threads, group_norm, group_rows_fit_channels_last,
+                            launch_group_norm_rows, split_count)
 from .pooling import avg_pool3d, check_pool_args, max_pool2d, pool_into
 from .softmax import softmax, softmax_rows
 
@@ -265,10 +265,11 @@ def conv2d_groupnorm_scale_maxpool_clamp(
     conv_bias = per_channel(conv_bias, "conv_bias", c, xp)
     gn_weight = per_channel(gn_weight, "gn_weight", c, xp)
     gn_bias = per_channel(gn_bias, "gn_bias", c, xp)
-    scale = per_channel(scale, "scale", c, xp, allow_scalar=True)
+    scale = per_channel(scale, "scale", c, xp, allow_scalar=True, broadcast_ndim=4)
     if xp is not numpy:
         check_float_dtype(xp, scale=scale)
     num_groups = check_num_groups(num_groups, c)
+    check_group_values(args.out_shape, num_groups, "the conv output")
     k = _tuple_pool(pool_kernel, 2)
     _, _, _, pooled = check_pool_args(args.out_shape[2:], 2, k, k, 0, name="the conv output")
     lo = check_scalar(clamp_min, "clamp_min")
@@ -425,9 +426,11 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     conv_bias = per_channel(conv_bias, "conv_bias", c, xp)
     running_mean = check_running_buffer(running_mean, "running_mean", c, xp)
     running_var = check_running_buffer(running_var, "running_var", c, xp)
+    check_running_pair(running_mean, running_var)
     num_groups = check_num_groups(num_groups, c)
     k = _tuple_pool(pool_kernel, 2)
     _, _, _, pooled = check_pool_args(args.out_shape[2:], 2, k, k, 0, name="the conv output")
+    check_group_values(args.out_shape[:2] + pooled, num_groups, "the pooled output")
     eps = check_scalar(eps, "eps", minimum=0.0)
     momentum = check_scalar(momentum, "momentum", minimum=0.0, maximum=1.0)
     if x.shape[0] and x.shape[0] * args.out_shape[2] * args.out_shape[3] < 2:
@@ -567,7 +570,7 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
                             padding=padding, output_padding=output_padding, groups=groups)
     check_conv_memory(pooled_shape, args, xp)
     c = args.out_shape[1]
-    scale = per_channel(scale, "scale", c, xp, allow_scalar=True)
+    scale = per_channel(scale, "scale", c, xp, allow_scalar=True, broadcast_ndim=5)
     if xp is not numpy:
         check_float_dtype(xp, scale=scale)
     conv_bias = per_channel(conv_bias, "conv_bias", c, xp)

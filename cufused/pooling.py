@@ -28,7 +28,9 @@ def check_pool_args(in_size, nd: int, kernel_size, stride, padding, *, name: str
     ``avg_pool3d`` requires.
     """
     kernel = ntuple(kernel_size, nd, "kernel_size", minimum=1)
-    stride = kernel if stride is None else ntuple(stride, nd, "stride", minimum=1)
+    # None or an empty sequence: the window's size, as PyTorch's pools read it.
+    empty = isinstance(stride, (tuple, list)) and not stride
+    stride = kernel if stride is None or empty else ntuple(stride, nd, "stride", minimum=1)
     padding = ntuple(padding, nd, "padding", minimum=0)
     if any(p > k // 2 for p, k in zip(padding, kernel)):
         raise ValueError(f"padding must be at most half the kernel size, got padding={padding} "

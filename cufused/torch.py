@@ -49,7 +49,9 @@ __all__ = [
 
 
 def _expand(value: Any, n: int) -> tuple:
-    return tuple(value) if isinstance(value, (list, tuple)) else (value,) * n
+    if isinstance(value, (list, tuple)):
+        return tuple(value) * n if len(value) == 1 else tuple(value)
+    return (value,) * n
 
 
 def _conv_size(size: Sequence, kernel: Sequence, stride, padding, dilation) -> list:
@@ -70,7 +72,8 @@ def _conv_transpose_size(size: Sequence, kernel: Sequence, stride, padding, outp
 def _pool_size(size: Sequence, kernel_size, stride, padding) -> list:
     n = len(size)
     k = _expand(kernel_size, n)
-    s = k if stride is None else _expand(stride, n)
+    s = k if stride is None or (isinstance(stride, (list, tuple)) and not stride) else \
+        _expand(stride, n)
     p = _expand(padding, n)
     return [(size[i] + 2 * p[i] - k[i]) // s[i] + 1 for i in range(n)]
 

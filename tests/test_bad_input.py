@@ -114,6 +114,28 @@ CASES = {
     "C pool_kernel float": (lambda d: pipeline_c(d, pool_kernel=2.5), TypeError, "pool_kernel"),
     "C pool window over input": (lambda d: pipeline_c(d, x=d["x5"][:, :, :1]), ValueError,
                                  "larger"),
+    # PyTorch's GroupNorm and BatchNorm rules inside the pipelines
+    "A one value per group of the conv output": (
+        lambda d: pipeline_a(d, x=d["x4"][:1, :, :3, :3], num_groups=8, pool_kernel=1,
+                             gn_weight=None, scale=None),
+        ValueError, "more than 1 value per group"),
+    "B one value per group of the pooled output": (
+        lambda d: pipeline_b(d, x=d["x4"][:1, :, :1, :1], num_groups=8, padding=0,
+                             weight=d["wt"][:, :, :2, :2]), ValueError,
+        "more than 1 value per group"),
+    "batch_norm running_mean without running_var": (
+        lambda d: cufused.batch_norm(d["x4"], running_mean=d["c4"].copy()), ValueError,
+        "running_mean and running_var"),
+    "B running_var without running_mean": (
+        lambda d: pipeline_b(d, running_var=d["c8"].copy()), ValueError,
+        "running_mean and running_var"),
+    # A scale broadcasts against (N, C, H, W) as in y * scale: C values off the channel axis
+    "A scale (C, 1)": (lambda d: pipeline_a(d, scale=d["c8"].reshape(8, 1)), ValueError,
+                       "scale"),
+    "A scale (1, 1, 1, C)": (lambda d: pipeline_a(d, scale=d["c8"].reshape(1, 1, 1, 8)),
+                             ValueError, "scale"),
+    "C scale (C, 1, 1)": (lambda d: pipeline_c(d, scale=d["c4"].reshape(4, 1, 1)), ValueError,
+                          "scale"),
 }
 
 
@@ -204,6 +226,41 @@ def test_zero_dim_scale_broadcasts(xp):
     got = pipeline_c(d, scale=xp.asarray(np.float32(3.0)))
     want = pipeline_c(d, scale=3.0)
     np.testing.assert_allclose(_host(got), _host(want), rtol=1e-6)
+
+
+def test_scale_of_one_value_broadcasts(xp):
+    # As y * scale in PyTorch: an array of one value, any ndim up to the output's.
+    d = arrays(xp)
+    want = pipeline_a(d, scale=0.5)
+    for shape in ((1,), (1, 1, 1), (1, 1, 1, 1)):
+        got = pipeline_a(d, scale=xp.full(shape, 0.5, dtype=xp.float32))
+        np.testing.assert_allclose(_host(got), _host(want), rtol=1e-6)
+    got = pipeline_c(d, scale=xp.full((1, 1, 1, 1, 1), 3.0, dtype=xp.float32))
+    np.testing.assert_allclose(_host(got), _host(pipeline_c(d, scale=3.0)), rtol=1e-6)
+
+
+def test_scale_on_the_channel_axis_is_per_channel(xp):
+    d = arrays(xp)
+    want = pipeline_a(d, scale=d["c8"])
+    for shape in ((8, 1, 1), (1, 8, 1, 1)):
+        got = pipeline_a(d, scale=d["c8"].reshape(shape))
+        np.testing.assert_allclose(_host(got), _host(want), rtol=1e-6)
+    want = pipeline_c(d, scale=d["c4"])
+    for shape in ((4, 1, 1, 1), (1, 4, 1, 1, 1)):
+        got = pipeline_c(d, scale=d["c4"].reshape(shape))
+        np.testing.assert_allclose(_host(got), _host(want), rtol=1e-6)
+
+
+def test_one_value_option_stands_for_every_dimension(xp):
+    # PyTorch reads stride=(2,) as (2, 2) and a pool's stride=() as its window.
+    d = arrays(xp)
+    for fn, w in ((cufused.conv2d, d["w"]), (cufused.conv_transpose2d, d["wt"])):
+        got = fn(d["x4"], w, stride=(2,), padding=[1], dilation=(1,))
+        np.testing.assert_array_equal(_host(got), _host(fn(d["x4"], w, stride=2, padding=1)))
+    np.testing.assert_array_equal(_host(cufused.max_pool2d(d["x4"], (3,), ())),
+                                  _host(cufused.max_pool2d(d["x4"], 3)))
+    np.testing.assert_array_equal(_host(cufused.avg_pool3d(d["x5"], [2], [2], (0,))),
+                                  _host(cufused.avg_pool3d(d["x5"], 2)))
 
 
 def test_reference_path_raises_no_warnings():

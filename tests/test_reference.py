@@ -237,10 +237,11 @@ def test_pipeline_b(rng, opts):
 def test_pipeline_b_conv_bias_cancels_but_moves_running_mean(rng):
     arrays = args_b(rng)
     rm0, rm1 = np.zeros(8), np.zeros(8)
-    out0 = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(*arrays, num_groups=2,
-                                                                     running_mean=rm0)
+    out0 = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        *arrays, num_groups=2, running_mean=rm0, running_var=np.ones(8))
     out1 = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
-        *arrays, num_groups=2, conv_bias=np.full(8, 5.0), running_mean=rm1)
+        *arrays, num_groups=2, conv_bias=np.full(8, 5.0), running_mean=rm1,
+        running_var=np.ones(8))
     assert rel_err(out1, out0) < 1e-12
     assert np.allclose(rm1 - rm0, 0.1 * 5.0)
 
