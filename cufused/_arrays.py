@@ -222,6 +222,8 @@ def _byte_span(a: Any) -> tuple[int, int]:
     start = a.data.ptr if is_cupy_array(a) else a.__array_interface__["data"][0]
     if a.size == 0:
         return start, start
+    if a.flags.c_contiguous:  # the usual case: one block from the first element
+        return start, start + a.nbytes
     low = start + sum(s * (n - 1) for s, n in zip(a.strides, a.shape) if s < 0)
     high = start + sum(s * (n - 1) for s, n in zip(a.strides, a.shape) if s > 0)
     return low, high + a.itemsize

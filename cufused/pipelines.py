@@ -23,6 +23,7 @@ reading the large convolution output as few times as possible:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy
@@ -41,7 +42,7 @@ from .normalization import (_affine_apply, batch_norm, bn_coefficients, check_gr
                             finalize_threads, group_norm, group_rows_fit_channels_last,
                             launch_group_norm_rows, split_count)
 from .pooling import avg_pool3d, check_pool_args, max_pool2d, pool_into
-from .softmax import softmax, softmax_rows
+from .softmax import softmax, softmax_rows, softmax_rows_nonfinite_weight
 
 __all__ = [
     "conv2d_groupnorm_scale_maxpool_clamp",
@@ -61,7 +62,7 @@ def _gpu_method(method: str, conv_out_shape: tuple[int, ...]) -> str:
     """The GPU method that runs: the fused pass indexes within a sample with 32-bit offsets,
     so a larger sample of the convolution output takes the unfused building blocks, which
     index with 64 bits."""
-    if method == "fused" and numpy.prod(conv_out_shape[1:]) >= 2**31:
+    if method == "fused" and math.prod(conv_out_shape[1:]) >= 2**31:
         return "unfused"
     return method
 
@@ -593,14 +594,30 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
     if x.shape[0] == 0:
         return out
     if method == "unfused":
-        y = conv_transpose3d(avg_pool3d(x, k), weight, conv_bias, stride=args.stride,
+        x_pooled = avg_pool3d(x, k)
+        y = conv_transpose3d(x_pooled, weight, conv_bias, stride=args.stride,
                              padding=args.padding, output_padding=args.output_padding,
                              groups=args.groups, precision=precision)
         xp.minimum(xp.maximum(y, lo), hi, out=y)
         if scale is None:
-            return softmax(y, axis=(2, 3, 4), out=out)
-        y = softmax(y, axis=(2, 3, 4), out=y)
-        return xp.multiply(y, scale.reshape(1, c, 1, 1, 1), out=out)
+            softmax(y, axis=(2, 3, 4), out=out)
+        else:
+            xp.multiply(softmax(y, axis=(2, 3, 4), out=y), scale.reshape(1, c, 1, 1, 1), out=out)
+    else:
+        x_pooled = _conv_transpose3d_softmax(xp, x, pooled_shape, weight, out, args, k,
+                                             precision, bias=conv_bias, scale=scale,
+                                             clamp=(lo, hi))
+    softmax_rows_nonfinite_weight(xp, x_pooled, weight, out, args, bias=conv_bias, scale=scale,
+                                  clamp=(lo, hi))
+    return out
+
+
+def _conv_transpose3d_softmax(xp, x, pooled_shape, weight, out, args, k: int, precision: str,
+                              *, bias, scale, clamp: tuple[float, float]):
+    """Pipeline C's fused GPU path into ``out``: the average pool into the plan's input layout,
+    the transposed convolution, then the clamped softmax times ``scale`` reading the
+    convolution's output layout. Returns the pooled input."""
+    n, c = out.shape[:2]
     try:
         plan = gpu_conv_plan(pooled_shape, weight.shape, args, precision, convert_input=False,
                              convert_output=False, accept_classes=True)
@@ -615,7 +632,7 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
                   is_max=False)
         y, layout = plan.apply(x_pooled, weight, out=out, convert_output=False)
     strides = [s // y.itemsize for s in y.strides]
-    length = shape[2] * shape[3] * shape[4]
-    softmax_rows(xp, y, out, shape[0] * c, length, c, (strides[0], strides[1], strides[-1]),
-                 layout=layout, bias=conv_bias, scale=scale, clamp=(lo, hi))
-    return out
+    length = math.prod(out.shape[2:])
+    softmax_rows(xp, y, out, n * c, length, c, (strides[0], strides[1], strides[-1]),
+                 layout=layout, bias=bias, scale=scale, clamp=clamp)
+    return x_pooled

@@ -97,6 +97,29 @@ def one_read_geometry(y, out, layout: str, length: int, channels: int, strides,
     return None
 
 
+def softmax_rows_nonfinite_weight(cupy, x, weight, out, args, *, bias, scale,
+                                  clamp: tuple[float, float]) -> None:
+    """Pipeline C's rows whose output channel has a non-finite transposed-convolution weight,
+    recomputed by the definition after :func:`softmax_rows` (see the kernel): the convolution
+    algorithm's NaNs from the zeros it inserts would otherwise differ from PyTorch's. A call
+    with a finite weight costs one weight check per row on the device, no host sync.
+
+    ``x`` is the (pooled) convolution input, logical (N, C_in, D, H, W) in any strides;
+    ``args`` the transposed convolution's checked options; ``out`` the contiguous result.
+    """
+    w = cupy.ascontiguousarray(weight)
+    n, c = out.shape[:2]
+    i32 = numpy.int32
+    get_kernel(_SOFTMAX, "softmax_rows_nonfinite_weight")(
+        (n * c,), (256,),
+        (x, w, optional(bias), optional(scale), out, i32(c), i32(x.shape[1] // args.groups),
+         i32(w.shape[1]), *(i32(v) for v in x.shape[2:]), *(i32(v) for v in out.shape[2:]),
+         *(i32(v) for v in w.shape[2:]), *(i32(v) for v in args.stride),
+         *(i32(v) for v in args.padding), *(i32(v) for v in args.dilation),
+         *(numpy.int64(st // x.itemsize) for st in x.strides),
+         numpy.float32(clamp[0]), numpy.float32(clamp[1])))
+
+
 def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *,
                  layout: str = "nchw", bias=None, scale=None, clamp=None,
                  vec4: bool = True, one_read: bool = True) -> None:

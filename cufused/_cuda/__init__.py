@@ -115,6 +115,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "softmax_rows_cluster<2, 1, 2>",
         "softmax_rows_cluster<2, 2, 1>",
         "softmax_rows_cluster<2, 2, 2>",
+        "softmax_rows_nonfinite_weight",
     ),
 }
 
