@@ -32,6 +32,9 @@ threaded and synchronous schedulers run it in this process, on the caller's buff
 distributed worker updates its own copy, so there ``return_running_stats=True`` returns the
 updated buffers as dask arrays to compute along with the result.
 
+With CuPy chunks the tasks of a process take turns on each device (one at a time), so that
+the threaded scheduler's threads do not interleave their chunks on the device's stream.
+
 Every call builds its graph directly (a dict of tasks over the keys of ``x``'s chunks) under
 key names unique to the call: the readable prefix ``cufused-<function>-`` and a random token,
 not a hash of the inputs, since hashing would copy every CuPy parameter to the host. Two
@@ -44,6 +47,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -61,7 +65,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 import cufused
 
-from ._arrays import Size, get_array_module, is_cupy_array, per_channel
+from ._arrays import Size, get_array_module, import_cupy, is_cupy_array, per_channel
 from ._cuda import get_kernel
 from ._precision import resolve_precision
 from .normalization import split_count
@@ -139,6 +143,26 @@ def _call_keywords(func: Callable, keywords: tuple[str, ...], options: dict[str,
     return func(chunk, *args[:split], **options, **dict(zip(keywords, args[split:])))
 
 
+# One GPU task at a time per device in this process. Dask's threaded scheduler would run
+# several chunks' host work interleaved on the device's one stream: that gains no device
+# concurrency, holds every chunk's temporaries at once, and hands each call buffers at new
+# addresses, so that the convolutions' CUDA graphs (keyed on them) are captured again and
+# again instead of replayed.
+_DEVICE_LOCKS: dict[int, threading.Lock] = {}
+_DEVICE_LOCKS_GUARD = threading.Lock()
+
+
+def _one_at_a_time(func: Callable, *args, **kwargs):
+    """``func(*args, **kwargs)`` holding the current device's lock."""
+    device = import_cupy().cuda.runtime.getDevice()
+    lock = _DEVICE_LOCKS.get(device)
+    if lock is None:
+        with _DEVICE_LOCKS_GUARD:
+            lock = _DEVICE_LOCKS.setdefault(device, threading.Lock())
+    with lock:
+        return func(*args, **kwargs)
+
+
 class _Graph:
     """The task graph of one call over the batch chunks of ``x``: a dict of old-style tasks
     ``(func, arg, ...)`` whose arguments are keys of the graph, nested tasks or literals.
@@ -154,9 +178,14 @@ class _Graph:
         self.x = x
         self.name = self.key_name()  # the result's
         self.dsk: dict = {}
+        self.gpu = is_cupy_array(x._meta)
 
     def key_name(self, part: str = "") -> str:
         return f"cufused-{self.label}{'-' if part else ''}{part}-{self.token}"
+
+    def task(self, func: Callable) -> Callable:
+        """``func`` as a task of this graph: on CuPy chunks, run one at a time per device."""
+        return functools.partial(_one_at_a_time, func) if self.gpu else func
 
     def input_keys(self) -> list[tuple]:
         """The keys of ``x``'s chunks, in batch order (every other axis is one chunk)."""
@@ -176,7 +205,7 @@ class _Graph:
         batch axis, dtype and chunk type of ``probe`` (the single call on an empty batch)."""
         rest = (0,) * (probe.ndim - 1)
         for i, args in enumerate(chunk_args):
-            self.dsk[(self.name, i) + rest] = (func, *args)
+            self.dsk[(self.name, i) + rest] = (self.task(func), *args)
         graph = HighLevelGraph.from_collections(self.name, self.dsk, dependencies=[self.x])
         chunks = (self.x.chunks[0],) + tuple((s,) for s in probe.shape[1:])
         return da.Array(graph, self.name, chunks, meta=probe)
@@ -307,9 +336,11 @@ def _batch_statistics(graph: _Graph, moments: list, running_mean, running_var,
         depth += 1
         parts = [keys[i:i + split_every] for i in range(0, len(keys), split_every)]
         keys = [(merge, depth, j) for j in range(len(parts))]
-        graph.dsk.update((key, (_merge_moments, *part)) for key, part in zip(keys, parts))
+        merge_task = graph.task(_merge_moments)
+        graph.dsk.update((key, (merge_task, *part)) for key, part in zip(keys, parts))
     key = graph.key_name("statistics")
-    graph.dsk[key] = (_finish_statistics, keys[0], graph.constant("running_mean", running_mean),
+    graph.dsk[key] = (graph.task(_finish_statistics), keys[0],
+                      graph.constant("running_mean", running_mean),
                       graph.constant("running_var", running_var), momentum)
     return key
 
@@ -561,7 +592,8 @@ def batch_norm(x: Array, weight: Any = None, bias: Any = None, *, running_mean: 
     _check_count(x.size // x.shape[1])
     graph = _Graph("batch_norm", x)
     inputs = graph.input_keys()
-    stats = _batch_statistics(graph, [(_channel_moments, key) for key in inputs], running_mean,
+    moments = graph.task(_channel_moments)
+    stats = _batch_statistics(graph, [(moments, key) for key in inputs], running_mean,
                               running_var, momentum, split_every)
     return _normalized_batch(graph, stats, functools.partial(
         _normalize, eps=eps, activation=activation), inputs, dict(weight=weight, bias=bias),
@@ -901,6 +933,7 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
                                precision=precision, **conv_options)
     name = graph.key_name("phase1")
     keys = [(name, i) for i in range(len(x.chunks[0]))]
+    phase1 = graph.task(phase1)
     graph.dsk.update((key, (phase1, chunk, prepared))
                      for key, chunk in zip(keys, graph.input_keys()))
     # The moments reach the reduction alone (a key each, so a distributed worker fetches no

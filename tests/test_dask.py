@@ -550,6 +550,34 @@ def test_gpu_batch_norm_and_blocks_threaded(rng, gpu_threads):
 
 
 @pytest.mark.gpu
+def test_gpu_tasks_run_one_at_a_time_per_device(rng, quick_plans, monkeypatch):
+    # Four scheduler threads, yet no two chunks' GPU work interleaves on the device.
+    import threading
+    import time
+
+    name, x, params, options = gpu_cases(rng)[0]
+    single = getattr(cufused, name)
+    spans, guard = [], threading.Lock()
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        time.sleep(0.005)  # time for another thread to enter if nothing stopped it
+        result = single(*args, **kwargs)
+        with guard:
+            spans.append((start, time.perf_counter()))
+        return result
+
+    monkeypatch.setattr(cufused, name, timed)
+    lazy = getattr(cdask, name)(chunked(x, (4, 4, 4, 3)), *params, **options)
+    spans.clear()  # the argument check on an empty batch, while the graph was built
+    got = lazy.compute(scheduler="threads", num_workers=4)
+    spans.sort()
+    assert len(spans) == 4
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert_close(got.get(), single(x, *params, **options).get(), 3e-5)
+
+
+@pytest.mark.gpu
 def test_gpu_pipelines_on_a_local_cuda_cluster(rng, quick_plans):
     dask_cuda = pytest.importorskip("dask_cuda")
     distributed = pytest.importorskip("distributed")
