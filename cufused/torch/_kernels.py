@@ -1,0 +1,160 @@
+"""The operators' kernels: fake (output shape only), CPU (the float64 reference) and CUDA
+(zero-copy CuPy views, PyTorch's current stream, PyTorch's allocator during a graph capture).
+
+Each factory takes the name of a cufused function and returns the kernel that
+:mod:`cufused.torch` registers for it; nothing here registers anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import numpy
+import torch
+
+import cufused
+from cufused._arrays import import_cupy
+
+
+# ---------------------------------------------------------------------------------- kernels
+
+
+def _forward_only(name: str) -> RuntimeError:
+    return RuntimeError(
+        f"cufused::{name} is forward-only (it has no backward): it got an input that "
+        "requires grad while grad mode is enabled. Call it under torch.no_grad() or "
+        "torch.inference_mode(), or pass tensors that do not require grad.")
+
+
+def _check_no_grad(name: str, args: tuple, kwargs: dict) -> None:
+    if torch.is_grad_enabled():
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor) and a.requires_grad:
+                raise _forward_only(name)
+
+
+def _fake_kernel(name: str, shape: Callable) -> Callable:
+    def fake(*args, **kwargs):
+        _check_no_grad(name, args, kwargs)
+        return args[0].new_empty(shape(*args, **kwargs))
+    return fake
+
+
+def _numpy(value: Any) -> Any:
+    return value.detach().numpy() if isinstance(value, torch.Tensor) else value
+
+
+def _cpu_kernel(name: str) -> Callable:
+    fn = getattr(cufused, name)
+
+    def cpu(*args, **kwargs):
+        _check_no_grad(name, args, kwargs)
+        y = fn(*(_numpy(a) for a in args), **{k: _numpy(v) for k, v in kwargs.items()})
+        # A fresh contiguous tensor, as the fake kernel promises.
+        return torch.from_numpy(numpy.ascontiguousarray(y))
+    return cpu
+
+
+_NUMPY_DTYPES = {torch.float16: numpy.dtype(numpy.float16),
+                 torch.float32: numpy.dtype(numpy.float32),
+                 torch.float64: numpy.dtype(numpy.float64)}
+_CUPY = None  # imported on the first CUDA call
+# CuPy views of recent tensors, by (address, dtype, shape, strides): creating a view costs
+# more host time than looking it up, and weights and recycled activations repeat. A view
+# holds no reference to the tensor; the caller's tensor keeps the memory alive during a call.
+_VIEWS: dict[tuple, Any] = {}
+# CuPy handles of PyTorch's streams, by (stream, device).
+_STREAMS: dict[tuple[int, int], Any] = {}
+_TORCH_MALLOC = None
+
+
+def _load_cupy():
+    global _CUPY
+    _CUPY = import_cupy()
+    return _CUPY
+
+
+def _new_view(t: torch.Tensor, cupy) -> Any:
+    if not t.is_cuda:
+        raise ValueError(f"a tensor on {t.device} was passed with CUDA tensors; cufused needs "
+                         "all tensors of a call on the same device")
+    dtype = _NUMPY_DTYPES.get(t.dtype)
+    if dtype is None:
+        raise TypeError(f"cufused has no CUDA path for dtype {t.dtype}")
+    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride())) if t.numel() else 0
+    memory = cupy.cuda.UnownedMemory(t.data_ptr(), span * dtype.itemsize, None,
+                                     t.get_device())
+    return cupy.ndarray(tuple(t.shape), dtype, cupy.cuda.MemoryPointer(memory, 0),
+                        tuple(s * dtype.itemsize for s in t.stride()))
+
+
+def _cupy_view(t: torch.Tensor, cupy) -> Any:
+    key = (t.data_ptr(), t.dtype, t.shape, t.stride())
+    view = _VIEWS.get(key)
+    if view is None:
+        if len(_VIEWS) >= 1024:
+            _VIEWS.clear()
+        view = _VIEWS[key] = _new_view(t, cupy)
+    return view
+
+
+def _current_stream(device: int, cupy) -> Any:
+    """CuPy's handle of PyTorch's current stream on ``device`` (cached per stream)."""
+    key = (torch._C._cuda_getCurrentRawStream(device), device)
+    stream = _STREAMS.get(key)
+    if stream is None:
+        if len(_STREAMS) >= 64:
+            _STREAMS.clear()
+        stream = _STREAMS[key] = cupy.cuda.ExternalStream(key[0], device)
+    return stream
+
+
+def _torch_allocator(cupy) -> Callable:
+    """A CuPy allocator drawing from PyTorch's caching allocator on the current stream: during
+    a graph capture a call's temporaries then live in the graph's private pool, as PyTorch's
+    own do (CuPy's pool would need new device memory mid-capture, which CUDA refuses)."""
+    global _TORCH_MALLOC
+    if _TORCH_MALLOC is None:
+        _TORCH_MALLOC = cupy.cuda.memory.PythonFunctionAllocator(
+            lambda size, device: torch.cuda.caching_allocator_alloc(size, device),
+            lambda ptr, device: torch.cuda.caching_allocator_delete(ptr)).malloc
+    return _TORCH_MALLOC
+
+
+def _launch_elsewhere(fn: Callable, args: list, kwargs: dict, device: int, stream, cupy,
+                      capturing: bool) -> None:
+    """The rare call: on a device other than the current one, or during a graph capture."""
+    with contextlib.ExitStack() as scope:
+        if device != cupy.cuda.runtime.getDevice():
+            scope.enter_context(cupy.cuda.Device(device))
+        scope.enter_context(stream)
+        if capturing:
+            scope.enter_context(cupy.cuda.using_allocator(_torch_allocator(cupy)))
+        fn(*args, **kwargs)
+
+
+def _cuda_kernel(name: str, shape: Callable) -> Callable:
+    fn = getattr(cufused, name)
+
+    def cuda(*args, **kwargs):
+        cupy = _CUPY or _load_cupy()
+        if torch.is_grad_enabled():
+            _check_no_grad(name, args, kwargs)
+        x = args[0]
+        out = torch.empty(shape(*args, **kwargs), dtype=x.dtype, device=x.device)
+        cargs = [_cupy_view(a, cupy) if isinstance(a, torch.Tensor) else a for a in args]
+        ckwargs = {k: _cupy_view(v, cupy) if isinstance(v, torch.Tensor) else v
+                   for k, v in kwargs.items()}
+        ckwargs["out"] = _cupy_view(out, cupy)
+        device = x.get_device()
+        stream = _current_stream(device, cupy)
+        capturing = torch.cuda.is_current_stream_capturing()
+        if device == cupy.cuda.runtime.getDevice() and not capturing:
+            with stream:
+                fn(*cargs, **ckwargs)
+        else:
+            _launch_elsewhere(fn, cargs, ckwargs, device, stream, cupy, capturing)
+        return out
+    return cuda

@@ -1,0 +1,230 @@
+"""The KernelBench level 2 models as ``nn.Module`` classes on the ``torch.ops.cufused``
+operators.
+
+The operators are looked up when ``forward`` runs; :mod:`cufused.torch`, which imports this
+module, registers them. Like the operators, the modules are forward-only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "Conv2dGroupNormScaleMaxPoolClamp",
+    "ConvTranspose2dBatchNormTanhMaxPoolGroupNorm",
+    "ConvTranspose3dAvgPoolClampSoftmaxMultiply",
+]
+
+_ops = torch.ops.cufused
+
+
+# ---------------------------------------------------------------------------------- modules
+
+
+class Conv2dGroupNormScaleMaxPoolClamp(torch.nn.Module):
+    """KernelBench level 2 "Conv2d_GroupNorm_Scale_MaxPool_Clamp" as one fused call.
+
+    ``clamp(max_pool2d(group_norm(conv2d(x)) * scale, maxpool_kernel_size), clamp_min,
+    clamp_max)`` through ``torch.ops.cufused.conv2d_groupnorm_scale_maxpool_clamp``.
+
+    Parameters
+    ----------
+    in_channels, out_channels : int
+        Convolution channels.
+    kernel_size : int or tuple of int
+        Convolution window (stride 1, no padding).
+    num_groups : int
+        GroupNorm groups; must divide ``out_channels``.
+    scale_shape : tuple of int
+        Shape of the per-channel ``scale`` parameter, e.g. ``(out_channels, 1, 1)``.
+    maxpool_kernel_size : int
+        Max-pool window and stride.
+    clamp_min, clamp_max : float
+        Bounds of the final clamp.
+    precision : {"ieee", "tf32"}, optional
+        Convolution precision on the GPU; ``None`` uses cufused's default.
+
+    Notes
+    -----
+    The submodules and parameters are the KernelBench model's (``conv``, ``group_norm``,
+    ``scale``, ``maxpool``), created in the same order, so the same seed gives the same
+    parameters and ``state_dict`` loads both ways. Forward-only (see the module docstring).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from cufused.torch import Conv2dGroupNormScaleMaxPoolClamp
+    >>> model = Conv2dGroupNormScaleMaxPoolClamp(3, 8, 3, 4, (8, 1, 1), 2, 0.0, 1.0)
+    >>> with torch.no_grad():
+    ...     y = model(torch.rand(2, 3, 10, 10))
+    >>> y.shape
+    torch.Size([2, 8, 4, 4])
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, int],
+                 num_groups: int, scale_shape: tuple[int, ...], maxpool_kernel_size: int,
+                 clamp_min: float, clamp_max: float, *, precision: str | None = None):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(in_channels, out_channels, kernel_size)
+        self.group_norm = torch.nn.GroupNorm(num_groups, out_channels)
+        self.scale = torch.nn.Parameter(torch.ones(scale_shape))
+        self.maxpool = torch.nn.MaxPool2d(kernel_size=maxpool_kernel_size)
+        self.clamp_min = float(clamp_min)
+        self.clamp_max = float(clamp_max)
+        self.precision = precision
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        conv, gn = self.conv, self.group_norm
+        return _ops.conv2d_groupnorm_scale_maxpool_clamp.default(
+            x, conv.weight, conv.bias, gn.weight, gn.bias, self.scale,
+            num_groups=gn.num_groups, pool_kernel=self.maxpool.kernel_size,
+            clamp_min=self.clamp_min, clamp_max=self.clamp_max, stride=conv.stride,
+            padding=conv.padding, eps=gn.eps, precision=self.precision)
+
+
+class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(torch.nn.Module):
+    """KernelBench level 2 "ConvTranspose2d_BatchNorm_Tanh_MaxPool_GroupNorm" on cufused.
+
+    ``group_norm(max_pool2d(tanh(batch_norm(conv_transpose2d(x))), 2, 2))``. In training mode
+    (the default of every ``nn.Module``) one fused call runs it,
+    ``torch.ops.cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm``, with the batch
+    statistics, and updates ``batch_norm.running_mean`` / ``running_var`` /
+    ``num_batches_tracked`` as ``nn.BatchNorm2d`` does. In eval mode BatchNorm uses the running
+    statistics, which the fused pipeline does not do: four building-block operators run it
+    (transposed convolution, BatchNorm + tanh, max pool, GroupNorm).
+
+    Parameters
+    ----------
+    in_channels, out_channels : int
+        Transposed-convolution channels.
+    kernel_size, stride, padding : int or tuple of int
+        Transposed-convolution options.
+    groups : int
+        Accepted and stored as ``self.groups`` but not used: the KernelBench model does not
+        pass it to its ``nn.ConvTranspose2d`` either, so the weight has shape
+        ``(in_channels, out_channels, k, k)`` and the results are the model's.
+    num_groups : int
+        GroupNorm groups; must divide ``out_channels``.
+    precision : {"ieee", "tf32"}, optional
+        Convolution precision on the GPU; ``None`` uses cufused's default.
+
+    Notes
+    -----
+    Submodules and parameters are the KernelBench model's (``conv_transpose``, ``batch_norm``,
+    ``tanh``, ``max_pool``, ``group_norm``), so ``state_dict`` loads both ways. The fused call
+    uses one epsilon for both norms; when ``batch_norm.eps`` and ``group_norm.eps`` differ, the
+    building blocks run instead. Forward-only (see the module docstring).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from cufused.torch import ConvTranspose2dBatchNormTanhMaxPoolGroupNorm
+    >>> model = ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(4, 8, 3, 1, 1, 2, 2)
+    >>> with torch.no_grad():
+    ...     y = model(torch.rand(2, 4, 6, 6))
+    >>> y.shape, int(model.batch_norm.num_batches_tracked)
+    (torch.Size([2, 8, 3, 3]), 1)
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, int],
+                 stride: int | tuple[int, int], padding: int | tuple[int, int], groups: int,
+                 num_groups: int, *, precision: str | None = None):
+        super().__init__()
+        self.conv_transpose = torch.nn.ConvTranspose2d(in_channels, out_channels, kernel_size,
+                                                       stride=stride, padding=padding)
+        self.batch_norm = torch.nn.BatchNorm2d(out_channels)
+        self.tanh = torch.nn.Tanh()
+        self.max_pool = torch.nn.MaxPool2d(kernel_size=2, stride=2)
+        self.group_norm = torch.nn.GroupNorm(num_groups=num_groups, num_channels=out_channels)
+        self.groups = groups
+        self.precision = precision
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ct, bn, gn = self.conv_transpose, self.batch_norm, self.group_norm
+        # BatchNorm's bookkeeping, as nn.BatchNorm2d.forward does it.
+        momentum = 0.0 if bn.momentum is None else bn.momentum
+        if self.training and bn.track_running_stats and bn.num_batches_tracked is not None:
+            bn.num_batches_tracked.add_(1)
+            if bn.momentum is None:  # cumulative moving average
+                momentum = 1.0 / float(bn.num_batches_tracked)
+        batch_stats = self.training or (bn.running_mean is None and bn.running_var is None)
+        track = not self.training or bn.track_running_stats
+        running_mean = bn.running_mean if track else None
+        running_var = bn.running_var if track else None
+        if batch_stats and bn.eps == gn.eps:
+            return _ops.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm.default(
+                x, ct.weight, bn.weight, bn.bias, gn.weight, gn.bias, num_groups=gn.num_groups,
+                stride=ct.stride, padding=ct.padding, output_padding=ct.output_padding,
+                groups=ct.groups, conv_bias=ct.bias, pool_kernel=2, eps=bn.eps,
+                running_mean=running_mean, running_var=running_var, momentum=momentum,
+                precision=self.precision)
+        y = _ops.conv_transpose2d.default(
+            x, ct.weight, ct.bias, stride=ct.stride, padding=ct.padding,
+            output_padding=ct.output_padding, dilation=ct.dilation, groups=ct.groups,
+            precision=self.precision)
+        y = _ops.batch_norm.default(y, bn.weight, bn.bias, running_mean=running_mean,
+                                    running_var=running_var, training=batch_stats,
+                                    momentum=momentum, eps=bn.eps, activation="tanh")
+        y = _ops.max_pool2d.default(y, 2, 2)
+        return _ops.group_norm.default(y, gn.num_groups, gn.weight, gn.bias, eps=gn.eps)
+
+
+class ConvTranspose3dAvgPoolClampSoftmaxMultiply(torch.nn.Module):
+    """KernelBench level 2 "ConvTranspose3d_AvgPool_Clamp_Softmax_Multiply" as one fused call.
+
+    ``softmax(clamp(conv_transpose3d(avg_pool3d(x)), clamp_min, clamp_max)) * scale`` with the
+    softmax over D*H*W of each (sample, channel), through
+    ``torch.ops.cufused.conv_transpose3d_avgpool_clamp_softmax_multiply``. The average pool
+    comes first, on the input, as in the KernelBench model.
+
+    Parameters
+    ----------
+    in_channels, out_channels : int
+        Transposed-convolution channels.
+    kernel_size, stride, padding, output_padding : int or tuple of int
+        Transposed-convolution options.
+    pool_kernel_size : int
+        Average-pool window and stride.
+    clamp_min, clamp_max : float
+        Clamp bounds before the softmax.
+    precision : {"ieee", "tf32"}, optional
+        Convolution precision on the GPU; ``None`` uses cufused's default.
+
+    Notes
+    -----
+    Submodules and parameters are the KernelBench model's (``avg_pool``, ``conv_transpose``,
+    ``scale`` of shape ``(1, out_channels, 1, 1, 1)``), so ``state_dict`` loads both ways.
+    Forward-only (see the module docstring).
+
+    Examples
+    --------
+    >>> import torch
+    >>> from cufused.torch import ConvTranspose3dAvgPoolClampSoftmaxMultiply
+    >>> model = ConvTranspose3dAvgPoolClampSoftmaxMultiply(2, 3, 3, 2, 1, 1, 2, 0.0, 1.0)
+    >>> with torch.no_grad():
+    ...     y = model(torch.rand(1, 2, 4, 4, 4))
+    >>> y.shape, bool(torch.allclose(y.sum(dim=(2, 3, 4)), torch.ones(1, 3)))
+    (torch.Size([1, 3, 4, 4, 4]), True)
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, ...],
+                 stride: int | tuple[int, ...], padding: int | tuple[int, ...],
+                 output_padding: int | tuple[int, ...], pool_kernel_size: int,
+                 clamp_min: float, clamp_max: float, *, precision: str | None = None):
+        super().__init__()
+        self.avg_pool = torch.nn.AvgPool3d(pool_kernel_size)
+        self.conv_transpose = torch.nn.ConvTranspose3d(
+            in_channels, out_channels, kernel_size, stride=stride, padding=padding,
+            output_padding=output_padding)
+        self.clamp_min = float(clamp_min)
+        self.clamp_max = float(clamp_max)
+        self.scale = torch.nn.Parameter(torch.ones(1, out_channels, 1, 1, 1))
+        self.precision = precision
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ct = self.conv_transpose
+        return _ops.conv_transpose3d_avgpool_clamp_softmax_multiply.default(
+            x, ct.weight, self.scale, stride=ct.stride, padding=ct.padding,
+            output_padding=ct.output_padding, pool_kernel=self.avg_pool.kernel_size,
+            clamp_min=self.clamp_min, clamp_max=self.clamp_max, conv_bias=ct.bias,
+            groups=ct.groups, precision=self.precision)
