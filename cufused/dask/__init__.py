@@ -1,0 +1,74 @@
+"""Scale out on Dask: every pipeline and building block over a ``dask.array.Array``.
+
+The input is chunked along the batch axis only (every other axis in one chunk), with NumPy
+chunks (the float64 reference runs on each) or CuPy chunks (the GPU path runs on each). Every
+function checks its arguments and returns a lazy dask array with the result's shape, dtype,
+chunks and chunk type (``meta``); nothing is computed until the result is. Parameters
+(weights, biases, norm affines) are NumPy or CuPy arrays of the chunks' library that every
+chunk reads whole; each is one key of the graph, which Dask neither traverses nor copies per
+task.
+
+Most operations are independent per sample and run the single call on each chunk: the
+convolutions, GroupNorm, the pools, softmax over non-batch axes, BatchNorm in inference, and
+pipelines A and C. BatchNorm in training mode, alone or inside pipeline B, normalizes with the
+statistics of the whole batch, in three phases:
+
+1. per chunk, the per-channel partial moments (count, mean, M2) in float64; in pipeline B the
+   transposed convolution and each pooling window's extremum (the BatchNorm weight's sign
+   decides max or min, since ``tanh(a * v + b)`` is monotone in ``v``) come with them, so the
+   convolution output is never stored;
+2. a tree reduction of the partial moments (Chan's parallel formula, ``split_every`` parts per
+   node) into the batch mean and variance, whose task also updates the running buffers;
+3. per chunk, the normalization (``batch_norm`` in inference mode with the batch statistics,
+   then in pipeline B ``tanh`` and ``group_norm`` on the pooled data).
+
+The result equals the single call on the concatenated batch to float32 rounding. Pipeline B's
+single GPU call fuses phase 1 into one read of the convolution output; the phases here compose
+the public operations and one existing statistics kernel, so they read it twice.
+
+Running buffers are updated in place by the statistics task, once each time a computation
+runs it (``compute``/``persist`` of the result, or of anything depending on it). The
+threaded and synchronous schedulers run it in this process, on the caller's buffers; a
+distributed worker updates its own copy, so there ``return_running_stats=True`` returns the
+updated buffers as dask arrays to compute along with the result.
+
+With CuPy chunks the tasks of a process take turns on each device (one at a time), so that
+the threaded scheduler's threads do not interleave their chunks on the device's stream.
+
+Every call builds its graph directly (a dict of tasks over the keys of ``x``'s chunks) under
+key names unique to the call: the readable prefix ``cufused-<function>-`` and a random token,
+not a hash of the inputs, since hashing would copy every CuPy parameter to the host. Two
+equal calls are therefore not deduplicated: computed together, each runs (and in training
+each updates the running buffers, as two single calls would).
+"""
+
+from __future__ import annotations
+
+try:
+    import dask.array  # noqa: F401 - every module of this package builds on it
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("cufused.dask needs Dask: install cufused[dask] "
+                      "(dask[array,distributed]; dask-cuda for GPU clusters)") from exc
+
+from ._blocks import (avg_pool2d, avg_pool3d, batch_norm, conv2d, conv3d, conv_transpose2d,
+                      conv_transpose3d, group_norm, max_pool2d, max_pool3d, softmax)
+from ._pipelines import (conv2d_groupnorm_scale_maxpool_clamp,
+                         conv_transpose2d_batchnorm_tanh_maxpool_groupnorm,
+                         conv_transpose3d_avgpool_clamp_softmax_multiply)
+from ._statistics import SPLIT_EVERY  # noqa: F401 - the default split_every
+
+# Internals kept at their address before the split, cufused.dask.<name>: scripts/bench_dask.py
+# runs pipeline B's phases with them, without Dask.
+from ._graph import _DEVICE_LOCKS  # noqa: F401
+from ._pipelines import _flip_channels, _normalize_pooled, _pool_moments_phase  # noqa: F401
+from ._statistics import _channel_moments, _finish_statistics, _merge_moments  # noqa: F401
+
+__all__ = [
+    "conv2d", "conv3d", "conv_transpose2d", "conv_transpose3d",
+    "group_norm", "batch_norm",
+    "max_pool2d", "max_pool3d", "avg_pool2d", "avg_pool3d",
+    "softmax",
+    "conv2d_groupnorm_scale_maxpool_clamp",
+    "conv_transpose2d_batchnorm_tanh_maxpool_groupnorm",
+    "conv_transpose3d_avgpool_clamp_softmax_multiply",
+]

@@ -1,0 +1,157 @@
+"""The task graph of one call over the batch chunks of ``x``: the input checks, ``_Graph``
+(a dict of tasks under keys unique to the call), the per-sample case ``_map_chunks`` and the
+per-device lock that GPU tasks take (package docstring)."""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import dask.array as da
+import numpy
+from dask.base import is_dask_collection
+from dask.highlevelgraph import HighLevelGraph
+
+from .._arrays import get_array_module, import_cupy, is_cupy_array
+
+Array = da.Array
+
+
+def _empty_batch(x: Any, func: str):
+    """Check ``x``: a dask array chunked along axis 0 only, of NumPy or CuPy chunks with known
+    sizes. Return an empty batch ``(0, *x.shape[1:])`` of its chunk type, on which the single
+    call checks the arguments and yields the result's shape and dtype without computing."""
+    if not isinstance(x, da.Array):
+        raise TypeError(
+            f"x must be a dask.array.Array, got {type(x).__name__}: call cufused.{func} for a "
+            "NumPy or CuPy array, or wrap it with dask.array.from_array(x, chunks={0: batch})")
+    if x.ndim == 0:
+        raise ValueError("x must have a batch axis (ndim >= 1), got a 0-d dask array")
+    if any(math.isnan(s) for s in x.shape):
+        raise ValueError(f"x has unknown chunk sizes (shape {x.shape}): call "
+                         "x.compute_chunk_sizes() first")
+    split = [axis for axis in range(1, x.ndim) if len(x.chunks[axis]) > 1]
+    if split:
+        spec = ", ".join(f"{axis}: -1" for axis in range(1, x.ndim))
+        raise ValueError(
+            f"x must be chunked along the batch axis (0) only, but axes {split} hold "
+            f"{[len(x.chunks[a]) for a in split]} chunks: rechunk it explicitly, "
+            f"x = x.rechunk({{{spec}}})")
+    meta = x._meta
+    if not (isinstance(meta, numpy.ndarray) or is_cupy_array(meta)):
+        raise TypeError(f"x has chunks of type {type(meta).__module__}.{type(meta).__name__}; "
+                        "cufused.dask runs NumPy or CuPy chunks")
+    xp = get_array_module(x=meta)
+    return xp.empty((0,) + tuple(x.shape[1:]), dtype=x.dtype)
+
+
+def _check_params(params: dict[str, Any]) -> None:
+    """Parameters are arrays that every chunk reads whole, not dask collections."""
+    for name, value in params.items():
+        if is_dask_collection(value):
+            raise TypeError(
+                f"{name} is a dask collection ({type(value).__name__}): pass it as a NumPy or "
+                f"CuPy array of the chunks' library ({name}.compute()); every chunk reads all "
+                "of it")
+
+
+def _is_array(value: Any) -> bool:
+    """Whether ``value`` is a NumPy or CuPy array (a key of the graph, not a literal)."""
+    return isinstance(value, numpy.ndarray) or is_cupy_array(value)
+
+
+def _call_keywords(func: Callable, keywords: tuple[str, ...], options: dict[str, Any], chunk,
+                   *args):
+    """``func(chunk, *args, **options)``, the last ``len(keywords)`` of ``args`` passed by
+    those keywords: array parameters travel as task arguments (keys of the graph), keyword-only
+    ones included."""
+    split = len(args) - len(keywords)
+    return func(chunk, *args[:split], **options, **dict(zip(keywords, args[split:])))
+
+
+# One GPU task at a time per device in this process. Dask's threaded scheduler would run
+# several chunks' host work interleaved on the device's one stream: that gains no device
+# concurrency, holds every chunk's temporaries at once, and hands each call buffers at new
+# addresses, so that the convolutions' CUDA graphs (keyed on them) are captured again and
+# again instead of replayed.
+_DEVICE_LOCKS: dict[int, threading.Lock] = {}
+_DEVICE_LOCKS_GUARD = threading.Lock()
+
+
+def _one_at_a_time(func: Callable, *args, **kwargs):
+    """``func(*args, **kwargs)`` holding the current device's lock."""
+    device = import_cupy().cuda.runtime.getDevice()
+    lock = _DEVICE_LOCKS.get(device)
+    if lock is None:
+        with _DEVICE_LOCKS_GUARD:
+            lock = _DEVICE_LOCKS.setdefault(device, threading.Lock())
+    with lock:
+        return func(*args, **kwargs)
+
+
+class _Graph:
+    """The task graph of one call over the batch chunks of ``x``: a dict of old-style tasks
+    ``(func, arg, ...)`` whose arguments are keys of the graph, nested tasks or literals.
+
+    Every key is named ``cufused-<label>[-<part>]-<token>``, with a random token per call
+    (module docstring). Each array parameter is one key, which every task reading it names:
+    Dask neither traverses nor copies it per task, and a distributed worker fetches it once.
+    """
+
+    def __init__(self, label: str, x: Array):
+        self.label = label
+        self.token = uuid.uuid4().hex
+        self.x = x
+        self.name = self.key_name()  # the result's
+        self.dsk: dict = {}
+        self.gpu = is_cupy_array(x._meta)
+
+    def key_name(self, part: str = "") -> str:
+        return f"cufused-{self.label}{'-' if part else ''}{part}-{self.token}"
+
+    def task(self, func: Callable) -> Callable:
+        """``func`` as a task of this graph: on CuPy chunks, run one at a time per device."""
+        return functools.partial(_one_at_a_time, func) if self.gpu else func
+
+    def input_keys(self) -> list[tuple]:
+        """The keys of ``x``'s chunks, in batch order (every other axis is one chunk)."""
+        rest = (0,) * (self.x.ndim - 1)
+        return [(self.x.name, i) + rest for i in range(len(self.x.chunks[0]))]
+
+    def constant(self, name: str, value: Any) -> Any:
+        """A parameter as a task argument: its key for an array, else the value itself."""
+        if not _is_array(value):
+            return value
+        key = self.key_name(name)
+        self.dsk[key] = value
+        return key
+
+    def array(self, func: Callable, chunk_args: list[tuple], probe) -> Array:
+        """The result: ``func(*chunk_args[i])`` on batch chunk ``i``, with the shape beyond the
+        batch axis, dtype and chunk type of ``probe`` (the single call on an empty batch)."""
+        rest = (0,) * (probe.ndim - 1)
+        for i, args in enumerate(chunk_args):
+            self.dsk[(self.name, i) + rest] = (self.task(func), *args)
+        graph = HighLevelGraph.from_collections(self.name, self.dsk, dependencies=[self.x])
+        chunks = (self.x.chunks[0],) + tuple((s,) for s in probe.shape[1:])
+        return da.Array(graph, self.name, chunks, meta=probe)
+
+
+def _map_chunks(func: Callable, x: Array, params: dict[str, Any], options: dict[str, Any],
+                empty=None) -> Array:
+    """``func(chunk, *params.values(), **options)`` on every batch chunk of ``x``."""
+    if empty is None:
+        empty = _empty_batch(x, func.__name__)
+    _check_params({**params, **options})
+    probe = func(empty, *params.values(), **options)  # checks everything, computes nothing
+    graph = _Graph(func.__name__, x)
+    keyed = {k: v for k, v in options.items() if _is_array(v)}
+    task = functools.partial(_call_keywords, func, tuple(keyed),
+                             {k: v for k, v in options.items() if k not in keyed})
+    args = [graph.constant(k, v) for k, v in (*params.items(), *keyed.items())]
+    return graph.array(task, [(key, *args) for key in graph.input_keys()], probe)
+

@@ -1,0 +1,295 @@
+"""The three pipelines over a dask batch: A and C run the single call per chunk; B computes
+its BatchNorm statistics over the whole batch in three phases (package docstring)."""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Any
+
+import numpy
+
+import cufused
+
+from .._arrays import Size, get_array_module, per_channel
+from .._precision import resolve_precision
+from ._blocks import _shared_sections
+from ._graph import Array, _check_params, _empty_batch, _Graph, _map_chunks
+from ._statistics import (_batch_statistics, _channel_moments, _check_count, _normalize,
+                          _normalized_batch)
+
+
+@_shared_sections
+def conv2d_groupnorm_scale_maxpool_clamp(
+        x: Array, weight: Any, conv_bias: Any, gn_weight: Any, gn_bias: Any, scale: Any, *,
+        num_groups: int, pool_kernel: int, clamp_min: float, clamp_max: float,
+        stride: Size = 1, padding: Size = 0, eps: float = 1e-5,
+        precision: str | None = None) -> Array:
+    """Pipeline A over a dask batch: each chunk runs
+    :func:`cufused.conv2d_groupnorm_scale_maxpool_clamp` (GroupNorm is per sample).
+
+    Parameters
+    ----------
+    x : dask.array.Array
+        Input (N, C_in, H, W) chunked along the batch axis only, of NumPy or CuPy chunks.
+    weight, conv_bias, gn_weight, gn_bias, scale
+        Parameters of the chunks' library (``scale`` may be a number), as in the single call.
+    num_groups, pool_kernel, clamp_min, clamp_max, stride, padding, eps
+        As in :func:`cufused.conv2d_groupnorm_scale_maxpool_clamp`.
+    precision : {"ieee", "tf32"}, optional
+        ``None`` is the caller's default when the graph is built.
+    {returns}
+    Examples
+    --------
+    >>> import numpy as np, dask.array as da, cufused, cufused.dask
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.random((3, 2, 8, 8), dtype=np.float32)
+    >>> w = rng.standard_normal((4, 2, 3, 3), dtype=np.float32)
+    >>> opts = dict(num_groups=2, pool_kernel=2, clamp_min=0.0, clamp_max=1.0)
+    >>> y = cufused.dask.conv2d_groupnorm_scale_maxpool_clamp(
+    ...     da.from_array(x, chunks={0: 2}), w, None, None, None, 2.0, **opts)
+    >>> ref = cufused.conv2d_groupnorm_scale_maxpool_clamp(x, w, None, None, None, 2.0, **opts)
+    >>> y.shape, y.dtype, np.allclose(y.compute(), ref)
+    ((3, 4, 3, 3), dtype('float32'), True)
+    """
+    return _map_chunks(
+        cufused.conv2d_groupnorm_scale_maxpool_clamp, x,
+        dict(weight=weight, conv_bias=conv_bias, gn_weight=gn_weight, gn_bias=gn_bias,
+             scale=scale),
+        dict(num_groups=num_groups, pool_kernel=pool_kernel, clamp_min=clamp_min,
+             clamp_max=clamp_max, stride=stride, padding=padding, eps=eps,
+             precision=resolve_precision(precision)))
+
+
+@_shared_sections
+def conv_transpose3d_avgpool_clamp_softmax_multiply(
+        x: Array, weight: Any, scale: Any, *, stride: Size, padding: Size,
+        output_padding: Size, pool_kernel: int, clamp_min: float, clamp_max: float,
+        conv_bias: Any = None, groups: int = 1, precision: str | None = None) -> Array:
+    """Pipeline C over a dask batch: each chunk runs
+    :func:`cufused.conv_transpose3d_avgpool_clamp_softmax_multiply` (the softmax is per
+    sample and channel).
+
+    Parameters
+    ----------
+    x : dask.array.Array
+        Input (N, C_in, D, H, W) chunked along the batch axis only, of NumPy or CuPy chunks.
+    weight, scale, conv_bias
+        Parameters of the chunks' library (``scale`` may be a number), as in the single call.
+    stride, padding, output_padding, pool_kernel, clamp_min, clamp_max, groups
+        As in :func:`cufused.conv_transpose3d_avgpool_clamp_softmax_multiply`.
+    precision : {"ieee", "tf32"}, optional
+        ``None`` is the caller's default when the graph is built.
+    {returns}
+    Examples
+    --------
+    >>> import numpy as np, dask.array as da, cufused, cufused.dask
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.random((3, 2, 4, 4, 4))
+    >>> w = rng.standard_normal((2, 3, 3, 3, 3))
+    >>> opts = dict(stride=2, padding=1, output_padding=1, pool_kernel=2, clamp_min=0.0,
+    ...             clamp_max=1.0)
+    >>> y = cufused.dask.conv_transpose3d_avgpool_clamp_softmax_multiply(
+    ...     da.from_array(x, chunks={0: 1}), w, 1.0, **opts)
+    >>> ref = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(x, w, 1.0, **opts)
+    >>> y.chunks[0], np.allclose(y.compute(), ref)
+    ((1, 1, 1), True)
+    """
+    return _map_chunks(
+        cufused.conv_transpose3d_avgpool_clamp_softmax_multiply, x,
+        dict(weight=weight, scale=scale),
+        dict(stride=stride, padding=padding, output_padding=output_padding,
+             pool_kernel=pool_kernel, clamp_min=clamp_min, clamp_max=clamp_max,
+             conv_bias=conv_bias, groups=groups, precision=resolve_precision(precision)))
+
+
+def _flip_channels(xp, weight, conv_bias, bn_weight, groups: int, channels: int):
+    """ConvTranspose weight and bias with the output channels of negative ``bn_weight``
+    negated, and the signs (+-1 per channel; None without ``bn_weight``).
+
+    Negation is exact, so the flipped convolution is ``sign * y`` and a max pool of it is
+    ``sign * (the window max of y, or its min where sign < 0)``: the extremum that
+    ``tanh(a * v + b)`` maps to the window max. A NaN weight maps every value to NaN, and a
+    zero weight to one value, so either extremum serves them.
+    """
+    if bn_weight is None:
+        return weight, conv_bias, None
+    negative = per_channel(bn_weight, "bn_weight", channels, xp) < 0
+    sign = 1 - 2 * negative.astype(weight.dtype)
+    c_in, c_group = weight.shape[:2]
+    flipped = (weight.reshape(groups, c_in // groups, c_group, -1)
+               * sign.reshape(groups, 1, c_group, 1)).reshape(weight.shape)
+    if conv_bias is not None:
+        conv_bias = per_channel(conv_bias, "conv_bias", channels, xp) * sign
+    return flipped, conv_bias, sign
+
+
+def _prepared_weights(graph: _Graph, xp, weight, conv_bias, bn_weight, groups: int,
+                      channels: int) -> str:
+    """The key of ``_flip_channels``'s (weight, bias, sign) in ``graph``, prepared once: each
+    array a constant of the graph, read by every phase-1 task. NumPy chunks get the weight and
+    bias in float64."""
+    if xp is numpy:  # the reference's float64 end to end
+        weight, conv_bias = (None if a is None else a.astype(numpy.float64)
+                             for a in (weight, conv_bias))
+    prepared = graph.key_name("prepared")
+    graph.dsk[prepared] = (tuple, [graph.constant(name, value) for name, value in zip(
+        ("weight", "conv_bias", "sign"),
+        _flip_channels(xp, weight, conv_bias, bn_weight, groups, channels))])
+    return prepared
+
+
+def _pool_moments_phase(x, prepared, *, stride, padding, output_padding, groups: int,
+                        pool: int | None, precision: str):
+    """Phase 1 of pipeline B on one chunk: ``(pooled extrema, channel moments)`` of the
+    transposed convolution (with its bias, as the single call's statistics include it).
+
+    ``prepared`` = ``_flip_channels``'s (weight, bias, sign). NumPy chunks run in float64, as
+    the reference does end to end. ``pool=None`` returns the whole convolution output instead
+    of the extrema (for ``_normalize_pooled``'s exact route)."""
+    weight, bias, sign = prepared
+    if get_array_module(x=x) is numpy:
+        x = x.astype(numpy.float64, copy=False)
+    y = cufused.conv_transpose2d(x, weight, bias, stride=stride, padding=padding,
+                                 output_padding=output_padding, groups=groups,
+                                 precision=precision)
+    pooled = y if pool is None else cufused.max_pool2d(y, pool)
+    count, mean, m2 = _channel_moments(y)
+    if sign is not None:
+        pooled *= sign.reshape(1, -1, 1, 1)
+        mean = mean * sign
+    return pooled, (count, mean, m2)
+
+
+def _pool_moments_tasks(graph: _Graph, prepared: str, **options) -> list[tuple]:
+    """Phase 1 in ``graph``: ``_pool_moments_phase(chunk, prepared, **options)`` on every batch
+    chunk; return the tasks' keys, in batch order."""
+    phase1 = graph.task(functools.partial(_pool_moments_phase, **options))
+    name = graph.key_name("phase1")
+    keys = [(name, i) for i in range(len(graph.x.chunks[0]))]
+    graph.dsk.update((key, (phase1, chunk, prepared))
+                     for key, chunk in zip(keys, graph.input_keys()))
+    return keys
+
+
+def _normalize_pooled(pooled, mean, var, bn_weight, bn_bias, gn_weight, gn_bias, *,
+                      num_groups: int, eps: float, dtype, pool: int | None = None):
+    """Phase 3 of pipeline B on one chunk: BatchNorm with the batch statistics and tanh on
+    the pooled extrema, then GroupNorm; cast to the input's dtype.
+
+    With ``pool``, ``pooled`` is the whole convolution output, pooled after the tanh: the
+    exact route for an infinite BatchNorm weight, whose windows hold +-1 and NaN values that no
+    single extremum predicts."""
+    y = _normalize(pooled, mean, var, bn_weight, bn_bias, eps=eps, activation="tanh")
+    if pool is not None:
+        y = cufused.max_pool2d(y, pool)
+    return cufused.group_norm(y, num_groups, gn_weight, gn_bias, eps=eps).astype(dtype,
+                                                                               copy=False)
+
+
+def _has_infinity(a) -> bool:
+    """Whether the parameter ``a`` (NumPy, CuPy or None) holds an infinite value."""
+    if a is None:
+        return False
+    return bool(numpy.isinf(a.get() if hasattr(a, "get") else numpy.asarray(a)).any())
+
+
+def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        x: Array, weight: Any, bn_weight: Any, bn_bias: Any, gn_weight: Any, gn_bias: Any, *,
+        num_groups: int, stride: Size = 1, padding: Size = 0, output_padding: Size = 0,
+        groups: int = 1, conv_bias: Any = None, pool_kernel: int = 2, eps: float = 1e-5,
+        running_mean: Any = None, running_var: Any = None, momentum: float = 0.1,
+        precision: str | None = None, split_every: int | None = None,
+        return_running_stats: bool = False) -> Array | tuple:
+    """Pipeline B over a dask batch, with the BatchNorm statistics of the whole batch.
+
+    Equals :func:`cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm` on the
+    concatenated batch: phase 1 per chunk (transposed convolution, partial moments, pooled
+    extrema), the tree reduction of the moments, phase 3 per chunk (BatchNorm + tanh on the
+    pooled extrema, GroupNorm); see the module docstring.
+
+    Parameters
+    ----------
+    x : dask.array.Array
+        Input (N, C_in, H, W) chunked along the batch axis only, of NumPy or CuPy chunks.
+    weight, bn_weight, bn_bias, gn_weight, gn_bias, conv_bias
+        Parameters of the chunks' library, as in the single call.
+    num_groups, stride, padding, output_padding, groups, pool_kernel, eps, momentum
+        As in :func:`cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm`.
+    running_mean, running_var : array, optional
+        BatchNorm running buffers, updated in place by the statistics task, as in
+        :func:`batch_norm`.
+    precision : {"ieee", "tf32"}, optional
+        ``None`` is the caller's default when the graph is built.
+    split_every : int, optional
+        Partial moments merged per node of the tree reduction (default 8).
+    return_running_stats : bool
+        Also return the updated running buffers as dask arrays, as :func:`batch_norm` does.
+
+    Returns
+    -------
+    dask.array.Array or tuple
+        Lazy (N, C_out, H_conv // k, W_conv // k), chunked like ``x`` along the batch axis,
+        of the chunks' library and dtype; with ``return_running_stats``,
+        ``(result, running_mean, running_var)``.
+
+    Raises
+    ------
+    TypeError
+        ``x`` is not a dask array of NumPy or CuPy chunks, a parameter is a dask collection,
+        or the single call's ``TypeError``.
+    ValueError
+        ``x`` is chunked along a non-batch axis, a bad ``split_every``, or the single call's
+        ``ValueError``.
+
+    Examples
+    --------
+    >>> import numpy as np, dask, dask.array as da, cufused, cufused.dask
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.random((5, 4, 5, 5))
+    >>> w = rng.standard_normal((4, 8, 3, 3))
+    >>> bn_w = np.array([1.0, -1.0] * 4)
+    >>> rm, rv = np.zeros(8), np.ones(8)
+    >>> y, rm_new, rv_new = cufused.dask.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+    ...     da.from_array(x, chunks={0: 2}), w, bn_w, None, None, None, num_groups=2,
+    ...     running_mean=rm, running_var=rv, return_running_stats=True)
+    >>> y, rm_new, rv_new = dask.compute(y, rm_new, rv_new)
+    >>> rm2, rv2 = np.zeros(8), np.ones(8)
+    >>> ref = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+    ...     x, w, bn_w, None, None, None, num_groups=2, running_mean=rm2, running_var=rv2)
+    >>> np.allclose(y, ref), np.allclose(rm_new, rm2), np.allclose(rv_new, rv2)
+    (True, True, True)
+    """
+    empty = _empty_batch(x, "conv_transpose2d_batchnorm_tanh_maxpool_groupnorm")
+    params = dict(weight=weight, bn_weight=bn_weight, bn_bias=bn_bias, gn_weight=gn_weight,
+                  gn_bias=gn_bias, conv_bias=conv_bias, running_mean=running_mean,
+                  running_var=running_var)
+    _check_params(params)
+    precision = resolve_precision(precision)
+    conv_options = dict(stride=stride, padding=padding, output_padding=output_padding,
+                        groups=groups)
+    probe = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        empty, weight, bn_weight, bn_bias, gn_weight, gn_bias, num_groups=num_groups,
+        conv_bias=conv_bias, pool_kernel=pool_kernel, eps=eps, running_mean=running_mean,
+        running_var=running_var, momentum=momentum, precision=precision, **conv_options)
+    conv_shape = cufused.conv_transpose2d(empty, weight, **conv_options).shape
+    _check_count(x.shape[0] * conv_shape[2] * conv_shape[3])
+    graph = _Graph("conv_transpose2d_batchnorm_tanh_maxpool_groupnorm", x)
+    prepared = _prepared_weights(graph, get_array_module(x=empty), weight, conv_bias, bn_weight,
+                                 groups, probe.shape[1])
+    # An infinite BatchNorm weight pools after the tanh (the whole convolution output crosses
+    # to phase 3), as the single call does for such channels.
+    exact = _has_infinity(bn_weight)
+    keys = _pool_moments_tasks(graph, prepared, pool=None if exact else pool_kernel,
+                               precision=precision, **conv_options)
+    # The moments reach the reduction alone (a key each, so a distributed worker fetches no
+    # pooled data); phase 3 reads the pooled part where phase 1 ran.
+    stats = _batch_statistics(graph, [(operator.getitem, key, 1) for key in keys], running_mean,
+                              running_var, momentum, split_every)
+    return _normalized_batch(
+        graph, stats, functools.partial(_normalize_pooled, num_groups=num_groups, eps=eps,
+                                        dtype=x.dtype, pool=pool_kernel if exact else None),
+        [(operator.getitem, key, 0) for key in keys],
+        dict(bn_weight=bn_weight, bn_bias=bn_bias, gn_weight=gn_weight, gn_bias=gn_bias),
+        probe, running_mean, running_var, return_running_stats)
+

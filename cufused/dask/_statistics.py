@@ -1,0 +1,177 @@
+"""Training-mode BatchNorm's statistics of the whole batch: phase 1 (per-chunk partial
+moments), phase 2 (their tree reduction, whose task updates the running buffers) and phase 3
+(the normalization with the batch statistics); package docstring."""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import dask.array as da
+import numpy
+from dask.array.utils import meta_from_array
+from dask.highlevelgraph import HighLevelGraph
+
+import cufused
+
+from .._arrays import get_array_module
+from .._cuda import get_kernel
+from ..normalization import split_count
+from ._graph import Array, _Graph
+
+#: Partial moments of each node of the tree reduction (the default ``split_every``).
+SPLIT_EVERY = 8
+
+def _without_numpy_warnings(func: Callable) -> Callable:
+    """NaN and inf propagate silently through the statistics, as through the single call's
+    reference (``run_reference``)."""
+    @functools.wraps(func)
+    def quiet(*args, **kwargs):
+        with numpy.errstate(all="ignore"):
+            return func(*args, **kwargs)
+    return quiet
+
+
+@_without_numpy_warnings
+def _channel_moments(y) -> tuple[int, Any, Any]:
+    """Per-channel ``(count, mean, M2)`` of ``y`` (N, C, ...) over every axis but 1, in float64
+    arrays of ``y``'s library; ``M2`` is the sum of squared deviations from the mean.
+
+    On the GPU one read of ``y`` gives float32 sums shifted by each channel's first value
+    (``key_stats_partial``, as ``batch_norm`` uses), summed in float64.
+    """
+    xp = get_array_module(y=y)
+    n, c = y.shape[:2]
+    count = y.size // c
+    if count == 0:
+        zeros = xp.zeros(c, dtype=numpy.float64)
+        return 0, zeros, zeros
+    if xp is numpy:
+        axes = (0,) + tuple(range(2, y.ndim))
+        y = y.astype(numpy.float64, copy=False)
+        mean = y.mean(axis=axes)
+        m2 = numpy.square(y - mean.reshape((c,) + (1,) * (y.ndim - 2))).sum(axis=axes)
+        return count, mean, m2
+    y = xp.ascontiguousarray(y)
+    hw = count // n
+    splits = split_count(c, count)
+    partial = xp.empty((c, splits, 2), dtype=xp.float32)
+    shift = xp.empty(c, dtype=xp.float32)
+    get_kernel("normalization.cu", "key_stats_partial")(
+        (c * splits,), (256,),
+        (y, partial, shift, numpy.int64(n), numpy.int64(c * hw), numpy.int64(hw),
+         numpy.int64(hw), numpy.int32(splits)))
+    sums = partial.sum(axis=1, dtype=xp.float64)
+    offset = sums[:, 0] / count
+    m2 = sums[:, 1] - sums[:, 0] * offset
+    # Rounding can push M2 below 0: clamp it, keeping a NaN (NaN < 0 is false).
+    return count, shift.astype(xp.float64) + offset, xp.where(m2 < 0, 0.0, m2)
+
+
+@_without_numpy_warnings
+def _merge_moments(*parts: tuple[int, Any, Any]) -> tuple[int, Any, Any]:
+    """Chan et al.'s parallel combination of partial ``(count, mean, M2)`` moments."""
+    count, mean, m2 = parts[0]
+    for n_b, mean_b, m2_b in parts[1:]:
+        if n_b == 0:
+            continue
+        if count == 0:
+            count, mean, m2 = n_b, mean_b, m2_b
+            continue
+        total = count + n_b
+        delta = mean_b - mean
+        mean = mean + delta * (n_b / total)
+        m2 = m2 + m2_b + delta * delta * (count * n_b / total)
+        count = total
+    return count, mean, m2
+
+
+@_without_numpy_warnings
+def _finish_statistics(moments: tuple[int, Any, Any], running_mean, running_var,
+                       momentum: float) -> tuple[Any, Any, Any, Any]:
+    """Batch ``(mean, biased variance)`` from the merged moments; the running buffers, when
+    given, are updated in place as PyTorch does (unbiased variance) and returned as copies.
+
+    An empty batch leaves the buffers alone, as the single call does."""
+    count, mean, m2 = moments
+    if count == 0:
+        return mean, m2, _copy(running_mean), _copy(running_var)
+    var = m2 / count
+    unbiased = var * (count / (count - 1))  # count >= 2: checked with the graph
+    for buf, batch in ((running_mean, mean), (running_var, unbiased)):
+        if buf is not None:
+            buf[...] = ((1.0 - momentum) * buf.astype(numpy.float64)
+                        + momentum * batch.reshape(buf.shape)).astype(buf.dtype)
+    return mean, var, _copy(running_mean), _copy(running_var)
+
+
+def _copy(buf):
+    return None if buf is None else buf.copy()
+
+
+def _batch_statistics(graph: _Graph, moments: list, running_mean, running_var,
+                      momentum: float, split_every: int | None) -> str:
+    """Phase 2 in ``graph``: each chunk's partial moments (``moments``, a task each) under a
+    key of its own, their tree reduction and the statistics task, whose key is returned; its
+    value is ``_finish_statistics``'s.
+
+    The key is fresh per graph built, as every key of ``graph``: each graph updates the
+    buffers when it computes, even where two are built from equal inputs.
+    """
+    split_every = SPLIT_EVERY if split_every is None else split_every
+    if isinstance(split_every, bool) or not isinstance(split_every, int) or split_every < 2:
+        raise ValueError(f"split_every must be an int >= 2, got {split_every!r}")
+    keys = [(graph.key_name("moments"), i) for i in range(len(moments))]
+    graph.dsk.update(zip(keys, moments))
+    merge, depth = graph.key_name("merge"), 0
+    while len(keys) > 1:
+        depth += 1
+        parts = [keys[i:i + split_every] for i in range(0, len(keys), split_every)]
+        keys = [(merge, depth, j) for j in range(len(parts))]
+        merge_task = graph.task(_merge_moments)
+        graph.dsk.update((key, (merge_task, *part)) for key, part in zip(keys, parts))
+    key = graph.key_name("statistics")
+    graph.dsk[key] = (graph.task(_finish_statistics), keys[0],
+                      graph.constant("running_mean", running_mean),
+                      graph.constant("running_var", running_var), momentum)
+    return key
+
+
+def _normalize(chunk, mean, var, weight, bias, *, eps: float, activation: str | None):
+    """Phase 3 of BatchNorm: ``batch_norm`` in inference mode with the batch statistics
+    (float32 on the GPU, whose path takes no float64)."""
+    if get_array_module(x=chunk) is not numpy:
+        mean, var = mean.astype(numpy.float32), var.astype(numpy.float32)
+    return cufused.batch_norm(chunk, weight, bias, running_mean=mean, running_var=var,
+                              training=False, eps=eps, activation=activation)
+
+
+def _normalized_batch(graph: _Graph, statistics: str, task: Callable, inputs: list,
+                      params: dict[str, Any], probe, running_mean, running_var,
+                      return_running_stats: bool) -> Array | tuple:
+    """Phase 3 in ``graph``: ``task(inputs[i], mean, var, *params.values())`` on chunk ``i``
+    with the batch statistics of the task ``statistics``; with ``return_running_stats``, also
+    the updated running buffers as dask arrays of one chunk (None where not given)."""
+    shared = ((operator.getitem, statistics, 0), (operator.getitem, statistics, 1),
+              *(graph.constant(name, value) for name, value in params.items()))
+    out = graph.array(task, [(first, *shared) for first in inputs], probe)
+    if not return_running_stats:
+        return out
+    results = [out]
+    for index, part, buf in ((2, "running_mean", running_mean), (3, "running_var", running_var)):
+        if buf is None:
+            results.append(None)
+            continue
+        name = graph.key_name(f"updated_{part}")
+        layer = {(name,) + (0,) * buf.ndim: (operator.getitem, statistics, index)}
+        results.append(da.Array(HighLevelGraph.from_collections(name, layer, dependencies=[out]),
+                                name, tuple((s,) for s in buf.shape),
+                                meta=meta_from_array(probe, buf.ndim, buf.dtype)))
+    return tuple(results)
+
+
+def _check_count(count: int) -> None:
+    if 0 < count < 2:
+        raise ValueError("expected more than 1 value per channel for training-mode BatchNorm")
