@@ -7,7 +7,7 @@ import sys
 sys.path.insert(0, os.path.abspath(".."))
 
 import cufused  # noqa: E402
-from cufused.__main__ import format_table  # noqa: E402
+from cufused.bench.report import format_table  # noqa: E402
 
 project = "cufused"
 author = "the cufused developers"

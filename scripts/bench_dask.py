@@ -32,7 +32,7 @@ import numpy
 
 import cufused
 from cufused._arrays import gpu_available
-from cufused.benchmark import make_cases
+from cufused.bench.cases import make_cases
 
 
 def _sync(xp) -> None:

@@ -27,7 +27,8 @@ import cupy
 import numpy
 
 from cufused import _cudnn
-from cufused.benchmark import Timer, _public_conv, make_cases
+from cufused.bench.cases import make_cases
+from cufused.bench.timing import Timer, public_conv
 
 
 def canonical_convs():
@@ -35,7 +36,7 @@ def canonical_convs():
     rng = cupy.random.default_rng(0)
     convs = {}
     for case in make_cases():
-        fn, opts = _public_conv(case)
+        fn, opts = public_conv(case)
         convs[case.name] = (fn, rng.random(case.conv["x_shape"], dtype=cupy.float32),
                             rng.random(case.conv["w_shape"], dtype=cupy.float32), opts)
     return convs

@@ -4,7 +4,7 @@ call replayed from a CUDA graph of the whole call (what is left without host ove
 import cupy
 import numpy
 
-from cufused.benchmark import CASES
+from cufused.bench.cases import CASES
 
 
 def pipeline_calls(names):

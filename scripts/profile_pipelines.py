@@ -10,7 +10,8 @@ Usage: python scripts/profile_pipelines.py [CASE PRECISION | trace CASE PRECISIO
 import cupy
 import numpy
 
-from cufused.benchmark import Timer, conv_plan_for, make_cases
+from cufused.bench.cases import make_cases
+from cufused.bench.timing import Timer, conv_plan_for
 from host_time import host_us, print_timeline  # scripts/, the script's own folder
 from pipeline_calls import graph_replay_ms, pipeline_calls
 

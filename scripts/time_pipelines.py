@@ -20,7 +20,7 @@ import cupy
 import numpy
 
 import cufused
-from cufused.benchmark import Timer, conv_plan_for
+from cufused.bench.timing import Timer, conv_plan_for
 from host_time import device_activities  # scripts/, the script's own folder
 from pipeline_calls import pipeline_calls
 

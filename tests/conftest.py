@@ -7,8 +7,8 @@ import importlib.util
 import numpy as np
 import pytest
 
-from cufused import benchmark
 from cufused._arrays import gpu_available
+from cufused.bench import cases as bench_cases
 
 GPU = gpu_available()
 TORCH = importlib.util.find_spec("torch") is not None
@@ -42,10 +42,10 @@ def pytest_unconfigure(config):
 
 
 def rel_err(out, ref) -> float:
-    """:func:`cufused.benchmark.rel_err` after checking that the shapes match."""
+    """:func:`cufused.bench.cases.rel_err` after checking that the shapes match."""
     out, ref = np.asarray(out), np.asarray(ref)
     assert out.shape == ref.shape, (out.shape, ref.shape)
-    return benchmark.rel_err(out, ref)
+    return bench_cases.rel_err(out, ref)
 
 
 def assert_close(out, ref, tol: float) -> None:

@@ -55,12 +55,12 @@ def test_check_without_gpu_catches_a_semantic_error(monkeypatch, capsys):
     # from PyTorch's by a little (GroupNorm eps 1e-3 instead of 1e-5) fails it.
     import torch.nn.functional as F
 
-    from cufused import __main__
+    from cufused.bench import cli
 
-    monkeypatch.setattr(__main__, "gpu_available", lambda: False)
+    monkeypatch.setattr(cli, "gpu_available", lambda: False)
     group_norm = F.group_norm
     monkeypatch.setattr(F, "group_norm", lambda *a, **k: group_norm(*a, **{**k, "eps": 1e-3}))
-    assert __main__.main(["check", "--cases", "A"]) == 1
+    assert cli.main(["check", "--cases", "A"]) == 1
     out = capsys.readouterr().out
     assert " FAIL " in out and out.splitlines()[-1] == "1 check(s) FAILED"
 
@@ -68,11 +68,11 @@ def test_check_without_gpu_catches_a_semantic_error(monkeypatch, capsys):
 def test_check_without_gpu_or_torch_says_so(monkeypatch, capsys):
     import sys
 
-    from cufused import __main__
+    from cufused.bench import cli
 
-    monkeypatch.setattr(__main__, "gpu_available", lambda: False)
+    monkeypatch.setattr(cli, "gpu_available", lambda: False)
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
-    assert __main__.main(["check", "--cases", "C"]) == 0
+    assert cli.main(["check", "--cases", "C"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("no CUDA GPU, and PyTorch is not installed")
     assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in lines[0]
@@ -120,7 +120,7 @@ def test_bench_table_and_plot_from_committed_result(tmp_path, name):
     import json
     import pathlib
 
-    from cufused.__main__ import format_table, plot
+    from cufused.bench.report import format_table, plot
 
     result = json.loads((pathlib.Path(__file__).parent.parent / "docs" / "_static"
                          / name).read_text())
@@ -138,7 +138,7 @@ def test_bench_table_and_plot_from_committed_result(tmp_path, name):
 
 
 def test_post_conv_floor_counts_the_bytes_each_case_moves():
-    from cufused.benchmark import CASES
+    from cufused.bench.cases import CASES
 
     by_name = {case.name: case for case in CASES}
     # A: conv output (128, 64, 126, 126) read, result (128, 64, 31, 31) written.
@@ -155,10 +155,47 @@ def test_case_reference_is_the_public_pipeline():
     import numpy as np
 
     import cufused
-    from cufused.benchmark import make_cases, rel_err
+    from cufused.bench.cases import make_cases, rel_err
 
     for i, case in enumerate(make_cases(small=True)):
         inputs = {k: v.astype(np.float64)
                   for k, v in case.make_inputs(np.random.default_rng(i)).items()}
         want = getattr(cufused, case.pipeline)(*inputs.values(), **case.options)
         assert rel_err(case.reference(inputs), want) < 1e-14, case.name
+
+
+def _imported_modules(path, package_root):
+    """The absolute names of the modules that a file under ``package_root``'s parent imports
+    (relative imports resolved; ``from X import y`` counts as X and X.y)."""
+    import ast
+
+    package = list(path.relative_to(package_root.parent).parts[:-1])  # the file's package
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            names.add(module)
+            names.update(f"{module}.{a.name}" for a in node.names)
+    return names
+
+
+def test_the_bench_subpackage_sits_beside_the_library():
+    # cufused.bench uses the library; nothing in the library imports it but the
+    # ``python -m cufused`` entry, and the docs build takes the table from it, not __main__.
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    package = root / "cufused"
+    for path in package.rglob("*.py"):
+        if path.name == "__main__.py" or (package / "bench") in path.parents:
+            continue
+        imported = _imported_modules(path, package)
+        assert not {m for m in imported if m == "cufused.bench"
+                    or m.startswith("cufused.bench.")}, path
+    assert "cufused.bench.cli" in _imported_modules(package / "__main__.py", package)
+    conf = _imported_modules(root / "docs" / "conf.py", root / "docs")
+    assert not {m for m in conf if m.startswith("cufused.__main__")}, conf
+    assert "cufused.bench.report.format_table" in conf

@@ -856,7 +856,7 @@ def test_canonical_pipelines_match_torch_cuda(rng):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("PyTorch without CUDA")
-    from cufused.benchmark import CASES, torch_reference
+    from cufused.bench.cases import CASES, torch_reference
 
     for case in CASES:
         inputs = case.make_inputs(np.random.default_rng(int(rng.integers(2**31))))

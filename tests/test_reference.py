@@ -318,7 +318,7 @@ def test_reference_on_cupy_matches_numpy(rng):
     import cupy
 
     from cufused import reference
-    from cufused.benchmark import make_cases
+    from cufused.bench.cases import make_cases
 
     for case in make_cases(small=True):
         inputs = {k: v.astype(np.float64) for k, v in case.make_inputs(rng).items()}

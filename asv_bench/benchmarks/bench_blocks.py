@@ -47,7 +47,8 @@ class Convolutions:
 
     def setup(self, case, precision):
         require_gpu()
-        from cufused.benchmark import conv_plan_for, make_cases
+        from cufused.bench.cases import make_cases
+        from cufused.bench.timing import conv_plan_for
 
         self.plan = conv_plan_for(next(c for c in make_cases() if c.name == case), precision)
         self.arrays = self.plan.example_operands()

@@ -12,7 +12,7 @@ class Pipelines:
 
     def setup(self, case, precision, method, size):
         require_gpu()
-        from cufused.benchmark import make_cases
+        from cufused.bench.cases import make_cases
 
         self.case = next(c for c in make_cases(small=size == "small") if c.name == case)
         self.inputs = self.case.make_inputs(numpy.random.default_rng(0))

@@ -19,7 +19,7 @@ def require_gpu():
 
 
 def gpu_ms(fn, repeat=10):
-    """Median GPU milliseconds of fn() with CUDA events and an L2 flush (see cufused.benchmark)."""
-    from cufused.benchmark import Timer
+    """Median GPU milliseconds of fn() with CUDA events and an L2 flush (cufused.bench.timing)."""
+    from cufused.bench.timing import Timer
 
     return Timer(repeat=repeat, warmup=2)(fn)

@@ -1,24 +1,18 @@
-"""Benchmark cases and GPU timing for ``python -m cufused bench`` and the asv suite.
-
-Timing follows KernelBench / Tensara: CUDA events around one call on the current stream,
-after warm-up, with the L2 cache flushed (a 256 MiB write) before each timed run; the median
-is reported. PyTorch eager and ``torch.compile`` run the same math in the same process.
-"""
+"""The benchmark cases: the three pipelines at their canonical (KernelBench level 2) and small
+sizes, their inputs, their float64 reference and their PyTorch equivalents, and the error
+metric of ``python -m cufused check``."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import numpy
 
 import cufused
 
-from . import reference
-from ._arrays import import_cupy, is_cupy_array
-
-L2_FLUSH_BYTES = 256 * 1024 * 1024
+from .. import reference
+from .._arrays import import_cupy, is_cupy_array
 
 
 def rel_err(out, ref) -> float:
@@ -90,7 +84,7 @@ class Case:
 
     def run_cufused(self, inputs: dict, *, precision: str, method: str = "fused", out=None):
         """Run the pipeline on CuPy copies of ``inputs`` (cached on the dict)."""
-        gpu = _on_gpu(inputs)
+        gpu = on_gpu(inputs)
         return getattr(cufused, self.pipeline)(*gpu.values(), **self.options,
                                                precision=precision, method=method, out=out)
 
@@ -119,7 +113,8 @@ class Case:
         return tuple(self.conv["out_shape"])
 
 
-def _on_gpu(inputs: dict) -> dict:
+def on_gpu(inputs: dict) -> dict:
+    """CuPy copies of ``inputs`` (those not keyed ``_...``), made once and kept as ``_gpu``."""
     import cupy
 
     cached = inputs.get("_gpu")
@@ -202,172 +197,3 @@ def torch_reference(case: Case, inputs: dict) -> numpy.ndarray:
             for k, v in inputs.items() if not k.startswith("_")]
     with torch.no_grad():
         return torch_pipeline(case)(*args).cpu().numpy()
-
-
-class Timer:
-    """CUDA-event timing with an L2 flush before each run (median of ``repeat`` runs)."""
-
-    def __init__(self, repeat: int = 20, warmup: int = 3):
-        import cupy
-
-        self.repeat, self.warmup = repeat, warmup
-        self._flush = cupy.empty(L2_FLUSH_BYTES // 4, dtype=cupy.float32)
-
-    def __call__(self, fn: Callable[[], Any]) -> float:
-        return self.compare({"fn": fn})["fn"]
-
-    def compare(self, fns: dict[str, Callable[[], Any]]) -> dict[str, float]:
-        """Median ms of each of ``fns`` (see ``samples``)."""
-        return {name: float(numpy.median(t)) for name, t in self.samples(fns).items()}
-
-    def samples(self, fns: dict[str, Callable[[], Any]]) -> dict[str, numpy.ndarray]:
-        """Each round's ms of each of ``fns``: all warmed up first, then timed in ``repeat``
-        rounds of one call each, the order reversed every other round, so that clock or
-        memory-state drift during the run, and the call before, weigh on all alike."""
-        import cupy
-
-        for fn in fns.values():
-            for _ in range(self.warmup):
-                fn()
-        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-        times = {name: [] for name in fns}
-        names = list(fns)
-        for r in range(self.repeat):
-            for name in names if r % 2 == 0 else names[::-1]:
-                self._flush.fill(1.0)
-                start.record()
-                fns[name]()
-                stop.record()
-                stop.synchronize()
-                times[name].append(cupy.cuda.get_elapsed_time(start, stop))
-        return {name: numpy.array(t) for name, t in times.items()}
-
-
-def measure_ceilings(timer: Timer) -> dict:
-    """Device-to-device copy bandwidth and float32 / TF32 matrix rates, measured."""
-    import cupy
-
-    a = cupy.empty(256 * 1024 * 1024, dtype=cupy.float32)  # 1 GiB
-    b = cupy.empty_like(a)
-    a.fill(1.0)
-    ms = timer(lambda: b.__setitem__(Ellipsis, a))
-    result = {"copy_TBps": 2 * a.nbytes / (ms * 1e-3) / 1e12}
-    a = b = None  # free the 2 GiB before the matrix products
-    m = cupy.random.default_rng(0).random((8192, 8192), dtype=cupy.float32)
-    ms = timer(lambda: m @ m)
-    result["fp32_TFLOPs"] = 2 * 8192**3 / (ms * 1e-3) / 1e12
-    try:
-        import torch
-
-        t = torch.rand(8192, 8192, device="cuda")
-        torch.backends.cuda.matmul.allow_tf32 = True
-        ms = timer(lambda: t @ t)
-        torch.backends.cuda.matmul.allow_tf32 = False
-        result["tf32_TFLOPs"] = 2 * 8192**3 / (ms * 1e-3) / 1e12
-    except ImportError:
-        pass
-    return result
-
-
-def set_torch_precision(precision: str) -> None:
-    import torch
-
-    tf32 = precision == "tf32"
-    torch.backends.cudnn.allow_tf32 = tf32
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-
-
-def conv_plan_for(case: Case, precision: str, *, layout_free: bool = False):
-    """The cached cuDNN plan that the fused pipeline uses for this case's convolution, or with
-    ``layout_free`` the one chosen for an input that may come in any layout (the setting of
-    the best-plan table in the design: no input conversion counted)."""
-    from ._cudnn import ConvProblem, conv_plan
-    from .convolution import check_conv_args
-
-    c = case.conv
-    opts = {k: case.options[k] for k in ("stride", "padding", "output_padding")
-            if k in case.options}
-    args = check_conv_args(c["x_shape"], c["w_shape"], len(c["x_shape"]) - 2,
-                           transposed=c["kind"] == "dgrad", **{"stride": 1, "padding": 0,
-                                                               **opts})
-    problem = ConvProblem(c["kind"], tuple(c["x_shape"]), tuple(c["w_shape"]), args.out_shape,
-                          args.stride, args.padding, args.dilation, precision)
-    return conv_plan(problem, convert_input=case.name != "C" and not layout_free,
-                     convert_output=False, accept_classes=case.name == "C")
-
-
-def _public_conv(case: Case):
-    """The public cufused convolution of a case and its options."""
-    c = case.conv
-    nd = len(c["x_shape"]) - 2
-    name = ("conv" if c["kind"] == "fprop" else "conv_transpose") + f"{nd}d"
-    opts = {k: case.options[k] for k in ("stride", "padding", "output_padding")
-            if k in case.options}
-    return getattr(cufused, name), opts
-
-
-def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_eager=True,
-               torch_compile=True, rng=None) -> list[dict]:
-    """Time one case: fused, unfused, the internal convolution (the pipeline's plan, and the
-    plan for an input in any layout), the public convolution, PyTorch eager and compiled."""
-    import cupy
-
-    rng = rng or numpy.random.default_rng(0)
-    inputs = case.make_inputs(rng)
-    gpu = _on_gpu(inputs)
-    out = cupy.empty(case.output_shape, dtype=cupy.float32)
-    rows = []
-    torch_fns = {}
-    if torch_eager or torch_compile:
-        try:
-            import torch
-
-            targs = [torch.as_tensor(v, device="cuda") for v in gpu.values()]
-            fn = torch_pipeline(case)
-            if torch_eager:
-                torch_fns["torch_eager"] = fn
-            if torch_compile:
-                torch_fns["torch_compile"] = torch.compile(fn)
-        except ImportError:
-            pass
-    for precision in precisions:
-        plan = conv_plan_for(case, precision)
-        operands = plan.example_operands()
-        free_plan = conv_plan_for(case, precision, layout_free=True)
-        free_operands = free_plan.example_operands() if free_plan is not plan else None
-        # The public convolution (NCHW in and out, conversions included) on the conv input,
-        # without and with a per-channel bias (PyTorch adds a bias in a pass of its own).
-        conv_fn, conv_opts = _public_conv(case)
-        xc = cupy.asarray(rng.random(case.conv["x_shape"], dtype=numpy.float32))
-        wc = gpu["weight"]
-        bc = cupy.asarray(rng.uniform(-0.1, 0.1, case.conv["y_shape"][1]).astype(numpy.float32))
-        fns = {
-            "fused": lambda: case.run_cufused(inputs, precision=precision, out=out),
-            "unfused": lambda: case.run_cufused(inputs, precision=precision, method="unfused"),
-            "conv": lambda: plan.run(*operands),
-            "conv_public": lambda: conv_fn(xc, wc, **conv_opts, precision=precision),
-            "conv_public_bias": lambda: conv_fn(xc, wc, bc, **conv_opts, precision=precision),
-        }
-        if free_plan is not plan:  # else (C) the pipeline already runs the layout-free plan
-            fns["conv_free"] = lambda: free_plan.run(*free_operands)
-        if torch_fns:
-            import torch
-
-            set_torch_precision(precision)
-            fns.update({k: (lambda f=f: f(*targs)) for k, f in torch_fns.items()})
-            torch_conv = getattr(torch.nn.functional, conv_fn.__name__)
-            xt, wt, bt = (torch.as_tensor(a, device="cuda") for a in (xc, wc, bc))
-            fns["torch_conv"] = lambda: torch_conv(xt, wt, **conv_opts)
-            fns["torch_conv_bias"] = lambda: torch_conv(xt, wt, bt, **conv_opts)
-            with torch.no_grad():
-                row = timer.compare(fns)
-            set_torch_precision("ieee")
-        else:
-            row = timer.compare(fns)
-        row.setdefault("conv_free", row["conv"])
-        row.update(case=case.name, precision=precision, conv_layout=plan.strategy.label,
-                   conv_calls="replayed" if plan.replays else "direct",
-                   conv_free_layout=free_plan.strategy.label)
-        rows.append(row)
-        operands = free_operands = None
-    return rows

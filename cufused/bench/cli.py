@@ -1,0 +1,234 @@
+"""The command line: ``python -m cufused check`` and ``python -m cufused bench``."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+
+import numpy
+
+from .. import __version__
+from .._arrays import gpu_available
+from .cases import make_cases, rel_err, torch_pipeline
+from .report import format_table, plot
+from .timing import Timer, add_floors, bench_case, measure_ceilings
+
+
+def _progress(i: int, n: int, label: str) -> None:
+    width = 30
+    done = int(width * i / n)
+    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{n} {label:<30}")
+    sys.stderr.flush()
+    if i == n:
+        sys.stderr.write("\n")
+
+
+TOLERANCE = {"ieee": 1e-4, "tf32": 1e-2}
+# Float64 against float64 (cufused's CPU path against PyTorch CPU): rounding only.
+CPU_TOLERANCE = 1e-10
+METRIC = "relative error ||out - ref|| / ||ref|| over the whole output, in float64"
+INSTALL_TORCH_CPU = ("python -m pip install torch --index-url "
+                     "https://download.pytorch.org/whl/cpu")
+
+
+def describe(case) -> str:
+    """One line: the pipeline, its array shapes, its options and the output shape."""
+    shapes = ", ".join(f"{k} {tuple(v)}" for k, v in case.shapes.items())
+    options = ", ".join(f"{k}={v}" for k, v in case.options.items())
+    return f"{case.name}: {case.pipeline}({shapes}; {options}) -> {case.output_shape}"
+
+
+def _row(path: str, precision: str, err: float, tol: float, seconds: float) -> bool:
+    ok = err < tol
+    print(f"   {path:<14} {precision:<6} {err:>10.3e}  < {tol:<8.0e} {'ok' if ok else 'FAIL':<5}"
+          f"({seconds:.1f} s)", flush=True)
+    return ok
+
+
+def _check_gpu(cases, seed: int) -> int:
+    import cupy
+
+    from .._cudnn import plan_options
+
+    # cuDNN's heuristic plans: the check is about results, and autotuning each new
+    # convolution (every plan timed, tens of seconds for B) would dominate its run time.
+    with plan_options(autotune=False):
+        return _check_gpu_cases(cupy, cases, seed)
+
+
+def _check_gpu_cases(cupy, cases, seed: int) -> int:
+    device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["name"]
+    device = device.decode() if isinstance(device, bytes) else device
+    print(f"cufused {__version__} check on {device}: each pipeline against the float64 "
+          "reference computed on the GPU (cufused.reference on CuPy arrays: the same code as "
+          "the NumPy reference)")
+    print(f"metric: {METRIC}; tolerance: {TOLERANCE['ieee']:.0e} (ieee), "
+          f"{TOLERANCE['tf32']:.0e} (tf32); inputs: seed {seed}; cuDNN's heuristic "
+          "convolution plans (no autotuning)", flush=True)
+    failed = 0
+    for i, case in enumerate(cases):
+        print(describe(case), flush=True)
+        start = time.perf_counter()
+        inputs = case.make_inputs(numpy.random.default_rng([seed, i]))
+        gpu = {k: cupy.asarray(v) for k, v in inputs.items()}
+        inputs["_gpu"] = gpu
+        ref = case.reference(gpu)
+        cupy.cuda.get_current_stream().synchronize()
+        print(f"   float64 reference on the GPU ({time.perf_counter() - start:.1f} s)", flush=True)
+        for precision in ("ieee", "tf32"):
+            for method in ("fused", "unfused"):
+                start = time.perf_counter()
+                out = case.run_cufused(inputs, precision=precision, method=method)
+                err = rel_err(out, ref)
+                failed += not _row(f"gpu {method}", precision, err, TOLERANCE[precision],
+                                   time.perf_counter() - start)
+                del out
+        del ref, gpu, inputs
+        cupy.get_default_memory_pool().free_all_blocks()
+    print("all checks passed" if not failed else f"{failed} check(s) FAILED")
+    return 1 if failed else 0
+
+
+def _check_cpu(cases, seed: int) -> int:
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    import cufused
+
+    if torch is None:
+        print("no CUDA GPU, and PyTorch is not installed: there is no independent oracle to "
+              "compare cufused's CPU path (the float64 NumPy reference) with. It runs below at "
+              f"small sizes, unchecked. To compare it with PyTorch CPU: {INSTALL_TORCH_CPU}")
+    else:
+        print(f"no CUDA GPU: checking cufused's CPU path (the float64 NumPy reference) against "
+              f"PyTorch {torch.__version__} on the CPU, both in float64, at small sizes")
+        print(f"metric: {METRIC}; tolerance: {CPU_TOLERANCE:.0e}; inputs: seed {seed}")
+    failed = 0
+    for i, case in enumerate(cases):
+        print(describe(case), flush=True)
+        start = time.perf_counter()
+        inputs = case.make_inputs(numpy.random.default_rng([seed, i]))
+        arrays = [a.astype(numpy.float64) for a in inputs.values()]
+        out = getattr(cufused, case.pipeline)(*arrays, **case.options)
+        if torch is None:
+            finite = bool(numpy.isfinite(out).all())
+            print(f"   numpy float64  -> shape {out.shape}, finite: {finite} "
+                  f"({time.perf_counter() - start:.1f} s)", flush=True)
+            continue
+        with torch.no_grad():
+            ref = torch_pipeline(case)(*(torch.from_numpy(a) for a in arrays)).numpy()
+        failed += not _row("numpy float64", "-", rel_err(out, ref), CPU_TOLERANCE,
+                           time.perf_counter() - start)
+    if torch is None:
+        print("the reference ran; nothing was compared (PyTorch is not installed)")
+        return 0
+    print("all checks passed" if not failed else f"{failed} check(s) FAILED")
+    return 1 if failed else 0
+
+
+def cmd_check(args) -> int:
+    gpu = gpu_available()
+    cases = make_cases(small=args.small or not gpu)
+    if args.cases:
+        cases = [c for c in cases if c.name in args.cases]
+    return _check_gpu(cases, args.seed) if gpu else _check_cpu(cases, args.seed)
+
+
+def _header() -> dict:
+    import cupy
+
+    from .._cudnn import import_cudnn
+
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
+    info = {
+        "device": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cufused": __version__, "cupy": cupy.__version__, "python": platform.python_version(),
+    }
+    cudnn = import_cudnn()
+    info["cudnn"] = str(cudnn.backend_version())
+    info["cudnn_frontend"] = getattr(cudnn, "__version__", "?")
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def cmd_bench(args) -> int:
+    if not gpu_available():
+        print("no CUDA GPU available: bench needs one")
+        return 1
+    timer = Timer(repeat=args.repeat)
+    cases = make_cases(small=args.quick)
+    if args.cases:
+        cases = [c for c in cases if c.name in args.cases]
+    result = {"header": _header(), "ceilings": measure_ceilings(timer), "rows": []}
+    for i, case in enumerate(cases):
+        _progress(i, len(cases), f"case {case.name}")
+        rows = bench_case(case, timer, torch_compile=not args.no_compile)
+        add_floors(case, rows, result["ceilings"])
+        result["rows"].extend(rows)
+    _progress(len(cases), len(cases), "done")
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    if args.plot:
+        plot(result, args.plot)
+    return 0
+
+
+DESCRIPTION = """\
+cufused: fused GPU operator pipelines for convolutional networks.
+
+  check   run the three pipelines (KernelBench level 2 cases A, B, C) and compare them with
+          the float64 reference: on a GPU at the canonical sizes, the reference computed on
+          the GPU; without one, cufused's CPU path against PyTorch CPU at small sizes
+  bench   time the pipelines against PyTorch eager and torch.compile (needs a GPU)
+
+Run "python -m cufused COMMAND --help" for a command's options."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m cufused``: ``--version`` and the commands with their options."""
+    parser = argparse.ArgumentParser(prog="python -m cufused", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"cufused {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("check", help="compare the three pipelines with the float64 reference",
+                       description="Compare the three pipelines with the float64 reference "
+                                   "(GPU: canonical sizes, reference on the GPU; CPU: small "
+                                   "sizes, against PyTorch CPU when installed).")
+    p.add_argument("--small", action="store_true",
+                   help="small shapes instead of the canonical ones (always without a GPU)")
+    p.add_argument("--cases", nargs="*", choices=["A", "B", "C"], help="only these cases")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.set_defaults(func=cmd_check)
+    p = sub.add_parser("bench", help="time the pipelines against PyTorch eager and torch.compile",
+                       description="Time the pipelines (fused and unfused) against PyTorch eager "
+                                   "and torch.compile, in both precisions (needs a GPU).")
+    p.add_argument("--quick", action="store_true", help="small shapes")
+    p.add_argument("--json", metavar="FILE", help="write every figure to FILE")
+    p.add_argument("--plot", metavar="FILE.png", help="draw a bar chart (needs matplotlib)")
+    p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    p.add_argument("--repeat", type=int, default=20, help="timed runs per figure (median)")
+    p.add_argument("--cases", nargs="*", choices=["A", "B", "C"], help="only these cases")
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv=None) -> int:
+    """Run ``python -m cufused`` with ``argv`` (default: the process's); the exit status."""
+    args = _parser().parse_args(argv)
+    start = time.perf_counter()
+    code = args.func(args)
+    print(f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
+    return code

@@ -1,0 +1,78 @@
+"""The bench result as ``python -m cufused bench`` prints it (a side-by-side table) and draws it
+(a bar chart); the docs render the committed results with :func:`format_table`."""
+
+from __future__ import annotations
+
+
+def format_table(result: dict) -> str:
+    """The side-by-side table of a ``bench`` result: the pipelines, then the convolutions."""
+    return "\n".join(_pipeline_lines(result) + [""] + _conv_lines(result))
+
+
+def _pipeline_lines(result: dict) -> list[str]:
+    """The header, the ceilings and a row per case and precision: times, speedups, floors."""
+    ceil = result["ceilings"]
+    lines = [" ".join(f"{k}={v}" for k, v in result["header"].items()),
+             f"ceilings: copy {ceil['copy_TBps']:.2f} TB/s, fp32 {ceil['fp32_TFLOPs']:.1f} "
+             f"TFLOP/s" + (f", tf32 {ceil['tf32_TFLOPs']:.0f} TFLOP/s" if 'tf32_TFLOPs' in ceil
+                           else ""),
+             "median ms, L2 flushed; speedup = PyTorch time / cufused fused time",
+             f"{'case':<4} {'prec':<5} {'fused':>7} {'unfused':>8} {'eager':>7} {'compile':>8} "
+             f"{'xeager':>7} {'xcompile':>8} {'conv':>6} {'post':>6} "
+             f"{'postfloor':>9} {'post/pf':>7} {'floor':>6} {'/floor':>6}  conv strategy"]
+    for r in result["rows"]:
+        def f(key, fmt="7.3f"):
+            return format(r[key], fmt) if key in r else "-".rjust(int(fmt.split(".")[0]))
+        xe = r["torch_eager"] / r["fused"] if "torch_eager" in r else float("nan")
+        xc = r["torch_compile"] / r["fused"] if "torch_compile" in r else float("nan")
+        post = r["fused"] - r["conv"]
+        # How the plan's warm calls ran (older results do not say).
+        calls = f" ({r['conv_calls']})" if "conv_calls" in r else ""
+        lines.append(
+            f"{r['case']:<4} {r['precision']:<5} {f('fused')} {f('unfused', '8.3f')} "
+            f"{f('torch_eager')} {f('torch_compile', '8.3f')} {xe:7.2f} {xc:8.2f} "
+            f"{r['conv']:6.3f} {post:6.3f} {r['post_floor']:9.3f} "
+            f"{post / r['post_floor']:7.2f} {r['floor']:6.3f} {r['fused'] / r['floor']:6.2f}  "
+            f"{r['conv_layout']}{calls}")
+    return lines
+
+
+def _conv_lines(result: dict) -> list[str]:
+    """A row per case and precision: the convolution alone, cufused's and PyTorch's."""
+    lines = ["convolutions alone (ms): cufused plan as the pipeline runs it (NCHW input "
+             "where the pipeline gets one) and for an input in any layout (free), cufused public "
+             "call (NCHW in/out) and PyTorch's, without / with a bias",
+             f"{'case':<4} {'prec':<5} {'plan':>7} {'free':>7} {'public':>7} {'torch':>7} "
+             f"{'torch/public':>12} {'+bias':>7} {'torch':>7} {'torch/public':>12}  "
+             "plan / free strategy"]
+    for r in result["rows"]:
+        tc, tb, pb, fr = (r.get(k, float("nan")) for k in (
+            "torch_conv", "torch_conv_bias", "conv_public_bias", "conv_free"))
+        lines.append(f"{r['case']:<4} {r['precision']:<5} {r['conv']:7.3f} {fr:7.3f} "
+                     f"{r['conv_public']:7.3f} {tc:7.3f} {tc / r['conv_public']:12.2f} "
+                     f"{pb:7.3f} {tb:7.3f} {tb / pb:12.2f}  {r['conv_layout']} / "
+                     f"{r.get('conv_free_layout', '-')}")
+    return lines
+
+
+def plot(result: dict, path: str) -> None:
+    """Bar chart of the bench result (needs matplotlib: the ``bench`` extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [k for k in ("fused", "unfused", "torch_eager", "torch_compile")
+            if any(k in r for r in result["rows"])]
+    labels = [f"{r['case']} {r['precision']}" for r in result["rows"]]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(keys)
+    for j, key in enumerate(keys):
+        ax.bar([i + j * width for i in range(len(labels))],
+               [r.get(key, 0.0) for r in result["rows"]], width, label=key)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))], labels)
+    ax.set_ylabel("ms (median, L2 flushed)")
+    ax.set_title(result["header"]["device"])
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,228 @@
+"""GPU timing for ``python -m cufused bench``, the asv suite and the scripts.
+
+Timing follows KernelBench / Tensara: CUDA events around one call on the current stream,
+after warm-up, with the L2 cache flushed (a 256 MiB write) before each timed run; the median
+is reported. PyTorch eager and ``torch.compile`` run the same math in the same process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy
+
+import cufused
+
+from .cases import Case, on_gpu, torch_pipeline
+
+L2_FLUSH_BYTES = 256 * 1024 * 1024
+
+
+class Timer:
+    """CUDA-event timing with an L2 flush before each run (median of ``repeat`` runs)."""
+
+    def __init__(self, repeat: int = 20, warmup: int = 3):
+        import cupy
+
+        self.repeat, self.warmup = repeat, warmup
+        self._flush = cupy.empty(L2_FLUSH_BYTES // 4, dtype=cupy.float32)
+
+    def __call__(self, fn: Callable[[], Any]) -> float:
+        return self.compare({"fn": fn})["fn"]
+
+    def compare(self, fns: dict[str, Callable[[], Any]]) -> dict[str, float]:
+        """Median ms of each of ``fns`` (see ``samples``)."""
+        return {name: float(numpy.median(t)) for name, t in self.samples(fns).items()}
+
+    def samples(self, fns: dict[str, Callable[[], Any]]) -> dict[str, numpy.ndarray]:
+        """Each round's ms of each of ``fns``: all warmed up first, then timed in ``repeat``
+        rounds of one call each, the order reversed every other round, so that clock or
+        memory-state drift during the run, and the call before, weigh on all alike."""
+        import cupy
+
+        for fn in fns.values():
+            for _ in range(self.warmup):
+                fn()
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        times = {name: [] for name in fns}
+        names = list(fns)
+        for r in range(self.repeat):
+            for name in names if r % 2 == 0 else names[::-1]:
+                self._flush.fill(1.0)
+                start.record()
+                fns[name]()
+                stop.record()
+                stop.synchronize()
+                times[name].append(cupy.cuda.get_elapsed_time(start, stop))
+        return {name: numpy.array(t) for name, t in times.items()}
+
+
+def measure_ceilings(timer: Timer) -> dict:
+    """Device-to-device copy bandwidth and float32 / TF32 matrix rates, measured."""
+    import cupy
+
+    a = cupy.empty(256 * 1024 * 1024, dtype=cupy.float32)  # 1 GiB
+    b = cupy.empty_like(a)
+    a.fill(1.0)
+    ms = timer(lambda: b.__setitem__(Ellipsis, a))
+    result = {"copy_TBps": 2 * a.nbytes / (ms * 1e-3) / 1e12}
+    a = b = None  # free the 2 GiB before the matrix products
+    m = cupy.random.default_rng(0).random((8192, 8192), dtype=cupy.float32)
+    ms = timer(lambda: m @ m)
+    result["fp32_TFLOPs"] = 2 * 8192**3 / (ms * 1e-3) / 1e12
+    try:
+        import torch
+
+        t = torch.rand(8192, 8192, device="cuda")
+        torch.backends.cuda.matmul.allow_tf32 = True
+        ms = timer(lambda: t @ t)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        result["tf32_TFLOPs"] = 2 * 8192**3 / (ms * 1e-3) / 1e12
+    except ImportError:
+        pass
+    return result
+
+
+def set_torch_precision(precision: str) -> None:
+    import torch
+
+    tf32 = precision == "tf32"
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def _conv_options(case: Case) -> dict:
+    """The options of a case's convolution (those among stride, padding, output_padding)."""
+    return {k: case.options[k] for k in ("stride", "padding", "output_padding")
+            if k in case.options}
+
+
+def conv_plan_for(case: Case, precision: str, *, layout_free: bool = False):
+    """The cached cuDNN plan that the fused pipeline uses for this case's convolution, or with
+    ``layout_free`` the one chosen for an input that may come in any layout (the setting of
+    the best-plan table in the design: no input conversion counted)."""
+    from .._cudnn import ConvProblem, conv_plan
+    from ..convolution import check_conv_args
+
+    c = case.conv
+    args = check_conv_args(c["x_shape"], c["w_shape"], len(c["x_shape"]) - 2,
+                           transposed=c["kind"] == "dgrad", **{"stride": 1, "padding": 0,
+                                                               **_conv_options(case)})
+    problem = ConvProblem(c["kind"], tuple(c["x_shape"]), tuple(c["w_shape"]), args.out_shape,
+                          args.stride, args.padding, args.dilation, precision)
+    return conv_plan(problem, convert_input=case.name != "C" and not layout_free,
+                     convert_output=False, accept_classes=case.name == "C")
+
+
+def public_conv(case: Case):
+    """The public cufused convolution of a case and its options."""
+    c = case.conv
+    nd = len(c["x_shape"]) - 2
+    name = ("conv" if c["kind"] == "fprop" else "conv_transpose") + f"{nd}d"
+    return getattr(cufused, name), _conv_options(case)
+
+
+def _torch_calls(case: Case, gpu: dict, *, eager: bool, compiled: bool) -> dict:
+    """PyTorch's pipeline, eager and compiled as asked, as calls on tensors that share the
+    case's CuPy inputs; none without PyTorch."""
+    calls = {}
+    if eager or compiled:
+        try:
+            import torch
+
+            targs = [torch.as_tensor(v, device="cuda") for v in gpu.values()]
+            fn = torch_pipeline(case)
+            if eager:
+                calls["torch_eager"] = fn
+            if compiled:
+                calls["torch_compile"] = torch.compile(fn)
+        except ImportError:
+            pass
+    return {k: (lambda f=f: f(*targs)) for k, f in calls.items()}
+
+
+def _timed_calls(case: Case, precision: str, inputs: dict, out, rng, torch_calls: dict):
+    """The calls that ``bench_case`` times at one precision, in their order, and the plans of
+    the pipeline's convolution and of the layout-free one."""
+    import cupy
+
+    gpu = on_gpu(inputs)
+    plan = conv_plan_for(case, precision)
+    operands = plan.example_operands()
+    free_plan = conv_plan_for(case, precision, layout_free=True)
+    free_operands = free_plan.example_operands() if free_plan is not plan else None
+    # The public convolution (NCHW in and out, conversions included) on the conv input,
+    # without and with a per-channel bias (PyTorch adds a bias in a pass of its own).
+    conv_fn, conv_opts = public_conv(case)
+    xc = cupy.asarray(rng.random(case.conv["x_shape"], dtype=numpy.float32))
+    wc = gpu["weight"]
+    bc = cupy.asarray(rng.uniform(-0.1, 0.1, case.conv["y_shape"][1]).astype(numpy.float32))
+    fns = {
+        "fused": lambda: case.run_cufused(inputs, precision=precision, out=out),
+        "unfused": lambda: case.run_cufused(inputs, precision=precision, method="unfused"),
+        "conv": lambda: plan.run(*operands),
+        "conv_public": lambda: conv_fn(xc, wc, **conv_opts, precision=precision),
+        "conv_public_bias": lambda: conv_fn(xc, wc, bc, **conv_opts, precision=precision),
+    }
+    if free_plan is not plan:  # else (C) the pipeline already runs the layout-free plan
+        fns["conv_free"] = lambda: free_plan.run(*free_operands)
+    if torch_calls:
+        import torch
+
+        fns.update(torch_calls)
+        torch_conv = getattr(torch.nn.functional, conv_fn.__name__)
+        xt, wt, bt = (torch.as_tensor(a, device="cuda") for a in (xc, wc, bc))
+        fns["torch_conv"] = lambda: torch_conv(xt, wt, **conv_opts)
+        fns["torch_conv_bias"] = lambda: torch_conv(xt, wt, bt, **conv_opts)
+    return fns, plan, free_plan
+
+
+def _compare(timer: Timer, fns: dict, precision: str, *, torch_calls: bool) -> dict:
+    """``timer.compare(fns)``; with PyTorch calls among them, PyTorch set to ``precision``
+    and without autograd for the run."""
+    if not torch_calls:
+        return timer.compare(fns)
+    import torch
+
+    set_torch_precision(precision)
+    with torch.no_grad():
+        row = timer.compare(fns)
+    set_torch_precision("ieee")
+    return row
+
+
+def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_eager=True,
+               torch_compile=True, rng=None) -> list[dict]:
+    """Time one case: fused, unfused, the internal convolution (the pipeline's plan, and the
+    plan for an input in any layout), the public convolution, PyTorch eager and compiled."""
+    import cupy
+
+    rng = rng or numpy.random.default_rng(0)
+    inputs = case.make_inputs(rng)
+    gpu = on_gpu(inputs)
+    out = cupy.empty(case.output_shape, dtype=cupy.float32)
+    torch_calls = _torch_calls(case, gpu, eager=torch_eager, compiled=torch_compile)
+    rows = []
+    for precision in precisions:
+        fns, plan, free_plan = _timed_calls(case, precision, inputs, out, rng, torch_calls)
+        row = _compare(timer, fns, precision, torch_calls=bool(torch_calls))
+        row.setdefault("conv_free", row["conv"])
+        row.update(case=case.name, precision=precision, conv_layout=plan.strategy.label,
+                   conv_calls="replayed" if plan.replays else "direct",
+                   conv_free_layout=free_plan.strategy.label)
+        rows.append(row)
+        del fns  # this precision's operands go before the next precision's are made
+    return rows
+
+
+def add_floors(case: Case, rows: list[dict], ceilings: dict) -> None:
+    """Add to each of a case's rows its floors in ms: ``floor``, the convolution's FLOPs at
+    the matrix rate of its precision or the pipeline's input and output at the copy bandwidth,
+    whichever takes longer; ``post_floor``, what the pipeline moves besides the convolution."""
+    bandwidth = ceilings["copy_TBps"] * 1e12
+    for r in rows:
+        rate = ceilings.get("tf32_TFLOPs" if r["precision"] == "tf32" else "fp32_TFLOPs")
+        byte_ms = case.io_bytes() / bandwidth * 1e3
+        r["floor"] = max(case.conv_flops() / (rate * 1e12) * 1e3, byte_ms)
+        r["post_floor"] = case.post_conv_bytes() / bandwidth * 1e3
