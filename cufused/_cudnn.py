@@ -22,6 +22,8 @@ from typing import Any
 import numpy
 
 from ._arrays import import_cupy
+from ._kernels.layout import add_channel_bias, interleave_classes, transpose_channels
+from ._layout import empty_in_layout, layout_strides, stored_in
 from ._subpixel import subpixel_parts, subpixel_weight_index
 
 # (input layout, output layout) pairs tried; channels-last engines fed an NCHW input skip
@@ -150,132 +152,6 @@ def _handle():
         import_cudnn().set_stream(handle=entry[0], stream=stream)
         entry[1] = stream
     return entry[0]
-
-
-def layout_strides(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
-    """Element strides of a logical (N, C, *spatial) shape stored in ``layout``.
-
-    Examples
-    --------
-    >>> layout_strides((2, 3, 4, 5), "nchw")
-    (60, 20, 5, 1)
-    >>> layout_strides((2, 3, 4, 5), "nhwc")
-    (60, 1, 15, 3)
-    """
-    if layout == "nchw":
-        physical = shape
-    else:
-        physical = (shape[0], *shape[2:], shape[1])
-    strides = [1] * len(shape)
-    for i in range(len(physical) - 2, -1, -1):
-        strides[i] = strides[i + 1] * physical[i + 1]
-    if layout == "nchw":
-        return tuple(strides)
-    return (strides[0], strides[-1], *strides[1:-1])
-
-
-def empty_in_layout(shape: tuple[int, ...], layout: str):
-    """A CuPy float32 array of logical ``shape`` whose memory is in ``layout``."""
-    cupy = import_cupy()
-    if layout == "nchw":
-        return cupy.empty(shape, dtype=cupy.float32)
-    nd = len(shape)
-    physical = cupy.empty((shape[0], *shape[2:], shape[1]), dtype=cupy.float32)
-    return physical.transpose(0, nd - 1, *range(1, nd - 1))
-
-
-def transpose_channels(src, dst, *, to_channels_last: bool, bias=None, affine=None) -> None:
-    """Copy contiguous NC(D)HW ``src`` to channels-last ``dst`` or back (+ ``bias[c]``).
-
-    Both arrays have the same logical shape; ``src``'s memory is in the source layout and
-    ``dst``'s in the other one. One tiled-transpose kernel, coalesced on both sides. Back to
-    NC(D)HW, ``affine = (scale, shift, lo, hi)`` instead writes
-    ``clip(scale[n, c] * src + shift[n, c], lo, hi)`` (scale, shift: N * C values).
-    """
-    from ._cuda import get_kernel, launch_1d, optional
-
-    n, c = src.shape[:2]
-    s = src.size // max(n * c, 1)
-    a, b = (c, s) if to_channels_last else (s, c)
-    if src.size == 0:
-        return
-    # Few channels idle most of a 32 x 32 tile: gather 8 channels per thread instead (measured
-    # faster for C = 8, slower for C >= 32).
-    if (to_channels_last and c in (8, 16) and src.data.ptr % 16 == 0
-            and dst.data.ptr % 16 == 0):
-        launch_1d(get_kernel("layout.cu", "nchw_to_nhwc8"), n * (c // 8) * s,
-                  (src, dst, numpy.int64(n), numpy.int32(c), numpy.int64(s)))
-        return
-    if affine is not None:
-        scale, shift, lo, hi = affine
-        epilogue = 2
-    else:
-        scale, shift, lo, hi = None, bias, 0.0, 0.0
-        epilogue = 0 if bias is None else 1
-    if a * b >= 2**31:  # the kernel's per-sample offsets are 32-bit
-        if affine is not None:
-            raise ValueError(f"one sample has {a * b} elements; the transposing affine "
-                             "supports fewer than 2**31")
-        dst[...] = src
-        if bias is not None:
-            add_channel_bias(dst, bias)
-        return
-    tiles = 4 if b > 64 else 2 if b > 32 else 1  # 32-wide tiles along b per block
-    get_kernel("layout.cu", f"transpose_batched<{epilogue}, {tiles}>")(
-        (-(-b // (32 * tiles)) * -(-a // 32), 1, min(n, 65535)), (32, 8),
-        (src, dst, optional(scale), optional(shift), numpy.float32(lo), numpy.float32(hi),
-         numpy.int64(n), numpy.int64(a), numpy.int64(b)))
-
-
-def stored_in(a, layout: str) -> bool:
-    """Whether the memory of ``a`` (logical N, C, *spatial) is exactly ``layout``, packed.
-
-    Examples
-    --------
-    >>> import numpy as np
-    >>> a = np.zeros((2, 4, 5, 3)).transpose(0, 3, 1, 2)  # NHWC memory, logical NCHW
-    >>> stored_in(a, "nhwc"), stored_in(a, "nchw")
-    (True, False)
-    """
-    return a.strides == tuple(s * a.itemsize for s in layout_strides(a.shape, layout))
-
-
-def add_channel_bias(y, bias) -> None:
-    """``y[:, c] += bias[c]`` in place for a contiguous NC(D)HW ``y``."""
-    from ._cuda import get_kernel, launch_1d
-
-    s = y.size // max(y.shape[0] * y.shape[1], 1)
-    vec = 4 if s % 4 == 0 and y.data.ptr % 16 == 0 else 1
-    total = y.size // vec
-    launch_1d(get_kernel("layout.cu", f"add_channel_bias<{vec}>"), total,
-              (y, bias, numpy.int64(total), numpy.int64(s), numpy.int32(y.shape[1])))
-
-
-def class_geometry(classes, out) -> tuple[int, int, int, tuple]:
-    """How to launch a kernel built on ``interleave_classes`` (common.cuh).
-
-    ``classes`` holds class blocks of shape (P, N, C, *M) and ``out`` is (N, C, *(s * M)).
-    Returns ``(SW, VEC, items, (rows, C, Md, Mh, Mw, sd, sh))``: the template arguments, the
-    number of grid-stride items and the geometry arguments, in the kernels' order.
-    """
-    n, c, *m = classes.shape[1:]
-    s = [o // q for o, q in zip(out.shape[2:], m)]
-    if len(m) == 2:
-        m, s = [1, *m], [1, *s]
-    vec = 4 if m[2] % 4 == 0 and classes.data.ptr % 16 == 0 and out.data.ptr % 16 == 0 else 1
-    items = n * c * s[0] * m[0] * s[1] * m[1] * (m[2] // vec)
-    geometry = (numpy.int64(n * c), numpy.int32(c),
-                *(numpy.int32(v) for v in (m[0], m[1], m[2], s[0], s[1])))
-    return s[2], vec, items, geometry
-
-
-def interleave_classes(classes, out, bias=None) -> None:
-    """Write a sub-pixel convolution's class blocks into the NC(D)HW ``out`` (+ ``bias[c]``)."""
-    from ._cuda import get_kernel, launch_1d, optional
-
-    sw, vec, items, geometry = class_geometry(classes, out)
-    launch_1d(get_kernel("layout.cu", f"subpixel_interleave<{sw}, {vec}>"), items,
-              (classes, out, optional(bias), *geometry))
 
 
 @dataclass(frozen=True)

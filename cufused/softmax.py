@@ -87,7 +87,7 @@ def one_read_geometry(y, out, layout: str, length: int, channels: int, strides,
     if y.data.ptr % 16 or out.data.ptr % 16:
         return None
     if layout == "classes":
-        from ._cudnn import class_geometry
+        from ._kernels.layout import class_geometry
 
         sw, _, _, (_, _, md, mh, mw, sd, sh) = class_geometry(y, out)
         return cluster_row_split((int(sd), int(sh), sw), (int(md), int(mh), int(mw)))
@@ -128,7 +128,7 @@ def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *
     ``y`` is read through element ``strides`` (sn, sc, ss) in ``layout``: "nchw",
     "nhwc" (channel stride 1: the thread mapping and a tiled transposing normalize pass change)
     or "classes" (a sub-pixel convolution's class blocks (P, N, C, *M), see
-    :func:`cufused._cudnn.class_geometry`; ``strides`` unused). ``bias`` is added and
+    :func:`cufused._kernels.layout.class_geometry`; ``strides`` unused). ``bias`` is added and
     ``clamp = (lo, hi)`` applied before the softmax; the result is multiplied by ``scale[c]``.
     When ``hi - lo`` is small, exp(v - hi) can neither overflow nor underflow, so no running
     maximum is needed; then, where :func:`one_read_geometry` allows, one kernel reads ``y``
@@ -185,7 +185,7 @@ def softmax_rows(cupy, y, out, rows: int, length: int, channels: int, strides, *
         (partial, numpy.int64(rows), i32(channels), i32(splits), i32(parts), optional(scale),
          coef[0], coef[1]))
     if layout == "classes":
-        from ._cudnn import class_geometry
+        from ._kernels.layout import class_geometry
 
         sw, vec, items, geometry = class_geometry(y, out)
         launch_1d(get_kernel(_SOFTMAX, f"softmax_apply_subpixel<{cp}, {sw}, {vec}>"), items,

@@ -8,7 +8,8 @@ import types
 import numpy as np
 import pytest
 
-from cufused._cudnn import ConvProblem, layout_strides
+from cufused._cudnn import ConvProblem
+from cufused._layout import layout_strides
 from cufused.convolution import check_conv_args
 
 torch = pytest.importorskip("torch")

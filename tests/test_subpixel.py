@@ -113,7 +113,8 @@ def test_part_specs_of_pipeline_c_are_aligned_class_blocks():
 
 
 def test_part_specs_of_direct_strategies_follow_the_layouts():
-    from cufused._cudnn import Strategy, _part_specs, layout_strides
+    from cufused._cudnn import Strategy, _part_specs
+    from cufused._layout import layout_strides
 
     problem = _problem("fprop", (1, 1), (8, 8), bias=True)
     (spec,), y_shape, index = _part_specs(problem, Strategy("direct", "nchw", "nhwc"))
