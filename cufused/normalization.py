@@ -17,17 +17,14 @@ from . import reference
 from ._arrays import (check_float_dtype, check_out, check_required, check_scalar, check_sizes,
                       check_writeable, finish_numpy, get_array_module, per_channel,
                       run_reference)
-from ._cuda import get_kernel, launch_1d, optional
-from ._cudnn import stored_in
+from ._kernels.normalization import (ROW_CACHE_BYTES, batch_norm_coefficients, channel_affine,
+                                     group_norm_coefficients, group_norm_rows,
+                                     key_stats_partial, reads_channels_last)
 
 __all__ = ["group_norm", "batch_norm"]
 
-ACTIVATIONS = {None: 0, "tanh": 1}
-_NORM = "normalization.cu"
-# Rows up to this many float32 values stay in shared memory between the two passes.
-ROW_CACHE_BYTES = 48 * 1024
-# Aim for at least this many blocks in a split reduction.
-_TARGET_BLOCKS = 2048
+# The activations batch_norm fuses.
+ACTIVATIONS = frozenset({None, "tanh"})
 
 
 def check_num_groups(num_groups: Any, channels: int) -> int:
@@ -54,123 +51,21 @@ def check_running_pair(running_mean: Any, running_var: Any) -> None:
         raise ValueError("running_mean and running_var must both be given or both be None")
 
 
-def finalize_threads(partials_per_row: int) -> int:
-    """Threads of a ``stats_finalize`` block: fewer for short rows (pipeline A sums 16)."""
-    return min(256, 32 * max(1, -(-partials_per_row // 32)))
-
-
-def split_count(keys: int, elements_per_key: int) -> int:
-    """How many blocks share one statistics key: enough blocks overall, at least 1024 values
-    each."""
-    want = -(-_TARGET_BLOCKS // max(keys, 1))
-    return max(1, min(want, -(-elements_per_key // 1024)))
-
-
-def _affine_apply(cupy, x, y, coef_a, coef_b, inner: int, n_coef: int, act: int,
-                  lo: float = 0.0, hi: float = 0.0) -> None:
-    """``y = act(a[k] * x + b[k])`` over contiguous planes of ``inner`` values,
-    k = plane % n_coef: one flat grid-stride pass, 16-byte accesses where aligned."""
-    vec = 4 if (x.size % 4 == 0 and inner >= 4 and x.data.ptr % 16 == 0
-                and y.data.ptr % 16 == 0) else 1
-    n_vec = x.size // vec
-    launch_1d(get_kernel(_NORM, f"channel_affine<{act}, {vec}>"), -(-n_vec // 4),  # 4 per thread
-              (x, y, coef_a, coef_b, numpy.int64(n_vec), numpy.int64(inner),
-               numpy.int64(n_coef), numpy.float32(lo), numpy.float32(hi)))
-
-
-def group_rows_fit_channels_last(c: int, num_groups: int, hw: int) -> bool:
-    """Whether GroupNorm rows of this shape can be read from a channels-last (N, HW, C)
-    input: groups of 4, 8, ..., 128 channels (a thread keeps one 16-byte channel quad), rows
-    that stay cached in shared memory."""
-    cg = c // num_groups
-    return cg % 4 == 0 and 32 % (cg // 4) == 0 and cg * hw * 4 <= ROW_CACHE_BYTES
-
-
-def reads_channels_last(x, num_groups: int) -> bool:
-    """Whether ``launch_group_norm_rows`` reads ``x`` in place as channels-last: stored so,
-    16-byte aligned, with rows that ``group_rows_fit_channels_last`` allows."""
-    n, c = x.shape[:2]
-    hw = x.size // max(n * c, 1)
-    return (x.ndim > 2 and c > 1 and hw > 1 and stored_in(x, "nhwc") and x.data.ptr % 16 == 0
-            and group_rows_fit_channels_last(c, num_groups, hw))
-
-
-def group_norm_threads(shared_bytes: int) -> int:
-    """Threads of a GroupNorm row block that caches ``shared_bytes``: 128 while 8 blocks fit
-    in an SM's shared memory (more blocks per SM overlap one block's reductions with another's
-    loads: the fastest block size for B's GroupNorm, docs/design.rst), else 256, so that an
-    SM still runs 1024 threads."""
-    return 128 if 8 * shared_bytes <= 224 * 1024 else 256
-
-
-def launch_group_norm_rows(x, y, num_groups: int, weight, bias, eps: float, *,
-                           pre=None, x_block: int | None = None) -> None:
-    """GroupNorm of ``x`` (N, C, ...) into contiguous ``y`` with one block per (n, group) row.
-
-    ``x`` is contiguous, or channels-last where ``reads_channels_last`` allows. With
-    ``x_block``, the memory of ``x`` holds channels-last values in blocks of ``x_block``
-    channels, a whole number of groups (``blocked_channels_last`` in common.cuh), whatever
-    its strides say, with rows that ``group_rows_fit_channels_last`` allows and 16-byte
-    alignment; ``x`` may then be ``y`` when a block is one group.
-    ``pre = (a, b)`` first maps each value to ``tanh(a[c] * x + b[c])``.
-    The row stays in shared memory between statistics and normalize when it fits in
-    ``ROW_CACHE_BYTES``, and is then visited one warp per channel where a channel has at
-    least 32 values; 16-byte accesses when the row length and pointers allow.
-    """
-    n, c = x.shape[:2]
-    hw = x.size // max(n * c, 1)
-    length = (c // num_groups) * hw
-    cache = length * 4 <= ROW_CACHE_BYTES
-    vec = 4 if (length % 4 == 0 and hw >= 4 and x.data.ptr % 16 == 0
-                and y.data.ptr % 16 == 0) else 1
-    pre_a, pre_b = pre if pre is not None else (None, None)
-    if x_block is None and reads_channels_last(x, num_groups):
-        x_block = c
-    elif x_block is not None and not (x_block % (c // num_groups) == 0 and c % x_block == 0
-                                      and group_rows_fit_channels_last(c, num_groups, hw)
-                                      and x.data.ptr % 16 == 0):
-        raise ValueError(f"x_block={x_block} needs whole groups of 4k channels per block, rows "
-                         "that fit in shared memory and 16-byte alignment")
-    if x_block is not None:
-        name = f"group_norm_rows_from_nhwc<{int(pre is not None)}, {vec}>"
-    elif not x.flags.c_contiguous:
-        raise ValueError("x must be contiguous, or channels-last as reads_channels_last allows")
-    elif cache and hw >= 32:
-        name = f"group_norm_rows_by_channel<{int(pre is not None)}, {vec}>"
-    else:
-        name = f"group_norm_rows<{int(pre is not None)}, {str(cache).lower()}, {vec}>"
-    shared = length * 4 if cache else 0
-    args = (x, y, optional(pre_a), optional(pre_b), optional(weight), optional(bias),
-            numpy.int32(c), numpy.int32(num_groups), numpy.int32(hw), numpy.float32(eps))
-    if x_block is not None:
-        args += (numpy.int32(x_block),)
-    get_kernel(_NORM, name)((n * num_groups,), (group_norm_threads(shared),), args,
-                            shared_mem=shared)
-
-
-def _group_norm_gpu(cupy, x, num_groups, weight, bias, eps, out):
+def _group_norm_gpu(xp, x, num_groups, weight, bias, eps, out):
     n, c = x.shape[:2]
     hw = x.size // (n * c)
     length = (c // num_groups) * hw
     rows = n * num_groups
     if length * 4 <= ROW_CACHE_BYTES:
-        launch_group_norm_rows(x, out, num_groups, weight, bias, eps)
+        group_norm_rows(x, out, num_groups, weight, bias, eps)
         return out
-    splits = split_count(rows, length)
-    partial = cupy.empty((rows, splits, 2), dtype=cupy.float32)
-    shift = cupy.empty(rows, dtype=cupy.float32)
-    get_kernel(_NORM, "key_stats_partial")(
-        (rows * splits,), (256,),
-        (x, partial, shift, numpy.int64(1), numpy.int64(0), numpy.int64(length),
-         numpy.int64(length), numpy.int32(splits)))
-    coef = cupy.empty((2, n * c), dtype=cupy.float32)
-    get_kernel(_NORM, "stats_finalize<0>")(
-        (rows,), (finalize_threads(splits),),
-        (partial, shift, numpy.int64(1), numpy.int64(0), numpy.int32(splits),
-         numpy.float64(length), optional(weight), optional(bias), numpy.uint64(0), coef[0],
-         coef[1], numpy.int32(c), numpy.int32(num_groups), numpy.float32(eps), numpy.int32(1),
-         numpy.uint64(0), numpy.uint64(0), numpy.uint64(0), numpy.float32(0), numpy.uint64(0)))
-    _affine_apply(cupy, x, out, coef[0], coef[1], hw, n * c, 0)
+    partial, shift, splits = key_stats_partial(xp, x, rows, n_outer=1, outer_stride=0,
+                                               key_stride=length, inner=length)
+    coef = xp.empty((2, n * c), dtype=xp.float32)
+    group_norm_coefficients(partial, shift, coef[0], coef[1], rows=rows, row_len=splits,
+                            count=length, channels=c, num_groups=num_groups, eps=eps,
+                            gamma=weight, beta=bias)
+    channel_affine(x, out, coef[0], coef[1], inner=hw, n_coef=n * c)
     return out
 
 
@@ -347,11 +242,11 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
     coef = bn_coefficients(xp, x, weight, bias, running_mean, running_var, training, momentum,
                            eps)
     hw = x.size // (x.shape[0] * c)
-    _affine_apply(xp, x, out, coef[0], coef[1], hw, c, ACTIVATIONS[activation])
+    channel_affine(x, out, coef[0], coef[1], inner=hw, n_coef=c, activation=activation)
     return out
 
 
-def bn_coefficients(cupy, x, weight, bias, running_mean, running_var, training, momentum, eps,
+def bn_coefficients(xp, x, weight, bias, running_mean, running_var, training, momentum, eps,
                     *, partial=None, splits=None, mean_offset=None, moments=None):
     """Per-channel ``(a, b)`` (a (2, C) array) of BatchNorm's affine on the GPU.
 
@@ -362,26 +257,19 @@ def bn_coefficients(cupy, x, weight, bias, running_mean, running_var, training, 
     """
     n, c = x.shape[:2]
     hw = x.size // (n * c)
-    coef = cupy.empty((2, c), dtype=cupy.float32)
+    coef = xp.empty((2, c), dtype=xp.float32)
     if training and partial is None:
-        splits = split_count(c, n * hw)
-        partial = cupy.empty((c, splits, 2), dtype=cupy.float32)
-        shift = cupy.empty(c, dtype=cupy.float32)
-        get_kernel(_NORM, "key_stats_partial")(
-            (c * splits,), (256,),
-            (x, partial, shift, numpy.int64(n), numpy.int64(c * hw), numpy.int64(hw),
-             numpy.int64(hw), numpy.int32(splits)))
+        partial, shift, splits = key_stats_partial(xp, x, c, n_outer=n, outer_stride=c * hw,
+                                                   key_stride=hw, inner=hw)
         n_outer, outer_stride = 1, 0
     elif training:
         partial, shift = partial
         n_outer, outer_stride = n, c * splits
     else:
-        partial, shift, n_outer, outer_stride, splits = numpy.uint64(0), numpy.uint64(0), 0, 0, 1
-    get_kernel(_NORM, "stats_finalize<1>")(
-        (c,), (finalize_threads(n_outer * splits),),
-        (partial, shift, numpy.int64(n_outer), numpy.int64(outer_stride), numpy.int32(splits),
-         numpy.float64(n * hw), optional(weight), optional(bias), numpy.uint64(0), coef[0],
-         coef[1], numpy.int32(c), numpy.int32(c), numpy.float32(eps), numpy.int32(training),
-         optional(running_mean), optional(running_var), optional(mean_offset),
-         numpy.float32(momentum), optional(moments)))
+        partial, shift, n_outer, outer_stride, splits = None, None, 0, 0, 1
+    batch_norm_coefficients(partial, shift, coef[0], coef[1], n_outer=n_outer,
+                            outer_stride=outer_stride, row_len=splits, count=n * hw,
+                            channels=c, eps=eps, training=training, gamma=weight, beta=bias,
+                            running_mean=running_mean, running_var=running_var,
+                            mean_offset=mean_offset, momentum=momentum, moments=moments)
     return coef

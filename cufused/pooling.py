@@ -14,8 +14,7 @@ import numpy
 from . import reference
 from ._arrays import (Size, check_float_dtype, check_ndim, check_out, check_required,
                       check_sizes, finish_numpy, get_array_module, ntuple, run_reference)
-from ._cuda import get_kernel, launch_1d
-from ._cudnn import stored_in, transpose_channels
+from ._kernels.pooling import pool_into
 
 __all__ = ["max_pool2d", "max_pool3d", "avg_pool2d", "avg_pool3d"]
 
@@ -44,43 +43,6 @@ def check_pool_args(in_size, nd: int, kernel_size, stride, padding, *, name: str
         raise ValueError(f"pooling window {kernel} is larger than the input of {name} "
                          f"(spatial size {tuple(in_size)})")
     return kernel, stride, padding, out_size
-
-
-def pool_into(x, y, kernel, stride, padding, *, is_max: bool) -> None:
-    """Pool contiguous CuPy ``x`` into ``y`` (logical (N, C, *out); any strides).
-
-    A 2x2 or 2x2x2 window with stride 2 and no padding takes the unrolled kernel, or, when
-    ``y`` is channels-last, a tiled kernel that writes it with coalesced stores; other windows
-    pool into a contiguous temporary that one tiled transpose moves to a channels-last ``y``.
-    """
-    nd = x.ndim - 2
-    n, c = x.shape[:2]
-    fixed = kernel == stride == (2,) * nd and not any(padding)
-    i32 = numpy.int32
-    if c > 1 and stored_in(y, "nhwc"):
-        spatial = y.size // (n * c)
-        if fixed and x.shape[-1] % 2 == 0 and x.data.ptr % 8 == 0 and c * spatial < 2**31:
-            name = f"pool2_to_channels_last<{str(is_max).lower()}, {2 if nd == 3 else 1}>"
-            get_kernel("pooling.cu", name)(
-                (-(-spatial // 32), -(-c // 32), min(n, 65535)), (32, 8),
-                (x, y, numpy.int64(n), i32(c), *map(i32, (1,) * (3 - nd) + x.shape[2:]),
-                 *map(i32, (1,) * (3 - nd) + y.shape[2:])))
-        else:
-            pooled = get_array_module(x=x).empty(y.shape, dtype=y.dtype)
-            pool_into(x, pooled, kernel, stride, padding, is_max=is_max)
-            transpose_channels(pooled, y, to_channels_last=True)
-        return
-    pad3 = (1,) * (3 - nd)
-    in3 = pad3 + x.shape[2:]
-    out3 = pad3 + y.shape[2:]
-    k3, s3, p3 = pad3 + kernel, pad3 + stride, (0,) * (3 - nd) + padding
-    ystr = [s // y.itemsize for s in y.strides]
-    ystr3 = ystr[:2] + [0] * (3 - nd) + ystr[2:]
-    window = f"{k3[0]}, 2" if fixed else "0, 0"
-    args = (x, y, numpy.int64(y.size), i32(c), *map(i32, in3), *map(i32, out3),
-            *map(i32, k3), *map(i32, s3), *map(i32, p3), *map(numpy.int64, ystr3))
-    launch_1d(get_kernel("pooling.cu", f"pool_nd<{'true' if is_max else 'false'}, {window}>"),
-              y.size, args)
 
 
 def _pool(nd: int, is_max: bool, x, kernel_size, stride, padding, out):

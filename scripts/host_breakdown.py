@@ -15,7 +15,8 @@ import cupy
 import numpy
 
 import cufused
-from cufused import _cudnn, pipelines
+from cufused import _cudnn
+from cufused.pipelines import pipeline_a, pipeline_b, pipeline_c
 from pipeline_calls import pipeline_calls  # scripts/, the script's own folder
 
 marks = []
@@ -40,11 +41,15 @@ def main(names, calls=50):
                  "conv_transpose2d_batchnorm_tanh_maxpool_groupnorm",
                  "conv_transpose3d_avgpool_clamp_softmax_multiply"):
         traced(cufused, name)
-    for name in ("conv_on_gpu", "gpu_conv_plan", "pool_into", "_fused_pass_variant",
-                 "_pool_extremum_stats", "bn_coefficients", "launch_group_norm_rows",
-                 "softmax_rows", "group_stats_coefficients", "_affine_apply"):
-        if hasattr(pipelines, name):
-            traced(pipelines, name)
+    # The names each pipeline module calls (traced where the pipeline looks them up).
+    for module in (pipeline_a, pipeline_b, pipeline_c):
+        for name in ("conv_on_gpu", "gpu_conv_plan", "pool_into", "fused_pass_variant",
+                     "pool_extremum_stats", "group_norm_coefficients", "bn_coefficients",
+                     "channel_affine", "transpose_channels", "pool_affine_nonfinite",
+                     "pool_bn_tanh_nonfinite", "group_norm_rows", "softmax_rows",
+                     "softmax_rows_nonfinite_weight"):
+            if hasattr(module, name):
+                traced(module, name)
     traced(_cudnn, "conv_plan")
     traced(_cudnn, "_launch_graph")
     traced(_cudnn.ConvPlan, "apply")

@@ -105,6 +105,7 @@ def test_conv_plan_replays_graph(rng, case, conv_pin):
     # preparation and cuDNN calls; new values behind the same pointers (the weight included)
     # must reach it, and it must match a direct run.
     from cufused import _cudnn
+    from cufused._layout import empty_in_layout
 
     nd, transposed, xs, ws, opts = case
     fn = {(2, False): cufused.conv2d, (3, False): cufused.conv3d,
@@ -113,7 +114,7 @@ def test_conv_plan_replays_graph(rng, case, conv_pin):
     fn(xg, wg, **opts)
     plan = [p for k, p in _cudnn._plans.items()
             if k[1].x_shape == xs and k[1].precision == "ieee" and k[6] == (conv_pin,)][-1]
-    x = _cudnn.empty_in_layout(xs, plan.x_layout)
+    x = empty_in_layout(xs, plan.x_layout)
     x[...] = xg
     y, direct = plan.empty_output(), plan.empty_output()
     for _ in range(3):
@@ -313,7 +314,7 @@ def test_group_norm(rng, shape, groups):
 @pytest.mark.parametrize("shape,groups", [((3, 24, 5, 7), 3), ((2, 16, 1, 3), 4),
                                           ((2, 64, 9, 10), 2), ((2, 12, 4, 4), 4)])
 def test_group_norm_channels_last_input(rng, shape, groups):
-    from cufused._cudnn import empty_in_layout
+    from cufused._layout import empty_in_layout
 
     x = (1000.0 + rng.standard_normal(shape)).astype(np.float32).astype(np.float64)
     w, b = mixed(rng, shape[1]), rng.standard_normal(shape[1])
@@ -333,7 +334,7 @@ def test_group_norm_channels_last_input(rng, shape, groups):
                                           ((2, 16, 1, 3), 4)])
 @pytest.mark.parametrize("pre", [False, True])
 def test_group_norm_rows_from_blocked_channels_last(rng, shape, groups, pre):
-    from cufused.normalization import launch_group_norm_rows
+    from cufused._kernels.normalization import group_norm_rows
 
     n, c = shape[:2]
     x = (3.0 + rng.standard_normal(shape)).astype(np.float32).astype(np.float64)
@@ -346,8 +347,8 @@ def test_group_norm_rows_from_blocked_channels_last(rng, shape, groups, pre):
         blocked = x.reshape(n, c // block, block, -1).transpose(0, 1, 3, 2)
         x_gpu = cp.asarray(np.ascontiguousarray(blocked).reshape(shape), dtype=cp.float32)
         out = x_gpu if in_place else poisoned(shape)
-        launch_group_norm_rows(x_gpu, out, groups, *to_gpu(w, b), 1e-5, pre=pre_gpu,
-                               x_block=block)
+        group_norm_rows(x_gpu, out, groups, *to_gpu(w, b), 1e-5, pre=pre_gpu,
+                        x_block=block)
         assert_close(out.get(), ref, 1e-4 if pre else 1e-5)
 
 
@@ -396,8 +397,9 @@ def test_pooling_into_channels_last(rng, nd, is_max):
     # The internal pool into a channels-last destination (pipeline C's conv input): 37
     # channels and 5 * 7 (* 3) positions leave partial 32 x 32 tiles; the 2-window kernel
     # writes it directly, the 3-window path pools into a temporary and transposes.
-    from cufused._cudnn import empty_in_layout
-    from cufused.pooling import check_pool_args, pool_into
+    from cufused._kernels.pooling import pool_into
+    from cufused._layout import empty_in_layout
+    from cufused.pooling import check_pool_args
 
     shape = (2, 37, 10, 14) if nd == 2 else (2, 37, 6, 10, 14)
     x = rng.standard_normal(shape)
@@ -434,7 +436,7 @@ def test_softmax_rows_channels_last(rng, monkeypatch, channels, length, clamp, v
     # Pipeline C's softmax over a channels-last (N, S, C) tensor: bias, clamp and scale fused,
     # the 16-byte statistics kernel (with 1 to 32 threads per position) or the scalar one,
     # and the 16-byte or the scalar transposing normalize pass.
-    softmax_module = importlib.import_module("cufused.softmax")
+    softmax_module = importlib.import_module("cufused._kernels.softmax")
     launched = []
     get_kernel = softmax_module.get_kernel
     monkeypatch.setattr(softmax_module, "get_kernel",
@@ -587,7 +589,8 @@ def test_tanh_accuracy():
 def test_transpose_channels_affine(rng):
     # Channels-last -> NCHW with clamp(scale[n, c] * v + shift[n, c]): 37 channels (partial
     # tiles), NaN kept, bounds applied.
-    from cufused._cudnn import empty_in_layout, transpose_channels
+    from cufused._kernels.layout import transpose_channels
+    from cufused._layout import empty_in_layout
 
     n, c, h, w = 3, 37, 5, 7
     x = rng.standard_normal((n, c, h, w))
@@ -608,7 +611,8 @@ def test_transpose_channels_affine(rng):
 def test_transpose_channels_both_ways(rng, shape):
     # NCHW -> channels-last and back (+ bias), partial tiles; the last shape has more than
     # 65535 tiles of positions per sample (once past the grid's y limit).
-    from cufused._cudnn import empty_in_layout, transpose_channels
+    from cufused._kernels.layout import transpose_channels
+    from cufused._layout import empty_in_layout
 
     x = cp.asarray(rng.standard_normal(shape), dtype=cp.float32)
     bias = cp.asarray(rng.standard_normal(shape[1]), dtype=cp.float32)
@@ -647,8 +651,8 @@ def test_fused_pass_variants_match_scalar(rng, layout, pool, c, h, w, variants):
     # The 16-byte kernels against the scalar one and float64 sums: mixed extremum signs, a
     # bias, statistics rows of c / 4 channels per sample (partial channel tiles for c = 12),
     # rows and columns the pool drops.
-    from cufused import pipelines
-    from cufused._cudnn import empty_in_layout
+    from cufused._kernels import pooling
+    from cufused._layout import empty_in_layout
 
     n, group = 3, max(c // 4, 1)
     y_host = 5.0 + rng.standard_normal((n, c, h, w))
@@ -665,9 +669,9 @@ def test_fused_pass_variants_match_scalar(rng, layout, pool, c, h, w, variants):
                 ext[...] = cp.nan
             else:
                 ext = poisoned(ext_shape)
-            partial, shift, _ = pipelines._pool_extremum_stats(
+            partial, shift, _ = pooling.pool_extremum_stats(
                 cp, y, ext, pool, bias=bias, sign_a=sign, sign_b=None, shift_group=group,
-                per_sample=True, variant=pipelines._fused_pass_variant(y, pool, kernel),
+                per_sample=True, variant=pooling.fused_pass_variant(y, pool, kernel),
                 ext_block=block)
             ext = ext.get()
             if block:  # (N, C / block, P, block) memory -> NCHW
@@ -725,7 +729,7 @@ def test_pipeline_c_one_read(rng, monkeypatch, pin, precision):
     # Output D = 16 (whole planes for each of a cluster's 8 blocks) and H * W % 4 == 0: the
     # one-read cluster kernel normalizes the class blocks ("subpixel nchw") or the NCDHW rows
     # ("nchw"). A NaN input turns its sample's rows to NaN.
-    softmax_module = importlib.import_module("cufused.softmax")  # cufused.softmax: the function
+    softmax_module = importlib.import_module("cufused._kernels.softmax")
     chosen = []
     one_read_geometry = softmax_module.one_read_geometry
     monkeypatch.setattr(softmax_module, "one_read_geometry",

@@ -8,9 +8,9 @@ import types
 import numpy as np
 import pytest
 
-from cufused import normalization, pipelines
-from cufused.softmax import cluster_row_split, stats_quads
-from cufused._cudnn import layout_strides
+from cufused._kernels import normalization, pooling
+from cufused._kernels.softmax import cluster_row_split, stats_quads
+from cufused._layout import layout_strides
 
 
 def device_array(shape, layout="nchw", ptr=256):
@@ -30,16 +30,16 @@ def device_array(shape, layout="nchw", ptr=256):
     ((2, 12, 9, 9), "nchw", 2, "scalar"),        # odd rows: no 16-byte bands
 ])
 def test_fused_pass_variant_default(shape, layout, pool, expected):
-    assert pipelines._fused_pass_variant(device_array(shape, layout), pool) == expected
+    assert pooling.fused_pass_variant(device_array(shape, layout), pool) == expected
 
 
 def test_fused_pass_variant_misaligned_and_forced():
     y = device_array((512, 128, 34, 34), "nhwc", ptr=260)  # not 16-byte aligned
-    assert pipelines._fused_pass_variant(y, 2) == "scalar"
+    assert pooling.fused_pass_variant(y, 2) == "scalar"
     with pytest.raises(ValueError, match="'vec4' does not apply"):
-        pipelines._fused_pass_variant(y, 2, "vec4")
+        pooling.fused_pass_variant(y, 2, "vec4")
     with pytest.raises(ValueError, match="'bands' does not apply"):
-        pipelines._fused_pass_variant(device_array((2, 8, 8, 8), "nhwc"), 2, "bands")
+        pooling.fused_pass_variant(device_array((2, 8, 8, 8), "nhwc"), 2, "bands")
 
 
 @pytest.mark.parametrize("shape,layout,groups,expected", [

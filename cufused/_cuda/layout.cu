@@ -2,7 +2,8 @@
 #include "common.cuh"
 
 // What transpose_batched does to each value on its way out: nothing, + bias[b], or pipeline
-// A's GroupNorm affine and clamp, clamp(scale[n, b] * v + shift[n, b], lo, hi).
+// A's GroupNorm affine and clamp, clamp(scale[n, b] * v + shift[n, b], lo, hi). The launcher
+// names these codes in the instantiations it requests (cufused/_kernels/layout.py).
 #define EPILOGUE_NONE 0
 #define EPILOGUE_BIAS 1
 #define EPILOGUE_AFFINE_CLAMP 2

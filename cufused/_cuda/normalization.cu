@@ -2,6 +2,8 @@
 // coefficients, the affine (+ activation) apply pass, and a one-block-per-row GroupNorm.
 #include "common.cuh"
 
+// Codes of the ACT and MODE template parameters: the launchers name them in the instantiations
+// they request (cufused/_kernels/normalization.py), so these are their only values.
 #define ACT_NONE 0
 #define ACT_TANH 1
 #define ACT_CLAMP 2

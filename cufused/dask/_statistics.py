@@ -17,8 +17,7 @@ from dask.highlevelgraph import HighLevelGraph
 import cufused
 
 from .._arrays import get_array_module
-from .._cuda import get_kernel
-from ..normalization import split_count
+from .._kernels.normalization import key_stats_partial
 from ._graph import Array, _Graph
 
 #: Partial moments of each node of the tree reduction (the default ``split_every``).
@@ -56,13 +55,8 @@ def _channel_moments(y) -> tuple[int, Any, Any]:
         return count, mean, m2
     y = xp.ascontiguousarray(y)
     hw = count // n
-    splits = split_count(c, count)
-    partial = xp.empty((c, splits, 2), dtype=xp.float32)
-    shift = xp.empty(c, dtype=xp.float32)
-    get_kernel("normalization.cu", "key_stats_partial")(
-        (c * splits,), (256,),
-        (y, partial, shift, numpy.int64(n), numpy.int64(c * hw), numpy.int64(hw),
-         numpy.int64(hw), numpy.int32(splits)))
+    partial, shift, _ = key_stats_partial(xp, y, c, n_outer=n, outer_stride=c * hw,
+                                          key_stride=hw, inner=hw)
     sums = partial.sum(axis=1, dtype=xp.float64)
     offset = sums[:, 0] / count
     m2 = sums[:, 1] - sums[:, 0] * offset

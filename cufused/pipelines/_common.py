@@ -1,0 +1,87 @@
+"""What the three pipelines share: the method and pool-window options and the end of their
+docstrings."""
+
+from __future__ import annotations
+
+import math
+
+import numpy
+
+from .._arrays import ntuple
+
+METHODS = ("fused", "unfused")
+
+# The numpydoc entries and sections every pipeline's docstring has after its own parameters.
+_SHARED_DOC = """\
+    precision : {{"ieee", "tf32"}}, optional
+        Convolution precision; ``None`` uses the default.
+    method : {{"fused", "unfused"}}
+        ``"unfused"`` runs separate building blocks (GPU baseline); ignored for NumPy input.
+    out : array, optional
+        Destination of the result's shape and dtype.
+
+    Returns
+    -------
+    array
+        Shape {shape}, same library and dtype as ``x``.
+
+    Raises
+    ------
+    TypeError
+        Mixed array libraries or an unsupported dtype.
+    ValueError
+        Inconsistent shapes or options.
+
+"""
+
+
+def shared_doc_sections(shape: str):
+    """Decorator: insert the shared ``precision`` / ``method`` / ``out`` entries and the
+    Returns (an array of ``shape``) and Raises sections before the docstring's Examples."""
+    def decorate(fn):
+        if fn.__doc__:  # None under python -OO
+            head, examples, tail = fn.__doc__.partition("    Examples\n")
+            fn.__doc__ = (head.rstrip() + "\n" + _SHARED_DOC.format(shape=shape) + examples
+                          + tail)
+        return fn
+    return decorate
+
+
+def check_method(method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+
+
+def gpu_method(method: str, conv_out_shape: tuple[int, ...]) -> str:
+    """The GPU method that runs: the fused pass indexes within a sample with 32-bit offsets,
+    so a larger sample of the convolution output takes the unfused building blocks, which
+    index with 64 bits."""
+    if method == "fused" and math.prod(conv_out_shape[1:]) >= 2**31:
+        return "unfused"
+    return method
+
+
+def gpu_path(method: str, fused, unfused, xp, x, weight, args, precision, out, shape,
+             **options):
+    """A pipeline's GPU half: ``out`` (a new array of ``shape`` when None, returned as it is
+    for an empty batch) computed by ``fused`` or, for ``method="unfused"``, ``unfused``."""
+    if out is None:
+        out = xp.empty(shape, dtype=x.dtype)
+    if x.shape[0] == 0:
+        return out
+    run = unfused if method == "unfused" else fused
+    return run(xp, x, weight, args, precision, out, **options)
+
+
+def ones_if_none(value, channels: int, xp):
+    """``value``, or one for every channel (``scale=None`` means no scaling)."""
+    return xp.ones(channels, dtype=xp.float64 if xp is numpy else xp.float32) if (
+        value is None) else value
+
+
+def tuple_pool(pool_kernel, nd: int) -> int:
+    """The pipelines pool with square / cubic windows, stride = kernel."""
+    k = ntuple(pool_kernel, nd, "pool_kernel", minimum=1)
+    if len(set(k)) != 1:
+        raise ValueError(f"pool_kernel must be the same along every axis, got {pool_kernel!r}")
+    return k[0]

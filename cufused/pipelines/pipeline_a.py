@@ -1,0 +1,162 @@
+"""Pipeline A: conv2d -> GroupNorm -> scale -> MaxPool -> clamp.
+
+GroupNorm * scale is a per-channel affine ``a * y + b`` with ``sign(a) = sign(gamma *
+scale)``, and a monotone map commutes with max (or, for ``a < 0``, turns it into min): one
+read of the convolution output yields the GroupNorm statistics (over every element, also
+those the pool drops) and each window's max or min; a small pass applies the affine and the
+clamp.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy
+
+from .. import reference
+from .._arrays import (Size, check_float_dtype, check_ndim, check_out, check_required,
+                       check_scalar, check_sizes, finish_numpy, get_array_module, per_channel,
+                       run_reference)
+from .._kernels.layout import transpose_channels
+from .._kernels.normalization import channel_affine, group_norm_coefficients
+from .._kernels.pooling import (fused_pass_variant, pool_affine_nonfinite, pool_extremum_stats,
+                                stores_ext_channels_last)
+from .._layout import empty_in_layout
+from .._precision import resolve_precision
+from ..convolution import cached_conv_args, check_conv_memory, conv2d, conv_on_gpu
+from ..normalization import check_group_values, check_num_groups, group_norm
+from ..pooling import check_pool_args, max_pool2d
+from ._common import (check_method, gpu_method, gpu_path, ones_if_none, shared_doc_sections,
+                      tuple_pool)
+
+
+@shared_doc_sections("(N, C_out, H_conv // k, W_conv // k)")
+def conv2d_groupnorm_scale_maxpool_clamp(
+        x: Any, weight: Any, conv_bias: Any, gn_weight: Any, gn_bias: Any, scale: Any, *,
+        num_groups: int, pool_kernel: int, clamp_min: float, clamp_max: float,
+        stride: Size = 1, padding: Size = 0, eps: float = 1e-5,
+        precision: str | None = None, method: str = "fused", out: Any = None) -> Any:
+    """Pipeline A: ``clamp(max_pool2d(group_norm(conv2d(x)) * scale, k), clamp_min, clamp_max)``.
+
+    KernelBench level 2 / Tensara "Conv2d_GroupNorm_Scale_MaxPool_Clamp". The GroupNorm
+    statistics cover the whole convolution output, including rows and columns the pool drops.
+
+    Parameters
+    ----------
+    x : numpy.ndarray or cupy.ndarray
+        Input, shape (N, C_in, H, W).
+    weight : array
+        Convolution weight, shape (C_out, C_in, kH, kW).
+    conv_bias, gn_weight, gn_bias : array or None
+        Per-output-channel convolution bias and GroupNorm affine.
+    scale : array, float or None
+        Per-channel multiplier after GroupNorm (e.g. shape (C_out, 1, 1)), one number (a
+        Python number or a 0-d array), or None for no scaling.
+    num_groups : int
+        GroupNorm groups; must divide C_out.
+    pool_kernel : int
+        Max-pool window and stride (floor mode).
+    clamp_min, clamp_max : float
+        Finite bounds of the final clamp (``clamp_min > clamp_max`` gives ``clamp_max``, as
+        ``torch.clamp``).
+    stride, padding : int or tuple of int
+        Convolution options.
+    eps : float
+        GroupNorm epsilon.
+
+    Examples
+    --------
+    >>> import numpy as np, cufused
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.random((2, 3, 10, 10), dtype=np.float32)
+    >>> w = rng.standard_normal((8, 3, 3, 3), dtype=np.float32)
+    >>> ones = np.ones(8, dtype=np.float32)
+    >>> y = cufused.conv2d_groupnorm_scale_maxpool_clamp(
+    ...     x, w, None, ones, None, 2 * ones, num_groups=4, pool_kernel=2,
+    ...     clamp_min=0.0, clamp_max=1.0)
+    >>> y.shape, y.dtype, bool(y.min() >= 0.0 and y.max() <= 1.0)
+    ((2, 8, 4, 4), dtype('float32'), True)
+    """
+    check_required(x=x, weight=weight)
+    xp = get_array_module(x=x, weight=weight, conv_bias=conv_bias, gn_weight=gn_weight,
+                          gn_bias=gn_bias, scale=None if numpy.isscalar(scale) else scale)
+    check_float_dtype(xp, x=x, weight=weight, conv_bias=conv_bias, gn_weight=gn_weight,
+                      gn_bias=gn_bias)
+    check_ndim(x, "x", (4,), "NCHW")
+    check_sizes(x, "x")
+    args = cached_conv_args(x.shape, weight.shape, 2, transposed=False, stride=stride,
+                            padding=padding)
+    check_conv_memory(x.shape, args, xp)
+    c = args.out_shape[1]
+    conv_bias = per_channel(conv_bias, "conv_bias", c, xp)
+    gn_weight = per_channel(gn_weight, "gn_weight", c, xp)
+    gn_bias = per_channel(gn_bias, "gn_bias", c, xp)
+    scale = per_channel(scale, "scale", c, xp, allow_scalar=True, broadcast_ndim=4)
+    if xp is not numpy:
+        check_float_dtype(xp, scale=scale)
+    num_groups = check_num_groups(num_groups, c)
+    check_group_values(args.out_shape, num_groups, "the conv output")
+    k = tuple_pool(pool_kernel, 2)
+    _, _, _, pooled = check_pool_args(args.out_shape[2:], 2, k, k, 0, name="the conv output")
+    lo = check_scalar(clamp_min, "clamp_min")
+    hi = check_scalar(clamp_max, "clamp_max")
+    eps = check_scalar(eps, "eps", minimum=0.0)
+    precision = resolve_precision(precision)
+    check_method(method)
+    shape = args.out_shape[:2] + pooled
+    check_out(out, shape, x.dtype, xp, x, inputs={
+        "x": x, "weight": weight, "conv_bias": conv_bias, "gn_weight": gn_weight,
+        "gn_bias": gn_bias, "scale": scale})
+    if xp is numpy and x.size:  # an empty batch falls through to the empty result below
+        y = run_reference(
+            reference.conv2d_groupnorm_scale_maxpool_clamp, x, weight, conv_bias, gn_weight,
+            gn_bias, ones_if_none(scale, c, xp), num_groups=num_groups, pool_kernel=(k, k),
+            clamp_min=lo, clamp_max=hi, stride=args.stride, padding=args.padding, eps=eps)
+        return finish_numpy(y, x.dtype, out)
+    return gpu_path(gpu_method(method, args.out_shape), _fused, _unfused, xp, x, weight, args,
+                    precision, out, shape, k=k, num_groups=num_groups, conv_bias=conv_bias,
+                    gn_weight=gn_weight, gn_bias=gn_bias, scale=scale, eps=eps, lo=lo, hi=hi)
+
+
+def _unfused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, gn_weight,
+             gn_bias, scale, eps, lo, hi):
+    """The building blocks one after the other (the baseline, and 64-bit indexing)."""
+    c = args.out_shape[1]
+    y = conv2d(x, weight, conv_bias, stride=args.stride, padding=args.padding,
+               precision=precision)
+    y = group_norm(y, num_groups, gn_weight, gn_bias, eps=eps, out=y)
+    if scale is not None:
+        xp.multiply(y, scale.reshape(1, c, 1, 1), out=y)
+    y = max_pool2d(y, k)
+    return xp.minimum(xp.maximum(y, lo), hi, out=out)
+
+
+def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, gn_weight,
+           gn_bias, scale, eps, lo, hi):
+    """The convolution; one read of its output for the window extrema and the GroupNorm
+    statistics; GroupNorm * scale as per-(n, c) coefficients; their affine and the clamp
+    applied to the extrema; channels with a non-finite parameter recomputed."""
+    y, _ = conv_on_gpu(x, weight, args, precision, convert_output=False)
+    n, c, h, w = y.shape
+    cg = c // num_groups
+    # From a channels-last conv output the pass stores the extrema channels-last and the
+    # affine pass transposes them into out.
+    variant = fused_pass_variant(y, k)
+    ext = empty_in_layout(out.shape, "nhwc") if stores_ext_channels_last(variant, k) else out
+    partial, shift, splits = pool_extremum_stats(
+        xp, y, ext, k, bias=conv_bias, sign_a=gn_weight, sign_b=scale, shift_group=cg,
+        per_sample=True, variant=variant)
+    coef = xp.empty((2, n * c), dtype=xp.float32)
+    moments = xp.empty((n * num_groups, 2), dtype=xp.float32)
+    group_norm_coefficients(partial, shift, coef[0], coef[1], rows=n * num_groups,
+                            row_len=cg * splits, count=cg * h * w, channels=c,
+                            num_groups=num_groups, eps=eps, gamma=gn_weight, beta=gn_bias,
+                            scale=scale, moments=moments)
+    if ext is out:
+        channel_affine(out, out, coef[0], coef[1], inner=out.shape[2] * out.shape[3],
+                       n_coef=n * c, activation="clamp", lo=lo, hi=hi)
+    else:
+        transpose_channels(ext, out, to_channels_last=False, affine=(coef[0], coef[1], lo, hi))
+    pool_affine_nonfinite(y, out, moments, bias=conv_bias, gamma=gn_weight, beta=gn_bias,
+                          scale=scale, num_groups=num_groups, pool=k, lo=lo, hi=hi)
+    return out

@@ -1,0 +1,175 @@
+"""Pipeline B: ConvTranspose2d -> BatchNorm (training) -> tanh -> MaxPool -> GroupNorm.
+
+One read of the convolution output gives the per-channel batch statistics and each window's
+extremum (tanh is increasing, so the sign of the BatchNorm weight decides max or min); one
+block per (n, group) then applies BatchNorm + tanh and GroupNorm on the 4x smaller pooled
+tensor, cached in shared memory. The convolution bias cancels in training-mode BatchNorm and
+is only added to the running-mean update.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy
+
+from .. import reference
+from .._arrays import (Size, check_float_dtype, check_ndim, check_out, check_required,
+                       check_scalar, check_sizes, finish_numpy, get_array_module, per_channel,
+                       run_reference)
+from .._kernels.normalization import group_norm_rows, group_rows_fit_channels_last
+from .._kernels.pooling import (fused_pass_variant, pool_bn_tanh_nonfinite,
+                                pool_extremum_stats, stores_ext_channels_last)
+from .._precision import resolve_precision
+from ..convolution import cached_conv_args, check_conv_memory, conv_on_gpu, conv_transpose2d
+from ..normalization import (batch_norm, bn_coefficients, check_group_values, check_num_groups,
+                             check_running_buffer, check_running_pair, group_norm)
+from ..pooling import check_pool_args, max_pool2d
+from ._common import check_method, gpu_method, gpu_path, shared_doc_sections, tuple_pool
+
+
+@shared_doc_sections("(N, C_out, H_conv // k, W_conv // k)")
+def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        x: Any, weight: Any, bn_weight: Any, bn_bias: Any, gn_weight: Any, gn_bias: Any, *,
+        num_groups: int, stride: Size = 1, padding: Size = 0,
+        output_padding: Size = 0, groups: int = 1,
+        conv_bias: Any = None, pool_kernel: int = 2, eps: float = 1e-5,
+        running_mean: Any = None, running_var: Any = None, momentum: float = 0.1,
+        precision: str | None = None, method: str = "fused", out: Any = None) -> Any:
+    """Pipeline B: ``group_norm(max_pool2d(tanh(batch_norm(conv_transpose2d(x)))), num_groups)``.
+
+    KernelBench level 2 / Tensara "ConvTranspose2d_BatchNorm_Tanh_MaxPool_GroupNorm". BatchNorm
+    runs in training mode (batch statistics, biased variance); ``running_mean`` /
+    ``running_var``, when given, are updated in place as PyTorch does. The max pool uses
+    window and stride ``pool_kernel``. The same ``eps`` serves both norms.
+
+    Parameters
+    ----------
+    x : numpy.ndarray or cupy.ndarray
+        Input, shape (N, C_in, H, W).
+    weight : array
+        ConvTranspose2d weight, shape (C_in, C_out / groups, kH, kW).
+    bn_weight, bn_bias, gn_weight, gn_bias : array or None
+        Per-channel BatchNorm and GroupNorm affines.
+    num_groups : int
+        GroupNorm groups; must divide C_out.
+    stride, padding, output_padding : int or tuple of int
+        Transposed-convolution options.
+    groups : int
+        Transposed-convolution groups.
+    conv_bias : array, optional
+        Convolution bias (it cancels in the output; it still enters the running mean).
+    pool_kernel : int
+        Max-pool window and stride.
+    eps : float
+        Epsilon of both norms.
+    running_mean, running_var : array, optional
+        BatchNorm running buffers, updated in place.
+    momentum : float
+        BatchNorm momentum in [0, 1].
+
+    Examples
+    --------
+    >>> import numpy as np, cufused
+    >>> rng = np.random.default_rng(0)
+    >>> x, w = rng.random((2, 4, 5, 5)), rng.standard_normal((4, 8, 3, 3))
+    >>> y = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+    ...     x, w, None, None, None, None, num_groups=2)
+    >>> y.shape
+    (2, 8, 3, 3)
+    >>> bool(abs(y[0, :4].mean()) < 1e-5)   # each (sample, group) is normalized
+    True
+    """
+    check_required(x=x, weight=weight)
+    xp = get_array_module(x=x, weight=weight, bn_weight=bn_weight, bn_bias=bn_bias,
+                          gn_weight=gn_weight, gn_bias=gn_bias, conv_bias=conv_bias,
+                          running_mean=running_mean, running_var=running_var)
+    check_float_dtype(xp, x=x, weight=weight, bn_weight=bn_weight, bn_bias=bn_bias,
+                      gn_weight=gn_weight, gn_bias=gn_bias, conv_bias=conv_bias,
+                      running_mean=running_mean, running_var=running_var)
+    check_ndim(x, "x", (4,), "NCHW")
+    check_sizes(x, "x")
+    args = cached_conv_args(x.shape, weight.shape, 2, transposed=True, stride=stride,
+                            padding=padding, output_padding=output_padding, groups=groups)
+    check_conv_memory(x.shape, args, xp)
+    c = args.out_shape[1]
+    bn_weight = per_channel(bn_weight, "bn_weight", c, xp)
+    bn_bias = per_channel(bn_bias, "bn_bias", c, xp)
+    gn_weight = per_channel(gn_weight, "gn_weight", c, xp)
+    gn_bias = per_channel(gn_bias, "gn_bias", c, xp)
+    conv_bias = per_channel(conv_bias, "conv_bias", c, xp)
+    running_mean = check_running_buffer(running_mean, "running_mean", c, xp)
+    running_var = check_running_buffer(running_var, "running_var", c, xp)
+    check_running_pair(running_mean, running_var)
+    num_groups = check_num_groups(num_groups, c)
+    k = tuple_pool(pool_kernel, 2)
+    _, _, _, pooled = check_pool_args(args.out_shape[2:], 2, k, k, 0, name="the conv output")
+    check_group_values(args.out_shape[:2] + pooled, num_groups, "the pooled output")
+    eps = check_scalar(eps, "eps", minimum=0.0)
+    momentum = check_scalar(momentum, "momentum", minimum=0.0, maximum=1.0)
+    if x.shape[0] and x.shape[0] * args.out_shape[2] * args.out_shape[3] < 2:
+        raise ValueError("expected more than 1 value per channel for training-mode BatchNorm")
+    precision = resolve_precision(precision)
+    check_method(method)
+    shape = args.out_shape[:2] + pooled
+    check_out(out, shape, x.dtype, xp, x, inputs={
+        "x": x, "weight": weight, "bn_weight": bn_weight, "bn_bias": bn_bias,
+        "gn_weight": gn_weight, "gn_bias": gn_bias, "conv_bias": conv_bias,
+        "running_mean": running_mean, "running_var": running_var})
+    if xp is numpy and x.size:  # an empty batch falls through to the empty result below
+        y = run_reference(
+            reference.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm, x, weight, bn_weight,
+            bn_bias, gn_weight, gn_bias, num_groups=num_groups, stride=args.stride,
+            padding=args.padding, output_padding=args.output_padding, groups=args.groups,
+            conv_bias=conv_bias, pool_kernel=(k, k), eps=eps, running_mean=running_mean,
+            running_var=running_var, momentum=momentum)
+        return finish_numpy(y, x.dtype, out)
+    return gpu_path(gpu_method(method, args.out_shape), _fused, _unfused, xp, x, weight, args,
+                    precision, out, shape, k=k, num_groups=num_groups, conv_bias=conv_bias,
+                    bn_weight=bn_weight, bn_bias=bn_bias, gn_weight=gn_weight, gn_bias=gn_bias,
+                    running_mean=running_mean, running_var=running_var, momentum=momentum,
+                    eps=eps)
+
+
+def _unfused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, bn_weight,
+             bn_bias, gn_weight, gn_bias, running_mean, running_var, momentum, eps):
+    """The building blocks one after the other (the baseline, and 64-bit indexing)."""
+    y = conv_transpose2d(x, weight, conv_bias, stride=args.stride, padding=args.padding,
+                         output_padding=args.output_padding, groups=args.groups,
+                         precision=precision)
+    y = batch_norm(y, bn_weight, bn_bias, running_mean=running_mean, running_var=running_var,
+                   momentum=momentum, eps=eps, activation="tanh", out=y)
+    return group_norm(max_pool2d(y, k), num_groups, gn_weight, gn_bias, eps=eps, out=out)
+
+
+def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, bn_weight,
+           bn_bias, gn_weight, gn_bias, running_mean, running_var, momentum, eps):
+    """The transposed convolution; one read of its output for the window extrema (into
+    ``out``) and the batch statistics; BatchNorm as per-channel coefficients (and the running
+    buffers updated); channels with a non-finite parameter recomputed; BatchNorm + tanh and
+    the GroupNorm applied to the extrema in place."""
+    y, _ = conv_on_gpu(x, weight, args, precision, convert_output=False)
+    c = y.shape[1]
+    # The pooled extrema go into out, and the GroupNorm maps them in place. From a
+    # channels-last conv output the pass stores them channels-last with 16-byte stores, in
+    # blocks of one group's channels: each (n, group) row then has the bytes it has in NCHW,
+    # and the GroupNorm transposes it (in shared memory) where it stands (for B's 2 x 2 pool:
+    # the path measured and tested on the GPU). Unlike a separate channels-last buffer, this
+    # leaves no dirty lines of a temporary in the L2 to be written back during the GroupNorm.
+    variant = fused_pass_variant(y, k)
+    ext_block = 0
+    if (k == 2 and stores_ext_channels_last(variant, k) and out.data.ptr % 16 == 0
+            and group_rows_fit_channels_last(c, num_groups, out.shape[2] * out.shape[3])):
+        ext_block = c // num_groups
+    partial, shift, splits = pool_extremum_stats(
+        xp, y, out, k, bias=None, sign_a=bn_weight, sign_b=None, shift_group=1,
+        per_sample=False, variant=variant, ext_block=ext_block)
+    moments = xp.empty((c, 2), dtype=xp.float32)
+    coef = bn_coefficients(xp, y, bn_weight, bn_bias, running_mean, running_var, True,
+                           momentum, eps, partial=(partial, shift), splits=splits,
+                           mean_offset=conv_bias, moments=moments)
+    pool_bn_tanh_nonfinite(y, out, moments, coef[0], coef[1], bias=conv_bias, gamma=bn_weight,
+                           beta=bn_bias, pool=k, ext_block=ext_block)
+    group_norm_rows(out, out, num_groups, gn_weight, gn_bias, eps, pre=coef,
+                    x_block=ext_block or None)
+    return out

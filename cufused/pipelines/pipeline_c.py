@@ -1,0 +1,158 @@
+"""Pipeline C: AvgPool3d -> ConvTranspose3d -> clamp -> softmax over D*H*W -> scale.
+
+The pool runs first, writing the convolution's input directly in the layout its cuDNN plan
+wants; after the clamp to [lo, hi] the softmax needs no max pass (exp(v - hi) <= 1), so one
+statistics read and one normalize-and-scale pass follow, in place in the output when the
+layout allows.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy
+
+from .. import reference
+from .._arrays import (Size, check_float_dtype, check_ndim, check_out, check_required,
+                       check_scalar, check_sizes, finish_numpy, get_array_module, per_channel,
+                       run_reference)
+from .._cudnn import UnsupportedConvolution
+from .._kernels.pooling import pool_into
+from .._kernels.softmax import softmax_rows, softmax_rows_nonfinite_weight
+from .._layout import empty_in_layout
+from .._precision import resolve_precision
+from ..convolution import (cached_conv_args, check_conv_memory, conv_on_gpu, conv_transpose3d,
+                           gpu_conv_plan)
+from ..pooling import avg_pool3d, check_pool_args
+from ..softmax import softmax
+from ._common import check_method, gpu_path, ones_if_none, shared_doc_sections, tuple_pool
+
+
+@shared_doc_sections("(N, C_out, D_out, H_out, W_out)")
+def conv_transpose3d_avgpool_clamp_softmax_multiply(
+        x: Any, weight: Any, scale: Any, *, stride: Size, padding: Size,
+        output_padding: Size, pool_kernel: int,
+        clamp_min: float, clamp_max: float, conv_bias: Any = None, groups: int = 1,
+        precision: str | None = None, method: str = "fused", out: Any = None) -> Any:
+    """Pipeline C: ``softmax(clamp(conv_transpose3d(avg_pool3d(x, k))), axis=(2, 3, 4)) * scale``.
+
+    KernelBench level 2 / Tensara "ConvTranspose3d_AvgPool_Clamp_Softmax_Multiply". Despite the
+    name, the average pool (window and stride ``pool_kernel``) comes first, on the input.
+
+    Parameters
+    ----------
+    x : numpy.ndarray or cupy.ndarray
+        Input, shape (N, C_in, D, H, W).
+    weight : array
+        ConvTranspose3d weight, shape (C_in, C_out / groups, kD, kH, kW).
+    scale : array, float or None
+        Per-channel multiplier (e.g. shape (1, C_out, 1, 1, 1)), one number (a Python number
+        or a 0-d array), or None for no scaling.
+    stride, padding, output_padding : int or tuple of int
+        Transposed-convolution options.
+    pool_kernel : int
+        Average-pool window and stride.
+    clamp_min, clamp_max : float
+        Finite clamp bounds applied before the softmax.
+    conv_bias : array, optional
+        Per-channel convolution bias.
+    groups : int
+        Transposed-convolution groups.
+
+    Examples
+    --------
+    >>> import numpy as np, cufused
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.random((1, 2, 4, 4, 4))
+    >>> w = rng.standard_normal((2, 3, 3, 3, 3))
+    >>> y = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
+    ...     x, w, 1.0, stride=2, padding=1, output_padding=1, pool_kernel=2,
+    ...     clamp_min=0.0, clamp_max=1.0)
+    >>> y.shape, np.allclose(y.sum(axis=(2, 3, 4)), 1.0)
+    ((1, 3, 4, 4, 4), True)
+    """
+    check_required(x=x, weight=weight)
+    xp = get_array_module(x=x, weight=weight, scale=None if numpy.isscalar(scale) else scale,
+                          conv_bias=conv_bias)
+    check_float_dtype(xp, x=x, weight=weight, conv_bias=conv_bias)
+    check_ndim(x, "x", (5,), "NCDHW")
+    check_sizes(x, "x")
+    k = tuple_pool(pool_kernel, 3)
+    _, _, _, pooled = check_pool_args(x.shape[2:], 3, k, k, 0, unpadded_window=True)
+    pooled_shape = x.shape[:2] + pooled
+    args = cached_conv_args(pooled_shape, weight.shape, 3, transposed=True, stride=stride,
+                            padding=padding, output_padding=output_padding, groups=groups)
+    check_conv_memory(pooled_shape, args, xp)
+    c = args.out_shape[1]
+    scale = per_channel(scale, "scale", c, xp, allow_scalar=True, broadcast_ndim=5)
+    if xp is not numpy:
+        check_float_dtype(xp, scale=scale)
+    conv_bias = per_channel(conv_bias, "conv_bias", c, xp)
+    lo = check_scalar(clamp_min, "clamp_min")
+    hi = check_scalar(clamp_max, "clamp_max")
+    precision = resolve_precision(precision)
+    check_method(method)
+    shape = args.out_shape
+    check_out(out, shape, x.dtype, xp, x, inputs={
+        "x": x, "weight": weight, "scale": scale, "conv_bias": conv_bias})
+    if xp is numpy and x.size:  # an empty batch falls through to the empty result below
+        y = run_reference(
+            reference.conv_transpose3d_avgpool_clamp_softmax_multiply, x, weight,
+            ones_if_none(scale, c, xp), stride=args.stride, padding=args.padding,
+            output_padding=args.output_padding, pool_kernel=(k, k, k), clamp_min=lo,
+            clamp_max=hi, conv_bias=conv_bias, groups=args.groups)
+        return finish_numpy(y, x.dtype, out)
+    return gpu_path(method, _fused, _unfused, xp, x, weight, args, precision, out, shape, k=k,
+                    pooled_shape=pooled_shape, conv_bias=conv_bias, scale=scale, lo=lo, hi=hi)
+
+
+def _nonfinite_weight_rows(xp, x_pooled, weight, args, out, *, conv_bias, scale, lo, hi):
+    """Rows of an output channel with a non-finite weight, recomputed by the definition."""
+    softmax_rows_nonfinite_weight(xp, x_pooled, weight, out, groups=args.groups,
+                                  stride=args.stride, padding=args.padding,
+                                  dilation=args.dilation, bias=conv_bias, scale=scale,
+                                  clamp=(lo, hi))
+    return out
+
+
+def _unfused(xp, x, weight, args, precision, out, *, k, pooled_shape, conv_bias, scale, lo,
+             hi):
+    """The building blocks one after the other (the baseline)."""
+    c = out.shape[1]
+    x_pooled = avg_pool3d(x, k)
+    y = conv_transpose3d(x_pooled, weight, conv_bias, stride=args.stride,
+                         padding=args.padding, output_padding=args.output_padding,
+                         groups=args.groups, precision=precision)
+    xp.minimum(xp.maximum(y, lo), hi, out=y)
+    if scale is None:
+        softmax(y, axis=(2, 3, 4), out=out)
+    else:
+        xp.multiply(softmax(y, axis=(2, 3, 4), out=y), scale.reshape(1, c, 1, 1, 1), out=out)
+    return _nonfinite_weight_rows(xp, x_pooled, weight, args, out, conv_bias=conv_bias,
+                                  scale=scale, lo=lo, hi=hi)
+
+
+def _fused(xp, x, weight, args, precision, out, *, k, pooled_shape, conv_bias, scale, lo, hi):
+    """The average pool into the plan's input layout, the transposed convolution, then the
+    clamped softmax times ``scale`` reading the convolution's output layout, into ``out``."""
+    n, c = out.shape[:2]
+    try:
+        plan = gpu_conv_plan(pooled_shape, weight.shape, args, precision, convert_input=False,
+                             convert_output=False, accept_classes=True)
+    except UnsupportedConvolution:  # conv_on_gpu's route for what no cuDNN plan computes
+        x_pooled = avg_pool3d(x, k)
+        y, layout = conv_on_gpu(x_pooled, weight, args, precision, out=out,
+                                convert_output=False)
+    else:
+        # The pool writes the conv input straight into the plan's input layout.
+        x_pooled = empty_in_layout(pooled_shape, plan.x_layout)
+        pool_into(xp.ascontiguousarray(x), x_pooled, (k, k, k), (k, k, k), (0, 0, 0),
+                  is_max=False)
+        y, layout = plan.apply(x_pooled, weight, out=out, convert_output=False)
+    strides = [s // y.itemsize for s in y.strides]
+    length = math.prod(out.shape[2:])
+    softmax_rows(xp, y, out, n * c, length, c, (strides[0], strides[1], strides[-1]),
+                 layout=layout, bias=conv_bias, scale=scale, clamp=(lo, hi))
+    return _nonfinite_weight_rows(xp, x_pooled, weight, args, out, conv_bias=conv_bias,
+                                  scale=scale, lo=lo, hi=hi)
