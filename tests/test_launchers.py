@@ -1,0 +1,367 @@
+"""The launcher layer (cufused/_kernels/) without a GPU: every launch it makes, recorded.
+
+``get_kernel`` is replaced by a recorder and the launchers are called with stand-ins that carry
+what they read (shape, strides, pointer); each recorded launch must name a registered
+instantiation and pass exactly the arguments of the kernel's ``__global__`` signature in the
+CUDA source, each of the NumPy type its parameter needs (``int``: int32, ``index_t``: int64,
+``float``: float32, ``double``: float64, a pointer: an array or a null ``uint64``), with a
+grid and block the device accepts. Each module's calls below reach every instantiation
+registered for its source. Also: only the launchers launch, and imports point down.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import math
+import pathlib
+import re
+import types
+
+import numpy as np
+import pytest
+
+import cufused._cuda
+from cufused._cuda import KERNELS, source
+from cufused._layout import layout_strides
+
+PACKAGE = pathlib.Path(cufused._cuda.__file__).resolve().parent.parent
+LAUNCHERS = {filename: importlib.import_module(f"cufused._kernels.{filename[:-3]}")
+             for filename in KERNELS}
+SCALARS = {"int": np.int32, "index_t": np.int64, "float": np.float32, "double": np.float64}
+
+
+# ------------------------------------------------------------------- kernel signatures
+
+def _signatures(filename: str) -> dict[str, list[tuple[str, str]]]:
+    """``{kernel: [(kind, parameter name), ...]}`` of every ``__global__`` function in the
+    source; kind is "pointer" or the scalar type."""
+    text = re.sub(r"//[^\n]*", "", source(filename))
+    found = {}
+    for match in re.finditer(r"__global__\b.*?\b(\w+)\s*\(([^()]*)\)\s*\{", text, re.S):
+        params = []
+        for param in match.group(2).split(","):
+            *type_words, name = param.replace("*", " * ").split()
+            kind = "pointer" if "*" in type_words else type_words[-1]
+            params.append((kind, name))
+        found[match.group(1)] = params
+    return found
+
+
+SIGNATURES = {filename: _signatures(filename) for filename in KERNELS}
+
+
+def test_signatures_cover_every_registered_kernel():
+    for filename, names in KERNELS.items():
+        for name in names:
+            params = SIGNATURES[filename].get(name.split("<")[0])
+            assert params, f"no __global__ signature of {name} in {filename}"
+            assert all(kind == "pointer" or kind in SCALARS for kind, _ in params), params
+
+
+def test_one_launcher_module_per_cuda_source():
+    for filename, module in LAUNCHERS.items():
+        assert module._FILE == filename
+
+
+# -------------------------------------------------------------- recorder and stand-ins
+
+@dataclasses.dataclass
+class Launch:
+    filename: str
+    name: str
+    grid: tuple
+    block: tuple
+    args: tuple
+    shared_mem: int
+    shared_bytes: int
+
+
+class Dev:
+    """A float32 CuPy-array stand-in of logical ``shape`` stored in ``layout``."""
+
+    itemsize = 4
+    dtype = np.dtype(np.float32)
+    _next_ptr = 1 << 20
+
+    def __init__(self, shape, layout="nchw", *, ptr=None):
+        self.shape = tuple(int(v) for v in shape)
+        self.ndim = len(self.shape)
+        self.size = math.prod(self.shape)
+        elements = layout_strides(self.shape, layout)
+        self.strides = tuple(4 * s for s in elements)
+        if ptr is None:
+            ptr = Dev._next_ptr
+            Dev._next_ptr += 1 << 20
+        self.data = types.SimpleNamespace(ptr=ptr)
+        self.flags = types.SimpleNamespace(
+            c_contiguous=elements == layout_strides(self.shape, "nchw"))
+
+    def __getitem__(self, i):  # a row of a 2-D buffer (coef[0])
+        assert self.ndim == 2 and isinstance(i, int)
+        return Dev(self.shape[1:], ptr=self.data.ptr + i * self.strides[0])
+
+
+class FakeXp:
+    """The array module the launchers allocate their temporaries with."""
+
+    float32 = np.float32
+
+    @staticmethod
+    def empty(shape, dtype=None):
+        assert dtype is np.float32
+        return Dev(shape if isinstance(shape, tuple) else (shape,))
+
+    @staticmethod
+    def ascontiguousarray(a):
+        return a
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    recorded: list[Launch] = []
+
+    def get_kernel(filename, name, *, shared_bytes=0):
+        def kernel(grid, block, args, *, shared_mem=0):
+            recorded.append(Launch(filename, name, grid, block, args, shared_mem, shared_bytes))
+        return kernel
+
+    for module in LAUNCHERS.values():
+        monkeypatch.setattr(module, "get_kernel", get_kernel)
+    monkeypatch.setattr(cufused._cuda, "sm_count", lambda: 132)  # launch_1d's grid
+    monkeypatch.setattr(LAUNCHERS["softmax.cu"], "_compute_capability", lambda: 90)
+    return recorded
+
+
+def check_launch(launch: Launch) -> None:
+    assert launch.name in KERNELS[launch.filename], launch.name
+    params = SIGNATURES[launch.filename][launch.name.split("<")[0]]
+    assert len(launch.args) == len(params), (launch.name, len(launch.args), len(params))
+    for arg, (kind, pname) in zip(launch.args, params):
+        if kind == "pointer":
+            assert isinstance(arg, Dev) or (type(arg) is np.uint64 and arg == 0), \
+                (launch.name, pname, arg)
+        else:
+            assert type(arg) is SCALARS[kind], (launch.name, pname, type(arg).__name__, kind)
+    assert 1 <= len(launch.grid) <= 3 and 1 <= len(launch.block) <= 3, launch
+    assert all(isinstance(v, (int, np.integer)) and v >= 1 for v in launch.grid + launch.block)
+    assert launch.grid[0] < 2**31 and all(v <= 65535 for v in launch.grid[1:]), launch.grid
+    assert math.prod(launch.block) <= 1024, launch.block
+    # Dynamic shared memory past the default 48 KB must have been granted with the kernel.
+    assert launch.shared_mem <= max(48 * 1024, launch.shared_bytes), launch
+
+
+def check_all(launches: list[Launch], filename: str) -> None:
+    assert launches
+    for launch in launches:
+        assert launch.filename == filename
+        check_launch(launch)
+    # The calls of each test reach every instantiation that CI compiles for the source.
+    assert {launch.name for launch in launches} == set(KERNELS[filename])
+
+
+# ---------------------------------------------------------------------- the launchers
+
+def test_layout_launchers(launches):
+    layout = LAUNCHERS["layout.cu"]
+    for c in (16, 48, 100):  # back to NC(D)HW, B = C: 1, 2 and 4 tiles per block
+        src, dst = Dev((2, c, 3, 5), "nhwc"), Dev((2, c, 3, 5))
+        layout.transpose_channels(src, dst, to_channels_last=False)
+        layout.transpose_channels(src, dst, to_channels_last=False, bias=Dev((c,)))
+        layout.transpose_channels(src, dst, to_channels_last=False,
+                                  affine=(Dev((2 * c,)), Dev((2 * c,)), -1.0, 1.0))
+    layout.transpose_channels(Dev((2, 8, 4, 4)), Dev((2, 8, 4, 4), "nhwc"), to_channels_last=True)
+    layout.transpose_channels(Dev((2, 5, 4, 4)), Dev((2, 5, 4, 4), "nhwc"), to_channels_last=True)
+    layout.add_channel_bias(Dev((2, 3, 4, 4)), Dev((3,)))
+    layout.add_channel_bias(Dev((2, 3, 3, 3)), Dev((3,)))
+    for sw in (1, 2):
+        for mw in (3, 4):
+            classes = Dev((4 * sw, 2, 3, 4, 4, mw))
+            layout.interleave_classes(classes, Dev((2, 3, 8, 8, sw * mw)), Dev((3,)))
+            layout.interleave_classes(classes, Dev((2, 3, 8, 8, sw * mw)))
+    check_all(launches, "layout.cu")
+    affine = [launch for launch in launches if "AFFINE" in launch.name]
+    assert [launch.args[4:6] for launch in affine] == [(-1.0, 1.0)] * 3  # lo, hi
+
+
+def test_normalization_launchers(launches):
+    norm = LAUNCHERS["normalization.cu"]
+    partial, shift, splits = norm.key_stats_partial(FakeXp, Dev((2, 8, 4, 4)), 8, n_outer=2,
+                                                    outer_stride=128, key_stride=16, inner=16)
+    assert partial.shape == (8, splits, 2) and shift.shape == (8,)
+    assert launches[-1].grid == (8 * splits,)
+    coef = Dev((2, 8))
+    norm.group_norm_coefficients(Dev((4, 3, 2)), Dev((4,)), coef[0], coef[1], rows=4,
+                                 row_len=3, count=48, channels=4, num_groups=2, eps=1e-5,
+                                 gamma=Dev((4,)), scale=Dev((4,)), moments=Dev((4, 2)))
+    for training in (True, False):
+        norm.batch_norm_coefficients(
+            Dev((2, 4, 3, 2)) if training else None, Dev((4,)) if training else None, coef[0],
+            coef[1], n_outer=2 if training else 0, outer_stride=12 if training else 0,
+            row_len=3 if training else 1, count=50, channels=4, eps=1e-5, training=training,
+            gamma=Dev((4,)), beta=None, running_mean=Dev((4,)), running_var=Dev((4,)),
+            mean_offset=None, momentum=0.1, moments=Dev((4, 2)))
+    for activation in (None, "tanh", "clamp"):
+        for shape in ((2, 4, 4, 4), (2, 3, 3, 3)):  # 16-byte vectors, scalars
+            norm.channel_affine(Dev(shape), Dev(shape), Dev((8,)), Dev((8,)), inner=16, n_coef=8,
+                                activation=activation, lo=0.0, hi=1.0)
+    for pre in (None, (Dev((8,)), Dev((8,)))):
+        for shape, layout in [((2, 8, 4, 4), "nchw"), ((2, 8, 3, 1), "nchw"),  # cached rows
+                              ((2, 8, 8, 8), "nchw"), ((2, 6, 33, 1), "nchw"),  # by channel
+                              ((2, 8, 4, 4), "nhwc"), ((2, 8, 3, 1), "nhwc")]:  # channels-last
+            groups = 2
+            norm.group_norm_rows(Dev(shape, layout), Dev(shape), groups, Dev((shape[1],)), None,
+                                 1e-5, pre=pre)
+        norm.group_norm_rows(Dev((2, 8, 4, 4)), Dev((2, 8, 4, 4)), 2, None, None, 1e-5, pre=pre,
+                             x_block=4)
+    for shape in ((2, 64, 16, 16), (1, 63, 257, 1)):  # rows past the cache, read twice
+        norm.group_norm_rows(Dev(shape), Dev(shape), 1, None, None, 1e-5,
+                             pre=(Dev((shape[1],)), Dev((shape[1],))))
+    check_all(launches, "normalization.cu")
+    finalize = [launch for launch in launches if launch.name.startswith("stats_finalize")]
+    training = [int(launch.args[14]) for launch in finalize]  # int training
+    assert training == [1, 1, 0]
+    assert [launch.grid for launch in finalize] == [(4,), (4,), (4,)]
+
+
+def test_pooling_launchers(launches):
+    pool = LAUNCHERS["pooling.cu"]
+    for is_max in (True, False):
+        for nd in (2, 3):
+            x = Dev((2, 3) + (8,) * nd)
+            for y_layout in ("nchw", "nhwc"):  # the unrolled 2-window kernels
+                pool.pool_into(x, Dev((2, 3) + (4,) * nd, y_layout), (2,) * nd, (2,) * nd,
+                               (0,) * nd, is_max=is_max)
+            pool.pool_into(Dev((2, 3) + (9,) * nd), Dev((2, 3) + (5,) * nd), (3,) * nd,
+                           (2,) * nd, (1,) * nd, is_max=is_max)
+    cases = [  # (conv output shape, its layout, pool, kernel variant, ext: layout or block)
+        ((2, 4, 9, 9), "nchw", 3, "scalar", "nchw"), ((2, 4, 9, 9), "nchw", 2, "scalar", "nchw"),
+        ((2, 4, 8, 8), "nchw", 2, "scalar", "nchw"), ((2, 4, 9, 9), "nchw", 4, "scalar", "nchw"),
+        ((2, 4, 8, 8), "nchw", 4, "scalar", "nchw"), ((2, 4, 9, 9), "nhwc", 3, "scalar", "nchw"),
+        ((2, 4, 8, 8), "nhwc", 2, "scalar", "nchw"), ((2, 4, 8, 8), "nhwc", 4, "scalar", "nchw"),
+        ((2, 4, 8, 8), "nchw", 2, "bands", "nchw"), ((2, 4, 8, 8), "nchw", 4, "bands", "nchw"),
+        ((2, 8, 8, 8), "nhwc", 2, "vec4", "nchw"), ((2, 8, 8, 8), "nhwc", 2, "vec4", "nhwc"),
+        ((2, 8, 8, 8), "nhwc", 4, "vec4", "nchw"), ((2, 64, 8, 8), "nhwc", 2, "rows", "nchw"),
+        ((2, 128, 8, 8), "nhwc", 2, "rows", "nchw"), ((2, 32, 8, 8), "nhwc", 4, "rows", "nchw"),
+        ((2, 64, 8, 8), "nhwc", 4, "rows", "nchw"), ((2, 32, 8, 8), "nhwc", 4, "rows", "nhwc"),
+        ((2, 64, 8, 8), "nhwc", 4, "rows", 16), ((2, 8, 8, 8), "nhwc", 2, "vec4", 4),
+    ]
+    for shape, layout, k, variant, ext_as in cases:
+        y = Dev(shape, layout)
+        ext_shape = shape[:2] + (shape[2] // k, shape[3] // k)
+        ext = Dev(ext_shape, ext_as if isinstance(ext_as, str) else "nchw")
+        per_sample = variant != "bands"
+        partial, shift, splits = pool.pool_extremum_stats(
+            FakeXp, y, ext, k, bias=Dev((shape[1],)), sign_a=None, sign_b=None, shift_group=2,
+            per_sample=per_sample, variant=pool.fused_pass_variant(y, k, variant),
+            ext_block=None if isinstance(ext_as, str) else ext_as)
+        assert partial.shape == (shape[0], shape[1], splits, 2)
+        assert shift.shape == ((shape[0] if per_sample else 1) * shape[1] // 2,)
+        assert launches[-1].args[-1] == (0 if ext_as == "nchw" else
+                                         shape[1] if ext_as == "nhwc" else ext_as)  # ext_block
+    y, out = Dev((2, 8, 9, 9)), Dev((2, 8, 4, 4))
+    pool.pool_affine_nonfinite(y, out, Dev((4, 2)), bias=None, gamma=Dev((8,)), beta=None,
+                               scale=Dev((8,)), num_groups=2, pool=2, lo=0.0, hi=1.0)
+    assert launches[-1].args[7:13] == (2, 8, 2, 2, 4, 4)  # N, C, G, k, Ho, Wo
+    coef = Dev((2, 8))
+    pool.pool_bn_tanh_nonfinite(y, out, Dev((8, 2)), coef[0], coef[1], bias=Dev((8,)),
+                                gamma=None, beta=None, pool=2, ext_block=4)
+    assert launches[-1].args[8:13] == (2, 8, 2, 4, 4)  # N, C, k, Ho, Wo
+    check_all(launches, "pooling.cu")
+
+
+def test_fused_pass_rejects_a_channels_last_ext_it_cannot_store(launches):
+    pool = LAUNCHERS["pooling.cu"]
+    y = Dev((2, 8, 8, 8), "nhwc")
+    with pytest.raises(ValueError, match="channels-last ext"):
+        pool.pool_extremum_stats(FakeXp, y, Dev((2, 8, 4, 4), "nhwc"), 2, bias=None,
+                                 sign_a=None, sign_b=None, shift_group=1, per_sample=False,
+                                 variant="scalar")
+    assert not launches
+
+
+def test_softmax_launchers(launches, monkeypatch):
+    softmax = LAUNCHERS["softmax.cu"]
+    narrow, wide = (0.0, 1.0), (-80.0, 80.0)  # no running max / the online softmax
+    for length in (100, 99):  # 16-byte normalize pass or not; no cluster (length % 8 != 0)
+        for clamp in (None, wide, narrow):
+            softmax.softmax_rows(FakeXp, Dev((6, length)), Dev((6, length)), 6, length, 6,
+                                 (0, length, 1), clamp=clamp)
+    for channels in (6, 8):  # channels-last rows: scalar or 16-byte passes
+        for clamp in (wide, narrow):
+            y = Dev((2, 64, channels))
+            softmax.softmax_rows(FakeXp, y, Dev((2, channels, 64)), 2 * channels, 64, channels,
+                                 (64 * channels, 1, channels), layout="nhwc", bias=Dev((channels,)),
+                                 scale=Dev((channels,)), clamp=clamp)
+    for sd in (1, 2):  # class blocks: one read per row (clusters), or the two passes
+        for sh in (1, 2):
+            for sw in (1, 2):
+                y = Dev((sd * sh * sw, 2, 3, 8, 2, 4))
+                out = Dev((2, 3, sd * 8, sh * 2, sw * 4))
+                for clamp in (narrow, wide):
+                    softmax.softmax_rows(FakeXp, y, out, 6, out.size // 6, 3, None,
+                                         layout="classes", bias=Dev((3,)), clamp=clamp)
+    for out_shape in ((2, 3, 16, 4, 3), (2, 3, 16, 2, 6)):  # classes of 3 columns, SW 1 or 2
+        softmax.softmax_rows(FakeXp, Dev((4, 2, 3, 8, 2, 3)), Dev(out_shape), 6, 192, 3, None,
+                             layout="classes", clamp=wide)
+    monkeypatch.setattr(softmax, "_compute_capability", lambda: 80)
+    softmax.softmax_rows(FakeXp, Dev((6, 64)), Dev((6, 64)), 6, 64, 6, (0, 64, 1), clamp=narrow)
+    softmax.softmax_rows_nonfinite_weight(
+        FakeXp, Dev((2, 4, 3, 4, 5)), Dev((4, 3, 3, 3, 3)), Dev((2, 6, 6, 8, 10)), groups=2,
+        stride=(2, 2, 2), padding=(1, 1, 1), dilation=(1, 1, 1), bias=None, scale=Dev((6,)),
+        clamp=narrow)
+    check_all(launches, "softmax.cu")
+    assert launches[-1].grid == (12,) and launches[-1].args[5:8] == (6, 2, 3)  # C, groups
+    clusters = [launch for launch in launches if launch.name.startswith("softmax_rows_cluster")]
+    assert all(launch.shared_mem == launch.shared_bytes > 0 for launch in clusters)
+
+
+# ------------------------------------------------------------------------- the layers
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        yield path, parts[:-1] if parts[-1] == "__init__" else parts
+
+
+def test_only_the_launchers_launch_kernels():
+    for path, parts in _modules():
+        if parts[1:2] in (("_kernels",), ("_cuda",)):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call):
+                func = node.func
+                called = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+                assert called not in ("get_kernel", "launch_1d"), f"{path}:{node.lineno}"
+
+
+# Higher layers may import lower ones and their own; the front ends (dask, torch, benchmark,
+# the CLI) sit on top and are not listed.
+LAYERS = {"_arrays": 0, "_precision": 0, "_cuda": 0, "_layout": 0, "_subpixel": 0,
+          "reference": 0, "_kernels": 1, "_cudnn": 2, "convolution": 3, "normalization": 3,
+          "pooling": 3, "softmax": 3, "pipelines": 4}
+
+
+def test_imports_point_down():
+    for path, parts in _modules():
+        if len(parts) < 2 or parts[1] not in LAYERS:
+            continue
+        package = parts if path.name == "__init__.py" else parts[:-1]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package[:len(package) - node.level + 1]
+                targets = ([(*base, *node.module.split("."))] if node.module else
+                           [(*base, alias.name) for alias in node.names])
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [node.module] if isinstance(node, ast.ImportFrom) else [
+                    alias.name for alias in node.names]
+                targets = [tuple(name.split(".")) for name in names]
+            else:
+                continue
+            for target in targets:
+                if target[0] != "cufused" or len(target) < 2:
+                    continue
+                assert target[1] in LAYERS, f"{path}: imports {'.'.join(target)}"
+                assert LAYERS[target[1]] <= LAYERS[parts[1]], \
+                    f"{path}:{node.lineno} imports {'.'.join(target)} from a higher layer"
