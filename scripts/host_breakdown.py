@@ -51,7 +51,7 @@ def main(names, calls=50):
             if hasattr(module, name):
                 traced(module, name)
     traced(_cudnn, "conv_plan")
-    traced(_cudnn, "_launch_graph")
+    traced(_cudnn._plan, "_launch_graph")
     traced(_cudnn.ConvPlan, "apply")
     for case, precision, call in pipeline_calls(names):
         for _ in range(5):

@@ -60,6 +60,7 @@ def test_layout_strides_match_numpy_transposes(shape):
 def test_decide_replay_keeps_graphs_unless_direct_is_faster(monkeypatch, replayed_ms, direct_ms,
                                                             keeps):
     from cufused import _cudnn
+    from cufused._cudnn import _autotune
 
     plan = types.SimpleNamespace(_replays={"autotune operands": "graph"},
                                  _calls={"other operands": 1})
@@ -71,8 +72,8 @@ def test_decide_replay_keeps_graphs_unless_direct_is_faster(monkeypatch, replaye
         call()
         return replayed_ms if _cudnn._config["replay"] else direct_ms
 
-    monkeypatch.setattr(_cudnn, "_time_ms", fake_time_ms)
-    monkeypatch.setattr(_cudnn, "_l2_flush_buffer", lambda: "flush")
+    monkeypatch.setattr(_autotune, "_time_ms", fake_time_ms)
+    monkeypatch.setattr(_autotune, "_l2_flush_buffer", lambda: "flush")
     calls = []
     _cudnn._decide_replay(plan, lambda: calls.append(1), rounds=3)
     assert seen == [True, False] * 3 and len(calls) == 6
@@ -86,18 +87,19 @@ def test_autotuner_measures_replay_of_every_plan(monkeypatch, convert_output):
     # Public plans and pipeline plans (output for a fused pass) alike: replayed or direct is
     # measured; with autotuning off it is not.
     from cufused import _cudnn
+    from cufused._cudnn import _autotune
 
     problem = _cudnn.ConvProblem("fprop", (1, 2, 5, 5), (3, 2, 3, 3), (1, 3, 3, 3), (1, 1),
                                  (0, 0), (1, 1), "ieee")
     plan = types.SimpleNamespace(parts=[types.SimpleNamespace(milliseconds=1.0)],
                                  apply=lambda *args, **kwargs: None, _replays={})
-    monkeypatch.setattr(_cudnn, "strategies",
+    monkeypatch.setattr(_autotune, "strategies",
                         lambda problem, accept: [_cudnn.Strategy("direct", "nchw", "nchw")])
-    monkeypatch.setattr(_cudnn, "_make_plan", lambda problem, strategy, tune: plan)
-    monkeypatch.setattr(_cudnn, "_random", lambda shape, layout="nchw": None)
-    monkeypatch.setattr(_cudnn, "_time_ms", lambda call: 1.0)
+    monkeypatch.setattr(_autotune, "_make_plan", lambda problem, strategy, tune: plan)
+    monkeypatch.setattr(_autotune, "_random", lambda shape, layout="nchw": None)
+    monkeypatch.setattr(_autotune, "_time_ms", lambda call: 1.0)
     decided = []
-    monkeypatch.setattr(_cudnn, "_decide_replay", lambda p, call: decided.append(p))
+    monkeypatch.setattr(_autotune, "_decide_replay", lambda p, call: decided.append(p))
     best = _cudnn._choose(problem, True, convert_output, False, True, None)
     assert best is plan and best.candidates == {"nchw": (1.0, 1.0)}
     assert decided == [plan]

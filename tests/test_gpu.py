@@ -196,8 +196,9 @@ def test_autotuned_plan_replay_decision(rng, monkeypatch, direct_wins):
     # graphs of the autotuner's operands is kept; a replaying plan then captures one graph
     # for the caller's operands, a direct one none.
     from cufused import _cudnn
+    from cufused._cudnn import _autotune
 
-    monkeypatch.setattr(_cudnn, "_REPLAY_MARGIN", -1.0 if direct_wins else 1e9)
+    monkeypatch.setattr(_autotune, "_REPLAY_MARGIN", -1.0 if direct_wins else 1e9)
     cufused.clear_plan_cache()  # so that the plan is autotuned under this margin
     xs, ws = (2, 3, 9, 13), (5, 3, 3, 3)
     xg, wg = to_gpu(rng.standard_normal(xs), rng.standard_normal(ws))

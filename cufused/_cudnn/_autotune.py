@@ -1,0 +1,198 @@
+"""The entry point, :func:`conv_plan`: the plan for the convolution of a call, in the layouts
+its caller passes and reads, chosen on first use by timing every strategy's cuDNN plans, and
+cached per problem."""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import numpy
+
+from .._arrays import import_cupy
+from ._config import _config, _handle, import_cudnn, plan_options
+from ._graphs import ConvProblem, Strategy, _build_graph, _Part, _part_specs, strategies
+from ._plan import ConvPlan, _graph_buffer_pool
+from ._timing import _l2_flush_buffer, _random, _time_ms
+
+_plans: dict[tuple, ConvPlan] = {}
+_plans_lock = threading.Lock()
+# How much faster (fraction of device time) direct calls must measure to turn replay off.
+_REPLAY_MARGIN = 0.005
+# A strategy that first converts the caller's NCHW input competes with its measured cost
+# raised by this fraction: the autotuner's timing of the conversion varies between processes
+# by more than the gap to a strategy that reads NCHW directly, and a pipeline that converts
+# runs no faster (docs/design.rst, "Convolution plans"). A smaller margin lets the choice
+# flip from process to process.
+_INPUT_CONVERSION_MARGIN = 0.10
+
+
+def _make_plan(problem: ConvProblem, strategy: Strategy, tune: bool) -> ConvPlan | None:
+    """Build ``strategy``'s graphs and pick each one's fastest plan (or its heuristic one)."""
+    cudnn = import_cudnn()
+    cupy = import_cupy()
+    try:
+        specs, y_shape, index = _part_specs(problem, strategy)
+        graphs = {}
+        for spec in specs:
+            if spec.graph_key() not in graphs:
+                graphs[spec.graph_key()] = _build_graph(spec, problem.precision)
+    except Exception:  # noqa: BLE001 - cuDNN reports "not supported" in several ways
+        return None
+    index = None if index is None else cupy.asarray(index)
+    if tune:
+        x = _random(problem.x_shape, strategy.x_layout)
+        w = _random((int(index.size),) if index is not None else problem.w_shape,
+                    "nchw" if index is not None else strategy.x_layout)
+        b = _random((problem.y_shape[1],))
+        y = cupy.empty(y_shape, dtype=cupy.float32)
+        handle = _handle()
+    parts, built = [], set()
+    for spec in specs:
+        graph, tensors = graphs[spec.graph_key()]
+        best = None
+        if tune and spec.graph_key() not in built:
+            graph.build_plans(cudnn.build_plan_policy.ALL)
+            built.add(spec.graph_key())
+        for i in range(graph.get_execution_plan_count()):
+            try:
+                if not tune:
+                    graph.build_plan_at_index(i)
+                part = _Part(spec, graph, tensors, i, graph.get_workspace_size_plan_at_index(i))
+                if not tune:
+                    best = part
+                    break
+                ws = cupy.empty(max(part.workspace_size, 1), dtype=cupy.uint8)
+                part.milliseconds = _time_ms(lambda p=part, ws=ws: p.execute(
+                    x.data.ptr, w.data.ptr, y.data.ptr, b.data.ptr, ws.data.ptr, handle))
+            except Exception:  # noqa: BLE001 - a plan that did not build or run is skipped
+                continue
+            if best is None or part.milliseconds < best.milliseconds:
+                best = part
+        if best is None:
+            return None
+        parts.append(best)
+    return ConvPlan(problem, strategy, parts, y_shape, index,
+                    max(p.workspace_size for p in parts))
+
+
+class UnsupportedConvolution(ValueError):
+    """No cuDNN plan computes this convolution (the caller may take another route)."""
+
+
+def _pinned(found: list[Strategy], pins) -> list[Strategy]:
+    if pins is None:
+        return found
+    chosen = [s for s in found if s.label in pins]
+    # Then the direct method in the pinned layouts: for a problem without the pinned method
+    # (subpixel for a forward convolution) or whose pinned graph cuDNN cannot build.
+    layouts = {p.split()[-1].replace("+bias", "") for p in pins}
+    return chosen + [s for s in found if s.label in layouts and s not in chosen]
+
+
+def conv_plan(problem: ConvProblem, *, convert_input: bool, convert_output: bool,
+              accept_classes: bool = False) -> ConvPlan:
+    """Return the cached plan for ``problem``, choosing its strategy and plans on first use.
+
+    ``convert_input`` / ``convert_output`` say whether the caller passes an NCHW input / needs
+    an NCHW output, so that the layout conversions it would pay count in the comparison;
+    ``accept_classes`` whether it reads class-major output (without ``convert_output``).
+    """
+    cupy = import_cupy()
+    tune, pins = _config["autotune"], _config["pins"]
+    key = (cupy.cuda.runtime.getDevice(), problem, convert_input, convert_output,
+           accept_classes, tune, pins)
+    plan = _plans.get(key, False)
+    if plan is False:
+        with _plans_lock:
+            plan = _plans.get(key, False)
+            if plan is False:
+                try:
+                    plan = _choose(problem, convert_input, convert_output, accept_classes, tune,
+                                   pins)
+                except UnsupportedConvolution:
+                    plan = None  # remembered: the search is not repeated on every call
+                _plans[key] = plan
+    if plan is None:
+        raise UnsupportedConvolution(f"cuDNN supports no plan for this convolution: {problem}")
+    return plan
+
+
+def strategy_score(cost: float, strategy: Strategy, convert_input: bool) -> float:
+    """What the autotuner compares: the measured ``cost`` (ms, conversions included), raised
+    by ``_INPUT_CONVERSION_MARGIN`` for a strategy that converts an NCHW input first."""
+    converts = convert_input and strategy.x_layout != "nchw"
+    return cost * (1 + _INPUT_CONVERSION_MARGIN) if converts else cost
+
+
+def _choose(problem, convert_input, convert_output, accept_classes, tune, pins) -> ConvPlan:
+    found = _pinned(strategies(problem, accept_classes or convert_output), pins)
+    if not tune:  # the first strategy, in order, that builds
+        found = [s for s in found if not s.bias_in_graph] or found
+    best, best_score, candidates = None, float("inf"), {}
+    for strategy in found:
+        plan = _make_plan(problem, strategy, tune)
+        if plan is None:
+            continue
+        if not tune:
+            best = plan
+            break
+        x = _random(problem.x_shape, "nchw" if convert_input else strategy.x_layout)
+        w = _random(problem.w_shape)
+        b = _random((problem.y_shape[1],)) if problem.bias else None
+        plan.milliseconds = sum(p.milliseconds for p in plan.parts)
+        call = functools.partial(plan.apply, x, w, bias=b, convert_output=convert_output)
+        plan.cost = _time_ms(call)
+        candidates[strategy.label] = (plan.milliseconds, plan.cost)
+        score = strategy_score(plan.cost, strategy, convert_input)
+        if score < best_score:
+            best, best_call, best_score = plan, call, score
+    if best is None:
+        raise UnsupportedConvolution(f"cuDNN supports no plan for this convolution: {problem}")
+    best.candidates = candidates
+    # Also for a plan whose output feeds a fused pass: the pipeline's argument checks are
+    # short enough that its head start still hides a direct call's host work, so the choice
+    # made from the convolution alone holds inside the pipeline (docs/design.rst).
+    if tune and _config["replay"]:
+        _decide_replay(best, best_call)
+    return best
+
+
+def _decide_replay(plan: ConvPlan, call, rounds: int = 11) -> None:
+    """Let ``plan`` replay CUDA graphs of warm calls unless direct calls measure faster.
+
+    A replay saves host time, which costs device time only where the device would wait for
+    the host; but a captured plan can also run slower on the device than issued directly
+    (B's FFT data-gradient plan, whose kernels overlap on several streams in another order
+    when captured: docs/design.rst). ``call`` (the autotuner's operands) is timed both ways,
+    alternately, one call at a time after an L2 flush, as a call that follows other work
+    runs: there a direct call's host work counts where the device waits for it. (Back to
+    back, which hides all host work, such a plan's two ways are within noise and the choice
+    would not be stable between processes.) Direct calls must win by more than
+    ``_REPLAY_MARGIN`` to turn replay off for this plan.
+    """
+    flush = _l2_flush_buffer()
+    times = {True: [], False: []}
+    for _ in range(rounds):
+        for replay in (True, False):
+            with plan_options(replay=replay):
+                times[replay].append(_time_ms(call, repeat=1, batch=1, flush=flush))
+    if plan._replays is not None:
+        plan._replays.clear()  # the graphs of the autotuner's operands
+    plan._calls.clear()
+    if numpy.median(times[False]) * (1 + _REPLAY_MARGIN) < numpy.median(times[True]):
+        plan._replays = None
+
+
+def clear_plan_cache() -> None:
+    """Forget every built cuDNN plan; they are rebuilt, and re-tuned, on next use.
+
+    Examples
+    --------
+    >>> import cufused
+    >>> cufused.clear_plan_cache()
+    """
+    with _plans_lock:
+        _plans.clear()
+    if _graph_buffer_pool.cache_info().currsize:  # the dropped graphs' buffers
+        _graph_buffer_pool().free_all_blocks()

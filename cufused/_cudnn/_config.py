@@ -1,0 +1,124 @@
+"""Configuration of cuDNN convolution plans: autotuning, pinned strategies and CUDA-graph
+replay (the process settings and their scoped override), cuDNN Frontend's import and the
+per-thread cuDNN handle."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+from .._arrays import import_cupy
+
+_state = threading.local()
+# Plan-choice settings: autotuning on/off, and strategy labels to pin (tests), None for all.
+_config: dict[str, Any] = {"autotune": True, "pins": None, "replay": True}
+# CUDA graphs kept per plan (one per operand pointers and stream), and how many calls with the
+# same operands come before one is captured (a one-off call is not worth a capture).
+_MAX_REPLAYS = 8
+_CALLS_BEFORE_CAPTURE = 2
+
+
+def set_conv_autotune(enabled: bool) -> None:
+    """Switch plan autotuning on (default) or off.
+
+    With autotuning, the first call for a convolution problem times every cuDNN plan of every
+    strategy (layouts, method) and keeps the fastest; without it, the first plan of cuDNN's
+    heuristics for a plain NCHW convolution is used. Plans already chosen are kept.
+
+    Parameters
+    ----------
+    enabled : bool
+        Whether new problems are autotuned.
+
+    Examples
+    --------
+    >>> import cufused
+    >>> cufused.set_conv_autotune(False)
+    >>> cufused.set_conv_autotune(True)
+    """
+    _config["autotune"] = bool(enabled)
+
+
+def set_conv_graph_replay(enabled: bool) -> None:
+    """Switch the CUDA-graph replay of warm convolution calls on (default) or off.
+
+    From the second call with the same operand pointers on a stream, a convolution replays one
+    CUDA graph of its cuDNN calls, weight preparation and output conversion instead of issuing
+    each again, which takes a few tens of microseconds of host time per call where issuing
+    the parts takes up to a few hundred (FFT and sub-pixel plans). Each graph keeps its own
+    workspace, prepared weight and, where the plan writes another layout than the NCHW
+    result, its intermediate output (up to 8 graphs per plan; :func:`clear_plan_cache` frees
+    them). A call made while the stream is being captured always runs directly, and so does a
+    plan for which the autotuner measured direct calls faster on the device.
+
+    Parameters
+    ----------
+    enabled : bool
+        Whether warm calls replay graphs.
+
+    Examples
+    --------
+    >>> import cufused
+    >>> cufused.set_conv_graph_replay(False)
+    >>> cufused.set_conv_graph_replay(True)
+    """
+    _config["replay"] = bool(enabled)
+
+
+@contextlib.contextmanager
+def plan_options(*, autotune: bool | None = None, pins: tuple[str, ...] | None = None,
+                 replay: bool | None = None):
+    """Temporarily change how new plans are chosen, and how plans run.
+
+    ``pins`` restricts the strategies to those whose :attr:`Strategy.label` is listed (tests
+    pin each one in turn); a problem that has none of them falls back to the direct method in
+    the pinned layouts. ``replay=False`` runs every call through cuDNN directly instead of
+    replaying the CUDA graph captured for repeated operands (see :meth:`ConvPlan.run`).
+    """
+    saved = dict(_config)
+    if autotune is not None:
+        _config["autotune"] = autotune
+    if pins is not None:
+        _config["pins"] = tuple(pins)
+    if replay is not None:
+        _config["replay"] = replay
+    try:
+        yield
+    finally:
+        _config.update(saved)
+
+
+_cudnn_module = None
+
+
+def import_cudnn():
+    """Import cuDNN Frontend or raise an ``ImportError`` naming the extra to install."""
+    global _cudnn_module
+    if _cudnn_module is None:
+        try:
+            import cudnn
+        except (ImportError, OSError) as exc:
+            raise ImportError(
+                "cuDNN Frontend (module 'cudnn') is not importable: install cufused[cuda12] or "
+                f"cufused[cuda13] ({exc})"
+            ) from exc
+        _cudnn_module = cudnn
+    return _cudnn_module
+
+
+def _handle():
+    """One cuDNN handle per (thread, device), bound to CuPy's current stream."""
+    cupy = import_cupy()
+    handles = getattr(_state, "handles", None)
+    if handles is None:
+        handles = _state.handles = {}
+    device = cupy.cuda.runtime.getDevice()
+    stream = cupy.cuda.get_current_stream().ptr
+    entry = handles.get(device)
+    if entry is None:
+        entry = handles[device] = [import_cudnn().create_handle(), None]
+    if entry[1] != stream:
+        import_cudnn().set_stream(handle=entry[0], stream=stream)
+        entry[1] = stream
+    return entry[0]

@@ -1,0 +1,246 @@
+"""cuDNN graphs of a convolution problem: the problem, the strategies that compute it
+(method, layouts, bias), each strategy's graphs (the sub-pixel split included), a graph's
+building and its execution with a chosen plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy
+
+from .._layout import layout_strides
+from .._subpixel import subpixel_parts, subpixel_weight_index
+from ._config import _handle, import_cudnn
+
+# (input layout, output layout) pairs tried; channels-last engines fed an NCHW input skip
+# the input transpose (the fastest choice for pipeline B's TF32 convolution).
+_LAYOUT_PAIRS = (("nchw", "nchw"), ("nhwc", "nhwc"), ("nchw", "nhwc"))
+
+
+@dataclass(frozen=True)
+class ConvProblem:
+    """What identifies a convolution plan (besides the device)."""
+
+    kind: str  # "fprop" (convolution) or "dgrad" (transposed convolution)
+    x_shape: tuple[int, ...]
+    w_shape: tuple[int, ...]
+    y_shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    precision: str
+    bias: bool = False  # the caller adds a bias (only public calls do; pipelines fuse it)
+
+    @property
+    def groups(self) -> int:
+        if self.kind == "fprop":
+            return self.x_shape[1] // self.w_shape[1]
+        return self.y_shape[1] // self.w_shape[1]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """How a plan computes its problem.
+
+    ``method`` is "direct" (one cuDNN fprop/dgrad) or "subpixel" (forward convolutions per
+    output residue class); ``y_layout`` "classes" means class-major blocks (N, C, *M) per
+    residue class, each NCHW-packed.
+    """
+
+    method: str
+    x_layout: str
+    y_layout: str
+    bias_in_graph: bool = False
+
+    @property
+    def label(self) -> str:
+        """A short name: "nchw", "nchw>nhwc", "nchw+bias", "subpixel nchw", ..."""
+        xl, yl = self.x_layout, self.y_layout
+        name = xl if yl in (xl, "classes") else f"{xl}>{yl}"
+        if self.bias_in_graph:
+            name += "+bias"
+        return name if self.method == "direct" else f"{self.method} {name}"
+
+
+def strategies(problem: ConvProblem, accept_classes: bool) -> list[Strategy]:
+    """Every strategy that can compute ``problem``; the plain NCHW convolution first."""
+    found = []
+    for xl, yl in _LAYOUT_PAIRS:
+        found.append(Strategy("direct", xl, yl))
+        if problem.bias and yl == "nchw":
+            found.append(Strategy("direct", xl, yl, bias_in_graph=True))
+    parts = _subpixel_split(problem)
+    if parts is not None:
+        if len(parts) == 1:
+            found += [Strategy("subpixel", xl, yl) for xl, yl in _LAYOUT_PAIRS]
+        elif accept_classes and problem.stride[-1] <= 2:  # the kernels interleave up to 2
+            found.append(Strategy("subpixel", "nchw", "classes"))
+    return found
+
+
+def _subpixel_split(problem: ConvProblem):
+    if problem.kind != "dgrad" or any(d != 1 for d in problem.dilation):
+        return None
+    return subpixel_parts(problem.x_shape[2:], problem.w_shape[2:], problem.stride,
+                          problem.padding, problem.y_shape[2:])
+
+
+@dataclass(frozen=True)
+class _PartSpec:
+    """One cuDNN graph of a strategy: tensor dims/strides and the operands' element offsets."""
+
+    kind: str
+    x_dims: tuple[int, ...]
+    x_strides: tuple[int, ...]
+    w_dims: tuple[int, ...]
+    w_strides: tuple[int, ...]
+    y_dims: tuple[int, ...]
+    y_strides: tuple[int, ...]
+    pre_padding: tuple[int, ...]
+    post_padding: tuple[int, ...]
+    stride: tuple[int, ...]
+    dilation: tuple[int, ...]
+    bias_strides: tuple[int, ...] | None
+    x_offset: int = 0
+    w_offset: int = 0
+    y_offset: int = 0
+
+    def graph_key(self):
+        """The fields that define the graph (parts that differ only in offsets share one)."""
+        return (self.kind, self.x_dims, self.x_strides, self.w_dims, self.w_strides, self.y_dims,
+                self.y_strides, self.pre_padding, self.post_padding, self.stride, self.dilation,
+                self.bias_strides)
+
+
+# cuDNN rejects operand pointers that are not 16-byte aligned (CUDNN_STATUS_BAD_PARAM_
+# MISALIGNED_POINTER): sub-pixel parts start at multiples of 4 float32 values.
+_ALIGN = 4
+
+
+def _aligned(a):
+    """``a``, or a copy in the same memory order when its pointer is not 16-byte aligned."""
+    return a if a is None or a.data.ptr % (4 * _ALIGN) == 0 else a.copy(order="K")
+
+
+def _part_specs(problem: ConvProblem, strategy: Strategy):
+    """The graphs of ``strategy``, the output shape it writes, and its weight gather index."""
+    xl, yl = strategy.x_layout, strategy.y_layout
+    x_strides = layout_strides(problem.x_shape, xl)
+    nd = len(problem.x_shape) - 2
+    c_out = problem.y_shape[1]
+    bias_strides = (layout_strides((1, c_out) + (1,) * nd, yl)
+                    if strategy.bias_in_graph else None)
+    if strategy.method == "direct":
+        spec = _PartSpec(problem.kind, problem.x_shape, x_strides, problem.w_shape,
+                         layout_strides(problem.w_shape, xl), problem.y_shape,
+                         layout_strides(problem.y_shape, yl), problem.padding, problem.padding,
+                         problem.stride, problem.dilation, bias_strides)
+        return [spec], problem.y_shape, None
+    parts = _subpixel_split(problem)
+    n, c_in = problem.x_shape[:2]
+    ones = (1,) * nd
+    if yl == "classes":
+        class_shape = (n, c_out, *(o // s for o, s in zip(problem.y_shape[2:], problem.stride)))
+        y_shape = (len(parts), *class_shape)
+    else:
+        class_shape = y_shape = problem.y_shape
+    y_strides = layout_strides(class_shape, "nchw" if yl == "classes" else yl)
+    block = int(numpy.prod(class_shape))
+    specs, w_offset = [], 0
+    for i, part in enumerate(parts):
+        w_dims = (c_out, c_in // problem.groups, *part.taps)
+        specs.append(_PartSpec(
+            "fprop", (n, c_in, *part.x_size), x_strides, w_dims, layout_strides(w_dims, xl),
+            class_shape, y_strides, part.pre_padding, part.post_padding, ones, ones, None,
+            x_offset=sum(a * b for a, b in zip(part.x_start, x_strides[2:])),
+            w_offset=w_offset, y_offset=i * block if len(parts) > 1 else 0))
+        w_offset += -(-int(numpy.prod(w_dims)) // _ALIGN) * _ALIGN
+    if any((s.x_offset % _ALIGN) or (s.y_offset % _ALIGN) for s in specs):
+        raise ValueError("a sub-pixel part would start at a misaligned address")
+    index = subpixel_weight_index(problem.w_shape, problem.groups, problem.stride, parts,
+                                  channels_last=xl == "nhwc", align=_ALIGN)
+    return specs, y_shape, index
+
+
+def _build_graph(spec: _PartSpec, precision: str):
+    cudnn = import_cudnn()
+    f32 = cudnn.data_type.FLOAT
+    graph = cudnn.pygraph(io_data_type=f32, intermediate_data_type=f32, compute_data_type=f32,
+                          handle=_handle())
+    x = graph.tensor(name="x", dim=list(spec.x_dims), stride=list(spec.x_strides), data_type=f32)
+    w = graph.tensor(name="w", dim=list(spec.w_dims), stride=list(spec.w_strides), data_type=f32)
+    conv = graph.conv_fprop if spec.kind == "fprop" else graph.conv_dgrad
+    operands = {"image": x, "weight": w} if spec.kind == "fprop" else {"loss": x, "filter": w}
+    y = conv(**operands, pre_padding=list(spec.pre_padding),
+             post_padding=list(spec.post_padding), stride=list(spec.stride),
+             dilation=list(spec.dilation), compute_data_type=f32)
+    y.set_dim(list(spec.y_dims)).set_stride(list(spec.y_strides)).set_data_type(f32)
+    tensors = [x, w]
+    if spec.bias_strides is not None:
+        b = graph.tensor(name="b", dim=[1, spec.y_dims[1]] + [1] * (len(spec.y_dims) - 2),
+                         stride=list(spec.bias_strides), data_type=f32)
+        y = graph.bias(input=y, bias=b)
+        y.set_dim(list(spec.y_dims)).set_stride(list(spec.y_strides)).set_data_type(f32)
+        tensors.append(b)
+    y.set_output(True)
+    tensors.append(y)
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    if precision == "ieee":
+        # Keep float32 float32: no TF32 tensor cores, no down-converted inputs.
+        graph.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE,
+                                      cudnn.numerical_note.DOWN_CONVERT_INPUTS])
+    graph.check_support()
+    return graph, tensors
+
+
+@dataclass
+class _Part:
+    """A built graph with its chosen execution plan, and where its operands start."""
+
+    spec: _PartSpec
+    graph: Any
+    tensors: list  # the graph's x, w, [bias], y tensors: keys of the variant pack
+    plan_index: int
+    workspace_size: int
+    milliseconds: float = float("nan")
+    _direct: Any = None  # resolved backend call (see _direct_executor), False when unavailable
+
+    def execute(self, x_ptr: int, w_ptr: int, y_ptr: int, b_ptr: int, ws_ptr: int,
+                handle) -> None:
+        spec = self.spec
+        ptrs = [x_ptr + 4 * spec.x_offset, w_ptr + 4 * spec.w_offset]
+        if spec.bias_strides is not None:
+            ptrs.append(b_ptr)
+        ptrs.append(y_ptr + 4 * spec.y_offset)
+        if self._direct is None:
+            self._direct = _direct_executor(self) or False
+        if self._direct:
+            execute, cpp_index, uids = self._direct
+            execute(dict(zip(uids, ptrs)), ws_ptr, cpp_index, handle.backend_handle)
+            return
+        self.graph.execute_plan_at_index(dict(zip(self.tensors, ptrs)), ws_ptr or None,
+                                         self.plan_index, handle=handle)
+
+
+def _direct_executor(part: _Part):
+    """The backend call that ``execute_plan_at_index`` ends in, resolved once.
+
+    cuDNN Frontend 1.28 re-resolves the plan, the operand uids and the pointers on every
+    ``execute_plan_at_index`` call; for a built backend plan the final call only needs
+    (uid -> pointer, workspace, plan index, handle). Calling it directly cuts the host time of
+    a convolution several-fold. Private API: anything unexpected falls back to the public call.
+    """
+    try:
+        graph = part.graph
+        if graph._engine_for(graph._plans[part.plan_index]) is not None:
+            return None  # a Python engine: only the public path runs it
+        cfg = graph._materialize_backend_plan(part.plan_index)
+        if cfg.cpp_index is None:
+            return None
+        return (graph._lowered_graph._execute_plan_at_index, cfg.cpp_index,
+                tuple(t.uid for t in part.tensors))
+    except Exception:  # noqa: BLE001 - internals differ in another cuDNN Frontend version
+        return None

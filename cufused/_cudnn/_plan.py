@@ -1,0 +1,241 @@
+"""A convolution plan (:class:`ConvPlan`): a problem's chosen strategy, its cuDNN plans, how
+it is fed in its layouts, and the CUDA graphs that replay its warm calls."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy
+
+from .._arrays import import_cupy
+from .._kernels.layout import add_channel_bias, interleave_classes, transpose_channels
+from .._layout import empty_in_layout, stored_in
+from ._config import _CALLS_BEFORE_CAPTURE, _MAX_REPLAYS, _config, _handle
+from ._graphs import ConvProblem, Strategy, _aligned, _Part
+from ._timing import _random
+
+
+def operand_key(a) -> tuple:
+    """What a captured graph depends on in an operand: its address, shape, strides and dtype
+    (one buffer is routinely handed out again holding another layout or shape)."""
+    return a.data.ptr, a.shape, a.strides, a.dtype.char
+
+
+@functools.cache
+def _graph_buffer_pool():
+    """The memory pool of the buffers that captured plan graphs keep."""
+    return import_cupy().cuda.MemoryPool()
+
+
+def _launch_graph(graph, stream, buffers) -> None:
+    """Launch a captured plan on ``stream``; ``buffers`` (its workspace, prepared weight and
+    intermediates) are only held here, so that they live as long as the graph that uses them."""
+    graph.launch(stream=stream)
+
+
+@dataclass
+class ConvPlan:
+    """A problem's chosen strategy: its cuDNN graphs and plans, and how to feed them."""
+
+    problem: ConvProblem
+    strategy: Strategy
+    parts: list[_Part]
+    y_shape: tuple[int, ...]  # the output as written: the problem's, or (P, N, C, *M) classes
+    weight_index: Any  # CuPy gather index of the sub-kernels (subpixel), else None
+    workspace_size: int
+    milliseconds: float = float("nan")  # the convolution alone (strategy timing)
+    cost: float = float("nan")  # with the caller's layout conversions
+    candidates: dict = field(default_factory=dict)  # strategy label -> (ms, cost)
+    # CUDA graphs of warm calls (see run): operand key -> launcher; None where calls run
+    # directly (a failed capture, or direct calls measured faster: see _decide_replay)
+    _replays: dict | None = field(default_factory=dict, repr=False)
+    _calls: dict = field(default_factory=dict, repr=False)  # calls per key not yet captured
+
+    @property
+    def x_layout(self) -> str:
+        return self.strategy.x_layout
+
+    @property
+    def replays(self) -> bool:
+        """Whether warm calls replay a captured CUDA graph; False where they go to cuDNN
+        directly (the autotuner measured that faster, see ``_decide_replay``)."""
+        return self._replays is not None
+
+    @property
+    def layout(self) -> str:
+        """The layout of the output as written: "nchw", "nhwc" or "classes"."""
+        return self.strategy.y_layout
+
+    def example_operands(self):
+        """``(x, w, y)`` for :meth:`run` (timings): random inputs, an empty output."""
+        return (_random(self.problem.x_shape, self.x_layout), _random(self.problem.w_shape),
+                self.empty_output())
+
+    def empty_output(self):
+        """An uninitialized output buffer in the plan's output layout."""
+        if self.layout == "classes":
+            return import_cupy().empty(self.y_shape, dtype=numpy.float32)
+        return empty_in_layout(self.y_shape, self.layout)
+
+    def run(self, x, w, y, bias=None) -> None:
+        """Run on ``x`` in ``x_layout``, the PyTorch-layout weight ``w`` and ``y`` from
+        :meth:`empty_output` (or a contiguous NCHW array for an "nchw" plan); ``bias`` is used
+        only by a plan that has it inside its graph. Raw pointers, CuPy's current stream.
+
+        From the second call with the same operand pointers on a stream, the call replays a
+        CUDA graph of the whole plan (the weight preparation and every cuDNN execution): one
+        launch instead of the host work of each part, which for FFT and sub-pixel plans is
+        well over 100 us; unless the autotuner measured direct calls faster (see
+        ``_decide_replay``). The graph keeps its own workspace and prepared weight.
+        """
+        x, w, bias = self._operands(x, w, bias)
+
+        def work(buffers):
+            self._execute(x, w, y, bias, *buffers)
+
+        self._launch("run", (x, w, y, bias), lambda: self._buffers(w), work)
+
+    def _operands(self, x, w, bias):
+        """16-byte aligned operands; ``w`` contiguous unless already stored in ``x_layout``."""
+        if self.weight_index is not None or not stored_in(w, self.x_layout):
+            w = import_cupy().ascontiguousarray(w)
+        return _aligned(x), _aligned(w), _aligned(bias)
+
+    def _buffers(self, w):
+        """(where the prepared weight goes, or None where the graphs read ``w`` itself;
+        the workspace, or None)."""
+        cupy = import_cupy()
+        if self.weight_index is not None:  # the gathered sub-kernels (subpixel)
+            w_buffer = cupy.empty(self.weight_index.shape, dtype=numpy.float32)
+        elif stored_in(w, self.x_layout):
+            w_buffer = None
+        else:
+            w_buffer = empty_in_layout(w.shape, self.x_layout)
+        workspace = (cupy.empty(self.workspace_size, dtype=cupy.uint8)
+                     if self.workspace_size else None)
+        return w_buffer, workspace
+
+    def _execute(self, x, w, y, bias, w_buffer, workspace) -> None:
+        """Prepare the weight ``w`` (see :meth:`_operands`) into ``w_buffer`` and run every
+        part."""
+        if self.weight_index is not None:
+            import_cupy().take(w.ravel(), self.weight_index, out=w_buffer)
+        elif w_buffer is not None:
+            transpose_channels(w, w_buffer, to_channels_last=True)
+        w = w if w_buffer is None else w_buffer
+        # Raw pointers: an array would take the DLPack route, whose stream synchronization
+        # breaks CUDA-graph capture.
+        ws_ptr = 0 if workspace is None else workspace.data.ptr
+        b_ptr = 0 if bias is None else bias.data.ptr
+        handle = _handle()
+        for part in self.parts:
+            part.execute(x.data.ptr, w.data.ptr, y.data.ptr, b_ptr, ws_ptr, handle)
+
+    def _launch(self, kind: str, operands, buffers, work) -> None:
+        """``work(buffers())`` on the current stream, or the replay of its CUDA graph: the
+        graph for (``kind``, the device, the stream, each operand's address, shape, strides
+        and dtype) once these have been seen before, captured with buffers of its own that it
+        keeps (``buffers`` allocates them; ``work`` must not allocate)."""
+        replay = self._replay(kind, operands, buffers, work)
+        if replay is not None:
+            replay()
+        else:
+            work(buffers())
+
+    def _replay(self, kind, operands, buffers, work):
+        """The graph launcher for ``_launch``: cached, captured now (on the second call with
+        these operands), or None (replay off, a capture in progress, a failed capture)."""
+        if not _config["replay"] or self._replays is None:
+            return None
+        cupy = import_cupy()
+        stream = cupy.cuda.get_current_stream()
+        try:
+            if stream.is_capturing():  # the caller's capture records the cuDNN calls
+                return None
+        except Exception:  # noqa: BLE001 - the query is illegal during some global captures
+            return None
+        key = (kind, cupy.cuda.runtime.getDevice(), stream.ptr,
+               *(None if a is None else operand_key(a) for a in operands))
+        replay = self._replays.get(key)
+        if replay is not None:
+            return replay
+        calls = self._calls.get(key, 0) + 1
+        if calls < _CALLS_BEFORE_CAPTURE:
+            if len(self._calls) >= 8 * _MAX_REPLAYS:
+                self._calls.clear()
+            self._calls[key] = calls
+            return None
+        self._calls.pop(key, None)
+        # Allocated on the caller's stream, outside the capture, from a pool of their own:
+        # buffers that outlive the call would shift the addresses that the default pool hands
+        # out to later calls' temporaries, and new addresses mean new keys and more captures.
+        with cupy.cuda.using_allocator(_graph_buffer_pool().malloc):
+            kept = buffers()
+        side = cupy.cuda.Stream(non_blocking=True)
+        try:
+            with side:
+                side.begin_capture()
+                try:
+                    work(kept)
+                finally:
+                    graph = side.end_capture()
+        except Exception:  # noqa: BLE001 - an engine that cannot be captured runs directly
+            self._replays = None
+            return None
+        replay = functools.partial(_launch_graph, graph, stream, kept)
+        if len(self._replays) >= _MAX_REPLAYS:
+            self._replays.pop(next(iter(self._replays)))  # the oldest
+        self._replays[key] = replay
+        return replay
+
+    def apply(self, x, w, *, bias=None, out=None, convert_output: bool = True):
+        """The convolution of NCHW (or ``x_layout``) ``x``; returns ``(y, layout)``.
+
+        With ``convert_output`` the result is contiguous NCHW (``out`` if given) plus
+        ``bias``; without it ``y`` is in the plan's output layout (for "nchw", ``out`` if given)
+        and ``bias`` must be None. Warm calls replay one graph (see :meth:`run`) that also
+        holds the input's conversion to ``x_layout``, the output's conversion back and the
+        bias; it keeps the converted input and the intermediate output.
+        """
+        cupy = import_cupy()
+        layout = self.layout
+        in_graph = self.strategy.bias_in_graph
+        convert_x = self.x_layout != "nchw" and not stored_in(x, self.x_layout)
+        if convert_x or self.x_layout == "nchw":
+            x = cupy.ascontiguousarray(x)
+        convert_y = layout != "nchw" and convert_output
+        direct_out = layout == "nchw" and out is not None and out.data.ptr % 16 == 0
+        if convert_y:
+            result = out if out is not None else cupy.empty(self.problem.y_shape,
+                                                             dtype=cupy.float32)
+        else:
+            result = out if direct_out else self.empty_output()
+        add_bias = bias is not None and not in_graph and convert_output and layout == "nchw"
+        x, w, run_bias = self._operands(x, w, bias if in_graph else None)
+
+        def buffers():
+            return (*self._buffers(w),
+                    empty_in_layout(x.shape, self.x_layout) if convert_x else None,
+                    self.empty_output() if convert_y else None)
+
+        def work(buffers):
+            w_buffer, workspace, x_buffer, y_buffer = buffers
+            if x_buffer is not None:
+                transpose_channels(x, x_buffer, to_channels_last=True)
+            y = result if y_buffer is None else y_buffer
+            self._execute(x if x_buffer is None else x_buffer, w, y, run_bias, w_buffer,
+                          workspace)
+            if layout == "nhwc" and convert_y:  # the bias rides along with the transpose back
+                transpose_channels(y, result, to_channels_last=False, bias=bias)
+            elif convert_y:
+                interleave_classes(y, result, bias)
+            elif add_bias:
+                add_channel_bias(y, bias)
+
+        self._launch(("apply", convert_output), (x, w, bias, result), buffers, work)
+        if out is not None and result is not out and layout == "nchw":
+            out[...] = result  # a misaligned out
+            result = out
+        return result, "nchw" if convert_y else layout

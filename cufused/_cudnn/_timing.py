@@ -1,0 +1,50 @@
+"""Timing for the autotuner: CUDA-event times of a call, random operands, the L2 flush."""
+
+from __future__ import annotations
+
+import numpy
+
+from .._arrays import import_cupy
+from .._layout import empty_in_layout
+
+
+def _time_ms(fn, repeat: int = 5, batch: int = 3, flush=None) -> float:
+    """Median CUDA-event time of ``fn()`` on the current stream after one warm-up run.
+
+    Each sample times ``batch`` back-to-back calls and divides, so that the host overhead of a
+    call hides behind the device work of the previous one; with a ``flush`` array, which is
+    overwritten before each sample, the L2 holds none of the operands.
+    """
+    cupy = import_cupy()
+    fn()
+    times = []
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    for _ in range(repeat):
+        if flush is not None:
+            flush.fill(0)
+        start.record()
+        for _ in range(batch):
+            fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) / batch)
+    return float(numpy.median(times))
+
+
+def _random(shape, layout="nchw"):
+    """Random (not zero: zeros can run faster) float32 test data in ``layout``."""
+    cupy = import_cupy()
+    a = empty_in_layout(shape, layout)
+    a[...] = cupy.random.default_rng(0).random(a.shape, dtype=cupy.float32)
+    return a
+
+
+def _l2_flush_buffer():
+    """A float32 array twice the size of the current device's L2 cache, or None when that
+    much memory is not free (the autotuner then times without flushing)."""
+    cupy = import_cupy()
+    try:
+        return cupy.empty(cupy.cuda.Device().attributes["L2CacheSize"] // 2,
+                          dtype=cupy.float32)
+    except cupy.cuda.memory.OutOfMemoryError:
+        return None
