@@ -1,4 +1,5 @@
-"""Array-module dispatch: NumPy arrays take the reference path, CuPy arrays the GPU path.
+"""Array-module dispatch: NumPy arrays take the reference path, CuPy arrays the GPU path
+(:func:`forward`, the skeleton every op and pipeline ends with).
 
 CuPy is imported lazily so that ``import cufused`` works on machines without it.
 """
@@ -303,3 +304,25 @@ def finish_numpy(result: numpy.ndarray, dtype, out: numpy.ndarray | None) -> num
             return result.astype(dtype, copy=False)
         out[...] = result
     return out
+
+
+def forward(xp, x: Any, out: Any, shape: tuple[int, ...], *, inputs: dict[str, Any],
+            reference, gpu, in_place: bool = False, gpu_allocates: bool = False) -> Any:
+    """The end of every op and pipeline, called once its own arguments are checked (as
+    Chainer's ``forward_cpu`` / ``forward_gpu`` follow ``check_type_forward``).
+
+    ``out`` is checked last (:func:`check_out` with ``inputs`` and ``in_place``). Then an empty
+    ``x`` gives the empty result of ``shape`` (``out`` if given); NumPy input runs
+    ``reference()``, the float64 reference with the checked arguments bound, and casts its
+    result to ``x.dtype`` (into ``out`` if given); CuPy input returns ``gpu(out)``, with ``out``
+    allocated first unless ``gpu_allocates`` (a GPU path that picks its own result buffer when
+    ``out`` is None). Nothing runs before every check has passed.
+    """
+    check_out(out, shape, x.dtype, xp, x, inputs=inputs, in_place=in_place)
+    if x.size == 0:  # the callers' checks leave only the batch axis empty (softmax: any axis)
+        return out if out is not None else xp.empty(shape, dtype=x.dtype)
+    if xp is numpy:
+        return finish_numpy(run_reference(reference), x.dtype, out)
+    if out is None and not gpu_allocates:
+        out = xp.empty(shape, dtype=x.dtype)
+    return gpu(out)

@@ -38,7 +38,8 @@ def test_transposed_conv_without_a_cudnn_plan(rng, case, precision):
 
 def _no_cudnn_plan(monkeypatch):
     """Make every transposed-convolution plan unsupported, as for options cuDNN rejects."""
-    from cufused import _cudnn, convolution
+    from cufused import _cudnn
+    from cufused._ops import convolution
 
     real = convolution._plan
 

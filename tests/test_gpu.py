@@ -400,7 +400,7 @@ def test_pooling_into_channels_last(rng, nd, is_max):
     # writes it directly, the 3-window path pools into a temporary and transposes.
     from cufused._kernels.pooling import pool_into
     from cufused._layout import empty_in_layout
-    from cufused.pooling import check_pool_args
+    from cufused._ops.pooling import check_pool_args
 
     shape = (2, 37, 10, 14) if nd == 2 else (2, 37, 6, 10, 14)
     x = rng.standard_normal(shape)

@@ -11,7 +11,7 @@ import cufused
 
 from .._arrays import Size
 from .._precision import resolve_precision
-from ..softmax import normalize_axes
+from .._ops.softmax import normalize_axes
 from ._graph import Array, _check_params, _empty_batch, _Graph, _map_chunks
 from ._statistics import (_batch_statistics, _channel_moments, _check_count, _normalize,
                           _normalized_batch)

@@ -1,9 +1,10 @@
-"""What the three pipelines share: the method and pool-window options and the end of their
-docstrings."""
+"""What the three pipelines share: the method and pool-window options, the choice of their GPU
+half and the end of their docstrings."""
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import numpy
 
@@ -61,16 +62,11 @@ def gpu_method(method: str, conv_out_shape: tuple[int, ...]) -> str:
     return method
 
 
-def gpu_path(method: str, fused, unfused, xp, x, weight, args, precision, out, shape,
-             **options):
-    """A pipeline's GPU half: ``out`` (a new array of ``shape`` when None, returned as it is
-    for an empty batch) computed by ``fused`` or, for ``method="unfused"``, ``unfused``."""
-    if out is None:
-        out = xp.empty(shape, dtype=x.dtype)
-    if x.shape[0] == 0:
-        return out
+def gpu_run(method: str, fused, unfused, xp, x, weight, args, precision, **options):
+    """A pipeline's GPU half as :func:`~cufused._arrays.forward` calls it, with ``out``:
+    ``fused`` or, for ``method="unfused"``, ``unfused``, the checked arguments bound."""
     run = unfused if method == "unfused" else fused
-    return run(xp, x, weight, args, precision, out, **options)
+    return partial(run, xp, x, weight, args, precision, **options)
 
 
 def ones_if_none(value, channels: int, xp):

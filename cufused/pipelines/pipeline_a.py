@@ -14,19 +14,18 @@ from typing import Any
 import numpy
 
 from .. import reference
-from .._arrays import (Size, check_float_dtype, check_ndim, check_out, check_required,
-                       check_scalar, check_sizes, finish_numpy, get_array_module, per_channel,
-                       run_reference)
+from .._arrays import (Size, check_float_dtype, check_ndim, check_required, check_scalar,
+                       check_sizes, forward, get_array_module, per_channel)
 from .._kernels.layout import transpose_channels
 from .._kernels.normalization import channel_affine, group_norm_coefficients
 from .._kernels.pooling import (fused_pass_variant, pool_affine_nonfinite, pool_extremum_stats,
                                 stores_ext_channels_last)
 from .._layout import empty_in_layout
+from .._ops.convolution import cached_conv_args, check_conv_memory, conv2d, conv_on_gpu
+from .._ops.normalization import check_group_values, check_num_groups, group_norm
+from .._ops.pooling import check_pool_args, max_pool2d
 from .._precision import resolve_precision
-from ..convolution import cached_conv_args, check_conv_memory, conv2d, conv_on_gpu
-from ..normalization import check_group_values, check_num_groups, group_norm
-from ..pooling import check_pool_args, max_pool2d
-from ._common import (check_method, gpu_method, gpu_path, ones_if_none, shared_doc_sections,
+from ._common import (check_method, gpu_method, gpu_run, ones_if_none, shared_doc_sections,
                       tuple_pool)
 
 
@@ -103,19 +102,18 @@ def conv2d_groupnorm_scale_maxpool_clamp(
     eps = check_scalar(eps, "eps", minimum=0.0)
     precision = resolve_precision(precision)
     check_method(method)
-    shape = args.out_shape[:2] + pooled
-    check_out(out, shape, x.dtype, xp, x, inputs={
-        "x": x, "weight": weight, "conv_bias": conv_bias, "gn_weight": gn_weight,
-        "gn_bias": gn_bias, "scale": scale})
-    if xp is numpy and x.size:  # an empty batch falls through to the empty result below
-        y = run_reference(
-            reference.conv2d_groupnorm_scale_maxpool_clamp, x, weight, conv_bias, gn_weight,
-            gn_bias, ones_if_none(scale, c, xp), num_groups=num_groups, pool_kernel=(k, k),
-            clamp_min=lo, clamp_max=hi, stride=args.stride, padding=args.padding, eps=eps)
-        return finish_numpy(y, x.dtype, out)
-    return gpu_path(gpu_method(method, args.out_shape), _fused, _unfused, xp, x, weight, args,
-                    precision, out, shape, k=k, num_groups=num_groups, conv_bias=conv_bias,
-                    gn_weight=gn_weight, gn_bias=gn_bias, scale=scale, eps=eps, lo=lo, hi=hi)
+    return forward(
+        xp, x, out, args.out_shape[:2] + pooled, inputs={
+            "x": x, "weight": weight, "conv_bias": conv_bias, "gn_weight": gn_weight,
+            "gn_bias": gn_bias, "scale": scale},
+        # A lambda: the ones for scale=None are made on the NumPy path only.
+        reference=lambda: reference.conv2d_groupnorm_scale_maxpool_clamp(
+            x, weight, conv_bias, gn_weight, gn_bias, ones_if_none(scale, c, xp),
+            num_groups=num_groups, pool_kernel=(k, k), clamp_min=lo, clamp_max=hi,
+            stride=args.stride, padding=args.padding, eps=eps),
+        gpu=gpu_run(gpu_method(method, args.out_shape), _fused, _unfused, xp, x, weight, args,
+                    precision, k=k, num_groups=num_groups, conv_bias=conv_bias,
+                    gn_weight=gn_weight, gn_bias=gn_bias, scale=scale, eps=eps, lo=lo, hi=hi))
 
 
 def _unfused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, gn_weight,

@@ -9,23 +9,23 @@ is only added to the running-mean update.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
-import numpy
-
 from .. import reference
-from .._arrays import (Size, check_float_dtype, check_ndim, check_out, check_required,
-                       check_scalar, check_sizes, finish_numpy, get_array_module, per_channel,
-                       run_reference)
+from .._arrays import (Size, check_float_dtype, check_ndim, check_required, check_scalar,
+                       check_sizes, forward, get_array_module, per_channel)
 from .._kernels.normalization import group_norm_rows, group_rows_fit_channels_last
 from .._kernels.pooling import (fused_pass_variant, pool_bn_tanh_nonfinite,
                                 pool_extremum_stats, stores_ext_channels_last)
+from .._ops.convolution import (cached_conv_args, check_conv_memory, conv_on_gpu,
+                                conv_transpose2d)
+from .._ops.normalization import (batch_norm, bn_coefficients, check_group_values,
+                                  check_num_groups, check_running_buffer, check_running_pair,
+                                  group_norm)
+from .._ops.pooling import check_pool_args, max_pool2d
 from .._precision import resolve_precision
-from ..convolution import cached_conv_args, check_conv_memory, conv_on_gpu, conv_transpose2d
-from ..normalization import (batch_norm, bn_coefficients, check_group_values, check_num_groups,
-                             check_running_buffer, check_running_pair, group_norm)
-from ..pooling import check_pool_args, max_pool2d
-from ._common import check_method, gpu_method, gpu_path, shared_doc_sections, tuple_pool
+from ._common import check_method, gpu_method, gpu_run, shared_doc_sections, tuple_pool
 
 
 @shared_doc_sections("(N, C_out, H_conv // k, W_conv // k)")
@@ -111,24 +111,22 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
         raise ValueError("expected more than 1 value per channel for training-mode BatchNorm")
     precision = resolve_precision(precision)
     check_method(method)
-    shape = args.out_shape[:2] + pooled
-    check_out(out, shape, x.dtype, xp, x, inputs={
-        "x": x, "weight": weight, "bn_weight": bn_weight, "bn_bias": bn_bias,
-        "gn_weight": gn_weight, "gn_bias": gn_bias, "conv_bias": conv_bias,
-        "running_mean": running_mean, "running_var": running_var})
-    if xp is numpy and x.size:  # an empty batch falls through to the empty result below
-        y = run_reference(
+    return forward(
+        xp, x, out, args.out_shape[:2] + pooled, inputs={
+            "x": x, "weight": weight, "bn_weight": bn_weight, "bn_bias": bn_bias,
+            "gn_weight": gn_weight, "gn_bias": gn_bias, "conv_bias": conv_bias,
+            "running_mean": running_mean, "running_var": running_var},
+        reference=partial(
             reference.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm, x, weight, bn_weight,
             bn_bias, gn_weight, gn_bias, num_groups=num_groups, stride=args.stride,
             padding=args.padding, output_padding=args.output_padding, groups=args.groups,
             conv_bias=conv_bias, pool_kernel=(k, k), eps=eps, running_mean=running_mean,
-            running_var=running_var, momentum=momentum)
-        return finish_numpy(y, x.dtype, out)
-    return gpu_path(gpu_method(method, args.out_shape), _fused, _unfused, xp, x, weight, args,
-                    precision, out, shape, k=k, num_groups=num_groups, conv_bias=conv_bias,
+            running_var=running_var, momentum=momentum),
+        gpu=gpu_run(gpu_method(method, args.out_shape), _fused, _unfused, xp, x, weight, args,
+                    precision, k=k, num_groups=num_groups, conv_bias=conv_bias,
                     bn_weight=bn_weight, bn_bias=bn_bias, gn_weight=gn_weight, gn_bias=gn_bias,
                     running_mean=running_mean, running_var=running_var, momentum=momentum,
-                    eps=eps)
+                    eps=eps))
 
 
 def _unfused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, bn_weight,

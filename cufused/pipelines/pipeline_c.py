@@ -14,19 +14,18 @@ from typing import Any
 import numpy
 
 from .. import reference
-from .._arrays import (Size, check_float_dtype, check_ndim, check_out, check_required,
-                       check_scalar, check_sizes, finish_numpy, get_array_module, per_channel,
-                       run_reference)
+from .._arrays import (Size, check_float_dtype, check_ndim, check_required, check_scalar,
+                       check_sizes, forward, get_array_module, per_channel)
 from .._cudnn import UnsupportedConvolution
 from .._kernels.pooling import pool_into
 from .._kernels.softmax import softmax_rows, softmax_rows_nonfinite_weight
 from .._layout import empty_in_layout
+from .._ops.convolution import (cached_conv_args, check_conv_memory, conv_on_gpu,
+                                conv_transpose3d, gpu_conv_plan)
+from .._ops.pooling import avg_pool3d, check_pool_args
+from .._ops.softmax import softmax
 from .._precision import resolve_precision
-from ..convolution import (cached_conv_args, check_conv_memory, conv_on_gpu, conv_transpose3d,
-                           gpu_conv_plan)
-from ..pooling import avg_pool3d, check_pool_args
-from ..softmax import softmax
-from ._common import check_method, gpu_path, ones_if_none, shared_doc_sections, tuple_pool
+from ._common import check_method, gpu_run, ones_if_none, shared_doc_sections, tuple_pool
 
 
 @shared_doc_sections("(N, C_out, D_out, H_out, W_out)")
@@ -93,18 +92,16 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
     hi = check_scalar(clamp_max, "clamp_max")
     precision = resolve_precision(precision)
     check_method(method)
-    shape = args.out_shape
-    check_out(out, shape, x.dtype, xp, x, inputs={
-        "x": x, "weight": weight, "scale": scale, "conv_bias": conv_bias})
-    if xp is numpy and x.size:  # an empty batch falls through to the empty result below
-        y = run_reference(
-            reference.conv_transpose3d_avgpool_clamp_softmax_multiply, x, weight,
-            ones_if_none(scale, c, xp), stride=args.stride, padding=args.padding,
+    return forward(
+        xp, x, out, args.out_shape, inputs={
+            "x": x, "weight": weight, "scale": scale, "conv_bias": conv_bias},
+        # A lambda: the ones for scale=None are made on the NumPy path only.
+        reference=lambda: reference.conv_transpose3d_avgpool_clamp_softmax_multiply(
+            x, weight, ones_if_none(scale, c, xp), stride=args.stride, padding=args.padding,
             output_padding=args.output_padding, pool_kernel=(k, k, k), clamp_min=lo,
-            clamp_max=hi, conv_bias=conv_bias, groups=args.groups)
-        return finish_numpy(y, x.dtype, out)
-    return gpu_path(method, _fused, _unfused, xp, x, weight, args, precision, out, shape, k=k,
-                    pooled_shape=pooled_shape, conv_bias=conv_bias, scale=scale, lo=lo, hi=hi)
+            clamp_max=hi, conv_bias=conv_bias, groups=args.groups),
+        gpu=gpu_run(method, _fused, _unfused, xp, x, weight, args, precision, k=k,
+                    pooled_shape=pooled_shape, conv_bias=conv_bias, scale=scale, lo=lo, hi=hi))
 
 
 def _nonfinite_weight_rows(xp, x_pooled, weight, args, out, *, conv_bias, scale, lo, hi):

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import math
 import numbers
+from functools import partial
 from typing import Any
 
 import numpy
 
-from . import reference
-from ._arrays import (check_float_dtype, check_out, check_required, check_scalar, check_sizes,
-                      check_writeable, finish_numpy, get_array_module, per_channel,
-                      run_reference)
-from ._kernels.normalization import (ROW_CACHE_BYTES, batch_norm_coefficients, channel_affine,
+from .. import reference
+from .._arrays import (check_float_dtype, check_required, check_scalar, check_sizes,
+                       check_writeable, forward, get_array_module, per_channel)
+from .._kernels.normalization import (ROW_CACHE_BYTES, batch_norm_coefficients, channel_affine,
                                      group_norm_coefficients, group_norm_rows,
                                      key_stats_partial, reads_channels_last)
 
@@ -52,6 +52,8 @@ def check_running_pair(running_mean: Any, running_var: Any) -> None:
 
 
 def _group_norm_gpu(xp, x, num_groups, weight, bias, eps, out):
+    if not reads_channels_last(x, num_groups):
+        x = xp.ascontiguousarray(x)  # a channels-last x is read in place
     n, c = x.shape[:2]
     hw = x.size // (n * c)
     length = (c // num_groups) * hw
@@ -121,18 +123,10 @@ def group_norm(x: Any, num_groups: int, weight: Any = None, bias: Any = None, *,
     weight = per_channel(weight, "weight", c, xp)
     bias = per_channel(bias, "bias", c, xp)
     eps = check_scalar(eps, "eps", minimum=0.0)
-    check_out(out, x.shape, x.dtype, xp, x, inputs={"x": x, "weight": weight, "bias": bias},
-              in_place=True)
-    if xp is numpy and x.size:  # an empty batch falls through to the empty result below
-        y = run_reference(reference.group_norm, x, num_groups, weight, bias, eps)
-        return finish_numpy(y, x.dtype, out)
-    if out is None:
-        out = xp.empty(x.shape, dtype=x.dtype)
-    if x.shape[0] == 0:
-        return out
-    if not reads_channels_last(x, num_groups):
-        x = xp.ascontiguousarray(x)  # a channels-last x is read in place
-    return _group_norm_gpu(xp, x, num_groups, weight, bias, eps, out)
+    return forward(xp, x, out, x.shape, inputs={"x": x, "weight": weight, "bias": bias},
+                   in_place=True,
+                   reference=partial(reference.group_norm, x, num_groups, weight, bias, eps),
+                   gpu=partial(_group_norm_gpu, xp, x, num_groups, weight, bias, eps))
 
 
 def check_running_buffer(buf: Any, name: str, channels: int, xp) -> Any:
@@ -227,22 +221,19 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
                          f"shape {x.shape}")
     if not training and (running_mean is None or running_var is None):
         raise ValueError("running_mean and running_var are required when training=False")
-    check_out(out, x.shape, x.dtype, xp, x, in_place=True,
-              inputs={"x": x, "weight": weight, "bias": bias, "running_mean": running_mean,
-                      "running_var": running_var})
-    if xp is numpy and x.size:  # an empty batch falls through to the empty result below
-        y = run_reference(reference.batch_norm, x, weight, bias, running_mean, running_var,
-                          training, momentum, eps, activation)
-        return finish_numpy(y, x.dtype, out)
-    if out is None:
-        out = xp.empty(x.shape, dtype=x.dtype)
-    if x.shape[0] == 0:
-        return out
+    stats = (running_mean, running_var, training, momentum, eps)
+    return forward(xp, x, out, x.shape, in_place=True,
+                   inputs={"x": x, "weight": weight, "bias": bias,
+                           "running_mean": running_mean, "running_var": running_var},
+                   reference=partial(reference.batch_norm, x, weight, bias, *stats, activation),
+                   gpu=partial(_batch_norm_gpu, xp, x, weight, bias, stats, activation))
+
+
+def _batch_norm_gpu(xp, x, weight, bias, stats, activation, out):
     x = xp.ascontiguousarray(x)
-    coef = bn_coefficients(xp, x, weight, bias, running_mean, running_var, training, momentum,
-                           eps)
-    hw = x.size // (x.shape[0] * c)
-    channel_affine(x, out, coef[0], coef[1], inner=hw, n_coef=c, activation=activation)
+    coef = bn_coefficients(xp, x, weight, bias, *stats)
+    hw = x.size // (x.shape[0] * x.shape[1])
+    channel_affine(x, out, coef[0], coef[1], inner=hw, n_coef=x.shape[1], activation=activation)
     return out
 
 

@@ -8,15 +8,15 @@ PyTorch's.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy
 
-from . import reference
-from ._arrays import (Size, check_fits, check_float_dtype, check_ndim, check_out,
-                      check_required, check_sizes, finish_numpy, get_array_module, ntuple,
-                      per_channel, run_reference)
-from ._precision import resolve_precision
+from .. import reference
+from .._arrays import (Size, check_fits, check_float_dtype, check_ndim, check_required,
+                       check_sizes, forward, get_array_module, ntuple, per_channel)
+from .._precision import resolve_precision
 
 __all__ = ["conv2d", "conv3d", "conv_transpose2d", "conv_transpose3d"]
 
@@ -110,22 +110,22 @@ def check_conv_memory(x_shape, args: ConvArgs, xp, what: str = "the convolution 
         check_fits((*lead, *inner), xp, f"the padded input of {what}")
 
 
-def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_input: bool = True,
-                convert_output: bool = True, accept_classes: bool = False, out=None, bias=None):
-    """Run the cuDNN convolution of checked CuPy arrays.
+def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bool = True,
+                out=None, bias=None):
+    """Run the cuDNN convolution of checked CuPy arrays (the plan converts ``x`` to its input
+    layout where it needs to).
 
     Returns ``(y, layout)``: with ``convert_output`` the result is NCHW/NCDHW (written to
     ``out`` if given) plus ``bias``; without it ``y`` is in the plan's output layout ("nchw",
-    a channels-last view for "nhwc", or class blocks of shape (P, N, C, *M) for "classes",
-    which only a caller passing ``accept_classes`` gets) for a fused kernel to read, and
-    ``bias`` must be None. With ``convert_input=False`` the caller promises ``x`` is already
-    in the input layout of the plan :func:`gpu_conv_plan` returns.
+    or a channels-last view for "nhwc") for a fused kernel to read, and ``bias`` must be None.
+    A caller that puts the input in the plan's layout itself, or reads class blocks, uses
+    :func:`gpu_conv_plan`.
     """
-    from ._cudnn import UnsupportedConvolution
+    from .._cudnn import UnsupportedConvolution
 
     try:
-        plan = _plan(x.shape, weight.shape, args, precision, bias is not None, convert_input,
-                     convert_output, accept_classes)
+        plan = _plan(x.shape, weight.shape, args, precision, bias is not None, True,
+                     convert_output, False)
     except UnsupportedConvolution:
         if not args.transposed:
             raise
@@ -157,9 +157,9 @@ def _transposed_as_forward(x, weight, args: ConvArgs, precision: str, *, bias=No
     c_out_g = weight.shape[1]
     flipped = weight.reshape(g, c_in // g, c_out_g, *k).swapaxes(1, 2).reshape(
         g * c_out_g, c_in // g, *k)[(Ellipsis, *(slice(None, None, -1),) * nd)]
-    forward = ConvArgs(False, (1,) * nd, (0,) * nd, (0,) * nd, args.dilation, g,
-                       args.out_shape)
-    y, _ = conv_on_gpu(cupy.ascontiguousarray(z), cupy.ascontiguousarray(flipped), forward,
+    as_forward = ConvArgs(False, (1,) * nd, (0,) * nd, (0,) * nd, args.dilation, g,
+                          args.out_shape)
+    y, _ = conv_on_gpu(cupy.ascontiguousarray(z), cupy.ascontiguousarray(flipped), as_forward,
                        precision, out=out, bias=bias)
     return y
 
@@ -174,7 +174,7 @@ def gpu_conv_plan(x_shape, w_shape, args: ConvArgs, precision: str, *,
 
 def _plan(x_shape, w_shape, args: ConvArgs, precision: str, bias: bool, convert_input: bool,
           convert_output: bool, accept_classes: bool):
-    from ._cudnn import ConvProblem, conv_plan
+    from .._cudnn import ConvProblem, conv_plan
 
     problem = ConvProblem("dgrad" if args.transposed else "fprop", tuple(x_shape),
                           tuple(w_shape), args.out_shape, args.stride, args.padding,
@@ -223,18 +223,19 @@ def _convolve(nd: int, transposed: bool, x, weight, bias, *, stride, padding, ou
     bias = per_channel(bias, "bias", args.out_shape[1], xp)
     precision = resolve_precision(precision)
     check_conv_memory(x.shape, args, xp)
-    check_out(out, args.out_shape, x.dtype, xp, x, inputs={"x": x, "weight": weight,
-                                                            "bias": bias})
-    if xp is numpy and x.size:  # an empty batch falls through to the empty result below
-        if transposed:
-            y = run_reference(reference.conv_transpose, x, weight, bias, args.stride,
-                              args.padding, args.output_padding, args.dilation, args.groups)
-        else:
-            y = run_reference(reference.conv, x, weight, bias, args.stride, args.padding,
-                              args.dilation, args.groups)
-        return finish_numpy(y, x.dtype, out)
-    if args.out_shape[0] == 0:
-        return out if out is not None else xp.empty(args.out_shape, dtype=x.dtype)
+    if transposed:
+        ref = partial(reference.conv_transpose, x, weight, bias, args.stride, args.padding,
+                      args.output_padding, args.dilation, args.groups)
+    else:
+        ref = partial(reference.conv, x, weight, bias, args.stride, args.padding,
+                      args.dilation, args.groups)
+    # The plan picks the result's buffer when out is None (it may write it directly).
+    return forward(xp, x, out, args.out_shape, inputs={"x": x, "weight": weight, "bias": bias},
+                   reference=ref, gpu=partial(_conv_gpu, x, weight, args, precision, bias),
+                   gpu_allocates=True)
+
+
+def _conv_gpu(x, weight, args: ConvArgs, precision: str, bias, out):
     y, _ = conv_on_gpu(x, weight, args, precision, out=out, bias=bias)
     return y
 

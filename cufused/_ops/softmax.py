@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import numbers
+from functools import partial
 from typing import Any
 
 import numpy
 
-from . import reference
-from ._arrays import (Size, check_float_dtype, check_out, check_required, finish_numpy,
-                      get_array_module, run_reference)
-from ._kernels.softmax import softmax_rows
+from .. import reference
+from .._arrays import Size, check_float_dtype, check_required, forward, get_array_module
+from .._kernels.softmax import softmax_rows
 
 __all__ = ["softmax"]
 
@@ -74,13 +74,13 @@ def softmax(x: Any, axis: Size = -1, *, out: Any = None) -> Any:
     if x.ndim == 0:
         raise ValueError("x must have at least one dimension")
     axes = normalize_axes(axis, x.ndim)
-    check_out(out, x.shape, x.dtype, xp, x, inputs={"x": x}, in_place=True)
-    if xp is numpy and x.size:  # an empty batch falls through to the empty result below
-        return finish_numpy(run_reference(reference.softmax, x, axes), x.dtype, out)
-    if out is None:
-        out = xp.empty(x.shape, dtype=x.dtype)
-    if x.size == 0:
-        return out
+    return forward(xp, x, out, x.shape, inputs={"x": x}, in_place=True,
+                   reference=partial(reference.softmax, x, axes),
+                   gpu=partial(_softmax_gpu, xp, x, axes))
+
+
+def _softmax_gpu(xp, x, axes, out):
+    """Softmax over ``axes`` moved last and contiguous: rows of their product's length."""
     kept = tuple(a for a in range(x.ndim) if a not in axes)
     perm = kept + axes
     moved = xp.ascontiguousarray(x.transpose(perm))

@@ -7,14 +7,13 @@ kernel serves both ranks.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
-import numpy
-
-from . import reference
-from ._arrays import (Size, check_float_dtype, check_ndim, check_out, check_required,
-                      check_sizes, finish_numpy, get_array_module, ntuple, run_reference)
-from ._kernels.pooling import pool_into
+from .. import reference
+from .._arrays import (Size, check_float_dtype, check_ndim, check_required, check_sizes, forward,
+                       get_array_module, ntuple)
+from .._kernels.pooling import pool_into
 
 __all__ = ["max_pool2d", "max_pool3d", "avg_pool2d", "avg_pool3d"]
 
@@ -53,15 +52,14 @@ def _pool(nd: int, is_max: bool, x, kernel_size, stride, padding, out):
     check_sizes(x, "x")
     kernel, stride, padding, out_size = check_pool_args(
         x.shape[2:], nd, kernel_size, stride, padding, unpadded_window=nd == 3 and not is_max)
-    shape = x.shape[:2] + out_size
-    check_out(out, shape, x.dtype, xp, x, inputs={"x": x})
-    if xp is numpy and x.size:  # an empty batch falls through to the empty result below
-        fn = reference.max_pool if is_max else reference.avg_pool
-        return finish_numpy(run_reference(fn, x, kernel, stride, padding), x.dtype, out)
-    if out is None:
-        out = xp.empty(shape, dtype=x.dtype)
-    if x.shape[0]:
-        pool_into(xp.ascontiguousarray(x), out, kernel, stride, padding, is_max=is_max)
+    fn = reference.max_pool if is_max else reference.avg_pool
+    return forward(xp, x, out, x.shape[:2] + out_size, inputs={"x": x},
+                   reference=partial(fn, x, kernel, stride, padding),
+                   gpu=partial(_pool_gpu, xp, x, kernel, stride, padding, is_max))
+
+
+def _pool_gpu(xp, x, kernel, stride, padding, is_max, out):
+    pool_into(xp.ascontiguousarray(x), out, kernel, stride, padding, is_max=is_max)
     return out
 
 
