@@ -320,3 +320,23 @@ def test_bad_input_does_no_gpu_work():
         pipeline_b(d, running_mean=rm, running_var=rv, out=out, momentum="x")
     cupy.cuda.get_current_stream().synchronize()
     assert (rm == 0).all() and (rv == 1).all() and cupy.isnan(out).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device with CuPy")
+@pytest.mark.parametrize("pipeline", [pipeline_a, pipeline_c])
+def test_bad_option_after_a_number_for_scale_allocates_nothing(pipeline):
+    # A number for scale becomes a device array only once every other argument passed.
+    import cupy
+
+    d = arrays(cupy)
+    allocations = []
+    pool = cupy.get_default_memory_pool()
+
+    def counting(size):
+        allocations.append(size)
+        return pool.malloc(size)
+
+    with cupy.cuda.using_allocator(counting), pytest.raises(TypeError, match="clamp_min"):
+        pipeline(d, scale=2.0, clamp_min="low")
+    assert allocations == []

@@ -87,12 +87,6 @@ def conv2d_groupnorm_scale_maxpool_clamp(
                             padding=padding)
     check_conv_memory(x.shape, args, xp)
     c = args.out_shape[1]
-    conv_bias = per_channel(conv_bias, "conv_bias", c, xp)
-    gn_weight = per_channel(gn_weight, "gn_weight", c, xp)
-    gn_bias = per_channel(gn_bias, "gn_bias", c, xp)
-    scale = per_channel(scale, "scale", c, xp, allow_scalar=True, broadcast_ndim=4)
-    if xp is not numpy:
-        check_float_dtype(xp, scale=scale)
     num_groups = check_num_groups(num_groups, c)
     check_group_values(args.out_shape, num_groups, "the conv output")
     k = tuple_pool(pool_kernel, 2)
@@ -102,6 +96,13 @@ def conv2d_groupnorm_scale_maxpool_clamp(
     eps = check_scalar(eps, "eps", minimum=0.0)
     precision = resolve_precision(precision)
     check_method(method)
+    # The parameters last: a number for scale becomes a device array here.
+    conv_bias = per_channel(conv_bias, "conv_bias", c, xp)
+    gn_weight = per_channel(gn_weight, "gn_weight", c, xp)
+    gn_bias = per_channel(gn_bias, "gn_bias", c, xp)
+    scale = per_channel(scale, "scale", c, xp, allow_scalar=True, broadcast_ndim=4)
+    if xp is not numpy:
+        check_float_dtype(xp, scale=scale)
     return forward(
         xp, x, out, args.out_shape[:2] + pooled, inputs={
             "x": x, "weight": weight, "conv_bias": conv_bias, "gn_weight": gn_weight,

@@ -84,14 +84,15 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
                             padding=padding, output_padding=output_padding, groups=groups)
     check_conv_memory(pooled_shape, args, xp)
     c = args.out_shape[1]
-    scale = per_channel(scale, "scale", c, xp, allow_scalar=True, broadcast_ndim=5)
-    if xp is not numpy:
-        check_float_dtype(xp, scale=scale)
-    conv_bias = per_channel(conv_bias, "conv_bias", c, xp)
     lo = check_scalar(clamp_min, "clamp_min")
     hi = check_scalar(clamp_max, "clamp_max")
     precision = resolve_precision(precision)
     check_method(method)
+    # The parameters last: a number for scale becomes a device array here.
+    conv_bias = per_channel(conv_bias, "conv_bias", c, xp)
+    scale = per_channel(scale, "scale", c, xp, allow_scalar=True, broadcast_ndim=5)
+    if xp is not numpy:
+        check_float_dtype(xp, scale=scale)
     return forward(
         xp, x, out, args.out_shape, inputs={
             "x": x, "weight": weight, "scale": scale, "conv_bias": conv_bias},
