@@ -10,6 +10,7 @@ import math
 import numbers
 import os
 import sys
+from collections.abc import Callable
 from typing import Any, Union
 
 import numpy
@@ -326,3 +327,39 @@ def forward(xp, x: Any, out: Any, shape: tuple[int, ...], *, inputs: dict[str, A
     if out is None and not gpu_allocates:
         out = xp.empty(shape, dtype=x.dtype)
     return gpu(out)
+
+
+# The ``out`` entry, Returns and Raises of an op whose result has the shape and dtype of ``x``.
+_LIKE_X = """\
+    out : array, optional
+        Destination with the shape and dtype of ``x``.
+
+    Returns
+    -------
+    array
+        Same shape, dtype and array library as ``x``.
+
+    Raises
+    ------
+    TypeError
+        {type_error}
+    ValueError
+        {value_error}
+
+"""
+
+
+def insert_sections(fn: Callable, sections: str) -> Callable:
+    """Put ``sections`` after ``fn``'s own parameters, before its Examples; return ``fn``."""
+    if fn.__doc__:  # None under python -OO
+        head, examples, tail = fn.__doc__.partition("    Examples\n")
+        fn.__doc__ = head.rstrip() + "\n" + sections + examples + tail
+    return fn
+
+
+def like_x_sections(value_error: str,
+                    type_error: str = "Mixed array libraries or an unsupported dtype."):
+    """Decorator: the ``out`` entry and the Returns and Raises sections of an op whose result
+    is like ``x``, with these reasons for its errors."""
+    return lambda fn: insert_sections(fn, _LIKE_X.format(type_error=type_error,
+                                                         value_error=value_error))

@@ -16,7 +16,8 @@ import numpy
 
 from .. import reference
 from .._arrays import (check_float_dtype, check_required, check_scalar, check_sizes,
-                       check_writeable, forward, get_array_module, per_channel)
+                       check_writeable, forward, get_array_module, like_x_sections,
+                       per_channel)
 from .._kernels.normalization import (ROW_CACHE_BYTES, batch_norm_coefficients, channel_affine,
                                      group_norm_coefficients, group_norm_rows,
                                      key_stats_partial, reads_channels_last)
@@ -71,6 +72,7 @@ def _group_norm_gpu(xp, x, num_groups, weight, bias, eps, out):
     return out
 
 
+@like_x_sections("``num_groups`` does not divide C, wrong parameter sizes, bad ``eps``.")
 def group_norm(x: Any, num_groups: int, weight: Any = None, bias: Any = None, *,
                eps: float = 1e-5, out: Any = None) -> Any:
     """Group normalization, as ``torch.nn.functional.group_norm``.
@@ -88,20 +90,6 @@ def group_norm(x: Any, num_groups: int, weight: Any = None, bias: Any = None, *,
         One value per channel (``(C,)``, ``(C, 1, 1)``, ``(1, C, 1, 1)``, ...).
     eps : float
         Added to the variance; finite and >= 0.
-    out : array, optional
-        Destination with the shape and dtype of ``x``.
-
-    Returns
-    -------
-    array
-        Same shape, dtype and array library as ``x``.
-
-    Raises
-    ------
-    TypeError
-        Mixed array libraries or an unsupported dtype.
-    ValueError
-        ``num_groups`` does not divide C, wrong parameter sizes, bad ``eps``.
 
     Examples
     --------
@@ -147,6 +135,8 @@ def check_training(training: Any) -> bool:
     return bool(training)
 
 
+@like_x_sections("Wrong parameter sizes, a single value per channel in training, missing running\n"
+                 "        statistics in inference, bad ``momentum`` / ``eps`` / ``activation``.")
 def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: Any = None,
                running_var: Any = None, training: bool = True, momentum: float = 0.1,
                eps: float = 1e-5, activation: str | None = None, out: Any = None) -> Any:
@@ -170,21 +160,6 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
         Added to the variance; finite and >= 0.
     activation : {None, "tanh"}
         Activation fused after the affine.
-    out : array, optional
-        Destination with the shape and dtype of ``x``.
-
-    Returns
-    -------
-    array
-        Same shape, dtype and array library as ``x``.
-
-    Raises
-    ------
-    TypeError
-        Mixed array libraries or an unsupported dtype.
-    ValueError
-        Wrong parameter sizes, a single value per channel in training, missing running
-        statistics in inference, bad ``momentum`` / ``eps`` / ``activation``.
 
     Examples
     --------

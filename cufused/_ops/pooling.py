@@ -96,53 +96,33 @@ _DOC = """{title}
 """
 
 
-def max_pool2d(x: Any, kernel_size: Size, stride: Size | None = None,
-               padding: Size = 0, *, out: Any = None) -> Any:
-    return _pool(2, True, x, kernel_size, stride, padding, out)
+def _pool_op(nd: int, is_max: bool, example_input: str, example_result: str):
+    """The public pooling function of rank ``nd`` and kind ``is_max``, with its docstring."""
+    def pool(x: Any, kernel_size: Size, stride: Size | None = None,
+             padding: Size = 0, *, out: Any = None) -> Any:
+        return _pool(nd, is_max, x, kernel_size, stride, padding, out)
+
+    name = f"{'max' if is_max else 'avg'}_pool{nd}d"
+    pool.__name__ = pool.__qualname__ = name
+    dims = ("D", "H", "W")[3 - nd:]
+    title = (f"{nd}-D max pooling, as ``torch.nn.functional.{name}``; a NaN in a window "
+             "gives NaN." if is_max else
+             f"{nd}-D average pooling, as ``torch.nn.functional.{name}``.")
+    pool.__doc__ = _DOC.format(
+        title=title, shape=f"(N, C, {', '.join(dims)})",
+        pad="``-inf``" if is_max else "zeros, counted in the divisor",
+        outdims=", ".join(f"{d}_out" for d in dims),
+        example=f""">>> import numpy as np, cufused
+    >>> x = {example_input}
+    >>> cufused.{name}(x, 2)
+    {example_result}""")
+    return pool
 
 
-def max_pool3d(x: Any, kernel_size: Size, stride: Size | None = None,
-               padding: Size = 0, *, out: Any = None) -> Any:
-    return _pool(3, True, x, kernel_size, stride, padding, out)
-
-
-def avg_pool2d(x: Any, kernel_size: Size, stride: Size | None = None,
-               padding: Size = 0, *, out: Any = None) -> Any:
-    return _pool(2, False, x, kernel_size, stride, padding, out)
-
-
-def avg_pool3d(x: Any, kernel_size: Size, stride: Size | None = None,
-               padding: Size = 0, *, out: Any = None) -> Any:
-    return _pool(3, False, x, kernel_size, stride, padding, out)
-
-
-max_pool2d.__doc__ = _DOC.format(
-    title="2-D max pooling, as ``torch.nn.functional.max_pool2d``; a NaN in a window gives NaN.",
-    shape="(N, C, H, W)", pad="``-inf``", outdims="H_out, W_out",
-    example=""">>> import numpy as np, cufused
-    >>> x = np.arange(16.0).reshape(1, 1, 4, 4)
-    >>> cufused.max_pool2d(x, 2)
-    array([[[[ 5.,  7.],
+_X2, _X3 = "np.arange(16.0).reshape(1, 1, 4, 4)", "np.arange(8.0).reshape(1, 1, 2, 2, 2)"
+max_pool2d = _pool_op(2, True, _X2, """array([[[[ 5.,  7.],
              [13., 15.]]]])""")
-max_pool3d.__doc__ = _DOC.format(
-    title="3-D max pooling, as ``torch.nn.functional.max_pool3d``; a NaN in a window gives NaN.",
-    shape="(N, C, D, H, W)", pad="``-inf``", outdims="D_out, H_out, W_out",
-    example=""">>> import numpy as np, cufused
-    >>> x = np.arange(8.0).reshape(1, 1, 2, 2, 2)
-    >>> cufused.max_pool3d(x, 2)
-    array([[[[[7.]]]]])""")
-avg_pool2d.__doc__ = _DOC.format(
-    title="2-D average pooling, as ``torch.nn.functional.avg_pool2d``.",
-    shape="(N, C, H, W)", pad="zeros, counted in the divisor", outdims="H_out, W_out",
-    example=""">>> import numpy as np, cufused
-    >>> x = np.arange(16.0).reshape(1, 1, 4, 4)
-    >>> cufused.avg_pool2d(x, 2)
-    array([[[[ 2.5,  4.5],
+max_pool3d = _pool_op(3, True, _X3, "array([[[[[7.]]]]])")
+avg_pool2d = _pool_op(2, False, _X2, """array([[[[ 2.5,  4.5],
              [10.5, 12.5]]]])""")
-avg_pool3d.__doc__ = _DOC.format(
-    title="3-D average pooling, as ``torch.nn.functional.avg_pool3d``.",
-    shape="(N, C, D, H, W)", pad="zeros, counted in the divisor", outdims="D_out, H_out, W_out",
-    example=""">>> import numpy as np, cufused
-    >>> x = np.arange(8.0).reshape(1, 1, 2, 2, 2)
-    >>> cufused.avg_pool3d(x, 2)
-    array([[[[[3.5]]]]])""")
+avg_pool3d = _pool_op(3, False, _X3, "array([[[[[3.5]]]]])")

@@ -9,7 +9,8 @@ from typing import Any
 import numpy
 
 from .. import reference
-from .._arrays import Size, check_float_dtype, check_required, forward, get_array_module
+from .._arrays import (Size, check_float_dtype, check_required, forward, get_array_module,
+                       like_x_sections)
 from .._kernels.softmax import softmax_rows
 
 __all__ = ["softmax"]
@@ -31,6 +32,8 @@ def normalize_axes(axis: Any, ndim: int) -> tuple[int, ...]:
     return tuple(sorted(axes))
 
 
+@like_x_sections("An axis out of range or repeated.",
+                 type_error="Not an array, an unsupported dtype, or a non-integer axis.")
 def softmax(x: Any, axis: Size = -1, *, out: Any = None) -> Any:
     """Softmax over ``axis``, as ``torch.softmax``, where ``axis`` may be a tuple of axes.
 
@@ -44,20 +47,6 @@ def softmax(x: Any, axis: Size = -1, *, out: Any = None) -> Any:
         Any shape with at least one dimension.
     axis : int or tuple of int
         The axis or axes normalized together.
-    out : array, optional
-        Destination with the shape and dtype of ``x``.
-
-    Returns
-    -------
-    array
-        Same shape, dtype and array library as ``x``.
-
-    Raises
-    ------
-    TypeError
-        Not an array, an unsupported dtype, or a non-integer axis.
-    ValueError
-        An axis out of range or repeated.
 
     Examples
     --------

@@ -248,38 +248,24 @@ _POOL_DOC = """{title}, each batch chunk running :func:`cufused.{name}`.
 """
 
 
-def max_pool2d(x: Array, kernel_size: Size, stride: Size | None = None,
-               padding: Size = 0) -> Array:
-    return _map_chunks(cufused.max_pool2d, x, {},
-                       dict(kernel_size=kernel_size, stride=stride, padding=padding))
+def _chunked_pool(name: str, title: str, xshape: str, yshape: str) -> Callable:
+    """The pool ``cufused.<name>`` over a dask batch, with its docstring."""
+    def pool(x: Array, kernel_size: Size, stride: Size | None = None,
+             padding: Size = 0) -> Array:
+        return _map_chunks(getattr(cufused, name), x, {},
+                           dict(kernel_size=kernel_size, stride=stride, padding=padding))
+
+    pool.__name__ = pool.__qualname__ = name
+    pool.__doc__ = _POOL_DOC.format(title=title, name=name, x=_X, returns=_RETURNS,
+                                    xshape=xshape, yshape=yshape)
+    return pool
 
 
-def max_pool3d(x: Array, kernel_size: Size, stride: Size | None = None,
-               padding: Size = 0) -> Array:
-    return _map_chunks(cufused.max_pool3d, x, {},
-                       dict(kernel_size=kernel_size, stride=stride, padding=padding))
-
-
-def avg_pool2d(x: Array, kernel_size: Size, stride: Size | None = None,
-               padding: Size = 0) -> Array:
-    return _map_chunks(cufused.avg_pool2d, x, {},
-                       dict(kernel_size=kernel_size, stride=stride, padding=padding))
-
-
-def avg_pool3d(x: Array, kernel_size: Size, stride: Size | None = None,
-               padding: Size = 0) -> Array:
-    return _map_chunks(cufused.avg_pool3d, x, {},
-                       dict(kernel_size=kernel_size, stride=stride, padding=padding))
-
-
-for _func, _title, _xshape, _yshape in (
-        (max_pool2d, "2-D max pooling", "(3, 2, 4, 6)", "(3, 2, 2, 3)"),
-        (max_pool3d, "3-D max pooling", "(3, 2, 4, 4, 2)", "(3, 2, 2, 2, 1)"),
-        (avg_pool2d, "2-D average pooling", "(3, 2, 4, 6)", "(3, 2, 2, 3)"),
-        (avg_pool3d, "3-D average pooling", "(3, 2, 4, 4, 2)", "(3, 2, 2, 2, 1)")):
-    _func.__doc__ = _POOL_DOC.format(title=_title, name=_func.__name__, x=_X, returns=_RETURNS,
-                                     xshape=_xshape, yshape=_yshape)
-del _func, _title, _xshape, _yshape
+max_pool2d = _chunked_pool("max_pool2d", "2-D max pooling", "(3, 2, 4, 6)", "(3, 2, 2, 3)")
+max_pool3d = _chunked_pool("max_pool3d", "3-D max pooling", "(3, 2, 4, 4, 2)", "(3, 2, 2, 2, 1)")
+avg_pool2d = _chunked_pool("avg_pool2d", "2-D average pooling", "(3, 2, 4, 6)", "(3, 2, 2, 3)")
+avg_pool3d = _chunked_pool("avg_pool3d", "3-D average pooling", "(3, 2, 4, 4, 2)",
+                           "(3, 2, 2, 2, 1)")
 
 
 @_shared_sections

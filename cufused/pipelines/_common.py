@@ -8,7 +8,7 @@ from functools import partial
 
 import numpy
 
-from .._arrays import ntuple
+from .._arrays import insert_sections, ntuple
 
 METHODS = ("fused", "unfused")
 
@@ -39,13 +39,7 @@ _SHARED_DOC = """\
 def shared_doc_sections(shape: str):
     """Decorator: insert the shared ``precision`` / ``method`` / ``out`` entries and the
     Returns (an array of ``shape``) and Raises sections before the docstring's Examples."""
-    def decorate(fn):
-        if fn.__doc__:  # None under python -OO
-            head, examples, tail = fn.__doc__.partition("    Examples\n")
-            fn.__doc__ = (head.rstrip() + "\n" + _SHARED_DOC.format(shape=shape) + examples
-                          + tail)
-        return fn
-    return decorate
+    return lambda fn: insert_sections(fn, _SHARED_DOC.format(shape=shape))
 
 
 def check_method(method: str) -> None:
