@@ -70,3 +70,99 @@ def rng(request):
     # A fresh, distinct stream per test, the same in every run (str hashes change between
     # processes): a failure reproduces from the test id.
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+# ------------------------------------------------------- helpers of the tests marked gpu
+
+if GPU:
+    import cupy as cp
+
+TOL = {"ieee": 1e-5, "tf32": 5e-3}
+
+
+@pytest.fixture
+def quick_plans():
+    """Heuristic cuDNN plans (no autotuning) keep the suite fast; tests opt back in."""
+    from cufused._cudnn import plan_options
+
+    with plan_options(autotune=False):
+        yield
+
+
+# Convolution strategies pinned in turn (labels of cufused._cudnn.Strategy), so that every
+# cuDNN graph form and every layout the fused kernels read runs: NCHW, channels-last, an NCHW
+# input with a channels-last output, the bias inside the graph, and the sub-pixel split
+# (flipped-kernel forward convolution for stride 1, class-major blocks for stride 2).
+CONV_PINS = ["nchw", "nhwc", "nchw>nhwc", "nchw+bias", "subpixel nchw", "subpixel nhwc"]
+PIPELINE_PINS = ["nchw", "nhwc", "nchw>nhwc", "subpixel nchw"]
+
+
+def _pinned(pin):
+    from cufused._cudnn import plan_options
+
+    return plan_options(autotune=False, pins=(pin,))
+
+
+@pytest.fixture(params=CONV_PINS)
+def conv_pin(request):
+    with _pinned(request.param):
+        yield request.param
+
+
+@pytest.fixture(params=PIPELINE_PINS)
+def layout(request):
+    with _pinned(request.param):
+        yield request.param
+
+
+def to_gpu(*arrays):
+    return [None if a is None else cp.asarray(a, dtype=cp.float32) for a in arrays]
+
+
+def poisoned(shape):
+    return cp.full(shape, cp.nan, dtype=cp.float32)
+
+
+# ---------------------------------------------------------------------------------- convolutions
+
+CONV_CASES = [
+    # nd, transposed, x shape, w shape, options
+    (2, False, (3, 5, 17, 13), (7, 5, 3, 3), dict(stride=1, padding=0)),
+    (2, False, (2, 6, 19, 23), (9, 2, 3, 5),
+     dict(stride=(2, 1), padding=(1, 2), dilation=(1, 2), groups=3)),
+    (2, False, (1, 3, 11, 11), (4, 3, 1, 1), dict(stride=3)),
+    (3, False, (2, 4, 7, 9, 8), (6, 2, 3, 3, 3), dict(stride=2, padding=1, groups=2)),
+    (2, True, (3, 6, 7, 11), (6, 5, 5, 5), dict(stride=1, padding=1)),
+    (2, True, (2, 4, 9, 7), (4, 3, 3, 4),
+     dict(stride=(2, 3), padding=(1, 0), output_padding=(1, 2), groups=2)),
+    (2, True, (1, 3, 5, 5), (3, 2, 3, 3), dict(stride=2, dilation=2, output_padding=1)),
+    (3, True, (2, 5, 4, 5, 3), (5, 7, 3, 3, 3), dict(stride=2, padding=1, output_padding=1)),
+    (2, True, (2, 6, 8, 12), (6, 4, 4, 4), dict(stride=2, padding=1, groups=2)),
+    (2, True, (2, 4, 3, 8), (4, 3, 2, 2), dict(stride=2, padding=(1, 0))),  # sub-pixel crops
+]
+
+
+def pipeline_a_args(rng, n=3, cin=5, h=23, w=19, cout=12, k=3, groups=4, pool=4, sign=True):
+    x = rng.random((n, cin, h, w))
+    wt = rng.standard_normal((cout, cin, k, k)) * 0.3
+    cb = rng.standard_normal(cout)
+    gw = mixed(rng, cout) if sign else rng.random(cout)
+    gb = rng.standard_normal(cout) * 0.5
+    scale = mixed(rng, cout).reshape(cout, 1, 1) if sign else rng.random((cout, 1, 1))
+    return (x, wt, cb, gw, gb, scale), dict(num_groups=groups, pool_kernel=pool,
+                                            clamp_min=-0.5, clamp_max=0.7)
+
+
+def pipeline_b_args(rng, n=4, cin=6, h=9, w=7, cout=8, groups=2, conv_groups=1):
+    x = rng.random((n, cin, h, w))
+    wt = rng.standard_normal((cin, cout // conv_groups, 3, 3)) * 0.3
+    return (x, wt, mixed(rng, cout), rng.standard_normal(cout), mixed(rng, cout),
+            rng.standard_normal(cout)), dict(num_groups=groups, groups=conv_groups)
+
+
+def pipeline_c_args(rng, n=2, cin=3, d=8, h=10, w=6, cout=5, groups=1):
+    x = rng.random((n, cin, d, h, w))
+    wt = rng.standard_normal((cin, cout // groups, 3, 3, 3))
+    return (x, wt, mixed(rng, cout).reshape(1, cout, 1, 1, 1)), dict(
+        stride=2, padding=1, output_padding=1, pool_kernel=2, clamp_min=0.0, clamp_max=1.0,
+        groups=groups)

@@ -1,7 +1,7 @@
 """The contributor tools under scripts/ without a GPU: every Python script compiles, names only
 modules and names that exist, documents its usage and answers ``--help`` (a helper module
 imports); the shell scripts parse; every ``scripts/...`` path the repository mentions exists.
-(``bench_dask.py --small``, a CPU run of that script, is in test_dask.py.)"""
+(``bench_dask.py --small``, a CPU run of that script, is in integrations/test_dask_graph.py.)"""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 PYTHON_SCRIPTS = sorted(SCRIPTS.glob("*.py"))
 SHELL_SCRIPTS = sorted(SCRIPTS.glob("*.sh"))
@@ -132,7 +132,7 @@ def test_every_mentioned_script_exists():
     """README, docs, scripts, tests, the asv suite and the library's comments name only
     scripts that exist."""
     files = [ROOT / "README.md", *(ROOT / "docs").glob("*.rst"), *SCRIPTS.iterdir(),
-             *(ROOT / "tests").glob("*.py"), *(ROOT / "asv_bench" / "benchmarks").glob("*.py"),
+             *(ROOT / "tests").rglob("*.py"), *(ROOT / "asv_bench" / "benchmarks").glob("*.py"),
              *(ROOT / "cufused").rglob("*.py"), *(ROOT / "cufused" / "_cuda").glob("*.cu*")]
     pattern = re.compile(r"scripts/([\w-]+\.(?:py|sh))\b")
     mentioned = {(f.relative_to(ROOT), name) for f in files if f.is_file()

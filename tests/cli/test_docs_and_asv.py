@@ -11,7 +11,7 @@ import pytest
 
 from conftest import GPU
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_docs_build_warning_free(tmp_path):

@@ -122,7 +122,7 @@ def test_bench_table_and_plot_from_committed_result(tmp_path, name):
 
     from cufused.bench.report import format_table, plot
 
-    result = json.loads((pathlib.Path(__file__).parent.parent / "docs" / "_static"
+    result = json.loads((pathlib.Path(__file__).parents[2] / "docs" / "_static"
                          / name).read_text())
     table = format_table(result)
     assert result["header"]["device"] in table
@@ -187,7 +187,7 @@ def test_the_bench_subpackage_sits_beside_the_library():
     # ``python -m cufused`` entry, and the docs build takes the table from it, not __main__.
     import pathlib
 
-    root = pathlib.Path(__file__).resolve().parent.parent
+    root = pathlib.Path(__file__).resolve().parents[2]
     package = root / "cufused"
     for path in package.rglob("*.py"):
         if path.name == "__main__.py" or (package / "bench") in path.parents:

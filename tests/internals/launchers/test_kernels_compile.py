@@ -50,12 +50,12 @@ def test_sources_ship_with_the_package():
 
 def test_every_launched_kernel_is_registered():
     # Every kernel name that the launchers (cufused/_kernels/, the only modules that launch:
-    # tests/test_launchers.py) spell out must be a registered instantiation (the set CI
-    # compiles); f-string names are checked by their prefix.
+    # tests/internals/launchers/test_launchers.py) spell out must be a registered
+    # instantiation (the set CI compiles); f-string names are checked by their prefix.
     import pathlib
 
     registered = {n for names in KERNELS.values() for n in names}
-    launchers = pathlib.Path(__file__).resolve().parent.parent / "cufused" / "_kernels"
+    launchers = pathlib.Path(__file__).resolve().parents[3] / "cufused" / "_kernels"
     names = []
     for path in launchers.glob("*.py"):
         text = path.read_text()

@@ -1,0 +1,141 @@
+"""cufused.dask on CuPy chunks: the threaded scheduler with one or four threads, one task at a
+time per device, a local CUDA cluster."""
+
+from __future__ import annotations
+
+
+import numpy as np
+import pytest
+
+import cufused
+
+from conftest import assert_close, mixed
+from dask_cases import case_a, case_b, case_c, chunked
+
+dask = pytest.importorskip("dask")
+da = pytest.importorskip("dask.array")
+cdask = pytest.importorskip("cufused.dask")
+
+
+# --------------------------------------------------------------------------------- on the GPU
+
+@pytest.fixture
+def quick_plans():
+    """Heuristic cuDNN plans (no autotuning for each new chunk size) keep the tests fast."""
+    from cufused._cudnn import plan_options
+
+    with plan_options(autotune=False):
+        yield
+
+
+@pytest.fixture(params=[1, 4])
+def gpu_threads(request, quick_plans):
+    """The threaded scheduler with one worker thread (one CUDA stream's order) or four."""
+    with dask.config.set(scheduler="threads", num_workers=request.param):
+        yield request.param
+
+
+def gpu_cases(rng):
+    """(pipeline, x, positional parameters, options, chunks) on the GPU, float32."""
+    import cupy as cp
+
+    def gpu(a):
+        return a if a is None or np.isscalar(a) else cp.asarray(a, dtype=cp.float32)
+
+    out = []
+    for name, make in (("conv2d_groupnorm_scale_maxpool_clamp", case_a),
+                       ("conv_transpose2d_batchnorm_tanh_maxpool_groupnorm", case_b),
+                       ("conv_transpose3d_avgpool_clamp_softmax_multiply", case_c)):
+        x, params, options = make(rng)
+        x = np.concatenate([x] * 3)  # N = 15: chunks (4, 4, 4, 3) and (1, 14)
+        options = {k: gpu(v) for k, v in options.items()}
+        out.append((name, gpu(x), tuple(gpu(p) for p in params), options))
+    return out
+
+
+def check_gpu_pipelines(rng, compute):
+    """Each pipeline on CuPy chunks against the single CuPy call (running buffers of B too)."""
+    import cupy as cp
+
+    for name, x, params, options in gpu_cases(rng):
+        for chunks in ((4, 4, 4, 3), (1, 14)):
+            ref_buffers, buffers = {}, {}
+            if "batchnorm" in name:
+                ref_buffers, buffers = ({"running_mean": cp.zeros(8, cp.float32),
+                                         "running_var": cp.ones(8, cp.float32)}
+                                        for _ in range(2))
+                buffers["return_running_stats"] = True
+            ref = getattr(cufused, name)(x, *params, **options, **ref_buffers)
+            lazy = getattr(cdask, name)(chunked(x, chunks), *params, **options, **buffers)
+            results = compute(lazy if isinstance(lazy, tuple) else (lazy,))
+            assert type(results[0]) is cp.ndarray, name
+            assert_close(results[0].get(), ref.get(), 3e-5)
+            for got, want in zip(results[1:], ref_buffers.values()):
+                assert_close(got.get(), want.get(), 1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_pipelines_threaded(rng, gpu_threads):
+    check_gpu_pipelines(rng, lambda arrays: dask.compute(*arrays))
+
+
+@pytest.mark.gpu
+def test_gpu_batch_norm_and_blocks_threaded(rng, gpu_threads):
+    import cupy as cp
+
+    x = cp.asarray(rng.random((9, 6, 5, 7)) * 3 + 1, dtype=cp.float32)
+    weight, bias = cp.asarray(mixed(rng, 6, np.float32)), cp.asarray(rng.random(6), cp.float32)
+    rm, rv = cp.zeros(6, cp.float32), cp.ones(6, cp.float32)
+    ref_rm, ref_rv = rm.copy(), rv.copy()
+    y = cdask.batch_norm(chunked(x, (4, 4, 1)), weight, bias, running_mean=rm, running_var=rv,
+                         activation="tanh")
+    ref = cufused.batch_norm(x, weight, bias, running_mean=ref_rm, running_var=ref_rv,
+                             activation="tanh")
+    assert_close(y.compute().get(), ref.get(), 3e-5)
+    assert_close(rm.get(), ref_rm.get(), 1e-5)  # in place: the threads share this process
+    assert_close(rv.get(), ref_rv.get(), 1e-5)
+    w = cp.asarray(rng.standard_normal((4, 6, 3, 3)), cp.float32)
+    z = cdask.softmax(cdask.group_norm(cdask.max_pool2d(cdask.conv2d(chunked(x, (2, 7)), w,
+                                                                       padding=1), 2), 2),
+                      axis=(2, 3))
+    ref = cufused.softmax(cufused.group_norm(cufused.max_pool2d(cufused.conv2d(x, w, padding=1),
+                                                                2), 2), axis=(2, 3))
+    assert_close(z.compute().get(), ref.get(), 3e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_tasks_run_one_at_a_time_per_device(rng, quick_plans, monkeypatch):
+    # Four scheduler threads, yet no two chunks' GPU work interleaves on the device.
+    import threading
+    import time
+
+    name, x, params, options = gpu_cases(rng)[0]
+    single = getattr(cufused, name)
+    spans, guard = [], threading.Lock()
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        time.sleep(0.005)  # time for another thread to enter if nothing stopped it
+        result = single(*args, **kwargs)
+        with guard:
+            spans.append((start, time.perf_counter()))
+        return result
+
+    monkeypatch.setattr(cufused, name, timed)
+    lazy = getattr(cdask, name)(chunked(x, (4, 4, 4, 3)), *params, **options)
+    spans.clear()  # the argument check on an empty batch, while the graph was built
+    got = lazy.compute(scheduler="threads", num_workers=4)
+    spans.sort()
+    assert len(spans) == 4
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    assert_close(got.get(), single(x, *params, **options).get(), 3e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_pipelines_on_a_local_cuda_cluster(rng, quick_plans):
+    dask_cuda = pytest.importorskip("dask_cuda")
+    distributed = pytest.importorskip("distributed")
+    with dask_cuda.LocalCUDACluster(n_workers=1, dashboard_address=None) as local, \
+            distributed.Client(local, set_as_default=False) as client:
+        client.run(cufused.set_conv_autotune, False)
+        check_gpu_pipelines(rng, lambda arrays: dask.compute(*arrays, scheduler=client))

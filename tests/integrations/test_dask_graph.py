@@ -1,0 +1,195 @@
+"""cufused.dask's graphs: nothing computed when a graph is built, errors naming the argument,
+parameters not hashed, keys unique per call, running buffers updated once; the Dask benchmark
+script."""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import cufused
+
+from conftest import GPU, assert_close, mixed
+from dask_cases import CHUNKINGS, PER_SAMPLE_PIPELINES, case_b, case_c, chunked
+
+dask = pytest.importorskip("dask")
+da = pytest.importorskip("dask.array")
+cdask = pytest.importorskip("cufused.dask")
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+# ------------------------------------------------------------------------ laziness and errors
+
+def test_nothing_is_computed_when_the_graph_is_built(rng):
+    x, params, options = case_b(rng, np.float32)
+
+    def boom(block):
+        raise RuntimeError("computed")
+
+    lazy = chunked(x, (2, 3)).map_blocks(boom, dtype=x.dtype)
+    y = cdask.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(lazy, *params, **options)
+    z = cdask.batch_norm(cdask.max_pool2d(cdask.conv2d(lazy[:, :, :4], params[0]), 2))
+    assert y.shape == (5, 8, 5, 6) and z.shape == (5, 4, 1, 2)
+    assert type(y._meta) is np.ndarray and y._meta.ndim == 4 and y.dtype == np.float32
+    with pytest.raises(RuntimeError, match="computed"):
+        y.compute()
+
+
+def test_input_errors_name_the_argument(rng):
+    x, params, options = case_b(rng, np.float32)
+    b = cdask.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm
+    with pytest.raises(TypeError, match=r"x must be a dask.array.Array, got ndarray.*"
+                                        r"cufused.conv_transpose2d_batchnorm"):
+        b(x, *params, **options)
+    with pytest.raises(ValueError, match=r"axes \[1, 3\].*x.rechunk\(\{1: -1, 2: -1, 3: -1\}\)"):
+        b(da.from_array(x, chunks=(2, 2, 5, 3)), *params, **options)
+    with pytest.raises(TypeError, match="bn_weight is a dask collection"):
+        b(chunked(x, (5,)), params[0], da.from_array(params[1]), *params[2:], **options)
+    with pytest.raises(TypeError, match="conv_bias is a dask collection"):
+        cdask.conv_transpose3d_avgpool_clamp_softmax_multiply(
+            da.ones((2, 2, 4, 4, 4), chunks={0: 1}), np.ones((2, 3, 3, 3, 3)), 1.0, stride=2,
+            padding=1, output_padding=1, pool_kernel=2, clamp_min=0.0, clamp_max=1.0,
+            conv_bias=da.ones(3))
+    with pytest.raises(ValueError, match="num_groups=3 must be positive and divide"):
+        b(chunked(x, (5,)), *params, **{**options, "num_groups": 3})
+    with pytest.raises(ValueError, match="split_every"):
+        b(chunked(x, (5,)), *params, **options, split_every=1)
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        b(chunked(x[:1, :, :1, :1], (1,)), np.ones((4, 4, 1, 1), np.float32), *params[1:],
+          **{**options, "stride": 1, "padding": 0, "output_padding": 0, "pool_kernel": 1})
+    unknown = chunked(x, (5,))[da.from_array(np.arange(5) > 1)]
+    with pytest.raises(ValueError, match="unknown chunk sizes"):
+        cdask.group_norm(unknown, 2)
+    with pytest.raises(ValueError, match="return_running_stats applies in training"):
+        cdask.batch_norm(chunked(x, (5,)), running_mean=np.zeros(4, np.float32),
+                         running_var=np.ones(4, np.float32), training=False,
+                         return_running_stats=True)
+
+
+# ------------------------------------------------------------------------------------ the graph
+
+class Unhashed(np.ndarray):
+    """A parameter that fails the test where Dask hashes it (for a CuPy parameter, a copy to
+    the host and a synchronization)."""
+
+
+@pytest.fixture
+def no_parameter_hashing(monkeypatch):
+    from dask.base import normalize_token
+
+    def refuse(value):
+        raise AssertionError("cufused.dask hashed a parameter")
+
+    monkeypatch.setitem(normalize_token._lookup, Unhashed, refuse)
+
+
+def unhashed(value):
+    return value.view(Unhashed) if isinstance(value, np.ndarray) else value
+
+
+def arrays_in(task):
+    """The arrays inside a task of the graph, literal or bound in a functools.partial."""
+    if isinstance(task, np.ndarray):
+        yield task
+    elif isinstance(task, (tuple, list)):
+        for item in task:
+            yield from arrays_in(item)
+    elif isinstance(task, dict):
+        yield from arrays_in(list(task.values()))
+    elif isinstance(task, functools.partial):
+        yield from arrays_in((task.func, task.args, task.keywords))
+
+
+@pytest.mark.parametrize("name, make", PER_SAMPLE_PIPELINES + [
+    ("conv_transpose2d_batchnorm_tanh_maxpool_groupnorm", case_b)])
+def test_parameters_are_not_hashed_and_keys_are_unique_per_call(rng, no_parameter_hashing,
+                                                                name, make):
+    x, params, options = make(rng)
+    lazy = [getattr(cdask, name)(chunked(x, (2, 3)), *map(unhashed, params),
+                                 **{k: unhashed(v) for k, v in options.items()})
+            for _ in range(2)]
+    assert lazy[0].name.startswith(f"cufused-{name}-") and lazy[0].name != lazy[1].name
+    ref = getattr(cufused, name)(x, *params, **options)
+    for got in dask.compute(*lazy, scheduler="sync"):
+        assert_close(got, ref, 1e-5)
+
+
+def test_batch_norm_does_not_hash_its_parameters(rng, no_parameter_hashing):
+    x = rng.random((5, 3, 4))
+    weight, rm, rv = mixed(rng, 3), np.zeros(3), np.ones(3)
+    ref_rm, ref_rv = rm.copy(), rv.copy()
+    y = cdask.batch_norm(chunked(x, (2, 3)), unhashed(weight), running_mean=unhashed(rm),
+                         running_var=unhashed(rv))
+    assert_close(y.compute(scheduler="sync"),
+                 cufused.batch_norm(x, weight, running_mean=ref_rm, running_var=ref_rv), 1e-12)
+    assert_close(rm, ref_rm, 1e-12)  # the caller's buffer, updated through the view
+    assert_close(rv, ref_rv, 1e-12)
+
+
+def test_equal_graphs_each_update_the_running_buffers(rng):
+    # No deduplication of equal calls: computed together, each runs its statistics task.
+    x, params, options = case_b(rng, np.float64)
+    rm, rv = np.zeros(8), np.ones(8)
+    ref_rm, ref_rv = rm.copy(), rv.copy()
+    lazy = [cdask.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        chunked(x, (2, 3)), *params, **options, running_mean=rm, running_var=rv)
+        for _ in range(2)]
+    dask.compute(*lazy, scheduler="threads")
+    for _ in range(2):
+        cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+            x, *params, **options, running_mean=ref_rm, running_var=ref_rv)
+    assert_close(rm, ref_rm, 1e-12)
+    assert_close(rv, ref_rv, 1e-12)
+
+
+@pytest.mark.parametrize("chunks", CHUNKINGS[:2])
+def test_each_array_parameter_is_one_key_of_the_graph(rng, chunks):
+    # Tasks name the parameters by key: Dask neither traverses nor copies them per task.
+    x, params, options = case_b(rng, np.float64)
+    rm, rv = np.zeros(8), np.ones(8)
+    y, *stats = cdask.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        chunked(x, chunks), *params, **options, running_mean=rm, running_var=rv,
+        split_every=2, return_running_stats=True)
+    xc, params_c, options_c = case_c(rng, np.float64)
+    c = cdask.conv_transpose3d_avgpool_clamp_softmax_multiply(chunked(xc, chunks), *params_c,
+                                                              **options_c)
+    for lazy, names in ((y, ("bn_weight", "bn_bias", "gn_weight", "gn_bias", "running_mean",
+                             "running_var", "weight", "conv_bias", "sign")),
+                        (c, ("weight", "scale", "conv_bias"))):
+        layer = dict(lazy.dask.layers[lazy.name])
+        constants = {k: v for k, v in layer.items() if isinstance(v, np.ndarray)}
+        assert sorted(k.split("-")[-2] for k in constants) == sorted(names)
+        assert not any(list(arrays_in(task)) for task in layer.values()
+                       if not isinstance(task, np.ndarray))
+    assert [s.chunks for s in stats] == [((8,),)] * 2
+
+
+# ------------------------------------------------------------------------------ the benchmark
+
+def test_bench_script_help():
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_dask.py"), "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "--small" in res.stdout and "--json" in res.stdout
+
+
+def test_bench_script_smoke_run_on_numpy_chunks(tmp_path):
+    if GPU:
+        pytest.skip("a GPU is present: the script times CuPy chunks (run on the device)")
+    out = tmp_path / "bench.json"
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_dask.py"), "--small",
+                          "--cases", "B", "--batch", "1", "--factor", "3", "--repeat", "1",
+                          "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    import json
+
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["case"], row["images"], row["chunk"]) == ("B", 3, 1)
+    assert all(row[k] > 0 for k in ("loop", "threads", "one_call_per_chunk"))
+    assert "B    ieee" in res.stdout

@@ -1,0 +1,168 @@
+"""cufused.torch on the CPU: the custom operators (opcheck), the KernelBench modules against
+the KernelBench reference models, torch.compile / torch.export, forward-only errors."""
+
+from __future__ import annotations
+
+
+import pytest
+
+from conftest import rel_err
+from torch_cases import (BLOCKS, OPS, SMALL, cft, check_building_block, kernelbench_models,
+                         make_pair, ours, samples, torch)
+
+pytestmark = pytest.mark.oracle
+
+
+# -------------------------------------------------------------------------- CPU (CI) tests
+
+
+def test_every_array_function_is_an_operator():
+    import inspect
+
+    import cufused
+
+    # Every public cufused function that takes an array is an operator, with its signature.
+    arrays = [n for n in cufused.__all__
+              if "x" in inspect.signature(getattr(cufused, n)).parameters]
+    assert sorted(arrays) == sorted(OPS) == sorted(cft.OPERATORS)
+    for name in OPS:
+        schema = getattr(torch.ops.cufused, name).default._schema
+        assert schema.name == f"cufused::{name}"
+        params = inspect.signature(getattr(cufused, name)).parameters
+        assert [a.name for a in schema.arguments] == [p for p in params if p != "out"]
+        for a in schema.arguments:
+            p = params[a.name]
+            assert a.kwarg_only == (p.kind == p.KEYWORD_ONLY), name
+            if a.has_default_value():
+                assert a.default_value == p.default or [p.default] * len(a.default_value) \
+                    == a.default_value, (name, a.name)
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_opcheck_cpu(name):
+    args, kwargs = samples("cpu")[name]
+    torch.library.opcheck(getattr(torch.ops.cufused, name).default, args, kwargs)
+
+
+@pytest.mark.parametrize("name", BLOCKS)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_building_blocks_match_torch_functional_cpu(name, dtype):
+    check_building_block(name, "cpu", getattr(torch, dtype), 1e-6 if dtype == "float32" else 1e-12)
+
+
+def test_noncontiguous_cpu_input():
+    x = torch.rand(2, 7, 5, 3, dtype=torch.float64).permute(0, 3, 2, 1)  # (2, 3, 5, 7) strided
+    w = torch.rand(4, 3, 3, 3, dtype=torch.float64) - 0.5
+    got = torch.ops.cufused.conv2d(x, w, padding=1)
+    ref = torch.nn.functional.conv2d(x, w, padding=1)
+    assert rel_err(got.numpy(), ref.numpy()) < 1e-12
+
+
+@pytest.mark.parametrize("name", ["A", "B", "C"])
+def test_modules_init_and_state_dict_as_kernelbench(name):
+    init = SMALL[name][0]
+    torch.manual_seed(7)
+    ref = kernelbench_models()[name](*init)
+    torch.manual_seed(7)
+    mine = ours(name)(*init)
+    # Same parameters and buffers under the same names, initialized the same way.
+    ref_state, my_state = ref.state_dict(), mine.state_dict()
+    assert list(my_state) == list(ref_state)
+    for key, value in ref_state.items():
+        assert torch.equal(my_state[key], value), key
+    assert any(not torch.equal(v, torch.ones_like(v)) for v in my_state.values())
+    # And a state_dict loads both ways, strictly.
+    mine.load_state_dict(kernelbench_models()[name](*init).state_dict())
+    ref.load_state_dict(ours(name)(*init).state_dict())
+
+
+def test_kernelbench_b_groups_is_ignored_as_in_kernelbench():
+    model = cft.ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(64, 128, 5, 1, 1, 8, 8)
+    assert model.groups == 8 and model.conv_transpose.groups == 1
+    assert model.conv_transpose.weight.shape == (64, 128, 5, 5)
+
+
+@pytest.mark.parametrize("name", ["A", "B", "C"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_modules_match_kernelbench_cpu(name, dtype):
+    init, shape = SMALL[name]
+    ref, mine = make_pair(name, init, dtype=getattr(torch, dtype))
+    tol = 1e-5 if dtype == "float32" else 1e-12
+    gen = torch.Generator().manual_seed(3)
+    for step in range(2):  # B: the second step sees the running buffers of the first
+        x = torch.rand(shape, generator=gen, dtype=getattr(torch, dtype))
+        with torch.no_grad():
+            got, want = mine(x), ref(x)
+        assert got.dtype == want.dtype
+        assert rel_err(got.double().numpy(), want.double().numpy()) < tol, step
+    for key, value in ref.state_dict().items():  # B's running statistics and batch count
+        assert torch.allclose(mine.state_dict()[key], value, rtol=tol, atol=0), key
+
+
+def test_module_b_eval_uses_running_statistics_cpu():
+    init, shape = SMALL["B"]
+    ref, mine = make_pair("B", init, dtype=torch.float64)
+    with torch.no_grad():
+        for model in (ref, mine):
+            model.batch_norm.running_mean.uniform_(-0.5, 0.5)
+            model.batch_norm.running_var.uniform_(0.5, 2.0)
+        mine.load_state_dict(ref.state_dict())
+        ref.eval()
+        mine.eval()
+        x = torch.rand(shape, dtype=torch.float64)
+        got, want = mine(x), ref(x)
+    assert rel_err(got.numpy(), want.numpy()) < 1e-12
+    # Eval mode leaves the buffers alone.
+    assert int(mine.batch_norm.num_batches_tracked) == 0
+    assert torch.equal(mine.batch_norm.running_mean, ref.batch_norm.running_mean)
+
+
+def test_forward_only_errors():
+    init, shape = SMALL["A"]
+    model = ours("A")(*init)
+    x = torch.rand(shape)
+    with pytest.raises(RuntimeError, match="forward-only.*torch.no_grad"):
+        model(x)  # the parameters require grad
+    with pytest.raises(RuntimeError, match="forward-only"):
+        torch.ops.cufused.softmax(x.requires_grad_())
+    with torch.no_grad():
+        assert model(x).shape == (2, 8, 4, 4)
+    with torch.inference_mode():
+        assert model(x).shape == (2, 8, 4, 4)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="forward-only"):
+        torch.compile(model, fullgraph=True, backend="aot_eager")(x)
+
+
+# Inductor, except for B, whose BatchNorm bookkeeping (num_batches_tracked += 1) inductor
+# compiles to C++ for tens of seconds on the CPU; aot_eager still functionalizes B's in-place
+# update of the running statistics.
+@pytest.mark.parametrize("name,backend", [("A", "inductor"), ("B", "aot_eager"),
+                                          ("C", "inductor")])
+def test_torch_compile_fullgraph_cpu(name, backend):
+    init, shape = SMALL[name]
+    _, mine = make_pair(name, init)
+    _, eager = make_pair(name, init)
+    x = torch.rand(shape)
+    torch._dynamo.reset()
+    compiled = torch.compile(mine, fullgraph=True, backend=backend)
+    with torch.no_grad():
+        for _ in range(2):
+            got, want = compiled(x), eager(x)
+            assert rel_err(got.numpy(), want.numpy()) < 1e-6
+    for key, value in eager.state_dict().items():  # B: buffer updates happen when compiled
+        assert torch.allclose(mine.state_dict()[key], value, rtol=1e-6, atol=0), key
+
+
+@pytest.mark.parametrize("name", ["A", "B", "C"])
+def test_torch_export(name):
+    init, shape = SMALL[name]
+    _, mine = make_pair(name, init)
+    _, eager = make_pair(name, init)
+    x = torch.rand(shape)
+    with torch.no_grad():
+        program = torch.export.export(mine, (x,))
+        ops = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+        assert any(op.startswith("cufused.") for op in ops), ops
+        got, want = program.module()(x), eager(x)
+    assert rel_err(got.numpy(), want.numpy()) < 1e-6

@@ -1,0 +1,187 @@
+"""cufused.torch on a GPU: opcheck and the modules on CUDA tensors, the current stream,
+CUDA-graph capture, torch.compile and the host time added over the CuPy call."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from conftest import rel_err
+from torch_cases import (BLOCKS, CANONICAL, OPS, PIPELINES, SMALL, cft, check_building_block,
+                         make_pair, samples, torch)
+
+pytestmark = pytest.mark.oracle
+
+
+# -------------------------------------------------------------------------------- GPU tests
+
+
+@pytest.fixture
+def cuda():
+    """PyTorch with CUDA, TF32 off (the reference side computes in float64 anyway)."""
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch without CUDA")
+    allow = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = allow
+
+
+@pytest.mark.gpu
+def test_cupy_views_are_the_tensors_memory(cuda):
+    import cupy
+
+    base = torch.rand(4, 6, 10, 12, device="cuda")
+    for t in (base, base.permute(0, 2, 3, 1), base[1:3, :, 2:, ::2], base[0, 0]):
+        view = cft._cupy_view(t, cupy)
+        ref = cupy.from_dlpack(t)  # what DLPack gives, for comparison
+        assert view.data.ptr == t.data_ptr() == ref.data.ptr
+        assert view.shape == ref.shape and view.strides == ref.strides
+        assert bool((view == ref).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", OPS)
+def test_opcheck_cuda(cuda, name):
+    args, kwargs = samples("cuda")[name]
+    torch.library.opcheck(getattr(torch.ops.cufused, name).default, args, kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", BLOCKS)
+def test_building_blocks_match_torch_functional_cuda(cuda, name):
+    check_building_block(name, "cuda", torch.float32, 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sizes", ["small", "canonical"])
+@pytest.mark.parametrize("name", ["A", "B", "C"])
+def test_modules_match_kernelbench_cuda(cuda, name, sizes):
+    # cufused's module in float32 ("ieee") against the KernelBench model in float64, two
+    # training steps (B: its running statistics too), then B in eval mode.
+    init, shape = (SMALL if sizes == "small" else CANONICAL)[name]
+    ref, mine = make_pair(name, init, device="cuda")
+    ref.double()
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    with torch.no_grad():
+        for step in range(2):
+            x = torch.rand(shape, generator=gen, device="cuda")
+            got, want = mine(x), ref(x.double())
+            assert got.dtype == torch.float32 and got.shape == want.shape
+            assert rel_err(got.cpu().numpy(), want.cpu().numpy()) < 1e-4, step
+        for key, value in ref.state_dict().items():
+            err = rel_err(mine.state_dict()[key].cpu().numpy(), value.cpu().numpy())
+            assert err < 1e-5, key
+        if name == "B":
+            ref.eval()
+            mine.eval()
+            got, want = mine(x), ref(x.double())
+            assert rel_err(got.cpu().numpy(), want.cpu().numpy()) < 1e-4
+    del ref, mine, got, want, x
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+def test_operators_run_on_torch_current_stream(cuda):
+    # On a side stream the input is written after a long spin; an operator that ran on any
+    # other stream would read the zeros before the write.
+    init, shape = SMALL["A"]
+    _, mine = make_pair("A", init, device="cuda")
+    values = torch.rand(shape, device="cuda")
+    with torch.no_grad():
+        want = mine(values)
+        x = torch.zeros(shape, device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # a few tens of ms of GPU spin
+            x.copy_(values)
+            got = mine(x)
+        side.synchronize()
+    assert rel_err(got.cpu().numpy(), want.cpu().numpy()) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,train", [("A", True), ("B", True), ("B", False), ("C", True)])
+def test_modules_in_cuda_graph_capture(cuda, name, train):
+    # PyTorch's recipe: warm up on a side stream, capture with torch.cuda.graph (its own
+    # stream, global capture mode), replay on new input values.
+    init, shape = SMALL[name]
+    _, mine = make_pair(name, init, device="cuda")
+    mine.train(train)
+    static_x = torch.rand(shape, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad():
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                mine(static_x)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = mine(static_x)
+        for seed in range(2):
+            new_x = torch.rand(shape, device="cuda", generator=torch.Generator(
+                device="cuda").manual_seed(seed))
+            static_x.copy_(new_x)
+            static_y.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            want = mine(new_x)
+            assert rel_err(static_y.cpu().numpy(), want.cpu().numpy()) < 1e-6, seed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["A", "B", "C"])
+def test_torch_compile_fullgraph_cuda(cuda, name):
+    init, shape = SMALL[name]
+    _, mine = make_pair(name, init, device="cuda")
+    _, eager = make_pair(name, init, device="cuda")
+    x = torch.rand(shape, device="cuda")
+    torch._dynamo.reset()
+    compiled = torch.compile(mine, fullgraph=True)
+    with torch.no_grad():
+        for _ in range(2):
+            got, want = compiled(x), eager(x)
+            assert rel_err(got.cpu().numpy(), want.cpu().numpy()) < 1e-6
+    for key, value in eager.state_dict().items():
+        assert torch.allclose(mine.state_dict()[key], value, rtol=1e-6, atol=0), key
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", PIPELINES)
+def test_host_time_added_over_the_cupy_call(cuda, name):
+    # Warm back-to-back calls without synchronizing, on small inputs (so that the host, not
+    # the device, sets the pace): the operator may add at most 15 us of host time per call
+    # over the same cufused call on CuPy arrays. Median of alternating rounds.
+    import cupy
+
+    import cufused
+
+    args, kwargs = samples("cuda")[name]
+    cargs = [cupy.from_dlpack(a) for a in args]
+    ckwargs = {k: cupy.from_dlpack(v) if isinstance(v, torch.Tensor) else v
+               for k, v in kwargs.items()}
+    op = getattr(torch.ops.cufused, name).default
+    fn = getattr(cufused, name)
+    calls = {"cupy": lambda: fn(*cargs, **ckwargs), "torch": lambda: op(*args, **kwargs)}
+    rounds, per_round = 30, 50
+    times = {k: [] for k in calls}
+    with torch.no_grad():
+        for call in calls.values():
+            for _ in range(20):
+                call()
+        for r in range(rounds):
+            for key in (("cupy", "torch") if r % 2 else ("torch", "cupy")):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(per_round):
+                    calls[key]()
+                times[key].append((time.perf_counter() - start) / per_round)
+    torch.cuda.synchronize()
+    cupy_us, torch_us = (float(np.median(times[k])) * 1e6 for k in ("cupy", "torch"))
+    print(f"{name}: CuPy call {cupy_us:.1f} us, operator {torch_us:.1f} us, "
+          f"added {torch_us - cupy_us:.1f} us")
+    assert torch_us - cupy_us <= 15.0

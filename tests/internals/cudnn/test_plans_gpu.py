@@ -1,0 +1,160 @@
+"""cuDNN plans on the GPU: CUDA-graph replay and its decision, the graphs' memory pool,
+autotuning over layouts and the sub-pixel split (private: cufused._cudnn's plan cache)."""
+
+from __future__ import annotations
+
+import pytest
+
+import cufused
+
+from conftest import GPU, CONV_CASES, TOL, _pinned, assert_close, to_gpu
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("quick_plans")]
+
+if GPU:
+    import cupy as cp
+
+
+@pytest.mark.parametrize("case", [CONV_CASES[0], CONV_CASES[5], CONV_CASES[7]],
+                         ids=["2d", "2dT", "3dT"])
+def test_conv_plan_replays_graph(rng, case, conv_pin):
+    # From the second call with the same operands a plan replays a CUDA graph of its weight
+    # preparation and cuDNN calls; new values behind the same pointers (the weight included)
+    # must reach it, and it must match a direct run.
+    from cufused import _cudnn
+    from cufused._layout import empty_in_layout
+
+    nd, transposed, xs, ws, opts = case
+    fn = {(2, False): cufused.conv2d, (3, False): cufused.conv3d,
+          (2, True): cufused.conv_transpose2d, (3, True): cufused.conv_transpose3d}[nd, transposed]
+    xg, wg = to_gpu(rng.standard_normal(xs), rng.standard_normal(ws))
+    fn(xg, wg, **opts)
+    plan = [p for k, p in _cudnn._plans.items()
+            if k[1].x_shape == xs and k[1].precision == "ieee" and k[6] == (conv_pin,)][-1]
+    x = empty_in_layout(xs, plan.x_layout)
+    x[...] = xg
+    y, direct = plan.empty_output(), plan.empty_output()
+    for _ in range(3):
+        plan.run(x, wg, y)
+    assert len(plan._replays) == 1
+    x[...] = cp.asarray(rng.standard_normal(xs), dtype=cp.float32)
+    wg[...] = cp.asarray(rng.standard_normal(ws), dtype=cp.float32)
+    y.fill(cp.nan)
+    plan.run(x, wg, y)  # a replay
+    with _cudnn.plan_options(replay=False):
+        plan.run(x, wg, direct)
+    assert len(plan._replays) == 1 and not cp.isnan(y).any()
+    assert_close(y.get(), direct.get(), 1e-6)
+    # Public calls replay the convolution together with its conversion to NCHW.
+    out = cp.empty(plan.problem.y_shape, dtype=cp.float32)
+    for _ in range(3):
+        fn(xg, wg, out=out, **opts)
+    x_new, w_new = rng.standard_normal(xs), rng.standard_normal(ws)
+    xg[...], wg[...] = to_gpu(x_new, w_new)
+    out.fill(cp.nan)
+    fn(xg, wg, out=out, **opts)
+    assert len(plan._replays) >= 2
+    assert_close(out.get(), fn(x_new, w_new, **opts), TOL["ieee"])
+    # With a bias (another plan): new bias values reach the replayed graph too.
+    cout = ws[1] * opts.get("groups", 1) if transposed else ws[0]
+    bg = cp.asarray(rng.standard_normal(cout), dtype=cp.float32)
+    for _ in range(3):
+        fn(xg, wg, bg, out=out, **opts)
+    b_new = rng.standard_normal(cout)
+    bg[...] = cp.asarray(b_new, dtype=cp.float32)
+    out.fill(cp.nan)
+    fn(xg, wg, bg, out=out, **opts)
+    assert_close(out.get(), fn(x_new, w_new, b_new, **opts), TOL["ieee"])
+
+
+def test_replay_decision_without_memory_for_a_flush(monkeypatch):
+    # With no room for the L2 flush buffer the autotuner times unflushed instead of failing.
+    from cufused import _cudnn
+
+    def out_of_memory(*args, **kwargs):
+        raise cp.cuda.memory.OutOfMemoryError(1 << 40, 0)
+
+    monkeypatch.setattr(cp, "empty", out_of_memory)
+    assert _cudnn._l2_flush_buffer() is None
+
+
+def test_graph_buffers_leave_the_default_pool_alone(rng):
+    # What a captured graph keeps (prepared weight, workspace, channels-last output) comes from
+    # a pool of its own: taken from CuPy's default pool, it would move later calls'
+    # temporaries to new addresses, which are new graph keys and new captures.
+    from cufused import _cudnn
+
+    xs, ws = (2, 6, 9, 7), (6, 4, 3, 3)
+    xg, wg = to_gpu(rng.standard_normal(xs), rng.standard_normal(ws))
+    out = cp.empty((2, 4, 11, 9), dtype=cp.float32)
+    pool = cp.get_default_memory_pool()
+    with _pinned("nhwc"):
+        cufused.conv_transpose2d(xg, wg, out=out)
+        used = pool.used_bytes()
+        for _ in range(3):
+            cufused.conv_transpose2d(xg, wg, out=out)
+        assert pool.used_bytes() == used
+    plan = [p for k, p in _cudnn._plans.items() if k[1].x_shape == xs and k[6] == ("nhwc",)][-1]
+    assert plan.layout == "nhwc" and len(plan._replays) == 1
+    graph_pool = _cudnn._graph_buffer_pool()
+    assert graph_pool.used_bytes() > 0
+    # Forgetting the plans frees what their graphs kept, back to the device.
+    plan = None
+    cufused.clear_plan_cache()
+    assert graph_pool.used_bytes() == 0 and graph_pool.total_bytes() == 0
+
+
+@pytest.mark.parametrize("direct_wins", [False, True])
+def test_autotuned_plan_replay_decision(rng, monkeypatch, direct_wins):
+    # The autotuner times its chosen plan replayed and issued directly and keeps direct calls
+    # only where they win by more than _REPLAY_MARGIN. Which way a tiny convolution's timings
+    # fall is a measurement of the host, so the margin forces each outcome here (the rule
+    # itself is unit-tested with fake timings in test_conv_keys). Either way none of the
+    # graphs of the autotuner's operands is kept; a replaying plan then captures one graph
+    # for the caller's operands, a direct one none.
+    from cufused import _cudnn
+    from cufused._cudnn import _autotune
+
+    monkeypatch.setattr(_autotune, "_REPLAY_MARGIN", -1.0 if direct_wins else 1e9)
+    cufused.clear_plan_cache()  # so that the plan is autotuned under this margin
+    xs, ws = (2, 3, 9, 13), (5, 3, 3, 3)
+    xg, wg = to_gpu(rng.standard_normal(xs), rng.standard_normal(ws))
+    with _cudnn.plan_options(autotune=True, replay=True):
+        out = cufused.conv2d(xg, wg)
+        plan = [p for k, p in _cudnn._plans.items() if k[1].x_shape == xs][-1]
+        assert plan.replays is not direct_wins
+        if not direct_wins:
+            assert plan._replays == {}
+        for _ in range(2):
+            cufused.conv2d(xg, wg, out=out)
+    if direct_wins:
+        assert plan._replays is None
+    else:
+        assert len(plan._replays) == 1
+    assert_close(out.get(), cufused.conv2d(xg.get(), wg.get()), TOL["ieee"])
+
+
+def test_conv_autotune_times_both_layouts(rng):
+    from cufused import _cudnn
+
+    x = rng.standard_normal((2, 3, 9, 9))
+    w = rng.standard_normal((4, 3, 2, 2))
+    with _cudnn.plan_options(autotune=True):
+        got = cufused.conv2d(*to_gpu(x, w), stride=2)
+    assert_close(got.get(), cufused.conv2d(x, w, stride=2), TOL["ieee"])
+    plans = [p for k, p in _cudnn._plans.items() if k[1].x_shape == (2, 3, 9, 9) and k[5]]
+    assert len(plans) == 1 and len(plans[0].candidates) >= 3  # NCHW, NHWC, NCHW -> NHWC
+    assert min(cost for _, cost in plans[0].candidates.values()) == plans[0].cost
+
+
+def test_conv_autotune_weighs_subpixel_split(rng):
+    from cufused import _cudnn
+
+    x = rng.standard_normal((2, 4, 4, 6, 8))
+    w = rng.standard_normal((4, 3, 3, 3, 3))
+    opts = dict(stride=2, padding=1, output_padding=1)
+    with _cudnn.plan_options(autotune=True):
+        got = cufused.conv_transpose3d(*to_gpu(x, w), **opts)
+    assert_close(got.get(), cufused.conv_transpose3d(x, w, **opts), TOL["ieee"])
+    plans = [p for k, p in _cudnn._plans.items() if k[1].x_shape == (2, 4, 4, 6, 8) and k[5]]
+    assert len(plans) == 1 and "subpixel nchw" in plans[0].candidates

@@ -1,0 +1,151 @@
+"""The building blocks on the GPU (normalizations, pooling, softmax) against the float64 NumPy
+reference: NaN-poisoned ``out``, odd shapes, non-finite values, tensors past 2**31 elements."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cufused
+
+from conftest import GPU, assert_close, mixed, poisoned, to_gpu
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("quick_plans")]
+
+if GPU:
+    import cupy as cp
+
+
+# ---------------------------------------------------------------------------- building blocks
+
+
+# Rows cached and visited by channel (H*W >= 32; (2, 24, 6, 7): more channels per row than
+# warps), cached per vector (H*W < 32) and uncached ((2, 6, 67, 131)).
+@pytest.mark.parametrize("shape,groups", [((3, 12, 7, 5), 4), ((2, 6, 67, 131), 2),
+                                          ((1, 4, 1), 1), ((5, 9, 11), 3),
+                                          ((2, 8, 6, 10), 4), ((3, 8, 2, 3), 4),
+                                          ((2, 24, 6, 7), 2)])
+def test_group_norm(rng, shape, groups):
+    # |mean| >> std: the shifted sums must keep the variance accurate. The reference sees the
+    # float32 input the GPU sees (rounding 1000 + x to float32 moves a 4-value group's
+    # normalized values by ~1e-4 by itself).
+    x = (1000.0 + rng.standard_normal(shape)).astype(np.float32).astype(np.float64)
+    w, b = mixed(rng, shape[1]), rng.standard_normal(shape[1])
+    ref = cufused.group_norm(x, groups, w, b)
+    out = poisoned(shape)
+    cufused.group_norm(*to_gpu(x), groups, *to_gpu(w, b), out=out)
+    assert_close(out.get(), ref, 1e-4)
+
+
+# Channels-last inputs read in place (groups of 4, 8, 32 channels; 16-byte output vectors
+# where H*W >= 4, scalar ones for (2, 16, 1, 3)) and one that is copied (groups of 3).
+@pytest.mark.parametrize("shape,groups", [((3, 24, 5, 7), 3), ((2, 16, 1, 3), 4),
+                                          ((2, 64, 9, 10), 2), ((2, 12, 4, 4), 4)])
+def test_group_norm_channels_last_input(rng, shape, groups):
+    from cufused._layout import empty_in_layout
+
+    x = (1000.0 + rng.standard_normal(shape)).astype(np.float32).astype(np.float64)
+    w, b = mixed(rng, shape[1]), rng.standard_normal(shape[1])
+    ref = cufused.group_norm(x, groups, w, b)
+    x_gpu = empty_in_layout(shape, "nhwc")
+    x_gpu[...] = cp.asarray(x, dtype=cp.float32)
+    out = poisoned(shape)
+    cufused.group_norm(x_gpu, groups, *to_gpu(w, b), out=out)
+    assert_close(out.get(), ref, 1e-4)
+
+
+# (6, 7, 9, 11): scalar apply pass; (4, 7, 9, 11): 16-byte vectors that straddle the odd
+# 99-value planes; (5, 3, 2): planes shorter than a vector.
+@pytest.mark.parametrize("shape", [(6, 7, 9, 11), (4, 7, 9, 11), (5, 3, 2)])
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("activation", [None, "tanh"])
+def test_batch_norm(rng, shape, training, activation):
+    x = 5.0 + 3.0 * rng.standard_normal(shape)
+    c = shape[1]
+    w, b = mixed(rng, c), rng.standard_normal(c)
+    rm, rv = rng.standard_normal(c), rng.uniform(0.5, 2.0, c)
+    rm_g, rv_g = to_gpu(rm, rv)
+    ref = cufused.batch_norm(x, w, b, running_mean=rm, running_var=rv, training=training,
+                             momentum=0.3, activation=activation)
+    out = poisoned(x.shape)
+    cufused.batch_norm(*to_gpu(x, w, b), running_mean=rm_g, running_var=rv_g,
+                       training=training, momentum=0.3, activation=activation, out=out)
+    assert_close(out.get(), ref, 1e-5)
+    assert_close(rm_g.get(), rm, 1e-5)
+    assert_close(rv_g.get(), rv, 1e-5)
+
+
+@pytest.mark.parametrize("nd", [2, 3])
+@pytest.mark.parametrize("is_max", [True, False])
+def test_pooling(rng, nd, is_max):
+    shape = (2, 3, 11, 13) if nd == 2 else (2, 3, 7, 9, 8)
+    x = rng.standard_normal(shape)
+    if is_max:
+        x[0, 0, 1, 1] = np.nan
+    fn = getattr(cufused, f"{'max' if is_max else 'avg'}_pool{nd}d")
+    for opts in (dict(kernel_size=2), dict(kernel_size=3, stride=2, padding=1)):
+        ref = fn(x, **opts)
+        out = poisoned(ref.shape)
+        fn(*to_gpu(x), **opts, out=out)
+        got = out.get()
+        assert np.array_equal(np.isnan(got), np.isnan(ref))
+        mask = ~np.isnan(ref)
+        assert_close(got[mask], ref[mask], 1e-6)
+
+
+@pytest.mark.parametrize("shape,axis", [((3, 5, 7), -1), ((2, 3, 4, 5, 6), (2, 3, 4)),
+                                        ((4, 6, 5), 1), ((2, 3, 4), (0, 2)), ((1000, 3), 0),
+                                        ((2, 200_000), -1)])
+def test_softmax(rng, shape, axis):
+    x = 10 * rng.standard_normal(shape)
+    ref = cufused.softmax(x, axis)
+    out = poisoned(shape)
+    cufused.softmax(*to_gpu(x), axis, out=out)
+    assert_close(out.get(), ref, 1e-5)
+
+
+def test_softmax_nan_and_inf():
+    x = np.zeros((3, 4))
+    x[0, 1] = np.nan
+    x[1, 2] = -np.inf
+    x[2, 3] = np.inf
+    got = cufused.softmax(cp.asarray(x, dtype=cp.float32), axis=1).get()
+    assert np.isnan(got[0]).all() and np.isnan(got[2]).all()
+    assert_close(got[1], cufused.softmax(x, 1)[1], 1e-6)
+
+
+def test_tanh_accuracy():
+    # The kernels' branch-free tanh (through batch_norm's inference affine, a = 1, b = 0):
+    # both sides of its 0.25 cutoff, tiny and saturated values, +-inf and NaN.
+    x = np.concatenate([np.linspace(-12.0, 12.0, 400_001), [0.2499999, 0.25, 0.2500001],
+                        [1e-30, -1e-8, 3e-4, np.inf, -np.inf, np.nan]]).astype(np.float32)
+    xg = cp.asarray(x.reshape(1, 1, -1))
+    ones, zeros = cp.ones(1, dtype=cp.float32), cp.zeros(1, dtype=cp.float32)
+    got = cufused.batch_norm(xg, ones, zeros, running_mean=zeros, running_var=ones, eps=0.0,
+                             training=False, activation="tanh").get().ravel()
+    ref = np.tanh(x.astype(np.float64))
+    assert np.array_equal(np.isnan(got), np.isnan(ref))
+    finite = ~np.isnan(ref)
+    assert np.abs(got[finite] - ref[finite]).max() < 2e-7
+    nonzero = finite & (ref != 0)
+    assert (np.abs(got[nonzero] - ref[nonzero]) / np.abs(ref[nonzero])).max() < 6e-7
+
+
+def test_tensor_past_2_31_elements(rng):
+    # (n, 1, 256, 256) with n = 2**15 + 1: 2**31 + 65536 elements. Each sample is independent,
+    # so the first and last samples are checked against the reference.
+    n = 2**15 + 1
+    x = cp.random.default_rng(int(rng.integers(2**31))).random((n, 1, 256, 256),
+                                                              dtype=cp.float32)
+    assert x.size > 2**31
+    x[-1, 0, 7, 9] = 9.0
+    for fn, kwargs in ((cufused.max_pool2d, dict(kernel_size=2)),
+                       (cufused.group_norm, dict(num_groups=1)),
+                       (cufused.softmax, dict(axis=(2, 3)))):
+        y = fn(x, **kwargs)
+        for i in (0, n - 1):
+            ref = fn(x[i:i + 1].get(), **kwargs)
+            assert_close(y[i:i + 1].get(), ref, 1e-5)
+        del y
+    del x
+    cp.get_default_memory_pool().free_all_blocks()

@@ -1,0 +1,82 @@
+"""The convolutions on the GPU against the float64 NumPy reference (and PyTorch CUDA where
+importable), with every cuDNN graph form pinned in turn."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cufused
+
+from conftest import GPU, CONV_CASES, TOL, assert_close, poisoned, to_gpu
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("quick_plans")]
+
+if GPU:
+    import cupy as cp
+
+
+# ---------------------------------------------------------------------------------- convolutions
+
+
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+@pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: f"{c[0]}d{'T' if c[1] else ''}{c[2]}")
+def test_conv_matches_reference(rng, case, precision, conv_pin):
+    nd, transposed, xs, ws, opts = case
+    x = rng.standard_normal(xs)
+    w = rng.standard_normal(ws)
+    b = rng.standard_normal(ws[1] * opts.get("groups", 1) if transposed else ws[0])
+    fn = {(2, False): cufused.conv2d, (3, False): cufused.conv3d,
+          (2, True): cufused.conv_transpose2d, (3, True): cufused.conv_transpose3d}[nd, transposed]
+    ref = fn(x, w, b, **opts)
+    xg, wg, bg = to_gpu(x, w, b)
+    out = poisoned(ref.shape)
+    got = fn(xg, wg, bg, precision=precision, out=out, **opts)
+    assert got is out
+    assert_close(got.get(), ref, TOL[precision])
+
+
+def test_conv_capture_in_cuda_graph(rng, conv_pin):
+    # A caller's capture records the cuDNN calls themselves (no graph launch inside it), also
+    # after warm calls on that stream have captured the plan's own graph.
+    x, w = rng.standard_normal((3, 6, 7, 11)), rng.standard_normal((6, 5, 5, 5))
+    ref = cufused.conv_transpose2d(x, w, padding=1)
+    xg, wg = to_gpu(x, w)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        out = cp.empty(ref.shape, dtype=cp.float32)
+        for _ in range(3):
+            cufused.conv_transpose2d(xg, wg, padding=1, out=out)
+        stream.begin_capture()
+        cufused.conv_transpose2d(xg, wg, padding=1, out=out)
+        graph = stream.end_capture()
+        out.fill(cp.nan)
+        graph.launch()
+    stream.synchronize()
+    assert_close(out.get(), ref, TOL["ieee"])
+
+
+def test_conv_non_contiguous_input_and_stream(rng):
+    x = rng.standard_normal((4, 3, 12, 10))
+    w = rng.standard_normal((5, 3, 3, 3))
+    ref = cufused.conv2d(x[:, :, ::2], w, padding=1)
+    xg = cp.asarray(x, dtype=cp.float32)[:, :, ::2]
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        got = cufused.conv2d(xg, cp.asarray(w, dtype=cp.float32), padding=1)
+    stream.synchronize()
+    assert_close(got.get(), ref, TOL["ieee"])
+
+
+def test_conv_matches_torch_cuda(rng):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch without CUDA")
+    x = rng.standard_normal((2, 8, 16, 16)).astype(np.float32)
+    w = rng.standard_normal((8, 4, 3, 3)).astype(np.float32)
+    ref = torch.nn.functional.conv_transpose2d(
+        torch.from_numpy(x).cuda().double(), torch.from_numpy(w).cuda().double(), stride=2,
+        padding=1, output_padding=1).cpu().numpy()
+    got = cufused.conv_transpose2d(cp.asarray(x), cp.asarray(w), stride=2, padding=1,
+                                   output_padding=1)
+    assert_close(got.get(), ref, TOL["ieee"])

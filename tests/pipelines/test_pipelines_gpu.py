@@ -1,0 +1,258 @@
+"""The three pipelines on the GPU against the float64 NumPy reference (and PyTorch CUDA where
+importable): fused and unfused, both precisions, every layout, odd sizes, NaN, CUDA graphs."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+
+import cufused
+
+from conftest import (GPU, TOL, _pinned, assert_close, mixed, pipeline_a_args, pipeline_b_args,
+                      pipeline_c_args, poisoned, rel_err, to_gpu)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("quick_plans")]
+
+if GPU:
+    import cupy as cp
+
+
+# -------------------------------------------------------------------------------- pipelines
+
+
+@pytest.mark.parametrize("method", ["fused", "unfused"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+@pytest.mark.parametrize("sign", [True, False])
+def test_pipeline_a(rng, layout, method, precision, sign):
+    arrays, opts = pipeline_a_args(rng, sign=sign)
+    ref = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts)
+    out = poisoned(ref.shape)
+    cufused.conv2d_groupnorm_scale_maxpool_clamp(*to_gpu(*arrays), **opts, method=method,
+                                                 precision=precision, out=out)
+    assert_close(out.get(), ref, 10 * TOL[precision])
+
+
+def test_pipeline_a_dropped_rows_count_in_stats(rng, layout):
+    # 126 // 4 = 31 windows; rows/cols 124-125 are pooled away but shape the statistics.
+    arrays, opts = pipeline_a_args(rng, n=2, cin=3, h=128, w=128, cout=8, groups=2)
+    x = arrays[0]
+    x[:, :, 125:, :] += 50.0  # feeds only conv rows the pool drops
+    ref = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts)
+    got = cufused.conv2d_groupnorm_scale_maxpool_clamp(*to_gpu(*arrays), **opts)
+    assert_close(got.get(), ref, 1e-4)
+
+
+@pytest.mark.parametrize("method", ["fused", "unfused"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+def test_pipeline_b(rng, layout, method, precision):
+    arrays, opts = pipeline_b_args(rng)
+    cb = rng.standard_normal(8)
+    rm, rv = rng.standard_normal(8), rng.uniform(0.5, 2, 8)
+    rm_g, rv_g = to_gpu(rm, rv)
+    opts.update(stride=2, padding=1, output_padding=1)
+    ref = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        *arrays, **opts, conv_bias=cb, running_mean=rm, running_var=rv)
+    out = poisoned(ref.shape)
+    cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        *to_gpu(*arrays), **opts, conv_bias=to_gpu(cb)[0], running_mean=rm_g,
+        running_var=rv_g, method=method, precision=precision, out=out)
+    assert_close(out.get(), ref, 10 * TOL[precision])
+    assert_close(rm_g.get(), rm, 10 * TOL[precision])
+    assert_close(rv_g.get(), rv, 10 * TOL[precision])
+
+
+@pytest.mark.parametrize("cout", [64, 63])
+def test_pipeline_b_large_groups_uncached(rng, layout, cout):
+    # A (n, group) row of C * 17 * 17 floats exceeds the shared-memory cache: re-read path,
+    # with 16-byte accesses (C = 64) and without (C = 63: odd row length).
+    arrays, opts = pipeline_b_args(rng, n=2, cin=4, h=32, w=32, cout=cout, groups=1,
+                                   conv_groups=1 if cout % 2 else 2)
+    ref = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(*arrays, **opts)
+    got = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(*to_gpu(*arrays), **opts)
+    assert_close(got.get(), ref, 1e-4)
+
+
+@pytest.mark.parametrize("method", ["fused", "unfused"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+@pytest.mark.parametrize("clamp", [(0.0, 1.0), (-50.0, 40.0)])
+def test_pipeline_c(rng, layout, method, precision, clamp):
+    arrays, opts = pipeline_c_args(rng)
+    opts.update(clamp_min=clamp[0], clamp_max=clamp[1])
+    cb = rng.standard_normal(5)
+    ref = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(*arrays, **opts, conv_bias=cb)
+    out = poisoned(ref.shape)
+    cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
+        *to_gpu(*arrays), **opts, conv_bias=to_gpu(cb)[0], method=method,
+        precision=precision, out=out)
+    # Outputs are tiny (~1 / (D*H*W)): only a relative check can tell them from zeros.
+    assert rel_err(out.get(), ref) < 10 * TOL[precision]
+
+
+def test_pipeline_b_odd_group_rows(rng, layout):
+    # One channel of 5 * 5 pooled values per group: rows too short for 16-byte accesses.
+    arrays, opts = pipeline_b_args(rng, h=8, w=8, cout=8, groups=8)
+    ref = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(*arrays, **opts)
+    out = poisoned(ref.shape)
+    cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(*to_gpu(*arrays), **opts, out=out)
+    assert_close(out.get(), ref, 1e-4)
+
+
+@pytest.mark.parametrize("pipeline,cout", [("A", 32), ("A", 64), ("B", 64), ("B", 128)])
+def test_pipeline_channels_last_window_rows(rng, pipeline, cout):
+    # C_out in {32, 64, 128}, channels-last, with rows and columns the pool drops. A (pool 4):
+    # the fused pass reads whole window rows per warp; B (pool 2): 16-byte channel quads, the
+    # pooled extrema stored channels-last and read so by the GroupNorm.
+    if pipeline == "A":
+        arrays, opts = pipeline_a_args(rng, cout=cout, groups=8)
+        fn = cufused.conv2d_groupnorm_scale_maxpool_clamp
+    else:
+        arrays, opts = pipeline_b_args(rng, cout=cout, groups=4)
+        fn = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm
+    ref = fn(*arrays, **opts)
+    out = poisoned(ref.shape)
+    with _pinned("nhwc"):
+        fn(*to_gpu(*arrays), **opts, out=out)
+    assert_close(out.get(), ref, 10 * TOL["ieee"])
+
+
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+def test_pipeline_c_channels_last_vectorized(rng, precision):
+    # C_out % 4 == 0 and D*H*W % 4 == 0: the 16-byte transposing normalize pass runs.
+    arrays, opts = pipeline_c_args(rng, cout=8)
+    ref = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(*arrays, **opts)
+    out = poisoned(ref.shape)
+    with _pinned("nhwc"):
+        cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
+            *to_gpu(*arrays), **opts, precision=precision, out=out)
+    assert rel_err(out.get(), ref) < 10 * TOL[precision]
+
+
+@pytest.mark.parametrize("pin", ["subpixel nchw", "nchw"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+def test_pipeline_c_one_read(rng, monkeypatch, pin, precision):
+    # Output D = 16 (whole planes for each of a cluster's 8 blocks) and H * W % 4 == 0: the
+    # one-read cluster kernel normalizes the class blocks ("subpixel nchw") or the NCDHW rows
+    # ("nchw"). A NaN input turns its sample's rows to NaN.
+    softmax_module = importlib.import_module("cufused._kernels.softmax")
+    chosen = []
+    one_read_geometry = softmax_module.one_read_geometry
+    monkeypatch.setattr(softmax_module, "one_read_geometry",
+                        lambda *args: chosen.append(one_read_geometry(*args)) or chosen[-1])
+    arrays, opts = pipeline_c_args(rng, n=3, cin=4, d=16, h=12, w=4, cout=6)
+    arrays[0][2, 1, 3, 5, 1] = np.nan
+    cb = rng.standard_normal(6)
+    ref = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(*arrays, **opts, conv_bias=cb)
+    out = poisoned(ref.shape)
+    with _pinned(pin):
+        cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
+            *to_gpu(*arrays), **opts, conv_bias=to_gpu(cb)[0], precision=precision, out=out)
+    assert chosen and chosen[-1] is not None
+    got = out.get()
+    assert np.isnan(ref[2]).all() and np.array_equal(np.isnan(got), np.isnan(ref))
+    mask = ~np.isnan(ref)
+    assert rel_err(got[mask], ref[mask]) < 10 * TOL[precision]
+
+
+@pytest.mark.parametrize("method", ["fused", "unfused"])
+def test_pipeline_b_nan_reaches_running_buffers(rng, method):
+    # A NaN input value reaches every channel's batch statistics: every output and both running
+    # buffers turn NaN, as in PyTorch (the variance's clamp at 0 must not drop the NaN).
+    arrays, opts = pipeline_b_args(rng)
+    arrays[0][1, 0, 3, 4] = np.nan
+    rm, rv = rng.standard_normal(8), rng.uniform(0.5, 2, 8)
+    rm_g, rv_g = to_gpu(rm, rv)
+    ref = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        *arrays, **opts, running_mean=rm, running_var=rv)
+    got = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        *to_gpu(*arrays), **opts, running_mean=rm_g, running_var=rv_g, method=method)
+    for expected, result in ((ref, got), (rm, rm_g), (rv, rv_g)):
+        assert np.isnan(expected).all() and np.isnan(result.get()).all()
+
+
+def test_pipelines_propagate_nan(rng):
+    arrays, opts = pipeline_a_args(rng)
+    arrays[0][1, 2, 5, 5] = np.nan
+    ref = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts)
+    got = cufused.conv2d_groupnorm_scale_maxpool_clamp(*to_gpu(*arrays), **opts).get()
+    assert np.isnan(ref[1]).all() and np.array_equal(np.isnan(got), np.isnan(ref))
+    arrays, opts = pipeline_c_args(rng)
+    arrays[0][0, 0, 0, 0, 0] = np.inf
+    ref = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(*arrays, **opts)
+    got = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(*to_gpu(*arrays), **opts)
+    got = got.get()
+    assert np.array_equal(np.isnan(got), np.isnan(ref))
+    mask = ~np.isnan(ref)
+    assert rel_err(got[mask], ref[mask]) < 1e-4
+
+
+def test_empty_batch():
+    x = cp.empty((0, 5, 9, 9), dtype=cp.float32)
+    w, ones = to_gpu(np.ones((8, 5, 3, 3)), np.ones(8))
+    got = cufused.conv2d_groupnorm_scale_maxpool_clamp(
+        x, w, None, ones, None, ones, num_groups=2, pool_kernel=2, clamp_min=0, clamp_max=1)
+    assert got.shape == (0, 8, 3, 3)
+
+
+def test_pipeline_capture_in_cuda_graph(rng, layout):
+    arrays, opts = pipeline_a_args(rng)
+    garrays = to_gpu(*arrays)
+    ref = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        out = cp.empty(ref.shape, dtype=cp.float32)
+        cufused.conv2d_groupnorm_scale_maxpool_clamp(*garrays, **opts, out=out)  # warm
+        stream.begin_capture()
+        cufused.conv2d_groupnorm_scale_maxpool_clamp(*garrays, **opts, out=out)
+        graph = stream.end_capture()
+        out.fill(cp.nan)
+        graph.launch()
+    stream.synchronize()
+    assert_close(out.get(), ref, 1e-4)
+
+
+def test_pipeline_a_sample_past_2_31_elements(rng):
+    # One sample whose convolution output has 64 * 5798**2 > 2**31 elements: the fused pass
+    # indexes within a sample in 32 bits, so the call takes the unfused blocks; checked against
+    # PyTorch CUDA in float32 (a float64 reference of 2**31 values would not fit the test).
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch without CUDA")
+    F = torch.nn.functional
+    x = cp.random.default_rng(int(rng.integers(2**31))).random((1, 1, 5800, 5800),
+                                                              dtype=cp.float32)
+    w, b, gw, gb, s = to_gpu(rng.standard_normal((64, 1, 3, 3)), rng.standard_normal(64),
+                             mixed(rng, 64), rng.standard_normal(64), mixed(rng, 64))
+    got = cufused.conv2d_groupnorm_scale_maxpool_clamp(
+        x, w, b, gw, gb, s, num_groups=16, pool_kernel=4, clamp_min=-0.5, clamp_max=0.5)
+    t = [torch.from_dlpack(a) for a in (x, w, b, gw, gb, s)]
+    with torch.backends.cudnn.flags(allow_tf32=False):
+        y = F.group_norm(F.conv2d(t[0], t[1], t[2]), 16, t[3], t[4]) * t[5].view(1, -1, 1, 1)
+        want = torch.clamp(F.max_pool2d(y, 4), -0.5, 0.5)
+    del y
+    assert_close(got.get(), want.cpu().numpy(), 1e-4)
+    del got, want, t, x
+    cp.get_default_memory_pool().free_all_blocks()
+    torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------- canonical shapes
+
+
+def test_canonical_pipelines_match_torch_cuda(rng):
+    from cufused._cudnn import plan_options
+
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch without CUDA")
+    from cufused.bench.cases import CASES, torch_reference
+
+    for case in CASES:
+        inputs = case.make_inputs(np.random.default_rng(int(rng.integers(2**31))))
+        for precision in ("ieee", "tf32"):
+            with plan_options(autotune=True):  # the plans the benchmark uses
+                got = case.run_cufused(inputs, precision=precision).get()
+            ref = torch_reference(case, inputs)
+            err = rel_err(got, ref)
+            assert err < 10 * TOL[precision], (case.name, precision, err)
