@@ -7,6 +7,7 @@ PyTorch's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -274,36 +275,28 @@ _COMMON_DOC = """
 """
 
 
-def conv2d(x: Any, weight: Any, bias: Any = None, *, stride: Size = 1,
-           padding: Size = 0, dilation: Size = 1, groups: int = 1,
-           precision: str | None = None, out: Any = None) -> Any:
-    return _convolve(2, False, x, weight, bias, stride=stride, padding=padding, output_padding=0,
-                     dilation=dilation, groups=groups, precision=precision, out=out)
+def _convolution_op(nd: int, transposed: bool) -> Callable:
+    """The public convolution of rank ``nd``, transposed or not (docstrings set below)."""
+    if transposed:
+        def conv(x: Any, weight: Any, bias: Any = None, *, stride: Size = 1,
+                 padding: Size = 0, output_padding: Size = 0, dilation: Size = 1,
+                 groups: int = 1, precision: str | None = None, out: Any = None) -> Any:
+            return _convolve(nd, True, x, weight, bias, stride=stride, padding=padding,
+                             output_padding=output_padding, dilation=dilation, groups=groups,
+                             precision=precision, out=out)
+    else:
+        def conv(x: Any, weight: Any, bias: Any = None, *, stride: Size = 1,
+                 padding: Size = 0, dilation: Size = 1, groups: int = 1,
+                 precision: str | None = None, out: Any = None) -> Any:
+            return _convolve(nd, False, x, weight, bias, stride=stride, padding=padding,
+                             output_padding=0, dilation=dilation, groups=groups,
+                             precision=precision, out=out)
+    conv.__name__ = conv.__qualname__ = f"conv{'_transpose' if transposed else ''}{nd}d"
+    return conv
 
 
-def conv3d(x: Any, weight: Any, bias: Any = None, *, stride: Size = 1,
-           padding: Size = 0, dilation: Size = 1, groups: int = 1,
-           precision: str | None = None, out: Any = None) -> Any:
-    return _convolve(3, False, x, weight, bias, stride=stride, padding=padding, output_padding=0,
-                     dilation=dilation, groups=groups, precision=precision, out=out)
-
-
-def conv_transpose2d(x: Any, weight: Any, bias: Any = None, *, stride: Size = 1,
-                     padding: Size = 0, output_padding: Size = 0,
-                     dilation: Size = 1, groups: int = 1,
-                     precision: str | None = None, out: Any = None) -> Any:
-    return _convolve(2, True, x, weight, bias, stride=stride, padding=padding,
-                     output_padding=output_padding, dilation=dilation, groups=groups,
-                     precision=precision, out=out)
-
-
-def conv_transpose3d(x: Any, weight: Any, bias: Any = None, *, stride: Size = 1,
-                     padding: Size = 0, output_padding: Size = 0,
-                     dilation: Size = 1, groups: int = 1,
-                     precision: str | None = None, out: Any = None) -> Any:
-    return _convolve(3, True, x, weight, bias, stride=stride, padding=padding,
-                     output_padding=output_padding, dilation=dilation, groups=groups,
-                     precision=precision, out=out)
+conv2d, conv3d = _convolution_op(2, False), _convolution_op(3, False)
+conv_transpose2d, conv_transpose3d = _convolution_op(2, True), _convolution_op(3, True)
 
 
 _OUTPAD = """
