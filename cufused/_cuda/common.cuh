@@ -91,6 +91,28 @@ __device__ T block_sum(T v, T* scratch) {
     return scratch[0];
 }
 
+// NaN-propagating max over the whole block (blockDim.x * blockDim.y a multiple of 32, at
+// most 1024 threads); every thread gets it. `scratch` holds 32 floats.
+__device__ float block_max(float v, float* scratch) {
+    const int tid = threadIdx.y * blockDim.x + threadIdx.x;
+    const int nwarps = (blockDim.x * blockDim.y) >> 5;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1)
+        v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    __syncthreads();  // scratch may still be read by a previous call
+    if ((tid & 31) == 0) scratch[tid >> 5] = v;
+    __syncthreads();
+    v = (tid < nwarps) ? scratch[tid] : -INFINITY;
+    if (tid < 32) {
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1)
+            v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    }
+    if (tid == 0) scratch[0] = v;
+    __syncthreads();
+    return scratch[0];
+}
+
 // i / d for 0 <= i < 2**31 without an integer division: a float estimate times the
 // precomputed inv_d = 1.0f / d, then corrected (one step at most for i < 2**24, a few beyond).
 __device__ __forceinline__ int quotient(int i, int d, float inv_d) {

@@ -476,6 +476,7 @@ __global__ void softmax_rows_nonfinite_weight(
     int sd, int sh, int sw, int pd, int ph, int pw, int dd, int dh, int dw, index_t xn,
     index_t xc, index_t xd, index_t xh, index_t xw, float lo, float hi) {
     __shared__ double2 scratch[32];
+    __shared__ float maxima[32];
     const index_t n = blockIdx.x / C;
     const int c = blockIdx.x - (int)(n * C);
     const int group = c / c_out_group, col = c - group * c_out_group;
@@ -492,7 +493,7 @@ __global__ void softmax_rows_nonfinite_weight(
     const index_t length = (index_t)Do * Ho * Wo;
     float* row = out + (n * C + c) * length;
     const float* xs = x + n * xn + (index_t)group * c_in_group * xc;
-    double sum = 0.0;
+    float m = -INFINITY;
     for (index_t o = threadIdx.x; o < length; o += blockDim.x) {
         const int od = (int)(o / ((index_t)Ho * Wo)), r = (int)(o % ((index_t)Ho * Wo));
         const int oh = r / Wo, ow = r - oh * Wo;
@@ -514,10 +515,15 @@ __global__ void softmax_rows_nonfinite_weight(
         }
         v = clamp_nan(v, lo, hi);
         row[o] = v;
-        sum += exp((double)v - (double)hi);  // clamped: v <= hi, no overflow; NaN propagates
+        m = nan_max(m, v);
     }
+    // The row's maximum as the shift (a clamp may be wide): exp(v - m) <= 1, and a NaN
+    // anywhere makes m, the sum and so the whole row NaN, as in PyTorch's softmax.
+    m = block_max(m, maxima);
+    double sum = 0.0;
+    for (index_t o = threadIdx.x; o < length; o += blockDim.x) sum += exp((double)row[o] - m);
     const double total = block_sum(make_double2(sum, 0.0), scratch).x;
     const float factor = (float)((scale ? (double)scale[c] : 1.0) / total);
     for (index_t o = threadIdx.x; o < length; o += blockDim.x)
-        row[o] = expf(row[o] - hi) * factor;
+        row[o] = expf(row[o] - m) * factor;
 }

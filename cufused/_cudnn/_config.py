@@ -13,10 +13,6 @@ from .._arrays import import_cupy
 _state = threading.local()
 # Plan-choice settings: autotuning on/off, and strategy labels to pin (tests), None for all.
 _config: dict[str, Any] = {"autotune": True, "pins": None, "replay": True}
-# CUDA graphs kept per plan (one per operand pointers and stream), and how many calls with the
-# same operands come before one is captured (a one-off call is not worth a capture).
-_MAX_REPLAYS = 8
-_CALLS_BEFORE_CAPTURE = 2
 
 
 def set_conv_autotune(enabled: bool) -> None:

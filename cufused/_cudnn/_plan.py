@@ -12,9 +12,14 @@ import numpy
 from .._arrays import import_cupy
 from .._kernels.layout import add_channel_bias, interleave_classes, transpose_channels
 from .._layout import empty_in_layout, stored_in
-from ._config import _CALLS_BEFORE_CAPTURE, _MAX_REPLAYS, _config, _handle
+from ._config import _config, _handle
 from ._graphs import ConvProblem, Strategy, _aligned, _Part
 from ._timing import _random
+
+# CUDA graphs kept per plan (one per operand pointers and stream), and how many calls with the
+# same operands come before one is captured (a one-off call is not worth a capture).
+_MAX_REPLAYS = 8
+_CALLS_BEFORE_CAPTURE = 2
 
 
 def operand_key(a) -> tuple:

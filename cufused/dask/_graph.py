@@ -83,8 +83,11 @@ _DEVICE_LOCKS_GUARD = threading.Lock()
 
 
 def _one_at_a_time(func: Callable, *args, **kwargs):
-    """``func(*args, **kwargs)`` holding the current device's lock."""
-    device = import_cupy().cuda.runtime.getDevice()
+    """``func(*args, **kwargs)`` holding the lock of the device of its first CuPy argument
+    (the chunk; the current device if none)."""
+    device = next((a.device.id for a in args if is_cupy_array(a)), None)
+    if device is None:
+        device = import_cupy().cuda.runtime.getDevice()
     lock = _DEVICE_LOCKS.get(device)
     if lock is None:
         with _DEVICE_LOCKS_GUARD:

@@ -37,10 +37,10 @@ def torch_b(v, device, dtype):
     return F.group_norm(F.max_pool2d(y, 2, 2), 4, gw, gb, eps=1e-5)
 
 
-def torch_c(v, device, dtype):
+def torch_c(v, device, dtype, clamp=(0.0, 1.0)):
     x, w, s, cb = (_t(a, device, dtype) for a in v)
     y = F.conv_transpose3d(F.avg_pool3d(x, 2), w, cb, stride=2, padding=1, output_padding=1)
-    y = torch.clamp(y, 0.0, 1.0)
+    y = torch.clamp(y, *clamp)
     n, c = y.shape[:2]
     return torch.softmax(y.reshape(n, c, -1), dim=2).reshape(y.shape) * s.view(1, -1, 1, 1, 1)
 
@@ -67,11 +67,11 @@ def ours_b(v):
         x, w, bw, bb, gw, gb, num_groups=4, padding=1, conv_bias=cb)
 
 
-def ours_c(v):
+def ours_c(v, clamp=(0.0, 1.0)):
     x, w, s, cb = v
     return cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
-        x, w, s, stride=2, padding=1, output_padding=1, pool_kernel=2, clamp_min=0.0,
-        clamp_max=1.0, conv_bias=cb)
+        x, w, s, stride=2, padding=1, output_padding=1, pool_kernel=2, clamp_min=clamp[0],
+        clamp_max=clamp[1], conv_bias=cb)
 
 
 def ours_gn(v):
@@ -188,3 +188,20 @@ def _check_gpu_plant(rng, plant, precision, rtol, monkeypatch, ours=None):
     with cufused.default_precision(precision):
         got = ours([cp.asarray(v, dtype=cp.float32) for v in values]).get()
     assert_same_placement(got, want, rtol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device with CuPy")
+@pytest.mark.parametrize("value", [np.inf, -np.inf])
+def test_gpu_c_infinite_weight_with_a_wide_clamp(rng, value):
+    # A row recomputed for an infinite weight is shifted by its own maximum: with a wide clamp
+    # the clamp's upper bound would overflow the softmax's factor.
+    import cupy as cp
+
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch without CUDA")
+    values = _planted("C", 1, value, rng)
+    clamp = (-1000.0, 1000.0)
+    want = torch_c(values, "cuda", torch.float64, clamp).cpu().numpy()
+    got = ours_c([cp.asarray(v, dtype=cp.float32) for v in values], clamp).get()
+    assert_same_placement(got, want)
