@@ -16,7 +16,11 @@ from ._graph import Array, _check_params, _empty_batch, _Graph, _map_chunks
 from ._statistics import (_batch_statistics, _channel_moments, _check_count, _normalize,
                           _normalized_batch)
 
-_RETURNS = """
+_TYPE_ERROR = """    TypeError
+        ``x`` is not a dask array of NumPy or CuPy chunks, a parameter is a dask collection,
+        or the single call's ``TypeError``."""
+
+_RETURNS = f"""
     Returns
     -------
     dask.array.Array
@@ -25,17 +29,29 @@ _RETURNS = """
 
     Raises
     ------
-    TypeError
-        ``x`` is not a dask array of NumPy or CuPy chunks, a parameter is a dask collection,
-        or the single call's ``TypeError``.
+{_TYPE_ERROR}
     ValueError
         ``x`` is chunked along a non-batch axis, or the single call's ``ValueError``.
 """
 
+# The docstring lines that the functions over a dask batch share, by placeholder line.
+_SECTIONS = {
+    "    {returns}\n": _RETURNS + "\n",
+    "    {type_error}\n": _TYPE_ERROR + "\n",
+    "    {precision}\n": """    precision : {"ieee", "tf32"}, optional
+        ``None`` is the caller's default when the graph is built.
+""",
+    "    {examples}\n": """    Examples
+    --------
+    >>> import numpy as np, dask.array as da, cufused, cufused.dask
+""",
+}
+
 
 def _shared_sections(func: Callable) -> Callable:
-    """Put the per-sample functions' common Returns and Raises sections into a docstring."""
-    func.__doc__ = func.__doc__.replace("    {returns}\n", _RETURNS + "\n")
+    """Put the shared docstring lines (``_SECTIONS``) into ``func``'s docstring."""
+    for placeholder, text in _SECTIONS.items():
+        func.__doc__ = func.__doc__.replace(placeholder, text)
     return func
 
 _X = """x : dask.array.Array
@@ -139,6 +155,7 @@ def group_norm(x: Array, num_groups: int, weight: Any = None, bias: Any = None, 
                        dict(num_groups=num_groups, weight=weight, bias=bias), dict(eps=eps))
 
 
+@_shared_sections
 def batch_norm(x: Array, weight: Any = None, bias: Any = None, *, running_mean: Any = None,
                running_var: Any = None, training: bool = True, momentum: float = 0.1,
                eps: float = 1e-5, activation: str | None = None,
@@ -187,9 +204,7 @@ def batch_norm(x: Array, weight: Any = None, bias: Any = None, *, running_mean: 
 
     Raises
     ------
-    TypeError
-        ``x`` is not a dask array of NumPy or CuPy chunks, a parameter is a dask collection,
-        or the single call's ``TypeError``.
+    {type_error}
     ValueError
         ``x`` is chunked along a non-batch axis, ``return_running_stats`` in inference, a bad
         ``split_every``, or the single call's ``ValueError``.

@@ -36,12 +36,9 @@ def conv2d_groupnorm_scale_maxpool_clamp(
         Parameters of the chunks' library (``scale`` may be a number), as in the single call.
     num_groups, pool_kernel, clamp_min, clamp_max, stride, padding, eps
         As in :func:`cufused.conv2d_groupnorm_scale_maxpool_clamp`.
-    precision : {"ieee", "tf32"}, optional
-        ``None`` is the caller's default when the graph is built.
+    {precision}
     {returns}
-    Examples
-    --------
-    >>> import numpy as np, dask.array as da, cufused, cufused.dask
+    {examples}
     >>> rng = np.random.default_rng(0)
     >>> x = rng.random((3, 2, 8, 8), dtype=np.float32)
     >>> w = rng.standard_normal((4, 2, 3, 3), dtype=np.float32)
@@ -78,12 +75,9 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
         Parameters of the chunks' library (``scale`` may be a number), as in the single call.
     stride, padding, output_padding, pool_kernel, clamp_min, clamp_max, groups
         As in :func:`cufused.conv_transpose3d_avgpool_clamp_softmax_multiply`.
-    precision : {"ieee", "tf32"}, optional
-        ``None`` is the caller's default when the graph is built.
+    {precision}
     {returns}
-    Examples
-    --------
-    >>> import numpy as np, dask.array as da, cufused, cufused.dask
+    {examples}
     >>> rng = np.random.default_rng(0)
     >>> x = rng.random((3, 2, 4, 4, 4))
     >>> w = rng.standard_normal((2, 3, 3, 3, 3))
@@ -194,6 +188,7 @@ def _has_infinity(a) -> bool:
     return bool(numpy.isinf(a.get() if hasattr(a, "get") else numpy.asarray(a)).any())
 
 
+@_shared_sections
 def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
         x: Array, weight: Any, bn_weight: Any, bn_bias: Any, gn_weight: Any, gn_bias: Any, *,
         num_groups: int, stride: Size = 1, padding: Size = 0, output_padding: Size = 0,
@@ -219,8 +214,7 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     running_mean, running_var : array, optional
         BatchNorm running buffers, updated in place by the statistics task, as in
         :func:`batch_norm`.
-    precision : {"ieee", "tf32"}, optional
-        ``None`` is the caller's default when the graph is built.
+    {precision}
     split_every : int, optional
         Partial moments merged per node of the tree reduction (default 8).
     return_running_stats : bool
@@ -235,9 +229,7 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
 
     Raises
     ------
-    TypeError
-        ``x`` is not a dask array of NumPy or CuPy chunks, a parameter is a dask collection,
-        or the single call's ``TypeError``.
+    {type_error}
     ValueError
         ``x`` is chunked along a non-batch axis, a bad ``split_every``, or the single call's
         ``ValueError``.
