@@ -64,6 +64,14 @@ __device__ __forceinline__ T warp_sum(T v) {
     return v;
 }
 
+// NaN-propagating max over a warp; every lane gets it.
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1)
+        v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    return v;
+}
+
 // Sums of the (s1, s2) pairs of statistics, both components at once.
 __device__ __forceinline__ float2 warp_sum(float2 v) {
     return make_float2(warp_sum(v.x), warp_sum(v.y));
@@ -96,18 +104,12 @@ __device__ T block_sum(T v, T* scratch) {
 __device__ float block_max(float v, float* scratch) {
     const int tid = threadIdx.y * blockDim.x + threadIdx.x;
     const int nwarps = (blockDim.x * blockDim.y) >> 5;
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1)
-        v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    v = warp_max(v);
     __syncthreads();  // scratch may still be read by a previous call
     if ((tid & 31) == 0) scratch[tid >> 5] = v;
     __syncthreads();
     v = (tid < nwarps) ? scratch[tid] : -INFINITY;
-    if (tid < 32) {
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1)
-            v = nan_max(v, __shfl_xor_sync(0xffffffffu, v, offset));
-    }
+    if (tid < 32) v = warp_max(v);
     if (tid == 0) scratch[0] = v;
     __syncthreads();
     return scratch[0];

@@ -171,9 +171,7 @@ __global__ void softmax_finalize(const float2* __restrict__ partial, index_t row
     };
     float m = -INFINITY;
     for (int j = lane; j < count; j += 32) m = nan_max(m, pair(j).x);
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1)
-        m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, offset));
+    m = warp_max(m);
     double s = 0.0;
     for (int j = lane; j < count; j += 32) {
         const float2 p = pair(j);
