@@ -46,6 +46,14 @@ def check_group_values(shape: tuple[int, ...], num_groups: int, name: str) -> No
                          f"{tuple(shape)} with num_groups={num_groups}")
 
 
+def check_channel_values(shape: tuple[int, ...], name: str) -> None:
+    """PyTorch's training-mode BatchNorm rule: more than one value per channel across the
+    batch (N * spatial values; an empty batch passes)."""
+    if math.prod(shape) // shape[1] == 1:
+        raise ValueError(f"expected more than 1 value per channel of {name} when training, "
+                         f"got shape {tuple(shape)}")
+
+
 def check_running_pair(running_mean: Any, running_var: Any) -> None:
     """Both running buffers or neither, as PyTorch requires."""
     if (running_mean is None) != (running_var is None):
@@ -191,9 +199,8 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be None or 'tanh', got {activation!r}")
     training = check_training(training)
-    if training and x.shape[0] and x.size // c < 2:
-        raise ValueError("expected more than 1 value per channel when training, got x of "
-                         f"shape {x.shape}")
+    if training:
+        check_channel_values(x.shape, "x")
     if not training and (running_mean is None or running_var is None):
         raise ValueError("running_mean and running_var are required when training=False")
     stats = (running_mean, running_var, training, momentum, eps)

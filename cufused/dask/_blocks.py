@@ -10,10 +10,11 @@ from typing import Any
 import cufused
 
 from .._arrays import Size
-from .._precision import resolve_precision
+from .._ops.normalization import check_channel_values
 from .._ops.softmax import normalize_axes
+from .._precision import resolve_precision
 from ._graph import Array, _check_params, _empty_batch, _Graph, _map_chunks
-from ._statistics import (_batch_statistics, _channel_moments, _check_count, _normalize,
+from ._statistics import (_batch_statistics, _channel_moments, _normalize,
                           _normalized_batch)
 
 _TYPE_ERROR = """    TypeError
@@ -234,7 +235,7 @@ def batch_norm(x: Array, weight: Any = None, bias: Any = None, *, running_mean: 
     probe = cufused.batch_norm(empty, weight, bias, running_mean=running_mean,
                                running_var=running_var, momentum=momentum, eps=eps,
                                activation=activation)
-    _check_count(x.size // x.shape[1])
+    check_channel_values(x.shape, "x")
     graph = _Graph("batch_norm", x)
     inputs = graph.input_keys()
     moments = graph.task(_channel_moments)

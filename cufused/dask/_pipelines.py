@@ -12,10 +12,11 @@ import numpy
 import cufused
 
 from .._arrays import Size, get_array_module, per_channel
+from .._ops.normalization import check_channel_values
 from .._precision import resolve_precision
 from ._blocks import _shared_sections
 from ._graph import Array, _check_params, _empty_batch, _Graph, _map_chunks
-from ._statistics import (_batch_statistics, _channel_moments, _check_count, _normalize,
+from ._statistics import (_batch_statistics, _channel_moments, _normalize,
                           _normalized_batch)
 
 
@@ -265,7 +266,7 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
         conv_bias=conv_bias, pool_kernel=pool_kernel, eps=eps, running_mean=running_mean,
         running_var=running_var, momentum=momentum, precision=precision, **conv_options)
     conv_shape = cufused.conv_transpose2d(empty, weight, **conv_options).shape
-    _check_count(x.shape[0] * conv_shape[2] * conv_shape[3])
+    check_channel_values((x.shape[0], *conv_shape[1:]), "the conv output")
     graph = _Graph("conv_transpose2d_batchnorm_tanh_maxpool_groupnorm", x)
     prepared = _prepared_weights(graph, get_array_module(x=empty), weight, conv_bias, bn_weight,
                                  groups, probe.shape[1])

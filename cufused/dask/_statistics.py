@@ -165,7 +165,3 @@ def _normalized_batch(graph: _Graph, statistics: str, task: Callable, inputs: li
                                 meta=meta_from_array(probe, buf.ndim, buf.dtype)))
     return tuple(results)
 
-
-def _check_count(count: int) -> None:
-    if 0 < count < 2:
-        raise ValueError("expected more than 1 value per channel for training-mode BatchNorm")

@@ -20,9 +20,9 @@ from .._kernels.pooling import (fused_pass_variant, pool_bn_tanh_nonfinite,
                                 pool_extremum_stats, stores_ext_channels_last)
 from .._ops.convolution import (cached_conv_args, check_conv_memory, conv_on_gpu,
                                 conv_transpose2d)
-from .._ops.normalization import (batch_norm, bn_coefficients, check_group_values,
-                                  check_num_groups, check_running_buffer, check_running_pair,
-                                  group_norm)
+from .._ops.normalization import (batch_norm, bn_coefficients, check_channel_values,
+                                  check_group_values, check_num_groups, check_running_buffer,
+                                  check_running_pair, group_norm)
 from .._ops.pooling import check_pool_args, max_pool2d
 from .._precision import resolve_precision
 from ._common import check_method, gpu_method, gpu_run, shared_doc_sections, tuple_pool
@@ -107,8 +107,7 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     check_group_values(args.out_shape[:2] + pooled, num_groups, "the pooled output")
     eps = check_scalar(eps, "eps", minimum=0.0)
     momentum = check_scalar(momentum, "momentum", minimum=0.0, maximum=1.0)
-    if x.shape[0] and x.shape[0] * args.out_shape[2] * args.out_shape[3] < 2:
-        raise ValueError("expected more than 1 value per channel for training-mode BatchNorm")
+    check_channel_values(args.out_shape, "the conv output")
     precision = resolve_precision(precision)
     check_method(method)
     return forward(
