@@ -81,38 +81,35 @@ __device__ __forceinline__ double2 warp_sum(double2 v) {
     return make_double2(warp_sum(v.x), warp_sum(v.y));
 }
 
-// Sum over the whole block (blockDim.x * blockDim.y a multiple of 32, at most 1024 threads)
-// of a float2 or double2 pair: one set of barriers for both sums. Every thread gets the
-// result. `scratch` holds 32 pairs.
-template <typename T>
-__device__ T block_sum(T v, T* scratch) {
+// A reduction over the whole block (blockDim.x * blockDim.y a multiple of 32, at most 1024
+// threads): each warp reduces with `warp` (a warp_sum or warp_max), the warps' results meet in
+// `scratch` (32 values) and the first warp reduces them, `identity` filling its idle lanes.
+// Every thread gets the result.
+template <typename T, typename Warp>
+__device__ T block_reduce(T v, T* scratch, T identity, Warp warp) {
     const int tid = threadIdx.y * blockDim.x + threadIdx.x;
     const int nwarps = (blockDim.x * blockDim.y) >> 5;
-    v = warp_sum(v);
+    v = warp(v);
     __syncthreads();  // scratch may still be read by a previous call
     if ((tid & 31) == 0) scratch[tid >> 5] = v;
     __syncthreads();
-    v = (tid < nwarps) ? scratch[tid] : T{};
-    if (tid < 32) v = warp_sum(v);
+    v = (tid < nwarps) ? scratch[tid] : identity;
+    if (tid < 32) v = warp(v);
     if (tid == 0) scratch[0] = v;
     __syncthreads();
     return scratch[0];
 }
 
-// NaN-propagating max over the whole block (blockDim.x * blockDim.y a multiple of 32, at
-// most 1024 threads); every thread gets it. `scratch` holds 32 floats.
-__device__ float block_max(float v, float* scratch) {
-    const int tid = threadIdx.y * blockDim.x + threadIdx.x;
-    const int nwarps = (blockDim.x * blockDim.y) >> 5;
-    v = warp_max(v);
-    __syncthreads();  // scratch may still be read by a previous call
-    if ((tid & 31) == 0) scratch[tid >> 5] = v;
-    __syncthreads();
-    v = (tid < nwarps) ? scratch[tid] : -INFINITY;
-    if (tid < 32) v = warp_max(v);
-    if (tid == 0) scratch[0] = v;
-    __syncthreads();
-    return scratch[0];
+// Sum over the whole block of a float2 or double2 pair: one set of barriers for both sums.
+// `scratch` holds 32 pairs.
+template <typename T>
+__device__ T block_sum(T v, T* scratch) {
+    return block_reduce(v, scratch, T{}, [](T u) { return warp_sum(u); });
+}
+
+// NaN-propagating max over the whole block. `scratch` holds 32 floats.
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    return block_reduce(v, scratch, -INFINITY, [](float u) { return warp_max(u); });
 }
 
 // i / d for 0 <= i < 2**31 without an integer division: a float estimate times the
