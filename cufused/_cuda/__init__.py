@@ -1,8 +1,9 @@
 """CUDA sources of cufused and the helper that compiles and caches them.
 
 Each ``.cu`` file is one op family; ``KERNELS`` lists every template instantiation the
-library launches, so one NVRTC compile per (file, device) builds them all and CI can check
-that every one of them compiles, for sm_80 and sm_90, without spilling to local memory.
+library launches. At run time each instantiation is compiled on its first launch (per
+device); CI compiles every one of them, for sm_80 and sm_90, and checks that none spills to
+local memory.
 """
 
 from __future__ import annotations
@@ -135,39 +136,37 @@ def source(filename: str) -> str:
     return _INCLUDE.sub(lambda m: source(m.group(1)), text)
 
 
-def _module(filename: str):
+def _module(filename: str, name: str):
     import cupy
 
     return cupy.RawModule(code=source(filename), options=COMPILE_OPTIONS,
-                          name_expressions=KERNELS[filename])
+                          name_expressions=(name,))
 
 
-@functools.cache
-def _memoized_module():
-    import cupy
-
-    # One compiled module per (file, device), like cupyx.scipy.ndimage's _get_*_kernel helpers.
-    return cupy.memoize(for_each_device=True)(_module)
-
-
-# Dynamic shared memory granted past the default 48 KB, per (compiled module, kernel): the
-# attribute belongs to the compiled function, so it is set once, not queried per launch. The
-# module is kept with its entry, so that its id is not reused while the entry exists.
-_shared_granted: dict[tuple[int, str], tuple[object, int]] = {}
+# Compiled kernels by (device, file, name expression). Each instantiation is its own NVRTC
+# program: a call compiles only the kernels it launches (a cold process pays for what it
+# uses, not for a whole file's templates), and the lookup of a warm kernel is one dict access.
+_kernels: dict[tuple[int, str, str], object] = {}
+# Dynamic shared memory granted past the default 48 KB, by the key of _kernels: the attribute
+# belongs to the compiled function, so it is set once, not queried per launch.
+_shared_granted: dict[tuple[int, str, str], int] = {}
 
 
 def get_kernel(filename: str, name: str, *, shared_bytes: int = 0):
-    """Return the ``cupy.RawKernel`` for ``name`` (a name expression of ``KERNELS[filename]``),
-    allowed ``shared_bytes`` of dynamic shared memory where that passes the default 48 KB."""
-    if name not in KERNELS[filename]:
-        raise KeyError(f"{name} is not a registered instantiation of {filename}")
-    module = _memoized_module()(filename)
-    kernel = module.get_function(name)
-    if shared_bytes > 48 * 1024:
-        key = (id(module), name)
-        if _shared_granted.get(key, (None, 0))[1] < shared_bytes:
-            kernel.max_dynamic_shared_size_bytes = shared_bytes
-            _shared_granted[key] = (module, shared_bytes)
+    """Return the ``cupy.RawKernel`` for ``name`` (a name expression of ``KERNELS[filename]``)
+    on the current device, allowed ``shared_bytes`` of dynamic shared memory where that passes
+    the default 48 KB."""
+    import cupy
+
+    key = (cupy.cuda.runtime.getDevice(), filename, name)
+    kernel = _kernels.get(key)
+    if kernel is None:
+        if name not in KERNELS[filename]:
+            raise KeyError(f"{name} is not a registered instantiation of {filename}")
+        kernel = _kernels[key] = _module(filename, name).get_function(name)
+    if shared_bytes > 48 * 1024 and _shared_granted.get(key, 0) < shared_bytes:
+        kernel.max_dynamic_shared_size_bytes = shared_bytes
+        _shared_granted[key] = shared_bytes
     return kernel
 
 

@@ -14,7 +14,7 @@ The modules, each importing only those above it:
 
 - ``_config``: the process settings (autotuning, pinned strategies, graph replay) with
   ``set_conv_autotune``, ``set_conv_graph_replay`` and the scoped ``plan_options``; the
-  import of cuDNN Frontend and the per-thread cuDNN handle.
+  import of cuDNN Frontend and the pool of cuDNN handles (one borrowed per call).
 - ``_graphs``: ``ConvProblem``, ``Strategy`` and ``strategies``; each strategy's graphs
   (the sub-pixel split), their building, and the execution of a graph's chosen plan.
 - ``_timing``: CUDA-event timing, random operands and the L2 flush of the autotuner.

@@ -10,7 +10,7 @@ import threading
 import numpy
 
 from .._arrays import import_cupy
-from ._config import _config, _handle, import_cudnn, plan_options
+from ._config import _config, cudnn_handle, import_cudnn, plan_options
 from ._graphs import ConvProblem, Strategy, _build_graph, _Part, _part_specs, strategies
 from ._plan import ConvPlan, _graph_buffer_pool
 from ._timing import _l2_flush_buffer, _random, _time_ms
@@ -29,6 +29,19 @@ _INPUT_CONVERSION_MARGIN = 0.10
 
 def _make_plan(problem: ConvProblem, strategy: Strategy, tune: bool) -> ConvPlan | None:
     """Build ``strategy``'s graphs and pick each one's fastest plan (or its heuristic one)."""
+    # The graphs keep the handle they are built with: it stays borrowed until each chosen
+    # plan has resolved its backend call (_direct_executor), the last use of the graph's own.
+    with cudnn_handle() as handle:
+        chosen = _chosen_parts(problem, strategy, tune, handle)
+    if chosen is None:
+        return None
+    parts, y_shape, index = chosen
+    return ConvPlan(problem, strategy, parts, y_shape, index,
+                    max(p.workspace_size for p in parts))
+
+
+def _chosen_parts(problem: ConvProblem, strategy: Strategy, tune: bool, handle):
+    """``(parts, y_shape, weight index)`` of ``_make_plan``, or None where cuDNN has none."""
     cudnn = import_cudnn()
     cupy = import_cupy()
     try:
@@ -36,7 +49,7 @@ def _make_plan(problem: ConvProblem, strategy: Strategy, tune: bool) -> ConvPlan
         graphs = {}
         for spec in specs:
             if spec.graph_key() not in graphs:
-                graphs[spec.graph_key()] = _build_graph(spec, problem.precision)
+                graphs[spec.graph_key()] = _build_graph(spec, problem.precision, handle)
     except Exception:  # noqa: BLE001 - cuDNN reports "not supported" in several ways
         return None
     index = None if index is None else cupy.asarray(index)
@@ -46,7 +59,6 @@ def _make_plan(problem: ConvProblem, strategy: Strategy, tune: bool) -> ConvPlan
                     "nchw" if index is not None else strategy.x_layout)
         b = _random((problem.y_shape[1],))
         y = cupy.empty(y_shape, dtype=cupy.float32)
-        handle = _handle()
     parts, built = [], set()
     for spec in specs:
         graph, tensors = graphs[spec.graph_key()]
@@ -71,9 +83,9 @@ def _make_plan(problem: ConvProblem, strategy: Strategy, tune: bool) -> ConvPlan
                 best = part
         if best is None:
             return None
+        best.resolve_direct()
         parts.append(best)
-    return ConvPlan(problem, strategy, parts, y_shape, index,
-                    max(p.workspace_size for p in parts))
+    return parts, y_shape, index
 
 
 class UnsupportedConvolution(ValueError):

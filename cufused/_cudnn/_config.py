@@ -1,6 +1,6 @@
 """Configuration of cuDNN convolution plans: autotuning, pinned strategies and CUDA-graph
 replay (the process settings and their scoped override), cuDNN Frontend's import and the
-per-thread cuDNN handle."""
+pool of cuDNN handles."""
 
 from __future__ import annotations
 
@@ -103,18 +103,30 @@ def import_cudnn():
     return _cudnn_module
 
 
-def _handle():
-    """One cuDNN handle per (thread, device), bound to CuPy's current stream."""
+# Idle cuDNN handles per device. A call borrows one for as long as it issues cuDNN work: a
+# handle is never used by two threads at once (cuDNN's rule), and a process creates only as
+# many as it runs calls concurrently, not one per thread (a thread pool such as Dask's would
+# otherwise pay for a handle in each new thread).
+_idle_handles: dict[int, list] = {}
+_idle_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def cudnn_handle():
+    """Borrow a cuDNN handle of the current device, bound to CuPy's current stream."""
     cupy = import_cupy()
-    handles = getattr(_state, "handles", None)
-    if handles is None:
-        handles = _state.handles = {}
     device = cupy.cuda.runtime.getDevice()
     stream = cupy.cuda.get_current_stream().ptr
-    entry = handles.get(device)
+    with _idle_lock:
+        idle = _idle_handles.setdefault(device, [])
+        entry = idle.pop() if idle else None
     if entry is None:
-        entry = handles[device] = [import_cudnn().create_handle(), None]
-    if entry[1] != stream:
-        import_cudnn().set_stream(handle=entry[0], stream=stream)
-        entry[1] = stream
-    return entry[0]
+        entry = [import_cudnn().create_handle(), None]
+    try:
+        if entry[1] != stream:
+            import_cudnn().set_stream(handle=entry[0], stream=stream)
+            entry[1] = stream
+        yield entry[0]
+    finally:
+        with _idle_lock:
+            _idle_handles[device].append(entry)

@@ -11,7 +11,7 @@ import numpy
 
 from .._layout import layout_strides
 from .._subpixel import subpixel_parts, subpixel_weight_index
-from ._config import _handle, import_cudnn
+from ._config import import_cudnn
 
 # (input layout, output layout) pairs tried; channels-last engines fed an NCHW input skip
 # the input transpose (the fastest choice for pipeline B's TF32 convolution).
@@ -163,11 +163,11 @@ def _part_specs(problem: ConvProblem, strategy: Strategy):
     return specs, y_shape, index
 
 
-def _build_graph(spec: _PartSpec, precision: str):
+def _build_graph(spec: _PartSpec, precision: str, handle):
     cudnn = import_cudnn()
     f32 = cudnn.data_type.FLOAT
     graph = cudnn.pygraph(io_data_type=f32, intermediate_data_type=f32, compute_data_type=f32,
-                          handle=_handle())
+                          handle=handle)
     x = graph.tensor(name="x", dim=list(spec.x_dims), stride=list(spec.x_strides), data_type=f32)
     w = graph.tensor(name="w", dim=list(spec.w_dims), stride=list(spec.w_strides), data_type=f32)
     conv = graph.conv_fprop if spec.kind == "fprop" else graph.conv_dgrad
@@ -208,6 +208,10 @@ class _Part:
     milliseconds: float = float("nan")
     _direct: Any = None  # resolved backend call (see _direct_executor), False when unavailable
 
+    def resolve_direct(self) -> None:
+        """Resolve the backend call of the chosen plan (see ``_direct_executor``)."""
+        self._direct = _direct_executor(self) or False
+
     def execute(self, x_ptr: int, w_ptr: int, y_ptr: int, b_ptr: int, ws_ptr: int,
                 handle) -> None:
         spec = self.spec
@@ -216,7 +220,7 @@ class _Part:
             ptrs.append(b_ptr)
         ptrs.append(y_ptr + 4 * spec.y_offset)
         if self._direct is None:
-            self._direct = _direct_executor(self) or False
+            self.resolve_direct()
         if self._direct:
             execute, cpp_index, uids = self._direct
             execute(dict(zip(uids, ptrs)), ws_ptr, cpp_index, handle.backend_handle)

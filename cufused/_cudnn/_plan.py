@@ -12,7 +12,7 @@ import numpy
 from .._arrays import import_cupy
 from .._kernels.layout import add_channel_bias, interleave_classes, transpose_channels
 from .._layout import empty_in_layout, stored_in
-from ._config import _config, _handle
+from ._config import _config, cudnn_handle
 from ._graphs import ConvProblem, Strategy, _aligned, _Part
 from ._timing import _random
 
@@ -134,9 +134,9 @@ class ConvPlan:
         # breaks CUDA-graph capture.
         ws_ptr = 0 if workspace is None else workspace.data.ptr
         b_ptr = 0 if bias is None else bias.data.ptr
-        handle = _handle()
-        for part in self.parts:
-            part.execute(x.data.ptr, w.data.ptr, y.data.ptr, b_ptr, ws_ptr, handle)
+        with cudnn_handle() as handle:
+            for part in self.parts:
+                part.execute(x.data.ptr, w.data.ptr, y.data.ptr, b_ptr, ws_ptr, handle)
 
     def _launch(self, kind: str, operands, buffers, work) -> None:
         """``work(buffers())`` on the current stream, or the replay of its CUDA graph: the
