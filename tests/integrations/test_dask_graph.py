@@ -26,6 +26,22 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # ------------------------------------------------------------------------ laziness and errors
 
+
+def test_every_array_function_has_its_dask_version():
+    import inspect
+
+    # Every public function of cufused but the settings.
+    settings = {"get_default_precision", "set_default_precision", "default_precision",
+                "set_conv_autotune", "set_conv_graph_replay", "clear_plan_cache"}
+    assert cdask.__all__ == [name for name in cufused.__all__ if name not in settings]
+    for name in cdask.__all__:
+        single, lazy = getattr(cufused, name), getattr(cdask, name)
+        assert lazy is not single and lazy.__module__.startswith("cufused.dask"), name
+        # The same parameters by name, but ``out`` (a dask call returns a new lazy array) and
+        # the pipelines' ``method`` (each chunk runs the default).
+        params = [p for p in inspect.signature(single).parameters if p not in ("out", "method")]
+        assert list(inspect.signature(lazy).parameters)[:len(params)] == params, name
+
 def test_nothing_is_computed_when_the_graph_is_built(rng):
     x, params, options = case_b(rng, np.float32)
 
