@@ -12,8 +12,7 @@ import cufused
 from .._arrays import Size
 from .._ops.normalization import check_channel_values
 from .._ops.softmax import normalize_axes
-from .._precision import resolve_precision
-from ._graph import Array, _check_params, _empty_batch, _Graph, _map_chunks
+from ._graph import Array, _check_params, _each_chunk, _empty_batch, _Graph, _map_chunks
 from ._statistics import (_batch_statistics, _channel_moments, _normalize,
                           _normalized_batch)
 
@@ -49,10 +48,16 @@ _SECTIONS = {
 }
 
 
+def _with_sections(doc: str) -> str:
+    """``doc`` with the shared docstring lines (``_SECTIONS``) in place of their placeholders."""
+    for placeholder, text in _SECTIONS.items():
+        doc = doc.replace(placeholder, text)
+    return doc
+
+
 def _shared_sections(func: Callable) -> Callable:
     """Put the shared docstring lines (``_SECTIONS``) into ``func``'s docstring."""
-    for placeholder, text in _SECTIONS.items():
-        func.__doc__ = func.__doc__.replace(placeholder, text)
+    func.__doc__ = _with_sections(func.__doc__)
     return func
 
 _X = """x : dask.array.Array
@@ -83,35 +88,10 @@ _CONV_DOC = """{title}, each batch chunk running :func:`cufused.{name}`.
 """
 
 
-def conv2d(x: Array, weight: Any, bias: Any = None, *, stride: Size = 1, padding: Size = 0,
-           dilation: Size = 1, groups: int = 1, precision: str | None = None) -> Array:
-    return _map_chunks(cufused.conv2d, x, dict(weight=weight, bias=bias), dict(
-        stride=stride, padding=padding, dilation=dilation, groups=groups,
-        precision=resolve_precision(precision)))
-
-
-def conv3d(x: Array, weight: Any, bias: Any = None, *, stride: Size = 1, padding: Size = 0,
-           dilation: Size = 1, groups: int = 1, precision: str | None = None) -> Array:
-    return _map_chunks(cufused.conv3d, x, dict(weight=weight, bias=bias), dict(
-        stride=stride, padding=padding, dilation=dilation, groups=groups,
-        precision=resolve_precision(precision)))
-
-
-def conv_transpose2d(x: Array, weight: Any, bias: Any = None, *, stride: Size = 1,
-                     padding: Size = 0, output_padding: Size = 0, dilation: Size = 1,
-                     groups: int = 1, precision: str | None = None) -> Array:
-    return _map_chunks(cufused.conv_transpose2d, x, dict(weight=weight, bias=bias), dict(
-        stride=stride, padding=padding, output_padding=output_padding, dilation=dilation,
-        groups=groups, precision=resolve_precision(precision)))
-
-
-def conv_transpose3d(x: Array, weight: Any, bias: Any = None, *, stride: Size = 1,
-                     padding: Size = 0, output_padding: Size = 0, dilation: Size = 1,
-                     groups: int = 1, precision: str | None = None) -> Array:
-    return _map_chunks(cufused.conv_transpose3d, x, dict(weight=weight, bias=bias), dict(
-        stride=stride, padding=padding, output_padding=output_padding, dilation=dilation,
-        groups=groups, precision=resolve_precision(precision)))
-
+conv2d = _each_chunk(cufused.conv2d)
+conv3d = _each_chunk(cufused.conv3d)
+conv_transpose2d = _each_chunk(cufused.conv_transpose2d)
+conv_transpose3d = _each_chunk(cufused.conv_transpose3d)
 
 for _func, _title, _xshape, _wshape, _call in (
         (conv2d, "2-D convolution", "(3, 2, 6, 6)", "(4, 2, 3, 3)", "padding=1"),

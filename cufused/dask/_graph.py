@@ -5,6 +5,7 @@ per-device lock that GPU tasks take (package docstring)."""
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import threading
 import uuid
@@ -17,6 +18,7 @@ from dask.base import is_dask_collection
 from dask.highlevelgraph import HighLevelGraph
 
 from .._arrays import get_array_module, import_cupy, is_cupy_array
+from .._precision import resolve_precision
 
 Array = da.Array
 
@@ -158,3 +160,33 @@ def _map_chunks(func: Callable, x: Array, params: dict[str, Any], options: dict[
     args = [graph.constant(k, v) for k, v in (*params.items(), *keyed.items())]
     return graph.array(task, [(key, *args) for key in graph.input_keys()], probe)
 
+
+
+def _each_chunk(single: Callable, doc: str | None = None) -> Callable:
+    """``single`` over a dask batch, for a call independent per sample: every batch chunk runs
+    the single call.
+
+    The function returned takes ``single``'s parameters but ``out`` and ``method`` (each chunk
+    runs the default method); the positional parameters after ``x`` are the arrays that every
+    chunk reads whole, and ``precision``, where ``single`` has it, is resolved when the graph
+    is built (the caller's default, not the workers').
+    """
+    params = [p for name, p in inspect.signature(single).parameters.items()
+              if name not in ("out", "method")]
+    params[0] = params[0].replace(annotation=Array)
+    signature = inspect.Signature(params, return_annotation=Array)
+    arrays = [p.name for p in params[1:] if p.kind is p.POSITIONAL_OR_KEYWORD]
+
+    def over_chunks(*args, **kwargs) -> Array:
+        bound = signature.bind(*args, **kwargs)  # a TypeError as the single call's
+        bound.apply_defaults()
+        options = dict(bound.arguments)
+        x = options.pop("x")
+        if "precision" in options:
+            options["precision"] = resolve_precision(options["precision"])
+        return _map_chunks(single, x, {name: options.pop(name) for name in arrays}, options)
+
+    over_chunks.__signature__ = signature
+    over_chunks.__name__ = over_chunks.__qualname__ = single.__name__
+    over_chunks.__doc__ = doc
+    return over_chunks

@@ -14,33 +14,37 @@ import cufused
 from .._arrays import Size, get_array_module, per_channel
 from .._ops.normalization import check_channel_values
 from .._precision import resolve_precision
-from ._blocks import _shared_sections
-from ._graph import Array, _check_params, _empty_batch, _Graph, _map_chunks
+from ._blocks import _shared_sections, _with_sections
+from ._graph import Array, _check_params, _each_chunk, _empty_batch, _Graph
 from ._statistics import (_batch_statistics, _channel_moments, _normalize,
                           _normalized_batch)
 
 
-@_shared_sections
-def conv2d_groupnorm_scale_maxpool_clamp(
-        x: Array, weight: Any, conv_bias: Any, gn_weight: Any, gn_bias: Any, scale: Any, *,
-        num_groups: int, pool_kernel: int, clamp_min: float, clamp_max: float,
-        stride: Size = 1, padding: Size = 0, eps: float = 1e-5,
-        precision: str | None = None) -> Array:
-    """Pipeline A over a dask batch: each chunk runs
-    :func:`cufused.conv2d_groupnorm_scale_maxpool_clamp` (GroupNorm is per sample).
+# The docstring of a pipeline that each batch chunk runs whole (independent per sample).
+_PER_SAMPLE_DOC = """Pipeline {letter} over a dask batch: each chunk runs
+    :func:`cufused.{name}` ({why}).
 
     Parameters
     ----------
     x : dask.array.Array
-        Input (N, C_in, H, W) chunked along the batch axis only, of NumPy or CuPy chunks.
-    weight, conv_bias, gn_weight, gn_bias, scale
+        Input {xshape} chunked along the batch axis only, of NumPy or CuPy chunks.
+    {params}
         Parameters of the chunks' library (``scale`` may be a number), as in the single call.
-    num_groups, pool_kernel, clamp_min, clamp_max, stride, padding, eps
-        As in :func:`cufused.conv2d_groupnorm_scale_maxpool_clamp`.
-    {precision}
-    {returns}
-    {examples}
+    {options}
+        As in :func:`cufused.{name}`.
+    {{precision}}
+    {{returns}}
+    {{examples}}
     >>> rng = np.random.default_rng(0)
+{example}
+"""
+
+conv2d_groupnorm_scale_maxpool_clamp = _each_chunk(
+    cufused.conv2d_groupnorm_scale_maxpool_clamp, _with_sections(_PER_SAMPLE_DOC.format(
+        letter="A", name="conv2d_groupnorm_scale_maxpool_clamp", why="GroupNorm is per sample",
+        xshape="(N, C_in, H, W)", params="weight, conv_bias, gn_weight, gn_bias, scale",
+        options="num_groups, pool_kernel, clamp_min, clamp_max, stride, padding, eps",
+        example="""\
     >>> x = rng.random((3, 2, 8, 8), dtype=np.float32)
     >>> w = rng.standard_normal((4, 2, 3, 3), dtype=np.float32)
     >>> opts = dict(num_groups=2, pool_kernel=2, clamp_min=0.0, clamp_max=1.0)
@@ -48,38 +52,16 @@ def conv2d_groupnorm_scale_maxpool_clamp(
     ...     da.from_array(x, chunks={0: 2}), w, None, None, None, 2.0, **opts)
     >>> ref = cufused.conv2d_groupnorm_scale_maxpool_clamp(x, w, None, None, None, 2.0, **opts)
     >>> y.shape, y.dtype, np.allclose(y.compute(), ref)
-    ((3, 4, 3, 3), dtype('float32'), True)
-    """
-    return _map_chunks(
-        cufused.conv2d_groupnorm_scale_maxpool_clamp, x,
-        dict(weight=weight, conv_bias=conv_bias, gn_weight=gn_weight, gn_bias=gn_bias,
-             scale=scale),
-        dict(num_groups=num_groups, pool_kernel=pool_kernel, clamp_min=clamp_min,
-             clamp_max=clamp_max, stride=stride, padding=padding, eps=eps,
-             precision=resolve_precision(precision)))
+    ((3, 4, 3, 3), dtype('float32'), True)""")))
 
-
-@_shared_sections
-def conv_transpose3d_avgpool_clamp_softmax_multiply(
-        x: Array, weight: Any, scale: Any, *, stride: Size, padding: Size,
-        output_padding: Size, pool_kernel: int, clamp_min: float, clamp_max: float,
-        conv_bias: Any = None, groups: int = 1, precision: str | None = None) -> Array:
-    """Pipeline C over a dask batch: each chunk runs
-    :func:`cufused.conv_transpose3d_avgpool_clamp_softmax_multiply` (the softmax is per
-    sample and channel).
-
-    Parameters
-    ----------
-    x : dask.array.Array
-        Input (N, C_in, D, H, W) chunked along the batch axis only, of NumPy or CuPy chunks.
-    weight, scale, conv_bias
-        Parameters of the chunks' library (``scale`` may be a number), as in the single call.
-    stride, padding, output_padding, pool_kernel, clamp_min, clamp_max, groups
-        As in :func:`cufused.conv_transpose3d_avgpool_clamp_softmax_multiply`.
-    {precision}
-    {returns}
-    {examples}
-    >>> rng = np.random.default_rng(0)
+conv_transpose3d_avgpool_clamp_softmax_multiply = _each_chunk(
+    cufused.conv_transpose3d_avgpool_clamp_softmax_multiply,
+    _with_sections(_PER_SAMPLE_DOC.format(
+        letter="C", name="conv_transpose3d_avgpool_clamp_softmax_multiply",
+        why="the softmax is per sample and channel", xshape="(N, C_in, D, H, W)",
+        params="weight, scale, conv_bias",
+        options="stride, padding, output_padding, pool_kernel, clamp_min, clamp_max, groups",
+        example="""\
     >>> x = rng.random((3, 2, 4, 4, 4))
     >>> w = rng.standard_normal((2, 3, 3, 3, 3))
     >>> opts = dict(stride=2, padding=1, output_padding=1, pool_kernel=2, clamp_min=0.0,
@@ -88,14 +70,7 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
     ...     da.from_array(x, chunks={0: 1}), w, 1.0, **opts)
     >>> ref = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(x, w, 1.0, **opts)
     >>> y.chunks[0], np.allclose(y.compute(), ref)
-    ((1, 1, 1), True)
-    """
-    return _map_chunks(
-        cufused.conv_transpose3d_avgpool_clamp_softmax_multiply, x,
-        dict(weight=weight, scale=scale),
-        dict(stride=stride, padding=padding, output_padding=output_padding,
-             pool_kernel=pool_kernel, clamp_min=clamp_min, clamp_max=clamp_max,
-             conv_bias=conv_bias, groups=groups, precision=resolve_precision(precision)))
+    ((1, 1, 1), True)""")))
 
 
 def _flip_channels(xp, weight, conv_bias, bn_weight, groups: int, channels: int):
