@@ -61,7 +61,7 @@ def set_default_precision(precision: str) -> None:
     Raises
     ------
     ValueError
-        For any other value.
+        For any other value; the default stays as it was.
 
     Examples
     --------
@@ -91,7 +91,7 @@ def default_precision(precision: str) -> Iterator[None]:
     Raises
     ------
     ValueError
-        For any other value.
+        For any other value, on entering the block.
 
     Examples
     --------

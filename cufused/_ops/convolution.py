@@ -272,6 +272,10 @@ _COMMON_DOC = """
         Arrays of different libraries, or an unsupported dtype.
     ValueError
         Shapes or options that do not form a valid convolution.
+
+    Examples
+    --------
+    >>> import numpy as np, cufused
 """
 
 
@@ -306,10 +310,7 @@ _OUTPAD = """
 conv2d.__doc__ = """2-D convolution (cross-correlation), as ``torch.nn.functional.conv2d``.
 """ + _COMMON_DOC.format(
     xshape="(N, C_in, H, W)", wdesc="Shape (C_out, C_in / groups, kH, kW).", extra="",
-    rdesc="Shape (N, C_out, H_out, W_out)") + """
-    Examples
-    --------
-    >>> import numpy as np, cufused
+    rdesc="Shape (N, C_out, H_out, W_out)") + """\
     >>> x = np.ones((1, 1, 3, 3), dtype=np.float32)
     >>> w = np.ones((1, 1, 2, 2), dtype=np.float32)
     >>> cufused.conv2d(x, w)
@@ -320,10 +321,7 @@ conv2d.__doc__ = """2-D convolution (cross-correlation), as ``torch.nn.functiona
 conv3d.__doc__ = """3-D convolution (cross-correlation), as ``torch.nn.functional.conv3d``.
 """ + _COMMON_DOC.format(
     xshape="(N, C_in, D, H, W)", wdesc="Shape (C_out, C_in / groups, kD, kH, kW).", extra="",
-    rdesc="Shape (N, C_out, D_out, H_out, W_out)") + """
-    Examples
-    --------
-    >>> import numpy as np, cufused
+    rdesc="Shape (N, C_out, D_out, H_out, W_out)") + """\
     >>> x = np.ones((1, 2, 3, 3, 3))
     >>> w = np.ones((4, 2, 3, 3, 3))
     >>> cufused.conv3d(x, w, padding=1).shape
@@ -336,10 +334,7 @@ conv_transpose2d.__doc__ = """2-D transposed convolution, as PyTorch's ``conv_tr
 """ + _COMMON_DOC.format(
     xshape="(N, C_in, H, W)", wdesc="Shape (C_in, C_out / groups, kH, kW) (PyTorch's layout).",
     extra=_OUTPAD, rdesc="Shape (N, C_out, H_out, W_out) with "
-    "H_out = (H - 1) * stride - 2 * padding + dilation * (kH - 1) + output_padding + 1") + """
-    Examples
-    --------
-    >>> import numpy as np, cufused
+    "H_out = (H - 1) * stride - 2 * padding + dilation * (kH - 1) + output_padding + 1") + """\
     >>> x = np.ones((1, 1, 2, 2))
     >>> w = np.ones((1, 1, 2, 2))
     >>> cufused.conv_transpose2d(x, w)
@@ -352,10 +347,7 @@ conv_transpose3d.__doc__ = """3-D transposed convolution, as PyTorch's ``conv_tr
 """ + _COMMON_DOC.format(
     xshape="(N, C_in, D, H, W)",
     wdesc="Shape (C_in, C_out / groups, kD, kH, kW) (PyTorch's layout).", extra=_OUTPAD,
-    rdesc="Shape (N, C_out, D_out, H_out, W_out)") + """
-    Examples
-    --------
-    >>> import numpy as np, cufused
+    rdesc="Shape (N, C_out, D_out, H_out, W_out)") + """\
     >>> x = np.ones((1, 2, 2, 2, 2))
     >>> w = np.ones((2, 3, 3, 3, 3))
     >>> cufused.conv_transpose3d(x, w, stride=2, padding=1, output_padding=1).shape

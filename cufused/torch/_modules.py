@@ -40,7 +40,7 @@ class Conv2dGroupNormScaleMaxPoolClamp(torch.nn.Module):
     maxpool_kernel_size : int
         Max-pool window and stride.
     clamp_min, clamp_max : float
-        Bounds of the final clamp.
+        Bounds of the final clamp, after the pool.
     precision : {"ieee", "tf32"}, optional
         Convolution precision on the GPU; ``None`` uses cufused's default.
 
@@ -186,7 +186,7 @@ class ConvTranspose3dAvgPoolClampSoftmaxMultiply(torch.nn.Module):
     pool_kernel_size : int
         Average-pool window and stride.
     clamp_min, clamp_max : float
-        Clamp bounds before the softmax.
+        Bounds of the clamp of the pooled convolution output, before the softmax.
     precision : {"ieee", "tf32"}, optional
         Convolution precision on the GPU; ``None`` uses cufused's default.
 
