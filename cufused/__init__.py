@@ -10,6 +10,7 @@ from ._ops.normalization import batch_norm, group_norm
 from ._ops.pooling import avg_pool2d, avg_pool3d, max_pool2d, max_pool3d
 from ._ops.softmax import softmax
 from ._precision import default_precision, get_default_precision, set_default_precision
+from ._prepared import prepare
 from .pipelines import (conv2d_groupnorm_scale_maxpool_clamp,
                         conv_transpose2d_batchnorm_tanh_maxpool_groupnorm,
                         conv_transpose3d_avgpool_clamp_softmax_multiply)
@@ -26,4 +27,5 @@ __all__ = [
     "conv_transpose3d_avgpool_clamp_softmax_multiply",
     "get_default_precision", "set_default_precision", "default_precision",
     "set_conv_autotune", "set_conv_graph_replay", "clear_plan_cache",
+    "prepare",
 ]

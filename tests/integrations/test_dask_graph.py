@@ -30,9 +30,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def test_every_array_function_has_its_dask_version():
     import inspect
 
-    # Every public function of cufused but the settings.
+    # Every public function of cufused but the settings and prepare.
     settings = {"get_default_precision", "set_default_precision", "default_precision",
-                "set_conv_autotune", "set_conv_graph_replay", "clear_plan_cache"}
+                "set_conv_autotune", "set_conv_graph_replay", "clear_plan_cache", "prepare"}
     assert cdask.__all__ == [name for name in cufused.__all__ if name not in settings]
     for name in cdask.__all__:
         single, lazy = getattr(cufused, name), getattr(cdask, name)

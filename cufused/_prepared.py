@@ -1,0 +1,127 @@
+"""Prepared calls: one call of a cufused function captured into a CUDA graph, bound to its
+buffers, replayed at the host cost of one graph launch (:func:`prepare`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ._arrays import import_cupy, is_cupy_array
+
+
+class PreparedCall:
+    """A call of a cufused function bound to its arguments; see :func:`prepare`.
+
+    Attributes
+    ----------
+    function : callable
+        The cufused function.
+    args, kwargs : tuple, dict
+        The arguments it is bound to (kept alive by this object).
+    result : array or None
+        The array every call returns (``out`` when it was given); None on the NumPy path,
+        where each call returns a new array.
+    """
+
+    def __init__(self, function: Callable, args: tuple, kwargs: dict, graph, result, keep):
+        self.function = function
+        self.args = args
+        self.kwargs = kwargs
+        self.result = result
+        self._graph = graph
+        self._keep = keep  # the capture's stream and the memory pool of its temporaries
+
+    def __call__(self) -> Any:
+        """Run the bound call again (on the current stream) and return its result."""
+        if self._graph is None:
+            return self.function(*self.args, **self.kwargs)
+        self._graph.launch()  # on the current stream
+        return self.result
+
+    def __repr__(self) -> str:
+        kind = "CUDA graph" if self._graph is not None else "NumPy"
+        return f"<PreparedCall of cufused.{self.function.__name__} ({kind})>"
+
+
+def _array_function(function: Any) -> bool:
+    """Whether ``function`` is one of cufused's public functions on arrays: the building
+    blocks (``cufused._ops``) and the pipelines (``cufused.pipelines``)."""
+    import cufused
+
+    name = getattr(function, "__name__", None)
+    return (name in cufused.__all__ and getattr(cufused, name) is function
+            and function.__module__.startswith(("cufused._ops.", "cufused.pipelines.")))
+
+
+def prepare(function: Callable, *args: Any, **kwargs: Any) -> PreparedCall:
+    """Prepare a call for a loop: run it once, capture it into a CUDA graph, and return a
+    callable that replays the graph.
+
+    Every call of the returned :class:`PreparedCall` runs the same work on the same buffers
+    as ``function(*args, **kwargs)`` and gives a bitwise equal result, at the host cost of one
+    CUDA-graph launch instead of the argument checks, plan lookups and kernel launches of a
+    functional call (the way ``torch.cuda.graphs`` or cuFFT plans serve a loop). It returns
+    the same array every time: ``out`` when given, else an array that the prepared call owns
+    and overwrites on each call (copy it to keep a result).
+
+    The graph reads the bound arrays where they are: to run on new data, copy it into them
+    (``x[...] = new_x``, as with the static inputs of ``torch.cuda.graphs``), or prepare a
+    new call for other arrays. A parameter given as a Python number is fixed at its value.
+    Pipeline B updates the bound running buffers on every call, as the functional call does.
+
+    Parameters
+    ----------
+    function : callable
+        A cufused function on arrays: a pipeline or a building block
+        (e.g. :func:`cufused.conv2d_groupnorm_scale_maxpool_clamp`).
+    *args, **kwargs
+        Its arguments, as for calling it.
+
+    Returns
+    -------
+    PreparedCall
+        Call it without arguments. With NumPy arrays it calls ``function`` each time (no
+        graph: the float64 reference path).
+
+    Raises
+    ------
+    TypeError
+        ``function`` is not one of cufused's functions on arrays, or the call's own
+        ``TypeError``.
+    ValueError
+        The call's own ``ValueError`` (the arguments are checked by running it once).
+
+    Examples
+    --------
+    >>> import numpy as np, cufused
+    >>> x = np.ones((1, 1, 4, 4), dtype=np.float32)
+    >>> w = np.ones((1, 1, 3, 3), dtype=np.float32)
+    >>> step = cufused.prepare(cufused.conv2d, x, w)
+    >>> step()
+    array([[[[9., 9.],
+             [9., 9.]]]], dtype=float32)
+    """
+    if not _array_function(function):
+        raise TypeError(f"function must be one of cufused's functions on arrays (a pipeline or "
+                        f"a building block), got {function!r}")
+    # The first call checks the arguments and, on the GPU, builds what the capture reuses:
+    # compiled kernels, cuDNN plans.
+    first = function(*args, **kwargs)
+    if not is_cupy_array(first):
+        return PreparedCall(function, args, kwargs, None, None, None)
+    cupy = import_cupy()
+    cupy.cuda.get_current_stream().synchronize()
+    # The capture's temporaries come from a pool of their own that the prepared call keeps:
+    # the graph reads and writes those addresses on every replay, so no other allocation may
+    # get them. Relaxed mode: the pool may allocate device memory during the capture.
+    pool = cupy.cuda.MemoryPool()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with cupy.cuda.using_allocator(pool.malloc), stream:
+        stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
+        try:
+            result = function(*args, **kwargs)
+        finally:
+            graph = stream.end_capture()
+    graph.upload(stream=stream)
+    stream.synchronize()
+    return PreparedCall(function, args, kwargs, graph, result, (stream, pool))

@@ -1,0 +1,164 @@
+"""cufused.prepare: a call captured into a CUDA graph and replayed, bitwise equal to the
+functional call; bound buffers, new data copied in, running buffers, host time; the NumPy path
+and bad arguments without a GPU."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import cufused
+
+from conftest import GPU, assert_close, pipeline_a_args, pipeline_b_args, pipeline_c_args, to_gpu
+
+if GPU:
+    import cupy as cp
+
+PIPELINES = {
+    "A": (cufused.conv2d_groupnorm_scale_maxpool_clamp, pipeline_a_args),
+    "B": (cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm, pipeline_b_args),
+    "C": (cufused.conv_transpose3d_avgpool_clamp_softmax_multiply, pipeline_c_args),
+}
+
+
+# ------------------------------------------------------------------------------- without GPU
+
+
+def test_numpy_path_calls_the_function_each_time(rng):
+    x = rng.random((2, 3, 6, 5)).astype(np.float32)
+    w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    step = cufused.prepare(cufused.conv2d, x, w, padding=1)
+    first = step()
+    np.testing.assert_array_equal(first, cufused.conv2d(x, w, padding=1))
+    x[...] = rng.random(x.shape)  # the bound array, new data
+    np.testing.assert_array_equal(step(), cufused.conv2d(x, w, padding=1))
+    assert step() is not first and step.result is None
+    assert "NumPy" in repr(step)
+
+
+def test_numpy_path_updates_running_buffers_on_each_call(rng):
+    args, kwargs = pipeline_b_args(rng)
+    mean, var = np.zeros(8), np.ones(8)
+    step = cufused.prepare(cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm, *args,
+                           **kwargs, running_mean=mean, running_var=var)
+    after_first = mean.copy()  # prepare ran the call once
+    step()
+    ref_mean, ref_var = np.zeros(8), np.ones(8)
+    for _ in range(2):
+        cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+            *args, **kwargs, running_mean=ref_mean, running_var=ref_var)
+    assert not np.array_equal(after_first, mean)
+    np.testing.assert_allclose(mean, ref_mean, rtol=1e-12)
+    np.testing.assert_allclose(var, ref_var, rtol=1e-12)
+
+
+@pytest.mark.parametrize("function", [np.add, cufused.set_default_precision, cufused.prepare,
+                                      "conv2d", None])
+def test_only_cufused_array_functions(function):
+    with pytest.raises(TypeError, match="function must be one of cufused's functions"):
+        cufused.prepare(function, np.ones((1, 1, 3, 3), np.float32))
+
+
+def test_bad_arguments_raise_the_calls_error(rng):
+    x = rng.random((1, 2, 5, 5)).astype(np.float32)
+    with pytest.raises(ValueError, match="stride"):
+        cufused.prepare(cufused.conv2d, x, np.ones((3, 2, 3, 3), np.float32), stride=0)
+
+
+# ---------------------------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+@pytest.mark.parametrize("case", sorted(PIPELINES))
+def test_pipelines_bitwise_equal_to_the_functional_call(rng, quick_plans, case, precision):
+    fn, make = PIPELINES[case]
+    args, kwargs = make(rng)
+    args = to_gpu(*args)
+    kwargs = dict(kwargs, precision=precision)
+    step = cufused.prepare(fn, *args, **kwargs)
+    for _ in range(3):  # new data in the bound input, each replay against a functional call
+        got = step().copy()
+        ref = fn(*args, **kwargs)
+        assert_same_as_functional(got, ref, fn(*args, **kwargs))
+        args[0][...] = cp.asarray(rng.random(args[0].shape), dtype=cp.float32)
+    assert step() is step.result
+
+
+def assert_same_as_functional(got, ref, again):
+    """Bitwise equal to the functional call ``ref``, where the functional call is itself
+    deterministic (``again`` equals ``ref``: a cuDNN plan may sum in a varying order)."""
+    if bool((ref == again).all()):
+        cp.testing.assert_array_equal(got, ref)
+    else:
+        assert_close(got.get(), ref.get(), 1e-5)
+
+
+@pytest.mark.gpu
+def test_out_is_the_result_and_other_work_does_not_disturb_it(rng, quick_plans):
+    fn, make = PIPELINES["A"]
+    args, kwargs = make(rng)
+    args = to_gpu(*args)
+    out = cp.full(fn(*args, **kwargs).shape, cp.nan, dtype=cp.float32)
+    step = cufused.prepare(fn, *args, **kwargs, out=out)
+    # Other calls allocate and free in between: the graph's temporaries are its own.
+    for _ in range(3):
+        other = [fn(*to_gpu(*make(rng)[0]), **kwargs) for _ in range(2)]
+        assert step() is out
+        assert_same_as_functional(out, fn(*args, **kwargs), fn(*args, **kwargs))
+        del other
+
+
+@pytest.mark.gpu
+def test_running_buffers_updated_by_every_replay(rng, quick_plans):
+    fn, make = PIPELINES["B"]
+    args, kwargs = make(rng)
+    args = to_gpu(*args)
+    mean, var = cp.zeros(8, cp.float32), cp.ones(8, cp.float32)
+    ref_mean, ref_var = mean.copy(), var.copy()
+    step = cufused.prepare(fn, *args, **kwargs, running_mean=mean, running_var=var)
+    fn(*args, **kwargs, running_mean=ref_mean, running_var=ref_var)  # prepare's own call
+    for _ in range(3):
+        step()
+        fn(*args, **kwargs, running_mean=ref_mean, running_var=ref_var)
+        assert_close(mean.get(), ref_mean.get(), 1e-6)
+        assert_close(var.get(), ref_var.get(), 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, make", [
+    ("conv2d", lambda rng: ((rng.random((2, 3, 9, 8)), rng.random((4, 3, 3, 3))),
+                            dict(padding=1))),
+    ("group_norm", lambda rng: ((rng.random((2, 6, 5, 7)), 3), {})),
+    ("max_pool2d", lambda rng: ((rng.random((2, 3, 9, 8)), 3), dict(stride=2))),
+    ("softmax", lambda rng: ((rng.random((2, 3, 4, 5)),), dict(axis=(2, 3)))),
+])
+def test_building_blocks(rng, quick_plans, name, make):
+    fn = getattr(cufused, name)
+    args, kwargs = make(rng)
+    args = [cp.asarray(a, dtype=cp.float32) if isinstance(a, np.ndarray) else a for a in args]
+    step = cufused.prepare(fn, *args, **kwargs)
+    assert_same_as_functional(step(), fn(*args, **kwargs), fn(*args, **kwargs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(PIPELINES))
+def test_host_time_of_a_prepared_call(rng, quick_plans, case):
+    # Issue 24's target: a prepared call costs the host at most 10 us (back-to-back calls
+    # without synchronizing, small inputs, median of rounds).
+    fn, make = PIPELINES[case]
+    args, kwargs = make(rng)
+    step = cufused.prepare(fn, *to_gpu(*args), **kwargs)
+    rounds = []
+    for _ in range(15):
+        cp.cuda.Device().synchronize()
+        start = time.perf_counter()
+        for _ in range(50):
+            step()
+        rounds.append((time.perf_counter() - start) / 50)
+    cp.cuda.Device().synchronize()
+    host_us = float(np.median(rounds)) * 1e6
+    print(f"{case}: prepared call {host_us:.1f} us of host time")
+    assert host_us <= 10.0
