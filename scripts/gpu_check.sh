@@ -24,7 +24,7 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,temperature.gpu,power.draw
   --format=csv,noheader -lms 1000 > "$out/clocks.csv" 2>&1 &
 clocks_pid=$!
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  python3 -m pytest tests -m gpu -q -p no:cacheprovider -o addopts="" "$@" 2>&1 | tee "$out/pytest.log"
+  python3 -m pytest tests -m gpu -q -p no:cacheprovider -o addopts="" --durations=25 "$@" 2>&1 | tee "$out/pytest.log"
   summary+=("pytest: $(grep -E '^(=+ )?[0-9]+ (passed|failed)|(passed|failed|error).* in [0-9.]+s' "$out/pytest.log" | tail -1)")
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
