@@ -3,6 +3,7 @@ buffers, replayed at the host cost of one graph launch (:func:`prepare`)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -120,8 +121,11 @@ def prepare(function: Callable, *args: Any, **kwargs: Any) -> PreparedCall:
         stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
         try:
             result = function(*args, **kwargs)
-        finally:
-            graph = stream.end_capture()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the call's error is the one to report
+                stream.end_capture()
+            raise
+        graph = stream.end_capture()
     graph.upload(stream=stream)
     stream.synchronize()
     return PreparedCall(function, args, kwargs, graph, result, (stream, pool))
