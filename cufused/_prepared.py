@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._arrays import import_cupy, is_cupy_array
+from ._cudnn import plans_in_use
 
 
 class PreparedCall:
@@ -20,27 +21,37 @@ class PreparedCall:
     args, kwargs : tuple, dict
         The arguments it is bound to (kept alive by this object).
     result : array or None
-        The array every call returns (``out`` when it was given); None on the NumPy path,
-        where each call returns a new array.
+        The array every replay returns (``out`` when it was given); None where each call
+        runs the function and returns its new result (NumPy arrays, or a call that could not
+        be captured).
     """
 
-    def __init__(self, function: Callable, args: tuple, kwargs: dict, graph, result, keep):
+    def __init__(self, function: Callable, args: tuple, kwargs: dict, graph=None,
+                 result=None, device: int | None = None, keep=()):
         self.function = function
         self.args = args
         self.kwargs = kwargs
         self.result = result
         self._graph = graph
-        self._keep = keep  # the capture's stream and the memory pool of its temporaries
+        self._device = device
+        # What the graph reads or writes but does not own: its temporaries and the plans
+        # (with their memory) that ran in the capture, and the capture's stream.
+        self._keep = keep
 
     def __call__(self) -> Any:
         """Run the bound call again (on the current stream) and return its result."""
         if self._graph is None:
             return self.function(*self.args, **self.kwargs)
-        self._graph.launch()  # on the current stream
+        cupy = import_cupy()
+        if cupy.cuda.runtime.getDevice() == self._device:
+            self._graph.launch()  # on the current stream
+        else:
+            with cupy.cuda.Device(self._device):
+                self._graph.launch()
         return self.result
 
     def __repr__(self) -> str:
-        kind = "CUDA graph" if self._graph is not None else "NumPy"
+        kind = "CUDA graph" if self._graph is not None else "a call each time"
         return f"<PreparedCall of cufused.{self.function.__name__} ({kind})>"
 
 
@@ -59,7 +70,7 @@ def prepare(function: Callable, *args: Any, **kwargs: Any) -> PreparedCall:
     callable that replays the graph.
 
     Every call of the returned :class:`PreparedCall` runs the same work on the same buffers
-    as ``function(*args, **kwargs)`` and gives a bitwise equal result, at the host cost of one
+    as ``function(*args, **kwargs)`` and gives the same result, at the host cost of one
     CUDA-graph launch instead of the argument checks, plan lookups and kernel launches of a
     functional call (the way ``torch.cuda.graphs`` or cuFFT plans serve a loop). It returns
     the same array every time: ``out`` when given, else an array that the prepared call owns
@@ -68,7 +79,12 @@ def prepare(function: Callable, *args: Any, **kwargs: Any) -> PreparedCall:
     The graph reads the bound arrays where they are: to run on new data, copy it into them
     (``x[...] = new_x``, as with the static inputs of ``torch.cuda.graphs``), or prepare a
     new call for other arrays. A parameter given as a Python number is fixed at its value.
-    Pipeline B updates the bound running buffers on every call, as the functional call does.
+    ``prepare`` itself runs the call once (it checks the arguments and builds the plans and
+    kernels the graph reuses): that call writes ``out`` and, in pipeline B, updates the
+    running buffers, as every later call does. The graph keeps its temporaries (the
+    convolution output included) for as long as the prepared call lives. A call that cannot
+    be captured (a cuDNN engine that refuses graph capture) is prepared without a graph: each
+    call then runs the function.
 
     Parameters
     ----------
@@ -109,23 +125,35 @@ def prepare(function: Callable, *args: Any, **kwargs: Any) -> PreparedCall:
     # compiled kernels, cuDNN plans.
     first = function(*args, **kwargs)
     if not is_cupy_array(first):
-        return PreparedCall(function, args, kwargs, None, None, None)
+        return PreparedCall(function, args, kwargs)
     cupy = import_cupy()
     cupy.cuda.get_current_stream().synchronize()
-    # The capture's temporaries come from a pool of their own that the prepared call keeps:
-    # the graph reads and writes those addresses on every replay, so no other allocation may
-    # get them. Relaxed mode: the pool may allocate device memory during the capture.
+    # Every block the capture allocates stays allocated (held in ``blocks``), also those the
+    # call frees: the graph reads and writes them on every replay, and a pool that ran short
+    # during the capture would otherwise release them. Relaxed mode lets the pool allocate
+    # device memory during the capture.
     pool = cupy.cuda.MemoryPool()
+    blocks: list = []
+
+    def malloc(size: int):
+        block = pool.malloc(size)
+        blocks.append(block)
+        return block
+
     stream = cupy.cuda.Stream(non_blocking=True)
-    with cupy.cuda.using_allocator(pool.malloc), stream:
-        stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
-        try:
-            result = function(*args, **kwargs)
-        except BaseException:
-            with contextlib.suppress(Exception):  # the call's error is the one to report
-                stream.end_capture()
-            raise
-        graph = stream.end_capture()
+    try:
+        with plans_in_use() as plans, cupy.cuda.using_allocator(malloc), stream:
+            stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
+            try:
+                result = function(*args, **kwargs)
+            except BaseException:
+                with contextlib.suppress(Exception):  # the call's error is the one to report
+                    stream.end_capture()
+                raise
+            graph = stream.end_capture()
+    except Exception:  # noqa: BLE001 - an engine that refuses capture (the call itself ran)
+        return PreparedCall(function, args, kwargs)
     graph.upload(stream=stream)
     stream.synchronize()
-    return PreparedCall(function, args, kwargs, graph, result, (stream, pool))
+    return PreparedCall(function, args, kwargs, graph, result,
+                        cupy.cuda.runtime.getDevice(), (blocks, pool, plans, stream))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import re
+import threading
 
 # Template arguments that select a behaviour name the sources' #define codes (ACT_*, MODE_*,
 # EPILOGUE_*): NVRTC expands them in name expressions, so their values live only in the .cu
@@ -150,6 +151,7 @@ _kernels: dict[tuple[int, str, str], object] = {}
 # Dynamic shared memory granted past the default 48 KB, by the key of _kernels: the attribute
 # belongs to the compiled function, so it is set once, not queried per launch.
 _shared_granted: dict[tuple[int, str, str], int] = {}
+_lock = threading.Lock()
 
 
 def get_kernel(filename: str, name: str, *, shared_bytes: int = 0):
@@ -163,10 +165,14 @@ def get_kernel(filename: str, name: str, *, shared_bytes: int = 0):
     if kernel is None:
         if name not in KERNELS[filename]:
             raise KeyError(f"{name} is not a registered instantiation of {filename}")
-        kernel = _kernels[key] = _module(filename, name).get_function(name)
+        with _lock:
+            kernel = _kernels.get(key) or _module(filename, name).get_function(name)
+            _kernels[key] = kernel
     if shared_bytes > 48 * 1024 and _shared_granted.get(key, 0) < shared_bytes:
-        kernel.max_dynamic_shared_size_bytes = shared_bytes
-        _shared_granted[key] = shared_bytes
+        with _lock:  # two threads must not leave the smaller grant in place
+            if _shared_granted.get(key, 0) < shared_bytes:
+                kernel.max_dynamic_shared_size_bytes = shared_bytes
+                _shared_granted[key] = shared_bytes
     return kernel
 
 

@@ -33,13 +33,13 @@ from ._autotune import (_INPUT_CONVERSION_MARGIN, UnsupportedConvolution, _choos
                         _decide_replay, _plans, clear_plan_cache, conv_plan, strategy_score)
 from ._config import _config, import_cudnn, plan_options, set_conv_autotune, set_conv_graph_replay
 from ._graphs import ConvProblem, Strategy, _part_specs, strategies
-from ._plan import ConvPlan, _graph_buffer_pool
+from ._plan import ConvPlan, _graph_buffer_pool, plans_in_use
 from ._timing import _l2_flush_buffer
 
 __all__ = [
     "conv_plan", "ConvPlan", "ConvProblem", "Strategy", "strategies", "strategy_score",
     "UnsupportedConvolution", "clear_plan_cache", "plan_options", "set_conv_autotune",
-    "set_conv_graph_replay", "import_cudnn",
+    "set_conv_graph_replay", "import_cudnn", "plans_in_use",
     # private names that tests and scripts reach through the package
     "_config", "_plans", "_choose", "_decide_replay", "_graph_buffer_pool", "_part_specs",
     "_l2_flush_buffer", "_INPUT_CONVERSION_MARGIN",

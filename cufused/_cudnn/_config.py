@@ -10,7 +10,6 @@ from typing import Any
 
 from .._arrays import import_cupy
 
-_state = threading.local()
 # Plan-choice settings: autotuning on/off, and strategy labels to pin (tests), None for all.
 _config: dict[str, Any] = {"autotune": True, "pins": None, "replay": True}
 

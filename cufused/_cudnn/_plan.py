@@ -3,6 +3,8 @@ it is fed in its layouts, and the CUDA graphs that replay its warm calls."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +28,24 @@ def operand_key(a) -> tuple:
     """What a captured graph depends on in an operand: its address, shape, strides and dtype
     (one buffer is routinely handed out again holding another layout or shape)."""
     return a.data.ptr, a.shape, a.strides, a.dtype.char
+
+
+# The plans that run while a caller records them (plans_in_use): a CUDA graph captured from a
+# call reads memory that its plans own (the sub-pixel weight index, cuDNN's engines), so its
+# owner keeps them alive.
+_plans_in_use: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "cufused_plans_in_use", default=None)
+
+
+@contextlib.contextmanager
+def plans_in_use():
+    """Collect, in the list this yields, every plan that runs inside the block."""
+    users: list = []
+    token = _plans_in_use.set(users)
+    try:
+        yield users
+    finally:
+        _plans_in_use.reset(token)
 
 
 @functools.cache
@@ -143,6 +163,9 @@ class ConvPlan:
         graph for (``kind``, the device, the stream, each operand's address, shape, strides
         and dtype) once these have been seen before, captured with buffers of its own that it
         keeps (``buffers`` allocates them; ``work`` must not allocate)."""
+        users = _plans_in_use.get()
+        if users is not None:
+            users.append(self)
         replay = self._replay(kind, operands, buffers, work)
         if replay is not None:
             replay()

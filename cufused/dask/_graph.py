@@ -178,7 +178,10 @@ def _each_chunk(single: Callable, doc: str | None = None) -> Callable:
     arrays = [p.name for p in params[1:] if p.kind is p.POSITIONAL_OR_KEYWORD]
 
     def over_chunks(*args, **kwargs) -> Array:
-        bound = signature.bind(*args, **kwargs)  # a TypeError as the single call's
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{single.__name__}() {exc}") from None
         bound.apply_defaults()
         options = dict(bound.arguments)
         x = options.pop("x")
@@ -188,5 +191,6 @@ def _each_chunk(single: Callable, doc: str | None = None) -> Callable:
 
     over_chunks.__signature__ = signature
     over_chunks.__name__ = over_chunks.__qualname__ = single.__name__
+    over_chunks.__module__ = "cufused.dask"  # where it is public (and pickled by reference)
     over_chunks.__doc__ = doc
     return over_chunks

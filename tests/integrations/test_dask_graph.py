@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import pathlib
+import pickle
 import subprocess
 import sys
 
@@ -37,6 +38,9 @@ def test_every_array_function_has_its_dask_version():
     for name in cdask.__all__:
         single, lazy = getattr(cufused, name), getattr(cdask, name)
         assert lazy is not single and lazy.__module__.startswith("cufused.dask"), name
+        assert pickle.loads(pickle.dumps(lazy)) is lazy, name  # by reference, for workers
+        with pytest.raises(TypeError, match=rf"^{name}\(\) "):
+            lazy()
         # The same parameters by name, but ``out`` (a dask call returns a new lazy array) and
         # the pipelines' ``method`` (each chunk runs the default).
         params = [p for p in inspect.signature(single).parameters if p not in ("out", "method")]

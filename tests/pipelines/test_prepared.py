@@ -35,7 +35,7 @@ def test_numpy_path_calls_the_function_each_time(rng):
     x[...] = rng.random(x.shape)  # the bound array, new data
     np.testing.assert_array_equal(step(), cufused.conv2d(x, w, padding=1))
     assert step() is not first and step.result is None
-    assert "NumPy" in repr(step)
+    assert "a call each time" in repr(step)
 
 
 def test_numpy_path_updates_running_buffers_on_each_call(rng):
@@ -162,3 +162,40 @@ def test_host_time_of_a_prepared_call(rng, quick_plans, case):
     host_us = float(np.median(rounds)) * 1e6
     print(f"{case}: prepared call {host_us:.1f} us of host time")
     assert host_us <= 10.0
+
+
+@pytest.mark.gpu
+def test_a_plan_is_not_built_inside_a_capture(rng):
+    # Building a plan times it with synchronizing events, which a capture refuses: the call
+    # must fail clearly and leave no plan marked unsupported behind.
+    from cufused._cudnn import clear_plan_cache
+
+    x = cp.asarray(rng.random((2, 3, 9, 8)), dtype=cp.float32)
+    w = cp.asarray(rng.random((4, 3, 3, 3)), dtype=cp.float32)
+    clear_plan_cache()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        try:
+            with pytest.raises(RuntimeError, match="make the same call once before capturing"):
+                cufused.conv2d(x, w)
+        finally:
+            stream.end_capture()
+    cp.testing.assert_array_equal(cufused.conv2d(x, w), cufused.conv2d(x, w))
+
+
+@pytest.mark.gpu
+def test_the_graph_keeps_the_plans_it_reads(rng, quick_plans):
+    # A sub-pixel plan gathers its weight through an index that the plan owns: clearing the
+    # plan cache must not free what the prepared call's graph reads.
+    from cufused._cudnn import clear_plan_cache
+
+    fn, make = PIPELINES["C"]
+    args, kwargs = make(rng)
+    args = to_gpu(*args)
+    step = cufused.prepare(fn, *args, **kwargs)
+    ref = fn(*args, **kwargs)
+    clear_plan_cache()
+    junk = [cp.full(1 << 20, cp.nan, dtype=cp.float32) for _ in range(8)]  # reuse freed memory
+    assert_same_as_functional(step().copy(), ref, fn(*args, **kwargs))
+    del junk
