@@ -50,6 +50,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("cufused.dask needs Dask: install cufused[dask] "
                       "(dask[array,distributed]; dask-cuda for GPU clusters)") from exc
 
+import cufused
+
 from ._blocks import (avg_pool2d, avg_pool3d, batch_norm, conv2d, conv3d, conv_transpose2d,
                       conv_transpose3d, group_norm, max_pool2d, max_pool3d, softmax)
 from ._pipelines import (conv2d_groupnorm_scale_maxpool_clamp,
@@ -63,12 +65,6 @@ from ._graph import _DEVICE_LOCKS  # noqa: F401
 from ._pipelines import _flip_channels, _normalize_pooled, _pool_moments_phase  # noqa: F401
 from ._statistics import _channel_moments, _finish_statistics, _merge_moments  # noqa: F401
 
-__all__ = [
-    "conv2d", "conv3d", "conv_transpose2d", "conv_transpose3d",
-    "group_norm", "batch_norm",
-    "max_pool2d", "max_pool3d", "avg_pool2d", "avg_pool3d",
-    "softmax",
-    "conv2d_groupnorm_scale_maxpool_clamp",
-    "conv_transpose2d_batchnorm_tanh_maxpool_groupnorm",
-    "conv_transpose3d_avgpool_clamp_softmax_multiply",
-]
+# cufused's public functions on arrays, each of which this package defines over a dask batch
+# (imported above; cufused's settings and prepare are cufused's own).
+__all__ = [name for name in cufused.__all__ if name in globals()]
