@@ -50,12 +50,14 @@ def set_conv_graph_replay(enabled: bool) -> None:
     Parameters
     ----------
     enabled : bool
-        Whether warm calls replay graphs.
+        Whether warm calls replay graphs. Graphs captured before replay was switched off are
+        kept, unused, until :func:`clear_plan_cache`.
 
     Examples
     --------
     >>> import cufused
     >>> cufused.set_conv_graph_replay(False)
+    >>> cufused.clear_plan_cache()  # frees the graphs captured so far
     >>> cufused.set_conv_graph_replay(True)
     """
     _config["replay"] = bool(enabled)
