@@ -112,10 +112,45 @@ def bench_case(case, xp, params, x_shape, factor, precisions, repeat, threads, c
         runners["threads"] = lambda: lazy(x_dask, *params, **opts).persist(
             scheduler="threads", num_workers=threads)
         rows[precision] = {name: wall_time(fn, xp, repeat) for name, fn in runners.items()}
+        rows[precision]["timeline"] = task_timeline(runners["threads"], xp)
         if client is not None:
             rows[precision]["cluster"] = cluster_time(client, lazy, params, opts, total, n,
                                                       repeat)
     return rows
+
+
+def task_timeline(run, xp) -> dict:
+    """Where a threaded run's wall time goes, in ms (host clock, one run after the timed
+    ones): ``start``, from the call to the first task's start (graph building, Dask's
+    optimization and scheduling); ``tasks``, the tasks' summed host time; ``gaps``, the
+    time between one task's end and the next one's start, summed; ``tail``, from the last
+    task's end to the device being idle."""
+    from dask.callbacks import Callback
+
+    marks = []
+
+    class Marks(Callback):
+        def _pretask(self, key, dask, state):
+            marks.append(("start", time.perf_counter()))
+
+        def _posttask(self, key, result, dask, state, worker_id):
+            marks.append(("end", time.perf_counter()))
+
+    _sync(xp)
+    t0 = time.perf_counter()
+    with Marks():
+        result = run()
+        _sync(xp)
+    t1 = time.perf_counter()
+    del result
+    starts = sorted(t for kind, t in marks if kind == "start")
+    ends = sorted(t for kind, t in marks if kind == "end")
+    if not starts:
+        return {}
+    busy = sum(e - s for s, e in zip(starts, ends))
+    gaps = sum(max(0.0, s - e) for e, s in zip(ends, starts[1:]))
+    return {"tasks_n": len(starts), "start": (starts[0] - t0) * 1e3, "tasks": busy * 1e3,
+            "gaps": gaps * 1e3, "tail": (t1 - ends[-1]) * 1e3, "total": (t1 - t0) * 1e3}
 
 
 def cluster_time(client, lazy, params, opts, total, n, repeat) -> float:
@@ -250,6 +285,14 @@ def main(argv=None) -> int:
             client.cluster.close()
     print()
     print(format_table(result))
+    print("threaded run, ms: start (to the first task) / tasks' host time / gaps between "
+          "tasks / tail (to device idle) / total")
+    for r in result["rows"]:
+        t = r.get("timeline") or {}
+        if t:
+            print(f"{r['case']:<4} {r['precision']:<5} {t['tasks_n']:3d} tasks  "
+                  f"{t['start']:7.2f} {t['tasks']:7.2f} {t['gaps']:7.2f} {t['tail']:7.2f} "
+                  f"{t['total']:7.2f}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)
