@@ -50,6 +50,13 @@ class PreparedCall:
                 self._graph.launch()
         return self.result
 
+    def __del__(self):
+        # A replay may still run: what its graph reads but does not own (a plan's weight
+        # index from CuPy's pool) could otherwise go back to a pool on another stream.
+        if getattr(self, "_graph", None) is not None:
+            with contextlib.suppress(Exception):  # at interpreter exit CuPy may be gone
+                import_cupy().cuda.Device(self._device).synchronize()
+
     def __repr__(self) -> str:
         kind = "CUDA graph" if self._graph is not None else "a call each time"
         return f"<PreparedCall of cufused.{self.function.__name__} ({kind})>"
