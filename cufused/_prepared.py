@@ -90,8 +90,9 @@ def prepare(function: Callable, *args: Any, **kwargs: Any) -> PreparedCall:
     kernels the graph reuses): that call writes ``out`` and, in pipeline B, updates the
     running buffers, as every later call does. The graph keeps its temporaries (the
     convolution output included) for as long as the prepared call lives. A call that cannot
-    be captured (a cuDNN engine that refuses graph capture) is prepared without a graph: each
-    call then runs the function.
+    be captured (a cuDNN engine that refuses graph capture), or whose convolution the
+    autotuner measured faster issued directly than replayed, is prepared without a graph:
+    each call then runs the function.
 
     Parameters
     ----------
@@ -159,6 +160,8 @@ def prepare(function: Callable, *args: Any, **kwargs: Any) -> PreparedCall:
                 raise
             graph = stream.end_capture()
     except Exception:  # noqa: BLE001 - an engine that refuses capture (the call itself ran)
+        return PreparedCall(function, args, kwargs)
+    if not all(plan.replays for plan in plans):  # measured faster issued directly
         return PreparedCall(function, args, kwargs)
     graph.upload(stream=stream)
     stream.synchronize()
