@@ -150,10 +150,13 @@ def _cuda_kernel(name: str, shape: Callable) -> Callable:
         ckwargs["out"] = _cupy_view(out, cupy)
         device = x.get_device()
         stream = _current_stream(device, cupy)
-        capturing = torch.cuda.is_current_stream_capturing()
+        capturing = torch._C._cuda_isCurrentStreamCapturing()
         if device == cupy.cuda.runtime.getDevice() and not capturing:
-            with stream:
+            if cupy.cuda.get_current_stream().ptr == stream.ptr:  # already CuPy's
                 fn(*cargs, **ckwargs)
+            else:
+                with stream:
+                    fn(*cargs, **ckwargs)
         else:
             _launch_elsewhere(fn, cargs, ckwargs, device, stream, cupy, capturing)
         return out
