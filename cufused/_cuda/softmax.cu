@@ -211,20 +211,23 @@ __global__ void softmax_apply(const float* y, float* out, const float* __restric
 
 // The same for a channels-last input y[n, s, c] (strides sn, 1 for c, ss), writing the
 // contiguous (N, C, S) output: a 128-position x 32-channel tile in shared memory turns the
-// transpose into coalesced reads and writes, with 16 loads per thread in flight.
+// transpose into coalesced reads and writes. VEC = 1: a thread loads 16 positions of one
+// channel (16 loads in flight) and stores scalars. VEC = 4 (C, S and ss multiples of 4,
+// 16-byte aligned buffers): a thread loads 4 channels of a position and stores 4 positions of
+// a channel, 16-byte accesses, a quarter of the memory instructions.
 // Grid (ceil(S / 128), ceil(C / 32), N), block (32, 8).
-template <bool CLAMP>
+template <bool CLAMP, int VEC>
 __global__ void softmax_apply_transpose(const float* __restrict__ y, float* __restrict__ out,
                                         const float* __restrict__ bias,
                                         const float* __restrict__ shift,
                                         const float* __restrict__ factor, index_t S, int C,
                                         index_t sn, index_t ss, float lo, float hi) {
-    __shared__ float tile[128][33];
     // First samples first: the statistics pass read them last, so they may still be in L2.
     const index_t n = blockIdx.z;
     const index_t p0 = (index_t)blockIdx.x * 128;
     const int c0 = blockIdx.y * 32;
-    {
+    if constexpr (VEC == 1) {
+        __shared__ float tile[128][33];  // [position][channel]
         const int c = c0 + threadIdx.x;
         if (c < C) {
             const index_t row = n * C + c;
@@ -240,71 +243,57 @@ __global__ void softmax_apply_transpose(const float* __restrict__ y, float* __re
             for (int j = 0; j < 16; ++j)
                 tile[threadIdx.y + 8 * j][threadIdx.x] = expf(v[j] - m) * f;
         }
-    }
-    __syncthreads();
+        __syncthreads();
 #pragma unroll
-    for (int t = 0; t < 4; ++t) {
-        const index_t p = p0 + t * 32 + threadIdx.x;
-        if (p < S) {
+        for (int t = 0; t < 4; ++t) {
+            const index_t p = p0 + t * 32 + threadIdx.x;
+            if (p < S) {
 #pragma unroll
-            for (int j = threadIdx.y; j < 32; j += 8) {
-                const int c = c0 + j;
-                if (c < C) out[(n * C + c) * S + p] = tile[t * 32 + threadIdx.x][j];
+                for (int j = threadIdx.y; j < 32; j += 8) {
+                    const int cj = c0 + j;
+                    if (cj < C) out[(n * C + cj) * S + p] = tile[t * 32 + threadIdx.x][j];
+                }
             }
         }
-    }
-}
-
-// softmax_apply_transpose with 16-byte loads and stores (C, S and ss multiples of 4, 16-byte
-// aligned buffers): a thread loads 4 channels of a position and stores 4 positions of a
-// channel, a quarter of the memory instructions. Same grid, block and arguments.
-template <bool CLAMP>
-__global__ void softmax_apply_transpose4(const float* __restrict__ y, float* __restrict__ out,
-                                         const float* __restrict__ bias,
-                                         const float* __restrict__ shift,
-                                         const float* __restrict__ factor, index_t S, int C,
-                                         index_t sn, index_t ss, float lo, float hi) {
-    __shared__ __align__(16) float tile[32][132];  // [channel][position]: float4 rows
-    // First samples first: the statistics pass read them last, so they may still be in L2.
-    const index_t n = blockIdx.z;
-    const index_t p0 = (index_t)blockIdx.x * 128;
-    const int c0 = blockIdx.y * 32;
-    const int quad = threadIdx.x & 7;
-    const int lane = (threadIdx.x >> 3) + 4 * threadIdx.y;
-    const int c = c0 + quad * 4;
-    if (c < C) {
-        float b[4], m[4], f[4];
+    } else {
+        __shared__ __align__(16) float tile[32][132];  // [channel][position]: float4 rows
+        const int quad = threadIdx.x & 7;
+        const int lane = (threadIdx.x >> 3) + 4 * threadIdx.y;
+        const int c = c0 + quad * 4;
+        if (c < C) {
+            float b[4], m[4], f[4];
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            b[q] = bias ? bias[c + q] : 0.0f;
-            m[q] = shift[n * C + c + q];
-            f[q] = factor[n * C + c + q];
+            for (int q = 0; q < 4; ++q) {
+                b[q] = bias ? bias[c + q] : 0.0f;
+                m[q] = shift[n * C + c + q];
+                f[q] = factor[n * C + c + q];
+            }
+            float4 v[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const index_t p = min(p0 + lane + 32 * j, S - 1);  // in bounds
+                v[j] = __ldg(reinterpret_cast<const float4*>(y + n * sn + p * ss + c));
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float t[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+#pragma unroll
+                for (int q = 0; q < 4; ++q)
+                    tile[quad * 4 + q][lane + 32 * j] =
+                        expf(load_value<CLAMP>(&t[q], b[q], lo, hi) - m[q]) * f[q];
+            }
         }
-        float4 v[4];
+        __syncthreads();
+        const int tid = threadIdx.y * 32 + threadIdx.x;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const index_t p = min(p0 + lane + 32 * j, S - 1);  // in bounds
-            v[j] = __ldg(reinterpret_cast<const float4*>(y + n * sn + p * ss + c));
+        for (int r = 0; r < 4; ++r) {
+            const int i = tid + 256 * r;
+            const int ch = i >> 5, pq = i & 31;
+            const index_t p = p0 + pq * 4;
+            if (c0 + ch < C && p < S)
+                *reinterpret_cast<float4*>(out + (n * C + c0 + ch) * S + p) =
+                    *reinterpret_cast<const float4*>(&tile[ch][pq * 4]);
         }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const float t[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
-#pragma unroll
-            for (int q = 0; q < 4; ++q)
-                tile[quad * 4 + q][lane + 32 * j] =
-                    expf(load_value<CLAMP>(&t[q], b[q], lo, hi) - m[q]) * f[q];
-        }
-    }
-    __syncthreads();
-    const int tid = threadIdx.y * 32 + threadIdx.x;
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        const int i = tid + 256 * r;
-        const int ch = i >> 5, pq = i & 31;
-        const index_t p = p0 + pq * 4;
-        if (c0 + ch < C && p < S)
-            *reinterpret_cast<float4*>(out + (n * C + c0 + ch) * S + p) =
-                *reinterpret_cast<const float4*>(&tile[ch][pq * 4]);
     }
 }
 

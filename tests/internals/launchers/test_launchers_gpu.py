@@ -98,7 +98,7 @@ def test_softmax_rows_channels_last(rng, monkeypatch, channels, length, clamp, v
                                 bias=bias_gpu, scale=scale_gpu, clamp=clamp, vec4=vec4)
     uses_vec4 = vec4 and channels % 4 == 0
     assert any(k.startswith("softmax_stats_nhwc4") for k in launched) == uses_vec4
-    assert ("softmax_apply_transpose4<true>" in launched) == (uses_vec4 and length % 4 == 0)
+    assert ("softmax_apply_transpose<true, 4>" in launched) == (uses_vec4 and length % 4 == 0)
     got = out.get()
     assert np.array_equal(np.isnan(got), np.isnan(ref)) and np.isnan(got[1, -1]).all()
     mask = ~np.isnan(ref)
