@@ -321,42 +321,6 @@ __device__ __forceinline__ void copy_to_shared(float* dst, const float* src, int
     asm volatile("cp.async.wait_all;" ::: "memory");
 }
 
-// group_norm_rows (PRE, cached) for rows of HW >= 32, visited channel by channel: the row is
-// copied into shared memory (copy_to_shared), mapped (PRE) and summed with map_cached_row,
-// then normalized by normalize_cached_row. x may equal y.
-template <int PRE, int VEC>
-__global__ void group_norm_rows_by_channel(const float* x, float* y,
-                                           const float* __restrict__ pre_a,
-                                           const float* __restrict__ pre_b,
-                                           const float* __restrict__ gamma,
-                                           const float* __restrict__ beta, int C, int G, int HW,
-                                           float eps) {
-    extern __shared__ float4 cache[];
-    float* row_cache = reinterpret_cast<float*>(cache);
-    __shared__ float2 scratch[32];
-    using Row = GroupNormRow<PRE, VEC>;
-    const Row gn = Row::of_block(pre_a, pre_b, gamma, beta, C, G, HW);
-    const int c0 = gn.c0, len = gn.len();
-    copy_to_shared<VEC>(row_cache, x + Row::start(len), gn.n_vec);
-    __syncthreads();
-    const float shift = Row::pre_map(pre_a, pre_b, c0, row_cache[0]);
-    float s1 = 0.0f, s2 = 0.0f;
-    map_cached_row(row_cache, gn.cg, HW, [&](int c) {
-        const float a = param_or(pre_a, c0 + c, 1.0f), b = param_or(pre_b, c0 + c, 0.0f);
-        return [&, a, b](float v) {
-            const float t = Row::pre_value(a, b, v);
-            const float d = t - shift;
-            s1 += d;
-            s2 = fmaf(d, d, s2);
-            return t;
-        };
-    });
-    float mean, rstd;
-    row_moments(s1, s2, shift, len, eps, scratch, mean, rstd);  // its barriers order the cache
-    normalize_cached_row<VEC>(row_cache, y + Row::start(len), gamma, beta, c0, gn.cg, HW, mean,
-                              rstd);
-}
-
 // GroupNorm with one block per (n, g) row of a contiguous (N, C, HW) tensor (see
 // GroupNormRow). With CACHE the mapped row stays in dynamic shared memory between the
 // statistics and the normalize step; otherwise it is recomputed from x. x may equal y: every
@@ -390,69 +354,88 @@ __global__ void group_norm_rows(const float* x, float* y, const float* __restric
                  mean, rstd);
 }
 
-// group_norm_rows (PRE, CACHE) for x stored channels-last in blocks of `block` channels
-// (blocked_channels_last: block = C is (N, HW, C)), the output NCHW: pipeline B's pooled
-// extrema, which its channels-last fused pass writes with 16-byte stores. Each thread reads
-// 16-byte quads of the group's channels (Cg / 4 dividing 32, so a thread's quad is fixed: its
-// pre_a, pre_b are loaded once) and scatters them into the cached row in NCHW order; the
-// normalize step is normalize_cached_row's (HW >= 32) or GroupNormRow's. Needs C % 4 == 0, a
-// block of whole groups and x 16-byte aligned. With block = Cg a row has the same bytes in x
-// as in y, and x may equal y: the block reads its whole row before it writes (no __ldg).
-template <int PRE, int VEC>
-__global__ void group_norm_rows_from_nhwc(const float* x, float* y,
-                                          const float* __restrict__ pre_a,
-                                          const float* __restrict__ pre_b,
-                                          const float* __restrict__ gamma,
-                                          const float* __restrict__ beta, int C, int G, int HW,
-                                          float eps, int block) {
+// group_norm_rows with the mapped row cached in dynamic shared memory, filled one of two
+// ways. X_BLOCKED = false: x is contiguous (N, C, HW) with HW >= 32, and the row is visited
+// channel by channel: copied in (copy_to_shared), mapped (PRE) and summed with
+// map_cached_row, then normalized by normalize_cached_row. X_BLOCKED = true: x is stored
+// channels-last in blocks of `block` channels (blocked_channels_last: block = C is
+// (N, HW, C)), the output NCHW: pipeline B's pooled extrema, which its channels-last fused
+// pass writes with 16-byte stores. Each thread reads 16-byte quads of the group's channels
+// (Cg / 4 dividing 32, so a thread's quad is fixed: its pre_a, pre_b are loaded once) and
+// scatters them into the cached row in NCHW order; the normalize step is
+// normalize_cached_row's (HW >= 32) or GroupNormRow's. Needs C % 4 == 0, a block of whole
+// groups and x 16-byte aligned. `block` is read only with X_BLOCKED. x may equal y: with
+// X_BLOCKED and block = Cg a row has the same bytes in x as in y, and the block reads its
+// whole row before it writes (no __ldg).
+template <int PRE, int VEC, bool X_BLOCKED>
+__global__ void group_norm_rows_cached(const float* x, float* y, const float* __restrict__ pre_a,
+                                       const float* __restrict__ pre_b,
+                                       const float* __restrict__ gamma,
+                                       const float* __restrict__ beta, int C, int G, int HW,
+                                       float eps, int block) {
     extern __shared__ float4 cache[];
     float* row_cache = reinterpret_cast<float*>(cache);
     __shared__ float2 scratch[32];
     using Row = GroupNormRow<PRE, VEC>;
     const Row gn = Row::of_block(pre_a, pre_b, gamma, beta, C, G, HW);
-    const int cg = gn.cg, len = gn.len();
-    const index_t n = blockIdx.x / G;
-    const int quads = cg / 4;
-    const int quad = threadIdx.x % quads, lanes = blockDim.x / quads;
-    const int cq = gn.c0 + 4 * quad;
-    float a[4], b[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        a[k] = param_or(pre_a, cq + k, 1.0f);
-        b[k] = param_or(pre_b, cq + k, 0.0f);
-    }
-    const float* xs = x + blocked_channels_last(n, cq, 0, C, HW, block);
-    const float shift =
-        Row::pre_map(pre_a, pre_b, gn.c0, x[blocked_channels_last(n, gn.c0, 0, C, HW, block)]);
-    float s1 = 0.0f, s2 = 0.0f;
-    // Positions p = threadIdx.x / quads + lanes * i, UNROLL loads in flight (8 are slower on
-    // B: 72 registers, 3 blocks per SM instead of 4).
-    constexpr int UNROLL = 4;
-    for (int p0 = threadIdx.x / quads; p0 < HW; p0 += UNROLL * lanes) {
-        float4 v[UNROLL];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u)
-            if (p0 + u * lanes < HW)
-                v[u] = *reinterpret_cast<const float4*>(xs + (p0 + u * lanes) * block);
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int p = p0 + u * lanes;
-            if (p >= HW) break;
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const float t = Row::pre_value(a[k], b[k], gn.lane(v[u], k));
+    const int c0 = gn.c0, cg = gn.cg, len = gn.len();
+    float shift, s1 = 0.0f, s2 = 0.0f;
+    if constexpr (!X_BLOCKED) {
+        copy_to_shared<VEC>(row_cache, x + Row::start(len), gn.n_vec);
+        __syncthreads();
+        shift = Row::pre_map(pre_a, pre_b, c0, row_cache[0]);
+        map_cached_row(row_cache, cg, HW, [&](int c) {
+            const float a = param_or(pre_a, c0 + c, 1.0f), b = param_or(pre_b, c0 + c, 0.0f);
+            return [&, a, b](float v) {
+                const float t = Row::pre_value(a, b, v);
                 const float d = t - shift;
                 s1 += d;
                 s2 = fmaf(d, d, s2);
-                row_cache[(4 * quad + k) * HW + p] = t;
+                return t;
+            };
+        });
+    } else {
+        const index_t n = blockIdx.x / G;
+        const int quads = cg / 4;
+        const int quad = threadIdx.x % quads, lanes = blockDim.x / quads;
+        const int cq = c0 + 4 * quad;
+        float a[4], b[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            a[k] = param_or(pre_a, cq + k, 1.0f);
+            b[k] = param_or(pre_b, cq + k, 0.0f);
+        }
+        const float* xs = x + blocked_channels_last(n, cq, 0, C, HW, block);
+        shift = Row::pre_map(pre_a, pre_b, c0, x[blocked_channels_last(n, c0, 0, C, HW, block)]);
+        // Positions p = threadIdx.x / quads + lanes * i, UNROLL loads in flight (8 are slower
+        // on B: 72 registers, 3 blocks per SM instead of 4).
+        constexpr int UNROLL = 4;
+        for (int p0 = threadIdx.x / quads; p0 < HW; p0 += UNROLL * lanes) {
+            float4 v[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u)
+                if (p0 + u * lanes < HW)
+                    v[u] = *reinterpret_cast<const float4*>(xs + (p0 + u * lanes) * block);
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) {
+                const int p = p0 + u * lanes;
+                if (p >= HW) break;
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    const float t = Row::pre_value(a[k], b[k], gn.lane(v[u], k));
+                    const float d = t - shift;
+                    s1 += d;
+                    s2 = fmaf(d, d, s2);
+                    row_cache[(4 * quad + k) * HW + p] = t;
+                }
             }
         }
     }
     float mean, rstd;
     row_moments(s1, s2, shift, len, eps, scratch, mean, rstd);  // its barriers order the cache
     if (HW >= 32)
-        normalize_cached_row<VEC>(row_cache, y + Row::start(len), gamma, beta, gn.c0, cg, HW, mean,
+        normalize_cached_row<VEC>(row_cache, y + Row::start(len), gamma, beta, c0, cg, HW, mean,
                                   rstd);
-    else
+    else  // X_BLOCKED only
         gn.normalize(row_cache, true, y + Row::start(len), mean, rstd);
 }

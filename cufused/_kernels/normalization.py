@@ -160,17 +160,17 @@ def group_norm_rows(x, y, num_groups: int, weight, bias, eps: float, *, pre=None
         raise ValueError(f"x_block={x_block} needs whole groups of 4k channels per block, rows "
                          "that fit in shared memory and 16-byte alignment")
     if x_block is not None:
-        name = f"group_norm_rows_from_nhwc<{act}, {vec}>"
+        name = f"group_norm_rows_cached<{act}, {vec}, true>"
     elif not x.flags.c_contiguous:
         raise ValueError("x must be contiguous, or channels-last as reads_channels_last allows")
     elif cache and hw >= 32:
-        name = f"group_norm_rows_by_channel<{act}, {vec}>"
+        name = f"group_norm_rows_cached<{act}, {vec}, false>"
     else:
         name = f"group_norm_rows<{act}, {cpp_bool(cache)}, {vec}>"
     shared = length * 4 if cache else 0
     args = (x, y, optional(pre_a), optional(pre_b), optional(weight), optional(bias),
             numpy.int32(c), numpy.int32(num_groups), numpy.int32(hw), numpy.float32(eps))
-    if x_block is not None:
-        args += (numpy.int32(x_block),)
+    if name.startswith("group_norm_rows_cached"):
+        args += (numpy.int32(x_block or 0),)  # read only for channels-last blocks
     get_kernel(_FILE, name)((n * num_groups,), (group_norm_threads(shared),), args,
                             shared_mem=shared)
