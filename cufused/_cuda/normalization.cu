@@ -433,9 +433,9 @@ __global__ void group_norm_rows_cached(const float* x, float* y, const float* __
     }
     float mean, rstd;
     row_moments(s1, s2, shift, len, eps, scratch, mean, rstd);  // its barriers order the cache
-    if (HW >= 32)
+    if (!X_BLOCKED || HW >= 32)  // the NCHW fill runs only for HW >= 32
         normalize_cached_row<VEC>(row_cache, y + Row::start(len), gamma, beta, c0, cg, HW, mean,
                                   rstd);
-    else  // X_BLOCKED only
+    else
         gn.normalize(row_cache, true, y + Row::start(len), mean, rstd);
 }

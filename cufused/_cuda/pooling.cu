@@ -2,6 +2,21 @@
 // "window extremum + normalization statistics" pass over a convolution output.
 #include "common.cuh"
 
+// visit(u, py, px) for the U pool positions first + u * STEP: their window row and column,
+// each position clamped to the last one before p_end so that the loads of a position past
+// the end stay in bounds (its values are not used). The fused passes issue every window load
+// of the U positions here before using any.
+template <int U, int STEP, class Visit>
+__device__ __forceinline__ void window_positions(int first, int p_end, int Wo, float inv_wo,
+                                                 Visit visit) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        int py, px;
+        row_col(min(first + u * STEP, p_end - 1), Wo, inv_wo, py, px);
+        visit(u, py, px);
+    }
+}
+
 // Max or average pooling of a contiguous (N, C, D, H, W) tensor (2-D pooling runs with
 // D = kd = sd = 1, pd = 0), one thread per output element in NCDHW order, written through
 // output strides. Average pooling divides by the full window size (count_include_pad, floor
@@ -259,11 +274,7 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
     auto take = [&](float v) { stats.take(v); };
     for (int base = p_begin; base < p_end; base += SPAN) {  // same trip count for the block
         float v[U][KK];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            int py, px;
-            // clamped: in bounds
-            row_col(min(base + lane + u * STEP, p_end - 1), Wo, inv_wo, py, px);
+        window_positions<U, STEP>(base + lane, p_end, Wo, inv_wo, [&](int u, int py, int px) {
             if (K > 0) {
 #pragma unroll
                 for (int a = 0; a < (K > 0 ? K : 1); ++a) {
@@ -280,7 +291,7 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
                     }
                 }
             }
-        }
+        });
         float e_out[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -497,17 +508,13 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
     auto take = [&](float4 v) { quad_stats.take(v); };
     for (int base = p_begin; base < p_end; base += SPAN) {  // same trip count for the block
         float4 v[U][KK];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            int py, px;
-            // clamped: in bounds
-            row_col(min(base + lane + u * STEP, p_end - 1), Wo, inv_wo, py, px);
+        window_positions<U, STEP>(base + lane, p_end, Wo, inv_wo, [&](int u, int py, int px) {
 #pragma unroll
             for (int a = 0; a < K; ++a)
 #pragma unroll
                 for (int j = 0; j < K; ++j)
                     v[u][a * K + j] = load4((py * K + a) * sh + (px * K + j) * sw);
-        }
+        });
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int p = base + lane + u * STEP;
@@ -618,16 +625,13 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_rows(
     };
     for (int base = p_begin; base < p_end; base += SPAN) {  // same trip count for the block
         float4 v[U][K][T];
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            int py, px;
-            row_col(min(base + warp * U + u, p_end - 1), Wo, inv_wo, py, px);  // clamped: in bounds
+        window_positions<U, 1>(base + warp * U, p_end, Wo, inv_wo, [&](int u, int py, int px) {
 #pragma unroll
             for (int a = 0; a < K; ++a)
 #pragma unroll
                 for (int t = 0; t < T; ++t)
                     v[u][a][t] = load4((py * K + a) * sh + px * K * sw + 128 * t);
-        }
+        });
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int p = base + warp * U + u;
