@@ -87,29 +87,36 @@ def _subpixel_split(problem: ConvProblem):
 
 
 @dataclass(frozen=True)
+class _Operand:
+    """A tensor of a cuDNN graph: its dims and strides, and where its first element sits in
+    the caller's buffer (elements)."""
+
+    dims: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int = 0
+
+    def shape_key(self) -> tuple:
+        return self.dims, self.strides
+
+
+@dataclass(frozen=True)
 class _PartSpec:
-    """One cuDNN graph of a strategy: tensor dims/strides and the operands' element offsets."""
+    """One cuDNN graph of a strategy: its operands, and the convolution's geometry."""
 
     kind: str
-    x_dims: tuple[int, ...]
-    x_strides: tuple[int, ...]
-    w_dims: tuple[int, ...]
-    w_strides: tuple[int, ...]
-    y_dims: tuple[int, ...]
-    y_strides: tuple[int, ...]
+    x: _Operand
+    w: _Operand
+    y: _Operand
     pre_padding: tuple[int, ...]
     post_padding: tuple[int, ...]
     stride: tuple[int, ...]
     dilation: tuple[int, ...]
     bias_strides: tuple[int, ...] | None
-    x_offset: int = 0
-    w_offset: int = 0
-    y_offset: int = 0
 
     def graph_key(self):
         """The fields that define the graph (parts that differ only in offsets share one)."""
-        return (self.kind, self.x_dims, self.x_strides, self.w_dims, self.w_strides, self.y_dims,
-                self.y_strides, self.pre_padding, self.post_padding, self.stride, self.dilation,
+        return (self.kind, self.x.shape_key(), self.w.shape_key(), self.y.shape_key(),
+                self.pre_padding, self.post_padding, self.stride, self.dilation,
                 self.bias_strides)
 
 
@@ -132,10 +139,11 @@ def _part_specs(problem: ConvProblem, strategy: Strategy):
     bias_strides = (layout_strides((1, c_out) + (1,) * nd, yl)
                     if strategy.bias_in_graph else None)
     if strategy.method == "direct":
-        spec = _PartSpec(problem.kind, problem.x_shape, x_strides, problem.w_shape,
-                         layout_strides(problem.w_shape, xl), problem.y_shape,
-                         layout_strides(problem.y_shape, yl), problem.padding, problem.padding,
-                         problem.stride, problem.dilation, bias_strides)
+        spec = _PartSpec(problem.kind, _Operand(problem.x_shape, x_strides),
+                         _Operand(problem.w_shape, layout_strides(problem.w_shape, xl)),
+                         _Operand(problem.y_shape, layout_strides(problem.y_shape, yl)),
+                         problem.padding, problem.padding, problem.stride, problem.dilation,
+                         bias_strides)
         return [spec], problem.y_shape, None
     parts = _subpixel_split(problem)
     n, c_in = problem.x_shape[:2]
@@ -151,12 +159,14 @@ def _part_specs(problem: ConvProblem, strategy: Strategy):
     for i, part in enumerate(parts):
         w_dims = (c_out, c_in // problem.groups, *part.taps)
         specs.append(_PartSpec(
-            "fprop", (n, c_in, *part.x_size), x_strides, w_dims, layout_strides(w_dims, xl),
-            class_shape, y_strides, part.pre_padding, part.post_padding, ones, ones, None,
-            x_offset=sum(a * b for a, b in zip(part.x_start, x_strides[2:])),
-            w_offset=w_offset, y_offset=i * block if len(parts) > 1 else 0))
+            "fprop",
+            _Operand((n, c_in, *part.x_size), x_strides,
+                     sum(a * b for a, b in zip(part.x_start, x_strides[2:]))),
+            _Operand(w_dims, layout_strides(w_dims, xl), w_offset),
+            _Operand(class_shape, y_strides, i * block if len(parts) > 1 else 0),
+            part.pre_padding, part.post_padding, ones, ones, None))
         w_offset += -(-int(numpy.prod(w_dims)) // _ALIGN) * _ALIGN
-    if any((s.x_offset % _ALIGN) or (s.y_offset % _ALIGN) for s in specs):
+    if any((s.x.offset % _ALIGN) or (s.y.offset % _ALIGN) for s in specs):
         raise ValueError("a sub-pixel part would start at a misaligned address")
     index = subpixel_weight_index(problem.w_shape, problem.groups, problem.stride, parts,
                                   channels_last=xl == "nhwc", align=_ALIGN)
@@ -168,20 +178,20 @@ def _build_graph(spec: _PartSpec, precision: str, handle):
     f32 = cudnn.data_type.FLOAT
     graph = cudnn.pygraph(io_data_type=f32, intermediate_data_type=f32, compute_data_type=f32,
                           handle=handle)
-    x = graph.tensor(name="x", dim=list(spec.x_dims), stride=list(spec.x_strides), data_type=f32)
-    w = graph.tensor(name="w", dim=list(spec.w_dims), stride=list(spec.w_strides), data_type=f32)
+    x = graph.tensor(name="x", dim=list(spec.x.dims), stride=list(spec.x.strides), data_type=f32)
+    w = graph.tensor(name="w", dim=list(spec.w.dims), stride=list(spec.w.strides), data_type=f32)
     conv = graph.conv_fprop if spec.kind == "fprop" else graph.conv_dgrad
     operands = {"image": x, "weight": w} if spec.kind == "fprop" else {"loss": x, "filter": w}
     y = conv(**operands, pre_padding=list(spec.pre_padding),
              post_padding=list(spec.post_padding), stride=list(spec.stride),
              dilation=list(spec.dilation), compute_data_type=f32)
-    y.set_dim(list(spec.y_dims)).set_stride(list(spec.y_strides)).set_data_type(f32)
+    y.set_dim(list(spec.y.dims)).set_stride(list(spec.y.strides)).set_data_type(f32)
     tensors = [x, w]
     if spec.bias_strides is not None:
-        b = graph.tensor(name="b", dim=[1, spec.y_dims[1]] + [1] * (len(spec.y_dims) - 2),
+        b = graph.tensor(name="b", dim=[1, spec.y.dims[1]] + [1] * (len(spec.y.dims) - 2),
                          stride=list(spec.bias_strides), data_type=f32)
         y = graph.bias(input=y, bias=b)
-        y.set_dim(list(spec.y_dims)).set_stride(list(spec.y_strides)).set_data_type(f32)
+        y.set_dim(list(spec.y.dims)).set_stride(list(spec.y.strides)).set_data_type(f32)
         tensors.append(b)
     y.set_output(True)
     tensors.append(y)
@@ -215,10 +225,10 @@ class _Part:
     def execute(self, x_ptr: int, w_ptr: int, y_ptr: int, b_ptr: int, ws_ptr: int,
                 handle) -> None:
         spec = self.spec
-        ptrs = [x_ptr + 4 * spec.x_offset, w_ptr + 4 * spec.w_offset]
+        ptrs = [x_ptr + 4 * spec.x.offset, w_ptr + 4 * spec.w.offset]
         if spec.bias_strides is not None:
             ptrs.append(b_ptr)
-        ptrs.append(y_ptr + 4 * spec.y_offset)
+        ptrs.append(y_ptr + 4 * spec.y.offset)
         if self._direct is None:
             self.resolve_direct()
         if self._direct:

@@ -103,13 +103,13 @@ def test_part_specs_of_pipeline_c_are_aligned_class_blocks():
     specs, y_shape, index = _part_specs(problem, Strategy("subpixel", "nchw", "classes"))
     block = 32 * 64 * 16 * 32 * 32
     assert y_shape == (8, 32, 64, 16, 32, 32)
-    assert [s.y_offset for s in specs] == [i * block for i in range(8)]
-    assert all(s.kind == "fprop" and s.y_dims == (32, 64, 16, 32, 32) for s in specs)
-    assert all(s.x_offset == 0 and s.w_offset % 4 == 0 for s in specs)
-    sizes = [int(np.prod(s.w_dims)) for s in specs]
-    assert [b - a for a, b in zip([s.w_offset for s in specs], [s.w_offset for s in specs[1:]])
+    assert [s.y.offset for s in specs] == [i * block for i in range(8)]
+    assert all(s.kind == "fprop" and s.y.dims == (32, 64, 16, 32, 32) for s in specs)
+    assert all(s.x.offset == 0 and s.w.offset % 4 == 0 for s in specs)
+    sizes = [int(np.prod(s.w.dims)) for s in specs]
+    assert [b - a for a, b in zip([s.w.offset for s in specs], [s.w.offset for s in specs[1:]])
             ] == [-(-n // 4) * 4 for n in sizes[:-1]]
-    assert index.size == specs[-1].w_offset + -(-sizes[-1] // 4) * 4
+    assert index.size == specs[-1].w.offset + -(-sizes[-1] // 4) * 4
 
 
 def test_part_specs_of_direct_strategies_follow_the_layouts():
@@ -119,7 +119,7 @@ def test_part_specs_of_direct_strategies_follow_the_layouts():
     problem = _problem("fprop", (1, 1), (8, 8), bias=True)
     (spec,), y_shape, index = _part_specs(problem, Strategy("direct", "nchw", "nhwc"))
     assert index is None and y_shape == problem.y_shape and spec.bias_strides is None
-    assert spec.x_strides == layout_strides(problem.x_shape, "nchw")
-    assert spec.y_strides == layout_strides(problem.y_shape, "nhwc")
+    assert spec.x.strides == layout_strides(problem.x_shape, "nchw")
+    assert spec.y.strides == layout_strides(problem.y_shape, "nhwc")
     (spec,), _, _ = _part_specs(problem, Strategy("direct", "nchw", "nchw", bias_in_graph=True))
     assert spec.bias_strides == (8, 1, 1, 1)
