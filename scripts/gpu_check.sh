@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # GPU check for the device machine: GPU tests, the benchmark, and the canonical check.
 # Usage (repo root): bash scripts/gpu_check.sh [tests|bench|check|all] [extra pytest args...]
+#                    bash scripts/gpu_check.sh compare OLD_TREE [compare_trees.py options...]
+#                    bash scripts/gpu_check.sh dask [bench_dask.py options...]
 # "all" = tests + bench; "check" (the canonical cases against float64 references computed on
-# the GPU) runs on its own.
+# the GPU) runs on its own; "compare" times the fused pipelines of OLD_TREE (a copy of an
+# older cufused/, e.g. from git archive, carried with the call) and of this tree side by side;
+# "dask" runs the Dask benchmark on the threaded scheduler.
 # Installs carried wheels from .whl/ (cuDNN Frontend, Dask) into /tmp/site when present.
 # Full logs go to $OUT (or ./gpu_check_out); a short summary is printed last.
 set -u
@@ -29,6 +33,12 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   python3 -m cufused bench --json "$out/bench.json" --plot "$out/bench.png" 2>&1 | tee "$out/bench.log"
+fi
+if [ "$what" = compare ]; then
+  python3 scripts/compare_trees.py "$1" "$PWD" "${@:2}" --json "$out/compare.json" 2>&1 | tee "$out/compare.log"
+fi
+if [ "$what" = dask ]; then
+  python3 scripts/bench_dask.py --no-cluster --json "$out/bench_dask.json" "$@" 2>&1 | tee "$out/bench_dask.log"
 fi
 if [ "$what" = check ]; then
   python3 -m cufused check 2>&1 | tee "$out/check.log"
