@@ -21,14 +21,12 @@ Usage: python scripts/host_time.py [once CASE PRECISION replay|direct | trace CA
 import cProfile
 import pstats
 import sys
-import time
 
 import cupy
-import numpy
 
 from cufused import _cudnn
 from cufused.bench.cases import make_cases
-from cufused.bench.timing import Timer, public_conv
+from cufused.bench.timing import Timer, host_us_per_call, public_conv
 
 
 def canonical_convs():
@@ -40,18 +38,6 @@ def canonical_convs():
         convs[case.name] = (fn, rng.random(case.conv["x_shape"], dtype=cupy.float32),
                             rng.random(case.conv["w_shape"], dtype=cupy.float32), opts)
     return convs
-
-
-def host_us(fn, calls=20, repeat=5):
-    samples = []
-    for _ in range(repeat):
-        cupy.cuda.Device().synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        samples.append((time.perf_counter() - t0) / calls * 1e6)
-    cupy.cuda.Device().synchronize()
-    return float(numpy.median(samples))
 
 
 def device_ms(calls, rounds=30):
@@ -70,7 +56,7 @@ def main():
                     call = lambda: fn(x, w, precision=precision, out=out, **kw)  # noqa: E731
                     call()
                     call()
-                    times[replay] = host_us(call)
+                    times[replay] = host_us_per_call(call)
 
                 def timed(replay=replay):
                     with _cudnn.plan_options(replay=replay):

@@ -11,8 +11,8 @@ import cupy
 import numpy
 
 from cufused.bench.cases import make_cases
-from cufused.bench.timing import Timer, conv_plan_for
-from host_time import host_us, print_timeline  # scripts/, the script's own folder
+from cufused.bench.timing import Timer, conv_plan_for, host_us_per_call
+from host_time import print_timeline  # scripts/, the script's own folder
 from pipeline_calls import graph_replay_ms, pipeline_calls
 
 
@@ -20,7 +20,7 @@ def main():
     timer = Timer(repeat=15)
     for case, precision, call in pipeline_calls("ABC"):
         direct = timer(call)
-        host = host_us(call, calls=20, repeat=1)
+        host = host_us_per_call(call, calls=20, repeat=1)
         graphed = graph_replay_ms(timer, call)
         plan = conv_plan_for(case, precision)
         costs = ", ".join(f"{k} {v[0]:.3f}/{v[1]:.3f}" for k, v in plan.candidates.items())
@@ -87,7 +87,7 @@ def host(name: str, precision: str, calls: int = 200) -> None:
         call()
     longer = timer(head_start) - 3 * timer(lambda: flush.fill(2.0))  # approximate
     print(f"{name} {precision}: flushed {flushed:.3f} ms, with a longer head start "
-          f"~{longer:.3f} ms, host {host_us(call, calls=calls, repeat=1):.0f} us/call")
+          f"~{longer:.3f} ms, host {host_us_per_call(call, calls=calls, repeat=1):.0f} us/call")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):

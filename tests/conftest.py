@@ -121,6 +121,16 @@ def to_gpu(*arrays):
     return [None if a is None else cp.asarray(a, dtype=cp.float32) for a in arrays]
 
 
+def assert_same_as_direct(got, ref, again) -> None:
+    """``got`` (a replayed or cached call) bitwise equal to ``ref`` (the same call run
+    directly) where the direct call is itself deterministic (``again``, a second direct call,
+    equals ``ref``; a cuDNN plan may sum in a varying order), else close to it."""
+    if bool((ref == again).all()):
+        cp.testing.assert_array_equal(got, ref)
+    else:
+        assert_close(got.get(), ref.get(), 1e-5)
+
+
 def poisoned(shape):
     return cp.full(shape, cp.nan, dtype=cp.float32)
 
@@ -168,3 +178,11 @@ def pipeline_c_args(rng, n=2, cin=3, d=8, h=10, w=6, cout=5, groups=1):
     return (x, wt, mixed(rng, cout).reshape(1, cout, 1, 1, 1)), dict(
         stride=2, padding=1, output_padding=1, pool_kernel=2, clamp_min=0.0, clamp_max=1.0,
         groups=groups)
+
+
+# The three pipelines with their small-argument makers, by case.
+PIPELINE_CASES = {
+    "A": ("conv2d_groupnorm_scale_maxpool_clamp", pipeline_a_args),
+    "B": ("conv_transpose2d_batchnorm_tanh_maxpool_groupnorm", pipeline_b_args),
+    "C": ("conv_transpose3d_avgpool_clamp_softmax_multiply", pipeline_c_args),
+}

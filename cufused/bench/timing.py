@@ -7,6 +7,7 @@ is reported. PyTorch eager and ``torch.compile`` run the same math in the same p
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,23 @@ import cufused
 from .cases import Case, on_gpu, torch_pipeline
 
 L2_FLUSH_BYTES = 256 * 1024 * 1024
+
+
+def host_us_per_call(call: Callable[[], Any], *, calls: int = 20, repeat: int = 5) -> float:
+    """Median host microseconds of a warm ``call()`` issued back to back without
+    synchronizing (the device work queues up behind it): ``repeat`` runs of ``calls`` calls,
+    the device idle before each run."""
+    import cupy
+
+    samples = []
+    for _ in range(repeat):
+        cupy.cuda.Device().synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+    cupy.cuda.Device().synchronize()
+    return float(numpy.median(samples))
 
 
 class Timer:

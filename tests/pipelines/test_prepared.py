@@ -4,23 +4,20 @@ and bad arguments without a GPU."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
 import cufused
 
-from conftest import GPU, assert_close, pipeline_a_args, pipeline_b_args, pipeline_c_args, to_gpu
+from cufused.bench.timing import host_us_per_call
+
+from conftest import (GPU, PIPELINE_CASES, assert_close, assert_same_as_direct, pipeline_b_args,
+                      to_gpu)
 
 if GPU:
     import cupy as cp
 
-PIPELINES = {
-    "A": (cufused.conv2d_groupnorm_scale_maxpool_clamp, pipeline_a_args),
-    "B": (cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm, pipeline_b_args),
-    "C": (cufused.conv_transpose3d_avgpool_clamp_softmax_multiply, pipeline_c_args),
-}
+PIPELINES = {case: (getattr(cufused, name), make) for case, (name, make) in PIPELINE_CASES.items()}
 
 
 # ------------------------------------------------------------------------------- without GPU
@@ -82,18 +79,9 @@ def test_pipelines_bitwise_equal_to_the_functional_call(rng, quick_plans, case, 
     for _ in range(3):  # new data in the bound input, each replay against a functional call
         got = step().copy()
         ref = fn(*args, **kwargs)
-        assert_same_as_functional(got, ref, fn(*args, **kwargs))
+        assert_same_as_direct(got, ref, fn(*args, **kwargs))
         args[0][...] = cp.asarray(rng.random(args[0].shape), dtype=cp.float32)
     assert step() is step.result
-
-
-def assert_same_as_functional(got, ref, again):
-    """Bitwise equal to the functional call ``ref``, where the functional call is itself
-    deterministic (``again`` equals ``ref``: a cuDNN plan may sum in a varying order)."""
-    if bool((ref == again).all()):
-        cp.testing.assert_array_equal(got, ref)
-    else:
-        assert_close(got.get(), ref.get(), 1e-5)
 
 
 @pytest.mark.gpu
@@ -107,7 +95,7 @@ def test_out_is_the_result_and_other_work_does_not_disturb_it(rng, quick_plans):
     for _ in range(3):
         other = [fn(*to_gpu(*make(rng)[0]), **kwargs) for _ in range(2)]
         assert step() is out
-        assert_same_as_functional(out, fn(*args, **kwargs), fn(*args, **kwargs))
+        assert_same_as_direct(out, fn(*args, **kwargs), fn(*args, **kwargs))
         del other
 
 
@@ -140,7 +128,7 @@ def test_building_blocks(rng, quick_plans, name, make):
     args, kwargs = make(rng)
     args = [cp.asarray(a, dtype=cp.float32) if isinstance(a, np.ndarray) else a for a in args]
     step = cufused.prepare(fn, *args, **kwargs)
-    assert_same_as_functional(step(), fn(*args, **kwargs), fn(*args, **kwargs))
+    assert_same_as_direct(step(), fn(*args, **kwargs), fn(*args, **kwargs))
 
 
 @pytest.mark.gpu
@@ -151,15 +139,7 @@ def test_host_time_of_a_prepared_call(rng, quick_plans, case):
     fn, make = PIPELINES[case]
     args, kwargs = make(rng)
     step = cufused.prepare(fn, *to_gpu(*args), **kwargs)
-    rounds = []
-    for _ in range(15):
-        cp.cuda.Device().synchronize()
-        start = time.perf_counter()
-        for _ in range(50):
-            step()
-        rounds.append((time.perf_counter() - start) / 50)
-    cp.cuda.Device().synchronize()
-    host_us = float(np.median(rounds)) * 1e6
+    host_us = host_us_per_call(step, calls=50, repeat=15)
     print(f"{case}: prepared call {host_us:.1f} us of host time")
     assert host_us <= 10.0
 
@@ -197,5 +177,5 @@ def test_the_graph_keeps_the_plans_it_reads(rng, quick_plans):
     ref = fn(*args, **kwargs)
     clear_plan_cache()
     junk = [cp.full(1 << 20, cp.nan, dtype=cp.float32) for _ in range(8)]  # reuse freed memory
-    assert_same_as_functional(step().copy(), ref, fn(*args, **kwargs))
+    assert_same_as_direct(step().copy(), ref, fn(*args, **kwargs))
     del junk
