@@ -235,6 +235,15 @@ def sm_count() -> int:
     return _sm_count(cupy.cuda.runtime.getDevice())
 
 
+def capturing(stream) -> bool:
+    """Whether ``stream`` is being captured into a CUDA graph. The query itself is illegal
+    during some global captures (cudaErrorStreamCaptureImplicit): then it is."""
+    try:
+        return stream.is_capturing()
+    except Exception:  # noqa: BLE001 - the error type depends on the CuPy version
+        return True
+
+
 def launch_1d(kernel, total: int, args: tuple, *, block: int = 256) -> None:
     """Launch a grid-stride kernel over ``total`` items (enough blocks to fill the device)."""
     if total <= 0:

@@ -10,6 +10,7 @@ import threading
 import numpy
 
 from .._arrays import import_cupy
+from .._cuda import capturing
 from ._config import _config, cudnn_handle, import_cudnn, plan_options
 from ._graphs import ConvProblem, Strategy, _build_graph, _Part, _part_specs, strategies
 from ._plan import ConvPlan, _graph_buffer_pool
@@ -102,15 +103,6 @@ def _pinned(found: list[Strategy], pins) -> list[Strategy]:
     return chosen + [s for s in found if s.label in layouts and s not in chosen]
 
 
-def _capturing(cupy) -> bool:
-    """Whether the current stream is being captured (the query itself is illegal during some
-    global captures: then it is)."""
-    try:
-        return cupy.cuda.get_current_stream().is_capturing()
-    except Exception:  # noqa: BLE001 - cudaErrorStreamCaptureImplicit and the like
-        return True
-
-
 def conv_plan(problem: ConvProblem, *, convert_input: bool, convert_output: bool,
               accept_classes: bool = False) -> ConvPlan:
     """Return the cached plan for ``problem``, choosing its strategy and plans on first use.
@@ -125,7 +117,7 @@ def conv_plan(problem: ConvProblem, *, convert_input: bool, convert_output: bool
            accept_classes, tune, pins)
     plan = _plans.get(key, False)
     if plan is False:
-        if _capturing(cupy):
+        if capturing(cupy.cuda.get_current_stream()):
             # Building times plans with synchronizing events, which a capture refuses: every
             # candidate would fail and the problem would be remembered as unsupported.
             raise RuntimeError("a convolution plan cannot be built while the stream is being "

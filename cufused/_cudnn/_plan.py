@@ -12,6 +12,7 @@ from typing import Any
 import numpy
 
 from .._arrays import import_cupy
+from .._cuda import capturing
 from .._kernels.layout import add_channel_bias, interleave_classes, transpose_channels
 from .._layout import empty_in_layout, stored_in
 from ._config import _config, cudnn_handle
@@ -179,10 +180,7 @@ class ConvPlan:
             return None
         cupy = import_cupy()
         stream = cupy.cuda.get_current_stream()
-        try:
-            if stream.is_capturing():  # the caller's capture records the cuDNN calls
-                return None
-        except Exception:  # noqa: BLE001 - the query is illegal during some global captures
+        if capturing(stream):  # the caller's capture records the cuDNN calls
             return None
         key = (kind, cupy.cuda.runtime.getDevice(), stream.ptr,
                *(None if a is None else operand_key(a) for a in operands))
