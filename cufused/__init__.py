@@ -4,6 +4,7 @@ NumPy arrays in run the float64 reference on the CPU; CuPy arrays in run cuDNN c
 and cufused's own fused CUDA kernels on the GPU.
 """
 
+from ._call_graphs import clear_caches
 from ._cudnn import clear_plan_cache, set_conv_autotune, set_conv_graph_replay
 from ._ops.convolution import conv2d, conv3d, conv_transpose2d, conv_transpose3d
 from ._ops.normalization import batch_norm, group_norm
@@ -26,6 +27,6 @@ __all__ = [
     "conv_transpose2d_batchnorm_tanh_maxpool_groupnorm",
     "conv_transpose3d_avgpool_clamp_softmax_multiply",
     "get_default_precision", "set_default_precision", "default_precision",
-    "set_conv_autotune", "set_conv_graph_replay", "clear_plan_cache",
+    "set_conv_autotune", "set_conv_graph_replay", "clear_plan_cache", "clear_caches",
     "prepare",
 ]

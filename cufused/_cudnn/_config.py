@@ -36,7 +36,12 @@ def set_conv_autotune(enabled: bool) -> None:
 
 
 def set_conv_graph_replay(enabled: bool) -> None:
-    """Switch the CUDA-graph replay of warm convolution calls on (default) or off.
+    """Switch the CUDA-graph replay of warm convolution and pipeline calls on (default) or
+    off.
+
+    A warm pipeline call replays one CUDA graph of the whole call (keyed on every operand's
+    address, shape, strides and dtype, every option and the stream; at most 8 such graphs,
+    see :func:`clear_caches`).
 
     From the second call with the same operand pointers on a stream, a convolution replays one
     CUDA graph of its cuDNN calls, weight preparation and output conversion instead of issuing

@@ -9,6 +9,7 @@ from functools import partial
 import numpy
 
 from .._arrays import insert_sections, ntuple
+from .._call_graphs import replayed
 
 METHODS = ("fused", "unfused")
 
@@ -58,9 +59,10 @@ def gpu_method(method: str, conv_out_shape: tuple[int, ...]) -> str:
 
 def gpu_run(method: str, fused, unfused, xp, x, weight, args, precision, **options):
     """A pipeline's GPU half as :func:`~cufused._arrays.forward` calls it, with ``out``:
-    ``fused`` or, for ``method="unfused"``, ``unfused``, the checked arguments bound."""
+    ``fused`` or, for ``method="unfused"``, ``unfused``, the checked arguments bound; warm
+    calls replay a CUDA graph of the whole call (:mod:`cufused._call_graphs`)."""
     run = unfused if method == "unfused" else fused
-    return partial(run, xp, x, weight, args, precision, **options)
+    return replayed(partial(run, xp, x, weight, args, precision, **options))
 
 
 def ones_if_none(value, channels: int, xp):

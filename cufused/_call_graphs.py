@@ -1,0 +1,191 @@
+"""Whole-call CUDA graphs of warm pipeline calls (:func:`replayed`) and :func:`clear_caches`.
+
+A pipeline's GPU half (the partial that ``gpu_run`` binds) is keyed on everything that decides
+what its kernels read and write: the function, each array's address, shape, strides and dtype
+(``out`` included), every other bound value, the device, the stream and the convolution
+settings. From the second call with a key, the call is captured into one CUDA graph (the
+convolution and every post-convolution kernel) and later calls launch it: one graph launch
+instead of the kernel launches and plan lookups of the call. The graph reads its operands
+where they are, so new values at the same addresses are computed afresh; whatever differs
+(another buffer, layout, stride pattern, option or stream) is another key.
+
+A graph keeps its temporaries (the convolution output included) and the plans that ran in it.
+So that this memory stays bounded, at most ``MAX_GRAPHS`` graphs live (least recently used
+first out), a call whose temporaries pass ``MAX_TEMPORARY_FRACTION`` of the device's memory
+is not kept as a graph, and neither is one whose convolution the autotuner measured faster
+issued directly, or which refuses capture; such keys run directly from then on. With
+``cufused.set_conv_graph_replay(False)`` every call runs directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from ._arrays import _memory_limit, import_cupy, is_cupy_array
+from ._cudnn import _config, clear_plan_cache, plans_in_use
+
+#: Whole-call graphs kept at once (all devices); the least recently used goes first.
+MAX_GRAPHS = 8
+#: A call whose temporaries take more than this fraction of the device's memory runs directly.
+MAX_TEMPORARY_FRACTION = 1 / 16
+# Calls seen once per key before the second captures (bounded like the graphs).
+_CALLS_BEFORE_CAPTURE = 2
+_MAX_COUNTED = 64
+
+_graphs: OrderedDict = OrderedDict()  # key -> _Graph, or None for "runs directly"
+_counts: dict = {}
+_lock = threading.Lock()
+# Inside a call that this module runs: nested pipeline calls (the unfused path composes the
+# public operations) run directly, recorded into the caller's graph.
+_inside = contextvars.ContextVar("cufused_inside_call_graph", default=False)
+
+
+class _Graph:
+    """A captured call: the graph and what it reads or writes without owning it."""
+
+    def __init__(self, graph, device: int, keep: tuple):
+        self.graph = graph
+        self.device = device
+        self.keep = keep
+
+
+def _value_key(value: Any):
+    """The part of the key for one bound value; raises ``TypeError`` for a value it cannot key
+    (the call then runs directly)."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return (type(value).__name__, value)
+    if isinstance(value, float):
+        return ("float", value.hex())  # NaN keys equal to NaN
+    if is_cupy_array(value):
+        return ("array", value.data.ptr, value.shape, value.strides, value.dtype.char)
+    if isinstance(value, tuple):
+        return ("tuple", *(_value_key(v) for v in value))
+    if getattr(value, "__dataclass_fields__", None) is not None and value.__hash__ is not None:
+        return ("dataclass", value)  # frozen: the checked convolution arguments
+    if type(value).__name__ == "module":
+        return ("module", value.__name__)
+    raise TypeError(f"no key for {type(value).__name__}")
+
+
+def _call_key(gpu: functools.partial, out, cupy):
+    try:
+        bound = tuple(_value_key(a) for a in gpu.args)
+        options = tuple(sorted((k, _value_key(v)) for k, v in gpu.keywords.items()))
+    except TypeError:
+        return None
+    stream = cupy.cuda.get_current_stream()
+    return (gpu.func, bound, options, _value_key(out), cupy.cuda.runtime.getDevice(),
+            stream.ptr, _config["autotune"], _config["pins"], _config["replay"])
+
+
+def replayed(gpu: functools.partial) -> Callable:
+    """``gpu`` (a pipeline's bound GPU half, called with ``out``) through the graph cache."""
+    return functools.partial(_run, gpu)
+
+
+def _run(gpu: functools.partial, out):
+    if _inside.get():
+        return gpu(out)
+    if not _config["replay"]:  # cufused.set_conv_graph_replay(False): every call directly
+        return _direct(gpu, out)
+    cupy = import_cupy()
+    stream = cupy.cuda.get_current_stream()
+    try:
+        if stream.is_capturing():  # the caller's capture records the kernels
+            return gpu(out)
+    except Exception:  # noqa: BLE001 - the query is illegal during some global captures
+        return gpu(out)
+    key = _call_key(gpu, out, cupy)
+    if key is None:
+        return _direct(gpu, out)
+    with _lock:
+        entry = _graphs.get(key, False)
+        if entry is not False:
+            _graphs.move_to_end(key)
+        else:
+            calls = _counts.get(key, 0) + 1
+            if calls < _CALLS_BEFORE_CAPTURE:
+                if len(_counts) >= _MAX_COUNTED:
+                    _counts.clear()
+                _counts[key] = calls
+            else:
+                _counts.pop(key, None)
+    if entry is None or (entry is False and calls < _CALLS_BEFORE_CAPTURE):
+        return _direct(gpu, out)
+    if entry is False:
+        entry = _capture(gpu, out, cupy)
+        with _lock:
+            _graphs[key] = entry
+            while len(_graphs) > MAX_GRAPHS:
+                _graphs.popitem(last=False)
+        if entry is None:
+            return _direct(gpu, out)
+    entry.graph.launch(stream=stream)
+    return out
+
+
+def _direct(gpu: functools.partial, out):
+    token = _inside.set(True)
+    try:
+        return gpu(out)
+    finally:
+        _inside.reset(token)
+
+
+def _capture(gpu: functools.partial, out, cupy) -> _Graph | None:
+    """The call captured on a side stream (not run), or None where it is not to be kept."""
+    pool = cupy.cuda.MemoryPool()
+    blocks: list = []
+
+    def malloc(size: int):
+        # Every block stays allocated while the graph lives, also those the call frees (see
+        # cufused.prepare).
+        block = pool.malloc(size)
+        blocks.append(block)
+        return block
+
+    side = cupy.cuda.Stream(non_blocking=True)
+    token = _inside.set(True)
+    try:
+        with plans_in_use() as plans, cupy.cuda.using_allocator(malloc), side:
+            side.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
+            try:
+                result = gpu(out)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    side.end_capture()
+                raise
+            graph = side.end_capture()
+    except Exception:  # noqa: BLE001 - an engine that refuses capture runs directly
+        return None
+    finally:
+        _inside.reset(token)
+    device = cupy.cuda.runtime.getDevice()
+    too_big = sum(b.mem.size for b in blocks) > MAX_TEMPORARY_FRACTION * _memory_limit(cupy)
+    if result is not out or too_big or not all(plan.replays for plan in plans):
+        return None
+    return _Graph(graph, device, (blocks, pool, plans, side))
+
+
+def clear_caches() -> None:
+    """Forget every cached plan and whole-call graph, freeing the memory they keep.
+
+    cufused caches, per device, the cuDNN plan of each convolution problem it has run (with
+    the CUDA graphs of warm convolution calls) and the CUDA graphs of up to ``MAX_GRAPHS``
+    warm pipeline calls (each with its temporaries). All are rebuilt on next use.
+
+    Examples
+    --------
+    >>> import cufused
+    >>> cufused.clear_caches()
+    """
+    with _lock:
+        _graphs.clear()
+        _counts.clear()
+    clear_plan_cache()

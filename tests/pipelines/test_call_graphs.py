@@ -1,0 +1,166 @@
+"""Whole-call CUDA graphs of warm pipeline calls: equal to direct calls over reused buffers,
+new values, options and streams; bounded; off with graph replay off; host time."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import cufused
+from cufused import _call_graphs
+
+from conftest import GPU, assert_close, pipeline_a_args, pipeline_b_args, pipeline_c_args, to_gpu
+
+pytestmark = pytest.mark.gpu
+
+if GPU:
+    import cupy as cp
+
+PIPELINES = {
+    "A": (cufused.conv2d_groupnorm_scale_maxpool_clamp, pipeline_a_args),
+    "B": (cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm, pipeline_b_args),
+    "C": (cufused.conv_transpose3d_avgpool_clamp_softmax_multiply, pipeline_c_args),
+}
+
+
+@pytest.fixture
+def fresh():
+    cufused.clear_caches()
+    yield
+    cufused.clear_caches()
+
+
+def _direct(fn, *args, **kwargs):
+    from cufused._cudnn import plan_options
+
+    with plan_options(replay=False):
+        return fn(*args, **kwargs)
+
+
+def _same(got, ref, again):
+    """Bitwise equal where the direct call is deterministic (again == ref)."""
+    if bool((ref == again).all()):
+        cp.testing.assert_array_equal(got, ref)
+    else:
+        assert_close(got.get(), ref.get(), 1e-5)
+
+
+@pytest.mark.parametrize("method", ["fused", "unfused"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+@pytest.mark.parametrize("case", sorted(PIPELINES))
+def test_warm_calls_equal_direct_calls(rng, quick_plans, fresh, case, precision, method):
+    fn, make = PIPELINES[case]
+    args, kwargs = make(rng)
+    args = to_gpu(*args)
+    kwargs = dict(kwargs, precision=precision, method=method)
+    out = cp.full(fn(*args, **kwargs).shape, cp.nan, dtype=cp.float32)
+    for i in range(5):  # counted, captured, replayed; new input values each time
+        args[0][...] = cp.asarray(rng.random(args[0].shape), dtype=cp.float32)
+        assert fn(*args, **kwargs, out=out) is out
+        _same(out, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
+    assert any(isinstance(g, _call_graphs._Graph) for g in _call_graphs._graphs.values())
+
+
+def test_every_operand_and_option_is_keyed(rng, quick_plans, fresh):
+    # One allocation read as x in two layouts and two shapes, another out, other options:
+    # each warm call equals a direct call on the same operands.
+    fn, make = PIPELINES["A"]
+    args, kwargs = make(rng, n=2, h=16, w=16)
+    params = to_gpu(*args[1:])
+    mem = cp.cuda.alloc(2 * 5 * 16 * 16 * 4)
+    nchw = cp.ndarray((2, 5, 16, 16), cp.float32, memptr=mem)
+    nhwc = cp.ndarray((2, 16, 16, 5), cp.float32, memptr=mem).transpose(0, 3, 1, 2)
+    small = cp.ndarray((1, 5, 16, 16), cp.float32, memptr=mem)
+    for _ in range(3):
+        for x in (nchw, nhwc, small):
+            for clamp_max in (0.7, 0.2):
+                x[...] = cp.asarray(rng.random(x.shape), dtype=cp.float32)
+                opts = dict(kwargs, clamp_max=clamp_max)
+                for _ in range(3):
+                    got = fn(x, *params, **opts)
+                _same(got, _direct(fn, x, *params, **opts), _direct(fn, x, *params, **opts))
+
+
+def test_other_stream(rng, quick_plans, fresh):
+    fn, make = PIPELINES["C"]
+    args, kwargs = make(rng)
+    args = to_gpu(*args)
+    ref = _direct(fn, *args, **kwargs)
+    stream = cp.cuda.Stream(non_blocking=True)
+    for _ in range(3):
+        fn(*args, **kwargs)
+        with stream:
+            got = fn(*args, **kwargs)
+        stream.synchronize()
+        _same(got, ref, _direct(fn, *args, **kwargs))
+
+
+def test_bounded_and_cleared(rng, quick_plans, fresh, monkeypatch):
+    fn, make = PIPELINES["A"]
+    args, kwargs = make(rng)
+    args = to_gpu(*args)
+    monkeypatch.setattr(_call_graphs, "MAX_GRAPHS", 2)
+    outs = [cp.empty(fn(*args, **kwargs).shape, cp.float32) for _ in range(4)]
+    for out in outs:  # four keys (four outputs), two calls each
+        fn(*args, **kwargs, out=out)
+        fn(*args, **kwargs, out=out)
+    assert len(_call_graphs._graphs) == 2
+    cufused.clear_caches()
+    assert not _call_graphs._graphs
+
+
+def test_large_temporaries_run_directly(rng, quick_plans, fresh, monkeypatch):
+    fn, make = PIPELINES["B"]
+    args, kwargs = make(rng)
+    args = to_gpu(*args)
+    monkeypatch.setattr(_call_graphs, "MAX_TEMPORARY_FRACTION", 0.0)
+    out = cp.empty(fn(*args, **kwargs).shape, cp.float32)
+    for _ in range(3):
+        fn(*args, **kwargs, out=out)
+    assert list(_call_graphs._graphs.values()) == [None]
+    _same(out, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
+
+
+def test_replay_off_runs_directly(rng, quick_plans, fresh):
+    fn, make = PIPELINES["A"]
+    args, kwargs = make(rng)
+    args = to_gpu(*args)
+    for _ in range(3):
+        _direct(fn, *args, **kwargs)
+    assert not _call_graphs._graphs
+
+
+def test_running_buffers_updated_by_every_call(rng, quick_plans, fresh):
+    fn, make = PIPELINES["B"]
+    args, kwargs = make(rng)
+    args = to_gpu(*args)
+    mean, var = cp.zeros(8, cp.float32), cp.ones(8, cp.float32)
+    ref_mean, ref_var = mean.copy(), var.copy()
+    for _ in range(4):
+        fn(*args, **kwargs, running_mean=mean, running_var=var)
+        _direct(fn, *args, **kwargs, running_mean=ref_mean, running_var=ref_var)
+        assert_close(mean.get(), ref_mean.get(), 1e-6)
+        assert_close(var.get(), ref_var.get(), 1e-6)
+
+
+@pytest.mark.parametrize("case", sorted(PIPELINES))
+def test_host_time_of_a_warm_call(rng, quick_plans, fresh, case):
+    # Issue 24's target: a warm functional pipeline call costs the host at most 40 us
+    # (out given, back-to-back calls without synchronizing, small inputs, median of rounds).
+    fn, make = PIPELINES[case]
+    args, kwargs = make(rng)
+    args = to_gpu(*args)
+    out = cp.empty(fn(*args, **kwargs).shape, cp.float32)
+    rounds = []
+    for _ in range(15):
+        cp.cuda.Device().synchronize()
+        start = time.perf_counter()
+        for _ in range(50):
+            fn(*args, **kwargs, out=out)
+        rounds.append((time.perf_counter() - start) / 50)
+    cp.cuda.Device().synchronize()
+    host_us = float(np.median(rounds)) * 1e6
+    print(f"{case}: warm call {host_us:.1f} us of host time")
+    assert host_us <= 40.0
