@@ -10,9 +10,9 @@ where they are, so new values at the same addresses are computed afresh; whateve
 (another buffer, layout, stride pattern, option or stream) is another key.
 
 A graph keeps its temporaries (the convolution output included) and the plans that ran in it.
-So that this memory stays bounded, at most ``MAX_GRAPHS`` graphs live (least recently used
-first out), a call whose temporaries pass ``MAX_TEMPORARY_FRACTION`` of the device's memory
-is not kept as a graph, and neither is one whose convolution the autotuner measured faster
+So that this memory stays bounded, at most ``MAX_GRAPHS`` graphs live, holding at most
+``MAX_TOTAL_FRACTION`` of a device's memory (least recently used first out); a call whose
+temporaries pass ``MAX_TEMPORARY_FRACTION`` of the device's memory is not kept as a graph, and neither is one whose convolution the autotuner measured faster
 issued directly, or which refuses capture; such keys run directly from then on. With
 ``cufused.set_conv_graph_replay(False)`` every call runs directly.
 """
@@ -34,6 +34,9 @@ from ._cudnn import _config, clear_plan_cache, plans_in_use
 MAX_GRAPHS = 8
 #: A call whose temporaries take more than this fraction of the device's memory runs directly.
 MAX_TEMPORARY_FRACTION = 1 / 16
+#: The graphs of one device keep at most this fraction of its memory in temporaries (the least
+#: recently used go first).
+MAX_TOTAL_FRACTION = 1 / 4
 # Calls seen once per key before the second captures (bounded like the graphs).
 _CALLS_BEFORE_CAPTURE = 2
 _MAX_COUNTED = 64
@@ -49,9 +52,10 @@ _inside = contextvars.ContextVar("cufused_inside_call_graph", default=False)
 class _Graph:
     """A captured call: the graph and what it reads or writes without owning it."""
 
-    def __init__(self, graph, device: int, keep: tuple):
+    def __init__(self, graph, device: int, nbytes: int, keep: tuple):
         self.graph = graph
         self.device = device
+        self.nbytes = nbytes  # its temporaries
         self.keep = keep
 
 
@@ -122,12 +126,25 @@ def _run(gpu: functools.partial, out):
         entry = _capture(gpu, out, cupy)
         with _lock:
             _graphs[key] = entry
-            while len(_graphs) > MAX_GRAPHS:
-                _graphs.popitem(last=False)
+            _evict(_memory_limit(cupy) * MAX_TOTAL_FRACTION, key[4])
         if entry is None:
             return _direct(gpu, out)
     entry.graph.launch(stream=stream)
     return out
+
+
+def _evict(budget: float, device: int) -> None:
+    """Drop the least recently used graphs beyond ``MAX_GRAPHS``, and those of ``device``
+    beyond its memory ``budget`` (under ``_lock``)."""
+    while len(_graphs) > MAX_GRAPHS:
+        _graphs.popitem(last=False)
+    held = [(k, g) for k, g in _graphs.items() if g is not None and g.device == device]
+    total = sum(g.nbytes for _, g in held)
+    for k, g in held:  # oldest first
+        if total <= budget:
+            break
+        del _graphs[k]
+        total -= g.nbytes
 
 
 def _direct(gpu: functools.partial, out):
@@ -166,11 +183,11 @@ def _capture(gpu: functools.partial, out, cupy) -> _Graph | None:
         return None
     finally:
         _inside.reset(token)
-    device = cupy.cuda.runtime.getDevice()
-    too_big = sum(b.mem.size for b in blocks) > MAX_TEMPORARY_FRACTION * _memory_limit(cupy)
+    nbytes = sum(b.mem.size for b in blocks)
+    too_big = nbytes > MAX_TEMPORARY_FRACTION * _memory_limit(cupy)
     if result is not out or too_big or not all(plan.replays for plan in plans):
         return None
-    return _Graph(graph, device, (blocks, pool, plans, side))
+    return _Graph(graph, cupy.cuda.runtime.getDevice(), nbytes, (blocks, pool, plans, side))
 
 
 def clear_caches() -> None:

@@ -164,3 +164,15 @@ def test_host_time_of_a_warm_call(rng, quick_plans, fresh, case):
     host_us = float(np.median(rounds)) * 1e6
     print(f"{case}: warm call {host_us:.1f} us of host time")
     assert host_us <= 40.0
+
+
+def test_memory_budget_evicts_the_oldest(rng, quick_plans, fresh, monkeypatch):
+    fn, make = PIPELINES["A"]
+    args, kwargs = make(rng)
+    args = to_gpu(*args)
+    monkeypatch.setattr(_call_graphs, "MAX_TOTAL_FRACTION", 1e-15)  # less than one graph
+    out = cp.empty(fn(*args, **kwargs).shape, cp.float32)
+    for _ in range(3):
+        fn(*args, **kwargs, out=out)
+        _same(out, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
+    assert not any(isinstance(g, _call_graphs._Graph) for g in _call_graphs._graphs.values())
