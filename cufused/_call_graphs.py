@@ -12,8 +12,9 @@ where they are, so new values at the same addresses are computed afresh; whateve
 A graph keeps its temporaries (the convolution output included) and the plans that ran in it.
 So that this memory stays bounded, at most ``MAX_GRAPHS`` graphs live, holding at most
 ``MAX_TOTAL_FRACTION`` of a device's memory (least recently used first out); a call whose
-temporaries pass ``MAX_TEMPORARY_FRACTION`` of the device's memory is not kept as a graph, and neither is one whose convolution the autotuner measured faster
-issued directly, or which refuses capture; such keys run directly from then on. With
+temporaries pass ``MAX_TEMPORARY_FRACTION`` of the device's memory is not kept as a graph,
+and neither is one whose convolution the autotuner measured faster issued directly, or which
+refuses capture; such keys run directly from then on. With
 ``cufused.set_conv_graph_replay(False)`` every call runs directly.
 """
 
