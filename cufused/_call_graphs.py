@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._arrays import _memory_limit, import_cupy, is_cupy_array
-from ._cudnn import _config, clear_plan_cache, plans_in_use
+from ._cudnn import _config, clear_plan_cache, on_clear_plan_cache, plans_in_use
 
 #: Whole-call graphs kept at once (all devices); the least recently used goes first.
 MAX_GRAPHS = 8
@@ -42,7 +42,8 @@ MAX_TOTAL_FRACTION = 1 / 4
 _CALLS_BEFORE_CAPTURE = 2
 _MAX_COUNTED = 64
 
-_graphs: OrderedDict = OrderedDict()  # key -> _Graph, or None for "runs directly"
+_graphs: OrderedDict = OrderedDict()  # key -> _Graph, least recently used first
+_direct_keys: OrderedDict = OrderedDict()  # keys that run directly (bounded like _counts)
 _counts: dict = {}
 _lock = threading.Lock()
 # Inside a call that this module runs: nested pipeline calls (the unfused path composes the
@@ -58,6 +59,22 @@ class _Graph:
         self.device = device
         self.nbytes = nbytes  # its temporaries
         self.keep = keep
+
+
+class _TooLarge(MemoryError):
+    """The capture's temporaries passed ``MAX_TEMPORARY_FRACTION`` of the device's memory."""
+
+
+def _release(graphs: list) -> None:
+    """Drop graphs that may still run on the device: each waits for its device first, since
+    what they read (a plan's weight index from CuPy's pool) may go back to a pool on
+    another stream than the one they run on (outside ``_lock``)."""
+    if not graphs:
+        return
+    cupy = import_cupy()
+    for device in {g.device for g in graphs}:
+        cupy.cuda.Device(device).synchronize()
+    graphs.clear()
 
 
 def _value_key(value: Any):
@@ -110,42 +127,58 @@ def _run(gpu: functools.partial, out):
     if key is None:
         return _direct(gpu, out)
     with _lock:
-        entry = _graphs.get(key, False)
-        if entry is not False:
+        entry = _graphs.get(key)
+        if entry is not None:
             _graphs.move_to_end(key)
+        elif key in _direct_keys:
+            return _direct(gpu, out)
         else:
             calls = _counts.get(key, 0) + 1
             if calls < _CALLS_BEFORE_CAPTURE:
                 if len(_counts) >= _MAX_COUNTED:
                     _counts.clear()
                 _counts[key] = calls
-            else:
-                _counts.pop(key, None)
-    if entry is None or (entry is False and calls < _CALLS_BEFORE_CAPTURE):
-        return _direct(gpu, out)
-    if entry is False:
+                return _direct(gpu, out)
+            _counts.pop(key, None)
+    if entry is None:
         entry = _capture(gpu, out, cupy)
+        dropped: list = []
         with _lock:
-            _graphs[key] = entry
-            _evict(_memory_limit(cupy) * MAX_TOTAL_FRACTION, key[4])
+            if entry is None:
+                _direct_keys[key] = True
+                if len(_direct_keys) > _MAX_COUNTED:
+                    _direct_keys.popitem(last=False)
+            else:
+                replaced = _graphs.pop(key, None)  # another thread's capture of this key
+                if replaced is not None:
+                    dropped.append(replaced)
+                _graphs[key] = entry
+                dropped += _evict(_memory_limit(cupy) * MAX_TOTAL_FRACTION, key[4])
+        _release(dropped)
         if entry is None:
             return _direct(gpu, out)
-    entry.graph.launch(stream=stream)
+    _launch(entry, stream)
     return out
 
 
-def _evict(budget: float, device: int) -> None:
-    """Drop the least recently used graphs beyond ``MAX_GRAPHS``, and those of ``device``
-    beyond its memory ``budget`` (under ``_lock``)."""
+def _launch(entry: _Graph, stream) -> None:
+    entry.graph.launch(stream=stream)
+
+
+def _evict(budget: float, device: int) -> list:
+    """Remove the least recently used graphs beyond ``MAX_GRAPHS``, and those of ``device``
+    beyond its memory ``budget`` (under ``_lock``); return them for ``_release``."""
+    dropped = []
     while len(_graphs) > MAX_GRAPHS:
-        _graphs.popitem(last=False)
-    held = [(k, g) for k, g in _graphs.items() if g is not None and g.device == device]
+        dropped.append(_graphs.popitem(last=False)[1])
+    held = [(k, g) for k, g in _graphs.items() if g.device == device]
     total = sum(g.nbytes for _, g in held)
-    for k, g in held:  # oldest first
+    for k, g in held[:-1]:  # oldest first; the newest stays
         if total <= budget:
             break
-        del _graphs[k]
+        dropped.append(_graphs.pop(k))
         total -= g.nbytes
+    return dropped
 
 
 def _direct(gpu: functools.partial, out):
@@ -160,10 +193,13 @@ def _capture(gpu: functools.partial, out, cupy) -> _Graph | None:
     """The call captured on a side stream (not run), or None where it is not to be kept."""
     pool = cupy.cuda.MemoryPool()
     blocks: list = []
+    limit = MAX_TEMPORARY_FRACTION * _memory_limit(cupy)
 
     def malloc(size: int):
         # Every block stays allocated while the graph lives, also those the call frees (see
-        # cufused.prepare).
+        # cufused.prepare); the capture stops as soon as they pass the limit.
+        if pool.total_bytes() + size > limit:
+            raise _TooLarge
         block = pool.malloc(size)
         blocks.append(block)
         return block
@@ -184,11 +220,10 @@ def _capture(gpu: functools.partial, out, cupy) -> _Graph | None:
         return None
     finally:
         _inside.reset(token)
-    nbytes = sum(b.mem.size for b in blocks)
-    too_big = nbytes > MAX_TEMPORARY_FRACTION * _memory_limit(cupy)
-    if result is not out or too_big or not all(plan.replays for plan in plans):
+    if result is not out or not all(plan.replays for plan in plans):
         return None
-    return _Graph(graph, cupy.cuda.runtime.getDevice(), nbytes, (blocks, pool, plans, side))
+    return _Graph(graph, cupy.cuda.runtime.getDevice(), pool.total_bytes(),
+                  (blocks, pool, plans, side))
 
 
 def clear_caches() -> None:
@@ -203,7 +238,18 @@ def clear_caches() -> None:
     >>> import cufused
     >>> cufused.clear_caches()
     """
+    clear_plan_cache()  # calls _clear (registered below)
+
+
+def _clear() -> None:
+    """Forget every whole-call graph (also when only the plan cache is cleared: the graphs
+    keep the plans they ran)."""
     with _lock:
+        dropped = list(_graphs.values())
         _graphs.clear()
+        _direct_keys.clear()
         _counts.clear()
-    clear_plan_cache()
+    _release(dropped)
+
+
+on_clear_plan_cache(_clear)

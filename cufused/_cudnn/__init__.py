@@ -30,7 +30,8 @@ constant replaces it in the module that looks it up.
 """
 
 from ._autotune import (_INPUT_CONVERSION_MARGIN, UnsupportedConvolution, _choose,
-                        _decide_replay, _plans, clear_plan_cache, conv_plan, strategy_score)
+                        _decide_replay, _plans, clear_plan_cache, conv_plan, on_clear_plan_cache,
+                        strategy_score)
 from ._config import _config, import_cudnn, plan_options, set_conv_autotune, set_conv_graph_replay
 from ._graphs import ConvProblem, Strategy, _part_specs, strategies
 from ._plan import ConvPlan, _graph_buffer_pool, plans_in_use
@@ -39,7 +40,7 @@ from ._timing import _l2_flush_buffer
 __all__ = [
     "conv_plan", "ConvPlan", "ConvProblem", "Strategy", "strategies", "strategy_score",
     "UnsupportedConvolution", "clear_plan_cache", "plan_options", "set_conv_autotune",
-    "set_conv_graph_replay", "import_cudnn", "plans_in_use",
+    "set_conv_graph_replay", "import_cudnn", "plans_in_use", "on_clear_plan_cache",
     # private names that tests and scripts reach through the package
     "_config", "_plans", "_choose", "_decide_replay", "_graph_buffer_pool", "_part_specs",
     "_l2_flush_buffer", "_INPUT_CONVERSION_MARGIN",

@@ -203,8 +203,18 @@ def _decide_replay(plan: ConvPlan, call, rounds: int = 11) -> None:
         plan._replays = None
 
 
+# What a higher layer caches on top of the plans (its clear function), cleared with them.
+_clear_hooks: list = []
+
+
+def on_clear_plan_cache(hook) -> None:
+    """Call ``hook()`` whenever the plan cache is cleared."""
+    _clear_hooks.append(hook)
+
+
 def clear_plan_cache() -> None:
-    """Forget every built cuDNN plan; they are rebuilt, and re-tuned, on next use.
+    """Forget every built cuDNN plan, and the CUDA graphs of warm calls that ran them; they
+    are rebuilt, and re-tuned, on next use.
 
     Examples
     --------
@@ -213,5 +223,7 @@ def clear_plan_cache() -> None:
     """
     with _plans_lock:
         _plans.clear()
+    for hook in _clear_hooks:
+        hook()
     if _graph_buffer_pool.cache_info().currsize:  # the dropped graphs' buffers
         _graph_buffer_pool().free_all_blocks()

@@ -32,6 +32,20 @@ def fresh():
     cufused.clear_caches()
 
 
+@pytest.fixture
+def launches(monkeypatch):
+    """The number of whole-call graph launches so far (a one-element list)."""
+    count = [0]
+    launch = _call_graphs._launch
+
+    def counted(entry, stream):
+        count[0] += 1
+        launch(entry, stream)
+
+    monkeypatch.setattr(_call_graphs, "_launch", counted)
+    return count
+
+
 def _direct(fn, *args, **kwargs):
     from cufused._cudnn import plan_options
 
@@ -47,25 +61,57 @@ def _same(got, ref, again):
         assert_close(got.get(), ref.get(), 1e-5)
 
 
-@pytest.mark.parametrize("method", ["fused", "unfused"])
 @pytest.mark.parametrize("precision", ["ieee", "tf32"])
 @pytest.mark.parametrize("case", sorted(PIPELINES))
-def test_warm_calls_equal_direct_calls(rng, quick_plans, fresh, case, precision, method):
+def test_warm_calls_equal_direct_calls(rng, layout, fresh, launches, case, precision):
+    # Every pinned convolution layout (NCHW, channels-last, NCHW in / channels-last out, the
+    # sub-pixel split), so that each fused-pass variant is captured.
     fn, make = PIPELINES[case]
     args, kwargs = make(rng)
     args = to_gpu(*args)
-    kwargs = dict(kwargs, precision=precision, method=method)
+    kwargs = dict(kwargs, precision=precision)
     out = cp.full(fn(*args, **kwargs).shape, cp.nan, dtype=cp.float32)
     for i in range(5):  # counted, captured, replayed; new input values each time
         args[0][...] = cp.asarray(rng.random(args[0].shape), dtype=cp.float32)
         assert fn(*args, **kwargs, out=out) is out
         _same(out, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
-    assert any(isinstance(g, _call_graphs._Graph) for g in _call_graphs._graphs.values())
+    assert launches[0] >= 3
 
 
-def test_every_operand_and_option_is_keyed(rng, quick_plans, fresh):
-    # One allocation read as x in two layouts and two shapes, another out, other options:
-    # each warm call equals a direct call on the same operands.
+@pytest.mark.parametrize("case", sorted(PIPELINES))
+def test_unfused_warm_calls(rng, quick_plans, fresh, launches, case):
+    fn, make = PIPELINES[case]
+    args, kwargs = make(rng)
+    args = to_gpu(*args)
+    kwargs = dict(kwargs, method="unfused")
+    out = cp.empty(fn(*args, **kwargs).shape, dtype=cp.float32)
+    for _ in range(4):
+        args[0][...] = cp.asarray(rng.random(args[0].shape), dtype=cp.float32)
+        fn(*args, **kwargs, out=out)
+        _same(out, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
+    assert launches[0] >= 2
+
+
+def test_new_parameter_values(rng, quick_plans, fresh, launches):
+    # New weight values in place, and scale as a Python number (a temporary array, likely at
+    # the same address each call) that changes: every call computes with the current values.
+    fn, make = PIPELINES["A"]
+    args, kwargs = make(rng)
+    x, weight, *params = to_gpu(*args)
+    params[-1] = 2.0
+    out = cp.empty(fn(x, weight, *params, **kwargs).shape, dtype=cp.float32)
+    for scale in (2.0, 3.0, -1.5, 3.0, 2.0, 0.5):
+        weight[...] = cp.asarray(rng.standard_normal(weight.shape) * 0.3, dtype=cp.float32)
+        params[-1] = scale
+        fn(x, weight, *params, **kwargs, out=out)
+        ref = _direct(fn, x, weight, *params, **kwargs)
+        _same(out, ref, _direct(fn, x, weight, *params, **kwargs))
+    assert launches[0] >= 1
+
+
+def test_every_operand_and_option_is_keyed(rng, quick_plans, fresh, launches):
+    # One allocation read as x in two layouts and two shapes, other options, one out per
+    # output shape: each warm call equals a direct call on the same operands.
     fn, make = PIPELINES["A"]
     args, kwargs = make(rng, n=2, h=16, w=16)
     params = to_gpu(*args[1:])
@@ -73,28 +119,36 @@ def test_every_operand_and_option_is_keyed(rng, quick_plans, fresh):
     nchw = cp.ndarray((2, 5, 16, 16), cp.float32, memptr=mem)
     nhwc = cp.ndarray((2, 16, 16, 5), cp.float32, memptr=mem).transpose(0, 3, 1, 2)
     small = cp.ndarray((1, 5, 16, 16), cp.float32, memptr=mem)
+    outs = {}
     for _ in range(3):
         for x in (nchw, nhwc, small):
             for clamp_max in (0.7, 0.2):
                 x[...] = cp.asarray(rng.random(x.shape), dtype=cp.float32)
                 opts = dict(kwargs, clamp_max=clamp_max)
+                out = outs.setdefault(x.shape, cp.empty(fn(x, *params, **opts).shape,
+                                                        dtype=cp.float32))
                 for _ in range(3):
-                    got = fn(x, *params, **opts)
-                _same(got, _direct(fn, x, *params, **opts), _direct(fn, x, *params, **opts))
+                    fn(x, *params, **opts, out=out)
+                _same(out, _direct(fn, x, *params, **opts), _direct(fn, x, *params, **opts))
+    assert launches[0] >= 12
 
 
-def test_other_stream(rng, quick_plans, fresh):
+def test_other_stream(rng, quick_plans, fresh, launches):
     fn, make = PIPELINES["C"]
     args, kwargs = make(rng)
     args = to_gpu(*args)
     ref = _direct(fn, *args, **kwargs)
+    out, other = cp.empty_like(ref), cp.empty_like(ref)
     stream = cp.cuda.Stream(non_blocking=True)
     for _ in range(3):
-        fn(*args, **kwargs)
+        fn(*args, **kwargs, out=out)
+        cp.cuda.get_current_stream().synchronize()
         with stream:
-            got = fn(*args, **kwargs)
+            fn(*args, **kwargs, out=other)
         stream.synchronize()
-        _same(got, ref, _direct(fn, *args, **kwargs))
+        _same(out, ref, _direct(fn, *args, **kwargs))
+        _same(other, ref, _direct(fn, *args, **kwargs))
+    assert launches[0] >= 2
 
 
 def test_bounded_and_cleared(rng, quick_plans, fresh, monkeypatch):
@@ -116,10 +170,14 @@ def test_large_temporaries_run_directly(rng, quick_plans, fresh, monkeypatch):
     args, kwargs = make(rng)
     args = to_gpu(*args)
     monkeypatch.setattr(_call_graphs, "MAX_TEMPORARY_FRACTION", 0.0)
+    too_large = []
+    capture = _call_graphs._capture
+    monkeypatch.setattr(_call_graphs, "_capture", lambda *a: too_large.append(1) or capture(*a))
     out = cp.empty(fn(*args, **kwargs).shape, cp.float32)
     for _ in range(3):
         fn(*args, **kwargs, out=out)
-    assert list(_call_graphs._graphs.values()) == [None]
+    assert too_large == [1]  # captured once, rejected, then direct
+    assert not _call_graphs._graphs and len(_call_graphs._direct_keys) == 1
     _same(out, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
 
 
@@ -132,17 +190,19 @@ def test_replay_off_runs_directly(rng, quick_plans, fresh):
     assert not _call_graphs._graphs
 
 
-def test_running_buffers_updated_by_every_call(rng, quick_plans, fresh):
+def test_running_buffers_updated_by_every_call(rng, quick_plans, fresh, launches):
     fn, make = PIPELINES["B"]
     args, kwargs = make(rng)
     args = to_gpu(*args)
     mean, var = cp.zeros(8, cp.float32), cp.ones(8, cp.float32)
     ref_mean, ref_var = mean.copy(), var.copy()
+    out = cp.empty(fn(*args, **kwargs).shape, dtype=cp.float32)
     for _ in range(4):
-        fn(*args, **kwargs, running_mean=mean, running_var=var)
+        fn(*args, **kwargs, running_mean=mean, running_var=var, out=out)
         _direct(fn, *args, **kwargs, running_mean=ref_mean, running_var=ref_var)
         assert_close(mean.get(), ref_mean.get(), 1e-6)
         assert_close(var.get(), ref_var.get(), 1e-6)
+    assert launches[0] >= 2
 
 
 @pytest.mark.parametrize("case", sorted(PIPELINES))
@@ -171,8 +231,11 @@ def test_memory_budget_evicts_the_oldest(rng, quick_plans, fresh, monkeypatch):
     args, kwargs = make(rng)
     args = to_gpu(*args)
     monkeypatch.setattr(_call_graphs, "MAX_TOTAL_FRACTION", 1e-15)  # less than one graph
-    out = cp.empty(fn(*args, **kwargs).shape, cp.float32)
-    for _ in range(3):
-        fn(*args, **kwargs, out=out)
+    first, second = (cp.empty(fn(*args, **kwargs).shape, cp.float32) for _ in range(2))
+    for out in (first, second, first, second):
+        for _ in range(2):
+            fn(*args, **kwargs, out=out)
         _same(out, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
-    assert not any(isinstance(g, _call_graphs._Graph) for g in _call_graphs._graphs.values())
+    # Only the newest graph stays (a graph is never evicted by its own insertion).
+    assert len(_call_graphs._graphs) == 1
+    assert next(iter(_call_graphs._graphs))[3][1] == second.data.ptr
