@@ -1,6 +1,7 @@
-"""Whole-call CUDA graphs of warm pipeline calls (:func:`replayed`) and :func:`clear_caches`.
+"""Whole-call CUDA graphs of warm calls (:func:`replayed`) and :func:`clear_caches`.
 
-A pipeline's GPU half (the partial that ``gpu_run`` binds) is keyed on everything that decides
+The GPU half of a pipeline or building block (the partial that it hands to ``forward``) is
+keyed on everything that decides
 what its kernels read and write: the function, each array's address, shape, strides and dtype
 (``out`` included), every other bound value, the device, the stream and the convolution
 settings. From the second call with a key, the call is captured into one CUDA graph (the

@@ -17,6 +17,7 @@ import numpy
 from .. import reference
 from .._arrays import (Size, check_fits, check_float_dtype, check_ndim, check_required,
                        check_sizes, forward, get_array_module, ntuple, per_channel)
+from .._call_graphs import replayed
 from .._precision import resolve_precision
 
 __all__ = ["conv2d", "conv3d", "conv_transpose2d", "conv_transpose3d"]
@@ -232,7 +233,8 @@ def _convolve(nd: int, transposed: bool, x, weight, bias, *, stride, padding, ou
                       args.dilation, args.groups)
     # The plan picks the result's buffer when out is None (it may write it directly).
     return forward(xp, x, out, args.out_shape, inputs={"x": x, "weight": weight, "bias": bias},
-                   reference=ref, gpu=partial(_conv_gpu, x, weight, args, precision, bias),
+                   reference=ref,
+                   gpu=replayed(partial(_conv_gpu, x, weight, args, precision, bias)),
                    gpu_allocates=True)
 
 

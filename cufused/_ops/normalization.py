@@ -18,6 +18,7 @@ from .. import reference
 from .._arrays import (check_float_dtype, check_required, check_scalar, check_sizes,
                        check_writeable, forward, get_array_module, like_x_sections,
                        per_channel)
+from .._call_graphs import replayed
 from .._kernels.normalization import (ROW_CACHE_BYTES, batch_norm_coefficients, channel_affine,
                                      group_norm_coefficients, group_norm_rows,
                                      key_stats_partial, reads_channels_last)
@@ -122,7 +123,7 @@ def group_norm(x: Any, num_groups: int, weight: Any = None, bias: Any = None, *,
     return forward(xp, x, out, x.shape, inputs={"x": x, "weight": weight, "bias": bias},
                    in_place=True,
                    reference=partial(reference.group_norm, x, num_groups, weight, bias, eps),
-                   gpu=partial(_group_norm_gpu, xp, x, num_groups, weight, bias, eps))
+                   gpu=replayed(partial(_group_norm_gpu, xp, x, num_groups, weight, bias, eps)))
 
 
 def check_running_buffer(buf: Any, name: str, channels: int, xp) -> Any:
@@ -208,7 +209,7 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
                    inputs={"x": x, "weight": weight, "bias": bias,
                            "running_mean": running_mean, "running_var": running_var},
                    reference=partial(reference.batch_norm, x, weight, bias, *stats, activation),
-                   gpu=partial(_batch_norm_gpu, xp, x, weight, bias, stats, activation))
+                   gpu=replayed(partial(_batch_norm_gpu, xp, x, weight, bias, stats, activation)))
 
 
 def _batch_norm_gpu(xp, x, weight, bias, stats, activation, out):

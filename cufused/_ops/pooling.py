@@ -13,6 +13,7 @@ from typing import Any
 from .. import reference
 from .._arrays import (Size, check_float_dtype, check_ndim, check_required, check_sizes, forward,
                        get_array_module, ntuple)
+from .._call_graphs import replayed
 from .._kernels.pooling import pool_into
 
 __all__ = ["max_pool2d", "max_pool3d", "avg_pool2d", "avg_pool3d"]
@@ -55,7 +56,7 @@ def _pool(nd: int, is_max: bool, x, kernel_size, stride, padding, out):
     fn = reference.max_pool if is_max else reference.avg_pool
     return forward(xp, x, out, x.shape[:2] + out_size, inputs={"x": x},
                    reference=partial(fn, x, kernel, stride, padding),
-                   gpu=partial(_pool_gpu, xp, x, kernel, stride, padding, is_max))
+                   gpu=replayed(partial(_pool_gpu, xp, x, kernel, stride, padding, is_max)))
 
 
 def _pool_gpu(xp, x, kernel, stride, padding, is_max, out):

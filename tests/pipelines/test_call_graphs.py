@@ -239,3 +239,52 @@ def test_memory_budget_evicts_the_oldest(rng, quick_plans, fresh, monkeypatch):
     # Only the newest graph stays (a graph is never evicted by its own insertion).
     assert len(_call_graphs._graphs) == 1
     assert next(iter(_call_graphs._graphs))[3][1] == second.data.ptr
+
+
+BLOCKS = [
+    ("conv2d", lambda rng: ((rng.random((2, 3, 9, 8)), rng.random((4, 3, 3, 3))),
+                            dict(padding=1))),
+    ("group_norm", lambda rng: ((rng.random((2, 6, 5, 7)), 3), {})),
+    ("batch_norm", lambda rng: ((rng.random((4, 5, 3, 7)),), dict(training=True))),
+    ("max_pool2d", lambda rng: ((rng.random((2, 3, 9, 8)), 3), dict(stride=2))),
+    ("avg_pool3d", lambda rng: ((rng.random((1, 2, 6, 5, 4)), 2), {})),
+    ("softmax", lambda rng: ((rng.random((2, 3, 4, 5)),), dict(axis=(2, 3)))),
+]
+
+
+def _block_args(rng, make):
+    args, kwargs = make(rng)
+    return [cp.asarray(a, dtype=cp.float32) if isinstance(a, np.ndarray) else a
+            for a in args], kwargs
+
+
+@pytest.mark.parametrize("name, make", BLOCKS)
+def test_building_blocks_warm_calls(rng, quick_plans, fresh, launches, name, make):
+    fn = getattr(cufused, name)
+    args, kwargs = _block_args(rng, make)
+    out = cp.empty(fn(*args, **kwargs).shape, dtype=cp.float32)
+    for _ in range(4):
+        args[0][...] = cp.asarray(rng.random(args[0].shape), dtype=cp.float32)
+        assert fn(*args, **kwargs, out=out) is out
+        _same(out, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
+    assert launches[0] >= 2
+
+
+@pytest.mark.parametrize("name, make", BLOCKS)
+def test_host_time_of_a_warm_building_block_call(rng, quick_plans, fresh, name, make):
+    # Issue 24's target: a warm building-block call costs the host at most 20 us (out given,
+    # back-to-back calls without synchronizing, small inputs, median of rounds).
+    fn = getattr(cufused, name)
+    args, kwargs = _block_args(rng, make)
+    out = cp.empty(fn(*args, **kwargs).shape, dtype=cp.float32)
+    rounds = []
+    for _ in range(15):
+        cp.cuda.Device().synchronize()
+        start = time.perf_counter()
+        for _ in range(50):
+            fn(*args, **kwargs, out=out)
+        rounds.append((time.perf_counter() - start) / 50)
+    cp.cuda.Device().synchronize()
+    host_us = float(np.median(rounds)) * 1e6
+    print(f"{name}: warm call {host_us:.1f} us of host time")
+    assert host_us <= 20.0
