@@ -1,11 +1,11 @@
 """Whole-call CUDA graphs of warm calls (:func:`replayed`) and :func:`clear_caches`.
 
 The GPU half of a pipeline or building block (the partial that it hands to ``forward``) is
-keyed on everything that decides
-what its kernels read and write: the function, each array's address, shape, strides and dtype
-(``out`` included), every other bound value, the device, the stream and the convolution
-settings. From the second call with a key, the call is captured into one CUDA graph (the
-convolution and every post-convolution kernel) and later calls launch it: one graph launch
+keyed on everything that decides what its kernels read and write: the function, each array's
+address, shape, strides and dtype (``out`` included), every other bound value, the device,
+the stream and the convolution settings. From the second call with a key, the call is
+captured into one CUDA graph (the convolution and every other kernel) and later calls launch
+it: one graph launch
 instead of the kernel launches and plan lookups of the call. The graph reads its operands
 where they are, so new values at the same addresses are computed afresh; whatever differs
 (another buffer, layout, stride pattern, option or stream) is another key.
