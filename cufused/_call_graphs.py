@@ -5,10 +5,9 @@ keyed on everything that decides what its kernels read and write: the function, 
 address, shape, strides and dtype (``out`` included), every other bound value, the device,
 the stream and the convolution settings. From the second call with a key, the call is
 captured into one CUDA graph (the convolution and every other kernel) and later calls launch
-it: one graph launch
-instead of the kernel launches and plan lookups of the call. The graph reads its operands
-where they are, so new values at the same addresses are computed afresh; whatever differs
-(another buffer, layout, stride pattern, option or stream) is another key.
+it: one graph launch instead of the kernel launches and plan lookups of the call. The graph
+reads its operands where they are, so new values at the same addresses are computed afresh;
+whatever differs (another buffer, layout, stride pattern, option or stream) is another key.
 
 A graph keeps its temporaries (the convolution output included) and the plans that ran in it.
 So that this memory stays bounded, at most ``MAX_GRAPHS`` graphs live, holding at most
