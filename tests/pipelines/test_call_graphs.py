@@ -3,26 +3,22 @@ new values, options and streams; bounded; off with graph replay off; host time."
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
 import cufused
 from cufused import _call_graphs
 
-from conftest import GPU, assert_close, pipeline_a_args, pipeline_b_args, pipeline_c_args, to_gpu
+from cufused.bench.timing import host_us_per_call
+
+from conftest import GPU, PIPELINE_CASES, assert_close, assert_same_as_direct, to_gpu
 
 pytestmark = pytest.mark.gpu
 
 if GPU:
     import cupy as cp
 
-PIPELINES = {
-    "A": (cufused.conv2d_groupnorm_scale_maxpool_clamp, pipeline_a_args),
-    "B": (cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm, pipeline_b_args),
-    "C": (cufused.conv_transpose3d_avgpool_clamp_softmax_multiply, pipeline_c_args),
-}
+PIPELINES = {case: (getattr(cufused, name), make) for case, (name, make) in PIPELINE_CASES.items()}
 
 
 @pytest.fixture
@@ -53,14 +49,6 @@ def _direct(fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
-def _same(got, ref, again):
-    """Bitwise equal where the direct call is deterministic (again == ref)."""
-    if bool((ref == again).all()):
-        cp.testing.assert_array_equal(got, ref)
-    else:
-        assert_close(got.get(), ref.get(), 1e-5)
-
-
 @pytest.mark.parametrize("precision", ["ieee", "tf32"])
 @pytest.mark.parametrize("case", sorted(PIPELINES))
 def test_warm_calls_equal_direct_calls(rng, layout, fresh, launches, case, precision):
@@ -74,7 +62,7 @@ def test_warm_calls_equal_direct_calls(rng, layout, fresh, launches, case, preci
     for i in range(5):  # counted, captured, replayed; new input values each time
         args[0][...] = cp.asarray(rng.random(args[0].shape), dtype=cp.float32)
         assert fn(*args, **kwargs, out=out) is out
-        _same(out, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
+        assert_same_as_direct(out, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
     assert launches[0] >= 3
 
 
@@ -88,7 +76,7 @@ def test_unfused_warm_calls(rng, quick_plans, fresh, launches, case):
     for _ in range(4):
         args[0][...] = cp.asarray(rng.random(args[0].shape), dtype=cp.float32)
         fn(*args, **kwargs, out=out)
-        _same(out, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
+        assert_same_as_direct(out, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
     assert launches[0] >= 2
 
 
@@ -105,7 +93,7 @@ def test_new_parameter_values(rng, quick_plans, fresh, launches):
         params[-1] = scale
         fn(x, weight, *params, **kwargs, out=out)
         ref = _direct(fn, x, weight, *params, **kwargs)
-        _same(out, ref, _direct(fn, x, weight, *params, **kwargs))
+        assert_same_as_direct(out, ref, _direct(fn, x, weight, *params, **kwargs))
     assert launches[0] >= 1
 
 
@@ -129,7 +117,8 @@ def test_every_operand_and_option_is_keyed(rng, quick_plans, fresh, launches):
                                                         dtype=cp.float32))
                 for _ in range(3):
                     fn(x, *params, **opts, out=out)
-                _same(out, _direct(fn, x, *params, **opts), _direct(fn, x, *params, **opts))
+                assert_same_as_direct(out, _direct(fn, x, *params, **opts),
+                                      _direct(fn, x, *params, **opts))
     assert launches[0] >= 12
 
 
@@ -146,8 +135,8 @@ def test_other_stream(rng, quick_plans, fresh, launches):
         with stream:
             fn(*args, **kwargs, out=other)
         stream.synchronize()
-        _same(out, ref, _direct(fn, *args, **kwargs))
-        _same(other, ref, _direct(fn, *args, **kwargs))
+        assert_same_as_direct(out, ref, _direct(fn, *args, **kwargs))
+        assert_same_as_direct(other, ref, _direct(fn, *args, **kwargs))
     assert launches[0] >= 2
 
 
@@ -178,7 +167,7 @@ def test_large_temporaries_run_directly(rng, quick_plans, fresh, monkeypatch):
         fn(*args, **kwargs, out=out)
     assert too_large == [1]  # captured once, rejected, then direct
     assert not _call_graphs._graphs and len(_call_graphs._direct_keys) == 1
-    _same(out, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
+    assert_same_as_direct(out, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
 
 
 def test_replay_off_runs_directly(rng, quick_plans, fresh):
@@ -213,15 +202,7 @@ def test_host_time_of_a_warm_call(rng, quick_plans, fresh, case):
     args, kwargs = make(rng)
     args = to_gpu(*args)
     out = cp.empty(fn(*args, **kwargs).shape, cp.float32)
-    rounds = []
-    for _ in range(15):
-        cp.cuda.Device().synchronize()
-        start = time.perf_counter()
-        for _ in range(50):
-            fn(*args, **kwargs, out=out)
-        rounds.append((time.perf_counter() - start) / 50)
-    cp.cuda.Device().synchronize()
-    host_us = float(np.median(rounds)) * 1e6
+    host_us = host_us_per_call(lambda: fn(*args, **kwargs, out=out), calls=50, repeat=15)
     print(f"{case}: warm call {host_us:.1f} us of host time")
     assert host_us <= 40.0
 
@@ -235,7 +216,7 @@ def test_memory_budget_evicts_the_oldest(rng, quick_plans, fresh, monkeypatch):
     for out in (first, second, first, second):
         for _ in range(2):
             fn(*args, **kwargs, out=out)
-        _same(out, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
+        assert_same_as_direct(out, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
     # Only the newest graph stays (a graph is never evicted by its own insertion).
     assert len(_call_graphs._graphs) == 1
     assert next(iter(_call_graphs._graphs))[3][1] == second.data.ptr
@@ -266,7 +247,7 @@ def test_building_blocks_warm_calls(rng, quick_plans, fresh, launches, name, mak
     for _ in range(4):
         args[0][...] = cp.asarray(rng.random(args[0].shape), dtype=cp.float32)
         assert fn(*args, **kwargs, out=out) is out
-        _same(out, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
+        assert_same_as_direct(out, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
     assert launches[0] >= 2
 
 
@@ -277,14 +258,6 @@ def test_host_time_of_a_warm_building_block_call(rng, quick_plans, fresh, name, 
     fn = getattr(cufused, name)
     args, kwargs = _block_args(rng, make)
     out = cp.empty(fn(*args, **kwargs).shape, dtype=cp.float32)
-    rounds = []
-    for _ in range(15):
-        cp.cuda.Device().synchronize()
-        start = time.perf_counter()
-        for _ in range(50):
-            fn(*args, **kwargs, out=out)
-        rounds.append((time.perf_counter() - start) / 50)
-    cp.cuda.Device().synchronize()
-    host_us = float(np.median(rounds)) * 1e6
+    host_us = host_us_per_call(lambda: fn(*args, **kwargs, out=out), calls=50, repeat=15)
     print(f"{name}: warm call {host_us:.1f} us of host time")
     assert host_us <= 20.0
