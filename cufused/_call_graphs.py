@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._arrays import _memory_limit, import_cupy, is_cupy_array
+from ._cuda import capturing
 from ._cudnn import _config, clear_plan_cache, on_clear_plan_cache, plans_in_use
 
 #: Whole-call graphs kept at once (all devices); the least recently used goes first.
@@ -118,10 +119,7 @@ def _run(gpu: functools.partial, out):
         return _direct(gpu, out)
     cupy = import_cupy()
     stream = cupy.cuda.get_current_stream()
-    try:
-        if stream.is_capturing():  # the caller's capture records the kernels
-            return gpu(out)
-    except Exception:  # noqa: BLE001 - the query is illegal during some global captures
+    if capturing(stream):  # the caller's capture records the kernels
         return gpu(out)
     key = _call_key(gpu, out, cupy)
     if key is None:
