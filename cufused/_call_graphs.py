@@ -26,7 +26,7 @@ import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._arrays import _memory_limit, import_cupy, is_cupy_array
 from ._cuda import capturing
@@ -187,16 +187,34 @@ def _direct(gpu: functools.partial, out):
         _inside.reset(token)
 
 
-def _capture(gpu: functools.partial, out, cupy) -> _Graph | None:
-    """The call captured on a side stream (not run), or None where it is not to be kept."""
+class Capture(NamedTuple):
+    """A call captured by :func:`capture_call`."""
+
+    graph: Any
+    result: Any  # what the captured call returned
+    nbytes: int  # its temporaries
+    stream: Any  # the side stream it was captured on
+    keep: tuple  # what the graph reads or writes but does not own
+
+
+def capture_call(call: Callable[[], Any], *, limit: float | None = None) -> Capture | None:
+    """``call()`` captured into a CUDA graph on a side stream (nothing runs), or None where it
+    is not to be replayed: the capture failed (an engine that refuses it, or temporaries past
+    ``limit`` bytes), or a convolution in it runs faster issued directly (as the autotuner
+    measured).
+
+    Every block the capture allocates stays allocated as long as the result's ``keep``, also
+    those the call frees: every replay reads and writes them, and a pool that ran short during
+    the capture would otherwise release them. The plans that ran are kept too (the graph reads
+    their memory, such as a sub-pixel weight index). Relaxed mode lets the pool allocate
+    device memory during the capture. Calls nested in it run directly, recorded into it.
+    """
+    cupy = import_cupy()
     pool = cupy.cuda.MemoryPool()
     blocks: list = []
-    limit = MAX_TEMPORARY_FRACTION * _memory_limit(cupy)
 
     def malloc(size: int):
-        # Every block stays allocated while the graph lives, also those the call frees (see
-        # cufused.prepare); the capture stops as soon as they pass the limit.
-        if pool.total_bytes() + size > limit:
+        if limit is not None and pool.total_bytes() + size > limit:
             raise _TooLarge
         block = pool.malloc(size)
         blocks.append(block)
@@ -208,20 +226,29 @@ def _capture(gpu: functools.partial, out, cupy) -> _Graph | None:
         with plans_in_use() as plans, cupy.cuda.using_allocator(malloc), side:
             side.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
             try:
-                result = gpu(out)
+                result = call()
             except BaseException:
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(Exception):  # the call's error is the one to report
                     side.end_capture()
                 raise
             graph = side.end_capture()
-    except Exception:  # noqa: BLE001 - an engine that refuses capture runs directly
+    except Exception:  # noqa: BLE001 - an engine that refuses capture, or _TooLarge
         return None
     finally:
         _inside.reset(token)
-    if result is not out or not all(plan.replays for plan in plans):
+    if not all(plan.replays for plan in plans):
         return None
-    return _Graph(graph, cupy.cuda.runtime.getDevice(), pool.total_bytes(),
-                  (blocks, pool, plans, side))
+    return Capture(graph, result, pool.total_bytes(), side, (blocks, pool, plans))
+
+
+def _capture(gpu: functools.partial, out, cupy) -> _Graph | None:
+    """The call captured (not run) as a cache entry, or None where it is not to be kept."""
+    captured = capture_call(functools.partial(gpu, out),
+                            limit=MAX_TEMPORARY_FRACTION * _memory_limit(cupy))
+    if captured is None or captured.result is not out:
+        return None
+    return _Graph(captured.graph, cupy.cuda.runtime.getDevice(), captured.nbytes,
+                  (captured.keep, captured.stream))
 
 
 def clear_caches() -> None:

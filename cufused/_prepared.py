@@ -4,11 +4,12 @@ buffers, replayed at the host cost of one graph launch (:func:`prepare`)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any
 
 from ._arrays import import_cupy, is_cupy_array
-from ._cudnn import plans_in_use
+from ._call_graphs import capture_call
 
 
 class PreparedCall:
@@ -136,34 +137,10 @@ def prepare(function: Callable, *args: Any, **kwargs: Any) -> PreparedCall:
         return PreparedCall(function, args, kwargs)
     cupy = import_cupy()
     cupy.cuda.get_current_stream().synchronize()
-    # Every block the capture allocates stays allocated (held in ``blocks``), also those the
-    # call frees: the graph reads and writes them on every replay, and a pool that ran short
-    # during the capture would otherwise release them. Relaxed mode lets the pool allocate
-    # device memory during the capture.
-    pool = cupy.cuda.MemoryPool()
-    blocks: list = []
-
-    def malloc(size: int):
-        block = pool.malloc(size)
-        blocks.append(block)
-        return block
-
-    stream = cupy.cuda.Stream(non_blocking=True)
-    try:
-        with plans_in_use() as plans, cupy.cuda.using_allocator(malloc), stream:
-            stream.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
-            try:
-                result = function(*args, **kwargs)
-            except BaseException:
-                with contextlib.suppress(Exception):  # the call's error is the one to report
-                    stream.end_capture()
-                raise
-            graph = stream.end_capture()
-    except Exception:  # noqa: BLE001 - an engine that refuses capture (the call itself ran)
+    captured = capture_call(functools.partial(function, *args, **kwargs))
+    if captured is None:
         return PreparedCall(function, args, kwargs)
-    if not all(plan.replays for plan in plans):  # measured faster issued directly
-        return PreparedCall(function, args, kwargs)
-    graph.upload(stream=stream)
-    stream.synchronize()
-    return PreparedCall(function, args, kwargs, graph, result,
-                        cupy.cuda.runtime.getDevice(), (blocks, pool, plans, stream))
+    captured.graph.upload(stream=captured.stream)
+    captured.stream.synchronize()
+    return PreparedCall(function, args, kwargs, captured.graph, captured.result,
+                        cupy.cuda.runtime.getDevice(), (captured.keep, captured.stream))
