@@ -40,13 +40,22 @@ def test_convolutions(rng, shapes, options, precision):
     assert_close(got.get(), ref, TOL[precision])
 
 
-def test_3xtf32_is_float32_accurate_where_tf32_is_not(rng):
+def test_3xtf32_is_as_accurate_as_float32(rng):
+    # 144-term dot products of standard normal values: TF32 alone errs by ~1e-3 relative;
+    # the split recovers float32's rounding (the implicit GEMM's one TF32 pass is the check
+    # that the split matters).
+    from cufused._kernels.conv_gemm import conv2d_implicit_gemm
+
     x = rng.standard_normal((2, 16, 20, 20))
     w = rng.standard_normal((32, 16, 3, 3))
     ref = cufused.conv2d(x, w)
     err = {p: np.linalg.norm(cufused.conv2d(*to_gpu(x, w), precision=p).get() - ref)
-           / np.linalg.norm(ref) for p in ("tf32", "3xtf32", "ieee")}
-    assert err["3xtf32"] < 1e-6 and err["tf32"] > 1e-4, err
+           / np.linalg.norm(ref) for p in ("3xtf32", "ieee")}
+    one_pass = cp.empty(ref.shape, dtype=cp.float32)
+    conv2d_implicit_gemm(*to_gpu(x, w), None, one_pass, stride=(1, 1), padding=(0, 0),
+                         dilation=(1, 1), passes=1)
+    err["tf32"] = np.linalg.norm(one_pass.get() - ref) / np.linalg.norm(ref)
+    assert err["3xtf32"] < 3 * err["ieee"] + 1e-7 and err["tf32"] > 1e-4, err
 
 
 def test_transposed_and_strided_operands_fall_back(rng):
