@@ -4,9 +4,10 @@
 // GEMM view: rows m = (n, p, q) output pixels (M = N * P * Q), columns k = output channels
 // (K = C_out), reduction r = (c, u, v) over C_in * kH * kW (the OIHW weight's inner order).
 // A block computes a BM x BN = 128 x 64 tile of the output with 8 warps (4 along m, 2 along
-// k), each warp 32 x 32 = 2 x 4 MMA tiles; the reduction advances BR = 8 at a time through
-// shared memory: the block gathers the 128 x 8 input slice (im2col on the fly, zero padding)
-// and the 8 x 64 weight slice, then each warp issues its 8 MMAs.
+// k), each warp 32 x 32 = 2 x 4 MMA tiles; the reduction advances BR = 16 at a time through
+// shared memory: the block gathers the 128 x 16 input slice (im2col on the fly, zero padding)
+// and the 16 x 64 weight slice, then each warp issues its 2 x 8 MMAs while the next slice's
+// global loads are in flight (held in registers until the tiles are free).
 //
 // PASSES = 1 is plain TF32 (each product of 10-bit mantissas); PASSES = 3 splits each float32
 // operand into a TF32 high part and a TF32 residual and sums hi*hi + hi*lo + lo*hi (the
@@ -15,7 +16,7 @@
 
 #define CONV_BM 128
 #define CONV_BN 64
-#define CONV_BR 8
+#define CONV_BR 16
 #define CONV_THREADS 256
 
 __device__ __forceinline__ unsigned to_tf32(float x) {
@@ -83,19 +84,12 @@ conv2d_igemm(const float* __restrict__ x, const float* __restrict__ w,
     }
     const int r_load = tid >> 7;  // 0 or 1
 
-    float acc[2][4][4];
+    // One stage's gathers by this thread: 8 input values (rows tid % 128, reduction columns
+    // tid / 128 + 2 * i) and 4 weight values (k fastest: 64 threads per reduction column).
+    auto gather = [&](int r0, float (&ra)[8], float (&rb)[4]) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
-
-    for (int r0 = 0; r0 < R; r0 += CONV_BR) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int rr = r_load + 2 * i;
-            const int r = r0 + rr;
+        for (int i = 0; i < 8; ++i) {
+            const int r = r0 + r_load + 2 * i;
             float v = 0.0f;
             if (m_valid && r < R) {
                 const int c = r / khw, uv = r - c * khw;
@@ -104,48 +98,71 @@ conv2d_igemm(const float* __restrict__ x, const float* __restrict__ w,
                 if (h >= 0 && h < H && ww >= 0 && ww < W)
                     v = __ldg(x_sample + ((long long)c * H + h) * W + ww);
             }
-            a_tile[rr][tid & (CONV_BM - 1)] = v;
+            ra[i] = v;
         }
-        // The 8 x 64 weight slice: 512 values, two per thread (k fastest: 64 threads per r).
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
+        for (int i = 0; i < 4; ++i) {
             const int idx = tid + i * CONV_THREADS;
-            const int rr = idx >> 6, kk = idx & (CONV_BN - 1);
-            const int r = r0 + rr, k = k0 + kk;
-            b_tile[rr][kk] = (r < R && k < K) ? __ldg(w + (long long)k * R + r) : 0.0f;
+            const int r = r0 + (idx >> 6), k = k0 + (idx & (CONV_BN - 1));
+            rb[i] = (r < R && k < K) ? __ldg(w + (long long)k * R + r) : 0.0f;
+        }
+    };
+
+    float acc[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+    float ra[8], rb[4];
+    gather(0, ra, rb);
+    for (int r0 = 0; r0 < R; r0 += CONV_BR) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) a_tile[r_load + 2 * i][tid & (CONV_BM - 1)] = ra[i];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int idx = tid + i * CONV_THREADS;
+            b_tile[idx >> 6][idx & (CONV_BN - 1)] = rb[i];
         }
         __syncthreads();
-        float af[2][4], bf[4][2];
+        // The next stage's loads are in flight while this stage's MMAs run.
+        if (r0 + CONV_BR < R) gather(r0 + CONV_BR, ra, rb);
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int m = warp_m + i * 16 + gid;
-            af[i][0] = a_tile[tig][m];
-            af[i][1] = a_tile[tig][m + 8];
-            af[i][2] = a_tile[tig + 4][m];
-            af[i][3] = a_tile[tig + 4][m + 8];
-        }
+        for (int ks = 0; ks < CONV_BR; ks += 8) {
+            float af[2][4], bf[4][2];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int k = warp_k + j * 8 + gid;
-            bf[j][0] = b_tile[tig][k];
-            bf[j][1] = b_tile[tig + 4][k];
-        }
-        __syncthreads();
-        unsigned a_hi[2][4], a_lo[2][4], b_hi[4][2], b_lo[4][2];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) split_tf32<PASSES>(af[i], a_hi[i], a_lo[i]);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) split_tf32<PASSES>(bf[j], b_hi[j], b_lo[j]);
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
+            for (int i = 0; i < 2; ++i) {
+                const int m = warp_m + i * 16 + gid;
+                af[i][0] = a_tile[ks + tig][m];
+                af[i][1] = a_tile[ks + tig][m + 8];
+                af[i][2] = a_tile[ks + tig + 4][m];
+                af[i][3] = a_tile[ks + tig + 4][m + 8];
+            }
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                if (PASSES == 3) {  // small terms first
-                    mma_tf32(acc[i][j], a_lo[i], b_hi[j]);
-                    mma_tf32(acc[i][j], a_hi[i], b_lo[j]);
-                }
-                mma_tf32(acc[i][j], a_hi[i], b_hi[j]);
+                const int k = warp_k + j * 8 + gid;
+                bf[j][0] = b_tile[ks + tig][k];
+                bf[j][1] = b_tile[ks + tig + 4][k];
             }
+            unsigned a_hi[2][4], a_lo[2][4], b_hi[4][2], b_lo[4][2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) split_tf32<PASSES>(af[i], a_hi[i], a_lo[i]);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) split_tf32<PASSES>(bf[j], b_hi[j], b_lo[j]);
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    if (PASSES == 3) {  // small terms first
+                        mma_tf32(acc[i][j], a_lo[i], b_hi[j]);
+                        mma_tf32(acc[i][j], a_hi[i], b_lo[j]);
+                    }
+                    mma_tf32(acc[i][j], a_hi[i], b_hi[j]);
+                }
+        }
+        __syncthreads();  // the next stage overwrites the tiles
     }
 
     // Each accumulator element (row gid or gid + 8, column 2 * tig or 2 * tig + 1 of its
