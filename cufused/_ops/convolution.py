@@ -124,9 +124,12 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
     """
     from .._cudnn import UnsupportedConvolution
 
-    if _engine(x, weight, args, precision, bias, out) == "igemm":
+    forward_weight, forward_args = weight, args
+    if args.transposed and precision != "ieee":
+        forward_weight, forward_args = _stride1_as_forward(weight, args)
+    if _engine(x, forward_weight, forward_args, precision, bias, out) == "igemm":
         y = out if out is not None else _empty_nchw(args.out_shape)
-        _igemm(x, weight, bias, y, args, precision)
+        _igemm(x, forward_weight, bias, y, forward_args, precision)
         return y, "nchw"
     try:
         plan = _plan(x.shape, weight.shape, args, precision, bias is not None, True,
@@ -187,6 +190,24 @@ def _faster_engine(x_shape, w_shape, args: ConvArgs, bias: bool) -> str:
     igemm_ms = _time_ms(lambda: _igemm(x, w, b, y, args, "tf32"), flush=flush)
     cudnn_ms = _time_ms(lambda: plan.apply(x, w, bias=b, out=y), flush=flush)
     return "igemm" if igemm_ms < cudnn_ms else "cudnn"
+
+
+def _stride1_as_forward(weight, args: ConvArgs):
+    """A stride-1 transposed convolution (one group, no output padding) as the forward one it
+    equals: the weight flipped spatially with its in and out channels swapped, padded by
+    ``dilation * (k - 1) - padding``; ``(weight, args)`` unchanged for any other."""
+    import cupy
+
+    k = weight.shape[2:]
+    pad = tuple(d * (kk - 1) - p for d, kk, p in zip(args.dilation, k, args.padding))
+    if (any(s != 1 for s in args.stride) or args.groups != 1 or any(args.output_padding)
+            or min(pad) < 0):
+        return weight, args
+    nd = weight.ndim - 2
+    flipped = cupy.ascontiguousarray(
+        weight.swapaxes(0, 1)[(Ellipsis, *(slice(None, None, -1),) * nd)])
+    return flipped, ConvArgs(False, args.stride, pad, (0,) * nd, args.dilation, 1,
+                             args.out_shape)
 
 
 def _igemm(x, weight, bias, y, args: ConvArgs, precision: str) -> None:

@@ -58,6 +58,22 @@ def test_3xtf32_is_as_accurate_as_float32(rng):
     assert err["3xtf32"] < 3 * err["ieee"] + 1e-7 and err["tf32"] > 1e-4, err
 
 
+@pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
+@pytest.mark.parametrize("shapes, options", [
+    (((2, 4, 6, 5), (4, 3, 5, 5)), dict(padding=1)),                    # pipeline B's form
+    (((1, 3, 7, 6), (3, 2, 3, 2)), dict(padding=(0, 1), dilation=(2, 1))),
+    (((2, 8, 9, 9), (8, 16, 3, 3)), dict()),
+])
+def test_stride1_transposed_as_forward(rng, shapes, options, precision):
+    # A stride-1 transposed convolution runs on the implicit GEMM as the forward convolution
+    # it equals (flipped kernel, channels swapped, padding d * (k - 1) - p).
+    x_shape, w_shape = shapes
+    x, w, b = (rng.standard_normal(s) for s in (x_shape, w_shape, (w_shape[1],)))
+    ref = cufused.conv_transpose2d(x, w, b, **options)
+    got = cufused.conv_transpose2d(*to_gpu(x, w, b), **options, precision=precision)
+    assert_close(got.get(), ref, TOL[precision])
+
+
 def test_transposed_and_strided_operands_fall_back(rng):
     x = rng.standard_normal((2, 4, 6, 7))
     w = rng.standard_normal((4, 3, 3, 3))
