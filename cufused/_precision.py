@@ -14,7 +14,7 @@ import contextvars
 import threading
 from collections.abc import Iterator
 
-PRECISIONS = ("ieee", "tf32")
+PRECISIONS = ("ieee", "tf32", "3xtf32")
 
 _process_default = ["ieee"]
 _lock = threading.Lock()
@@ -54,9 +54,12 @@ def set_default_precision(precision: str) -> None:
 
     Parameters
     ----------
-    precision : {"ieee", "tf32"}
-        ``"ieee"`` keeps convolutions in true float32; ``"tf32"`` lets cuDNN use TF32
-        tensor cores, as PyTorch does for convolutions by default.
+    precision : {"ieee", "tf32", "3xtf32"}
+        ``"ieee"`` keeps convolutions in true float32; ``"tf32"`` lets them use TF32
+        tensor cores, as PyTorch does for convolutions by default; ``"3xtf32"`` splits each
+        float32 operand into two TF32 parts and sums three tensor-core products (float32
+        accuracy; cufused's own convolution where it applies: 2-D, one group, forward or
+        transposed with stride 1; else ``"ieee"``).
 
     Raises
     ------
@@ -85,7 +88,7 @@ def default_precision(precision: str) -> Iterator[None]:
 
     Parameters
     ----------
-    precision : {"ieee", "tf32"}
+    precision : {"ieee", "tf32", "3xtf32"}
         The default inside the block.
 
     Raises

@@ -17,6 +17,10 @@ import threading
 # EPILOGUE_*): NVRTC expands them in name expressions, so their values live only in the .cu
 # files. The launchers (cufused/_kernels/) ask for exactly these strings.
 KERNELS: dict[str, tuple[str, ...]] = {
+    "conv_gemm.cu": (
+        "conv2d_igemm<1>",
+        "conv2d_igemm<3>",
+    ),
     "pooling.cu": (
         "pool_nd<true, 0, 0>",
         "pool_nd<false, 0, 0>",

@@ -125,6 +125,13 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
     """
     from .._cudnn import UnsupportedConvolution
 
+    forward_weight, forward_args = weight, args
+    if args.transposed and precision != "ieee":
+        forward_weight, forward_args = _stride1_as_forward(weight, args)
+    if _engine(x, forward_weight, forward_args, precision, bias, out) == "igemm":
+        y = out if out is not None else _empty_nchw(args.out_shape)
+        _igemm(x, forward_weight, bias, y, forward_args, precision)
+        return y, "nchw"
     try:
         plan = _plan(x.shape, weight.shape, args, precision, bias is not None, True,
                      convert_output, False)
@@ -133,6 +140,88 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
             raise
         return _transposed_as_forward(x, weight, args, precision, bias=bias, out=out), "nchw"
     return plan.apply(x, weight, bias=bias, out=out, convert_output=convert_output)
+
+
+# The engine of each tensor-core problem, by (device, shapes, arguments): "igemm" (cufused's
+# implicit GEMM, conv_gemm.cu) or "cudnn", whichever the autotuner measured faster in TF32.
+_ENGINES: dict[tuple, str] = {}
+
+
+def _igemm_eligible(x, weight, args: ConvArgs, bias, out) -> bool:
+    """What the implicit-GEMM kernel computes: a 2-D forward convolution, one group, dense
+    NCHW operands (any sizes, strides, padding, dilation)."""
+    return (x.ndim == 4 and not args.transposed and args.groups == 1
+            and x.flags.c_contiguous and weight.flags.c_contiguous
+            and (bias is None or bias.flags.c_contiguous)
+            and (out is None or out.flags.c_contiguous))
+
+
+def _engine(x, weight, args: ConvArgs, precision: str, bias, out) -> str:
+    """"igemm" or "cudnn" for this call. "3xtf32" runs on the implicit GEMM wherever it
+    applies (cuDNN has no such mode; elsewhere cuDNN's exact float32 stands in); "tf32" runs
+    on whichever engine the autotuner measured faster for the problem (cuDNN without
+    autotuning); "ieee" on cuDNN."""
+    if precision == "ieee" or not _igemm_eligible(x, weight, args, bias, out):
+        return "cudnn"
+    if precision == "3xtf32":
+        return "igemm"
+    from .._cudnn import _config
+
+    if not _config["autotune"] or _config["pins"] is not None:
+        return "cudnn"
+    import cupy
+
+    key = (cupy.cuda.runtime.getDevice(), x.shape, weight.shape, args, bias is not None)
+    engine = _ENGINES.get(key)
+    if engine is None:
+        engine = _ENGINES[key] = _faster_engine(x.shape, weight.shape, args, bias is not None)
+    return engine
+
+
+def _faster_engine(x_shape, w_shape, args: ConvArgs, bias: bool) -> str:
+    """Time the implicit GEMM and the cuDNN plan on random operands (TF32, L2 flushed)."""
+    from .._cudnn import _l2_flush_buffer
+    from .._cudnn._timing import _random, _time_ms
+
+    x, w = _random(x_shape), _random(w_shape)
+    b = _random((w_shape[0],)) if bias else None
+    y = _empty_nchw(args.out_shape)
+    plan = _plan(x_shape, w_shape, args, "tf32", bias, True, True, False)
+    flush = _l2_flush_buffer()
+    igemm_ms = _time_ms(lambda: _igemm(x, w, b, y, args, "tf32"), flush=flush)
+    cudnn_ms = _time_ms(lambda: plan.apply(x, w, bias=b, out=y), flush=flush)
+    return "igemm" if igemm_ms < cudnn_ms else "cudnn"
+
+
+def _stride1_as_forward(weight, args: ConvArgs):
+    """A stride-1 transposed convolution (one group, no output padding) as the forward one it
+    equals: the weight flipped spatially with its in and out channels swapped, padded by
+    ``dilation * (k - 1) - padding``; ``(weight, args)`` unchanged for any other."""
+    import cupy
+
+    k = weight.shape[2:]
+    pad = tuple(d * (kk - 1) - p for d, kk, p in zip(args.dilation, k, args.padding))
+    if (any(s != 1 for s in args.stride) or args.groups != 1 or any(args.output_padding)
+            or min(pad) < 0):
+        return weight, args
+    nd = weight.ndim - 2
+    flipped = cupy.ascontiguousarray(
+        weight.swapaxes(0, 1)[(Ellipsis, *(slice(None, None, -1),) * nd)])
+    return flipped, ConvArgs(False, args.stride, pad, (0,) * nd, args.dilation, 1,
+                             args.out_shape)
+
+
+def _igemm(x, weight, bias, y, args: ConvArgs, precision: str) -> None:
+    from .._kernels.conv_gemm import conv2d_implicit_gemm
+
+    conv2d_implicit_gemm(x, weight, bias, y, stride=args.stride, padding=args.padding,
+                         dilation=args.dilation, passes=3 if precision == "3xtf32" else 1)
+
+
+def _empty_nchw(shape):
+    import cupy
+
+    return cupy.empty(shape, dtype=cupy.float32)
 
 
 def _transposed_as_forward(x, weight, args: ConvArgs, precision: str, *, bias=None, out=None):
@@ -178,9 +267,10 @@ def _plan(x_shape, w_shape, args: ConvArgs, precision: str, bias: bool, convert_
           convert_output: bool, accept_classes: bool):
     from .._cudnn import ConvProblem, conv_plan
 
+    # cuDNN has no 3xTF32: its exact float32 stands in (at least as accurate).
     problem = ConvProblem("dgrad" if args.transposed else "fprop", tuple(x_shape),
                           tuple(w_shape), args.out_shape, args.stride, args.padding,
-                          args.dilation, precision, bias)
+                          args.dilation, "ieee" if precision == "3xtf32" else precision, bias)
     return conv_plan(problem, convert_input=convert_input, convert_output=convert_output,
                      accept_classes=accept_classes)
 
@@ -257,7 +347,7 @@ _COMMON_DOC = """
         As in PyTorch; one value or one per spatial dimension.{extra}
     groups : int
         Blocked channel connections; must divide the input (and output) channels.
-    precision : {{"ieee", "tf32"}}, optional
+    precision : {{"ieee", "tf32", "3xtf32"}}, optional
         ``"tf32"`` lets cuDNN use TF32 tensor cores; ``None`` uses the default
         (:func:`cufused.get_default_precision`). Ignored on the NumPy path.
     out : array, optional

@@ -173,7 +173,8 @@ def cmd_bench(args) -> int:
     result = {"header": _header(), "ceilings": measure_ceilings(timer), "rows": []}
     for i, case in enumerate(cases):
         _progress(i, len(cases), f"case {case.name}")
-        rows = bench_case(case, timer, torch_compile=not args.no_compile)
+        rows = bench_case(case, timer, precisions=tuple(args.precisions),
+                          torch_compile=not args.no_compile)
         add_floors(case, rows, result["ceilings"])
         result["rows"].extend(rows)
     _progress(len(cases), len(cases), "done")
@@ -219,6 +220,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write every figure to FILE")
     p.add_argument("--plot", metavar="FILE.png", help="draw a bar chart (needs matplotlib)")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    p.add_argument("--precisions", nargs="*", choices=["ieee", "tf32", "3xtf32"],
+                   default=["ieee", "tf32"],
+                   help="precisions to time (default ieee tf32); PyTorch runs 3xtf32's rows "
+                        "in float32 (TF32 off)")
     p.add_argument("--repeat", type=int, default=20, help="timed runs per figure (median)")
     p.add_argument("--cases", nargs="*", choices=["A", "B", "C"], help="only these cases")
     p.set_defaults(func=cmd_bench)

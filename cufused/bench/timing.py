@@ -127,8 +127,10 @@ def conv_plan_for(case: Case, precision: str, *, layout_free: bool = False):
     args = check_conv_args(c["x_shape"], c["w_shape"], len(c["x_shape"]) - 2,
                            transposed=c["kind"] == "dgrad", **{"stride": 1, "padding": 0,
                                                                **_conv_options(case)})
+    # cuDNN has no 3xTF32: the pipeline's cuDNN convolutions then run in exact float32.
     problem = ConvProblem(c["kind"], tuple(c["x_shape"]), tuple(c["w_shape"]), args.out_shape,
-                          args.stride, args.padding, args.dilation, precision)
+                          args.stride, args.padding, args.dilation,
+                          "ieee" if precision == "3xtf32" else precision)
     return conv_plan(problem, convert_input=case.name != "C" and not layout_free,
                      convert_output=False, accept_classes=case.name == "C")
 
@@ -240,7 +242,10 @@ def add_floors(case: Case, rows: list[dict], ceilings: dict) -> None:
     whichever takes longer; ``post_floor``, what the pipeline moves besides the convolution."""
     bandwidth = ceilings["copy_TBps"] * 1e12
     for r in rows:
-        rate = ceilings.get("tf32_TFLOPs" if r["precision"] == "tf32" else "fp32_TFLOPs")
+        # 3xTF32 issues three TF32 products per multiply-add.
+        tensor = ceilings.get("tf32_TFLOPs", ceilings["fp32_TFLOPs"])
+        rate = {"tf32": tensor, "3xtf32": tensor / 3}.get(r["precision"],
+                                                         ceilings["fp32_TFLOPs"])
         byte_ms = case.io_bytes() / bandwidth * 1e3
         r["floor"] = max(case.conv_flops() / (rate * 1e12) * 1e3, byte_ms)
         r["post_floor"] = case.post_conv_bytes() / bandwidth * 1e3

@@ -38,7 +38,7 @@ _RETURNS = f"""
 _SECTIONS = {
     "    {returns}\n": _RETURNS + "\n",
     "    {type_error}\n": _TYPE_ERROR + "\n",
-    "    {precision}\n": """    precision : {"ieee", "tf32"}, optional
+    "    {precision}\n": """    precision : {"ieee", "tf32", "3xtf32"}, optional
         ``None`` is the caller's default when the graph is built.
 """,
     "    {examples}\n": """    Examples
@@ -72,7 +72,7 @@ _CONV_DOC = """{title}, each batch chunk running :func:`cufused.{name}`.
         NumPy or CuPy arrays of the chunks' library (``bias`` may be None).
     stride, padding, {extra}dilation, groups
         As in :func:`cufused.{name}`.
-    precision : {{"ieee", "tf32"}}, optional
+    precision : {{"ieee", "tf32", "3xtf32"}}, optional
         ``None`` is the caller's default (:func:`cufused.get_default_precision`) when the
         graph is built, not the workers' when it runs.
 {returns}

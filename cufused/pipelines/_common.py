@@ -15,7 +15,7 @@ METHODS = ("fused", "unfused")
 
 # The numpydoc entries and sections every pipeline's docstring has after its own parameters.
 _SHARED_DOC = """\
-    precision : {{"ieee", "tf32"}}, optional
+    precision : {{"ieee", "tf32", "3xtf32"}}, optional
         Convolution precision; ``None`` uses the default.
     method : {{"fused", "unfused"}}
         ``"unfused"`` runs separate building blocks (GPU baseline); ignored for NumPy input.

@@ -41,7 +41,7 @@ class Conv2dGroupNormScaleMaxPoolClamp(torch.nn.Module):
         Max-pool window and stride.
     clamp_min, clamp_max : float
         Bounds of the final clamp, after the pool.
-    precision : {"ieee", "tf32"}, optional
+    precision : {"ieee", "tf32", "3xtf32"}, optional
         Convolution precision on the GPU; ``None`` uses cufused's default.
 
     Notes
@@ -105,7 +105,7 @@ class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(torch.nn.Module):
         ``(in_channels, out_channels, k, k)`` and the results are the model's.
     num_groups : int
         GroupNorm groups; must divide ``out_channels``.
-    precision : {"ieee", "tf32"}, optional
+    precision : {"ieee", "tf32", "3xtf32"}, optional
         Convolution precision on the GPU; ``None`` uses cufused's default.
 
     Notes
@@ -187,7 +187,7 @@ class ConvTranspose3dAvgPoolClampSoftmaxMultiply(torch.nn.Module):
         Average-pool window and stride.
     clamp_min, clamp_max : float
         Bounds of the clamp of the pooled convolution output, before the softmax.
-    precision : {"ieee", "tf32"}, optional
+    precision : {"ieee", "tf32", "3xtf32"}, optional
         Convolution precision on the GPU; ``None`` uses cufused's default.
 
     Notes

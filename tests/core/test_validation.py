@@ -154,3 +154,14 @@ def test_gpu_call_without_cupy_names_the_extra(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_cupy)
     with pytest.raises(ImportError, match=r"cufused\[cuda12\] or cufused\[cuda13\]"):
         cufused._arrays.import_cupy()
+
+
+def test_3xtf32_is_a_precision(rng):
+    x = rng.random((1, 2, 5, 5))
+    w = rng.random((3, 2, 3, 3))
+    # NumPy input runs the float64 reference whatever the precision.
+    np.testing.assert_array_equal(cufused.conv2d(x, w, precision="3xtf32"), cufused.conv2d(x, w))
+    with cufused.default_precision("3xtf32"):
+        assert cufused.get_default_precision() == "3xtf32"
+    with pytest.raises(ValueError, match="3xtf32"):
+        cufused.conv2d(x, w, precision="fp16")

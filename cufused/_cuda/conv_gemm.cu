@@ -1,0 +1,191 @@
+// Implicit-GEMM 2-D convolution on tensor cores (mma.sync m16n8k8, TF32 inputs, float32
+// accumulation), NCHW input, OIHW weight, NCHW output, groups = 1.
+//
+// GEMM view: rows m = (n, p, q) output pixels (M = N * P * Q), columns k = output channels
+// (K = C_out), reduction r = (c, u, v) over C_in * kH * kW (the OIHW weight's inner order).
+// A block computes a BM x BN = 128 x 64 tile of the output with 8 warps (4 along m, 2 along
+// k), each warp 32 x 32 = 2 x 4 MMA tiles; the reduction advances BR = 16 at a time through
+// shared memory: the block gathers the 128 x 16 input slice (im2col on the fly, zero padding)
+// and the 16 x 64 weight slice, then each warp issues its 2 x 8 MMAs while the next slice's
+// global loads are in flight (held in registers until the tiles are free).
+//
+// PASSES = 1 is plain TF32 (each product of 10-bit mantissas); PASSES = 3 splits each float32
+// operand into a TF32 high part and a TF32 residual and sums hi*hi + hi*lo + lo*hi (the
+// "3xTF32" scheme): products to about float32 accuracy at a third of the tensor rate.
+#include "common.cuh"
+
+#define CONV_BM 128
+#define CONV_BN 64
+#define CONV_BR 16
+#define CONV_THREADS 256
+
+__device__ __forceinline__ unsigned to_tf32(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4],
+                                         const unsigned (&b)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Split float32 values into TF32 high parts and (for PASSES = 3) TF32 residuals.
+template <int PASSES, int N>
+__device__ __forceinline__ void split_tf32(const float (&x)[N], unsigned (&hi)[N],
+                                           unsigned (&lo)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        hi[i] = to_tf32(x[i]);
+        // An infinite or NaN value has no residual (inf - inf would be NaN, where the
+        // product must stay infinite); its high part carries it.
+        if (PASSES == 3)
+            lo[i] = to_tf32(fabsf(x[i]) < INFINITY ? x[i] - __uint_as_float(hi[i]) : 0.0f);
+    }
+}
+
+// y[n, k, p, q] = bias[k] + sum_{c, u, v} x[n, c, p*sh - ph + u*dh, q*sw - pw + v*dw]
+//                                        * w[k, c, u, v]
+// Grid (ceil(M / 128), ceil(K / 64)), block 256. bias may be null.
+template <int PASSES>
+__global__ void __launch_bounds__(CONV_THREADS)
+conv2d_igemm(const float* __restrict__ x, const float* __restrict__ w,
+             const float* __restrict__ bias, float* __restrict__ y, int N, int C, int H, int W,
+             int K, int kh, int kw, int P, int Q, int sh, int sw, int ph, int pw, int dh,
+             int dw) {
+    __shared__ float a_tile[CONV_BR][CONV_BM + 8];  // [r][m]: conflict-free fragment loads
+    __shared__ float b_tile[CONV_BR][CONV_BN + 8];  // [r][k]
+    const int tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5;
+    const int gid = lane >> 2, tig = lane & 3;  // the MMA fragments' row group and column
+    const int warp_m = (warp & 3) * 32, warp_k = (warp >> 2) * 32;
+    const long long M = (long long)N * P * Q;
+    const long long m0 = (long long)blockIdx.x * CONV_BM;
+    const int k0 = blockIdx.y * CONV_BN;
+    const int R = C * kh * kw, khw = kh * kw;
+
+    // This thread gathers input row m0 + (tid % 128), reduction columns tid / 128 + 2 * i.
+    const long long m_load = m0 + (tid & (CONV_BM - 1));
+    const bool m_valid = m_load < M;
+    int h_base = 0, w_base = 0;
+    const float* x_sample = x;
+    if (m_valid) {
+        const long long pq = (long long)P * Q;
+        const long long n = m_load / pq;
+        const int rest = (int)(m_load - n * pq);
+        const int p = rest / Q, q = rest - p * Q;
+        h_base = p * sh - ph;
+        w_base = q * sw - pw;
+        x_sample = x + n * (long long)C * H * W;
+    }
+    const int r_load = tid >> 7;  // 0 or 1
+
+    // One stage's gathers by this thread: 8 input values (rows tid % 128, reduction columns
+    // tid / 128 + 2 * i) and 4 weight values (k fastest: 64 threads per reduction column).
+    auto gather = [&](int r0, float (&ra)[8], float (&rb)[4]) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int r = r0 + r_load + 2 * i;
+            float v = 0.0f;
+            if (m_valid && r < R) {
+                const int c = r / khw, uv = r - c * khw;
+                const int u = uv / kw, vv = uv - u * kw;
+                const int h = h_base + u * dh, ww = w_base + vv * dw;
+                if (h >= 0 && h < H && ww >= 0 && ww < W)
+                    v = __ldg(x_sample + ((long long)c * H + h) * W + ww);
+            }
+            ra[i] = v;
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int idx = tid + i * CONV_THREADS;
+            const int r = r0 + (idx >> 6), k = k0 + (idx & (CONV_BN - 1));
+            rb[i] = (r < R && k < K) ? __ldg(w + (long long)k * R + r) : 0.0f;
+        }
+    };
+
+    float acc[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+    float ra[8], rb[4];
+    gather(0, ra, rb);
+    for (int r0 = 0; r0 < R; r0 += CONV_BR) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) a_tile[r_load + 2 * i][tid & (CONV_BM - 1)] = ra[i];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int idx = tid + i * CONV_THREADS;
+            b_tile[idx >> 6][idx & (CONV_BN - 1)] = rb[i];
+        }
+        __syncthreads();
+        // The next stage's loads are in flight while this stage's MMAs run.
+        if (r0 + CONV_BR < R) gather(r0 + CONV_BR, ra, rb);
+#pragma unroll
+        for (int ks = 0; ks < CONV_BR; ks += 8) {
+            float af[2][4], bf[4][2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int m = warp_m + i * 16 + gid;
+                af[i][0] = a_tile[ks + tig][m];
+                af[i][1] = a_tile[ks + tig][m + 8];
+                af[i][2] = a_tile[ks + tig + 4][m];
+                af[i][3] = a_tile[ks + tig + 4][m + 8];
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int k = warp_k + j * 8 + gid;
+                bf[j][0] = b_tile[ks + tig][k];
+                bf[j][1] = b_tile[ks + tig + 4][k];
+            }
+            unsigned a_hi[2][4], a_lo[2][4], b_hi[4][2], b_lo[4][2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) split_tf32<PASSES>(af[i], a_hi[i], a_lo[i]);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) split_tf32<PASSES>(bf[j], b_hi[j], b_lo[j]);
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    if (PASSES == 3) {  // small terms first
+                        mma_tf32(acc[i][j], a_lo[i], b_hi[j]);
+                        mma_tf32(acc[i][j], a_hi[i], b_lo[j]);
+                    }
+                    mma_tf32(acc[i][j], a_hi[i], b_hi[j]);
+                }
+        }
+        __syncthreads();  // the next stage overwrites the tiles
+    }
+
+    // Each accumulator element (row gid or gid + 8, column 2 * tig or 2 * tig + 1 of its
+    // 16 x 8 tile) goes to y[n, k, p, q]: for one column, the 8 row groups of a warp write 8
+    // consecutive pixels.
+    const long long pq = (long long)P * Q;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const long long m = m0 + warp_m + i * 16 + gid + half * 8;
+            if (m >= M) continue;
+            const long long n = m / pq;
+            const long long pix = m - n * pq;
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int k = k0 + warp_k + j * 8 + 2 * tig + e;
+                    if (k >= K) continue;
+                    float v = acc[i][j][half * 2 + e];
+                    if (bias != nullptr) v += __ldg(bias + k);
+                    y[(n * K + k) * pq + pix] = v;
+                }
+        }
+}

@@ -1,0 +1,60 @@
+"""The implicit-GEMM tensor-core convolution (conv_gemm.cu) against the float64 reference:
+TF32 to TF32 accuracy, 3xTF32 to float32 accuracy, odd shapes, strides, padding, dilation,
+bias, NaN-poisoned outputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cufused import reference
+
+from conftest import GPU, assert_close
+
+pytestmark = pytest.mark.gpu
+
+if GPU:
+    import cupy as cp
+
+    from cufused._kernels.conv_gemm import conv2d_implicit_gemm
+
+CASES = [
+    # x shape, w shape, stride, padding, dilation
+    ((2, 8, 20, 18), (64, 8, 3, 3), (1, 1), (0, 0), (1, 1)),
+    ((3, 5, 17, 13), (7, 5, 3, 3), (1, 1), (0, 0), (1, 1)),  # K, C not multiples of 4
+    ((2, 6, 19, 23), (9, 6, 3, 5), (2, 1), (1, 2), (1, 2)),
+    ((1, 3, 11, 11), (130, 3, 1, 1), (3, 3), (0, 0), (1, 1)),  # K over two column tiles
+    ((4, 16, 9, 9), (32, 16, 5, 5), (1, 1), (2, 2), (1, 1)),   # reduction 400: many steps
+    ((1, 1, 130, 3), (1, 1, 2, 2), (1, 1), (0, 0), (1, 1)),    # one output channel
+]
+
+
+@pytest.mark.parametrize("passes, tol", [(1, 2e-3), (3, 2e-6)])
+@pytest.mark.parametrize("x_shape, w_shape, stride, padding, dilation", CASES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_against_float64_reference(rng, x_shape, w_shape, stride, padding, dilation,
+                                   with_bias, passes, tol):
+    x = rng.standard_normal(x_shape)
+    w = rng.standard_normal(w_shape)
+    b = rng.standard_normal(w_shape[0]) if with_bias else None
+    ref = reference.conv(x, w, b, stride, padding, dilation, 1)
+    y = cp.full(ref.shape, cp.nan, dtype=cp.float32)
+    conv2d_implicit_gemm(cp.asarray(x, cp.float32), cp.asarray(w, cp.float32),
+                         None if b is None else cp.asarray(b, cp.float32), y,
+                         stride=stride, padding=padding, dilation=dilation, passes=passes)
+    assert_close(y.get(), ref, tol)
+
+
+@pytest.mark.parametrize("passes", [1, 3])
+def test_non_finite_inputs_propagate(rng, passes):
+    x = rng.standard_normal((1, 4, 6, 6))
+    w = rng.standard_normal((8, 4, 3, 3))
+    x[0, 1, 2, 3], x[0, 2, 0, 0], w[5, 0, 1, 1] = np.nan, np.inf, -np.inf
+    ref = reference.conv(x, w, None, (1, 1), (1, 1), (1, 1), 1)
+    y = cp.empty(ref.shape, dtype=cp.float32)
+    conv2d_implicit_gemm(cp.asarray(x, cp.float32), cp.asarray(w, cp.float32), None, y,
+                         stride=(1, 1), padding=(1, 1), dilation=(1, 1), passes=passes)
+    got = y.get()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+    np.testing.assert_array_equal(np.isposinf(got), np.isposinf(ref))
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))

@@ -1,0 +1,112 @@
+"""The "3xtf32" precision and the implicit-GEMM engine through the public functions: float32
+accuracy for 3xTF32, TF32 accuracy whichever engine the autotuner picks, fallbacks (groups,
+3-D, transposed, strided operands) to cuDNN, the pipelines, non-finite values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cufused
+from cufused import reference
+
+from conftest import (GPU, assert_close, pipeline_a_args, pipeline_b_args, pipeline_c_args,
+                      to_gpu)
+
+pytestmark = pytest.mark.gpu
+
+if GPU:
+    import cupy as cp
+
+TOL = {"ieee": 1e-5, "3xtf32": 1e-5, "tf32": 5e-3}
+
+
+@pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
+@pytest.mark.parametrize("shapes, options", [
+    (((3, 5, 17, 13), (7, 5, 3, 3)), dict()),
+    (((2, 6, 19, 23), (9, 6, 3, 5)), dict(stride=(2, 1), padding=(1, 2), dilation=(1, 2))),
+    (((2, 8, 30, 30), (64, 8, 3, 3)), dict(padding=1)),
+    (((2, 6, 9, 9), (6, 2, 3, 3)), dict(groups=3)),            # cuDNN
+    (((2, 4, 5, 6, 7), (6, 4, 3, 3, 3)), dict(padding=1)),     # 3-D: cuDNN
+])
+def test_convolutions(rng, shapes, options, precision):
+    x_shape, w_shape = shapes
+    x = rng.standard_normal(x_shape)
+    w = rng.standard_normal(w_shape)
+    b = rng.standard_normal(w_shape[0])
+    fn = cufused.conv2d if len(x_shape) == 4 else cufused.conv3d
+    ref = fn(x, w, b, **options)  # float64 reference
+    got = fn(*to_gpu(x, w, b), **options, precision=precision)
+    assert_close(got.get(), ref, TOL[precision])
+
+
+def test_3xtf32_is_as_accurate_as_float32(rng):
+    # 144-term dot products of standard normal values: TF32 alone errs by ~1e-3 relative;
+    # the split recovers float32's rounding (the implicit GEMM's one TF32 pass is the check
+    # that the split matters).
+    from cufused._kernels.conv_gemm import conv2d_implicit_gemm
+
+    x = rng.standard_normal((2, 16, 20, 20))
+    w = rng.standard_normal((32, 16, 3, 3))
+    ref = cufused.conv2d(x, w)
+    err = {p: np.linalg.norm(cufused.conv2d(*to_gpu(x, w), precision=p).get() - ref)
+           / np.linalg.norm(ref) for p in ("3xtf32", "ieee")}
+    one_pass = cp.empty(ref.shape, dtype=cp.float32)
+    conv2d_implicit_gemm(*to_gpu(x, w), None, one_pass, stride=(1, 1), padding=(0, 0),
+                         dilation=(1, 1), passes=1)
+    err["tf32"] = np.linalg.norm(one_pass.get() - ref) / np.linalg.norm(ref)
+    assert err["3xtf32"] < 3 * err["ieee"] + 1e-7 and err["tf32"] > 1e-4, err
+
+
+@pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
+@pytest.mark.parametrize("shapes, options", [
+    (((2, 4, 6, 5), (4, 3, 5, 5)), dict(padding=1)),                    # pipeline B's form
+    (((1, 3, 7, 6), (3, 2, 3, 2)), dict(padding=(0, 1), dilation=(2, 1))),
+    (((2, 8, 9, 9), (8, 16, 3, 3)), dict()),
+])
+def test_stride1_transposed_as_forward(rng, shapes, options, precision):
+    # A stride-1 transposed convolution runs on the implicit GEMM as the forward convolution
+    # it equals (flipped kernel, channels swapped, padding d * (k - 1) - p).
+    x_shape, w_shape = shapes
+    x, w, b = (rng.standard_normal(s) for s in (x_shape, w_shape, (w_shape[1],)))
+    ref = cufused.conv_transpose2d(x, w, b, **options)
+    got = cufused.conv_transpose2d(*to_gpu(x, w, b), **options, precision=precision)
+    assert_close(got.get(), ref, TOL[precision])
+
+
+def test_transposed_and_strided_operands_fall_back(rng):
+    x = rng.standard_normal((2, 4, 6, 7))
+    w = rng.standard_normal((4, 3, 3, 3))
+    ref = cufused.conv_transpose2d(x, w, stride=2)
+    got = cufused.conv_transpose2d(*to_gpu(x, w), stride=2, precision="3xtf32")
+    assert_close(got.get(), ref, 1e-5)
+    xs = cp.asarray(rng.standard_normal((2, 5, 9, 16)), dtype=cp.float32)[..., ::2]
+    wd = cp.asarray(rng.standard_normal((3, 5, 3, 3)), dtype=cp.float32)
+    assert_close(cufused.conv2d(xs, wd, precision="3xtf32").get(),
+                 cufused.conv2d(xs.get().astype(np.float64), wd.get().astype(np.float64)),
+                 1e-5)
+
+
+@pytest.mark.parametrize("case, make", [
+    ("conv2d_groupnorm_scale_maxpool_clamp", pipeline_a_args),
+    ("conv_transpose2d_batchnorm_tanh_maxpool_groupnorm", pipeline_b_args),
+    ("conv_transpose3d_avgpool_clamp_softmax_multiply", pipeline_c_args),
+])
+def test_pipelines_in_3xtf32(rng, case, make):
+    fn = getattr(cufused, case)
+    args, kwargs = make(rng)
+    ref = fn(*args, **kwargs)
+    got = fn(*to_gpu(*args), **kwargs, precision="3xtf32")
+    assert_close(got.get(), ref, 1e-4)
+
+
+@pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
+def test_non_finite_values_as_pytorch(rng, precision):
+    x = rng.standard_normal((1, 4, 6, 6))
+    w = rng.standard_normal((8, 4, 3, 3))
+    x[0, 1, 2, 3], x[0, 2, 0, 0], w[5, 0, 1, 1] = np.nan, np.inf, -np.inf
+    with np.errstate(all="ignore"):
+        ref = reference.conv(x, w, None, (1, 1), (1, 1), (1, 1), 1)
+    got = cufused.conv2d(*to_gpu(x, w), padding=1, precision=precision).get()
+    for test in (np.isnan, np.isposinf, np.isneginf):
+        np.testing.assert_array_equal(test(got), test(ref))
