@@ -133,13 +133,17 @@ def to_gpu(*arrays):
 
 
 def assert_same_as_direct(got, ref, again) -> None:
-    """``got`` (a replayed or cached call) bitwise equal to ``ref`` (the same call run
-    directly) where the direct call is itself deterministic (``again``, a second direct call,
-    equals ``ref``; a cuDNN plan may sum in a varying order), else close to it."""
-    if bool((ref == again).all()):
-        cp.testing.assert_array_equal(got, ref)
-    else:
-        assert_close(got.get(), ref.get(), 1e-5)
+    """``got`` (a replayed or cached call) equal to ``ref`` (the same call run directly) up to
+    the order of float32 sums: within 1e-6 where the direct call repeats itself bitwise
+    (``again``, a second direct call, equals ``ref``), else within 1e-5. A cuDNN engine may sum
+    in a varying order that two runs need not show (one element in thousands differs by an
+    ulp); a replay that read another buffer, layout or stale values would be off by O(1).
+    Non-finite values of ``ref`` must be exactly where they are."""
+    tol = 1e-6 if bool(((ref == again) | (cp.isnan(ref) & cp.isnan(again))).all()) else 1e-5
+    got, ref = got.get(), ref.get()
+    finite = np.isfinite(ref)
+    np.testing.assert_array_equal(got[~finite], ref[~finite])
+    assert_close(got[finite], ref[finite], tol)
 
 
 def poisoned(shape):

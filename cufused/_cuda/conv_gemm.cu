@@ -11,7 +11,8 @@
 //
 // PASSES = 1 is plain TF32 (each product of 10-bit mantissas); PASSES = 3 splits each float32
 // operand into a TF32 high part and a TF32 residual and sums hi*hi + hi*lo + lo*hi (the
-// "3xTF32" scheme): products to about float32 accuracy at a third of the tensor rate.
+// "3xTF32" scheme): products to about float32 accuracy at a third of the tensor rate, each
+// stage's sum added to the accumulator in float32.
 #include "common.cuh"
 
 #define CONV_BM 128
@@ -46,6 +47,16 @@ __device__ __forceinline__ void split_tf32(const float (&x)[N], unsigned (&hi)[N
         if (PASSES == 3)
             lo[i] = to_tf32(fabsf(x[i]) < INFINITY ? x[i] - __uint_as_float(hi[i]) : 0.0f);
     }
+}
+
+// Zero the non-finite high parts, for the residual products: an infinite high part times a
+// finite residual of the other operand (zero, or of the opposite sign) would turn the
+// infinite product into NaN.
+template <int N>
+__device__ __forceinline__ void finite_or_zero(unsigned (&hi)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+        if (!(fabsf(__uint_as_float(hi[i])) < INFINITY)) hi[i] = 0u;
 }
 
 // y[n, k, p, q] = bias[k] + sum_{c, u, v} x[n, c, p*sh - ph + u*dh, q*sw - pw + v*dw]
@@ -108,13 +119,17 @@ conv2d_igemm(const float* __restrict__ x, const float* __restrict__ w,
         }
     };
 
-    float acc[2][4][4];
+    // 3xTF32 sums each stage's products in registers of their own and adds the stage's sum to
+    // the accumulator in float32 (round to nearest): the tensor cores' accumulation truncates,
+    // and over the whole reduction its bias would cost several times float32's error.
+    float acc[2][4][4], stage[2][4][4];
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = stage[i][j][e] = 0.0f;
+    float (&sum)[2][4][4] = PASSES == 3 ? stage : acc;  // where the MMAs accumulate
 
     float ra[8], rb[4];
     gather(0, ra, rb);
@@ -154,13 +169,31 @@ conv2d_igemm(const float* __restrict__ x, const float* __restrict__ w,
 #pragma unroll
             for (int i = 0; i < 2; ++i)
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    if (PASSES == 3) {  // small terms first
-                        mma_tf32(acc[i][j], a_lo[i], b_hi[j]);
-                        mma_tf32(acc[i][j], a_hi[i], b_lo[j]);
+                for (int j = 0; j < 4; ++j) mma_tf32(sum[i][j], a_hi[i], b_hi[j]);
+            if (PASSES == 3) {
+#pragma unroll
+                for (int i = 0; i < 2; ++i) finite_or_zero(a_hi[i]);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) finite_or_zero(b_hi[j]);
+#pragma unroll
+                for (int i = 0; i < 2; ++i)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        mma_tf32(sum[i][j], a_lo[i], b_hi[j]);
+                        mma_tf32(sum[i][j], a_hi[i], b_lo[j]);
                     }
-                    mma_tf32(acc[i][j], a_hi[i], b_hi[j]);
-                }
+            }
+        }
+        if (PASSES == 3) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        acc[i][j][e] += stage[i][j][e];
+                        stage[i][j][e] = 0.0f;
+                    }
         }
         __syncthreads();  // the next stage overwrites the tiles
     }

@@ -10,8 +10,10 @@ from typing import Any
 
 from .._arrays import import_cupy
 
-# Plan-choice settings: autotuning on/off, and strategy labels to pin (tests), None for all.
-_config: dict[str, Any] = {"autotune": True, "pins": None, "replay": True}
+# Plan-choice settings: autotuning on/off, strategy labels to pin (tests), None for all, graph
+# replay, and the convolution engine forced for TF32 and 3xTF32 ("igemm" or "cudnn"; None:
+# the one measured faster).
+_config: dict[str, Any] = {"autotune": True, "pins": None, "replay": True, "engine": None}
 
 
 def set_conv_autotune(enabled: bool) -> None:
@@ -70,14 +72,18 @@ def set_conv_graph_replay(enabled: bool) -> None:
 
 @contextlib.contextmanager
 def plan_options(*, autotune: bool | None = None, pins: tuple[str, ...] | None = None,
-                 replay: bool | None = None):
+                 replay: bool | None = None, engine: str | None = None):
     """Temporarily change how new plans are chosen, and how plans run.
 
     ``pins`` restricts the strategies to those whose :attr:`Strategy.label` is listed (tests
     pin each one in turn); a problem that has none of them falls back to the direct method in
     the pinned layouts. ``replay=False`` runs every call through cuDNN directly instead of
     replaying the CUDA graph captured for repeated operands (see :meth:`ConvPlan.run`).
+    ``engine`` forces the engine of TF32 and 3xTF32 convolutions that cufused's implicit GEMM
+    computes: "igemm" or "cudnn" (tests and benchmarks; by default the faster one measured).
     """
+    if engine not in (None, "igemm", "cudnn"):
+        raise ValueError(f"engine must be 'igemm', 'cudnn' or None, not {engine!r}")
     saved = dict(_config)
     if autotune is not None:
         _config["autotune"] = autotune
@@ -85,6 +91,8 @@ def plan_options(*, autotune: bool | None = None, pins: tuple[str, ...] | None =
         _config["pins"] = tuple(pins)
     if replay is not None:
         _config["replay"] = replay
+    if engine is not None:
+        _config["engine"] = engine
     try:
         yield
     finally:

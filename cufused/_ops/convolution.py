@@ -17,7 +17,7 @@ import numpy
 from .. import reference
 from .._arrays import (Size, check_fits, check_float_dtype, check_ndim, check_required,
                        check_sizes, forward, get_array_module, ntuple, per_channel)
-from .._call_graphs import replayed
+from .._call_graphs import replayed, warm_calls
 from .._precision import resolve_precision
 
 __all__ = ["conv2d", "conv3d", "conv_transpose2d", "conv_transpose3d"]
@@ -125,12 +125,13 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
     """
     from .._cudnn import UnsupportedConvolution
 
-    forward_weight, forward_args = weight, args
-    if args.transposed and precision != "ieee":
-        forward_weight, forward_args = _stride1_as_forward(weight, args)
-    if _engine(x, forward_weight, forward_args, precision, bias, out) == "igemm":
+    forward_args = (_stride1_forward_args(args, weight.shape[2:]) if args.transposed
+                    else args)
+    if (forward_args is not None
+            and _engine(x, weight, forward_args, precision, bias, out) == "igemm"):
         y = out if out is not None else _empty_nchw(args.out_shape)
-        _igemm(x, forward_weight, bias, y, forward_args, precision)
+        _igemm(x, _flipped(weight) if args.transposed else weight, bias, y, forward_args,
+               precision)
         return y, "nchw"
     try:
         plan = _plan(x.shape, weight.shape, args, precision, bias is not None, True,
@@ -142,14 +143,16 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
     return plan.apply(x, weight, bias=bias, out=out, convert_output=convert_output)
 
 
-# The engine of each tensor-core problem, by (device, shapes, arguments): "igemm" (cufused's
-# implicit GEMM, conv_gemm.cu) or "cudnn", whichever the autotuner measured faster in TF32.
+# The engine of each tensor-core problem, by (device, shapes, arguments, precision): "igemm"
+# (cufused's implicit GEMM, conv_gemm.cu) or "cudnn", whichever the autotuner measured faster
+# ("3xtf32" against cuDNN's exact float32, which is at least as accurate).
 _ENGINES: dict[tuple, str] = {}
 
 
 def _igemm_eligible(x, weight, args: ConvArgs, bias, out) -> bool:
-    """What the implicit-GEMM kernel computes: a 2-D forward convolution, one group, dense
-    NCHW operands (any sizes, strides, padding, dilation)."""
+    """What the implicit-GEMM kernel computes: a 2-D forward convolution (or a stride-1
+    transposed one as the forward one it equals), one group, dense NCHW operands (any sizes,
+    strides, padding, dilation)."""
     return (x.ndim == 4 and not args.transposed and args.groups == 1
             and x.flags.c_contiguous and weight.flags.c_contiguous
             and (bias is None or bias.flags.c_contiguous)
@@ -157,58 +160,64 @@ def _igemm_eligible(x, weight, args: ConvArgs, bias, out) -> bool:
 
 
 def _engine(x, weight, args: ConvArgs, precision: str, bias, out) -> str:
-    """"igemm" or "cudnn" for this call. "3xtf32" runs on the implicit GEMM wherever it
-    applies (cuDNN has no such mode; elsewhere cuDNN's exact float32 stands in); "tf32" runs
-    on whichever engine the autotuner measured faster for the problem (cuDNN without
-    autotuning); "ieee" on cuDNN."""
+    """"igemm" or "cudnn" for this call, ``args`` being the forward convolution's. "ieee" runs
+    on cuDNN; "tf32" and "3xtf32" on the engine that the settings force, else on the one the
+    autotuner measured faster for the problem (cuDNN without autotuning, or with cuDNN
+    strategies pinned)."""
     if precision == "ieee" or not _igemm_eligible(x, weight, args, bias, out):
         return "cudnn"
-    if precision == "3xtf32":
-        return "igemm"
     from .._cudnn import _config
 
+    if _config["engine"] is not None:
+        return _config["engine"]
     if not _config["autotune"] or _config["pins"] is not None:
         return "cudnn"
     import cupy
 
-    key = (cupy.cuda.runtime.getDevice(), x.shape, weight.shape, args, bias is not None)
+    key = (cupy.cuda.runtime.getDevice(), x.shape, weight.shape, args, bias is not None,
+           precision)
     engine = _ENGINES.get(key)
     if engine is None:
-        engine = _ENGINES[key] = _faster_engine(x.shape, weight.shape, args, bias is not None)
+        engine = _ENGINES[key] = _faster_engine(x.shape, weight.shape, args, bias is not None,
+                                                precision)
     return engine
 
 
-def _faster_engine(x_shape, w_shape, args: ConvArgs, bias: bool) -> str:
-    """Time the implicit GEMM and the cuDNN plan on random operands (TF32, L2 flushed)."""
+def _faster_engine(x_shape, w_shape, args: ConvArgs, bias: bool, precision: str) -> str:
+    """Time the implicit GEMM and the cuDNN plan that ``precision`` runs on cuDNN (TF32, or
+    exact float32 for 3xTF32) on random operands, L2 flushed."""
     from .._cudnn import _l2_flush_buffer
     from .._cudnn._timing import _random, _time_ms
 
     x, w = _random(x_shape), _random(w_shape)
     b = _random((w_shape[0],)) if bias else None
     y = _empty_nchw(args.out_shape)
-    plan = _plan(x_shape, w_shape, args, "tf32", bias, True, True, False)
+    plan = _plan(x_shape, w_shape, args, precision, bias, True, True, False)
     flush = _l2_flush_buffer()
-    igemm_ms = _time_ms(lambda: _igemm(x, w, b, y, args, "tf32"), flush=flush)
+    igemm_ms = _time_ms(lambda: _igemm(x, w, b, y, args, precision), flush=flush)
     cudnn_ms = _time_ms(lambda: plan.apply(x, w, bias=b, out=y), flush=flush)
     return "igemm" if igemm_ms < cudnn_ms else "cudnn"
 
 
-def _stride1_as_forward(weight, args: ConvArgs):
-    """A stride-1 transposed convolution (one group, no output padding) as the forward one it
-    equals: the weight flipped spatially with its in and out channels swapped, padded by
-    ``dilation * (k - 1) - padding``; ``(weight, args)`` unchanged for any other."""
-    import cupy
-
-    k = weight.shape[2:]
-    pad = tuple(d * (kk - 1) - p for d, kk, p in zip(args.dilation, k, args.padding))
+def _stride1_forward_args(args: ConvArgs, kernel_size: tuple[int, ...]) -> ConvArgs | None:
+    """The forward convolution that a stride-1 transposed one (one group, no output padding)
+    equals with :func:`_flipped` weights: padded by ``dilation * (k - 1) - padding``; None for
+    any other transposed convolution."""
+    pad = tuple(d * (k - 1) - p for d, k, p in zip(args.dilation, kernel_size, args.padding))
     if (any(s != 1 for s in args.stride) or args.groups != 1 or any(args.output_padding)
             or min(pad) < 0):
-        return weight, args
+        return None
+    return ConvArgs(False, args.stride, pad, (0,) * len(pad), args.dilation, 1, args.out_shape)
+
+
+def _flipped(weight):
+    """A transposed convolution's weight as its forward convolution's: flipped spatially,
+    in and out channels swapped (dense)."""
+    import cupy
+
     nd = weight.ndim - 2
-    flipped = cupy.ascontiguousarray(
+    return cupy.ascontiguousarray(
         weight.swapaxes(0, 1)[(Ellipsis, *(slice(None, None, -1),) * nd)])
-    return flipped, ConvArgs(False, args.stride, pad, (0,) * nd, args.dilation, 1,
-                             args.out_shape)
 
 
 def _igemm(x, weight, bias, y, args: ConvArgs, precision: str) -> None:
@@ -388,7 +397,7 @@ def _convolution_op(nd: int, transposed: bool) -> Callable:
                              output_padding=0, dilation=dilation, groups=groups,
                              precision=precision, out=out)
     conv.__name__ = conv.__qualname__ = f"conv{'_transpose' if transposed else ''}{nd}d"
-    return conv
+    return warm_calls(conv)
 
 
 conv2d, conv3d = _convolution_op(2, False), _convolution_op(3, False)

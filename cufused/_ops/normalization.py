@@ -18,7 +18,7 @@ from .. import reference
 from .._arrays import (check_float_dtype, check_required, check_scalar, check_sizes,
                        check_writeable, forward, get_array_module, like_x_sections,
                        per_channel)
-from .._call_graphs import replayed
+from .._call_graphs import replayed, warm_calls
 from .._kernels.normalization import (ROW_CACHE_BYTES, batch_norm_coefficients, channel_affine,
                                      group_norm_coefficients, group_norm_rows,
                                      key_stats_partial, reads_channels_last)
@@ -81,6 +81,7 @@ def _group_norm_gpu(xp, x, num_groups, weight, bias, eps, out):
     return out
 
 
+@warm_calls
 @like_x_sections("``num_groups`` does not divide C, wrong parameter sizes, bad ``eps``.")
 def group_norm(x: Any, num_groups: int, weight: Any = None, bias: Any = None, *,
                eps: float = 1e-5, out: Any = None) -> Any:
@@ -144,6 +145,7 @@ def check_training(training: Any) -> bool:
     return bool(training)
 
 
+@warm_calls
 @like_x_sections("Wrong parameter sizes, a single value per channel in training, missing running\n"
                  "        statistics in inference, bad ``momentum`` / ``eps`` / ``activation``.")
 def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: Any = None,

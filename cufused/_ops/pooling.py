@@ -13,7 +13,7 @@ from typing import Any
 from .. import reference
 from .._arrays import (Size, check_float_dtype, check_ndim, check_required, check_sizes, forward,
                        get_array_module, ntuple)
-from .._call_graphs import replayed
+from .._call_graphs import replayed, warm_calls
 from .._kernels.pooling import pool_into
 
 __all__ = ["max_pool2d", "max_pool3d", "avg_pool2d", "avg_pool3d"]
@@ -117,7 +117,7 @@ def _pool_op(nd: int, is_max: bool, example_input: str, example_result: str):
     >>> x = {example_input}
     >>> cufused.{name}(x, 2)
     {example_result}""")
-    return pool
+    return warm_calls(pool)
 
 
 _X2, _X3 = "np.arange(16.0).reshape(1, 1, 4, 4)", "np.arange(8.0).reshape(1, 1, 2, 2, 2)"

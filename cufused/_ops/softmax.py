@@ -11,7 +11,7 @@ import numpy
 from .. import reference
 from .._arrays import (Size, check_float_dtype, check_required, forward, get_array_module,
                        like_x_sections)
-from .._call_graphs import replayed
+from .._call_graphs import replayed, warm_calls
 from .._kernels.softmax import softmax_rows
 
 __all__ = ["softmax"]
@@ -33,6 +33,7 @@ def normalize_axes(axis: Any, ndim: int) -> tuple[int, ...]:
     return tuple(sorted(axes))
 
 
+@warm_calls
 @like_x_sections("An axis out of range or repeated.",
                  type_error="Not an array, an unsupported dtype, or a non-integer axis.")
 def softmax(x: Any, axis: Size = -1, *, out: Any = None) -> Any:

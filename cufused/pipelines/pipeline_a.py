@@ -16,6 +16,7 @@ import numpy
 from .. import reference
 from .._arrays import (Size, check_float_dtype, check_ndim, check_required, check_scalar,
                        check_sizes, forward, get_array_module, per_channel)
+from .._call_graphs import warm_calls
 from .._kernels.layout import transpose_channels
 from .._kernels.normalization import channel_affine, group_norm_coefficients
 from .._kernels.pooling import (fused_pass_variant, pool_affine_nonfinite, pool_extremum_stats,
@@ -29,6 +30,7 @@ from ._common import (check_method, gpu_method, gpu_run, ones_if_none, shared_do
                       tuple_pool)
 
 
+@warm_calls
 @shared_doc_sections("(N, C_out, H_conv // k, W_conv // k)")
 def conv2d_groupnorm_scale_maxpool_clamp(
         x: Any, weight: Any, conv_bias: Any, gn_weight: Any, gn_bias: Any, scale: Any, *,

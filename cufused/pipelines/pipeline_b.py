@@ -15,6 +15,7 @@ from typing import Any
 from .. import reference
 from .._arrays import (Size, check_float_dtype, check_ndim, check_required, check_scalar,
                        check_sizes, forward, get_array_module, per_channel)
+from .._call_graphs import warm_calls
 from .._kernels.normalization import group_norm_rows, group_rows_fit_channels_last
 from .._kernels.pooling import (fused_pass_variant, pool_bn_tanh_nonfinite,
                                 pool_extremum_stats, stores_ext_channels_last)
@@ -28,6 +29,7 @@ from .._precision import resolve_precision
 from ._common import check_method, gpu_method, gpu_run, shared_doc_sections, tuple_pool
 
 
+@warm_calls
 @shared_doc_sections("(N, C_out, H_conv // k, W_conv // k)")
 def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
         x: Any, weight: Any, bn_weight: Any, bn_bias: Any, gn_weight: Any, gn_bias: Any, *,

@@ -17,6 +17,7 @@ from .. import reference
 from .._arrays import (Size, check_float_dtype, check_ndim, check_required, check_scalar,
                        check_sizes, forward, get_array_module, per_channel)
 from .._cudnn import UnsupportedConvolution
+from .._call_graphs import warm_calls
 from .._kernels.pooling import pool_into
 from .._kernels.softmax import softmax_rows, softmax_rows_nonfinite_weight
 from .._layout import empty_in_layout
@@ -28,6 +29,7 @@ from .._precision import resolve_precision
 from ._common import check_method, gpu_run, ones_if_none, shared_doc_sections, tuple_pool
 
 
+@warm_calls
 @shared_doc_sections("(N, C_out, D_out, H_out, W_out)")
 def conv_transpose3d_avgpool_clamp_softmax_multiply(
         x: Any, weight: Any, scale: Any, *, stride: Size, padding: Size,

@@ -1,6 +1,7 @@
 """The "3xtf32" precision and the implicit-GEMM engine through the public functions: float32
-accuracy for 3xTF32, TF32 accuracy whichever engine the autotuner picks, fallbacks (groups,
-3-D, transposed, strided operands) to cuDNN, the pipelines, non-finite values."""
+accuracy for 3xTF32, TF32 accuracy on the implicit GEMM (forced) and on whichever engine the
+autotuner picks, fallbacks (groups, 3-D, transposed, strided operands) to cuDNN, the
+pipelines, non-finite values."""
 
 from __future__ import annotations
 
@@ -21,6 +22,15 @@ if GPU:
 TOL = {"ieee": 1e-5, "3xtf32": 1e-5, "tf32": 5e-3}
 
 
+@pytest.fixture(autouse=True)
+def igemm():
+    """The implicit GEMM wherever it applies (the autotuner may prefer cuDNN)."""
+    from cufused._cudnn import plan_options
+
+    with plan_options(engine="igemm"):
+        yield
+
+
 @pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
 @pytest.mark.parametrize("shapes, options", [
     (((3, 5, 17, 13), (7, 5, 3, 3)), dict()),
@@ -30,6 +40,8 @@ TOL = {"ieee": 1e-5, "3xtf32": 1e-5, "tf32": 5e-3}
     (((2, 4, 5, 6, 7), (6, 4, 3, 3, 3)), dict(padding=1)),     # 3-D: cuDNN
 ])
 def test_convolutions(rng, shapes, options, precision):
+    from cufused._cudnn import plan_options
+
     x_shape, w_shape = shapes
     x = rng.standard_normal(x_shape)
     w = rng.standard_normal(w_shape)
@@ -37,6 +49,9 @@ def test_convolutions(rng, shapes, options, precision):
     fn = cufused.conv2d if len(x_shape) == 4 else cufused.conv3d
     ref = fn(x, w, b, **options)  # float64 reference
     got = fn(*to_gpu(x, w, b), **options, precision=precision)
+    assert_close(got.get(), ref, TOL[precision])
+    with plan_options(engine=None):  # the autotuner's choice
+        got = fn(*to_gpu(x, w, b), **options, precision=precision)
     assert_close(got.get(), ref, TOL[precision])
 
 

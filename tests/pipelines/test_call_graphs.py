@@ -1,5 +1,6 @@
 """Whole-call CUDA graphs of warm pipeline calls: equal to direct calls over reused buffers,
-new values, options and streams; bounded; off with graph replay off; host time."""
+new values, options and streams; launched from the raw arguments where the graph reads only
+the caller's arrays; bounded; off with graph replay off; host time."""
 
 from __future__ import annotations
 
@@ -192,6 +193,57 @@ def test_running_buffers_updated_by_every_call(rng, quick_plans, fresh, launches
         assert_close(mean.get(), ref_mean.get(), 1e-6)
         assert_close(var.get(), ref_var.get(), 1e-6)
     assert launches[0] >= 2
+
+
+def test_warm_calls_launch_from_their_raw_arguments(rng, quick_plans, fresh, launches,
+                                                    monkeypatch):
+    # From the third call the public function launches the graph without checking its
+    # arguments again; new values at the same addresses reach the result, and a new default
+    # precision or another stream is another key (checked again, equal to a direct call).
+    from cufused.pipelines import pipeline_a
+
+    fn, make = PIPELINES["A"]
+    args, kwargs = make(rng)
+    args = to_gpu(*args)
+    out = cp.full(fn(*args, **kwargs).shape, cp.nan, dtype=cp.float32)
+    for _ in range(3):
+        fn(*args, **kwargs, out=out)
+    assert len(_call_graphs._shortcuts) == 1
+    checked = []
+    check = pipeline_a.check_pool_args
+    monkeypatch.setattr(pipeline_a, "check_pool_args", lambda *a, **k: checked.append(1)
+                        or check(*a, **k))
+    before = launches[0]
+    args[0][...] = cp.asarray(rng.random(args[0].shape), dtype=cp.float32)
+    assert fn(*args, **kwargs, out=out) is out
+    assert not checked and launches[0] == before + 1
+    assert_same_as_direct(out, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
+    with cufused.default_precision("tf32"):
+        for _ in range(3):
+            fn(*args, **kwargs, out=out)
+        assert len(checked) == 2  # counted, captured; then launched from the raw arguments
+        assert_same_as_direct(out, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
+    checked.clear()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        fn(*args, **kwargs, out=out)
+        assert len(checked) == 1
+        assert_same_as_direct(out, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
+
+
+def test_no_launch_from_raw_arguments_past_a_temporary(rng, quick_plans, fresh, launches):
+    # A number for scale becomes a device array in each checked call: the graph reads the
+    # one of the call it captured, so only checked calls (which make it again) launch it.
+    fn, make = PIPELINES["A"]
+    args, kwargs = make(rng)
+    args = to_gpu(*args)
+    args[5] = 1.5
+    out = cp.empty(fn(*args, **kwargs).shape, cp.float32)
+    for _ in range(4):
+        args[0][...] = cp.asarray(rng.random(args[0].shape), dtype=cp.float32)
+        fn(*args, **kwargs, out=out)
+        assert_same_as_direct(out, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
+    assert launches[0] >= 2 and not _call_graphs._shortcuts
 
 
 @pytest.mark.parametrize("case", sorted(PIPELINES))

@@ -15,9 +15,20 @@ if GPU:
     import cupy as cp
 
 
+@pytest.fixture
+def plan_graphs_only():
+    """Public calls run as calls nested in a whole-call graph do: the plans' own graph replay
+    is what runs (cufused._call_graphs otherwise captures the whole call)."""
+    from cufused import _call_graphs
+
+    token = _call_graphs._inside.set(True)
+    yield
+    _call_graphs._inside.reset(token)
+
+
 @pytest.mark.parametrize("case", [CONV_CASES[0], CONV_CASES[5], CONV_CASES[7]],
                          ids=["2d", "2dT", "3dT"])
-def test_conv_plan_replays_graph(rng, case, conv_pin):
+def test_conv_plan_replays_graph(rng, case, conv_pin, plan_graphs_only):
     # From the second call with the same operands a plan replays a CUDA graph of its weight
     # preparation and cuDNN calls; new values behind the same pointers (the weight included)
     # must reach it, and it must match a direct run.
@@ -78,7 +89,7 @@ def test_replay_decision_without_memory_for_a_flush(monkeypatch):
     assert _cudnn._l2_flush_buffer() is None
 
 
-def test_graph_buffers_leave_the_default_pool_alone(rng):
+def test_graph_buffers_leave_the_default_pool_alone(rng, plan_graphs_only):
     # What a captured graph keeps (prepared weight, workspace, channels-last output) comes from
     # a pool of its own: taken from CuPy's default pool, it would move later calls'
     # temporaries to new addresses, which are new graph keys and new captures.
