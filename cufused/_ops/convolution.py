@@ -125,10 +125,9 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
     """
     from .._cudnn import UnsupportedConvolution
 
-    forward_args = (_stride1_forward_args(args, weight.shape[2:]) if args.transposed
-                    else args)
+    forward_args = _stride1_forward_args(args, weight.shape[2:]) if args.transposed else args
     if (forward_args is not None
-            and _engine(x, weight, forward_args, precision, bias, out) == "igemm"):
+            and _engine(x, weight, args, forward_args, precision, bias, out) == "igemm"):
         y = out if out is not None else _empty_nchw(args.out_shape)
         _igemm(x, _flipped(weight) if args.transposed else weight, bias, y, forward_args,
                precision)
@@ -149,22 +148,21 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
 _ENGINES: dict[tuple, str] = {}
 
 
-def _igemm_eligible(x, weight, args: ConvArgs, bias, out) -> bool:
-    """What the implicit-GEMM kernel computes: a 2-D forward convolution (or a stride-1
-    transposed one as the forward one it equals), one group, dense NCHW operands (any sizes,
-    strides, padding, dilation)."""
-    return (x.ndim == 4 and not args.transposed and args.groups == 1
-            and x.flags.c_contiguous and weight.flags.c_contiguous
-            and (bias is None or bias.flags.c_contiguous)
-            and (out is None or out.flags.c_contiguous))
+def _engine(x, weight, args: ConvArgs, forward_args: ConvArgs, precision: str, bias,
+            out) -> str:
+    """"igemm" or "cudnn" for the convolution ``args`` of ``x`` and ``weight``, which the
+    implicit GEMM would compute as the forward convolution ``forward_args`` (a stride-1
+    transposed one on the flipped weight, which is dense). "ieee" runs on cuDNN; "tf32" and
+    "3xtf32" on the engine that the settings force, else on the one the autotuner measured
+    faster for the problem (cuDNN without autotuning, or with cuDNN strategies pinned).
 
-
-def _engine(x, weight, args: ConvArgs, precision: str, bias, out) -> str:
-    """"igemm" or "cudnn" for this call, ``args`` being the forward convolution's. "ieee" runs
-    on cuDNN; "tf32" and "3xtf32" on the engine that the settings force, else on the one the
-    autotuner measured faster for the problem (cuDNN without autotuning, or with cuDNN
-    strategies pinned)."""
-    if precision == "ieee" or not _igemm_eligible(x, weight, args, bias, out):
+    The implicit GEMM computes 2-D convolutions of one group on dense NCHW operands (any
+    sizes, strides, padding, dilation)."""
+    if (precision == "ieee" or x.ndim != 4 or forward_args.groups != 1
+            or not x.flags.c_contiguous
+            or not (args.transposed or weight.flags.c_contiguous)
+            or (bias is not None and not bias.flags.c_contiguous)
+            or (out is not None and not out.flags.c_contiguous)):
         return "cudnn"
     from .._cudnn import _config
 
@@ -178,23 +176,29 @@ def _engine(x, weight, args: ConvArgs, precision: str, bias, out) -> str:
            precision)
     engine = _ENGINES.get(key)
     if engine is None:
-        engine = _ENGINES[key] = _faster_engine(x.shape, weight.shape, args, bias is not None,
-                                                precision)
+        engine = _ENGINES[key] = _faster_engine(x.shape, weight.shape, args, forward_args,
+                                                bias is not None, precision)
     return engine
 
 
-def _faster_engine(x_shape, w_shape, args: ConvArgs, bias: bool, precision: str) -> str:
+def _faster_engine(x_shape, w_shape, args: ConvArgs, forward_args: ConvArgs, bias: bool,
+                   precision: str) -> str:
     """Time the implicit GEMM and the cuDNN plan that ``precision`` runs on cuDNN (TF32, or
-    exact float32 for 3xTF32) on random operands, L2 flushed."""
-    from .._cudnn import _l2_flush_buffer
+    exact float32 for 3xTF32) on random operands, L2 flushed; "igemm" where cuDNN has none."""
+    from .._cudnn import UnsupportedConvolution, _l2_flush_buffer
     from .._cudnn._timing import _random, _time_ms
 
+    try:
+        plan = _plan(x_shape, w_shape, args, precision, bias, True, True, False)
+    except UnsupportedConvolution:
+        return "igemm"
     x, w = _random(x_shape), _random(w_shape)
-    b = _random((w_shape[0],)) if bias else None
+    b = _random((args.out_shape[1],)) if bias else None
     y = _empty_nchw(args.out_shape)
-    plan = _plan(x_shape, w_shape, args, precision, bias, True, True, False)
+    forward_w = _flipped(w) if args.transposed else w
     flush = _l2_flush_buffer()
-    igemm_ms = _time_ms(lambda: _igemm(x, w, b, y, args, precision), flush=flush)
+    igemm_ms = _time_ms(lambda: _igemm(x, forward_w, b, y, forward_args, precision),
+                        flush=flush)
     cudnn_ms = _time_ms(lambda: plan.apply(x, w, bias=b, out=y), flush=flush)
     return "igemm" if igemm_ms < cudnn_ms else "cudnn"
 
