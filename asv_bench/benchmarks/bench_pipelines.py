@@ -1,4 +1,5 @@
-"""The three fused pipelines, fused and unfused, both precisions, canonical and small sizes."""
+"""The three fused pipelines, fused and unfused, both precisions, canonical and small sizes:
+device milliseconds, and host microseconds of a warm call with ``out`` given."""
 
 import numpy
 
@@ -18,8 +19,20 @@ class Pipelines:
         self.inputs = self.case.make_inputs(numpy.random.default_rng(0))
         self.run = lambda: self.case.run_cufused(self.inputs, precision=precision, method=method)
         self.run()  # compile kernels, choose and build the cuDNN plan
+        import cupy
+
+        out = cupy.empty(self.case.output_shape, dtype=cupy.float32)
+        self.run_into = lambda: self.case.run_cufused(self.inputs, precision=precision,
+                                                      method=method, out=out)
 
     def track_gpu_ms(self, case, precision, method, size):
         return gpu_ms(self.run)
 
     track_gpu_ms.unit = "ms"
+
+    def track_host_us(self, case, precision, method, size):
+        from cufused.bench.timing import host_us_per_call
+
+        return host_us_per_call(self.run_into)
+
+    track_host_us.unit = "us"

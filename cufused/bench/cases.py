@@ -124,12 +124,15 @@ def on_gpu(inputs: dict) -> dict:
     return cached
 
 
-def make_cases(small: bool = False) -> list[Case]:
-    """The three canonical cases of the design (KernelBench level 2 shapes), or small ones."""
+def make_cases(small: bool = False, batch: int | None = None) -> list[Case]:
+    """The three canonical cases of the design (KernelBench level 2 shapes), or small ones;
+    ``batch`` replaces each case's batch size."""
     if small:
         na, nb, nc, hw_a, hw_b, dhw_c = 8, 16, 2, 64, 16, (16, 32, 32)
     else:
         na, nb, nc, hw_a, hw_b, dhw_c = 128, 512, 32, 128, 32, (32, 64, 64)
+    if batch is not None:
+        na = nb = nc = batch
     ha = hw_a - 2
     hb = hw_b + 2
     pc = tuple(s // 2 for s in dhw_c)

@@ -167,7 +167,7 @@ def cmd_bench(args) -> int:
         print("no CUDA GPU available: bench needs one")
         return 1
     timer = Timer(repeat=args.repeat)
-    cases = make_cases(small=args.quick)
+    cases = make_cases(small=args.quick, batch=args.batch)
     if args.cases:
         cases = [c for c in cases if c.name in args.cases]
     result = {"header": _header(), "ceilings": measure_ceilings(timer), "rows": []}
@@ -198,6 +198,14 @@ cufused: fused GPU operator pipelines for convolutional networks.
 Run "python -m cufused COMMAND --help" for a command's options."""
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     """The parser of ``python -m cufused``: ``--version`` and the commands with their options."""
     parser = argparse.ArgumentParser(prog="python -m cufused", description=DESCRIPTION,
@@ -226,6 +234,8 @@ def _parser() -> argparse.ArgumentParser:
                         "in float32 (TF32 off)")
     p.add_argument("--repeat", type=int, default=20, help="timed runs per figure (median)")
     p.add_argument("--cases", nargs="*", choices=["A", "B", "C"], help="only these cases")
+    p.add_argument("--batch", type=_positive_int, metavar="N",
+                   help="batch size N instead of each case's (small batches: host-bound)")
     p.set_defaults(func=cmd_bench)
     return parser
 

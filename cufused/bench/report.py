@@ -5,8 +5,34 @@ from __future__ import annotations
 
 
 def format_table(result: dict) -> str:
-    """The side-by-side table of a ``bench`` result: the pipelines, then the convolutions."""
-    return "\n".join(_pipeline_lines(result) + [""] + _conv_lines(result))
+    """The side-by-side table of a ``bench`` result: the pipelines, the host time per call,
+    then the convolutions."""
+    return "\n".join(_pipeline_lines(result) + [""] + _host_lines(result) + [""]
+                     + _conv_lines(result))
+
+
+def _host_lines(result: dict) -> list[str]:
+    """A row per case and precision: the prepared call's and PyTorch's times, host
+    microseconds per warm call, and a single call's latency over back-to-back device time."""
+    rows = [r for r in result["rows"] if "host_us_fused" in r]  # older results lack them
+    if not rows:
+        return []
+    lines = ["warm calls: ms (L2 flushed) of the prepared call and of torch.compile "
+             "reduce-overhead; host us per call (back to back, out given); latency = one "
+             "fused call after the flush / back-to-back device ms per call",
+             f"{'case':<4} {'prec':<5} {'prepared':>8} {'comp-ro':>8} {'host fused':>10} "
+             f"{'prepared':>8} {'eager':>7} {'compile':>7} {'comp-ro':>7} {'latency':>7}"]
+    for r in rows:
+        def f(key, width):
+            return format(r[key], f"{width}.3f" if key in ("prepared", "torch_compile_ro")
+                          else f"{width}.1f") if key in r else "-".rjust(width)
+        lines.append(
+            f"{r['case']:<4} {r['precision']:<5} {f('prepared', 8)} "
+            f"{f('torch_compile_ro', 8)} {f('host_us_fused', 10)} "
+            f"{f('host_us_prepared', 8)} {f('host_us_torch_eager', 7)} "
+            f"{f('host_us_torch_compile', 7)} {f('host_us_torch_compile_ro', 7)} "
+            f"{r['fused'] / r['fused_back_to_back']:7.3f}")
+    return lines
 
 
 def _pipeline_lines(result: dict) -> list[str]:

@@ -157,6 +157,7 @@ def _torch_calls(case: Case, gpu: dict, *, eager: bool, compiled: bool) -> dict:
                 calls["torch_eager"] = fn
             if compiled:
                 calls["torch_compile"] = torch.compile(fn)
+                calls["torch_compile_ro"] = torch.compile(fn, mode="reduce-overhead")
         except ImportError:
             pass
     return {k: (lambda f=f: f(*targs)) for k, f in calls.items()}
@@ -178,8 +179,11 @@ def _timed_calls(case: Case, precision: str, inputs: dict, out, rng, torch_calls
     xc = cupy.asarray(rng.random(case.conv["x_shape"], dtype=numpy.float32))
     wc = gpu["weight"]
     bc = cupy.asarray(rng.uniform(-0.1, 0.1, case.conv["y_shape"][1]).astype(numpy.float32))
+    prepared = cufused.prepare(getattr(cufused, case.pipeline), *gpu.values(), **case.options,
+                               precision=precision, out=out)
     fns = {
         "fused": lambda: case.run_cufused(inputs, precision=precision, out=out),
+        "prepared": prepared,
         "unfused": lambda: case.run_cufused(inputs, precision=precision, method="unfused"),
         "conv": lambda: plan.run(*operands),
         "conv_public": lambda: conv_fn(xc, wc, **conv_opts, precision=precision),
@@ -198,24 +202,60 @@ def _timed_calls(case: Case, precision: str, inputs: dict, out, rng, torch_calls
     return fns, plan, free_plan
 
 
-def _compare(timer: Timer, fns: dict, precision: str, *, torch_calls: bool) -> dict:
-    """``timer.compare(fns)``; with PyTorch calls among them, PyTorch set to ``precision``
-    and without autograd for the run."""
+def _compare(timer: Timer | None, fns: dict, precision: str, *, torch_calls: bool) -> dict:
+    """``timer.compare(fns)`` (with ``timer`` None, each function's own result); with
+    PyTorch calls among them, PyTorch set to ``precision`` and without autograd for the
+    run."""
+    def run():
+        return timer.compare(fns) if timer is not None else {k: f() for k, f in fns.items()}
+
     if not torch_calls:
-        return timer.compare(fns)
+        return run()
     import torch
 
     set_torch_precision(precision)
     with torch.no_grad():
-        row = timer.compare(fns)
+        row = run()
     set_torch_precision("ieee")
+    return row
+
+
+def back_to_back_ms(call: Callable[[], Any], *, calls: int = 20, repeat: int = 5) -> float:
+    """Median device ms per call of ``calls`` warm calls issued back to back (CUDA events
+    around them, no flush between): the device time when the host never makes it wait."""
+    import cupy
+
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(repeat):
+        call()
+        start.record()
+        for _ in range(calls):
+            call()
+        stop.record()
+        stop.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, stop) / calls)
+    return float(numpy.median(times))
+
+
+def _host_times(fns: dict, precision: str) -> dict:
+    """Host microseconds per warm call (:func:`host_us_per_call`) of the fused, prepared and
+    PyTorch calls among ``fns``, as ``host_us_<name>``."""
+    row = {}
+    for name in ("fused", "prepared", "torch_eager", "torch_compile", "torch_compile_ro"):
+        if name in fns:
+            row[f"host_us_{name}"] = _compare(
+                None, {"x": lambda f=fns[name]: host_us_per_call(f)}, precision,
+                torch_calls=name.startswith("torch"))["x"]
     return row
 
 
 def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_eager=True,
                torch_compile=True, rng=None) -> list[dict]:
-    """Time one case: fused, unfused, the internal convolution (the pipeline's plan, and the
-    plan for an input in any layout), the public convolution, PyTorch eager and compiled."""
+    """Time one case: fused, prepared, unfused, the internal convolution (the pipeline's
+    plan, and the plan for an input in any layout), the public convolution, PyTorch eager
+    and compiled (default and "reduce-overhead"); the host microseconds per call of the
+    fused, prepared and PyTorch calls, and the fused call's back-to-back device time."""
     import cupy
 
     rng = rng or numpy.random.default_rng(0)
@@ -227,6 +267,8 @@ def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_e
     for precision in precisions:
         fns, plan, free_plan = _timed_calls(case, precision, inputs, out, rng, torch_calls)
         row = _compare(timer, fns, precision, torch_calls=bool(torch_calls))
+        row.update(_host_times(fns, precision))
+        row["fused_back_to_back"] = back_to_back_ms(fns["fused"])
         row.setdefault("conv_free", row["conv"])
         row.update(case=case.name, precision=precision, conv_layout=plan.strategy.label,
                    conv_calls="replayed" if plan.replays else "direct",

@@ -127,7 +127,9 @@ def test_bench_table_and_plot_from_committed_result(tmp_path, name):
     table = format_table(result)
     assert result["header"]["device"] in table
     rows = [line for line in table.splitlines() if line[:2] in ("A ", "B ", "C ")]
-    assert len(rows) == 2 * len(result["rows"])  # pipeline rows and convolution rows
+    # Pipeline rows and convolution rows, and host-time rows where the result has them.
+    assert len(rows) == 2 * len(result["rows"]) + sum("host_us_fused" in r
+                                                      for r in result["rows"])
     first = result["rows"][0]
     assert f"{first['torch_eager'] / first['fused']:.2f}" in rows[0]
     post_ratio = (first["fused"] - first["conv"]) / first["post_floor"]
@@ -135,6 +137,35 @@ def test_bench_table_and_plot_from_committed_result(tmp_path, name):
     pytest.importorskip("matplotlib")
     plot(result, str(tmp_path / "bench.png"))
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_host_table():
+    # Host microseconds per call and the latency ratio: a row per case and precision.
+    import json
+    import pathlib
+
+    from cufused.bench.report import format_table
+
+    result = json.loads((pathlib.Path(__file__).parents[2] / "docs" / "_static"
+                         / "bench.json").read_text())
+    for r in result["rows"]:
+        r.update(host_us_fused=17.5, host_us_prepared=4.25, host_us_torch_eager=210.0,
+                 fused_back_to_back=r["fused"] / 1.02, prepared=r["fused"])
+    lines = format_table(result).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("warm calls"))
+    host = lines[start + 2:start + 2 + len(result["rows"])]
+    assert all(line.split()[4:7] == ["17.5", "4.2", "210.0"] and line.endswith("1.020")
+               for line in host), host
+    assert all(line.split()[7:9] == ["-", "-"] for line in host)  # no compiled rows
+
+
+def test_bench_batch_option():
+    from cufused.bench.cases import make_cases
+
+    for case in make_cases(batch=3):
+        assert case.shapes["x"][0] == case.conv["x_shape"][0] == 3
+        assert case.output_shape[0] == 3
+    assert run("bench", "--batch", "0").returncode == 2  # argparse's usage error
 
 
 def test_post_conv_floor_counts_the_bytes_each_case_moves():
