@@ -247,6 +247,55 @@ def test_no_launch_from_raw_arguments_past_a_temporary(rng, quick_plans, fresh, 
     assert launches[0] >= 2 and not _call_graphs._shortcuts
 
 
+def test_threads(rng, quick_plans, fresh, launches):
+    # Four threads call the same pipeline on shared inputs, each into its own out on its own
+    # stream (keys differ by out and stream; captures and launches race on the shared cache).
+    import threading
+
+    fn, make = PIPELINES["C"]
+    args, kwargs = make(rng)
+    args = to_gpu(*args)
+    ref = _direct(fn, *args, **kwargs)
+    outs = [cp.full(ref.shape, cp.nan, dtype=cp.float32) for _ in range(4)]
+    errors = []
+
+    def work(out):
+        try:
+            with cp.cuda.Stream(non_blocking=True) as stream:
+                for _ in range(6):
+                    fn(*args, **kwargs, out=out)
+                stream.synchronize()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(out,)) for out in outs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for out in outs:
+        assert_same_as_direct(out, ref, _direct(fn, *args, **kwargs))
+    assert launches[0] >= 4 * 4 and len(_call_graphs._shortcuts) == 4
+
+
+def test_devices(rng, quick_plans, fresh, launches):
+    # The same call on each device, operands there: a key per device, each result its own.
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two devices")
+    fn, make = PIPELINES["A"]
+    args, kwargs = make(rng)
+    for device in (0, 1, 0, 1):
+        with cp.cuda.Device(device):
+            gargs = to_gpu(*args)
+            out = cp.full(fn(*gargs, **kwargs).shape, cp.nan, dtype=cp.float32)
+            for _ in range(3):
+                fn(*gargs, **kwargs, out=out)
+            assert_same_as_direct(out, _direct(fn, *gargs, **kwargs),
+                                  _direct(fn, *gargs, **kwargs))
+    assert {key[4] for key in _call_graphs._graphs} == {0, 1}
+
+
 @pytest.mark.parametrize("case", sorted(PIPELINES))
 def test_host_time_of_a_warm_call(rng, quick_plans, fresh, case):
     # Issue 24's target: a warm functional pipeline call costs the host at most 40 us
