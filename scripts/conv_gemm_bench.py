@@ -16,6 +16,7 @@ import numpy
 import cufused
 from cufused import reference
 from cufused._kernels.conv_gemm import conv2d_implicit_gemm
+from cufused.bench.timing import Timer
 
 SHAPES = [
     # name, x shape, w shape (stride 1, no padding)
@@ -27,19 +28,8 @@ SHAPES = [
 
 
 def time_ms(fn, repeat: int) -> float:
-    flush = cupy.empty(64 * 1024 * 1024, dtype=cupy.float32)
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeat):
-        flush.fill(1.0)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop))
-    return float(numpy.median(times))
+    """Median ms of one call after an L2 flush (:class:`cufused.bench.timing.Timer`)."""
+    return Timer(repeat=repeat)(fn)
 
 
 def main() -> None:

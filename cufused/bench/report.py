@@ -11,6 +11,11 @@ def format_table(result: dict) -> str:
                      + _conv_lines(result))
 
 
+def _cell(row: dict, key: str, fmt: str = "7.3f") -> str:
+    """``row[key]`` formatted, or a dash of the same width where the row lacks it."""
+    return format(row[key], fmt) if key in row else "-".rjust(int(fmt.split(".")[0]))
+
+
 def _host_lines(result: dict) -> list[str]:
     """A row per case and precision: the prepared call's and PyTorch's times, host
     microseconds per warm call, and a single call's latency over back-to-back device time."""
@@ -23,14 +28,12 @@ def _host_lines(result: dict) -> list[str]:
              f"{'case':<4} {'prec':<5} {'prepared':>8} {'comp-ro':>8} {'host fused':>10} "
              f"{'prepared':>8} {'eager':>7} {'compile':>7} {'comp-ro':>7} {'latency':>7}"]
     for r in rows:
-        def f(key, width):
-            return format(r[key], f"{width}.3f" if key in ("prepared", "torch_compile_ro")
-                          else f"{width}.1f") if key in r else "-".rjust(width)
         lines.append(
-            f"{r['case']:<4} {r['precision']:<5} {f('prepared', 8)} "
-            f"{f('torch_compile_ro', 8)} {f('host_us_fused', 10)} "
-            f"{f('host_us_prepared', 8)} {f('host_us_torch_eager', 7)} "
-            f"{f('host_us_torch_compile', 7)} {f('host_us_torch_compile_ro', 7)} "
+            f"{r['case']:<4} {r['precision']:<5} {_cell(r, 'prepared', '8.3f')} "
+            f"{_cell(r, 'torch_compile_ro', '8.3f')} {_cell(r, 'host_us_fused', '10.1f')} "
+            f"{_cell(r, 'host_us_prepared', '8.1f')} {_cell(r, 'host_us_torch_eager', '7.1f')} "
+            f"{_cell(r, 'host_us_torch_compile', '7.1f')} "
+            f"{_cell(r, 'host_us_torch_compile_ro', '7.1f')} "
             f"{r['fused'] / r['fused_back_to_back']:7.3f}")
     return lines
 
@@ -47,16 +50,15 @@ def _pipeline_lines(result: dict) -> list[str]:
              f"{'xeager':>7} {'xcompile':>8} {'conv':>6} {'post':>6} "
              f"{'postfloor':>9} {'post/pf':>7} {'floor':>6} {'/floor':>6}  conv strategy"]
     for r in result["rows"]:
-        def f(key, fmt="7.3f"):
-            return format(r[key], fmt) if key in r else "-".rjust(int(fmt.split(".")[0]))
         xe = r["torch_eager"] / r["fused"] if "torch_eager" in r else float("nan")
         xc = r["torch_compile"] / r["fused"] if "torch_compile" in r else float("nan")
         post = r["fused"] - r["conv"]
         # How the plan's warm calls ran (older results do not say).
         calls = f" ({r['conv_calls']})" if "conv_calls" in r else ""
         lines.append(
-            f"{r['case']:<4} {r['precision']:<5} {f('fused')} {f('unfused', '8.3f')} "
-            f"{f('torch_eager')} {f('torch_compile', '8.3f')} {xe:7.2f} {xc:8.2f} "
+            f"{r['case']:<4} {r['precision']:<5} {_cell(r, 'fused')} "
+            f"{_cell(r, 'unfused', '8.3f')} {_cell(r, 'torch_eager')} "
+            f"{_cell(r, 'torch_compile', '8.3f')} {xe:7.2f} {xc:8.2f} "
             f"{r['conv']:6.3f} {post:6.3f} {r['post_floor']:9.3f} "
             f"{post / r['post_floor']:7.2f} {r['floor']:6.3f} {r['fused'] / r['floor']:6.2f}  "
             f"{r['conv_layout']}{calls}")

@@ -220,24 +220,6 @@ def _compare(timer: Timer | None, fns: dict, precision: str, *, torch_calls: boo
     return row
 
 
-def back_to_back_ms(call: Callable[[], Any], *, calls: int = 20, repeat: int = 5) -> float:
-    """Median device ms per call of ``calls`` warm calls issued back to back (CUDA events
-    around them, no flush between): the device time when the host never makes it wait."""
-    import cupy
-
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(repeat):
-        call()
-        start.record()
-        for _ in range(calls):
-            call()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) / calls)
-    return float(numpy.median(times))
-
-
 def _host_times(fns: dict, precision: str) -> dict:
     """Host microseconds per warm call (:func:`host_us_per_call`) of the fused, prepared and
     PyTorch calls among ``fns``, as ``host_us_<name>``."""
@@ -268,7 +250,10 @@ def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_e
         fns, plan, free_plan = _timed_calls(case, precision, inputs, out, rng, torch_calls)
         row = _compare(timer, fns, precision, torch_calls=bool(torch_calls))
         row.update(_host_times(fns, precision))
-        row["fused_back_to_back"] = back_to_back_ms(fns["fused"])
+        # Device ms per call of 20 fused calls back to back (CUDA events around them).
+        from .._cudnn._timing import _time_ms
+
+        row["fused_back_to_back"] = _time_ms(fns["fused"], repeat=5, batch=20)
         row.setdefault("conv_free", row["conv"])
         row.update(case=case.name, precision=precision, conv_layout=plan.strategy.label,
                    conv_calls="replayed" if plan.replays else "direct",
