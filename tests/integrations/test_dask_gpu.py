@@ -133,10 +133,21 @@ def test_gpu_tasks_run_one_at_a_time_per_device(rng, quick_plans, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_pipelines_on_a_local_cuda_cluster(rng, quick_plans):
+@pytest.mark.parametrize("n_gpus", [1, 2])
+def test_gpu_pipelines_on_a_local_cuda_cluster(rng, quick_plans, n_gpus):
+    # One worker per GPU; with two, each worker computes some of the chunks and B's batch
+    # statistics are reduced across both, yet every result equals the single call's.
+    import cupy as cp
+
     dask_cuda = pytest.importorskip("dask_cuda")
     distributed = pytest.importorskip("distributed")
-    with dask_cuda.LocalCUDACluster(n_workers=1, dashboard_address=None) as local, \
+    if cp.cuda.runtime.getDeviceCount() < n_gpus:
+        pytest.skip(f"needs {n_gpus} devices")
+    with dask_cuda.LocalCUDACluster(n_workers=n_gpus, dashboard_address=None) as local, \
             distributed.Client(local, set_as_default=False) as client:
         client.run(cufused.set_conv_autotune, False)
-        check_gpu_pipelines(rng, lambda arrays: dask.compute(*arrays, scheduler=client))
+        devices = client.run(lambda: cp.cuda.runtime.getDeviceProperties(0)["pciBusID"])
+        assert len(set(devices.values())) == n_gpus  # each worker on a GPU of its own
+        with distributed.get_task_stream(client) as tasks:
+            check_gpu_pipelines(rng, lambda arrays: dask.compute(*arrays, scheduler=client))
+        assert len({t["worker"] for t in tasks.data}) == n_gpus
