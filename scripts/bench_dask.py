@@ -106,8 +106,8 @@ def bench_case(case, xp, params, x_shape, factor, precisions, repeat, threads, c
             opts = dict(case.options, precision=precision)
             # The most GPUs first: each worker builds its plans in that warm-up, all at once.
             for count in sorted(gpus, reverse=True):
-                seconds, where = cluster_time(client, count, lazy, params, opts, total, n,
-                                              repeat)
+                seconds, where = cluster_time(client, count, case.pipeline, lazy, params, opts,
+                                              total, n, repeat)
                 rows[precision][f"cluster{count}"] = seconds
                 rows[precision][f"cluster{count}_where"] = where
     return rows
@@ -179,11 +179,14 @@ def task_timeline(run, xp) -> dict:
             "gaps": gaps * 1e3, "tail": (t1 - ends[-1]) * 1e3, "total": (t1 - t0) * 1e3}
 
 
-def cluster_time(client, count, lazy, params, opts, total, n, repeat):
+def cluster_time(client, count, pipeline, lazy, params, opts, total, n, repeat):
     """Median seconds on the cluster's first ``count`` workers, input made and kept there
     first, and where one more run's wall time goes (seconds): ``tasks``, the busiest worker's
     summed task time; ``transfer``, time spent moving data between workers (summed);
-    ``rest``, the wall time beyond the busiest worker's tasks and transfers."""
+    ``rest``, the wall time beyond the busiest worker's tasks and transfers; ``loop``, the
+    slowest worker's time for one call per chunk it holds, issued by the worker itself with
+    no scheduler in between (B: each chunk's own statistics), from first call to device idle.
+    """
     import cupy
     import dask.array as da
     from distributed import futures_of, get_task_stream, wait
@@ -226,8 +229,28 @@ def cluster_time(client, count, lazy, params, opts, total, n, repeat):
             elif span["action"] == "transfer":
                 transfer += span["stop"] - span["start"]
     tasks = max(busy.values())
+    keys = {}
+    for key, holders in client.who_has(x).items():
+        keys.setdefault(holders[0], []).append(key)
+    host_params = [cupy.asnumpy(p) for p in params]
+    loops = [client.run(_worker_loop, pipeline, keys, host_params, opts, repeat,
+                        workers=workers) for _ in range(2)][-1]
     return statistics.median(times), {"wall": wall, "tasks": tasks, "transfer": transfer,
-                                      "rest": max(0.0, wall - tasks - transfer)}
+                                      "rest": max(0.0, wall - tasks - transfer),
+                                      "loop": max(loops.values())}
+
+
+def _worker_loop(pipeline, keys, params, opts, repeat, dask_worker=None):
+    """On a worker: median seconds of one call per chunk this worker holds, from the first
+    call to the device being idle."""
+    import cupy
+
+    # Tuple keys come back as lists from the client's message.
+    chunks = [dask_worker.data[tuple(key) if isinstance(key, list) else key]
+              for key in keys.get(dask_worker.address, [])]
+    params = [cupy.asarray(p) for p in params]
+    single = getattr(cufused, pipeline)
+    return wall_time(lambda: [single(c, *params, **opts) for c in chunks], cupy, repeat)
 
 
 def header(xp, args) -> dict:
@@ -291,7 +314,7 @@ def format_where(result: dict) -> list[str]:
                 lines.append(f"{r['case']:<4} {r['precision']:<5} {count} GPU: wall "
                              f"{w['wall'] * 1e3:8.2f}  busiest worker's tasks "
                              f"{w['tasks'] * 1e3:8.2f}  transfers {w['transfer'] * 1e3:7.2f}  "
-                             f"rest {w['rest'] * 1e3:7.2f}")
+                             f"rest {w['rest'] * 1e3:7.2f}  worker loop {w['loop'] * 1e3:8.2f}")
     return lines
 
 
@@ -376,7 +399,8 @@ def main(argv=None) -> int:
     where = format_where(result)
     if where:
         print("cluster runs, ms: wall / the busiest worker's summed task time / transfers "
-              "between workers (summed) / the rest")
+              "between workers (summed) / the rest / the slowest worker's loop over its "
+              "chunks without the scheduler")
         print("\n".join(where))
     if args.json:
         with open(args.json, "w") as fh:
