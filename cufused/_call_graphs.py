@@ -21,24 +21,26 @@ So that this memory stays bounded, at most ``MAX_GRAPHS`` graphs live, holding a
 ``MAX_TOTAL_FRACTION`` of a device's memory (least recently used first out); a call whose
 temporaries pass ``MAX_TEMPORARY_FRACTION`` of the device's memory is not kept as a graph,
 and neither is one whose convolution the autotuner measured faster issued directly, or which
-refuses capture; such keys run directly from then on. With
+refuses capture; such keys run directly from then on, and so do keys whose graph was dropped
+to make room (a loop over more buffers than the cache holds, such as Dask's chunks, replays
+the graphs that stay and runs the others directly, instead of capturing at every call). With
 ``cufused.set_conv_graph_replay(False)`` every call runs directly.
 """
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 from ._arrays import _byte_span, _memory_limit, import_cupy, is_cupy_array
+from ._capture import _inside, capture_call
 from ._cuda import capturing
-from ._cudnn import _config, clear_plan_cache, on_clear_plan_cache, plans_in_use
+from ._cudnn import _config, clear_plan_cache, on_clear_plan_cache
 from ._precision import default_precision, resolve_precision
 
 #: Whole-call graphs kept at once (all devices); the least recently used goes first.
@@ -56,9 +58,6 @@ _graphs: OrderedDict = OrderedDict()  # key -> _Graph, least recently used first
 _direct_keys: OrderedDict = OrderedDict()  # keys that run directly (bounded like _counts)
 _counts: dict = {}
 _lock = threading.Lock()
-# Inside a call that this module runs: nested pipeline calls (the unfused path composes the
-# public operations) run directly, recorded into the caller's graph.
-_inside = contextvars.ContextVar("cufused_inside_call_graph", default=False)
 # Raw-argument key of a public call -> the key of the graph its checked call launched.
 _shortcuts: dict = {}
 _MAX_SHORTCUTS = 256
@@ -76,10 +75,6 @@ class _Graph:
         self.device = device
         self.nbytes = nbytes  # its temporaries
         self.keep = keep
-
-
-class _TooLarge(MemoryError):
-    """The capture's temporaries passed ``MAX_TEMPORARY_FRACTION`` of the device's memory."""
 
 
 def _release(graphs: list) -> None:
@@ -159,9 +154,7 @@ def _run(gpu: functools.partial, out):
     dropped: list = []
     with _lock:
         if entry is None:
-            _direct_keys[key] = True
-            if len(_direct_keys) > _MAX_COUNTED:
-                _direct_keys.popitem(last=False)
+            _run_directly(key)
         else:
             replaced = _graphs.pop(key, None)  # another thread's capture of this key
             if replaced is not None:
@@ -287,18 +280,30 @@ def _reads_only(graph_key: tuple, args: tuple, kwargs: dict) -> bool:
 
 def _evict(budget: float, device: int) -> list:
     """Remove the least recently used graphs beyond ``MAX_GRAPHS``, and those of ``device``
-    beyond its memory ``budget`` (under ``_lock``); return them for ``_release``."""
+    beyond its memory ``budget`` (under ``_lock``); return them for ``_release``. Their keys
+    run directly from then on: calls cycling over more keys than the cache holds would
+    otherwise capture a graph, and wait for the device to drop another, at every call."""
     dropped = []
     while len(_graphs) > MAX_GRAPHS:
-        dropped.append(_graphs.popitem(last=False)[1])
+        key, graph = _graphs.popitem(last=False)
+        _run_directly(key)
+        dropped.append(graph)
     held = [(k, g) for k, g in _graphs.items() if g.device == device]
     total = sum(g.nbytes for _, g in held)
     for k, g in held[:-1]:  # oldest first; the newest stays
         if total <= budget:
             break
         dropped.append(_graphs.pop(k))
+        _run_directly(k)
         total -= g.nbytes
     return dropped
+
+
+def _run_directly(key: tuple) -> None:
+    """Let ``key``'s calls run directly from now on (under ``_lock``)."""
+    _direct_keys[key] = True
+    if len(_direct_keys) > _MAX_COUNTED:
+        _direct_keys.popitem(last=False)
 
 
 def _direct(gpu: functools.partial, out):
@@ -307,60 +312,6 @@ def _direct(gpu: functools.partial, out):
         return gpu(out)
     finally:
         _inside.reset(token)
-
-
-class Capture(NamedTuple):
-    """A call captured by :func:`capture_call`."""
-
-    graph: Any
-    result: Any  # what the captured call returned
-    nbytes: int  # its temporaries
-    stream: Any  # the side stream it was captured on
-    keep: tuple  # what the graph reads or writes but does not own
-
-
-def capture_call(call: Callable[[], Any], *, limit: float | None = None) -> Capture | None:
-    """``call()`` captured into a CUDA graph on a side stream (nothing runs), or None where it
-    is not to be replayed: the capture failed (an engine that refuses it, or temporaries past
-    ``limit`` bytes), or a convolution in it runs faster issued directly (as the autotuner
-    measured).
-
-    Every block the capture allocates stays allocated as long as the result's ``keep``, also
-    those the call frees: every replay reads and writes them, and a pool that ran short during
-    the capture would otherwise release them. The plans that ran are kept too (the graph reads
-    their memory, such as a sub-pixel weight index). Relaxed mode lets the pool allocate
-    device memory during the capture. Calls nested in it run directly, recorded into it.
-    """
-    cupy = import_cupy()
-    pool = cupy.cuda.MemoryPool()
-    blocks: list = []
-
-    def malloc(size: int):
-        if limit is not None and pool.total_bytes() + size > limit:
-            raise _TooLarge
-        block = pool.malloc(size)
-        blocks.append(block)
-        return block
-
-    side = cupy.cuda.Stream(non_blocking=True)
-    token = _inside.set(True)
-    try:
-        with plans_in_use() as plans, cupy.cuda.using_allocator(malloc), side:
-            side.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
-            try:
-                result = call()
-            except BaseException:
-                with contextlib.suppress(Exception):  # the call's error is the one to report
-                    side.end_capture()
-                raise
-            graph = side.end_capture()
-    except Exception:  # noqa: BLE001 - an engine that refuses capture, or _TooLarge
-        return None
-    finally:
-        _inside.reset(token)
-    if not all(plan.replays for plan in plans):
-        return None
-    return Capture(graph, result, pool.total_bytes(), side, (blocks, pool, plans))
 
 
 def _capture(gpu: functools.partial, out, cupy) -> _Graph | None:

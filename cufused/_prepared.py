@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._arrays import import_cupy, is_cupy_array
-from ._call_graphs import capture_call
+from ._capture import capture_call
 
 
 class PreparedCall:

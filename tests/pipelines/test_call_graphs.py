@@ -155,6 +155,32 @@ def test_bounded_and_cleared(rng, quick_plans, fresh, monkeypatch):
     assert not _call_graphs._graphs
 
 
+def test_cycling_over_more_keys_than_the_cache_holds(rng, quick_plans, fresh, monkeypatch,
+                                                     launches):
+    # Four outputs in turn with room for two graphs (as a loop over Dask's chunks): each key
+    # is captured at most once; a key whose graph was dropped runs directly from then on,
+    # the two graphs that stay are replayed, and every result equals a direct call.
+    fn, make = PIPELINES["A"]
+    args, kwargs = make(rng)
+    args = to_gpu(*args)
+    monkeypatch.setattr(_call_graphs, "MAX_GRAPHS", 2)
+    captures = []
+    capture = _call_graphs._capture
+    monkeypatch.setattr(_call_graphs, "_capture", lambda *a: captures.append(1) or capture(*a))
+    outs = [cp.full(fn(*args, **kwargs).shape, cp.nan, cp.float32) for _ in range(4)]
+    for cycle in range(5):
+        for out in outs:
+            out[...] = cp.nan
+            args[0][...] = cp.asarray(rng.random(args[0].shape), dtype=cp.float32)
+            fn(*args, **kwargs, out=out)
+            assert_same_as_direct(out, _direct(fn, *args, **kwargs),
+                                  _direct(fn, *args, **kwargs))
+    assert len(captures) == 4
+    assert len(_call_graphs._graphs) == 2 and len(_call_graphs._direct_keys) == 2
+    # Each capture launches its graph once; then the two kept keys in the last three cycles.
+    assert launches[0] == 4 + 2 * 3
+
+
 def test_large_temporaries_run_directly(rng, quick_plans, fresh, monkeypatch):
     fn, make = PIPELINES["B"]
     args, kwargs = make(rng)

@@ -1,0 +1,74 @@
+"""Capture of one call into a CUDA graph on a side stream, for the whole-call graphs
+(:mod:`cufused._call_graphs`) and prepared calls (:mod:`cufused._prepared`)."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+from ._arrays import import_cupy
+from ._cudnn import plans_in_use
+
+# Inside a call being captured or run by the graph cache: nested pipeline calls (the unfused
+# path composes the public operations) run directly, recorded into the caller's graph.
+_inside = contextvars.ContextVar("cufused_inside_call_graph", default=False)
+
+
+class _TooLarge(MemoryError):
+    """The capture's temporaries passed the limit given to :func:`capture_call`."""
+
+
+class Capture(NamedTuple):
+    """A call captured by :func:`capture_call`."""
+
+    graph: Any
+    result: Any  # what the captured call returned
+    nbytes: int  # its temporaries
+    stream: Any  # the side stream it was captured on
+    keep: tuple  # what the graph reads or writes but does not own
+
+
+def capture_call(call: Callable[[], Any], *, limit: float | None = None) -> Capture | None:
+    """``call()`` captured into a CUDA graph on a side stream (nothing runs), or None where it
+    is not to be replayed: the capture failed (an engine that refuses it, or temporaries past
+    ``limit`` bytes), or a convolution in it runs faster issued directly (as the autotuner
+    measured).
+
+    Every block the capture allocates stays allocated as long as the result's ``keep``, also
+    those the call frees: every replay reads and writes them, and a pool that ran short during
+    the capture would otherwise release them. The plans that ran are kept too (the graph reads
+    their memory, such as a sub-pixel weight index). Relaxed mode lets the pool allocate
+    device memory during the capture. Calls nested in it run directly, recorded into it.
+    """
+    cupy = import_cupy()
+    pool = cupy.cuda.MemoryPool()
+    blocks: list = []
+
+    def malloc(size: int):
+        if limit is not None and pool.total_bytes() + size > limit:
+            raise _TooLarge
+        block = pool.malloc(size)
+        blocks.append(block)
+        return block
+
+    side = cupy.cuda.Stream(non_blocking=True)
+    token = _inside.set(True)
+    try:
+        with plans_in_use() as plans, cupy.cuda.using_allocator(malloc), side:
+            side.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
+            try:
+                result = call()
+            except BaseException:
+                with contextlib.suppress(Exception):  # the call's error is the one to report
+                    side.end_capture()
+                raise
+            graph = side.end_capture()
+    except Exception:  # noqa: BLE001 - an engine that refuses capture, or _TooLarge
+        return None
+    finally:
+        _inside.reset(token)
+    if not all(plan.replays for plan in plans):
+        return None
+    return Capture(graph, result, pool.total_bytes(), side, (blocks, pool, plans))
