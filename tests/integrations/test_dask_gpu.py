@@ -147,7 +147,7 @@ def test_gpu_pipelines_on_a_local_cuda_cluster(rng, quick_plans, n_gpus):
     with dask_cuda.LocalCUDACluster(n_workers=n_gpus, dashboard_address=None) as local, \
             distributed.Client(local, set_as_default=False) as client:
         client.run(cufused.set_conv_autotune, False)
-        devices = client.run(lambda: cp.cuda.runtime.getDeviceProperties(0)["pciBusID"])
+        devices = client.run(lambda: cp.cuda.Device(0).pci_bus_id)  # domain:bus:device.fn
         assert len(set(devices.values())) == n_gpus  # each worker on a GPU of its own
         workers = sorted(client.scheduler_info()["workers"])
 
