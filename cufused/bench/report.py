@@ -16,6 +16,12 @@ def _cell(row: dict, key: str, fmt: str = "7.3f") -> str:
     return format(row[key], fmt) if key in row else "-".rjust(int(fmt.split(".")[0]))
 
 
+def _cells(row: dict, *cells: tuple[str, str]) -> str:
+    """The row's case and precision, then each ``(key, format)`` cell, space-separated."""
+    return " ".join([f"{row['case']:<4} {row['precision']:<5}"]
+                    + [_cell(row, key, fmt) for key, fmt in cells])
+
+
 def _host_lines(result: dict) -> list[str]:
     """A row per case and precision: the prepared call's and PyTorch's times, host
     microseconds per warm call, and a single call's latency over back-to-back device time."""
@@ -28,13 +34,11 @@ def _host_lines(result: dict) -> list[str]:
              f"{'case':<4} {'prec':<5} {'prepared':>8} {'comp-ro':>8} {'host fused':>10} "
              f"{'prepared':>8} {'eager':>7} {'compile':>7} {'comp-ro':>7} {'latency':>7}"]
     for r in rows:
-        lines.append(
-            f"{r['case']:<4} {r['precision']:<5} {_cell(r, 'prepared', '8.3f')} "
-            f"{_cell(r, 'torch_compile_ro', '8.3f')} {_cell(r, 'host_us_fused', '10.1f')} "
-            f"{_cell(r, 'host_us_prepared', '8.1f')} {_cell(r, 'host_us_torch_eager', '7.1f')} "
-            f"{_cell(r, 'host_us_torch_compile', '7.1f')} "
-            f"{_cell(r, 'host_us_torch_compile_ro', '7.1f')} "
-            f"{r['fused'] / r['fused_back_to_back']:7.3f}")
+        lines.append(_cells(r, ("prepared", "8.3f"), ("torch_compile_ro", "8.3f"),
+                            ("host_us_fused", "10.1f"), ("host_us_prepared", "8.1f"),
+                            ("host_us_torch_eager", "7.1f"), ("host_us_torch_compile", "7.1f"),
+                            ("host_us_torch_compile_ro", "7.1f"))
+                     + f" {r['fused'] / r['fused_back_to_back']:7.3f}")
     return lines
 
 
@@ -56,10 +60,9 @@ def _pipeline_lines(result: dict) -> list[str]:
         # How the plan's warm calls ran (older results do not say).
         calls = f" ({r['conv_calls']})" if "conv_calls" in r else ""
         lines.append(
-            f"{r['case']:<4} {r['precision']:<5} {_cell(r, 'fused')} "
-            f"{_cell(r, 'unfused', '8.3f')} {_cell(r, 'torch_eager')} "
-            f"{_cell(r, 'torch_compile', '8.3f')} {xe:7.2f} {xc:8.2f} "
-            f"{r['conv']:6.3f} {post:6.3f} {r['post_floor']:9.3f} "
+            _cells(r, ("fused", "7.3f"), ("unfused", "8.3f"), ("torch_eager", "7.3f"),
+                   ("torch_compile", "8.3f"))
+            + f" {xe:7.2f} {xc:8.2f} {r['conv']:6.3f} {post:6.3f} {r['post_floor']:9.3f} "
             f"{post / r['post_floor']:7.2f} {r['floor']:6.3f} {r['fused'] / r['floor']:6.2f}  "
             f"{r['conv_layout']}{calls}")
     return lines
