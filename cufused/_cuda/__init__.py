@@ -20,6 +20,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "conv_gemm.cu": (
         "conv2d_igemm<1>",
         "conv2d_igemm<3>",
+        "conv2d_halo<1>",
+        "conv2d_halo<3>",
     ),
     "pooling.cu": (
         "pool_nd<true, 0, 0>",

@@ -59,6 +59,49 @@ __device__ __forceinline__ void finite_or_zero(unsigned (&hi)[N]) {
         if (!(fabsf(__uint_as_float(hi[i])) < INFINITY)) hi[i] = 0u;
 }
 
+// One 8-deep reduction step of a warp's 32 x 32 tile: the A fragments of its two 16-row
+// MMA tiles and the B fragments of its four 8-column ones (float32 values, split here) into
+// sum (the accumulator, or for PASSES = 3 the registers of the current step sums).
+template <int PASSES>
+__device__ __forceinline__ void mma_warp_step(const float (&af)[2][4], const float (&bf)[4][2],
+                                              float (&sum)[2][4][4]) {
+    unsigned a_hi[2][4], a_lo[2][4], b_hi[4][2], b_lo[4][2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) split_tf32<PASSES>(af[i], a_hi[i], a_lo[i]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) split_tf32<PASSES>(bf[j], b_hi[j], b_lo[j]);
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) mma_tf32(sum[i][j], a_hi[i], b_hi[j]);
+    if (PASSES == 3) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) finite_or_zero(a_hi[i]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) finite_or_zero(b_hi[j]);
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                mma_tf32(sum[i][j], a_lo[i], b_hi[j]);
+                mma_tf32(sum[i][j], a_hi[i], b_lo[j]);
+            }
+    }
+}
+
+// 3xTF32: add the step sums to the accumulator in float32 and clear them.
+__device__ __forceinline__ void flush_step_sums(float (&acc)[2][4][4], float (&stage)[2][4][4]) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                acc[i][j][e] += stage[i][j][e];
+                stage[i][j][e] = 0.0f;
+            }
+}
+
 // y[n, k, p, q] = bias[k] + sum_{c, u, v} x[n, c, p*sh - ph + u*dh, q*sw - pw + v*dw]
 //                                        * w[k, c, u, v]
 // Grid (ceil(M / 128), ceil(K / 64)), block 256. bias may be null.
@@ -161,40 +204,9 @@ conv2d_igemm(const float* __restrict__ x, const float* __restrict__ w,
                 bf[j][0] = b_tile[ks + tig][k];
                 bf[j][1] = b_tile[ks + tig + 4][k];
             }
-            unsigned a_hi[2][4], a_lo[2][4], b_hi[4][2], b_lo[4][2];
-#pragma unroll
-            for (int i = 0; i < 2; ++i) split_tf32<PASSES>(af[i], a_hi[i], a_lo[i]);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) split_tf32<PASSES>(bf[j], b_hi[j], b_lo[j]);
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) mma_tf32(sum[i][j], a_hi[i], b_hi[j]);
-            if (PASSES == 3) {
-#pragma unroll
-                for (int i = 0; i < 2; ++i) finite_or_zero(a_hi[i]);
-#pragma unroll
-                for (int j = 0; j < 4; ++j) finite_or_zero(b_hi[j]);
-#pragma unroll
-                for (int i = 0; i < 2; ++i)
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        mma_tf32(sum[i][j], a_lo[i], b_hi[j]);
-                        mma_tf32(sum[i][j], a_hi[i], b_lo[j]);
-                    }
-            }
+            mma_warp_step<PASSES>(af, bf, sum);
         }
-        if (PASSES == 3) {
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        acc[i][j][e] += stage[i][j][e];
-                        stage[i][j][e] = 0.0f;
-                    }
-        }
+        if (PASSES == 3) flush_step_sums(acc, stage);
         __syncthreads();  // the next stage overwrites the tiles
     }
 
@@ -221,4 +233,157 @@ conv2d_igemm(const float* __restrict__ x, const float* __restrict__ w,
                     y[(n * K + k) * pq + pix] = v;
                 }
         }
+}
+
+// The same convolution for inputs whose patches overlap (small C_in: pipeline A's 8 channels,
+// where conv2d_igemm gathers each input value up to kh * kw times through global memory):
+// a block stages an input halo once per chunk of input channels and reads the MMA fragments
+// from it.
+//
+// A tile is HALO_TH x HALO_TW = 4 x 32 output pixels of one sample (warp w % 4 computes row
+// w % 4, its two 16-row MMA tiles 16 pixels each) x 64 output channels (warp w / 4: 32 of
+// them). The reduction runs over chunks of cc input channels: the block stages their halo
+// (cc x hr x hc values, hr = 3 * sh + (kh - 1) * dh + 1, hc = 31 * sw + (kw - 1) * dw + 1,
+// zeros outside the input), their weights (the chunk's cc * kh * kw reduction values x 64
+// channels, zero past K, rounded up to a multiple of 8 with zero weights) and each reduction
+// value's offset in the halo (-1 for the rounding: those fragment values are 0, not a halo
+// value, which may be infinite). A fragment value is then one shared load at the pixel's
+// offset plus the reduction value's. With one chunk (C * kh * kw <= HALO_RC) the weights are
+// staged once per block; blocks loop over tiles (grid-stride over N * tiles).
+//
+// Grid (blocks, ceil(K / 64)), block 256. bias may be null. cc * hr * hc <= HALO_MAX and
+// cc * kh * kw <= HALO_RC (the launcher's choice of cc).
+#define HALO_TH 4
+#define HALO_TW 32
+#define HALO_RC 72
+#define HALO_MAX 4800
+
+template <int PASSES>
+__global__ void __launch_bounds__(CONV_THREADS, 1)
+conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
+            const float* __restrict__ bias, float* __restrict__ y, int N, int C, int H, int W,
+            int K, int kh, int kw, int P, int Q, int sh, int sw, int ph, int pw, int dh, int dw,
+            int cc, int hr, int hc) {
+    __shared__ float halo[HALO_MAX];
+    __shared__ float wt[HALO_RC][CONV_BN + 8];  // [r][k]: conflict-free fragment loads
+    __shared__ int roff[HALO_RC];
+    const int tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5;
+    const int gid = lane >> 2, tig = lane & 3;
+    const int warp_row = warp & 3, warp_k = (warp >> 2) * 32;
+    const int k0 = blockIdx.y * CONV_BN;
+    const int khw = kh * kw;
+    const int tiles_w = (Q + HALO_TW - 1) / HALO_TW;
+    const int tiles = ((P + HALO_TH - 1) / HALO_TH) * tiles_w;
+    const bool one_chunk = C <= cc;
+    // This lane's fragment rows (gid, gid + 8 of MMA tile i) as offsets into a channel's halo.
+    int pofs[2][2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+            pofs[i][half] = warp_row * sh * hc + (i * 16 + gid + half * 8) * sw;
+
+    // The weights of input channels [c0, c0 + ccn) and their halo offsets; returns the
+    // reduction length rounded up to 8.
+    auto stage_weights = [&](int c0, int ccn) {
+        const int rn = ccn * khw, rpad = (rn + 7) & ~7;
+        for (int i = tid; i < rpad * CONV_BN; i += CONV_THREADS) {
+            const int kk = i / rpad, r = i - kk * rpad;  // r fastest: coalesced reads
+            const int k = k0 + kk;
+            wt[r][kk] = (r < rn && k < K)
+                ? __ldg(w + ((long long)k * C + c0) * khw + r) : 0.0f;
+        }
+        for (int r = tid; r < rpad; r += CONV_THREADS) {
+            int off = -1;
+            if (r < rn) {
+                const int c = r / khw, uv = r - c * khw;
+                const int u = uv / kw, v = uv - u * kw;
+                off = (c * hr + u * dh) * hc + v * dw;
+            }
+            roff[r] = off;
+        }
+        return rpad;
+    };
+
+    int rpad = 0;
+    if (one_chunk) {
+        rpad = stage_weights(0, C);  // published by the first halo's barrier
+    }
+    for (long long tile = blockIdx.x; tile < (long long)N * tiles; tile += gridDim.x) {
+        const int n = (int)(tile / tiles);
+        const int t = (int)(tile - (long long)n * tiles);
+        const int p0 = (t / tiles_w) * HALO_TH, q0 = (t % tiles_w) * HALO_TW;
+        const int h0 = p0 * sh - ph, w0 = q0 * sw - pw;
+        const float* xs = x + (long long)n * C * H * W;
+
+        float acc[2][4][4], stage[2][4][4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[i][j][e] = stage[i][j][e] = 0.0f;
+        float (&sum)[2][4][4] = PASSES == 3 ? stage : acc;
+
+        for (int c0 = 0; c0 < C; c0 += cc) {
+            const int ccn = min(cc, C - c0);
+            __syncthreads();  // the previous chunk's (or tile's) fragment reads are done
+            // A warp per halo row: coalesced along W.
+            for (int row = warp; row < ccn * hr; row += CONV_THREADS / 32) {
+                const int c = row / hr, hrow = row - c * hr;
+                const int h = h0 + hrow;
+                const bool h_in = h >= 0 && h < H;
+                const float* xrow = xs + ((long long)(c0 + c) * H + (h_in ? h : 0)) * W;
+                for (int col = lane; col < hc; col += 32) {
+                    const int ww = w0 + col;
+                    halo[row * hc + col] = (h_in && ww >= 0 && ww < W) ? __ldg(xrow + ww) : 0.0f;
+                }
+            }
+            if (!one_chunk) rpad = stage_weights(c0, ccn);
+            __syncthreads();
+            for (int ks = 0; ks < rpad; ks += 8) {
+                const int o0 = roff[ks + tig], o1 = roff[ks + tig + 4];
+                float af[2][4], bf[4][2];
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    af[i][0] = o0 >= 0 ? halo[pofs[i][0] + o0] : 0.0f;
+                    af[i][1] = o0 >= 0 ? halo[pofs[i][1] + o0] : 0.0f;
+                    af[i][2] = o1 >= 0 ? halo[pofs[i][0] + o1] : 0.0f;
+                    af[i][3] = o1 >= 0 ? halo[pofs[i][1] + o1] : 0.0f;
+                }
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int k = warp_k + j * 8 + gid;
+                    bf[j][0] = wt[ks + tig][k];
+                    bf[j][1] = wt[ks + tig + 4][k];
+                }
+                mma_warp_step<PASSES>(af, bf, sum);
+                if (PASSES == 3 && ((ks & 8) || ks + 8 >= rpad)) flush_step_sums(acc, stage);
+            }
+        }
+
+        // Fragment (row gid or gid + 8 of MMA tile i, column 2 * tig + e of tile j) ->
+        // y[n, k, p0 + warp_row, q0 + 16 * i + row]: for one column, 8 consecutive pixels.
+        const int p = p0 + warp_row;
+        if (p < P) {
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int q = q0 + i * 16 + gid + half * 8;
+                    if (q >= Q) continue;
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int k = k0 + warp_k + j * 8 + 2 * tig + e;
+                            if (k >= K) continue;
+                            float v = acc[i][j][half * 2 + e];
+                            if (bias != nullptr) v += __ldg(bias + k);
+                            y[(((long long)n * K + k) * P + p) * Q + q] = v;
+                        }
+                }
+        }
+    }
 }

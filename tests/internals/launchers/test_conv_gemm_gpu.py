@@ -1,6 +1,7 @@
-"""The implicit-GEMM tensor-core convolution (conv_gemm.cu) against the float64 reference:
-TF32 to TF32 accuracy, 3xTF32 to float32 accuracy, odd shapes, strides, padding, dilation,
-bias, NaN-poisoned outputs."""
+"""The implicit-GEMM tensor-core convolution (conv_gemm.cu: the halo kernel where a chunk of
+input channels fits its shared memory, else the gathering one) against the float64
+reference: TF32 to TF32 accuracy, 3xTF32 to float32 accuracy, odd shapes, strides, padding,
+dilation, bias, NaN-poisoned outputs."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ CASES = [
     ((1, 3, 11, 11), (130, 3, 1, 1), (3, 3), (0, 0), (1, 1)),  # K over two column tiles
     ((4, 16, 9, 9), (32, 16, 5, 5), (1, 1), (2, 2), (1, 1)),   # reduction 400: many steps
     ((1, 1, 130, 3), (1, 1, 2, 2), (1, 1), (0, 0), (1, 1)),    # one output channel
+    ((2, 8, 13, 40), (70, 8, 3, 3), (1, 1), (0, 0), (1, 1)),   # halo: K past one tile
+    ((1, 11, 9, 9), (9, 11, 5, 5), (1, 1), (2, 2), (1, 1)),    # halo: 6 channel chunks
+    ((1, 3, 70, 70), (5, 3, 3, 3), (1, 1), (0, 0), (30, 30)),  # halo too large: gathering
+    ((1, 2, 12, 12), (5, 2, 9, 9), (1, 1), (0, 0), (1, 1)),    # 81 > 72 values: gathering
 ]
 
 
@@ -46,14 +51,16 @@ def test_against_float64_reference(rng, x_shape, w_shape, stride, padding, dilat
 
 
 @pytest.mark.parametrize("passes", [1, 3])
-def test_non_finite_inputs_propagate(rng, passes):
+@pytest.mark.parametrize("k", [3, 9])  # the halo kernel, the gathering one
+def test_non_finite_inputs_propagate(rng, passes, k):
     x = rng.standard_normal((1, 4, 6, 6))
-    w = rng.standard_normal((8, 4, 3, 3))
+    w = rng.standard_normal((8, 4, k, k))
     x[0, 1, 2, 3], x[0, 2, 0, 0], w[5, 0, 1, 1] = np.nan, np.inf, -np.inf
-    ref = reference.conv(x, w, None, (1, 1), (1, 1), (1, 1), 1)
+    pad = (k // 2, k // 2)
+    ref = reference.conv(x, w, None, (1, 1), pad, (1, 1), 1)
     y = cp.empty(ref.shape, dtype=cp.float32)
     conv2d_implicit_gemm(cp.asarray(x, cp.float32), cp.asarray(w, cp.float32), None, y,
-                         stride=(1, 1), padding=(1, 1), dilation=(1, 1), passes=passes)
+                         stride=(1, 1), padding=pad, dilation=(1, 1), passes=passes)
     got = y.get()
     np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
     np.testing.assert_array_equal(np.isposinf(got), np.isposinf(ref))

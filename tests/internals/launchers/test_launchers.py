@@ -281,6 +281,27 @@ def test_fused_pass_rejects_a_channels_last_ext_it_cannot_store(launches):
     assert not launches
 
 
+def test_conv_gemm_launchers(launches, monkeypatch):
+    conv = LAUNCHERS["conv_gemm.cu"]
+    monkeypatch.setattr(conv, "sm_count", lambda: 132)
+    cases = [  # x, w, y, stride, dilation, kernel
+        ((2, 8, 20, 18), (64, 8, 3, 3), (2, 64, 18, 16), (1, 1), (1, 1), "conv2d_halo"),
+        ((1, 3, 70, 70), (5, 3, 3, 3), (1, 5, 10, 10), (1, 1), (30, 30), "conv2d_igemm"),
+        ((1, 2, 12, 12), (5, 2, 9, 9), (1, 5, 4, 4), (1, 1), (1, 1), "conv2d_igemm"),
+    ]
+    for x, w, y, stride, dilation, kernel in cases:
+        for passes in (1, 3):
+            for bias in (None, Dev((w[0],))):
+                conv.conv2d_implicit_gemm(Dev(x), Dev(w), bias, Dev(y), stride=stride,
+                                          padding=(0, 0), dilation=dilation, passes=passes)
+                assert launches[-1].name == f"{kernel}<{passes}>"
+    check_all(launches, "conv_gemm.cu")
+    halo = [launch for launch in launches if launch.name.startswith("conv2d_halo")]
+    # 2 samples x 5 x 1 tiles of 4 x 32 pixels: a block per tile (fewer tiles than 4 blocks
+    # per multiprocessor); the 8 input channels in one chunk, halos of 6 x 34.
+    assert all(launch.grid == (10, 1) and launch.args[-3:] == (8, 6, 34) for launch in halo)
+
+
 def test_softmax_launchers(launches, monkeypatch):
     softmax = LAUNCHERS["softmax.cu"]
     narrow, wide = (0.0, 1.0), (-80.0, 80.0)  # no running max / the online softmax
