@@ -7,6 +7,7 @@ Usage: python scripts/emulate_conv_halo.py
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import numpy as np
@@ -135,6 +136,7 @@ def emulate(x, w, bias, stride, padding, dilation, grid_x=7):
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     rng = np.random.default_rng(0)
     worst = 0.0
     for xs, ws, stride, padding, dilation in CASES:
