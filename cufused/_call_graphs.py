@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 from ._arrays import _memory_limit, import_cupy, is_cupy_array
 from ._cuda import capturing
 from ._cudnn import _config, clear_plan_cache, on_clear_plan_cache, plans_in_use
-from ._precision import resolve_precision
+from ._precision import default_precision, resolve_precision
 
 #: Whole-call graphs kept at once (all devices); the least recently used goes first.
 MAX_GRAPHS = 8
@@ -65,7 +65,7 @@ _MAX_SHORTCUTS = 256
 # The graph keys that _run launches, recorded for the public call around it (warm_calls).
 _launched: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "cufused_launched_graphs", default=None)
-_SCALARS = frozenset({bool, int, float, str, type(None)})
+_SCALARS = frozenset({bool, int, str, type(None)})
 
 
 class _Graph:
@@ -144,38 +144,44 @@ def _run(gpu: functools.partial, out):
         entry = _graphs.get(key)
         if entry is not None:
             _graphs.move_to_end(key)
-        elif key in _direct_keys:
+            _launch_recorded(entry, key, stream)
+            return out
+        if key in _direct_keys:
             return _direct(gpu, out)
-        else:
-            calls = _counts.get(key, 0) + 1
-            if calls < _CALLS_BEFORE_CAPTURE:
-                if len(_counts) >= _MAX_COUNTED:
-                    _counts.clear()
-                _counts[key] = calls
-                return _direct(gpu, out)
-            _counts.pop(key, None)
-    if entry is None:
-        entry = _capture(gpu, out, cupy)
-        dropped: list = []
-        with _lock:
-            if entry is None:
-                _direct_keys[key] = True
-                if len(_direct_keys) > _MAX_COUNTED:
-                    _direct_keys.popitem(last=False)
-            else:
-                replaced = _graphs.pop(key, None)  # another thread's capture of this key
-                if replaced is not None:
-                    dropped.append(replaced)
-                _graphs[key] = entry
-                dropped += _evict(_memory_limit(cupy) * MAX_TOTAL_FRACTION, key[4])
-        _release(dropped)
+        calls = _counts.get(key, 0) + 1
+        if calls < _CALLS_BEFORE_CAPTURE:
+            if len(_counts) >= _MAX_COUNTED:
+                _counts.clear()
+            _counts[key] = calls
+            return _direct(gpu, out)
+        _counts.pop(key, None)
+    entry = _capture(gpu, out, cupy)
+    dropped: list = []
+    with _lock:
         if entry is None:
-            return _direct(gpu, out)
+            _direct_keys[key] = True
+            if len(_direct_keys) > _MAX_COUNTED:
+                _direct_keys.popitem(last=False)
+        else:
+            replaced = _graphs.pop(key, None)  # another thread's capture of this key
+            if replaced is not None:
+                dropped.append(replaced)
+            _graphs[key] = entry
+            # Eviction keeps the newest graph, so this one is in the cache to launch.
+            dropped += _evict(_memory_limit(cupy) * MAX_TOTAL_FRACTION, key[4])
+            _launch_recorded(entry, key, stream)
+    _release(dropped)
+    return out if entry is not None else _direct(gpu, out)
+
+
+def _launch_recorded(entry: _Graph, key: tuple, stream) -> None:
+    """Launch a cached graph (under ``_lock``: a graph dropped from the cache waits in
+    ``_release`` for its device, which then includes this launch) and record its key for the
+    public call around it (:func:`warm_calls`)."""
     launched = _launched.get()
     if launched is not None:
         launched.append(key)
     _launch(entry, stream)
-    return out
 
 
 def _launch(entry: _Graph, stream) -> None:
@@ -200,20 +206,25 @@ def warm_calls(public: Callable) -> Callable:
             return public(*args, **kwargs)
         graph_key = _shortcuts.get(key)
         if graph_key is not None and not capturing(stream):
-            with _lock:
+            with _lock:  # launched under it: see _launch_recorded
                 entry = _graphs.get(graph_key)
                 if entry is not None:
                     _graphs.move_to_end(graph_key)
-            if entry is not None:
-                _launch(entry, stream)
-                return out
+                    _launch(entry, stream)
+                    return out
         launched: list = []
         token = _launched.set(launched)
         try:
-            result = public(*args, **kwargs)
+            # The checked call under the key's default precision: another thread may change
+            # the process default meanwhile.
+            with default_precision(key[6]):
+                result = public(*args, **kwargs)
         finally:
             _launched.reset(token)
-        if len(launched) == 1 and result is out and _reads_only(launched[0], args, kwargs):
+        # The graph must have been captured under the key's settings (another thread may
+        # have changed them meanwhile) and read only the caller's arrays.
+        if (len(launched) == 1 and result is out and launched[0][-1] == key[5]
+                and _reads_only(launched[0], args, kwargs)):
             if len(_shortcuts) >= _MAX_SHORTCUTS:
                 _shortcuts.clear()
             _shortcuts[key] = launched[0]
@@ -231,6 +242,8 @@ def _raw_key(public: Callable, args: tuple, kwargs: dict, stream, cupy):
         kind = type(value)
         if kind is ndarray:
             return (value.data.ptr, value.shape, value.strides, value.dtype.char)
+        if kind is float:
+            return (kind, value.hex())  # -0.0 apart from 0.0 (equal as floats)
         if kind in _SCALARS:
             return (kind, value)
         if kind is tuple or kind is list:

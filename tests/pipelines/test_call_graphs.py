@@ -232,6 +232,52 @@ def test_warm_calls_launch_from_their_raw_arguments(rng, quick_plans, fresh, lau
         assert_same_as_direct(out, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
 
 
+def test_negative_zero_is_another_key(rng, quick_plans, fresh):
+    # -0.0 == 0.0 as floats, but a clamp to -0.0 writes -0.0 where a clamp to 0.0 writes 0.0.
+    fn, make = PIPELINES["A"]
+    args, kwargs = make(rng)
+    args = to_gpu(*args)
+    out = cp.empty(fn(*args, **kwargs).shape, cp.float32)
+    for _ in range(3):
+        fn(*args, **dict(kwargs, clamp_min=0.0), out=out)
+    fn(*args, **dict(kwargs, clamp_min=-0.0), out=out)
+    ref = _direct(fn, *args, **dict(kwargs, clamp_min=-0.0))
+    assert bool(cp.signbit(ref).any())  # the clamp to -0.0 wrote some
+    cp.testing.assert_array_equal(cp.signbit(out), cp.signbit(ref))
+
+
+def test_default_precision_changed_during_a_call(rng, quick_plans, fresh, monkeypatch):
+    # Another thread sets the process default while a call is being checked: the call runs
+    # at the default its key holds, and its graph is remembered under that key only.
+    from cufused._ops import convolution
+
+    x, w = to_gpu(rng.random((2, 3, 9, 8)), rng.random((4, 3, 3, 3)))
+    out = cp.empty((2, 4, 9, 8), cp.float32)
+    with cufused.default_precision("tf32"):
+        for _ in range(3):
+            cufused.conv2d(x, w, padding=1, out=out)
+    check = convolution.cached_conv_args
+
+    def flipping(*a, **k):
+        cufused.set_default_precision("tf32")
+        return check(*a, **k)
+
+    monkeypatch.setattr(convolution, "cached_conv_args", flipping)
+    try:
+        for _ in range(3):
+            cufused.set_default_precision("ieee")
+            cufused.conv2d(x, w, padding=1, out=out)
+    finally:
+        cufused.set_default_precision("ieee")
+    monkeypatch.undo()
+    for raw, graph in _call_graphs._shortcuts.items():  # precision: bound in the graph's key
+        assert ("str", raw[6]) in graph[1], (raw[6], graph[1])
+    assert any(raw[6] == "ieee" for raw in _call_graphs._shortcuts)
+    cufused.conv2d(x, w, padding=1, out=out)
+    assert_same_as_direct(out, _direct(cufused.conv2d, x, w, padding=1),
+                          _direct(cufused.conv2d, x, w, padding=1))
+
+
 def test_no_launch_from_raw_arguments_past_a_temporary(rng, quick_plans, fresh, launches):
     # A number for scale becomes a device array in each checked call: the graph reads the
     # one of the call it captured, so only checked calls (which make it again) launch it.
