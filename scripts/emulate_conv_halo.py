@@ -1,6 +1,8 @@
 """NumPy emulation of conv_gemm.cu's conv2d_halo: its tiles, halo and weight staging,
 offset table and m16n8k8 fragment layouts, with float64 MMAs, against the float64 reference
-(no GPU). Run it after changing the kernel's index math (and change it alongside).
+(no GPU); and of conv2d_halo_pool_stats' epilogue (shuffles, shared scratch, windows) and
+conv2d_first_values against their definitions. Run it after changing the kernels' index
+math (and change it alongside).
 
 Usage: python scripts/emulate_conv_halo.py
 """
@@ -135,6 +137,140 @@ def emulate(x, w, bias, stride, padding, dilation, grid_x=7):
     return y
 
 
+def pool_stats_epilogue(acc, bias, sign, shift, n, t, k0, p0, q0, shape, pool, ext, partial):
+    """conv2d_halo_pool_stats' epilogue for one tile: its shuffles, shared scratch and
+    window loop, as the kernel indexes them."""
+    _, k_total, p_total, q_total = shape
+    ho, wo = p_total // pool, q_total // pool
+    wcs = TW // pool
+    stats = np.zeros((TH, BN, 2))
+    rows_ext = np.full((TH, wcs, BN), np.nan)
+    for warp in range(8):
+        warp_row, warp_k = warp & 3, (warp >> 2) * 32
+        p = p0 + warp_row
+        for j in range(4):
+            for e in range(2):
+                kl = warp_k + j * 8 + 2 * TIG + e  # per lane
+                k = k0 + kl
+                k_in = k < k_total
+                b = np.where(k_in, bias[np.minimum(k, k_total - 1)], 0.0)
+                sh = np.where(k_in, shift[np.minimum(k, k_total - 1)], 0.0)
+                neg = k_in & (sign[np.minimum(k, k_total - 1)] < 0)
+                s1, s2 = np.zeros(32), np.zeros(32)
+                for i in range(2):
+                    for half in range(2):
+                        q = q0 + i * 16 + GID + half * 8
+                        v = acc[warp, i, j, :, half * 2 + e] + b
+                        ok = (p < p_total) & (q < q_total)
+                        d = v - sh
+                        s1 += np.where(ok, d, 0.0)
+                        s2 += np.where(ok, d * d, 0.0)
+                        m = np.where(neg, -v, v)
+                        step = 4
+                        while step < 4 * pool:
+                            m = np.fmax(m, m[LANE ^ step])
+                            step <<= 1
+                        for lane in np.flatnonzero(GID % pool == 0):
+                            wc = (i * 16 + half * 8 + GID[lane]) // pool
+                            rows_ext[warp_row, wc, kl[lane]] = m[lane]
+                step = 4
+                while step < 32:
+                    s1, s2 = s1 + s1[LANE ^ step], s2 + s2[LANE ^ step]
+                    step <<= 1
+                for lane in np.flatnonzero(GID == 0):
+                    stats[warp_row, kl[lane]] = s1[lane], s2[lane]
+    for kl in range(min(BN, k_total - k0)):
+        partial[n, k0 + kl, t] = stats[:, kl].sum(axis=0)
+    for idx in range((TH // pool) * wcs * BN):
+        wc, rest = idx % wcs, idx // wcs
+        wr, kl = rest % (TH // pool), rest // (TH // pool)
+        k, ph, pw = k0 + kl, p0 // pool + wr, q0 // pool + wc
+        if k >= k_total or ph >= ho or pw >= wo:
+            continue
+        m = rows_ext[wr * pool, wc, kl]
+        for r in range(1, pool):
+            m = np.fmax(m, rows_ext[wr * pool + r, wc, kl])
+        ext[n, k, ph, pw] = -m if sign[k] < 0 else m
+
+
+def first_values(x, w, bias, shift_group, padding, dilation):
+    """conv2d_first_values: a warp per statistics row, its lanes striding the reduction."""
+    _, c_total, height, width = x.shape
+    k_total, _, kh, kw = w.shape
+    groups = k_total // shift_group
+    khw = kh * kw
+    shift = np.empty(x.shape[0] * groups)
+    for row in range(shift.size):
+        n, c = row // groups, (row % groups) * shift_group
+        lanes = np.zeros(32)
+        for r in range(c_total * khw):
+            ci, uv = divmod(r, khw)
+            u, v = divmod(uv, kw)
+            h, ww = u * dilation[0] - padding[0], v * dilation[1] - padding[1]
+            if 0 <= h < height and 0 <= ww < width:
+                lanes[r % 32] += x[n, ci, h, ww] * w.reshape(k_total, -1)[c, r]
+        shift[row] = lanes.sum() + bias[c]
+    return shift
+
+
+def emulate_pool_stats(x, w, bias, sign, shift_group, stride, padding, dilation, pool,
+                       grid_x=7):
+    """conv2d_first_values and conv2d_halo_pool_stats: (ext, partial, shift)."""
+    y = emulate(x, w, None, stride, padding, dilation, grid_x)  # tiles' acc, checked above
+    n_total, k_total, p_total, q_total = y.shape
+    groups = k_total // shift_group
+    first = first_values(x, w, bias, shift_group, padding, dilation)
+    shift = np.repeat(first, shift_group).reshape(n_total, k_total)
+    tiles_w = -(-q_total // TW)
+    tiles = -(-p_total // TH) * tiles_w
+    ext = np.full((n_total, k_total, p_total // pool, q_total // pool), np.nan)
+    partial = np.full((n_total, k_total, tiles, 2), np.nan)
+    for k0 in range(0, k_total, BN):
+        for n in range(n_total):
+            for t in range(tiles):
+                p0, q0 = (t // tiles_w) * TH, (t % tiles_w) * TW
+                acc = np.zeros((8, 2, 4, 32, 4))
+                for warp in range(8):  # the accumulators as conv2d_halo's store reads them
+                    warp_row, warp_k = warp & 3, (warp >> 2) * 32
+                    for i in range(2):
+                        for half in range(2):
+                            q = np.minimum(q0 + i * 16 + GID + half * 8, q_total - 1)
+                            p = min(p0 + warp_row, p_total - 1)
+                            for j in range(4):
+                                for e in range(2):
+                                    k = np.minimum(k0 + warp_k + j * 8 + 2 * TIG + e,
+                                                   k_total - 1)
+                                    acc[warp, i, j, :, half * 2 + e] = y[n, k, p, q]
+                pool_stats_epilogue(acc, bias, sign, shift[n], n, t, k0, p0, q0, y.shape,
+                                    pool, ext, partial)
+    return ext, partial, shift.reshape(n_total, groups, shift_group)[:, :, 0].reshape(-1)
+
+
+def check_pool_stats(rng) -> float:
+    """The pool-stats epilogue against its definition on the float64 convolution."""
+    worst = 0.0
+    for xs, ws, pool, group in [((2, 8, 13, 40), (70, 8, 3, 3), 4, 5),
+                                ((1, 3, 9, 37), (12, 3, 3, 3), 2, 4)]:
+        x, w = rng.standard_normal(xs), rng.standard_normal(ws)
+        bias, sign = rng.standard_normal(ws[0]), rng.standard_normal(ws[0])
+        ext, partial, shift = emulate_pool_stats(x, w, bias, sign, group, (1, 1), (0, 0),
+                                                 (1, 1), pool)
+        y = reference.conv(x, w, bias, (1, 1), (0, 0), (1, 1), 1)
+        n, k, p, q = y.shape
+        ho, wo = p // pool, q // pool
+        win = y[:, :, :ho * pool, :wo * pool].reshape(n, k, ho, pool, wo, pool)
+        want = np.where(sign[None, :, None, None] < 0, win.min(axis=(3, 5)),
+                        win.max(axis=(3, 5)))
+        d = y - np.repeat(shift.reshape(n, k // group), group, axis=1)[:, :, None, None]
+        sums = np.stack([d.sum(axis=(2, 3)), (d * d).sum(axis=(2, 3))], -1)
+        errs = [np.abs(ext - want).max(), np.abs(partial.sum(axis=2) - sums).max() / p / q,
+                np.abs(shift - y[:, ::group, 0, 0].reshape(-1)).max()]
+        print(f"pool-stats x {xs} w {ws} pool {pool} group {group}: max errors (ext, "
+              f"sums / pixels, shift) {errs[0]:.1e} {errs[1]:.1e} {errs[2]:.1e}")
+        worst = max([worst] + [e if not np.isnan(e) else float("inf") for e in errs])
+    return worst
+
+
 def main() -> int:
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     rng = np.random.default_rng(0)
@@ -147,6 +283,7 @@ def main() -> int:
         worst = max(worst, err)
         print(f"x {xs} w {ws} stride {stride} padding {padding} dilation {dilation} "
               f"(cc, hr, hc) {halo_chunk(xs[1], ws[2:], stride, dilation)}: max error {err:.1e}")
+    worst = max(worst, check_pool_stats(rng))
     return 0 if worst < 1e-9 else 1  # an output never written (NaN) counts as inf
 
 

@@ -22,6 +22,11 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "conv2d_igemm<3>",
         "conv2d_halo<1>",
         "conv2d_halo<3>",
+        "conv2d_halo_pool_stats<1, 2>",
+        "conv2d_halo_pool_stats<3, 2>",
+        "conv2d_halo_pool_stats<1, 4>",
+        "conv2d_halo_pool_stats<3, 4>",
+        "conv2d_first_values",
     ),
     "pooling.cu": (
         "pool_nd<true, 0, 0>",

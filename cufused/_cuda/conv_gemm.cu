@@ -258,15 +258,19 @@ conv2d_igemm(const float* __restrict__ x, const float* __restrict__ w,
 #define HALO_RC 72
 #define HALO_MAX 4800
 
-template <int PASSES>
-__global__ void __launch_bounds__(CONV_THREADS, 1)
-conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
-            const float* __restrict__ bias, float* __restrict__ y, int N, int C, int H, int W,
-            int K, int kh, int kw, int P, int Q, int sh, int sw, int ph, int pw, int dh, int dw,
-            int cc, int hr, int hc) {
-    __shared__ float halo[HALO_MAX];
-    __shared__ float wt[HALO_RC][CONV_BN + 8];  // [r][k]: conflict-free fragment loads
-    __shared__ int roff[HALO_RC];
+// The tiles of a conv2d_halo-style kernel: each block loops over its tiles (grid-stride over
+// N * tiles), computes a tile's 4 x 32 pixels x 64 channels into acc and calls
+// epilogue(n, t, p0, q0, acc) (t: the tile's index within its sample); every thread calls it
+// (it may hold barriers). halo, wt and roff are the block's shared memory (an epilogue may
+// use halo as scratch once it starts: the next tile's first barrier orders its reuse).
+template <int PASSES, class Epilogue>
+__device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
+                                           const float* __restrict__ w, int N, int C, int H,
+                                           int W, int K, int kh, int kw, int P, int Q, int sh,
+                                           int sw, int ph, int pw, int dh, int dw, int cc,
+                                           int hr, int hc, float* halo,
+                                           float (*wt)[CONV_BN + 8], int* roff,
+                                           Epilogue epilogue) {
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
     const int gid = lane >> 2, tig = lane & 3;
@@ -328,7 +332,7 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
 
         for (int c0 = 0; c0 < C; c0 += cc) {
             const int ccn = min(cc, C - c0);
-            __syncthreads();  // the previous chunk's (or tile's) fragment reads are done
+            __syncthreads();  // the previous chunk's (or tile's) reads of the buffers are done
             // A warp per halo row: coalesced along W.
             for (int row = warp; row < ccn * hr; row += CONV_THREADS / 32) {
                 const int c = row / hr, hrow = row - c * hr;
@@ -362,28 +366,190 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
                 if (PASSES == 3 && ((ks & 8) || ks + 8 >= rpad)) flush_step_sums(acc, stage);
             }
         }
-
-        // Fragment (row gid or gid + 8 of MMA tile i, column 2 * tig + e of tile j) ->
-        // y[n, k, p0 + warp_row, q0 + 16 * i + row]: for one column, 8 consecutive pixels.
-        const int p = p0 + warp_row;
-        if (p < P) {
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int q = q0 + i * 16 + gid + half * 8;
-                    if (q >= Q) continue;
-#pragma unroll
-                    for (int j = 0; j < 4; ++j)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int k = k0 + warp_k + j * 8 + 2 * tig + e;
-                            if (k >= K) continue;
-                            float v = acc[i][j][half * 2 + e];
-                            if (bias != nullptr) v += __ldg(bias + k);
-                            y[(((long long)n * K + k) * P + p) * Q + q] = v;
-                        }
-                }
-        }
+        epilogue(n, t, p0, q0, acc);
     }
+}
+
+template <int PASSES>
+__global__ void __launch_bounds__(CONV_THREADS, 1)
+conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
+            const float* __restrict__ bias, float* __restrict__ y, int N, int C, int H, int W,
+            int K, int kh, int kw, int P, int Q, int sh, int sw, int ph, int pw, int dh, int dw,
+            int cc, int hr, int hc) {
+    __shared__ float halo[HALO_MAX];
+    __shared__ float wt[HALO_RC][CONV_BN + 8];  // [r][k]: conflict-free fragment loads
+    __shared__ int roff[HALO_RC];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gid = lane >> 2, tig = lane & 3;
+    const int warp_row = warp & 3, warp_k = (warp >> 2) * 32;
+    const int k0 = blockIdx.y * CONV_BN;
+    // Fragment (row gid or gid + 8 of MMA tile i, column 2 * tig + e of tile j) ->
+    // y[n, k, p0 + warp_row, q0 + 16 * i + row]: for one column, 8 consecutive pixels.
+    auto store = [&](int n, int, int p0, int q0, const float (&acc)[2][4][4]) {
+        const int p = p0 + warp_row;
+        if (p >= P) return;
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int q = q0 + i * 16 + gid + half * 8;
+                if (q >= Q) continue;
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int k = k0 + warp_k + j * 8 + 2 * tig + e;
+                        if (k >= K) continue;
+                        float v = acc[i][j][half * 2 + e];
+                        if (bias != nullptr) v += __ldg(bias + k);
+                        y[(((long long)n * K + k) * P + p) * Q + q] = v;
+                    }
+            }
+    };
+    halo_tiles<PASSES>(x, w, N, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
+                       halo, wt, roff, store);
+}
+
+// Pipeline A's convolution with the fused pass of pool_extremum_stats (pooling.cu) as its
+// epilogue: the convolution output never goes to memory. For POOL x POOL windows (stride ==
+// window, POOL dividing the 4 x 32 tile) and every output pixel of channel k:
+//  * ext[n, k, ph, pw] (contiguous NCHW, Ho = P / POOL, Wo = Q / POOL): the window max of
+//    y + bias[k], or the window min where sign_a[k] * sign_b[k] < 0 (either may be null:
+//    positive), as pool_extremum_stats writes it (fmaxf drops NaN: a NaN in a statistics row
+//    makes its mean NaN, and with it every output the extremum feeds);
+//  * partial[(n * K + k) * splits + t] = (sum d, sum d * d), d = y + bias[k] - shift[row],
+//    over the pixels of tile t (splits = tiles per sample; the tiles cover every pixel once,
+//    the rows and columns that the pool drops included), row = n * (K / shift_group) +
+//    k / shift_group; shift from conv2d_first_values.
+// A warp reduces its row's statistics over its lanes and its windows' columns by shuffles;
+// the four rows meet in shared memory (the halo buffer, free once the tile's MMAs are done).
+#define POOL_SCRATCH_STATS (HALO_TH * CONV_BN * 2)
+
+template <int PASSES, int POOL>
+__global__ void __launch_bounds__(CONV_THREADS, 1)
+conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
+                       const float* __restrict__ bias, const float* __restrict__ sign_a,
+                       const float* __restrict__ sign_b, const float* __restrict__ shift,
+                       float* __restrict__ ext, float2* __restrict__ partial, int N, int C,
+                       int H, int W, int K, int kh, int kw, int P, int Q, int sh, int sw, int ph,
+                       int pw, int dh, int dw, int cc, int hr, int hc, int shift_group, int Ho,
+                       int Wo) {
+    __shared__ float halo[HALO_MAX];
+    __shared__ float wt[HALO_RC][CONV_BN + 8];
+    __shared__ int roff[HALO_RC];
+    static_assert(HALO_TH % POOL == 0 && HALO_TW % POOL == 0, "windows tile the tile");
+    static_assert(POOL_SCRATCH_STATS + HALO_TH * (HALO_TW / POOL) * CONV_BN <= HALO_MAX,
+                  "the epilogue's scratch fits the halo buffer");
+    const int tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5;
+    const int gid = lane >> 2, tig = lane & 3;
+    const int warp_row = warp & 3, warp_k = (warp >> 2) * 32;
+    const int k0 = blockIdx.y * CONV_BN;
+    const int tiles = ((P + HALO_TH - 1) / HALO_TH) * ((Q + HALO_TW - 1) / HALO_TW);
+    float* stats = halo;                         // [row][channel][2]
+    float* rows_ext = halo + POOL_SCRATCH_STATS;  // [row][window column][channel]
+    constexpr int WC = HALO_TW / POOL;             // window columns per tile
+
+    auto pool_stats = [&](int n, int t, int p0, int q0, const float (&acc)[2][4][4]) {
+        const int p = p0 + warp_row;
+        __syncthreads();  // every warp's MMAs have read the halo: it is scratch now
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int kl = warp_k + j * 8 + 2 * tig + e, k = k0 + kl;
+                const bool k_in = k < K;
+                const float b = (k_in && bias != nullptr) ? __ldg(bias + k) : 0.0f;
+                const float s = k_in ? __ldg(shift + (long long)n * (K / shift_group)
+                                              + k / shift_group) : 0.0f;
+                const bool neg = k_in
+                    && (sign_a != nullptr ? __ldg(sign_a + k) : 1.0f)
+                       * (sign_b != nullptr ? __ldg(sign_b + k) : 1.0f) < 0.0f;
+                float s1 = 0.0f, s2 = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 2; ++i)
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const int q = q0 + i * 16 + gid + half * 8;
+                        const float v = acc[i][j][half * 2 + e] + b;
+                        if (p < P && q < Q) {
+                            const float d = v - s;
+                            s1 += d;
+                            s2 = fmaf(d, d, s2);
+                        }
+                        // The window's extremum along its columns: gid groups of POOL.
+                        float m = neg ? -v : v;
+#pragma unroll
+                        for (int step = 4; step < 4 * POOL; step <<= 1)
+                            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, step));
+                        if (gid % POOL == 0)
+                            rows_ext[(warp_row * WC + (i * 16 + half * 8 + gid) / POOL) * CONV_BN
+                                     + kl] = m;
+                    }
+                // The row's sums over the 8 row groups (lanes of one tig).
+#pragma unroll
+                for (int step = 4; step < 32; step <<= 1) {
+                    s1 += __shfl_xor_sync(0xffffffffu, s1, step);
+                    s2 += __shfl_xor_sync(0xffffffffu, s2, step);
+                }
+                if (gid == 0) {
+                    stats[(warp_row * CONV_BN + kl) * 2] = s1;
+                    stats[(warp_row * CONV_BN + kl) * 2 + 1] = s2;
+                }
+            }
+        __syncthreads();
+        if (tid < CONV_BN && k0 + tid < K) {  // the tile's sums of channel k0 + tid
+            float s1 = 0.0f, s2 = 0.0f;
+#pragma unroll
+            for (int r = 0; r < HALO_TH; ++r) {
+                s1 += stats[(r * CONV_BN + tid) * 2];
+                s2 += stats[(r * CONV_BN + tid) * 2 + 1];
+            }
+            partial[((long long)n * K + k0 + tid) * tiles + t] = make_float2(s1, s2);
+        }
+        // The windows: POOL rows of row extrema each; wc fastest (coalesced along Wo).
+        for (int i = tid; i < (HALO_TH / POOL) * WC * CONV_BN; i += CONV_THREADS) {
+            const int wc = i % WC, rest = i / WC;
+            const int wr = rest % (HALO_TH / POOL), kl = rest / (HALO_TH / POOL);
+            const int k = k0 + kl, ph_ = p0 / POOL + wr, pw_ = q0 / POOL + wc;
+            if (k >= K || ph_ >= Ho || pw_ >= Wo) continue;
+            float m = rows_ext[(wr * POOL * WC + wc) * CONV_BN + kl];
+#pragma unroll
+            for (int r = 1; r < POOL; ++r)
+                m = fmaxf(m, rows_ext[((wr * POOL + r) * WC + wc) * CONV_BN + kl]);
+            const bool neg = (sign_a != nullptr ? __ldg(sign_a + k) : 1.0f)
+                             * (sign_b != nullptr ? __ldg(sign_b + k) : 1.0f) < 0.0f;
+            ext[(((long long)n * K + k) * Ho + ph_) * Wo + pw_] = neg ? -m : m;
+        }
+    };
+    halo_tiles<PASSES>(x, w, N, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
+                       halo, wt, roff, pool_stats);
+}
+
+// shift[row] = bias[c] + conv(x, w)[n, c, 0, 0] in float32, row = n * (K / shift_group) +
+// g, c = g * shift_group: the first element of each GroupNorm statistics row, the shift of
+// conv2d_halo_pool_stats' sums. A warp per row. Grid ceil(rows / 8), block 256.
+__global__ void __launch_bounds__(CONV_THREADS, 1)
+conv2d_first_values(const float* __restrict__ x, const float* __restrict__ w,
+                    const float* __restrict__ bias, float* __restrict__ shift, int rows, int C,
+                    int H, int W, int K, int kh, int kw, int ph, int pw, int dh, int dw,
+                    int shift_group) {
+    const int row = blockIdx.x * (CONV_THREADS / 32) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const int groups = K / shift_group;
+    const int n = row / groups, c = (row - n * groups) * shift_group;
+    const int khw = kh * kw, R = C * khw;
+    float s = 0.0f;
+    for (int r = lane; r < R; r += 32) {
+        const int ci = r / khw, uv = r - ci * khw;
+        const int u = uv / kw, v = uv - u * kw;
+        const int h = u * dh - ph, ww = v * dw - pw;
+        if (h >= 0 && h < H && ww >= 0 && ww < W)
+            s = fmaf(__ldg(x + (((long long)n * C + ci) * H + h) * W + ww),
+                     __ldg(w + (long long)c * R + r), s);
+    }
+#pragma unroll
+    for (int step = 16; step > 0; step >>= 1) s += __shfl_xor_sync(0xffffffffu, s, step);
+    if (lane == 0) shift[row] = s + (bias != nullptr ? __ldg(bias + c) : 0.0f);
 }

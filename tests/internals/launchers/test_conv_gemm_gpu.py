@@ -65,3 +65,36 @@ def test_non_finite_inputs_propagate(rng, passes, k):
     np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
     np.testing.assert_array_equal(np.isposinf(got), np.isposinf(ref))
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))
+
+
+@pytest.mark.parametrize("passes, tol", [(1, 2e-3), (3, 2e-6)])
+@pytest.mark.parametrize("x_shape, w_shape, pool, group", [
+    ((2, 8, 20, 18), (64, 8, 3, 3), 4, 4),     # pipeline A's form
+    ((3, 5, 13, 40), (70, 5, 3, 3), 4, 5),     # K past one tile, edge tiles in both axes
+    ((1, 3, 9, 37), (12, 3, 3, 3), 2, 4),
+])
+def test_pool_stats_epilogue(rng, x_shape, w_shape, pool, group, passes, tol):
+    # The window extrema (max, or min where the sign is negative), the per-tile shifted sums
+    # and the shifts against their definitions on the float64 convolution.
+    from cufused._kernels.conv_gemm import conv2d_pool_stats
+
+    x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
+    bias, sign = rng.standard_normal(w_shape[0]), rng.standard_normal(w_shape[0])
+    y = reference.conv(x, w, bias, (1, 1), (0, 0), (1, 1), 1)
+    n, k, p, q = y.shape
+    ho, wo = p // pool, q // pool
+    ext = cp.full((n, k, ho, wo), cp.nan, dtype=cp.float32)
+    partial, shift, splits = conv2d_pool_stats(
+        cp, cp.asarray(x, cp.float32), cp.asarray(w, cp.float32), cp.asarray(bias, cp.float32),
+        ext, sign_a=cp.asarray(sign, cp.float32), sign_b=None, shift_group=group,
+        stride=(1, 1), padding=(0, 0), dilation=(1, 1), pool=pool, passes=passes)
+    win = y[:, :, :ho * pool, :wo * pool].reshape(n, k, ho, pool, wo, pool)
+    want = np.where(sign[None, :, None, None] < 0, win.min(axis=(3, 5)), win.max(axis=(3, 5)))
+    assert_close(ext.get(), want, tol)
+    first = y[:, ::group, 0, 0].reshape(-1)
+    assert_close(shift.get(), first, tol)
+    d = y - np.repeat(shift.get().astype(np.float64).reshape(n, k // group), group,
+                      axis=1)[:, :, None, None]
+    sums = np.stack([d.sum(axis=(2, 3)), (d * d).sum(axis=(2, 3))], -1)
+    assert partial.shape == (n, k, splits, 2)
+    assert_close(partial.get().astype(np.float64).sum(axis=2), sums, 10 * tol)

@@ -295,8 +295,23 @@ def test_conv_gemm_launchers(launches, monkeypatch):
                 conv.conv2d_implicit_gemm(Dev(x), Dev(w), bias, Dev(y), stride=stride,
                                           padding=(0, 0), dilation=dilation, passes=passes)
                 assert launches[-1].name == f"{kernel}<{passes}>"
+    for pool in (2, 4):
+        for passes in (1, 3):
+            partial, shift, splits = conv.conv2d_pool_stats(
+                FakeXp, Dev((2, 8, 20, 18)), Dev((64, 8, 3, 3)), Dev((64,)),
+                Dev((2, 64, 18 // pool, 16 // pool)), sign_a=Dev((64,)), sign_b=None,
+                shift_group=4, stride=(1, 1), padding=(0, 0), dilation=(1, 1), pool=pool,
+                passes=passes)
+            assert launches[-1].name == f"conv2d_halo_pool_stats<{passes}, {pool}>"
+            assert splits == 5 and partial.shape == (2, 64, 5, 2) and shift.shape == (32,)
+            assert launches[-2].name == "conv2d_first_values" and launches[-2].grid == (4,)
+    with pytest.raises(ValueError, match="pool 2 or 4"):
+        conv.conv2d_pool_stats(FakeXp, Dev((2, 8, 20, 18)), Dev((64, 8, 3, 3)), None,
+                               Dev((2, 64, 6, 5)), sign_a=None, sign_b=None, shift_group=4,
+                               stride=(1, 1), padding=(0, 0), dilation=(1, 1), pool=3,
+                               passes=1)
     check_all(launches, "conv_gemm.cu")
-    halo = [launch for launch in launches if launch.name.startswith("conv2d_halo")]
+    halo = [launch for launch in launches if launch.name.startswith("conv2d_halo<")]
     # 2 samples x 5 x 1 tiles of 4 x 32 pixels: a block per tile (fewer tiles than 4 blocks
     # per multiprocessor); the 8 input channels in one chunk, halos of 6 x 34.
     assert all(launch.grid == (10, 1) and launch.args[-3:] == (8, 6, 34) for launch in halo)
