@@ -59,6 +59,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "pool_extremum_stats_nhwc_rows<4, 1, true>",
         "pool_extremum_stats_nhwc_rows<4, 2, true>",
         "pool_affine_nonfinite",
+        "pool_affine_nonfinite_conv",
         "pool_bn_tanh_nonfinite",
     ),
     "layout.cu": (

@@ -264,6 +264,11 @@ def test_pooling_launchers(launches):
     pool.pool_affine_nonfinite(y, out, Dev((4, 2)), bias=None, gamma=Dev((8,)), beta=None,
                                scale=Dev((8,)), num_groups=2, pool=2, lo=0.0, hi=1.0)
     assert launches[-1].args[7:13] == (2, 8, 2, 2, 4, 4)  # N, C, G, k, Ho, Wo
+    pool.pool_affine_nonfinite_conv(Dev((2, 3, 11, 11)), Dev((8, 3, 3, 3)), out, Dev((4, 2)),
+                                    bias=Dev((8,)), gamma=Dev((8,)), beta=None, scale=None,
+                                    num_groups=2, pool=2, stride=(1, 1), padding=(0, 0),
+                                    dilation=(1, 1), lo=0.0, hi=1.0)
+    assert launches[-1].args[8:19] == (2, 8, 2, 2, 4, 4, 3, 11, 11, 3, 3)
     coef = Dev((2, 8))
     pool.pool_bn_tanh_nonfinite(y, out, Dev((8, 2)), coef[0], coef[1], bias=Dev((8,)),
                                 gamma=None, beta=None, pool=2, ext_block=4)
