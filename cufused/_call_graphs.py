@@ -36,7 +36,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from ._arrays import _memory_limit, import_cupy, is_cupy_array
+from ._arrays import _byte_span, _memory_limit, import_cupy, is_cupy_array
 from ._cuda import capturing
 from ._cudnn import _config, clear_plan_cache, on_clear_plan_cache, plans_in_use
 from ._precision import default_precision, resolve_precision
@@ -266,13 +266,7 @@ def _reads_only(graph_key: tuple, args: tuple, kwargs: dict) -> bool:
 
     def caller_arrays(value):
         if is_cupy_array(value):
-            low = high = value.data.ptr
-            for size, step in zip(value.shape, value.strides):
-                if step < 0:
-                    low += (size - 1) * step
-                else:
-                    high += (size - 1) * step
-            spans.append((low, high + value.itemsize))
+            spans.append(_byte_span(value))
         elif isinstance(value, (tuple, list)):
             for v in value:
                 caller_arrays(v)

@@ -8,14 +8,20 @@ call issued to the device being idle, with every result kept until then (as Dask
 runs the same three phases that ``cufused.dask`` runs (the batch statistics span all chunks),
 and the column "B 1-call" is one fused call per chunk (each chunk's own statistics: another
 result, shown for its cost). Dask runs with the threaded scheduler in this process and, where
-``dask_cuda`` imports, on a ``LocalCUDACluster`` with one worker, whose input is made on the
-worker; the loop's time is this process's.
+``dask_cuda`` imports, on a ``LocalCUDACluster`` with one worker per GPU: for each count in
+``--gpus``, the input is made on that many workers and the pipeline runs on them only (one
+cluster serves every count, so each worker builds its convolution plans once). The loop's time
+is this process's; ``--cluster-only`` leaves out the loop and the threaded scheduler. For
+each cluster figure, one more run's task stream says where the time goes: the busiest
+worker's task time, transfer time between workers, and the rest of the wall time (scheduling,
+and the device finishing after the last task returns).
 
 Without a GPU, ``--small`` is a smoke run of the same code on NumPy chunks (the float64
 reference) with small shapes and the threaded scheduler only.
 
 Usage: python scripts/bench_dask.py [--small] [--cases A B C] [--precisions ieee tf32]
-       [--factor 8] [--batch N] [--repeat 3] [--threads N] [--no-cluster] [--json FILE]
+       [--factor 8] [--batch N] [--repeat 3] [--threads N] [--no-cluster]
+       [--gpus 1 2] [--cluster-only] [--json FILE]
 """
 
 from __future__ import annotations
@@ -82,19 +88,42 @@ def _random_chunk(block_id=None, *, shape, seed):
     return rng.random(shape, dtype=cupy.float32)
 
 
-def bench_case(case, xp, params, x_shape, factor, precisions, repeat, threads, client):
+def bench_case(case, xp, params, x_shape, factor, precisions, repeat, threads, client, gpus,
+               local=True):
     """The rows of one case: {precision: {runner: seconds}}."""
-    import dask.array as da
-
     from cufused import dask as cdask
 
     n = x_shape[0]
     total = (factor * n,) + x_shape[1:]
+    lazy = getattr(cdask, case.pipeline)
+    rows = {precision: {} for precision in precisions}
+    if local:
+        for precision, times in local_times(case, xp, params, total, n, precisions, repeat,
+                                            threads).items():
+            rows[precision].update(times)
+    if client is not None:
+        for precision in precisions:
+            opts = dict(case.options, precision=precision)
+            # The most GPUs first: each worker builds its plans in that warm-up, all at once.
+            for count in sorted(gpus, reverse=True):
+                seconds, where = cluster_time(client, count, case.pipeline, lazy, params, opts,
+                                              total, n, repeat)
+                rows[precision][f"cluster{count}"] = seconds
+                rows[precision][f"cluster{count}_where"] = where
+    return rows
+
+
+def local_times(case, xp, params, total, n, precisions, repeat, threads):
+    """The loop's and the threaded scheduler's seconds in this process, and a timeline."""
+    import dask.array as da
+
+    from cufused import dask as cdask
+
     if xp is numpy:
         x = numpy.random.default_rng(1).random(total, dtype=numpy.float32)
     else:
         x = xp.random.default_rng(1).random(total, dtype=xp.float32)
-    chunks = [x[i * n:(i + 1) * n] for i in range(factor)]
+    chunks = [x[i * n:(i + 1) * n] for i in range(total[0] // n)]
     # name=False: no hash of the whole input (for CuPy, a copy to the host and back).
     x_dask = da.from_array(x, chunks={0: n}, asarray=False, name=False).persist(
         scheduler="threads")
@@ -113,9 +142,6 @@ def bench_case(case, xp, params, x_shape, factor, precisions, repeat, threads, c
             scheduler="threads", num_workers=threads)
         rows[precision] = {name: wall_time(fn, xp, repeat) for name, fn in runners.items()}
         rows[precision]["timeline"] = task_timeline(runners["threads"], xp)
-        if client is not None:
-            rows[precision]["cluster"] = cluster_time(client, lazy, params, opts, total, n,
-                                                      repeat)
     return rows
 
 
@@ -153,24 +179,32 @@ def task_timeline(run, xp) -> dict:
             "gaps": gaps * 1e3, "tail": (t1 - ends[-1]) * 1e3, "total": (t1 - t0) * 1e3}
 
 
-def cluster_time(client, lazy, params, opts, total, n, repeat) -> float:
-    """Median seconds on the cluster's worker, input made and kept there first."""
+def cluster_time(client, count, pipeline, lazy, params, opts, total, n, repeat):
+    """Median seconds on the cluster's first ``count`` workers, input made and kept there
+    first, and where one more run's wall time goes (seconds): ``tasks``, the busiest worker's
+    summed task time; ``transfer``, time spent moving data between workers (summed);
+    ``rest``, the wall time beyond the busiest worker's tasks and transfers; ``loop``, the
+    slowest worker's time for one call per chunk it holds, issued by the worker itself with
+    no scheduler in between (B: each chunk's own statistics), from first call to device idle.
+    """
     import cupy
     import dask.array as da
-    from distributed import futures_of, wait
+    from distributed import futures_of, get_task_stream, wait
 
+    workers = sorted(client.scheduler_info()["workers"])[:count]
     x = da.map_blocks(_random_chunk, shape=(n,) + total[1:], seed=1, chunks=(
         (n,) * (total[0] // n),) + tuple((s,) for s in total[1:]), dtype=numpy.float32,
         meta=cupy.empty((0,) * len(total), dtype=cupy.float32))
-    x = client.persist(x)
+    x = client.persist(x, workers=workers, allow_other_workers=False)
     with client.as_current():
         wait(futures_of(x))
 
     def run():
-        out = client.persist(lazy(x, *params, **opts))
+        out = client.persist(lazy(x, *params, **opts), workers=workers,
+                             allow_other_workers=False)
         with client.as_current():
             wait(futures_of(out))
-        client.run(lambda: cupy.cuda.Device().synchronize())
+        client.run(lambda: cupy.cuda.Device().synchronize(), workers=workers)
         return out
 
     run()
@@ -180,7 +214,43 @@ def cluster_time(client, lazy, params, opts, total, n, repeat) -> float:
         out = run()
         times.append(time.perf_counter() - start)
         del out
-    return statistics.median(times)
+    start = time.perf_counter()
+    with get_task_stream(client) as stream:
+        out = run()
+    wall = time.perf_counter() - start
+    del out
+    busy = {w: 0.0 for w in workers}
+    transfer = 0.0
+    for task in stream.data:
+        for span in task["startstops"]:
+            if span["action"] == "compute":
+                busy[task["worker"]] = busy.get(task["worker"], 0.0) + span["stop"] - span[
+                    "start"]
+            elif span["action"] == "transfer":
+                transfer += span["stop"] - span["start"]
+    tasks = max(busy.values())
+    keys = {}
+    for key, holders in client.who_has(x).items():
+        keys.setdefault(holders[0], []).append(key)
+    host_params = [cupy.asnumpy(p) for p in params]
+    loops = [client.run(_worker_loop, pipeline, keys, host_params, opts, repeat,
+                        workers=workers) for _ in range(2)][-1]
+    return statistics.median(times), {"wall": wall, "tasks": tasks, "transfer": transfer,
+                                      "rest": max(0.0, wall - tasks - transfer),
+                                      "loop": max(loops.values())}
+
+
+def _worker_loop(pipeline, keys, params, opts, repeat, dask_worker=None):
+    """On a worker: median seconds of one call per chunk this worker holds, from the first
+    call to the device being idle."""
+    import cupy
+
+    # Tuple keys come back as lists from the client's message.
+    chunks = [dask_worker.data[tuple(key) if isinstance(key, list) else key]
+              for key in keys.get(dask_worker.address, [])]
+    params = [cupy.asarray(p) for p in params]
+    single = getattr(cufused, pipeline)
+    return wall_time(lambda: [single(c, *params, **opts) for c in chunks], cupy, repeat)
 
 
 def header(xp, args) -> dict:
@@ -205,22 +275,47 @@ def header(xp, args) -> dict:
 
 
 def format_table(result: dict) -> str:
-    """Images per second of each runner, and Dask's overhead over the loop."""
+    """Images per second of each runner, Dask's overhead over the loop, and each GPU
+    count's speed-up over one GPU."""
+    gpus = result["header"].get("gpus", [])
+    head = (f"{'case':<4} {'prec':<5} {'images':>7} {'chunk':>6} {'loop':>9} {'threads':>9} "
+            f"{'ovh':>7}")
+    for count in gpus:
+        head += f" {f'{count} GPU':>9} {'ovh' if count == 1 else 'speedup':>7}"
     lines = [" ".join(f"{k}={v}" for k, v in result["header"].items()),
-             "images/s (median wall time, issue to device idle); overhead = time / loop - 1",
-             f"{'case':<4} {'prec':<5} {'images':>7} {'chunk':>6} {'loop':>9} {'threads':>9} "
-             f"{'ovh':>7} {'cluster':>9} {'ovh':>7} {'B 1-call':>9}"]
+             "images/s (median wall time, issue to device idle); ovh = time / loop - 1; "
+             "speedup = 1 GPU's time / this time", head + f" {'B 1-call':>9}"]
     for r in result["rows"]:
         def rate(key):
             return f"{r['images'] / r[key]:9.1f}" if key in r else f"{'-':>9}"
 
-        def overhead(key):
-            return f"{r[key] / r['loop'] - 1:+7.1%}" if key in r else f"{'-':>7}"
+        def ratio(key, base, minus):
+            if key in r and base in r:
+                return f"{r[key] / r[base] - 1:+7.1%}" if minus else f"{r[base] / r[key]:7.2f}"
+            return f"{'-':>7}"
 
-        lines.append(f"{r['case']:<4} {r['precision']:<5} {r['images']:>7} {r['chunk']:>6} "
-                     f"{rate('loop')} {rate('threads')} {overhead('threads')} "
-                     f"{rate('cluster')} {overhead('cluster')} {rate('one_call_per_chunk')}")
+        line = (f"{r['case']:<4} {r['precision']:<5} {r['images']:>7} {r['chunk']:>6} "
+                f"{rate('loop')} {rate('threads')} {ratio('threads', 'loop', True)}")
+        for count in gpus:
+            key = f"cluster{count}"
+            line += (f" {rate(key)} " + (ratio(key, "loop", True) if count == 1
+                                         else ratio(key, "cluster1", False)))
+        lines.append(line + f" {rate('one_call_per_chunk')}")
     return "\n".join(lines)
+
+
+def format_where(result: dict) -> list[str]:
+    """Where each cluster run's wall time goes, in ms."""
+    lines = []
+    for r in result["rows"]:
+        for count in result["header"].get("gpus", []):
+            w = r.get(f"cluster{count}_where")
+            if w:
+                lines.append(f"{r['case']:<4} {r['precision']:<5} {count} GPU: wall "
+                             f"{w['wall'] * 1e3:8.2f}  busiest worker's tasks "
+                             f"{w['tasks'] * 1e3:8.2f}  transfers {w['transfer'] * 1e3:7.2f}  "
+                             f"rest {w['rest'] * 1e3:7.2f}  worker loop {w['loop'] * 1e3:8.2f}")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -237,6 +332,10 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, help="threaded scheduler's workers (Dask's "
                                                     "default)")
     parser.add_argument("--no-cluster", action="store_true", help="skip the LocalCUDACluster")
+    parser.add_argument("--gpus", nargs="*", type=int, default=[1],
+                        help="GPU counts to run the cluster on (default 1)")
+    parser.add_argument("--cluster-only", action="store_true",
+                        help="leave out the loop and the threaded scheduler")
     parser.add_argument("--json", metavar="FILE", help="write the figures to FILE")
     args = parser.parse_args(argv)
     gpu = gpu_available()
@@ -253,11 +352,14 @@ def main(argv=None) -> int:
             import dask_cuda
             from distributed import Client
 
-            client = Client(dask_cuda.LocalCUDACluster(n_workers=1, dashboard_address=None),
+            client = Client(dask_cuda.LocalCUDACluster(n_workers=max(args.gpus),
+                                                       dashboard_address=None),
                             set_as_default=False)
         except Exception as exc:  # noqa: BLE001 - the threaded figures stand without it
             print(f"no LocalCUDACluster ({type(exc).__name__}: {exc}): no cluster column")
     result = {"header": header(xp, args), "rows": []}
+    if client is not None:
+        result["header"]["gpus"] = args.gpus
     print("\n".join(format_table(result).splitlines()[:3]), flush=True)
     try:
         for case in make_cases(small=args.small):
@@ -271,7 +373,8 @@ def main(argv=None) -> int:
             inputs = one.make_inputs(numpy.random.default_rng(0))
             params = [xp.asarray(v) for k, v in inputs.items() if k != "x"]
             rows = bench_case(case, xp, params, shape, args.factor, args.precisions,
-                              args.repeat, args.threads, client)
+                              args.repeat, args.threads, client, args.gpus,
+                              local=not args.cluster_only)
             if xp is not numpy:  # the case's arrays are gone: give their memory back
                 xp.get_default_memory_pool().free_all_blocks()
             for precision, times in rows.items():
@@ -293,6 +396,12 @@ def main(argv=None) -> int:
             print(f"{r['case']:<4} {r['precision']:<5} {t['tasks_n']:3d} tasks  "
                   f"{t['start']:7.2f} {t['tasks']:7.2f} {t['gaps']:7.2f} {t['tail']:7.2f} "
                   f"{t['total']:7.2f}")
+    where = format_where(result)
+    if where:
+        print("cluster runs, ms: wall / the busiest worker's summed task time / transfers "
+              "between workers (summed) / the rest / the slowest worker's loop over its "
+              "chunks without the scheduler")
+        print("\n".join(where))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)

@@ -6,7 +6,8 @@
 # "all" = tests + bench; "check" (the canonical cases against float64 references computed on
 # the GPU) runs on its own; "compare" times the fused pipelines of OLD_TREE (a copy of an
 # older cufused/, e.g. from git archive, carried with the call) and of this tree side by side;
-# "dask" runs the Dask benchmark on the threaded scheduler.
+# "dask" runs the Dask benchmark (its options: --no-cluster for the threaded scheduler only,
+# --gpus 1 2 for a LocalCUDACluster on one and two GPUs).
 # Installs carried wheels from .whl/ (cuDNN Frontend, Dask) into /tmp/site when present.
 # Full logs go to $OUT (or ./gpu_check_out); a short summary is printed last.
 set -u
@@ -38,7 +39,7 @@ if [ "$what" = compare ]; then
   python3 scripts/compare_trees.py "$1" "$PWD" "${@:2}" --json "$out/compare.json" 2>&1 | tee "$out/compare.log"
 fi
 if [ "$what" = dask ]; then
-  python3 scripts/bench_dask.py --no-cluster --json "$out/bench_dask.json" "$@" 2>&1 | tee "$out/bench_dask.log"
+  python3 scripts/bench_dask.py --json "$out/bench_dask.json" "$@" 2>&1 | tee "$out/bench_dask.log"
 fi
 if [ "$what" = check ]; then
   python3 -m cufused check 2>&1 | tee "$out/check.log"

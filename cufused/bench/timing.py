@@ -7,6 +7,7 @@ is reported. PyTorch eager and ``torch.compile`` run the same math in the same p
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -202,22 +203,27 @@ def _timed_calls(case: Case, precision: str, inputs: dict, out, rng, torch_calls
     return fns, plan, free_plan
 
 
-def _compare(timer: Timer | None, fns: dict, precision: str, *, torch_calls: bool) -> dict:
-    """``timer.compare(fns)`` (with ``timer`` None, each function's own result); with
-    PyTorch calls among them, PyTorch set to ``precision`` and without autograd for the
-    run."""
-    def run():
-        return timer.compare(fns) if timer is not None else {k: f() for k, f in fns.items()}
-
-    if not torch_calls:
-        return run()
+@contextlib.contextmanager
+def _pytorch_at(precision: str, active: bool):
+    """Where ``active``: PyTorch set to ``precision`` and without autograd for the block."""
+    if not active:
+        yield
+        return
     import torch
 
     set_torch_precision(precision)
-    with torch.no_grad():
-        row = run()
-    set_torch_precision("ieee")
-    return row
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        set_torch_precision("ieee")
+
+
+def _compare(timer: Timer, fns: dict, precision: str, *, torch_calls: bool) -> dict:
+    """``timer.compare(fns)``; with PyTorch calls among them, PyTorch set to ``precision``
+    and without autograd for the run."""
+    with _pytorch_at(precision, torch_calls):
+        return timer.compare(fns)
 
 
 def _host_times(fns: dict, precision: str) -> dict:
@@ -226,9 +232,8 @@ def _host_times(fns: dict, precision: str) -> dict:
     row = {}
     for name in ("fused", "prepared", "torch_eager", "torch_compile", "torch_compile_ro"):
         if name in fns:
-            row[f"host_us_{name}"] = _compare(
-                None, {"x": lambda f=fns[name]: host_us_per_call(f)}, precision,
-                torch_calls=name.startswith("torch"))["x"]
+            with _pytorch_at(precision, name.startswith("torch")):
+                row[f"host_us_{name}"] = host_us_per_call(fns[name])
     return row
 
 

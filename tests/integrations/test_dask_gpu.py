@@ -53,8 +53,9 @@ def gpu_cases(rng):
     return out
 
 
-def check_gpu_pipelines(rng, compute):
-    """Each pipeline on CuPy chunks against the single CuPy call (running buffers of B too)."""
+def check_gpu_pipelines(rng, compute, chunk=chunked):
+    """Each pipeline on CuPy chunks (made by ``chunk(x, chunks)``) against the single CuPy call
+    (running buffers of B too)."""
     import cupy as cp
 
     for name, x, params, options in gpu_cases(rng):
@@ -66,7 +67,7 @@ def check_gpu_pipelines(rng, compute):
                                         for _ in range(2))
                 buffers["return_running_stats"] = True
             ref = getattr(cufused, name)(x, *params, **options, **ref_buffers)
-            lazy = getattr(cdask, name)(chunked(x, chunks), *params, **options, **buffers)
+            lazy = getattr(cdask, name)(chunk(x, chunks), *params, **options, **buffers)
             results = compute(lazy if isinstance(lazy, tuple) else (lazy,))
             assert type(results[0]) is cp.ndarray, name
             assert_close(results[0].get(), ref.get(), 3e-5)
@@ -133,10 +134,32 @@ def test_gpu_tasks_run_one_at_a_time_per_device(rng, quick_plans, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_pipelines_on_a_local_cuda_cluster(rng, quick_plans):
+@pytest.mark.parametrize("n_gpus", [1, 2])
+def test_gpu_pipelines_on_a_local_cuda_cluster(rng, quick_plans, n_gpus):
+    # One worker per GPU; with two, each worker computes some of the chunks and B's batch
+    # statistics are reduced across both, yet every result equals the single call's.
+    import cupy as cp
+
     dask_cuda = pytest.importorskip("dask_cuda")
     distributed = pytest.importorskip("distributed")
-    with dask_cuda.LocalCUDACluster(n_workers=1, dashboard_address=None) as local, \
+    if cp.cuda.runtime.getDeviceCount() < n_gpus:
+        pytest.skip(f"needs {n_gpus} devices")
+    with dask_cuda.LocalCUDACluster(n_workers=n_gpus, dashboard_address=None) as local, \
             distributed.Client(local, set_as_default=False) as client:
         client.run(cufused.set_conv_autotune, False)
-        check_gpu_pipelines(rng, lambda arrays: dask.compute(*arrays, scheduler=client))
+        devices = client.run(lambda: cp.cuda.runtime.getDeviceProperties(0)["pciBusID"])
+        assert len(set(devices.values())) == n_gpus  # each worker on a GPU of its own
+        workers = sorted(client.scheduler_info()["workers"])
+
+        def spread(x, chunks):
+            # Each chunk kept on a worker in turn, as inputs made on the workers are: a whole
+            # array sent from the client lives on one worker, and its chunks' tasks with it.
+            starts = np.cumsum((0,) + chunks)
+            return da.concatenate([
+                client.persist(da.from_array(x[a:b], chunks=-1), workers=[workers[i % n_gpus]])
+                for i, (a, b) in enumerate(zip(starts[:-1], starts[1:]))])
+
+        with distributed.get_task_stream(client) as tasks:
+            check_gpu_pipelines(rng, lambda arrays: dask.compute(*arrays, scheduler=client),
+                                spread)
+        assert {t["worker"] for t in tasks.data} == set(workers)
