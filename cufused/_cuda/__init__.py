@@ -20,6 +20,13 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "conv_gemm.cu": (
         "conv2d_igemm<1>",
         "conv2d_igemm<3>",
+        "conv2d_halo<1>",
+        "conv2d_halo<3>",
+        "conv2d_halo_pool_stats<1, 2>",
+        "conv2d_halo_pool_stats<3, 2>",
+        "conv2d_halo_pool_stats<1, 4>",
+        "conv2d_halo_pool_stats<3, 4>",
+        "conv2d_first_values",
     ),
     "pooling.cu": (
         "pool_nd<true, 0, 0>",
@@ -52,6 +59,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "pool_extremum_stats_nhwc_rows<4, 1, true>",
         "pool_extremum_stats_nhwc_rows<4, 2, true>",
         "pool_affine_nonfinite",
+        "pool_affine_nonfinite_conv",
         "pool_bn_tanh_nonfinite",
     ),
     "layout.cu": (

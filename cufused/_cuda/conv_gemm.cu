@@ -59,6 +59,49 @@ __device__ __forceinline__ void finite_or_zero(unsigned (&hi)[N]) {
         if (!(fabsf(__uint_as_float(hi[i])) < INFINITY)) hi[i] = 0u;
 }
 
+// One 8-deep reduction step of a warp's 32 x 32 tile: the A fragments of its two 16-row
+// MMA tiles and the B fragments of its four 8-column ones (float32 values, split here) into
+// sum (the accumulator, or for PASSES = 3 the registers of the current step sums).
+template <int PASSES>
+__device__ __forceinline__ void mma_warp_step(const float (&af)[2][4], const float (&bf)[4][2],
+                                              float (&sum)[2][4][4]) {
+    unsigned a_hi[2][4], a_lo[2][4], b_hi[4][2], b_lo[4][2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) split_tf32<PASSES>(af[i], a_hi[i], a_lo[i]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) split_tf32<PASSES>(bf[j], b_hi[j], b_lo[j]);
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) mma_tf32(sum[i][j], a_hi[i], b_hi[j]);
+    if (PASSES == 3) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) finite_or_zero(a_hi[i]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) finite_or_zero(b_hi[j]);
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                mma_tf32(sum[i][j], a_lo[i], b_hi[j]);
+                mma_tf32(sum[i][j], a_hi[i], b_lo[j]);
+            }
+    }
+}
+
+// 3xTF32: add the step sums to the accumulator in float32 and clear them.
+__device__ __forceinline__ void flush_step_sums(float (&acc)[2][4][4], float (&stage)[2][4][4]) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                acc[i][j][e] += stage[i][j][e];
+                stage[i][j][e] = 0.0f;
+            }
+}
+
 // y[n, k, p, q] = bias[k] + sum_{c, u, v} x[n, c, p*sh - ph + u*dh, q*sw - pw + v*dw]
 //                                        * w[k, c, u, v]
 // Grid (ceil(M / 128), ceil(K / 64)), block 256. bias may be null.
@@ -161,40 +204,9 @@ conv2d_igemm(const float* __restrict__ x, const float* __restrict__ w,
                 bf[j][0] = b_tile[ks + tig][k];
                 bf[j][1] = b_tile[ks + tig + 4][k];
             }
-            unsigned a_hi[2][4], a_lo[2][4], b_hi[4][2], b_lo[4][2];
-#pragma unroll
-            for (int i = 0; i < 2; ++i) split_tf32<PASSES>(af[i], a_hi[i], a_lo[i]);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) split_tf32<PASSES>(bf[j], b_hi[j], b_lo[j]);
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) mma_tf32(sum[i][j], a_hi[i], b_hi[j]);
-            if (PASSES == 3) {
-#pragma unroll
-                for (int i = 0; i < 2; ++i) finite_or_zero(a_hi[i]);
-#pragma unroll
-                for (int j = 0; j < 4; ++j) finite_or_zero(b_hi[j]);
-#pragma unroll
-                for (int i = 0; i < 2; ++i)
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        mma_tf32(sum[i][j], a_lo[i], b_hi[j]);
-                        mma_tf32(sum[i][j], a_hi[i], b_lo[j]);
-                    }
-            }
+            mma_warp_step<PASSES>(af, bf, sum);
         }
-        if (PASSES == 3) {
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        acc[i][j][e] += stage[i][j][e];
-                        stage[i][j][e] = 0.0f;
-                    }
-        }
+        if (PASSES == 3) flush_step_sums(acc, stage);
         __syncthreads();  // the next stage overwrites the tiles
     }
 
@@ -221,4 +233,323 @@ conv2d_igemm(const float* __restrict__ x, const float* __restrict__ w,
                     y[(n * K + k) * pq + pix] = v;
                 }
         }
+}
+
+// The same convolution for inputs whose patches overlap (small C_in: pipeline A's 8 channels,
+// where conv2d_igemm gathers each input value up to kh * kw times through global memory):
+// a block stages an input halo once per chunk of input channels and reads the MMA fragments
+// from it.
+//
+// A tile is HALO_TH x HALO_TW = 4 x 32 output pixels of one sample (warp w % 4 computes row
+// w % 4, its two 16-row MMA tiles 16 pixels each) x 64 output channels (warp w / 4: 32 of
+// them). The reduction runs over chunks of cc input channels: the block stages their halo
+// (cc x hr x hc values, hr = 3 * sh + (kh - 1) * dh + 1, hc = 31 * sw + (kw - 1) * dw + 1,
+// zeros outside the input), their weights (the chunk's cc * kh * kw reduction values x 64
+// channels, zero past K, rounded up to a multiple of 8 with zero weights) and each reduction
+// value's offset in the halo (-1 for the rounding: those fragment values are 0, not a halo
+// value, which may be infinite). A fragment value is then one shared load at the pixel's
+// offset plus the reduction value's. With one chunk (C * kh * kw <= HALO_RC) the weights are
+// staged once per block; blocks loop over tiles (grid-stride over N * tiles).
+//
+// Grid (blocks, ceil(K / 64)), block 256. bias may be null. cc * hr * hc <= HALO_MAX and
+// cc * kh * kw <= HALO_RC (the launcher's choice of cc).
+#define HALO_TH 4
+#define HALO_TW 32
+#define HALO_RC 72
+#define HALO_MAX 4800
+
+// The tiles of a conv2d_halo-style kernel: each block loops over its tiles (grid-stride over
+// N * tiles), computes a tile's 4 x 32 pixels x 64 channels into acc and calls
+// epilogue(n, t, p0, q0, acc) (t: the tile's index within its sample); every thread calls it
+// (it may hold barriers). halo, wt and roff are the block's shared memory (an epilogue may
+// use halo as scratch once it starts: the next tile's first barrier orders its reuse).
+template <int PASSES, class Epilogue>
+__device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
+                                           const float* __restrict__ w, int N, int C, int H,
+                                           int W, int K, int kh, int kw, int P, int Q, int sh,
+                                           int sw, int ph, int pw, int dh, int dw, int cc,
+                                           int hr, int hc, float* halo,
+                                           float (*wt)[CONV_BN + 8], int* roff,
+                                           Epilogue epilogue) {
+    const int tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5;
+    const int gid = lane >> 2, tig = lane & 3;
+    const int warp_row = warp & 3, warp_k = (warp >> 2) * 32;
+    const int k0 = blockIdx.y * CONV_BN;
+    const int khw = kh * kw;
+    const int tiles_w = (Q + HALO_TW - 1) / HALO_TW;
+    const int tiles = ((P + HALO_TH - 1) / HALO_TH) * tiles_w;
+    const bool one_chunk = C <= cc;
+    // This lane's fragment rows (gid, gid + 8 of MMA tile i) as offsets into a channel's halo.
+    int pofs[2][2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+            pofs[i][half] = warp_row * sh * hc + (i * 16 + gid + half * 8) * sw;
+
+    // The weights of input channels [c0, c0 + ccn) and their halo offsets; returns the
+    // reduction length rounded up to 8.
+    auto stage_weights = [&](int c0, int ccn) {
+        const int rn = ccn * khw, rpad = (rn + 7) & ~7;
+        for (int i = tid; i < rpad * CONV_BN; i += CONV_THREADS) {
+            const int kk = i / rpad, r = i - kk * rpad;  // r fastest: coalesced reads
+            const int k = k0 + kk;
+            wt[r][kk] = (r < rn && k < K)
+                ? __ldg(w + ((long long)k * C + c0) * khw + r) : 0.0f;
+        }
+        for (int r = tid; r < rpad; r += CONV_THREADS) {
+            int off = -1;
+            if (r < rn) {
+                const int c = r / khw, uv = r - c * khw;
+                const int u = uv / kw, v = uv - u * kw;
+                off = (c * hr + u * dh) * hc + v * dw;
+            }
+            roff[r] = off;
+        }
+        return rpad;
+    };
+
+    int rpad = 0;
+    if (one_chunk) {
+        rpad = stage_weights(0, C);  // published by the first halo's barrier
+    }
+    for (long long tile = blockIdx.x; tile < (long long)N * tiles; tile += gridDim.x) {
+        const int n = (int)(tile / tiles);
+        const int t = (int)(tile - (long long)n * tiles);
+        const int p0 = (t / tiles_w) * HALO_TH, q0 = (t % tiles_w) * HALO_TW;
+        const int h0 = p0 * sh - ph, w0 = q0 * sw - pw;
+        const float* xs = x + (long long)n * C * H * W;
+
+        float acc[2][4][4], stage[2][4][4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[i][j][e] = stage[i][j][e] = 0.0f;
+        float (&sum)[2][4][4] = PASSES == 3 ? stage : acc;
+
+        for (int c0 = 0; c0 < C; c0 += cc) {
+            const int ccn = min(cc, C - c0);
+            __syncthreads();  // the previous chunk's (or tile's) reads of the buffers are done
+            // A warp per halo row: coalesced along W.
+            for (int row = warp; row < ccn * hr; row += CONV_THREADS / 32) {
+                const int c = row / hr, hrow = row - c * hr;
+                const int h = h0 + hrow;
+                const bool h_in = h >= 0 && h < H;
+                const float* xrow = xs + ((long long)(c0 + c) * H + (h_in ? h : 0)) * W;
+                for (int col = lane; col < hc; col += 32) {
+                    const int ww = w0 + col;
+                    halo[row * hc + col] = (h_in && ww >= 0 && ww < W) ? __ldg(xrow + ww) : 0.0f;
+                }
+            }
+            if (!one_chunk) rpad = stage_weights(c0, ccn);
+            __syncthreads();
+            for (int ks = 0; ks < rpad; ks += 8) {
+                const int o0 = roff[ks + tig], o1 = roff[ks + tig + 4];
+                float af[2][4], bf[4][2];
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    af[i][0] = o0 >= 0 ? halo[pofs[i][0] + o0] : 0.0f;
+                    af[i][1] = o0 >= 0 ? halo[pofs[i][1] + o0] : 0.0f;
+                    af[i][2] = o1 >= 0 ? halo[pofs[i][0] + o1] : 0.0f;
+                    af[i][3] = o1 >= 0 ? halo[pofs[i][1] + o1] : 0.0f;
+                }
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int k = warp_k + j * 8 + gid;
+                    bf[j][0] = wt[ks + tig][k];
+                    bf[j][1] = wt[ks + tig + 4][k];
+                }
+                mma_warp_step<PASSES>(af, bf, sum);
+                if (PASSES == 3 && ((ks & 8) || ks + 8 >= rpad)) flush_step_sums(acc, stage);
+            }
+        }
+        epilogue(n, t, p0, q0, acc);
+    }
+}
+
+template <int PASSES>
+__global__ void __launch_bounds__(CONV_THREADS, 1)
+conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
+            const float* __restrict__ bias, float* __restrict__ y, int N, int C, int H, int W,
+            int K, int kh, int kw, int P, int Q, int sh, int sw, int ph, int pw, int dh, int dw,
+            int cc, int hr, int hc) {
+    __shared__ float halo[HALO_MAX];
+    __shared__ float wt[HALO_RC][CONV_BN + 8];  // [r][k]: conflict-free fragment loads
+    __shared__ int roff[HALO_RC];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gid = lane >> 2, tig = lane & 3;
+    const int warp_row = warp & 3, warp_k = (warp >> 2) * 32;
+    const int k0 = blockIdx.y * CONV_BN;
+    // Fragment (row gid or gid + 8 of MMA tile i, column 2 * tig + e of tile j) ->
+    // y[n, k, p0 + warp_row, q0 + 16 * i + row]: for one column, 8 consecutive pixels.
+    auto store = [&](int n, int, int p0, int q0, const float (&acc)[2][4][4]) {
+        const int p = p0 + warp_row;
+        if (p >= P) return;
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int q = q0 + i * 16 + gid + half * 8;
+                if (q >= Q) continue;
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int k = k0 + warp_k + j * 8 + 2 * tig + e;
+                        if (k >= K) continue;
+                        float v = acc[i][j][half * 2 + e];
+                        if (bias != nullptr) v += __ldg(bias + k);
+                        y[(((long long)n * K + k) * P + p) * Q + q] = v;
+                    }
+            }
+    };
+    halo_tiles<PASSES>(x, w, N, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
+                       halo, wt, roff, store);
+}
+
+// Pipeline A's convolution with the fused pass of pool_extremum_stats (pooling.cu) as its
+// epilogue: the convolution output never goes to memory. For POOL x POOL windows (stride ==
+// window, POOL dividing the 4 x 32 tile) and every output pixel of channel k:
+//  * ext[n, k, ph, pw] (contiguous NCHW, Ho = P / POOL, Wo = Q / POOL): the window max of
+//    y + bias[k], or the window min where sign_a[k] * sign_b[k] < 0 (either may be null:
+//    positive), as pool_extremum_stats writes it (fmaxf drops NaN: a NaN in a statistics row
+//    makes its mean NaN, and with it every output the extremum feeds);
+//  * partial[(n * K + k) * splits + t] = (sum d, sum d * d), d = y + bias[k] - shift[row],
+//    over the pixels of tile t (splits = tiles per sample; the tiles cover every pixel once,
+//    the rows and columns that the pool drops included), row = n * (K / shift_group) +
+//    k / shift_group; shift from conv2d_first_values.
+// A warp reduces its row's statistics over its lanes and its windows' columns by shuffles;
+// the four rows meet in shared memory (the halo buffer, free once the tile's MMAs are done).
+#define POOL_SCRATCH_STATS (HALO_TH * CONV_BN * 2)
+
+template <int PASSES, int POOL>
+__global__ void __launch_bounds__(CONV_THREADS, 1)
+conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
+                       const float* __restrict__ bias, const float* __restrict__ sign_a,
+                       const float* __restrict__ sign_b, const float* __restrict__ shift,
+                       float* __restrict__ ext, float2* __restrict__ partial, int N, int C,
+                       int H, int W, int K, int kh, int kw, int P, int Q, int sh, int sw, int ph,
+                       int pw, int dh, int dw, int cc, int hr, int hc, int shift_group, int Ho,
+                       int Wo) {
+    __shared__ float halo[HALO_MAX];
+    __shared__ float wt[HALO_RC][CONV_BN + 8];
+    __shared__ int roff[HALO_RC];
+    static_assert(HALO_TH % POOL == 0 && HALO_TW % POOL == 0, "windows tile the tile");
+    static_assert(POOL_SCRATCH_STATS + HALO_TH * (HALO_TW / POOL) * CONV_BN <= HALO_MAX,
+                  "the epilogue's scratch fits the halo buffer");
+    const int tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5;
+    const int gid = lane >> 2, tig = lane & 3;
+    const int warp_row = warp & 3, warp_k = (warp >> 2) * 32;
+    const int k0 = blockIdx.y * CONV_BN;
+    const int tiles = ((P + HALO_TH - 1) / HALO_TH) * ((Q + HALO_TW - 1) / HALO_TW);
+    float* stats = halo;                         // [row][channel][2]
+    float* rows_ext = halo + POOL_SCRATCH_STATS;  // [row][window column][channel]
+    constexpr int WC = HALO_TW / POOL;             // window columns per tile
+
+    auto pool_stats = [&](int n, int t, int p0, int q0, const float (&acc)[2][4][4]) {
+        const int p = p0 + warp_row;
+        __syncthreads();  // every warp's MMAs have read the halo: it is scratch now
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int kl = warp_k + j * 8 + 2 * tig + e, k = k0 + kl;
+                const bool k_in = k < K;
+                const float b = (k_in && bias != nullptr) ? __ldg(bias + k) : 0.0f;
+                const float s = k_in ? __ldg(shift + (long long)n * (K / shift_group)
+                                              + k / shift_group) : 0.0f;
+                const bool neg = k_in
+                    && (sign_a != nullptr ? __ldg(sign_a + k) : 1.0f)
+                       * (sign_b != nullptr ? __ldg(sign_b + k) : 1.0f) < 0.0f;
+                float s1 = 0.0f, s2 = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 2; ++i)
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const int q = q0 + i * 16 + gid + half * 8;
+                        const float v = acc[i][j][half * 2 + e] + b;
+                        if (p < P && q < Q) {
+                            const float d = v - s;
+                            s1 += d;
+                            s2 = fmaf(d, d, s2);
+                        }
+                        // The window's extremum along its columns: gid groups of POOL.
+                        float m = neg ? -v : v;
+#pragma unroll
+                        for (int step = 4; step < 4 * POOL; step <<= 1)
+                            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, step));
+                        if (gid % POOL == 0)
+                            rows_ext[(warp_row * WC + (i * 16 + half * 8 + gid) / POOL) * CONV_BN
+                                     + kl] = m;
+                    }
+                // The row's sums over the 8 row groups (lanes of one tig).
+#pragma unroll
+                for (int step = 4; step < 32; step <<= 1) {
+                    s1 += __shfl_xor_sync(0xffffffffu, s1, step);
+                    s2 += __shfl_xor_sync(0xffffffffu, s2, step);
+                }
+                if (gid == 0) {
+                    stats[(warp_row * CONV_BN + kl) * 2] = s1;
+                    stats[(warp_row * CONV_BN + kl) * 2 + 1] = s2;
+                }
+            }
+        __syncthreads();
+        if (tid < CONV_BN && k0 + tid < K) {  // the tile's sums of channel k0 + tid
+            float s1 = 0.0f, s2 = 0.0f;
+#pragma unroll
+            for (int r = 0; r < HALO_TH; ++r) {
+                s1 += stats[(r * CONV_BN + tid) * 2];
+                s2 += stats[(r * CONV_BN + tid) * 2 + 1];
+            }
+            partial[((long long)n * K + k0 + tid) * tiles + t] = make_float2(s1, s2);
+        }
+        // The windows: POOL rows of row extrema each; wc fastest (coalesced along Wo).
+        for (int i = tid; i < (HALO_TH / POOL) * WC * CONV_BN; i += CONV_THREADS) {
+            const int wc = i % WC, rest = i / WC;
+            const int wr = rest % (HALO_TH / POOL), kl = rest / (HALO_TH / POOL);
+            const int k = k0 + kl, ph_ = p0 / POOL + wr, pw_ = q0 / POOL + wc;
+            if (k >= K || ph_ >= Ho || pw_ >= Wo) continue;
+            float m = rows_ext[(wr * POOL * WC + wc) * CONV_BN + kl];
+#pragma unroll
+            for (int r = 1; r < POOL; ++r)
+                m = fmaxf(m, rows_ext[((wr * POOL + r) * WC + wc) * CONV_BN + kl]);
+            const bool neg = (sign_a != nullptr ? __ldg(sign_a + k) : 1.0f)
+                             * (sign_b != nullptr ? __ldg(sign_b + k) : 1.0f) < 0.0f;
+            ext[(((long long)n * K + k) * Ho + ph_) * Wo + pw_] = neg ? -m : m;
+        }
+    };
+    halo_tiles<PASSES>(x, w, N, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
+                       halo, wt, roff, pool_stats);
+}
+
+// shift[row] = bias[c] + conv(x, w)[n, c, 0, 0] in float32, row = n * (K / shift_group) +
+// g, c = g * shift_group: the first element of each GroupNorm statistics row, the shift of
+// conv2d_halo_pool_stats' sums. A warp per row. Grid ceil(rows / 8), block 256.
+__global__ void __launch_bounds__(CONV_THREADS, 1)
+conv2d_first_values(const float* __restrict__ x, const float* __restrict__ w,
+                    const float* __restrict__ bias, float* __restrict__ shift, int rows, int C,
+                    int H, int W, int K, int kh, int kw, int ph, int pw, int dh, int dw,
+                    int shift_group) {
+    const int row = blockIdx.x * (CONV_THREADS / 32) + (threadIdx.x >> 5);
+    const int lane = threadIdx.x & 31;
+    if (row >= rows) return;
+    const int groups = K / shift_group;
+    const int n = row / groups, c = (row - n * groups) * shift_group;
+    const int khw = kh * kw, R = C * khw;
+    float s = 0.0f;
+    for (int r = lane; r < R; r += 32) {
+        const int ci = r / khw, uv = r - ci * khw;
+        const int u = uv / kw, v = uv - u * kw;
+        const int h = u * dh - ph, ww = v * dw - pw;
+        if (h >= 0 && h < H && ww >= 0 && ww < W)
+            s = fmaf(__ldg(x + (((long long)n * C + ci) * H + h) * W + ww),
+                     __ldg(w + (long long)c * R + r), s);
+    }
+#pragma unroll
+    for (int step = 16; step > 0; step >>= 1) s += __shfl_xor_sync(0xffffffffu, s, step);
+    if (lane == 0) shift[row] = s + (bias != nullptr ? __ldg(bias + c) : 0.0f);
 }

@@ -711,17 +711,18 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_rows(
 // y (strides sn, sc, sh, sw; plus bias) in PyTorch's order: GroupNorm affine, scale, max
 // (NaN-propagating) over each k x k window, clamp. A finite-parameter call costs one flag
 // check per (sample, channel).
-__global__ void pool_affine_nonfinite(const float* __restrict__ y, const float* __restrict__ bias,
-                                      const float2* __restrict__ moments,
-                                      const float* __restrict__ gamma,
-                                      const float* __restrict__ beta,
-                                      const float* __restrict__ scale, float* __restrict__ out,
-                                      int N, int C, int G, int k, int Ho, int Wo, index_t sn,
-                                      index_t sc, index_t sh, index_t sw, float lo, float hi) {
+//
+// The body of both kernels below: value_at(n, h, w) is the convolution output + bias of
+// channel c (blockIdx.x) at (n, h, w).
+template <class ValueAt>
+__device__ __forceinline__ void affine_nonfinite_planes(
+        ValueAt value_at, const float2* __restrict__ moments, const float* __restrict__ gamma,
+        const float* __restrict__ beta, const float* __restrict__ scale, float* __restrict__ out,
+        int N, int C, int G, int k, int Ho, int Wo, float lo, float hi) {
     __shared__ int flagged;
     const int c = blockIdx.x;
     const float g = gamma ? gamma[c] : 1.0f, bt = beta ? beta[c] : 0.0f;
-    const float s = scale ? scale[c] : 1.0f, b0 = bias ? bias[c] : 0.0f;
+    const float s = scale ? scale[c] : 1.0f;
     const int group = c / (C / G);
     auto coefficients = [&](int n, float& a, float& b) {
         const float2 m = moments[(index_t)n * G + group];
@@ -741,18 +742,62 @@ __global__ void pool_affine_nonfinite(const float* __restrict__ y, const float* 
     for (int n = 0; n < N; ++n) {
         float a, b;
         if (coefficients(n, a, b)) continue;
-        const float* plane = y + n * sn + c * sc;
         for (int p = threadIdx.x; p < P; p += blockDim.x) {
             const int i = p / Wo, j = p - i * Wo;
             float acc = -INFINITY;
             for (int di = 0; di < k; ++di)
-                for (int dj = 0; dj < k; ++dj) {
-                    const float v = plane[(i * k + di) * sh + (j * k + dj) * sw] + b0;
-                    acc = nan_max(acc, (a * v + b) * s);
-                }
+                for (int dj = 0; dj < k; ++dj)
+                    acc = nan_max(acc, (a * value_at(n, i * k + di, j * k + dj) + b) * s);
             out[((index_t)n * C + c) * P + p] = clamp_nan(acc, lo, hi);
         }
     }
+}
+
+__global__ void pool_affine_nonfinite(const float* __restrict__ y, const float* __restrict__ bias,
+                                      const float2* __restrict__ moments,
+                                      const float* __restrict__ gamma,
+                                      const float* __restrict__ beta,
+                                      const float* __restrict__ scale, float* __restrict__ out,
+                                      int N, int C, int G, int k, int Ho, int Wo, index_t sn,
+                                      index_t sc, index_t sh, index_t sw, float lo, float hi) {
+    const int c = blockIdx.x;
+    const float b0 = bias ? bias[c] : 0.0f;
+    auto value_at = [&](int n, int h, int w) {
+        return y[n * sn + c * sc + h * sh + w * sw] + b0;
+    };
+    affine_nonfinite_planes(value_at, moments, gamma, beta, scale, out, N, C, G, k, Ho, Wo, lo,
+                            hi);
+}
+
+// pool_affine_nonfinite for a convolution output that was never stored (the fused
+// convolution conv2d_halo_pool_stats): each value it needs is computed from x (N, Cin, H, W)
+// and w (C, Cin, kh, kw) directly, in float32, only in the flagged planes.
+__global__ void pool_affine_nonfinite_conv(
+        const float* __restrict__ x, const float* __restrict__ w,
+        const float* __restrict__ bias, const float2* __restrict__ moments,
+        const float* __restrict__ gamma, const float* __restrict__ beta,
+        const float* __restrict__ scale, float* __restrict__ out, int N, int C, int G, int k,
+        int Ho, int Wo, int Cin, int H, int W, int kh, int kw, int sh, int sw, int ph, int pw,
+        int dh, int dw, float lo, float hi) {
+    const int c = blockIdx.x;
+    const float b0 = bias ? bias[c] : 0.0f;
+    auto value_at = [&](int n, int p, int q) {
+        float v = b0;
+        for (int ci = 0; ci < Cin; ++ci)
+            for (int u = 0; u < kh; ++u) {
+                const int h = p * sh - ph + u * dh;
+                if (h < 0 || h >= H) continue;
+                for (int t = 0; t < kw; ++t) {
+                    const int ww = q * sw - pw + t * dw;
+                    if (ww >= 0 && ww < W)
+                        v = fmaf(x[(((index_t)n * Cin + ci) * H + h) * W + ww],
+                                 w[(((index_t)c * Cin + ci) * kh + u) * kw + t], v);
+                }
+            }
+        return v;
+    };
+    affine_nonfinite_planes(value_at, moments, gamma, beta, scale, out, N, C, G, k, Ho, Wo, lo,
+                            hi);
 }
 
 // Pipeline B's exact path for channels whose BatchNorm coefficients are not finite (an

@@ -4,16 +4,32 @@ from __future__ import annotations
 
 import numpy
 
-from .._cuda import get_kernel, optional
+from .._cuda import get_kernel, optional, sm_count
 
 _FILE = "conv_gemm.cu"
 _TILE_M, _TILE_K, _THREADS = 128, 64, 256  # CONV_BM, CONV_BN, CONV_THREADS
+# conv2d_halo's output tile (HALO_TH x HALO_TW), staged reduction values and halo floats.
+_HALO_TH, _HALO_TW, _HALO_RC, _HALO_MAX = 4, 32, 72, 4800
+_HALO_BLOCKS_PER_SM = 4
+
+
+def halo_chunk(c: int, kernel: tuple[int, int], stride: tuple[int, int],
+               dilation: tuple[int, int]) -> tuple[int, int, int]:
+    """``(cc, hr, hc)`` of ``conv2d_halo``: the input channels staged per chunk (0 where not
+    even one channel's halo fits its shared memory) and the halo's rows and columns."""
+    kh, kw = kernel
+    hr = (_HALO_TH - 1) * stride[0] + (kh - 1) * dilation[0] + 1
+    hc = (_HALO_TW - 1) * stride[1] + (kw - 1) * dilation[1] + 1
+    return min(c, _HALO_RC // (kh * kw), _HALO_MAX // (hr * hc)), hr, hc
 
 
 def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tuple[int, int],
                          dilation: tuple[int, int], passes: int) -> None:
     """``y = conv2d(x, w) + bias`` for contiguous NCHW float32 ``x``, OIHW ``w`` (groups 1)
-    and NCHW ``y`` of the convolution's output shape; ``passes`` 1 (TF32) or 3 (3xTF32)."""
+    and NCHW ``y`` of the convolution's output shape; ``passes`` 1 (TF32) or 3 (3xTF32).
+
+    The halo kernel runs where a chunk of input channels fits its shared memory (every
+    kernel of up to 72 values at moderate stride and dilation), else the gathering one."""
     n, c, h, wd = x.shape
     k, _, kh, kw = w.shape
     p, q = y.shape[2:]
@@ -21,8 +37,55 @@ def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tup
     if rows == 0 or k == 0:
         return
     i32 = numpy.int32
+    geometry = (x, w, optional(bias), y, i32(n), i32(c), i32(h), i32(wd), i32(k), i32(kh),
+                i32(kw), i32(p), i32(q), i32(stride[0]), i32(stride[1]), i32(padding[0]),
+                i32(padding[1]), i32(dilation[0]), i32(dilation[1]))
+    cc, hr, hc = halo_chunk(c, (kh, kw), stride, dilation)
+    if cc >= 1:
+        tiles = n * -(-p // _HALO_TH) * -(-q // _HALO_TW)
+        blocks = min(tiles, sm_count() * _HALO_BLOCKS_PER_SM)
+        get_kernel(_FILE, f"conv2d_halo<{passes}>")(
+            (blocks, -(-k // _TILE_K)), (_THREADS,), geometry + (i32(cc), i32(hr), i32(hc)))
+        return
     get_kernel(_FILE, f"conv2d_igemm<{passes}>")(
-        (-(-rows // _TILE_M), -(-k // _TILE_K)), (_THREADS,),
-        (x, w, optional(bias), y, i32(n), i32(c), i32(h), i32(wd), i32(k), i32(kh), i32(kw),
-         i32(p), i32(q), i32(stride[0]), i32(stride[1]), i32(padding[0]), i32(padding[1]),
-         i32(dilation[0]), i32(dilation[1])))
+        (-(-rows // _TILE_M), -(-k // _TILE_K)), (_THREADS,), geometry)
+
+
+def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, shift_group: int,
+                      stride: tuple[int, int], padding: tuple[int, int],
+                      dilation: tuple[int, int], pool: int, passes: int):
+    """Pipeline A's convolution with the window-extremum + statistics pass as its epilogue
+    (``conv2d_halo_pool_stats``): ``ext`` (N, K, P // pool, W // pool), contiguous NCHW,
+    gets each window's extremum of ``conv2d(x, w) + bias`` (the min where ``sign_a *
+    sign_b < 0``) and the result is ``(partial, shift, splits)`` as
+    :func:`cufused._kernels.pooling.pool_extremum_stats` returns them (per-sample rows of
+    ``shift_group`` channels), without the convolution output ever being stored.
+
+    Needs ``pool`` 2 or 4 and a problem the halo kernel takes (:func:`halo_chunk`)."""
+    n, c, h, wd = x.shape
+    k, _, kh, kw = w.shape
+    cc, hr, hc = halo_chunk(c, (kh, kw), stride, dilation)
+    if pool not in (2, 4) or cc < 1 or k % shift_group:
+        raise ValueError(f"conv2d_pool_stats takes pool 2 or 4 and a halo that fits "
+                         f"(pool {pool}, channels per chunk {cc}, shift_group {shift_group})")
+    p = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    q = (wd + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    splits = -(-p // _HALO_TH) * -(-q // _HALO_TW)
+    partial = xp.empty((n, k, splits, 2), dtype=xp.float32)
+    rows = n * (k // shift_group)
+    shift = xp.empty(rows, dtype=xp.float32)
+    i32 = numpy.int32
+    get_kernel(_FILE, "conv2d_first_values")(
+        (-(-rows // (_THREADS // 32)),), (_THREADS,),
+        (x, w, optional(bias), shift, i32(rows), i32(c), i32(h), i32(wd), i32(k), i32(kh),
+         i32(kw), i32(padding[0]), i32(padding[1]), i32(dilation[0]), i32(dilation[1]),
+         i32(shift_group)))
+    blocks = min(n * splits, sm_count() * _HALO_BLOCKS_PER_SM)
+    get_kernel(_FILE, f"conv2d_halo_pool_stats<{passes}, {pool}>")(
+        (blocks, -(-k // _TILE_K)), (_THREADS,),
+        (x, w, optional(bias), optional(sign_a), optional(sign_b), shift, ext, partial,
+         i32(n), i32(c), i32(h), i32(wd), i32(k), i32(kh), i32(kw), i32(p), i32(q),
+         i32(stride[0]), i32(stride[1]), i32(padding[0]), i32(padding[1]), i32(dilation[0]),
+         i32(dilation[1]), i32(cc), i32(hr), i32(hc), i32(shift_group), i32(p // pool),
+         i32(q // pool)))
+    return partial, shift, splits

@@ -197,6 +197,26 @@ def pool_affine_nonfinite(y, out, moments, *, bias, gamma, beta, scale, num_grou
          *_strides(y), numpy.float32(lo), numpy.float32(hi)))
 
 
+def pool_affine_nonfinite_conv(x, w, out, moments, *, bias, gamma, beta, scale,
+                               num_groups: int, pool: int, stride: tuple[int, int],
+                               padding: tuple[int, int], dilation: tuple[int, int], lo: float,
+                               hi: float) -> None:
+    """:func:`pool_affine_nonfinite` where the convolution output was never stored: the
+    flagged planes' values are computed from ``x`` (N, C_in, H, W) and ``w`` (C, C_in, kh,
+    kw) directly."""
+    n, c = out.shape[:2]
+    cin, h, wd = x.shape[1:]
+    kh, kw = w.shape[2:]
+    i32 = numpy.int32
+    get_kernel(_FILE, "pool_affine_nonfinite_conv")(
+        (c,), (256,),
+        (x, w, optional(bias), moments, optional(gamma), optional(beta), optional(scale), out,
+         i32(n), i32(c), i32(num_groups), i32(pool), i32(out.shape[2]), i32(out.shape[3]),
+         i32(cin), i32(h), i32(wd), i32(kh), i32(kw), i32(stride[0]), i32(stride[1]),
+         i32(padding[0]), i32(padding[1]), i32(dilation[0]), i32(dilation[1]),
+         numpy.float32(lo), numpy.float32(hi)))
+
+
 def pool_bn_tanh_nonfinite(y, ext, moments, coef_a, coef_b, *, bias, gamma, beta, pool: int,
                            ext_block: int) -> None:
     """Pipeline B's channels with a non-finite BatchNorm parameter or bias, recomputed into

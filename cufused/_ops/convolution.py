@@ -142,6 +142,15 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
     return plan.apply(x, weight, bias=bias, out=out, convert_output=convert_output)
 
 
+def runs_on_igemm(x_shape, w_shape, args: ConvArgs, precision: str) -> bool:
+    """Whether a 2-D forward convolution of these shapes (dense operands, no bias, NCHW
+    output) runs on cufused's implicit GEMM at ``precision`` (forced, or measured faster than
+    cuDNN): then a pipeline may run its fused epilogue variant instead."""
+    return (precision != "ieee" and len(x_shape) == 4 and not args.transposed
+            and args.groups == 1
+            and _settled_engine(x_shape, w_shape, args, args, False, precision) == "igemm")
+
+
 # The engine of each tensor-core problem, by (device, shapes, arguments, precision): "igemm"
 # (cufused's implicit GEMM, conv_gemm.cu) or "cudnn", whichever the autotuner measured faster
 # ("3xtf32" against cuDNN's exact float32, which is at least as accurate).
@@ -164,6 +173,14 @@ def _engine(x, weight, args: ConvArgs, forward_args: ConvArgs, precision: str, b
             or (bias is not None and not bias.flags.c_contiguous)
             or (out is not None and not out.flags.c_contiguous)):
         return "cudnn"
+    return _settled_engine(x.shape, weight.shape, args, forward_args, bias is not None,
+                           precision)
+
+
+def _settled_engine(x_shape, w_shape, args: ConvArgs, forward_args: ConvArgs, bias: bool,
+                    precision: str) -> str:
+    """The engine of an eligible problem: the one the settings force, else the one measured
+    faster (once per problem; cuDNN without autotuning or with strategies pinned)."""
     from .._cudnn import _config
 
     if _config["engine"] is not None:
@@ -172,12 +189,12 @@ def _engine(x, weight, args: ConvArgs, forward_args: ConvArgs, precision: str, b
         return "cudnn"
     import cupy
 
-    key = (cupy.cuda.runtime.getDevice(), x.shape, weight.shape, args, bias is not None,
+    key = (cupy.cuda.runtime.getDevice(), tuple(x_shape), tuple(w_shape), args, bias,
            precision)
     engine = _ENGINES.get(key)
     if engine is None:
-        engine = _ENGINES[key] = _faster_engine(x.shape, weight.shape, args, forward_args,
-                                                bias is not None, precision)
+        engine = _ENGINES[key] = _faster_engine(x_shape, w_shape, args, forward_args, bias,
+                                                precision)
     return engine
 
 

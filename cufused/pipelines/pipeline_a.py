@@ -17,12 +17,15 @@ from .. import reference
 from .._arrays import (Size, check_float_dtype, check_ndim, check_required, check_scalar,
                        check_sizes, forward, get_array_module, per_channel)
 from .._call_graphs import warm_calls
+from .._kernels.conv_gemm import conv2d_pool_stats, halo_chunk
 from .._kernels.layout import transpose_channels
 from .._kernels.normalization import channel_affine, group_norm_coefficients
-from .._kernels.pooling import (fused_pass_variant, pool_affine_nonfinite, pool_extremum_stats,
+from .._kernels.pooling import (fused_pass_variant, pool_affine_nonfinite,
+                                pool_affine_nonfinite_conv, pool_extremum_stats,
                                 stores_ext_channels_last)
 from .._layout import empty_in_layout
-from .._ops.convolution import cached_conv_args, check_conv_memory, conv2d, conv_on_gpu
+from .._ops.convolution import (cached_conv_args, check_conv_memory, conv2d, conv_on_gpu,
+                                runs_on_igemm)
 from .._ops.normalization import check_group_values, check_num_groups, group_norm
 from .._ops.pooling import check_pool_args, max_pool2d
 from .._precision import resolve_precision
@@ -135,18 +138,29 @@ def _unfused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, g
 def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, gn_weight,
            gn_bias, scale, eps, lo, hi):
     """The convolution; one read of its output for the window extrema and the GroupNorm
-    statistics; GroupNorm * scale as per-(n, c) coefficients; their affine and the clamp
-    applied to the extrema; channels with a non-finite parameter recomputed."""
-    y, _ = conv_on_gpu(x, weight, args, precision, convert_output=False)
-    n, c, h, w = y.shape
+    statistics (or, on cufused's implicit GEMM, those in the convolution's epilogue, its
+    output never stored); GroupNorm * scale as per-(n, c) coefficients; their affine and the
+    clamp applied to the extrema; channels with a non-finite parameter recomputed."""
+    n, c, h, w = args.out_shape
     cg = c // num_groups
-    # From a channels-last conv output the pass stores the extrema channels-last and the
-    # affine pass transposes them into out.
-    variant = fused_pass_variant(y, k)
-    ext = empty_in_layout(out.shape, "nhwc") if stores_ext_channels_last(variant, k) else out
-    partial, shift, splits = pool_extremum_stats(
-        xp, y, ext, k, bias=conv_bias, sign_a=gn_weight, sign_b=scale, shift_group=cg,
-        per_sample=True, variant=variant)
+    y = None
+    if _epilogue_applies(x, weight, args, precision, k):
+        ext = out
+        partial, shift, splits = conv2d_pool_stats(
+            xp, xp.ascontiguousarray(x), xp.ascontiguousarray(weight), conv_bias, out,
+            sign_a=gn_weight, sign_b=scale, shift_group=cg, stride=args.stride,
+            padding=args.padding, dilation=args.dilation, pool=k,
+            passes=3 if precision == "3xtf32" else 1)
+    else:
+        y, _ = conv_on_gpu(x, weight, args, precision, convert_output=False)
+        # From a channels-last conv output the pass stores the extrema channels-last and the
+        # affine pass transposes them into out.
+        variant = fused_pass_variant(y, k)
+        ext = (empty_in_layout(out.shape, "nhwc") if stores_ext_channels_last(variant, k)
+               else out)
+        partial, shift, splits = pool_extremum_stats(
+            xp, y, ext, k, bias=conv_bias, sign_a=gn_weight, sign_b=scale, shift_group=cg,
+            per_sample=True, variant=variant)
     coef = xp.empty((2, n * c), dtype=xp.float32)
     moments = xp.empty((n * num_groups, 2), dtype=xp.float32)
     group_norm_coefficients(partial, shift, coef[0], coef[1], rows=n * num_groups,
@@ -158,6 +172,20 @@ def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, gn_
                        n_coef=n * c, activation="clamp", lo=lo, hi=hi)
     else:
         transpose_channels(ext, out, to_channels_last=False, affine=(coef[0], coef[1], lo, hi))
-    pool_affine_nonfinite(y, out, moments, bias=conv_bias, gamma=gn_weight, beta=gn_bias,
-                          scale=scale, num_groups=num_groups, pool=k, lo=lo, hi=hi)
+    nonfinite = dict(bias=conv_bias, gamma=gn_weight, beta=gn_bias, scale=scale,
+                     num_groups=num_groups, pool=k, lo=lo, hi=hi)
+    if y is None:
+        pool_affine_nonfinite_conv(x, weight, out, moments, stride=args.stride,
+                                   padding=args.padding, dilation=args.dilation, **nonfinite)
+    else:
+        pool_affine_nonfinite(y, out, moments, **nonfinite)
     return out
+
+
+def _epilogue_applies(x, weight, args, precision, k) -> bool:
+    """Whether the convolution runs with the pass as its epilogue (conv2d_pool_stats): on
+    cufused's implicit GEMM (forced, or measured faster than cuDNN for the convolution
+    alone, which the epilogue only makes faster), 2 x 2 or 4 x 4 windows, a halo that fits."""
+    return (precision != "ieee" and k in (2, 4)
+            and halo_chunk(x.shape[1], weight.shape[2:], args.stride, args.dilation)[0] >= 1
+            and runs_on_igemm(x.shape, weight.shape, args, precision))

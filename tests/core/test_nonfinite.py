@@ -173,6 +173,19 @@ def test_gpu_c_infinite_weight_on_every_path(rng, plant, precision, method, monk
                      monkeypatch, ours)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device with CuPy")
+@pytest.mark.parametrize("plant", [p for p in PLANTS if p[0] == "A"], ids=_ids)
+def test_gpu_a_on_the_convolution_epilogue(rng, plant, monkeypatch):
+    # Pipeline A with its pass in the convolution's epilogue (3xTF32 on the implicit GEMM:
+    # the convolution output is never stored, and the channels with a non-finite parameter
+    # are recomputed from x and w): NaN and inf where PyTorch puts them.
+    from cufused._cudnn import plan_options
+
+    with plan_options(engine="igemm"):
+        _check_gpu_plant(rng, plant, "3xtf32", 1e-4, monkeypatch)
+
+
 def _check_gpu_plant(rng, plant, precision, rtol, monkeypatch, ours=None):
     import cupy as cp
 

@@ -1,6 +1,7 @@
-"""The implicit-GEMM tensor-core convolution (conv_gemm.cu) against the float64 reference:
-TF32 to TF32 accuracy, 3xTF32 to float32 accuracy, odd shapes, strides, padding, dilation,
-bias, NaN-poisoned outputs."""
+"""The implicit-GEMM tensor-core convolution (conv_gemm.cu: the halo kernel where a chunk of
+input channels fits its shared memory, else the gathering one) against the float64
+reference: TF32 to TF32 accuracy, 3xTF32 to float32 accuracy, odd shapes, strides, padding,
+dilation, bias, NaN-poisoned outputs."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ CASES = [
     ((1, 3, 11, 11), (130, 3, 1, 1), (3, 3), (0, 0), (1, 1)),  # K over two column tiles
     ((4, 16, 9, 9), (32, 16, 5, 5), (1, 1), (2, 2), (1, 1)),   # reduction 400: many steps
     ((1, 1, 130, 3), (1, 1, 2, 2), (1, 1), (0, 0), (1, 1)),    # one output channel
+    ((2, 8, 13, 40), (70, 8, 3, 3), (1, 1), (0, 0), (1, 1)),   # halo: K past one tile
+    ((1, 11, 9, 9), (9, 11, 5, 5), (1, 1), (2, 2), (1, 1)),    # halo: 6 channel chunks
+    ((1, 3, 70, 70), (5, 3, 3, 3), (1, 1), (0, 0), (30, 30)),  # halo too large: gathering
+    ((1, 2, 12, 12), (5, 2, 9, 9), (1, 1), (0, 0), (1, 1)),    # 81 > 72 values: gathering
 ]
 
 
@@ -46,15 +51,50 @@ def test_against_float64_reference(rng, x_shape, w_shape, stride, padding, dilat
 
 
 @pytest.mark.parametrize("passes", [1, 3])
-def test_non_finite_inputs_propagate(rng, passes):
+@pytest.mark.parametrize("k", [3, 9])  # the halo kernel, the gathering one
+def test_non_finite_inputs_propagate(rng, passes, k):
     x = rng.standard_normal((1, 4, 6, 6))
-    w = rng.standard_normal((8, 4, 3, 3))
+    w = rng.standard_normal((8, 4, k, k))
     x[0, 1, 2, 3], x[0, 2, 0, 0], w[5, 0, 1, 1] = np.nan, np.inf, -np.inf
-    ref = reference.conv(x, w, None, (1, 1), (1, 1), (1, 1), 1)
+    pad = (k // 2, k // 2)
+    ref = reference.conv(x, w, None, (1, 1), pad, (1, 1), 1)
     y = cp.empty(ref.shape, dtype=cp.float32)
     conv2d_implicit_gemm(cp.asarray(x, cp.float32), cp.asarray(w, cp.float32), None, y,
-                         stride=(1, 1), padding=(1, 1), dilation=(1, 1), passes=passes)
+                         stride=(1, 1), padding=pad, dilation=(1, 1), passes=passes)
     got = y.get()
     np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
     np.testing.assert_array_equal(np.isposinf(got), np.isposinf(ref))
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))
+
+
+@pytest.mark.parametrize("passes, tol", [(1, 2e-3), (3, 2e-6)])
+@pytest.mark.parametrize("x_shape, w_shape, pool, group", [
+    ((2, 8, 20, 18), (64, 8, 3, 3), 4, 4),     # pipeline A's form
+    ((3, 5, 13, 40), (70, 5, 3, 3), 4, 5),     # K past one tile, edge tiles in both axes
+    ((1, 3, 9, 37), (12, 3, 3, 3), 2, 4),
+])
+def test_pool_stats_epilogue(rng, x_shape, w_shape, pool, group, passes, tol):
+    # The window extrema (max, or min where the sign is negative), the per-tile shifted sums
+    # and the shifts against their definitions on the float64 convolution.
+    from cufused._kernels.conv_gemm import conv2d_pool_stats
+
+    x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
+    bias, sign = rng.standard_normal(w_shape[0]), rng.standard_normal(w_shape[0])
+    y = reference.conv(x, w, bias, (1, 1), (0, 0), (1, 1), 1)
+    n, k, p, q = y.shape
+    ho, wo = p // pool, q // pool
+    ext = cp.full((n, k, ho, wo), cp.nan, dtype=cp.float32)
+    partial, shift, splits = conv2d_pool_stats(
+        cp, cp.asarray(x, cp.float32), cp.asarray(w, cp.float32), cp.asarray(bias, cp.float32),
+        ext, sign_a=cp.asarray(sign, cp.float32), sign_b=None, shift_group=group,
+        stride=(1, 1), padding=(0, 0), dilation=(1, 1), pool=pool, passes=passes)
+    win = y[:, :, :ho * pool, :wo * pool].reshape(n, k, ho, pool, wo, pool)
+    want = np.where(sign[None, :, None, None] < 0, win.min(axis=(3, 5)), win.max(axis=(3, 5)))
+    assert_close(ext.get(), want, tol)
+    first = y[:, ::group, 0, 0].reshape(-1)
+    assert_close(shift.get(), first, tol)
+    d = y - np.repeat(shift.get().astype(np.float64).reshape(n, k // group), group,
+                      axis=1)[:, :, None, None]
+    sums = np.stack([d.sum(axis=(2, 3)), (d * d).sum(axis=(2, 3))], -1)
+    assert partial.shape == (n, k, splits, 2)
+    assert_close(partial.get().astype(np.float64).sum(axis=2), sums, 10 * tol)

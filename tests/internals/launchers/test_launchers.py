@@ -264,6 +264,11 @@ def test_pooling_launchers(launches):
     pool.pool_affine_nonfinite(y, out, Dev((4, 2)), bias=None, gamma=Dev((8,)), beta=None,
                                scale=Dev((8,)), num_groups=2, pool=2, lo=0.0, hi=1.0)
     assert launches[-1].args[7:13] == (2, 8, 2, 2, 4, 4)  # N, C, G, k, Ho, Wo
+    pool.pool_affine_nonfinite_conv(Dev((2, 3, 11, 11)), Dev((8, 3, 3, 3)), out, Dev((4, 2)),
+                                    bias=Dev((8,)), gamma=Dev((8,)), beta=None, scale=None,
+                                    num_groups=2, pool=2, stride=(1, 1), padding=(0, 0),
+                                    dilation=(1, 1), lo=0.0, hi=1.0)
+    assert launches[-1].args[8:19] == (2, 8, 2, 2, 4, 4, 3, 11, 11, 3, 3)
     coef = Dev((2, 8))
     pool.pool_bn_tanh_nonfinite(y, out, Dev((8, 2)), coef[0], coef[1], bias=Dev((8,)),
                                 gamma=None, beta=None, pool=2, ext_block=4)
@@ -279,6 +284,42 @@ def test_fused_pass_rejects_a_channels_last_ext_it_cannot_store(launches):
                                  sign_a=None, sign_b=None, shift_group=1, per_sample=False,
                                  variant="scalar")
     assert not launches
+
+
+def test_conv_gemm_launchers(launches, monkeypatch):
+    conv = LAUNCHERS["conv_gemm.cu"]
+    monkeypatch.setattr(conv, "sm_count", lambda: 132)
+    cases = [  # x, w, y, stride, dilation, kernel
+        ((2, 8, 20, 18), (64, 8, 3, 3), (2, 64, 18, 16), (1, 1), (1, 1), "conv2d_halo"),
+        ((1, 3, 70, 70), (5, 3, 3, 3), (1, 5, 10, 10), (1, 1), (30, 30), "conv2d_igemm"),
+        ((1, 2, 12, 12), (5, 2, 9, 9), (1, 5, 4, 4), (1, 1), (1, 1), "conv2d_igemm"),
+    ]
+    for x, w, y, stride, dilation, kernel in cases:
+        for passes in (1, 3):
+            for bias in (None, Dev((w[0],))):
+                conv.conv2d_implicit_gemm(Dev(x), Dev(w), bias, Dev(y), stride=stride,
+                                          padding=(0, 0), dilation=dilation, passes=passes)
+                assert launches[-1].name == f"{kernel}<{passes}>"
+    for pool in (2, 4):
+        for passes in (1, 3):
+            partial, shift, splits = conv.conv2d_pool_stats(
+                FakeXp, Dev((2, 8, 20, 18)), Dev((64, 8, 3, 3)), Dev((64,)),
+                Dev((2, 64, 18 // pool, 16 // pool)), sign_a=Dev((64,)), sign_b=None,
+                shift_group=4, stride=(1, 1), padding=(0, 0), dilation=(1, 1), pool=pool,
+                passes=passes)
+            assert launches[-1].name == f"conv2d_halo_pool_stats<{passes}, {pool}>"
+            assert splits == 5 and partial.shape == (2, 64, 5, 2) and shift.shape == (32,)
+            assert launches[-2].name == "conv2d_first_values" and launches[-2].grid == (4,)
+    with pytest.raises(ValueError, match="pool 2 or 4"):
+        conv.conv2d_pool_stats(FakeXp, Dev((2, 8, 20, 18)), Dev((64, 8, 3, 3)), None,
+                               Dev((2, 64, 6, 5)), sign_a=None, sign_b=None, shift_group=4,
+                               stride=(1, 1), padding=(0, 0), dilation=(1, 1), pool=3,
+                               passes=1)
+    check_all(launches, "conv_gemm.cu")
+    halo = [launch for launch in launches if launch.name.startswith("conv2d_halo<")]
+    # 2 samples x 5 x 1 tiles of 4 x 32 pixels: a block per tile (fewer tiles than 4 blocks
+    # per multiprocessor); the 8 input channels in one chunk, halos of 6 x 34.
+    assert all(launch.grid == (10, 1) and launch.args[-3:] == (8, 6, 34) for launch in halo)
 
 
 def test_softmax_launchers(launches, monkeypatch):
