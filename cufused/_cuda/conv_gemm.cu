@@ -102,6 +102,53 @@ __device__ __forceinline__ void flush_step_sums(float (&acc)[2][4][4], float (&s
             }
 }
 
+// The B fragments of a warp's four 8-column MMA tiles at reduction step ks, from a [r][k]
+// shared tile (weights by reduction index and output channel).
+__device__ __forceinline__ void load_b_fragments(float (&bf)[4][2],
+                                                 const float (*tile)[CONV_BN + 8], int ks,
+                                                 int tig, int gid, int warp_k) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int k = warp_k + j * 8 + gid;
+        bf[j][0] = tile[ks + tig][k];
+        bf[j][1] = tile[ks + tig + 4][k];
+    }
+}
+
+// The accumulators and the 3xTF32 step sums of a warp's 32 x 32 tile, cleared.
+__device__ __forceinline__ void clear_tiles(float (&acc)[2][4][4], float (&stage)[2][4][4]) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][j][e] = stage[i][j][e] = 0.0f;
+}
+
+// Each accumulator of a warp's 32 x 32 tile (row gid or gid + 8 of MMA tile i, column
+// 2 * tig + e of tile j) with its output channel k = k_base + 8 * j + 2 * tig + e below K,
+// bias added: store(row in 0..31, k, value). For one column, the 8 row groups of a warp hold
+// 8 consecutive rows.
+template <typename Store>
+__device__ __forceinline__ void each_output(const float (&acc)[2][4][4], int gid, int tig,
+                                            int k_base, int K, const float* __restrict__ bias,
+                                            Store store) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int k = k_base + j * 8 + 2 * tig + e;
+                    if (k >= K) continue;
+                    float v = acc[i][j][half * 2 + e];
+                    if (bias != nullptr) v += __ldg(bias + k);
+                    store(i * 16 + gid + half * 8, k, v);
+                }
+}
+
 // y[n, k, p, q] = bias[k] + sum_{c, u, v} x[n, c, p*sh - ph + u*dh, q*sw - pw + v*dw]
 //                                        * w[k, c, u, v]
 // Grid (ceil(M / 128), ceil(K / 64)), block 256. bias may be null.
@@ -166,12 +213,7 @@ conv2d_igemm(const float* __restrict__ x, const float* __restrict__ w,
     // the accumulator in float32 (round to nearest): the tensor cores' accumulation truncates,
     // and over the whole reduction its bias would cost several times float32's error.
     float acc[2][4][4], stage[2][4][4];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] = stage[i][j][e] = 0.0f;
+    clear_tiles(acc, stage);
     float (&sum)[2][4][4] = PASSES == 3 ? stage : acc;  // where the MMAs accumulate
 
     float ra[8], rb[4];
@@ -198,41 +240,21 @@ conv2d_igemm(const float* __restrict__ x, const float* __restrict__ w,
                 af[i][2] = a_tile[ks + tig + 4][m];
                 af[i][3] = a_tile[ks + tig + 4][m + 8];
             }
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int k = warp_k + j * 8 + gid;
-                bf[j][0] = b_tile[ks + tig][k];
-                bf[j][1] = b_tile[ks + tig + 4][k];
-            }
+            load_b_fragments(bf, b_tile, ks, tig, gid, warp_k);
             mma_warp_step<PASSES>(af, bf, sum);
         }
         if (PASSES == 3) flush_step_sums(acc, stage);
         __syncthreads();  // the next stage overwrites the tiles
     }
 
-    // Each accumulator element (row gid or gid + 8, column 2 * tig or 2 * tig + 1 of its
-    // 16 x 8 tile) goes to y[n, k, p, q]: for one column, the 8 row groups of a warp write 8
-    // consecutive pixels.
+    // Row m of the GEMM is pixel (n, p, q) of the output.
     const long long pq = (long long)P * Q;
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const long long m = m0 + warp_m + i * 16 + gid + half * 8;
-            if (m >= M) continue;
-            const long long n = m / pq;
-            const long long pix = m - n * pq;
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int k = k0 + warp_k + j * 8 + 2 * tig + e;
-                    if (k >= K) continue;
-                    float v = acc[i][j][half * 2 + e];
-                    if (bias != nullptr) v += __ldg(bias + k);
-                    y[(n * K + k) * pq + pix] = v;
-                }
-        }
+    each_output(acc, gid, tig, k0 + warp_k, K, bias, [&](int row, int k, float v) {
+        const long long m = m0 + warp_m + row;
+        if (m >= M) return;
+        const long long n = m / pq;
+        y[(n * K + k) * pq + (m - n * pq)] = v;
+    });
 }
 
 // The same convolution for inputs whose patches overlap (small C_in: pipeline A's 8 channels,
@@ -322,12 +344,7 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
         const float* xs = x + (long long)n * C * H * W;
 
         float acc[2][4][4], stage[2][4][4];
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[i][j][e] = stage[i][j][e] = 0.0f;
+        clear_tiles(acc, stage);
         float (&sum)[2][4][4] = PASSES == 3 ? stage : acc;
 
         for (int c0 = 0; c0 < C; c0 += cc) {
@@ -356,12 +373,7 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                     af[i][2] = o1 >= 0 ? halo[pofs[i][0] + o1] : 0.0f;
                     af[i][3] = o1 >= 0 ? halo[pofs[i][1] + o1] : 0.0f;
                 }
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const int k = warp_k + j * 8 + gid;
-                    bf[j][0] = wt[ks + tig][k];
-                    bf[j][1] = wt[ks + tig + 4][k];
-                }
+                load_b_fragments(bf, wt, ks, tig, gid, warp_k);
                 mma_warp_step<PASSES>(af, bf, sum);
                 if (PASSES == 3 && ((ks & 8) || ks + 8 >= rpad)) flush_step_sums(acc, stage);
             }
@@ -383,28 +395,14 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
     const int gid = lane >> 2, tig = lane & 3;
     const int warp_row = warp & 3, warp_k = (warp >> 2) * 32;
     const int k0 = blockIdx.y * CONV_BN;
-    // Fragment (row gid or gid + 8 of MMA tile i, column 2 * tig + e of tile j) ->
-    // y[n, k, p0 + warp_row, q0 + 16 * i + row]: for one column, 8 consecutive pixels.
+    // Row r of a warp's tile is y[n, k, p0 + warp_row, q0 + r].
     auto store = [&](int n, int, int p0, int q0, const float (&acc)[2][4][4]) {
         const int p = p0 + warp_row;
         if (p >= P) return;
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int q = q0 + i * 16 + gid + half * 8;
-                if (q >= Q) continue;
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int k = k0 + warp_k + j * 8 + 2 * tig + e;
-                        if (k >= K) continue;
-                        float v = acc[i][j][half * 2 + e];
-                        if (bias != nullptr) v += __ldg(bias + k);
-                        y[(((long long)n * K + k) * P + p) * Q + q] = v;
-                    }
-            }
+        each_output(acc, gid, tig, k0 + warp_k, K, bias, [&](int row, int k, float v) {
+            const int q = q0 + row;
+            if (q < Q) y[(((long long)n * K + k) * P + p) * Q + q] = v;
+        });
     };
     halo_tiles<PASSES>(x, w, N, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
                        halo, wt, roff, store);

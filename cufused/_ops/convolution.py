@@ -8,108 +8,20 @@ PyTorch's.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import numpy
 
 from .. import reference
-from .._arrays import (Size, check_fits, check_float_dtype, check_ndim, check_required,
-                       check_sizes, forward, get_array_module, ntuple, per_channel)
+from .._arrays import (Size, check_float_dtype, check_ndim, check_required, check_sizes,
+                       forward, get_array_module, per_channel)
 from .._call_graphs import replayed, warm_calls
 from .._precision import resolve_precision
+from ._conv_args import ConvArgs, cached_conv_args, check_conv_memory
 
 __all__ = ["conv2d", "conv3d", "conv_transpose2d", "conv_transpose3d"]
 
 _LAYOUT_NAMES = {2: "NCHW", 3: "NCDHW"}
-
-
-@dataclass(frozen=True)
-class ConvArgs:
-    """Checked, normalized arguments of one convolution."""
-
-    transposed: bool
-    stride: tuple[int, ...]
-    padding: tuple[int, ...]
-    output_padding: tuple[int, ...]
-    dilation: tuple[int, ...]
-    groups: int
-    out_shape: tuple[int, ...]
-
-
-def check_conv_args(x_shape, w_shape, nd: int, *, transposed: bool, stride, padding,
-                    output_padding=0, dilation=1, groups=1, x_name: str = "x",
-                    weight_name: str = "weight") -> ConvArgs:
-    """Validate a (transposed) convolution and compute its output shape.
-
-    Raises ``TypeError`` / ``ValueError`` that name the offending argument.
-    """
-    stride = ntuple(stride, nd, "stride", minimum=1)
-    padding = ntuple(padding, nd, "padding", minimum=0)
-    dilation = ntuple(dilation, nd, "dilation", minimum=1)
-    output_padding = ntuple(output_padding, nd, "output_padding", minimum=0)
-    if isinstance(groups, bool) or not isinstance(groups, (int, numpy.integer)):
-        raise TypeError(f"groups must be a positive int, got {groups!r}")
-    if groups < 1:
-        raise ValueError(f"groups must be a positive int, got {groups!r}")
-    groups = int(groups)
-    if len(w_shape) != nd + 2:
-        raise ValueError(f"{weight_name} must have ndim {nd + 2}, got shape {tuple(w_shape)}")
-    if any(s <= 0 for s in w_shape):
-        raise ValueError(f"{weight_name} has a zero-sized dimension: shape {tuple(w_shape)}")
-    n, c = x_shape[:2]
-    if c % groups:
-        raise ValueError(f"groups={groups} must divide the {c} input channels of {x_name}")
-    k = w_shape[2:]
-    if transposed:
-        if w_shape[0] != c:
-            raise ValueError(
-                f"{weight_name} must have shape (in_channels={c}, out_channels/groups, *kernel) "
-                f"for a transposed convolution, got {tuple(w_shape)}"
-            )
-        for i in range(nd):
-            if output_padding[i] >= max(stride[i], dilation[i]):
-                raise ValueError(
-                    f"output_padding must be smaller than stride or dilation, got "
-                    f"output_padding={output_padding}, stride={stride}, dilation={dilation}"
-                )
-        size = tuple((x_shape[2 + i] - 1) * stride[i] - 2 * padding[i]
-                     + dilation[i] * (k[i] - 1) + output_padding[i] + 1 for i in range(nd))
-        out_channels = w_shape[1] * groups
-    else:
-        if any(op for op in output_padding):
-            raise ValueError("output_padding applies to transposed convolutions only")
-        if w_shape[1] * groups != c or w_shape[0] % groups:
-            raise ValueError(
-                f"{weight_name} must have shape (out_channels, in_channels/groups={c // groups}, "
-                f"*kernel) with out_channels divisible by groups={groups}, got {tuple(w_shape)}"
-            )
-        size = tuple((x_shape[2 + i] + 2 * padding[i] - dilation[i] * (k[i] - 1) - 1)
-                     // stride[i] + 1 for i in range(nd))
-        out_channels = w_shape[0]
-    if any(s <= 0 for s in size):
-        raise ValueError(
-            f"the convolution output of {x_name} (shape {tuple(x_shape)}) would be empty: "
-            f"kernel {tuple(k)} with padding {padding}, dilation {dilation} is larger than the "
-            "input"
-        )
-    return ConvArgs(transposed, stride, padding, output_padding, dilation, groups,
-                    (n, out_channels, *size))
-
-
-def check_conv_memory(x_shape, args: ConvArgs, xp, what: str = "the convolution output"):
-    """Check before any work that the convolution's output, and on the reference path its
-    padded (or, transposed, uncropped) intermediate, fit in memory."""
-    check_fits(args.out_shape, xp, what)
-    if xp is numpy:
-        if args.transposed:
-            lead = args.out_shape[:2]
-            inner = tuple(o + 2 * p for o, p in zip(args.out_shape[2:], args.padding))
-        else:
-            lead = x_shape[:2]
-            inner = tuple(s + 2 * p for s, p in zip(x_shape[2:], args.padding))
-        check_fits((*lead, *inner), xp, f"the padded input of {what}")
 
 
 def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bool = True,
@@ -303,33 +215,6 @@ def _plan(x_shape, w_shape, args: ConvArgs, precision: str, bias: bool, convert_
                           args.dilation, "ieee" if precision == "3xtf32" else precision, bias)
     return conv_plan(problem, convert_input=convert_input, convert_output=convert_output,
                      accept_classes=accept_classes)
-
-
-# Checked arguments of recent calls: validating the options costs more host time than
-# running a cached cuDNN plan. Keys keep each value's type, so that a cached (1, 1) never
-# stands in for an invalid (True, 1).
-_ARGS_CACHE: dict[tuple, ConvArgs] = {}
-
-
-def _typed(value):
-    if isinstance(value, (tuple, list)):
-        return type(value), tuple((type(v), v) for v in value)
-    return type(value), value
-
-
-def cached_conv_args(x_shape, w_shape, nd: int, **options) -> ConvArgs:
-    """:func:`check_conv_args` (keyword options), remembered for recent argument values."""
-    try:
-        key = (x_shape, w_shape, nd, *(_typed(v) for v in options.values()))
-        args = _ARGS_CACHE.get(key)
-    except TypeError:  # an unhashable option: validate it the slow way (and fail there)
-        return check_conv_args(x_shape, w_shape, nd, **options)
-    if args is None:
-        args = check_conv_args(x_shape, w_shape, nd, **options)
-        if len(_ARGS_CACHE) >= 1024:
-            _ARGS_CACHE.clear()
-        _ARGS_CACHE[key] = args
-    return args
 
 
 def _convolve(nd: int, transposed: bool, x, weight, bias, *, stride, padding, output_padding,

@@ -122,7 +122,7 @@ def conv_plan_for(case: Case, precision: str, *, layout_free: bool = False):
     ``layout_free`` the one chosen for an input that may come in any layout (the setting of
     the best-plan table in the design: no input conversion counted)."""
     from .._cudnn import ConvProblem, conv_plan
-    from .._ops.convolution import check_conv_args
+    from .._ops._conv_args import check_conv_args
 
     c = case.conv
     args = check_conv_args(c["x_shape"], c["w_shape"], len(c["x_shape"]) - 2,

@@ -24,8 +24,8 @@ from .._kernels.pooling import (fused_pass_variant, pool_affine_nonfinite,
                                 pool_affine_nonfinite_conv, pool_extremum_stats,
                                 stores_ext_channels_last)
 from .._layout import empty_in_layout
-from .._ops.convolution import (cached_conv_args, check_conv_memory, conv2d, conv_on_gpu,
-                                runs_on_igemm)
+from .._ops._conv_args import cached_conv_args, check_conv_memory
+from .._ops.convolution import conv2d, conv_on_gpu, runs_on_igemm
 from .._ops.normalization import check_group_values, check_num_groups, group_norm
 from .._ops.pooling import check_pool_args, max_pool2d
 from .._precision import resolve_precision

@@ -19,8 +19,8 @@ from .._call_graphs import warm_calls
 from .._kernels.normalization import group_norm_rows, group_rows_fit_channels_last
 from .._kernels.pooling import (fused_pass_variant, pool_bn_tanh_nonfinite,
                                 pool_extremum_stats, stores_ext_channels_last)
-from .._ops.convolution import (cached_conv_args, check_conv_memory, conv_on_gpu,
-                                conv_transpose2d)
+from .._ops._conv_args import cached_conv_args, check_conv_memory
+from .._ops.convolution import conv_on_gpu, conv_transpose2d
 from .._ops.normalization import (batch_norm, bn_coefficients, check_channel_values,
                                   check_group_values, check_num_groups, check_running_buffer,
                                   check_running_pair, group_norm)

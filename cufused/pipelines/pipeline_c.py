@@ -21,8 +21,8 @@ from .._call_graphs import warm_calls
 from .._kernels.pooling import pool_into
 from .._kernels.softmax import softmax_rows, softmax_rows_nonfinite_weight
 from .._layout import empty_in_layout
-from .._ops.convolution import (cached_conv_args, check_conv_memory, conv_on_gpu,
-                                conv_transpose3d, gpu_conv_plan)
+from .._ops._conv_args import cached_conv_args, check_conv_memory
+from .._ops.convolution import conv_on_gpu, conv_transpose3d, gpu_conv_plan
 from .._ops.pooling import avg_pool3d, check_pool_args
 from .._ops.softmax import softmax
 from .._precision import resolve_precision

@@ -48,7 +48,7 @@ CASES = [
     (lambda: cufused.conv_transpose2d(X4, W), ValueError, "in_channels=4"),
     (lambda: cufused.conv_transpose2d(X4, np.ones((4, 2, 3, 3), np.float32), output_padding=1),
      ValueError, "output_padding"),
-    (lambda: cufused._ops.convolution.check_conv_args(
+    (lambda: cufused._ops._conv_args.check_conv_args(
         (1, 4, 8, 8), (8, 4, 3, 3), 2, transposed=False, stride=1, padding=0,
         output_padding=1), ValueError, "output_padding"),
     (lambda: cufused.conv_transpose3d(X5, np.ones((3, 2, 3, 3, 3), np.float32)), ValueError,

@@ -10,7 +10,7 @@ import pytest
 
 from cufused._cudnn import ConvProblem
 from cufused._layout import layout_strides
-from cufused._ops.convolution import check_conv_args
+from cufused._ops._conv_args import check_conv_args
 
 torch = pytest.importorskip("torch")
 
