@@ -91,15 +91,13 @@ __device__ __forceinline__ void mma_warp_step(const float (&af)[2][4], const flo
 
 // 3xTF32: add the step sums to the accumulator in float32 and clear them.
 __device__ __forceinline__ void flush_step_sums(float (&acc)[2][4][4], float (&stage)[2][4][4]) {
+    float* a = &acc[0][0][0];
+    float* s = &stage[0][0][0];
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                acc[i][j][e] += stage[i][j][e];
-                stage[i][j][e] = 0.0f;
-            }
+    for (int e = 0; e < 32; ++e) {  // constant indices once unrolled: registers
+        a[e] += s[e];
+        s[e] = 0.0f;
+    }
 }
 
 // The B fragments of a warp's four 8-column MMA tiles at reduction step ks, from a [r][k]
@@ -117,12 +115,10 @@ __device__ __forceinline__ void load_b_fragments(float (&bf)[4][2],
 
 // The accumulators and the 3xTF32 step sums of a warp's 32 x 32 tile, cleared.
 __device__ __forceinline__ void clear_tiles(float (&acc)[2][4][4], float (&stage)[2][4][4]) {
+    float* a = &acc[0][0][0];
+    float* s = &stage[0][0][0];
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[i][j][e] = stage[i][j][e] = 0.0f;
+    for (int e = 0; e < 32; ++e) a[e] = s[e] = 0.0f;
 }
 
 // Each accumulator of a warp's 32 x 32 tile (row gid or gid + 8 of MMA tile i, column
