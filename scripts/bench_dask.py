@@ -91,11 +91,8 @@ def _random_chunk(block_id=None, *, shape, seed):
 def bench_case(case, xp, params, x_shape, factor, precisions, repeat, threads, client, gpus,
                local=True):
     """The rows of one case: {precision: {runner: seconds}}."""
-    from cufused import dask as cdask
-
     n = x_shape[0]
     total = (factor * n,) + x_shape[1:]
-    lazy = getattr(cdask, case.pipeline)
     rows = {precision: {} for precision in precisions}
     if local:
         for precision, times in local_times(case, xp, params, total, n, precisions, repeat,
@@ -106,7 +103,7 @@ def bench_case(case, xp, params, x_shape, factor, precisions, repeat, threads, c
             opts = dict(case.options, precision=precision)
             # The most GPUs first: each worker builds its plans in that warm-up, all at once.
             for count in sorted(gpus, reverse=True):
-                seconds, where = cluster_time(client, count, case.pipeline, lazy, params, opts,
+                seconds, where = cluster_time(client, count, case.pipeline, params, opts,
                                               total, n, repeat)
                 rows[precision][f"cluster{count}"] = seconds
                 rows[precision][f"cluster{count}_where"] = where
@@ -179,7 +176,7 @@ def task_timeline(run, xp) -> dict:
             "gaps": gaps * 1e3, "tail": (t1 - ends[-1]) * 1e3, "total": (t1 - t0) * 1e3}
 
 
-def cluster_time(client, count, pipeline, lazy, params, opts, total, n, repeat):
+def cluster_time(client, count, pipeline, params, opts, total, n, repeat):
     """Median seconds on the cluster's first ``count`` workers, input made and kept there
     first, and where one more run's wall time goes (seconds): ``tasks``, the busiest worker's
     summed task time; ``transfer``, time spent moving data between workers (summed);
@@ -191,6 +188,9 @@ def cluster_time(client, count, pipeline, lazy, params, opts, total, n, repeat):
     import dask.array as da
     from distributed import futures_of, get_task_stream, wait
 
+    from cufused import dask as cdask
+
+    lazy = getattr(cdask, pipeline)
     workers = sorted(client.scheduler_info()["workers"])[:count]
     x = da.map_blocks(_random_chunk, shape=(n,) + total[1:], seed=1, chunks=(
         (n,) * (total[0] // n),) + tuple((s,) for s in total[1:]), dtype=numpy.float32,
@@ -233,8 +233,8 @@ def cluster_time(client, count, pipeline, lazy, params, opts, total, n, repeat):
     for key, holders in client.who_has(x).items():
         keys.setdefault(holders[0], []).append(key)
     host_params = [cupy.asnumpy(p) for p in params]
-    loops = [client.run(_worker_loop, pipeline, keys, host_params, opts, repeat,
-                        workers=workers) for _ in range(2)][-1]
+    loops = client.run(_worker_loop, pipeline, keys, host_params, opts, repeat,
+                       workers=workers)
     return statistics.median(times), {"wall": wall, "tasks": tasks, "transfer": transfer,
                                       "rest": max(0.0, wall - tasks - transfer),
                                       "loop": max(loops.values())}

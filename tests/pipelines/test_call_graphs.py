@@ -43,6 +43,20 @@ def launches(monkeypatch):
     return count
 
 
+@pytest.fixture
+def captures(monkeypatch):
+    """The whole-call captures so far (a list with one entry per capture)."""
+    count = []
+    capture = _call_graphs._capture
+
+    def counted(*args):
+        count.append(1)
+        return capture(*args)
+
+    monkeypatch.setattr(_call_graphs, "_capture", counted)
+    return count
+
+
 def _direct(fn, *args, **kwargs):
     from cufused._cudnn import plan_options
 
@@ -156,7 +170,7 @@ def test_bounded_and_cleared(rng, quick_plans, fresh, monkeypatch):
 
 
 def test_cycling_over_more_keys_than_the_cache_holds(rng, quick_plans, fresh, monkeypatch,
-                                                     launches):
+                                                     launches, captures):
     # Four outputs in turn with room for two graphs (as a loop over Dask's chunks): each key
     # is captured at most once; a key whose graph was dropped runs directly from then on,
     # the two graphs that stay are replayed, and every result equals a direct call.
@@ -164,9 +178,6 @@ def test_cycling_over_more_keys_than_the_cache_holds(rng, quick_plans, fresh, mo
     args, kwargs = make(rng)
     args = to_gpu(*args)
     monkeypatch.setattr(_call_graphs, "MAX_GRAPHS", 2)
-    captures = []
-    capture = _call_graphs._capture
-    monkeypatch.setattr(_call_graphs, "_capture", lambda *a: captures.append(1) or capture(*a))
     outs = [cp.full(fn(*args, **kwargs).shape, cp.nan, cp.float32) for _ in range(4)]
     # Each sizing call above ran with an output at the address that its out then took, so
     # its key is counted already: start the count afresh.
@@ -185,18 +196,15 @@ def test_cycling_over_more_keys_than_the_cache_holds(rng, quick_plans, fresh, mo
     assert launches[0] == 4 + 2 * 3
 
 
-def test_large_temporaries_run_directly(rng, quick_plans, fresh, monkeypatch):
+def test_large_temporaries_run_directly(rng, quick_plans, fresh, monkeypatch, captures):
     fn, make = PIPELINES["B"]
     args, kwargs = make(rng)
     args = to_gpu(*args)
     monkeypatch.setattr(_call_graphs, "MAX_TEMPORARY_FRACTION", 0.0)
-    too_large = []
-    capture = _call_graphs._capture
-    monkeypatch.setattr(_call_graphs, "_capture", lambda *a: too_large.append(1) or capture(*a))
     out = cp.empty(fn(*args, **kwargs).shape, cp.float32)
     for _ in range(3):
         fn(*args, **kwargs, out=out)
-    assert too_large == [1]  # captured once, rejected, then direct
+    assert captures == [1]  # captured once, rejected, then direct
     assert not _call_graphs._graphs and len(_call_graphs._direct_keys) == 1
     assert_same_as_direct(out, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
 
