@@ -14,7 +14,7 @@ from .._cuda import capturing
 from ._config import _config, cudnn_handle, import_cudnn, plan_options
 from ._graphs import ConvProblem, Strategy, _build_graph, _Part, _part_specs, strategies
 from ._plan import ConvPlan, _graph_buffer_pool
-from ._timing import _l2_flush_buffer, _random, _time_ms
+from ._timing import _issue_ms, _l2_flush_buffer, _random, _time_ms
 
 _plans: dict[tuple, ConvPlan] = {}
 _plans_lock = threading.Lock()
@@ -178,7 +178,8 @@ def _choose(problem, convert_input, convert_output, accept_classes, tune, pins) 
 
 
 def _decide_replay(plan: ConvPlan, call, rounds: int = 11) -> None:
-    """Let ``plan`` replay CUDA graphs of warm calls unless direct calls measure faster.
+    """Let ``plan`` replay CUDA graphs of warm calls unless direct calls measure faster by
+    more than they cost the host (:func:`_direct_wins`).
 
     A replay saves host time, which costs device time only where the device would wait for
     the host; but a captured plan can also run slower on the device than issued directly
@@ -187,20 +188,36 @@ def _decide_replay(plan: ConvPlan, call, rounds: int = 11) -> None:
     alternately, one call at a time after an L2 flush, as a call that follows other work
     runs: there a direct call's host work counts where the device waits for it. (Back to
     back, which hides all host work, such a plan's two ways are within noise and the choice
-    would not be stable between processes.) Direct calls must win by more than
-    ``_REPLAY_MARGIN`` to turn replay off for this plan.
+    would not be stable between processes.) The host time of issuing each call is measured
+    beside it.
     """
     flush = _l2_flush_buffer()
     times = {True: [], False: []}
+    issue = {True: [], False: []}
     for _ in range(rounds):
         for replay in (True, False):
             with plan_options(replay=replay):
                 times[replay].append(_time_ms(call, repeat=1, batch=1, flush=flush))
+                issue[replay].append(_issue_ms(call))
     if plan._replays is not None:
         plan._replays.clear()  # the graphs of the autotuner's operands
     plan._calls.clear()
-    if numpy.median(times[False]) * (1 + _REPLAY_MARGIN) < numpy.median(times[True]):
+    replayed, direct, replayed_issue, direct_issue = (
+        float(numpy.median(t)) for t in (times[True], times[False], issue[True], issue[False]))
+    if _direct_wins(replayed, direct, replayed_issue, direct_issue):
         plan._replays = None
+
+
+def _direct_wins(replayed_ms: float, direct_ms: float, replayed_issue_ms: float,
+                 direct_issue_ms: float) -> bool:
+    """Whether direct calls beat replayed ones: by more than ``_REPLAY_MARGIN`` of the device
+    time, and by more device time than the host time they add. The host time of a call is
+    what other work of the process waits for (the calls of another GPU's thread, the next
+    batch's preparation), so a direct call that saves the device less than it costs the host
+    is no win (B's FFT plan saves the device about 1 % and costs the host 20 times a graph
+    launch)."""
+    gain = replayed_ms - direct_ms
+    return gain > _REPLAY_MARGIN * replayed_ms and gain > direct_issue_ms - replayed_issue_ms
 
 
 # What a higher layer caches on top of the plans (its clear function), cleared with them.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy
 
 from .._arrays import import_cupy
@@ -29,6 +31,17 @@ def _time_ms(fn, repeat: int = 5, batch: int = 3, flush=None) -> float:
         stop.synchronize()
         times.append(cupy.cuda.get_elapsed_time(start, stop) / batch)
     return float(numpy.median(times))
+
+
+def _issue_ms(fn) -> float:
+    """Host milliseconds of issuing ``fn()`` to an idle device (not waiting for its work)."""
+    stream = import_cupy().cuda.get_current_stream()
+    stream.synchronize()
+    start = time.perf_counter()
+    fn()
+    issued = time.perf_counter() - start
+    stream.synchronize()
+    return issued * 1e3
 
 
 def _random(shape, layout="nchw"):

@@ -51,35 +51,55 @@ def test_layout_strides_match_numpy_transposes(shape):
     assert layout_strides(shape, "nhwc") == tuple(s // 8 for s in view.strides)
 
 
-@pytest.mark.parametrize("replayed_ms,direct_ms,keeps", [
-    (1.000, 1.000, True),    # a tie keeps replay (it saves host time)
-    (1.004, 1.000, True),    # inside the margin
-    (1.009, 1.000, False),   # direct calls measured faster: B's FFT plan on the H200
-    (0.500, 1.000, True),    # a host-bound plan
+@pytest.mark.parametrize("replayed,direct,replayed_issue,direct_issue,wins", [
+    (1.000, 1.000, 0.03, 0.03, False),  # a tie keeps replay
+    (1.004, 1.000, 0.03, 0.03, False),  # inside the margin
+    (1.009, 1.000, 0.03, 0.03, True),   # faster on the device, at the same host cost
+    (2.378, 2.357, 0.03, 0.66, False),  # B's FFT plan (H200): 21 us saved, 630 us of host
+    (2.378, 1.000, 0.03, 0.66, True),   # a device gain beyond the host cost
+    (0.500, 1.000, 0.03, 0.03, False),  # a host-bound plan
 ])
-def test_decide_replay_keeps_graphs_unless_direct_is_faster(monkeypatch, replayed_ms, direct_ms,
-                                                            keeps):
+def test_direct_wins_only_beyond_margin_and_host_cost(replayed, direct, replayed_issue,
+                                                      direct_issue, wins):
+    from cufused._cudnn import _autotune
+
+    assert _autotune._direct_wins(replayed, direct, replayed_issue, direct_issue) is wins
+
+
+@pytest.mark.parametrize("direct_wins", [False, True])
+def test_decide_replay_times_both_ways_alternately(monkeypatch, direct_wins):
     from cufused import _cudnn
     from cufused._cudnn import _autotune
 
     plan = types.SimpleNamespace(_replays={"autotune operands": "graph"},
                                  _calls={"other operands": 1})
-    seen = []
+    seen, issued = [], []
 
     def fake_time_ms(call, repeat, batch, flush):
         assert (repeat, batch, flush) == (1, 1, "flush")  # single calls after an L2 flush
         seen.append(_cudnn._config["replay"])
         call()
-        return replayed_ms if _cudnn._config["replay"] else direct_ms
+        return 1.0 if _cudnn._config["replay"] else 0.5
+
+    def fake_issue_ms(call):
+        issued.append(_cudnn._config["replay"])
+        call()
+        return 0.01 if _cudnn._config["replay"] else 0.02
+
+    def fake_direct_wins(*medians):
+        assert medians == (1.0, 0.5, 0.01, 0.02)  # replayed, direct, and their host times
+        return direct_wins
 
     monkeypatch.setattr(_autotune, "_time_ms", fake_time_ms)
+    monkeypatch.setattr(_autotune, "_issue_ms", fake_issue_ms)
+    monkeypatch.setattr(_autotune, "_direct_wins", fake_direct_wins)
     monkeypatch.setattr(_autotune, "_l2_flush_buffer", lambda: "flush")
     calls = []
     _cudnn._decide_replay(plan, lambda: calls.append(1), rounds=3)
-    assert seen == [True, False] * 3 and len(calls) == 6
+    assert seen == issued == [True, False] * 3 and len(calls) == 12
     assert _cudnn._config["replay"] is True  # restored
     assert plan._calls == {}
-    assert plan._replays == ({} if keeps else None)
+    assert plan._replays == (None if direct_wins else {})
 
 
 @pytest.mark.parametrize("convert_output", [True, False])

@@ -118,16 +118,16 @@ def test_graph_buffers_leave_the_default_pool_alone(rng, plan_graphs_only):
 @pytest.mark.parametrize("direct_wins", [False, True])
 def test_autotuned_plan_replay_decision(rng, monkeypatch, direct_wins):
     # The autotuner times its chosen plan replayed and issued directly and keeps direct calls
-    # only where they win by more than _REPLAY_MARGIN. Which way a tiny convolution's timings
-    # fall is a measurement of the host, so the margin forces each outcome here (the rule
-    # itself is unit-tested with fake timings in test_conv_keys). Either way none of the
-    # graphs of the autotuner's operands is kept; a replaying plan then captures one graph
-    # for the caller's operands, a direct one none.
+    # only where they win (_direct_wins). Which way a tiny convolution's timings fall is a
+    # measurement of the host, so each outcome is forced here (the rule itself is
+    # unit-tested in test_conv_keys). Either way none of the graphs of the autotuner's
+    # operands is kept; a replaying plan then captures one graph for the caller's operands,
+    # a direct one none.
     from cufused import _cudnn
     from cufused._cudnn import _autotune
 
-    monkeypatch.setattr(_autotune, "_REPLAY_MARGIN", -1.0 if direct_wins else 1e9)
-    cufused.clear_plan_cache()  # so that the plan is autotuned under this margin
+    monkeypatch.setattr(_autotune, "_direct_wins", lambda *medians: direct_wins)
+    cufused.clear_plan_cache()  # so that the plan is autotuned under this rule
     xs, ws = (2, 3, 9, 13), (5, 3, 3, 3)
     xg, wg = to_gpu(rng.standard_normal(xs), rng.standard_normal(ws))
     with _cudnn.plan_options(autotune=True, replay=True):
