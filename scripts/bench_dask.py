@@ -98,6 +98,11 @@ def bench_case(case, xp, params, x_shape, factor, precisions, repeat, threads, c
         for precision, times in local_times(case, xp, params, total, n, precisions, repeat,
                                             threads).items():
             rows[precision].update(times)
+        if xp is not numpy:
+            # The cluster's workers share this GPU: give them what this process keeps (the
+            # whole-call graphs' temporaries, the plans' graphs, the pool's free blocks).
+            cufused.clear_caches()
+            xp.get_default_memory_pool().free_all_blocks()
     if client is not None:
         for precision in precisions:
             opts = dict(case.options, precision=precision)
