@@ -75,7 +75,7 @@ class ConvPlan:
     cost: float = float("nan")  # with the caller's layout conversions
     candidates: dict = field(default_factory=dict)  # strategy label -> (ms, cost)
     # CUDA graphs of warm calls (see run): operand key -> launcher; None where calls run
-    # directly (a failed capture, or direct calls measured faster: see _decide_replay)
+    # directly (a failed capture, or the autotuner's choice: see _decide_replay)
     _replays: dict | None = field(default_factory=dict, repr=False)
     _calls: dict = field(default_factory=dict, repr=False)  # calls per key not yet captured
 
@@ -113,7 +113,7 @@ class ConvPlan:
         From the second call with the same operand pointers on a stream, the call replays a
         CUDA graph of the whole plan (the weight preparation and every cuDNN execution): one
         launch instead of the host work of each part, which for FFT and sub-pixel plans is
-        well over 100 us; unless the autotuner measured direct calls faster (see
+        well over 100 us; unless the autotuner chose direct calls (see
         ``_decide_replay``). The graph keeps its own workspace and prepared weight.
         """
         x, w, bias = self._operands(x, w, bias)

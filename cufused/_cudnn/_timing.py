@@ -34,7 +34,8 @@ def _time_ms(fn, repeat: int = 5, batch: int = 3, flush=None) -> float:
 
 
 def _issue_ms(fn) -> float:
-    """Host milliseconds of issuing ``fn()`` to an idle device (not waiting for its work)."""
+    """Host milliseconds of issuing ``fn()`` to an idle current stream (not waiting for the
+    work it queues)."""
     stream = import_cupy().cuda.get_current_stream()
     stream.synchronize()
     start = time.perf_counter()
