@@ -255,15 +255,14 @@ def test_one_value_option_stands_for_every_dimension(xp):
     # PyTorch reads stride=(2,) as (2, 2) and a pool's stride=() as its window. Both
     # spellings of a convolution run directly: the second call with a key would replay a
     # graph, which may sum in another order than a direct call (float32 rounding).
+    from cufused._cudnn import plan_options
+
     d = arrays(xp)
-    cufused.set_conv_graph_replay(False)
-    try:
+    with plan_options(replay=False):
         for fn, w in ((cufused.conv2d, d["w"]), (cufused.conv_transpose2d, d["wt"])):
             got = fn(d["x4"], w, stride=(2,), padding=[1], dilation=(1,))
             want = fn(d["x4"], w, stride=2, padding=1)
             np.testing.assert_array_equal(_host(got), _host(want))
-    finally:
-        cufused.set_conv_graph_replay(True)
     np.testing.assert_array_equal(_host(cufused.max_pool2d(d["x4"], (3,), ())),
                                   _host(cufused.max_pool2d(d["x4"], 3)))
     np.testing.assert_array_equal(_host(cufused.avg_pool3d(d["x5"], [2], [2], (0,))),
