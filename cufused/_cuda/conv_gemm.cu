@@ -35,13 +35,15 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4],
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Split float32 values into TF32 high parts and (for PASSES = 3) TF32 residuals.
-template <int PASSES, int N>
+// Split float32 values into TF32 high parts and (for PASSES = 3) TF32 residuals. ROUNDED:
+// the values are TF32 already (rounded where they were staged), PASSES = 1 only.
+template <int PASSES, bool ROUNDED, int N>
 __device__ __forceinline__ void split_tf32(const float (&x)[N], unsigned (&hi)[N],
                                            unsigned (&lo)[N]) {
+    static_assert(!ROUNDED || PASSES == 1, "a staged TF32 value has no residual left");
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-        hi[i] = to_tf32(x[i]);
+        hi[i] = ROUNDED ? __float_as_uint(x[i]) : to_tf32(x[i]);
         // An infinite or NaN value has no residual (inf - inf would be NaN, where the
         // product must stay infinite); its high part carries it.
         if (PASSES == 3)
@@ -61,15 +63,16 @@ __device__ __forceinline__ void finite_or_zero(unsigned (&hi)[N]) {
 
 // One 8-deep reduction step of a warp's 32 x 32 tile: the A fragments of its two 16-row
 // MMA tiles and the B fragments of its four 8-column ones (float32 values, split here) into
-// sum (the accumulator, or for PASSES = 3 the registers of the current step sums).
-template <int PASSES>
+// sum (the accumulator, or for PASSES = 3 the registers of the current step sums). ROUNDED:
+// the fragments hold TF32 values already (split_tf32).
+template <int PASSES, bool ROUNDED = false>
 __device__ __forceinline__ void mma_warp_step(const float (&af)[2][4], const float (&bf)[4][2],
                                               float (&sum)[2][4][4]) {
     unsigned a_hi[2][4], a_lo[2][4], b_hi[4][2], b_lo[4][2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) split_tf32<PASSES>(af[i], a_hi[i], a_lo[i]);
+    for (int i = 0; i < 2; ++i) split_tf32<PASSES, ROUNDED>(af[i], a_hi[i], a_lo[i]);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) split_tf32<PASSES>(bf[j], b_hi[j], b_lo[j]);
+    for (int j = 0; j < 4; ++j) split_tf32<PASSES, ROUNDED>(bf[j], b_hi[j], b_lo[j]);
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
@@ -267,27 +270,61 @@ conv2d_igemm(const float* __restrict__ x, const float* __restrict__ w,
 // value's offset in the halo (-1 for the rounding: those fragment values are 0, not a halo
 // value, which may be infinite). A fragment value is then one shared load at the pixel's
 // offset plus the reduction value's. With one chunk (C * kh * kw <= HALO_RC) the weights are
-// staged once per block; blocks loop over tiles (grid-stride over N * tiles).
+// staged once per block; blocks loop over tiles (grid-stride over N * tiles), the next
+// stage's halo copied (cp.async) while this one's MMAs run.
 //
-// Grid (blocks, ceil(K / 64)), block 256. bias may be null. cc * hr * hc <= HALO_MAX and
-// cc * kh * kw <= HALO_RC (the launcher's choice of cc).
+// Grid (blocks, ceil(K / 64)), block 256, dynamic shared memory as halo_shared lays it out.
+// bias may be null. cc * hr * hc <= HALO_MAX and cc * kh * kw <= HALO_RC (the launcher's
+// choice of cc).
 #define HALO_TH 4
 #define HALO_TW 32
 #define HALO_RC 72
 #define HALO_MAX 4800
+#define HALO_BLOCKS_PER_SM 2
+
+// One 4-byte cp.async into shared memory, zero-filled where the source is not valid (padding
+// or past the input: no global byte is read, src only has to be a global address).
+__device__ __forceinline__ void copy_or_zero_async(float* dst, const float* src, bool valid) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
+                 ::"r"(d), "l"(src), "r"(valid ? 4 : 0) : "memory");
+}
+
+// The dynamic shared memory of a halo kernel, in this order: the staged weights [r][k]
+// (HALO_RC x (CONV_BN + 8): conflict-free fragment loads), each reduction value's halo offset
+// (HALO_RC), then two halo buffers of hsize floats (the stage the MMAs read and the next one
+// in flight); an epilogue's scratch follows (halo_scratch). The launcher sizes it
+// (conv_gemm.py: halo_shared_bytes).
+struct HaloShared {
+    float (*wt)[CONV_BN + 8];
+    int* roff;
+    float* halo;  // buffer b at halo + b * hsize
+    int hsize;
+};
+
+__device__ __forceinline__ HaloShared halo_shared(float* smem, int hsize) {
+    return {reinterpret_cast<float (*)[CONV_BN + 8]>(smem),
+            reinterpret_cast<int*>(smem + HALO_RC * (CONV_BN + 8)),
+            smem + HALO_RC * (CONV_BN + 8) + HALO_RC, hsize};
+}
+
+__device__ __forceinline__ float* halo_scratch(float* smem, int hsize) {
+    return smem + HALO_RC * (CONV_BN + 8) + HALO_RC + 2 * hsize;
+}
 
 // The tiles of a conv2d_halo-style kernel: each block loops over its tiles (grid-stride over
 // N * tiles), computes a tile's 4 x 32 pixels x 64 channels into acc and calls
 // epilogue(n, t, p0, q0, acc) (t: the tile's index within its sample); every thread calls it
-// (it may hold barriers). halo, wt and roff are the block's shared memory (an epilogue may
-// use halo as scratch once it starts: the next tile's first barrier orders its reuse).
+// (it may hold barriers; between two calls every thread passes at least one barrier here).
+// The stages (tile, chunk of input channels) run as a two-buffer pipeline: a stage's halo is
+// copied with cp.async while the previous stage's MMAs run, so the block waits on global
+// memory only where one stage's copies take longer than another's MMAs and epilogue.
 template <int PASSES, class Epilogue>
 __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                                            const float* __restrict__ w, int N, int C, int H,
                                            int W, int K, int kh, int kw, int P, int Q, int sh,
                                            int sw, int ph, int pw, int dh, int dw, int cc,
-                                           int hr, int hc, float* halo,
-                                           float (*wt)[CONV_BN + 8], int* roff,
+                                           int hr, int hc, const HaloShared& s,
                                            Epilogue epilogue) {
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
@@ -297,6 +334,7 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
     const int khw = kh * kw;
     const int tiles_w = (Q + HALO_TW - 1) / HALO_TW;
     const int tiles = ((P + HALO_TH - 1) / HALO_TH) * tiles_w;
+    const long long all_tiles = (long long)N * tiles;
     const bool one_chunk = C <= cc;
     // This lane's fragment rows (gid, gid + 8 of MMA tile i) as offsets into a channel's halo.
     int pofs[2][2];
@@ -306,15 +344,16 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
         for (int half = 0; half < 2; ++half)
             pofs[i][half] = warp_row * sh * hc + (i * 16 + gid + half * 8) * sw;
 
-    // The weights of input channels [c0, c0 + ccn) and their halo offsets; returns the
-    // reduction length rounded up to 8.
+    // The weights of input channels [c0, c0 + ccn) (TF32-rounded for PASSES = 1) and their
+    // halo offsets; returns the reduction length rounded up to 8.
     auto stage_weights = [&](int c0, int ccn) {
         const int rn = ccn * khw, rpad = (rn + 7) & ~7;
         for (int i = tid; i < rpad * CONV_BN; i += CONV_THREADS) {
             const int kk = i / rpad, r = i - kk * rpad;  // r fastest: coalesced reads
             const int k = k0 + kk;
-            wt[r][kk] = (r < rn && k < K)
+            const float v = (r < rn && k < K)
                 ? __ldg(w + ((long long)k * C + c0) * khw + r) : 0.0f;
+            s.wt[r][kk] = PASSES == 1 ? __uint_as_float(to_tf32(v)) : v;
         }
         for (int r = tid; r < rpad; r += CONV_THREADS) {
             int off = -1;
@@ -323,44 +362,69 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                 const int u = uv / kw, v = uv - u * kw;
                 off = (c * hr + u * dh) * hc + v * dw;
             }
-            roff[r] = off;
+            s.roff[r] = off;
         }
         return rpad;
     };
 
+    // Start the copies of the halo of input channels [c0, c0 + cc) of tile `tile` into buf:
+    // a warp per halo row, coalesced along W, zeros outside the input.
+    auto copy_halo = [&](long long tile, int c0, float* buf) {
+        const int n = (int)(tile / tiles);
+        const int t = (int)(tile - (long long)n * tiles);
+        const int h0 = (t / tiles_w) * HALO_TH * sh - ph, w0 = (t % tiles_w) * HALO_TW * sw - pw;
+        const float* xs = x + (long long)n * C * H * W;
+        const int ccn = min(cc, C - c0);
+        for (int row = warp; row < ccn * hr; row += CONV_THREADS / 32) {
+            const int c = row / hr, hrow = row - c * hr;
+            const int h = h0 + hrow;
+            const bool h_in = h >= 0 && h < H;
+            const float* xrow = xs + ((long long)(c0 + c) * H + (h_in ? h : 0)) * W;
+            for (int col = lane; col < hc; col += 32) {
+                const int ww = w0 + col;
+                const bool valid = h_in && ww >= 0 && ww < W;
+                copy_or_zero_async(buf + row * hc + col, valid ? xrow + ww : xs, valid);
+            }
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+
+    long long tile = blockIdx.x;
+    if (tile >= all_tiles) return;
     int rpad = 0;
-    if (one_chunk) {
-        rpad = stage_weights(0, C);  // published by the first halo's barrier
-    }
-    for (long long tile = blockIdx.x; tile < (long long)N * tiles; tile += gridDim.x) {
+    if (one_chunk) rpad = stage_weights(0, C);  // published by the first stage's barrier
+    copy_halo(tile, 0, s.halo);
+    int buf = 0;
+    for (; tile < all_tiles; tile += gridDim.x) {
         const int n = (int)(tile / tiles);
         const int t = (int)(tile - (long long)n * tiles);
         const int p0 = (t / tiles_w) * HALO_TH, q0 = (t % tiles_w) * HALO_TW;
-        const int h0 = p0 * sh - ph, w0 = q0 * sw - pw;
-        const float* xs = x + (long long)n * C * H * W;
 
         float acc[2][4][4], stage[2][4][4];
         clear_tiles(acc, stage);
         float (&sum)[2][4][4] = PASSES == 3 ? stage : acc;
 
         for (int c0 = 0; c0 < C; c0 += cc) {
-            const int ccn = min(cc, C - c0);
-            __syncthreads();  // the previous chunk's (or tile's) reads of the buffers are done
-            // A warp per halo row: coalesced along W.
-            for (int row = warp; row < ccn * hr; row += CONV_THREADS / 32) {
-                const int c = row / hr, hrow = row - c * hr;
-                const int h = h0 + hrow;
-                const bool h_in = h >= 0 && h < H;
-                const float* xrow = xs + ((long long)(c0 + c) * H + (h_in ? h : 0)) * W;
-                for (int col = lane; col < hc; col += 32) {
-                    const int ww = w0 + col;
-                    halo[row * hc + col] = (h_in && ww >= 0 && ww < W) ? __ldg(xrow + ww) : 0.0f;
-                }
+            asm volatile("cp.async.wait_all;" ::: "memory");
+            if (PASSES == 1) {
+                // TF32: round each of this thread's own copies once, not once per fragment
+                // that reads it (up to kh * kw * 2 of them).
+                float* own = s.halo + buf * s.hsize;
+                for (int row = warp; row < min(cc, C - c0) * hr; row += CONV_THREADS / 32)
+                    for (int col = lane; col < hc; col += 32)
+                        own[row * hc + col] = __uint_as_float(to_tf32(own[row * hc + col]));
             }
-            if (!one_chunk) rpad = stage_weights(c0, ccn);
+            // This stage's halo is in; every warp is done with the previous stage's buffers.
             __syncthreads();
+            if (!one_chunk) rpad = stage_weights(c0, min(cc, C - c0));
+            if (c0 + cc < C)
+                copy_halo(tile, c0 + cc, s.halo + (buf ^ 1) * s.hsize);
+            else if (tile + gridDim.x < all_tiles)
+                copy_halo(tile + gridDim.x, 0, s.halo + (buf ^ 1) * s.hsize);
+            if (!one_chunk) __syncthreads();
+            const float* halo = s.halo + buf * s.hsize;
             for (int ks = 0; ks < rpad; ks += 8) {
-                const int o0 = roff[ks + tig], o1 = roff[ks + tig + 4];
+                const int o0 = s.roff[ks + tig], o1 = s.roff[ks + tig + 4];
                 float af[2][4], bf[4][2];
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
@@ -369,24 +433,23 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                     af[i][2] = o1 >= 0 ? halo[pofs[i][0] + o1] : 0.0f;
                     af[i][3] = o1 >= 0 ? halo[pofs[i][1] + o1] : 0.0f;
                 }
-                load_b_fragments(bf, wt, ks, tig, gid, warp_k);
-                mma_warp_step<PASSES>(af, bf, sum);
+                load_b_fragments(bf, s.wt, ks, tig, gid, warp_k);
+                mma_warp_step<PASSES, PASSES == 1>(af, bf, sum);
                 if (PASSES == 3 && ((ks & 8) || ks + 8 >= rpad)) flush_step_sums(acc, stage);
             }
+            buf ^= 1;
         }
         epilogue(n, t, p0, q0, acc);
     }
 }
 
 template <int PASSES>
-__global__ void __launch_bounds__(CONV_THREADS, 1)
+__global__ void __launch_bounds__(CONV_THREADS, HALO_BLOCKS_PER_SM)
 conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
             const float* __restrict__ bias, float* __restrict__ y, int N, int C, int H, int W,
             int K, int kh, int kw, int P, int Q, int sh, int sw, int ph, int pw, int dh, int dw,
             int cc, int hr, int hc) {
-    __shared__ float halo[HALO_MAX];
-    __shared__ float wt[HALO_RC][CONV_BN + 8];  // [r][k]: conflict-free fragment loads
-    __shared__ int roff[HALO_RC];
+    extern __shared__ float smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, tig = lane & 3;
     const int warp_row = warp & 3, warp_k = (warp >> 2) * 32;
@@ -401,7 +464,7 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
         });
     };
     halo_tiles<PASSES>(x, w, N, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
-                       halo, wt, roff, store);
+                       halo_shared(smem, cc * hr * hc), store);
 }
 
 // Pipeline A's convolution with the fused pass of pool_extremum_stats (pooling.cu) as its
@@ -416,11 +479,14 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
 //    the rows and columns that the pool drops included), row = n * (K / shift_group) +
 //    k / shift_group; shift from conv2d_first_values.
 // A warp reduces its row's statistics over its lanes and its windows' columns by shuffles;
-// the four rows meet in shared memory (the halo buffer, free once the tile's MMAs are done).
+// the four rows meet in the scratch after the halo buffers (POOL_SCRATCH_STATS +
+// HALO_TH * (HALO_TW / POOL) * CONV_BN floats).
 #define POOL_SCRATCH_STATS (HALO_TH * CONV_BN * 2)
 
+// 3xTF32's step sums and the epilogue's window state pass 128 registers a thread: one block
+// per multiprocessor there (the launcher's grid is the same; blocks past those resident wait).
 template <int PASSES, int POOL>
-__global__ void __launch_bounds__(CONV_THREADS, 1)
+__global__ void __launch_bounds__(CONV_THREADS, PASSES == 1 ? HALO_BLOCKS_PER_SM : 1)
 conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
                        const float* __restrict__ bias, const float* __restrict__ sign_a,
                        const float* __restrict__ sign_b, const float* __restrict__ shift,
@@ -428,25 +494,20 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
                        int H, int W, int K, int kh, int kw, int P, int Q, int sh, int sw, int ph,
                        int pw, int dh, int dw, int cc, int hr, int hc, int shift_group, int Ho,
                        int Wo) {
-    __shared__ float halo[HALO_MAX];
-    __shared__ float wt[HALO_RC][CONV_BN + 8];
-    __shared__ int roff[HALO_RC];
+    extern __shared__ float smem[];
     static_assert(HALO_TH % POOL == 0 && HALO_TW % POOL == 0, "windows tile the tile");
-    static_assert(POOL_SCRATCH_STATS + HALO_TH * (HALO_TW / POOL) * CONV_BN <= HALO_MAX,
-                  "the epilogue's scratch fits the halo buffer");
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
     const int gid = lane >> 2, tig = lane & 3;
     const int warp_row = warp & 3, warp_k = (warp >> 2) * 32;
     const int k0 = blockIdx.y * CONV_BN;
     const int tiles = ((P + HALO_TH - 1) / HALO_TH) * ((Q + HALO_TW - 1) / HALO_TW);
-    float* stats = halo;                         // [row][channel][2]
-    float* rows_ext = halo + POOL_SCRATCH_STATS;  // [row][window column][channel]
+    float* stats = halo_scratch(smem, cc * hr * hc);  // [row][channel][2]
+    float* rows_ext = stats + POOL_SCRATCH_STATS;      // [row][window column][channel]
     constexpr int WC = HALO_TW / POOL;             // window columns per tile
 
     auto pool_stats = [&](int n, int t, int p0, int q0, const float (&acc)[2][4][4]) {
         const int p = p0 + warp_row;
-        __syncthreads();  // every warp's MMAs have read the halo: it is scratch now
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -517,7 +578,7 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
         }
     };
     halo_tiles<PASSES>(x, w, N, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
-                       halo, wt, roff, pool_stats);
+                       halo_shared(smem, cc * hr * hc), pool_stats);
 }
 
 // shift[row] = bias[c] + conv(x, w)[n, c, 0, 0] in float32, row = n * (K / shift_group) +

@@ -10,7 +10,8 @@ _FILE = "conv_gemm.cu"
 _TILE_M, _TILE_K, _THREADS = 128, 64, 256  # CONV_BM, CONV_BN, CONV_THREADS
 # conv2d_halo's output tile (HALO_TH x HALO_TW), staged reduction values and halo floats.
 _HALO_TH, _HALO_TW, _HALO_RC, _HALO_MAX = 4, 32, 72, 4800
-_HALO_BLOCKS_PER_SM = 4
+_HALO_BLOCKS_PER_SM = 2  # HALO_BLOCKS_PER_SM, the kernels' __launch_bounds__
+_POOL_SCRATCH_STATS = _HALO_TH * _TILE_K * 2  # POOL_SCRATCH_STATS
 
 
 def halo_chunk(c: int, kernel: tuple[int, int], stride: tuple[int, int],
@@ -21,6 +22,16 @@ def halo_chunk(c: int, kernel: tuple[int, int], stride: tuple[int, int],
     hr = (_HALO_TH - 1) * stride[0] + (kh - 1) * dilation[0] + 1
     hc = (_HALO_TW - 1) * stride[1] + (kw - 1) * dilation[1] + 1
     return min(c, _HALO_RC // (kh * kw), _HALO_MAX // (hr * hc)), hr, hc
+
+
+def halo_shared_bytes(halo_floats: int, pool: int = 0) -> int:
+    """Dynamic shared memory of a halo kernel (``halo_shared`` in conv_gemm.cu): the staged
+    weights and their halo offsets, two halo buffers of ``halo_floats`` and, for the pooling
+    epilogue (``pool`` > 0), its scratch."""
+    floats = _HALO_RC * (_TILE_K + 8) + _HALO_RC + 2 * halo_floats
+    if pool:
+        floats += _POOL_SCRATCH_STATS + _HALO_TH * (_HALO_TW // pool) * _TILE_K
+    return 4 * floats
 
 
 def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tuple[int, int],
@@ -44,8 +55,10 @@ def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tup
     if cc >= 1:
         tiles = n * -(-p // _HALO_TH) * -(-q // _HALO_TW)
         blocks = min(tiles, sm_count() * _HALO_BLOCKS_PER_SM)
-        get_kernel(_FILE, f"conv2d_halo<{passes}>")(
-            (blocks, -(-k // _TILE_K)), (_THREADS,), geometry + (i32(cc), i32(hr), i32(hc)))
+        shared = halo_shared_bytes(cc * hr * hc)
+        get_kernel(_FILE, f"conv2d_halo<{passes}>", shared_bytes=shared)(
+            (blocks, -(-k // _TILE_K)), (_THREADS,), geometry + (i32(cc), i32(hr), i32(hc)),
+            shared_mem=shared)
         return
     get_kernel(_FILE, f"conv2d_igemm<{passes}>")(
         (-(-rows // _TILE_M), -(-k // _TILE_K)), (_THREADS,), geometry)
@@ -81,11 +94,12 @@ def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, shift_group: int,
          i32(kw), i32(padding[0]), i32(padding[1]), i32(dilation[0]), i32(dilation[1]),
          i32(shift_group)))
     blocks = min(n * splits, sm_count() * _HALO_BLOCKS_PER_SM)
-    get_kernel(_FILE, f"conv2d_halo_pool_stats<{passes}, {pool}>")(
+    shared = halo_shared_bytes(cc * hr * hc, pool)
+    get_kernel(_FILE, f"conv2d_halo_pool_stats<{passes}, {pool}>", shared_bytes=shared)(
         (blocks, -(-k // _TILE_K)), (_THREADS,),
         (x, w, optional(bias), optional(sign_a), optional(sign_b), shift, ext, partial,
          i32(n), i32(c), i32(h), i32(wd), i32(k), i32(kh), i32(kw), i32(p), i32(q),
          i32(stride[0]), i32(stride[1]), i32(padding[0]), i32(padding[1]), i32(dilation[0]),
          i32(dilation[1]), i32(cc), i32(hr), i32(hc), i32(shift_group), i32(p // pool),
-         i32(q // pool)))
+         i32(q // pool)), shared_mem=shared)
     return partial, shift, splits

@@ -317,7 +317,7 @@ def test_conv_gemm_launchers(launches, monkeypatch):
                                passes=1)
     check_all(launches, "conv_gemm.cu")
     halo = [launch for launch in launches if launch.name.startswith("conv2d_halo<")]
-    # 2 samples x 5 x 1 tiles of 4 x 32 pixels: a block per tile (fewer tiles than 4 blocks
+    # 2 samples x 5 x 1 tiles of 4 x 32 pixels: a block per tile (fewer tiles than 2 blocks
     # per multiprocessor); the 8 input channels in one chunk, halos of 6 x 34.
     assert all(launch.grid == (10, 1) and launch.args[-3:] == (8, 6, 34) for launch in halo)
 
