@@ -39,7 +39,7 @@ from typing import Any
 
 from ._arrays import _byte_span, _memory_limit, import_cupy, is_cupy_array
 from ._capture import _inside, capture_call
-from ._cuda import capturing
+from ._cuda import capturing, issuing_directly
 from ._cudnn import _config, clear_plan_cache, on_clear_plan_cache
 from ._precision import default_precision, resolve_precision
 
@@ -126,8 +126,8 @@ def replayed(gpu: functools.partial) -> Callable:
 def _run(gpu: functools.partial, out):
     if _inside.get():
         return gpu(out)
-    if not _config["replay"]:  # cufused.set_conv_graph_replay(False): every call directly
-        return _direct(gpu, out)
+    if not _config["replay"] or issuing_directly():  # set_conv_graph_replay(False) or
+        return _direct(gpu, out)                       # direct_calls()
     cupy = import_cupy()
     stream = cupy.cuda.get_current_stream()
     if capturing(stream):  # the caller's capture records the kernels
@@ -190,7 +190,8 @@ def warm_calls(public: Callable) -> Callable:
     @functools.wraps(public)
     def call(*args, **kwargs):
         out = kwargs.get("out")
-        if out is None or not _config["replay"] or _inside.get() or not is_cupy_array(out):
+        if (out is None or not _config["replay"] or _inside.get() or issuing_directly()
+                or not is_cupy_array(out)):
             return public(*args, **kwargs)
         cupy = sys.modules["cupy"]
         stream = cupy.cuda.get_current_stream()
