@@ -8,8 +8,6 @@ local memory.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import importlib.resources
 import re
@@ -247,29 +245,6 @@ def sm_count() -> int:
     import cupy
 
     return _sm_count(cupy.cuda.runtime.getDevice())
-
-
-# Inside direct_calls(): kernels are issued one by one, no CUDA graph captured or replayed.
-_direct = contextvars.ContextVar("cufused_direct_calls", default=False)
-
-
-@contextlib.contextmanager
-def direct_calls():
-    """Issue the kernels of the cufused calls made inside directly: neither a convolution plan
-    nor the whole-call cache captures, replays or counts them. For callers whose buffers are
-    new at most calls (Dask's chunk tasks, whose results and temporaries come from the pool at
-    addresses that change between runs): a key that rarely repeats only costs a capture, and
-    each graph kept drops another, which waits for the device."""
-    token = _direct.set(True)
-    try:
-        yield
-    finally:
-        _direct.reset(token)
-
-
-def issuing_directly() -> bool:
-    """Whether the current context is inside :func:`direct_calls`."""
-    return _direct.get()
 
 
 def capturing(stream) -> bool:

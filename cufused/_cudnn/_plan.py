@@ -12,7 +12,7 @@ from typing import Any
 import numpy
 
 from .._arrays import import_cupy
-from .._cuda import capturing, issuing_directly
+from .._cuda import capturing
 from .._kernels.layout import add_channel_bias, interleave_classes, transpose_channels
 from .._layout import empty_in_layout, stored_in
 from ._config import _config, cudnn_handle
@@ -176,7 +176,7 @@ class ConvPlan:
     def _replay(self, kind, operands, buffers, work):
         """The graph launcher for ``_launch``: cached, captured now (on the second call with
         these operands), or None (replay off, a capture in progress, a failed capture)."""
-        if not _config["replay"] or self._replays is None or issuing_directly():
+        if not _config["replay"] or self._replays is None:
             return None
         cupy = import_cupy()
         stream = cupy.cuda.get_current_stream()

@@ -407,27 +407,3 @@ def test_imports_point_down():
                 assert target[1] in LAYERS, f"{path}: imports {'.'.join(target)}"
                 assert LAYERS[target[1]] <= LAYERS[parts[1]], \
                     f"{path}:{node.lineno} imports {'.'.join(target)} from a higher layer"
-
-
-def test_direct_calls_is_scoped_to_its_context():
-    # direct_calls() holds inside its block only, and only for the context that entered it
-    # (a Dask worker thread's task, not the other threads).
-    import threading
-
-    from cufused._cuda import direct_calls, issuing_directly
-
-    seen = []
-    assert not issuing_directly()
-    with direct_calls():
-        assert issuing_directly()
-        worker = threading.Thread(target=lambda: seen.append(issuing_directly()))
-        worker.start()
-        worker.join()
-        with direct_calls():
-            assert issuing_directly()
-        assert issuing_directly()
-    assert not issuing_directly() and seen == [False]
-    with pytest.raises(ZeroDivisionError):
-        with direct_calls():
-            1 / 0
-    assert not issuing_directly()
