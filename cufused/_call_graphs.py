@@ -29,6 +29,7 @@ the graphs that stay and runs the others directly, instead of capturing at every
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import sys
@@ -65,6 +66,9 @@ _MAX_SHORTCUTS = 256
 _launched: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "cufused_launched_graphs", default=None)
 _SCALARS = frozenset({bool, int, str, type(None)})
+# Inside without_call_graphs(): the cache neither counts, captures nor replays.
+_suspended: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "cufused_call_graphs_suspended", default=False)
 
 
 class _Graph:
@@ -118,6 +122,21 @@ def _call_key(gpu: functools.partial, out, cupy):
             stream.ptr, tuple(_config.values()))
 
 
+@contextlib.contextmanager
+def without_call_graphs():
+    """Run the calls made inside (in this context only) without whole-call graphs: the cache
+    neither counts, captures nor replays them; a convolution plan still replays its own
+    graphs, keyed on its operands. For callers whose results and temporaries come from the
+    pool at addresses that change between runs (Dask's chunk tasks): a key that rarely
+    repeats only costs a capture, and each graph kept drops another, which waits for the
+    device."""
+    token = _suspended.set(True)
+    try:
+        yield
+    finally:
+        _suspended.reset(token)
+
+
 def replayed(gpu: functools.partial) -> Callable:
     """``gpu`` (a pipeline's bound GPU half, called with ``out``) through the graph cache."""
     return functools.partial(_run, gpu)
@@ -126,8 +145,8 @@ def replayed(gpu: functools.partial) -> Callable:
 def _run(gpu: functools.partial, out):
     if _inside.get():
         return gpu(out)
-    if not _config["replay"]:  # cufused.set_conv_graph_replay(False): every call directly
-        return _direct(gpu, out)
+    if not _config["replay"] or _suspended.get():  # set_conv_graph_replay(False) or
+        return _direct(gpu, out)                     # without_call_graphs()
     cupy = import_cupy()
     stream = cupy.cuda.get_current_stream()
     if capturing(stream):  # the caller's capture records the kernels
@@ -190,7 +209,8 @@ def warm_calls(public: Callable) -> Callable:
     @functools.wraps(public)
     def call(*args, **kwargs):
         out = kwargs.get("out")
-        if out is None or not _config["replay"] or _inside.get() or not is_cupy_array(out):
+        if (out is None or not _config["replay"] or _inside.get() or _suspended.get()
+                or not is_cupy_array(out)):
             return public(*args, **kwargs)
         cupy = sys.modules["cupy"]
         stream = cupy.cuda.get_current_stream()

@@ -18,6 +18,7 @@ from dask.base import is_dask_collection
 from dask.highlevelgraph import HighLevelGraph
 
 from .._arrays import get_array_module, import_cupy, is_cupy_array
+from .._call_graphs import without_call_graphs
 from .._precision import resolve_precision
 
 Array = da.Array
@@ -77,9 +78,10 @@ def _call_keywords(func: Callable, keywords: tuple[str, ...], options: dict[str,
 
 # One GPU task at a time per device in this process. Dask's threaded scheduler would run
 # several chunks' host work interleaved on the device's one stream: that gains no device
-# concurrency, holds every chunk's temporaries at once, and hands each call buffers at new
-# addresses, so that the convolutions' CUDA graphs (keyed on them) are captured again and
-# again instead of replayed.
+# concurrency and holds every chunk's temporaries at once. Each task runs without whole-call
+# graphs (without_call_graphs): its result and temporaries come from the pool at addresses that
+# change from run to run, so whole-call graphs keyed on them would be captured, and would drop
+# others (waiting for the device), far more often than replayed.
 _DEVICE_LOCKS: dict[int, threading.Lock] = {}
 _DEVICE_LOCKS_GUARD = threading.Lock()
 
@@ -94,7 +96,7 @@ def _one_at_a_time(func: Callable, *args, **kwargs):
     if lock is None:
         with _DEVICE_LOCKS_GUARD:
             lock = _DEVICE_LOCKS.setdefault(device, threading.Lock())
-    with lock:
+    with lock, without_call_graphs():
         return func(*args, **kwargs)
 
 

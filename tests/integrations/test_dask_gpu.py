@@ -134,6 +134,33 @@ def test_gpu_tasks_run_one_at_a_time_per_device(rng, quick_plans, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gpu_tasks_capture_no_graphs(rng, quick_plans, monkeypatch):
+    # Tasks get their results and temporaries from the pool at addresses that change from run
+    # to run: they run without whole-call graphs, so none is captured (nor dropped) however
+    # often the same dask graph runs, while the same call outside Dask, with a fixed out, is
+    # captured once and replayed.
+    import cupy as cp
+
+    from cufused import _call_graphs
+
+    captures = []
+    real_capture = _call_graphs._capture
+    monkeypatch.setattr(_call_graphs, "_capture",
+                        lambda *args: captures.append("call") or real_capture(*args))
+    cufused.clear_caches()
+    name, x, params, options = gpu_cases(rng)[1]  # B: phases and a tree reduction
+    for _ in range(4):
+        lazy = getattr(cdask, name)(chunked(x, (4, 4, 4, 3)), *params, **options)
+        got = lazy.compute(scheduler="threads", num_workers=4)
+    assert captures == []
+    out = cp.empty_like(got)
+    for _ in range(3):
+        getattr(cufused, name)(x, *params, **options, out=out)
+    assert captures == ["call"]
+    assert_close(got.get(), out.get(), 3e-5)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n_gpus", [1, 2])
 def test_gpu_pipelines_on_a_local_cuda_cluster(rng, quick_plans, n_gpus):
     # One worker per GPU; with two, each worker computes some of the chunks and B's batch
