@@ -1,6 +1,7 @@
 """NumPy emulation of conv_gemm.cu's conv2d_halo: its tiles, halo and weight staging,
-offset table and m16n8k8 fragment layouts, with float64 MMAs, against the float64 reference
-(no GPU); and of conv2d_halo_pool_stats' epilogue (shuffles, shared scratch, windows) and
+offset table (for the compiled-in 3 x 3 geometry, FixedHalo, the offsets its fragment
+addresses add up to) and m16n8k8 fragment layouts, with float64 MMAs, against the float64
+reference (no GPU); and of conv2d_halo_pool_stats' epilogue (shuffles, shared scratch, windows) and
 conv2d_first_values against their definitions. Run it after changing the kernels' index
 math (and change it alongside).
 
@@ -15,7 +16,8 @@ import sys
 import numpy as np
 
 from cufused import reference
-from cufused._kernels.conv_gemm import _HALO_MAX, _HALO_RC, halo_chunk
+from cufused._kernels.conv_gemm import (_HALO_MAX, _HALO_RC, fixed_ksize, halo_channel_stride,
+                                        halo_chunk)
 from cufused._kernels.conv_gemm import _HALO_TH as TH
 from cufused._kernels.conv_gemm import _HALO_TW as TW
 
@@ -29,34 +31,38 @@ CASES = [  # x shape, w shape, stride, padding, dilation
     ((1, 5, 11, 35), (6, 5, 3, 5), (2, 1), (1, 2), (1, 2)),   # strides, dilation, 2 chunks
     ((1, 11, 9, 9), (9, 11, 5, 5), (1, 1), (2, 2), (1, 1)),   # 5 x 5: 6 chunks
     ((2, 3, 7, 6), (4, 3, 1, 1), (1, 1), (0, 0), (1, 1)),     # 1 x 1
+    ((1, 19, 7, 35), (9, 19, 3, 3), (1, 1), (1, 1), (1, 1)),  # FixedHalo: 3 chunks, last 3 wide
 ]
 
 
-def stage_chunk(x, wflat, n, c0, ccn, k0, geometry):
+def stage_chunk(x, wflat, n, c0, ccn, k0, geometry, fixed):
     """The block's shared memory for input channels [c0, c0 + ccn): halo, weights [r][k]
-    and the offset table (-1 for the rounding to 8)."""
+    and the offset table (-1 for the rounding to 8). ``fixed``: FixedHalo's layout (channel
+    stride of 8 mod 32, reduction in (u, v, c) order; ccn = 8, zeros past C)."""
     h0, w0, hr, hc, kh, kw, dh, dw = geometry
-    _, _, height, width = x.shape
-    halo = np.full(_HALO_MAX, np.nan)
-    for row in range(ccn * hr):
-        c, hrow = divmod(row, hr)
-        h = h0 + hrow
-        for col in range(hc):
-            ww = w0 + col
-            inside = 0 <= h < height and 0 <= ww < width
-            halo[row * hc + col] = x[n, c0 + c, h, ww] if inside else 0.0
+    _, c_total, height, width = x.shape
+    cstride = halo_channel_stride(hr, hc, kh if fixed else 0)
+    halo = np.full(max(_HALO_MAX, ccn * cstride), np.nan)
+    for c in range(ccn):
+        for hrow in range(hr):
+            h = h0 + hrow
+            for col in range(hc):
+                ww = w0 + col
+                inside = c0 + c < c_total and 0 <= h < height and 0 <= ww < width
+                halo[c * cstride + hrow * hc + col] = x[n, c0 + c, h, ww] if inside else 0.0
     khw = kh * kw
     rn = ccn * khw
     rpad = (rn + 7) & ~7
-    assert ccn * hr * hc <= _HALO_MAX and rpad <= _HALO_RC
+    assert ccn * cstride <= _HALO_MAX and rpad <= _HALO_RC
     wt = np.zeros((rpad, BN))
-    for kk in range(min(BN, wflat.shape[0] - k0)):
-        wt[:rn, kk] = wflat[k0 + kk, c0 * khw:c0 * khw + rn]
     roff = np.full(rpad, -1)
     for r in range(rn):
-        c, uv = divmod(r, khw)
+        c, uv = (r % ccn, r // ccn) if fixed else divmod(r, khw)
         u, v = divmod(uv, kw)
-        roff[r] = (c * hr + u * dh) * hc + v * dw
+        roff[r] = c * cstride + u * dh * hc + v * dw
+        for kk in range(min(BN, wflat.shape[0] - k0)):
+            if c0 + c < c_total:
+                wt[r, kk] = wflat[k0 + kk, (c0 + c) * khw + uv]
     return halo, wt, roff
 
 
@@ -115,6 +121,7 @@ def emulate(x, w, bias, stride, padding, dilation, grid_x=7):
     p_total = (height + 2 * ph - dh * (kh - 1) - 1) // sh + 1
     q_total = (width + 2 * pw - dw * (kw - 1) - 1) // sw + 1
     cc, hr, hc = halo_chunk(c_total, (kh, kw), stride, dilation)
+    fixed = fixed_ksize((kh, kw), stride, dilation) > 0
     assert cc >= 1
     y = np.full((n_total, k_total, p_total, q_total), np.nan)
     tiles_w = -(-q_total // TW)
@@ -128,10 +135,11 @@ def emulate(x, w, bias, stride, padding, dilation, grid_x=7):
                 geometry = (p0 * sh - ph, q0 * sw - pw, hr, hc, kh, kw, dh, dw)
                 acc = np.zeros((8, 2, 4, 32, 4))
                 for c0 in range(0, c_total, cc):
-                    ccn = min(cc, c_total - c0)
-                    halo, wt, roff = stage_chunk(x, wflat, n, c0, ccn, k0, geometry)
+                    ccn = cc if fixed else min(cc, c_total - c0)
+                    halo, wt, roff = stage_chunk(x, wflat, n, c0, ccn, k0, geometry, fixed)
+                    extent = ccn * halo_channel_stride(hr, hc, kh if fixed else 0)
                     for warp in range(8):
-                        warp_steps(acc[warp], halo, wt, roff, warp, sh, sw, hc, ccn * hr * hc)
+                        warp_steps(acc[warp], halo, wt, roff, warp, sh, sw, hc, extent)
                 for warp in range(8):
                     store(y, acc[warp], bias, n, k0, p0, q0, warp)
     return y

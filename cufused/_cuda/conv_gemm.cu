@@ -312,6 +312,29 @@ __device__ __forceinline__ float* halo_scratch(float* smem, int hsize) {
     return smem + HALO_RC * (CONV_BN + 8) + HALO_RC + 2 * hsize;
 }
 
+// The halo geometry compiled in for KSIZE x KSIZE kernels at stride and dilation 1 (pipeline
+// A's 3 x 3): chunks of 8 input channels, their reduction values in (u, v, c) order, so that
+// each 8-deep MMA step is one kernel tap (u, v) over the chunk's 8 channels and a lane's
+// fragment value sits at a base of its own (channel tig or tig + 4, its pixel) plus the tap's
+// constant offset: no offset table, no index arithmetic in the MMA loop. Channel c of the
+// halo starts at c * CSTRIDE, a stride of 8 mod 32 floats: the four tig lanes' channels fall
+// on distinct banks.
+template <int KSIZE>
+struct FixedHalo {
+    static constexpr int CC = 8;
+    static constexpr int TAPS = KSIZE * KSIZE;
+    static constexpr int HR = HALO_TH + KSIZE - 1, HC = HALO_TW + KSIZE - 1;
+    static constexpr int CSTRIDE = (HR * HC + 23) / 32 * 32 + 8;
+    static_assert(CC * TAPS <= HALO_RC, "a chunk's reduction fits the staged weights");
+};
+
+// Floats of one halo buffer (conv_gemm.py: halo_floats).
+template <int KSIZE>
+__device__ __forceinline__ int halo_floats(int cc, int hr, int hc) {
+    if constexpr (KSIZE > 0) return FixedHalo<KSIZE>::CC * FixedHalo<KSIZE>::CSTRIDE;
+    return cc * hr * hc;
+}
+
 // The tiles of a conv2d_halo-style kernel: each block loops over its tiles (grid-stride over
 // N * tiles), computes a tile's 4 x 32 pixels x 64 channels into acc and calls
 // epilogue(n, t, p0, q0, acc) (t: the tile's index within its sample); every thread calls it
@@ -319,13 +342,25 @@ __device__ __forceinline__ float* halo_scratch(float* smem, int hsize) {
 // The stages (tile, chunk of input channels) run as a two-buffer pipeline: a stage's halo is
 // copied with cp.async while the previous stage's MMAs run, so the block waits on global
 // memory only where one stage's copies take longer than another's MMAs and epilogue.
-template <int PASSES, class Epilogue>
+// KSIZE = 0 takes the geometry from the arguments; KSIZE > 0 compiles it in (FixedHalo:
+// the launcher passes cc, hr, hc = 8, HR, HC, and stride and dilation 1).
+template <int PASSES, int KSIZE, class Epilogue>
 __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                                            const float* __restrict__ w, int N, int C, int H,
                                            int W, int K, int kh, int kw, int P, int Q, int sh,
                                            int sw, int ph, int pw, int dh, int dw, int cc,
                                            int hr, int hc, const HaloShared& s,
                                            Epilogue epilogue) {
+    constexpr bool FIXED = KSIZE > 0;
+    using Fixed = FixedHalo<FIXED ? KSIZE : 1>;
+    if constexpr (FIXED) {
+        kh = kw = KSIZE;
+        sh = sw = dh = dw = 1;
+        cc = Fixed::CC;
+        hr = Fixed::HR;
+        hc = Fixed::HC;
+    }
+    const int cstride = FIXED ? Fixed::CSTRIDE : hr * hc;  // between a halo's channels
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
     const int gid = lane >> 2, tig = lane & 3;
@@ -344,55 +379,68 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
         for (int half = 0; half < 2; ++half)
             pofs[i][half] = warp_row * sh * hc + (i * 16 + gid + half * 8) * sw;
 
-    // The weights of input channels [c0, c0 + ccn) (TF32-rounded for PASSES = 1) and their
-    // halo offsets; returns the reduction length rounded up to 8.
-    auto stage_weights = [&](int c0, int ccn) {
+    // The weights of input channels [c0, c0 + cc) (zero past C and K; TF32-rounded for
+    // PASSES = 1) in the reduction order, and for KSIZE = 0 their halo offsets; returns the
+    // reduction length rounded up to 8.
+    auto stage_weights = [&](int c0) {
+        const int ccn = FIXED ? Fixed::CC : min(cc, C - c0);
         const int rn = ccn * khw, rpad = (rn + 7) & ~7;
         for (int i = tid; i < rpad * CONV_BN; i += CONV_THREADS) {
             const int kk = i / rpad, r = i - kk * rpad;  // r fastest: coalesced reads
             const int k = k0 + kk;
-            const float v = (r < rn && k < K)
-                ? __ldg(w + ((long long)k * C + c0) * khw + r) : 0.0f;
+            // (u, v, c) order for FIXED, the weight's own (c, u, v) otherwise.
+            const int c = FIXED ? r % Fixed::CC : r / khw;
+            const int uv = FIXED ? r / Fixed::CC : r - c * khw;
+            const float v = (r < rn && k < K && c0 + c < C)
+                ? __ldg(w + ((long long)k * C + c0 + c) * khw + uv) : 0.0f;
             s.wt[r][kk] = PASSES == 1 ? __uint_as_float(to_tf32(v)) : v;
         }
-        for (int r = tid; r < rpad; r += CONV_THREADS) {
-            int off = -1;
-            if (r < rn) {
-                const int c = r / khw, uv = r - c * khw;
-                const int u = uv / kw, v = uv - u * kw;
-                off = (c * hr + u * dh) * hc + v * dw;
+        if (!FIXED) {
+            for (int r = tid; r < rpad; r += CONV_THREADS) {
+                int off = -1;
+                if (r < rn) {
+                    const int c = r / khw, uv = r - c * khw;
+                    const int u = uv / kw, v = uv - u * kw;
+                    off = c * cstride + u * dh * hc + v * dw;
+                }
+                s.roff[r] = off;
             }
-            s.roff[r] = off;
         }
         return rpad;
     };
 
-    // Start the copies of the halo of input channels [c0, c0 + cc) of tile `tile` into buf:
-    // a warp per halo row, coalesced along W, zeros outside the input.
+    // f(c, hrow, col, index) for each halo value of a chunk starting at c0 that this thread
+    // copies: a warp per halo row, lanes along it. FIXED copies all 8 channels (zeros past
+    // C: the last chunk's MMAs read them all).
+    auto each_own_value = [&](int c0, auto f) {
+        const int rows = (FIXED ? Fixed::CC : min(cc, C - c0)) * hr;
+        for (int row = warp; row < rows; row += CONV_THREADS / 32) {
+            const int c = row / hr, hrow = row - c * hr;
+            for (int col = lane; col < hc; col += 32)
+                f(c, hrow, col, c * cstride + hrow * hc + col);
+        }
+    };
+
+    // Start the copies of the halo of the chunk at c0 of tile `tile` into buf (coalesced
+    // along W, zeros outside the input).
     auto copy_halo = [&](long long tile, int c0, float* buf) {
         const int n = (int)(tile / tiles);
         const int t = (int)(tile - (long long)n * tiles);
         const int h0 = (t / tiles_w) * HALO_TH * sh - ph, w0 = (t % tiles_w) * HALO_TW * sw - pw;
         const float* xs = x + (long long)n * C * H * W;
-        const int ccn = min(cc, C - c0);
-        for (int row = warp; row < ccn * hr; row += CONV_THREADS / 32) {
-            const int c = row / hr, hrow = row - c * hr;
-            const int h = h0 + hrow;
-            const bool h_in = h >= 0 && h < H;
-            const float* xrow = xs + ((long long)(c0 + c) * H + (h_in ? h : 0)) * W;
-            for (int col = lane; col < hc; col += 32) {
-                const int ww = w0 + col;
-                const bool valid = h_in && ww >= 0 && ww < W;
-                copy_or_zero_async(buf + row * hc + col, valid ? xrow + ww : xs, valid);
-            }
-        }
+        each_own_value(c0, [&](int c, int hrow, int col, int index) {
+            const int h = h0 + hrow, ww = w0 + col;
+            const bool valid = c0 + c < C && h >= 0 && h < H && ww >= 0 && ww < W;
+            copy_or_zero_async(buf + index,
+                               valid ? xs + ((long long)(c0 + c) * H + h) * W + ww : xs, valid);
+        });
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
 
     long long tile = blockIdx.x;
     if (tile >= all_tiles) return;
     int rpad = 0;
-    if (one_chunk) rpad = stage_weights(0, C);  // published by the first stage's barrier
+    if (one_chunk) rpad = stage_weights(0);  // published by the first stage's barrier
     copy_halo(tile, 0, s.halo);
     int buf = 0;
     for (; tile < all_tiles; tile += gridDim.x) {
@@ -405,37 +453,62 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
         float (&sum)[2][4][4] = PASSES == 3 ? stage : acc;
 
         for (int c0 = 0; c0 < C; c0 += cc) {
+            float* halo = s.halo + buf * s.hsize;
             asm volatile("cp.async.wait_all;" ::: "memory");
             if (PASSES == 1) {
                 // TF32: round each of this thread's own copies once, not once per fragment
                 // that reads it (up to kh * kw * 2 of them).
-                float* own = s.halo + buf * s.hsize;
-                for (int row = warp; row < min(cc, C - c0) * hr; row += CONV_THREADS / 32)
-                    for (int col = lane; col < hc; col += 32)
-                        own[row * hc + col] = __uint_as_float(to_tf32(own[row * hc + col]));
+                each_own_value(c0, [&](int, int, int, int index) {
+                    halo[index] = __uint_as_float(to_tf32(halo[index]));
+                });
             }
             // This stage's halo is in; every warp is done with the previous stage's buffers.
             __syncthreads();
-            if (!one_chunk) rpad = stage_weights(c0, min(cc, C - c0));
+            if (!one_chunk) rpad = stage_weights(c0);
             if (c0 + cc < C)
                 copy_halo(tile, c0 + cc, s.halo + (buf ^ 1) * s.hsize);
             else if (tile + gridDim.x < all_tiles)
                 copy_halo(tile + gridDim.x, 0, s.halo + (buf ^ 1) * s.hsize);
             if (!one_chunk) __syncthreads();
-            const float* halo = s.halo + buf * s.hsize;
-            for (int ks = 0; ks < rpad; ks += 8) {
-                const int o0 = s.roff[ks + tig], o1 = s.roff[ks + tig + 4];
-                float af[2][4], bf[4][2];
+            if constexpr (FIXED) {
+                // Channel tig (fragment values 0, 1) and tig + 4 (2, 3) at this lane's pixels,
+                // kernel row u: the taps of a row unrolled (constant offsets), the rows not
+                // (every tap unrolled hoists its loads past the register budget).
+                const float* lane_halo = halo + tig * Fixed::CSTRIDE;
+#pragma unroll 1
+                for (int u = 0; u < KSIZE; ++u, lane_halo += Fixed::HC) {
 #pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    af[i][0] = o0 >= 0 ? halo[pofs[i][0] + o0] : 0.0f;
-                    af[i][1] = o0 >= 0 ? halo[pofs[i][1] + o0] : 0.0f;
-                    af[i][2] = o1 >= 0 ? halo[pofs[i][0] + o1] : 0.0f;
-                    af[i][3] = o1 >= 0 ? halo[pofs[i][1] + o1] : 0.0f;
+                    for (int v = 0; v < KSIZE; ++v) {
+                        const int tap = u * KSIZE + v;
+                        float af[2][4], bf[4][2];
+#pragma unroll
+                        for (int i = 0; i < 2; ++i) {
+                            af[i][0] = lane_halo[pofs[i][0] + v];
+                            af[i][1] = lane_halo[pofs[i][1] + v];
+                            af[i][2] = lane_halo[pofs[i][0] + v + 4 * Fixed::CSTRIDE];
+                            af[i][3] = lane_halo[pofs[i][1] + v + 4 * Fixed::CSTRIDE];
+                        }
+                        load_b_fragments(bf, s.wt, tap * 8, tig, gid, warp_k);
+                        mma_warp_step<PASSES, PASSES == 1>(af, bf, sum);
+                        if (PASSES == 3 && ((tap & 1) || tap + 1 == Fixed::TAPS))
+                            flush_step_sums(acc, stage);
+                    }
                 }
-                load_b_fragments(bf, s.wt, ks, tig, gid, warp_k);
-                mma_warp_step<PASSES, PASSES == 1>(af, bf, sum);
-                if (PASSES == 3 && ((ks & 8) || ks + 8 >= rpad)) flush_step_sums(acc, stage);
+            } else {
+                for (int ks = 0; ks < rpad; ks += 8) {
+                    const int o0 = s.roff[ks + tig], o1 = s.roff[ks + tig + 4];
+                    float af[2][4], bf[4][2];
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        af[i][0] = o0 >= 0 ? halo[pofs[i][0] + o0] : 0.0f;
+                        af[i][1] = o0 >= 0 ? halo[pofs[i][1] + o0] : 0.0f;
+                        af[i][2] = o1 >= 0 ? halo[pofs[i][0] + o1] : 0.0f;
+                        af[i][3] = o1 >= 0 ? halo[pofs[i][1] + o1] : 0.0f;
+                    }
+                    load_b_fragments(bf, s.wt, ks, tig, gid, warp_k);
+                    mma_warp_step<PASSES, PASSES == 1>(af, bf, sum);
+                    if (PASSES == 3 && ((ks & 8) || ks + 8 >= rpad)) flush_step_sums(acc, stage);
+                }
             }
             buf ^= 1;
         }
@@ -443,28 +516,60 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
     }
 }
 
-template <int PASSES>
-__global__ void __launch_bounds__(CONV_THREADS, HALO_BLOCKS_PER_SM)
+// 3xTF32's step sums pass 128 registers a thread: one block per multiprocessor there (the
+// launcher's grid is the same; blocks past those resident wait). The epilogue stages the
+// tile in the scratch, HALO_OUT_STRIDE floats per channel (2 * 132 = 8 mod 32: the
+// accumulators' four tig lanes write distinct banks).
+#define HALO_OUT_STRIDE 132
+template <int PASSES, int KSIZE>
+__global__ void __launch_bounds__(CONV_THREADS, PASSES == 1 ? HALO_BLOCKS_PER_SM : 1)
 conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
             const float* __restrict__ bias, float* __restrict__ y, int N, int C, int H, int W,
             int K, int kh, int kw, int P, int Q, int sh, int sw, int ph, int pw, int dh, int dw,
             int cc, int hr, int hc) {
     extern __shared__ float smem[];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5;
     const int gid = lane >> 2, tig = lane & 3;
     const int warp_row = warp & 3, warp_k = (warp >> 2) * 32;
     const int k0 = blockIdx.y * CONV_BN;
-    // Row r of a warp's tile is y[n, k, p0 + warp_row, q0 + r].
+    const int hsize = halo_floats<KSIZE>(cc, hr, hc);
+    float* staged = halo_scratch(smem, hsize);  // [channel][row * HALO_TW + column]
+    const int kn = min(CONV_BN, K - k0);
+    const bool pairs = (Q & 1) == 0 && (reinterpret_cast<unsigned long long>(y) & 7) == 0;
+    // The tile goes through shared memory: a warp's accumulators span 8 rows of 4 channels,
+    // so stored directly each instruction would touch 4 output rows; staged, a warp writes
+    // whole rows of the tile (float2 where every row starts 8-byte aligned: Q even).
     auto store = [&](int n, int, int p0, int q0, const float (&acc)[2][4][4]) {
-        const int p = p0 + warp_row;
-        if (p >= P) return;
-        each_output(acc, gid, tig, k0 + warp_k, K, bias, [&](int row, int k, float v) {
-            const int q = q0 + row;
-            if (q < Q) y[(((long long)n * K + k) * P + p) * Q + q] = v;
+        each_output(acc, gid, tig, k0 + warp_k, K, bias, [&](int col, int k, float v) {
+            staged[(k - k0) * HALO_OUT_STRIDE + warp_row * HALO_TW + col] = v;
         });
+        __syncthreads();
+        float* yt = y + (((long long)n * K + k0) * P + p0) * Q + q0;
+        if (pairs) {
+            constexpr int PR = HALO_TW / 2;  // pairs per tile row
+#pragma unroll 1
+            for (int i = tid; i < kn * HALO_TH * PR; i += CONV_THREADS) {
+                const int c2 = i % PR, rest = i / PR;
+                const int row = rest % HALO_TH, kl = rest / HALO_TH;
+                if (p0 + row < P && q0 + 2 * c2 < Q)
+                    *reinterpret_cast<float2*>(yt + ((long long)kl * P + row) * Q + 2 * c2) =
+                        *reinterpret_cast<const float2*>(
+                            staged + kl * HALO_OUT_STRIDE + row * HALO_TW + 2 * c2);
+            }
+        } else {
+#pragma unroll 1
+            for (int i = tid; i < kn * HALO_TH * HALO_TW; i += CONV_THREADS) {
+                const int col = i % HALO_TW, rest = i / HALO_TW;
+                const int row = rest % HALO_TH, kl = rest / HALO_TH;
+                if (p0 + row < P && q0 + col < Q)
+                    yt[((long long)kl * P + row) * Q + col] =
+                        staged[kl * HALO_OUT_STRIDE + row * HALO_TW + col];
+            }
+        }
     };
-    halo_tiles<PASSES>(x, w, N, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
-                       halo_shared(smem, cc * hr * hc), store);
+    halo_tiles<PASSES, KSIZE>(x, w, N, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr,
+                              hc, halo_shared(smem, hsize), store);
 }
 
 // Pipeline A's convolution with the fused pass of pool_extremum_stats (pooling.cu) as its
@@ -483,9 +588,8 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
 // HALO_TH * (HALO_TW / POOL) * CONV_BN floats).
 #define POOL_SCRATCH_STATS (HALO_TH * CONV_BN * 2)
 
-// 3xTF32's step sums and the epilogue's window state pass 128 registers a thread: one block
-// per multiprocessor there (the launcher's grid is the same; blocks past those resident wait).
-template <int PASSES, int POOL>
+// Registers as conv2d_halo's.
+template <int PASSES, int KSIZE, int POOL>
 __global__ void __launch_bounds__(CONV_THREADS, PASSES == 1 ? HALO_BLOCKS_PER_SM : 1)
 conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
                        const float* __restrict__ bias, const float* __restrict__ sign_a,
@@ -502,8 +606,9 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
     const int warp_row = warp & 3, warp_k = (warp >> 2) * 32;
     const int k0 = blockIdx.y * CONV_BN;
     const int tiles = ((P + HALO_TH - 1) / HALO_TH) * ((Q + HALO_TW - 1) / HALO_TW);
-    float* stats = halo_scratch(smem, cc * hr * hc);  // [row][channel][2]
-    float* rows_ext = stats + POOL_SCRATCH_STATS;      // [row][window column][channel]
+    const int hsize = halo_floats<KSIZE>(cc, hr, hc);
+    float* stats = halo_scratch(smem, hsize);  // [row][channel][2]
+    float* rows_ext = stats + POOL_SCRATCH_STATS;  // [row][window column][channel]
     constexpr int WC = HALO_TW / POOL;             // window columns per tile
 
     auto pool_stats = [&](int n, int t, int p0, int q0, const float (&acc)[2][4][4]) {
@@ -577,8 +682,8 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
             ext[(((long long)n * K + k) * Ho + ph_) * Wo + pw_] = neg ? -m : m;
         }
     };
-    halo_tiles<PASSES>(x, w, N, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
-                       halo_shared(smem, cc * hr * hc), pool_stats);
+    halo_tiles<PASSES, KSIZE>(x, w, N, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr,
+                              hc, halo_shared(smem, hsize), pool_stats);
 }
 
 // shift[row] = bias[c] + conv(x, w)[n, c, 0, 0] in float32, row = n * (K / shift_group) +

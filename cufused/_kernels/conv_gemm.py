@@ -12,25 +12,48 @@ _TILE_M, _TILE_K, _THREADS = 128, 64, 256  # CONV_BM, CONV_BN, CONV_THREADS
 _HALO_TH, _HALO_TW, _HALO_RC, _HALO_MAX = 4, 32, 72, 4800
 _HALO_BLOCKS_PER_SM = 2  # HALO_BLOCKS_PER_SM, the kernels' __launch_bounds__
 _POOL_SCRATCH_STATS = _HALO_TH * _TILE_K * 2  # POOL_SCRATCH_STATS
+_HALO_OUT_STRIDE = 132  # HALO_OUT_STRIDE: floats per channel of conv2d_halo's staged tile
+_FIXED_KSIZE, _FIXED_CC = 3, 8  # FixedHalo's instantiation and its channels per chunk
+
+
+def fixed_ksize(kernel: tuple[int, int], stride: tuple[int, int],
+                dilation: tuple[int, int]) -> int:
+    """The kernel size that the halo kernels compile in for this geometry (``FixedHalo``: a
+    3 x 3 kernel at stride and dilation 1), or 0: the geometry comes as arguments."""
+    if kernel == (_FIXED_KSIZE, _FIXED_KSIZE) and stride == (1, 1) and dilation == (1, 1):
+        return _FIXED_KSIZE
+    return 0
 
 
 def halo_chunk(c: int, kernel: tuple[int, int], stride: tuple[int, int],
                dilation: tuple[int, int]) -> tuple[int, int, int]:
     """``(cc, hr, hc)`` of ``conv2d_halo``: the input channels staged per chunk (0 where not
-    even one channel's halo fits its shared memory) and the halo's rows and columns."""
+    even one channel's halo fits its shared memory; 8 where the geometry is compiled in,
+    zeros past ``c``) and the halo's rows and columns."""
     kh, kw = kernel
     hr = (_HALO_TH - 1) * stride[0] + (kh - 1) * dilation[0] + 1
     hc = (_HALO_TW - 1) * stride[1] + (kw - 1) * dilation[1] + 1
+    if fixed_ksize(kernel, stride, dilation):
+        return _FIXED_CC, hr, hc
     return min(c, _HALO_RC // (kh * kw), _HALO_MAX // (hr * hc)), hr, hc
 
 
-def halo_shared_bytes(halo_floats: int, pool: int = 0) -> int:
+def halo_channel_stride(hr: int, hc: int, ksize: int) -> int:
+    """Floats between two channels of a halo buffer: ``hr * hc``, or for a compiled-in
+    geometry the next stride of 8 mod 32 (``FixedHalo::CSTRIDE``: the four ``tig`` lanes'
+    channels on distinct banks)."""
+    return (hr * hc + 23) // 32 * 32 + 8 if ksize else hr * hc
+
+
+def halo_shared_bytes(cc: int, hr: int, hc: int, ksize: int, pool: int = 0) -> int:
     """Dynamic shared memory of a halo kernel (``halo_shared`` in conv_gemm.cu): the staged
-    weights and their halo offsets, two halo buffers of ``halo_floats`` and, for the pooling
-    epilogue (``pool`` > 0), its scratch."""
-    floats = _HALO_RC * (_TILE_K + 8) + _HALO_RC + 2 * halo_floats
+    weights and their halo offsets, two halo buffers of ``cc`` channels and the epilogue's
+    scratch: the pooling epilogue's (``pool`` > 0) or the output tile ``conv2d_halo`` stages."""
+    floats = _HALO_RC * (_TILE_K + 8) + _HALO_RC + 2 * cc * halo_channel_stride(hr, hc, ksize)
     if pool:
         floats += _POOL_SCRATCH_STATS + _HALO_TH * (_HALO_TW // pool) * _TILE_K
+    else:
+        floats += _TILE_K * _HALO_OUT_STRIDE
     return 4 * floats
 
 
@@ -55,8 +78,9 @@ def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tup
     if cc >= 1:
         tiles = n * -(-p // _HALO_TH) * -(-q // _HALO_TW)
         blocks = min(tiles, sm_count() * _HALO_BLOCKS_PER_SM)
-        shared = halo_shared_bytes(cc * hr * hc)
-        get_kernel(_FILE, f"conv2d_halo<{passes}>", shared_bytes=shared)(
+        ksize = fixed_ksize((kh, kw), stride, dilation)
+        shared = halo_shared_bytes(cc, hr, hc, ksize)
+        get_kernel(_FILE, f"conv2d_halo<{passes}, {ksize}>", shared_bytes=shared)(
             (blocks, -(-k // _TILE_K)), (_THREADS,), geometry + (i32(cc), i32(hr), i32(hc)),
             shared_mem=shared)
         return
@@ -94,8 +118,10 @@ def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, shift_group: int,
          i32(kw), i32(padding[0]), i32(padding[1]), i32(dilation[0]), i32(dilation[1]),
          i32(shift_group)))
     blocks = min(n * splits, sm_count() * _HALO_BLOCKS_PER_SM)
-    shared = halo_shared_bytes(cc * hr * hc, pool)
-    get_kernel(_FILE, f"conv2d_halo_pool_stats<{passes}, {pool}>", shared_bytes=shared)(
+    ksize = fixed_ksize((kh, kw), stride, dilation)
+    shared = halo_shared_bytes(cc, hr, hc, ksize, pool)
+    get_kernel(_FILE, f"conv2d_halo_pool_stats<{passes}, {ksize}, {pool}>",
+               shared_bytes=shared)(
         (blocks, -(-k // _TILE_K)), (_THREADS,),
         (x, w, optional(bias), optional(sign_a), optional(sign_b), shift, ext, partial,
          i32(n), i32(c), i32(h), i32(wd), i32(k), i32(kh), i32(kw), i32(p), i32(q),

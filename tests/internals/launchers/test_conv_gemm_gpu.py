@@ -28,6 +28,7 @@ CASES = [
     ((4, 16, 9, 9), (32, 16, 5, 5), (1, 1), (2, 2), (1, 1)),   # reduction 400: many steps
     ((1, 1, 130, 3), (1, 1, 2, 2), (1, 1), (0, 0), (1, 1)),    # one output channel
     ((2, 8, 13, 40), (70, 8, 3, 3), (1, 1), (0, 0), (1, 1)),   # halo: K past one tile
+    ((2, 19, 11, 37), (12, 19, 3, 3), (1, 1), (1, 1), (1, 1)),  # 3 x 3 compiled in: 3 chunks
     ((1, 11, 9, 9), (9, 11, 5, 5), (1, 1), (2, 2), (1, 1)),    # halo: 6 channel chunks
     ((1, 3, 70, 70), (5, 3, 3, 3), (1, 1), (0, 0), (30, 30)),  # halo too large: gathering
     ((1, 2, 12, 12), (5, 2, 9, 9), (1, 1), (0, 0), (1, 1)),    # 81 > 72 values: gathering
@@ -50,8 +51,26 @@ def test_against_float64_reference(rng, x_shape, w_shape, stride, padding, dilat
     assert_close(y.get(), ref, tol)
 
 
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("q_extra", [0, 1])
+def test_output_rows_of_any_alignment(rng, offset, q_extra):
+    # The halo kernel writes pairs of floats where every output row starts 8-byte aligned
+    # (even Q, aligned y), else single floats: an output view one float into its buffer and
+    # an odd row length take the second way, against the same float64 reference.
+    x = rng.standard_normal((2, 8, 10, 36 + q_extra))
+    w = rng.standard_normal((20, 8, 3, 3))
+    ref = reference.conv(x, w, None, (1, 1), (0, 0), (1, 1), 1)
+    buf = cp.full(ref.size + 1, cp.nan, dtype=cp.float32)
+    y = buf[offset:offset + ref.size].reshape(ref.shape)
+    conv2d_implicit_gemm(cp.asarray(x, cp.float32), cp.asarray(w, cp.float32), None, y,
+                         stride=(1, 1), padding=(0, 0), dilation=(1, 1), passes=3)
+    assert_close(y.get(), ref, 2e-6)
+    outside = buf[-1] if offset == 0 else buf[0]  # the buffer's float that y leaves out
+    assert bool(cp.isnan(outside))
+
+
 @pytest.mark.parametrize("passes", [1, 3])
-@pytest.mark.parametrize("k", [3, 9])  # the halo kernel, the gathering one
+@pytest.mark.parametrize("k", [3, 5, 9])  # halo: 3 x 3 compiled in, 5 x 5; gathering
 def test_non_finite_inputs_propagate(rng, passes, k):
     x = rng.standard_normal((1, 4, 6, 6))
     w = rng.standard_normal((8, 4, k, k))
@@ -68,26 +87,29 @@ def test_non_finite_inputs_propagate(rng, passes, k):
 
 
 @pytest.mark.parametrize("passes, tol", [(1, 2e-3), (3, 2e-6)])
-@pytest.mark.parametrize("x_shape, w_shape, pool, group", [
-    ((2, 8, 20, 18), (64, 8, 3, 3), 4, 4),     # pipeline A's form
-    ((3, 5, 13, 40), (70, 5, 3, 3), 4, 5),     # K past one tile, edge tiles in both axes
-    ((1, 3, 9, 37), (12, 3, 3, 3), 2, 4),
+@pytest.mark.parametrize("x_shape, w_shape, pool, group, stride, padding", [
+    ((2, 8, 20, 18), (64, 8, 3, 3), 4, 4, (1, 1), (0, 0)),     # pipeline A's form
+    ((3, 5, 13, 40), (70, 5, 3, 3), 4, 5, (1, 1), (0, 0)),     # K past one tile, edge tiles
+    ((1, 3, 9, 37), (12, 3, 3, 3), 2, 4, (1, 1), (0, 0)),
+    ((2, 11, 21, 37), (16, 11, 3, 3), 2, 4, (1, 1), (1, 1)),  # 2 chunks, padding
+    ((2, 6, 21, 40), (8, 6, 3, 3), 2, 4, (2, 1), (1, 1)),     # the geometry as arguments
 ])
-def test_pool_stats_epilogue(rng, x_shape, w_shape, pool, group, passes, tol):
+def test_pool_stats_epilogue(rng, x_shape, w_shape, pool, group, stride, padding, passes,
+                             tol):
     # The window extrema (max, or min where the sign is negative), the per-tile shifted sums
     # and the shifts against their definitions on the float64 convolution.
     from cufused._kernels.conv_gemm import conv2d_pool_stats
 
     x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
     bias, sign = rng.standard_normal(w_shape[0]), rng.standard_normal(w_shape[0])
-    y = reference.conv(x, w, bias, (1, 1), (0, 0), (1, 1), 1)
+    y = reference.conv(x, w, bias, stride, padding, (1, 1), 1)
     n, k, p, q = y.shape
     ho, wo = p // pool, q // pool
     ext = cp.full((n, k, ho, wo), cp.nan, dtype=cp.float32)
     partial, shift, splits = conv2d_pool_stats(
         cp, cp.asarray(x, cp.float32), cp.asarray(w, cp.float32), cp.asarray(bias, cp.float32),
         ext, sign_a=cp.asarray(sign, cp.float32), sign_b=None, shift_group=group,
-        stride=(1, 1), padding=(0, 0), dilation=(1, 1), pool=pool, passes=passes)
+        stride=stride, padding=padding, dilation=(1, 1), pool=pool, passes=passes)
     win = y[:, :, :ho * pool, :wo * pool].reshape(n, k, ho, pool, wo, pool)
     want = np.where(sign[None, :, None, None] < 0, win.min(axis=(3, 5)), win.max(axis=(3, 5)))
     assert_close(ext.get(), want, tol)

@@ -289,27 +289,34 @@ def test_fused_pass_rejects_a_channels_last_ext_it_cannot_store(launches):
 def test_conv_gemm_launchers(launches, monkeypatch):
     conv = LAUNCHERS["conv_gemm.cu"]
     monkeypatch.setattr(conv, "sm_count", lambda: 132)
-    cases = [  # x, w, y, stride, dilation, kernel
-        ((2, 8, 20, 18), (64, 8, 3, 3), (2, 64, 18, 16), (1, 1), (1, 1), "conv2d_halo"),
-        ((1, 3, 70, 70), (5, 3, 3, 3), (1, 5, 10, 10), (1, 1), (30, 30), "conv2d_igemm"),
-        ((1, 2, 12, 12), (5, 2, 9, 9), (1, 5, 4, 4), (1, 1), (1, 1), "conv2d_igemm"),
+    cases = [  # x, w, y, stride, dilation, kernel, its template arguments after passes
+        ((2, 8, 20, 18), (64, 8, 3, 3), (2, 64, 18, 16), (1, 1), (1, 1), "conv2d_halo", ", 3"),
+        ((2, 8, 20, 18), (64, 8, 3, 3), (2, 64, 9, 16), (2, 1), (1, 1), "conv2d_halo", ", 0"),
+        ((1, 3, 70, 70), (5, 3, 3, 3), (1, 5, 10, 10), (1, 1), (30, 30), "conv2d_igemm", ""),
+        ((1, 2, 12, 12), (5, 2, 9, 9), (1, 5, 4, 4), (1, 1), (1, 1), "conv2d_igemm", ""),
     ]
-    for x, w, y, stride, dilation, kernel in cases:
+    for x, w, y, stride, dilation, kernel, rest in cases:
         for passes in (1, 3):
             for bias in (None, Dev((w[0],))):
                 conv.conv2d_implicit_gemm(Dev(x), Dev(w), bias, Dev(y), stride=stride,
                                           padding=(0, 0), dilation=dilation, passes=passes)
-                assert launches[-1].name == f"{kernel}<{passes}>"
-    for pool in (2, 4):
-        for passes in (1, 3):
-            partial, shift, splits = conv.conv2d_pool_stats(
-                FakeXp, Dev((2, 8, 20, 18)), Dev((64, 8, 3, 3)), Dev((64,)),
-                Dev((2, 64, 18 // pool, 16 // pool)), sign_a=Dev((64,)), sign_b=None,
-                shift_group=4, stride=(1, 1), padding=(0, 0), dilation=(1, 1), pool=pool,
-                passes=passes)
-            assert launches[-1].name == f"conv2d_halo_pool_stats<{passes}, {pool}>"
-            assert splits == 5 and partial.shape == (2, 64, 5, 2) and shift.shape == (32,)
-            assert launches[-2].name == "conv2d_first_values" and launches[-2].grid == (4,)
+                assert launches[-1].name == f"{kernel}<{passes}{rest}>"
+    # Stride 1: the compiled-in 3 x 3 geometry, 18 x 16 outputs in 5 tiles; stride 2: the
+    # geometry as arguments, 9 x 16 in 3.
+    for stride, ksize, p, splits_want in (((1, 1), 3, 18, 5), ((2, 1), 0, 9, 3)):
+        for pool in (2, 4):
+            for passes in (1, 3):
+                partial, shift, splits = conv.conv2d_pool_stats(
+                    FakeXp, Dev((2, 8, 20, 18)), Dev((64, 8, 3, 3)), Dev((64,)),
+                    Dev((2, 64, p // pool, 16 // pool)), sign_a=Dev((64,)), sign_b=None,
+                    shift_group=4, stride=stride, padding=(0, 0), dilation=(1, 1), pool=pool,
+                    passes=passes)
+                assert launches[-1].name == (
+                    f"conv2d_halo_pool_stats<{passes}, {ksize}, {pool}>")
+                assert splits == splits_want and partial.shape == (2, 64, splits, 2)
+                assert shift.shape == (32,)
+                assert launches[-2].name == "conv2d_first_values"
+                assert launches[-2].grid == (4,)
     with pytest.raises(ValueError, match="pool 2 or 4"):
         conv.conv2d_pool_stats(FakeXp, Dev((2, 8, 20, 18)), Dev((64, 8, 3, 3)), None,
                                Dev((2, 64, 6, 5)), sign_a=None, sign_b=None, shift_group=4,
@@ -318,8 +325,10 @@ def test_conv_gemm_launchers(launches, monkeypatch):
     check_all(launches, "conv_gemm.cu")
     halo = [launch for launch in launches if launch.name.startswith("conv2d_halo<")]
     # 2 samples x 5 x 1 tiles of 4 x 32 pixels: a block per tile (fewer tiles than 2 blocks
-    # per multiprocessor); the 8 input channels in one chunk, halos of 6 x 34.
-    assert all(launch.grid == (10, 1) and launch.args[-3:] == (8, 6, 34) for launch in halo)
+    # per multiprocessor); the 8 input channels in one chunk, halos of 6 x 34 (stride 1) and
+    # 9 x 34 (stride 2: 2 samples x 3 tiles).
+    assert {(launch.grid, launch.args[-3:]) for launch in halo} == {((10, 1), (8, 6, 34)),
+                                                                   ((6, 1), (8, 9, 34))}
 
 
 def test_softmax_launchers(launches, monkeypatch):
