@@ -328,7 +328,7 @@ struct FixedHalo {
     static_assert(CC * TAPS <= HALO_RC, "a chunk's reduction fits the staged weights");
 };
 
-// Floats of one halo buffer (conv_gemm.py: halo_floats).
+// Floats of one halo buffer (conv_gemm.py: halo_channel_stride).
 template <int KSIZE>
 __device__ __forceinline__ int halo_floats(int cc, int hr, int hc) {
     if constexpr (KSIZE > 0) return FixedHalo<KSIZE>::CC * FixedHalo<KSIZE>::CSTRIDE;
@@ -386,7 +386,7 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
         const int ccn = FIXED ? Fixed::CC : min(cc, C - c0);
         const int rn = ccn * khw, rpad = (rn + 7) & ~7;
         for (int i = tid; i < rpad * CONV_BN; i += CONV_THREADS) {
-            const int kk = i / rpad, r = i - kk * rpad;  // r fastest: coalesced reads
+            const int kk = i / rpad, r = i - kk * rpad;  // r fastest (coalesced but FIXED)
             const int k = k0 + kk;
             // (u, v, c) order for FIXED, the weight's own (c, u, v) otherwise.
             const int c = FIXED ? r % Fixed::CC : r / khw;
@@ -516,11 +516,36 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
     }
 }
 
-// 3xTF32's step sums pass 128 registers a thread: one block per multiprocessor there (the
-// launcher's grid is the same; blocks past those resident wait). The epilogue stages the
-// tile in the scratch, HALO_OUT_STRIDE floats per channel (2 * 132 = 8 mod 32: the
-// accumulators' four tig lanes write distinct banks).
+// conv2d_halo stages its output tile in the scratch, HALO_OUT_STRIDE floats per channel
+// (2 * 132 = 8 mod 32: the accumulators' four tig lanes write distinct banks).
 #define HALO_OUT_STRIDE 132
+
+template <int V> struct FloatVec;
+template <> struct FloatVec<1> { using type = float; };
+template <> struct FloatVec<2> { using type = float2; };
+
+// The staged tile's kn channels x HALO_TH rows x HALO_TW columns into yt (the tile's first
+// output; P, Q the output's rows and columns, rows and columns past p_left, q_left skipped),
+// V floats a store: a warp writes whole rows of the tile. V = 2 needs every output row
+// 8-byte aligned.
+template <int V>
+__device__ __forceinline__ void store_staged_rows(const float* staged, float* yt, int kn,
+                                                  int p_left, int q_left, int P, int Q) {
+    using Vec = typename FloatVec<V>::type;
+    constexpr int PER_ROW = HALO_TW / V;
+#pragma unroll 1
+    for (int i = threadIdx.x; i < kn * HALO_TH * PER_ROW; i += CONV_THREADS) {
+        const int cv = i % PER_ROW, rest = i / PER_ROW;
+        const int row = rest % HALO_TH, kl = rest / HALO_TH;
+        if (row < p_left && V * cv < q_left)
+            *reinterpret_cast<Vec*>(yt + ((long long)kl * P + row) * Q + V * cv) =
+                *reinterpret_cast<const Vec*>(staged + kl * HALO_OUT_STRIDE + row * HALO_TW
+                                              + V * cv);
+    }
+}
+
+// 3xTF32's step sums pass 128 registers a thread: one block per multiprocessor there (the
+// launcher's grid is the same; blocks past those resident wait).
 template <int PASSES, int KSIZE>
 __global__ void __launch_bounds__(CONV_THREADS, PASSES == 1 ? HALO_BLOCKS_PER_SM : 1)
 conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
@@ -528,8 +553,7 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
             int K, int kh, int kw, int P, int Q, int sh, int sw, int ph, int pw, int dh, int dw,
             int cc, int hr, int hc) {
     extern __shared__ float smem[];
-    const int tid = threadIdx.x;
-    const int lane = tid & 31, warp = tid >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, tig = lane & 3;
     const int warp_row = warp & 3, warp_k = (warp >> 2) * 32;
     const int k0 = blockIdx.y * CONV_BN;
@@ -546,27 +570,10 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
         });
         __syncthreads();
         float* yt = y + (((long long)n * K + k0) * P + p0) * Q + q0;
-        if (pairs) {
-            constexpr int PR = HALO_TW / 2;  // pairs per tile row
-#pragma unroll 1
-            for (int i = tid; i < kn * HALO_TH * PR; i += CONV_THREADS) {
-                const int c2 = i % PR, rest = i / PR;
-                const int row = rest % HALO_TH, kl = rest / HALO_TH;
-                if (p0 + row < P && q0 + 2 * c2 < Q)
-                    *reinterpret_cast<float2*>(yt + ((long long)kl * P + row) * Q + 2 * c2) =
-                        *reinterpret_cast<const float2*>(
-                            staged + kl * HALO_OUT_STRIDE + row * HALO_TW + 2 * c2);
-            }
-        } else {
-#pragma unroll 1
-            for (int i = tid; i < kn * HALO_TH * HALO_TW; i += CONV_THREADS) {
-                const int col = i % HALO_TW, rest = i / HALO_TW;
-                const int row = rest % HALO_TH, kl = rest / HALO_TH;
-                if (p0 + row < P && q0 + col < Q)
-                    yt[((long long)kl * P + row) * Q + col] =
-                        staged[kl * HALO_OUT_STRIDE + row * HALO_TW + col];
-            }
-        }
+        if (pairs)
+            store_staged_rows<2>(staged, yt, kn, P - p0, Q - q0, P, Q);
+        else
+            store_staged_rows<1>(staged, yt, kn, P - p0, Q - q0, P, Q);
     };
     halo_tiles<PASSES, KSIZE>(x, w, N, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr,
                               hc, halo_shared(smem, hsize), store);
