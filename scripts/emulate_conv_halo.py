@@ -1,9 +1,9 @@
 """NumPy emulation of conv_gemm.cu's conv2d_halo: its tiles, halo and weight staging,
 offset table (for the compiled-in 3 x 3 geometry, FixedHalo, the offsets its fragment
 addresses add up to) and m16n8k8 fragment layouts, with float64 MMAs, against the float64
-reference (no GPU); and of conv2d_halo_pool_stats' epilogue (shuffles, shared scratch, windows) and
-conv2d_first_values against their definitions. Run it after changing the kernels' index
-math (and change it alongside).
+reference (no GPU); and of conv2d_halo_pool_stats' epilogue (its schedule of segments,
+registers, shuffles and scratch) and conv2d_first_values against their definitions. Run it
+after changing the kernels' index math (and change it alongside).
 
 Usage: python scripts/emulate_conv_halo.py
 """
@@ -17,7 +17,7 @@ import numpy as np
 
 from cufused import reference
 from cufused._kernels.conv_gemm import (_HALO_MAX, _HALO_RC, fixed_ksize, halo_channel_stride,
-                                        halo_chunk)
+                                        halo_chunk, halo_row_stride, sample_segments)
 from cufused._kernels.conv_gemm import _HALO_TH as TH
 from cufused._kernels.conv_gemm import _HALO_TW as TW
 
@@ -42,6 +42,7 @@ def stage_chunk(x, wflat, n, c0, ccn, k0, geometry, fixed):
     h0, w0, hr, hc, kh, kw, dh, dw = geometry
     _, c_total, height, width = x.shape
     cstride = halo_channel_stride(hr, hc, kh if fixed else 0)
+    rstride = halo_row_stride(hc, kh if fixed else 0)  # the padding columns stay NaN
     halo = np.full(max(_HALO_MAX, ccn * cstride), np.nan)
     for c in range(ccn):
         for hrow in range(hr):
@@ -49,7 +50,7 @@ def stage_chunk(x, wflat, n, c0, ccn, k0, geometry, fixed):
             for col in range(hc):
                 ww = w0 + col
                 inside = c0 + c < c_total and 0 <= h < height and 0 <= ww < width
-                halo[c * cstride + hrow * hc + col] = x[n, c0 + c, h, ww] if inside else 0.0
+                halo[c * cstride + hrow * rstride + col] = x[n, c0 + c, h, ww] if inside else 0.0
     khw = kh * kw
     rn = ccn * khw
     rpad = (rn + 7) & ~7
@@ -59,17 +60,27 @@ def stage_chunk(x, wflat, n, c0, ccn, k0, geometry, fixed):
     for r in range(rn):
         c, uv = (r % ccn, r // ccn) if fixed else divmod(r, khw)
         u, v = divmod(uv, kw)
-        roff[r] = c * cstride + u * dh * hc + v * dw
+        roff[r] = c * cstride + u * dh * rstride + v * dw
         for kk in range(min(BN, wflat.shape[0] - k0)):
             if c0 + c < c_total:
                 wt[r, kk] = wflat[k0 + kk, (c0 + c) * khw + uv]
-    return halo, wt, roff
+    if not fixed:
+        return halo, wt, roff, None
+    # FixedHalo's per-lane layout [tap][warp_k / 32][lane][j][half] of the same values.
+    lanes = np.zeros(khw * BN * ccn)
+    for i in range(lanes.size):
+        half, j, lane, wk, tap = i & 1, (i >> 1) & 3, (i >> 3) & 31, (i >> 8) & 1, i >> 9
+        k, c = k0 + wk * 32 + j * 8 + (lane >> 2), c0 + (lane & 3) + 4 * half
+        if k < wflat.shape[0] and c < c_total:
+            lanes[i] = wflat[k, c * khw + tap]
+    return halo, wt, roff, lanes
 
 
-def warp_steps(acc, halo, wt, roff, warp, sh, sw, hc, extent):
-    """One warp's MMA steps over a staged chunk, into acc[i, j, lane, element]."""
-    warp_row, warp_k = warp & 3, (warp >> 2) * 32
-    pofs = [[warp_row * sh * hc + (i * 16 + GID + half * 8) * sw for half in range(2)]
+def warp_steps(acc, halo, wt, roff, lanes, warp, sh, sw, rstride, extent):
+    """One warp's MMA steps over a staged chunk, into acc[i, j, lane, element]; B fragments
+    from ``lanes`` (FixedHalo's per-lane weights) where given, else from ``wt``."""
+    warp_col, warp_k = (warp & 3) * 8, (warp >> 2) * 32
+    pofs = [[(2 * i + half) * sh * rstride + (warp_col + GID) * sw for half in range(2)]
             for i in range(2)]
 
     def load(pof, off):
@@ -85,8 +96,12 @@ def warp_steps(acc, halo, wt, roff, warp, sh, sw, hc, extent):
             a[GID, TIG + 4], a[GID + 8, TIG + 4] = load(pofs[i][0], o1), load(pofs[i][1], o1)
             for j in range(4):
                 b = np.zeros((8, 8))
-                b[TIG, GID] = wt[ks + TIG, warp_k + j * 8 + GID]
-                b[TIG + 4, GID] = wt[ks + TIG + 4, warp_k + j * 8 + GID]
+                if lanes is None:
+                    b[TIG, GID] = wt[ks + TIG, warp_k + j * 8 + GID]
+                    b[TIG + 4, GID] = wt[ks + TIG + 4, warp_k + j * 8 + GID]
+                else:
+                    base = ((ks // 8 * 2 + warp_k // 32) * 32 + LANE) * 8 + j * 2
+                    b[TIG, GID], b[TIG + 4, GID] = lanes[base], lanes[base + 1]
                 d = a @ b
                 acc[i, j, :, 0] += d[GID, 2 * TIG]
                 acc[i, j, :, 1] += d[GID, 2 * TIG + 1]
@@ -97,14 +112,14 @@ def warp_steps(acc, halo, wt, roff, warp, sh, sw, hc, extent):
 def store(y, acc, bias, n, k0, p0, q0, warp):
     """The epilogue of one warp: fragment elements to y[n, k, p, q] (+ bias)."""
     _, k_total, p_total, q_total = y.shape
-    warp_row, warp_k = warp & 3, (warp >> 2) * 32
-    p = p0 + warp_row
-    if p >= p_total:
-        return
+    warp_col, warp_k = (warp & 3) * 8, (warp >> 2) * 32
     for i in range(2):
         for half in range(2):
+            p = p0 + 2 * i + half
+            if p >= p_total:
+                continue
             for lane in range(32):
-                q = q0 + i * 16 + GID[lane] + half * 8
+                q = q0 + warp_col + GID[lane]
                 for j in range(4):
                     for e in range(2):
                         k = k0 + warp_k + j * 8 + 2 * TIG[lane] + e
@@ -136,69 +151,98 @@ def emulate(x, w, bias, stride, padding, dilation, grid_x=7):
                 acc = np.zeros((8, 2, 4, 32, 4))
                 for c0 in range(0, c_total, cc):
                     ccn = cc if fixed else min(cc, c_total - c0)
-                    halo, wt, roff = stage_chunk(x, wflat, n, c0, ccn, k0, geometry, fixed)
+                    halo, wt, roff, lanes = stage_chunk(x, wflat, n, c0, ccn, k0, geometry,
+                                                        fixed)
                     extent = ccn * halo_channel_stride(hr, hc, kh if fixed else 0)
                     for warp in range(8):
-                        warp_steps(acc[warp], halo, wt, roff, warp, sh, sw, hc, extent)
+                        warp_steps(acc[warp], halo, wt, roff, lanes, warp, sh, sw,
+                                   halo_row_stride(hc, kh if fixed else 0), extent)
                 for warp in range(8):
                     store(y, acc[warp], bias, n, k0, p0, q0, warp)
     return y
 
 
-def pool_stats_epilogue(acc, bias, sign, shift, n, t, k0, p0, q0, shape, pool, ext, partial):
-    """conv2d_halo_pool_stats' epilogue for one tile: its shuffles, shared scratch and
-    window loop, as the kernel indexes them."""
-    _, k_total, p_total, q_total = shape
-    ho, wo = p_total // pool, q_total // pool
-    wcs = TW // pool
-    stats = np.zeros((TH, BN, 2))
-    rows_ext = np.full((TH, wcs, BN), np.nan)
-    for warp in range(8):
-        warp_row, warp_k = warp & 3, (warp >> 2) * 32
-        p = p0 + warp_row
-        for j in range(4):
-            for e in range(2):
-                kl = warp_k + j * 8 + 2 * TIG + e  # per lane
-                k = k0 + kl
-                k_in = k < k_total
-                b = np.where(k_in, bias[np.minimum(k, k_total - 1)], 0.0)
-                sh = np.where(k_in, shift[np.minimum(k, k_total - 1)], 0.0)
-                neg = k_in & (sign[np.minimum(k, k_total - 1)] < 0)
-                s1, s2 = np.zeros(32), np.zeros(32)
-                for i in range(2):
-                    for half in range(2):
-                        q = q0 + i * 16 + GID + half * 8
-                        v = acc[warp, i, j, :, half * 2 + e] + b
-                        ok = (p < p_total) & (q < q_total)
-                        d = v - sh
-                        s1 += np.where(ok, d, 0.0)
-                        s2 += np.where(ok, d * d, 0.0)
-                        m = np.where(neg, -v, v)
+def segments(n_total, tiles, splits, blocks):
+    """SampleSegments: each block's tiles in its order, as (n, t, the segment's index)."""
+    begin = [s * tiles // splits for s in range(splits + 1)]
+    for block in range(blocks):
+        for item in range(block, n_total * splits, blocks):
+            n, s = divmod(item, splits)
+            yield block, [(n, t, s) for t in range(begin[s], begin[s + 1])]
+
+
+class PoolStatsBlock:
+    """conv2d_halo_pool_stats' epilogue state of one block: per warp and lane, the offsets
+    and running sums of its 8 channels (j, e), as the kernel keeps them in registers."""
+
+    def __init__(self, bias, sign, shift, k0, k_total, shift_group):
+        self.k0, self.k_total, self.group = k0, k_total, shift_group
+        kk = np.arange(k0, k0 + BN)
+        k_in = kk < k_total
+        kc = np.minimum(kk, k_total - 1)
+        self.bias = np.where(k_in, bias[kc], 0.0)  # the scratch's (bias, sign) per channel
+        self.sign = np.where(k_in & (sign[kc] < 0), -1.0, 1.0)
+        self.shift = shift
+        self.offset = np.zeros((8, 4, 2, 32))
+        self.s1, self.s2 = np.zeros((8, 4, 2, 32)), np.zeros((8, 4, 2, 32))
+
+    def begin_segment(self, n):
+        for warp in range(8):
+            for j in range(4):
+                for e in range(2):
+                    kl = (warp >> 2) * 32 + j * 8 + 2 * TIG + e
+                    k = self.k0 + kl
+                    sh = self.shift[n * (self.k_total // self.group)
+                                    + np.minimum(k, self.k_total - 1) // self.group]
+                    self.offset[warp, j, e] = np.where(k < self.k_total, sh - self.bias[kl], 0.0)
+        self.s1[:], self.s2[:] = 0.0, 0.0
+
+    def tile(self, acc, n, p0, q0, shape, pool, ext):
+        """One tile: the sums (pixels inside the output only) and the windows' extrema."""
+        _, k_total, p_total, q_total = shape
+        ho_total, wo_total = p_total // pool, q_total // pool
+        for warp in range(8):
+            warp_col, warp_k = (warp & 3) * 8, (warp >> 2) * 32
+            q = q0 + warp_col + GID
+            for j in range(4):
+                for e in range(2):
+                    kl = warp_k + j * 8 + 2 * TIG + e
+                    m = np.zeros((TH // pool, 32))
+                    for r in range(TH):
+                        v = acc[warp, r >> 1, j, :, (r & 1) * 2 + e]
+                        ok = (p0 + r < p_total) & (q < q_total)
+                        d = v - self.offset[warp, j, e]
+                        self.s1[warp, j, e] += np.where(ok, d, 0.0)
+                        self.s2[warp, j, e] += np.where(ok, d * d, 0.0)
+                        sv = self.sign[kl] * v
+                        m[r // pool] = sv if r % pool == 0 else np.fmax(m[r // pool], sv)
+                    for wr in range(TH // pool):
                         step = 4
                         while step < 4 * pool:
-                            m = np.fmax(m, m[LANE ^ step])
+                            m[wr] = np.fmax(m[wr], m[wr][LANE ^ step])
                             step <<= 1
                         for lane in np.flatnonzero(GID % pool == 0):
-                            wc = (i * 16 + half * 8 + GID[lane]) // pool
-                            rows_ext[warp_row, wc, kl[lane]] = m[lane]
-                step = 4
-                while step < 32:
-                    s1, s2 = s1 + s1[LANE ^ step], s2 + s2[LANE ^ step]
-                    step <<= 1
-                for lane in np.flatnonzero(GID == 0):
-                    stats[warp_row, kl[lane]] = s1[lane], s2[lane]
-    for kl in range(min(BN, k_total - k0)):
-        partial[n, k0 + kl, t] = stats[:, kl].sum(axis=0)
-    for idx in range((TH // pool) * wcs * BN):
-        wc, rest = idx % wcs, idx // wcs
-        wr, kl = rest % (TH // pool), rest // (TH // pool)
-        k, ph, pw = k0 + kl, p0 // pool + wr, q0 // pool + wc
-        if k >= k_total or ph >= ho or pw >= wo:
-            continue
-        m = rows_ext[wr * pool, wc, kl]
-        for r in range(1, pool):
-            m = np.fmax(m, rows_ext[wr * pool + r, wc, kl])
-        ext[n, k, ph, pw] = -m if sign[k] < 0 else m
+                            k, ho, wo = self.k0 + kl[lane], p0 // pool + wr, q[lane] // pool
+                            if k < k_total and ho < ho_total and wo < wo_total:
+                                ext[n, k, ho, wo] = self.sign[kl[lane]] * m[wr, lane] + \
+                                    self.bias[kl[lane]]
+
+    def end_segment(self, n, s, partial):
+        """The segment's sums over each warp's lanes, then over the four column warps."""
+        sums = np.zeros((4, BN, 2))
+        for warp in range(8):
+            for j in range(4):
+                for e in range(2):
+                    s1, s2 = self.s1[warp, j, e], self.s2[warp, j, e]
+                    step = 4
+                    while step < 32:
+                        s1, s2 = s1 + s1[LANE ^ step], s2 + s2[LANE ^ step]
+                        step <<= 1
+                    for lane in np.flatnonzero(GID == 0):
+                        kl = (warp >> 2) * 32 + j * 8 + 2 * TIG[lane] + e
+                        sums[warp & 3, kl] = s1[lane], s2[lane]
+        for kl in range(min(BN, self.k_total - self.k0)):
+            partial[n, self.k0 + kl, s] = sums[:, kl].sum(axis=0)
 
 
 def first_values(x, w, bias, shift_group, padding, dilation):
@@ -222,47 +266,52 @@ def first_values(x, w, bias, shift_group, padding, dilation):
 
 
 def emulate_pool_stats(x, w, bias, sign, shift_group, stride, padding, dilation, pool,
-                       grid_x=7):
-    """conv2d_first_values and conv2d_halo_pool_stats: (ext, partial, shift)."""
-    y = emulate(x, w, None, stride, padding, dilation, grid_x)  # tiles' acc, checked above
+                       splits, blocks):
+    """conv2d_first_values and conv2d_halo_pool_stats (``splits`` segments per sample taken
+    by ``blocks`` blocks): (ext, partial, shift)."""
+    y = emulate(x, w, None, stride, padding, dilation)  # tiles' acc, checked above
     n_total, k_total, p_total, q_total = y.shape
-    groups = k_total // shift_group
-    first = first_values(x, w, bias, shift_group, padding, dilation)
-    shift = np.repeat(first, shift_group).reshape(n_total, k_total)
+    shift = first_values(x, w, bias, shift_group, padding, dilation)
     tiles_w = -(-q_total // TW)
     tiles = -(-p_total // TH) * tiles_w
     ext = np.full((n_total, k_total, p_total // pool, q_total // pool), np.nan)
-    partial = np.full((n_total, k_total, tiles, 2), np.nan)
+    partial = np.full((n_total, k_total, splits, 2), np.nan)
     for k0 in range(0, k_total, BN):
-        for n in range(n_total):
-            for t in range(tiles):
+        for _, items in segments(n_total, tiles, splits, blocks):
+            state = PoolStatsBlock(bias, sign, shift, k0, k_total, shift_group)
+            for index, (n, t, s) in enumerate(items):
+                if index == 0:
+                    state.begin_segment(n)
                 p0, q0 = (t // tiles_w) * TH, (t % tiles_w) * TW
                 acc = np.zeros((8, 2, 4, 32, 4))
                 for warp in range(8):  # the accumulators as conv2d_halo's store reads them
-                    warp_row, warp_k = warp & 3, (warp >> 2) * 32
+                    warp_col, warp_k = (warp & 3) * 8, (warp >> 2) * 32
+                    q = np.minimum(q0 + warp_col + GID, q_total - 1)
                     for i in range(2):
                         for half in range(2):
-                            q = np.minimum(q0 + i * 16 + GID + half * 8, q_total - 1)
-                            p = min(p0 + warp_row, p_total - 1)
+                            p = min(p0 + 2 * i + half, p_total - 1)
                             for j in range(4):
                                 for e in range(2):
                                     k = np.minimum(k0 + warp_k + j * 8 + 2 * TIG + e,
                                                    k_total - 1)
                                     acc[warp, i, j, :, half * 2 + e] = y[n, k, p, q]
-                pool_stats_epilogue(acc, bias, sign, shift[n], n, t, k0, p0, q0, y.shape,
-                                    pool, ext, partial)
-    return ext, partial, shift.reshape(n_total, groups, shift_group)[:, :, 0].reshape(-1)
+                state.tile(acc, n, p0, q0, y.shape, pool, ext)
+            state.end_segment(n, s, partial)
+    return ext, partial, shift
 
 
 def check_pool_stats(rng) -> float:
     """The pool-stats epilogue against its definition on the float64 convolution."""
     worst = 0.0
-    for xs, ws, pool, group in [((2, 8, 13, 40), (70, 8, 3, 3), 4, 5),
-                                ((1, 3, 9, 37), (12, 3, 3, 3), 2, 4)]:
+    # Segments of uneven lengths, blocks taking several (3 resident blocks), and of one tile.
+    for xs, ws, pool, group, slots in [((2, 8, 13, 40), (70, 8, 3, 3), 4, 5, 3),
+                                       ((1, 3, 9, 37), (12, 3, 3, 3), 2, 4, 264)]:
         x, w = rng.standard_normal(xs), rng.standard_normal(ws)
         bias, sign = rng.standard_normal(ws[0]), rng.standard_normal(ws[0])
+        tiles = -(-(xs[2] - 2) // TH) * -(-(xs[3] - 2) // TW)
+        splits, blocks = sample_segments(xs[0], tiles, slots)
         ext, partial, shift = emulate_pool_stats(x, w, bias, sign, group, (1, 1), (0, 0),
-                                                 (1, 1), pool)
+                                                 (1, 1), pool, splits, blocks)
         y = reference.conv(x, w, bias, (1, 1), (0, 0), (1, 1), 1)
         n, k, p, q = y.shape
         ho, wo = p // pool, q // pool
@@ -273,7 +322,8 @@ def check_pool_stats(rng) -> float:
         sums = np.stack([d.sum(axis=(2, 3)), (d * d).sum(axis=(2, 3))], -1)
         errs = [np.abs(ext - want).max(), np.abs(partial.sum(axis=2) - sums).max() / p / q,
                 np.abs(shift - y[:, ::group, 0, 0].reshape(-1)).max()]
-        print(f"pool-stats x {xs} w {ws} pool {pool} group {group}: max errors (ext, "
+        print(f"pool-stats x {xs} w {ws} pool {pool} group {group} splits {splits} blocks "
+              f"{blocks}: max errors (ext, "
               f"sums / pixels, shift) {errs[0]:.1e} {errs[1]:.1e} {errs[2]:.1e}")
         worst = max([worst] + [e if not np.isnan(e) else float("inf") for e in errs])
     return worst

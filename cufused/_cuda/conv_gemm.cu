@@ -261,17 +261,19 @@ conv2d_igemm(const float* __restrict__ x, const float* __restrict__ w,
 // a block stages an input halo once per chunk of input channels and reads the MMA fragments
 // from it.
 //
-// A tile is HALO_TH x HALO_TW = 4 x 32 output pixels of one sample (warp w % 4 computes row
-// w % 4, its two 16-row MMA tiles 16 pixels each) x 64 output channels (warp w / 4: 32 of
-// them). The reduction runs over chunks of cc input channels: the block stages their halo
-// (cc x hr x hc values, hr = 3 * sh + (kh - 1) * dh + 1, hc = 31 * sw + (kw - 1) * dw + 1,
+// A tile is HALO_TH x HALO_TW = 4 x 32 output pixels of one sample x 64 output channels.
+// Warp w computes columns 8 * (w % 4) .. + 7 of all 4 rows for 32 channels (w / 4): MMA tile
+// i's fragment row gid + 8 * half is pixel (row 2 * i + half, column gid), so a lane holds
+// one column's 4 rows and a 4 x 4 pooling window lies in 4 neighbouring lanes. The
+// reduction runs over chunks of cc input channels: the block stages their halo (cc x hr x hc
+// values, hr = 3 * sh + (kh - 1) * dh + 1, hc = 31 * sw + (kw - 1) * dw + 1,
 // zeros outside the input), their weights (the chunk's cc * kh * kw reduction values x 64
 // channels, zero past K, rounded up to a multiple of 8 with zero weights) and each reduction
 // value's offset in the halo (-1 for the rounding: those fragment values are 0, not a halo
 // value, which may be infinite). A fragment value is then one shared load at the pixel's
 // offset plus the reduction value's. With one chunk (C * kh * kw <= HALO_RC) the weights are
-// staged once per block; blocks loop over tiles (grid-stride over N * tiles), the next
-// stage's halo copied (cp.async) while this one's MMAs run.
+// staged once per block; blocks loop over tiles (a schedule: GridStride over N * tiles, or
+// SampleSegments), the next stage's halo copied (cp.async) while this one's MMAs run.
 //
 // Grid (blocks, ceil(K / 64)), block 256, dynamic shared memory as halo_shared lays it out.
 // bias may be null. cc * hr * hc <= HALO_MAX and cc * kh * kw <= HALO_RC (the launcher's
@@ -282,16 +284,23 @@ conv2d_igemm(const float* __restrict__ x, const float* __restrict__ w,
 #define HALO_MAX 4800
 #define HALO_BLOCKS_PER_SM 2
 
-// One 4-byte cp.async into shared memory, zero-filled where the source is not valid (padding
-// or past the input: no global byte is read, src only has to be a global address).
+// One cp.async of V floats (1 or 4: 16-byte aligned dst and src) into shared memory,
+// zero-filled where the source is not valid (padding or past the input: no global byte is
+// read, src only has to be a global address).
+template <int V>
 __device__ __forceinline__ void copy_or_zero_async(float* dst, const float* src, bool valid) {
     const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
-                 ::"r"(d), "l"(src), "r"(valid ? 4 : 0) : "memory");
+    if constexpr (V == 4)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                     ::"r"(d), "l"(src), "r"(valid ? 16 : 0) : "memory");
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
+                     ::"r"(d), "l"(src), "r"(valid ? 4 : 0) : "memory");
 }
 
 // The dynamic shared memory of a halo kernel, in this order: the staged weights [r][k]
-// (HALO_RC x (CONV_BN + 8): conflict-free fragment loads), each reduction value's halo offset
+// (HALO_RC x (CONV_BN + 8): conflict-free fragment loads; FixedHalo lays them out per lane
+// instead, stage_weights), each reduction value's halo offset
 // (HALO_RC), then two halo buffers of hsize floats (the stage the MMAs read and the next one
 // in flight); an epilogue's scratch follows (halo_scratch). The launcher sizes it
 // (conv_gemm.py: halo_shared_bytes).
@@ -316,16 +325,18 @@ __device__ __forceinline__ float* halo_scratch(float* smem, int hsize) {
 // A's 3 x 3): chunks of 8 input channels, their reduction values in (u, v, c) order, so that
 // each 8-deep MMA step is one kernel tap (u, v) over the chunk's 8 channels and a lane's
 // fragment value sits at a base of its own (channel tig or tig + 4, its pixel) plus the tap's
-// constant offset: no offset table, no index arithmetic in the MMA loop. Channel c of the
-// halo starts at c * CSTRIDE, a stride of 8 mod 32 floats: the four tig lanes' channels fall
-// on distinct banks.
+// constant offset: no offset table, no index arithmetic in the MMA loop. A halo row takes
+// HCS floats, its HC rounded up to 4 (16-byte rows, copied 4 floats at a time where the
+// input's rows allow it); channel c of the halo starts at c * CSTRIDE, a stride of 8 mod 32
+// floats: the four tig lanes' channels fall on distinct banks.
 template <int KSIZE>
 struct FixedHalo {
     static constexpr int CC = 8;
     static constexpr int TAPS = KSIZE * KSIZE;
     static constexpr int HR = HALO_TH + KSIZE - 1, HC = HALO_TW + KSIZE - 1;
-    static constexpr int CSTRIDE = (HR * HC + 23) / 32 * 32 + 8;
-    static_assert(CC * TAPS <= HALO_RC, "a chunk's reduction fits the staged weights");
+    static constexpr int HCS = (HC + 3) / 4 * 4;
+    static constexpr int CSTRIDE = (HR * HCS + 23) / 32 * 32 + 8;
+    static_assert(TAPS * CONV_BN * CC <= HALO_RC * (CONV_BN + 8), "the weights fit");
 };
 
 // Floats of one halo buffer (conv_gemm.py: halo_channel_stride).
@@ -335,22 +346,91 @@ __device__ __forceinline__ int halo_floats(int cc, int hr, int hc) {
     return cc * hr * hc;
 }
 
-// The tiles of a conv2d_halo-style kernel: each block loops over its tiles (grid-stride over
-// N * tiles), computes a tile's 4 x 32 pixels x 64 channels into acc and calls
-// epilogue(n, t, p0, q0, acc) (t: the tile's index within its sample); every thread calls it
-// (it may hold barriers; between two calls every thread passes at least one barrier here).
+// A compile-time constant as a value, for a generic lambda's instantiations.
+template <int V>
+struct Flag {
+    static constexpr int value = V;
+};
+
+// Where a tile lies: sample n, its index t within the sample (row-major over tile rows tr
+// and columns tc of tiles_w), its run (the index within the sample of its schedule's run of
+// consecutive tiles) and end (one past the run's last t).
+struct TilePos {
+    int n, t, tr, tc, run, end;
+};
+
+// The order in which a block visits its tiles: first(pos) and next(pos) set pos to the
+// block's first and next tile, false past the last; next steps without a division within a
+// run.
+//
+// GridStride: tiles blockIdx.x, + gridDim.x, ... of all N * tiles, each its own run.
+struct GridStride {
+    int tiles, tiles_w;
+    long long all;
+    __device__ bool at(long long index, TilePos& pos) const {
+        if (index >= all) return false;
+        pos.n = (int)(index / tiles);
+        pos.t = (int)(index - (long long)pos.n * tiles);
+        pos.tr = pos.t / tiles_w;
+        pos.tc = pos.t - pos.tr * tiles_w;
+        pos.run = 0;
+        pos.end = pos.t + 1;
+        return true;
+    }
+    __device__ bool first(TilePos& pos) const { return at(blockIdx.x, pos); }
+    __device__ bool next(TilePos& pos) const {
+        return at((long long)pos.n * tiles + pos.t + gridDim.x, pos);
+    }
+};
+
+// SampleSegments: each sample's tiles cut into `splits` runs of consecutive tiles (run s:
+// tiles [s * tiles / splits, (s + 1) * tiles / splits), none empty: splits <= tiles); the
+// block takes runs blockIdx.x, + gridDim.x, ... of the N * splits (index n * splits + s),
+// each from its first tile to its last, so that an epilogue can sum over a run in registers.
+struct SampleSegments {
+    int tiles, tiles_w, splits;
+    long long runs;
+    __device__ int begin(int s) const { return (int)((long long)s * tiles / splits); }
+    __device__ bool open(long long index, TilePos& pos) const {
+        if (index >= runs) return false;
+        pos.n = (int)(index / splits);
+        pos.run = (int)(index - (long long)pos.n * splits);
+        pos.t = begin(pos.run);
+        pos.end = begin(pos.run + 1);
+        pos.tr = pos.t / tiles_w;
+        pos.tc = pos.t - pos.tr * tiles_w;
+        return true;
+    }
+    __device__ bool first(TilePos& pos) const { return open(blockIdx.x, pos); }
+    __device__ bool next(TilePos& pos) const {
+        if (pos.t + 1 == pos.end)
+            return open((long long)pos.n * splits + pos.run + gridDim.x, pos);
+        ++pos.t;
+        if (++pos.tc == tiles_w) {
+            pos.tc = 0;
+            ++pos.tr;
+        }
+        return true;
+    }
+};
+
+// The tiles of a conv2d_halo-style kernel: each block visits its tiles in the order of
+// `schedule` (GridStride, SampleSegments), computes a tile's 4 x 32 pixels x 64 channels into
+// acc and calls epilogue(pos, acc) (TilePos; the tile's first pixel is row pos.tr * HALO_TH,
+// column pos.tc * HALO_TW); every thread calls it (it may hold barriers; between two calls
+// every thread passes at least one barrier here).
 // The stages (tile, chunk of input channels) run as a two-buffer pipeline: a stage's halo is
 // copied with cp.async while the previous stage's MMAs run, so the block waits on global
 // memory only where one stage's copies take longer than another's MMAs and epilogue.
 // KSIZE = 0 takes the geometry from the arguments; KSIZE > 0 compiles it in (FixedHalo:
 // the launcher passes cc, hr, hc = 8, HR, HC, and stride and dilation 1).
-template <int PASSES, int KSIZE, class Epilogue>
+template <int PASSES, int KSIZE, class Schedule, class Epilogue>
 __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
-                                           const float* __restrict__ w, int N, int C, int H,
-                                           int W, int K, int kh, int kw, int P, int Q, int sh,
-                                           int sw, int ph, int pw, int dh, int dw, int cc,
-                                           int hr, int hc, const HaloShared& s,
-                                           Epilogue epilogue) {
+                                           const float* __restrict__ w, int C, int H, int W,
+                                           int K, int kh, int kw, int P, int Q, int sh, int sw,
+                                           int ph, int pw, int dh, int dw, int cc, int hr,
+                                           int hc, const HaloShared& s,
+                                           const Schedule& schedule, Epilogue epilogue) {
     constexpr bool FIXED = KSIZE > 0;
     using Fixed = FixedHalo<FIXED ? KSIZE : 1>;
     if constexpr (FIXED) {
@@ -360,24 +440,27 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
         hr = Fixed::HR;
         hc = Fixed::HC;
     }
+    const int rstride = FIXED ? Fixed::HCS : hc;            // between a halo's rows
     const int cstride = FIXED ? Fixed::CSTRIDE : hr * hc;  // between a halo's channels
+    // The halo copied 4 floats at a time: every 4 columns of a halo row are inside the input
+    // or outside together (w0 = 32 * tc - pw and W multiples of 4, stride 1).
+    const bool by_four = FIXED && (W & 3) == 0 && (pw & 3) == 0
+                         && (reinterpret_cast<unsigned long long>(x) & 15) == 0;
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
     const int gid = lane >> 2, tig = lane & 3;
-    const int warp_row = warp & 3, warp_k = (warp >> 2) * 32;
+    const int warp_col = (warp & 3) * 8, warp_k = (warp >> 2) * 32;
     const int k0 = blockIdx.y * CONV_BN;
     const int khw = kh * kw;
-    const int tiles_w = (Q + HALO_TW - 1) / HALO_TW;
-    const int tiles = ((P + HALO_TH - 1) / HALO_TH) * tiles_w;
-    const long long all_tiles = (long long)N * tiles;
     const bool one_chunk = C <= cc;
-    // This lane's fragment rows (gid, gid + 8 of MMA tile i) as offsets into a channel's halo.
+    // This lane's fragment rows (gid, gid + 8 of MMA tile i: pixel row 2 * i + half, column
+    // warp_col + gid) as offsets into a channel's halo.
     int pofs[2][2];
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
         for (int half = 0; half < 2; ++half)
-            pofs[i][half] = warp_row * sh * hc + (i * 16 + gid + half * 8) * sw;
+            pofs[i][half] = (2 * i + half) * sh * rstride + (warp_col + gid) * sw;
 
     // The weights of input channels [c0, c0 + cc) (zero past C and K; TF32-rounded for
     // PASSES = 1) in the reduction order, and for KSIZE = 0 their halo offsets; returns the
@@ -385,17 +468,30 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
     auto stage_weights = [&](int c0) {
         const int ccn = FIXED ? Fixed::CC : min(cc, C - c0);
         const int rn = ccn * khw, rpad = (rn + 7) & ~7;
+        auto staged = [&](float v) { return PASSES == 1 ? __uint_as_float(to_tf32(v)) : v; };
+        if constexpr (FIXED) {
+            // Each lane's B fragments of a tap, all four 8-column tiles j, as 8 consecutive
+            // floats (two 16-byte loads): [tap][warp_k / 32][lane][j][half], the value of
+            // output channel k0 + warp_k + 8 j + gid and input channel c0 + tig + 4 half.
+            float* wt = &s.wt[0][0];
+            for (int i = tid; i < Fixed::TAPS * CONV_BN * Fixed::CC; i += CONV_THREADS) {
+                const int half = i & 1, j = (i >> 1) & 3, l = (i >> 3) & 31;
+                const int wk = (i >> 8) & 1, tap = i >> 9;
+                const int k = k0 + wk * 32 + j * 8 + (l >> 2), c = c0 + (l & 3) + 4 * half;
+                wt[i] = staged(k < K && c < C ? __ldg(w + ((long long)k * C + c) * khw + tap)
+                                              : 0.0f);
+            }
+            return rpad;
+        }
         for (int i = tid; i < rpad * CONV_BN; i += CONV_THREADS) {
-            const int kk = i / rpad, r = i - kk * rpad;  // r fastest (coalesced but FIXED)
+            const int kk = i / rpad, r = i - kk * rpad;  // r fastest: coalesced
             const int k = k0 + kk;
-            // (u, v, c) order for FIXED, the weight's own (c, u, v) otherwise.
-            const int c = FIXED ? r % Fixed::CC : r / khw;
-            const int uv = FIXED ? r / Fixed::CC : r - c * khw;
+            const int c = r / khw, uv = r - c * khw;
             const float v = (r < rn && k < K && c0 + c < C)
                 ? __ldg(w + ((long long)k * C + c0 + c) * khw + uv) : 0.0f;
-            s.wt[r][kk] = PASSES == 1 ? __uint_as_float(to_tf32(v)) : v;
+            s.wt[r][kk] = staged(v);
         }
-        if (!FIXED) {
+        {
             for (int r = tid; r < rpad; r += CONV_THREADS) {
                 int off = -1;
                 if (r < rn) {
@@ -409,44 +505,58 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
         return rpad;
     };
 
-    // f(c, hrow, col, index) for each halo value of a chunk starting at c0 that this thread
-    // copies: a warp per halo row, lanes along it. FIXED copies all 8 channels (zeros past
-    // C: the last chunk's MMAs read them all).
-    auto each_own_value = [&](int c0, auto f) {
+    // f(c, hrow, col, index) for each run of V halo values (V = 4: by_four) of a chunk
+    // starting at c0 that this thread copies: V = 1, a warp per halo row, lanes along it;
+    // V = 4, the runs in order, a thread each. FIXED copies all 8 channels (zeros past C: the
+    // last chunk's MMAs read them all).
+    auto each_own_run = [&](auto v, int c0, auto f) {
+        constexpr int V = decltype(v)::value;
         const int rows = (FIXED ? Fixed::CC : min(cc, C - c0)) * hr;
-        for (int row = warp; row < rows; row += CONV_THREADS / 32) {
-            const int c = row / hr, hrow = row - c * hr;
-            for (int col = lane; col < hc; col += 32)
-                f(c, hrow, col, c * cstride + hrow * hc + col);
+        if constexpr (V == 4) {
+            constexpr int RUNS = Fixed::HCS / 4;  // per halo row
+            for (int i = tid; i < Fixed::CC * Fixed::HR * RUNS; i += CONV_THREADS) {
+                const int row = i / RUNS, col = 4 * (i - row * RUNS);
+                const int c = row / Fixed::HR, hrow = row - c * Fixed::HR;
+                f(c, hrow, col, c * cstride + hrow * rstride + col);
+            }
+        } else {
+            for (int row = warp; row < rows; row += CONV_THREADS / 32) {
+                const int c = row / hr, hrow = row - c * hr;
+                for (int col = lane; col < hc; col += 32)
+                    f(c, hrow, col, c * cstride + hrow * rstride + col);
+            }
         }
     };
 
-    // Start the copies of the halo of the chunk at c0 of tile `tile` into buf (coalesced
-    // along W, zeros outside the input).
-    auto copy_halo = [&](long long tile, int c0, float* buf) {
-        const int n = (int)(tile / tiles);
-        const int t = (int)(tile - (long long)n * tiles);
-        const int h0 = (t / tiles_w) * HALO_TH * sh - ph, w0 = (t % tiles_w) * HALO_TW * sw - pw;
-        const float* xs = x + (long long)n * C * H * W;
-        each_own_value(c0, [&](int c, int hrow, int col, int index) {
+    // Start the copies of the halo of the chunk at c0 of the tile at pos into buf (coalesced
+    // along W, zeros outside the input), V floats a copy.
+    auto copy_halo_by = [&](auto v, const TilePos& pos, int c0, float* buf) {
+        constexpr int V = decltype(v)::value;
+        const int h0 = pos.tr * HALO_TH * sh - ph, w0 = pos.tc * HALO_TW * sw - pw;
+        const float* xs = x + (long long)pos.n * C * H * W;
+        each_own_run(v, c0, [&](int c, int hrow, int col, int index) {
             const int h = h0 + hrow, ww = w0 + col;
-            const bool valid = c0 + c < C && h >= 0 && h < H && ww >= 0 && ww < W;
-            copy_or_zero_async(buf + index,
-                               valid ? xs + ((long long)(c0 + c) * H + h) * W + ww : xs, valid);
+            const bool valid = c0 + c < C && h >= 0 && h < H && ww >= 0 && ww + V <= W;
+            copy_or_zero_async<V>(buf + index,
+                                  valid ? xs + ((long long)(c0 + c) * H + h) * W + ww : xs,
+                                  valid);
         });
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
+    auto copy_halo = [&](const TilePos& pos, int c0, float* buf) {
+        if (FIXED && by_four)
+            copy_halo_by(Flag<FIXED ? 4 : 1>{}, pos, c0, buf);
+        else
+            copy_halo_by(Flag<1>{}, pos, c0, buf);
+    };
 
-    long long tile = blockIdx.x;
-    if (tile >= all_tiles) return;
+    TilePos pos;
+    if (!schedule.first(pos)) return;
     int rpad = 0;
     if (one_chunk) rpad = stage_weights(0);  // published by the first stage's barrier
-    copy_halo(tile, 0, s.halo);
+    copy_halo(pos, 0, s.halo);
     int buf = 0;
-    for (; tile < all_tiles; tile += gridDim.x) {
-        const int n = (int)(tile / tiles);
-        const int t = (int)(tile - (long long)n * tiles);
-        const int p0 = (t / tiles_w) * HALO_TH, q0 = (t % tiles_w) * HALO_TW;
+    for (bool more = true; more; more = schedule.next(pos)) {
 
         float acc[2][4][4], stage[2][4][4];
         clear_tiles(acc, stage);
@@ -458,17 +568,36 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
             if (PASSES == 1) {
                 // TF32: round each of this thread's own copies once, not once per fragment
                 // that reads it (up to kh * kw * 2 of them).
-                each_own_value(c0, [&](int, int, int, int index) {
-                    halo[index] = __uint_as_float(to_tf32(halo[index]));
-                });
+                auto round_own = [&](auto v) {
+                    each_own_run(v, c0, [&](int, int, int, int index) {
+                        if constexpr (decltype(v)::value == 4) {
+                            float4 r = *reinterpret_cast<const float4*>(halo + index);
+                            r.x = __uint_as_float(to_tf32(r.x));
+                            r.y = __uint_as_float(to_tf32(r.y));
+                            r.z = __uint_as_float(to_tf32(r.z));
+                            r.w = __uint_as_float(to_tf32(r.w));
+                            *reinterpret_cast<float4*>(halo + index) = r;
+                        } else {
+                            halo[index] = __uint_as_float(to_tf32(halo[index]));
+                        }
+                    });
+                };
+                if (FIXED && by_four)
+                    round_own(Flag<FIXED ? 4 : 1>{});
+                else
+                    round_own(Flag<1>{});
             }
             // This stage's halo is in; every warp is done with the previous stage's buffers.
             __syncthreads();
             if (!one_chunk) rpad = stage_weights(c0);
-            if (c0 + cc < C)
-                copy_halo(tile, c0 + cc, s.halo + (buf ^ 1) * s.hsize);
-            else if (tile + gridDim.x < all_tiles)
-                copy_halo(tile + gridDim.x, 0, s.halo + (buf ^ 1) * s.hsize);
+            if (c0 + cc < C) {
+                copy_halo(pos, c0 + cc, s.halo + (buf ^ 1) * s.hsize);
+            } else {
+                // The next tile's position, again after the epilogue (fewer live registers
+                // through the MMAs than keeping it).
+                TilePos next = pos;
+                if (schedule.next(next)) copy_halo(next, 0, s.halo + (buf ^ 1) * s.hsize);
+            }
             if (!one_chunk) __syncthreads();
             if constexpr (FIXED) {
                 // Channel tig (fragment values 0, 1) and tig + 4 (2, 3) at this lane's pixels,
@@ -476,7 +605,7 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                 // (every tap unrolled hoists its loads past the register budget).
                 const float* lane_halo = halo + tig * Fixed::CSTRIDE;
 #pragma unroll 1
-                for (int u = 0; u < KSIZE; ++u, lane_halo += Fixed::HC) {
+                for (int u = 0; u < KSIZE; ++u, lane_halo += Fixed::HCS) {
 #pragma unroll
                     for (int v = 0; v < KSIZE; ++v) {
                         const int tap = u * KSIZE + v;
@@ -488,7 +617,11 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                             af[i][2] = lane_halo[pofs[i][0] + v + 4 * Fixed::CSTRIDE];
                             af[i][3] = lane_halo[pofs[i][1] + v + 4 * Fixed::CSTRIDE];
                         }
-                        load_b_fragments(bf, s.wt, tap * 8, tig, gid, warp_k);
+                        const float4* b4 = reinterpret_cast<const float4*>(&s.wt[0][0])
+                                           + ((tap * 2 + (warp_k >> 5)) * 32 + lane) * 2;
+                        const float4 b01 = b4[0], b23 = b4[1];
+                        bf[0][0] = b01.x, bf[0][1] = b01.y, bf[1][0] = b01.z, bf[1][1] = b01.w;
+                        bf[2][0] = b23.x, bf[2][1] = b23.y, bf[3][0] = b23.z, bf[3][1] = b23.w;
                         mma_warp_step<PASSES, PASSES == 1>(af, bf, sum);
                         if (PASSES == 3 && ((tap & 1) || tap + 1 == Fixed::TAPS))
                             flush_step_sums(acc, stage);
@@ -512,7 +645,7 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
             }
             buf ^= 1;
         }
-        epilogue(n, t, p0, q0, acc);
+        epilogue(pos, acc);
     }
 }
 
@@ -555,45 +688,54 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
     extern __shared__ float smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, tig = lane & 3;
-    const int warp_row = warp & 3, warp_k = (warp >> 2) * 32;
+    const int warp_col = (warp & 3) * 8, warp_k = (warp >> 2) * 32;
     const int k0 = blockIdx.y * CONV_BN;
     const int hsize = halo_floats<KSIZE>(cc, hr, hc);
     float* staged = halo_scratch(smem, hsize);  // [channel][row * HALO_TW + column]
     const int kn = min(CONV_BN, K - k0);
     const bool pairs = (Q & 1) == 0 && (reinterpret_cast<unsigned long long>(y) & 7) == 0;
-    // The tile goes through shared memory: a warp's accumulators span 8 rows of 4 channels,
-    // so stored directly each instruction would touch 4 output rows; staged, a warp writes
-    // whole rows of the tile (float2 where every row starts 8-byte aligned: Q even).
-    auto store = [&](int n, int, int p0, int q0, const float (&acc)[2][4][4]) {
-        each_output(acc, gid, tig, k0 + warp_k, K, bias, [&](int col, int k, float v) {
-            staged[(k - k0) * HALO_OUT_STRIDE + warp_row * HALO_TW + col] = v;
+    // The tile goes through shared memory: a warp's accumulators span 8 columns of 4
+    // channels, so stored directly each instruction would touch 4 output rows; staged, a warp
+    // writes whole rows of the tile (float2 where every row starts 8-byte aligned: Q even).
+    auto store = [&](const TilePos& pos, const float (&acc)[2][4][4]) {
+        const int p0 = pos.tr * HALO_TH, q0 = pos.tc * HALO_TW;
+        // Fragment row r of the warp's 32 is pixel (row r / 8, column warp_col + r % 8).
+        each_output(acc, gid, tig, k0 + warp_k, K, bias, [&](int r, int k, float v) {
+            staged[(k - k0) * HALO_OUT_STRIDE + (r >> 3) * HALO_TW + warp_col + (r & 7)] = v;
         });
         __syncthreads();
-        float* yt = y + (((long long)n * K + k0) * P + p0) * Q + q0;
+        float* yt = y + (((long long)pos.n * K + k0) * P + p0) * Q + q0;
         if (pairs)
             store_staged_rows<2>(staged, yt, kn, P - p0, Q - q0, P, Q);
         else
             store_staged_rows<1>(staged, yt, kn, P - p0, Q - q0, P, Q);
     };
-    halo_tiles<PASSES, KSIZE>(x, w, N, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr,
-                              hc, halo_shared(smem, hsize), store);
+    const int tiles_w = (Q + HALO_TW - 1) / HALO_TW;
+    const int tiles = ((P + HALO_TH - 1) / HALO_TH) * tiles_w;
+    halo_tiles<PASSES, KSIZE>(x, w, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
+                              halo_shared(smem, hsize),
+                              GridStride{tiles, tiles_w, (long long)N * tiles}, store);
 }
 
 // Pipeline A's convolution with the fused pass of pool_extremum_stats (pooling.cu) as its
 // epilogue: the convolution output never goes to memory. For POOL x POOL windows (stride ==
-// window, POOL dividing the 4 x 32 tile) and every output pixel of channel k:
+// window, POOL dividing a warp's 4 x 8 pixels) and every output pixel of channel k:
 //  * ext[n, k, ph, pw] (contiguous NCHW, Ho = P / POOL, Wo = Q / POOL): the window max of
 //    y + bias[k], or the window min where sign_a[k] * sign_b[k] < 0 (either may be null:
 //    positive), as pool_extremum_stats writes it (fmaxf drops NaN: a NaN in a statistics row
 //    makes its mean NaN, and with it every output the extremum feeds);
-//  * partial[(n * K + k) * splits + t] = (sum d, sum d * d), d = y + bias[k] - shift[row],
-//    over the pixels of tile t (splits = tiles per sample; the tiles cover every pixel once,
-//    the rows and columns that the pool drops included), row = n * (K / shift_group) +
-//    k / shift_group; shift from conv2d_first_values.
-// A warp reduces its row's statistics over its lanes and its windows' columns by shuffles;
-// the four rows meet in the scratch after the halo buffers (POOL_SCRATCH_STATS +
-// HALO_TH * (HALO_TW / POOL) * CONV_BN floats).
-#define POOL_SCRATCH_STATS (HALO_TH * CONV_BN * 2)
+//  * partial[(n * K + k) * splits + s] = (sum d, sum d * d), d = y + bias[k] - shift[row],
+//    over the pixels of segment s of sample n's tiles (SampleSegments; the tiles cover every
+//    pixel once, the rows and columns that the pool drops included), row = n * (K /
+//    shift_group) + k / shift_group; shift from conv2d_first_values.
+// A lane holds one column of a window (the warp layout above): the extremum of its rows in
+// registers, the window's over POOL neighbouring lanes by shuffles, stored by the window's
+// first lane. max(sign * y) + bias is the extremum of y + bias exactly (rounding is monotonic).
+// Each lane sums over a run's tiles in shared memory of its own; after the run's last tile a
+// warp reduces them over its lanes and the four column warps meet in the scratch. Scratch
+// (after the halo buffers): per channel (bias, sign, offset, unused), the sums [warp
+// column][channel] (float2), each lane's sums [warp][channel j, e][lane] (float2).
+#define POOL_SCRATCH_FLOATS (4 * CONV_BN + 2 * 4 * CONV_BN + 2 * 8 * 8 * 32)
 
 // Registers as conv2d_halo's.
 template <int PASSES, int KSIZE, int POOL>
@@ -604,93 +746,121 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
                        float* __restrict__ ext, float2* __restrict__ partial, int N, int C,
                        int H, int W, int K, int kh, int kw, int P, int Q, int sh, int sw, int ph,
                        int pw, int dh, int dw, int cc, int hr, int hc, int shift_group, int Ho,
-                       int Wo) {
+                       int Wo, int splits) {
     extern __shared__ float smem[];
-    static_assert(HALO_TH % POOL == 0 && HALO_TW % POOL == 0, "windows tile the tile");
+    static_assert(HALO_TH % POOL == 0 && 8 % POOL == 0, "windows tile a warp's 4 x 8 pixels");
+    constexpr int WR = HALO_TH / POOL;  // window rows of a tile
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
     const int gid = lane >> 2, tig = lane & 3;
-    const int warp_row = warp & 3, warp_k = (warp >> 2) * 32;
+    const int warp_m = warp & 3, warp_k = (warp >> 2) * 32;
     const int k0 = blockIdx.y * CONV_BN;
-    const int tiles = ((P + HALO_TH - 1) / HALO_TH) * ((Q + HALO_TW - 1) / HALO_TW);
+    const int tiles_w = (Q + HALO_TW - 1) / HALO_TW;
+    const int tiles = ((P + HALO_TH - 1) / HALO_TH) * tiles_w;
+    const SampleSegments segments{tiles, tiles_w, splits, (long long)N * splits};
     const int hsize = halo_floats<KSIZE>(cc, hr, hc);
-    float* stats = halo_scratch(smem, hsize);  // [row][channel][2]
-    float* rows_ext = stats + POOL_SCRATCH_STATS;  // [row][window column][channel]
-    constexpr int WC = HALO_TW / POOL;             // window columns per tile
+    // Per channel (bias, sign, offset: the run's shift minus the bias, d = acc - offset);
+    // the run's sums per warp column and channel; each lane's own running sums of its 8
+    // channels (shared memory, not registers: the MMA loop needs those).
+    float4* params = reinterpret_cast<float4*>(halo_scratch(smem, hsize));
+    float2* sums = reinterpret_cast<float2*>(params + CONV_BN);
+    float2* lane_sums = sums + 4 * CONV_BN + warp * 8 * 32 + lane;  // [j * 2 + e][lane]
+    float bias_k = 0.0f;  // thread tid < CONV_BN's channel's
+    if (tid < CONV_BN) {
+        const int k = k0 + tid;
+        const bool k_in = k < K;
+        const bool neg = k_in
+            && (sign_a != nullptr ? __ldg(sign_a + k) : 1.0f)
+               * (sign_b != nullptr ? __ldg(sign_b + k) : 1.0f) < 0.0f;
+        bias_k = (k_in && bias != nullptr) ? __ldg(bias + k) : 0.0f;
+        params[tid] = make_float4(bias_k, neg ? -1.0f : 1.0f, 0.0f, 0.0f);
+    }
+    const long long plane = (long long)Ho * Wo;  // ext floats per channel
+    bool fresh = true;  // the next tile opens a run
 
-    auto pool_stats = [&](int n, int t, int p0, int q0, const float (&acc)[2][4][4]) {
-        const int p = p0 + warp_row;
+    // One tile; CHECK: some of its pixels lie past the output (only those inside count).
+    auto tile_epilogue = [&](auto check, const TilePos& pos, const float (&acc)[2][4][4]) {
+        constexpr bool CHECK = decltype(check)::value;
+        const int p0 = pos.tr * HALO_TH, q = pos.tc * HALO_TW + warp_m * 8 + gid;  // lane's
+        const int wo = q / POOL;
+        // The window lane's extrema of channel k0 + warp_k + 2 tig; channel + 8 j + e is
+        // (8 j + e) planes on.
+        const bool stores = gid % POOL == 0 && (!CHECK || wo < Wo);
+        float* ext_j = ext + ((long long)pos.n * K + k0 + warp_k + 2 * tig) * plane
+                       + (long long)(p0 / POOL) * Wo + wo;
+#pragma unroll
+        for (int j = 0; j < 4; ++j, ext_j += 8 * plane)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int kl = warp_k + j * 8 + 2 * tig + e;
+                const float4 bs = params[kl];
+                float m[WR];
+                float2 sum = lane_sums[(j * 2 + e) * 32];
+#pragma unroll
+                for (int r = 0; r < HALO_TH; ++r) {  // acc row gid + 8 * (r & 1) of tile r / 2
+                    const float v = acc[r >> 1][j][(r & 1) * 2 + e];
+                    if (!CHECK || (p0 + r < P && q < Q)) {
+                        const float d = v - bs.z;
+                        sum.x += d;
+                        sum.y = fmaf(d, d, sum.y);
+                    }
+                    m[r / POOL] = r % POOL == 0 ? bs.y * v : fmaxf(m[r / POOL], bs.y * v);
+                }
+                lane_sums[(j * 2 + e) * 32] = sum;
+#pragma unroll
+                for (int wr = 0; wr < WR; ++wr) {
+#pragma unroll
+                    for (int step = 4; step < 4 * POOL; step <<= 1)
+                        m[wr] = fmaxf(m[wr], __shfl_xor_sync(0xffffffffu, m[wr], step));
+                    if (stores && k0 + kl < K && (!CHECK || p0 / POOL + wr < Ho))
+                        ext_j[e * plane + wr * Wo] = fmaf(bs.y, m[wr], bs.x);
+                }
+            }
+    };
+
+    auto pool_stats = [&](const TilePos& pos, const float (&acc)[2][4][4]) {
+        if (fresh) {
+            // The previous run's epilogue read the offsets before this tile's barriers.
+            if (tid < CONV_BN && k0 + tid < K)
+                params[tid].z = __ldg(shift + (long long)pos.n * (K / shift_group)
+                                      + (k0 + tid) / shift_group) - bias_k;
+#pragma unroll
+            for (int je = 0; je < 8; ++je) lane_sums[je * 32] = make_float2(0.0f, 0.0f);
+            fresh = false;
+            __syncthreads();
+        }
+        if ((pos.tr + 1) * HALO_TH <= P && (pos.tc + 1) * HALO_TW <= Q)
+            tile_epilogue(Flag<false>{}, pos, acc);
+        else
+            tile_epilogue(Flag<true>{}, pos, acc);
+        if (pos.t + 1 != pos.end) return;
+        fresh = true;
+        // The run's sums over the lanes of one tig (8 columns), then the 4 column warps.
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                const int kl = warp_k + j * 8 + 2 * tig + e, k = k0 + kl;
-                const bool k_in = k < K;
-                const float b = (k_in && bias != nullptr) ? __ldg(bias + k) : 0.0f;
-                const float s = k_in ? __ldg(shift + (long long)n * (K / shift_group)
-                                              + k / shift_group) : 0.0f;
-                const bool neg = k_in
-                    && (sign_a != nullptr ? __ldg(sign_a + k) : 1.0f)
-                       * (sign_b != nullptr ? __ldg(sign_b + k) : 1.0f) < 0.0f;
-                float s1 = 0.0f, s2 = 0.0f;
-#pragma unroll
-                for (int i = 0; i < 2; ++i)
-#pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        const int q = q0 + i * 16 + gid + half * 8;
-                        const float v = acc[i][j][half * 2 + e] + b;
-                        if (p < P && q < Q) {
-                            const float d = v - s;
-                            s1 += d;
-                            s2 = fmaf(d, d, s2);
-                        }
-                        // The window's extremum along its columns: gid groups of POOL.
-                        float m = neg ? -v : v;
-#pragma unroll
-                        for (int step = 4; step < 4 * POOL; step <<= 1)
-                            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, step));
-                        if (gid % POOL == 0)
-                            rows_ext[(warp_row * WC + (i * 16 + half * 8 + gid) / POOL) * CONV_BN
-                                     + kl] = m;
-                    }
-                // The row's sums over the 8 row groups (lanes of one tig).
+                float2 sum = lane_sums[(j * 2 + e) * 32];
 #pragma unroll
                 for (int step = 4; step < 32; step <<= 1) {
-                    s1 += __shfl_xor_sync(0xffffffffu, s1, step);
-                    s2 += __shfl_xor_sync(0xffffffffu, s2, step);
+                    sum.x += __shfl_xor_sync(0xffffffffu, sum.x, step);
+                    sum.y += __shfl_xor_sync(0xffffffffu, sum.y, step);
                 }
-                if (gid == 0) {
-                    stats[(warp_row * CONV_BN + kl) * 2] = s1;
-                    stats[(warp_row * CONV_BN + kl) * 2 + 1] = s2;
-                }
+                if (gid == 0) sums[warp_m * CONV_BN + warp_k + j * 8 + 2 * tig + e] = sum;
             }
         __syncthreads();
-        if (tid < CONV_BN && k0 + tid < K) {  // the tile's sums of channel k0 + tid
-            float s1 = 0.0f, s2 = 0.0f;
+        if (tid < CONV_BN && k0 + tid < K) {
+            float2 total = sums[tid];
 #pragma unroll
-            for (int r = 0; r < HALO_TH; ++r) {
-                s1 += stats[(r * CONV_BN + tid) * 2];
-                s2 += stats[(r * CONV_BN + tid) * 2 + 1];
+            for (int c = 1; c < 4; ++c) {
+                total.x += sums[c * CONV_BN + tid].x;
+                total.y += sums[c * CONV_BN + tid].y;
             }
-            partial[((long long)n * K + k0 + tid) * tiles + t] = make_float2(s1, s2);
-        }
-        // The windows: POOL rows of row extrema each; wc fastest (coalesced along Wo).
-        for (int i = tid; i < (HALO_TH / POOL) * WC * CONV_BN; i += CONV_THREADS) {
-            const int wc = i % WC, rest = i / WC;
-            const int wr = rest % (HALO_TH / POOL), kl = rest / (HALO_TH / POOL);
-            const int k = k0 + kl, ph_ = p0 / POOL + wr, pw_ = q0 / POOL + wc;
-            if (k >= K || ph_ >= Ho || pw_ >= Wo) continue;
-            float m = rows_ext[(wr * POOL * WC + wc) * CONV_BN + kl];
-#pragma unroll
-            for (int r = 1; r < POOL; ++r)
-                m = fmaxf(m, rows_ext[((wr * POOL + r) * WC + wc) * CONV_BN + kl]);
-            const bool neg = (sign_a != nullptr ? __ldg(sign_a + k) : 1.0f)
-                             * (sign_b != nullptr ? __ldg(sign_b + k) : 1.0f) < 0.0f;
-            ext[(((long long)n * K + k) * Ho + ph_) * Wo + pw_] = neg ? -m : m;
+            partial[((long long)pos.n * K + k0 + tid) * splits + pos.run] = total;
         }
     };
-    halo_tiles<PASSES, KSIZE>(x, w, N, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr,
-                              hc, halo_shared(smem, hsize), pool_stats);
+    halo_tiles<PASSES, KSIZE>(x, w, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
+                              halo_shared(smem, hsize), segments, pool_stats);
 }
 
 // shift[row] = bias[c] + conv(x, w)[n, c, 0, 0] in float32, row = n * (K / shift_group) +

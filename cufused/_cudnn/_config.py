@@ -81,10 +81,11 @@ def plan_options(*, autotune: bool | None = None, pins: tuple[str, ...] | None =
     the pinned layouts. ``replay=False`` runs every call through cuDNN directly instead of
     replaying the CUDA graph captured for repeated operands (see :meth:`ConvPlan.run`).
     ``engine`` forces the engine of TF32 and 3xTF32 convolutions that cufused's implicit GEMM
-    computes: "igemm" or "cudnn" (tests and benchmarks; by default the faster one measured).
+    computes: "igemm" or "cudnn" (tests and benchmarks), or "auto": the faster one measured
+    (the default). Every option left as None keeps its current setting.
     """
-    if engine not in (None, "igemm", "cudnn"):
-        raise ValueError(f"engine must be 'igemm', 'cudnn' or None, not {engine!r}")
+    if engine not in (None, "auto", "igemm", "cudnn"):
+        raise ValueError(f"engine must be 'auto', 'igemm', 'cudnn' or None, not {engine!r}")
     saved = dict(_config)
     if autotune is not None:
         _config["autotune"] = autotune
@@ -93,7 +94,7 @@ def plan_options(*, autotune: bool | None = None, pins: tuple[str, ...] | None =
     if replay is not None:
         _config["replay"] = replay
     if engine is not None:
-        _config["engine"] = engine
+        _config["engine"] = None if engine == "auto" else engine
     try:
         yield
     finally:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy
 
 from .._cuda import get_kernel, optional, sm_count
@@ -11,7 +13,9 @@ _TILE_M, _TILE_K, _THREADS = 128, 64, 256  # CONV_BM, CONV_BN, CONV_THREADS
 # conv2d_halo's output tile (HALO_TH x HALO_TW), staged reduction values and halo floats.
 _HALO_TH, _HALO_TW, _HALO_RC, _HALO_MAX = 4, 32, 72, 4800
 _HALO_BLOCKS_PER_SM = 2  # HALO_BLOCKS_PER_SM, the kernels' __launch_bounds__
-_POOL_SCRATCH_STATS = _HALO_TH * _TILE_K * 2  # POOL_SCRATCH_STATS
+# POOL_SCRATCH_FLOATS: per channel 4 floats, per warp column and channel 2, per lane of the 8
+# warps and each of its 8 channels 2.
+_POOL_SCRATCH_FLOATS = 4 * _TILE_K + 2 * 4 * _TILE_K + 2 * 8 * 8 * 32
 _HALO_OUT_STRIDE = 132  # HALO_OUT_STRIDE: floats per channel of conv2d_halo's staged tile
 _FIXED_KSIZE, _FIXED_CC = 3, 8  # FixedHalo's instantiation and its channels per chunk
 
@@ -38,11 +42,17 @@ def halo_chunk(c: int, kernel: tuple[int, int], stride: tuple[int, int],
     return min(c, _HALO_RC // (kh * kw), _HALO_MAX // (hr * hc)), hr, hc
 
 
+def halo_row_stride(hc: int, ksize: int) -> int:
+    """Floats between two rows of a halo buffer: ``hc``, or for a compiled-in geometry
+    ``hc`` rounded up to 4 (``FixedHalo::HCS``: 16-byte rows)."""
+    return -(-hc // 4) * 4 if ksize else hc
+
+
 def halo_channel_stride(hr: int, hc: int, ksize: int) -> int:
     """Floats between two channels of a halo buffer: ``hr * hc``, or for a compiled-in
-    geometry the next stride of 8 mod 32 (``FixedHalo::CSTRIDE``: the four ``tig`` lanes'
-    channels on distinct banks)."""
-    return (hr * hc + 23) // 32 * 32 + 8 if ksize else hr * hc
+    geometry the next stride of 8 mod 32 after ``hr`` rows (``FixedHalo::CSTRIDE``: the four
+    ``tig`` lanes' channels on distinct banks)."""
+    return (hr * halo_row_stride(hc, ksize) + 23) // 32 * 32 + 8 if ksize else hr * hc
 
 
 def halo_shared_bytes(cc: int, hr: int, hc: int, ksize: int, pool: int = 0) -> int:
@@ -51,10 +61,27 @@ def halo_shared_bytes(cc: int, hr: int, hc: int, ksize: int, pool: int = 0) -> i
     scratch: the pooling epilogue's (``pool`` > 0) or the output tile ``conv2d_halo`` stages."""
     floats = _HALO_RC * (_TILE_K + 8) + _HALO_RC + 2 * cc * halo_channel_stride(hr, hc, ksize)
     if pool:
-        floats += _POOL_SCRATCH_STATS + _HALO_TH * (_HALO_TW // pool) * _TILE_K
+        floats += _POOL_SCRATCH_FLOATS
     else:
         floats += _TILE_K * _HALO_OUT_STRIDE
     return 4 * floats
+
+
+@functools.lru_cache(maxsize=256)
+def sample_segments(n: int, tiles: int, slots: int) -> tuple[int, int]:
+    """``(splits, blocks)`` of ``conv2d_halo_pool_stats`` (``SampleSegments``): each of the
+    ``n`` samples' ``tiles`` tiles cut into ``splits`` runs of consecutive tiles, ``blocks``
+    blocks taking the ``n * splits`` runs in turn. The choice minimizes the tiles of the
+    busiest block (rounds of runs times a run's tiles) for ``slots`` resident blocks, then
+    the splits (each run ends in a reduction of its sums)."""
+    best = None
+    # Past a few rounds of runs per block the rounding gains little: the search stops there.
+    for splits in range(1, min(tiles, 8 * -(-slots // n)) + 1):
+        blocks = min(n * splits, slots)
+        busiest = -(-n * splits // blocks) * -(-tiles // splits)
+        if best is None or busiest < best[0]:
+            best = (busiest, splits, blocks)
+    return best[1], best[2]
 
 
 def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tuple[int, int],
@@ -107,7 +134,8 @@ def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, shift_group: int,
                          f"(pool {pool}, channels per chunk {cc}, shift_group {shift_group})")
     p = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
     q = (wd + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
-    splits = -(-p // _HALO_TH) * -(-q // _HALO_TW)
+    splits, blocks = sample_segments(n, -(-p // _HALO_TH) * -(-q // _HALO_TW),
+                                     sm_count() * _HALO_BLOCKS_PER_SM)
     partial = xp.empty((n, k, splits, 2), dtype=xp.float32)
     rows = n * (k // shift_group)
     shift = xp.empty(rows, dtype=xp.float32)
@@ -117,7 +145,6 @@ def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, shift_group: int,
         (x, w, optional(bias), shift, i32(rows), i32(c), i32(h), i32(wd), i32(k), i32(kh),
          i32(kw), i32(padding[0]), i32(padding[1]), i32(dilation[0]), i32(dilation[1]),
          i32(shift_group)))
-    blocks = min(n * splits, sm_count() * _HALO_BLOCKS_PER_SM)
     ksize = fixed_ksize((kh, kw), stride, dilation)
     shared = halo_shared_bytes(cc, hr, hc, ksize, pool)
     get_kernel(_FILE, f"conv2d_halo_pool_stats<{passes}, {ksize}, {pool}>",
@@ -127,5 +154,5 @@ def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, shift_group: int,
          i32(n), i32(c), i32(h), i32(wd), i32(k), i32(kh), i32(kw), i32(p), i32(q),
          i32(stride[0]), i32(stride[1]), i32(padding[0]), i32(padding[1]), i32(dilation[0]),
          i32(dilation[1]), i32(cc), i32(hr), i32(hc), i32(shift_group), i32(p // pool),
-         i32(q // pool)), shared_mem=shared)
+         i32(q // pool), i32(splits)), shared_mem=shared)
     return partial, shift, splits

@@ -54,19 +54,43 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
     return plan.apply(x, weight, bias=bias, out=out, convert_output=convert_output)
 
 
-def runs_on_igemm(x_shape, w_shape, args: ConvArgs, precision: str) -> bool:
-    """Whether a 2-D forward convolution of these shapes (dense operands, no bias, NCHW
-    output) runs on cufused's implicit GEMM at ``precision`` (forced, or measured faster than
-    cuDNN): then a pipeline may run its fused epilogue variant instead."""
-    return (precision != "ieee" and len(x_shape) == 4 and not args.transposed
-            and args.groups == 1
-            and _settled_engine(x_shape, w_shape, args, args, False, precision) == "igemm")
-
-
-# The engine of each tensor-core problem, by (device, shapes, arguments, precision): "igemm"
-# (cufused's implicit GEMM, conv_gemm.cu) or "cudnn", whichever the autotuner measured faster
-# ("3xtf32" against cuDNN's exact float32, which is at least as accurate).
+# The engine of each tensor-core problem, by (device, the problem's key): "igemm" (cufused's
+# implicit GEMM, conv_gemm.cu) or "cudnn", whichever the autotuner measured faster ("3xtf32"
+# against cuDNN's exact float32, which is at least as accurate). A convolution's key is its
+# shapes, arguments, bias and precision; a pipeline's convolution with a pass in its epilogue
+# has a key of its own (settled_engine).
 _ENGINES: dict[tuple, str] = {}
+
+
+def settled_engine(key: tuple, measure: Callable[[], str]) -> str:
+    """The engine of the problem ``key``: the one the settings force (``plan_options(engine=
+    ...)``), cuDNN without autotuning or with cuDNN strategies pinned, else ``measure()``'s
+    choice, measured once per device and key."""
+    from .._cudnn import _config
+
+    if _config["engine"] is not None:
+        return _config["engine"]
+    if not _config["autotune"] or _config["pins"] is not None:
+        return "cudnn"
+    import cupy
+
+    key = (cupy.cuda.runtime.getDevice(), *key)
+    engine = _ENGINES.get(key)
+    if engine is None:
+        engine = _ENGINES[key] = measure()
+    return engine
+
+
+def fastest(candidates: dict[str, Callable[[], Any]]) -> str:
+    """The name of the fastest of ``candidates`` (calls of the device's work, each timed after
+    a warm-up, median of CUDA events, the L2 flushed between samples; a tie goes to the
+    first)."""
+    from .._cudnn import _l2_flush_buffer
+    from .._cudnn._timing import _time_ms
+
+    flush = _l2_flush_buffer()
+    times = {name: _time_ms(fn, flush=flush) for name, fn in candidates.items()}
+    return min(times, key=times.get)
 
 
 def _engine(x, weight, args: ConvArgs, forward_args: ConvArgs, precision: str, bias,
@@ -91,31 +115,18 @@ def _engine(x, weight, args: ConvArgs, forward_args: ConvArgs, precision: str, b
 
 def _settled_engine(x_shape, w_shape, args: ConvArgs, forward_args: ConvArgs, bias: bool,
                     precision: str) -> str:
-    """The engine of an eligible problem: the one the settings force, else the one measured
-    faster (once per problem; cuDNN without autotuning or with strategies pinned)."""
-    from .._cudnn import _config
-
-    if _config["engine"] is not None:
-        return _config["engine"]
-    if not _config["autotune"] or _config["pins"] is not None:
-        return "cudnn"
-    import cupy
-
-    key = (cupy.cuda.runtime.getDevice(), tuple(x_shape), tuple(w_shape), args, bias,
-           precision)
-    engine = _ENGINES.get(key)
-    if engine is None:
-        engine = _ENGINES[key] = _faster_engine(x_shape, w_shape, args, forward_args, bias,
-                                                precision)
-    return engine
+    """The engine of an eligible problem (settled_engine)."""
+    return settled_engine(
+        (tuple(x_shape), tuple(w_shape), args, bias, precision),
+        lambda: _faster_engine(x_shape, w_shape, args, forward_args, bias, precision))
 
 
 def _faster_engine(x_shape, w_shape, args: ConvArgs, forward_args: ConvArgs, bias: bool,
                    precision: str) -> str:
     """Time the implicit GEMM and the cuDNN plan that ``precision`` runs on cuDNN (TF32, or
     exact float32 for 3xTF32) on random operands, L2 flushed; "igemm" where cuDNN has none."""
-    from .._cudnn import UnsupportedConvolution, _l2_flush_buffer
-    from .._cudnn._timing import _random, _time_ms
+    from .._cudnn import UnsupportedConvolution
+    from .._cudnn._timing import _random
 
     try:
         plan = _plan(x_shape, w_shape, args, precision, bias, True, True, False)
@@ -125,11 +136,8 @@ def _faster_engine(x_shape, w_shape, args: ConvArgs, forward_args: ConvArgs, bia
     b = _random((args.out_shape[1],)) if bias else None
     y = _empty_nchw(args.out_shape)
     forward_w = _flipped(w) if args.transposed else w
-    flush = _l2_flush_buffer()
-    igemm_ms = _time_ms(lambda: _igemm(x, forward_w, b, y, forward_args, precision),
-                        flush=flush)
-    cudnn_ms = _time_ms(lambda: plan.apply(x, w, bias=b, out=y), flush=flush)
-    return "igemm" if igemm_ms < cudnn_ms else "cudnn"
+    return fastest({"cudnn": lambda: plan.apply(x, w, bias=b, out=y),
+                    "igemm": lambda: _igemm(x, forward_w, b, y, forward_args, precision)})
 
 
 def _stride1_forward_args(args: ConvArgs, kernel_size: tuple[int, ...]) -> ConvArgs | None:

@@ -262,10 +262,29 @@ def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_e
         row.setdefault("conv_free", row["conv"])
         row.update(case=case.name, precision=precision, conv_layout=plan.strategy.label,
                    conv_calls="replayed" if plan.replays else "direct",
-                   conv_free_layout=free_plan.strategy.label)
+                   conv_free_layout=free_plan.strategy.label,
+                   conv_in_epilogue=conv_in_epilogue(case, gpu, precision))
         rows.append(row)
         del fns  # this precision's operands go before the next precision's are made
     return rows
+
+
+def conv_in_epilogue(case: Case, gpu: dict, precision: str) -> bool:
+    """Whether the fused pipeline computes its convolution with the pass in the convolution's
+    epilogue (pipeline A on cufused's implicit GEMM: the ``conv`` figure is then the cuDNN
+    plan's, which the pipeline does not run), as its first call settled it."""
+    if case.name != "A":
+        return False
+    import cupy
+
+    from .._ops._conv_args import cached_conv_args
+    from ..pipelines import pipeline_a
+
+    args = cached_conv_args(gpu["x"].shape, gpu["weight"].shape, 2, transposed=False,
+                            stride=1, padding=0)
+    return pipeline_a._epilogue_applies(cupy, gpu["x"], gpu["weight"], args, precision,
+                                        case.options["pool_kernel"],
+                                        case.options["num_groups"], "conv_bias" in gpu)
 
 
 def add_floors(case: Case, rows: list[dict], ceilings: dict) -> None:

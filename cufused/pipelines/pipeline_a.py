@@ -9,6 +9,7 @@ clamp.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy
@@ -25,7 +26,7 @@ from .._kernels.pooling import (fused_pass_variant, pool_affine_nonfinite,
                                 stores_ext_channels_last)
 from .._layout import empty_in_layout
 from .._ops._conv_args import cached_conv_args, check_conv_memory
-from .._ops.convolution import conv2d, conv_on_gpu, runs_on_igemm
+from .._ops.convolution import conv2d, conv_on_gpu, fastest, settled_engine
 from .._ops.normalization import check_group_values, check_num_groups, group_norm
 from .._ops.pooling import check_pool_args, max_pool2d
 from .._precision import resolve_precision
@@ -136,15 +137,20 @@ def _unfused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, g
 
 
 def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, gn_weight,
-           gn_bias, scale, eps, lo, hi):
+           gn_bias, scale, eps, lo, hi, epilogue=None):
     """The convolution; one read of its output for the window extrema and the GroupNorm
     statistics (or, on cufused's implicit GEMM, those in the convolution's epilogue, its
     output never stored); GroupNorm * scale as per-(n, c) coefficients; their affine and the
-    clamp applied to the extrema; channels with a non-finite parameter recomputed."""
+    clamp applied to the extrema; channels with a non-finite parameter recomputed.
+    ``epilogue``: whether the pass runs in the convolution's epilogue (None: where
+    :func:`_epilogue_applies`)."""
     n, c, h, w = args.out_shape
     cg = c // num_groups
     y = None
-    if _epilogue_applies(x, weight, args, precision, k):
+    if epilogue is None:
+        epilogue = _epilogue_applies(xp, x, weight, args, precision, k, num_groups,
+                                     conv_bias is not None)
+    if epilogue:
         ext = out
         partial, shift, splits = conv2d_pool_stats(
             xp, xp.ascontiguousarray(x), xp.ascontiguousarray(weight), conv_bias, out,
@@ -182,10 +188,35 @@ def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, gn_
     return out
 
 
-def _epilogue_applies(x, weight, args, precision, k) -> bool:
-    """Whether the convolution runs with the pass as its epilogue (conv2d_pool_stats): on
-    cufused's implicit GEMM (forced, or measured faster than cuDNN for the convolution
-    alone, which the epilogue only makes faster), 2 x 2 or 4 x 4 windows, a halo that fits."""
-    return (precision != "ieee" and k in (2, 4)
-            and halo_chunk(x.shape[1], weight.shape[2:], args.stride, args.dilation)[0] >= 1
-            and runs_on_igemm(x.shape, weight.shape, args, precision))
+def _epilogue_applies(xp, x, weight, args, precision, k, num_groups, bias: bool) -> bool:
+    """Whether the convolution runs with the pass as its epilogue (conv2d_pool_stats): a
+    tensor-core precision, 2 x 2 or 4 x 4 windows, a halo that fits, and cufused's implicit
+    GEMM forced or this path measured faster than the convolution with the pass after it
+    (:func:`_faster_path`, once per problem)."""
+    if not (precision != "ieee" and k in (2, 4)
+            and halo_chunk(x.shape[1], weight.shape[2:], args.stride, args.dilation)[0] >= 1):
+        return False
+    key = ("conv2d_pool_stats", x.shape, weight.shape, args, precision, k, num_groups, bias)
+    return settled_engine(key, lambda: _faster_path(xp, x.shape, weight.shape, args,
+                                                    precision, k, num_groups, bias)) == "igemm"
+
+
+def _faster_path(xp, x_shape, w_shape, args, precision, k, num_groups, bias: bool) -> str:
+    """"igemm" where :func:`_fused` on random operands of these shapes runs faster with the
+    pass in the convolution's epilogue than after the convolution (on the engine that the
+    autotuner picks for it alone), else "cudnn"."""
+    rng = xp.random.default_rng(0)
+    c = args.out_shape[1]
+    x = rng.random(x_shape, dtype=xp.float32)
+    weight = rng.standard_normal(w_shape, dtype=xp.float32)
+    ones, zeros = xp.ones(c, dtype=xp.float32), xp.zeros(c, dtype=xp.float32)
+    out = xp.empty(args.out_shape[:2] + tuple(s // k for s in args.out_shape[2:]),
+                   dtype=xp.float32)
+
+    def path(epilogue: bool):
+        return partial(_fused, xp, x, weight, args, precision, out, k=k,
+                       num_groups=num_groups, conv_bias=zeros if bias else None,
+                       gn_weight=ones, gn_bias=zeros, scale=ones, eps=1e-5, lo=0.0, hi=1.0,
+                       epilogue=epilogue)
+
+    return fastest({"cudnn": path(False), "igemm": path(True)})

@@ -160,6 +160,23 @@ def test_bench_host_table():
     assert all(line.split()[7:9] == ["-", "-"] for line in host)  # no compiled rows
 
 
+def test_bench_row_of_a_convolution_with_the_pass_in_its_epilogue():
+    # Pipeline A on the implicit GEMM runs no convolution of its own: its row shows no
+    # convolution time or post-convolution time and names the path.
+    import json
+    import pathlib
+
+    from cufused.bench.report import format_table
+
+    result = json.loads((pathlib.Path(__file__).parents[2] / "docs" / "_static"
+                         / "bench.json").read_text())
+    result["rows"] = [dict(result["rows"][0], conv_in_epilogue=True)]
+    row = next(line for line in format_table(result).splitlines() if line.startswith("A "))
+    assert row.endswith("igemm, pass in its epilogue")
+    cells = row.split()
+    assert cells[8:10] == ["-", "-"] and cells[11] == "-"
+
+
 def test_bench_batch_option():
     from cufused.bench.cases import make_cases
 

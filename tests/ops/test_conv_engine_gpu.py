@@ -47,7 +47,7 @@ def test_convolutions(rng, shapes, options, precision):
     ref = fn(x, w, b, **options)  # float64 reference
     got = fn(*to_gpu(x, w, b), **options, precision=precision)
     assert_close(got.get(), ref, TOL[precision])
-    with plan_options(engine=None):  # the autotuner's choice
+    with plan_options(engine="auto"):  # the autotuner's choice
         got = fn(*to_gpu(x, w, b), **options, precision=precision)
     assert_close(got.get(), ref, TOL[precision])
 
@@ -84,7 +84,7 @@ def test_stride1_transposed_as_forward(rng, shapes, options, precision):
     ref = cufused.conv_transpose2d(x, w, b, **options)
     got = cufused.conv_transpose2d(*to_gpu(x, w, b), **options, precision=precision)
     assert_close(got.get(), ref, TOL[precision])
-    with plan_options(engine=None):  # the autotuner's choice, timed on the forward problem
+    with plan_options(engine="auto"):  # the autotuner's choice, timed on the forward problem
         got = cufused.conv_transpose2d(*to_gpu(x, w, b), **options, precision=precision)
     assert_close(got.get(), ref, TOL[precision])
 
@@ -113,6 +113,24 @@ def test_pipelines_in_3xtf32(rng, case, make):
     ref = fn(*args, **kwargs)
     got = fn(*to_gpu(*args), **kwargs, precision="3xtf32")
     assert_close(got.get(), ref, 1e-4)
+
+
+@pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
+def test_pipeline_a_path_is_timed_as_a_whole(rng, precision):
+    # Under the autotuner, pipeline A's convolution with the pass in its epilogue is timed
+    # against the convolution with the pass after it, once per problem (a key of its own
+    # beside the convolution's), and either path gives the reference's result.
+    from cufused._ops import convolution
+
+    args, kwargs = pipeline_a_args(rng)
+    ref = cufused.conv2d_groupnorm_scale_maxpool_clamp(*args, **kwargs)
+    with plan_options(engine="auto"):
+        got = cufused.conv2d_groupnorm_scale_maxpool_clamp(*to_gpu(*args), **kwargs,
+                                                           precision=precision)
+    assert_close(got.get(), ref, {"3xtf32": 1e-4, "tf32": 5e-3}[precision])
+    keys = [k for k in convolution._ENGINES if k[1] == "conv2d_pool_stats"
+            and k[2] == args[0].shape and k[5] == precision]
+    assert len(keys) == 1 and convolution._ENGINES[keys[0]] in ("igemm", "cudnn")
 
 
 @pytest.mark.parametrize("precision", ["3xtf32", "tf32"])

@@ -86,6 +86,42 @@ def test_non_finite_inputs_propagate(rng, passes, k):
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(ref))
 
 
+@pytest.mark.parametrize("x_offset", [0, 1, 2])
+@pytest.mark.parametrize("width, padding", [(40, 0), (40, 4), (40, 1), (38, 0)])
+def test_halo_copies_of_any_alignment(rng, x_offset, width, padding):
+    # The compiled-in 3 x 3 halo is copied 4 floats at a time where every 4 columns of its
+    # rows are inside the input or outside together (W and the padding multiples of 4, x
+    # 16-byte aligned), else one float at a time: x as a view 1 or 2 floats into its
+    # buffer, a padding of 1 and an odd W / 2 take the second way; the pooling epilogue's
+    # windows and sums check the same halo.
+    from cufused._kernels.conv_gemm import conv2d_pool_stats
+
+    x = rng.standard_normal((3, 8, 13, width))
+    w = rng.standard_normal((16, 8, 3, 3))
+    bias = rng.standard_normal(16)
+    pad = (padding, padding)
+    ref = reference.conv(x, w, bias, (1, 1), pad, (1, 1), 1)
+    buf = cp.empty(x.size + x_offset, dtype=cp.float32)
+    xg = buf[x_offset:].reshape(x.shape)
+    xg[...] = cp.asarray(x, cp.float32)
+    y = cp.full(ref.shape, cp.nan, dtype=cp.float32)
+    conv2d_implicit_gemm(xg, cp.asarray(w, cp.float32), cp.asarray(bias, cp.float32), y,
+                         stride=(1, 1), padding=pad, dilation=(1, 1), passes=1)
+    assert_close(y.get(), ref, 2e-3)
+    n, k, p, q = ref.shape
+    ext = cp.full((n, k, p // 4, q // 4), cp.nan, dtype=cp.float32)
+    partial, shift, _ = conv2d_pool_stats(
+        cp, xg, cp.asarray(w, cp.float32), cp.asarray(bias, cp.float32), ext, sign_a=None,
+        sign_b=None, shift_group=4, stride=(1, 1), padding=pad, dilation=(1, 1), pool=4,
+        passes=1)
+    win = ref[:, :, :p // 4 * 4, :q // 4 * 4].reshape(n, k, p // 4, 4, q // 4, 4)
+    assert_close(ext.get(), win.max(axis=(3, 5)), 2e-3)
+    d = ref - np.repeat(shift.get().astype(np.float64).reshape(n, k // 4), 4,
+                        axis=1)[:, :, None, None]
+    sums = np.stack([d.sum(axis=(2, 3)), (d * d).sum(axis=(2, 3))], -1)
+    assert_close(partial.get().astype(np.float64).sum(axis=2), sums, 2e-2)
+
+
 @pytest.mark.parametrize("passes, tol", [(1, 2e-3), (3, 2e-6)])
 @pytest.mark.parametrize("x_shape, w_shape, pool, group, stride, padding", [
     ((2, 8, 20, 18), (64, 8, 3, 3), 4, 4, (1, 1), (0, 0)),     # pipeline A's form
