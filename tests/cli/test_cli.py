@@ -113,8 +113,9 @@ def test_unknown_command_fails():
     assert run("frobnicate").returncode != 0
 
 
-@pytest.mark.parametrize("name", ["bench.json", "bench_h100.json", "bench_h100_canonical.json",
-                                  "bench_h100_batch1.json", "bench_h100_batch8.json"])
+@pytest.mark.parametrize("name", ["bench.json", "bench_h200_canonical.json", "bench_h100.json",
+                                  "bench_h100_canonical.json", "bench_h100_batch1.json",
+                                  "bench_h100_batch8.json"])
 def test_bench_table_and_plot_from_committed_result(tmp_path, name):
     # The committed device results (docs/_static/bench*.json, H200 and H100) render as the
     # bench command prints them, and as a bar chart.
