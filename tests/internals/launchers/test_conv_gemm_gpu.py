@@ -156,3 +156,37 @@ def test_pool_stats_epilogue(rng, x_shape, w_shape, pool, group, stride, padding
     sums = np.stack([d.sum(axis=(2, 3)), (d * d).sum(axis=(2, 3))], -1)
     assert partial.shape == (n, k, splits, 2)
     assert_close(partial.get().astype(np.float64).sum(axis=2), sums, 10 * tol)
+
+
+@pytest.mark.parametrize("pool", [2, 4])
+def test_blocks_that_take_many_tiles(rng, monkeypatch, pool):
+    # With two resident blocks (one multiprocessor) every block takes many tiles: the plain
+    # kernel strides over them, the pooling one takes runs of several consecutive tiles of
+    # one sample after another (5 runs per sample here: blocks change sample between runs),
+    # its sums carried over each run's tiles.
+    from cufused._kernels import conv_gemm
+
+    monkeypatch.setattr(conv_gemm, "sm_count", lambda: 1)
+    x = rng.standard_normal((5, 8, 21, 70))
+    w = rng.standard_normal((24, 8, 3, 3))
+    bias, sign = rng.standard_normal(24), rng.standard_normal(24)
+    ref = reference.conv(x, w, bias, (1, 1), (0, 0), (1, 1), 1)
+    xg, wg, bg = (cp.asarray(a, cp.float32) for a in (x, w, bias))
+    y = cp.full(ref.shape, cp.nan, dtype=cp.float32)
+    conv_gemm.conv2d_implicit_gemm(xg, wg, bg, y, stride=(1, 1), padding=(0, 0),
+                                   dilation=(1, 1), passes=1)
+    assert_close(y.get(), ref, 2e-3)
+    n, k, p, q = ref.shape
+    ext = cp.full((n, k, p // pool, q // pool), cp.nan, dtype=cp.float32)
+    partial, shift, splits = conv_gemm.conv2d_pool_stats(
+        cp, xg, wg, bg, ext, sign_a=cp.asarray(sign, cp.float32), sign_b=None, shift_group=3,
+        stride=(1, 1), padding=(0, 0), dilation=(1, 1), pool=pool, passes=1)
+    assert splits == 5 and partial.shape == (n, k, 5, 2)
+    win = ref[:, :, :p // pool * pool, :q // pool * pool].reshape(
+        n, k, p // pool, pool, q // pool, pool)
+    want = np.where(sign[None, :, None, None] < 0, win.min(axis=(3, 5)), win.max(axis=(3, 5)))
+    assert_close(ext.get(), want, 2e-3)
+    d = ref - np.repeat(shift.get().astype(np.float64).reshape(n, k // 3), 3,
+                        axis=1)[:, :, None, None]
+    sums = np.stack([d.sum(axis=(2, 3)), (d * d).sum(axis=(2, 3))], -1)
+    assert_close(partial.get().astype(np.float64).sum(axis=2), sums, 2e-2)
