@@ -277,8 +277,10 @@ def emulate_pool_stats(x, w, bias, sign, shift_group, stride, padding, dilation,
     ext = np.full((n_total, k_total, p_total // pool, q_total // pool), np.nan)
     partial = np.full((n_total, k_total, splits, 2), np.nan)
     for k0 in range(0, k_total, BN):
-        for _, items in segments(n_total, tiles, splits, blocks):
-            state = PoolStatsBlock(bias, sign, shift, k0, k_total, shift_group)
+        states = {}  # one per block, kept over its runs as the kernel keeps its scratch
+        for block, items in segments(n_total, tiles, splits, blocks):
+            state = states.setdefault(
+                block, PoolStatsBlock(bias, sign, shift, k0, k_total, shift_group))
             for index, (n, t, s) in enumerate(items):
                 if index == 0:
                     state.begin_segment(n)

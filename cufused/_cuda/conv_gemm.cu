@@ -317,8 +317,9 @@ __device__ __forceinline__ HaloShared halo_shared(float* smem, int hsize) {
             smem + HALO_RC * (CONV_BN + 8) + HALO_RC, hsize};
 }
 
+// The scratch starts 16-byte aligned (float4 loads there; hsize may be odd).
 __device__ __forceinline__ float* halo_scratch(float* smem, int hsize) {
-    return smem + HALO_RC * (CONV_BN + 8) + HALO_RC + 2 * hsize;
+    return smem + ((HALO_RC * (CONV_BN + 8) + HALO_RC + 2 * hsize + 3) & ~3);
 }
 
 // The halo geometry compiled in for KSIZE x KSIZE kernels at stride and dilation 1 (pipeline

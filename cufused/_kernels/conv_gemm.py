@@ -60,6 +60,7 @@ def halo_shared_bytes(cc: int, hr: int, hc: int, ksize: int, pool: int = 0) -> i
     weights and their halo offsets, two halo buffers of ``cc`` channels and the epilogue's
     scratch: the pooling epilogue's (``pool`` > 0) or the output tile ``conv2d_halo`` stages."""
     floats = _HALO_RC * (_TILE_K + 8) + _HALO_RC + 2 * cc * halo_channel_stride(hr, hc, ksize)
+    floats = -(-floats // 4) * 4  # the scratch starts 16-byte aligned (halo_scratch)
     if pool:
         floats += _POOL_SCRATCH_FLOATS
     else:
@@ -73,7 +74,10 @@ def sample_segments(n: int, tiles: int, slots: int) -> tuple[int, int]:
     ``n`` samples' ``tiles`` tiles cut into ``splits`` runs of consecutive tiles, ``blocks``
     blocks taking the ``n * splits`` runs in turn. The choice minimizes the tiles of the
     busiest block (rounds of runs times a run's tiles) for ``slots`` resident blocks, then
-    the splits (each run ends in a reduction of its sums)."""
+    the splits (each run ends in a reduction of its sums). No samples or no tiles: no
+    blocks."""
+    if n == 0 or tiles == 0:
+        return 1, 0
     best = None
     # Past a few rounds of runs per block the rounding gains little: the search stops there.
     for splits in range(1, min(tiles, 8 * -(-slots // n)) + 1):
@@ -139,6 +143,8 @@ def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, shift_group: int,
     partial = xp.empty((n, k, splits, 2), dtype=xp.float32)
     rows = n * (k // shift_group)
     shift = xp.empty(rows, dtype=xp.float32)
+    if blocks == 0 or k == 0:
+        return partial, shift, splits
     i32 = numpy.int32
     get_kernel(_FILE, "conv2d_first_values")(
         (-(-rows // (_THREADS // 32)),), (_THREADS,),

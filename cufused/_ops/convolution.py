@@ -16,6 +16,7 @@ from .. import reference
 from .._arrays import (Size, check_float_dtype, check_ndim, check_required, check_sizes,
                        forward, get_array_module, per_channel)
 from .._call_graphs import replayed, warm_calls
+from .._cuda import capturing
 from .._precision import resolve_precision
 from ._conv_args import ConvArgs, cached_conv_args, check_conv_memory
 
@@ -77,6 +78,11 @@ def settled_engine(key: tuple, measure: Callable[[], str]) -> str:
     key = (cupy.cuda.runtime.getDevice(), *key)
     engine = _ENGINES.get(key)
     if engine is None:
+        if capturing(cupy.cuda.get_current_stream()):
+            # Measuring synchronizes on events, which a capture refuses.
+            raise RuntimeError("the convolution engine cannot be measured while the stream "
+                               "is being captured into a CUDA graph: make the same call once "
+                               "before capturing")
         engine = _ENGINES[key] = measure()
     return engine
 

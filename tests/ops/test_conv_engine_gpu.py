@@ -133,6 +133,30 @@ def test_pipeline_a_path_is_timed_as_a_whole(rng, precision):
     assert len(keys) == 1 and convolution._ENGINES[keys[0]] in ("igemm", "cudnn")
 
 
+def test_pipeline_a_path_is_not_measured_inside_a_capture(rng):
+    # Measuring synchronizes on events, which a capture refuses: the first call of a problem
+    # under the caller's capture fails clearly, and the same call outside settles the path.
+    from cufused._ops import convolution
+
+    args, kwargs = pipeline_a_args(rng, n=2, cin=3, h=13, w=37)
+    gpu = to_gpu(*args)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with plan_options(engine="auto"):
+        with stream:
+            stream.begin_capture()
+            try:
+                with pytest.raises(RuntimeError, match="make the same call once before"):
+                    cufused.conv2d_groupnorm_scale_maxpool_clamp(*gpu, **kwargs,
+                                                                 precision="tf32")
+            finally:
+                stream.end_capture()
+        got = cufused.conv2d_groupnorm_scale_maxpool_clamp(*gpu, **kwargs, precision="tf32")
+    assert_close(got.get(), cufused.conv2d_groupnorm_scale_maxpool_clamp(*args, **kwargs),
+                 5e-3)
+    assert any(k[1] == "conv2d_pool_stats" and k[2] == args[0].shape
+               for k in convolution._ENGINES)
+
+
 @pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
 def test_non_finite_values_as_pytorch(rng, precision):
     x = rng.standard_normal((1, 4, 6, 6))

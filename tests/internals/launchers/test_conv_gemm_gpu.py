@@ -129,6 +129,7 @@ def test_halo_copies_of_any_alignment(rng, x_offset, width, padding):
     ((1, 3, 9, 37), (12, 3, 3, 3), 2, 4, (1, 1), (0, 0)),
     ((2, 11, 21, 37), (16, 11, 3, 3), 2, 4, (1, 1), (1, 1)),  # 2 chunks, padding
     ((2, 6, 21, 40), (8, 6, 3, 3), 2, 4, (2, 1), (1, 1)),     # the geometry as arguments
+    ((1, 3, 17, 70), (8, 3, 3, 3), 4, 4, (2, 2), (0, 0)),     # an odd halo: 3 x 9 x 65
 ])
 def test_pool_stats_epilogue(rng, x_shape, w_shape, pool, group, stride, padding, passes,
                              tol):

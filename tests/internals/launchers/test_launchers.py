@@ -331,6 +331,25 @@ def test_conv_gemm_launchers(launches, monkeypatch):
                                                                    ((6, 1), (8, 9, 34))}
 
 
+def test_halo_layout_helpers():
+    # The pooling epilogue's scratch starts 16-byte aligned (float4 loads) after halos of
+    # any size, odd ones included, and the run schedule covers the edge cases.
+    conv = LAUNCHERS["conv_gemm.cu"]
+    for cc, hr, hc, ksize in [(3, 9, 65, 0), (1, 4, 33, 0), (8, 6, 34, 3), (2, 8, 36, 0)]:
+        halos = 2 * cc * conv.halo_channel_stride(hr, hc, ksize)
+        scratch = -(-(conv._HALO_RC * (conv._TILE_K + 8) + conv._HALO_RC + halos) // 4) * 4
+        assert conv.halo_shared_bytes(cc, hr, hc, ksize, pool=4) == 4 * (
+            scratch + conv._POOL_SCRATCH_FLOATS)
+        assert scratch % 4 == 0
+    assert conv.halo_row_stride(34, 3) == 36 and conv.halo_row_stride(34, 0) == 34
+    assert conv.sample_segments(0, 5, 264) == (1, 0)
+    assert conv.sample_segments(3, 0, 264) == (1, 0)
+    assert conv.sample_segments(128, 128, 264) == (2, 256)  # pipeline A on 132 SMs
+    for n, tiles, slots in [(1, 128, 264), (5, 15, 2), (300, 128, 264), (7, 3, 264)]:
+        splits, blocks = conv.sample_segments(n, tiles, slots)
+        assert 1 <= splits <= tiles and 1 <= blocks <= min(n * splits, slots)
+
+
 def test_softmax_launchers(launches, monkeypatch):
     softmax = LAUNCHERS["softmax.cu"]
     narrow, wide = (0.0, 1.0), (-80.0, 80.0)  # no running max / the online softmax
