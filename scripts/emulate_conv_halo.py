@@ -16,8 +16,10 @@ import sys
 import numpy as np
 
 from cufused import reference
-from cufused._kernels.conv_gemm import (_HALO_MAX, _HALO_RC, fixed_ksize, halo_channel_stride,
-                                        halo_chunk, halo_row_stride, sample_segments)
+from cufused._kernels.conv_gemm import (_HALO_MAX, _HALO_OUT_STRIDE, _HALO_RC,
+                                        _POOL_SCRATCH_FLOATS, _TILE_K, fixed_ksize,
+                                        halo_channel_stride, halo_chunk, halo_row_stride,
+                                        halo_shared_bytes, sample_segments)
 from cufused._kernels.conv_gemm import _HALO_TH as TH
 from cufused._kernels.conv_gemm import _HALO_TW as TW
 
@@ -331,6 +333,40 @@ def check_pool_stats(rng) -> float:
     return worst
 
 
+def check_shared_layout() -> bool:
+    """The kernels' shared-memory layout as halo_shared and halo_scratch place it (the
+    scratch rounded up to a 16-byte boundary for the pooling epilogue's float4 loads) inside
+    the bytes the launcher gives (halo_shared_bytes), FixedHalo's 4-float copies inside their
+    buffer and its per-lane weights inside the weights' space, for the emulated geometries
+    and odd-sized halos."""
+    geometries = [(xs[1], ws[2:], stride, dilation) for xs, ws, stride, _, dilation in CASES]
+    geometries += [(3, (3, 3), (2, 2), (1, 1)), (1, (2, 2), (1, 1), (1, 1)),
+                   (5, (1, 1), (2, 2), (1, 1)), (64, (3, 3), (1, 1), (1, 1))]
+    ok = True
+    for c, kernel, stride, dilation in geometries:
+        cc, hr, hc = halo_chunk(c, kernel, stride, dilation)
+        ksize = fixed_ksize(kernel, stride, dilation)
+        hsize = cc * halo_channel_stride(hr, hc, ksize)
+        start = (_HALO_RC * (_TILE_K + 8) + _HALO_RC + 2 * hsize + 3) & ~3  # halo_scratch
+        for pool in (0, 2, 4):
+            end = start + (_POOL_SCRATCH_FLOATS if pool else _TILE_K * _HALO_OUT_STRIDE)
+            ok &= 4 * end <= halo_shared_bytes(cc, hr, hc, ksize, pool)
+        if ksize:
+            rstride = halo_row_stride(hc, ksize)
+            last = (cc - 1) * halo_channel_stride(hr, hc, ksize) + (hr - 1) * rstride + rstride
+            ok &= rstride % 4 == 0 and last <= hsize
+            ok &= ksize * ksize * _TILE_K * cc <= _HALO_RC * (_TILE_K + 8)
+    # The 4-float copies need every 4 columns of a halo row inside the input or outside
+    # together: so for W and the padding multiples of 4 (tiles start at multiples of 32).
+    for width, pw in [(128, 0), (40, 4), (36, 0), (8, 4)]:
+        for w0 in range(-pw, width, TW):
+            for g in range(w0, w0 + 36, 4):
+                inside = [0 <= col < width for col in range(g, g + 4)]
+                ok &= all(inside) or not any(inside)
+    print(f"shared-memory layout and 4-float halo copies: {'ok' if ok else 'FAILED'}")
+    return ok
+
+
 def main() -> int:
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     rng = np.random.default_rng(0)
@@ -344,6 +380,8 @@ def main() -> int:
         print(f"x {xs} w {ws} stride {stride} padding {padding} dilation {dilation} "
               f"(cc, hr, hc) {halo_chunk(xs[1], ws[2:], stride, dilation)}: max error {err:.1e}")
     worst = max(worst, check_pool_stats(rng))
+    if not check_shared_layout():
+        return 1
     return 0 if worst < 1e-9 else 1  # an output never written (NaN) counts as inf
 
 
