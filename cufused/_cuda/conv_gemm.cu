@@ -387,7 +387,8 @@ struct GridStride {
 // SampleSegments: each sample's tiles cut into `splits` runs of consecutive tiles (run s:
 // tiles [s * tiles / splits, (s + 1) * tiles / splits), none empty: splits <= tiles); the
 // block takes runs blockIdx.x, + gridDim.x, ... of the N * splits (index n * splits + s),
-// each from its first tile to its last, so that an epilogue can sum over a run in registers.
+// each from its first tile to its last, so that an epilogue can sum over a run and reduce
+// once.
 struct SampleSegments {
     int tiles, tiles_w, splits;
     long long runs;
@@ -492,16 +493,14 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                 ? __ldg(w + ((long long)k * C + c0 + c) * khw + uv) : 0.0f;
             s.wt[r][kk] = staged(v);
         }
-        {
-            for (int r = tid; r < rpad; r += CONV_THREADS) {
-                int off = -1;
-                if (r < rn) {
-                    const int c = r / khw, uv = r - c * khw;
-                    const int u = uv / kw, v = uv - u * kw;
-                    off = c * cstride + u * dh * hc + v * dw;
-                }
-                s.roff[r] = off;
+        for (int r = tid; r < rpad; r += CONV_THREADS) {
+            int off = -1;
+            if (r < rn) {
+                const int c = r / khw, uv = r - c * khw;
+                const int u = uv / kw, v = uv - u * kw;
+                off = c * cstride + u * dh * hc + v * dw;
             }
+            s.roff[r] = off;
         }
         return rpad;
     };
@@ -529,6 +528,14 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
         }
     };
 
+    // f(Flag<V>) with the run length this kernel copies and rounds the halo in.
+    auto with_run_length = [&](auto f) {
+        if (by_four)
+            f(Flag<FIXED ? 4 : 1>{});
+        else
+            f(Flag<1>{});
+    };
+
     // Start the copies of the halo of the chunk at c0 of the tile at pos into buf (coalesced
     // along W, zeros outside the input), V floats a copy.
     auto copy_halo_by = [&](auto v, const TilePos& pos, int c0, float* buf) {
@@ -545,10 +552,7 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
     auto copy_halo = [&](const TilePos& pos, int c0, float* buf) {
-        if (FIXED && by_four)
-            copy_halo_by(Flag<FIXED ? 4 : 1>{}, pos, c0, buf);
-        else
-            copy_halo_by(Flag<1>{}, pos, c0, buf);
+        with_run_length([&](auto v) { copy_halo_by(v, pos, c0, buf); });
     };
 
     TilePos pos;
@@ -569,7 +573,7 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
             if (PASSES == 1) {
                 // TF32: round each of this thread's own copies once, not once per fragment
                 // that reads it (up to kh * kw * 2 of them).
-                auto round_own = [&](auto v) {
+                with_run_length([&](auto v) {
                     each_own_run(v, c0, [&](int, int, int, int index) {
                         if constexpr (decltype(v)::value == 4) {
                             float4 r = *reinterpret_cast<const float4*>(halo + index);
@@ -582,11 +586,7 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                             halo[index] = __uint_as_float(to_tf32(halo[index]));
                         }
                     });
-                };
-                if (FIXED && by_four)
-                    round_own(Flag<FIXED ? 4 : 1>{});
-                else
-                    round_own(Flag<1>{});
+                });
             }
             // This stage's halo is in; every warp is done with the previous stage's buffers.
             __syncthreads();
@@ -726,7 +726,7 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
 //    positive), as pool_extremum_stats writes it (fmaxf drops NaN: a NaN in a statistics row
 //    makes its mean NaN, and with it every output the extremum feeds);
 //  * partial[(n * K + k) * splits + s] = (sum d, sum d * d), d = y + bias[k] - shift[row],
-//    over the pixels of segment s of sample n's tiles (SampleSegments; the tiles cover every
+//    over the pixels of run s of sample n's tiles (SampleSegments; the tiles cover every
 //    pixel once, the rows and columns that the pool drops included), row = n * (K /
 //    shift_group) + k / shift_group; shift from conv2d_first_values.
 // A lane holds one column of a window (the warp layout above): the extremum of its rows in
