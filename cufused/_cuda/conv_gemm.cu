@@ -426,13 +426,16 @@ struct SampleSegments {
 // memory only where one stage's copies take longer than another's MMAs and epilogue.
 // KSIZE = 0 takes the geometry from the arguments; KSIZE > 0 compiles it in (FixedHalo:
 // the launcher passes cc, hr, hc = 8, HR, HC, and stride and dilation 1).
-template <int PASSES, int KSIZE, class Schedule, class Epilogue>
+// The weights of output channel k are staged times sign(k) (+1 or -1), so acc holds
+// sign(k) times the convolution without its bias.
+template <int PASSES, int KSIZE, class Schedule, class Epilogue, class Sign>
 __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                                            const float* __restrict__ w, int C, int H, int W,
                                            int K, int kh, int kw, int P, int Q, int sh, int sw,
                                            int ph, int pw, int dh, int dw, int cc, int hr,
                                            int hc, const HaloShared& s,
-                                           const Schedule& schedule, Epilogue epilogue) {
+                                           const Schedule& schedule, Epilogue epilogue,
+                                           Sign sign) {
     constexpr bool FIXED = KSIZE > 0;
     using Fixed = FixedHalo<FIXED ? KSIZE : 1>;
     if constexpr (FIXED) {
@@ -464,13 +467,17 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
         for (int half = 0; half < 2; ++half)
             pofs[i][half] = (2 * i + half) * sh * rstride + (warp_col + gid) * sw;
 
-    // The weights of input channels [c0, c0 + cc) (zero past C and K; TF32-rounded for
-    // PASSES = 1) in the reduction order, and for KSIZE = 0 their halo offsets; returns the
-    // reduction length rounded up to 8.
+    // The weights of input channels [c0, c0 + cc) times sign(k) (zero past C and K;
+    // TF32-rounded for PASSES = 1: exact for either sign, the rounding is symmetric) in the
+    // reduction order, and for KSIZE = 0 their halo offsets; returns the reduction length
+    // rounded up to 8.
     auto stage_weights = [&](int c0) {
         const int ccn = FIXED ? Fixed::CC : min(cc, C - c0);
         const int rn = ccn * khw, rpad = (rn + 7) & ~7;
-        auto staged = [&](float v) { return PASSES == 1 ? __uint_as_float(to_tf32(v)) : v; };
+        auto staged = [&](float v, int k) {
+            v *= sign(k);
+            return PASSES == 1 ? __uint_as_float(to_tf32(v)) : v;
+        };
         if constexpr (FIXED) {
             // Each lane's B fragments of a tap, all four 8-column tiles j, as 8 consecutive
             // floats (two 16-byte loads): [tap][warp_k / 32][lane][j][half], the value of
@@ -480,8 +487,8 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                 const int half = i & 1, j = (i >> 1) & 3, l = (i >> 3) & 31;
                 const int wk = (i >> 8) & 1, tap = i >> 9;
                 const int k = k0 + wk * 32 + j * 8 + (l >> 2), c = c0 + (l & 3) + 4 * half;
-                wt[i] = staged(k < K && c < C ? __ldg(w + ((long long)k * C + c) * khw + tap)
-                                              : 0.0f);
+                wt[i] = k < K && c < C
+                    ? staged(__ldg(w + ((long long)k * C + c) * khw + tap), k) : 0.0f;
             }
             return rpad;
         }
@@ -489,9 +496,8 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
             const int kk = i / rpad, r = i - kk * rpad;  // r fastest: coalesced
             const int k = k0 + kk;
             const int c = r / khw, uv = r - c * khw;
-            const float v = (r < rn && k < K && c0 + c < C)
-                ? __ldg(w + ((long long)k * C + c0 + c) * khw + uv) : 0.0f;
-            s.wt[r][kk] = staged(v);
+            s.wt[r][kk] = (r < rn && k < K && c0 + c < C)
+                ? staged(__ldg(w + ((long long)k * C + c0 + c) * khw + uv), k) : 0.0f;
         }
         for (int r = tid; r < rpad; r += CONV_THREADS) {
             int off = -1;
@@ -513,8 +519,13 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
         constexpr int V = decltype(v)::value;
         const int rows = (FIXED ? Fixed::CC : min(cc, C - c0)) * hr;
         if constexpr (V == 4) {
+            // A compile-time trip count: unrolled, no loop control per tile.
             constexpr int RUNS = Fixed::HCS / 4;  // per halo row
-            for (int i = tid; i < Fixed::CC * Fixed::HR * RUNS; i += CONV_THREADS) {
+            constexpr int TOTAL = Fixed::CC * Fixed::HR * RUNS;
+#pragma unroll
+            for (int turn = 0; turn < (TOTAL + CONV_THREADS - 1) / CONV_THREADS; ++turn) {
+                const int i = tid + turn * CONV_THREADS;
+                if (TOTAL % CONV_THREADS != 0 && i >= TOTAL) break;
                 const int row = i / RUNS, col = 4 * (i - row * RUNS);
                 const int c = row / Fixed::HR, hrow = row - c * Fixed::HR;
                 f(c, hrow, col, c * cstride + hrow * rstride + col);
@@ -715,7 +726,8 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
     const int tiles = ((P + HALO_TH - 1) / HALO_TH) * tiles_w;
     halo_tiles<PASSES, KSIZE>(x, w, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
                               halo_shared(smem, hsize),
-                              GridStride{tiles, tiles_w, (long long)N * tiles}, store);
+                              GridStride{tiles, tiles_w, (long long)N * tiles}, store,
+                              [](int) { return 1.0f; });
 }
 
 // Pipeline A's convolution with the fused pass of pool_extremum_stats (pooling.cu) as its
@@ -729,14 +741,26 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
 //    over the pixels of run s of sample n's tiles (SampleSegments; the tiles cover every
 //    pixel once, the rows and columns that the pool drops included), row = n * (K /
 //    shift_group) + k / shift_group; shift from conv2d_first_values.
-// A lane holds one column of a window (the warp layout above): the extremum of its rows in
+// The weights come staged times sign[k] (+1, or -1 where the window takes the min): acc is
+// sign * y, every window takes its max, and sign * max(acc) + bias is the extremum of
+// y + bias exactly (rounding is monotonic and symmetric); the sums run over sign * d =
+// acc - sign * (shift - bias), their sum of sign * d multiplied by sign once per run.
+// A lane holds one column of a window (the warp layout above): the max of its rows in
 // registers, the window's over POOL neighbouring lanes by shuffles, stored by the window's
-// first lane. max(sign * y) + bias is the extremum of y + bias exactly (rounding is monotonic).
-// Each lane sums over a run's tiles in shared memory of its own; after the run's last tile a
-// warp reduces them over its lanes and the four column warps meet in the scratch. Scratch
-// (after the halo buffers): per channel (bias, sign, offset, unused), the sums [warp
-// column][channel] (float2), each lane's sums [warp][channel j, e][lane] (float2).
+// first lane. Each lane sums over a run's tiles in shared memory of its own; after the
+// run's last tile a warp reduces them over its lanes and the four column warps meet in the
+// scratch. Scratch (after the halo buffers): per channel (bias, sign, offset, unused), the
+// sums [warp column][channel] (float2), each lane's sums [warp][channel j, e][lane]
+// (float2).
 #define POOL_SCRATCH_FLOATS (4 * CONV_BN + 2 * 4 * CONV_BN + 2 * 8 * 8 * 32)
+
+// -1 where sign_a[k] * sign_b[k] < 0 (either may be null: positive), else +1 (also for NaN).
+__device__ __forceinline__ float window_sign(const float* __restrict__ sign_a,
+                                            const float* __restrict__ sign_b, int k) {
+    const float a = sign_a != nullptr ? __ldg(sign_a + k) : 1.0f;
+    const float b = sign_b != nullptr ? __ldg(sign_b + k) : 1.0f;
+    return a * b < 0.0f ? -1.0f : 1.0f;
+}
 
 // Registers as conv2d_halo's.
 template <int PASSES, int KSIZE, int POOL>
@@ -760,7 +784,8 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
     const int tiles = ((P + HALO_TH - 1) / HALO_TH) * tiles_w;
     const SampleSegments segments{tiles, tiles_w, splits, (long long)N * splits};
     const int hsize = halo_floats<KSIZE>(cc, hr, hc);
-    // Per channel (bias, sign, offset: the run's shift minus the bias, d = acc - offset);
+    // Per channel (bias, sign, offset: sign * (the run's shift - bias), sign * d = acc -
+    // offset);
     // the run's sums per warp column and channel; each lane's own running sums of its 8
     // channels (shared memory, not registers: the MMA loop needs those).
     float4* params = reinterpret_cast<float4*>(halo_scratch(smem, hsize));
@@ -770,11 +795,9 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
     if (tid < CONV_BN) {
         const int k = k0 + tid;
         const bool k_in = k < K;
-        const bool neg = k_in
-            && (sign_a != nullptr ? __ldg(sign_a + k) : 1.0f)
-               * (sign_b != nullptr ? __ldg(sign_b + k) : 1.0f) < 0.0f;
         bias_k = (k_in && bias != nullptr) ? __ldg(bias + k) : 0.0f;
-        params[tid] = make_float4(bias_k, neg ? -1.0f : 1.0f, 0.0f, 0.0f);
+        params[tid] = make_float4(bias_k, k_in ? window_sign(sign_a, sign_b, k) : 1.0f, 0.0f,
+                                  0.0f);
     }
     const long long plane = (long long)Ho * Wo;  // ext floats per channel
     bool fresh = true;  // the next tile opens a run
@@ -784,7 +807,7 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
         constexpr bool CHECK = decltype(check)::value;
         const int p0 = pos.tr * HALO_TH, q = pos.tc * HALO_TW + warp_m * 8 + gid;  // lane's
         const int wo = q / POOL;
-        // The window lane's extrema of channel k0 + warp_k + 2 tig; channel + 8 j + e is
+        // The window lane's extremum of channel k0 + warp_k + 2 tig; channel + 8 j + e is
         // (8 j + e) planes on.
         const bool stores = gid % POOL == 0 && (!CHECK || wo < Wo);
         float* ext_j = ext + ((long long)pos.n * K + k0 + warp_k + 2 * tig) * plane
@@ -805,7 +828,7 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
                         sum.x += d;
                         sum.y = fmaf(d, d, sum.y);
                     }
-                    m[r / POOL] = r % POOL == 0 ? bs.y * v : fmaxf(m[r / POOL], bs.y * v);
+                    m[r / POOL] = r % POOL == 0 ? v : fmaxf(m[r / POOL], v);
                 }
                 lane_sums[(j * 2 + e) * 32] = sum;
 #pragma unroll
@@ -823,8 +846,8 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
         if (fresh) {
             // The previous run's epilogue read the offsets before this tile's barriers.
             if (tid < CONV_BN && k0 + tid < K)
-                params[tid].z = __ldg(shift + (long long)pos.n * (K / shift_group)
-                                      + (k0 + tid) / shift_group) - bias_k;
+                params[tid].z = params[tid].y * (__ldg(shift + (long long)pos.n * (K / shift_group)
+                                                       + (k0 + tid) / shift_group) - bias_k);
 #pragma unroll
             for (int je = 0; je < 8; ++je) lane_sums[je * 32] = make_float2(0.0f, 0.0f);
             fresh = false;
@@ -857,11 +880,13 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
                 total.x += sums[c * CONV_BN + tid].x;
                 total.y += sums[c * CONV_BN + tid].y;
             }
+            total.x *= params[tid].y;
             partial[((long long)pos.n * K + k0 + tid) * splits + pos.run] = total;
         }
     };
     halo_tiles<PASSES, KSIZE>(x, w, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
-                              halo_shared(smem, hsize), segments, pool_stats);
+                              halo_shared(smem, hsize), segments, pool_stats,
+                              [&](int k) { return window_sign(sign_a, sign_b, k); });
 }
 
 // shift[row] = bias[c] + conv(x, w)[n, c, 0, 0] in float32, row = n * (K / shift_group) +
