@@ -2,8 +2,8 @@
 offset table (for the compiled-in 3 x 3 geometry, FixedHalo, the offsets its fragment
 addresses add up to) and m16n8k8 fragment layouts, with float64 MMAs, against the float64
 reference (no GPU); and of conv2d_halo_pool_stats' epilogue (its schedule of segments,
-registers, shuffles and scratch) and conv2d_first_values against their definitions. Run it
-after changing the kernels' index math (and change it alongside).
+registers, shuffles and scratch, the window sign folded into the weights) against its
+definition. Run it after changing the kernels' index math (and change it alongside).
 
 Usage: python scripts/emulate_conv_halo.py
 """
@@ -174,29 +174,29 @@ def segments(n_total, tiles, splits, blocks):
 
 
 class PoolStatsBlock:
-    """conv2d_halo_pool_stats' epilogue state of one block: per warp and lane, the offsets
-    and running sums of its 8 channels (j, e), as the kernel keeps them in registers."""
+    """conv2d_halo_pool_stats' epilogue state of one block: the scratch's (bias, sign,
+    offset) per channel and each warp's and lane's running sums of its 8 channels (j, e).
+    The accumulators come times the channel's sign (its weights staged so)."""
 
-    def __init__(self, bias, sign, shift, k0, k_total, shift_group):
-        self.k0, self.k_total, self.group = k0, k_total, shift_group
+    def __init__(self, bias, sign, k0, k_total):
+        self.k0, self.k_total = k0, k_total
         kk = np.arange(k0, k0 + BN)
         k_in = kk < k_total
         kc = np.minimum(kk, k_total - 1)
-        self.bias = np.where(k_in, bias[kc], 0.0)  # the scratch's (bias, sign) per channel
+        self.bias = np.where(k_in, bias[kc], 0.0)
         self.sign = np.where(k_in & (sign[kc] < 0), -1.0, 1.0)
-        self.shift = shift
-        self.offset = np.zeros((8, 4, 2, 32))
+        self.offset = np.zeros(BN)
         self.s1, self.s2 = np.zeros((8, 4, 2, 32)), np.zeros((8, 4, 2, 32))
 
-    def begin_segment(self, n):
-        for warp in range(8):
+    def begin_segment(self, acc):
+        """The run's offsets: its first tile's acc at row 0, column 0 (lanes gid 0 of the
+        first column warps 0 and 4, fragment row 0 of MMA tile 0)."""
+        for warp in (0, 4):
             for j in range(4):
                 for e in range(2):
-                    kl = (warp >> 2) * 32 + j * 8 + 2 * TIG + e
-                    k = self.k0 + kl
-                    sh = self.shift[n * (self.k_total // self.group)
-                                    + np.minimum(k, self.k_total - 1) // self.group]
-                    self.offset[warp, j, e] = np.where(k < self.k_total, sh - self.bias[kl], 0.0)
+                    for lane in np.flatnonzero(GID == 0):
+                        kl = (warp >> 2) * 32 + j * 8 + 2 * TIG[lane] + e
+                        self.offset[kl] = acc[warp, 0, j, lane, e]
         self.s1[:], self.s2[:] = 0.0, 0.0
 
     def tile(self, acc, n, p0, q0, shape, pool, ext):
@@ -213,11 +213,10 @@ class PoolStatsBlock:
                     for r in range(TH):
                         v = acc[warp, r >> 1, j, :, (r & 1) * 2 + e]
                         ok = (p0 + r < p_total) & (q < q_total)
-                        d = v - self.offset[warp, j, e]
+                        d = v - self.offset[kl]
                         self.s1[warp, j, e] += np.where(ok, d, 0.0)
                         self.s2[warp, j, e] += np.where(ok, d * d, 0.0)
-                        sv = self.sign[kl] * v
-                        m[r // pool] = sv if r % pool == 0 else np.fmax(m[r // pool], sv)
+                        m[r // pool] = v if r % pool == 0 else np.fmax(m[r // pool], v)
                     for wr in range(TH // pool):
                         step = 4
                         while step < 4 * pool:
@@ -229,8 +228,9 @@ class PoolStatsBlock:
                                 ext[n, k, ho, wo] = self.sign[kl[lane]] * m[wr, lane] + \
                                     self.bias[kl[lane]]
 
-    def end_segment(self, n, s, partial):
-        """The segment's sums over each warp's lanes, then over the four column warps."""
+    def end_segment(self, n, s, pixels, partial):
+        """The segment's sums over each warp's lanes, then over the four column warps; the
+        first moment times the sign, the shift sign * offset + bias."""
         sums = np.zeros((4, BN, 2))
         for warp in range(8):
             for j in range(4):
@@ -244,49 +244,30 @@ class PoolStatsBlock:
                         kl = (warp >> 2) * 32 + j * 8 + 2 * TIG[lane] + e
                         sums[warp & 3, kl] = s1[lane], s2[lane]
         for kl in range(min(BN, self.k_total - self.k0)):
-            partial[n, self.k0 + kl, s] = sums[:, kl].sum(axis=0)
+            s1, s2 = sums[:, kl].sum(axis=0)
+            partial[n, self.k0 + kl, s] = (self.sign[kl] * s1, s2,
+                                           self.sign[kl] * self.offset[kl] + self.bias[kl],
+                                           pixels)
 
 
-def first_values(x, w, bias, shift_group, padding, dilation):
-    """conv2d_first_values: a warp per statistics row, its lanes striding the reduction."""
-    _, c_total, height, width = x.shape
-    k_total, _, kh, kw = w.shape
-    groups = k_total // shift_group
-    khw = kh * kw
-    shift = np.empty(x.shape[0] * groups)
-    for row in range(shift.size):
-        n, c = row // groups, (row % groups) * shift_group
-        lanes = np.zeros(32)
-        for r in range(c_total * khw):
-            ci, uv = divmod(r, khw)
-            u, v = divmod(uv, kw)
-            h, ww = u * dilation[0] - padding[0], v * dilation[1] - padding[1]
-            if 0 <= h < height and 0 <= ww < width:
-                lanes[r % 32] += x[n, ci, h, ww] * w.reshape(k_total, -1)[c, r]
-        shift[row] = lanes.sum() + bias[c]
-    return shift
-
-
-def emulate_pool_stats(x, w, bias, sign, shift_group, stride, padding, dilation, pool,
-                       splits, blocks):
-    """conv2d_first_values and conv2d_halo_pool_stats (``splits`` segments per sample taken
-    by ``blocks`` blocks): (ext, partial, shift)."""
+def emulate_pool_stats(x, w, bias, sign, stride, padding, dilation, pool, splits, blocks):
+    """conv2d_halo_pool_stats (``splits`` segments per sample taken by ``blocks`` blocks):
+    (ext, partial)."""
     y = emulate(x, w, None, stride, padding, dilation)  # tiles' acc, checked above
+    y = y * np.where(sign < 0, -1.0, 1.0)[None, :, None, None]  # the staged weights' sign
     n_total, k_total, p_total, q_total = y.shape
-    shift = first_values(x, w, bias, shift_group, padding, dilation)
     tiles_w = -(-q_total // TW)
     tiles = -(-p_total // TH) * tiles_w
     ext = np.full((n_total, k_total, p_total // pool, q_total // pool), np.nan)
-    partial = np.full((n_total, k_total, splits, 2), np.nan)
+    partial = np.full((n_total, k_total, splits, 4), np.nan)
     for k0 in range(0, k_total, BN):
         states = {}  # one per block, kept over its runs as the kernel keeps its scratch
         for block, items in segments(n_total, tiles, splits, blocks):
-            state = states.setdefault(
-                block, PoolStatsBlock(bias, sign, shift, k0, k_total, shift_group))
+            state = states.setdefault(block, PoolStatsBlock(bias, sign, k0, k_total))
+            pixels = 0
             for index, (n, t, s) in enumerate(items):
-                if index == 0:
-                    state.begin_segment(n)
                 p0, q0 = (t // tiles_w) * TH, (t % tiles_w) * TW
+                pixels += min(TH, p_total - p0) * min(TW, q_total - q0)
                 acc = np.zeros((8, 2, 4, 32, 4))
                 for warp in range(8):  # the accumulators as conv2d_halo's store reads them
                     warp_col, warp_k = (warp & 3) * 8, (warp >> 2) * 32
@@ -299,36 +280,50 @@ def emulate_pool_stats(x, w, bias, sign, shift_group, stride, padding, dilation,
                                     k = np.minimum(k0 + warp_k + j * 8 + 2 * TIG + e,
                                                    k_total - 1)
                                     acc[warp, i, j, :, half * 2 + e] = y[n, k, p, q]
+                if index == 0:
+                    state.begin_segment(acc)
                 state.tile(acc, n, p0, q0, y.shape, pool, ext)
-            state.end_segment(n, s, partial)
-    return ext, partial, shift
+            state.end_segment(n, s, pixels, partial)
+    return ext, partial
 
 
 def check_pool_stats(rng) -> float:
-    """The pool-stats epilogue against its definition on the float64 convolution."""
+    """The pool-stats epilogue against its definition on the float64 convolution: the
+    windows' extrema, and per run (segment) its first pixel's value as the shift, its pixel
+    count and the sums of the values minus that shift."""
     worst = 0.0
     # Segments of uneven lengths, blocks taking several (3 resident blocks), and of one tile.
-    for xs, ws, pool, group, slots in [((2, 8, 13, 40), (70, 8, 3, 3), 4, 5, 3),
-                                       ((1, 3, 9, 37), (12, 3, 3, 3), 2, 4, 264)]:
+    for xs, ws, pool, slots in [((2, 8, 13, 40), (70, 8, 3, 3), 4, 3),
+                                ((1, 3, 9, 37), (12, 3, 3, 3), 2, 264)]:
         x, w = rng.standard_normal(xs), rng.standard_normal(ws)
         bias, sign = rng.standard_normal(ws[0]), rng.standard_normal(ws[0])
         tiles = -(-(xs[2] - 2) // TH) * -(-(xs[3] - 2) // TW)
         splits, blocks = sample_segments(xs[0], tiles, slots)
-        ext, partial, shift = emulate_pool_stats(x, w, bias, sign, group, (1, 1), (0, 0),
-                                                 (1, 1), pool, splits, blocks)
+        ext, partial = emulate_pool_stats(x, w, bias, sign, (1, 1), (0, 0), (1, 1), pool,
+                                          splits, blocks)
         y = reference.conv(x, w, bias, (1, 1), (0, 0), (1, 1), 1)
         n, k, p, q = y.shape
         ho, wo = p // pool, q // pool
         win = y[:, :, :ho * pool, :wo * pool].reshape(n, k, ho, pool, wo, pool)
         want = np.where(sign[None, :, None, None] < 0, win.min(axis=(3, 5)),
                         win.max(axis=(3, 5)))
-        d = y - np.repeat(shift.reshape(n, k // group), group, axis=1)[:, :, None, None]
-        sums = np.stack([d.sum(axis=(2, 3)), (d * d).sum(axis=(2, 3))], -1)
-        errs = [np.abs(ext - want).max(), np.abs(partial.sum(axis=2) - sums).max() / p / q,
-                np.abs(shift - y[:, ::group, 0, 0].reshape(-1)).max()]
-        print(f"pool-stats x {xs} w {ws} pool {pool} group {group} splits {splits} blocks "
-              f"{blocks}: max errors (ext, "
-              f"sums / pixels, shift) {errs[0]:.1e} {errs[1]:.1e} {errs[2]:.1e}")
+        rows, cols = np.indices((p, q))
+        tile = rows // TH * -(-q // TW) + cols // TW  # each pixel's tile, row-major
+        run = np.searchsorted([s * tiles // splits for s in range(1, splits)], tile,
+                              side="right")
+        errs = [np.abs(ext - want).max(), 0.0, 0.0]
+        for s in range(splits):
+            inside = run == s
+            first = np.unravel_index(np.flatnonzero(inside)[0], (p, q))
+            d = y[:, :, inside] - y[:, :, first[0], first[1], None]
+            expect = np.stack([d.sum(-1), (d * d).sum(-1)], -1)
+            errs[1] = max(errs[1], np.abs(partial[:, :, s, :2] - expect).max() / inside.sum())
+            errs[2] = max(errs[2], np.abs(partial[:, :, s, 2] - y[:, :, first[0], first[1]]).max())
+            if not (partial[:, :, s, 3] == inside.sum()).all():
+                errs[2] = float("inf")
+        print(f"pool-stats x {xs} w {ws} pool {pool} splits {splits} blocks {blocks}: max "
+              f"errors (ext, sums / pixels, shift and count) {errs[0]:.1e} {errs[1]:.1e} "
+              f"{errs[2]:.1e}")
         worst = max([worst] + [e if not np.isnan(e) else float("inf") for e in errs])
     return worst
 

@@ -32,7 +32,6 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "conv2d_halo_pool_stats<3, 3, 2>",
         "conv2d_halo_pool_stats<1, 3, 4>",
         "conv2d_halo_pool_stats<3, 3, 4>",
-        "conv2d_first_values",
     ),
     "pooling.cu": (
         "pool_nd<true, 0, 0>",
@@ -88,8 +87,9 @@ KERNELS: dict[str, tuple[str, ...]] = {
     ),
     "normalization.cu": (
         "key_stats_partial",
-        "stats_finalize<MODE_GROUP_NORM>",
-        "stats_finalize<MODE_BATCH_NORM>",
+        "stats_finalize<MODE_GROUP_NORM, false>",
+        "stats_finalize<MODE_GROUP_NORM, true>",
+        "stats_finalize<MODE_BATCH_NORM, false>",
         "channel_affine<ACT_NONE, 1>",
         "channel_affine<ACT_NONE, 4>",
         "channel_affine<ACT_TANH, 1>",

@@ -737,14 +737,15 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
 //    y + bias[k], or the window min where sign_a[k] * sign_b[k] < 0 (either may be null:
 //    positive), as pool_extremum_stats writes it (fmaxf drops NaN: a NaN in a statistics row
 //    makes its mean NaN, and with it every output the extremum feeds);
-//  * partial[(n * K + k) * splits + s] = (sum d, sum d * d), d = y + bias[k] - shift[row],
-//    over the pixels of run s of sample n's tiles (SampleSegments; the tiles cover every
-//    pixel once, the rows and columns that the pool drops included), row = n * (K /
-//    shift_group) + k / shift_group; shift from conv2d_first_values.
+//  * partial[(n * K + k) * splits + s] = (sum d, sum d * d, shift, count as int bits), d =
+//    y + bias[k] - shift over the count pixels of run s of sample n's tiles (SampleSegments;
+//    the tiles cover every pixel once, the rows and columns that the pool drops included),
+//    shift the value at the run's first pixel (stats_finalize<MODE, true> takes them).
 // The weights come staged times sign[k] (+1, or -1 where the window takes the min): acc is
 // sign * y, every window takes its max, and sign * max(acc) + bias is the extremum of
 // y + bias exactly (rounding is monotonic and symmetric); the sums run over sign * d =
-// acc - sign * (shift - bias), their sum of sign * d multiplied by sign once per run.
+// acc - offset (offset = sign * (shift - bias): the first pixel's acc), their sum of sign * d
+// multiplied by sign once per run.
 // A lane holds one column of a window (the warp layout above): the max of its rows in
 // registers, the window's over POOL neighbouring lanes by shuffles, stored by the window's
 // first lane. Each lane sums over a run's tiles in shared memory of its own; after the
@@ -767,11 +768,10 @@ template <int PASSES, int KSIZE, int POOL>
 __global__ void __launch_bounds__(CONV_THREADS, PASSES == 1 ? HALO_BLOCKS_PER_SM : 1)
 conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
                        const float* __restrict__ bias, const float* __restrict__ sign_a,
-                       const float* __restrict__ sign_b, const float* __restrict__ shift,
-                       float* __restrict__ ext, float2* __restrict__ partial, int N, int C,
-                       int H, int W, int K, int kh, int kw, int P, int Q, int sh, int sw, int ph,
-                       int pw, int dh, int dw, int cc, int hr, int hc, int shift_group, int Ho,
-                       int Wo, int splits) {
+                       const float* __restrict__ sign_b, float* __restrict__ ext,
+                       float4* __restrict__ partial, int N, int C, int H, int W, int K, int kh,
+                       int kw, int P, int Q, int sh, int sw, int ph, int pw, int dh, int dw,
+                       int cc, int hr, int hc, int Ho, int Wo, int splits) {
     extern __shared__ float smem[];
     static_assert(HALO_TH % POOL == 0 && 8 % POOL == 0, "windows tile a warp's 4 x 8 pixels");
     constexpr int WR = HALO_TH / POOL;  // window rows of a tile
@@ -784,20 +784,18 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
     const int tiles = ((P + HALO_TH - 1) / HALO_TH) * tiles_w;
     const SampleSegments segments{tiles, tiles_w, splits, (long long)N * splits};
     const int hsize = halo_floats<KSIZE>(cc, hr, hc);
-    // Per channel (bias, sign, offset: sign * (the run's shift - bias), sign * d = acc -
+    // Per channel (bias, sign, offset: the acc of the run's first pixel, sign * d = acc -
     // offset);
     // the run's sums per warp column and channel; each lane's own running sums of its 8
     // channels (shared memory, not registers: the MMA loop needs those).
     float4* params = reinterpret_cast<float4*>(halo_scratch(smem, hsize));
     float2* sums = reinterpret_cast<float2*>(params + CONV_BN);
     float2* lane_sums = sums + 4 * CONV_BN + warp * 8 * 32 + lane;  // [j * 2 + e][lane]
-    float bias_k = 0.0f;  // thread tid < CONV_BN's channel's
     if (tid < CONV_BN) {
         const int k = k0 + tid;
         const bool k_in = k < K;
-        bias_k = (k_in && bias != nullptr) ? __ldg(bias + k) : 0.0f;
-        params[tid] = make_float4(bias_k, k_in ? window_sign(sign_a, sign_b, k) : 1.0f, 0.0f,
-                                  0.0f);
+        params[tid] = make_float4((k_in && bias != nullptr) ? __ldg(bias + k) : 0.0f,
+                                  k_in ? window_sign(sign_a, sign_b, k) : 1.0f, 0.0f, 0.0f);
     }
     const long long plane = (long long)Ho * Wo;  // ext floats per channel
     bool fresh = true;  // the next tile opens a run
@@ -844,10 +842,16 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
 
     auto pool_stats = [&](const TilePos& pos, const float (&acc)[2][4][4]) {
         if (fresh) {
-            // The previous run's epilogue read the offsets before this tile's barriers.
-            if (tid < CONV_BN && k0 + tid < K)
-                params[tid].z = params[tid].y * (__ldg(shift + (long long)pos.n * (K / shift_group)
-                                                       + (k0 + tid) / shift_group) - bias_k);
+            // The run's offsets: the acc of its first pixel (row 0, column 0 of the first
+            // column warps: fragment row 0 of MMA tile 0), published by the barrier below. The
+            // previous run's epilogue read the offsets before this tile's barriers.
+            if (warp_m == 0 && gid == 0) {
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e)
+                        params[warp_k + j * 8 + 2 * tig + e].z = acc[0][j][e];
+            }
 #pragma unroll
             for (int je = 0; je < 8; ++je) lane_sums[je * 32] = make_float2(0.0f, 0.0f);
             fresh = false;
@@ -880,39 +884,18 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
                 total.x += sums[c * CONV_BN + tid].x;
                 total.y += sums[c * CONV_BN + tid].y;
             }
-            total.x *= params[tid].y;
-            partial[((long long)pos.n * K + k0 + tid) * splits + pos.run] = total;
+            // The run's pixels: whole tiles but those at the output's bottom and right edges.
+            int count = 0;
+            for (int t = segments.begin(pos.run); t < pos.end; ++t) {
+                const int tr = t / tiles_w, tc = t - tr * tiles_w;
+                count += min(HALO_TH, P - tr * HALO_TH) * min(HALO_TW, Q - tc * HALO_TW);
+            }
+            const float4 bs = params[tid];
+            partial[((long long)pos.n * K + k0 + tid) * splits + pos.run] =
+                make_float4(bs.y * total.x, total.y, fmaf(bs.y, bs.z, bs.x), __int_as_float(count));
         }
     };
     halo_tiles<PASSES, KSIZE>(x, w, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
                               halo_shared(smem, hsize), segments, pool_stats,
                               [&](int k) { return window_sign(sign_a, sign_b, k); });
-}
-
-// shift[row] = bias[c] + conv(x, w)[n, c, 0, 0] in float32, row = n * (K / shift_group) +
-// g, c = g * shift_group: the first element of each GroupNorm statistics row, the shift of
-// conv2d_halo_pool_stats' sums. A warp per row. Grid ceil(rows / 8), block 256.
-__global__ void __launch_bounds__(CONV_THREADS, 1)
-conv2d_first_values(const float* __restrict__ x, const float* __restrict__ w,
-                    const float* __restrict__ bias, float* __restrict__ shift, int rows, int C,
-                    int H, int W, int K, int kh, int kw, int ph, int pw, int dh, int dw,
-                    int shift_group) {
-    const int row = blockIdx.x * (CONV_THREADS / 32) + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (row >= rows) return;
-    const int groups = K / shift_group;
-    const int n = row / groups, c = (row - n * groups) * shift_group;
-    const int khw = kh * kw, R = C * khw;
-    float s = 0.0f;
-    for (int r = lane; r < R; r += 32) {
-        const int ci = r / khw, uv = r - ci * khw;
-        const int u = uv / kw, v = uv - u * kw;
-        const int h = u * dh - ph, ww = v * dw - pw;
-        if (h >= 0 && h < H && ww >= 0 && ww < W)
-            s = fmaf(__ldg(x + (((long long)n * C + ci) * H + h) * W + ww),
-                     __ldg(w + (long long)c * R + r), s);
-    }
-#pragma unroll
-    for (int step = 16; step > 0; step >>= 1) s += __shfl_xor_sync(0xffffffffu, s, step);
-    if (lane == 0) shift[row] = s + (bias != nullptr ? __ldg(bias + c) : 0.0f);
 }

@@ -45,15 +45,18 @@ __global__ void key_stats_partial(const float* __restrict__ x, float2* __restric
 
 // One block per statistics row. The row's partials sit at
 // partial[o * outer_stride + row * row_len + m], o < n_outer, m < row_len, and are summed in
-// double. They become per-channel coefficients a, b of the affine that the next pass applies:
+// double: float2 (sum d, sum d * d), d = value - shift[row]; or with ENTRIES, float4 (sum d,
+// sum d * d, s, count as int bits), d = value - s with a shift s of each entry's own, the
+// sums moved to the row's first entry's shift in double. They become per-channel
+// coefficients a, b of the affine that the next pass applies:
 //  MODE_GROUP_NORM: row = n * G + g; a[n, c] = gamma * rstd * scale,
 //                   b[n, c] = (beta - mean * gamma * rstd) * scale for the group's channels.
 //  MODE_BATCH_NORM: row = c; a[c] = gamma * rstd, b[c] = beta - mean * a[c]; with training = 0
 //                   the running statistics replace the batch ones; with training = 1 the running
 //                   buffers (when given) are updated in place as PyTorch does, the batch mean
 //                   including mean_offset[c] (a convolution bias that the statistics skipped).
-template <int MODE>
-__global__ void stats_finalize(const float2* __restrict__ partial, const float* __restrict__ shift,
+template <int MODE, bool ENTRIES>
+__global__ void stats_finalize(const float* __restrict__ partial, const float* __restrict__ shift,
                                index_t n_outer, index_t outer_stride, int row_len, double count,
                                const float* __restrict__ gamma, const float* __restrict__ beta,
                                const float* __restrict__ scale, float* __restrict__ coef_a,
@@ -65,13 +68,25 @@ __global__ void stats_finalize(const float2* __restrict__ partial, const float* 
     __shared__ float stats[2];
     const index_t row = blockIdx.x;
     if (training) {
+        constexpr int WIDTH = ENTRIES ? 4 : 2;  // floats per partial
+        const double row_shift = ENTRIES ? (double)partial[WIDTH * row * row_len + 2]
+                                         : (double)shift[row];
         double2 s = make_double2(0.0, 0.0);
         const index_t total = n_outer * row_len;
         for (index_t j = threadIdx.x; j < total; j += blockDim.x) {
             const index_t o = j / row_len;
-            const float2 v = partial[o * outer_stride + row * row_len + (j - o * row_len)];
-            s.x += v.x;
-            s.y += v.y;
+            const float* v = partial + WIDTH * (o * outer_stride + row * row_len
+                                                + (j - o * row_len));
+            if (ENTRIES) {
+                // sum (d + e) and sum (d + e)^2 over the entry's values, e = its shift's
+                // distance to the row's.
+                const double e = (double)v[2] - row_shift, n = __float_as_int(v[3]);
+                s.x += v[0] + n * e;
+                s.y += v[1] + e * (2.0 * v[0] + n * e);
+            } else {
+                s.x += v[0];
+                s.y += v[1];
+            }
         }
         s = block_sum(s, scratch);
         if (threadIdx.x == 0) {
@@ -79,7 +94,7 @@ __global__ void stats_finalize(const float2* __restrict__ partial, const float* 
             // Rounding can push the variance below 0; a NaN must stay NaN (fmax drops it).
             const double diff = s.y / count - m1 * m1;
             double var = diff < 0.0 ? 0.0 : diff;
-            double mean = (double)shift[row] + m1;
+            double mean = row_shift + m1;
             const double offset = mean_offset ? (double)mean_offset[row] : 0.0;
             // The offset (a convolution bias the statistics skipped) cancels for finite
             // values; a NaN or infinite one makes the channel's statistics NaN, as adding it

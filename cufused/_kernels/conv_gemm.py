@@ -119,46 +119,42 @@ def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tup
         (-(-rows // _TILE_M), -(-k // _TILE_K)), (_THREADS,), geometry)
 
 
-def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, shift_group: int,
-                      stride: tuple[int, int], padding: tuple[int, int],
-                      dilation: tuple[int, int], pool: int, passes: int):
+def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, stride: tuple[int, int],
+                      padding: tuple[int, int], dilation: tuple[int, int], pool: int,
+                      passes: int):
     """Pipeline A's convolution with the window-extremum + statistics pass as its epilogue
     (``conv2d_halo_pool_stats``): ``ext`` (N, K, P // pool, W // pool), contiguous NCHW,
     gets each window's extremum of ``conv2d(x, w) + bias`` (the min where ``sign_a *
-    sign_b < 0``) and the result is ``(partial, shift, splits)`` as
-    :func:`cufused._kernels.pooling.pool_extremum_stats` returns them (per-sample rows of
-    ``shift_group`` channels), without the convolution output ever being stored.
+    sign_b < 0``), without the convolution output ever being stored. Returns ``(partial,
+    splits)``: ``partial`` (N, K, splits, 4) holds each channel's (sum, sum of squares,
+    shift, pixel count as int32 bits) over run s of the sample's tiles, the sums of the
+    values minus the shift (the value at the run's first pixel), as
+    :func:`cufused._kernels.normalization.group_norm_coefficients` takes them with no
+    ``shift``.
 
     Needs ``pool`` 2 or 4 and a problem the halo kernel takes (:func:`halo_chunk`)."""
     n, c, h, wd = x.shape
     k, _, kh, kw = w.shape
     cc, hr, hc = halo_chunk(c, (kh, kw), stride, dilation)
-    if pool not in (2, 4) or cc < 1 or k % shift_group:
+    if pool not in (2, 4) or cc < 1:
         raise ValueError(f"conv2d_pool_stats takes pool 2 or 4 and a halo that fits "
-                         f"(pool {pool}, channels per chunk {cc}, shift_group {shift_group})")
+                         f"(pool {pool}, channels per chunk {cc})")
     p = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
     q = (wd + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
     splits, blocks = sample_segments(n, -(-p // _HALO_TH) * -(-q // _HALO_TW),
                                      sm_count() * _HALO_BLOCKS_PER_SM)
-    partial = xp.empty((n, k, splits, 2), dtype=xp.float32)
-    rows = n * (k // shift_group)
-    shift = xp.empty(rows, dtype=xp.float32)
+    partial = xp.empty((n, k, splits, 4), dtype=xp.float32)
     if blocks == 0 or k == 0:
-        return partial, shift, splits
+        return partial, splits
     i32 = numpy.int32
-    get_kernel(_FILE, "conv2d_first_values")(
-        (-(-rows // (_THREADS // 32)),), (_THREADS,),
-        (x, w, optional(bias), shift, i32(rows), i32(c), i32(h), i32(wd), i32(k), i32(kh),
-         i32(kw), i32(padding[0]), i32(padding[1]), i32(dilation[0]), i32(dilation[1]),
-         i32(shift_group)))
     ksize = fixed_ksize((kh, kw), stride, dilation)
     shared = halo_shared_bytes(cc, hr, hc, ksize, pool)
     get_kernel(_FILE, f"conv2d_halo_pool_stats<{passes}, {ksize}, {pool}>",
                shared_bytes=shared)(
         (blocks, -(-k // _TILE_K)), (_THREADS,),
-        (x, w, optional(bias), optional(sign_a), optional(sign_b), shift, ext, partial,
-         i32(n), i32(c), i32(h), i32(wd), i32(k), i32(kh), i32(kw), i32(p), i32(q),
-         i32(stride[0]), i32(stride[1]), i32(padding[0]), i32(padding[1]), i32(dilation[0]),
-         i32(dilation[1]), i32(cc), i32(hr), i32(hc), i32(shift_group), i32(p // pool),
-         i32(q // pool), i32(splits)), shared_mem=shared)
-    return partial, shift, splits
+        (x, w, optional(bias), optional(sign_a), optional(sign_b), ext, partial, i32(n), i32(c),
+         i32(h), i32(wd), i32(k), i32(kh), i32(kw), i32(p), i32(q), i32(stride[0]),
+         i32(stride[1]), i32(padding[0]), i32(padding[1]), i32(dilation[0]), i32(dilation[1]),
+         i32(cc), i32(hr), i32(hc), i32(p // pool), i32(q // pool), i32(splits)),
+        shared_mem=shared)
+    return partial, splits

@@ -46,8 +46,11 @@ def _stats_finalize(mode: str, rows: int, *, partial, shift, n_outer: int, outer
                     row_len: int, count: int, gamma, beta, scale, coef_a, coef_b, channels: int,
                     groups: int, eps: float, training: bool, running_mean, running_var,
                     mean_offset, momentum: float, moments) -> None:
-    """``stats_finalize<mode>``, one block per statistics row (see the kernel)."""
-    get_kernel(_FILE, f"stats_finalize<{mode}>")(
+    """``stats_finalize<mode, entries>``, one block per statistics row (see the kernel):
+    entries (float4 partials with shifts of their own) where ``shift`` is None in
+    training."""
+    entries = "true" if training and shift is None else "false"
+    get_kernel(_FILE, f"stats_finalize<{mode}, {entries}>")(
         (rows,), (finalize_threads(n_outer * row_len),),
         (optional(partial), optional(shift), numpy.int64(n_outer), numpy.int64(outer_stride),
          numpy.int32(row_len), numpy.float64(count), optional(gamma), optional(beta),
@@ -63,8 +66,10 @@ def group_norm_coefficients(partial, shift, coef_a, coef_b, *, rows: int, row_le
     """GroupNorm (times ``scale``) as per-(n, c) coefficients ``a * v + b``.
 
     Row ``n * num_groups + g`` has its ``row_len`` shifted-sum partials at
-    ``partial[row * row_len + m]`` over ``count`` values; ``coef_a``, ``coef_b`` receive
-    N * C values, ``moments`` (optional, rows x float2) each row's (mean, rstd).
+    ``partial[row * row_len + m]`` over ``count`` values: (sum, sum of squares) of the values
+    minus ``shift[row]``, or with ``shift`` None (sum, sum of squares, shift, count) with
+    shifts of their own (the count an int32 in a float32's bits); ``coef_a``, ``coef_b``
+    receive N * C values, ``moments`` (optional, rows x float2) each row's (mean, rstd).
     """
     _stats_finalize("MODE_GROUP_NORM", rows, partial=partial, shift=shift, n_outer=1,
                     outer_stride=0, row_len=row_len, count=count, gamma=gamma, beta=beta,

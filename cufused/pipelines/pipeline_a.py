@@ -152,11 +152,12 @@ def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, gn_
                                      conv_bias is not None)
     if epilogue:
         ext = out
-        partial, shift, splits = conv2d_pool_stats(
+        # Partials with shifts of their own (shift None).
+        partial, splits = conv2d_pool_stats(
             xp, xp.ascontiguousarray(x), xp.ascontiguousarray(weight), conv_bias, out,
-            sign_a=gn_weight, sign_b=scale, shift_group=cg, stride=args.stride,
-            padding=args.padding, dilation=args.dilation, pool=k,
-            passes=3 if precision == "3xtf32" else 1)
+            sign_a=gn_weight, sign_b=scale, stride=args.stride, padding=args.padding,
+            dilation=args.dilation, pool=k, passes=3 if precision == "3xtf32" else 1)
+        shift = None
     else:
         y, _ = conv_on_gpu(x, weight, args, precision, convert_output=False)
         # From a channels-last conv output the pass stores the extrema channels-last and the

@@ -35,6 +35,31 @@ CASES = [
 ]
 
 
+def assert_run_moments(partial, y, tol: float) -> None:
+    """conv2d_pool_stats' partials against the float64 convolution output y: run s of a
+    sample covers its 4 x 32 tiles (row-major) s * T // S to (s + 1) * T // S; each run's
+    shift is y at its first pixel, its count its pixels (exact), its sums those of y minus
+    the shift it reports."""
+    partial = partial.get()
+    n, k, p, q = y.shape
+    splits = partial.shape[2]
+    tiles_w = -(-q // 32)
+    tiles = -(-p // 4) * tiles_w
+    assert partial.shape == (n, k, splits, 4)
+    for s in range(splits):
+        first, end = s * tiles // splits, (s + 1) * tiles // splits
+        inside = np.zeros((p, q), dtype=bool)
+        for t in range(first, end):
+            tr, tc = divmod(t, tiles_w)
+            inside[4 * tr:4 * tr + 4, 32 * tc:32 * tc + 32] = True
+        tr, tc = divmod(first, tiles_w)
+        run = partial[:, :, s]
+        assert (run[..., 3].view(np.int32) == inside.sum()).all()
+        assert_close(run[..., 2], y[:, :, 4 * tr, 32 * tc], tol)
+        d = y[:, :, inside] - run[..., 2, None].astype(np.float64)
+        assert_close(run[..., :2], np.stack([d.sum(-1), (d * d).sum(-1)], -1), 10 * tol)
+
+
 @pytest.mark.parametrize("passes, tol", [(1, 2e-3), (3, 2e-6)])
 @pytest.mark.parametrize("x_shape, w_shape, stride, padding, dilation", CASES)
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -110,31 +135,26 @@ def test_halo_copies_of_any_alignment(rng, x_offset, width, padding):
     assert_close(y.get(), ref, 2e-3)
     n, k, p, q = ref.shape
     ext = cp.full((n, k, p // 4, q // 4), cp.nan, dtype=cp.float32)
-    partial, shift, _ = conv2d_pool_stats(
+    partial, _ = conv2d_pool_stats(
         cp, xg, cp.asarray(w, cp.float32), cp.asarray(bias, cp.float32), ext, sign_a=None,
-        sign_b=None, shift_group=4, stride=(1, 1), padding=pad, dilation=(1, 1), pool=4,
-        passes=1)
+        sign_b=None, stride=(1, 1), padding=pad, dilation=(1, 1), pool=4, passes=1)
     win = ref[:, :, :p // 4 * 4, :q // 4 * 4].reshape(n, k, p // 4, 4, q // 4, 4)
     assert_close(ext.get(), win.max(axis=(3, 5)), 2e-3)
-    d = ref - np.repeat(shift.get().astype(np.float64).reshape(n, k // 4), 4,
-                        axis=1)[:, :, None, None]
-    sums = np.stack([d.sum(axis=(2, 3)), (d * d).sum(axis=(2, 3))], -1)
-    assert_close(partial.get().astype(np.float64).sum(axis=2), sums, 2e-2)
+    assert_run_moments(partial, ref, 2e-3)
 
 
 @pytest.mark.parametrize("passes, tol", [(1, 2e-3), (3, 2e-6)])
-@pytest.mark.parametrize("x_shape, w_shape, pool, group, stride, padding", [
-    ((2, 8, 20, 18), (64, 8, 3, 3), 4, 4, (1, 1), (0, 0)),     # pipeline A's form
-    ((3, 5, 13, 40), (70, 5, 3, 3), 4, 5, (1, 1), (0, 0)),     # K past one tile, edge tiles
-    ((1, 3, 9, 37), (12, 3, 3, 3), 2, 4, (1, 1), (0, 0)),
-    ((2, 11, 21, 37), (16, 11, 3, 3), 2, 4, (1, 1), (1, 1)),  # 2 chunks, padding
-    ((2, 6, 21, 40), (8, 6, 3, 3), 2, 4, (2, 1), (1, 1)),     # the geometry as arguments
-    ((1, 3, 17, 70), (8, 3, 3, 3), 4, 4, (2, 2), (0, 0)),     # an odd halo: 3 x 9 x 65
+@pytest.mark.parametrize("x_shape, w_shape, pool, stride, padding", [
+    ((2, 8, 20, 18), (64, 8, 3, 3), 4, (1, 1), (0, 0)),     # pipeline A's form
+    ((3, 5, 13, 40), (70, 5, 3, 3), 4, (1, 1), (0, 0)),     # K past one tile, edge tiles
+    ((1, 3, 9, 37), (12, 3, 3, 3), 2, (1, 1), (0, 0)),
+    ((2, 11, 21, 37), (16, 11, 3, 3), 2, (1, 1), (1, 1)),  # 2 chunks, padding
+    ((2, 6, 21, 40), (8, 6, 3, 3), 2, (2, 1), (1, 1)),     # the geometry as arguments
+    ((1, 3, 17, 70), (8, 3, 3, 3), 4, (2, 2), (0, 0)),     # an odd halo: 3 x 9 x 65
 ])
-def test_pool_stats_epilogue(rng, x_shape, w_shape, pool, group, stride, padding, passes,
-                             tol):
-    # The window extrema (max, or min where the sign is negative), the per-tile shifted sums
-    # and the shifts against their definitions on the float64 convolution.
+def test_pool_stats_epilogue(rng, x_shape, w_shape, pool, stride, padding, passes, tol):
+    # The window extrema (max, or min where the sign is negative) and each run's shift,
+    # count and shifted sums against their definitions on the float64 convolution.
     from cufused._kernels.conv_gemm import conv2d_pool_stats
 
     x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
@@ -143,20 +163,14 @@ def test_pool_stats_epilogue(rng, x_shape, w_shape, pool, group, stride, padding
     n, k, p, q = y.shape
     ho, wo = p // pool, q // pool
     ext = cp.full((n, k, ho, wo), cp.nan, dtype=cp.float32)
-    partial, shift, splits = conv2d_pool_stats(
+    partial, _ = conv2d_pool_stats(
         cp, cp.asarray(x, cp.float32), cp.asarray(w, cp.float32), cp.asarray(bias, cp.float32),
-        ext, sign_a=cp.asarray(sign, cp.float32), sign_b=None, shift_group=group,
-        stride=stride, padding=padding, dilation=(1, 1), pool=pool, passes=passes)
+        ext, sign_a=cp.asarray(sign, cp.float32), sign_b=None, stride=stride, padding=padding,
+        dilation=(1, 1), pool=pool, passes=passes)
     win = y[:, :, :ho * pool, :wo * pool].reshape(n, k, ho, pool, wo, pool)
     want = np.where(sign[None, :, None, None] < 0, win.min(axis=(3, 5)), win.max(axis=(3, 5)))
     assert_close(ext.get(), want, tol)
-    first = y[:, ::group, 0, 0].reshape(-1)
-    assert_close(shift.get(), first, tol)
-    d = y - np.repeat(shift.get().astype(np.float64).reshape(n, k // group), group,
-                      axis=1)[:, :, None, None]
-    sums = np.stack([d.sum(axis=(2, 3)), (d * d).sum(axis=(2, 3))], -1)
-    assert partial.shape == (n, k, splits, 2)
-    assert_close(partial.get().astype(np.float64).sum(axis=2), sums, 10 * tol)
+    assert_run_moments(partial, y, tol)
 
 
 @pytest.mark.parametrize("pool", [2, 4])
@@ -179,15 +193,12 @@ def test_blocks_that_take_many_tiles(rng, monkeypatch, pool):
     assert_close(y.get(), ref, 2e-3)
     n, k, p, q = ref.shape
     ext = cp.full((n, k, p // pool, q // pool), cp.nan, dtype=cp.float32)
-    partial, shift, splits = conv_gemm.conv2d_pool_stats(
-        cp, xg, wg, bg, ext, sign_a=cp.asarray(sign, cp.float32), sign_b=None, shift_group=3,
-        stride=(1, 1), padding=(0, 0), dilation=(1, 1), pool=pool, passes=1)
-    assert splits == 5 and partial.shape == (n, k, 5, 2)
+    partial, splits = conv_gemm.conv2d_pool_stats(
+        cp, xg, wg, bg, ext, sign_a=cp.asarray(sign, cp.float32), sign_b=None, stride=(1, 1),
+        padding=(0, 0), dilation=(1, 1), pool=pool, passes=1)
+    assert splits == 5
     win = ref[:, :, :p // pool * pool, :q // pool * pool].reshape(
         n, k, p // pool, pool, q // pool, pool)
     want = np.where(sign[None, :, None, None] < 0, win.min(axis=(3, 5)), win.max(axis=(3, 5)))
     assert_close(ext.get(), want, 2e-3)
-    d = ref - np.repeat(shift.get().astype(np.float64).reshape(n, k // 3), 3,
-                        axis=1)[:, :, None, None]
-    sums = np.stack([d.sum(axis=(2, 3)), (d * d).sum(axis=(2, 3))], -1)
-    assert_close(partial.get().astype(np.float64).sum(axis=2), sums, 2e-2)
+    assert_run_moments(partial, ref, 2e-3)

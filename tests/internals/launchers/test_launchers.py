@@ -192,9 +192,13 @@ def test_normalization_launchers(launches):
     assert partial.shape == (8, splits, 2) and shift.shape == (8,)
     assert launches[-1].grid == (8 * splits,)
     coef = Dev((2, 8))
-    norm.group_norm_coefficients(Dev((4, 3, 2)), Dev((4,)), coef[0], coef[1], rows=4,
-                                 row_len=3, count=48, channels=4, num_groups=2, eps=1e-5,
-                                 gamma=Dev((4,)), scale=Dev((4,)), moments=Dev((4, 2)))
+    # Partials of one shift per row, and (shift None) of shifts and counts of their own.
+    for partial, shift, entries in ((Dev((4, 3, 2)), Dev((4,)), "false"),
+                                    (Dev((4, 3, 4)), None, "true")):
+        norm.group_norm_coefficients(partial, shift, coef[0], coef[1], rows=4, row_len=3,
+                                     count=48, channels=4, num_groups=2, eps=1e-5,
+                                     gamma=Dev((4,)), scale=Dev((4,)), moments=Dev((4, 2)))
+        assert launches[-1].name == f"stats_finalize<MODE_GROUP_NORM, {entries}>"
     for training in (True, False):
         norm.batch_norm_coefficients(
             Dev((2, 4, 3, 2)) if training else None, Dev((4,)) if training else None, coef[0],
@@ -221,8 +225,8 @@ def test_normalization_launchers(launches):
     check_all(launches, "normalization.cu")
     finalize = [launch for launch in launches if launch.name.startswith("stats_finalize")]
     training = [int(launch.args[14]) for launch in finalize]  # int training
-    assert training == [1, 1, 0]
-    assert [launch.grid for launch in finalize] == [(4,), (4,), (4,)]
+    assert training == [1, 1, 1, 0]
+    assert [launch.grid for launch in finalize] == [(4,)] * 4
 
 
 def test_pooling_launchers(launches):
@@ -306,22 +310,17 @@ def test_conv_gemm_launchers(launches, monkeypatch):
     for stride, ksize, p, splits_want in (((1, 1), 3, 18, 5), ((2, 1), 0, 9, 3)):
         for pool in (2, 4):
             for passes in (1, 3):
-                partial, shift, splits = conv.conv2d_pool_stats(
+                partial, splits = conv.conv2d_pool_stats(
                     FakeXp, Dev((2, 8, 20, 18)), Dev((64, 8, 3, 3)), Dev((64,)),
                     Dev((2, 64, p // pool, 16 // pool)), sign_a=Dev((64,)), sign_b=None,
-                    shift_group=4, stride=stride, padding=(0, 0), dilation=(1, 1), pool=pool,
-                    passes=passes)
+                    stride=stride, padding=(0, 0), dilation=(1, 1), pool=pool, passes=passes)
                 assert launches[-1].name == (
                     f"conv2d_halo_pool_stats<{passes}, {ksize}, {pool}>")
-                assert splits == splits_want and partial.shape == (2, 64, splits, 2)
-                assert shift.shape == (32,)
-                assert launches[-2].name == "conv2d_first_values"
-                assert launches[-2].grid == (4,)
+                assert splits == splits_want and partial.shape == (2, 64, splits, 4)
     with pytest.raises(ValueError, match="pool 2 or 4"):
         conv.conv2d_pool_stats(FakeXp, Dev((2, 8, 20, 18)), Dev((64, 8, 3, 3)), None,
-                               Dev((2, 64, 6, 5)), sign_a=None, sign_b=None, shift_group=4,
-                               stride=(1, 1), padding=(0, 0), dilation=(1, 1), pool=3,
-                               passes=1)
+                               Dev((2, 64, 6, 5)), sign_a=None, sign_b=None, stride=(1, 1),
+                               padding=(0, 0), dilation=(1, 1), pool=3, passes=1)
     check_all(launches, "conv_gemm.cu")
     halo = [launch for launch in launches if launch.name.startswith("conv2d_halo<")]
     # 2 samples x 5 x 1 tiles of 4 x 32 pixels: a block per tile (fewer tiles than 2 blocks
