@@ -612,30 +612,41 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
             }
             if (!one_chunk) __syncthreads();
             if constexpr (FIXED) {
-                // Channel tig (fragment values 0, 1) and tig + 4 (2, 3) at this lane's pixels,
-                // kernel row u: the taps of a row unrolled (constant offsets), the rows not
-                // (every tap unrolled hoists its loads past the register budget).
-                const float* lane_halo = halo + tig * Fixed::CSTRIDE;
+                // Kernel column v at a time (not unrolled: every tap unrolled hoists its
+                // loads past the register budget): this lane's halo column (its pixel column
+                // + v) over the HALO_TH + KSIZE - 1 halo rows, channels tig and tig + 4,
+                // loaded once; kernel row u's A fragments are its rows u .. u + HALO_TH - 1
+                // (MMA tile i, half: pixel row 2 i + half), so each halo value is loaded once
+                // per v, not once per tap.
+                const float* lane_col = halo + tig * Fixed::CSTRIDE + warp_col + gid;
+                const float4* b4 = reinterpret_cast<const float4*>(&s.wt[0][0])
+                                   + ((warp_k >> 5) * 32 + lane) * 2;
 #pragma unroll 1
-                for (int u = 0; u < KSIZE; ++u, lane_halo += Fixed::HCS) {
+                for (int v = 0; v < KSIZE; ++v, ++lane_col) {
+                    float column[Fixed::HR][2];
 #pragma unroll
-                    for (int v = 0; v < KSIZE; ++v) {
-                        const int tap = u * KSIZE + v;
+                    for (int h = 0; h < Fixed::HR; ++h) {
+                        column[h][0] = lane_col[h * Fixed::HCS];
+                        column[h][1] = lane_col[h * Fixed::HCS + 4 * Fixed::CSTRIDE];
+                    }
+#pragma unroll
+                    for (int u = 0; u < KSIZE; ++u) {
                         float af[2][4], bf[4][2];
 #pragma unroll
                         for (int i = 0; i < 2; ++i) {
-                            af[i][0] = lane_halo[pofs[i][0] + v];
-                            af[i][1] = lane_halo[pofs[i][1] + v];
-                            af[i][2] = lane_halo[pofs[i][0] + v + 4 * Fixed::CSTRIDE];
-                            af[i][3] = lane_halo[pofs[i][1] + v + 4 * Fixed::CSTRIDE];
+                            af[i][0] = column[2 * i + u][0];
+                            af[i][1] = column[2 * i + 1 + u][0];
+                            af[i][2] = column[2 * i + u][1];
+                            af[i][3] = column[2 * i + 1 + u][1];
                         }
-                        const float4* b4 = reinterpret_cast<const float4*>(&s.wt[0][0])
-                                           + ((tap * 2 + (warp_k >> 5)) * 32 + lane) * 2;
-                        const float4 b01 = b4[0], b23 = b4[1];
+                        // Tap u * KSIZE + v's B fragments ([tap][warp_k / 32][lane][j][half]).
+                        const float4* tap_b4 = b4 + (u * KSIZE + v) * 2 * 32 * 2;
+                        const float4 b01 = tap_b4[0], b23 = tap_b4[1];
                         bf[0][0] = b01.x, bf[0][1] = b01.y, bf[1][0] = b01.z, bf[1][1] = b01.w;
                         bf[2][0] = b23.x, bf[2][1] = b23.y, bf[3][0] = b23.z, bf[3][1] = b23.w;
                         mma_warp_step<PASSES, PASSES == 1>(af, bf, sum);
-                        if (PASSES == 3 && ((tap & 1) || tap + 1 == Fixed::TAPS))
+                        // 3xTF32: step sums flushed every two steps and at v's last.
+                        if (PASSES == 3 && ((u & 1) || u + 1 == KSIZE))
                             flush_step_sums(acc, stage);
                     }
                 }
