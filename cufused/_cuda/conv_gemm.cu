@@ -759,12 +759,11 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
 // multiplied by sign once per run.
 // A lane holds one column of a window (the warp layout above): the max of its rows in
 // registers, the window's over POOL neighbouring lanes by shuffles, stored by the window's
-// first lane. Each lane sums over a run's tiles in shared memory of its own; after the
-// run's last tile a warp reduces them over its lanes and the four column warps meet in the
-// scratch. Scratch (after the halo buffers): per channel (bias, sign, offset, unused), the
-// sums [warp column][channel] (float2), each lane's sums [warp][channel j, e][lane]
-// (float2).
-#define POOL_SCRATCH_FLOATS (4 * CONV_BN + 2 * 4 * CONV_BN + 2 * 8 * 8 * 32)
+// first lane. Each lane sums over a run's tiles in registers; after the run's last tile a
+// warp reduces them over its lanes and the four column warps meet in the scratch. Scratch
+// (after the halo buffers): per channel (bias, sign, offset, unused), the sums [warp
+// column][channel] (float2).
+#define POOL_SCRATCH_FLOATS (4 * CONV_BN + 2 * 4 * CONV_BN)
 
 // -1 where sign_a[k] * sign_b[k] < 0 (either may be null: positive), else +1 (also for NaN).
 __device__ __forceinline__ float window_sign(const float* __restrict__ sign_a,
@@ -796,12 +795,11 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
     const SampleSegments segments{tiles, tiles_w, splits, (long long)N * splits};
     const int hsize = halo_floats<KSIZE>(cc, hr, hc);
     // Per channel (bias, sign, offset: the acc of the run's first pixel, sign * d = acc -
-    // offset);
-    // the run's sums per warp column and channel; each lane's own running sums of its 8
-    // channels (shared memory, not registers: the MMA loop needs those).
+    // offset); the run's sums per warp column and channel; this lane's running sums of its
+    // 8 channels.
     float4* params = reinterpret_cast<float4*>(halo_scratch(smem, hsize));
     float2* sums = reinterpret_cast<float2*>(params + CONV_BN);
-    float2* lane_sums = sums + 4 * CONV_BN + warp * 8 * 32 + lane;  // [j * 2 + e][lane]
+    float2 lane_sums[8];  // [j * 2 + e]
     if (tid < CONV_BN) {
         const int k = k0 + tid;
         const bool k_in = k < K;
@@ -828,7 +826,7 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
                 const int kl = warp_k + j * 8 + 2 * tig + e;
                 const float4 bs = params[kl];
                 float m[WR];
-                float2 sum = lane_sums[(j * 2 + e) * 32];
+                float2 sum = lane_sums[j * 2 + e];
 #pragma unroll
                 for (int r = 0; r < HALO_TH; ++r) {  // acc row gid + 8 * (r & 1) of tile r / 2
                     const float v = acc[r >> 1][j][(r & 1) * 2 + e];
@@ -839,7 +837,7 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
                     }
                     m[r / POOL] = r % POOL == 0 ? v : fmaxf(m[r / POOL], v);
                 }
-                lane_sums[(j * 2 + e) * 32] = sum;
+                lane_sums[j * 2 + e] = sum;
 #pragma unroll
                 for (int wr = 0; wr < WR; ++wr) {
 #pragma unroll
@@ -864,7 +862,7 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
                         params[warp_k + j * 8 + 2 * tig + e].z = acc[0][j][e];
             }
 #pragma unroll
-            for (int je = 0; je < 8; ++je) lane_sums[je * 32] = make_float2(0.0f, 0.0f);
+            for (int je = 0; je < 8; ++je) lane_sums[je] = make_float2(0.0f, 0.0f);
             fresh = false;
             __syncthreads();
         }
@@ -879,7 +877,7 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
         for (int j = 0; j < 4; ++j)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                float2 sum = lane_sums[(j * 2 + e) * 32];
+                float2 sum = lane_sums[j * 2 + e];
 #pragma unroll
                 for (int step = 4; step < 32; step <<= 1) {
                     sum.x += __shfl_xor_sync(0xffffffffu, sum.x, step);

@@ -13,9 +13,8 @@ _TILE_M, _TILE_K, _THREADS = 128, 64, 256  # CONV_BM, CONV_BN, CONV_THREADS
 # conv2d_halo's output tile (HALO_TH x HALO_TW), staged reduction values and halo floats.
 _HALO_TH, _HALO_TW, _HALO_RC, _HALO_MAX = 4, 32, 72, 4800
 _HALO_BLOCKS_PER_SM = 2  # HALO_BLOCKS_PER_SM, the kernels' __launch_bounds__
-# POOL_SCRATCH_FLOATS: per channel 4 floats, per warp column and channel 2, per lane of the 8
-# warps and each of its 8 channels 2.
-_POOL_SCRATCH_FLOATS = 4 * _TILE_K + 2 * 4 * _TILE_K + 2 * 8 * 8 * 32
+# POOL_SCRATCH_FLOATS: per channel 4 floats, per warp column and channel 2.
+_POOL_SCRATCH_FLOATS = 4 * _TILE_K + 2 * 4 * _TILE_K
 _HALO_OUT_STRIDE = 132  # HALO_OUT_STRIDE: floats per channel of conv2d_halo's staged tile
 _FIXED_KSIZE, _FIXED_CC = 3, 8  # FixedHalo's instantiation and its channels per chunk
 
