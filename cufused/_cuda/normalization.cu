@@ -43,19 +43,76 @@ __global__ void key_stats_partial(const float* __restrict__ x, float2* __restric
     if (threadIdx.x == 0) partial[key * splits + split] = sums;
 }
 
-// One block per statistics row. The row's partials sit at
-// partial[o * outer_stride + row * row_len + m], o < n_outer, m < row_len, and are summed in
-// double: float2 (sum d, sum d * d), d = value - shift[row]; or with ENTRIES, float4 (sum d,
-// sum d * d, s, count as int bits), d = value - s with a shift s of each entry's own, the
-// sums moved to the row's first entry's shift in double. They become per-channel
-// coefficients a, b of the affine that the next pass applies:
+// Channel c's value of an optional per-channel parameter (null: `fallback`).
+__device__ __forceinline__ float param_or(const float* __restrict__ p, int c, float fallback) {
+    return p ? __ldg(p + c) : fallback;
+}
+
+// (a, b) of channel c's affine a * v + b for a normalization of (mean, rstd), times scale:
+// PyTorch's forms (a = gamma * rstd, b = beta - mean * a), so that an infinite parameter
+// gives the infinities and NaNs that PyTorch gives.
+__device__ __forceinline__ float2 affine_coef(const float* __restrict__ gamma,
+                                             const float* __restrict__ beta,
+                                             const float* __restrict__ scale, int c, float mean,
+                                             float rstd) {
+    const float a = param_or(gamma, c, 1.0f) * rstd;
+    const float s = param_or(scale, c, 1.0f);
+    return make_float2(a * s, (param_or(beta, c, 0.0f) - mean * a) * s);
+}
+
+// (mean, variance) in double of statistics row `row` from its partials at
+// partial[o * outer_stride + row * row_len + m], o < n_outer, m < row_len: float2 (sum d,
+// sum d * d), d = value - shift[row]; or with ENTRIES, float4 (sum d, sum d * d, s, count as
+// int bits), d = value - s with a shift s of each partial's own, the sums moved to the row's
+// first shift in double. Reduced over the block (every thread gets them); the variance as
+// the sums give it (below 0 by rounding, or NaN).
+template <bool ENTRIES>
+__device__ __forceinline__ double2 partial_moments(const float* __restrict__ partial,
+                                                   const float* __restrict__ shift,
+                                                   index_t row, index_t n_outer,
+                                                   index_t outer_stride, int row_len,
+                                                   double count, double2* scratch) {
+    constexpr int WIDTH = ENTRIES ? 4 : 2;  // floats per partial
+    const double row_shift = ENTRIES ? (double)partial[WIDTH * row * row_len + 2]
+                                     : (double)shift[row];
+    double2 s = make_double2(0.0, 0.0);
+    const index_t total = n_outer * row_len;
+    for (index_t j = threadIdx.x; j < total; j += blockDim.x) {
+        const index_t o = j / row_len;
+        const float* v = partial + WIDTH * (o * outer_stride + row * row_len
+                                            + (j - o * row_len));
+        if (ENTRIES) {
+            // sum (d + e) and sum (d + e)^2 over the entry's values, e = its shift's
+            // distance to the row's.
+            const double e = (double)v[2] - row_shift, n = __float_as_int(v[3]);
+            s.x += v[0] + n * e;
+            s.y += v[1] + e * (2.0 * v[0] + n * e);
+        } else {
+            s.x += v[0];
+            s.y += v[1];
+        }
+    }
+    s = block_sum(s, scratch);
+    const double m1 = s.x / count;
+    return make_double2(row_shift + m1, s.y / count - m1 * m1);
+}
+
+// rstd in double of a variance: rounding can push it below 0 (0 then); a NaN stays NaN.
+__device__ __forceinline__ double inverse_std(double var, float eps) {
+    return 1.0 / sqrt((var < 0.0 ? 0.0 : var) + (double)eps);
+}
+
+// One block per statistics row. The row's partials (float2: sum d, sum d * d, d = value -
+// shift[row]) sit at partial[o * outer_stride + row * row_len + m], o < n_outer,
+// m < row_len, and are summed in double. They become per-channel coefficients a, b of the
+// affine that the next pass applies:
 //  MODE_GROUP_NORM: row = n * G + g; a[n, c] = gamma * rstd * scale,
 //                   b[n, c] = (beta - mean * gamma * rstd) * scale for the group's channels.
 //  MODE_BATCH_NORM: row = c; a[c] = gamma * rstd, b[c] = beta - mean * a[c]; with training = 0
 //                   the running statistics replace the batch ones; with training = 1 the running
 //                   buffers (when given) are updated in place as PyTorch does, the batch mean
 //                   including mean_offset[c] (a convolution bias that the statistics skipped).
-template <int MODE, bool ENTRIES>
+template <int MODE>
 __global__ void stats_finalize(const float* __restrict__ partial, const float* __restrict__ shift,
                                index_t n_outer, index_t outer_stride, int row_len, double count,
                                const float* __restrict__ gamma, const float* __restrict__ beta,
@@ -68,40 +125,18 @@ __global__ void stats_finalize(const float* __restrict__ partial, const float* _
     __shared__ float stats[2];
     const index_t row = blockIdx.x;
     if (training) {
-        constexpr int WIDTH = ENTRIES ? 4 : 2;  // floats per partial
-        const double row_shift = ENTRIES ? (double)partial[WIDTH * row * row_len + 2]
-                                         : (double)shift[row];
-        double2 s = make_double2(0.0, 0.0);
-        const index_t total = n_outer * row_len;
-        for (index_t j = threadIdx.x; j < total; j += blockDim.x) {
-            const index_t o = j / row_len;
-            const float* v = partial + WIDTH * (o * outer_stride + row * row_len
-                                                + (j - o * row_len));
-            if (ENTRIES) {
-                // sum (d + e) and sum (d + e)^2 over the entry's values, e = its shift's
-                // distance to the row's.
-                const double e = (double)v[2] - row_shift, n = __float_as_int(v[3]);
-                s.x += v[0] + n * e;
-                s.y += v[1] + e * (2.0 * v[0] + n * e);
-            } else {
-                s.x += v[0];
-                s.y += v[1];
-            }
-        }
-        s = block_sum(s, scratch);
+        const double2 moments_row = partial_moments<false>(partial, shift, row, n_outer,
+                                                           outer_stride, row_len, count,
+                                                           scratch);
         if (threadIdx.x == 0) {
-            const double m1 = s.x / count;
-            // Rounding can push the variance below 0; a NaN must stay NaN (fmax drops it).
-            const double diff = s.y / count - m1 * m1;
-            double var = diff < 0.0 ? 0.0 : diff;
-            double mean = row_shift + m1;
+            double mean = moments_row.x, var = moments_row.y < 0.0 ? 0.0 : moments_row.y;
             const double offset = mean_offset ? (double)mean_offset[row] : 0.0;
             // The offset (a convolution bias the statistics skipped) cancels for finite
             // values; a NaN or infinite one makes the channel's statistics NaN, as adding it
             // to every value first would.
             if (!isfinite(offset)) var = mean = __longlong_as_double(0x7ff8000000000000LL);
             stats[0] = (float)mean;
-            stats[1] = (float)(1.0 / sqrt(var + (double)eps));
+            stats[1] = (float)inverse_std(var, eps);
             if (MODE == MODE_BATCH_NORM) {
                 const double m = momentum;
                 if (running_mean)
@@ -123,20 +158,10 @@ __global__ void stats_finalize(const float* __restrict__ partial, const float* _
     for (int j = threadIdx.x; j < channels; j += blockDim.x) {
         const int c = MODE == MODE_GROUP_NORM ? (int)(row % G) * channels + j : (int)row;
         const index_t out = MODE == MODE_GROUP_NORM ? (row / G) * C + c : row;
-        const float g = gamma ? gamma[c] : 1.0f;
-        const float bt = beta ? beta[c] : 0.0f;
-        const float s = scale ? scale[c] : 1.0f;
-        // PyTorch's forms (a = gamma * rstd, b = beta - mean * a), so that an infinite
-        // parameter gives the infinities and NaNs that PyTorch gives.
-        const float a = g * rstd;
-        coef_a[out] = a * s;
-        coef_b[out] = (bt - mean * a) * s;
+        const float2 ab = affine_coef(gamma, beta, scale, c, mean, rstd);
+        coef_a[out] = ab.x;
+        coef_b[out] = ab.y;
     }
-}
-
-// Channel c's value of an optional per-channel parameter (null: `fallback`).
-__device__ __forceinline__ float param_or(const float* __restrict__ p, int c, float fallback) {
-    return p ? __ldg(p + c) : fallback;
 }
 
 template <int ACT>
@@ -278,6 +303,42 @@ struct GroupNormRow {
         });
     }
 };
+
+// GroupNorm times scale and an activation, y = act(a * x + b), with the statistics from
+// partials with shifts and counts of their own (partial_moments<true>'s):
+// one block per (n, g) row of a contiguous (N, C, HW) tensor (GroupNormRow; x may equal y)
+// reduces the row's partials, forms (mean, rstd) and each channel's (a, b) as
+// stats_finalize does (moments[row] = (mean, rstd)) and applies them: stats_finalize and
+// channel_affine in one pass (pipeline A's pooled extrema).
+template <int ACT, int VEC>
+__global__ void group_affine_rows(const float* x, float* y, const float* __restrict__ partial,
+                                  int row_len, double count, const float* __restrict__ gamma,
+                                  const float* __restrict__ beta,
+                                  const float* __restrict__ scale, int C, int G, int HW,
+                                  float eps, float lo, float hi, float2* __restrict__ moments) {
+    __shared__ double2 scratch[32];
+    using Row = GroupNormRow<ACT_NONE, VEC>;
+    const Row gn = Row::of_block(nullptr, nullptr, gamma, beta, C, G, HW);
+    const double2 mv = partial_moments<true>(partial, nullptr, blockIdx.x, 1, 0, row_len, count,
+                                             scratch);
+    const float mean = (float)mv.x, rstd = (float)inverse_std(mv.y, eps);
+    if (moments && threadIdx.x == 0) moments[blockIdx.x] = make_float2(mean, rstd);
+    const int len = gn.len();
+    float* yr = y + Row::start(len);
+    for_each_vector<VEC, 4>(x + Row::start(len), (int)threadIdx.x, gn.n_vec, (int)blockDim.x,
+                            [&](int q, float4& v) {
+        const typename Row::Span s = gn.span(q);
+        const float2 first = affine_coef(gamma, beta, scale, s.c, mean, rstd);
+        const float2 second = s.left < VEC
+            ? affine_coef(gamma, beta, scale, s.c + 1, mean, rstd) : first;
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+            const float2 ab = k >= s.left ? second : first;
+            Row::lane(v, k) = activate<ACT>(fmaf(ab.x, Row::lane(v, k), ab.y), lo, hi);
+        }
+        store_vec<VEC>(yr, q, v);
+    });
+}
 
 // mean and rstd of a row from its block's shifted sums (len values).
 __device__ __forceinline__ void row_moments(float s1, float s2, float shift, int len, float eps,

@@ -9,7 +9,7 @@ order of the argument tuple. Nothing outside this package calls ``get_kernel``.
 
 The codes that select a kernel's behaviour at compile time (``ACT_*``, ``MODE_*``,
 ``EPILOGUE_*``) are ``#define``\\ s of the CUDA sources only: the launchers name them in the
-template instantiations (``"stats_finalize<MODE_GROUP_NORM, false>"``), which NVRTC expands.
+template instantiations (``"stats_finalize<MODE_GROUP_NORM>"``), which NVRTC expands.
 
 The layer sits on the core (:mod:`cufused._cuda`, :mod:`cufused._arrays`,
 :mod:`cufused._layout`) and is used by the ops, the pipelines and the cuDNN plans; it imports

@@ -46,11 +46,8 @@ def _stats_finalize(mode: str, rows: int, *, partial, shift, n_outer: int, outer
                     row_len: int, count: int, gamma, beta, scale, coef_a, coef_b, channels: int,
                     groups: int, eps: float, training: bool, running_mean, running_var,
                     mean_offset, momentum: float, moments) -> None:
-    """``stats_finalize<mode, entries>``, one block per statistics row (see the kernel):
-    entries (float4 partials with shifts of their own) where ``shift`` is None in
-    training."""
-    entries = "true" if training and shift is None else "false"
-    get_kernel(_FILE, f"stats_finalize<{mode}, {entries}>")(
+    """``stats_finalize<mode>``, one block per statistics row (see the kernel)."""
+    get_kernel(_FILE, f"stats_finalize<{mode}>")(
         (rows,), (finalize_threads(n_outer * row_len),),
         (optional(partial), optional(shift), numpy.int64(n_outer), numpy.int64(outer_stride),
          numpy.int32(row_len), numpy.float64(count), optional(gamma), optional(beta),
@@ -66,10 +63,8 @@ def group_norm_coefficients(partial, shift, coef_a, coef_b, *, rows: int, row_le
     """GroupNorm (times ``scale``) as per-(n, c) coefficients ``a * v + b``.
 
     Row ``n * num_groups + g`` has its ``row_len`` shifted-sum partials at
-    ``partial[row * row_len + m]`` over ``count`` values: (sum, sum of squares) of the values
-    minus ``shift[row]``, or with ``shift`` None (sum, sum of squares, shift, count) with
-    shifts of their own (the count an int32 in a float32's bits); ``coef_a``, ``coef_b``
-    receive N * C values, ``moments`` (optional, rows x float2) each row's (mean, rstd).
+    ``partial[row * row_len + m]`` over ``count`` values; ``coef_a``, ``coef_b`` receive
+    N * C values, ``moments`` (optional, rows x float2) each row's (mean, rstd).
     """
     _stats_finalize("MODE_GROUP_NORM", rows, partial=partial, shift=shift, n_outer=1,
                     outer_stride=0, row_len=row_len, count=count, gamma=gamma, beta=beta,
@@ -108,6 +103,30 @@ def channel_affine(x, y, coef_a, coef_b, *, inner: int, n_coef: int,
               -(-n_vec // 4),  # 4 per thread
               (x, y, coef_a, coef_b, numpy.int64(n_vec), numpy.int64(inner),
                numpy.int64(n_coef), numpy.float32(lo), numpy.float32(hi)))
+
+
+def group_affine_rows(x, y, partial, *, num_groups: int, count: int, eps: float, gamma, beta,
+                      scale, lo: float, hi: float, moments) -> None:
+    """``y = clamp(a * x + b, lo, hi)`` with GroupNorm (times ``scale``) coefficients from
+    partials with shifts and counts of their own (``partial`` (N, C, runs, 4): sum, sum of
+    squares, shift, count as int32 bits; ``count`` values per (n, g) row):
+    :func:`group_norm_coefficients` and :func:`channel_affine` in one kernel, one block per
+    row of the contiguous (N, C, H, W) ``x`` (``x`` may be ``y``). ``moments`` (N *
+    num_groups, 2) receives each row's (mean, rstd)."""
+    n, c = x.shape[:2]
+    rows = n * num_groups
+    if x.size == 0:
+        return
+    hw = x.size // (n * c)
+    cg = c // num_groups
+    vec = 4 if (cg * hw % 4 == 0 and hw >= 4 and x.data.ptr % 16 == 0
+                and y.data.ptr % 16 == 0) else 1
+    i32 = numpy.int32
+    get_kernel(_FILE, f"group_affine_rows<{_ACT['clamp']}, {vec}>")(
+        (rows,), (256,),
+        (x, y, partial, i32(cg * partial.shape[2]), numpy.float64(count), optional(gamma),
+         optional(beta), optional(scale), i32(c), i32(num_groups), i32(hw), numpy.float32(eps),
+         numpy.float32(lo), numpy.float32(hi), moments))
 
 
 def group_rows_fit_channels_last(c: int, num_groups: int, hw: int) -> bool:

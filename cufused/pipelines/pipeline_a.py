@@ -20,7 +20,8 @@ from .._arrays import (Size, check_float_dtype, check_ndim, check_required, chec
 from .._call_graphs import warm_calls
 from .._kernels.conv_gemm import conv2d_pool_stats, halo_chunk
 from .._kernels.layout import transpose_channels
-from .._kernels.normalization import channel_affine, group_norm_coefficients
+from .._kernels.normalization import (channel_affine, group_affine_rows,
+                                      group_norm_coefficients)
 from .._kernels.pooling import (fused_pass_variant, pool_affine_nonfinite,
                                 pool_affine_nonfinite_conv, pool_extremum_stats,
                                 stores_ext_channels_last)
@@ -150,14 +151,16 @@ def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, gn_
     if epilogue is None:
         epilogue = _epilogue_applies(xp, x, weight, args, precision, k, num_groups,
                                      conv_bias is not None)
+    moments = xp.empty((n * num_groups, 2), dtype=xp.float32)
     if epilogue:
-        ext = out
-        # Partials with shifts of their own (shift None).
-        partial, splits = conv2d_pool_stats(
+        # The extrema straight into out, then the statistics and the affine in one pass.
+        partial, _ = conv2d_pool_stats(
             xp, xp.ascontiguousarray(x), xp.ascontiguousarray(weight), conv_bias, out,
             sign_a=gn_weight, sign_b=scale, stride=args.stride, padding=args.padding,
             dilation=args.dilation, pool=k, passes=3 if precision == "3xtf32" else 1)
-        shift = None
+        group_affine_rows(out, out, partial, num_groups=num_groups, count=cg * h * w, eps=eps,
+                          gamma=gn_weight, beta=gn_bias, scale=scale, lo=lo, hi=hi,
+                          moments=moments)
     else:
         y, _ = conv_on_gpu(x, weight, args, precision, convert_output=False)
         # From a channels-last conv output the pass stores the extrema channels-last and the
@@ -168,17 +171,17 @@ def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, gn_
         partial, shift, splits = pool_extremum_stats(
             xp, y, ext, k, bias=conv_bias, sign_a=gn_weight, sign_b=scale, shift_group=cg,
             per_sample=True, variant=variant)
-    coef = xp.empty((2, n * c), dtype=xp.float32)
-    moments = xp.empty((n * num_groups, 2), dtype=xp.float32)
-    group_norm_coefficients(partial, shift, coef[0], coef[1], rows=n * num_groups,
-                            row_len=cg * splits, count=cg * h * w, channels=c,
-                            num_groups=num_groups, eps=eps, gamma=gn_weight, beta=gn_bias,
-                            scale=scale, moments=moments)
-    if ext is out:
-        channel_affine(out, out, coef[0], coef[1], inner=out.shape[2] * out.shape[3],
-                       n_coef=n * c, activation="clamp", lo=lo, hi=hi)
-    else:
-        transpose_channels(ext, out, to_channels_last=False, affine=(coef[0], coef[1], lo, hi))
+        coef = xp.empty((2, n * c), dtype=xp.float32)
+        group_norm_coefficients(partial, shift, coef[0], coef[1], rows=n * num_groups,
+                                row_len=cg * splits, count=cg * h * w, channels=c,
+                                num_groups=num_groups, eps=eps, gamma=gn_weight, beta=gn_bias,
+                                scale=scale, moments=moments)
+        if ext is out:
+            channel_affine(out, out, coef[0], coef[1], inner=out.shape[2] * out.shape[3],
+                           n_coef=n * c, activation="clamp", lo=lo, hi=hi)
+        else:
+            transpose_channels(ext, out, to_channels_last=False,
+                               affine=(coef[0], coef[1], lo, hi))
     nonfinite = dict(bias=conv_bias, gamma=gn_weight, beta=gn_bias, scale=scale,
                      num_groups=num_groups, pool=k, lo=lo, hi=hi)
     if y is None:

@@ -115,6 +115,24 @@ def test_pipelines_in_3xtf32(rng, case, make):
     assert_close(got.get(), ref, 1e-4)
 
 
+@pytest.mark.parametrize("shape, pool, offset, precision, tol", [
+    # Rows of 3 channels x 9 x 10 pooled values (the affine one float at a time).
+    (dict(n=2, cin=3, h=21, w=23, cout=6, groups=2), 2, 0.0, "tf32", 5e-3),
+    # Pipeline A's channels, several runs of tiles per sample, edge tiles.
+    (dict(n=3, cin=8, h=38, w=75, cout=64, groups=16), 4, 0.0, "tf32", 5e-3),
+    # Means some 30 spreads from 0: each run's shifted sums, moved to a common shift
+    # in float64, keep the variance.
+    (dict(n=2, cin=8, h=38, w=75, cout=64, groups=16), 4, 10.0, "3xtf32", 1e-4),
+])
+def test_pipeline_a_statistics_in_the_epilogue(rng, shape, pool, offset, precision, tol):
+    args, kwargs = pipeline_a_args(rng, **shape, pool=pool)
+    args = (args[0] + offset,) + args[1:]
+    ref = cufused.conv2d_groupnorm_scale_maxpool_clamp(*args, **kwargs)
+    got = cufused.conv2d_groupnorm_scale_maxpool_clamp(*to_gpu(*args), **kwargs,
+                                                       precision=precision)
+    assert_close(got.get(), ref, tol)
+
+
 @pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
 def test_pipeline_a_path_is_timed_as_a_whole(rng, precision):
     # Under the autotuner, pipeline A's convolution with the pass in its epilogue is timed

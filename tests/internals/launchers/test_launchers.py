@@ -192,13 +192,17 @@ def test_normalization_launchers(launches):
     assert partial.shape == (8, splits, 2) and shift.shape == (8,)
     assert launches[-1].grid == (8 * splits,)
     coef = Dev((2, 8))
-    # Partials of one shift per row, and (shift None) of shifts and counts of their own.
-    for partial, shift, entries in ((Dev((4, 3, 2)), Dev((4,)), "false"),
-                                    (Dev((4, 3, 4)), None, "true")):
-        norm.group_norm_coefficients(partial, shift, coef[0], coef[1], rows=4, row_len=3,
-                                     count=48, channels=4, num_groups=2, eps=1e-5,
-                                     gamma=Dev((4,)), scale=Dev((4,)), moments=Dev((4, 2)))
-        assert launches[-1].name == f"stats_finalize<MODE_GROUP_NORM, {entries}>"
+    norm.group_norm_coefficients(Dev((4, 3, 2)), Dev((4,)), coef[0], coef[1], rows=4,
+                                 row_len=3, count=48, channels=4, num_groups=2, eps=1e-5,
+                                 gamma=Dev((4,)), scale=Dev((4,)), moments=Dev((4, 2)))
+    # Pipeline A's statistics from partials of their own shifts, and the affine: 16-byte
+    # vectors where a row's values allow them (4 channels x 9), else scalars (3 x 9).
+    for shape, vec in (((2, 8, 3, 3), 4), ((2, 6, 3, 3), 1)):
+        norm.group_affine_rows(Dev(shape), Dev(shape), Dev((2, shape[1], 5, 4)), num_groups=2,
+                               count=100, eps=1e-5, gamma=Dev((shape[1],)), beta=None,
+                               scale=None, lo=0.0, hi=1.0, moments=Dev((4, 2)))
+        assert launches[-1].name == f"group_affine_rows<ACT_CLAMP, {vec}>"
+        assert launches[-1].grid == (4,)
     for training in (True, False):
         norm.batch_norm_coefficients(
             Dev((2, 4, 3, 2)) if training else None, Dev((4,)) if training else None, coef[0],
@@ -225,8 +229,8 @@ def test_normalization_launchers(launches):
     check_all(launches, "normalization.cu")
     finalize = [launch for launch in launches if launch.name.startswith("stats_finalize")]
     training = [int(launch.args[14]) for launch in finalize]  # int training
-    assert training == [1, 1, 1, 0]
-    assert [launch.grid for launch in finalize] == [(4,)] * 4
+    assert training == [1, 1, 0]
+    assert [launch.grid for launch in finalize] == [(4,), (4,), (4,)]
 
 
 def test_pooling_launchers(launches):
