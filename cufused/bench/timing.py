@@ -281,7 +281,8 @@ def conv_in_epilogue(case: Case, gpu: dict, precision: str) -> bool:
     from ..pipelines import pipeline_a
 
     args = cached_conv_args(gpu["x"].shape, gpu["weight"].shape, 2, transposed=False,
-                            stride=1, padding=0)
+                            stride=case.options.get("stride", 1),
+                            padding=case.options.get("padding", 0))
     return pipeline_a._epilogue_applies(cupy, gpu["x"], gpu["weight"], args, precision,
                                         case.options["pool_kernel"],
                                         case.options["num_groups"], "conv_bias" in gpu)
