@@ -1,9 +1,11 @@
-"""NumPy emulation of conv_gemm.cu's conv2d_halo: its tiles, halo and weight staging,
-offset table (for the compiled-in 3 x 3 geometry, FixedHalo, the offsets its fragment
-addresses add up to) and m16n8k8 fragment layouts, with float64 MMAs, against the float64
-reference (no GPU); and of conv2d_halo_pool_stats' epilogue (its schedule of segments,
-registers, shuffles and scratch, the window sign folded into the weights) against its
-definition. Run it after changing the kernels' index math (and change it alongside).
+"""NumPy emulation of conv_gemm.cu's conv2d_halo: its tiles, halo and weight staging
+(optionally times a sign per output channel), offset table (for the compiled-in 3 x 3
+geometry, FixedHalo: each lane's halo column loaded once per kernel column, each tap's A
+fragments taken from it) and m16n8k8 fragment layouts, with float64 MMAs, against the
+float64 reference (no GPU); and of conv2d_halo_pool_stats' epilogue (its schedule of
+segments, registers, shuffles and scratch, on accumulators of weights staged times the
+window sign) against its definition. Run it after changing the kernels' index math (and
+change it alongside).
 
 Usage: python scripts/emulate_conv_halo.py
 """
@@ -78,9 +80,53 @@ def stage_chunk(x, wflat, n, c0, ccn, k0, geometry, fixed):
     return halo, wt, roff, lanes
 
 
-def warp_steps(acc, halo, wt, roff, lanes, warp, sh, sw, rstride, extent):
-    """One warp's MMA steps over a staged chunk, into acc[i, j, lane, element]; B fragments
-    from ``lanes`` (FixedHalo's per-lane weights) where given, else from ``wt``."""
+def mma(acc, a, b):
+    """acc[j, lane, element] += the m16n8k8 product of one A tile and four B tiles (float64):
+    the accumulator fragment layout."""
+    for j in range(4):
+        d = a @ b[j]
+        acc[j, :, 0] += d[GID, 2 * TIG]
+        acc[j, :, 1] += d[GID, 2 * TIG + 1]
+        acc[j, :, 2] += d[GID + 8, 2 * TIG]
+        acc[j, :, 3] += d[GID + 8, 2 * TIG + 1]
+
+
+def lane_b_tiles(lanes, tap, warp_k):
+    """A tap's four B tiles from FixedHalo's per-lane weights [tap][warp_k / 32][lane][j][half]
+    (two 16-byte loads per lane)."""
+    b = np.zeros((4, 8, 8))
+    for j in range(4):
+        base = ((tap * 2 + warp_k // 32) * 32 + LANE) * 8 + j * 2
+        b[j][TIG, GID], b[j][TIG + 4, GID] = lanes[base], lanes[base + 1]
+    return b
+
+
+def fixed_warp_steps(acc, halo, lanes, warp, rstride, cstride, hr, ksize, extent):
+    """conv2d_halo's FixedHalo MMA loop for one warp: per kernel column v each lane loads its
+    halo column (rows 0 .. hr - 1 at its pixel column + v, channels tig and tig + 4) once;
+    kernel row u's A fragments are its rows 2 i + half + u."""
+    warp_col, warp_k = (warp & 3) * 8, (warp >> 2) * 32
+    for v in range(ksize):
+        base = TIG * cstride + warp_col + GID + v
+        column = np.zeros((hr, 2, 32))
+        for h in range(hr):
+            for ch in range(2):
+                idx = base + h * rstride + ch * 4 * cstride
+                assert ((idx >= 0) & (idx < extent)).all()
+                column[h, ch] = halo[idx]
+        for u in range(ksize):
+            b = lane_b_tiles(lanes, u * ksize + v, warp_k)
+            for i in range(2):
+                a = np.zeros((16, 8))
+                a[GID, TIG], a[GID + 8, TIG] = column[2 * i + u, 0], column[2 * i + 1 + u, 0]
+                a[GID, TIG + 4] = column[2 * i + u, 1]
+                a[GID + 8, TIG + 4] = column[2 * i + 1 + u, 1]
+                mma(acc[i], a, b)
+
+
+def warp_steps(acc, halo, wt, roff, warp, sh, sw, rstride, extent):
+    """One warp's MMA steps over a staged chunk through the offset table (KSIZE = 0), into
+    acc[i, j, lane, element]; B fragments from ``wt``."""
     warp_col, warp_k = (warp & 3) * 8, (warp >> 2) * 32
     pofs = [[(2 * i + half) * sh * rstride + (warp_col + GID) * sw for half in range(2)]
             for i in range(2)]
@@ -92,23 +138,15 @@ def warp_steps(acc, halo, wt, roff, lanes, warp, sh, sw, rstride, extent):
 
     for ks in range(0, len(roff), 8):
         o0, o1 = roff[ks + TIG], roff[ks + TIG + 4]
+        b = np.zeros((4, 8, 8))
+        for j in range(4):
+            b[j][TIG, GID] = wt[ks + TIG, warp_k + j * 8 + GID]
+            b[j][TIG + 4, GID] = wt[ks + TIG + 4, warp_k + j * 8 + GID]
         for i in range(2):
             a = np.zeros((16, 8))
             a[GID, TIG], a[GID + 8, TIG] = load(pofs[i][0], o0), load(pofs[i][1], o0)
             a[GID, TIG + 4], a[GID + 8, TIG + 4] = load(pofs[i][0], o1), load(pofs[i][1], o1)
-            for j in range(4):
-                b = np.zeros((8, 8))
-                if lanes is None:
-                    b[TIG, GID] = wt[ks + TIG, warp_k + j * 8 + GID]
-                    b[TIG + 4, GID] = wt[ks + TIG + 4, warp_k + j * 8 + GID]
-                else:
-                    base = ((ks // 8 * 2 + warp_k // 32) * 32 + LANE) * 8 + j * 2
-                    b[TIG, GID], b[TIG + 4, GID] = lanes[base], lanes[base + 1]
-                d = a @ b
-                acc[i, j, :, 0] += d[GID, 2 * TIG]
-                acc[i, j, :, 1] += d[GID, 2 * TIG + 1]
-                acc[i, j, :, 2] += d[GID + 8, 2 * TIG]
-                acc[i, j, :, 3] += d[GID + 8, 2 * TIG + 1]
+            mma(acc[i], a, b)
 
 
 def store(y, acc, bias, n, k0, p0, q0, warp):
@@ -130,8 +168,10 @@ def store(y, acc, bias, n, k0, p0, q0, warp):
                             y[n, k, p, q] = v + (0.0 if bias is None else bias[k])
 
 
-def emulate(x, w, bias, stride, padding, dilation, grid_x=7):
-    """conv2d_halo's result, every block, warp and lane emulated (blocks loop over tiles)."""
+def emulate(x, w, bias, stride, padding, dilation, grid_x=7, sign=None):
+    """conv2d_halo's result, every block, warp and lane emulated (blocks loop over tiles);
+    with ``sign`` (+-1 per output channel) the weights staged times it, as
+    conv2d_halo_pool_stats stages them (the result is then sign * conv + bias)."""
     n_total, c_total, height, width = x.shape
     k_total, _, kh, kw = w.shape
     (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
@@ -143,7 +183,7 @@ def emulate(x, w, bias, stride, padding, dilation, grid_x=7):
     y = np.full((n_total, k_total, p_total, q_total), np.nan)
     tiles_w = -(-q_total // TW)
     tiles = -(-p_total // TH) * tiles_w
-    wflat = w.reshape(k_total, -1)
+    wflat = w.reshape(k_total, -1) * (1.0 if sign is None else sign[:, None])
     for k0 in range(0, k_total, BN):
         for block in range(min(grid_x, n_total * tiles)):
             for tile in range(block, n_total * tiles, grid_x):
@@ -155,10 +195,15 @@ def emulate(x, w, bias, stride, padding, dilation, grid_x=7):
                     ccn = cc if fixed else min(cc, c_total - c0)
                     halo, wt, roff, lanes = stage_chunk(x, wflat, n, c0, ccn, k0, geometry,
                                                         fixed)
-                    extent = ccn * halo_channel_stride(hr, hc, kh if fixed else 0)
+                    cstride = halo_channel_stride(hr, hc, kh if fixed else 0)
+                    rstride = halo_row_stride(hc, kh if fixed else 0)
                     for warp in range(8):
-                        warp_steps(acc[warp], halo, wt, roff, lanes, warp, sh, sw,
-                                   halo_row_stride(hc, kh if fixed else 0), extent)
+                        if fixed:
+                            fixed_warp_steps(acc[warp], halo, lanes, warp, rstride, cstride,
+                                             hr, kh, ccn * cstride)
+                        else:
+                            warp_steps(acc[warp], halo, wt, roff, warp, sh, sw, rstride,
+                                       ccn * cstride)
                 for warp in range(8):
                     store(y, acc[warp], bias, n, k0, p0, q0, warp)
     return y
@@ -253,8 +298,8 @@ class PoolStatsBlock:
 def emulate_pool_stats(x, w, bias, sign, stride, padding, dilation, pool, splits, blocks):
     """conv2d_halo_pool_stats (``splits`` segments per sample taken by ``blocks`` blocks):
     (ext, partial)."""
-    y = emulate(x, w, None, stride, padding, dilation)  # tiles' acc, checked above
-    y = y * np.where(sign < 0, -1.0, 1.0)[None, :, None, None]  # the staged weights' sign
+    # The tiles' acc (checked above) of weights staged times the window sign.
+    y = emulate(x, w, None, stride, padding, dilation, sign=np.where(sign < 0, -1.0, 1.0))
     n_total, k_total, p_total, q_total = y.shape
     tiles_w = -(-q_total // TW)
     tiles = -(-p_total // TH) * tiles_w

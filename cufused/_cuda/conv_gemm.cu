@@ -325,8 +325,9 @@ __device__ __forceinline__ float* halo_scratch(float* smem, int hsize) {
 // The halo geometry compiled in for KSIZE x KSIZE kernels at stride and dilation 1 (pipeline
 // A's 3 x 3): chunks of 8 input channels, their reduction values in (u, v, c) order, so that
 // each 8-deep MMA step is one kernel tap (u, v) over the chunk's 8 channels and a lane's
-// fragment value sits at a base of its own (channel tig or tig + 4, its pixel) plus the tap's
-// constant offset: no offset table, no index arithmetic in the MMA loop. A halo row takes
+// fragment value sits at a base of its own (channel tig or tig + 4, its pixel) plus the
+// tap's offset: no offset table (halo_tiles loads a lane's column of the halo once per
+// kernel column and takes each tap's fragments from it). A halo row takes
 // HCS floats, its HC rounded up to 4 (16-byte rows, copied 4 floats at a time where the
 // input's rows allow it); channel c of the halo starts at c * CSTRIDE, a stride of 8 mod 32
 // floats: the four tig lanes' channels fall on distinct banks.
@@ -458,8 +459,8 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
     const int k0 = blockIdx.y * CONV_BN;
     const int khw = kh * kw;
     const bool one_chunk = C <= cc;
-    // This lane's fragment rows (gid, gid + 8 of MMA tile i: pixel row 2 * i + half, column
-    // warp_col + gid) as offsets into a channel's halo.
+    // KSIZE = 0: this lane's fragment rows (gid, gid + 8 of MMA tile i: pixel row 2 * i +
+    // half, column warp_col + gid) as offsets into a channel's halo.
     int pofs[2][2];
 #pragma unroll
     for (int i = 0; i < 2; ++i)
@@ -751,7 +752,8 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
 //  * partial[(n * K + k) * splits + s] = (sum d, sum d * d, shift, count as int bits), d =
 //    y + bias[k] - shift over the count pixels of run s of sample n's tiles (SampleSegments;
 //    the tiles cover every pixel once, the rows and columns that the pool drops included),
-//    shift the value at the run's first pixel (stats_finalize<MODE, true> takes them).
+//    shift the value at the run's first pixel (group_affine_rows in normalization.cu takes
+//    them).
 // The weights come staged times sign[k] (+1, or -1 where the window takes the min): acc is
 // sign * y, every window takes its max, and sign * max(acc) + bias is the extremum of
 // y + bias exactly (rounding is monotonic and symmetric); the sums run over sign * d =

@@ -31,13 +31,14 @@ def fixed_ksize(kernel: tuple[int, int], stride: tuple[int, int],
 def halo_chunk(c: int, kernel: tuple[int, int], stride: tuple[int, int],
                dilation: tuple[int, int]) -> tuple[int, int, int]:
     """``(cc, hr, hc)`` of ``conv2d_halo``: the input channels staged per chunk (0 where not
-    even one channel's halo fits its shared memory; 8 where the geometry is compiled in,
-    zeros past ``c``) and the halo's rows and columns."""
+    even one channel's halo fits its shared memory, or ``c`` is 0; 8 where the geometry is
+    compiled in, zeros past ``c``) and the halo's rows and columns."""
     kh, kw = kernel
     hr = (_HALO_TH - 1) * stride[0] + (kh - 1) * dilation[0] + 1
     hc = (_HALO_TW - 1) * stride[1] + (kw - 1) * dilation[1] + 1
     if fixed_ksize(kernel, stride, dilation):
-        return _FIXED_CC, hr, hc
+        # No input channel, no stage: the kernel's barriers between tiles come with stages.
+        return (_FIXED_CC if c else 0), hr, hc
     return min(c, _HALO_RC // (kh * kw), _HALO_MAX // (hr * hc)), hr, hc
 
 
@@ -128,8 +129,7 @@ def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, stride: tuple[int,
     splits)``: ``partial`` (N, K, splits, 4) holds each channel's (sum, sum of squares,
     shift, pixel count as int32 bits) over run s of the sample's tiles, the sums of the
     values minus the shift (the value at the run's first pixel), as
-    :func:`cufused._kernels.normalization.group_norm_coefficients` takes them with no
-    ``shift``.
+    :func:`cufused._kernels.normalization.group_affine_rows` takes them.
 
     Needs ``pool`` 2 or 4 and a problem the halo kernel takes (:func:`halo_chunk`)."""
     n, c, h, wd = x.shape

@@ -112,7 +112,7 @@ def group_affine_rows(x, y, partial, *, num_groups: int, count: int, eps: float,
     squares, shift, count as int32 bits; ``count`` values per (n, g) row):
     :func:`group_norm_coefficients` and :func:`channel_affine` in one kernel, one block per
     row of the contiguous (N, C, H, W) ``x`` (``x`` may be ``y``). ``moments`` (N *
-    num_groups, 2) receives each row's (mean, rstd)."""
+    num_groups, 2; optional) receives each row's (mean, rstd)."""
     n, c = x.shape[:2]
     rows = n * num_groups
     if x.size == 0:
@@ -126,7 +126,7 @@ def group_affine_rows(x, y, partial, *, num_groups: int, count: int, eps: float,
         (rows,), (256,),
         (x, y, partial, i32(cg * partial.shape[2]), numpy.float64(count), optional(gamma),
          optional(beta), optional(scale), i32(c), i32(num_groups), i32(hw), numpy.float32(eps),
-         numpy.float32(lo), numpy.float32(hi), moments))
+         numpy.float32(lo), numpy.float32(hi), optional(moments)))
 
 
 def group_rows_fit_channels_last(c: int, num_groups: int, hw: int) -> bool:

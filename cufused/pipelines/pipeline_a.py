@@ -140,9 +140,10 @@ def _unfused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, g
 def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, gn_weight,
            gn_bias, scale, eps, lo, hi, epilogue=None):
     """The convolution; one read of its output for the window extrema and the GroupNorm
-    statistics (or, on cufused's implicit GEMM, those in the convolution's epilogue, its
-    output never stored); GroupNorm * scale as per-(n, c) coefficients; their affine and the
-    clamp applied to the extrema; channels with a non-finite parameter recomputed.
+    statistics; GroupNorm * scale as per-(n, c) coefficients; their affine and the clamp
+    applied to the extrema (or, on cufused's implicit GEMM, the extrema and the statistics in
+    the convolution's epilogue, its output never stored, then the coefficients and their
+    affine in one pass); channels with a non-finite parameter recomputed.
     ``epilogue``: whether the pass runs in the convolution's epilogue (None: where
     :func:`_epilogue_applies`)."""
     n, c, h, w = args.out_shape

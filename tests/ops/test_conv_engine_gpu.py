@@ -124,7 +124,15 @@ def test_pipelines_in_3xtf32(rng, case, make):
     # in float64, keep the variance.
     (dict(n=2, cin=8, h=38, w=75, cout=64, groups=16), 4, 10.0, "3xtf32", 1e-4),
 ])
-def test_pipeline_a_statistics_in_the_epilogue(rng, shape, pool, offset, precision, tol):
+@pytest.mark.parametrize("one_sm", [False, True])
+def test_pipeline_a_statistics_in_the_epilogue(rng, monkeypatch, shape, pool, offset,
+                                               precision, tol, one_sm):
+    # one_sm: two resident blocks, so that every block takes runs of many tiles (sums carried
+    # over a run's tiles, runs of other samples after it).
+    from cufused._kernels import conv_gemm
+
+    if one_sm:
+        monkeypatch.setattr(conv_gemm, "sm_count", lambda: 1)
     args, kwargs = pipeline_a_args(rng, **shape, pool=pool)
     args = (args[0] + offset,) + args[1:]
     ref = cufused.conv2d_groupnorm_scale_maxpool_clamp(*args, **kwargs)
