@@ -41,12 +41,12 @@ html_theme_options = {"navigation_with_keys": False}
 exclude_patterns = ["_build", "_intersphinx"]
 
 # The performance page shows the committed benchmark data as the bench command prints it:
-# _static/bench.json (H200) as generated/bench_table.txt, bench_h200_canonical.json and
-# bench_h100*.json as bench_table_h200_canonical.txt and bench_table_h100*.txt.
+# _static/bench.json (H200) as generated/bench_table.txt, bench_h200_*.json and
+# bench_h100*.json as bench_table_h200_*.txt and bench_table_h100*.txt.
 _here = os.path.dirname(__file__)
 os.makedirs(os.path.join(_here, "generated"), exist_ok=True)
-for _suffix in ("", "_h200_canonical", "_h100", "_h100_canonical", "_h100_batch1",
-                "_h100_batch8"):
+for _suffix in ("", "_h200_canonical", "_h200_a_compile", "_h100", "_h100_canonical",
+                "_h100_batch1", "_h100_batch8"):
     with open(os.path.join(_here, "_static", f"bench{_suffix}.json")) as fh:
         _bench = json.load(fh)
     with open(os.path.join(_here, "generated", f"bench_table{_suffix}.txt"), "w") as fh:
