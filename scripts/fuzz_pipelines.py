@@ -1,0 +1,143 @@
+"""Random shapes and options of the three pipelines on the GPU against the float64 reference
+(device).
+
+Each case draws the batch, channels, groups, spatial sizes, kernel, stride, padding and pool,
+the parameters' forms (per-channel arrays, a number or None where the pipeline allows it), an
+offset of the input (means far from zero), the precision and the convolution engine
+(cufused's implicit GEMM forced, or the autotuner's choice). The call runs twice on CuPy
+float32 copies (a first and a warm call) and both results are compared with the same public
+function on the float64 NumPy arrays (the reference path): relative norm error under 5e-3
+for ``"tf32"``, 1e-4 for ``"ieee"`` and ``"3xtf32"`` (3e-4 with an offset input). A draw
+that the functions reject (``ValueError``) is skipped. Each failure prints its case; the
+exit status is 1 if any case failed.
+
+Usage: python scripts/fuzz_pipelines.py [--seed 1] [--seconds 60] [--cases A B C]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+import cufused
+from cufused._cudnn import plan_options
+from cufused.bench.cases import rel_err
+
+
+def _per_channel(rng, c: int, *, number: bool = False, none: bool = True):
+    """A parameter as a per-channel array (mixed signs), a number or None."""
+    draw = rng.random()
+    if none and draw < 0.2:
+        return None
+    if number and draw < 0.4:
+        return float(rng.standard_normal())
+    return rng.standard_normal(c)
+
+
+def _case_a(rng):
+    groups = int(rng.choice([1, 2, 4, 8]))
+    cin, cout = int(rng.integers(1, 12)), groups * int(rng.integers(1, 10))
+    k, stride, pad = int(rng.choice([1, 3, 3, 5])), int(rng.choice([1, 1, 2])), int(
+        rng.integers(0, 3))
+    pool = int(rng.choice([2, 3, 4, 4]))
+    h, w = int(rng.integers(k + pool, 70)), int(rng.integers(k + pool, 90))
+    x = rng.random((int(rng.integers(1, 5)), cin, h, w))
+    args = (x, rng.standard_normal((cout, cin, k, k)) * 0.3, _per_channel(rng, cout),
+            rng.standard_normal(cout), _per_channel(rng, cout),
+            _per_channel(rng, cout, number=True))
+    return "conv2d_groupnorm_scale_maxpool_clamp", args, dict(
+        num_groups=groups, pool_kernel=pool, clamp_min=-0.5, clamp_max=0.8, stride=stride,
+        padding=pad)
+
+
+def _case_b(rng):
+    groups, conv_groups = int(rng.choice([1, 2, 4])), int(rng.choice([1, 1, 2]))
+    cin = conv_groups * int(rng.integers(1, 8))
+    cout = conv_groups * groups * int(rng.integers(1, 5))
+    k, stride = int(rng.choice([2, 3, 5])), int(rng.choice([1, 1, 2]))
+    pad = int(rng.integers(0, k))
+    x = rng.random((int(rng.integers(2, 6)), cin, int(rng.integers(3, 20)),
+                    int(rng.integers(3, 20))))
+    args = (x, rng.standard_normal((cin, cout // conv_groups, k, k)) * 0.3,
+            rng.standard_normal(cout), _per_channel(rng, cout), rng.standard_normal(cout),
+            _per_channel(rng, cout))
+    return "conv_transpose2d_batchnorm_tanh_maxpool_groupnorm", args, dict(
+        num_groups=groups, stride=stride, padding=pad,
+        output_padding=int(rng.integers(0, stride)), groups=conv_groups,
+        conv_bias=_per_channel(rng, cout))
+
+
+def _case_c(rng):
+    cin, cout = int(rng.integers(1, 6)), int(rng.integers(1, 9))
+    stride = int(rng.choice([1, 2, 2]))
+    x = rng.random((int(rng.integers(1, 3)), cin, int(rng.integers(4, 12)),
+                    int(rng.integers(4, 14)), int(rng.integers(4, 14))))
+    args = (x, rng.standard_normal((cin, cout, 3, 3, 3)),
+            rng.standard_normal(cout).reshape(1, cout, 1, 1, 1))
+    return "conv_transpose3d_avgpool_clamp_softmax_multiply", args, dict(
+        stride=stride, padding=1, output_padding=stride - 1, pool_kernel=2, clamp_min=0.0,
+        clamp_max=float(rng.choice([1.0, 4.0])), conv_bias=_per_channel(rng, cout))
+
+
+CASES = {"A": _case_a, "B": _case_b, "C": _case_c}
+
+
+def _to_gpu(value):
+    import cupy
+
+    return cupy.asarray(value, dtype=cupy.float32) if isinstance(value, np.ndarray) else value
+
+
+def run_case(rng, name: str) -> tuple[str, dict, float] | None:
+    """One random case of pipeline ``name``: (description, draw, worst error / tolerance), or
+    None where the draw is rejected."""
+    pipeline, args, options = CASES[name](rng)
+    offset = float(rng.choice([0.0, 0.0, 5.0]))
+    args = (args[0] + offset,) + args[1:]
+    precision = str(rng.choice(["ieee", "tf32", "3xtf32"]))
+    engine = str(rng.choice(["igemm", "auto"]))
+    fn = getattr(cufused, pipeline)
+    try:
+        ref = fn(*args, **options)
+    except ValueError:
+        return None
+    tol = 5e-3 if precision == "tf32" else (3e-4 if offset else 1e-4)
+    gpu_args = [_to_gpu(a) for a in args]
+    gpu_options = {k: _to_gpu(v) for k, v in options.items()}
+    with plan_options(engine=engine):
+        errors = [rel_err(fn(*gpu_args, **gpu_options, precision=precision), ref)
+                  for _ in range(2)]
+    draw = dict(shapes=[getattr(a, "shape", a) for a in args],
+                options={k: getattr(v, "shape", v) for k, v in options.items()},
+                offset=offset, precision=precision, engine=engine)
+    return name, draw, max(errors) / tol
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int, default=1, help="random seed (1)")
+    parser.add_argument("--seconds", type=float, default=60.0, help="time to run (60)")
+    parser.add_argument("--cases", nargs="*", choices=sorted(CASES), default=sorted(CASES))
+    args = parser.parse_args(argv)
+    rng = np.random.default_rng(args.seed)
+    ran = {name: 0 for name in args.cases}
+    failed = 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < args.seconds:
+        result = run_case(rng, str(rng.choice(args.cases)))
+        if result is None:
+            continue
+        name, draw, ratio = result
+        ran[name] += 1
+        if not ratio < 1.0:  # NaN fails too
+            failed += 1
+            print(f"FAIL {name}: error {ratio:.2f}x the tolerance, {draw}", flush=True)
+    print(f"cases run: {ran}; failed: {failed}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
