@@ -9,7 +9,7 @@ synchronizing, over 20). The table gives each tree's median over the rounds, the
 (max - min over the rounds) and the ratio to the first tree.
 
 Usage: python scripts/compare_trees.py TREE [TREE ...] [--rounds 3] [--repeat 30]
-       [--cases A B C] [--json FILE]
+       [--cases A B C] [--precisions ieee tf32 3xtf32] [--json FILE]
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def _time(cupy, numpy, fn, repeat: int) -> tuple[float, float]:
     return float(numpy.median(device)), float(numpy.median(host))
 
 
-def child(cases: list[str], repeat: int) -> None:
+def child(cases: list[str], precisions: list[str], repeat: int) -> None:
     """Time this process's cufused (the tree on PYTHONPATH); one JSON line per row."""
     import cupy
     import numpy
@@ -85,7 +85,7 @@ def child(cases: list[str], repeat: int) -> None:
         arrays = _inputs(cupy, numpy, shapes)
         fn = getattr(cufused, pipeline)
         out = fn(*arrays, **options)
-        for precision in ("ieee", "tf32"):
+        for precision in precisions:
             ms, us = _time(cupy, numpy, lambda p=precision: fn(
                 *arrays, **options, precision=p, out=out), repeat)
             print(json.dumps({"case": name, "precision": precision, "ms": ms, "host_us": us,
@@ -98,7 +98,7 @@ def _run_tree(tree: str, args) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.abspath(tree), *filter(None, [os.environ.get("PYTHONPATH")])]))
     command = [sys.executable, __file__, "--child", "--repeat", str(args.repeat),
-               "--cases", *args.cases]
+               "--cases", *args.cases, "--precisions", *args.precisions]
     lines = subprocess.run(command, env=env, check=True, capture_output=True,
                            text=True).stdout.splitlines()
     return [json.loads(line) for line in lines if line.startswith("{")]
@@ -129,11 +129,13 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="turns per tree (3)")
     parser.add_argument("--repeat", type=int, default=30, help="timed calls per figure (30)")
     parser.add_argument("--cases", nargs="*", choices=sorted(CASES), default=sorted(CASES))
+    parser.add_argument("--precisions", nargs="*", choices=("ieee", "tf32", "3xtf32"),
+                        default=["ieee", "tf32"])
     parser.add_argument("--json", metavar="FILE", help="write every run's rows to FILE")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        child(args.cases, args.repeat)
+        child(args.cases, args.precisions, args.repeat)
         return 0
     if not args.trees:
         parser.error("give at least one tree")

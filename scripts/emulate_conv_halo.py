@@ -21,7 +21,7 @@ from cufused import reference
 from cufused._kernels.conv_gemm import (_HALO_MAX, _HALO_OUT_STRIDE, _HALO_RC,
                                         _POOL_SCRATCH_FLOATS, _TILE_K, fixed_ksize,
                                         halo_channel_stride, halo_chunk, halo_row_stride,
-                                        halo_shared_bytes, sample_segments)
+                                        halo_planes, halo_shared_bytes, sample_segments)
 from cufused._kernels.conv_gemm import _HALO_TH as TH
 from cufused._kernels.conv_gemm import _HALO_TW as TW
 
@@ -376,9 +376,9 @@ def check_pool_stats(rng) -> float:
 def check_shared_layout() -> bool:
     """The kernels' shared-memory layout as halo_shared and halo_scratch place it (the
     scratch rounded up to a 16-byte boundary for the pooling epilogue's float4 loads) inside
-    the bytes the launcher gives (halo_shared_bytes), FixedHalo's 4-float copies inside their
-    buffer and its per-lane weights inside the weights' space, for the emulated geometries
-    and odd-sized halos."""
+    the bytes the launcher gives (halo_shared_bytes; one or three operand planes),
+    FixedHalo's 4-float copies inside their buffer and its per-lane weights inside the
+    weights' space, for the emulated geometries and odd-sized halos."""
     geometries = [(xs[1], ws[2:], stride, dilation) for xs, ws, stride, _, dilation in CASES]
     geometries += [(3, (3, 3), (2, 2), (1, 1)), (1, (2, 2), (1, 1), (1, 1)),
                    (5, (1, 1), (2, 2), (1, 1)), (64, (3, 3), (1, 1), (1, 1))]
@@ -387,10 +387,13 @@ def check_shared_layout() -> bool:
         cc, hr, hc = halo_chunk(c, kernel, stride, dilation)
         ksize = fixed_ksize(kernel, stride, dilation)
         hsize = cc * halo_channel_stride(hr, hc, ksize)
-        start = (_HALO_RC * (_TILE_K + 8) + _HALO_RC + 2 * hsize + 3) & ~3  # halo_scratch
-        for pool in (0, 2, 4):
-            end = start + (_POOL_SCRATCH_FLOATS if pool else _TILE_K * _HALO_OUT_STRIDE)
-            ok &= 4 * end <= halo_shared_bytes(cc, hr, hc, ksize, pool)
+        for passes in (1, 3):
+            planes = halo_planes(passes, ksize)
+            # halo_scratch: after the weights' and both halo buffers' planes.
+            start = (planes * _HALO_RC * (_TILE_K + 8) + _HALO_RC + 2 * planes * hsize + 3) & ~3
+            for pool in (0, 2, 4):
+                end = start + (_POOL_SCRATCH_FLOATS if pool else _TILE_K * _HALO_OUT_STRIDE)
+                ok &= 4 * end <= halo_shared_bytes(cc, hr, hc, ksize, passes, pool)
         if ksize:
             rstride = halo_row_stride(hc, ksize)
             last = (cc - 1) * halo_channel_stride(hr, hc, ksize) + (hr - 1) * rstride + rstride

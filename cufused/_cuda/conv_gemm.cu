@@ -35,61 +35,64 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4],
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Split float32 values into TF32 high parts and (for PASSES = 3) TF32 residuals. ROUNDED:
-// the values are TF32 already (rounded where they were staged), PASSES = 1 only.
-template <int PASSES, bool ROUNDED, int N>
-__device__ __forceinline__ void split_tf32(const float (&x)[N], unsigned (&hi)[N],
-                                           unsigned (&lo)[N]) {
+// A value's operand planes: [0] its TF32 value (PASSES = 1) or high part, infinities and
+// NaN included (the hi*hi product carries them); for PASSES = 3 also [1] the high part with
+// non-finite values zeroed, the residual products' factor (an infinite high part times a
+// finite residual of the other operand, zero or of the opposite sign, would turn an infinite
+// product into NaN), and [2] the TF32 residual (none for an infinite or NaN value: inf - inf
+// would be NaN). ROUNDED: the value is TF32 already (PASSES = 1 only).
+template <int PASSES, bool ROUNDED = false>
+__device__ __forceinline__ void split_operand(float x, unsigned& hi, unsigned& hi_finite,
+                                              unsigned& lo) {
     static_assert(!ROUNDED || PASSES == 1, "a staged TF32 value has no residual left");
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-        hi[i] = ROUNDED ? __float_as_uint(x[i]) : to_tf32(x[i]);
-        // An infinite or NaN value has no residual (inf - inf would be NaN, where the
-        // product must stay infinite); its high part carries it.
-        if (PASSES == 3)
-            lo[i] = to_tf32(fabsf(x[i]) < INFINITY ? x[i] - __uint_as_float(hi[i]) : 0.0f);
+    hi = ROUNDED ? __float_as_uint(x) : to_tf32(x);
+    if (PASSES == 3) {
+        hi_finite = fabsf(__uint_as_float(hi)) < INFINITY ? hi : 0u;
+        lo = to_tf32(fabsf(x) < INFINITY ? x - __uint_as_float(hi) : 0.0f);
     }
 }
 
-// Zero the non-finite high parts, for the residual products: an infinite high part times a
-// finite residual of the other operand (zero, or of the opposite sign) would turn the
-// infinite product into NaN.
-template <int N>
-__device__ __forceinline__ void finite_or_zero(unsigned (&hi)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i)
-        if (!(fabsf(__uint_as_float(hi[i])) < INFINITY)) hi[i] = 0u;
-}
-
-// One 8-deep reduction step of a warp's 32 x 32 tile: the A fragments of its two 16-row
-// MMA tiles and the B fragments of its four 8-column ones (float32 values, split here) into
-// sum (the accumulator, or for PASSES = 3 the registers of the current step sums). ROUNDED:
-// the fragments hold TF32 values already (split_tf32).
-template <int PASSES, bool ROUNDED = false>
-__device__ __forceinline__ void mma_warp_step(const float (&af)[2][4], const float (&bf)[4][2],
-                                              float (&sum)[2][4][4]) {
-    unsigned a_hi[2][4], a_lo[2][4], b_hi[4][2], b_lo[4][2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) split_tf32<PASSES, ROUNDED>(af[i], a_hi[i], a_lo[i]);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) split_tf32<PASSES, ROUNDED>(bf[j], b_hi[j], b_lo[j]);
+// One 8-deep reduction step of a warp's 32 x 32 tile from split operands (split_operand's
+// planes: a[plane][i] the A fragment of 16-row MMA tile i, b[plane][j] the B fragment of
+// 8-column tile j) into sum (the accumulator, or for PASSES = 3 the registers of the current
+// step sums): hi*hi, lo*hi, then hi*lo.
+template <int PASSES>
+__device__ __forceinline__ void mma_split_step(const unsigned (&a)[3][2][4],
+                                               const unsigned (&b)[3][4][2],
+                                               float (&sum)[2][4][4]) {
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) mma_tf32(sum[i][j], a_hi[i], b_hi[j]);
+        for (int j = 0; j < 4; ++j) mma_tf32(sum[i][j], a[0][i], b[0][j]);
     if (PASSES == 3) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i) finite_or_zero(a_hi[i]);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) finite_or_zero(b_hi[j]);
+        // Each accumulator's next product is 8 MMAs on (its previous one's latency hidden).
 #pragma unroll
         for (int i = 0; i < 2; ++i)
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                mma_tf32(sum[i][j], a_lo[i], b_hi[j]);
-                mma_tf32(sum[i][j], a_hi[i], b_lo[j]);
-            }
+            for (int j = 0; j < 4; ++j) mma_tf32(sum[i][j], a[2][i], b[1][j]);
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) mma_tf32(sum[i][j], a[1][i], b[2][j]);
     }
+}
+
+// The same step from float32 fragments, split here (ROUNDED: they hold TF32 values already).
+template <int PASSES, bool ROUNDED = false>
+__device__ __forceinline__ void mma_warp_step(const float (&af)[2][4], const float (&bf)[4][2],
+                                              float (&sum)[2][4][4]) {
+    unsigned a[3][2][4], b[3][4][2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            split_operand<PASSES, ROUNDED>(af[i][e], a[0][i][e], a[1][i][e], a[2][i][e]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+            split_operand<PASSES, ROUNDED>(bf[j][e], b[0][j][e], b[1][j][e], b[2][j][e]);
+    mma_split_step<PASSES>(a, b, sum);
 }
 
 // 3xTF32: add the step sums to the accumulator in float32 and clear them.
@@ -284,6 +287,31 @@ conv2d_igemm(const float* __restrict__ x, const float* __restrict__ w,
 #define HALO_MAX 4800
 #define HALO_BLOCKS_PER_SM 2
 
+// V consecutive floats as one access (8- or 16-byte aligned for V = 2, 4).
+template <int V> struct FloatVec;
+template <> struct FloatVec<1> { using type = float; };
+template <> struct FloatVec<2> { using type = float2; };
+template <> struct FloatVec<4> { using type = float4; };
+
+// Split the V staged float32 values at v (plane 0) into their PLANES operand planes,
+// plane_stride floats apart (split_operand; PASSES = 1: TF32-rounded in place).
+template <int PASSES, int PLANES, int V>
+__device__ __forceinline__ void split_staged(float* v, int plane_stride) {
+    using Vec = typename FloatVec<V>::type;
+    Vec in = *reinterpret_cast<const Vec*>(v), out[3];
+    const float* x = reinterpret_cast<const float*>(&in);
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+        unsigned p[3];
+        split_operand<PASSES>(x[e], p[0], p[1], p[2]);
+#pragma unroll
+        for (int q = 0; q < PLANES; ++q)
+            reinterpret_cast<float*>(&out[q])[e] = __uint_as_float(p[q]);
+    }
+#pragma unroll
+    for (int q = 0; q < PLANES; ++q) *reinterpret_cast<Vec*>(v + q * plane_stride) = out[q];
+}
+
 // One cp.async of V floats (1 or 4: 16-byte aligned dst and src) into shared memory,
 // zero-filled where the source is not valid (padding or past the input: no global byte is
 // read, src only has to be a global address).
@@ -298,28 +326,42 @@ __device__ __forceinline__ void copy_or_zero_async(float* dst, const float* src,
                      ::"r"(d), "l"(src), "r"(valid ? 4 : 0) : "memory");
 }
 
-// The dynamic shared memory of a halo kernel, in this order: the staged weights [r][k]
-// (HALO_RC x (CONV_BN + 8): conflict-free fragment loads; FixedHalo lays them out per lane
-// instead, stage_weights), each reduction value's halo offset
-// (HALO_RC), then two halo buffers of hsize floats (the stage the MMAs read and the next one
-// in flight); an epilogue's scratch follows (halo_scratch). The launcher sizes it
-// (conv_gemm.py: halo_shared_bytes).
+// The operand planes (split_operand) that a halo kernel stages its halo and weights in: one
+// (float32 values, TF32-rounded for PASSES = 1) but where the geometry is compiled in
+// (KSIZE > 0) at PASSES = 3, whose fragments are then split once where staged, not at every
+// fragment that reads them.
+template <int PASSES, int KSIZE>
+__host__ __device__ constexpr int halo_planes() {
+    return PASSES == 3 && KSIZE > 0 ? 3 : 1;
+}
+
+// Floats of one plane of the staged weights.
+#define HALO_WPLANE (HALO_RC * (CONV_BN + 8))
+
+// The dynamic shared memory of a halo kernel of PLANES operand planes, in this order: the
+// staged weights [plane][r][k] (HALO_RC x (CONV_BN + 8) a plane: conflict-free fragment
+// loads; FixedHalo lays them out per lane instead, stage_weights), each reduction value's
+// halo offset (HALO_RC), then two halo buffers of PLANES planes of hsize floats (the stage
+// the MMAs read and the next one in flight); an epilogue's scratch follows (halo_scratch).
+// The launcher sizes it (conv_gemm.py: halo_shared_bytes).
 struct HaloShared {
     float (*wt)[CONV_BN + 8];
     int* roff;
-    float* halo;  // buffer b at halo + b * hsize
+    float* halo;  // buffer b at halo + b * PLANES * hsize, its plane p hsize * p on
     int hsize;
 };
 
+template <int PLANES>
 __device__ __forceinline__ HaloShared halo_shared(float* smem, int hsize) {
     return {reinterpret_cast<float (*)[CONV_BN + 8]>(smem),
-            reinterpret_cast<int*>(smem + HALO_RC * (CONV_BN + 8)),
-            smem + HALO_RC * (CONV_BN + 8) + HALO_RC, hsize};
+            reinterpret_cast<int*>(smem + PLANES * HALO_WPLANE),
+            smem + PLANES * HALO_WPLANE + HALO_RC, hsize};
 }
 
 // The scratch starts 16-byte aligned (float4 loads there; hsize may be odd).
+template <int PLANES>
 __device__ __forceinline__ float* halo_scratch(float* smem, int hsize) {
-    return smem + ((HALO_RC * (CONV_BN + 8) + HALO_RC + 2 * hsize + 3) & ~3);
+    return smem + ((PLANES * HALO_WPLANE + HALO_RC + 2 * PLANES * hsize + 3) & ~3);
 }
 
 // The halo geometry compiled in for KSIZE x KSIZE kernels at stride and dilation 1 (pipeline
@@ -438,6 +480,7 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                                            const Schedule& schedule, Epilogue epilogue,
                                            Sign sign) {
     constexpr bool FIXED = KSIZE > 0;
+    constexpr int PLANES = halo_planes<PASSES, KSIZE>();
     using Fixed = FixedHalo<FIXED ? KSIZE : 1>;
     if constexpr (FIXED) {
         kh = kw = KSIZE;
@@ -469,9 +512,9 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
             pofs[i][half] = (2 * i + half) * sh * rstride + (warp_col + gid) * sw;
 
     // The weights of input channels [c0, c0 + cc) times sign(k) (zero past C and K;
-    // TF32-rounded for PASSES = 1: exact for either sign, the rounding is symmetric) in the
-    // reduction order, and for KSIZE = 0 their halo offsets; returns the reduction length
-    // rounded up to 8.
+    // TF32-rounded for PASSES = 1, split into their PLANES planes: exact for either sign, the
+    // rounding is symmetric) in the reduction order, and for KSIZE = 0 their halo offsets;
+    // returns the reduction length rounded up to 8.
     auto stage_weights = [&](int c0) {
         const int ccn = FIXED ? Fixed::CC : min(cc, C - c0);
         const int rn = ccn * khw, rpad = (rn + 7) & ~7;
@@ -488,8 +531,9 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                 const int half = i & 1, j = (i >> 1) & 3, l = (i >> 3) & 31;
                 const int wk = (i >> 8) & 1, tap = i >> 9;
                 const int k = k0 + wk * 32 + j * 8 + (l >> 2), c = c0 + (l & 3) + 4 * half;
-                wt[i] = k < K && c < C
-                    ? staged(__ldg(w + ((long long)k * C + c) * khw + tap), k) : 0.0f;
+                wt[i] = k < K && c < C ? __ldg(w + ((long long)k * C + c) * khw + tap) * sign(k)
+                                       : 0.0f;
+                split_staged<PASSES, PLANES, 1>(wt + i, HALO_WPLANE);
             }
             return rpad;
         }
@@ -580,23 +624,14 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
         float (&sum)[2][4][4] = PASSES == 3 ? stage : acc;
 
         for (int c0 = 0; c0 < C; c0 += cc) {
-            float* halo = s.halo + buf * s.hsize;
+            float* halo = s.halo + buf * PLANES * s.hsize;
             asm volatile("cp.async.wait_all;" ::: "memory");
-            if (PASSES == 1) {
-                // TF32: round each of this thread's own copies once, not once per fragment
-                // that reads it (up to kh * kw * 2 of them).
+            if (PASSES == 1 || PLANES > 1) {
+                // Round (TF32) or split (3xTF32) each of this thread's own copies once, not
+                // once per fragment that reads it (up to kh * kw * 2 of them).
                 with_run_length([&](auto v) {
                     each_own_run(v, c0, [&](int, int, int, int index) {
-                        if constexpr (decltype(v)::value == 4) {
-                            float4 r = *reinterpret_cast<const float4*>(halo + index);
-                            r.x = __uint_as_float(to_tf32(r.x));
-                            r.y = __uint_as_float(to_tf32(r.y));
-                            r.z = __uint_as_float(to_tf32(r.z));
-                            r.w = __uint_as_float(to_tf32(r.w));
-                            *reinterpret_cast<float4*>(halo + index) = r;
-                        } else {
-                            halo[index] = __uint_as_float(to_tf32(halo[index]));
-                        }
+                        split_staged<PASSES, PLANES, decltype(v)::value>(halo + index, s.hsize);
                     });
                 });
             }
@@ -604,48 +639,64 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
             __syncthreads();
             if (!one_chunk) rpad = stage_weights(c0);
             if (c0 + cc < C) {
-                copy_halo(pos, c0 + cc, s.halo + (buf ^ 1) * s.hsize);
+                copy_halo(pos, c0 + cc, s.halo + (buf ^ 1) * PLANES * s.hsize);
             } else {
                 // The next tile's position, again after the epilogue (fewer live registers
                 // through the MMAs than keeping it).
                 TilePos next = pos;
-                if (schedule.next(next)) copy_halo(next, 0, s.halo + (buf ^ 1) * s.hsize);
+                if (schedule.next(next))
+                    copy_halo(next, 0, s.halo + (buf ^ 1) * PLANES * s.hsize);
             }
             if (!one_chunk) __syncthreads();
             if constexpr (FIXED) {
                 // Kernel column v at a time (not unrolled: every tap unrolled hoists its
                 // loads past the register budget): this lane's halo column (its pixel column
-                // + v) over the HALO_TH + KSIZE - 1 halo rows, channels tig and tig + 4,
-                // loaded once; kernel row u's A fragments are its rows u .. u + HALO_TH - 1
-                // (MMA tile i, half: pixel row 2 i + half), so each halo value is loaded once
-                // per v, not once per tap.
+                // + v) over the HALO_TH + KSIZE - 1 halo rows, channels tig and tig + 4, each
+                // plane, loaded once; kernel row u's A fragments are its rows u .. u +
+                // HALO_TH - 1 (MMA tile i, half: pixel row 2 i + half), so each halo value is
+                // loaded once per v, not once per tap.
+                constexpr int HPLANE = Fixed::CC * Fixed::CSTRIDE;  // == s.hsize
                 const float* lane_col = halo + tig * Fixed::CSTRIDE + warp_col + gid;
                 const float4* b4 = reinterpret_cast<const float4*>(&s.wt[0][0])
                                    + ((warp_k >> 5) * 32 + lane) * 2;
 #pragma unroll 1
                 for (int v = 0; v < KSIZE; ++v, ++lane_col) {
-                    float column[Fixed::HR][2];
+                    unsigned column[PLANES][Fixed::HR][2];
 #pragma unroll
-                    for (int h = 0; h < Fixed::HR; ++h) {
-                        column[h][0] = lane_col[h * Fixed::HCS];
-                        column[h][1] = lane_col[h * Fixed::HCS + 4 * Fixed::CSTRIDE];
-                    }
+                    for (int q = 0; q < PLANES; ++q)
+#pragma unroll
+                        for (int h = 0; h < Fixed::HR; ++h) {
+                            const float* at = lane_col + q * HPLANE + h * Fixed::HCS;
+                            column[q][h][0] = __float_as_uint(at[0]);
+                            column[q][h][1] = __float_as_uint(at[4 * Fixed::CSTRIDE]);
+                        }
 #pragma unroll
                     for (int u = 0; u < KSIZE; ++u) {
-                        float af[2][4], bf[4][2];
-#pragma unroll
-                        for (int i = 0; i < 2; ++i) {
-                            af[i][0] = column[2 * i + u][0];
-                            af[i][1] = column[2 * i + 1 + u][0];
-                            af[i][2] = column[2 * i + u][1];
-                            af[i][3] = column[2 * i + 1 + u][1];
-                        }
-                        // Tap u * KSIZE + v's B fragments ([tap][warp_k / 32][lane][j][half]).
+                        unsigned a[3][2][4], b[3][4][2];
+                        // Tap u * KSIZE + v's B fragments ([plane][tap][warp_k / 32][lane][j]
+                        // [half]).
                         const float4* tap_b4 = b4 + (u * KSIZE + v) * 2 * 32 * 2;
-                        const float4 b01 = tap_b4[0], b23 = tap_b4[1];
-                        bf[0][0] = b01.x, bf[0][1] = b01.y, bf[1][0] = b01.z, bf[1][1] = b01.w;
-                        bf[2][0] = b23.x, bf[2][1] = b23.y, bf[3][0] = b23.z, bf[3][1] = b23.w;
-                        mma_warp_step<PASSES, PASSES == 1>(af, bf, sum);
+#pragma unroll
+                        for (int q = 0; q < PLANES; ++q) {
+#pragma unroll
+                            for (int i = 0; i < 2; ++i) {
+                                a[q][i][0] = column[q][2 * i + u][0];
+                                a[q][i][1] = column[q][2 * i + 1 + u][0];
+                                a[q][i][2] = column[q][2 * i + u][1];
+                                a[q][i][3] = column[q][2 * i + 1 + u][1];
+                            }
+                            const float4 b01 = tap_b4[q * HALO_WPLANE / 4];
+                            const float4 b23 = tap_b4[q * HALO_WPLANE / 4 + 1];
+                            b[q][0][0] = __float_as_uint(b01.x);
+                            b[q][0][1] = __float_as_uint(b01.y);
+                            b[q][1][0] = __float_as_uint(b01.z);
+                            b[q][1][1] = __float_as_uint(b01.w);
+                            b[q][2][0] = __float_as_uint(b23.x);
+                            b[q][2][1] = __float_as_uint(b23.y);
+                            b[q][3][0] = __float_as_uint(b23.z);
+                            b[q][3][1] = __float_as_uint(b23.w);
+                        }
+                        mma_split_step<PASSES>(a, b, sum);
                         // 3xTF32: step sums flushed every two steps and at v's last.
                         if (PASSES == 3 && ((u & 1) || u + 1 == KSIZE))
                             flush_step_sums(acc, stage);
@@ -677,9 +728,6 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
 // (2 * 132 = 8 mod 32: the accumulators' four tig lanes write distinct banks).
 #define HALO_OUT_STRIDE 132
 
-template <int V> struct FloatVec;
-template <> struct FloatVec<1> { using type = float; };
-template <> struct FloatVec<2> { using type = float2; };
 
 // The staged tile's kn channels x HALO_TH rows x HALO_TW columns into yt (the tile's first
 // output; P, Q the output's rows and columns, rows and columns past p_left, q_left skipped),
@@ -715,7 +763,8 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
     const int warp_col = (warp & 3) * 8, warp_k = (warp >> 2) * 32;
     const int k0 = blockIdx.y * CONV_BN;
     const int hsize = halo_floats<KSIZE>(cc, hr, hc);
-    float* staged = halo_scratch(smem, hsize);  // [channel][row * HALO_TW + column]
+    constexpr int PLANES = halo_planes<PASSES, KSIZE>();
+    float* staged = halo_scratch<PLANES>(smem, hsize);  // [channel][row * HALO_TW + column]
     const int kn = min(CONV_BN, K - k0);
     const bool pairs = (Q & 1) == 0 && (reinterpret_cast<unsigned long long>(y) & 7) == 0;
     // The tile goes through shared memory: a warp's accumulators span 8 columns of 4
@@ -737,7 +786,7 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
     const int tiles_w = (Q + HALO_TW - 1) / HALO_TW;
     const int tiles = ((P + HALO_TH - 1) / HALO_TH) * tiles_w;
     halo_tiles<PASSES, KSIZE>(x, w, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
-                              halo_shared(smem, hsize),
+                              halo_shared<PLANES>(smem, hsize),
                               GridStride{tiles, tiles_w, (long long)N * tiles}, store,
                               [](int) { return 1.0f; });
 }
@@ -799,7 +848,8 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
     // Per channel (bias, sign, offset: the acc of the run's first pixel, sign * d = acc -
     // offset); the run's sums per warp column and channel; this lane's running sums of its
     // 8 channels.
-    float4* params = reinterpret_cast<float4*>(halo_scratch(smem, hsize));
+    constexpr int PLANES = halo_planes<PASSES, KSIZE>();
+    float4* params = reinterpret_cast<float4*>(halo_scratch<PLANES>(smem, hsize));
     float2* sums = reinterpret_cast<float2*>(params + CONV_BN);
     float2 lane_sums[8];  // [j * 2 + e]
     if (tid < CONV_BN) {
@@ -907,6 +957,6 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
         }
     };
     halo_tiles<PASSES, KSIZE>(x, w, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
-                              halo_shared(smem, hsize), segments, pool_stats,
+                              halo_shared<PLANES>(smem, hsize), segments, pool_stats,
                               [&](int k) { return window_sign(sign_a, sign_b, k); });
 }

@@ -55,11 +55,22 @@ def halo_channel_stride(hr: int, hc: int, ksize: int) -> int:
     return (hr * halo_row_stride(hc, ksize) + 23) // 32 * 32 + 8 if ksize else hr * hc
 
 
-def halo_shared_bytes(cc: int, hr: int, hc: int, ksize: int, pool: int = 0) -> int:
+def halo_planes(passes: int, ksize: int) -> int:
+    """Operand planes that a halo kernel stages its halo and weights in (``halo_planes`` in
+    conv_gemm.cu): 3 (high part, finite high part, residual) for 3xTF32 with a compiled-in
+    geometry, else 1."""
+    return 3 if passes == 3 and ksize else 1
+
+
+def halo_shared_bytes(cc: int, hr: int, hc: int, ksize: int, passes: int,
+                      pool: int = 0) -> int:
     """Dynamic shared memory of a halo kernel (``halo_shared`` in conv_gemm.cu): the staged
-    weights and their halo offsets, two halo buffers of ``cc`` channels and the epilogue's
-    scratch: the pooling epilogue's (``pool`` > 0) or the output tile ``conv2d_halo`` stages."""
-    floats = _HALO_RC * (_TILE_K + 8) + _HALO_RC + 2 * cc * halo_channel_stride(hr, hc, ksize)
+    weights' planes and their halo offsets, two halo buffers of ``cc`` channels in as many
+    planes and the epilogue's scratch: the pooling epilogue's (``pool`` > 0) or the output
+    tile ``conv2d_halo`` stages."""
+    planes = halo_planes(passes, ksize)
+    floats = (planes * _HALO_RC * (_TILE_K + 8) + _HALO_RC
+              + 2 * planes * cc * halo_channel_stride(hr, hc, ksize))
     floats = -(-floats // 4) * 4  # the scratch starts 16-byte aligned (halo_scratch)
     if pool:
         floats += _POOL_SCRATCH_FLOATS
@@ -110,7 +121,7 @@ def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tup
         tiles = n * -(-p // _HALO_TH) * -(-q // _HALO_TW)
         blocks = min(tiles, sm_count() * _HALO_BLOCKS_PER_SM)
         ksize = fixed_ksize((kh, kw), stride, dilation)
-        shared = halo_shared_bytes(cc, hr, hc, ksize)
+        shared = halo_shared_bytes(cc, hr, hc, ksize, passes)
         get_kernel(_FILE, f"conv2d_halo<{passes}, {ksize}>", shared_bytes=shared)(
             (blocks, -(-k // _TILE_K)), (_THREADS,), geometry + (i32(cc), i32(hr), i32(hc)),
             shared_mem=shared)
@@ -147,7 +158,7 @@ def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, stride: tuple[int,
         return partial, splits
     i32 = numpy.int32
     ksize = fixed_ksize((kh, kw), stride, dilation)
-    shared = halo_shared_bytes(cc, hr, hc, ksize, pool)
+    shared = halo_shared_bytes(cc, hr, hc, ksize, passes, pool)
     get_kernel(_FILE, f"conv2d_halo_pool_stats<{passes}, {ksize}, {pool}>",
                shared_bytes=shared)(
         (blocks, -(-k // _TILE_K)), (_THREADS,),
