@@ -376,7 +376,7 @@ def check_pool_stats(rng) -> float:
 def check_shared_layout() -> bool:
     """The kernels' shared-memory layout as halo_shared and halo_scratch place it (the
     scratch rounded up to a 16-byte boundary for the pooling epilogue's float4 loads) inside
-    the bytes the launcher gives (halo_shared_bytes; one or three operand planes),
+    the bytes the launcher gives (halo_shared_bytes; one or two planes),
     FixedHalo's 4-float copies inside their buffer and its per-lane weights inside the
     weights' space, for the emulated geometries and odd-sized halos."""
     geometries = [(xs[1], ws[2:], stride, dilation) for xs, ws, stride, _, dilation in CASES]

@@ -35,19 +35,33 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4],
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// d = a * b: the product alone (zero addend), opening a 3xTF32 step sum without clearing it.
+__device__ __forceinline__ void mma_tf32_fresh(float (&d)[4], const unsigned (&a)[4],
+                                               const unsigned (&b)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %10, %10, %10};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(0.0f));
+}
+
 // A value's operand planes: [0] its TF32 value (PASSES = 1) or high part, infinities and
 // NaN included (the hi*hi product carries them); for PASSES = 3 also [1] the high part with
 // non-finite values zeroed, the residual products' factor (an infinite high part times a
 // finite residual of the other operand, zero or of the opposite sign, would turn an infinite
 // product into NaN), and [2] the TF32 residual (none for an infinite or NaN value: inf - inf
 // would be NaN). ROUNDED: the value is TF32 already (PASSES = 1 only).
+__device__ __forceinline__ unsigned finite_part(unsigned hi) {
+    return fabsf(__uint_as_float(hi)) < INFINITY ? hi : 0u;
+}
+
 template <int PASSES, bool ROUNDED = false>
 __device__ __forceinline__ void split_operand(float x, unsigned& hi, unsigned& hi_finite,
                                               unsigned& lo) {
     static_assert(!ROUNDED || PASSES == 1, "a staged TF32 value has no residual left");
     hi = ROUNDED ? __float_as_uint(x) : to_tf32(x);
     if (PASSES == 3) {
-        hi_finite = fabsf(__uint_as_float(hi)) < INFINITY ? hi : 0u;
+        hi_finite = finite_part(hi);
         lo = to_tf32(fabsf(x) < INFINITY ? x - __uint_as_float(hi) : 0.0f);
     }
 }
@@ -55,15 +69,21 @@ __device__ __forceinline__ void split_operand(float x, unsigned& hi, unsigned& h
 // One 8-deep reduction step of a warp's 32 x 32 tile from split operands (split_operand's
 // planes: a[plane][i] the A fragment of 16-row MMA tile i, b[plane][j] the B fragment of
 // 8-column tile j) into sum (the accumulator, or for PASSES = 3 the registers of the current
-// step sums): hi*hi, lo*hi, then hi*lo.
+// step sums): hi*hi, lo*hi, then hi*lo. fresh (PASSES = 3): the step opens the step sums,
+// which the hi*hi products overwrite.
 template <int PASSES>
 __device__ __forceinline__ void mma_split_step(const unsigned (&a)[3][2][4],
                                                const unsigned (&b)[3][4][2],
-                                               float (&sum)[2][4][4]) {
+                                               float (&sum)[2][4][4], bool fresh = false) {
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) mma_tf32(sum[i][j], a[0][i], b[0][j]);
+        for (int j = 0; j < 4; ++j) {
+            if (PASSES == 3 && fresh)
+                mma_tf32_fresh(sum[i][j], a[0][i], b[0][j]);
+            else
+                mma_tf32(sum[i][j], a[0][i], b[0][j]);
+        }
     if (PASSES == 3) {
         // Each accumulator's next product is 8 MMAs on (its previous one's latency hidden).
 #pragma unroll
@@ -80,7 +100,7 @@ __device__ __forceinline__ void mma_split_step(const unsigned (&a)[3][2][4],
 // The same step from float32 fragments, split here (ROUNDED: they hold TF32 values already).
 template <int PASSES, bool ROUNDED = false>
 __device__ __forceinline__ void mma_warp_step(const float (&af)[2][4], const float (&bf)[4][2],
-                                              float (&sum)[2][4][4]) {
+                                              float (&sum)[2][4][4], bool fresh = false) {
     unsigned a[3][2][4], b[3][4][2];
 #pragma unroll
     for (int i = 0; i < 2; ++i)
@@ -92,18 +112,17 @@ __device__ __forceinline__ void mma_warp_step(const float (&af)[2][4], const flo
 #pragma unroll
         for (int e = 0; e < 2; ++e)
             split_operand<PASSES, ROUNDED>(bf[j][e], b[0][j][e], b[1][j][e], b[2][j][e]);
-    mma_split_step<PASSES>(a, b, sum);
+    mma_split_step<PASSES>(a, b, sum, fresh);
 }
 
-// 3xTF32: add the step sums to the accumulator in float32 and clear them.
-__device__ __forceinline__ void flush_step_sums(float (&acc)[2][4][4], float (&stage)[2][4][4]) {
+// 3xTF32: add the step sums to the accumulator in float32 (the next step opens new ones:
+// mma_split_step's fresh).
+__device__ __forceinline__ void flush_step_sums(float (&acc)[2][4][4],
+                                                const float (&stage)[2][4][4]) {
     float* a = &acc[0][0][0];
-    float* s = &stage[0][0][0];
+    const float* s = &stage[0][0][0];
 #pragma unroll
-    for (int e = 0; e < 32; ++e) {  // constant indices once unrolled: registers
-        a[e] += s[e];
-        s[e] = 0.0f;
-    }
+    for (int e = 0; e < 32; ++e) a[e] += s[e];  // constant indices once unrolled: registers
 }
 
 // The B fragments of a warp's four 8-column MMA tiles at reduction step ks, from a [r][k]
@@ -119,12 +138,12 @@ __device__ __forceinline__ void load_b_fragments(float (&bf)[4][2],
     }
 }
 
-// The accumulators and the 3xTF32 step sums of a warp's 32 x 32 tile, cleared.
-__device__ __forceinline__ void clear_tiles(float (&acc)[2][4][4], float (&stage)[2][4][4]) {
+// The accumulators of a warp's 32 x 32 tile, cleared (3xTF32's step sums need not be: each
+// step sum opens with a fresh step).
+__device__ __forceinline__ void clear_tiles(float (&acc)[2][4][4]) {
     float* a = &acc[0][0][0];
-    float* s = &stage[0][0][0];
 #pragma unroll
-    for (int e = 0; e < 32; ++e) a[e] = s[e] = 0.0f;
+    for (int e = 0; e < 32; ++e) a[e] = 0.0f;
 }
 
 // Each accumulator of a warp's 32 x 32 tile (row gid or gid + 8 of MMA tile i, column
@@ -215,7 +234,7 @@ conv2d_igemm(const float* __restrict__ x, const float* __restrict__ w,
     // the accumulator in float32 (round to nearest): the tensor cores' accumulation truncates,
     // and over the whole reduction its bias would cost several times float32's error.
     float acc[2][4][4], stage[2][4][4];
-    clear_tiles(acc, stage);
+    clear_tiles(acc);
     float (&sum)[2][4][4] = PASSES == 3 ? stage : acc;  // where the MMAs accumulate
 
     float ra[8], rb[4];
@@ -243,7 +262,7 @@ conv2d_igemm(const float* __restrict__ x, const float* __restrict__ w,
                 af[i][3] = a_tile[ks + tig + 4][m + 8];
             }
             load_b_fragments(bf, b_tile, ks, tig, gid, warp_k);
-            mma_warp_step<PASSES>(af, bf, sum);
+            mma_warp_step<PASSES>(af, bf, sum, ks == 0);
         }
         if (PASSES == 3) flush_step_sums(acc, stage);
         __syncthreads();  // the next stage overwrites the tiles
@@ -293,12 +312,13 @@ template <> struct FloatVec<1> { using type = float; };
 template <> struct FloatVec<2> { using type = float2; };
 template <> struct FloatVec<4> { using type = float4; };
 
-// Split the V staged float32 values at v (plane 0) into their PLANES operand planes,
-// plane_stride floats apart (split_operand; PASSES = 1: TF32-rounded in place).
+// Split the V staged float32 values at v (plane 0) into PLANES planes, plane_stride floats
+// apart: PASSES = 1, TF32-rounded in place; PLANES = 2, the high part and the residual
+// (split_operand's [0] and [2]: its [1] follows from [0]).
 template <int PASSES, int PLANES, int V>
 __device__ __forceinline__ void split_staged(float* v, int plane_stride) {
     using Vec = typename FloatVec<V>::type;
-    Vec in = *reinterpret_cast<const Vec*>(v), out[3];
+    Vec in = *reinterpret_cast<const Vec*>(v), out[PLANES];
     const float* x = reinterpret_cast<const float*>(&in);
 #pragma unroll
     for (int e = 0; e < V; ++e) {
@@ -306,7 +326,7 @@ __device__ __forceinline__ void split_staged(float* v, int plane_stride) {
         split_operand<PASSES>(x[e], p[0], p[1], p[2]);
 #pragma unroll
         for (int q = 0; q < PLANES; ++q)
-            reinterpret_cast<float*>(&out[q])[e] = __uint_as_float(p[q]);
+            reinterpret_cast<float*>(&out[q])[e] = __uint_as_float(p[2 * q]);
     }
 #pragma unroll
     for (int q = 0; q < PLANES; ++q) *reinterpret_cast<Vec*>(v + q * plane_stride) = out[q];
@@ -326,13 +346,13 @@ __device__ __forceinline__ void copy_or_zero_async(float* dst, const float* src,
                      ::"r"(d), "l"(src), "r"(valid ? 4 : 0) : "memory");
 }
 
-// The operand planes (split_operand) that a halo kernel stages its halo and weights in: one
-// (float32 values, TF32-rounded for PASSES = 1) but where the geometry is compiled in
-// (KSIZE > 0) at PASSES = 3, whose fragments are then split once where staged, not at every
-// fragment that reads them.
+// The planes that a halo kernel stages its halo and weights in (split_staged): one (float32
+// values, TF32-rounded for PASSES = 1) but where the geometry is compiled in (KSIZE > 0) at
+// PASSES = 3: two (high part, residual), so that each value is split once where staged, not
+// at every fragment that reads it.
 template <int PASSES, int KSIZE>
 __host__ __device__ constexpr int halo_planes() {
-    return PASSES == 3 && KSIZE > 0 ? 3 : 1;
+    return PASSES == 3 && KSIZE > 0 ? 2 : 1;
 }
 
 // Floats of one plane of the staged weights.
@@ -620,7 +640,7 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
     for (bool more = true; more; more = schedule.next(pos)) {
 
         float acc[2][4][4], stage[2][4][4];
-        clear_tiles(acc, stage);
+        clear_tiles(acc);
         float (&sum)[2][4][4] = PASSES == 3 ? stage : acc;
 
         for (int c0 = 0; c0 < C; c0 += cc) {
@@ -652,24 +672,32 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                 // Kernel column v at a time (not unrolled: every tap unrolled hoists its
                 // loads past the register budget): this lane's halo column (its pixel column
                 // + v) over the HALO_TH + KSIZE - 1 halo rows, channels tig and tig + 4, each
-                // plane, loaded once; kernel row u's A fragments are its rows u .. u +
+                // staged plane, loaded once; kernel row u's A fragments are its rows u .. u +
                 // HALO_TH - 1 (MMA tile i, half: pixel row 2 i + half), so each halo value is
-                // loaded once per v, not once per tap.
+                // loaded once per v, not once per tap. Operand plane 2 q is staged plane q;
+                // plane 1 (3xTF32's finite high parts) is formed from plane 0 here.
                 constexpr int HPLANE = Fixed::CC * Fixed::CSTRIDE;  // == s.hsize
                 const float* lane_col = halo + tig * Fixed::CSTRIDE + warp_col + gid;
                 const float4* b4 = reinterpret_cast<const float4*>(&s.wt[0][0])
                                    + ((warp_k >> 5) * 32 + lane) * 2;
 #pragma unroll 1
                 for (int v = 0; v < KSIZE; ++v, ++lane_col) {
-                    unsigned column[PLANES][Fixed::HR][2];
+                    unsigned column[3][Fixed::HR][2];
 #pragma unroll
                     for (int q = 0; q < PLANES; ++q)
 #pragma unroll
                         for (int h = 0; h < Fixed::HR; ++h) {
                             const float* at = lane_col + q * HPLANE + h * Fixed::HCS;
-                            column[q][h][0] = __float_as_uint(at[0]);
-                            column[q][h][1] = __float_as_uint(at[4 * Fixed::CSTRIDE]);
+                            column[2 * q][h][0] = __float_as_uint(at[0]);
+                            column[2 * q][h][1] = __float_as_uint(at[4 * Fixed::CSTRIDE]);
                         }
+                    if (PASSES == 3) {
+#pragma unroll
+                        for (int h = 0; h < Fixed::HR; ++h) {
+                            column[1][h][0] = finite_part(column[0][h][0]);
+                            column[1][h][1] = finite_part(column[0][h][1]);
+                        }
+                    }
 #pragma unroll
                     for (int u = 0; u < KSIZE; ++u) {
                         unsigned a[3][2][4], b[3][4][2];
@@ -677,7 +705,7 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                         // [half]).
                         const float4* tap_b4 = b4 + (u * KSIZE + v) * 2 * 32 * 2;
 #pragma unroll
-                        for (int q = 0; q < PLANES; ++q) {
+                        for (int q = 0; q < 2 * PLANES - 1; ++q) {
 #pragma unroll
                             for (int i = 0; i < 2; ++i) {
                                 a[q][i][0] = column[q][2 * i + u][0];
@@ -685,18 +713,28 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                                 a[q][i][2] = column[q][2 * i + u][1];
                                 a[q][i][3] = column[q][2 * i + 1 + u][1];
                             }
+                        }
+#pragma unroll
+                        for (int q = 0; q < PLANES; ++q) {
                             const float4 b01 = tap_b4[q * HALO_WPLANE / 4];
                             const float4 b23 = tap_b4[q * HALO_WPLANE / 4 + 1];
-                            b[q][0][0] = __float_as_uint(b01.x);
-                            b[q][0][1] = __float_as_uint(b01.y);
-                            b[q][1][0] = __float_as_uint(b01.z);
-                            b[q][1][1] = __float_as_uint(b01.w);
-                            b[q][2][0] = __float_as_uint(b23.x);
-                            b[q][2][1] = __float_as_uint(b23.y);
-                            b[q][3][0] = __float_as_uint(b23.z);
-                            b[q][3][1] = __float_as_uint(b23.w);
+                            b[2 * q][0][0] = __float_as_uint(b01.x);
+                            b[2 * q][0][1] = __float_as_uint(b01.y);
+                            b[2 * q][1][0] = __float_as_uint(b01.z);
+                            b[2 * q][1][1] = __float_as_uint(b01.w);
+                            b[2 * q][2][0] = __float_as_uint(b23.x);
+                            b[2 * q][2][1] = __float_as_uint(b23.y);
+                            b[2 * q][3][0] = __float_as_uint(b23.z);
+                            b[2 * q][3][1] = __float_as_uint(b23.w);
                         }
-                        mma_split_step<PASSES>(a, b, sum);
+                        if (PASSES == 3) {
+#pragma unroll
+                            for (int j = 0; j < 4; ++j) {
+                                b[1][j][0] = finite_part(b[0][j][0]);
+                                b[1][j][1] = finite_part(b[0][j][1]);
+                            }
+                        }
+                        mma_split_step<PASSES>(a, b, sum, (u & 1) == 0);
                         // 3xTF32: step sums flushed every two steps and at v's last.
                         if (PASSES == 3 && ((u & 1) || u + 1 == KSIZE))
                             flush_step_sums(acc, stage);
@@ -714,7 +752,7 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                         af[i][3] = o1 >= 0 ? halo[pofs[i][1] + o1] : 0.0f;
                     }
                     load_b_fragments(bf, s.wt, ks, tig, gid, warp_k);
-                    mma_warp_step<PASSES, PASSES == 1>(af, bf, sum);
+                    mma_warp_step<PASSES, PASSES == 1>(af, bf, sum, (ks & 8) == 0);
                     if (PASSES == 3 && ((ks & 8) || ks + 8 >= rpad)) flush_step_sums(acc, stage);
                 }
             }

@@ -56,10 +56,10 @@ def halo_channel_stride(hr: int, hc: int, ksize: int) -> int:
 
 
 def halo_planes(passes: int, ksize: int) -> int:
-    """Operand planes that a halo kernel stages its halo and weights in (``halo_planes`` in
-    conv_gemm.cu): 3 (high part, finite high part, residual) for 3xTF32 with a compiled-in
-    geometry, else 1."""
-    return 3 if passes == 3 and ksize else 1
+    """Planes that a halo kernel stages its halo and weights in (``halo_planes`` in
+    conv_gemm.cu): 2 (TF32 high part and residual) for 3xTF32 with a compiled-in geometry,
+    else 1."""
+    return 2 if passes == 3 and ksize else 1
 
 
 def halo_shared_bytes(cc: int, hr: int, hc: int, ksize: int, passes: int,
