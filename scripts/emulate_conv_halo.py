@@ -4,8 +4,9 @@ geometry, FixedHalo: each lane's halo column loaded once per kernel column, each
 fragments taken from it) and m16n8k8 fragment layouts, with float64 MMAs, against the
 float64 reference (no GPU); and of conv2d_halo_pool_stats' epilogue (its schedule of
 segments, registers, shuffles and scratch, on accumulators of weights staged times the
-window sign) against its definition. Run it after changing the kernels' index math (and
-change it alongside).
+window sign) against its definition; and the weights as the wgmma build (sm_90a) stages
+them, read through its shared-memory descriptor, against the mma.sync build's. Run it after
+changing the kernels' index math (and change it alongside).
 
 Usage: python scripts/emulate_conv_halo.py
 """
@@ -21,7 +22,8 @@ from cufused import reference
 from cufused._kernels.conv_gemm import (_HALO_MAX, _HALO_OUT_STRIDE, _HALO_RC,
                                         _POOL_SCRATCH_FLOATS, _TILE_K, fixed_ksize,
                                         halo_channel_stride, halo_chunk, halo_row_stride,
-                                        halo_planes, halo_shared_bytes, sample_segments)
+                                        halo_planes, halo_shared_bytes, sample_segments,
+                                        weight_planes)
 from cufused._kernels.conv_gemm import _HALO_TH as TH
 from cufused._kernels.conv_gemm import _HALO_TW as TW
 
@@ -376,7 +378,7 @@ def check_pool_stats(rng) -> float:
 def check_shared_layout() -> bool:
     """The kernels' shared-memory layout as halo_shared and halo_scratch place it (the
     scratch rounded up to a 16-byte boundary for the pooling epilogue's float4 loads) inside
-    the bytes the launcher gives (halo_shared_bytes; one or two planes),
+    the bytes the launcher gives (halo_shared_bytes; one to three planes),
     FixedHalo's 4-float copies inside their buffer and its per-lane weights inside the
     weights' space, for the emulated geometries and odd-sized halos."""
     geometries = [(xs[1], ws[2:], stride, dilation) for xs, ws, stride, _, dilation in CASES]
@@ -388,9 +390,9 @@ def check_shared_layout() -> bool:
         ksize = fixed_ksize(kernel, stride, dilation)
         hsize = cc * halo_channel_stride(hr, hc, ksize)
         for passes in (1, 3):
-            planes = halo_planes(passes, ksize)
+            planes, wplanes = halo_planes(passes, ksize), weight_planes(passes, ksize)
             # halo_scratch: after the weights' and both halo buffers' planes.
-            start = (planes * _HALO_RC * (_TILE_K + 8) + _HALO_RC + 2 * planes * hsize + 3) & ~3
+            start = (wplanes * _HALO_RC * (_TILE_K + 8) + _HALO_RC + 2 * planes * hsize + 3) & ~3
             for pool in (0, 2, 4):
                 end = start + (_POOL_SCRATCH_FLOATS if pool else _TILE_K * _HALO_OUT_STRIDE)
                 ok &= 4 * end <= halo_shared_bytes(cc, hr, hc, ksize, passes, pool)
@@ -410,6 +412,40 @@ def check_shared_layout() -> bool:
     return ok
 
 
+def check_wgmma_weights(rng) -> bool:
+    """The weights as the wgmma build stages them ([tap][warp_k / 32][8-column tile][half]
+    [column][c % 4]) read through wgmma_desc's descriptor (K-major, no swizzle: element
+    (k, n) at (n // 8) * SBO + (k // 4) * LBO + (n % 8) * 16 + (k % 4) * 4 bytes, LBO 128,
+    SBO 256) give every tap's and warpgroup's B operand that the mma.sync build's per-lane
+    layout gives, on channel counts past one tile and short of a chunk."""
+    lbo, sbo = 128, 256  # wgmma_desc's leading and stride byte offsets
+    ok = True
+    for k_total, c_total, k0 in [(64, 8, 0), (70, 5, 64), (40, 8, 0)]:
+        ksize, cc = 3, 8
+        taps = ksize * ksize
+        wflat = rng.standard_normal((k_total, c_total * taps))
+        lanes = stage_chunk(np.zeros((1, c_total, 3, 34)), wflat, 0, 0, cc, k0,
+                            (0, 0, 6, 34, ksize, ksize, 1, 1), True)[3]
+        staged = np.zeros(taps * BN * cc)
+        for i in range(staged.size):
+            k = k0 + ((i >> 8) & 1) * 32 + ((i >> 6) & 3) * 8 + ((i >> 2) & 7)
+            c = (i & 3) + 4 * ((i >> 5) & 1)
+            if k < k_total and c < c_total:
+                staged[i] = wflat[k, c * taps + (i >> 9)]
+        for tap in range(taps):
+            for warp_k in (0, 32):
+                start = (tap * 2 + warp_k // 32) * 256 * 4  # bytes: the descriptor's address
+                b = np.zeros((8, 32))
+                for k in range(8):
+                    for n in range(32):
+                        at = start + (n // 8) * sbo + (k // 4) * lbo + (n % 8) * 16 + (k % 4) * 4
+                        b[k, n] = staged[at // 4]
+                tiles = lane_b_tiles(lanes, tap, warp_k)
+                ok &= all(np.array_equal(b[:, 8 * j:8 * j + 8], tiles[j]) for j in range(4))
+    print(f"wgmma weight layout and descriptor: {'ok' if ok else 'FAILED'}")
+    return ok
+
+
 def main() -> int:
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     rng = np.random.default_rng(0)
@@ -423,7 +459,7 @@ def main() -> int:
         print(f"x {xs} w {ws} stride {stride} padding {padding} dilation {dilation} "
               f"(cc, hr, hc) {halo_chunk(xs[1], ws[2:], stride, dilation)}: max error {err:.1e}")
     worst = max(worst, check_pool_stats(rng))
-    if not check_shared_layout():
+    if not check_shared_layout() or not check_wgmma_weights(rng):
         return 1
     return 0 if worst < 1e-9 else 1  # an output never written (NaN) counts as inf
 

@@ -2,12 +2,14 @@
 
 Each ``.cu`` file is one op family; ``KERNELS`` lists every template instantiation the
 library launches. At run time each instantiation is compiled on its first launch (per
-device); CI compiles every one of them, for sm_80 and sm_90, and checks that none spills to
-local memory.
+device); CI compiles every one of them, for sm_80, sm_90 and the architecture-specific
+targets of ``ARCH_TARGETS``, and checks that none spills to local memory.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib.resources
 import re
@@ -145,6 +147,14 @@ KERNELS: dict[str, tuple[str, ...]] = {
 
 # Keep float32 math IEEE-accurate (no fast-math): the kernels are bandwidth-bound.
 COMPILE_OPTIONS = ("-std=c++17",)
+# What CuPy's RawModule adds to them (denormals flushed, unannotated functions on the
+# device): kernels that NVRTC compiles here directly are built as those CuPy compiles.
+_CUPY_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
+# Sources with a path of one architecture's own instructions (conv_gemm.cu: Hopper's
+# warpgroup MMA), by the compute capability whose feature target ("sm_90a") they are
+# compiled for there; such a cubin runs on that architecture only. CuPy compiles for the
+# portable targets only, so these go through NVRTC here.
+ARCH_TARGETS: dict[str, dict[str, str]] = {"conv_gemm.cu": {"90": "sm_90a"}}
 
 _INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.MULTILINE)
 
@@ -156,36 +166,112 @@ def source(filename: str) -> str:
     return _INCLUDE.sub(lambda m: source(m.group(1)), text)
 
 
-def _module(filename: str, name: str):
+def _nvrtc_compile(filename: str, names, arch: str, extra=()) -> tuple[str, bytes, dict]:
+    """NVRTC's log, the cubin and the lowered names of ``names`` (name expressions of
+    ``filename``) compiled together for ``arch``; RuntimeError with the log if NVRTC rejects
+    the source."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(source(filename), filename, [], [])
+    try:
+        for name in names:
+            nvrtc.addNameExpression(prog, name)
+        try:
+            nvrtc.compileProgram(prog, [*COMPILE_OPTIONS, *_CUPY_OPTIONS,
+                                        f"--gpu-architecture={arch}", *extra])
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"{filename} ({arch}): {exc}\n{nvrtc.getProgramLog(prog)}") from exc
+        lowered = {name: nvrtc.getLoweredName(prog, name) for name in names}
+        return nvrtc.getProgramLog(prog), nvrtc.getCUBIN(prog), lowered
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+class _CubinKernel:
+    """A kernel that NVRTC compiled here (an architecture-specific target), launched and
+    granted shared memory as a ``cupy.RawKernel`` is."""
+
+    def __init__(self, filename: str, name: str, arch: str):
+        import cupy
+
+        _, cubin, lowered = _nvrtc_compile(filename, (name,), arch)
+        module = cupy.cuda.function.Module()
+        module.load(cubin)
+        self._function = module.get_function(lowered[name])  # keeps the module
+
+    def __call__(self, grid, block, args, *, shared_mem: int = 0) -> None:
+        self._function(grid, block, args, shared_mem=shared_mem)
+
+    @property
+    def max_dynamic_shared_size_bytes(self) -> int:
+        import cupy
+
+        return cupy.cuda.driver.funcGetAttribute(
+            cupy.cuda.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            self._function.ptr)
+
+    @max_dynamic_shared_size_bytes.setter
+    def max_dynamic_shared_size_bytes(self, value: int) -> None:
+        import cupy
+
+        cupy.cuda.driver.funcSetAttribute(
+            self._function.ptr, cupy.cuda.driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            value)
+
+
+# True inside portable_builds(): kernels of ARCH_TARGETS built for the portable target.
+_portable = contextvars.ContextVar("cufused_portable_builds", default=False)
+
+
+@contextlib.contextmanager
+def portable_builds():
+    """Launch the kernels of ``ARCH_TARGETS`` as built for the device's portable target
+    (CuPy's) inside this context, so that tests on such a device also run the path every
+    other architecture takes."""
+    token = _portable.set(True)
+    try:
+        yield
+    finally:
+        _portable.reset(token)
+
+
+def _build(filename: str, name: str, device: int, portable: bool):
     import cupy
 
+    arch = None if portable else ARCH_TARGETS.get(filename, {}).get(
+        cupy.cuda.Device(device).compute_capability)
+    if arch is not None:
+        return _CubinKernel(filename, name, arch)
     return cupy.RawModule(code=source(filename), options=COMPILE_OPTIONS,
-                          name_expressions=(name,))
+                          name_expressions=(name,)).get_function(name)
 
 
-# Compiled kernels by (device, file, name expression). Each instantiation is its own NVRTC
-# program: a call compiles only the kernels it launches (a cold process pays for what it
-# uses, not for a whole file's templates), and the lookup of a warm kernel is one dict access.
-_kernels: dict[tuple[int, str, str], object] = {}
+# Compiled kernels by (device, file, name expression, portable). Each instantiation is its
+# own NVRTC program: a call compiles only the kernels it launches (a cold process pays for
+# what it uses, not for a whole file's templates), and the lookup of a warm kernel is one
+# dict access.
+_kernels: dict[tuple[int, str, str, bool], object] = {}
 # Dynamic shared memory granted past the default 48 KB, by the key of _kernels: the attribute
 # belongs to the compiled function, so it is set once, not queried per launch.
-_shared_granted: dict[tuple[int, str, str], int] = {}
+_shared_granted: dict[tuple[int, str, str, bool], int] = {}
 _lock = threading.Lock()
 
 
 def get_kernel(filename: str, name: str, *, shared_bytes: int = 0):
-    """Return the ``cupy.RawKernel`` for ``name`` (a name expression of ``KERNELS[filename]``)
-    on the current device, allowed ``shared_bytes`` of dynamic shared memory where that passes
-    the default 48 KB."""
+    """Return the kernel for ``name`` (a name expression of ``KERNELS[filename]``) on the
+    current device, allowed ``shared_bytes`` of dynamic shared memory where that passes the
+    default 48 KB: a ``cupy.RawKernel``, or for a source of ``ARCH_TARGETS`` on its
+    architecture one built for that architecture's own target, launched the same way."""
     import cupy
 
-    key = (cupy.cuda.runtime.getDevice(), filename, name)
+    device = cupy.cuda.runtime.getDevice()
+    key = (device, filename, name, _portable.get())
     kernel = _kernels.get(key)
     if kernel is None:
         if name not in KERNELS[filename]:
             raise KeyError(f"{name} is not a registered instantiation of {filename}")
         with _lock:
-            kernel = _kernels.get(key) or _module(filename, name).get_function(name)
+            kernel = _kernels.get(key) or _build(filename, name, device, key[3])
             _kernels[key] = kernel
     if shared_bytes > 48 * 1024 and _shared_granted.get(key, 0) < shared_bytes:
         with _lock:  # two threads must not leave the smaller grant in place
@@ -215,22 +301,8 @@ def compile_offline(filename: str, arch: str) -> dict[str, str]:
     RuntimeError
         If NVRTC rejects the source; the message holds its log.
     """
-    from cupy_backends.cuda.libs import nvrtc
-
-    prog = nvrtc.createProgram(source(filename), filename, [], [])
-    try:
-        for name in KERNELS[filename]:
-            nvrtc.addNameExpression(prog, name)
-        try:
-            nvrtc.compileProgram(prog, [*COMPILE_OPTIONS, f"--gpu-architecture={arch}",
-                                        "-Xptxas=-v"])
-        except nvrtc.NVRTCError as exc:
-            raise RuntimeError(f"{filename} ({arch}): {exc}\n{nvrtc.getProgramLog(prog)}") from exc
-        for name in KERNELS[filename]:
-            nvrtc.getLoweredName(prog, name)  # raises if an instantiation is missing
-        return {"log": nvrtc.getProgramLog(prog), "cubin_bytes": str(len(nvrtc.getCUBIN(prog)))}
-    finally:
-        nvrtc.destroyProgram(prog)
+    log, cubin, _ = _nvrtc_compile(filename, KERNELS[filename], arch, ("-Xptxas=-v",))
+    return {"log": log, "cubin_bytes": str(len(cubin))}
 
 
 def optional(array):

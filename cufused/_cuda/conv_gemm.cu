@@ -45,6 +45,51 @@ __device__ __forceinline__ void mma_tf32_fresh(float (&d)[4], const unsigned (&a
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(0.0f));
 }
 
+// Hopper's warpgroup MMA where the build targets it (sm_90a): the FixedHalo steps as
+// wgmma.mma_async m64n32k8 with A from registers and B from shared memory.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define HALO_WGMMA 1
+#else
+#define HALO_WGMMA 0
+#endif
+
+#if HALO_WGMMA
+// The shared-memory descriptor of a K-major 8 x 32 TF32 operand without swizzle at p: core
+// matrices of 8 rows x 4 values (128 bytes), the two along K 128 bytes apart (leading
+// offset), those 8 rows apart 256 bytes apart (stride offset).
+__device__ __forceinline__ unsigned long long wgmma_desc(const float* p) {
+    const unsigned long long a = (unsigned)__cvta_generic_to_shared(p);
+    return ((a & 0x3FFFF) >> 4) | (8ull << 16) | (16ull << 32);
+}
+
+#define WGMMA_D16(d)                                                                      \
+    "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), \
+        "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]),           \
+        "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+
+// d (+)= a * b for one 64 x 32 x 8 step of the warpgroup: d[j][e] is this thread's element
+// of 8-column tile j in mma_tf32's accumulator order, a its A fragment (mma_tf32's order);
+// ACCUMULATE false: d = a * b.
+template <bool ACCUMULATE>
+__device__ __forceinline__ void wgmma_tf32(float (&d)[4][4], const unsigned (&a)[4],
+                                           unsigned long long b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "{%16, %17, %18, %19}, %20, %21, 1, 1;"
+        : WGMMA_D16(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE ? 1 : 0));
+}
+
+// Keep the compiler from moving accesses of registers that wgmma reads or writes across the
+// points where the warpgroup's MMAs are fenced or waited for.
+template <int N>
+__device__ __forceinline__ void pin_registers(float* r) {
+#pragma unroll
+    for (int e = 0; e < N; ++e) asm volatile("" : "+f"(r[e])::"memory");
+}
+#endif
+
 // A value's operand planes: [0] its TF32 value (PASSES = 1) or high part, infinities and
 // NaN included (the hi*hi product carries them); for PASSES = 3 also [1] the high part with
 // non-finite values zeroed, the residual products' factor (an infinite high part times a
@@ -314,7 +359,7 @@ template <> struct FloatVec<4> { using type = float4; };
 
 // Split the V staged float32 values at v (plane 0) into PLANES planes, plane_stride floats
 // apart: PASSES = 1, TF32-rounded in place; PLANES = 2, the high part and the residual
-// (split_operand's [0] and [2]: its [1] follows from [0]).
+// (split_operand's [0] and [2]: its [1] follows from [0]); PLANES = 3, all three.
 template <int PASSES, int PLANES, int V>
 __device__ __forceinline__ void split_staged(float* v, int plane_stride) {
     using Vec = typename FloatVec<V>::type;
@@ -326,7 +371,7 @@ __device__ __forceinline__ void split_staged(float* v, int plane_stride) {
         split_operand<PASSES>(x[e], p[0], p[1], p[2]);
 #pragma unroll
         for (int q = 0; q < PLANES; ++q)
-            reinterpret_cast<float*>(&out[q])[e] = __uint_as_float(p[2 * q]);
+            reinterpret_cast<float*>(&out[q])[e] = __uint_as_float(p[PLANES == 2 ? 2 * q : q]);
     }
 #pragma unroll
     for (int q = 0; q < PLANES; ++q) *reinterpret_cast<Vec*>(v + q * plane_stride) = out[q];
@@ -346,13 +391,20 @@ __device__ __forceinline__ void copy_or_zero_async(float* dst, const float* src,
                      ::"r"(d), "l"(src), "r"(valid ? 4 : 0) : "memory");
 }
 
-// The planes that a halo kernel stages its halo and weights in (split_staged): one (float32
-// values, TF32-rounded for PASSES = 1) but where the geometry is compiled in (KSIZE > 0) at
-// PASSES = 3: two (high part, residual), so that each value is split once where staged, not
-// at every fragment that reads it.
+// The planes that a halo kernel stages its halo in (split_staged): one (float32 values,
+// TF32-rounded for PASSES = 1) but where the geometry is compiled in (KSIZE > 0) at PASSES =
+// 3: two (high part, residual), so that each value is split once where staged, not at every
+// fragment that reads it; the finite high parts are formed from the registers.
 template <int PASSES, int KSIZE>
 __host__ __device__ constexpr int halo_planes() {
     return PASSES == 3 && KSIZE > 0 ? 2 : 1;
+}
+
+// The planes of the staged weights: three where the halo has two (all of split_operand's:
+// wgmma reads them from shared memory, and a tap's B fragments are loaded, not formed).
+template <int PASSES, int KSIZE>
+__host__ __device__ constexpr int weight_planes() {
+    return halo_planes<PASSES, KSIZE>() == 2 ? 3 : 1;
 }
 
 // Floats of one plane of the staged weights.
@@ -371,17 +423,17 @@ struct HaloShared {
     int hsize;
 };
 
-template <int PLANES>
+template <int PLANES, int WPLANES>
 __device__ __forceinline__ HaloShared halo_shared(float* smem, int hsize) {
     return {reinterpret_cast<float (*)[CONV_BN + 8]>(smem),
-            reinterpret_cast<int*>(smem + PLANES * HALO_WPLANE),
-            smem + PLANES * HALO_WPLANE + HALO_RC, hsize};
+            reinterpret_cast<int*>(smem + WPLANES * HALO_WPLANE),
+            smem + WPLANES * HALO_WPLANE + HALO_RC, hsize};
 }
 
 // The scratch starts 16-byte aligned (float4 loads there; hsize may be odd).
-template <int PLANES>
+template <int PLANES, int WPLANES>
 __device__ __forceinline__ float* halo_scratch(float* smem, int hsize) {
-    return smem + ((PLANES * HALO_WPLANE + HALO_RC + 2 * PLANES * hsize + 3) & ~3);
+    return smem + ((WPLANES * HALO_WPLANE + HALO_RC + 2 * PLANES * hsize + 3) & ~3);
 }
 
 // The halo geometry compiled in for KSIZE x KSIZE kernels at stride and dilation 1 (pipeline
@@ -501,10 +553,11 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                                            Sign sign) {
     constexpr bool FIXED = KSIZE > 0;
     constexpr int PLANES = halo_planes<PASSES, KSIZE>();
+    constexpr int WPLANES = weight_planes<PASSES, KSIZE>();
     using Fixed = FixedHalo<FIXED ? KSIZE : 1>;
     if constexpr (FIXED) {
         kh = kw = KSIZE;
-        sh = sw = dh = dw = 1;
+        sh = sw = 1;  // (dilation: the generic path only)
         cc = Fixed::CC;
         hr = Fixed::HR;
         hc = Fixed::HC;
@@ -543,35 +596,45 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
             return PASSES == 1 ? __uint_as_float(to_tf32(v)) : v;
         };
         if constexpr (FIXED) {
-            // Each lane's B fragments of a tap, all four 8-column tiles j, as 8 consecutive
-            // floats (two 16-byte loads): [tap][warp_k / 32][lane][j][half], the value of
-            // output channel k0 + warp_k + 8 j + gid and input channel c0 + tig + 4 half.
+            // wgmma: per tap and warpgroup (warp_k / 32) an 8 x 32 K-major operand
+            // (wgmma_desc), [tap][warp_k / 32][8-column tile][half][column][c % 4], the value
+            // of output channel k0 + warp_k + 8 tile + column and input channel c0 + 4 half +
+            // c % 4. mma.sync: each lane's B fragments of a tap, all four 8-column tiles j, as
+            // 8 consecutive floats (two 16-byte loads), [tap][warp_k / 32][lane][j][half], the
+            // value of output channel k0 + warp_k + 8 j + gid and input channel c0 + tig + 4
+            // half.
             float* wt = &s.wt[0][0];
             for (int i = tid; i < Fixed::TAPS * CONV_BN * Fixed::CC; i += CONV_THREADS) {
-                const int half = i & 1, j = (i >> 1) & 3, l = (i >> 3) & 31;
-                const int wk = (i >> 8) & 1, tap = i >> 9;
-                const int k = k0 + wk * 32 + j * 8 + (l >> 2), c = c0 + (l & 3) + 4 * half;
+                const int tap = i >> 9, wk = (i >> 8) & 1;
+                const int k = HALO_WGMMA ? k0 + wk * 32 + ((i >> 6) & 3) * 8 + ((i >> 2) & 7)
+                                         : k0 + wk * 32 + ((i >> 1) & 3) * 8 + ((i >> 5) & 7);
+                const int c = HALO_WGMMA ? c0 + (i & 3) + 4 * ((i >> 5) & 1)
+                                         : c0 + ((i >> 3) & 3) + 4 * (i & 1);
                 wt[i] = k < K && c < C ? __ldg(w + ((long long)k * C + c) * khw + tap) * sign(k)
                                        : 0.0f;
-                split_staged<PASSES, PLANES, 1>(wt + i, HALO_WPLANE);
+                split_staged<PASSES, WPLANES, 1>(wt + i, HALO_WPLANE);
             }
-            return rpad;
-        }
-        for (int i = tid; i < rpad * CONV_BN; i += CONV_THREADS) {
-            const int kk = i / rpad, r = i - kk * rpad;  // r fastest: coalesced
-            const int k = k0 + kk;
-            const int c = r / khw, uv = r - c * khw;
-            s.wt[r][kk] = (r < rn && k < K && c0 + c < C)
-                ? staged(__ldg(w + ((long long)k * C + c0 + c) * khw + uv), k) : 0.0f;
-        }
-        for (int r = tid; r < rpad; r += CONV_THREADS) {
-            int off = -1;
-            if (r < rn) {
+#if HALO_WGMMA
+            // wgmma reads the weights through the async proxy.
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+        } else {
+            for (int i = tid; i < rpad * CONV_BN; i += CONV_THREADS) {
+                const int kk = i / rpad, r = i - kk * rpad;  // r fastest: coalesced
+                const int k = k0 + kk;
                 const int c = r / khw, uv = r - c * khw;
-                const int u = uv / kw, v = uv - u * kw;
-                off = c * cstride + u * dh * hc + v * dw;
+                s.wt[r][kk] = (r < rn && k < K && c0 + c < C)
+                    ? staged(__ldg(w + ((long long)k * C + c0 + c) * khw + uv), k) : 0.0f;
             }
-            s.roff[r] = off;
+            for (int r = tid; r < rpad; r += CONV_THREADS) {
+                int off = -1;
+                if (r < rn) {
+                    const int c = r / khw, uv = r - c * khw;
+                    const int u = uv / kw, v = uv - u * kw;
+                    off = c * cstride + u * dh * hc + v * dw;
+                }
+                s.roff[r] = off;
+            }
         }
         return rpad;
     };
@@ -678,8 +741,10 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                 // plane 1 (3xTF32's finite high parts) is formed from plane 0 here.
                 constexpr int HPLANE = Fixed::CC * Fixed::CSTRIDE;  // == s.hsize
                 const float* lane_col = halo + tig * Fixed::CSTRIDE + warp_col + gid;
+#if !HALO_WGMMA
                 const float4* b4 = reinterpret_cast<const float4*>(&s.wt[0][0])
                                    + ((warp_k >> 5) * 32 + lane) * 2;
+#endif
 #pragma unroll 1
                 for (int v = 0; v < KSIZE; ++v, ++lane_col) {
                     unsigned column[3][Fixed::HR][2];
@@ -698,6 +763,52 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                             column[1][h][1] = finite_part(column[0][h][1]);
                         }
                     }
+#if HALO_WGMMA
+                    // The warpgroup's 64 x 32 steps, MMA tile i of each of its 4 warps:
+                    // wgmma's A fragment and accumulator layouts are mma_tf32's per warp.
+                    // A's registers and the sums stay untouched until the steps are done.
+                    float (&d)[2][4][4] = PASSES == 3 ? stage : acc;
+                    pin_registers<32>(&d[0][0][0]);
+                    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+                    for (int u = 0; u < KSIZE; ++u) {
+                        unsigned a[3][2][4];
+#pragma unroll
+                        for (int q = 0; q < 2 * PLANES - 1; ++q) {
+#pragma unroll
+                            for (int i = 0; i < 2; ++i) {
+                                a[q][i][0] = column[q][2 * i + u][0];
+                                a[q][i][1] = column[q][2 * i + 1 + u][0];
+                                a[q][i][2] = column[q][2 * i + u][1];
+                                a[q][i][3] = column[q][2 * i + 1 + u][1];
+                            }
+                        }
+                        const float* tap_b = &s.wt[0][0] + (u * KSIZE + v) * 2 * 256
+                                             + (warp_k >> 5) * 256;
+#pragma unroll
+                        for (int i = 0; i < 2; ++i) {
+                            if (PASSES == 3 && u == 0)
+                                wgmma_tf32<false>(d[i], a[0][i], wgmma_desc(tap_b));
+                            else
+                                wgmma_tf32<true>(d[i], a[0][i], wgmma_desc(tap_b));
+                        }
+                        if (PASSES == 3) {
+#pragma unroll
+                            for (int i = 0; i < 2; ++i)
+                                wgmma_tf32<true>(d[i], a[2][i],
+                                                 wgmma_desc(tap_b + HALO_WPLANE));
+#pragma unroll
+                            for (int i = 0; i < 2; ++i)
+                                wgmma_tf32<true>(d[i], a[1][i],
+                                                 wgmma_desc(tap_b + 2 * HALO_WPLANE));
+                        }
+                    }
+                    asm volatile("wgmma.commit_group.sync.aligned;\n"
+                                 "wgmma.wait_group.sync.aligned 0;" ::: "memory");
+                    pin_registers<32>(&d[0][0][0]);
+                    // 3xTF32: one step sum per kernel column.
+                    if (PASSES == 3) flush_step_sums(acc, stage);
+#else
 #pragma unroll
                     for (int u = 0; u < KSIZE; ++u) {
                         unsigned a[3][2][4], b[3][4][2];
@@ -715,30 +826,24 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                             }
                         }
 #pragma unroll
-                        for (int q = 0; q < PLANES; ++q) {
+                        for (int q = 0; q < WPLANES; ++q) {
                             const float4 b01 = tap_b4[q * HALO_WPLANE / 4];
                             const float4 b23 = tap_b4[q * HALO_WPLANE / 4 + 1];
-                            b[2 * q][0][0] = __float_as_uint(b01.x);
-                            b[2 * q][0][1] = __float_as_uint(b01.y);
-                            b[2 * q][1][0] = __float_as_uint(b01.z);
-                            b[2 * q][1][1] = __float_as_uint(b01.w);
-                            b[2 * q][2][0] = __float_as_uint(b23.x);
-                            b[2 * q][2][1] = __float_as_uint(b23.y);
-                            b[2 * q][3][0] = __float_as_uint(b23.z);
-                            b[2 * q][3][1] = __float_as_uint(b23.w);
-                        }
-                        if (PASSES == 3) {
-#pragma unroll
-                            for (int j = 0; j < 4; ++j) {
-                                b[1][j][0] = finite_part(b[0][j][0]);
-                                b[1][j][1] = finite_part(b[0][j][1]);
-                            }
+                            b[q][0][0] = __float_as_uint(b01.x);
+                            b[q][0][1] = __float_as_uint(b01.y);
+                            b[q][1][0] = __float_as_uint(b01.z);
+                            b[q][1][1] = __float_as_uint(b01.w);
+                            b[q][2][0] = __float_as_uint(b23.x);
+                            b[q][2][1] = __float_as_uint(b23.y);
+                            b[q][3][0] = __float_as_uint(b23.z);
+                            b[q][3][1] = __float_as_uint(b23.w);
                         }
                         mma_split_step<PASSES>(a, b, sum, (u & 1) == 0);
                         // 3xTF32: step sums flushed every two steps and at v's last.
                         if (PASSES == 3 && ((u & 1) || u + 1 == KSIZE))
                             flush_step_sums(acc, stage);
                     }
+#endif
                 }
             } else {
                 for (int ks = 0; ks < rpad; ks += 8) {
@@ -802,7 +907,9 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
     const int k0 = blockIdx.y * CONV_BN;
     const int hsize = halo_floats<KSIZE>(cc, hr, hc);
     constexpr int PLANES = halo_planes<PASSES, KSIZE>();
-    float* staged = halo_scratch<PLANES>(smem, hsize);  // [channel][row * HALO_TW + column]
+    constexpr int WPLANES = weight_planes<PASSES, KSIZE>();
+    // [channel][row * HALO_TW + column]
+    float* staged = halo_scratch<PLANES, WPLANES>(smem, hsize);
     const int kn = min(CONV_BN, K - k0);
     const bool pairs = (Q & 1) == 0 && (reinterpret_cast<unsigned long long>(y) & 7) == 0;
     // The tile goes through shared memory: a warp's accumulators span 8 columns of 4
@@ -824,7 +931,7 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
     const int tiles_w = (Q + HALO_TW - 1) / HALO_TW;
     const int tiles = ((P + HALO_TH - 1) / HALO_TH) * tiles_w;
     halo_tiles<PASSES, KSIZE>(x, w, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
-                              halo_shared<PLANES>(smem, hsize),
+                              halo_shared<PLANES, WPLANES>(smem, hsize),
                               GridStride{tiles, tiles_w, (long long)N * tiles}, store,
                               [](int) { return 1.0f; });
 }
@@ -887,7 +994,8 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
     // offset); the run's sums per warp column and channel; this lane's running sums of its
     // 8 channels.
     constexpr int PLANES = halo_planes<PASSES, KSIZE>();
-    float4* params = reinterpret_cast<float4*>(halo_scratch<PLANES>(smem, hsize));
+    constexpr int WPLANES = weight_planes<PASSES, KSIZE>();
+    float4* params = reinterpret_cast<float4*>(halo_scratch<PLANES, WPLANES>(smem, hsize));
     float2* sums = reinterpret_cast<float2*>(params + CONV_BN);
     float2 lane_sums[8];  // [j * 2 + e]
     if (tid < CONV_BN) {
@@ -995,6 +1103,6 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
         }
     };
     halo_tiles<PASSES, KSIZE>(x, w, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
-                              halo_shared<PLANES>(smem, hsize), segments, pool_stats,
+                              halo_shared<PLANES, WPLANES>(smem, hsize), segments, pool_stats,
                               [&](int k) { return window_sign(sign_a, sign_b, k); });
 }

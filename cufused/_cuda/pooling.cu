@@ -235,10 +235,10 @@ __device__ __forceinline__ void write_staged_extrema(const float (&stage)[ROWS][
 // Channels-last: x lanes walk channels (coalesced), y lanes pooled positions.
 // K > 0 fixes the window at compile time so that its K*K loads are unrolled and all in flight
 // (K = 0: run-time k). VEC2 (NCHW, even K, 8-byte aligned rows) loads pairs of columns.
-// All variants visit the samples last-first (sample_block_last_first); the two of pipeline B
-// (nchw_bands, nhwc4) read y with evict-first loads (__ldcs: each value is read once), so that
-// the L2 keeps more of the 76 MB of extrema they write for the GroupNorm pass (pipeline A's
-// extrema, 32 MB, fit in the L2 anyway).
+// All variants visit the samples last-first (sample_block_last_first); nhwc4 (pipeline B
+// "tf32") reads y with evict-first loads (__ldcs: each value is read once), so that the L2
+// keeps more of the 76 MB of extrema it writes for the GroupNorm pass (pipeline A's extrema,
+// 32 MB, fit in the L2 anyway); nchw_bands reads plainly (see there).
 template <bool CHANNELS_LAST, int K, bool VEC2>
 __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __restrict__ bias,
                                     const float* __restrict__ sign_a,
@@ -359,8 +359,9 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
 // position lanes issue one window (4 values for K = 2) per load round. The rows below the
 // last band (H % K) only enter the statistics, in the last split. Same arguments and outputs
 // as pool_extremum_stats (k_runtime, sc, sh, sw unused).
-// 3 blocks per SM (80 registers) are set as a bound: left to itself ptxas picks 80 registers
-// with a small spill for the evict-first loads.
+// 3 blocks per SM (80 registers) are set as a bound. Plain loads: with evict-first ones
+// (__ldcs) the kernel spills at that bound as CuPy builds it (-ftz=true), and B and A "ieee"
+// took the same time either way.
 template <int K>
 __global__ void __launch_bounds__(256, 3) pool_extremum_stats_nchw_bands(
         const float* __restrict__ y, const float* __restrict__ bias,
@@ -391,7 +392,7 @@ __global__ void __launch_bounds__(256, 3) pool_extremum_stats_nchw_bands(
         const float4* src = reinterpret_cast<const float4*>(plane + b0 * band);
 #pragma unroll
         for (int i = 0; i < V; ++i)
-            if (lane + 32 * i < n_vec) v[i] = __ldcs(src + lane + 32 * i);
+            if (lane + 32 * i < n_vec) v[i] = src[lane + 32 * i];
     };
     if (b_begin < b_end) load_chunk(b_begin);
     ChannelStats<1> stats(y, bias, sign_a, sign_b, shift_out, c, n, sn, plane_size, C,

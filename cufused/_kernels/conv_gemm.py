@@ -56,21 +56,25 @@ def halo_channel_stride(hr: int, hc: int, ksize: int) -> int:
 
 
 def halo_planes(passes: int, ksize: int) -> int:
-    """Planes that a halo kernel stages its halo and weights in (``halo_planes`` in
-    conv_gemm.cu): 2 (TF32 high part and residual) for 3xTF32 with a compiled-in geometry,
-    else 1."""
+    """Planes that a halo kernel stages its halo in (``halo_planes`` in conv_gemm.cu): 2
+    (TF32 high part and residual) for 3xTF32 with a compiled-in geometry, else 1."""
     return 2 if passes == 3 and ksize else 1
+
+
+def weight_planes(passes: int, ksize: int) -> int:
+    """Planes of a halo kernel's staged weights (``weight_planes``): 3 (the high part, the
+    finite high part and the residual) where the halo has 2, else 1."""
+    return 3 if halo_planes(passes, ksize) == 2 else 1
 
 
 def halo_shared_bytes(cc: int, hr: int, hc: int, ksize: int, passes: int,
                       pool: int = 0) -> int:
     """Dynamic shared memory of a halo kernel (``halo_shared`` in conv_gemm.cu): the staged
-    weights' planes and their halo offsets, two halo buffers of ``cc`` channels in as many
+    weights' planes and their halo offsets, two halo buffers of ``cc`` channels in their
     planes and the epilogue's scratch: the pooling epilogue's (``pool`` > 0) or the output
     tile ``conv2d_halo`` stages."""
-    planes = halo_planes(passes, ksize)
-    floats = (planes * _HALO_RC * (_TILE_K + 8) + _HALO_RC
-              + 2 * planes * cc * halo_channel_stride(hr, hc, ksize))
+    floats = (weight_planes(passes, ksize) * _HALO_RC * (_TILE_K + 8) + _HALO_RC
+              + 2 * halo_planes(passes, ksize) * cc * halo_channel_stride(hr, hc, ksize))
     floats = -(-floats // 4) * 4  # the scratch starts 16-byte aligned (halo_scratch)
     if pool:
         floats += _POOL_SCRATCH_FLOATS

@@ -5,11 +5,14 @@ pipelines, non-finite values."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
 import cufused
 from cufused import reference
+from cufused._cuda import portable_builds
 from cufused._cudnn import plan_options
 
 from conftest import (GPU, assert_close, pipeline_a_args, pipeline_b_args, pipeline_c_args,
@@ -21,6 +24,23 @@ if GPU:
     import cupy as cp
 
 TOL = {"ieee": 1e-5, "3xtf32": 1e-5, "tf32": 5e-3}
+
+
+@contextlib.contextmanager
+def kernels_built(build: str):
+    """The engine's kernels as this device's own target builds them ("native": sm_90a's
+    wgmma path on an H100 or H200) or as every other architecture does ("portable"). The
+    cached plans and graphs are dropped around the portable calls: a graph captured with one
+    build must not replay in the other."""
+    if build == "native":
+        yield
+        return
+    cufused.clear_caches()
+    try:
+        with portable_builds():
+            yield
+    finally:
+        cufused.clear_caches()
 
 
 @pytest.fixture(autouse=True)
@@ -125,8 +145,9 @@ def test_pipelines_in_3xtf32(rng, case, make):
     (dict(n=2, cin=8, h=38, w=75, cout=64, groups=16), 4, 10.0, "3xtf32", 1e-4),
 ])
 @pytest.mark.parametrize("one_sm", [False, True])
+@pytest.mark.parametrize("build", ["native", "portable"])
 def test_pipeline_a_statistics_in_the_epilogue(rng, monkeypatch, shape, pool, offset,
-                                               precision, tol, one_sm):
+                                               precision, tol, one_sm, build):
     # one_sm: two resident blocks, so that every block takes runs of many tiles (sums carried
     # over a run's tiles, runs of other samples after it).
     from cufused._kernels import conv_gemm
@@ -136,8 +157,9 @@ def test_pipeline_a_statistics_in_the_epilogue(rng, monkeypatch, shape, pool, of
     args, kwargs = pipeline_a_args(rng, **shape, pool=pool)
     args = (args[0] + offset,) + args[1:]
     ref = cufused.conv2d_groupnorm_scale_maxpool_clamp(*args, **kwargs)
-    got = cufused.conv2d_groupnorm_scale_maxpool_clamp(*to_gpu(*args), **kwargs,
-                                                       precision=precision)
+    with kernels_built(build):
+        got = cufused.conv2d_groupnorm_scale_maxpool_clamp(*to_gpu(*args), **kwargs,
+                                                           precision=precision)
     assert_close(got.get(), ref, tol)
 
 
@@ -184,12 +206,47 @@ def test_pipeline_a_path_is_not_measured_inside_a_capture(rng):
 
 
 @pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
-def test_non_finite_values_as_pytorch(rng, precision):
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_non_finite_values_as_pytorch(rng, precision, build):
     x = rng.standard_normal((1, 4, 6, 6))
     w = rng.standard_normal((8, 4, 3, 3))
     x[0, 1, 2, 3], x[0, 2, 0, 0], w[5, 0, 1, 1] = np.nan, np.inf, -np.inf
     with np.errstate(all="ignore"):
         ref = reference.conv(x, w, None, (1, 1), (1, 1), (1, 1), 1)
-    got = cufused.conv2d(*to_gpu(x, w), padding=1, precision=precision).get()
+    with kernels_built(build):
+        got = cufused.conv2d(*to_gpu(x, w), padding=1, precision=precision).get()
     for test in (np.isnan, np.isposinf, np.isneginf):
         np.testing.assert_array_equal(test(got), test(ref))
+
+
+@pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
+@pytest.mark.parametrize("shapes, options", [
+    (((2, 8, 30, 36), (64, 8, 3, 3)), dict(padding=1)),   # one chunk, two warpgroups' tiles
+    (((2, 19, 13, 40), (70, 19, 3, 3)), dict()),          # three chunks, K past one tile
+    (((3, 5, 17, 13), (7, 5, 3, 3)), dict(padding=2)),    # C < 8, K < 8, scalar copies
+])
+def test_builds_agree_with_the_reference(rng, shapes, options, precision):
+    # The compiled-in 3 x 3 geometry (FixedHalo) in either build, on shapes whose channels,
+    # chunks and edges exercise the weight staging, the tiles and the step sums.
+    x = rng.standard_normal(shapes[0])
+    w = rng.standard_normal(shapes[1]) * 0.3
+    b = rng.standard_normal(shapes[1][0])
+    ref = cufused.conv2d(x, w, b, **options)
+    for build in ("native", "portable"):
+        with kernels_built(build):
+            got = cufused.conv2d(*to_gpu(x, w, b), **options, precision=precision)
+        assert_close(got.get(), ref, TOL[precision])
+
+
+def test_native_build_of_the_engine():
+    # On a device of compute capability 9.0 the engine's kernels are its own target's build
+    # (sm_90a, the wgmma path); elsewhere, and inside portable_builds, CuPy's.
+    from cufused._cuda import ARCH_TARGETS, get_kernel
+
+    arch = ARCH_TARGETS["conv_gemm.cu"].get(cp.cuda.Device().compute_capability)
+    native = type(get_kernel("conv_gemm.cu", "conv2d_halo<1, 3>"))
+    with portable_builds():
+        portable = type(get_kernel("conv_gemm.cu", "conv2d_halo<1, 3>"))
+    assert portable is cp.RawKernel
+    assert (native is not cp.RawKernel) == (arch is not None)
+

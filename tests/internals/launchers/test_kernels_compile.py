@@ -1,5 +1,5 @@
-"""Every CUDA kernel instantiation compiles with NVRTC for sm_80 and sm_90, without spills
-or stack frames.
+"""Every CUDA kernel instantiation compiles with NVRTC for sm_80, sm_90 and its source's
+architecture-specific targets (sm_90a for the wgmma path), without spills or stack frames.
 
 Runs without a GPU: NVRTC only needs CuPy's bindings and the NVRTC library.
 """
@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from cufused._cuda import KERNELS, source
+from cufused._cuda import ARCH_TARGETS, KERNELS, source
 
 nvrtc_missing = None
 try:
@@ -21,9 +21,13 @@ except Exception as exc:  # noqa: BLE001 - no CuPy or no NVRTC library
     nvrtc_missing = str(exc)
 
 
+# Every file for sm_80 and sm_90, and those of ARCH_TARGETS for their own targets too.
+TARGETS = [(filename, arch) for filename in sorted(KERNELS) for arch in (
+    "sm_80", "sm_90", *sorted(ARCH_TARGETS.get(filename, {}).values()))]
+
+
 @pytest.mark.skipif(nvrtc_missing is not None, reason=f"NVRTC unavailable: {nvrtc_missing}")
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("filename", sorted(KERNELS))
+@pytest.mark.parametrize("filename, arch", TARGETS)
 def test_kernels_compile_without_spills(filename, arch):
     from cufused._cuda import compile_offline
 

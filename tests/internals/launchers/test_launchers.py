@@ -337,16 +337,19 @@ def test_conv_gemm_launchers(launches, monkeypatch):
 def test_halo_layout_helpers():
     # The launcher gives the pooling epilogue's scratch room to start at the next 16-byte
     # boundary (float4 loads) after halos of any size, odd ones (the first two) included,
-    # each in two planes (3xTF32 with the geometry compiled in) or one, and the
+    # each in two planes and the weights in three (3xTF32 with the geometry compiled in) or
+    # one, and the
     # run schedule covers the edge cases.
     conv = LAUNCHERS["conv_gemm.cu"]
     assert [conv.halo_planes(passes, ksize) for passes in (1, 3) for ksize in (0, 3)] == [
         1, 1, 1, 2]
+    assert [conv.weight_planes(passes, ksize) for passes in (1, 3) for ksize in (0, 3)] == [
+        1, 1, 1, 3]
     for cc, hr, hc, ksize in [(3, 9, 65, 0), (1, 4, 33, 0), (8, 6, 34, 3), (2, 8, 36, 0)]:
         for passes in (1, 3):
             planes = 2 if passes == 3 and ksize else 1
             halos = 2 * planes * cc * conv.halo_channel_stride(hr, hc, ksize)
-            weights = planes * conv._HALO_RC * (conv._TILE_K + 8)
+            weights = (planes + planes // 2) * conv._HALO_RC * (conv._TILE_K + 8)
             scratch = -(-(weights + conv._HALO_RC + halos) // 4) * 4
             assert conv.halo_shared_bytes(cc, hr, hc, ksize, passes, pool=4) == 4 * (
                 scratch + conv._POOL_SCRATCH_FLOATS)
