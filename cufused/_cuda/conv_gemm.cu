@@ -88,6 +88,12 @@ __device__ __forceinline__ void pin_registers(float* r) {
 #pragma unroll
     for (int e = 0; e < N; ++e) asm volatile("" : "+f"(r[e])::"memory");
 }
+
+template <int N>
+__device__ __forceinline__ void pin_registers(unsigned* r) {
+#pragma unroll
+    for (int e = 0; e < N; ++e) asm volatile("" : "+r"(r[e])::"memory");
+}
 #endif
 
 // A value's operand planes: [0] its TF32 value (PASSES = 1) or high part, infinities and
@@ -732,27 +738,21 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
             }
             if (!one_chunk) __syncthreads();
             if constexpr (FIXED) {
-                // Kernel column v at a time (not unrolled: every tap unrolled hoists its
-                // loads past the register budget): this lane's halo column (its pixel column
-                // + v) over the HALO_TH + KSIZE - 1 halo rows, channels tig and tig + 4, each
-                // staged plane, loaded once; kernel row u's A fragments are its rows u .. u +
-                // HALO_TH - 1 (MMA tile i, half: pixel row 2 i + half), so each halo value is
-                // loaded once per v, not once per tap. Operand plane 2 q is staged plane q;
-                // plane 1 (3xTF32's finite high parts) is formed from plane 0 here.
+                // Kernel column v at a time: this lane's halo column (its pixel column + v)
+                // over the HALO_TH + KSIZE - 1 halo rows, channels tig and tig + 4, each
+                // staged plane, loaded once (load_column); kernel row u's A fragments are its
+                // rows u .. u + HALO_TH - 1, so each halo value is loaded once per v, not once
+                // per tap. Operand plane 2 q is staged plane q; plane 1 (3xTF32's finite high
+                // parts) is formed from plane 0 here. The mma.sync build's v loop is not
+                // unrolled: every tap unrolled hoists its loads past the register budget.
                 constexpr int HPLANE = Fixed::CC * Fixed::CSTRIDE;  // == s.hsize
-                const float* lane_col = halo + tig * Fixed::CSTRIDE + warp_col + gid;
-#if !HALO_WGMMA
-                const float4* b4 = reinterpret_cast<const float4*>(&s.wt[0][0])
-                                   + ((warp_k >> 5) * 32 + lane) * 2;
-#endif
-#pragma unroll 1
-                for (int v = 0; v < KSIZE; ++v, ++lane_col) {
-                    unsigned column[3][Fixed::HR][2];
+                const float* lane_base = halo + tig * Fixed::CSTRIDE + warp_col + gid;
+                auto load_column = [&](int v, unsigned (&column)[3][Fixed::HR][2]) {
 #pragma unroll
                     for (int q = 0; q < PLANES; ++q)
 #pragma unroll
                         for (int h = 0; h < Fixed::HR; ++h) {
-                            const float* at = lane_col + q * HPLANE + h * Fixed::HCS;
+                            const float* at = lane_base + v + q * HPLANE + h * Fixed::HCS;
                             column[2 * q][h][0] = __float_as_uint(at[0]);
                             column[2 * q][h][1] = __float_as_uint(at[4 * Fixed::CSTRIDE]);
                         }
@@ -763,26 +763,40 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                             column[1][h][1] = finite_part(column[0][h][1]);
                         }
                     }
+                };
+                // Kernel row u's A fragments of each operand plane (MMA tile i, half: pixel
+                // row 2 i + half) from a column.
+                auto fragments = [&](const unsigned (&column)[3][Fixed::HR][2], int u,
+                                     unsigned (&a)[3][2][4]) {
+#pragma unroll
+                    for (int q = 0; q < 2 * PLANES - 1; ++q) {
+#pragma unroll
+                        for (int i = 0; i < 2; ++i) {
+                            a[q][i][0] = column[q][2 * i + u][0];
+                            a[q][i][1] = column[q][2 * i + 1 + u][0];
+                            a[q][i][2] = column[q][2 * i + u][1];
+                            a[q][i][3] = column[q][2 * i + 1 + u][1];
+                        }
+                    }
+                };
 #if HALO_WGMMA
-                    // The warpgroup's 64 x 32 steps, MMA tile i of each of its 4 warps:
-                    // wgmma's A fragment and accumulator layouts are mma_tf32's per warp.
-                    // A's registers and the sums stay untouched until the steps are done.
-                    float (&d)[2][4][4] = PASSES == 3 ? stage : acc;
+                // The warpgroup's 64 x 32 steps, MMA tile i of each of its 4 warps: wgmma's
+                // A fragment and accumulator layouts are mma_tf32's per warp. A kernel
+                // column's steps run while the next column's halo values are loaded into
+                // the other register set; A's registers and the sums stay untouched until
+                // the steps are done.
+                unsigned columns[2][3][Fixed::HR][2];
+                load_column(0, columns[0]);
+                float (&d)[2][4][4] = PASSES == 3 ? stage : acc;
+#pragma unroll
+                for (int v = 0; v < KSIZE; ++v) {
+                    unsigned (&column)[3][Fixed::HR][2] = columns[v & 1];
                     pin_registers<32>(&d[0][0][0]);
                     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
                     for (int u = 0; u < KSIZE; ++u) {
                         unsigned a[3][2][4];
-#pragma unroll
-                        for (int q = 0; q < 2 * PLANES - 1; ++q) {
-#pragma unroll
-                            for (int i = 0; i < 2; ++i) {
-                                a[q][i][0] = column[q][2 * i + u][0];
-                                a[q][i][1] = column[q][2 * i + 1 + u][0];
-                                a[q][i][2] = column[q][2 * i + u][1];
-                                a[q][i][3] = column[q][2 * i + 1 + u][1];
-                            }
-                        }
+                        fragments(column, u, a);
                         const float* tap_b = &s.wt[0][0] + (u * KSIZE + v) * 2 * 256
                                              + (warp_k >> 5) * 256;
 #pragma unroll
@@ -803,28 +817,28 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                                                  wgmma_desc(tap_b + 2 * HALO_WPLANE));
                         }
                     }
-                    asm volatile("wgmma.commit_group.sync.aligned;\n"
-                                 "wgmma.wait_group.sync.aligned 0;" ::: "memory");
+                    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+                    if (v + 1 < KSIZE) load_column(v + 1, columns[(v + 1) & 1]);
+                    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
                     pin_registers<32>(&d[0][0][0]);
+                    pin_registers<3 * Fixed::HR * 2>(&column[0][0][0]);
                     // 3xTF32: one step sum per kernel column.
                     if (PASSES == 3) flush_step_sums(acc, stage);
+                }
 #else
+                const float4* b4 = reinterpret_cast<const float4*>(&s.wt[0][0])
+                                   + ((warp_k >> 5) * 32 + lane) * 2;
+#pragma unroll 1
+                for (int v = 0; v < KSIZE; ++v) {
+                    unsigned column[3][Fixed::HR][2];
+                    load_column(v, column);
 #pragma unroll
                     for (int u = 0; u < KSIZE; ++u) {
                         unsigned a[3][2][4], b[3][4][2];
+                        fragments(column, u, a);
                         // Tap u * KSIZE + v's B fragments ([plane][tap][warp_k / 32][lane][j]
                         // [half]).
                         const float4* tap_b4 = b4 + (u * KSIZE + v) * 2 * 32 * 2;
-#pragma unroll
-                        for (int q = 0; q < 2 * PLANES - 1; ++q) {
-#pragma unroll
-                            for (int i = 0; i < 2; ++i) {
-                                a[q][i][0] = column[q][2 * i + u][0];
-                                a[q][i][1] = column[q][2 * i + 1 + u][0];
-                                a[q][i][2] = column[q][2 * i + u][1];
-                                a[q][i][3] = column[q][2 * i + 1 + u][1];
-                            }
-                        }
 #pragma unroll
                         for (int q = 0; q < WPLANES; ++q) {
                             const float4 b01 = tap_b4[q * HALO_WPLANE / 4];
@@ -843,8 +857,8 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                         if (PASSES == 3 && ((u & 1) || u + 1 == KSIZE))
                             flush_step_sums(acc, stage);
                     }
-#endif
                 }
+#endif
             } else {
                 for (int ks = 0; ks < rpad; ks += 8) {
                     const int o0 = s.roff[ks + tig], o1 = s.roff[ks + tig + 4];
