@@ -11,8 +11,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import hashlib
 import importlib.resources
+import os
 import re
+import tempfile
 import threading
 
 # Template arguments that select a behaviour name the sources' #define codes (ACT_*, MODE_*,
@@ -187,6 +190,40 @@ def _nvrtc_compile(filename: str, names, arch: str, extra=()) -> tuple[str, byte
         nvrtc.destroyProgram(prog)
 
 
+def _arch_cubin(filename: str, name: str, arch: str) -> tuple[bytes, str]:
+    """The cubin and the lowered name of one instantiation built for ``arch``: from the
+    directory where CuPy keeps its compiled kernels (``CUPY_CACHE_DIR``, else
+    ``~/.cupy/kernel_cache``), or compiled and stored there, so that a cold process pays
+    NVRTC once per machine, as for the kernels CuPy builds. An entry is the lowered name and
+    the cubin's SHA-256 on a first line, then the cubin; one that fails the check is
+    rebuilt. A directory that cannot be written leaves each process to compile."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    key = hashlib.sha256("\0".join((source(filename), name, arch, *COMPILE_OPTIONS,
+                                     *_CUPY_OPTIONS, repr(nvrtc.getVersion()))).encode())
+    directory = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
+    path = os.path.join(directory, f"cufused_{arch}_{key.hexdigest()}.cubin")
+    try:
+        with open(path, "rb") as fh:
+            header, _, cubin = fh.read().partition(b"\n")
+        lowered, _, digest = header.decode().partition(" ")
+        if hashlib.sha256(cubin).hexdigest() == digest:
+            return cubin, lowered
+    except (OSError, UnicodeDecodeError):
+        pass
+    _, cubin, names = _nvrtc_compile(filename, (name,), arch)
+    header = f"{names[name]} {hashlib.sha256(cubin).hexdigest()}\n".encode()
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(dir=directory, prefix="cufused_")
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(header + cubin)
+        os.replace(temporary, path)  # readers see the whole entry or none
+    except OSError:
+        pass
+    return cubin, names[name]
+
+
 class _CubinKernel:
     """A kernel that NVRTC compiled here (an architecture-specific target), launched and
     granted shared memory as a ``cupy.RawKernel`` is."""
@@ -194,10 +231,10 @@ class _CubinKernel:
     def __init__(self, filename: str, name: str, arch: str):
         import cupy
 
-        _, cubin, lowered = _nvrtc_compile(filename, (name,), arch)
+        cubin, lowered = _arch_cubin(filename, name, arch)
         module = cupy.cuda.function.Module()
         module.load(cubin)
-        self._function = module.get_function(lowered[name])  # keeps the module
+        self._function = module.get_function(lowered)  # keeps the module
 
     def __call__(self, grid, block, args, *, shared_mem: int = 0) -> None:
         self._function(grid, block, args, shared_mem=shared_mem)

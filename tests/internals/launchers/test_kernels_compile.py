@@ -69,3 +69,31 @@ def test_every_launched_kernel_is_registered():
     for name in names:
         prefix = name.split("{")[0]
         assert any(r.startswith(prefix) for r in registered), name
+
+
+def test_arch_builds_are_cached_on_disk(tmp_path, monkeypatch):
+    # An architecture-specific build is compiled once per machine: the second process (here,
+    # the second call) reads the entry; an entry that fails its checksum is rebuilt.
+    import cufused._cuda as cuda
+
+    compiled = []
+
+    def fake_compile(filename, names, arch, extra=()):
+        compiled.append((filename, tuple(names), arch))
+        return "log", b"\x7fELF cubin \n with a newline", {names[0]: "_Z5lowered"}
+
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cuda, "_nvrtc_compile", fake_compile)
+    if nvrtc_missing is not None:  # the key takes NVRTC's version
+        pytest.skip(f"NVRTC unavailable: {nvrtc_missing}")
+    first = cuda._arch_cubin("conv_gemm.cu", "conv2d_halo<1, 3>", "sm_90a")
+    second = cuda._arch_cubin("conv_gemm.cu", "conv2d_halo<1, 3>", "sm_90a")
+    assert first == second == (b"\x7fELF cubin \n with a newline", "_Z5lowered")
+    assert len(compiled) == 1
+    (entry,) = (tmp_path / "cache").iterdir()
+    entry.write_bytes(entry.read_bytes()[:-1] + b"?")
+    assert cuda._arch_cubin("conv_gemm.cu", "conv2d_halo<1, 3>", "sm_90a") == first
+    assert len(compiled) == 2
+    cuda._arch_cubin("conv_gemm.cu", "conv2d_halo<3, 3>", "sm_90a")  # another key
+    assert len(compiled) == 3 and len(list((tmp_path / "cache").iterdir())) == 2
+
