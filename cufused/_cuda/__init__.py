@@ -17,6 +17,7 @@ import os
 import re
 import tempfile
 import threading
+import warnings
 
 # Template arguments that select a behaviour name the sources' #define codes (ACT_*, MODE_*,
 # EPILOGUE_*): NVRTC expands them in name expressions, so their values live only in the .cu
@@ -196,32 +197,43 @@ def _arch_cubin(filename: str, name: str, arch: str) -> tuple[bytes, str]:
     ``~/.cupy/kernel_cache``), or compiled and stored there, so that a cold process pays
     NVRTC once per machine, as for the kernels CuPy builds. An entry is the lowered name and
     the cubin's SHA-256 on a first line, then the cubin; one that fails the check is
-    rebuilt. A directory that cannot be written leaves each process to compile."""
+    rebuilt. With ``CUPY_CACHE_IN_MEMORY`` set, or a directory that cannot be written, each
+    process compiles. (CuPy's ``getCUBIN`` leaves out the ELF's trailing zero byte, as for
+    CuPy's own cache: a ``bytes`` object ends in one, which the loader reads.)"""
     from cupy_backends.cuda.libs import nvrtc
 
+    if os.environ.get("CUPY_CACHE_IN_MEMORY", "0") not in ("", "0"):
+        _, cubin, names = _nvrtc_compile(filename, (name,), arch)
+        return cubin, names[name]
     key = hashlib.sha256("\0".join((source(filename), name, arch, *COMPILE_OPTIONS,
                                      *_CUPY_OPTIONS, repr(nvrtc.getVersion()))).encode())
     directory = os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
     path = os.path.join(directory, f"cufused_{arch}_{key.hexdigest()}.cubin")
+
+    def digest(lowered: str, cubin: bytes) -> str:
+        return hashlib.sha256(lowered.encode() + b"\0" + cubin).hexdigest()
+
     try:
         with open(path, "rb") as fh:
             header, _, cubin = fh.read().partition(b"\n")
-        lowered, _, digest = header.decode().partition(" ")
-        if hashlib.sha256(cubin).hexdigest() == digest:
+        lowered, _, checksum = header.decode().partition(" ")
+        if digest(lowered, cubin) == checksum:
             return cubin, lowered
     except (OSError, UnicodeDecodeError):
         pass
     _, cubin, names = _nvrtc_compile(filename, (name,), arch)
-    header = f"{names[name]} {hashlib.sha256(cubin).hexdigest()}\n".encode()
+    lowered = names[name]
+    temporary = None
     try:
         os.makedirs(directory, exist_ok=True)
         fd, temporary = tempfile.mkstemp(dir=directory, prefix="cufused_")
         with os.fdopen(fd, "wb") as fh:
-            fh.write(header + cubin)
+            fh.write(f"{lowered} {digest(lowered, cubin)}\n".encode() + cubin)
         os.replace(temporary, path)  # readers see the whole entry or none
     except OSError:
-        pass
-    return cubin, names[name]
+        if temporary is not None and os.path.exists(temporary):
+            os.unlink(temporary)
+    return cubin, lowered
 
 
 class _CubinKernel:
@@ -264,7 +276,8 @@ _portable = contextvars.ContextVar("cufused_portable_builds", default=False)
 def portable_builds():
     """Launch the kernels of ``ARCH_TARGETS`` as built for the device's portable target
     (CuPy's) inside this context, so that tests on such a device also run the path every
-    other architecture takes."""
+    other architecture takes. Convolution plans and whole-call graphs captured with the
+    other build replay it: callers clear them (:func:`cufused.clear_caches`) around."""
     token = _portable.set(True)
     try:
         yield
@@ -278,7 +291,11 @@ def _build(filename: str, name: str, device: int, portable: bool):
     arch = None if portable else ARCH_TARGETS.get(filename, {}).get(
         cupy.cuda.Device(device).compute_capability)
     if arch is not None:
-        return _CubinKernel(filename, name, arch)
+        try:
+            return _CubinKernel(filename, name, arch)
+        except RuntimeError as exc:  # an NVRTC without the target: the portable build
+            warnings.warn(f"cufused: {name} not built for {arch}, so built for the portable "
+                          f"target: {str(exc).splitlines()[0]}", RuntimeWarning, stacklevel=3)
     return cupy.RawModule(code=source(filename), options=COMPILE_OPTIONS,
                           name_expressions=(name,)).get_function(name)
 
@@ -302,7 +319,7 @@ def get_kernel(filename: str, name: str, *, shared_bytes: int = 0):
     import cupy
 
     device = cupy.cuda.runtime.getDevice()
-    key = (device, filename, name, _portable.get())
+    key = (device, filename, name, filename in ARCH_TARGETS and _portable.get())
     kernel = _kernels.get(key)
     if kernel is None:
         if name not in KERNELS[filename]:
@@ -361,6 +378,22 @@ def sm_count() -> int:
     import cupy
 
     return _sm_count(cupy.cuda.runtime.getDevice())
+
+
+@functools.cache
+def _shared_per_block(device: int) -> int:
+    import cupy
+
+    return cupy.cuda.runtime.deviceGetAttribute(
+        cupy.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device)
+
+
+def shared_per_block() -> int:
+    """Bytes of shared memory a block of the current device may be granted (99 KB on
+    compute capability 8.6, 8.9 and 12.0; 163 KB on 8.0, 227 KB on 9.0)."""
+    import cupy
+
+    return _shared_per_block(cupy.cuda.runtime.getDevice())
 
 
 def capturing(stream) -> bool:

@@ -783,12 +783,14 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                 // the other register set; A's registers and the sums stay untouched until
                 // the steps are done.
                 unsigned columns[2][3][Fixed::HR][2];
+                constexpr int COLUMN = (2 * PLANES - 1) * Fixed::HR * 2;  // registers in use
                 load_column(0, columns[0]);
                 float (&d)[2][4][4] = PASSES == 3 ? stage : acc;
 #pragma unroll
                 for (int v = 0; v < KSIZE; ++v) {
                     unsigned (&column)[3][Fixed::HR][2] = columns[v & 1];
                     pin_registers<32>(&d[0][0][0]);
+                    pin_registers<COLUMN>(&column[0][0][0]);
                     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
                     for (int u = 0; u < KSIZE; ++u) {
@@ -815,10 +817,13 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                         }
                     }
                     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-                    if (v + 1 < KSIZE) load_column(v + 1, columns[(v + 1) & 1]);
+                    if (v + 1 < KSIZE) {
+                        load_column(v + 1, columns[(v + 1) & 1]);
+                        pin_registers<COLUMN>(&columns[(v + 1) & 1][0][0][0]);
+                    }
                     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
                     pin_registers<32>(&d[0][0][0]);
-                    pin_registers<3 * Fixed::HR * 2>(&column[0][0][0]);
+                    pin_registers<COLUMN>(&column[0][0][0]);
                     // 3xTF32: one step sum per kernel column.
                     if (PASSES == 3) flush_step_sums(acc, stage);
                 }

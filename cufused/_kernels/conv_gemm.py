@@ -6,7 +6,7 @@ import functools
 
 import numpy
 
-from .._cuda import get_kernel, optional, sm_count
+from .._cuda import get_kernel, optional, shared_per_block, sm_count
 
 _FILE = "conv_gemm.cu"
 _TILE_M, _TILE_K, _THREADS = 128, 64, 256  # CONV_BM, CONV_BN, CONV_THREADS
@@ -83,6 +83,17 @@ def halo_shared_bytes(cc: int, hr: int, hc: int, ksize: int, passes: int,
     return 4 * floats
 
 
+def halo_kernel_fits(c: int, kernel: tuple[int, int], stride: tuple[int, int],
+                     dilation: tuple[int, int], passes: int, pool: int = 0) -> bool:
+    """Whether a halo kernel takes the problem on the current device: a chunk of input
+    channels whose halo fits (:func:`halo_chunk`) and the shared memory it then needs
+    (:func:`halo_shared_bytes`) within what a block may have there (3xTF32's 3 x 3 kernel
+    without pooling passes the 99 KB of compute capability 8.6, 8.9 and 12.0)."""
+    cc, hr, hc = halo_chunk(c, kernel, stride, dilation)
+    return cc >= 1 and halo_shared_bytes(cc, hr, hc, fixed_ksize(kernel, stride, dilation),
+                                         passes, pool) <= shared_per_block()
+
+
 @functools.lru_cache(maxsize=256)
 def sample_segments(n: int, tiles: int, slots: int) -> tuple[int, int]:
     """``(splits, blocks)`` of ``conv2d_halo_pool_stats`` (``SampleSegments``): each of the
@@ -109,7 +120,8 @@ def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tup
     and NCHW ``y`` of the convolution's output shape; ``passes`` 1 (TF32) or 3 (3xTF32).
 
     The halo kernel runs where a chunk of input channels fits its shared memory (every
-    kernel of up to 72 values at moderate stride and dilation), else the gathering one."""
+    kernel of up to 72 values at moderate stride and dilation) and the device grants what
+    it then needs (:func:`halo_kernel_fits`), else the gathering one."""
     n, c, h, wd = x.shape
     k, _, kh, kw = w.shape
     p, q = y.shape[2:]
@@ -120,8 +132,8 @@ def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tup
     geometry = (x, w, optional(bias), y, i32(n), i32(c), i32(h), i32(wd), i32(k), i32(kh),
                 i32(kw), i32(p), i32(q), i32(stride[0]), i32(stride[1]), i32(padding[0]),
                 i32(padding[1]), i32(dilation[0]), i32(dilation[1]))
-    cc, hr, hc = halo_chunk(c, (kh, kw), stride, dilation)
-    if cc >= 1:
+    if halo_kernel_fits(c, (kh, kw), stride, dilation, passes):
+        cc, hr, hc = halo_chunk(c, (kh, kw), stride, dilation)
         tiles = n * -(-p // _HALO_TH) * -(-q // _HALO_TW)
         blocks = min(tiles, sm_count() * _HALO_BLOCKS_PER_SM)
         ksize = fixed_ksize((kh, kw), stride, dilation)
@@ -146,11 +158,11 @@ def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, stride: tuple[int,
     values minus the shift (the value at the run's first pixel), as
     :func:`cufused._kernels.normalization.group_affine_rows` takes them.
 
-    Needs ``pool`` 2 or 4 and a problem the halo kernel takes (:func:`halo_chunk`)."""
+    Needs ``pool`` 2 or 4 and a problem the halo kernel takes (:func:`halo_kernel_fits`)."""
     n, c, h, wd = x.shape
     k, _, kh, kw = w.shape
     cc, hr, hc = halo_chunk(c, (kh, kw), stride, dilation)
-    if pool not in (2, 4) or cc < 1:
+    if pool not in (2, 4) or not halo_kernel_fits(c, (kh, kw), stride, dilation, passes, pool):
         raise ValueError(f"conv2d_pool_stats takes pool 2 or 4 and a halo that fits "
                          f"(pool {pool}, channels per chunk {cc})")
     p = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1

@@ -94,6 +94,12 @@ def test_arch_builds_are_cached_on_disk(tmp_path, monkeypatch):
     entry.write_bytes(entry.read_bytes()[:-1] + b"?")
     assert cuda._arch_cubin("conv_gemm.cu", "conv2d_halo<1, 3>", "sm_90a") == first
     assert len(compiled) == 2
+    entry.write_bytes(entry.read_bytes().replace(b"_Z5lowered", b"_Z5lowerex"))
+    assert cuda._arch_cubin("conv_gemm.cu", "conv2d_halo<1, 3>", "sm_90a") == first
+    assert len(compiled) == 3
     cuda._arch_cubin("conv_gemm.cu", "conv2d_halo<3, 3>", "sm_90a")  # another key
-    assert len(compiled) == 3 and len(list((tmp_path / "cache").iterdir())) == 2
+    assert len(compiled) == 4 and len(list((tmp_path / "cache").iterdir())) == 2
+    monkeypatch.setenv("CUPY_CACHE_IN_MEMORY", "1")  # no disk: compiled every time
+    cuda._arch_cubin("conv_gemm.cu", "conv2d_halo<3, 3>", "sm_90a")
+    assert len(compiled) == 5
 

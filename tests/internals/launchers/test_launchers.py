@@ -131,6 +131,7 @@ def launches(monkeypatch):
         monkeypatch.setattr(module, "get_kernel", get_kernel)
     monkeypatch.setattr(cufused._cuda, "sm_count", lambda: 132)  # launch_1d's grid
     monkeypatch.setattr(LAUNCHERS["softmax.cu"], "_compute_capability", lambda: 90)
+    monkeypatch.setattr(LAUNCHERS["conv_gemm.cu"], "shared_per_block", lambda: 227 * 1024)
     return recorded
 
 
@@ -332,6 +333,33 @@ def test_conv_gemm_launchers(launches, monkeypatch):
     # 9 x 34 (stride 2: 2 samples x 3 tiles).
     assert {(launch.grid, launch.args[-3:]) for launch in halo} == {((10, 1), (8, 6, 34)),
                                                                    ((6, 1), (8, 9, 34))}
+
+
+def test_halo_kernels_within_the_devices_shared_memory(launches, monkeypatch):
+    # Where a block may have 99 KB (compute capability 8.6, 8.9, 12.0), 3xTF32's 3 x 3
+    # convolution (three weight planes, two halo planes and the output tile) goes to the
+    # gathering kernel; its TF32 one and the pooling epilogues in either precision fit.
+    conv = LAUNCHERS["conv_gemm.cu"]
+    monkeypatch.setattr(conv, "sm_count", lambda: 132)
+    monkeypatch.setattr(conv, "shared_per_block", lambda: 99 * 1024)
+    x, w = Dev((2, 8, 20, 18)), Dev((64, 8, 3, 3))
+    for passes, kernel in ((1, "conv2d_halo<1, 3>"), (3, "conv2d_igemm<3>")):
+        conv.conv2d_implicit_gemm(x, w, None, Dev((2, 64, 18, 16)), stride=(1, 1),
+                                  padding=(0, 0), dilation=(1, 1), passes=passes)
+        assert launches[-1].name == kernel
+        for pool in (2, 4):
+            conv.conv2d_pool_stats(FakeXp, x, w, None, Dev((2, 64, 18 // pool, 16 // pool)),
+                                   sign_a=None, sign_b=None, stride=(1, 1), padding=(0, 0),
+                                   dilation=(1, 1), pool=pool, passes=passes)
+            assert launches[-1].name == f"conv2d_halo_pool_stats<{passes}, 3, {pool}>"
+            assert launches[-1].shared_mem <= 99 * 1024
+    assert conv.halo_kernel_fits(8, (3, 3), (1, 1), (1, 1), 3, pool=4)
+    assert not conv.halo_kernel_fits(8, (3, 3), (1, 1), (1, 1), 3)
+    monkeypatch.setattr(conv, "shared_per_block", lambda: 48 * 1024)
+    with pytest.raises(ValueError, match="a halo that fits"):
+        conv.conv2d_pool_stats(FakeXp, x, w, None, Dev((2, 64, 4, 4)), sign_a=None,
+                               sign_b=None, stride=(1, 1), padding=(0, 0), dilation=(1, 1),
+                               pool=4, passes=3)
 
 
 def test_halo_layout_helpers():
