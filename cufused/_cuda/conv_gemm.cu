@@ -93,16 +93,17 @@ __device__ __forceinline__ void pin_registers(unsigned* r) {
 }
 #endif
 
+// A TF32 high part with non-finite values zeroed (split_operand's plane 1).
+__device__ __forceinline__ unsigned finite_part(unsigned hi) {
+    return fabsf(__uint_as_float(hi)) < INFINITY ? hi : 0u;
+}
+
 // A value's operand planes: [0] its TF32 value (PASSES = 1) or high part, infinities and
 // NaN included (the hi*hi product carries them); for PASSES = 3 also [1] the high part with
 // non-finite values zeroed, the residual products' factor (an infinite high part times a
 // finite residual of the other operand, zero or of the opposite sign, would turn an infinite
 // product into NaN), and [2] the TF32 residual (none for an infinite or NaN value: inf - inf
 // would be NaN). ROUNDED: the value is TF32 already (PASSES = 1 only).
-__device__ __forceinline__ unsigned finite_part(unsigned hi) {
-    return fabsf(__uint_as_float(hi)) < INFINITY ? hi : 0u;
-}
-
 template <int PASSES, bool ROUNDED = false>
 __device__ __forceinline__ void split_operand(float x, unsigned& hi, unsigned& hi_finite,
                                               unsigned& lo) {
@@ -413,30 +414,33 @@ __host__ __device__ constexpr int weight_planes() {
 // Floats of one plane of the staged weights.
 #define HALO_WPLANE (HALO_RC * (CONV_BN + 8))
 
-// The dynamic shared memory of a halo kernel of PLANES operand planes, in this order: the
-// staged weights [plane][r][k] (HALO_RC x (CONV_BN + 8) a plane: conflict-free fragment
-// loads; FixedHalo lays them out per lane instead, stage_weights), each reduction value's
-// halo offset (HALO_RC), then two halo buffers of PLANES planes of hsize floats (the stage
-// the MMAs read and the next one in flight); an epilogue's scratch follows (halo_scratch).
-// The launcher sizes it (conv_gemm.py: halo_shared_bytes).
+// The dynamic shared memory of a halo kernel, in this order: the staged weights'
+// weight_planes planes [plane][r][k] (HALO_RC x (CONV_BN + 8) a plane: conflict-free
+// fragment loads; FixedHalo lays them out per lane or per wgmma operand instead,
+// stage_weights), each reduction value's halo offset (HALO_RC), then two halo buffers of
+// halo_planes planes of hsize floats (the stage the MMAs read and the next one in flight);
+// an epilogue's scratch follows (halo_scratch). The launcher sizes it (conv_gemm.py:
+// halo_shared_bytes).
 struct HaloShared {
     float (*wt)[CONV_BN + 8];
     int* roff;
-    float* halo;  // buffer b at halo + b * PLANES * hsize, its plane p hsize * p on
+    float* halo;  // buffer b at halo + b * halo_planes * hsize, its plane p hsize * p on
     int hsize;
 };
 
-template <int PLANES, int WPLANES>
+template <int PASSES, int KSIZE>
 __device__ __forceinline__ HaloShared halo_shared(float* smem, int hsize) {
+    constexpr int WPLANES = weight_planes<PASSES, KSIZE>();
     return {reinterpret_cast<float (*)[CONV_BN + 8]>(smem),
             reinterpret_cast<int*>(smem + WPLANES * HALO_WPLANE),
             smem + WPLANES * HALO_WPLANE + HALO_RC, hsize};
 }
 
 // The scratch starts 16-byte aligned (float4 loads there; hsize may be odd).
-template <int PLANES, int WPLANES>
+template <int PASSES, int KSIZE>
 __device__ __forceinline__ float* halo_scratch(float* smem, int hsize) {
-    return smem + ((WPLANES * HALO_WPLANE + HALO_RC + 2 * PLANES * hsize + 3) & ~3);
+    return smem + ((weight_planes<PASSES, KSIZE>() * HALO_WPLANE + HALO_RC
+                    + 2 * halo_planes<PASSES, KSIZE>() * hsize + 3) & ~3);
 }
 
 // The halo geometry compiled in for KSIZE x KSIZE kernels at stride and dilation 1 (pipeline
@@ -887,7 +891,6 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
 // (2 * 132 = 8 mod 32: the accumulators' four tig lanes write distinct banks).
 #define HALO_OUT_STRIDE 132
 
-
 // The staged tile's kn channels x HALO_TH rows x HALO_TW columns into yt (the tile's first
 // output; P, Q the output's rows and columns, rows and columns past p_left, q_left skipped),
 // V floats a store: a warp writes whole rows of the tile. V = 2 needs every output row
@@ -922,10 +925,7 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
     const int warp_col = (warp & 3) * 8, warp_k = (warp >> 2) * 32;
     const int k0 = blockIdx.y * CONV_BN;
     const int hsize = halo_floats<KSIZE>(cc, hr, hc);
-    constexpr int PLANES = halo_planes<PASSES, KSIZE>();
-    constexpr int WPLANES = weight_planes<PASSES, KSIZE>();
-    // [channel][row * HALO_TW + column]
-    float* staged = halo_scratch<PLANES, WPLANES>(smem, hsize);
+    float* staged = halo_scratch<PASSES, KSIZE>(smem, hsize);  // [channel][row * HALO_TW + column]
     const int kn = min(CONV_BN, K - k0);
     const bool pairs = (Q & 1) == 0 && (reinterpret_cast<unsigned long long>(y) & 7) == 0;
     // The tile goes through shared memory: a warp's accumulators span 8 columns of 4
@@ -947,7 +947,7 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
     const int tiles_w = (Q + HALO_TW - 1) / HALO_TW;
     const int tiles = ((P + HALO_TH - 1) / HALO_TH) * tiles_w;
     halo_tiles<PASSES, KSIZE>(x, w, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
-                              halo_shared<PLANES, WPLANES>(smem, hsize),
+                              halo_shared<PASSES, KSIZE>(smem, hsize),
                               GridStride{tiles, tiles_w, (long long)N * tiles}, store,
                               [](int) { return 1.0f; });
 }
@@ -1009,9 +1009,7 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
     // Per channel (bias, sign, offset: the acc of the run's first pixel, sign * d = acc -
     // offset); the run's sums per warp column and channel; this lane's running sums of its
     // 8 channels.
-    constexpr int PLANES = halo_planes<PASSES, KSIZE>();
-    constexpr int WPLANES = weight_planes<PASSES, KSIZE>();
-    float4* params = reinterpret_cast<float4*>(halo_scratch<PLANES, WPLANES>(smem, hsize));
+    float4* params = reinterpret_cast<float4*>(halo_scratch<PASSES, KSIZE>(smem, hsize));
     float2* sums = reinterpret_cast<float2*>(params + CONV_BN);
     float2 lane_sums[8];  // [j * 2 + e]
     if (tid < CONV_BN) {
@@ -1119,6 +1117,6 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
         }
     };
     halo_tiles<PASSES, KSIZE>(x, w, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
-                              halo_shared<PLANES, WPLANES>(smem, hsize), segments, pool_stats,
+                              halo_shared<PASSES, KSIZE>(smem, hsize), segments, pool_stats,
                               [&](int k) { return window_sign(sign_a, sign_b, k); });
 }

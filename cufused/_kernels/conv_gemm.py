@@ -83,15 +83,20 @@ def halo_shared_bytes(cc: int, hr: int, hc: int, ksize: int, passes: int,
     return 4 * floats
 
 
-def halo_kernel_fits(c: int, kernel: tuple[int, int], stride: tuple[int, int],
-                     dilation: tuple[int, int], passes: int, pool: int = 0) -> bool:
-    """Whether a halo kernel takes the problem on the current device: a chunk of input
-    channels whose halo fits (:func:`halo_chunk`) and the shared memory it then needs
-    (:func:`halo_shared_bytes`) within what a block may have there (3xTF32's 3 x 3 kernel
-    without pooling passes the 99 KB of compute capability 8.6, 8.9 and 12.0)."""
+def halo_launch(c: int, kernel: tuple[int, int], stride: tuple[int, int],
+                dilation: tuple[int, int], passes: int,
+                pool: int = 0) -> tuple[int, int, int, int, int] | None:
+    """``(cc, hr, hc, ksize, shared_bytes)`` of the halo kernel for the problem on the
+    current device (:func:`halo_chunk`, :func:`fixed_ksize`, :func:`halo_shared_bytes`), or
+    None where it does not take it: no chunk of input channels whose halo fits, or more
+    shared memory than a block may have there (3xTF32's 3 x 3 kernel without pooling passes
+    the 99 KB of compute capability 8.6, 8.9 and 12.0)."""
     cc, hr, hc = halo_chunk(c, kernel, stride, dilation)
-    return cc >= 1 and halo_shared_bytes(cc, hr, hc, fixed_ksize(kernel, stride, dilation),
-                                         passes, pool) <= shared_per_block()
+    if cc < 1:
+        return None
+    ksize = fixed_ksize(kernel, stride, dilation)
+    shared = halo_shared_bytes(cc, hr, hc, ksize, passes, pool)
+    return (cc, hr, hc, ksize, shared) if shared <= shared_per_block() else None
 
 
 @functools.lru_cache(maxsize=256)
@@ -121,7 +126,7 @@ def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tup
 
     The halo kernel runs where a chunk of input channels fits its shared memory (every
     kernel of up to 72 values at moderate stride and dilation) and the device grants what
-    it then needs (:func:`halo_kernel_fits`), else the gathering one."""
+    it then needs (:func:`halo_launch`), else the gathering one."""
     n, c, h, wd = x.shape
     k, _, kh, kw = w.shape
     p, q = y.shape[2:]
@@ -132,12 +137,11 @@ def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tup
     geometry = (x, w, optional(bias), y, i32(n), i32(c), i32(h), i32(wd), i32(k), i32(kh),
                 i32(kw), i32(p), i32(q), i32(stride[0]), i32(stride[1]), i32(padding[0]),
                 i32(padding[1]), i32(dilation[0]), i32(dilation[1]))
-    if halo_kernel_fits(c, (kh, kw), stride, dilation, passes):
-        cc, hr, hc = halo_chunk(c, (kh, kw), stride, dilation)
+    halo = halo_launch(c, (kh, kw), stride, dilation, passes)
+    if halo is not None:
+        cc, hr, hc, ksize, shared = halo
         tiles = n * -(-p // _HALO_TH) * -(-q // _HALO_TW)
         blocks = min(tiles, sm_count() * _HALO_BLOCKS_PER_SM)
-        ksize = fixed_ksize((kh, kw), stride, dilation)
-        shared = halo_shared_bytes(cc, hr, hc, ksize, passes)
         get_kernel(_FILE, f"conv2d_halo<{passes}, {ksize}>", shared_bytes=shared)(
             (blocks, -(-k // _TILE_K)), (_THREADS,), geometry + (i32(cc), i32(hr), i32(hc)),
             shared_mem=shared)
@@ -158,13 +162,15 @@ def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, stride: tuple[int,
     values minus the shift (the value at the run's first pixel), as
     :func:`cufused._kernels.normalization.group_affine_rows` takes them.
 
-    Needs ``pool`` 2 or 4 and a problem the halo kernel takes (:func:`halo_kernel_fits`)."""
+    Needs ``pool`` 2 or 4 and a problem the halo kernel takes (:func:`halo_launch`)."""
     n, c, h, wd = x.shape
     k, _, kh, kw = w.shape
-    cc, hr, hc = halo_chunk(c, (kh, kw), stride, dilation)
-    if pool not in (2, 4) or not halo_kernel_fits(c, (kh, kw), stride, dilation, passes, pool):
+    halo = halo_launch(c, (kh, kw), stride, dilation, passes, pool) if pool in (2, 4) else None
+    if halo is None:
         raise ValueError(f"conv2d_pool_stats takes pool 2 or 4 and a halo that fits "
-                         f"(pool {pool}, channels per chunk {cc})")
+                         f"(pool {pool}, channels per chunk "
+                         f"{halo_chunk(c, (kh, kw), stride, dilation)[0]})")
+    cc, hr, hc, ksize, shared = halo
     p = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
     q = (wd + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
     splits, blocks = sample_segments(n, -(-p // _HALO_TH) * -(-q // _HALO_TW),
@@ -173,8 +179,6 @@ def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, stride: tuple[int,
     if blocks == 0 or k == 0:
         return partial, splits
     i32 = numpy.int32
-    ksize = fixed_ksize((kh, kw), stride, dilation)
-    shared = halo_shared_bytes(cc, hr, hc, ksize, passes, pool)
     get_kernel(_FILE, f"conv2d_halo_pool_stats<{passes}, {ksize}, {pool}>",
                shared_bytes=shared)(
         (blocks, -(-k // _TILE_K)), (_THREADS,),

@@ -18,7 +18,7 @@ from .. import reference
 from .._arrays import (Size, check_float_dtype, check_ndim, check_required, check_scalar,
                        check_sizes, forward, get_array_module, per_channel)
 from .._call_graphs import warm_calls
-from .._kernels.conv_gemm import conv2d_pool_stats, halo_kernel_fits
+from .._kernels.conv_gemm import conv2d_pool_stats, halo_launch
 from .._kernels.layout import transpose_channels
 from .._kernels.normalization import (channel_affine, group_affine_rows,
                                       group_norm_coefficients)
@@ -199,8 +199,8 @@ def _epilogue_applies(xp, x, weight, args, precision, k, num_groups, bias: bool)
     GEMM forced or this path measured faster than the convolution with the pass after it
     (:func:`_faster_path`, once per problem)."""
     if not (precision != "ieee" and k in (2, 4)
-            and halo_kernel_fits(x.shape[1], weight.shape[2:], args.stride, args.dilation,
-                                 3 if precision == "3xtf32" else 1, pool=k)):
+            and halo_launch(x.shape[1], weight.shape[2:], args.stride, args.dilation,
+                            3 if precision == "3xtf32" else 1, pool=k) is not None):
         return False
     key = ("conv2d_pool_stats", x.shape, weight.shape, args, precision, k, num_groups, bias)
     return settled_engine(key, lambda: _faster_path(xp, x.shape, weight.shape, args,
