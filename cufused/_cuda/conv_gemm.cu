@@ -195,28 +195,50 @@ __device__ __forceinline__ void clear_tiles(float (&acc)[2][4][4]) {
     for (int e = 0; e < 32; ++e) a[e] = 0.0f;
 }
 
+// The bias of a lane's 8 output channels in a warp's 32 (k_base + 8 j + 2 tig + e), loaded
+// once per block (0 past K); `any` false without a bias: nothing is added, -0.0 stays.
+struct ChannelBias {
+    float b[4][2];
+    bool any;
+};
+
+__device__ __forceinline__ ChannelBias channel_bias(const float* __restrict__ bias, int k_base,
+                                                    int tig, int K) {
+    ChannelBias cb;
+    cb.any = bias != nullptr;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int k = k_base + j * 8 + 2 * tig + e;
+            cb.b[j][e] = cb.any && k < K ? __ldg(bias + k) : 0.0f;
+        }
+    return cb;
+}
+
 // Each accumulator of a warp's 32 x 32 tile (row gid or gid + 8 of MMA tile i, column
 // 2 * tig + e of tile j) with its output channel k = k_base + 8 * j + 2 * tig + e below K,
 // bias added: store(row in 0..31, k, value). For one column, the 8 row groups of a warp hold
 // 8 consecutive rows.
 template <typename Store>
 __device__ __forceinline__ void each_output(const float (&acc)[2][4][4], int gid, int tig,
-                                            int k_base, int K, const float* __restrict__ bias,
+                                            int k_base, int K, const ChannelBias& bias,
                                             Store store) {
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j)
 #pragma unroll
-        for (int half = 0; half < 2; ++half)
+        for (int e = 0; e < 2; ++e) {
+            const int k = k_base + j * 8 + 2 * tig + e;
+            if (k >= K) continue;
 #pragma unroll
-            for (int j = 0; j < 4; ++j)
+            for (int i = 0; i < 2; ++i)
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int k = k_base + j * 8 + 2 * tig + e;
-                    if (k >= K) continue;
+                for (int half = 0; half < 2; ++half) {
                     float v = acc[i][j][half * 2 + e];
-                    if (bias != nullptr) v += __ldg(bias + k);
+                    if (bias.any) v += bias.b[j][e];
                     store(i * 16 + gid + half * 8, k, v);
                 }
+        }
 }
 
 // y[n, k, p, q] = bias[k] + sum_{c, u, v} x[n, c, p*sh - ph + u*dh, q*sw - pw + v*dw]
@@ -319,7 +341,8 @@ conv2d_igemm(const float* __restrict__ x, const float* __restrict__ w,
 
     // Row m of the GEMM is pixel (n, p, q) of the output.
     const long long pq = (long long)P * Q;
-    each_output(acc, gid, tig, k0 + warp_k, K, bias, [&](int row, int k, float v) {
+    each_output(acc, gid, tig, k0 + warp_k, K, channel_bias(bias, k0 + warp_k, tig, K),
+                [&](int row, int k, float v) {
         const long long m = m0 + warp_m + row;
         if (m >= M) return;
         const long long n = m / pq;
@@ -893,21 +916,30 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
 
 // The staged tile's kn channels x HALO_TH rows x HALO_TW columns into yt (the tile's first
 // output; P, Q the output's rows and columns, rows and columns past p_left, q_left skipped),
-// V floats a store: a warp writes whole rows of the tile. V = 2 needs every output row
-// 8-byte aligned.
+// V floats a store (V = 2 needs every output row 8-byte aligned). HALO_TW / V lanes write
+// one tile row; the block's threads cover STEP consecutive rows of the (channel, row) order,
+// a multiple of HALO_TH, so a thread keeps its row and column and steps over the channels:
+// one shared load and one global store per step.
 template <int V>
 __device__ __forceinline__ void store_staged_rows(const float* staged, float* yt, int kn,
                                                   int p_left, int q_left, int P, int Q) {
     using Vec = typename FloatVec<V>::type;
-    constexpr int PER_ROW = HALO_TW / V;
-#pragma unroll 1
-    for (int i = threadIdx.x; i < kn * HALO_TH * PER_ROW; i += CONV_THREADS) {
-        const int cv = i % PER_ROW, rest = i / PER_ROW;
-        const int row = rest % HALO_TH, kl = rest / HALO_TH;
-        if (row < p_left && V * cv < q_left)
-            *reinterpret_cast<Vec*>(yt + ((long long)kl * P + row) * Q + V * cv) =
-                *reinterpret_cast<const Vec*>(staged + kl * HALO_OUT_STRIDE + row * HALO_TW
-                                              + V * cv);
+    constexpr int ROW_LANES = HALO_TW / V;
+    constexpr int STEP = CONV_THREADS / ROW_LANES;
+    constexpr int KSTEP = STEP / HALO_TH;
+    static_assert(STEP % HALO_TH == 0 && CONV_BN % KSTEP == 0, "a thread keeps its row");
+    const int slot = threadIdx.x / ROW_LANES;
+    const int row = slot % HALO_TH, kl0 = slot / HALO_TH;
+    const int col = V * (threadIdx.x % ROW_LANES);
+    if (row >= p_left || col >= q_left) return;
+    const float* src = staged + kl0 * HALO_OUT_STRIDE + row * HALO_TW + col;
+    float* dst = yt + ((long long)kl0 * P + row) * Q + col;
+    const long long plane = (long long)KSTEP * P * Q;
+#pragma unroll
+    for (int t = 0; t < CONV_BN / KSTEP; ++t, dst += plane) {
+        if (kl0 + t * KSTEP < kn)
+            *reinterpret_cast<Vec*>(dst) =
+                *reinterpret_cast<const Vec*>(src + t * KSTEP * HALO_OUT_STRIDE);
     }
 }
 
@@ -927,6 +959,8 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
     const int hsize = halo_floats<KSIZE>(cc, hr, hc);
     float* staged = halo_scratch<PASSES, KSIZE>(smem, hsize);  // [channel][row * HALO_TW + column]
     const int kn = min(CONV_BN, K - k0);
+    // Loaded once: 3xTF32's one block per multiprocessor does not hide a load per tile.
+    const ChannelBias tile_bias = channel_bias(bias, k0 + warp_k, tig, K);
     const bool pairs = (Q & 1) == 0 && (reinterpret_cast<unsigned long long>(y) & 7) == 0;
     // The tile goes through shared memory: a warp's accumulators span 8 columns of 4
     // channels, so stored directly each instruction would touch 4 output rows; staged, a warp
@@ -934,7 +968,7 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
     auto store = [&](const TilePos& pos, const float (&acc)[2][4][4]) {
         const int p0 = pos.tr * HALO_TH, q0 = pos.tc * HALO_TW;
         // Fragment row r of the warp's 32 is pixel (row r / 8, column warp_col + r % 8).
-        each_output(acc, gid, tig, k0 + warp_k, K, bias, [&](int r, int k, float v) {
+        each_output(acc, gid, tig, k0 + warp_k, K, tile_bias, [&](int r, int k, float v) {
             staged[(k - k0) * HALO_OUT_STRIDE + (r >> 3) * HALO_TW + warp_col + (r & 7)] = v;
         });
         __syncthreads();
