@@ -809,6 +809,10 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                 // column's steps run while the next column's halo values are loaded into
                 // the other register set; A's registers and the sums stay untouched until
                 // the steps are done.
+                // warp_k / 32, shuffled from lane 0 so that the compiler sees it uniform over
+                // the warp: the descriptors built from it stay in uniform registers (no
+                // move into them per wgmma).
+                const int warpgroup = __shfl_sync(0xffffffffu, warp >> 2, 0);
                 unsigned columns[2][3][Fixed::HR][2];
                 constexpr int COLUMN = (2 * PLANES - 1) * Fixed::HR * 2;  // registers in use
                 load_column(0, columns[0]);
@@ -824,7 +828,7 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                         unsigned a[3][2][4];
                         fragments(column, u, a);
                         const float* tap_b = &s.wt[0][0] + (u * KSIZE + v) * 2 * 256
-                                             + (warp_k >> 5) * 256;
+                                             + warpgroup * 256;
 #pragma unroll
                         for (int i = 0; i < 2; ++i) {
                             if (PASSES == 3 && u == 0)
