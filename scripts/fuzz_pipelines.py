@@ -7,9 +7,9 @@ offset of the input (means far from zero), the precision and the convolution eng
 (cufused's implicit GEMM forced, or the autotuner's choice). The call runs twice on CuPy
 float32 copies (a first and a warm call) and both results are compared with the same public
 function on the float64 NumPy arrays (the reference path): relative norm error under 5e-3
-for ``"tf32"``, 1e-4 for ``"ieee"`` and ``"3xtf32"`` (3e-4 with an offset input). A draw
-that the functions reject (``ValueError``) is skipped. Each failure prints its case; the
-exit status is 1 if any case failed.
+for ``"tf32"`` (2e-2 with an offset input), 1e-4 for ``"ieee"`` and ``"3xtf32"`` (3e-4 with
+an offset input). A draw that the functions reject (``ValueError``) is skipped. Each failure
+prints its case; the exit status is 1 if any case failed.
 
 Usage: python scripts/fuzz_pipelines.py [--seed 1] [--seconds 60] [--cases A B C]
 """
@@ -104,7 +104,14 @@ def run_case(rng, name: str) -> tuple[str, dict, float] | None:
         ref = fn(*args, **options)
     except ValueError:
         return None
-    tol = 5e-3 if precision == "tf32" else (3e-4 if offset else 1e-4)
+    # An offset input (values 5-6 over a spread of 0.29) keeps its spread in fewer bits:
+    # TF32's 10 bits round it about 19 times as coarsely relative to the spread, and the
+    # normalizations subtract the mean that hides it (pipeline B "tf32" on cufused's engine:
+    # up to 7.3e-3, H200; cuDNN and PyTorch take their float32 kernels at such sizes).
+    if precision == "tf32":
+        tol = 2e-2 if offset else 5e-3
+    else:
+        tol = 3e-4 if offset else 1e-4
     gpu_args = [_to_gpu(a) for a in args]
     gpu_options = {k: _to_gpu(v) for k, v in options.items()}
     with plan_options(engine=engine):
