@@ -1,12 +1,13 @@
 """NumPy emulation of conv_gemm.cu's conv2d_halo: its tiles, halo and weight staging
 (optionally times a sign per output channel), offset table (for the compiled-in 3 x 3
 geometry, FixedHalo: each lane's halo column loaded once per kernel column, each tap's A
-fragments taken from it) and m16n8k8 fragment layouts, with float64 MMAs, against the
-float64 reference (no GPU); and of conv2d_halo_pool_stats' epilogue (its schedule of
-segments, registers, shuffles and scratch, on accumulators of weights staged times the
-window sign) against its definition; and the weights as the wgmma build (sm_90a) stages
-them, read through its shared-memory descriptor, against the mma.sync build's. Run it after
-changing the kernels' index math (and change it alongside).
+fragments taken from it), m16n8k8 fragment layouts and output tile staged and stored by
+rows, with float64 MMAs, against the float64 reference (no GPU); and of
+conv2d_halo_pool_stats' epilogue (its schedule of segments, registers, shuffles and
+scratch, on accumulators of weights staged times the window sign) against its definition;
+and the weights as the wgmma build (sm_90a) stages them, read through its shared-memory
+descriptor, against the mma.sync build's. Run it after changing the kernels' index math
+(and change it alongside).
 
 Usage: python scripts/emulate_conv_halo.py
 """
@@ -28,6 +29,7 @@ from cufused._kernels.conv_gemm import _HALO_TH as TH
 from cufused._kernels.conv_gemm import _HALO_TW as TW
 
 BN = 64  # CONV_BN
+THREADS = 256  # CONV_THREADS
 LANE = np.arange(32)
 GID, TIG = LANE >> 2, LANE & 3
 
@@ -151,23 +153,48 @@ def warp_steps(acc, halo, wt, roff, warp, sh, sw, rstride, extent):
             mma(acc[i], a, b)
 
 
-def store(y, acc, bias, n, k0, p0, q0, warp):
-    """The epilogue of one warp: fragment elements to y[n, k, p, q] (+ bias)."""
+def stage_tile(acc, bias, k0, k_total):
+    """conv2d_halo's staged tile (each_output): every warp's fragment elements (+ bias) at
+    staged[(k - k0) * HALO_OUT_STRIDE + row * TW + column], NaN where nothing is staged."""
+    staged = np.full(BN * _HALO_OUT_STRIDE, np.nan)
+    for warp in range(8):
+        warp_col, warp_k = (warp & 3) * 8, (warp >> 2) * 32
+        for lane in range(32):
+            for j in range(4):
+                for e in range(2):
+                    k = k0 + warp_k + j * 8 + 2 * TIG[lane] + e
+                    if k >= k_total:
+                        continue
+                    for i in range(2):
+                        for half in range(2):
+                            r = i * 16 + GID[lane] + half * 8
+                            v = acc[warp][i, j, lane, half * 2 + e]
+                            at = (k - k0) * _HALO_OUT_STRIDE + (r >> 3) * TW + warp_col + (r & 7)
+                            staged[at] = v + (0.0 if bias is None else bias[k])
+    return staged
+
+
+def store_staged_rows(y, staged, n, k0, p0, q0, v):
+    """store_staged_rows<V>: thread tid keeps one row and column of the staged tile and
+    steps over its channels, V values a store, into y[n, k0 + channel, p0 + row, q0 + column]
+    (rows and columns past the output's skipped)."""
     _, k_total, p_total, q_total = y.shape
-    warp_col, warp_k = (warp & 3) * 8, (warp >> 2) * 32
-    for i in range(2):
-        for half in range(2):
-            p = p0 + 2 * i + half
-            if p >= p_total:
-                continue
-            for lane in range(32):
-                q = q0 + warp_col + GID[lane]
-                for j in range(4):
-                    for e in range(2):
-                        k = k0 + warp_k + j * 8 + 2 * TIG[lane] + e
-                        if q < q_total and k < k_total:
-                            v = acc[i, j, lane, half * 2 + e]
-                            y[n, k, p, q] = v + (0.0 if bias is None else bias[k])
+    flat = y.reshape(-1)  # a view: y is contiguous
+    yt = ((n * k_total + k0) * p_total + p0) * q_total + q0
+    kn, p_left, q_left = min(BN, k_total - k0), p_total - p0, q_total - q0
+    row_lanes = TW // v
+    kstep = THREADS // row_lanes // TH
+    for tid in range(THREADS):
+        slot = tid // row_lanes
+        row, kl0, col = slot % TH, slot // TH, v * (tid % row_lanes)
+        if row >= p_left or col >= q_left:
+            continue
+        for t in range(BN // kstep):
+            kl = kl0 + t * kstep
+            if kl < kn:
+                src = kl * _HALO_OUT_STRIDE + row * TW + col
+                dst = yt + (kl * p_total + row) * q_total + col
+                flat[dst:dst + v] = staged[src:src + v]
 
 
 def emulate(x, w, bias, stride, padding, dilation, grid_x=7, sign=None):
@@ -206,8 +233,8 @@ def emulate(x, w, bias, stride, padding, dilation, grid_x=7, sign=None):
                         else:
                             warp_steps(acc[warp], halo, wt, roff, warp, sh, sw, rstride,
                                        ccn * cstride)
-                for warp in range(8):
-                    store(y, acc[warp], bias, n, k0, p0, q0, warp)
+                staged = stage_tile(acc, bias, k0, k_total)
+                store_staged_rows(y, staged, n, k0, p0, q0, 2 if q_total % 2 == 0 else 1)
     return y
 
 
