@@ -1,7 +1,8 @@
 """The contributor tools under scripts/ without a GPU: every Python script compiles, names only
 modules and names that exist, documents its usage and answers ``--help`` (a helper module
-imports); the shell scripts parse; every ``scripts/...`` path the repository mentions exists.
-(``bench_dask.py --small``, a CPU run of that script, is in integrations/test_dask_graph.py.)"""
+imports); the shell scripts parse; every ``scripts/...`` path the repository mentions exists;
+the halo kernels' emulation passes. (``bench_dask.py --small``, a CPU run of that script, is in
+integrations/test_dask_graph.py.)"""
 
 from __future__ import annotations
 
@@ -120,6 +121,16 @@ def test_helper_imports_without_a_gpu(path):
     res = subprocess.run([sys.executable, "-c", f"import {path.stem}"], cwd=SCRIPTS,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_conv_halo_emulation_matches_the_reference():
+    """scripts/emulate_conv_halo.py: conv_gemm.cu's halo kernels' index math (tiles, staging,
+    fragments, the staged output rows, the pooling epilogue, the wgmma weight layout)
+    emulated in NumPy against the float64 definitions."""
+    res = subprocess.run([sys.executable, str(SCRIPTS / "emulate_conv_halo.py")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count(": max error ") == 6 and res.stdout.count(": ok") == 2, res.stdout
 
 
 @pytest.mark.parametrize("path", SHELL_SCRIPTS, ids=lambda p: p.name)
