@@ -1,7 +1,7 @@
 """The "3xtf32" precision and the implicit-GEMM engine through the public functions: float32
 accuracy for 3xTF32, TF32 accuracy on the implicit GEMM (forced) and on whichever engine the
 autotuner picks, fallbacks (groups, 3-D, transposed, strided operands) to cuDNN, the
-pipelines, non-finite values."""
+pipelines, non-finite values, outputs past 2**31 elements."""
 
 from __future__ import annotations
 
@@ -255,3 +255,96 @@ def test_native_build_of_the_engine():
     assert portable is cp.RawKernel
     assert (native is not cp.RawKernel) == (arch is not None)
 
+
+
+def _torch_float32():
+    """PyTorch CUDA with its float32 convolutions (no TF32), or a skip."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch without CUDA")
+    return torch
+
+
+def _counted(monkeypatch, module, name: str) -> list:
+    """Count the calls of ``module.name`` (a launcher) in the returned list."""
+    calls, launcher = [], getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(name)
+        return launcher(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
+@pytest.mark.parametrize("x_shape, w_shape, options, halo", [
+    # The halo kernel (the compiled-in 3 x 3 geometry): 33 * 64 * 1024**2 outputs.
+    ((33, 8, 1026, 1026), (64, 8, 3, 3), dict(), True),
+    # The gathering kernel (no chunk of the dilated halo fits): 122 * 64 * 526**2 outputs.
+    ((122, 3, 1100, 1100), (64, 3, 5, 5), dict(stride=2, dilation=12), False),
+])
+def test_output_past_2_31_elements(rng, monkeypatch, precision, x_shape, w_shape, options,
+                                   halo):
+    # Outputs (and offsets into them) past 2**31 elements, into a NaN-poisoned out, against
+    # PyTorch's float32 convolution a few samples at a time (a float64 reference of this size
+    # would not fit beside it).
+    from cufused._kernels import conv_gemm
+
+    torch = _torch_float32()
+    F = torch.nn.functional
+    passes = 3 if precision == "3xtf32" else 1
+    both = (options.get("stride", 1),) * 2, (options.get("dilation", 1),) * 2
+    assert (conv_gemm.halo_launch(x_shape[1], w_shape[2:], *both, passes) is not None) == halo
+    calls = _counted(monkeypatch, conv_gemm, "conv2d_implicit_gemm")
+    x = cp.random.default_rng(int(rng.integers(2**31))).random(x_shape, dtype=cp.float32)
+    w, b = to_gpu(rng.standard_normal(w_shape) * 0.3, rng.standard_normal(w_shape[0]))
+    p = (x_shape[2] - options.get("dilation", 1) * (w_shape[2] - 1) - 1) \
+        // options.get("stride", 1) + 1
+    out = cp.full((x_shape[0], w_shape[0], p, p), cp.nan, dtype=cp.float32)
+    assert out.size > 2**31
+    cufused.conv2d(x, w, b, **options, precision=precision, out=out)
+    assert calls == ["conv2d_implicit_gemm"]
+    tw, tb = torch.from_dlpack(w), torch.from_dlpack(b)
+    diff = norm = 0.0
+    with torch.backends.cudnn.flags(allow_tf32=False):
+        for n0 in range(0, x_shape[0], 8):
+            want = F.conv2d(torch.from_dlpack(x[n0:n0 + 8]), tw, tb, **options)
+            got = torch.from_dlpack(out[n0:n0 + 8])
+            diff += float(torch.linalg.vector_norm((got - want).double()) ** 2)
+            norm += float(torch.linalg.vector_norm(want.double()) ** 2)
+            del want, got
+    assert (diff / norm) ** 0.5 < TOL[precision], (diff / norm) ** 0.5
+    del x, out
+    cp.get_default_memory_pool().free_all_blocks()
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
+def test_pipeline_a_on_a_sample_past_2_31_elements(rng, monkeypatch, precision):
+    # One sample whose convolution output has 64 * 5798**2 > 2**31 elements: pipeline A takes
+    # the building blocks (64-bit indexing), its convolution on the implicit GEMM; against
+    # PyTorch in float32.
+    from cufused._kernels import conv_gemm
+
+    torch = _torch_float32()
+    calls = _counted(monkeypatch, conv_gemm, "conv2d_implicit_gemm")
+    F = torch.nn.functional
+    x = cp.random.default_rng(int(rng.integers(2**31))).random((1, 1, 5800, 5800),
+                                                              dtype=cp.float32)
+    w, b, gw, gb, s = to_gpu(rng.standard_normal((64, 1, 3, 3)), rng.standard_normal(64),
+                             rng.standard_normal(64), rng.standard_normal(64),
+                             rng.standard_normal(64))
+    got = cufused.conv2d_groupnorm_scale_maxpool_clamp(
+        x, w, b, gw, gb, s, num_groups=16, pool_kernel=4, clamp_min=-0.5, clamp_max=0.5,
+        precision=precision)
+    assert calls == ["conv2d_implicit_gemm"]
+    t = [torch.from_dlpack(a) for a in (x, w, b, gw, gb, s)]
+    with torch.backends.cudnn.flags(allow_tf32=False):
+        y = F.group_norm(F.conv2d(t[0], t[1], t[2]), 16, t[3], t[4]) * t[5].view(1, -1, 1, 1)
+        want = torch.clamp(F.max_pool2d(y, 4), -0.5, 0.5)
+    del y
+    assert_close(got.get(), want.cpu().numpy(), 1e-4 if precision == "3xtf32" else 5e-3)
+    del got, want, t, x
+    cp.get_default_memory_pool().free_all_blocks()
+    torch.cuda.empty_cache()
