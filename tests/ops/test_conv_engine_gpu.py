@@ -319,32 +319,3 @@ def test_output_past_2_31_elements(rng, monkeypatch, precision, x_shape, w_shape
     cp.get_default_memory_pool().free_all_blocks()
     torch.cuda.empty_cache()
 
-
-@pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
-def test_pipeline_a_on_a_sample_past_2_31_elements(rng, monkeypatch, precision):
-    # One sample whose convolution output has 64 * 5798**2 > 2**31 elements: pipeline A takes
-    # the building blocks (64-bit indexing), its convolution on the implicit GEMM; against
-    # PyTorch in float32.
-    from cufused._kernels import conv_gemm
-
-    torch = _torch_float32()
-    calls = _counted(monkeypatch, conv_gemm, "conv2d_implicit_gemm")
-    F = torch.nn.functional
-    x = cp.random.default_rng(int(rng.integers(2**31))).random((1, 1, 5800, 5800),
-                                                              dtype=cp.float32)
-    w, b, gw, gb, s = to_gpu(rng.standard_normal((64, 1, 3, 3)), rng.standard_normal(64),
-                             rng.standard_normal(64), rng.standard_normal(64),
-                             rng.standard_normal(64))
-    got = cufused.conv2d_groupnorm_scale_maxpool_clamp(
-        x, w, b, gw, gb, s, num_groups=16, pool_kernel=4, clamp_min=-0.5, clamp_max=0.5,
-        precision=precision)
-    assert calls == ["conv2d_implicit_gemm"]
-    t = [torch.from_dlpack(a) for a in (x, w, b, gw, gb, s)]
-    with torch.backends.cudnn.flags(allow_tf32=False):
-        y = F.group_norm(F.conv2d(t[0], t[1], t[2]), 16, t[3], t[4]) * t[5].view(1, -1, 1, 1)
-        want = torch.clamp(F.max_pool2d(y, 4), -0.5, 0.5)
-    del y
-    assert_close(got.get(), want.cpu().numpy(), 1e-4 if precision == "3xtf32" else 5e-3)
-    del got, want, t, x
-    cp.get_default_memory_pool().free_all_blocks()
-    torch.cuda.empty_cache()

@@ -218,10 +218,15 @@ def test_pipeline_capture_in_cuda_graph(rng, layout):
                  1e-4)
 
 
-def test_pipeline_a_sample_past_2_31_elements(rng):
+@pytest.mark.parametrize("precision", ["ieee", "tf32", "3xtf32"])
+def test_pipeline_a_sample_past_2_31_elements(rng, monkeypatch, precision):
     # One sample whose convolution output has 64 * 5798**2 > 2**31 elements: the fused pass
-    # indexes within a sample in 32 bits, so the call takes the unfused blocks; checked against
-    # PyTorch CUDA in float32 (a float64 reference of 2**31 values would not fit the test).
+    # indexes within a sample in 32 bits, so the call takes the unfused blocks ("tf32" and
+    # "3xtf32": the convolution on cufused's implicit GEMM, forced); checked against PyTorch
+    # CUDA in float32 (a float64 reference of 2**31 values would not fit the test).
+    from cufused._cudnn import plan_options
+    from cufused._kernels import conv_gemm
+
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("PyTorch without CUDA")
@@ -230,14 +235,20 @@ def test_pipeline_a_sample_past_2_31_elements(rng):
                                                               dtype=cp.float32)
     w, b, gw, gb, s = to_gpu(rng.standard_normal((64, 1, 3, 3)), rng.standard_normal(64),
                              mixed(rng, 64), rng.standard_normal(64), mixed(rng, 64))
-    got = cufused.conv2d_groupnorm_scale_maxpool_clamp(
-        x, w, b, gw, gb, s, num_groups=16, pool_kernel=4, clamp_min=-0.5, clamp_max=0.5)
+    calls, launcher = [], conv_gemm.conv2d_implicit_gemm
+    monkeypatch.setattr(conv_gemm, "conv2d_implicit_gemm",
+                        lambda *a, **kw: calls.append(1) or launcher(*a, **kw))
+    with plan_options(engine="cudnn" if precision == "ieee" else "igemm"):
+        got = cufused.conv2d_groupnorm_scale_maxpool_clamp(
+            x, w, b, gw, gb, s, num_groups=16, pool_kernel=4, clamp_min=-0.5, clamp_max=0.5,
+            precision=precision)
+    assert len(calls) == (precision != "ieee")
     t = [torch.from_dlpack(a) for a in (x, w, b, gw, gb, s)]
     with torch.backends.cudnn.flags(allow_tf32=False):
         y = F.group_norm(F.conv2d(t[0], t[1], t[2]), 16, t[3], t[4]) * t[5].view(1, -1, 1, 1)
         want = torch.clamp(F.max_pool2d(y, 4), -0.5, 0.5)
     del y
-    assert_close(got.get(), want.cpu().numpy(), 1e-4)
+    assert_close(got.get(), want.cpu().numpy(), 5e-3 if precision == "tf32" else 1e-4)
     del got, want, t, x
     cp.get_default_memory_pool().free_all_blocks()
     torch.cuda.empty_cache()
