@@ -150,6 +150,27 @@ def poisoned(shape):
     return cp.full(shape, cp.nan, dtype=cp.float32)
 
 
+def torch_cuda():
+    """PyTorch with CUDA, or a skip of the calling test."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch without CUDA")
+    return torch
+
+
+def count_calls(monkeypatch, module, name: str) -> list:
+    """``module.name`` (a launcher) wrapped for the test: each call appends ``name`` to the
+    returned list."""
+    calls, launcher = [], getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(name)
+        return launcher(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
 # ---------------------------------------------------------------------------------- convolutions
 
 CONV_CASES = [

@@ -15,8 +15,8 @@ from cufused import reference
 from cufused._cuda import portable_builds
 from cufused._cudnn import plan_options
 
-from conftest import (GPU, assert_close, pipeline_a_args, pipeline_b_args, pipeline_c_args,
-                      to_gpu)
+from conftest import (GPU, assert_close, count_calls, pipeline_a_args, pipeline_b_args,
+                      pipeline_c_args, poisoned, to_gpu, torch_cuda)
 
 pytestmark = pytest.mark.gpu
 
@@ -256,27 +256,6 @@ def test_native_build_of_the_engine():
     assert (native is not cp.RawKernel) == (arch is not None)
 
 
-
-def _torch_float32():
-    """PyTorch CUDA with its float32 convolutions (no TF32), or a skip."""
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("PyTorch without CUDA")
-    return torch
-
-
-def _counted(monkeypatch, module, name: str) -> list:
-    """Count the calls of ``module.name`` (a launcher) in the returned list."""
-    calls, launcher = [], getattr(module, name)
-
-    def counted(*args, **kwargs):
-        calls.append(name)
-        return launcher(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, counted)
-    return calls
-
-
 @pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
 @pytest.mark.parametrize("x_shape, w_shape, options, halo", [
     # The halo kernel (the compiled-in 3 x 3 geometry): 33 * 64 * 1024**2 outputs.
@@ -291,17 +270,17 @@ def test_output_past_2_31_elements(rng, monkeypatch, precision, x_shape, w_shape
     # would not fit beside it).
     from cufused._kernels import conv_gemm
 
-    torch = _torch_float32()
+    torch = torch_cuda()
     F = torch.nn.functional
     passes = 3 if precision == "3xtf32" else 1
     both = (options.get("stride", 1),) * 2, (options.get("dilation", 1),) * 2
     assert (conv_gemm.halo_launch(x_shape[1], w_shape[2:], *both, passes) is not None) == halo
-    calls = _counted(monkeypatch, conv_gemm, "conv2d_implicit_gemm")
+    calls = count_calls(monkeypatch, conv_gemm, "conv2d_implicit_gemm")
     x = cp.random.default_rng(int(rng.integers(2**31))).random(x_shape, dtype=cp.float32)
     w, b = to_gpu(rng.standard_normal(w_shape) * 0.3, rng.standard_normal(w_shape[0]))
     p = (x_shape[2] - options.get("dilation", 1) * (w_shape[2] - 1) - 1) \
         // options.get("stride", 1) + 1
-    out = cp.full((x_shape[0], w_shape[0], p, p), cp.nan, dtype=cp.float32)
+    out = poisoned((x_shape[0], w_shape[0], p, p))
     assert out.size > 2**31
     cufused.conv2d(x, w, b, **options, precision=precision, out=out)
     assert calls == ["conv2d_implicit_gemm"]
@@ -318,4 +297,3 @@ def test_output_past_2_31_elements(rng, monkeypatch, precision, x_shape, w_shape
     del x, out
     cp.get_default_memory_pool().free_all_blocks()
     torch.cuda.empty_cache()
-

@@ -10,8 +10,8 @@ import pytest
 
 import cufused
 
-from conftest import (GPU, TOL, _pinned, assert_close, mixed, pipeline_a_args, pipeline_b_args,
-                      pipeline_c_args, poisoned, rel_err, to_gpu)
+from conftest import (GPU, TOL, _pinned, assert_close, count_calls, mixed, pipeline_a_args,
+                      pipeline_b_args, pipeline_c_args, poisoned, rel_err, to_gpu, torch_cuda)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("quick_plans")]
 
@@ -227,22 +227,18 @@ def test_pipeline_a_sample_past_2_31_elements(rng, monkeypatch, precision):
     from cufused._cudnn import plan_options
     from cufused._kernels import conv_gemm
 
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("PyTorch without CUDA")
+    torch = torch_cuda()
     F = torch.nn.functional
     x = cp.random.default_rng(int(rng.integers(2**31))).random((1, 1, 5800, 5800),
                                                               dtype=cp.float32)
     w, b, gw, gb, s = to_gpu(rng.standard_normal((64, 1, 3, 3)), rng.standard_normal(64),
                              mixed(rng, 64), rng.standard_normal(64), mixed(rng, 64))
-    calls, launcher = [], conv_gemm.conv2d_implicit_gemm
-    monkeypatch.setattr(conv_gemm, "conv2d_implicit_gemm",
-                        lambda *a, **kw: calls.append(1) or launcher(*a, **kw))
+    calls = count_calls(monkeypatch, conv_gemm, "conv2d_implicit_gemm")
     with plan_options(engine="cudnn" if precision == "ieee" else "igemm"):
         got = cufused.conv2d_groupnorm_scale_maxpool_clamp(
             x, w, b, gw, gb, s, num_groups=16, pool_kernel=4, clamp_min=-0.5, clamp_max=0.5,
             precision=precision)
-    assert len(calls) == (precision != "ieee")
+    assert calls == ([] if precision == "ieee" else ["conv2d_implicit_gemm"])
     t = [torch.from_dlpack(a) for a in (x, w, b, gw, gb, s)]
     with torch.backends.cudnn.flags(allow_tf32=False):
         y = F.group_norm(F.conv2d(t[0], t[1], t[2]), 16, t[3], t[4]) * t[5].view(1, -1, 1, 1)
