@@ -68,15 +68,18 @@ def b_phases_loop(chunks, weight, bn_weight, bn_bias, gn_weight, gn_bias, *, num
     after another in this thread."""
     from cufused import dask as cdask
 
-    xp = cufused._arrays.get_array_module(x=chunks[0])
-    prepared = cdask._flip_channels(xp, weight, conv_bias, bn_weight, groups, gn_weight.size)
-    parts = [cdask._pool_moments_phase(c, prepared, stride=stride, padding=padding,
-                                       output_padding=output_padding, groups=groups,
-                                       pool=pool_kernel, precision=precision) for c in chunks]
+    x = chunks[0]
+    xp = cufused._arrays.get_array_module(x=x)
+    conv_shape = cufused.conv_transpose2d(x[:0], weight, stride=stride, padding=padding,
+                                          output_padding=output_padding, groups=groups).shape
+    phase1, constants, phase3 = cdask._phases(
+        xp, weight, conv_bias, bn_weight, conv_shape=(1, *conv_shape[1:]), pool=pool_kernel,
+        num_groups=num_groups, eps=eps, dtype=x.dtype, precision=precision, stride=stride,
+        padding=padding, output_padding=output_padding, groups=groups)
+    parts = [phase1(c, *constants.values()) for c in chunks]
     mean, var, _, _ = cdask._finish_statistics(
         cdask._merge_moments(*(moments for _, moments in parts)), None, None, 0.0)
-    return [cdask._normalize_pooled(pooled, mean, var, bn_weight, bn_bias, gn_weight, gn_bias,
-                                    num_groups=num_groups, eps=eps, dtype=chunks[0].dtype)
+    return [phase3(pooled, mean, var, bn_weight, bn_bias, gn_weight, gn_bias)
             for pooled, _ in parts]
 
 

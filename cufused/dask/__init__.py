@@ -15,16 +15,17 @@ statistics of the whole batch, in three phases:
 
 1. per chunk, the per-channel partial moments (count, mean, M2) in float64; in pipeline B the
    transposed convolution and each pooling window's extremum (the BatchNorm weight's sign
-   decides max or min, since ``tanh(a * v + b)`` is monotone in ``v``) come with them, so the
-   convolution output is never stored;
+   decides max or min, since ``tanh(a * v + b)`` is monotone in ``v``) come with them, so
+   only the 4x smaller extrema cross to phase 3;
 2. a tree reduction of the partial moments (Chan's parallel formula, ``split_every`` parts per
    node) into the batch mean and variance, whose task also updates the running buffers;
 3. per chunk, the normalization (``batch_norm`` in inference mode with the batch statistics,
    then in pipeline B ``tanh`` and ``group_norm`` on the pooled data).
 
-The result equals the single call on the concatenated batch to float32 rounding. Pipeline B's
-single GPU call fuses phase 1 into one read of the convolution output; the phases here compose
-the public operations and one existing statistics kernel, so they read it twice.
+The result equals the single call on the concatenated batch to float32 rounding. On CuPy
+chunks pipeline B's phases run the single call's kernels (``pipeline_b``'s chunk phases): one
+read of the convolution output for the extrema and the sums, one pass over the extrema for
+BatchNorm, tanh and GroupNorm; on NumPy chunks they compose the public operations.
 
 Running buffers are updated in place by the statistics task, once each time a computation
 runs it (``compute``/``persist`` of the result, or of anything depending on it). The
@@ -62,7 +63,7 @@ from ._statistics import SPLIT_EVERY  # noqa: F401 - the default split_every
 # Internals kept at their address before the split, cufused.dask.<name>: scripts/bench_dask.py
 # runs pipeline B's phases with them, without Dask.
 from ._graph import _DEVICE_LOCKS  # noqa: F401
-from ._pipelines import _flip_channels, _normalize_pooled, _pool_moments_phase  # noqa: F401
+from ._pipelines import _phases  # noqa: F401
 from ._statistics import _channel_moments, _finish_statistics, _merge_moments  # noqa: F401
 
 # cufused's public functions on arrays, each of which this package defines over a dask batch

@@ -14,10 +14,12 @@ import cufused
 from .._arrays import Size, get_array_module, per_channel
 from .._ops.normalization import check_channel_values
 from .._precision import resolve_precision
+from ..pipelines._common import gpu_method
+from ..pipelines.pipeline_b import _chunk_extrema_sums, _chunk_normalized
 from ._blocks import _shared_sections, _with_sections
 from ._graph import Array, _check_params, _each_chunk, _empty_batch, _Graph
 from ._statistics import (_batch_statistics, _channel_moments, _normalize,
-                          _normalized_batch)
+                          _normalized_batch, _shifted_moments)
 
 
 # The docstring of a pipeline that each batch chunk runs whole (independent per sample).
@@ -94,30 +96,15 @@ def _flip_channels(xp, weight, conv_bias, bn_weight, groups: int, channels: int)
     return flipped, conv_bias, sign
 
 
-def _prepared_weights(graph: _Graph, xp, weight, conv_bias, bn_weight, groups: int,
-                      channels: int) -> str:
-    """The key of ``_flip_channels``'s (weight, bias, sign) in ``graph``, prepared once: each
-    array a constant of the graph, read by every phase-1 task. NumPy chunks get the weight and
-    bias in float64."""
-    if xp is numpy:  # the reference's float64 end to end
-        weight, conv_bias = (None if a is None else a.astype(numpy.float64)
-                             for a in (weight, conv_bias))
-    prepared = graph.key_name("prepared")
-    graph.dsk[prepared] = (tuple, [graph.constant(name, value) for name, value in zip(
-        ("weight", "conv_bias", "sign"),
-        _flip_channels(xp, weight, conv_bias, bn_weight, groups, channels))])
-    return prepared
-
-
-def _pool_moments_phase(x, prepared, *, stride, padding, output_padding, groups: int,
+def _pool_moments_phase(x, weight, bias, sign, *, stride, padding, output_padding, groups: int,
                         pool: int | None, precision: str):
-    """Phase 1 of pipeline B on one chunk: ``(pooled extrema, channel moments)`` of the
-    transposed convolution (with its bias, as the single call's statistics include it).
+    """Phase 1 of pipeline B on one chunk, composed of the public operations: ``(pooled
+    extrema, channel moments)`` of the transposed convolution (with its bias, as the single
+    call's statistics include it).
 
-    ``prepared`` = ``_flip_channels``'s (weight, bias, sign). NumPy chunks run in float64, as
+    ``weight``, ``bias`` and ``sign`` are ``_flip_channels``'s. NumPy chunks run in float64, as
     the reference does end to end. ``pool=None`` returns the whole convolution output instead
     of the extrema (for ``_normalize_pooled``'s exact route)."""
-    weight, bias, sign = prepared
     if get_array_module(x=x) is numpy:
         x = x.astype(numpy.float64, copy=False)
     y = cufused.conv_transpose2d(x, weight, bias, stride=stride, padding=padding,
@@ -131,21 +118,11 @@ def _pool_moments_phase(x, prepared, *, stride, padding, output_padding, groups:
     return pooled, (count, mean, m2)
 
 
-def _pool_moments_tasks(graph: _Graph, prepared: str, **options) -> list[tuple]:
-    """Phase 1 in ``graph``: ``_pool_moments_phase(chunk, prepared, **options)`` on every batch
-    chunk; return the tasks' keys, in batch order."""
-    phase1 = graph.task(functools.partial(_pool_moments_phase, **options))
-    name = graph.key_name("phase1")
-    keys = [(name, i) for i in range(len(graph.x.chunks[0]))]
-    graph.dsk.update((key, (phase1, chunk, prepared))
-                     for key, chunk in zip(keys, graph.input_keys()))
-    return keys
-
-
 def _normalize_pooled(pooled, mean, var, bn_weight, bn_bias, gn_weight, gn_bias, *,
                       num_groups: int, eps: float, dtype, pool: int | None = None):
-    """Phase 3 of pipeline B on one chunk: BatchNorm with the batch statistics and tanh on
-    the pooled extrema, then GroupNorm; cast to the input's dtype.
+    """Phase 3 of pipeline B on one chunk, composed of the public operations: BatchNorm with
+    the batch statistics and tanh on the pooled extrema, then GroupNorm; cast to the input's
+    dtype.
 
     With ``pool``, ``pooled`` is the whole convolution output, pooled after the tanh: the
     exact route for an infinite BatchNorm weight, whose windows hold +-1 and NaN values that no
@@ -155,6 +132,74 @@ def _normalize_pooled(pooled, mean, var, bn_weight, bn_bias, gn_weight, gn_bias,
         y = cufused.max_pool2d(y, pool)
     return cufused.group_norm(y, num_groups, gn_weight, gn_bias, eps=eps).astype(dtype,
                                                                                copy=False)
+
+
+def _extrema_moments_phase(x, weight, bias, bn_weight, *, stride, padding, output_padding,
+                           groups: int, pool: int, precision: str):
+    """Phase 1 of pipeline B on one CuPy chunk, on the single call's kernels: one read of the
+    transposed convolution's output gives ``(pooled extrema, channel moments)``."""
+    if x.shape[0] == 0:  # an empty chunk: the operations' empty results, no moments
+        return _pool_moments_phase(x, weight, bias, None, stride=stride, padding=padding,
+                                   output_padding=output_padding, groups=groups, pool=pool,
+                                   precision=precision)
+    pooled, partial, shift, count = _chunk_extrema_sums(
+        x, weight, bias, bn_weight, stride=stride, padding=padding,
+        output_padding=output_padding, groups=groups, pool=pool, precision=precision)
+    return pooled, _shifted_moments(partial.sum(axis=(0, 2), dtype=numpy.float64), shift,
+                                    count)
+
+
+def _normalize_extrema(pooled, mean, var, bn_weight, bn_bias, gn_weight, gn_bias, *,
+                       num_groups: int, eps: float):
+    """Phase 3 of pipeline B on one CuPy chunk, on the single call's kernels: BatchNorm with
+    the batch statistics, tanh and GroupNorm in one pass over the pooled extrema."""
+    if pooled.shape[0] == 0:
+        return pooled.copy()
+    return _chunk_normalized(pooled, mean.astype(numpy.float32), var.astype(numpy.float32),
+                             bn_weight, bn_bias, gn_weight, gn_bias, num_groups=num_groups,
+                             eps=eps)
+
+
+def _phases(xp, weight, conv_bias, bn_weight, *, conv_shape: tuple[int, ...], pool: int,
+            num_groups: int, eps: float, dtype, precision: str, **conv_options):
+    """Pipeline B's phases over a batch of ``xp`` chunks: ``(phase1, constants, phase3)``,
+    with ``phase1(chunk, *constants.values())`` a chunk's ``(pooled, moments)`` and
+    ``phase3(pooled, mean, var, bn_weight, bn_bias, gn_weight, gn_bias)`` its result.
+
+    CuPy chunks run the single call's kernels where its fused pass does (``gpu_method``;
+    ``conv_shape`` is the convolution output's). NumPy chunks, samples past 32-bit indexing
+    and an infinite BatchNorm weight compose the public operations on weights whose output
+    channels are negated where ``bn_weight < 0`` (``_flip_channels``; NumPy's in float64). An
+    infinite BatchNorm weight takes the exact route: the whole convolution output crosses to
+    phase 3, which pools after the tanh, as the single call does for such channels.
+    """
+    exact = _has_infinity(bn_weight)
+    if xp is not numpy and not exact and gpu_method("fused", conv_shape) == "fused":
+        return (functools.partial(_extrema_moments_phase, pool=pool, precision=precision,
+                                  **conv_options),
+                dict(weight=weight, conv_bias=conv_bias, bn_weight=bn_weight),
+                functools.partial(_normalize_extrema, num_groups=num_groups, eps=eps))
+    if xp is numpy:  # the reference's float64 end to end
+        weight, conv_bias = (None if a is None else a.astype(numpy.float64)
+                             for a in (weight, conv_bias))
+    flipped = _flip_channels(xp, weight, conv_bias, bn_weight, conv_options["groups"],
+                             conv_shape[1])
+    return (functools.partial(_pool_moments_phase, pool=None if exact else pool,
+                              precision=precision, **conv_options),
+            dict(zip(("weight", "conv_bias", "sign"), flipped)),
+            functools.partial(_normalize_pooled, num_groups=num_groups, eps=eps, dtype=dtype,
+                              pool=pool if exact else None))
+
+
+def _pool_moments_tasks(graph: _Graph, phase1, constants: dict[str, Any]) -> list[tuple]:
+    """Phase 1 in ``graph``: ``phase1(chunk, *constants.values())`` on every batch chunk;
+    return the tasks' keys, in batch order."""
+    task = graph.task(phase1)
+    args = [graph.constant(name, value) for name, value in constants.items()]
+    name = graph.key_name("phase1")
+    keys = [(name, i) for i in range(len(graph.x.chunks[0]))]
+    graph.dsk.update((key, (task, chunk, *args)) for key, chunk in zip(keys, graph.input_keys()))
+    return keys
 
 
 def _has_infinity(a) -> bool:
@@ -243,21 +288,16 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     conv_shape = cufused.conv_transpose2d(empty, weight, **conv_options).shape
     check_channel_values((x.shape[0], *conv_shape[1:]), "the conv output")
     graph = _Graph("conv_transpose2d_batchnorm_tanh_maxpool_groupnorm", x)
-    prepared = _prepared_weights(graph, get_array_module(x=empty), weight, conv_bias, bn_weight,
-                                 groups, probe.shape[1])
-    # An infinite BatchNorm weight pools after the tanh (the whole convolution output crosses
-    # to phase 3), as the single call does for such channels.
-    exact = _has_infinity(bn_weight)
-    keys = _pool_moments_tasks(graph, prepared, pool=None if exact else pool_kernel,
-                               precision=precision, **conv_options)
+    phase1, constants, phase3 = _phases(
+        get_array_module(x=empty), weight, conv_bias, bn_weight,
+        conv_shape=(x.shape[0], *conv_shape[1:]), pool=pool_kernel, num_groups=num_groups,
+        eps=eps, dtype=x.dtype, precision=precision, **conv_options)
+    keys = _pool_moments_tasks(graph, phase1, constants)
     # The moments reach the reduction alone (a key each, so a distributed worker fetches no
     # pooled data); phase 3 reads the pooled part where phase 1 ran.
     stats = _batch_statistics(graph, [(operator.getitem, key, 1) for key in keys], running_mean,
                               running_var, momentum, split_every)
     return _normalized_batch(
-        graph, stats, functools.partial(_normalize_pooled, num_groups=num_groups, eps=eps,
-                                        dtype=x.dtype, pool=pool_kernel if exact else None),
-        [(operator.getitem, key, 0) for key in keys],
+        graph, stats, phase3, [(operator.getitem, key, 0) for key in keys],
         dict(bn_weight=bn_weight, bn_bias=bn_bias, gn_weight=gn_weight, gn_bias=gn_bias),
         probe, running_mean, running_var, return_running_stats)
-

@@ -57,7 +57,13 @@ def _channel_moments(y) -> tuple[int, Any, Any]:
     hw = count // n
     partial, shift, _ = key_stats_partial(xp, y, c, n_outer=n, outer_stride=c * hw,
                                           key_stride=hw, inner=hw)
-    sums = partial.sum(axis=1, dtype=xp.float64)
+    return _shifted_moments(partial.sum(axis=1, dtype=xp.float64), shift, count)
+
+
+def _shifted_moments(sums, shift, count: int) -> tuple[int, Any, Any]:
+    """Per-channel ``(count, mean, M2)`` in float64 from each channel's ``count`` values'
+    sums ``(sum d, sum d * d)`` (``sums``, (C, 2) float64 CuPy) with ``d = value - shift``."""
+    xp = get_array_module(sums=sums)
     offset = sums[:, 0] / count
     m2 = sums[:, 1] - sums[:, 0] * offset
     # Rounding can push M2 below 0: clamp it, keeping a NaN (NaN < 0 is false).

@@ -172,3 +172,50 @@ def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, bn_
     group_norm_rows(out, out, num_groups, gn_weight, gn_bias, eps, pre=coef,
                     x_block=ext_block or None)
     return out
+
+
+# The phases of a batch split in chunks (cufused.dask): BatchNorm's statistics span the whole
+# batch, so each chunk's fused pass keeps its extrema and shifted sums (phase 1), the chunks'
+# moments are merged (phase 2, cufused.dask), and each chunk's extrema are normalized with the
+# batch's mean and variance (phase 3). Both run the kernels of the single call above on CuPy
+# chunks with the arguments that a call of the pipeline checked.
+
+def _chunk_extrema_sums(x, weight, conv_bias, bn_weight, *, stride, padding, output_padding,
+                        groups: int, pool: int, precision: str):
+    """Phase 1 on a CuPy chunk: the transposed convolution and one read of its output ``y``.
+
+    Returns ``(pooled, partial, shift, count)``: the window extrema of ``y + conv_bias`` (the
+    min where ``bn_weight < 0``), and each channel's float32 sums of ``d`` and ``d * d`` with
+    ``d = y + conv_bias - shift`` over its ``count`` values, ``partial`` (N, C, splits, 2),
+    ``shift`` (C,) its first value. The bias is in them, so that the chunks' merged moments
+    give the running mean's update, and a non-finite bias turns its channel NaN, as in the
+    single call (whose statistics skip the bias and add it to the mean). The sample of ``y``
+    has fewer than 2**31 elements (``gpu_method``).
+    """
+    xp = get_array_module(x=x)
+    args = cached_conv_args(x.shape, weight.shape, 2, transposed=True, stride=stride,
+                            padding=padding, output_padding=output_padding, groups=groups)
+    n, c, h, w = args.out_shape
+    y, _ = conv_on_gpu(x, weight, args, precision, convert_output=False)
+    pooled = xp.empty((n, c, h // pool, w // pool), dtype=x.dtype)
+    partial, shift, _ = pool_extremum_stats(
+        xp, y, pooled, pool, bias=per_channel(conv_bias, "conv_bias", c, xp),
+        sign_a=per_channel(bn_weight, "bn_weight", c, xp), sign_b=None, shift_group=1,
+        per_sample=False, variant=fused_pass_variant(y, pool))
+    return pooled, partial, shift, n * h * w
+
+
+def _chunk_normalized(pooled, mean, var, bn_weight, bn_bias, gn_weight, gn_bias, *,
+                      num_groups: int, eps: float):
+    """Phase 3 on a CuPy chunk: BatchNorm with the batch's ``mean`` and biased ``var``
+    (float32, per channel) and tanh, then GroupNorm, in one pass over phase 1's ``pooled``
+    extrema: the single call's GroupNorm pass with the BatchNorm coefficients as its pre-map.
+    Returns a new array."""
+    xp = get_array_module(x=pooled)
+    c = pooled.shape[1]
+    coef = bn_coefficients(xp, pooled, per_channel(bn_weight, "bn_weight", c, xp),
+                           per_channel(bn_bias, "bn_bias", c, xp), mean, var, False, 0.0, eps)
+    out = xp.empty_like(pooled)
+    group_norm_rows(pooled, out, num_groups, per_channel(gn_weight, "gn_weight", c, xp),
+                    per_channel(gn_bias, "gn_bias", c, xp), eps, pre=coef)
+    return out

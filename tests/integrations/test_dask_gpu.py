@@ -9,7 +9,7 @@ import pytest
 
 import cufused
 
-from conftest import assert_close, mixed
+from conftest import assert_close, count_calls, mixed
 from dask_cases import case_a, case_b, case_c, chunked
 
 dask = pytest.importorskip("dask")
@@ -102,6 +102,100 @@ def test_gpu_batch_norm_and_blocks_threaded(rng, gpu_threads):
     ref = cufused.softmax(cufused.group_norm(cufused.max_pool2d(cufused.conv2d(x, w, padding=1),
                                                                 2), 2), axis=(2, 3))
     assert_close(z.compute().get(), ref.get(), 3e-5)
+
+
+def b_gpu_case(rng, x_shape=(15, 4, 5, 6)):
+    """Pipeline B's case on the GPU (float32), N = 15, with a finite conv bias."""
+    import cupy as cp
+
+    x, params, options = case_b(rng, np.float32)
+    x = np.concatenate([x] * 3)[:x_shape[0]]
+    options["conv_bias"] = cp.asarray(options["conv_bias"])
+    return cp.asarray(x), [cp.asarray(p) for p in params], options
+
+
+def check_b_against_the_single_call(x, params, options, chunks, tol):
+    """cufused.dask's pipeline B on CuPy chunks against the single call: NaN in the same
+    places, the rest within ``tol``; the running buffers too."""
+    import cupy as cp
+
+    name = "conv_transpose2d_batchnorm_tanh_maxpool_groupnorm"
+    c = params[1].size
+    ref_buffers, buffers = ({"running_mean": cp.zeros(c, cp.float32),
+                             "running_var": cp.ones(c, cp.float32)} for _ in range(2))
+    ref = getattr(cufused, name)(x, *params, **options, **ref_buffers).get()
+    y, rm, rv = getattr(cdask, name)(chunked(x, chunks), *params, **options, **buffers,
+                                     return_running_stats=True)
+    got = [a.get() for a in dask.compute(y, rm, rv, scheduler="threads", num_workers=4)]
+    for out, want in zip(got, [ref] + [b.get() for b in ref_buffers.values()]):
+        nan = np.isnan(want)
+        assert np.array_equal(np.isnan(out), nan)
+        assert_close(out[~nan], want[~nan], tol)
+    return ref
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+def test_gpu_pipeline_b_phases_run_the_single_calls_kernels(rng, quick_plans, monkeypatch,
+                                                             precision):
+    # On CuPy chunks phase 1 is the single call's fused pass (one read of the convolution
+    # output for the extrema and the sums) and phase 3 its GroupNorm pass with the BatchNorm
+    # coefficients as the pre-map: one launch of each per chunk, no max pool. Channels that
+    # are multiples of 4 let the channels-last conv output take the 16-byte variants.
+    from cufused.pipelines import pipeline_b
+
+    x = cp_random(rng, (11, 16, 9, 10))
+    params = [cp_random(rng, (16, 32, 3, 3), -0.3), cp_array(mixed(rng, 32)),
+              cp_random(rng, (32,)), cp_array(mixed(rng, 32)), cp_random(rng, (32,))]
+    options = dict(num_groups=8, padding=1, conv_bias=cp_random(rng, (32,)),
+                   precision=precision)
+    calls = [count_calls(monkeypatch, pipeline_b, name)
+             for name in ("pool_extremum_stats", "group_norm_rows")]
+    pools = count_calls(monkeypatch, cufused, "max_pool2d")
+    y = cdask.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        chunked(x, (4, 4, 3)), *params, **options).compute(scheduler="threads")
+    assert [len(c) for c in calls] == [3, 3] and pools == []
+    monkeypatch.undo()
+    ref = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(x, *params, **options)
+    # TF32 plans may differ between the chunks' batch size and the whole batch's.
+    assert_close(y.get(), ref.get(), 3e-5 if precision == "ieee" else 3e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["nan_input", "nan_bias", "inf_bias", "minus_inf_bias",
+                                     "zero_nan_bn_weight", "inf_bn_bias", "inf_bn_weight",
+                                     "empty_chunk"])
+def test_gpu_pipeline_b_non_finite_values_and_odd_chunks(rng, quick_plans, variant):
+    # NaN and inf where the single call (as PyTorch) puts them, through the fused phases, and
+    # through the composed ones for an infinite BatchNorm weight.
+    x, params, options = b_gpu_case(rng)
+    chunks = (4, 4, 4, 3)
+    if variant == "nan_input":
+        x[9, 1, 2, 3] = np.nan
+    elif variant.endswith("_bias") and not variant.startswith("inf_bn"):
+        options["conv_bias"][2] = {"nan_bias": np.nan, "inf_bias": np.inf,
+                                   "minus_inf_bias": -np.inf}[variant]
+    elif variant == "zero_nan_bn_weight":
+        params[1][[0, 5, 6]] = cp_array([0.0, np.nan, -0.0])
+    elif variant == "inf_bn_bias":
+        params[2][[1, 6]] = cp_array([np.inf, -np.inf])
+    elif variant == "inf_bn_weight":
+        params[1][[3, 4]] = cp_array([np.inf, -np.inf])
+    else:
+        chunks = (1, 0, 13, 1)
+    ref = check_b_against_the_single_call(x, params, options, chunks, 3e-5)
+    if variant != "inf_bn_weight":  # +-1 in its channels, NaN only where y equals the mean
+        assert np.isnan(ref).any() == (variant not in ("inf_bn_bias", "empty_chunk"))
+
+
+def cp_array(values):
+    import cupy as cp
+
+    return cp.asarray(np.asarray(values), dtype=cp.float32)
+
+
+def cp_random(rng, shape, low=0.0):
+    return cp_array(rng.uniform(low, 1.0, shape))
 
 
 @pytest.mark.gpu
