@@ -16,7 +16,7 @@ statistics of the whole batch, in three phases:
 1. per chunk, the per-channel partial moments (count, mean, M2) in float64; in pipeline B the
    transposed convolution and each pooling window's extremum (the BatchNorm weight's sign
    decides max or min, since ``tanh(a * v + b)`` is monotone in ``v``) come with them, so
-   only the 4x smaller extrema cross to phase 3;
+   only the extrema (k * k times fewer values for a k x k pool) cross to phase 3;
 2. a tree reduction of the partial moments (Chan's parallel formula, ``split_every`` parts per
    node) into the batch mean and variance, whose task also updates the running buffers;
 3. per chunk, the normalization (``batch_norm`` in inference mode with the batch statistics,
@@ -25,7 +25,9 @@ statistics of the whole batch, in three phases:
 The result equals the single call on the concatenated batch to float32 rounding. On CuPy
 chunks pipeline B's phases run the single call's kernels (``pipeline_b``'s chunk phases): one
 read of the convolution output for the extrema and the sums, one pass over the extrema for
-BatchNorm, tanh and GroupNorm; on NumPy chunks they compose the public operations.
+BatchNorm, tanh and GroupNorm. On NumPy chunks, for samples of 2**31 or more convolution
+outputs and for an infinite BatchNorm weight (whose windows need the whole convolution output
+in phase 3, as in the single call) they compose the public operations.
 
 Running buffers are updated in place by the statistics task, once each time a computation
 runs it (``compute``/``persist`` of the result, or of anything depending on it). The
@@ -60,11 +62,10 @@ from ._pipelines import (conv2d_groupnorm_scale_maxpool_clamp,
                          conv_transpose3d_avgpool_clamp_softmax_multiply)
 from ._statistics import SPLIT_EVERY  # noqa: F401 - the default split_every
 
-# Internals kept at their address before the split, cufused.dask.<name>: scripts/bench_dask.py
-# runs pipeline B's phases with them, without Dask.
-from ._graph import _DEVICE_LOCKS  # noqa: F401
+# Internals at cufused.dask.<name>: scripts/bench_dask.py runs pipeline B's phases with them,
+# without Dask.
 from ._pipelines import _phases  # noqa: F401
-from ._statistics import _channel_moments, _finish_statistics, _merge_moments  # noqa: F401
+from ._statistics import _finish_statistics, _merge_moments  # noqa: F401
 
 # cufused's public functions on arrays, each of which this package defines over a dask batch
 # (imported above; cufused's settings and prepare are cufused's own).

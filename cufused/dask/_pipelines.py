@@ -14,7 +14,7 @@ import cufused
 from .._arrays import Size, get_array_module, per_channel
 from .._ops.normalization import check_channel_values
 from .._precision import resolve_precision
-from ..pipelines._common import gpu_method
+from ..pipelines._common import gpu_method, tuple_pool
 from ..pipelines.pipeline_b import _chunk_extrema_sums, _chunk_normalized
 from ._blocks import _shared_sections, _with_sections
 from ._graph import Array, _check_params, _each_chunk, _empty_batch, _Graph
@@ -142,11 +142,10 @@ def _extrema_moments_phase(x, weight, bias, bn_weight, *, stride, padding, outpu
         return _pool_moments_phase(x, weight, bias, None, stride=stride, padding=padding,
                                    output_padding=output_padding, groups=groups, pool=pool,
                                    precision=precision)
-    pooled, partial, shift, count = _chunk_extrema_sums(
+    pooled, sums, shift, count = _chunk_extrema_sums(
         x, weight, bias, bn_weight, stride=stride, padding=padding,
         output_padding=output_padding, groups=groups, pool=pool, precision=precision)
-    return pooled, _shifted_moments(partial.sum(axis=(0, 2), dtype=numpy.float64), shift,
-                                    count)
+    return pooled, _shifted_moments(sums, shift, count)
 
 
 def _normalize_extrema(pooled, mean, var, bn_weight, bn_bias, gn_weight, gn_bias, *,
@@ -290,8 +289,8 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     graph = _Graph("conv_transpose2d_batchnorm_tanh_maxpool_groupnorm", x)
     phase1, constants, phase3 = _phases(
         get_array_module(x=empty), weight, conv_bias, bn_weight,
-        conv_shape=(x.shape[0], *conv_shape[1:]), pool=pool_kernel, num_groups=num_groups,
-        eps=eps, dtype=x.dtype, precision=precision, **conv_options)
+        conv_shape=(x.shape[0], *conv_shape[1:]), pool=tuple_pool(pool_kernel, 2),
+        num_groups=num_groups, eps=eps, dtype=x.dtype, precision=precision, **conv_options)
     keys = _pool_moments_tasks(graph, phase1, constants)
     # The moments reach the reduction alone (a key each, so a distributed worker fetches no
     # pooled data); phase 3 reads the pooled part where phase 1 ran.

@@ -184,25 +184,26 @@ def _chunk_extrema_sums(x, weight, conv_bias, bn_weight, *, stride, padding, out
                         groups: int, pool: int, precision: str):
     """Phase 1 on a CuPy chunk: the transposed convolution and one read of its output ``y``.
 
-    Returns ``(pooled, partial, shift, count)``: the window extrema of ``y + conv_bias`` (the
-    min where ``bn_weight < 0``), and each channel's float32 sums of ``d`` and ``d * d`` with
-    ``d = y + conv_bias - shift`` over its ``count`` values, ``partial`` (N, C, splits, 2),
-    ``shift`` (C,) its first value. The bias is in them, so that the chunks' merged moments
-    give the running mean's update, and a non-finite bias turns its channel NaN, as in the
-    single call (whose statistics skip the bias and add it to the mean). The sample of ``y``
-    has fewer than 2**31 elements (``gpu_method``).
+    Returns ``(pooled, sums, shift, count)``: the window extrema of ``y + conv_bias`` (the
+    min where ``bn_weight < 0``), and each channel's sums ``(sum d, sum d * d)`` over its
+    ``count`` values, ``d = y + conv_bias - shift`` (``sums`` (C, 2) float64 of float32
+    partial sums, ``shift`` (C,) the channel's first value). The bias is in them, so that the
+    chunks' merged moments give the running mean's update, and a non-finite bias turns its
+    channel NaN, as in the single call (whose statistics skip the bias and add it to the
+    mean). The sample of ``y`` has fewer than 2**31 elements (``gpu_method``).
     """
     xp = get_array_module(x=x)
     args = cached_conv_args(x.shape, weight.shape, 2, transposed=True, stride=stride,
                             padding=padding, output_padding=output_padding, groups=groups)
+    check_conv_memory(x.shape, args, xp)
     n, c, h, w = args.out_shape
     y, _ = conv_on_gpu(x, weight, args, precision, convert_output=False)
     pooled = xp.empty((n, c, h // pool, w // pool), dtype=x.dtype)
     partial, shift, _ = pool_extremum_stats(
         xp, y, pooled, pool, bias=per_channel(conv_bias, "conv_bias", c, xp),
         sign_a=per_channel(bn_weight, "bn_weight", c, xp), sign_b=None, shift_group=1,
-        per_sample=False, variant=fused_pass_variant(y, pool))
-    return pooled, partial, shift, n * h * w
+        per_sample=False, variant=fused_pass_variant(y, pool), ext_block=0)
+    return pooled, partial.sum(axis=(0, 2), dtype=xp.float64), shift, n * h * w
 
 
 def _chunk_normalized(pooled, mean, var, bn_weight, bn_bias, gn_weight, gn_bias, *,

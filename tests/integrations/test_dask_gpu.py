@@ -104,12 +104,12 @@ def test_gpu_batch_norm_and_blocks_threaded(rng, gpu_threads):
     assert_close(z.compute().get(), ref.get(), 3e-5)
 
 
-def b_gpu_case(rng, x_shape=(15, 4, 5, 6)):
+def b_gpu_case(rng):
     """Pipeline B's case on the GPU (float32), N = 15, with a finite conv bias."""
     import cupy as cp
 
     x, params, options = case_b(rng, np.float32)
-    x = np.concatenate([x] * 3)[:x_shape[0]]
+    x = np.concatenate([x] * 3)
     options["conv_bias"] = cp.asarray(options["conv_bias"])
     return cp.asarray(x), [cp.asarray(p) for p in params], options
 
@@ -164,28 +164,35 @@ def test_gpu_pipeline_b_phases_run_the_single_calls_kernels(rng, quick_plans, mo
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["nan_input", "nan_bias", "inf_bias", "minus_inf_bias",
                                      "zero_nan_bn_weight", "inf_bn_bias", "inf_bn_weight",
-                                     "empty_chunk"])
+                                     "empty_chunk", "tuple_pool", "one_channel"])
 def test_gpu_pipeline_b_non_finite_values_and_odd_chunks(rng, quick_plans, variant):
     # NaN and inf where the single call (as PyTorch) puts them, through the fused phases, and
-    # through the composed ones for an infinite BatchNorm weight.
+    # through the composed ones for an infinite BatchNorm weight; odd chunks and options.
     x, params, options = b_gpu_case(rng)
     chunks = (4, 4, 4, 3)
+    if variant == "tuple_pool":
+        options["pool_kernel"] = (2, 2)
+    elif variant == "one_channel":  # one channel, a 1 x 1 pooled map (NCHW and NHWC at once)
+        x = cp_random(rng, (15, 2, 1, 1))
+        params = [cp_random(rng, (2, 1, 2, 2), -1.0)] + [cp_array([v]) for v in (-0.7, 0.3,
+                                                                               1.2, 0.1)]
+        options = dict(num_groups=1, conv_bias=cp_array([0.4]))
     if variant == "nan_input":
         x[9, 1, 2, 3] = np.nan
     elif variant.endswith("_bias") and not variant.startswith("inf_bn"):
         options["conv_bias"][2] = {"nan_bias": np.nan, "inf_bias": np.inf,
                                    "minus_inf_bias": -np.inf}[variant]
-    elif variant == "zero_nan_bn_weight":
-        params[1][[0, 5, 6]] = cp_array([0.0, np.nan, -0.0])
+    elif variant == "zero_nan_bn_weight":  # NaN in GroupNorm group 1 only
+        params[1][[0, 1, 5]] = cp_array([0.0, -0.0, np.nan])
     elif variant == "inf_bn_bias":
         params[2][[1, 6]] = cp_array([np.inf, -np.inf])
     elif variant == "inf_bn_weight":
         params[1][[3, 4]] = cp_array([np.inf, -np.inf])
-    else:
+    elif variant == "empty_chunk":
         chunks = (1, 0, 13, 1)
     ref = check_b_against_the_single_call(x, params, options, chunks, 3e-5)
-    if variant != "inf_bn_weight":  # +-1 in its channels, NaN only where y equals the mean
-        assert np.isnan(ref).any() == (variant not in ("inf_bn_bias", "empty_chunk"))
+    if variant != "inf_bn_weight":  # its channels hold +-1 and NaN, by the values' signs
+        assert np.isnan(ref).any() == variant.startswith(("nan", "inf_bias", "minus", "zero"))
 
 
 def cp_array(values):
