@@ -170,7 +170,10 @@ def check_scalar(value: Any, name: str, *, minimum: float | None = None,
     ``float``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int past float's range
+        raise ValueError(f"{name} is out of float range, got {value}") from None
     if finite and not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     if positive and value <= 0:

@@ -7,6 +7,8 @@ per-channel ``a * x + b`` applied in one pass.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import numbers
 from functools import partial
@@ -39,10 +41,32 @@ def check_num_groups(num_groups: Any, channels: int) -> int:
     return int(num_groups)
 
 
+# The batch size that PyTorch's rules across the batch (the two checks below) count: None,
+# the call's own; else that of the whole batch of which the call runs a part or an empty probe
+# (cufused.dask checks a batch once, when it builds the graph).
+_WHOLE_BATCH: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "cufused_whole_batch", default=None)
+
+
+@contextlib.contextmanager
+def part_of_batch(n: int):
+    """Inside, the rules across the batch count ``n`` samples, whatever the call's batch."""
+    token = _WHOLE_BATCH.set(n)
+    try:
+        yield
+    finally:
+        _WHOLE_BATCH.reset(token)
+
+
+def _values_across_batch(shape: tuple[int, ...]) -> int:
+    n = _WHOLE_BATCH.get()
+    return math.prod(shape if n is None else (n, *shape[1:]))
+
+
 def check_group_values(shape: tuple[int, ...], num_groups: int, name: str) -> None:
     """PyTorch's GroupNorm rule: more than one value per group across the batch
     (N * C / num_groups * spatial values; an empty batch passes)."""
-    if math.prod(shape) // num_groups == 1:
+    if _values_across_batch(shape) // num_groups == 1:
         raise ValueError(f"expected more than 1 value per group of {name}, got shape "
                          f"{tuple(shape)} with num_groups={num_groups}")
 
@@ -50,7 +74,7 @@ def check_group_values(shape: tuple[int, ...], num_groups: int, name: str) -> No
 def check_channel_values(shape: tuple[int, ...], name: str) -> None:
     """PyTorch's training-mode BatchNorm rule: more than one value per channel across the
     batch (N * spatial values; an empty batch passes)."""
-    if math.prod(shape) // shape[1] == 1:
+    if _values_across_batch(shape) // shape[1] == 1:
         raise ValueError(f"expected more than 1 value per channel of {name} when training, "
                          f"got shape {tuple(shape)}")
 
@@ -199,7 +223,7 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
     check_running_pair(running_mean, running_var)
     momentum = check_scalar(momentum, "momentum", minimum=0.0, maximum=1.0)
     eps = check_scalar(eps, "eps", minimum=0.0)
-    if activation not in ACTIVATIONS:
+    if not (activation is None or isinstance(activation, str)) or activation not in ACTIVATIONS:
         raise ValueError(f"activation must be None or 'tanh', got {activation!r}")
     training = check_training(training)
     if training:

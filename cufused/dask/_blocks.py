@@ -10,7 +10,7 @@ from typing import Any
 import cufused
 
 from .._arrays import Size
-from .._ops.normalization import check_channel_values
+from .._ops.normalization import check_training, part_of_batch
 from .._ops.softmax import normalize_axes
 from ._graph import Array, _check_params, _each_chunk, _empty_batch, _Graph, _map_chunks
 from ._statistics import (_batch_statistics, _channel_moments, _normalize,
@@ -203,7 +203,7 @@ def batch_norm(x: Array, weight: Any = None, bias: Any = None, *, running_mean: 
     True
     """
     params = dict(weight=weight, bias=bias, running_mean=running_mean, running_var=running_var)
-    if not training:
+    if not check_training(training):
         if return_running_stats:
             raise ValueError("return_running_stats applies in training only: inference leaves "
                              "the running buffers unchanged")
@@ -212,10 +212,10 @@ def batch_norm(x: Array, weight: Any = None, bias: Any = None, *, running_mean: 
             momentum=momentum, eps=eps, activation=activation))
     empty = _empty_batch(x, "batch_norm")
     _check_params(params)
-    probe = cufused.batch_norm(empty, weight, bias, running_mean=running_mean,
-                               running_var=running_var, momentum=momentum, eps=eps,
-                               activation=activation)
-    check_channel_values(x.shape, "x")
+    with part_of_batch(x.shape[0]):
+        probe = cufused.batch_norm(empty, weight, bias, running_mean=running_mean,
+                                   running_var=running_var, momentum=momentum, eps=eps,
+                                   activation=activation)
     graph = _Graph("batch_norm", x)
     inputs = graph.input_keys()
     moments = graph.task(_channel_moments)

@@ -19,6 +19,7 @@ from dask.highlevelgraph import HighLevelGraph
 
 from .._arrays import get_array_module, import_cupy, is_cupy_array
 from .._call_graphs import without_call_graphs
+from .._ops.normalization import part_of_batch
 from .._precision import resolve_precision
 
 Array = da.Array
@@ -100,6 +101,13 @@ def _one_at_a_time(func: Callable, *args, **kwargs):
         return func(*args, **kwargs)
 
 
+def _part_of_batch(func: Callable, n: int, *args, **kwargs):
+    """``func(*args, **kwargs)`` on a part of a batch of ``n`` samples: PyTorch's rules
+    across the batch count the whole batch, as the graph's probe checked them."""
+    with part_of_batch(n):
+        return func(*args, **kwargs)
+
+
 class _Graph:
     """The task graph of one call over the batch chunks of ``x``: a dict of old-style tasks
     ``(func, arg, ...)`` whose arguments are keys of the graph, nested tasks or literals.
@@ -121,8 +129,10 @@ class _Graph:
         return f"cufused-{self.label}{'-' if part else ''}{part}-{self.token}"
 
     def task(self, func: Callable) -> Callable:
-        """``func`` as a task of this graph: on CuPy chunks, run one at a time per device."""
-        return functools.partial(_one_at_a_time, func) if self.gpu else func
+        """``func`` as a task of this graph: part of the whole batch (``_part_of_batch``)
+        and, on CuPy chunks, run one at a time per device."""
+        part = functools.partial(_part_of_batch, func, self.x.shape[0])
+        return functools.partial(_one_at_a_time, part) if self.gpu else part
 
     def input_keys(self) -> list[tuple]:
         """The keys of ``x``'s chunks, in batch order (every other axis is one chunk)."""
@@ -154,7 +164,8 @@ def _map_chunks(func: Callable, x: Array, params: dict[str, Any], options: dict[
     if empty is None:
         empty = _empty_batch(x, func.__name__)
     _check_params({**params, **options})
-    probe = func(empty, *params.values(), **options)  # checks everything, computes nothing
+    with part_of_batch(x.shape[0]):  # checks everything, computes nothing
+        probe = func(empty, *params.values(), **options)
     graph = _Graph(func.__name__, x)
     keyed = {k: v for k, v in options.items() if _is_array(v)}
     task = functools.partial(_call_keywords, func, tuple(keyed),

@@ -12,14 +12,14 @@ import numpy
 import cufused
 
 from .._arrays import Size, get_array_module, per_channel
-from .._ops.normalization import check_channel_values
+from .._ops.normalization import part_of_batch
 from .._precision import resolve_precision
 from ..pipelines._common import gpu_method, tuple_pool
 from ..pipelines.pipeline_b import _chunk_extrema_sums, _chunk_normalized
 from ._blocks import _shared_sections, _with_sections
 from ._graph import Array, _check_params, _each_chunk, _empty_batch, _Graph
 from ._statistics import (_batch_statistics, _channel_moments, _normalize,
-                          _normalized_batch, _shifted_moments)
+                          _normalized_batch, _shifted_moments, _without_numpy_warnings)
 
 
 # The docstring of a pipeline that each batch chunk runs whole (independent per sample).
@@ -118,6 +118,7 @@ def _pool_moments_phase(x, weight, bias, sign, *, stride, padding, output_paddin
     return pooled, (count, mean, m2)
 
 
+@_without_numpy_warnings
 def _normalize_pooled(pooled, mean, var, bn_weight, bn_bias, gn_weight, gn_bias, *,
                       num_groups: int, eps: float, dtype, pool: int | None = None):
     """Phase 3 of pipeline B on one chunk, composed of the public operations: BatchNorm with
@@ -280,12 +281,12 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     precision = resolve_precision(precision)
     conv_options = dict(stride=stride, padding=padding, output_padding=output_padding,
                         groups=groups)
-    probe = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
-        empty, weight, bn_weight, bn_bias, gn_weight, gn_bias, num_groups=num_groups,
-        conv_bias=conv_bias, pool_kernel=pool_kernel, eps=eps, running_mean=running_mean,
-        running_var=running_var, momentum=momentum, precision=precision, **conv_options)
+    with part_of_batch(x.shape[0]):
+        probe = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+            empty, weight, bn_weight, bn_bias, gn_weight, gn_bias, num_groups=num_groups,
+            conv_bias=conv_bias, pool_kernel=pool_kernel, eps=eps, running_mean=running_mean,
+            running_var=running_var, momentum=momentum, precision=precision, **conv_options)
     conv_shape = cufused.conv_transpose2d(empty, weight, **conv_options).shape
-    check_channel_values((x.shape[0], *conv_shape[1:]), "the conv output")
     graph = _Graph("conv_transpose2d_batchnorm_tanh_maxpool_groupnorm", x)
     phase1, constants, phase3 = _phases(
         get_array_module(x=empty), weight, conv_bias, bn_weight,

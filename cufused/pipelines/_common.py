@@ -44,7 +44,7 @@ def shared_doc_sections(shape: str):
 
 
 def check_method(method: str) -> None:
-    if method not in METHODS:
+    if not isinstance(method, str) or method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
 

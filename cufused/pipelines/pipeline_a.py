@@ -108,8 +108,7 @@ def conv2d_groupnorm_scale_maxpool_clamp(
     gn_weight = per_channel(gn_weight, "gn_weight", c, xp)
     gn_bias = per_channel(gn_bias, "gn_bias", c, xp)
     scale = per_channel(scale, "scale", c, xp, allow_scalar=True, broadcast_ndim=4)
-    if xp is not numpy:
-        check_float_dtype(xp, scale=scale)
+    check_float_dtype(xp, scale=scale)
     return forward(
         xp, x, out, args.out_shape[:2] + pooled, inputs={
             "x": x, "weight": weight, "conv_bias": conv_bias, "gn_weight": gn_weight,

@@ -93,8 +93,7 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
     # The parameters last: a number for scale becomes a device array here.
     conv_bias = per_channel(conv_bias, "conv_bias", c, xp)
     scale = per_channel(scale, "scale", c, xp, allow_scalar=True, broadcast_ndim=5)
-    if xp is not numpy:
-        check_float_dtype(xp, scale=scale)
+    check_float_dtype(xp, scale=scale)
     return forward(
         xp, x, out, args.out_shape, inputs={
             "x": x, "weight": weight, "scale": scale, "conv_bias": conv_bias},

@@ -107,6 +107,18 @@ CASES = [
         X4, np.ones((2, 3, 3, 3, 3), np.float32), 1.0, stride=2, padding=1, output_padding=1,
         pool_kernel=2, clamp_min=0, clamp_max=1), ValueError, "NCDHW"),
     (lambda: cufused.set_default_precision("double"), ValueError, "precision"),
+    # Checked on the NumPy path as on the GPU's; no OverflowError or unhashable-type error.
+    (lambda: pipeline_a(scale=np.full(8, 1 + 2j)), TypeError, "scale has dtype complex128"),
+    (lambda: pipeline_a(scale=np.array(["2.0"] * 8)), TypeError, "scale has dtype"),
+    (lambda: pipeline_a(scale=np.arange(8)), TypeError, "scale has dtype int64"),
+    (lambda: cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
+        X5, np.ones((2, 3, 3, 3, 3), np.float32), np.complex128(2.0), stride=2, padding=1,
+        output_padding=1, pool_kernel=2, clamp_min=0, clamp_max=1), TypeError, "scale"),
+    (lambda: cufused.group_norm(X4, 2, eps=10**400), ValueError, "eps is out of float range"),
+    (lambda: pipeline_a(clamp_max=-10**400), ValueError, "clamp_max"),
+    (lambda: pipeline_a(scale=10**400), ValueError, "scale"),
+    (lambda: cufused.batch_norm(X4, activation=["tanh"]), ValueError, "activation"),
+    (lambda: pipeline_a(method=np.array(["fused", "unfused"])), ValueError, "method"),
 ]
 
 

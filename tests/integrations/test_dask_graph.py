@@ -87,6 +87,11 @@ def test_input_errors_name_the_argument(rng):
     unknown = chunked(x, (5,))[da.from_array(np.arange(5) > 1)]
     with pytest.raises(ValueError, match="unknown chunk sizes"):
         cdask.group_norm(unknown, 2)
+    with pytest.raises(TypeError, match="training must be a bool"):
+        cdask.batch_norm(chunked(x, (5,)), training="False")
+    # PyTorch's rules across the batch count the whole batch, when the graph is built.
+    with pytest.raises(ValueError, match="more than 1 value per group"):
+        cdask.group_norm(chunked(np.ones((1, 6), np.float32), (1,)), 6)
     with pytest.raises(ValueError, match="return_running_stats applies in training"):
         cdask.batch_norm(chunked(x, (5,)), running_mean=np.zeros(4, np.float32),
                          running_var=np.ones(4, np.float32), training=False,

@@ -241,6 +241,51 @@ def test_batch_norm_training_matches_the_single_call(rng, scheduler, activation)
     assert_close(new_rv, ref_rv, 1e-6)
 
 
+def test_one_value_per_group_in_chunks_of_one(rng):
+    # PyTorch's "more than one value per group" counts the whole batch: chunks of one sample
+    # with one value per (sample, group) pass, as the single call on the batch does, and
+    # pipeline B's running buffers update once.
+    x = rng.random((3, 6))
+    weight, bias = mixed(rng, 6), rng.random(6)
+    y = cdask.group_norm(chunked(x, (1, 1, 1)), 6, weight, bias).compute()
+    assert_close(y, cufused.group_norm(x, 6, weight, bias), 1e-12)
+    xb, wb = rng.random((2, 4, 1, 1)), rng.standard_normal((4, 4, 2, 2))
+    rm, rv, ref_rm, ref_rv = np.zeros(4), np.ones(4), np.zeros(4), np.ones(4)
+    ref = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        xb, wb, None, None, None, None, num_groups=4, running_mean=ref_rm, running_var=ref_rv)
+    y = cdask.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        chunked(xb, (1, 1)), wb, None, None, None, None, num_groups=4, running_mean=rm,
+        running_var=rv).compute()
+    assert_close(y, ref, 1e-12)
+    assert_close(rm, ref_rm, 1e-12)
+    assert_close(rv, ref_rv, 1e-12)
+
+
+@pytest.mark.filterwarnings("error")  # NaN and inf propagate silently
+def test_infinite_values_make_the_running_mean_infinite(rng):
+    # As the single call (and PyTorch): the batch mean of a channel holding +inf is +inf, and
+    # its variance NaN, whichever chunks hold the infinities.
+    x = rng.random((4, 2, 3))
+    x[1:3, 0, 0] = np.inf
+    got, want = [(np.zeros(2), np.ones(2)) for _ in range(2)]
+    cdask.batch_norm(chunked(x, (1, 2, 1)), running_mean=got[0], running_var=got[1]).compute()
+    cufused.batch_norm(x, running_mean=want[0], running_var=want[1])
+    assert got[0][0] == want[0][0] == np.inf and np.isnan(got[1][0]) and np.isnan(want[1][0])
+    assert_close(got[0][1:], want[0][1:], 1e-12)
+    assert_close(got[1][1:], want[1][1:], 1e-12)
+
+
+@pytest.mark.filterwarnings("error")  # the cast to float16 overflows silently
+def test_pipeline_b_float16_overflow_is_silent(rng):
+    x, params, options = case_b(rng, np.float16)
+    params = params[:3] + (np.full(8, 6e4, np.float16),) + params[4:]  # gn_weight
+    y = cdask.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(chunked(x, (2, 3)), *params,
+                                                                **options).compute()
+    ref = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(x, *params, **options)
+    assert y.dtype == np.float16 and np.isinf(ref).any()
+    assert np.array_equal(y, ref, equal_nan=True)
+
+
 def test_softmax_over_the_batch_axis_needs_one_chunk(rng):
     x = rng.random((5, 3))
     with pytest.raises(ValueError, match=r"batch axis \(0\).*3 chunks.*rechunk"):
