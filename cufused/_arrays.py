@@ -287,11 +287,14 @@ def _memory_limit(xp) -> int:
 
 def check_fits(shape: tuple[int, ...], xp, what: str) -> None:
     """Raise ``ValueError`` before any work when an array of ``shape`` (float32 on the GPU,
-    float64 in the reference) could not fit in memory."""
-    nbytes = math.prod(shape) * (8 if xp is numpy else 4)
+    float64 in the reference) could not fit in memory; an empty batch (``shape[0] == 0``)
+    counts one sample, which a non-empty one would need (and which cufused.dask's probe on an
+    empty batch checks for its chunks)."""
+    nbytes = math.prod(shape[1:]) * max(shape[0], 1) * (8 if xp is numpy else 4)
     if nbytes > _memory_limit(xp):
-        raise ValueError(f"{what} would have shape {tuple(shape)} ({nbytes / 2**30:.3g} GiB), "
-                         "more than this machine's memory")
+        per = " a sample" if shape[0] == 0 else ""
+        raise ValueError(f"{what} would have shape {tuple(shape)} ({nbytes / 2**30:.3g} GiB"
+                         f"{per}), more than this machine's memory")
 
 
 def run_reference(fn, *args, **kwargs):

@@ -10,9 +10,11 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+import numpy
+
 from .. import reference
-from .._arrays import (Size, check_float_dtype, check_ndim, check_required, check_sizes, forward,
-                       get_array_module, ntuple)
+from .._arrays import (Size, check_fits, check_float_dtype, check_ndim, check_required,
+                       check_sizes, forward, get_array_module, ntuple)
 from .._call_graphs import replayed, warm_calls
 from .._kernels.pooling import pool_into
 
@@ -53,6 +55,9 @@ def _pool(nd: int, is_max: bool, x, kernel_size, stride, padding, out):
     check_sizes(x, "x")
     kernel, stride, padding, out_size = check_pool_args(
         x.shape[2:], nd, kernel_size, stride, padding, unpadded_window=nd == 3 and not is_max)
+    if xp is numpy:  # the reference pads its input
+        check_fits((*x.shape[:2], *(s + 2 * p for s, p in zip(x.shape[2:], padding))), xp,
+                   "the padded input of the pool")
     fn = reference.max_pool if is_max else reference.avg_pool
     return forward(xp, x, out, x.shape[:2] + out_size, inputs={"x": x},
                    reference=partial(fn, x, kernel, stride, padding),

@@ -119,6 +119,11 @@ CASES = [
     (lambda: pipeline_a(scale=10**400), ValueError, "scale"),
     (lambda: cufused.batch_norm(X4, activation=["tanh"]), ValueError, "activation"),
     (lambda: pipeline_a(method=np.array(["fused", "unfused"])), ValueError, "method"),
+    # Memory: the reference's padded pool input; a sample of an empty batch's output.
+    (lambda: cufused.max_pool3d(np.ones((1, 1, 4, 4, 4)), 2001, 1, 1000), ValueError,
+     "padded input of the pool"),
+    (lambda: cufused.conv2d(X4[:0], W, padding=2**31 - 1), ValueError,
+     r"convolution output .* GiB a sample"),
 ]
 
 

@@ -92,6 +92,9 @@ def test_input_errors_name_the_argument(rng):
     # PyTorch's rules across the batch count the whole batch, when the graph is built.
     with pytest.raises(ValueError, match="more than 1 value per group"):
         cdask.group_norm(chunked(np.ones((1, 6), np.float32), (1,)), 6)
+    with pytest.raises(ValueError, match="convolution output would have shape"):
+        cdask.conv2d(chunked(np.ones((2, 4, 8, 8)), (1, 1)), np.ones((8, 4, 3, 3)),
+                     padding=2**20)  # a sample past memory: at build, not at compute
     with pytest.raises(ValueError, match="return_running_stats applies in training"):
         cdask.batch_norm(chunked(x, (5,)), running_mean=np.zeros(4, np.float32),
                          running_var=np.ones(4, np.float32), training=False,
