@@ -246,6 +246,7 @@ def check_out(out: Any, shape: tuple[int, ...], dtype, xp, like: Any, *,
         raise ValueError(
             f"out must have shape {tuple(shape)} and dtype {numpy.dtype(dtype).name}, "
             f"got shape {tuple(out.shape)} and dtype {out.dtype.name}"
+            + ("" if out.dtype.isnative else " in non-native byte order")
         )
     if xp is not numpy and not out.flags.c_contiguous:
         raise ValueError("out must be C-contiguous")

@@ -124,6 +124,8 @@ CASES = [
      "padded input of the pool"),
     (lambda: cufused.conv2d(X4[:0], W, padding=2**31 - 1), ValueError,
      r"convolution output .* GiB a sample"),
+    (lambda: cufused.conv2d(X4, W, out=np.empty((2, 8, 6, 6), ">f4")), ValueError,
+     "non-native byte order"),
 ]
 
 
