@@ -73,6 +73,9 @@ def get_array_module(**arrays: Any):
         if value is None:
             continue
         if isinstance(value, numpy.ndarray):
+            if isinstance(value, numpy.ma.MaskedArray):
+                raise TypeError(f"{name} is a masked array, whose mask cufused would ignore: "
+                                f"pass {name}.filled(value) or its data")
             this = "numpy"
         elif is_cupy_array(value):
             this = "cupy"

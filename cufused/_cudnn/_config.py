@@ -8,6 +8,8 @@ import contextlib
 import threading
 from typing import Any
 
+import numpy
+
 from .._arrays import import_cupy
 
 # Plan-choice settings: autotuning on/off, strategy labels to pin (tests), None for all, graph
@@ -28,13 +30,18 @@ def set_conv_autotune(enabled: bool) -> None:
     enabled : bool
         Whether new problems are autotuned.
 
+    Raises
+    ------
+    TypeError
+        ``enabled`` is not a bool.
+
     Examples
     --------
     >>> import cufused
     >>> cufused.set_conv_autotune(False)
     >>> cufused.set_conv_autotune(True)
     """
-    _config["autotune"] = bool(enabled)
+    _config["autotune"] = _check_switch(enabled)
 
 
 def set_conv_graph_replay(enabled: bool) -> None:
@@ -61,6 +68,11 @@ def set_conv_graph_replay(enabled: bool) -> None:
         Whether warm calls replay graphs. Graphs captured before replay was switched off are
         kept, unused, until :func:`clear_plan_cache`.
 
+    Raises
+    ------
+    TypeError
+        ``enabled`` is not a bool.
+
     Examples
     --------
     >>> import cufused
@@ -68,7 +80,14 @@ def set_conv_graph_replay(enabled: bool) -> None:
     >>> cufused.clear_plan_cache()  # frees the graphs captured so far
     >>> cufused.set_conv_graph_replay(True)
     """
-    _config["replay"] = bool(enabled)
+    _config["replay"] = _check_switch(enabled)
+
+
+def _check_switch(enabled: Any) -> bool:
+    """A setting's switch is a bool (NumPy's too): a string such as "no" is not read as on."""
+    if not isinstance(enabled, (bool, numpy.bool_)):
+        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+    return bool(enabled)
 
 
 @contextlib.contextmanager

@@ -126,6 +126,9 @@ CASES = [
      r"convolution output .* GiB a sample"),
     (lambda: cufused.conv2d(X4, W, out=np.empty((2, 8, 6, 6), ">f4")), ValueError,
      "non-native byte order"),
+    (lambda: cufused.group_norm(np.ma.masked_less(X4, 0.5), 2), TypeError, "x is a masked"),
+    (lambda: cufused.set_conv_autotune("no"), TypeError, "enabled must be a bool"),
+    (lambda: cufused.set_conv_graph_replay(1), TypeError, "enabled must be a bool"),
 ]
 
 
