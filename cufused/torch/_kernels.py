@@ -8,6 +8,7 @@ Each factory takes the name of a cufused function and returns the kernel that
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -35,23 +36,41 @@ def _check_no_grad(name: str, args: tuple, kwargs: dict) -> None:
                 raise _forward_only(name)
 
 
+def _check_devices(name: str, args: tuple, kwargs: dict) -> None:
+    """Every tensor on ``x``'s device (the fake kernel is also the Meta one, which the
+    dispatcher picks where any argument is a meta tensor), as PyTorch's own operators
+    require."""
+    device = args[0].device
+    for a in (*args[1:], *kwargs.values()):
+        if isinstance(a, torch.Tensor) and a.device != device:
+            raise RuntimeError(f"cufused::{name} got a tensor on {a.device} with x on {device}: "
+                               "every tensor of a call must be on the same device")
+
+
 def _fake_kernel(name: str, shape: Callable) -> Callable:
     def fake(*args, **kwargs):
         _check_no_grad(name, args, kwargs)
+        _check_devices(name, args, kwargs)
         return args[0].new_empty(shape(*args, **kwargs))
     return fake
 
 
-def _numpy(value: Any) -> Any:
-    return value.detach().numpy() if isinstance(value, torch.Tensor) else value
-
-
 def _cpu_kernel(name: str) -> Callable:
     fn = getattr(cufused, name)
+    names = list(inspect.signature(fn).parameters)  # the positional arguments' names
+
+    def numpy_of(value: Any, arg: str) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if value.dtype not in _NUMPY_DTYPES:
+            raise TypeError(f"{arg} has dtype {value.dtype}; cufused's CPU path takes "
+                            "torch.float16, torch.float32 and torch.float64")
+        return value.detach().numpy()
 
     def cpu(*args, **kwargs):
         _check_no_grad(name, args, kwargs)
-        y = fn(*(_numpy(a) for a in args), **{k: _numpy(v) for k, v in kwargs.items()})
+        y = fn(*(numpy_of(a, arg) for a, arg in zip(args, names)),
+               **{k: numpy_of(v, k) for k, v in kwargs.items()})
         # A fresh contiguous tensor, as the fake kernel promises.
         return torch.from_numpy(numpy.ascontiguousarray(y))
     return cpu

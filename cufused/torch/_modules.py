@@ -21,6 +21,17 @@ _ops = torch.ops.cufused
 # ---------------------------------------------------------------------------------- modules
 
 
+def _square_window(kernel_size: int | tuple[int, ...], name: str) -> int:
+    """A pool window as the fused operators take it: one int, its side (a tuple of equal
+    sides, as ``nn.MaxPool2d`` / ``nn.AvgPool3d`` keep it, gives that side)."""
+    if isinstance(kernel_size, (tuple, list)):
+        if len(set(kernel_size)) != 1:
+            raise ValueError(f"{name} must be square (cubic), as the fused pipeline pools, got "
+                             f"{tuple(kernel_size)}")
+        kernel_size = kernel_size[0]
+    return kernel_size
+
+
 class Conv2dGroupNormScaleMaxPoolClamp(torch.nn.Module):
     """KernelBench level 2 "Conv2d_GroupNorm_Scale_MaxPool_Clamp" as one fused call.
 
@@ -68,6 +79,7 @@ class Conv2dGroupNormScaleMaxPoolClamp(torch.nn.Module):
         self.conv = torch.nn.Conv2d(in_channels, out_channels, kernel_size)
         self.group_norm = torch.nn.GroupNorm(num_groups, out_channels)
         self.scale = torch.nn.Parameter(torch.ones(scale_shape))
+        _square_window(maxpool_kernel_size, "maxpool_kernel_size")
         self.maxpool = torch.nn.MaxPool2d(kernel_size=maxpool_kernel_size)
         self.clamp_min = float(clamp_min)
         self.clamp_max = float(clamp_max)
@@ -77,7 +89,8 @@ class Conv2dGroupNormScaleMaxPoolClamp(torch.nn.Module):
         conv, gn = self.conv, self.group_norm
         return _ops.conv2d_groupnorm_scale_maxpool_clamp.default(
             x, conv.weight, conv.bias, gn.weight, gn.bias, self.scale,
-            num_groups=gn.num_groups, pool_kernel=self.maxpool.kernel_size,
+            num_groups=gn.num_groups,
+            pool_kernel=_square_window(self.maxpool.kernel_size, "maxpool_kernel_size"),
             clamp_min=self.clamp_min, clamp_max=self.clamp_max, stride=conv.stride,
             padding=conv.padding, eps=gn.eps, precision=self.precision)
 
@@ -140,13 +153,23 @@ class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(torch.nn.Module):
         self.precision = precision
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ct, bn, gn = self.conv_transpose, self.batch_norm, self.group_norm
-        # BatchNorm's bookkeeping, as nn.BatchNorm2d.forward does it.
+        bn = self.batch_norm
+        # BatchNorm's bookkeeping, as nn.BatchNorm2d.forward does it, except that the batch
+        # is counted once the call has succeeded: a call that fails its checks (or the
+        # forward-only rule) leaves the module as it was.
         momentum = 0.0 if bn.momentum is None else bn.momentum
-        if self.training and bn.track_running_stats and bn.num_batches_tracked is not None:
+        counted = (self.training and bn.track_running_stats
+                   and bn.num_batches_tracked is not None)
+        if counted and bn.momentum is None:  # cumulative moving average, this batch included
+            momentum = 1.0 / (float(bn.num_batches_tracked) + 1.0)
+        y = self._pipeline(x, momentum)
+        if counted:
             bn.num_batches_tracked.add_(1)
-            if bn.momentum is None:  # cumulative moving average
-                momentum = 1.0 / float(bn.num_batches_tracked)
+        return y
+
+    def _pipeline(self, x: torch.Tensor, momentum: float) -> torch.Tensor:
+        """The pipeline with the running statistics' ``momentum`` of this call."""
+        ct, bn, gn = self.conv_transpose, self.batch_norm, self.group_norm
         batch_stats = self.training or (bn.running_mean is None and bn.running_var is None)
         track = not self.training or bn.track_running_stats
         running_mean = bn.running_mean if track else None
@@ -212,6 +235,7 @@ class ConvTranspose3dAvgPoolClampSoftmaxMultiply(torch.nn.Module):
                  output_padding: int | tuple[int, ...], pool_kernel_size: int,
                  clamp_min: float, clamp_max: float, *, precision: str | None = None):
         super().__init__()
+        _square_window(pool_kernel_size, "pool_kernel_size")
         self.avg_pool = torch.nn.AvgPool3d(pool_kernel_size)
         self.conv_transpose = torch.nn.ConvTranspose3d(
             in_channels, out_channels, kernel_size, stride=stride, padding=padding,
@@ -225,6 +249,7 @@ class ConvTranspose3dAvgPoolClampSoftmaxMultiply(torch.nn.Module):
         ct = self.conv_transpose
         return _ops.conv_transpose3d_avgpool_clamp_softmax_multiply.default(
             x, ct.weight, self.scale, stride=ct.stride, padding=ct.padding,
-            output_padding=ct.output_padding, pool_kernel=self.avg_pool.kernel_size,
+            output_padding=ct.output_padding,
+            pool_kernel=_square_window(self.avg_pool.kernel_size, "pool_kernel_size"),
             clamp_min=self.clamp_min, clamp_max=self.clamp_max, conv_bias=ct.bias,
             groups=ct.groups, precision=self.precision)

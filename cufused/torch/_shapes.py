@@ -15,44 +15,75 @@ __all__ = ["OPERATORS"]
 # ------------------------------------------------------------------------------ output shapes
 
 
-def _expand(value: Any, n: int) -> tuple:
+def _expand(value: Any, n: int, name: str, minimum: int) -> tuple:
+    """An option as n values, each at least ``minimum`` (the kernels' output shapes are
+    computed before cufused checks the call: a stride of 0 would divide by zero here)."""
     if isinstance(value, (list, tuple)):
-        return tuple(value) * n if len(value) == 1 else tuple(value)
-    return (value,) * n
+        value = tuple(value) * n if len(value) == 1 else tuple(value)
+    else:
+        value = (value,) * n
+    if any(v < minimum for v in value):
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _spatial(size: list) -> list:
+    """Output sizes, each positive (a fake kernel's empty or negative size would trace a call
+    that fails when it runs)."""
+    if any(s < 1 for s in size):
+        raise ValueError(f"the input's spatial size, the kernel and the options give an output "
+                         f"of spatial size {tuple(size)}, not positive")
+    return size
+
+
+def _channels(x, expected, what: str) -> None:
+    if x.shape[1] != expected:
+        raise ValueError(f"x has {x.shape[1]} channels but {what} expects {expected}")
 
 
 def _conv_size(size: Sequence, kernel: Sequence, stride, padding, dilation) -> list:
     n = len(size)
-    s, p, d = _expand(stride, n), _expand(padding, n), _expand(dilation, n)
-    return [(size[i] + 2 * p[i] - d[i] * (kernel[i] - 1) - 1) // s[i] + 1 for i in range(n)]
+    s, d = _expand(stride, n, "stride", 1), _expand(dilation, n, "dilation", 1)
+    p = _expand(padding, n, "padding", 0)
+    return _spatial([(size[i] + 2 * p[i] - d[i] * (kernel[i] - 1) - 1) // s[i] + 1
+                     for i in range(n)])
 
 
 def _conv_transpose_size(size: Sequence, kernel: Sequence, stride, padding, output_padding,
                          dilation) -> list:
     n = len(size)
-    s, p, d = _expand(stride, n), _expand(padding, n), _expand(dilation, n)
-    o = _expand(output_padding, n)
-    return [(size[i] - 1) * s[i] - 2 * p[i] + d[i] * (kernel[i] - 1) + o[i] + 1
-            for i in range(n)]
+    s, d = _expand(stride, n, "stride", 1), _expand(dilation, n, "dilation", 1)
+    p = _expand(padding, n, "padding", 0)
+    o = _expand(output_padding, n, "output_padding", 0)
+    return _spatial([(size[i] - 1) * s[i] - 2 * p[i] + d[i] * (kernel[i] - 1) + o[i] + 1
+                     for i in range(n)])
 
 
 def _pool_size(size: Sequence, kernel_size, stride, padding) -> list:
     n = len(size)
-    k = _expand(kernel_size, n)
+    k = _expand(kernel_size, n, "kernel_size", 1)
     s = k if stride is None or (isinstance(stride, (list, tuple)) and not stride) else \
-        _expand(stride, n)
-    p = _expand(padding, n)
-    return [(size[i] + 2 * p[i] - k[i]) // s[i] + 1 for i in range(n)]
+        _expand(stride, n, "stride", 1)
+    p = _expand(padding, n, "padding", 0)
+    return _spatial([(size[i] + 2 * p[i] - k[i]) // s[i] + 1 for i in range(n)])
+
+
+def _pooled(size: list, pool_kernel) -> list:
+    """Sizes after a window and stride of ``pool_kernel``."""
+    k = _expand(pool_kernel, 1, "pool_kernel", 1)[0]
+    return _spatial([s // k for s in size])
 
 
 def _conv_shape(x, weight, bias=None, *, stride=1, padding=0, dilation=1, groups=1,
                 precision=None):
+    _channels(x, weight.shape[1] * groups, "weight (times groups)")
     return [x.shape[0], weight.shape[0],
             *_conv_size(x.shape[2:], weight.shape[2:], stride, padding, dilation)]
 
 
 def _conv_transpose_shape(x, weight, bias=None, *, stride=1, padding=0, output_padding=0,
                           dilation=1, groups=1, precision=None):
+    _channels(x, weight.shape[0], "the transposed weight")
     return [x.shape[0], weight.shape[1] * groups,
             *_conv_transpose_size(x.shape[2:], weight.shape[2:], stride, padding,
                                   output_padding, dilation)]
@@ -67,22 +98,25 @@ def _pool_shape(x, kernel_size, stride=None, padding=0):
 
 
 def _pipeline_a_shape(x, weight, *args, pool_kernel, stride=1, padding=0, **kwargs):
+    _channels(x, weight.shape[1], "weight")
     conv = _conv_size(x.shape[2:], weight.shape[2:], stride, padding, 1)
-    return [x.shape[0], weight.shape[0], *(s // pool_kernel for s in conv)]
+    return [x.shape[0], weight.shape[0], *_pooled(conv, pool_kernel)]
 
 
 def _pipeline_b_shape(x, weight, *args, stride=1, padding=0, output_padding=0, groups=1,
                       pool_kernel=2, **kwargs):
+    _channels(x, weight.shape[0], "the transposed weight")
     conv = _conv_transpose_size(x.shape[2:], weight.shape[2:], stride, padding,
                                 output_padding, 1)
-    return [x.shape[0], weight.shape[1] * groups, *(s // pool_kernel for s in conv)]
+    return [x.shape[0], weight.shape[1] * groups, *_pooled(conv, pool_kernel)]
 
 
 def _pipeline_c_shape(x, weight, scale, *, stride, padding, output_padding, pool_kernel,
                       groups=1, **kwargs):
-    pooled = [s // pool_kernel for s in x.shape[2:]]
+    _channels(x, weight.shape[0], "the transposed weight")
     return [x.shape[0], weight.shape[1] * groups,
-            *_conv_transpose_size(pooled, weight.shape[2:], stride, padding, output_padding, 1)]
+            *_conv_transpose_size(_pooled(x.shape[2:], pool_kernel), weight.shape[2:], stride,
+                                  padding, output_padding, 1)]
 
 
 # ------------------------------------------------------------------------------- the schemas

@@ -166,3 +166,60 @@ def test_torch_export(name):
         assert any(op.startswith("cufused.") for op in ops), ops
         got, want = program.module()(x), eager(x)
     assert rel_err(got.numpy(), want.numpy()) < 1e-6
+
+
+def test_module_b_counts_a_batch_once_the_call_succeeds():
+    # A call that fails (the forward-only rule, bad input) leaves the module as it was: with
+    # momentum=None (a cumulative average) a miscounted batch would skew every later update.
+    init, shape = SMALL["B"]
+    ref, mine = make_pair("B", init, dtype=torch.float64)
+    for model in (ref, mine):
+        model.batch_norm.momentum = None
+    x = torch.rand(shape, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="forward-only"):
+        mine(x)
+    with torch.no_grad(), pytest.raises(ValueError):
+        mine(x[:, :1])  # wrong input channels
+    assert int(mine.batch_norm.num_batches_tracked) == 0
+    with torch.no_grad():
+        for _ in range(2):
+            got, want = mine(x), ref(x)
+    assert int(mine.batch_norm.num_batches_tracked) == 2
+    assert rel_err(got.numpy(), want.numpy()) < 1e-12
+    assert rel_err(mine.batch_norm.running_mean.numpy(),
+                   ref.batch_norm.running_mean.numpy()) < 1e-12
+
+
+def test_modules_take_a_square_tuple_pool_window():
+    init, shape = SMALL["A"]
+    (in_c, out_c, k, groups, scale_shape, pool, lo, hi) = init
+    square = ours("A")(in_c, out_c, k, groups, scale_shape, (pool, pool), lo, hi)
+    plain = ours("A")(in_c, out_c, k, groups, scale_shape, pool, lo, hi)
+    plain.load_state_dict(square.state_dict())
+    x = torch.rand(shape)
+    with torch.no_grad():
+        assert torch.equal(square(x), plain(x))
+    with pytest.raises(ValueError, match="maxpool_kernel_size must be square"):
+        ours("A")(in_c, out_c, k, groups, scale_shape, (pool, pool + 1), lo, hi)
+    with pytest.raises(ValueError, match="pool_kernel_size must be square"):
+        ours("C")(2, 3, 3, 2, 1, 1, (2, 1, 2), 0.0, 1.0)
+
+
+def test_operators_name_bad_dtypes_devices_and_options():
+    x = torch.rand(2, 4, 6, 6)
+    with pytest.raises(TypeError, match="x has dtype torch.bfloat16"):
+        torch.ops.cufused.max_pool2d(x.bfloat16(), 2)
+    with pytest.raises(TypeError, match="weight has dtype torch.bfloat16"):
+        torch.ops.cufused.group_norm(x, 2, torch.ones(4, dtype=torch.bfloat16))
+    # A meta tensor among the arguments picks the fake kernel, which checks the devices.
+    with pytest.raises(RuntimeError, match="on meta with x on cpu"):
+        torch.ops.cufused.group_norm(x, 2, torch.ones(4, device="meta"))
+    meta = x.to("meta")
+    with pytest.raises(ValueError, match="stride must be >= 1"):
+        torch.ops.cufused.max_pool2d(meta, 2, 0)
+    with pytest.raises(ValueError, match="spatial size"):
+        torch.ops.cufused.max_pool2d(meta, 7)
+    with pytest.raises(ValueError, match="x has 4 channels but weight"):
+        torch.ops.cufused.conv2d(meta, torch.ones(8, 3, 3, 3, device="meta"))
+    assert torch.ops.cufused.conv2d(meta, torch.ones(8, 4, 3, 3, device="meta")).shape == (
+        2, 8, 4, 4)
