@@ -175,8 +175,8 @@ def check_scalar(value: Any, name: str, *, minimum: float | None = None,
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     try:
         value = float(value)
-    except OverflowError:  # an int past float's range
-        raise ValueError(f"{name} is out of float range, got {value}") from None
+    except OverflowError:  # an int past float's range (too long to print, maybe)
+        raise ValueError(f"{name} is out of float range") from None
     if finite and not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     if positive and value <= 0:

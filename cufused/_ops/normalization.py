@@ -50,7 +50,11 @@ _WHOLE_BATCH: contextvars.ContextVar[int | None] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def part_of_batch(n: int):
-    """Inside, the rules across the batch count ``n`` samples, whatever the call's batch."""
+    """Inside, the rules across the batch count ``n`` samples, whatever the call's batch.
+
+    The whole-call graph cache's replays skip the checks, and its keys do not hold ``n``:
+    calls inside take no ``out`` (cufused.dask's probes and tasks; on CuPy the tasks also run
+    ``without_call_graphs``), so the cache neither remembers nor replays them."""
     token = _WHOLE_BATCH.set(n)
     try:
         yield

@@ -162,7 +162,12 @@ def _cuda_kernel(name: str, shape: Callable) -> Callable:
         if torch.is_grad_enabled():
             _check_no_grad(name, args, kwargs)
         x = args[0]
-        out = torch.empty(shape(*args, **kwargs), dtype=x.dtype, device=x.device)
+        try:
+            out = torch.empty(shape(*args, **kwargs, _check=False), dtype=x.dtype,
+                              device=x.device)
+        except (ZeroDivisionError, RuntimeError, IndexError):
+            shape(*args, **kwargs)  # the checks: a ValueError that says what is wrong
+            raise
         cargs = [_cupy_view(a, cupy) if isinstance(a, torch.Tensor) else a for a in args]
         ckwargs = {k: _cupy_view(v, cupy) if isinstance(v, torch.Tensor) else v
                    for k, v in kwargs.items()}

@@ -21,13 +21,13 @@ _ops = torch.ops.cufused
 # ---------------------------------------------------------------------------------- modules
 
 
-def _square_window(kernel_size: int | tuple[int, ...], name: str) -> int:
-    """A pool window as the fused operators take it: one int, its side (a tuple of equal
-    sides, as ``nn.MaxPool2d`` / ``nn.AvgPool3d`` keep it, gives that side)."""
+def _square_window(kernel_size: int | tuple[int, ...], nd: int, name: str) -> int:
+    """A pool window as the fused operators take it: one int, its side (a tuple of ``nd``
+    equal sides, as ``nn.MaxPool2d`` / ``nn.AvgPool3d`` keep it, gives that side)."""
     if isinstance(kernel_size, (tuple, list)):
-        if len(set(kernel_size)) != 1:
-            raise ValueError(f"{name} must be square (cubic), as the fused pipeline pools, got "
-                             f"{tuple(kernel_size)}")
+        if len(kernel_size) != nd or len(set(kernel_size)) != 1:
+            raise ValueError(f"{name} must be an int or {nd} equal sides, as the fused "
+                             f"pipeline pools, got {tuple(kernel_size)}")
         kernel_size = kernel_size[0]
     return kernel_size
 
@@ -79,7 +79,7 @@ class Conv2dGroupNormScaleMaxPoolClamp(torch.nn.Module):
         self.conv = torch.nn.Conv2d(in_channels, out_channels, kernel_size)
         self.group_norm = torch.nn.GroupNorm(num_groups, out_channels)
         self.scale = torch.nn.Parameter(torch.ones(scale_shape))
-        _square_window(maxpool_kernel_size, "maxpool_kernel_size")
+        _square_window(maxpool_kernel_size, 2, "maxpool_kernel_size")
         self.maxpool = torch.nn.MaxPool2d(kernel_size=maxpool_kernel_size)
         self.clamp_min = float(clamp_min)
         self.clamp_max = float(clamp_max)
@@ -90,7 +90,7 @@ class Conv2dGroupNormScaleMaxPoolClamp(torch.nn.Module):
         return _ops.conv2d_groupnorm_scale_maxpool_clamp.default(
             x, conv.weight, conv.bias, gn.weight, gn.bias, self.scale,
             num_groups=gn.num_groups,
-            pool_kernel=_square_window(self.maxpool.kernel_size, "maxpool_kernel_size"),
+            pool_kernel=_square_window(self.maxpool.kernel_size, 2, "maxpool_kernel_size"),
             clamp_min=self.clamp_min, clamp_max=self.clamp_max, stride=conv.stride,
             padding=conv.padding, eps=gn.eps, precision=self.precision)
 
@@ -155,32 +155,29 @@ class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bn = self.batch_norm
         # BatchNorm's bookkeeping, as nn.BatchNorm2d.forward does it, except that the batch
-        # is counted once the call has succeeded: a call that fails its checks (or the
-        # forward-only rule) leaves the module as it was.
+        # is counted with the running statistics' update, once the call that updates them has
+        # succeeded: a call that fails its checks (or the forward-only rule) first leaves the
+        # module as it was.
         momentum = 0.0 if bn.momentum is None else bn.momentum
         counted = (self.training and bn.track_running_stats
                    and bn.num_batches_tracked is not None)
         if counted and bn.momentum is None:  # cumulative moving average, this batch included
             momentum = 1.0 / (float(bn.num_batches_tracked) + 1.0)
-        y = self._pipeline(x, momentum)
-        if counted:
-            bn.num_batches_tracked.add_(1)
-        return y
-
-    def _pipeline(self, x: torch.Tensor, momentum: float) -> torch.Tensor:
-        """The pipeline with the running statistics' ``momentum`` of this call."""
-        ct, bn, gn = self.conv_transpose, self.batch_norm, self.group_norm
+        ct, gn = self.conv_transpose, self.group_norm
         batch_stats = self.training or (bn.running_mean is None and bn.running_var is None)
         track = not self.training or bn.track_running_stats
         running_mean = bn.running_mean if track else None
         running_var = bn.running_var if track else None
         if batch_stats and bn.eps == gn.eps:
-            return _ops.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm.default(
+            y = _ops.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm.default(
                 x, ct.weight, bn.weight, bn.bias, gn.weight, gn.bias, num_groups=gn.num_groups,
                 stride=ct.stride, padding=ct.padding, output_padding=ct.output_padding,
                 groups=ct.groups, conv_bias=ct.bias, pool_kernel=2, eps=bn.eps,
                 running_mean=running_mean, running_var=running_var, momentum=momentum,
                 precision=self.precision)
+            if counted:
+                bn.num_batches_tracked.add_(1)
+            return y
         y = _ops.conv_transpose2d.default(
             x, ct.weight, ct.bias, stride=ct.stride, padding=ct.padding,
             output_padding=ct.output_padding, dilation=ct.dilation, groups=ct.groups,
@@ -188,6 +185,8 @@ class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(torch.nn.Module):
         y = _ops.batch_norm.default(y, bn.weight, bn.bias, running_mean=running_mean,
                                     running_var=running_var, training=batch_stats,
                                     momentum=momentum, eps=bn.eps, activation="tanh")
+        if counted:
+            bn.num_batches_tracked.add_(1)
         y = _ops.max_pool2d.default(y, 2, 2)
         return _ops.group_norm.default(y, gn.num_groups, gn.weight, gn.bias, eps=gn.eps)
 
@@ -235,7 +234,7 @@ class ConvTranspose3dAvgPoolClampSoftmaxMultiply(torch.nn.Module):
                  output_padding: int | tuple[int, ...], pool_kernel_size: int,
                  clamp_min: float, clamp_max: float, *, precision: str | None = None):
         super().__init__()
-        _square_window(pool_kernel_size, "pool_kernel_size")
+        _square_window(pool_kernel_size, 3, "pool_kernel_size")
         self.avg_pool = torch.nn.AvgPool3d(pool_kernel_size)
         self.conv_transpose = torch.nn.ConvTranspose3d(
             in_channels, out_channels, kernel_size, stride=stride, padding=padding,
@@ -250,6 +249,6 @@ class ConvTranspose3dAvgPoolClampSoftmaxMultiply(torch.nn.Module):
         return _ops.conv_transpose3d_avgpool_clamp_softmax_multiply.default(
             x, ct.weight, self.scale, stride=ct.stride, padding=ct.padding,
             output_padding=ct.output_padding,
-            pool_kernel=_square_window(self.avg_pool.kernel_size, "pool_kernel_size"),
+            pool_kernel=_square_window(self.avg_pool.kernel_size, 3, "pool_kernel_size"),
             clamp_min=self.clamp_min, clamp_max=self.clamp_max, conv_bias=ct.bias,
             groups=ct.groups, precision=self.precision)

@@ -15,108 +15,128 @@ __all__ = ["OPERATORS"]
 # ------------------------------------------------------------------------------ output shapes
 
 
-def _expand(value: Any, n: int, name: str, minimum: int) -> tuple:
-    """An option as n values, each at least ``minimum`` (the kernels' output shapes are
-    computed before cufused checks the call: a stride of 0 would divide by zero here)."""
+def _expand(value: Any, n: int, name: str, minimum: int, check: bool) -> tuple:
+    """An option as ``n`` values; with ``check``, each an int of at least ``minimum``
+    (symbolic values are left to cufused's checks when the call runs)."""
     if isinstance(value, (list, tuple)):
         value = tuple(value) * n if len(value) == 1 else tuple(value)
     else:
         value = (value,) * n
-    if any(v < minimum for v in value):
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if check:
+        for v in value:
+            if type(v) is int and v < minimum:
+                raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
 
 
-def _spatial(size: list) -> list:
-    """Output sizes, each positive (a fake kernel's empty or negative size would trace a call
-    that fails when it runs)."""
-    if any(s < 1 for s in size):
-        raise ValueError(f"the input's spatial size, the kernel and the options give an output "
-                         f"of spatial size {tuple(size)}, not positive")
+def _spatial(size: list, check: bool) -> list:
+    """Output sizes; with ``check``, each (concrete one) positive: a fake kernel's empty or
+    negative size would trace a call that fails when it runs."""
+    if check:
+        for s in size:
+            if type(s) is int and s < 1:
+                raise ValueError("the input's spatial size, the kernel and the options give an "
+                                 f"output of spatial size {tuple(size)}, not positive")
     return size
 
 
-def _channels(x, expected, what: str) -> None:
-    if x.shape[1] != expected:
-        raise ValueError(f"x has {x.shape[1]} channels but {what} expects {expected}")
+def _layout(x, nd: int, channels, what: str, check: bool) -> None:
+    """With ``check``: ``x`` is (N, C, *nd spatial sizes) with the channels ``what``
+    expects."""
+    if not check:
+        return
+    if x.dim() != nd + 2:
+        raise ValueError(f"x must have {nd + 2} dimensions (N, C and {nd} spatial), got shape "
+                         f"{tuple(x.shape)}")
+    if type(channels) is int and type(x.shape[1]) is int and x.shape[1] != channels:
+        raise ValueError(f"x has {x.shape[1]} channels but {what} expects {channels}")
 
 
-def _conv_size(size: Sequence, kernel: Sequence, stride, padding, dilation) -> list:
+def _conv_size(size: Sequence, kernel: Sequence, stride, padding, dilation,
+               check: bool) -> list:
     n = len(size)
-    s, d = _expand(stride, n, "stride", 1), _expand(dilation, n, "dilation", 1)
-    p = _expand(padding, n, "padding", 0)
+    s, d = _expand(stride, n, "stride", 1, check), _expand(dilation, n, "dilation", 1, check)
+    p = _expand(padding, n, "padding", 0, check)
     return _spatial([(size[i] + 2 * p[i] - d[i] * (kernel[i] - 1) - 1) // s[i] + 1
-                     for i in range(n)])
+                     for i in range(n)], check)
 
 
 def _conv_transpose_size(size: Sequence, kernel: Sequence, stride, padding, output_padding,
-                         dilation) -> list:
+                         dilation, check: bool) -> list:
     n = len(size)
-    s, d = _expand(stride, n, "stride", 1), _expand(dilation, n, "dilation", 1)
-    p = _expand(padding, n, "padding", 0)
-    o = _expand(output_padding, n, "output_padding", 0)
+    s, d = _expand(stride, n, "stride", 1, check), _expand(dilation, n, "dilation", 1, check)
+    p = _expand(padding, n, "padding", 0, check)
+    o = _expand(output_padding, n, "output_padding", 0, check)
     return _spatial([(size[i] - 1) * s[i] - 2 * p[i] + d[i] * (kernel[i] - 1) + o[i] + 1
-                     for i in range(n)])
+                     for i in range(n)], check)
 
 
-def _pool_size(size: Sequence, kernel_size, stride, padding) -> list:
+def _pool_size(size: Sequence, kernel_size, stride, padding, check: bool) -> list:
     n = len(size)
-    k = _expand(kernel_size, n, "kernel_size", 1)
+    k = _expand(kernel_size, n, "kernel_size", 1, check)
     s = k if stride is None or (isinstance(stride, (list, tuple)) and not stride) else \
-        _expand(stride, n, "stride", 1)
-    p = _expand(padding, n, "padding", 0)
-    return _spatial([(size[i] + 2 * p[i] - k[i]) // s[i] + 1 for i in range(n)])
+        _expand(stride, n, "stride", 1, check)
+    p = _expand(padding, n, "padding", 0, check)
+    return _spatial([(size[i] + 2 * p[i] - k[i]) // s[i] + 1 for i in range(n)], check)
 
 
-def _pooled(size: list, pool_kernel) -> list:
+def _pooled(size: Sequence, pool_kernel, check: bool) -> list:
     """Sizes after a window and stride of ``pool_kernel``."""
-    k = _expand(pool_kernel, 1, "pool_kernel", 1)[0]
-    return _spatial([s // k for s in size])
+    k = _expand(pool_kernel, 1, "pool_kernel", 1, check)[0]
+    return _spatial([s // k for s in size], check)
 
+
+# Each output-shape function takes the operator's arguments and ``_check``: True (the fake
+# kernel) checks what the shape needs (layout, channels, options, a positive output), so that
+# a traced call fails where its eager call would; False (the CUDA kernel, whose output shape
+# comes before cufused's own checks) only computes, and the kernel calls it again with
+# ``_check`` where the computation fails.
 
 def _conv_shape(x, weight, bias=None, *, stride=1, padding=0, dilation=1, groups=1,
-                precision=None):
-    _channels(x, weight.shape[1] * groups, "weight (times groups)")
+                precision=None, _check=True):
+    _layout(x, weight.dim() - 2, weight.shape[1] * groups, "weight (times groups)", _check)
     return [x.shape[0], weight.shape[0],
-            *_conv_size(x.shape[2:], weight.shape[2:], stride, padding, dilation)]
+            *_conv_size(x.shape[2:], weight.shape[2:], stride, padding, dilation, _check)]
 
 
 def _conv_transpose_shape(x, weight, bias=None, *, stride=1, padding=0, output_padding=0,
-                          dilation=1, groups=1, precision=None):
-    _channels(x, weight.shape[0], "the transposed weight")
+                          dilation=1, groups=1, precision=None, _check=True):
+    _layout(x, weight.dim() - 2, weight.shape[0], "the transposed weight", _check)
     return [x.shape[0], weight.shape[1] * groups,
             *_conv_transpose_size(x.shape[2:], weight.shape[2:], stride, padding,
-                                  output_padding, dilation)]
+                                  output_padding, dilation, _check)]
 
 
-def _same_shape(x, *args, **kwargs):
+def _same_shape(x, *args, _check=True, **kwargs):
     return list(x.shape)
 
 
-def _pool_shape(x, kernel_size, stride=None, padding=0):
-    return [*x.shape[:2], *_pool_size(x.shape[2:], kernel_size, stride, padding)]
+def _pool_shape(x, kernel_size, stride=None, padding=0, _check=True):
+    _layout(x, len(kernel_size), None, "", _check)
+    return [*x.shape[:2], *_pool_size(x.shape[2:], kernel_size, stride, padding, _check)]
 
 
-def _pipeline_a_shape(x, weight, *args, pool_kernel, stride=1, padding=0, **kwargs):
-    _channels(x, weight.shape[1], "weight")
-    conv = _conv_size(x.shape[2:], weight.shape[2:], stride, padding, 1)
-    return [x.shape[0], weight.shape[0], *_pooled(conv, pool_kernel)]
+def _pipeline_a_shape(x, weight, *args, pool_kernel, stride=1, padding=0, _check=True,
+                      **kwargs):
+    _layout(x, 2, weight.shape[1], "weight", _check)
+    conv = _conv_size(x.shape[2:], weight.shape[2:], stride, padding, 1, _check)
+    return [x.shape[0], weight.shape[0], *_pooled(conv, pool_kernel, _check)]
 
 
 def _pipeline_b_shape(x, weight, *args, stride=1, padding=0, output_padding=0, groups=1,
-                      pool_kernel=2, **kwargs):
-    _channels(x, weight.shape[0], "the transposed weight")
+                      pool_kernel=2, _check=True, **kwargs):
+    _layout(x, 2, weight.shape[0], "the transposed weight", _check)
     conv = _conv_transpose_size(x.shape[2:], weight.shape[2:], stride, padding,
-                                output_padding, 1)
-    return [x.shape[0], weight.shape[1] * groups, *_pooled(conv, pool_kernel)]
+                                output_padding, 1, _check)
+    return [x.shape[0], weight.shape[1] * groups, *_pooled(conv, pool_kernel, _check)]
 
 
 def _pipeline_c_shape(x, weight, scale, *, stride, padding, output_padding, pool_kernel,
-                      groups=1, **kwargs):
-    _channels(x, weight.shape[0], "the transposed weight")
+                      groups=1, _check=True, **kwargs):
+    _layout(x, 3, weight.shape[0], "the transposed weight", _check)
     return [x.shape[0], weight.shape[1] * groups,
-            *_conv_transpose_size(_pooled(x.shape[2:], pool_kernel), weight.shape[2:], stride,
-                                  padding, output_padding, 1)]
+            *_conv_transpose_size(_pooled(x.shape[2:], pool_kernel, _check), weight.shape[2:],
+                                  stride, padding, output_padding, 1, _check)]
 
 
 # ------------------------------------------------------------------------------- the schemas

@@ -120,8 +120,8 @@ CASES = [
     (lambda: cufused.batch_norm(X4, activation=["tanh"]), ValueError, "activation"),
     (lambda: pipeline_a(method=np.array(["fused", "unfused"])), ValueError, "method"),
     # Memory: the reference's padded pool input; a sample of an empty batch's output.
-    (lambda: cufused.max_pool3d(np.ones((1, 1, 4, 4, 4)), 2001, 1, 1000), ValueError,
-     "padded input of the pool"),
+    (lambda: cufused.max_pool3d(np.ones((1, 1, 4, 4, 4)), 2**16 + 1, 1, 2**15), ValueError,
+     "padded input of the pool"),  # 2 PiB: past any host's memory
     (lambda: cufused.conv2d(X4[:0], W, padding=2**31 - 1), ValueError,
      r"convolution output .* GiB a sample"),
     (lambda: cufused.conv2d(X4, W, out=np.empty((2, 8, 6, 6), ">f4")), ValueError,

@@ -263,8 +263,10 @@ def test_one_value_per_group_in_chunks_of_one(rng):
 
 @pytest.mark.filterwarnings("error")  # NaN and inf propagate silently
 def test_infinite_values_make_the_running_mean_infinite(rng):
-    # As the single call (and PyTorch): the batch mean of a channel holding +inf is +inf, and
-    # its variance NaN, whichever chunks hold the infinities.
+    # As the single call (and PyTorch), on NumPy chunks: the batch mean of a channel holding
+    # +inf is +inf, and its variance NaN, whichever chunks hold the infinities. (On CuPy the
+    # chunks' sums are shifted by their first values: an infinite one turns the chunk's mean
+    # NaN, as the single call's does where the batch's first value is infinite.)
     x = rng.random((4, 2, 3))
     x[1:3, 0, 0] = np.inf
     got, want = [(np.zeros(2), np.ones(2)) for _ in range(2)]

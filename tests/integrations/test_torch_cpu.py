@@ -199,9 +199,9 @@ def test_modules_take_a_square_tuple_pool_window():
     x = torch.rand(shape)
     with torch.no_grad():
         assert torch.equal(square(x), plain(x))
-    with pytest.raises(ValueError, match="maxpool_kernel_size must be square"):
+    with pytest.raises(ValueError, match="maxpool_kernel_size must be an int or 2 equal sides"):
         ours("A")(in_c, out_c, k, groups, scale_shape, (pool, pool + 1), lo, hi)
-    with pytest.raises(ValueError, match="pool_kernel_size must be square"):
+    with pytest.raises(ValueError, match="pool_kernel_size must be an int or 3 equal sides"):
         ours("C")(2, 3, 3, 2, 1, 1, (2, 1, 2), 0.0, 1.0)
 
 
@@ -223,3 +223,38 @@ def test_operators_name_bad_dtypes_devices_and_options():
         torch.ops.cufused.conv2d(meta, torch.ones(8, 3, 3, 3, device="meta"))
     assert torch.ops.cufused.conv2d(meta, torch.ones(8, 4, 3, 3, device="meta")).shape == (
         2, 8, 4, 4)
+
+
+def test_cuda_kernel_output_shape_fails_with_the_checks(monkeypatch):
+    # The CUDA kernel computes the output's shape before cufused checks the call; where that
+    # computation fails (a zero stride, a negative size) the shape's checks say why. Both are
+    # reached before any CuPy work, so a stand-in module serves here.
+    from cufused.torch import _kernels
+
+    monkeypatch.setattr(_kernels, "_CUPY", object())
+    pool = _kernels._cuda_kernel("max_pool2d", cft.OPERATORS["max_pool2d"][1])
+    x = torch.rand(2, 4, 6, 6)
+    with pytest.raises(ValueError, match="stride must be >= 1"):
+        pool(x, [2, 2], [0, 0], [0, 0])
+    with pytest.raises(ValueError, match="spatial size"):
+        pool(x, [9, 9], [1, 1], [0, 0])
+
+
+def test_module_b_counts_a_batch_with_its_running_statistics():
+    # Unfused (the two norms' eps differ), the BatchNorm operator updates the running
+    # statistics before the GroupNorm can fail: the batch is counted with them, as the
+    # KernelBench model counts it.
+    ref, mine = make_pair("B", [4, 8, 5, 1, 1, 8, 8], dtype=torch.float64)
+    for model in (ref, mine):
+        model.batch_norm.momentum = None
+        model.group_norm.eps = 1e-3
+    x = torch.rand(1, 4, 1, 1, dtype=torch.float64)  # one value per GroupNorm group
+    with torch.no_grad():
+        with pytest.raises(ValueError):
+            mine(x)
+        with pytest.raises((ValueError, RuntimeError)):
+            ref(x)
+    assert int(mine.batch_norm.num_batches_tracked) == int(ref.batch_norm.num_batches_tracked)
+    assert int(mine.batch_norm.num_batches_tracked) == 1
+    assert rel_err(mine.batch_norm.running_mean.numpy(),
+                   ref.batch_norm.running_mean.numpy()) < 1e-12
