@@ -241,21 +241,21 @@ def test_batch_norm_training_matches_the_single_call(rng, scheduler, activation)
     assert_close(new_rv, ref_rv, 1e-6)
 
 
-def test_one_value_per_group_in_chunks_of_one(rng):
+def test_one_value_per_group_in_chunks_of_one(rng, scheduler):
     # PyTorch's "more than one value per group" counts the whole batch: chunks of one sample
     # with one value per (sample, group) pass, as the single call on the batch does, and
     # pipeline B's running buffers update once.
     x = rng.random((3, 6))
     weight, bias = mixed(rng, 6), rng.random(6)
-    y = cdask.group_norm(chunked(x, (1, 1, 1)), 6, weight, bias).compute()
+    y = cdask.group_norm(chunked(x, (1, 1, 1)), 6, weight, bias).compute(scheduler=scheduler)
     assert_close(y, cufused.group_norm(x, 6, weight, bias), 1e-12)
     xb, wb = rng.random((2, 4, 1, 1)), rng.standard_normal((4, 4, 2, 2))
     rm, rv, ref_rm, ref_rv = np.zeros(4), np.ones(4), np.zeros(4), np.ones(4)
     ref = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
         xb, wb, None, None, None, None, num_groups=4, running_mean=ref_rm, running_var=ref_rv)
-    y = cdask.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+    y, rm, rv = dask.compute(*cdask.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
         chunked(xb, (1, 1)), wb, None, None, None, None, num_groups=4, running_mean=rm,
-        running_var=rv).compute()
+        running_var=rv, return_running_stats=True), scheduler=scheduler)
     assert_close(y, ref, 1e-12)
     assert_close(rm, ref_rm, 1e-12)
     assert_close(rv, ref_rv, 1e-12)
