@@ -195,6 +195,18 @@ def test_gpu_pipeline_b_non_finite_values_and_odd_chunks(rng, quick_plans, varia
         assert np.isnan(ref).any() == variant.startswith(("nan", "inf_bias", "minus", "zero"))
 
 
+@pytest.mark.gpu
+def test_gpu_rules_across_the_batch_count_the_whole_batch(rng, quick_plans):
+    # Chunks of one sample with one value per GroupNorm group pass, as the single call on the
+    # batch does (the tasks run inside part_of_batch, one at a time on the device).
+    x = cp_random(rng, (3, 6))
+    weight, bias = cp_array(mixed(rng, 6)), cp_random(rng, (6,))
+    y = cdask.group_norm(chunked(x, (1, 1, 1)), 6, weight, bias).compute(scheduler="threads")
+    assert_close(y.get(), cufused.group_norm(x, 6, weight, bias).get(), 3e-5)
+    with pytest.raises(ValueError, match="more than 1 value per group"):
+        cdask.group_norm(chunked(x[:1], (1,)), 6)
+
+
 def cp_array(values):
     import cupy as cp
 

@@ -84,6 +84,26 @@ def test_modules_match_kernelbench_cuda(cuda, name, sizes):
 
 
 @pytest.mark.gpu
+def test_bad_cuda_calls_raise_before_any_work(cuda):
+    # The CUDA kernel's output shape comes before cufused's checks: where it cannot be formed
+    # (a zero stride, a negative size) the shape's checks say why; otherwise cufused's own
+    # checks do. A tensor of another device is refused, and nothing is written.
+    x = torch.rand(2, 4, 6, 6, device="cuda")
+    with pytest.raises(ValueError, match="stride must be >= 1"):
+        torch.ops.cufused.max_pool2d(x, 2, 0)
+    with pytest.raises(ValueError, match="spatial size"):
+        torch.ops.cufused.max_pool2d(x, 9, 1)
+    with pytest.raises(ValueError, match="larger than the padded input"):
+        torch.ops.cufused.max_pool2d(x, 7)  # an empty output: cufused's own check
+    with pytest.raises(ValueError, match="same device"):
+        torch.ops.cufused.group_norm(x, 2, torch.ones(4))
+    rm, rv = torch.zeros(4, device="cuda"), torch.ones(4, device="cuda")
+    with pytest.raises(ValueError, match="momentum"):
+        torch.ops.cufused.batch_norm(x, running_mean=rm, running_var=rv, momentum=2.0)
+    assert not rm.any() and bool((rv == 1).all())
+
+
+@pytest.mark.gpu
 def test_operators_run_on_torch_current_stream(cuda):
     # On a side stream the input is written after a long spin; an operator that ran on any
     # other stream would read the zeros before the write.
