@@ -22,6 +22,12 @@ _override: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "cufused_precision_override", default=None)
 
 
+def mma_passes(precision: str) -> int:
+    """Tensor-core products per multiply of cufused's implicit GEMM at a TF32 ``precision``:
+    3 for ``"3xtf32"`` (high * high + high * residual + residual * high), else 1."""
+    return 3 if precision == "3xtf32" else 1
+
+
 def _check(precision: str) -> str:
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS} or None, got {precision!r}")

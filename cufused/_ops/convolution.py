@@ -17,7 +17,7 @@ from .._arrays import (Size, check_float_dtype, check_ndim, check_required, chec
                        forward, get_array_module, per_channel)
 from .._call_graphs import replayed, warm_calls
 from .._cuda import capturing
-from .._precision import resolve_precision
+from .._precision import mma_passes, resolve_precision
 from ._conv_args import ConvArgs, cached_conv_args, check_conv_memory
 
 __all__ = ["conv2d", "conv3d", "conv_transpose2d", "conv_transpose3d"]
@@ -171,7 +171,7 @@ def _igemm(x, weight, bias, y, args: ConvArgs, precision: str) -> None:
     from .._kernels.conv_gemm import conv2d_implicit_gemm
 
     conv2d_implicit_gemm(x, weight, bias, y, stride=args.stride, padding=args.padding,
-                         dilation=args.dilation, passes=3 if precision == "3xtf32" else 1)
+                         dilation=args.dilation, passes=mma_passes(precision))
 
 
 def _empty_nchw(shape):

@@ -30,7 +30,7 @@ from .._ops._conv_args import cached_conv_args, check_conv_memory
 from .._ops.convolution import conv2d, conv_on_gpu, fastest, settled_engine
 from .._ops.normalization import check_group_values, check_num_groups, group_norm
 from .._ops.pooling import check_pool_args, max_pool2d
-from .._precision import resolve_precision
+from .._precision import mma_passes, resolve_precision
 from ._common import (check_method, gpu_method, gpu_run, ones_if_none, shared_doc_sections,
                       tuple_pool)
 
@@ -157,7 +157,7 @@ def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, gn_
         partial, _ = conv2d_pool_stats(
             xp, xp.ascontiguousarray(x), xp.ascontiguousarray(weight), conv_bias, out,
             sign_a=gn_weight, sign_b=scale, stride=args.stride, padding=args.padding,
-            dilation=args.dilation, pool=k, passes=3 if precision == "3xtf32" else 1)
+            dilation=args.dilation, pool=k, passes=mma_passes(precision))
         group_affine_rows(out, out, partial, num_groups=num_groups, count=cg * h * w, eps=eps,
                           gamma=gn_weight, beta=gn_bias, scale=scale, lo=lo, hi=hi,
                           moments=moments)
@@ -199,7 +199,7 @@ def _epilogue_applies(xp, x, weight, args, precision, k, num_groups, bias: bool)
     (:func:`_faster_path`, once per problem)."""
     if not (precision != "ieee" and k in (2, 4)
             and halo_launch(x.shape[1], weight.shape[2:], args.stride, args.dilation,
-                            3 if precision == "3xtf32" else 1, pool=k) is not None):
+                            mma_passes(precision), pool=k) is not None):
         return False
     key = ("conv2d_pool_stats", x.shape, weight.shape, args, precision, k, num_groups, bias)
     return settled_engine(key, lambda: _faster_path(xp, x.shape, weight.shape, args,
