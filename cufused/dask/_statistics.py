@@ -72,27 +72,17 @@ def _shifted_moments(sums, shift, count: int) -> tuple[int, Any, Any]:
 
 @_without_numpy_warnings
 def _merge_moments(*parts: tuple[int, Any, Any]) -> tuple[int, Any, Any]:
-    """Chan et al.'s parallel combination of partial ``(count, mean, M2)`` moments.
-
-    Where a part's mean is infinite, the means' weighted sum replaces Chan's update (whose
-    ``mean_b - mean`` would turn it NaN): the batch mean is then that infinity, as the single
-    call's (NaN where the parts hold opposite infinities); M2 is NaN either way."""
-    count, mean, m2 = parts[0]
-    for n_b, mean_b, m2_b in parts[1:]:
-        if n_b == 0:
-            continue
-        if count == 0:
-            count, mean, m2 = n_b, mean_b, m2_b
-            continue
-        xp = get_array_module(mean=mean)
-        total = count + n_b
-        delta = mean_b - mean
-        weighted = mean * (count / total) + mean_b * (n_b / total)
-        mean = xp.where(xp.isfinite(mean) & xp.isfinite(mean_b), mean + delta * (n_b / total),
-                        weighted)
-        m2 = m2 + m2_b + delta * delta * (count * n_b / total)
-        count = total
-    return count, mean, m2
+    """The parallel combination of partial ``(count, mean, M2)`` moments (Chan et al.'s,
+    over all parts at once): the mean is the parts' means weighted by their counts, which
+    keeps an infinite part's infinity as the single call does (NaN where parts hold opposite
+    ones), and M2 adds to the parts' own each part's squared distance from it."""
+    counted = [part for part in parts if part[0] > 0]
+    if len(counted) < 2:
+        return counted[0] if counted else parts[0]
+    total = sum(n for n, _, _ in counted)
+    mean = sum(part_mean * (n / total) for n, part_mean, _ in counted)
+    m2 = sum(part_m2 + (part_mean - mean) ** 2 * n for n, part_mean, part_m2 in counted)
+    return total, mean, m2
 
 
 @_without_numpy_warnings
