@@ -106,8 +106,7 @@ def run_case(rng, name: str) -> tuple[str, dict, float] | None:
         return None
     # An offset input (values 5-6 over a spread of 0.29) keeps its spread in fewer bits:
     # TF32's 10 bits round it about 19 times as coarsely relative to the spread, and the
-    # normalizations subtract the mean that hides it (pipeline B "tf32" on cufused's engine:
-    # up to 7.3e-3, H200; cuDNN and PyTorch take their float32 kernels at such sizes).
+    # normalizations subtract the mean that hides it.
     if precision == "tf32":
         tol = 2e-2 if offset else 5e-3
     else:

@@ -9,7 +9,7 @@ import pytest
 
 import cufused
 
-from conftest import assert_close, count_calls, mixed
+from conftest import assert_close, count_calls, mixed, to_gpu
 from dask_cases import case_a, case_b, case_c, chunked
 
 dask = pytest.importorskip("dask")
@@ -145,8 +145,8 @@ def test_gpu_pipeline_b_phases_run_the_single_calls_kernels(rng, quick_plans, mo
     from cufused.pipelines import pipeline_b
 
     x = cp_random(rng, (11, 16, 9, 10))
-    params = [cp_random(rng, (16, 32, 3, 3), -0.3), cp_array(mixed(rng, 32)),
-              cp_random(rng, (32,)), cp_array(mixed(rng, 32)), cp_random(rng, (32,))]
+    params = [cp_random(rng, (16, 32, 3, 3), -0.3), to_gpu(mixed(rng, 32))[0],
+              cp_random(rng, (32,)), to_gpu(mixed(rng, 32))[0], cp_random(rng, (32,))]
     options = dict(num_groups=8, padding=1, conv_bias=cp_random(rng, (32,)),
                    precision=precision)
     calls = [count_calls(monkeypatch, pipeline_b, name)
@@ -174,20 +174,19 @@ def test_gpu_pipeline_b_non_finite_values_and_odd_chunks(rng, quick_plans, varia
         options["pool_kernel"] = (2, 2)
     elif variant == "one_channel":  # one channel, a 1 x 1 pooled map (NCHW and NHWC at once)
         x = cp_random(rng, (15, 2, 1, 1))
-        params = [cp_random(rng, (2, 1, 2, 2), -1.0)] + [cp_array([v]) for v in (-0.7, 0.3,
-                                                                               1.2, 0.1)]
-        options = dict(num_groups=1, conv_bias=cp_array([0.4]))
+        params = [cp_random(rng, (2, 1, 2, 2), -1.0), *to_gpu([-0.7], [0.3], [1.2], [0.1])]
+        options = dict(num_groups=1, conv_bias=to_gpu([0.4])[0])
     if variant == "nan_input":
         x[9, 1, 2, 3] = np.nan
     elif variant.endswith("_bias") and not variant.startswith("inf_bn"):
         options["conv_bias"][2] = {"nan_bias": np.nan, "inf_bias": np.inf,
                                    "minus_inf_bias": -np.inf}[variant]
     elif variant == "zero_nan_bn_weight":  # NaN in GroupNorm group 1 only
-        params[1][[0, 1, 5]] = cp_array([0.0, -0.0, np.nan])
+        params[1][[0, 1, 5]] = to_gpu([0.0, -0.0, np.nan])[0]
     elif variant == "inf_bn_bias":
-        params[2][[1, 6]] = cp_array([np.inf, -np.inf])
+        params[2][[1, 6]] = to_gpu([np.inf, -np.inf])[0]
     elif variant == "inf_bn_weight":
-        params[1][[3, 4]] = cp_array([np.inf, -np.inf])
+        params[1][[3, 4]] = to_gpu([np.inf, -np.inf])[0]
     elif variant == "empty_chunk":
         chunks = (1, 0, 13, 1)
     ref = check_b_against_the_single_call(x, params, options, chunks, 3e-5)
@@ -200,21 +199,16 @@ def test_gpu_rules_across_the_batch_count_the_whole_batch(rng, quick_plans):
     # Chunks of one sample with one value per GroupNorm group pass, as the single call on the
     # batch does (the tasks run inside part_of_batch, one at a time on the device).
     x = cp_random(rng, (3, 6))
-    weight, bias = cp_array(mixed(rng, 6)), cp_random(rng, (6,))
+    weight, bias = to_gpu(mixed(rng, 6))[0], cp_random(rng, (6,))
     y = cdask.group_norm(chunked(x, (1, 1, 1)), 6, weight, bias).compute(scheduler="threads")
     assert_close(y.get(), cufused.group_norm(x, 6, weight, bias).get(), 3e-5)
     with pytest.raises(ValueError, match="more than 1 value per group"):
         cdask.group_norm(chunked(x[:1], (1,)), 6)
 
 
-def cp_array(values):
-    import cupy as cp
-
-    return cp.asarray(np.asarray(values), dtype=cp.float32)
-
-
 def cp_random(rng, shape, low=0.0):
-    return cp_array(rng.uniform(low, 1.0, shape))
+    """A float32 CuPy array uniform in [low, 1)."""
+    return to_gpu(rng.uniform(low, 1.0, shape))[0]
 
 
 @pytest.mark.gpu
