@@ -38,6 +38,10 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "conv2d_halo_pool_stats<3, 3, 2>",
         "conv2d_halo_pool_stats<1, 3, 4>",
         "conv2d_halo_pool_stats<3, 3, 4>",
+        "conv_transpose3d_s2k3<1, CT3_SOFTMAX_SUMS>",
+        "conv_transpose3d_s2k3<3, CT3_SOFTMAX_SUMS>",
+        "conv_transpose3d_s2k3<1, CT3_SOFTMAX>",
+        "conv_transpose3d_s2k3<3, CT3_SOFTMAX>",
     ),
     "pooling.cu": (
         "pool_nd<true, 0, 0>",

@@ -1158,3 +1158,304 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
                               halo_shared<PASSES, KSIZE>(smem, hsize), segments, pool_stats,
                               [&](int k) { return window_sign(sign_a, sign_b, k); });
 }
+
+// ---------------------------------------------------------------------------------------
+// Pipeline C's transposed 3-D convolution, stride 2, 3 x 3 x 3 kernel, padding 1, output
+// padding 0 or 1, groups 1, at most CT3_CI input channels: sub-pixel implicit GEMMs whose
+// epilogues take the clamped softmax's sums or write its result, so that the convolution
+// output is never stored (issue 26's "recompute" design: one pass for the sums, a second
+// that computes the convolution again and writes the result).
+//
+// Per axis, output o = 2 m + r takes tap 1 of input m (r = 0), or taps 2 of input m and 0 of
+// input m + 1 (r = 1): the eight residue classes r = (rd, rh, rw) of a base position m have
+// 1, 2, 4 or 8 taps (27 in all), each a GEMM of the base positions (rows) by the input
+// channels (reduction) by the output channels (columns). A block takes tiles of CT3_TD x
+// CT3_TH x CT3_TW base positions of one sample (256 rows) and CT3_BN output channels; its 8
+// warps each hold 32 rows (two (d, h) rows of 16 w positions: MMA tiles i) x 32 channels.
+// The whole weight slice (27 taps x CT3_BN x CT3_CI) is staged once per block; the input
+// halo ((T + 1)^3 positions x CT3_CI channels, zeros outside the input and past C) takes
+// turns in two buffers, the next tile's copied with cp.async while this tile's MMAs run.
+// Both are channel-contiguous (the input comes channels-last), so that ldmatrix loads four
+// 8 x 4 TF32 fragments in one instruction; the 16-byte chunks of a row are swizzled by the
+// row's low 3 bits, which puts the 8 rows of each fragment on distinct banks.
+// The classes go one after another (rw fastest: the two classes that share an output row's
+// sectors are written back to back), each class's accumulators into the epilogue.
+//
+// PASSES = 1 feeds the staged float32 halo to the TF32 MMA as it is (the tensor cores read
+// a TF32 operand's top 19 bits: truncation) and stages the weights TF32-rounded; PASSES = 3
+// splits both at each fragment (mma_warp_step), with a step sum per tap added to the
+// accumulator in float32.
+#define CT3_TD 4
+#define CT3_TH 4
+#define CT3_TW 16
+#define CT3_CI 32
+#define CT3_BN 32
+#define CT3_HH (CT3_TH + 1)
+#define CT3_HW (CT3_TW + 1)
+#define CT3_HPOS ((CT3_TD + 1) * CT3_HH * CT3_HW)
+#define CT3_WFLOATS (27 * CT3_BN * CT3_CI)
+#define CT3_HFLOATS (CT3_HPOS * CT3_CI)
+#define CT3_SHARED_FLOATS (CT3_WFLOATS + 2 * CT3_HFLOATS + 8 * CT3_BN)
+static_assert(CT3_CI == 32, "a row is 8 chunks of 16 bytes, swizzled by its low 3 bits");
+
+// What the epilogue does with y = conv + bias (the launcher's codes, conv_gemm.py).
+#define CT3_SOFTMAX_SUMS 1  // partial[n, k, run] = (hi, sum of exp(clamp(y) - hi) over run)
+#define CT3_SOFTMAX 2       // y[n, k, o] = exp(clamp(y) - hi) * factor[n, k]
+
+// Float offset of value c of row `row` in a swizzled channel-contiguous buffer.
+__device__ __forceinline__ int ct3_swizzled(int row, int c) {
+    return row * CT3_CI + (((c >> 2) ^ (row & 7)) << 2) + (c & 3);
+}
+
+// Four 8 x 4 TF32 matrices (as ldmatrix's 8 x 8 b16 ones): lanes 8 q .. 8 q + 7 give the
+// 16-byte rows of matrix q; r[q] is this lane's value (row gid, column tig) of matrix q.
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const float* p) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+// torch.clamp with NaN kept (max.NaN / min.NaN return NaN if either operand is NaN).
+__device__ __forceinline__ float clamp_nan_mm(float v, float lo, float hi) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(v), "f"(lo));
+    asm("min.NaN.f32 %0, %0, %1;" : "+f"(r) : "f"(hi));
+    return r;
+}
+
+// exp(v - hi) for v <= hi (or NaN) from the flush-to-zero ex2 instruction: the argument's
+// rounding errs by |v - hi| * 2^-24 in the exponent, under 4e-6 relative for a clamp
+// narrower than 60 (the launcher's limit).
+__device__ __forceinline__ float exp_below(float v, float hi) {
+    float e;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"((v - hi) * 1.4426950408889634f));
+    return e;
+}
+
+// Grid (blocks, ceil(K / CT3_BN)), CONV_THREADS threads, CT3_SHARED_FLOATS floats of dynamic
+// shared memory; blocks take the runs of SampleSegments (each sample's tiles in `splits`
+// runs). x (N, D, H, W, C) channels-last, by_four: C % 4 == 0 and x 16-byte aligned (the
+// halo is copied 16 bytes at a time); w (C, K, 3, 3, 3) as ConvTranspose3d keeps it; y (N, K,
+// Do, Ho, Wo) contiguous, a plane Do * Ho * Wo below 2**31; pairs: Wo even and y 8-byte
+// aligned (outputs stored in float2 pairs). bias may be null.
+template <int PASSES, int OUT>
+__global__ void __launch_bounds__(CONV_THREADS, 1)
+conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
+                      const float* __restrict__ bias, float* __restrict__ y,
+                      float2* __restrict__ partial, const float* __restrict__ factor, int N,
+                      int C, int D, int H, int W, int K, int Do, int Ho, int Wo, float lo,
+                      float hi, int splits, int by_four, int pairs) {
+    constexpr bool SUMS = OUT == CT3_SOFTMAX_SUMS;
+    extern __shared__ float smem[];
+    float* wt = smem;                         // [tap][o][c], swizzled rows of o
+    float* halo = smem + CT3_WFLOATS;         // [buffer][hd][hh][hw][c], swizzled rows
+    float* scratch = halo + 2 * CT3_HFLOATS;  // [warp][channel] run sums
+    const int tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5;
+    const int gid = lane >> 2, tig = lane & 3;
+    const int k0 = blockIdx.y * CT3_BN;
+    const int tiles_w = (W + CT3_TW - 1) / CT3_TW, tiles_h = (H + CT3_TH - 1) / CT3_TH;
+    const int tiles = ((D + CT3_TD - 1) / CT3_TD) * tiles_h * tiles_w;
+    const SampleSegments segments{tiles, tiles, splits, (long long)N * splits};
+    TilePos pos;
+    if (!segments.first(pos)) return;
+
+    for (int i = tid; i < CT3_WFLOATS; i += CONV_THREADS) {
+        const int tap = i % 27, co = i / 27, o = co % CT3_BN, c = co / CT3_BN;
+        float v = 0.0f;
+        if (c < C && k0 + o < K) v = __ldg(w + ((long long)c * K + k0 + o) * 27 + tap);
+        if (PASSES == 1) v = __uint_as_float(to_tf32(v));
+        wt[tap * CT3_BN * CT3_CI + ct3_swizzled(o, c)] = v;
+    }
+
+    // The tile at t: its first base position.
+    auto tile_origin = [&](int t, int& d0, int& h0, int& w0) {
+        const int th = t / tiles_w, tw = t - th * tiles_w;
+        const int td = th / tiles_h;
+        d0 = td * CT3_TD;
+        h0 = (th - td * tiles_h) * CT3_TH;
+        w0 = tw * CT3_TW;
+    };
+    // The halo of the tile at t of sample n into buf: (T + 1)^3 positions from the tile's
+    // first, zeros outside the input and past C; 4 channels a copy where by_four.
+    auto copy_halo = [&](int n, int t, float* buf) {
+        int d0, h0, w0;
+        tile_origin(t, d0, h0, w0);
+        const int v = by_four ? 4 : 1;
+        const int per_pos = CT3_CI / v;
+        for (int i = tid; i < CT3_HPOS * per_pos; i += CONV_THREADS) {
+            const int p = i / per_pos, c = (i - p * per_pos) * v;
+            const int hd = p / (CT3_HH * CT3_HW), rest = p - hd * (CT3_HH * CT3_HW);
+            const int hh = rest / CT3_HW, hw = rest - hh * CT3_HW;
+            const int d = d0 + hd, h = h0 + hh, ww = w0 + hw;
+            const bool valid = c < C && d < D && h < H && ww < W;
+            const float* src =
+                valid ? x + ((((long long)n * D + d) * H + h) * W + ww) * C + c : x;
+            if (by_four)
+                copy_or_zero_async<4>(buf + ct3_swizzled(p, c), src, valid);
+            else
+                copy_or_zero_async<1>(buf + ct3_swizzled(p, c), src, valid);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+
+    // This lane's channels k0 + 8 j + 2 tig + e: their bias, the accumulators' start.
+    float bias_je[4][2];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int k = k0 + j * 8 + 2 * tig + e;
+            bias_je[j][e] = bias != nullptr && k < K ? __ldg(bias + k) : 0.0f;
+        }
+    // ldmatrix rows of this lane: matrix q = lane / 8, row lane % 8. A: MMA tile i's position
+    // row + 8 (q & 1), chunk 2 ks + q / 2. B: output channel 8 (2 jp + q / 2) + row, chunk
+    // 2 ks + (q & 1).
+    const int q = lane >> 3, rr = lane & 7;
+    int a_pos[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int row = 2 * warp + i, pd = row / CT3_TH, ph = row % CT3_TH;
+        a_pos[i] = (pd * CT3_HH + ph) * CT3_HW + rr + 8 * (q & 1);
+    }
+    const long long plane = (long long)Do * Ho * Wo;
+    float run_sums[4][2] = {};
+
+    copy_halo(pos.n, pos.t, halo);
+    int buf = 0;
+    for (bool more = true; more;) {
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        __syncthreads();  // this tile's halo (and the weights) in; the other buffer free
+        TilePos next = pos;
+        more = segments.next(next);
+        if (more) copy_halo(next.n, next.t, halo + (buf ^ 1) * CT3_HFLOATS);
+        const float* hb = halo + buf * CT3_HFLOATS;
+        int d0, h0, w0;
+        tile_origin(pos.t, d0, h0, w0);
+        float f_je[4][2];
+        float* y_je[4][2];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int k = k0 + j * 8 + 2 * tig + e;
+                f_je[j][e] = !SUMS && k < K ? __ldg(factor + (long long)pos.n * K + k) : 0.0f;
+                y_je[j][e] = y + ((long long)pos.n * K + k) * plane;
+            }
+
+        // Class r = (rd, rh, rw), rw fastest: its taps' MMAs, then the epilogue of its
+        // accumulators. Run-time loops over the classes and taps: unrolled, the compiler
+        // hoists fragment loads across them past the registers. Where `pairs`, a class with
+        // rw = 0 keeps its results until the class with rw = 1 has its own, and each lane
+        // stores the two as one float2 (outputs 2 m and 2 m + 1 of its row): a warp's store
+        // then fills whole sectors.
+        float kept[2][4][4];
+#pragma unroll 1
+        for (int r = 0; r < 8; ++r) {
+            const int rd = r >> 2, rh = (r >> 1) & 1, rw = r & 1;
+            float acc[2][4][4], stage[2][4][4];
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[i][j][e] = bias_je[j][e & 1];
+            float (&sum)[2][4][4] = PASSES == 3 ? stage : acc;
+            // Tap (a, b, c) of the class: per axis, input offset 0 with kernel index 1
+            // (r = 0), or offsets 0 and 1 with kernel indices 2 and 0 (r = 1).
+            const int taps = (1 + rd) * (1 + rh) * (1 + rw);
+#pragma unroll 1
+            for (int t = 0; t < taps; ++t) {
+                const int c = rw ? t & 1 : 0, b = rh ? (t >> rw) & 1 : 0;
+                const int a = rd ? t >> (rw + rh) : 0;
+                const int kd = rd ? 2 - 2 * a : 1, kh = rh ? 2 - 2 * b : 1;
+                const int kw = rw ? 2 - 2 * c : 1;
+                const float* wtap = wt + (kd * 9 + kh * 3 + kw) * CT3_BN * CT3_CI;
+                const int shift = (a * CT3_HH + b) * CT3_HW + c;
+#pragma unroll(PASSES == 1 ? CT3_CI / 8 : 1)
+                for (int ks = 0; ks < CT3_CI / 8; ++ks) {
+                    float af[2][4], bf[4][2];
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        const int p = a_pos[i] + shift;
+                        unsigned f[4];
+                        ldmatrix_x4(f, hb + p * CT3_CI + (((2 * ks + (q >> 1)) ^ (p & 7)) << 2));
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) af[i][e] = __uint_as_float(f[e]);
+                    }
+#pragma unroll
+                    for (int jp = 0; jp < 2; ++jp) {
+                        const int o = 8 * (2 * jp + (q >> 1)) + rr;
+                        unsigned f[4];
+                        ldmatrix_x4(f, wtap + o * CT3_CI + (((2 * ks + (q & 1)) ^ rr) << 2));
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            bf[2 * jp + e / 2][e & 1] = __uint_as_float(f[e]);
+                    }
+                    mma_warp_step<PASSES, PASSES == 1>(af, bf, sum, ks == 0);
+                }
+                if (PASSES == 3) flush_step_sums(acc, stage);
+            }
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                const int row = 2 * warp + i;
+                const int od = 2 * (d0 + row / CT3_TH) + rd, oh = 2 * (h0 + row % CT3_TH) + rh;
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int ow = 2 * (w0 + gid + 8 * half) + rw;
+                    const bool inside = od < Do && oh < Ho && ow < Wo;
+                    const int at = (od * Ho + oh) * Wo + ow;
+#pragma unroll
+                    for (int j = 0; j < 4; ++j)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int u = half * 2 + e;
+                            const bool valid = inside && k0 + j * 8 + 2 * tig + e < K;
+                            float v = acc[i][j][u];
+                            const float ex = exp_below(clamp_nan_mm(v, lo, hi), hi);
+                            if (SUMS) {
+                                if (valid) run_sums[j][e] += ex;
+                                continue;
+                            }
+                            v = ex * f_je[j][e];
+                            if (!pairs) {
+                                if (valid) y_je[j][e][at] = v;
+                            } else if (rw == 0) {
+                                kept[i][j][u] = v;
+                            } else if (valid) {  // ow - 1 is inside too
+                                *reinterpret_cast<float2*>(y_je[j][e] + at - 1) =
+                                    make_float2(kept[i][j][u], v);
+                            }
+                        }
+                }
+            }
+        }
+
+        if (SUMS && pos.t + 1 == pos.end) {
+            // The run's sums: over the lanes of one tig, then the 8 warps.
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float s = run_sums[j][e];
+#pragma unroll
+                    for (int step = 4; step < 32; step <<= 1)
+                        s += __shfl_xor_sync(0xffffffffu, s, step);
+                    if (gid == 0) scratch[warp * CT3_BN + j * 8 + 2 * tig + e] = s;
+                    run_sums[j][e] = 0.0f;
+                }
+            __syncthreads();
+            if (tid < CT3_BN && k0 + tid < K) {
+                float s = 0.0f;
+#pragma unroll
+                for (int v = 0; v < 8; ++v) s += scratch[v * CT3_BN + tid];
+                partial[((long long)pos.n * K + k0 + tid) * splits + pos.run] =
+                    make_float2(hi, s);
+            }
+            // The next write of the scratch follows the next tile's barrier.
+        }
+        pos = next;
+        buf ^= 1;
+    }
+}

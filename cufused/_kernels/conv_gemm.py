@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy
 
@@ -188,3 +189,82 @@ def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, stride: tuple[int,
          i32(cc), i32(hr), i32(hc), i32(p // pool), i32(q // pool), i32(splits)),
         shared_mem=shared)
     return partial, splits
+
+
+
+# conv_transpose3d_s2k3: tiles of 4 x 4 x 16 base positions (CT3_TD, CT3_TH, CT3_TW), at most
+# 32 input channels (CT3_CI), 32 output channels a block (CT3_BN), CT3_SHARED_FLOATS floats
+# of shared memory (the weights, two halo buffers of 5 x 5 x 17 positions x 32 channels, the
+# scratch).
+_CT3_TILE = (4, 4, 16)
+_CT3_CI, _CT3_BN = 32, 32
+_CT3_SHARED = 4 * (27 * _CT3_CI * _CT3_BN + 2 * _CT3_CI * 5 * 5 * 17 + 8 * _CT3_BN)
+_CT3_MAX_CLAMP = 60.0  # exp_below's accuracy bound; a wider clamp may underflow a whole row
+
+
+def transposed_s2k3_takes(c_in: int, kernel, stride, padding, output_padding, dilation,
+                          groups: int, out_shape: tuple[int, ...], clamp) -> bool:
+    """Whether ``conv_transpose3d_s2k3`` computes the transposed 3-D convolution (stride 2,
+    3 x 3 x 3 kernel, padding 1, output padding 0 or 1, dilation 1, one group, 1 to 32 input
+    channels, an output plane below 2**31) with the clamped softmax after it (clamp
+    ``(lo, hi)`` with ``hi - lo`` at most 60) on the current device (its 223 KB of shared
+    memory a block: compute capability 9.0)."""
+    lo, hi = clamp
+    return (tuple(kernel) == (3, 3, 3) and tuple(stride) == (2, 2, 2)
+            and tuple(padding) == (1, 1, 1) and tuple(dilation) == (1, 1, 1)
+            and all(o in (0, 1) for o in output_padding) and groups == 1
+            and 0 < c_in <= _CT3_CI and hi - lo <= _CT3_MAX_CLAMP
+            and math.prod(out_shape[2:]) < 2**31 and _CT3_SHARED <= shared_per_block())
+
+
+def _transposed_s2k3(mode: str, x, w, bias, *, out_shape, y=None, partial=None, factor=None,
+                     clamp=(0.0, 0.0), passes: int) -> int:
+    """Launch ``conv_transpose3d_s2k3<passes, mode>`` for ``x`` (N, C_in, D, H, W) stored
+    channels-last (packed NDHWC), contiguous ``w`` (C_in, C_out, 3, 3, 3) and the output
+    ``out_shape``; returns the runs per sample (``partial`` must have room for them:
+    :func:`transposed_s2k3_runs`)."""
+    n, c, d, h, wd = x.shape
+    k = w.shape[1]
+    splits, blocks = transposed_s2k3_runs(x.shape, k)
+    if blocks == 0 or k == 0:
+        return splits
+    i32, f32 = numpy.int32, numpy.float32
+    get_kernel(_FILE, f"conv_transpose3d_s2k3<{passes}, {mode}>", shared_bytes=_CT3_SHARED)(
+        (blocks, -(-k // _CT3_BN)), (_THREADS,),
+        (x, w, optional(bias), optional(y), optional(partial), optional(factor), i32(n),
+         i32(c), i32(d), i32(h), i32(wd), i32(k), *(i32(s) for s in out_shape[2:]),
+         f32(clamp[0]), f32(clamp[1]), i32(splits),
+         i32(c % 4 == 0 and x.data.ptr % 16 == 0),
+         i32(y is not None and out_shape[4] % 2 == 0 and y.data.ptr % 8 == 0)),
+        shared_mem=_CT3_SHARED)
+    return splits
+
+
+def transposed_s2k3_runs(x_shape: tuple[int, ...], k: int) -> tuple[int, int]:
+    """``(splits, blocks)``: :func:`sample_segments` of the input's tiles, the channel tiles
+    of ``k`` output channels sharing the device's multiprocessors (one block each)."""
+    n, _, d, h, wd = x_shape
+    td, th, tw = _CT3_TILE
+    tiles = -(-d // td) * -(-h // th) * -(-wd // tw)
+    return sample_segments(n, tiles, max(1, sm_count() // max(1, -(-k // _CT3_BN))))
+
+
+def conv_transpose3d_softmax_sums(xp, x, w, bias, *, out_shape, clamp, passes: int):
+    """Pass 1 of pipeline C on ``conv_transpose3d_s2k3``: returns ``(partial, splits)``,
+    ``partial`` (N, C_out, splits, 2) each row's (hi, sum of exp(clamp(y) - hi)) over run s
+    of its sample's tiles, y = conv_transpose3d(x, w) + bias (never stored), as
+    :func:`cufused._kernels.softmax.softmax_finalize` takes them."""
+    k = w.shape[1]
+    splits, _ = transposed_s2k3_runs(x.shape, k)
+    partial = xp.empty((x.shape[0], k, splits, 2), dtype=xp.float32)
+    _transposed_s2k3("CT3_SOFTMAX_SUMS", x, w, bias, out_shape=out_shape, partial=partial,
+                     clamp=clamp, passes=passes)
+    return partial, splits
+
+
+def conv_transpose3d_softmax(x, w, bias, out, factor, *, clamp, passes: int) -> None:
+    """Pass 2: ``out`` (N, C_out, Do, Ho, Wo), contiguous, = exp(clamp(y) - hi) * factor[n,
+    c], the convolution computed again."""
+    _transposed_s2k3("CT3_SOFTMAX", x, w, bias, out_shape=out.shape, y=out, factor=factor,
+                     clamp=clamp, passes=passes)
+

@@ -3,12 +3,15 @@
 The pool runs first, writing the convolution's input directly in the layout its cuDNN plan
 wants; after the clamp to [lo, hi] the softmax needs no max pass (exp(v - hi) <= 1), so one
 statistics read and one normalize-and-scale pass follow, in place in the output when the
-layout allows.
+layout allows. On cufused's tensor-core convolution (stride 2, 3 x 3 x 3 kernels) the
+convolution output is never stored: one pass takes the softmax sums in the convolution's
+epilogue, a second computes the convolution again and writes the result.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 import numpy
@@ -18,14 +21,17 @@ from .._arrays import (Size, check_float_dtype, check_ndim, check_required, chec
                        check_sizes, forward, get_array_module, per_channel)
 from .._cudnn import UnsupportedConvolution
 from .._call_graphs import warm_calls
+from .._kernels.conv_gemm import (conv_transpose3d_softmax, conv_transpose3d_softmax_sums,
+                                  transposed_s2k3_takes)
 from .._kernels.pooling import pool_into
-from .._kernels.softmax import softmax_rows, softmax_rows_nonfinite_weight
+from .._kernels.softmax import softmax_finalize, softmax_rows, softmax_rows_nonfinite_weight
 from .._layout import empty_in_layout
 from .._ops._conv_args import cached_conv_args, check_conv_memory
-from .._ops.convolution import conv_on_gpu, conv_transpose3d, gpu_conv_plan
+from .._ops.convolution import (conv_on_gpu, conv_transpose3d, fastest, gpu_conv_plan,
+                                settled_engine)
 from .._ops.pooling import avg_pool3d, check_pool_args
 from .._ops.softmax import softmax
-from .._precision import resolve_precision
+from .._precision import mma_passes, resolve_precision
 from ._common import check_method, gpu_run, ones_if_none, shared_doc_sections, tuple_pool
 
 
@@ -132,9 +138,20 @@ def _unfused(xp, x, weight, args, precision, out, *, k, pooled_shape, conv_bias,
                                   scale=scale, lo=lo, hi=hi)
 
 
-def _fused(xp, x, weight, args, precision, out, *, k, pooled_shape, conv_bias, scale, lo, hi):
-    """The average pool into the plan's input layout, the transposed convolution, then the
-    clamped softmax times ``scale`` reading the convolution's output layout, into ``out``."""
+def _fused(xp, x, weight, args, precision, out, *, k, pooled_shape, conv_bias, scale, lo, hi,
+           recompute=None):
+    """The average pool into the convolution's input layout, the transposed convolution, then
+    the clamped softmax times ``scale`` into ``out``: on cuDNN, the softmax reads the plan's
+    output layout; on cufused's implicit GEMM (``recompute``; None: where
+    :func:`_recompute_applies`), the convolution runs twice, the softmax sums in its first
+    pass's epilogue and the result written by its second."""
+    if recompute is None:
+        recompute = _recompute_applies(x, weight, args, precision, k, pooled_shape,
+                                       conv_bias is not None, lo, hi)
+    if recompute:
+        return _fused_recompute(xp, x, weight, args, precision, out, k=k,
+                                pooled_shape=pooled_shape, conv_bias=conv_bias, scale=scale,
+                                lo=lo, hi=hi)
     n, c = out.shape[:2]
     try:
         plan = gpu_conv_plan(pooled_shape, weight.shape, args, precision, convert_input=False,
@@ -155,3 +172,59 @@ def _fused(xp, x, weight, args, precision, out, *, k, pooled_shape, conv_bias, s
                  layout=layout, bias=conv_bias, scale=scale, clamp=(lo, hi))
     return _nonfinite_weight_rows(xp, x_pooled, weight, args, out, conv_bias=conv_bias,
                                   scale=scale, lo=lo, hi=hi)
+
+
+def _fused_recompute(xp, x, weight, args, precision, out, *, k, pooled_shape, conv_bias, scale,
+                     lo, hi):
+    """The pool into a channels-last input, the softmax sums in the convolution's epilogue,
+    each row's factor, then the convolution again with the normalize and the scale as its
+    epilogue, into ``out``."""
+    n, c = out.shape[:2]
+    x_pooled = empty_in_layout(pooled_shape, "nhwc")
+    pool_into(xp.ascontiguousarray(x), x_pooled, (k, k, k), (k, k, k), (0, 0, 0), is_max=False)
+    w = xp.ascontiguousarray(weight)
+    passes = mma_passes(precision)
+    partial_sums, splits = conv_transpose3d_softmax_sums(
+        xp, x_pooled, w, conv_bias, out_shape=out.shape, clamp=(lo, hi), passes=passes)
+    coef = xp.empty((2, n * c), dtype=xp.float32)
+    softmax_finalize(partial_sums, coef[0], coef[1], rows=n * c, channels=c, splits=splits,
+                     parts=1, scale=scale)
+    conv_transpose3d_softmax(x_pooled, w, conv_bias, out, coef[1], clamp=(lo, hi),
+                             passes=passes)
+    return _nonfinite_weight_rows(xp, x_pooled, weight, args, out, conv_bias=conv_bias,
+                                  scale=scale, lo=lo, hi=hi)
+
+
+def _recompute_applies(x, weight, args, precision, k, pooled_shape, bias: bool, lo,
+                       hi) -> bool:
+    """Whether :func:`_fused` runs on cufused's implicit GEMM (``conv_transpose3d_s2k3``): a
+    tensor-core precision, a problem that its kernels take, and the implicit GEMM forced or
+    this path measured faster than cuDNN's (:func:`_faster_path`, once per problem)."""
+    if precision == "ieee" or not transposed_s2k3_takes(
+            pooled_shape[1], weight.shape[2:], args.stride, args.padding, args.output_padding,
+            args.dilation, args.groups, args.out_shape, (lo, hi)):
+        return False
+    key = ("conv_transpose3d_s2k3", x.shape, weight.shape, args, precision, k, bias)
+    return settled_engine(key, lambda: _faster_path(x.shape, weight.shape, args, precision, k,
+                                                    pooled_shape, bias)) == "igemm"
+
+
+def _faster_path(x_shape, w_shape, args, precision, k, pooled_shape, bias: bool) -> str:
+    """"igemm" where :func:`_fused` on random operands of these shapes runs faster on
+    cufused's implicit GEMM than on cuDNN, else "cudnn"."""
+    import cupy
+
+    rng = cupy.random.default_rng(0)
+    c = args.out_shape[1]
+    x = rng.random(x_shape, dtype=cupy.float32)
+    weight = rng.standard_normal(w_shape, dtype=cupy.float32)
+    out = cupy.empty(args.out_shape, dtype=cupy.float32)
+
+    def path(recompute: bool):
+        return partial(_fused, cupy, x, weight, args, precision, out, k=k,
+                       pooled_shape=pooled_shape,
+                       conv_bias=cupy.zeros(c, dtype=cupy.float32) if bias else None,
+                       scale=cupy.ones(c, dtype=cupy.float32), lo=0.0, hi=1.0,
+                       recompute=recompute)
+
+    return fastest({"cudnn": path(False), "igemm": path(True)})

@@ -12,7 +12,7 @@ import pytest
 
 import cufused
 
-from conftest import GPU
+from conftest import GPU, count_calls
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional
@@ -184,6 +184,23 @@ def test_gpu_a_on_the_convolution_epilogue(rng, plant, monkeypatch):
 
     with plan_options(engine="igemm"):
         _check_gpu_plant(rng, plant, "3xtf32", 1e-4, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device with CuPy")
+@pytest.mark.parametrize("plant", [p for p in PLANTS if p[0] == "C"], ids=_ids)
+@pytest.mark.parametrize("precision, rtol", [("3xtf32", 1e-4), ("tf32", 1e-2)])
+def test_gpu_c_on_the_convolution_epilogue(rng, plant, precision, rtol, monkeypatch):
+    # Pipeline C on the implicit GEMM (the softmax sums in the convolution's epilogue, the
+    # convolution computed again for the result; rows of a channel with a non-finite weight
+    # recomputed by the definition): NaN and inf where PyTorch puts them.
+    from cufused._cudnn import plan_options
+    from cufused.pipelines import pipeline_c
+
+    calls = count_calls(monkeypatch, pipeline_c, "conv_transpose3d_softmax")
+    with plan_options(engine="igemm"):
+        _check_gpu_plant(rng, plant, precision, rtol, monkeypatch)
+    assert calls  # the path ran
 
 
 def _check_gpu_plant(rng, plant, precision, rtol, monkeypatch, ours=None):

@@ -1,0 +1,104 @@
+"""Pipeline C on cufused's implicit GEMM (``conv_transpose3d_s2k3``): the softmax sums in the
+convolution's epilogue, the convolution computed again for the result. Against the float64
+reference on odd shapes in both tensor-core precisions, repeated calls (a replayed graph), the
+problems it does not take (cuDNN instead) and the autotuner's choice."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cufused
+import cufused.pipelines.pipeline_c as c_module
+from cufused._cudnn import plan_options
+
+from conftest import GPU, count_calls, mixed, poisoned, rel_err, to_gpu
+
+pytestmark = pytest.mark.gpu
+
+if GPU:
+    import cupy as cp
+
+# Issue 26's accuracy for pipeline C (relative, as design.md measures C).
+TOL = {"tf32": 5e-3, "3xtf32": 1e-5}
+
+pipeline_c = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply
+
+CASES = [
+    # input before the pool (N, C_in, D, H, W), C_out, output_padding, pool window
+    ((2, 5, 14, 18, 38), 37, (1, 0, 1), 2),  # C_in % 4 != 0: the halo copied a float at a time
+    ((1, 1, 2, 2, 2), 1, 1, 2),  # one sample, one channel, one pooled position
+    ((3, 32, 10, 12, 34), 64, 1, 2),  # the canonical channels; tiles cut at every edge
+    ((2, 8, 12, 9, 33), 33, 0, 3),  # pool 3 (floor), odd W_out: single stores
+    ((2, 16, 8, 8, 64), 8, 1, 2),  # whole tiles along W, paired stores
+]
+
+
+def _arrays(rng, shape, cout):
+    x = rng.random(shape)
+    w = rng.standard_normal((shape[1], cout, 3, 3, 3))
+    return x, w, mixed(rng, cout).reshape(1, cout, 1, 1, 1), rng.standard_normal(cout)
+
+
+def _opts(op, pool, clamp=(-0.5, 1.0)):
+    return dict(stride=2, padding=1, output_padding=op, pool_kernel=pool, clamp_min=clamp[0],
+                clamp_max=clamp[1])
+
+
+@pytest.mark.parametrize("precision", ["tf32", "3xtf32"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}-{c[3]}")
+def test_matches_reference(rng, monkeypatch, precision, case):
+    shape, cout, op, pool = case
+    x, w, scale, cb = _arrays(rng, shape, cout)
+    ref = pipeline_c(x, w, scale, **_opts(op, pool), conv_bias=cb)
+    calls = count_calls(monkeypatch, c_module, "conv_transpose3d_softmax")
+    out = poisoned(ref.shape)
+    args = to_gpu(x, w, scale, cb)
+    with plan_options(engine="igemm"):
+        pipeline_c(*args[:3], **_opts(op, pool), conv_bias=args[3], precision=precision,
+                   out=out)
+        first = out.get()
+        out[...] = cp.nan
+        pipeline_c(*args[:3], **_opts(op, pool), conv_bias=args[3], precision=precision,
+                   out=out)  # a replayed graph of the whole call
+    assert calls, "the implicit-GEMM path did not run"
+    assert rel_err(first, ref) < TOL[precision]
+    np.testing.assert_array_equal(out.get(), first)
+
+
+@pytest.mark.parametrize("precision", ["tf32", "3xtf32"])
+def test_without_bias_or_scale(rng, precision):
+    x, w, _, _ = _arrays(rng, (2, 6, 8, 10, 20), 12)
+    ref = pipeline_c(x, w, None, **_opts(1, 2))
+    out = poisoned(ref.shape)
+    with plan_options(engine="igemm"):
+        pipeline_c(*to_gpu(x, w), None, **_opts(1, 2), precision=precision, out=out)
+    assert rel_err(out.get(), ref) < TOL[precision]
+
+
+@pytest.mark.parametrize("opts", [
+    dict(stride=2, padding=1, output_padding=1, pool_kernel=2, clamp_min=-100.0,
+         clamp_max=100.0),  # a clamp wider than 60: exp(v - hi) may underflow a whole row
+    dict(stride=1, padding=1, output_padding=0, pool_kernel=2, clamp_min=0.0, clamp_max=1.0),
+])
+def test_problems_it_does_not_take_go_to_cudnn(rng, monkeypatch, opts):
+    x, w, scale, cb = _arrays(rng, (2, 4, 8, 8, 8), 6)
+    ref = pipeline_c(x, w, scale, **opts, conv_bias=cb)
+    calls = count_calls(monkeypatch, c_module, "conv_transpose3d_softmax")
+    out = poisoned(ref.shape)
+    args = to_gpu(x, w, scale, cb)
+    with plan_options(engine="igemm"):
+        pipeline_c(*args[:3], **opts, conv_bias=args[3], precision="tf32", out=out)
+    assert not calls
+    assert rel_err(out.get(), ref) < 10 * TOL["tf32"]
+
+
+def test_the_autotuner_picks_a_path(rng):
+    # Either path gives the result; the choice is measured once per problem.
+    x, w, scale, cb = _arrays(rng, (2, 8, 8, 12, 16), 16)
+    ref = pipeline_c(x, w, scale, **_opts(1, 2), conv_bias=cb)
+    out = poisoned(ref.shape)
+    with plan_options(engine="auto", autotune=True):
+        pipeline_c(*to_gpu(x, w, scale, cb)[:3], **_opts(1, 2), conv_bias=to_gpu(cb)[0],
+                   precision="tf32", out=out)
+    assert rel_err(out.get(), ref) < TOL["tf32"]
