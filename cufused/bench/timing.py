@@ -270,22 +270,30 @@ def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_e
 
 
 def conv_in_epilogue(case: Case, gpu: dict, precision: str) -> bool:
-    """Whether the fused pipeline computes its convolution with the pass in the convolution's
-    epilogue (pipeline A on cufused's implicit GEMM: the ``conv`` figure is then the cuDNN
-    plan's, which the pipeline does not run), as its first call settled it."""
-    if case.name != "A":
-        return False
+    """Whether the fused pipeline runs its pass in the convolution's epilogue on cufused's
+    implicit GEMM (pipeline A: extrema and statistics; pipeline C: the softmax sums, the
+    convolution computed again for the result), as its first call settled it: the ``conv``
+    figure is then the cuDNN plan's, which the pipeline does not run."""
     import cupy
 
     from .._ops._conv_args import cached_conv_args
-    from ..pipelines import pipeline_a
+    from ..pipelines import pipeline_a, pipeline_c
 
-    args = cached_conv_args(gpu["x"].shape, gpu["weight"].shape, 2, transposed=False,
-                            stride=case.options.get("stride", 1),
-                            padding=case.options.get("padding", 0))
-    return pipeline_a._epilogue_applies(cupy, gpu["x"], gpu["weight"], args, precision,
-                                        case.options["pool_kernel"],
-                                        case.options["num_groups"], "conv_bias" in gpu)
+    x, w, o = gpu["x"], gpu["weight"], case.options
+    if case.name == "A":
+        args = cached_conv_args(x.shape, w.shape, 2, transposed=False,
+                                stride=o.get("stride", 1), padding=o.get("padding", 0))
+        return pipeline_a._epilogue_applies(cupy, x, w, args, precision, o["pool_kernel"],
+                                            o["num_groups"], "conv_bias" in gpu)
+    if case.name == "C":
+        k = o["pool_kernel"]
+        pooled = x.shape[:2] + tuple(s // k for s in x.shape[2:])
+        args = cached_conv_args(pooled, w.shape, 3, transposed=True, stride=o["stride"],
+                                padding=o["padding"], output_padding=o["output_padding"])
+        return pipeline_c._recompute_applies(x, w, args, precision, k, pooled,
+                                             "conv_bias" in gpu, o["clamp_min"],
+                                             o["clamp_max"])
+    return False
 
 
 def add_floors(case: Case, rows: list[dict], ceilings: dict) -> None:
