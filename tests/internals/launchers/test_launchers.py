@@ -326,6 +326,21 @@ def test_conv_gemm_launchers(launches, monkeypatch):
         conv.conv2d_pool_stats(FakeXp, Dev((2, 8, 20, 18)), Dev((64, 8, 3, 3)), None,
                                Dev((2, 64, 6, 5)), sign_a=None, sign_b=None, stride=(1, 1),
                                padding=(0, 0), dilation=(1, 1), pool=3, passes=1)
+    # Pipeline C's transposed 3-D convolution, both passes: 2 x 2 x 2 tiles of 4 x 4 x 16 base
+    # positions per sample, each its own run (16 blocks) for each of 2 channel tiles; the
+    # halo copied 16 bytes at a time (C_in % 4 == 0), pass 2's stores paired (W_out even).
+    x, w = Dev((2, 32, 5, 6, 17), "nhwc"), Dev((32, 64, 3, 3, 3))
+    for passes in (1, 3):
+        partial, splits = conv.conv_transpose3d_softmax_sums(
+            FakeXp, x, w, Dev((64,)), out_shape=(2, 64, 10, 12, 34), clamp=(0.0, 1.0),
+            passes=passes)
+        assert launches[-1].name == f"conv_transpose3d_s2k3<{passes}, CT3_SOFTMAX_SUMS>"
+        assert splits == 8 and partial.shape == (2, 64, 8, 2)
+        assert launches[-1].grid == (16, 2) and launches[-1].args[-2:] == (1, 0)
+        conv.conv_transpose3d_softmax(x, w, None, Dev((2, 64, 10, 12, 34)), Dev((128,)),
+                                      clamp=(0.0, 1.0), passes=passes)
+        assert launches[-1].name == f"conv_transpose3d_s2k3<{passes}, CT3_SOFTMAX>"
+        assert launches[-1].grid == (16, 2) and launches[-1].args[-2:] == (1, 1)
     check_all(launches, "conv_gemm.cu")
     halo = [launch for launch in launches if launch.name.startswith("conv2d_halo<")]
     # 2 samples x 5 x 1 tiles of 4 x 32 pixels: a block per tile (fewer tiles than 2 blocks
