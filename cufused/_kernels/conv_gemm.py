@@ -191,14 +191,14 @@ def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, stride: tuple[int,
     return partial, splits
 
 
-
 # conv_transpose3d_s2k3: tiles of 4 x 4 x 16 base positions (CT3_TD, CT3_TH, CT3_TW), at most
 # 32 input channels (CT3_CI), 32 output channels a block (CT3_BN), CT3_SHARED_FLOATS floats
 # of shared memory (the weights, two halo buffers of 5 x 5 x 17 positions x 32 channels, the
 # scratch).
 _CT3_TILE = (4, 4, 16)
 _CT3_CI, _CT3_BN = 32, 32
-_CT3_SHARED = 4 * (27 * _CT3_CI * _CT3_BN + 2 * _CT3_CI * 5 * 5 * 17 + 8 * _CT3_BN)
+_CT3_SHARED = 4 * (27 * _CT3_CI * _CT3_BN
+                   + 2 * _CT3_CI * math.prod(t + 1 for t in _CT3_TILE) + 8 * _CT3_BN)
 _CT3_MAX_CLAMP = 60.0  # exp_below's accuracy bound; a wider clamp may underflow a whole row
 
 
@@ -217,17 +217,17 @@ def transposed_s2k3_takes(c_in: int, kernel, stride, padding, output_padding, di
             and math.prod(out_shape[2:]) < 2**31 and _CT3_SHARED <= shared_per_block())
 
 
-def _transposed_s2k3(mode: str, x, w, bias, *, out_shape, y=None, partial=None, factor=None,
-                     clamp=(0.0, 0.0), passes: int) -> int:
+def _transposed_s2k3(mode: str, x, w, bias, *, out_shape, runs: tuple[int, int], clamp,
+                     passes: int, y=None, partial=None, factor=None) -> None:
     """Launch ``conv_transpose3d_s2k3<passes, mode>`` for ``x`` (N, C_in, D, H, W) stored
     channels-last (packed NDHWC), contiguous ``w`` (C_in, C_out, 3, 3, 3) and the output
-    ``out_shape``; returns the runs per sample (``partial`` must have room for them:
-    :func:`transposed_s2k3_runs`)."""
+    ``out_shape``, over ``runs`` = :func:`transposed_s2k3_runs` (``partial`` has room for its
+    splits)."""
     n, c, d, h, wd = x.shape
     k = w.shape[1]
-    splits, blocks = transposed_s2k3_runs(x.shape, k)
+    splits, blocks = runs
     if blocks == 0 or k == 0:
-        return splits
+        return
     i32, f32 = numpy.int32, numpy.float32
     get_kernel(_FILE, f"conv_transpose3d_s2k3<{passes}, {mode}>", shared_bytes=_CT3_SHARED)(
         (blocks, -(-k // _CT3_BN)), (_THREADS,),
@@ -237,7 +237,6 @@ def _transposed_s2k3(mode: str, x, w, bias, *, out_shape, y=None, partial=None, 
          i32(c % 4 == 0 and x.data.ptr % 16 == 0),
          i32(y is not None and out_shape[4] % 2 == 0 and y.data.ptr % 8 == 0)),
         shared_mem=_CT3_SHARED)
-    return splits
 
 
 def transposed_s2k3_runs(x_shape: tuple[int, ...], k: int) -> tuple[int, int]:
@@ -255,16 +254,16 @@ def conv_transpose3d_softmax_sums(xp, x, w, bias, *, out_shape, clamp, passes: i
     of its sample's tiles, y = conv_transpose3d(x, w) + bias (never stored), as
     :func:`cufused._kernels.softmax.softmax_finalize` takes them."""
     k = w.shape[1]
-    splits, _ = transposed_s2k3_runs(x.shape, k)
-    partial = xp.empty((x.shape[0], k, splits, 2), dtype=xp.float32)
-    _transposed_s2k3("CT3_SOFTMAX_SUMS", x, w, bias, out_shape=out_shape, partial=partial,
-                     clamp=clamp, passes=passes)
-    return partial, splits
+    runs = transposed_s2k3_runs(x.shape, k)
+    partial = xp.empty((x.shape[0], k, runs[0], 2), dtype=xp.float32)
+    _transposed_s2k3("CT3_SOFTMAX_SUMS", x, w, bias, out_shape=out_shape, runs=runs,
+                     clamp=clamp, passes=passes, partial=partial)
+    return partial, runs[0]
 
 
 def conv_transpose3d_softmax(x, w, bias, out, factor, *, clamp, passes: int) -> None:
     """Pass 2: ``out`` (N, C_out, Do, Ho, Wo), contiguous, = exp(clamp(y) - hi) * factor[n,
     c], the convolution computed again."""
-    _transposed_s2k3("CT3_SOFTMAX", x, w, bias, out_shape=out.shape, y=out, factor=factor,
-                     clamp=clamp, passes=passes)
-
+    _transposed_s2k3("CT3_SOFTMAX", x, w, bias, out_shape=out.shape,
+                     runs=transposed_s2k3_runs(x.shape, w.shape[1]), clamp=clamp,
+                     passes=passes, y=out, factor=factor)
