@@ -1216,6 +1216,17 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const float* p) {
                  : "r"(a));
 }
 
+#if HALO_WGMMA
+// The shared-memory descriptor of 8 reduction values (from p) of a tap's CT3_BN weight rows:
+// K-major, rows of 128 bytes swizzled as ct3_swizzled does (wgmma's 128-byte swizzle, whose
+// pattern repeats every 8 rows: the tap's weights start 1024-byte aligned), 8-row groups 1024
+// bytes apart (stride offset; the leading offset is unused with this swizzle).
+__device__ __forceinline__ unsigned long long ct3_weight_desc(const float* p) {
+    const unsigned long long a = (unsigned)__cvta_generic_to_shared(p);
+    return ((a & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+#endif
+
 // torch.clamp with NaN kept (max.NaN / min.NaN return NaN if either operand is NaN).
 __device__ __forceinline__ float clamp_nan_mm(float v, float lo, float hi) {
     float r;
@@ -1251,6 +1262,10 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
     float* wt = smem;                         // [tap][o][c], swizzled rows of o
     float* halo = smem + CT3_WFLOATS;         // [buffer][hd][hh][hw][c], swizzled rows
     float* scratch = halo + 2 * CT3_HFLOATS;  // [warp][channel] run sums
+#if HALO_WGMMA
+    // ct3_weight_desc's swizzle is that of ct3_swizzled only from a 1024-byte aligned start.
+    if (PASSES == 1 && (__cvta_generic_to_shared(wt) & 1023) != 0) __trap();
+#endif
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
     const int gid = lane >> 2, tig = lane & 3;
@@ -1331,6 +1346,12 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         more = segments.next(next);
         if (more) copy_halo(next.n, next.t, halo + (buf ^ 1) * CT3_HFLOATS);
         const float* hb = halo + buf * CT3_HFLOATS;
+        // The A fragment of MMA tile i at reduction step ks of the tap whose input offset is
+        // `shift` halo positions.
+        auto a_fragment = [&](unsigned (&f)[4], int i, int ks, int shift) {
+            const int p = a_pos[i] + shift;
+            ldmatrix_x4(f, hb + p * CT3_CI + (((2 * ks + (q >> 1)) ^ (p & 7)) << 2));
+        };
         int d0, h0, w0;
         tile_origin(pos.t, d0, h0, w0);
         float f_je[4][2];
@@ -1365,37 +1386,92 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
             // Tap (a, b, c) of the class: per axis, input offset 0 with kernel index 1
             // (r = 0), or offsets 0 and 1 with kernel indices 2 and 0 (r = 1).
             const int taps = (1 + rd) * (1 + rh) * (1 + rw);
-#pragma unroll 1
-            for (int t = 0; t < taps; ++t) {
+            // Tap t's weights and the offset of its input in halo positions.
+            auto tap_at = [&](int t, const float*& wtap, int& shift) {
                 const int c = rw ? t & 1 : 0, b = rh ? (t >> rw) & 1 : 0;
                 const int a = rd ? t >> (rw + rh) : 0;
                 const int kd = rd ? 2 - 2 * a : 1, kh = rh ? 2 - 2 * b : 1;
                 const int kw = rw ? 2 - 2 * c : 1;
-                const float* wtap = wt + (kd * 9 + kh * 3 + kw) * CT3_BN * CT3_CI;
-                const int shift = (a * CT3_HH + b) * CT3_HW + c;
-#pragma unroll(PASSES == 1 ? CT3_CI / 8 : 1)
-                for (int ks = 0; ks < CT3_CI / 8; ++ks) {
-                    float af[2][4], bf[4][2];
+                wtap = wt + (kd * 9 + kh * 3 + kw) * CT3_BN * CT3_CI;
+                shift = (a * CT3_HH + b) * CT3_HW + c;
+            };
+#if HALO_WGMMA
+            if (PASSES == 1) {
+                // The warpgroup's 64 x 32 steps (MMA tile i of each of its 4 warps; wgmma's A
+                // fragment and accumulator layouts are mma_tf32's per warp). A tap's A
+                // fragments take turns in two register sets: the next tap's are loaded while
+                // this tap's steps run; a set and the accumulators stay untouched until the
+                // steps that read them are done.
+                constexpr int A_REGS = CT3_CI / 8 * 2 * 4;
+                unsigned sets[2][CT3_CI / 8][2][4];
+                auto load_tap = [&](int t, unsigned (&af)[CT3_CI / 8][2][4]) {
+                    const float* wtap;
+                    int shift;
+                    tap_at(t, wtap, shift);
 #pragma unroll
-                    for (int i = 0; i < 2; ++i) {
-                        const int p = a_pos[i] + shift;
-                        unsigned f[4];
-                        ldmatrix_x4(f, hb + p * CT3_CI + (((2 * ks + (q >> 1)) ^ (p & 7)) << 2));
+                    for (int ks = 0; ks < CT3_CI / 8; ++ks)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) af[i][e] = __uint_as_float(f[e]);
+                        for (int i = 0; i < 2; ++i) a_fragment(af[ks][i], i, ks, shift);
+                };
+                auto steps = [&](int t, unsigned (&af)[CT3_CI / 8][2][4],
+                                 unsigned (&next)[CT3_CI / 8][2][4]) {
+                    const float* wtap;
+                    int shift;
+                    tap_at(t, wtap, shift);
+                    pin_registers<32>(&acc[0][0][0]);
+                    pin_registers<A_REGS>(&af[0][0][0]);
+                    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+                    for (int ks = 0; ks < CT3_CI / 8; ++ks)
+#pragma unroll
+                        for (int i = 0; i < 2; ++i)
+                            wgmma_tf32<true>(acc[i], af[ks][i], ct3_weight_desc(wtap + 8 * ks));
+                    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+                    if (t + 1 < taps) {
+                        load_tap(t + 1, next);
+                        pin_registers<A_REGS>(&next[0][0][0]);
                     }
-#pragma unroll
-                    for (int jp = 0; jp < 2; ++jp) {
-                        const int o = 8 * (2 * jp + (q >> 1)) + rr;
-                        unsigned f[4];
-                        ldmatrix_x4(f, wtap + o * CT3_CI + (((2 * ks + (q & 1)) ^ rr) << 2));
-#pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            bf[2 * jp + e / 2][e & 1] = __uint_as_float(f[e]);
-                    }
-                    mma_warp_step<PASSES, PASSES == 1>(af, bf, sum, ks == 0);
+                    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+                    pin_registers<32>(&acc[0][0][0]);
+                    pin_registers<A_REGS>(&af[0][0][0]);
+                };
+                load_tap(0, sets[0]);
+#pragma unroll 1
+                for (int t = 0; t < taps; t += 2) {
+                    steps(t, sets[0], sets[1]);
+                    if (t + 1 < taps) steps(t + 1, sets[1], sets[0]);
                 }
-                if (PASSES == 3) flush_step_sums(acc, stage);
+            } else
+#endif
+            {
+#pragma unroll 1
+                for (int t = 0; t < taps; ++t) {
+                    const float* wtap;
+                    int shift;
+                    tap_at(t, wtap, shift);
+#pragma unroll(PASSES == 1 ? CT3_CI / 8 : 1)
+                    for (int ks = 0; ks < CT3_CI / 8; ++ks) {
+                        float af[2][4], bf[4][2];
+#pragma unroll
+                        for (int i = 0; i < 2; ++i) {
+                            unsigned f[4];
+                            a_fragment(f, i, ks, shift);
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) af[i][e] = __uint_as_float(f[e]);
+                        }
+#pragma unroll
+                        for (int jp = 0; jp < 2; ++jp) {
+                            const int o = 8 * (2 * jp + (q >> 1)) + rr;
+                            unsigned f[4];
+                            ldmatrix_x4(f, wtap + o * CT3_CI + (((2 * ks + (q & 1)) ^ rr) << 2));
+#pragma unroll
+                            for (int e = 0; e < 4; ++e)
+                                bf[2 * jp + e / 2][e & 1] = __uint_as_float(f[e]);
+                        }
+                        mma_warp_step<PASSES, PASSES == 1>(af, bf, sum, ks == 0);
+                    }
+                    if (PASSES == 3) flush_step_sums(acc, stage);
+                }
             }
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
