@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import zlib
 
 import numpy as np
 import pytest
 
+import cufused
 from cufused._arrays import gpu_available
+from cufused._cuda import portable_builds
 from cufused.bench import cases as bench_cases
 
 GPU = gpu_available()
@@ -156,6 +159,23 @@ def torch_cuda():
     if not torch.cuda.is_available():
         pytest.skip("PyTorch without CUDA")
     return torch
+
+
+@contextlib.contextmanager
+def kernels_built(build: str):
+    """The engine's kernels as this device's own target builds them ("native": sm_90a's
+    wgmma path on an H100 or H200) or as every other architecture does ("portable"). The
+    cached plans and graphs are dropped around the portable calls: a graph captured with one
+    build must not replay in the other."""
+    if build == "native":
+        yield
+        return
+    cufused.clear_caches()
+    try:
+        with portable_builds():
+            yield
+    finally:
+        cufused.clear_caches()
 
 
 def count_calls(monkeypatch, module, name: str) -> list:

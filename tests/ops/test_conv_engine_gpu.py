@@ -5,8 +5,6 @@ pipelines, non-finite values, outputs past 2**31 elements."""
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 
@@ -15,8 +13,8 @@ from cufused import reference
 from cufused._cuda import portable_builds
 from cufused._cudnn import plan_options
 
-from conftest import (GPU, assert_close, count_calls, pipeline_a_args, pipeline_b_args,
-                      pipeline_c_args, poisoned, to_gpu, torch_cuda)
+from conftest import (GPU, assert_close, count_calls, kernels_built, pipeline_a_args,
+                      pipeline_b_args, pipeline_c_args, poisoned, to_gpu, torch_cuda)
 
 pytestmark = pytest.mark.gpu
 
@@ -24,23 +22,6 @@ if GPU:
     import cupy as cp
 
 TOL = {"ieee": 1e-5, "3xtf32": 1e-5, "tf32": 5e-3}
-
-
-@contextlib.contextmanager
-def kernels_built(build: str):
-    """The engine's kernels as this device's own target builds them ("native": sm_90a's
-    wgmma path on an H100 or H200) or as every other architecture does ("portable"). The
-    cached plans and graphs are dropped around the portable calls: a graph captured with one
-    build must not replay in the other."""
-    if build == "native":
-        yield
-        return
-    cufused.clear_caches()
-    try:
-        with portable_builds():
-            yield
-    finally:
-        cufused.clear_caches()
 
 
 @pytest.fixture(autouse=True)

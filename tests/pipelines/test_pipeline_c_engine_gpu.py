@@ -12,7 +12,7 @@ import cufused
 import cufused.pipelines.pipeline_c as c_module
 from cufused._cudnn import plan_options
 
-from conftest import GPU, count_calls, mixed, poisoned, rel_err, to_gpu
+from conftest import GPU, count_calls, kernels_built, mixed, poisoned, rel_err, to_gpu
 
 pytestmark = pytest.mark.gpu
 
@@ -64,6 +64,24 @@ def test_matches_reference(rng, monkeypatch, precision, case):
     assert calls, "the implicit-GEMM path did not run"
     assert rel_err(first, ref) < TOL[precision]
     np.testing.assert_array_equal(out.get(), first)
+
+
+def test_both_builds_agree(rng, monkeypatch):
+    # On compute capability 9.0 "tf32" runs on the warpgroup MMA (sm_90a's build); the
+    # portable build's mma.sync takes the same TF32 operands in the same order.
+    x, w, scale, cb = _arrays(rng, (2, 7, 12, 14, 34), 40)
+    ref = pipeline_c(x, w, scale, **_opts(1, 2), conv_bias=cb)
+    calls = count_calls(monkeypatch, c_module, "conv_transpose3d_softmax")
+    args = to_gpu(x, w, scale, cb)
+    got = {}
+    for build in ("native", "portable"):
+        out = poisoned(ref.shape)
+        with kernels_built(build), plan_options(engine="igemm"):
+            pipeline_c(*args[:3], **_opts(1, 2), conv_bias=args[3], precision="tf32", out=out)
+        got[build] = out.get()
+        assert rel_err(got[build], ref) < TOL["tf32"], build
+    assert len(calls) == 2
+    np.testing.assert_array_equal(got["native"].view(np.uint32), got["portable"].view(np.uint32))
 
 
 @pytest.mark.parametrize("precision", ["tf32", "3xtf32"])
