@@ -1398,10 +1398,12 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
 #if HALO_WGMMA
             if (PASSES == 1) {
                 // The warpgroup's 64 x 32 steps (MMA tile i of each of its 4 warps; wgmma's A
-                // fragment and accumulator layouts are mma_tf32's per warp). A tap's A
-                // fragments take turns in two register sets: the next tap's are loaded while
-                // this tap's steps run; a set and the accumulators stay untouched until the
-                // steps that read them are done.
+                // fragment and accumulator layouts are mma_tf32's per warp), a tap's steps
+                // one commit group. A tap's A fragments take turns in two register sets: the
+                // next tap's load while this tap's steps run, and the next tap's steps are
+                // issued while this tap's are still in flight (at most two groups are). A
+                // set stays untouched until the group that reads it is done, the
+                // accumulators until the class's last group is.
                 constexpr int A_REGS = CT3_CI / 8 * 2 * 4;
                 unsigned sets[2][CT3_CI / 8][2][4];
                 auto load_tap = [&](int t, unsigned (&af)[CT3_CI / 8][2][4]) {
@@ -1412,6 +1414,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
                     for (int ks = 0; ks < CT3_CI / 8; ++ks)
 #pragma unroll
                         for (int i = 0; i < 2; ++i) a_fragment(af[ks][i], i, ks, shift);
+                    pin_registers<A_REGS>(&af[0][0][0]);
                 };
                 auto steps = [&](int t, unsigned (&af)[CT3_CI / 8][2][4],
                                  unsigned (&next)[CT3_CI / 8][2][4]) {
@@ -1427,13 +1430,9 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
                         for (int i = 0; i < 2; ++i)
                             wgmma_tf32<true>(acc[i], af[ks][i], ct3_weight_desc(wtap + 8 * ks));
                     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-                    if (t + 1 < taps) {
-                        load_tap(t + 1, next);
-                        pin_registers<A_REGS>(&next[0][0][0]);
-                    }
-                    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-                    pin_registers<32>(&acc[0][0][0]);
-                    pin_registers<A_REGS>(&af[0][0][0]);
+                    asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+                    pin_registers<A_REGS>(&next[0][0][0]);
+                    if (t + 1 < taps) load_tap(t + 1, next);
                 };
                 load_tap(0, sets[0]);
 #pragma unroll 1
@@ -1441,6 +1440,9 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
                     steps(t, sets[0], sets[1]);
                     if (t + 1 < taps) steps(t + 1, sets[1], sets[0]);
                 }
+                asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+                pin_registers<32>(&acc[0][0][0]);
+                pin_registers<2 * A_REGS>(&sets[0][0][0][0]);
             } else
 #endif
             {
