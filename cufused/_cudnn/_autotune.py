@@ -127,8 +127,14 @@ def conv_plan(problem: ConvProblem, *, convert_input: bool, convert_output: bool
             plan = _plans.get(key, False)
             if plan is False:
                 try:
-                    plan = _choose(problem, convert_input, convert_output, accept_classes, tune,
-                                   pins)
+                    try:
+                        plan = _choose(problem, convert_input, convert_output, accept_classes,
+                                       tune, pins)
+                    except cupy.cuda.memory.OutOfMemoryError:
+                        # The timing operands of a problem near the device's memory do not
+                        # fit beside the caller's: the first plan that builds, untimed.
+                        plan = _choose(problem, convert_input, convert_output, accept_classes,
+                                       False, pins)
                 except UnsupportedConvolution:
                     plan = None  # remembered: the search is not repeated on every call
                 _plans[key] = plan

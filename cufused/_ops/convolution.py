@@ -66,7 +66,8 @@ _ENGINES: dict[tuple, str] = {}
 def settled_engine(key: tuple, measure: Callable[[], str]) -> str:
     """The engine of the problem ``key``: the one the settings force (``plan_options(engine=
     ...)``), cuDNN without autotuning or with cuDNN strategies pinned, else ``measure()``'s
-    choice, measured once per device and key."""
+    choice, measured once per device and key (cuDNN where the measurement's operands do not
+    fit in the device's memory)."""
     from .._cudnn import _config
 
     if _config["engine"] is not None:
@@ -83,7 +84,11 @@ def settled_engine(key: tuple, measure: Callable[[], str]) -> str:
             raise RuntimeError("the convolution engine cannot be measured while the stream "
                                "is being captured into a CUDA graph: make the same call once "
                                "before capturing")
-        engine = _ENGINES[key] = measure()
+        try:
+            engine = measure()
+        except cupy.cuda.memory.OutOfMemoryError:
+            engine = "cudnn"
+        _ENGINES[key] = engine
     return engine
 
 

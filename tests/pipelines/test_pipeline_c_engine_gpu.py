@@ -120,3 +120,20 @@ def test_the_autotuner_picks_a_path(rng):
         pipeline_c(*to_gpu(x, w, scale, cb)[:3], **_opts(1, 2), conv_bias=to_gpu(cb)[0],
                    precision="tf32", out=out)
     assert rel_err(out.get(), ref) < TOL["tf32"]
+
+
+def test_the_autotuner_without_memory_for_its_operands(rng, monkeypatch):
+    # Where the measurement's operands do not fit beside the caller's, the call runs on cuDNN.
+    def out_of_memory(*args, **kwargs):
+        raise cp.cuda.memory.OutOfMemoryError(1 << 40, 0)
+
+    monkeypatch.setattr(c_module, "_faster_path", out_of_memory)
+    calls = count_calls(monkeypatch, c_module, "conv_transpose3d_softmax")
+    x, w, scale, cb = _arrays(rng, (2, 8, 8, 12, 14), 10)
+    ref = pipeline_c(x, w, scale, **_opts(1, 2), conv_bias=cb)
+    out = poisoned(ref.shape)
+    with plan_options(engine="auto", autotune=True):
+        pipeline_c(*to_gpu(x, w, scale), **_opts(1, 2), conv_bias=to_gpu(cb)[0],
+                   precision="tf32", out=out)
+    assert not calls
+    assert rel_err(out.get(), ref) < TOL["tf32"]

@@ -169,3 +169,21 @@ def test_conv_autotune_weighs_subpixel_split(rng):
     assert_close(got.get(), cufused.conv_transpose3d(x, w, **opts), TOL["ieee"])
     plans = [p for k, p in _cudnn._plans.items() if k[1].x_shape == (2, 4, 4, 6, 8) and k[5]]
     assert len(plans) == 1 and "subpixel nchw" in plans[0].candidates
+
+
+def test_conv_autotune_without_memory_for_its_operands(rng, monkeypatch):
+    # Where the timing operands do not fit beside the caller's (a problem near the device's
+    # memory), the plan is the first that builds, untimed, and the call still runs.
+    from cufused import _cudnn
+    from cufused._cudnn import _autotune
+
+    def out_of_memory(*args, **kwargs):
+        raise cp.cuda.memory.OutOfMemoryError(1 << 40, 0)
+
+    monkeypatch.setattr(_autotune, "_random", out_of_memory)
+    x, w = rng.standard_normal((2, 3, 10, 7)), rng.standard_normal((5, 3, 3, 2))
+    with _cudnn.plan_options(autotune=True):
+        got = cufused.conv2d(*to_gpu(x, w), padding=1)
+    assert_close(got.get(), cufused.conv2d(x, w, padding=1), TOL["ieee"])
+    plans = [p for k, p in _cudnn._plans.items() if k[1].x_shape == x.shape and k[5]]
+    assert len(plans) == 1 and plans[0] is not None and plans[0].candidates == {}
