@@ -348,8 +348,9 @@ def clear_caches() -> None:
     """Forget every cached plan and whole-call graph, freeing the memory they keep.
 
     cufused caches, per device, the cuDNN plan of each convolution problem it has run (with
-    the CUDA graphs of warm convolution calls) and the CUDA graphs of up to ``MAX_GRAPHS``
-    warm pipeline calls (each with its temporaries). All are rebuilt on next use.
+    the CUDA graphs of warm convolution calls), the engine the autotuner measured fastest for
+    each tensor-core problem, and the CUDA graphs of up to ``MAX_GRAPHS`` warm pipeline calls
+    (each with its temporaries). All are rebuilt, or measured again, on next use.
 
     Examples
     --------

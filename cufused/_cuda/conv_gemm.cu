@@ -42,8 +42,9 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4],
           "f"(c[1]), "f"(c[2]), "f"(c[3]));
 }
 
-// Hopper's warpgroup MMA where the build targets it (sm_90a): the FixedHalo steps as
-// wgmma.mma_async m64n32k8 with A from registers and B from shared memory.
+// Hopper's warpgroup MMA where the build targets it (sm_90a): the FixedHalo steps and
+// conv_transpose3d_s2k3's TF32 steps as wgmma.mma_async m64n32k8 with A from registers and B
+// from shared memory.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define HALO_WGMMA 1
 #else
@@ -1182,9 +1183,10 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
 // sectors are written back to back), each class's accumulators into the epilogue.
 //
 // PASSES = 1 feeds the staged float32 halo to the TF32 MMA as it is (the tensor cores read
-// a TF32 operand's top 19 bits: truncation) and stages the weights TF32-rounded; PASSES = 3
-// splits both at each fragment (mma_warp_step), with a step sum per tap added to the
-// accumulator in float32.
+// a TF32 operand's top 19 bits: truncation) and stages the weights TF32-rounded; on sm_90a
+// (HALO_WGMMA) its steps are warpgroup MMAs that read the weights from shared memory.
+// PASSES = 3 splits both operands at each fragment (mma_warp_step), with a step sum per tap
+// added to the accumulator in float32.
 #define CT3_TD 4
 #define CT3_TH 4
 #define CT3_TW 16
@@ -1283,6 +1285,10 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         if (PASSES == 1) v = __uint_as_float(to_tf32(v));
         wt[tap * CT3_BN * CT3_CI + ct3_swizzled(o, c)] = v;
     }
+#if HALO_WGMMA
+    // The weights, stored by the generic proxy, are read by wgmma through the async proxy.
+    if (PASSES == 1) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
 
     // The tile at t: its first base position.
     auto tile_origin = [&](int t, int& d0, int& h0, int& w0) {
@@ -1355,15 +1361,16 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         int d0, h0, w0;
         tile_origin(pos.t, d0, h0, w0);
         float f_je[4][2];
-        float* y_je[4][2];
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int k = k0 + j * 8 + 2 * tig + e;
                 f_je[j][e] = !SUMS && k < K ? __ldg(factor + (long long)pos.n * K + k) : 0.0f;
-                y_je[j][e] = y + ((long long)pos.n * K + k) * plane;
             }
+        // Output channel k0 + 2 tig of the sample; channel k0 + 8 j + 2 tig + e is 8 j + e
+        // planes on.
+        float* const y_lane = y + ((long long)pos.n * K + k0 + 2 * tig) * plane;
 
         // Class r = (rd, rh, rw), rw fastest: its taps' MMAs, then the epilogue of its
         // accumulators. Run-time loops over the classes and taps: unrolled, the compiler
@@ -1373,7 +1380,11 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         // then fills whole sectors.
         float kept[2][4][4];
 #pragma unroll 1
-        for (int r = 0; r < 8; ++r) {
+        for (int step = 0; step < 8; ++step) {
+            // Pass 2's warpgroups start half the classes apart, so that one's MMAs run while
+            // the other's stores stall it (in the same order, both wait on the memory system
+            // at once).
+            const int r = SUMS ? step : (step + 4 * (warp >> 2)) & 7;
             const int rd = r >> 2, rh = (r >> 1) & 1, rw = r & 1;
             float acc[2][4][4], stage[2][4][4];
 #pragma unroll
@@ -1483,9 +1494,10 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
                 for (int half = 0; half < 2; ++half) {
                     const int ow = 2 * (w0 + gid + 8 * half) + rw;
                     const bool inside = od < Do && oh < Ho && ow < Wo;
-                    const int at = (od * Ho + oh) * Wo + ow;
+                    // A pointer stepped along the channels, not 8 offsets held over the loops.
+                    float* yj = y_lane + (od * Ho + oh) * Wo + ow;
 #pragma unroll
-                    for (int j = 0; j < 4; ++j)
+                    for (int j = 0; j < 4; ++j, yj += 8 * plane)
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
                             const int u = half * 2 + e;
@@ -1497,13 +1509,13 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
                                 continue;
                             }
                             v = ex * f_je[j][e];
+                            float* const yk = e ? yj + plane : yj;
                             if (!pairs) {
-                                if (valid) y_je[j][e][at] = v;
+                                if (valid) *yk = v;
                             } else if (rw == 0) {
                                 kept[i][j][u] = v;
                             } else if (valid) {  // ow - 1 is inside too
-                                *reinterpret_cast<float2*>(y_je[j][e] + at - 1) =
-                                    make_float2(kept[i][j][u], v);
+                                *reinterpret_cast<float2*>(yk - 1) = make_float2(kept[i][j][u], v);
                             }
                         }
                 }

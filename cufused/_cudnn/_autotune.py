@@ -60,7 +60,7 @@ def _chosen_parts(problem: ConvProblem, strategy: Strategy, tune: bool, handle):
                     "nchw" if index is not None else strategy.x_layout)
         b = _random((problem.y_shape[1],))
         y = cupy.empty(y_shape, dtype=cupy.float32)
-    parts, built = [], set()
+    parts, built, out_of_memory = [], set(), None
     for spec in specs:
         graph, tensors = graphs[spec.graph_key()]
         best = None
@@ -78,11 +78,16 @@ def _chosen_parts(problem: ConvProblem, strategy: Strategy, tune: bool, handle):
                 ws = cupy.empty(max(part.workspace_size, 1), dtype=cupy.uint8)
                 part.milliseconds = _time_ms(lambda p=part, ws=ws: p.execute(
                     x.data.ptr, w.data.ptr, y.data.ptr, b.data.ptr, ws.data.ptr, handle))
+            except cupy.cuda.memory.OutOfMemoryError as exc:  # the workspace does not fit
+                out_of_memory = exc
+                continue
             except Exception:  # noqa: BLE001 - a plan that did not build or run is skipped
                 continue
             if best is None or part.milliseconds < best.milliseconds:
                 best = part
         if best is None:
+            if out_of_memory is not None:  # not unsupported: the caller may choose untimed
+                raise out_of_memory
             return None
         best.resolve_direct()
         parts.append(best)
@@ -127,14 +132,8 @@ def conv_plan(problem: ConvProblem, *, convert_input: bool, convert_output: bool
             plan = _plans.get(key, False)
             if plan is False:
                 try:
-                    try:
-                        plan = _choose(problem, convert_input, convert_output, accept_classes,
-                                       tune, pins)
-                    except cupy.cuda.memory.OutOfMemoryError:
-                        # The timing operands of a problem near the device's memory do not
-                        # fit beside the caller's: the first plan that builds, untimed.
-                        plan = _choose(problem, convert_input, convert_output, accept_classes,
-                                       False, pins)
+                    plan = _choose_fitting(problem, convert_input, convert_output,
+                                           accept_classes, tune, pins)
                 except UnsupportedConvolution:
                     plan = None  # remembered: the search is not repeated on every call
                 _plans[key] = plan
@@ -148,6 +147,19 @@ def strategy_score(cost: float, strategy: Strategy, convert_input: bool) -> floa
     by ``_INPUT_CONVERSION_MARGIN`` for a strategy that converts an NCHW input first."""
     converts = convert_input and strategy.x_layout != "nchw"
     return cost * (1 + _INPUT_CONVERSION_MARGIN) if converts else cost
+
+
+def _choose_fitting(problem, convert_input, convert_output, accept_classes, tune,
+                    pins) -> ConvPlan:
+    """:func:`_choose`; where the timing operands of a problem near the device's memory do
+    not fit beside the caller's, the first plan that builds, untimed (once the failed
+    attempt's operands are freed)."""
+    try:
+        return _choose(problem, convert_input, convert_output, accept_classes, tune, pins)
+    except import_cupy().cuda.memory.OutOfMemoryError:
+        if not tune:
+            raise
+    return _choose(problem, convert_input, convert_output, accept_classes, False, pins)
 
 
 def _choose(problem, convert_input, convert_output, accept_classes, tune, pins) -> ConvPlan:

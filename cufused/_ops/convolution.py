@@ -17,6 +17,7 @@ from .._arrays import (Size, check_float_dtype, check_ndim, check_required, chec
                        forward, get_array_module, per_channel)
 from .._call_graphs import replayed, warm_calls
 from .._cuda import capturing
+from .._cudnn import on_clear_plan_cache
 from .._precision import mma_passes, resolve_precision
 from ._conv_args import ConvArgs, cached_conv_args, check_conv_memory
 
@@ -59,8 +60,9 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
 # implicit GEMM, conv_gemm.cu) or "cudnn", whichever the autotuner measured faster ("3xtf32"
 # against cuDNN's exact float32, which is at least as accurate). A convolution's key is its
 # shapes, arguments, bias and precision; a pipeline's convolution with a pass in its epilogue
-# has a key of its own (settled_engine).
+# has a key of its own (settled_engine). Cleared with the plans, whose timings chose them.
 _ENGINES: dict[tuple, str] = {}
+on_clear_plan_cache(_ENGINES.clear)
 
 
 def settled_engine(key: tuple, measure: Callable[[], str]) -> str:

@@ -125,3 +125,25 @@ def test_autotuner_measures_replay_of_every_plan(monkeypatch, convert_output):
     assert decided == [plan]
     assert _cudnn._choose(problem, True, convert_output, False, False, None) is plan
     assert decided == [plan]
+
+
+def test_autotuning_out_of_memory_chooses_untimed(monkeypatch):
+    # Timing operands that do not fit make the choice the first plan that builds, untimed;
+    # an untimed choice that runs out of memory (or any other error) is not retried.
+    cupy = pytest.importorskip("cupy")
+    from cufused._cudnn import _autotune
+
+    calls = []
+
+    def choose(problem, convert_input, convert_output, accept_classes, tune, pins):
+        calls.append(tune)
+        if tune or problem == "unfit":
+            raise cupy.cuda.memory.OutOfMemoryError(1 << 40, 0)
+        return "untimed plan"
+
+    monkeypatch.setattr(_autotune, "_choose", choose)
+    assert _autotune._choose_fitting("p", True, False, False, True, None) == "untimed plan"
+    assert calls == [True, False]
+    with pytest.raises(cupy.cuda.memory.OutOfMemoryError):
+        _autotune._choose_fitting("unfit", True, False, False, False, None)
+    assert calls == [True, False, False]
