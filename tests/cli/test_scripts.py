@@ -133,6 +133,16 @@ def test_conv_halo_emulation_matches_the_reference():
     assert res.stdout.count(": max error ") == 6 and res.stdout.count(": ok") == 2, res.stdout
 
 
+def test_conv_transpose3d_emulation_matches_the_reference():
+    """scripts/emulate_conv_transpose3d.py: conv_transpose3d_s2k3's index math (tiles, halo,
+    swizzled staging, classes and taps, output positions and paired stores) and its wgmma
+    weight descriptor, emulated in NumPy against the float64 definitions."""
+    res = subprocess.run([sys.executable, str(SCRIPTS / "emulate_conv_transpose3d.py")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count(": max error ") == 3 and res.stdout.count(": ok") == 1, res.stdout
+
+
 @pytest.mark.parametrize("path", SHELL_SCRIPTS, ids=lambda p: p.name)
 def test_shell_script_parses(path):
     res = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=60)

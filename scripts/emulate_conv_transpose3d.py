@@ -1,0 +1,169 @@
+"""NumPy emulation of conv_gemm.cu's conv_transpose3d_s2k3 (pipeline C's transposed 3-D
+convolution, stride 2, 3 x 3 x 3, padding 1): its tiles of base positions and their halo, the
+weights and the halo staged swizzled (ct3_swizzled), the residue classes and their taps, and
+the epilogue's output positions with the paired stores, with float64 products, against the
+float64 reference (no GPU); and the staged weights read through the wgmma build's
+128-byte-swizzle descriptor (ct3_weight_desc), against the weights. Run it after changing the
+kernel's index math (and change it alongside).
+
+Usage: python scripts/emulate_conv_transpose3d.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from cufused import reference
+from cufused._kernels.conv_gemm import _CT3_BN as BN
+from cufused._kernels.conv_gemm import _CT3_CI as CI
+from cufused._kernels.conv_gemm import _CT3_TILE
+
+TD, TH, TW = _CT3_TILE
+HH, HW = TH + 1, TW + 1
+HPOS = (TD + 1) * HH * HW
+
+CASES = [  # x shape (N, C_in, D, H, W), C_out, output padding
+    ((1, 5, 3, 6, 19), 7, (1, 1, 0)),  # C_in % 4 != 0, tiles cut at every edge, odd W_out
+    ((2, 32, 5, 4, 16), 40, (1, 1, 1)),  # every input channel, two channel tiles, paired stores
+    ((1, 3, 1, 1, 1), 1, (0, 0, 0)),  # one base position, one channel
+]
+
+
+def swizzled(row, c):
+    """ct3_swizzled: the float offset of value c of a 32-value row, its 16-byte chunks
+    swizzled by the row's low 3 bits."""
+    return row * CI + (((c >> 2) ^ (row & 7)) << 2) + (c & 3)
+
+
+def taps_of(r: int) -> int:
+    return (1 + (r >> 2)) * (1 + ((r >> 1) & 1)) * (1 + (r & 1))
+
+
+def tap_at(r: int, t: int):
+    """The kernel's tap t of class r = (rd, rh, rw): its kernel index (kd, kh, kw) and input
+    offset (a, b, c) from the base position."""
+    rd, rh, rw = r >> 2, (r >> 1) & 1, r & 1
+    c = t & 1 if rw else 0
+    b = (t >> rw) & 1 if rh else 0
+    a = t >> (rw + rh) if rd else 0
+    kernel = (2 - 2 * a if rd else 1, 2 - 2 * b if rh else 1, 2 - 2 * c if rw else 1)
+    return kernel, (a, b, c)
+
+
+def staged_weights(w, k0):
+    """The block's shared weights: [tap][o][c] in swizzled rows of o, zeros past C and K."""
+    c_total, k_total = w.shape[:2]
+    wt = np.zeros(27 * BN * CI)
+    o, c = np.meshgrid(np.arange(BN), np.arange(CI), indexing="ij")
+    keep = (c < c_total) & (k0 + o < k_total)
+    for tap in range(27):
+        vals = np.zeros((BN, CI))
+        vals[keep] = w[c[keep], k0 + o[keep], tap // 9, (tap // 3) % 3, tap % 3]
+        wt[tap * BN * CI + swizzled(o, c)] = vals
+    return wt
+
+
+def emulate(x, w, bias, out_shape):
+    n_total, c_total, d_in, h_in, w_in = x.shape
+    k_total = w.shape[1]
+    d_out, h_out, w_out = out_shape[2:]
+    pairs = w_out % 2 == 0
+    y = np.full(out_shape, np.nan)
+    rows = np.arange(TD * TH)
+    pd, ph = rows // TH, rows % TH
+    m = np.arange(TW)
+    c_idx = np.arange(CI)
+    o_idx = np.arange(BN)
+    for k0 in range(0, k_total, BN):
+        wt = staged_weights(w, k0)
+        k = k0 + o_idx
+        b = np.where(k < k_total, bias[np.minimum(k, k_total - 1)], 0.0)
+        for n in range(n_total):
+            for d0 in range(0, d_in, TD):
+                for h0 in range(0, h_in, TH):
+                    for w0 in range(0, w_in, TW):
+                        halo = np.zeros(HPOS * CI)
+                        p = np.arange(HPOS)
+                        hd, hh, hw = p // (HH * HW), (p // HW) % HH, p % HW
+                        d, h, ww = d0 + hd, h0 + hh, w0 + hw
+                        for c in range(min(c_total, CI)):
+                            inside = (d < d_in) & (h < h_in) & (ww < w_in)
+                            vals = np.zeros(HPOS)
+                            vals[inside] = x[n, c, d[inside], h[inside], ww[inside]]
+                            halo[swizzled(p, c)] = vals
+                        kept = None
+                        for r in range(8):
+                            rd, rh, rw = r >> 2, (r >> 1) & 1, r & 1
+                            acc = np.broadcast_to(b, (TD * TH, TW, BN)).copy()
+                            for t in range(taps_of(r)):
+                                (kd, kh, kw), (a, bb, cc) = tap_at(r, t)
+                                shift = (a * HH + bb) * HW + cc
+                                pos = ((pd * HH + ph) * HW)[:, None] + m[None, :] + shift
+                                av = halo[swizzled(pos[..., None], c_idx)]
+                                tap = kd * 9 + kh * 3 + kw
+                                bv = wt[tap * BN * CI + swizzled(o_idx[:, None], c_idx)]
+                                acc += av @ bv.T
+                            od = 2 * (d0 + pd) + rd
+                            oh = 2 * (h0 + ph) + rh
+                            ow = 2 * (w0 + m) + rw
+                            inside = ((od < d_out) & (oh < h_out))[:, None] & (ow < w_out)
+                            valid = inside[..., None] & (k < k_total)
+                            if pairs and rw == 0:
+                                kept = acc
+                                continue
+                            for row, col, o in zip(*np.nonzero(valid)):
+                                at = (n, k[o], od[row], oh[row])
+                                if pairs:  # the float2 of outputs ow - 1 and ow
+                                    y[at + (ow[col] - 1,)] = kept[row, col, o]
+                                y[at + (ow[col],)] = acc[row, col, o]
+    return y
+
+
+def check_weight_descriptor(rng) -> bool:
+    """The staged weights of each tap read through ct3_weight_desc's descriptor (K-major,
+    128-byte swizzle: rows of 128 bytes, 8-row groups 1024 bytes apart, the step's 8 values
+    32 bytes on; the swizzle XORs address bits 4-6 with bits 7-9 of the address from the
+    1024-byte aligned start) give B[n][c] = w[c, k0 + n, tap] for every reduction step."""
+    ok = True
+    for c_total, k_total, k0 in [(32, 64, 32), (5, 7, 0)]:
+        w = rng.standard_normal((c_total, k_total, 3, 3, 3))
+        wt = staged_weights(w, k0)
+        for tap in range(27):
+            start = tap * BN * CI * 4  # bytes from the weights' 1024-byte aligned start
+            for ks in range(CI // 8):
+                n, kk = np.meshgrid(np.arange(BN), np.arange(8), indexing="ij")
+                at = start + 32 * ks + (n // 8) * 1024 + (n % 8) * 128 + kk * 4
+                at = at ^ (((at >> 7) & 7) << 4)
+                got = wt[at // 4]
+                c = 8 * ks + kk
+                want = np.zeros((BN, 8))
+                keep = (c < c_total) & (k0 + n < k_total)
+                want[keep] = w[c[keep], k0 + n[keep], tap // 9, (tap // 3) % 3, tap % 3]
+                ok &= bool(np.array_equal(got, want))
+    print(f"wgmma weight descriptor: {'ok' if ok else 'FAILED'}")
+    return ok
+
+
+def main() -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
+    rng = np.random.default_rng(0)
+    worst = 0.0
+    for shape, cout, op in CASES:
+        x = rng.standard_normal(shape)
+        w = rng.standard_normal((shape[1], cout, 3, 3, 3))
+        b = rng.standard_normal(cout)
+        ref = reference.conv_transpose(x, w, b, (2, 2, 2), (1, 1, 1), op, (1, 1, 1), 1)
+        got = emulate(x, w, b, ref.shape)
+        err = float(np.abs(got - ref).max()) if not np.isnan(got).any() else float("inf")
+        worst = max(worst, err)
+        print(f"x {shape} C_out {cout} output padding {op}: max error {err:.1e}")
+    if not check_weight_descriptor(rng):
+        return 1
+    return 0 if worst < 1e-9 else 1  # an output never written (NaN) counts as inf
+
+
+if __name__ == "__main__":
+    sys.exit(main())
