@@ -28,21 +28,31 @@ _REPLAY_MARGIN = 0.005
 _INPUT_CONVERSION_MARGIN = 0.10
 
 
-def _make_plan(problem: ConvProblem, strategy: Strategy, tune: bool) -> ConvPlan | None:
-    """Build ``strategy``'s graphs and pick each one's fastest plan (or its heuristic one)."""
+class _ShortOfMemory(Exception):
+    """Every plan of a strategy that cuDNN supports was skipped for its workspace."""
+
+
+# _chosen_parts' answer where every plan of a graph was skipped for its workspace.
+_SHORT_OF_MEMORY = object()
+
+
+def _make_plan(problem: ConvProblem, strategy: Strategy, tune: bool):
+    """Build ``strategy``'s graphs and pick each one's fastest plan (or its heuristic one):
+    a ConvPlan, None where cuDNN has none, or _SHORT_OF_MEMORY."""
     # The graphs keep the handle they are built with: it stays borrowed until each chosen
     # plan has resolved its backend call (_direct_executor), the last use of the graph's own.
     with cudnn_handle() as handle:
         chosen = _chosen_parts(problem, strategy, tune, handle)
-    if chosen is None:
-        return None
+    if chosen is None or chosen is _SHORT_OF_MEMORY:
+        return chosen
     parts, y_shape, index = chosen
     return ConvPlan(problem, strategy, parts, y_shape, index,
                     max(p.workspace_size for p in parts))
 
 
 def _chosen_parts(problem: ConvProblem, strategy: Strategy, tune: bool, handle):
-    """``(parts, y_shape, weight index)`` of ``_make_plan``, or None where cuDNN has none."""
+    """``(parts, y_shape, weight index)`` of ``_make_plan``, None where cuDNN has none, or
+    _SHORT_OF_MEMORY where a graph's every plan that builds was skipped for its workspace."""
     cudnn = import_cudnn()
     cupy = import_cupy()
     try:
@@ -60,10 +70,10 @@ def _chosen_parts(problem: ConvProblem, strategy: Strategy, tune: bool, handle):
                     "nchw" if index is not None else strategy.x_layout)
         b = _random((problem.y_shape[1],))
         y = cupy.empty(y_shape, dtype=cupy.float32)
-    parts, built, out_of_memory = [], set(), None
+    parts, built = [], set()
     for spec in specs:
         graph, tensors = graphs[spec.graph_key()]
-        best = None
+        best, short_of_memory = None, False
         if tune and spec.graph_key() not in built:
             graph.build_plans(cudnn.build_plan_policy.ALL)
             built.add(spec.graph_key())
@@ -78,17 +88,15 @@ def _chosen_parts(problem: ConvProblem, strategy: Strategy, tune: bool, handle):
                 ws = cupy.empty(max(part.workspace_size, 1), dtype=cupy.uint8)
                 part.milliseconds = _time_ms(lambda p=part, ws=ws: p.execute(
                     x.data.ptr, w.data.ptr, y.data.ptr, b.data.ptr, ws.data.ptr, handle))
-            except cupy.cuda.memory.OutOfMemoryError as exc:  # the workspace does not fit
-                out_of_memory = exc
+            except cupy.cuda.memory.OutOfMemoryError:  # its workspace does not fit
+                short_of_memory = True
                 continue
             except Exception:  # noqa: BLE001 - a plan that did not build or run is skipped
                 continue
             if best is None or part.milliseconds < best.milliseconds:
                 best = part
         if best is None:
-            if out_of_memory is not None:  # not unsupported: the caller may choose untimed
-                raise out_of_memory
-            return None
+            return _SHORT_OF_MEMORY if short_of_memory else None
         best.resolve_direct()
         parts.append(best)
     return parts, y_shape, index
@@ -156,7 +164,7 @@ def _choose_fitting(problem, convert_input, convert_output, accept_classes, tune
     attempt's operands are freed)."""
     try:
         return _choose(problem, convert_input, convert_output, accept_classes, tune, pins)
-    except import_cupy().cuda.memory.OutOfMemoryError:
+    except (import_cupy().cuda.memory.OutOfMemoryError, _ShortOfMemory):
         if not tune:
             raise
     return _choose(problem, convert_input, convert_output, accept_classes, False, pins)
@@ -166,9 +174,12 @@ def _choose(problem, convert_input, convert_output, accept_classes, tune, pins) 
     found = _pinned(strategies(problem, accept_classes or convert_output), pins)
     if not tune:  # the first strategy, in order, that builds
         found = [s for s in found if not s.bias_in_graph] or found
-    best, best_score, candidates = None, float("inf"), {}
+    best, best_score, candidates, short_of_memory = None, float("inf"), {}, False
     for strategy in found:
         plan = _make_plan(problem, strategy, tune)
+        if plan is _SHORT_OF_MEMORY:
+            short_of_memory = True
+            continue
         if plan is None:
             continue
         if not tune:
@@ -185,6 +196,8 @@ def _choose(problem, convert_input, convert_output, accept_classes, tune, pins) 
         if score < best_score:
             best, best_call, best_score = plan, call, score
     if best is None:
+        if short_of_memory:  # not unsupported: _choose_fitting chooses untimed
+            raise _ShortOfMemory(problem)
         raise UnsupportedConvolution(f"cuDNN supports no plan for this convolution: {problem}")
     best.candidates = candidates
     # Also for a plan whose output feeds a fused pass: the pipeline's argument checks are

@@ -137,6 +137,8 @@ def test_autotuning_out_of_memory_chooses_untimed(monkeypatch):
 
     def choose(problem, convert_input, convert_output, accept_classes, tune, pins):
         calls.append(tune)
+        if problem == "workspaces" and tune:
+            raise _autotune._ShortOfMemory(problem)
         if tune or problem == "unfit":
             raise cupy.cuda.memory.OutOfMemoryError(1 << 40, 0)
         return "untimed plan"
@@ -144,6 +146,39 @@ def test_autotuning_out_of_memory_chooses_untimed(monkeypatch):
     monkeypatch.setattr(_autotune, "_choose", choose)
     assert _autotune._choose_fitting("p", True, False, False, True, None) == "untimed plan"
     assert calls == [True, False]
+    assert _autotune._choose_fitting("workspaces", True, False, False, True, None) == \
+        "untimed plan"
+    assert calls == [True, False, True, False]
     with pytest.raises(cupy.cuda.memory.OutOfMemoryError):
         _autotune._choose_fitting("unfit", True, False, False, False, None)
-    assert calls == [True, False, False]
+    assert calls == [True, False, True, False, False]
+
+
+def test_strategies_short_of_memory_are_skipped(monkeypatch):
+    # A strategy whose every plan was skipped for its workspace gives way to the next; where
+    # none is left the search reports the shortage (not "unsupported", which is remembered).
+    from cufused import _cudnn
+    from cufused._cudnn import _autotune
+
+    problem = _cudnn.ConvProblem("fprop", (1, 2, 5, 5), (3, 2, 3, 3), (1, 3, 3, 3), (1, 1),
+                                 (0, 0), (1, 1), "ieee")
+    plan = types.SimpleNamespace(parts=[types.SimpleNamespace(milliseconds=1.0)],
+                                 apply=lambda *args, **kwargs: None, _replays={})
+    found = [_cudnn.Strategy("direct", "nchw", "nchw"), _cudnn.Strategy("direct", "nhwc", "nhwc")]
+    monkeypatch.setattr(_autotune, "strategies", lambda problem, accept: found)
+    monkeypatch.setattr(_autotune, "_random", lambda shape, layout="nchw": None)
+    monkeypatch.setattr(_autotune, "_time_ms", lambda call: 1.0)
+    monkeypatch.setattr(_autotune, "_decide_replay", lambda p, call: None)
+    made = {"nchw": _autotune._SHORT_OF_MEMORY, "nhwc": plan}
+    monkeypatch.setattr(_autotune, "_make_plan", lambda problem, s, tune: made[s.x_layout])
+    assert _autotune._choose(problem, True, False, False, True, None) is plan
+    assert plan.candidates == {"nhwc": (1.0, 1.0)}
+    made["nhwc"] = _autotune._SHORT_OF_MEMORY
+    with pytest.raises(_autotune._ShortOfMemory):
+        _autotune._choose(problem, True, False, False, True, None)
+    made["nhwc"] = None
+    with pytest.raises(_autotune._ShortOfMemory):
+        _autotune._choose(problem, True, False, False, True, None)
+    made["nchw"] = None
+    with pytest.raises(_cudnn.UnsupportedConvolution):
+        _autotune._choose(problem, True, False, False, True, None)
