@@ -1,12 +1,13 @@
 """NumPy emulation of conv_gemm.cu's conv_transpose3d_s2k3 (pipeline C's transposed 3-D
-convolution, stride 2, 3 x 3 x 3, padding 1): its tiles of base positions and their halo, the
-weights and the halo staged swizzled (ct3_swizzled), the residue classes and their taps, and
-the epilogue's output positions with the paired stores, with float64 products, against the
-float64 reference (no GPU); and the staged weights read through the wgmma build's
-128-byte-swizzle descriptor (ct3_weight_desc, its stride and swizzle fields read from the
-source), against the weights. It works on positions and channels: the lanes' fragments, the
-order of the classes and the output pointers are the GPU tests' to check. Run it after
-changing the kernel's index math (and change it alongside).
+convolution, stride 2, 3 x 3 x 3, padding 1, with the clamped softmax in its epilogues): the
+runs of tiles (SampleSegments, tile_origin), the halo and the weights staged swizzled
+(ct3_swizzled), the residue classes and their taps, pass 1's per-run sums, the factors, and
+pass 2's output positions with the paired stores, with float64 products, against the float64
+reference (no GPU); and the staged weights read through the wgmma build's 128-byte-swizzle
+descriptor (ct3_weight_desc, its stride and swizzle fields read from the source), against the
+weights. It works on positions and channels: the lanes' fragments, the order of the classes
+and the output pointers are the GPU tests' to check. Run it after changing the kernel's
+index math (and change it alongside).
 
 Usage: python scripts/emulate_conv_transpose3d.py
 """
@@ -19,21 +20,22 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from emulate_conv_halo import segments
 
 from cufused import reference
 from cufused._kernels.conv_gemm import _CT3_BN as BN
 from cufused._kernels.conv_gemm import _CT3_CI as CI
-from cufused._kernels.conv_gemm import _CT3_TILE
+from cufused._kernels.conv_gemm import _CT3_TILE, sample_segments
 
 TD, TH, TW = _CT3_TILE
 HH, HW = TH + 1, TW + 1
 HPOS = (TD + 1) * HH * HW
 
-CASES = [  # x shape (N, C_in, D, H, W), C_out, output padding
-    ((1, 5, 3, 6, 19), 7, (1, 1, 0)),  # C_in % 4 != 0, tiles cut at every edge, odd W_out
-    ((1, 5, 3, 6, 19), 7, (1, 1, 1)),  # paired stores in a cut tile
-    ((2, 32, 5, 4, 16), 40, (1, 1, 1)),  # every input channel, two channel tiles, paired stores
-    ((1, 3, 1, 1, 1), 1, (0, 0, 0)),  # one base position, one channel
+CASES = [  # x shape (N, C_in, D, H, W), C_out, output padding, clamp, resident blocks
+    ((1, 5, 3, 6, 19), 7, (1, 1, 0), (-0.5, 1.0), 3),  # C_in % 4 != 0, cut tiles, odd W_out
+    ((1, 5, 3, 6, 19), 7, (1, 1, 1), (0.0, 1.0), 2),  # paired stores in a cut tile
+    ((2, 32, 5, 4, 16), 40, (1, 1, 1), (-2.0, 3.0), 3),  # every input channel, 2 channel tiles
+    ((3, 3, 1, 1, 1), 1, (0, 0, 0), (0.0, 1.0), 132),  # one base position a sample
 ]
 
 
@@ -71,59 +73,89 @@ def staged_weights(w, k0):
     return wt
 
 
-def emulate(x, w, bias, out_shape):
-    n_total, c_total, d_in, h_in, w_in = x.shape
-    k_total = w.shape[1]
+def tile_origin(t: int, tiles_h: int, tiles_w: int) -> tuple[int, int, int]:
+    """The kernel's tile_origin: tile t's first base position."""
+    th, tw = divmod(t, tiles_w)
+    td = th // tiles_h
+    return td * TD, (th - td * tiles_h) * TH, tw * TW
+
+
+def tile_classes(x, wt, bias, n, origin, out_shape, k):
+    """One tile's classes r = 0 .. 7: ``(r, acc, od, oh, ow, valid)``, acc[row, column,
+    channel] = conv + bias over the swizzled halo and weights, the rows' and columns' output
+    positions and where the kernel's epilogue takes them (inside the output, k < K)."""
+    _, c_total, d_in, h_in, w_in = x.shape
     d_out, h_out, w_out = out_shape[2:]
-    pairs = w_out % 2 == 0
-    y = np.full(out_shape, np.nan)
-    rows = np.arange(TD * TH)
+    d0, h0, w0 = origin
+    rows, m, c_idx, o_idx = np.arange(TD * TH), np.arange(TW), np.arange(CI), np.arange(BN)
     pd, ph = rows // TH, rows % TH
-    m = np.arange(TW)
-    c_idx = np.arange(CI)
-    o_idx = np.arange(BN)
-    for k0 in range(0, k_total, BN):
-        wt = staged_weights(w, k0)
-        k = k0 + o_idx
-        b = np.where(k < k_total, bias[np.minimum(k, k_total - 1)], 0.0)
-        for n in range(n_total):
-            for d0 in range(0, d_in, TD):
-                for h0 in range(0, h_in, TH):
-                    for w0 in range(0, w_in, TW):
-                        halo = np.zeros(HPOS * CI)
-                        p = np.arange(HPOS)
-                        hd, hh, hw = p // (HH * HW), (p // HW) % HH, p % HW
-                        d, h, ww = d0 + hd, h0 + hh, w0 + hw
-                        for c in range(min(c_total, CI)):
-                            inside = (d < d_in) & (h < h_in) & (ww < w_in)
-                            vals = np.zeros(HPOS)
-                            vals[inside] = x[n, c, d[inside], h[inside], ww[inside]]
-                            halo[swizzled(p, c)] = vals
-                        kept = None
-                        for r in range(8):
-                            rd, rh, rw = r >> 2, (r >> 1) & 1, r & 1
-                            acc = np.broadcast_to(b, (TD * TH, TW, BN)).copy()
-                            for t in range(taps_of(r)):
-                                (kd, kh, kw), (a, bb, cc) = tap_at(r, t)
-                                shift = (a * HH + bb) * HW + cc
-                                pos = ((pd * HH + ph) * HW)[:, None] + m[None, :] + shift
-                                av = halo[swizzled(pos[..., None], c_idx)]
-                                tap = kd * 9 + kh * 3 + kw
-                                bv = wt[tap * BN * CI + swizzled(o_idx[:, None], c_idx)]
-                                acc += av @ bv.T
-                            od = 2 * (d0 + pd) + rd
-                            oh = 2 * (h0 + ph) + rh
-                            ow = 2 * (w0 + m) + rw
-                            inside = ((od < d_out) & (oh < h_out))[:, None] & (ow < w_out)
-                            valid = inside[..., None] & (k < k_total)
-                            if pairs and rw == 0:
-                                kept = acc
-                                continue
-                            for row, col, o in zip(*np.nonzero(valid)):
-                                at = (n, k[o], od[row], oh[row])
-                                if pairs:  # the float2 of outputs ow - 1 and ow
-                                    y[at + (ow[col] - 1,)] = kept[row, col, o]
-                                y[at + (ow[col],)] = acc[row, col, o]
+    halo = np.zeros(HPOS * CI)
+    p = np.arange(HPOS)
+    d, h, ww = d0 + p // (HH * HW), h0 + (p // HW) % HH, w0 + p % HW
+    inside = (d < d_in) & (h < h_in) & (ww < w_in)
+    for c in range(min(c_total, CI)):
+        vals = np.zeros(HPOS)
+        vals[inside] = x[n, c, d[inside], h[inside], ww[inside]]
+        halo[swizzled(p, c)] = vals
+    for r in range(8):
+        rd, rh, rw = r >> 2, (r >> 1) & 1, r & 1
+        acc = np.broadcast_to(bias, (TD * TH, TW, BN)).copy()
+        for t in range(taps_of(r)):
+            (kd, kh, kw), (a, bb, cc) = tap_at(r, t)
+            pos = ((pd * HH + ph) * HW + (a * HH + bb) * HW + cc)[:, None] + m[None, :]
+            av = halo[swizzled(pos[..., None], c_idx)]
+            bv = wt[(kd * 9 + kh * 3 + kw) * BN * CI + swizzled(o_idx[:, None], c_idx)]
+            acc += av @ bv.T
+        od, oh, ow = 2 * (d0 + pd) + rd, 2 * (h0 + ph) + rh, 2 * (w0 + m) + rw
+        inside_out = ((od < d_out) & (oh < h_out))[:, None] & (ow < w_out)
+        yield r, acc, od, oh, ow, inside_out[..., None] & (k < out_shape[1])
+
+
+def emulate(x, w, bias, out_shape, clamp, scale, slots):
+    """Both passes over the kernel's run schedule (SampleSegments: runs of tiles for
+    ``slots`` resident blocks per channel tile, as the launcher cuts them): pass 1's per-run
+    sums of exp(clamp(y) - hi) (partial[n, k, run]), the factors as softmax_finalize forms
+    them, and pass 2's outputs exp(clamp(y) - hi) * factor with the paired stores."""
+    n_total, _, d_in, h_in, w_in = x.shape
+    k_total = w.shape[1]
+    lo, hi = clamp
+    w_out = out_shape[4]
+    pairs = w_out % 2 == 0
+    tiles_h, tiles_w = -(-h_in // TH), -(-w_in // TW)
+    tiles = -(-d_in // TD) * tiles_h * tiles_w
+    splits, blocks = sample_segments(n_total, tiles, slots)
+    partial = np.full((n_total, k_total, splits), np.nan)
+    y = np.full(out_shape, np.nan)
+    for out_pass in ("sums", "result"):
+        if out_pass == "result":
+            factor = scale / partial.sum(axis=2)
+        for k0 in range(0, k_total, BN):
+            wt = staged_weights(w, k0)
+            k = k0 + np.arange(BN)
+            bias_k = np.where(k < k_total, bias[np.minimum(k, k_total - 1)], 0.0)
+            for _, items in segments(n_total, tiles, splits, blocks):
+                sums = np.zeros(BN)
+                for n, t, run in items:
+                    origin = tile_origin(t, tiles_h, tiles_w)
+                    kept = None
+                    for r, acc, od, oh, ow, valid in tile_classes(x, wt, bias_k, n, origin,
+                                                                 out_shape, k):
+                        ex = np.exp(np.clip(acc, lo, hi) - hi)
+                        if out_pass == "sums":
+                            sums += np.where(valid, ex, 0.0).sum(axis=(0, 1))
+                            continue
+                        v = ex * factor[n, np.minimum(k, k_total - 1)]
+                        if pairs and r & 1 == 0:
+                            kept = v
+                            continue
+                        for row, col, o in zip(*np.nonzero(valid)):
+                            at = (n, k[o], od[row], oh[row])
+                            if pairs:  # the float2 of outputs ow - 1 and ow
+                                y[at + (ow[col] - 1,)] = kept[row, col, o]
+                            y[at + (ow[col],)] = v[row, col, o]
+                if out_pass == "sums":  # the run's sums, as its last tile stores them
+                    n, _, run = items[-1]
+                    partial[n, k0:k0 + BN, run] = sums[:k_total - k0]
     return y
 
 
@@ -162,16 +194,18 @@ def check_weight_descriptor(rng) -> bool:
     return ok
 
 
-def case_error(rng, shape, cout, op) -> float:
-    """The emulation's largest error against the float64 reference on random operands (inf
-    where an output was never written)."""
+def case_error(rng, shape, cout, op, clamp, slots) -> float:
+    """The emulation's largest relative error against the float64 reference of the
+    convolution, clamp, softmax over each (sample, channel) and scale, on random operands
+    (inf where an output was never written)."""
     x = rng.standard_normal(shape)
     w = rng.standard_normal((shape[1], cout, 3, 3, 3))
-    b = rng.standard_normal(cout)
-    ref = reference.conv_transpose(x, w, b, (2, 2, 2), (1, 1, 1), op, (1, 1, 1), 1)
-    got = emulate(x, w, b, ref.shape)
-    err = np.abs(got - ref).max()
-    print(f"x {shape} C_out {cout} output padding {op}: max error {err:.1e}")
+    b, scale = rng.standard_normal(cout), rng.standard_normal(cout)
+    y = reference.conv_transpose(x, w, b, (2, 2, 2), (1, 1, 1), op, (1, 1, 1), 1)
+    ref = reference.softmax(np.clip(y, *clamp), (2, 3, 4)) * scale[:, None, None, None]
+    got = emulate(x, w, b, ref.shape, clamp, scale, slots)
+    err = (np.abs(got - ref) / np.abs(ref).max()).max()
+    print(f"x {shape} C_out {cout} output padding {op} clamp {clamp}: max error {err:.1e}")
     return float(err) if not np.isnan(err) else float("inf")
 
 

@@ -134,9 +134,10 @@ def test_conv_halo_emulation_matches_the_reference():
 
 
 def test_conv_transpose3d_emulation_matches_the_reference():
-    """scripts/emulate_conv_transpose3d.py: conv_transpose3d_s2k3's index math (tiles, halo,
-    swizzled staging, classes and taps, output positions and paired stores) and its wgmma
-    weight descriptor, emulated in NumPy against the float64 definitions."""
+    """scripts/emulate_conv_transpose3d.py: conv_transpose3d_s2k3's index math (runs of
+    tiles, halo, swizzled staging, classes and taps, the sums, output positions and paired
+    stores) and its wgmma weight descriptor, emulated in NumPy against the float64
+    definitions."""
     res = subprocess.run([sys.executable, str(SCRIPTS / "emulate_conv_transpose3d.py")],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
