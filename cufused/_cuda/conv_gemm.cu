@@ -1200,6 +1200,11 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
 #define CT3_SHARED_FLOATS (CT3_WFLOATS + 2 * CT3_HFLOATS + 8 * CT3_BN)
 static_assert(CT3_CI == 32, "a row is 8 chunks of 16 bytes, swizzled by its low 3 bits");
 
+// A class's rw as a compile-time constant of conv_transpose3d_s2k3's class body.
+template <int V> struct CT3Int {
+    static constexpr int value = V;
+};
+
 // What the epilogue does with y = conv + bias (the launcher's codes, conv_gemm.py).
 #define CT3_SOFTMAX_SUMS 1  // partial[n, k, run] = (hi, sum of exp(clamp(y) - hi) over run)
 #define CT3_SOFTMAX 2       // y[n, k, o] = exp(clamp(y) - hi) * factor[n, k]
@@ -1210,12 +1215,16 @@ __device__ __forceinline__ int ct3_swizzled(int row, int c) {
 }
 
 // Four 8 x 4 TF32 matrices (as ldmatrix's 8 x 8 b16 ones): lanes 8 q .. 8 q + 7 give the
-// 16-byte rows of matrix q; r[q] is this lane's value (row gid, column tig) of matrix q.
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const float* p) {
-    const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+// 16-byte rows of matrix q (at shared address a); r[q] is this lane's value (row gid, column
+// tig) of matrix q.
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned a) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(a));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const float* p) {
+    ldmatrix_x4(r, (unsigned)__cvta_generic_to_shared(p));
 }
 
 #if HALO_WGMMA
@@ -1237,12 +1246,13 @@ __device__ __forceinline__ float clamp_nan_mm(float v, float lo, float hi) {
     return r;
 }
 
-// exp(v - hi) for v <= hi (or NaN) from the flush-to-zero ex2 instruction: the argument's
-// rounding errs by |v - hi| * 2^-24 in the exponent, under 4e-6 relative for a clamp
-// narrower than 60 (the launcher's limit).
-__device__ __forceinline__ float exp_below(float v, float hi) {
+// exp(v - hi) for v <= hi (or NaN) from the flush-to-zero ex2 instruction, hi_log2e = hi *
+// log2(e) rounded: one fused multiply-add forms the exponent, within |hi| * 2^-24 (the
+// rounding of hi_log2e; v itself, a float32 sum, is as uncertain) plus the clamp width
+// (under 60, the launcher's limit) times 2^-24.
+__device__ __forceinline__ float exp_below(float v, float hi_log2e) {
     float e;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"((v - hi) * 1.4426950408889634f));
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(fmaf(v, 1.4426950408889634f, -hi_log2e)));
     return e;
 }
 
@@ -1264,10 +1274,9 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
     float* wt = smem;                         // [tap][o][c], swizzled rows of o
     float* halo = smem + CT3_WFLOATS;         // [buffer][hd][hh][hw][c], swizzled rows
     float* scratch = halo + 2 * CT3_HFLOATS;  // [warp][channel] run sums
-#if HALO_WGMMA
-    // ct3_weight_desc's swizzle is that of ct3_swizzled only from a 1024-byte aligned start.
-    if (PASSES == 1 && (__cvta_generic_to_shared(wt) & 1023) != 0) __trap();
-#endif
+    // ct3_weight_desc's swizzle is that of ct3_swizzled only from a 1024-byte aligned start,
+    // and the A fragments' addresses (a_address) need 128-byte aligned rows.
+    if ((__cvta_generic_to_shared(smem) & 1023) != 0) __trap();
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
     const int gid = lane >> 2, tig = lane & 3;
@@ -1322,14 +1331,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
     };
 
     // This lane's channels k0 + 8 j + 2 tig + e: their bias, the accumulators' start.
-    float bias_je[4][2];
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int k = k0 + j * 8 + 2 * tig + e;
-            bias_je[j][e] = bias != nullptr && k < K ? __ldg(bias + k) : 0.0f;
-        }
+    const ChannelBias bias_je = channel_bias(bias, k0, tig, K);
     // ldmatrix rows of this lane: matrix q = lane / 8, row lane % 8. A: MMA tile i's position
     // row + 8 (q & 1), chunk 2 ks + q / 2. B: output channel 8 (2 jp + q / 2) + row, chunk
     // 2 ks + (q & 1).
@@ -1341,6 +1343,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         a_pos[i] = (pd * CT3_HH + ph) * CT3_HW + rr + 8 * (q & 1);
     }
     const long long plane = (long long)Do * Ho * Wo;
+    const float hi_log2e = hi * 1.4426950408889634f;
     float run_sums[4][2] = {};
 
     copy_halo(pos.n, pos.t, halo);
@@ -1351,48 +1354,44 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         TilePos next = pos;
         more = segments.next(next);
         if (more) copy_halo(next.n, next.t, halo + (buf ^ 1) * CT3_HFLOATS);
-        const float* hb = halo + buf * CT3_HFLOATS;
-        // The A fragment of MMA tile i at reduction step ks of the tap whose input offset is
-        // `shift` halo positions.
-        auto a_fragment = [&](unsigned (&f)[4], int i, int ks, int shift) {
+        const unsigned hb = (unsigned)__cvta_generic_to_shared(halo + buf * CT3_HFLOATS);
+        // The shared address of MMA tile i's A fragments at step 0 of the tap whose input
+        // offset is `shift` halo positions: this lane's row p, its 16-byte chunk (q / 2) ^ (p
+        // & 7). At step ks the chunk is (2 ks + q / 2) ^ (p & 7), the step-0 chunk XOR 2 ks:
+        // in a row of 128 bytes from an aligned start, the address XOR 32 ks.
+        auto a_address = [&](int i, int shift) -> unsigned {
             const int p = a_pos[i] + shift;
-            ldmatrix_x4(f, hb + p * CT3_CI + (((2 * ks + (q >> 1)) ^ (p & 7)) << 2));
+            return hb + p * (CT3_CI * 4) + (((q >> 1) ^ (p & 7)) << 4);
+        };
+        auto a_fragment = [&](unsigned (&f)[4], int i, int ks, int shift) {
+            ldmatrix_x4(f, a_address(i, shift) ^ (ks << 5));
         };
         int d0, h0, w0;
         tile_origin(pos.t, d0, h0, w0);
-        float f_je[4][2];
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int k = k0 + j * 8 + 2 * tig + e;
-                f_je[j][e] = !SUMS && k < K ? __ldg(factor + (long long)pos.n * K + k) : 0.0f;
-            }
+        // The factors of this lane's channels in this tile's sample.
+        const ChannelBias f_je =
+            channel_bias(SUMS ? nullptr : factor + (long long)pos.n * K, k0, tig, K);
         // Output channel k0 + 2 tig of the sample; channel k0 + 8 j + 2 tig + e is 8 j + e
         // planes on.
         float* const y_lane = y + ((long long)pos.n * K + k0 + 2 * tig) * plane;
 
-        // Class r = (rd, rh, rw), rw fastest: its taps' MMAs, then the epilogue of its
-        // accumulators. Run-time loops over the classes and taps: unrolled, the compiler
-        // hoists fragment loads across them past the registers. Where `pairs`, a class with
-        // rw = 0 keeps its results until the class with rw = 1 has its own, and each lane
-        // stores the two as one float2 (outputs 2 m and 2 m + 1 of its row): a warp's store
-        // then fills whole sectors.
+        // Class r = (rd, rh, rw): its taps' MMAs, then the epilogue of its accumulators; the
+        // classes in pairs of rw = 0 and 1 (the two that share an output row's sectors), rw
+        // compiled in. Run-time loops over the pairs and taps: unrolled, the compiler hoists
+        // fragment loads across them past the registers. Where `pairs`, the class with rw = 0
+        // keeps its results until the class with rw = 1 has its own, and each lane stores the
+        // two as one float2 (outputs 2 m and 2 m + 1 of its row): a warp's store then fills
+        // whole sectors.
         float kept[2][4][4];
-#pragma unroll 1
-        for (int step = 0; step < 8; ++step) {
-            // Pass 2's warpgroups start half the classes apart, so that one's MMAs run while
-            // the other's stores stall it (in the same order, both wait on the memory system
-            // at once).
-            const int r = SUMS ? step : (step + 4 * (warp >> 2)) & 7;
-            const int rd = r >> 2, rh = (r >> 1) & 1, rw = r & 1;
+        auto run_class = [&](int rd, int rh, auto rw_constant) {
+            constexpr int rw = decltype(rw_constant)::value;
             float acc[2][4][4], stage[2][4][4];
 #pragma unroll
             for (int i = 0; i < 2; ++i)
 #pragma unroll
                 for (int j = 0; j < 4; ++j)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[i][j][e] = bias_je[j][e & 1];
+                    for (int e = 0; e < 4; ++e) acc[i][j][e] = bias_je.b[j][e & 1];
             float (&sum)[2][4][4] = PASSES == 3 ? stage : acc;
             // Tap (a, b, c) of the class: per axis, input offset 0 with kernel index 1
             // (r = 0), or offsets 0 and 1 with kernel indices 2 and 0 (r = 1).
@@ -1432,6 +1431,9 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
                     const float* wtap;
                     int shift;
                     tap_at(t, wtap, shift);
+                    // Step ks's 8 channels are 32 bytes on: 2 in the descriptor's start
+                    // address (16-byte units, 14 bits that a shared address fills at most).
+                    const unsigned long long desc = ct3_weight_desc(wtap);
                     pin_registers<32>(&acc[0][0][0]);
                     pin_registers<A_REGS>(&af[0][0][0]);
                     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -1439,18 +1441,20 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
                     for (int ks = 0; ks < CT3_CI / 8; ++ks)
 #pragma unroll
                         for (int i = 0; i < 2; ++i)
-                            wgmma_tf32<true>(acc[i], af[ks][i], ct3_weight_desc(wtap + 8 * ks));
+                            wgmma_tf32<true>(acc[i], af[ks][i], desc + 2 * ks);
                     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
                     asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
                     pin_registers<A_REGS>(&next[0][0][0]);
                     if (t + 1 < taps) load_tap(t + 1, next);
                 };
                 load_tap(0, sets[0]);
+                int t = 0;  // every class has a tap
 #pragma unroll 1
-                for (int t = 0; t < taps; t += 2) {
+                do {
                     steps(t, sets[0], sets[1]);
                     if (t + 1 < taps) steps(t + 1, sets[1], sets[0]);
-                }
+                    t += 2;
+                } while (t < taps);
                 asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
                 pin_registers<32>(&acc[0][0][0]);
                 pin_registers<2 * A_REGS>(&sets[0][0][0][0]);
@@ -1501,25 +1505,36 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
                             const int u = half * 2 + e;
-                            const bool valid = inside && k0 + j * 8 + 2 * tig + e < K;
                             float v = acc[i][j][u];
-                            const float ex = exp_below(clamp_nan_mm(v, lo, hi), hi);
-                            if (SUMS) {
-                                if (valid) run_sums[j][e] += ex;
+                            const float ex = exp_below(clamp_nan_mm(v, lo, hi), hi_log2e);
+                            if (SUMS) {  // a channel past K sums zeros, never stored
+                                if (inside) run_sums[j][e] += ex;
                                 continue;
                             }
-                            v = ex * f_je[j][e];
+                            v = ex * f_je.b[j][e];
                             float* const yk = e ? yj + plane : yj;
-                            if (!pairs) {
-                                if (valid) *yk = v;
-                            } else if (rw == 0) {
+                            const bool valid = inside && k0 + j * 8 + 2 * tig + e < K;
+                            if (rw == 0 && pairs) {
                                 kept[i][j][u] = v;
-                            } else if (valid) {  // ow - 1 is inside too
-                                *reinterpret_cast<float2*>(yk - 1) = make_float2(kept[i][j][u], v);
+                            } else if (rw == 1 && pairs) {
+                                if (valid)  // ow - 1 is inside too
+                                    *reinterpret_cast<float2*>(yk - 1) =
+                                        make_float2(kept[i][j][u], v);
+                            } else if (valid) {
+                                *yk = v;
                             }
                         }
                 }
             }
+        };
+#pragma unroll 1
+        for (int step = 0; step < 4; ++step) {
+            // Pass 2's warpgroups start two pairs apart, so that one's MMAs run while the
+            // other's stores stall it (in the same order, both wait on the memory system at
+            // once).
+            const int rp = SUMS ? step : (step + 2 * (warp >> 2)) & 3;
+            run_class(rp >> 1, rp & 1, CT3Int<0>{});
+            run_class(rp >> 1, rp & 1, CT3Int<1>{});
         }
 
         if (SUMS && pos.t + 1 == pos.end) {
