@@ -1308,26 +1308,28 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         w0 = tw * CT3_TW;
     };
     // The halo of the tile at t of sample n into buf: (T + 1)^3 positions from the tile's
-    // first, zeros outside the input and past C; 4 channels a copy where by_four.
-    auto copy_halo = [&](int n, int t, float* buf) {
+    // first, zeros outside the input and past C; V channels a copy (4 where by_four), so that
+    // the index splits by constants.
+    auto copy_halo_by = [&](int n, int t, float* buf, auto v_constant) {
+        constexpr unsigned V = decltype(v_constant)::value, PER_POS = CT3_CI / V;
         int d0, h0, w0;
         tile_origin(t, d0, h0, w0);
-        const int v = by_four ? 4 : 1;
-        const int per_pos = CT3_CI / v;
-        for (int i = tid; i < CT3_HPOS * per_pos; i += CONV_THREADS) {
-            const int p = i / per_pos, c = (i - p * per_pos) * v;
-            const int hd = p / (CT3_HH * CT3_HW), rest = p - hd * (CT3_HH * CT3_HW);
-            const int hh = rest / CT3_HW, hw = rest - hh * CT3_HW;
-            const int d = d0 + hd, h = h0 + hh, ww = w0 + hw;
+        for (unsigned i = tid; i < CT3_HPOS * PER_POS; i += CONV_THREADS) {
+            const unsigned p = i / PER_POS, c = (i % PER_POS) * V;
+            const unsigned hd = p / (CT3_HH * CT3_HW), rest = p % (CT3_HH * CT3_HW);
+            const int d = d0 + hd, h = h0 + rest / CT3_HW, ww = w0 + rest % CT3_HW;
             const bool valid = c < C && d < D && h < H && ww < W;
             const float* src =
                 valid ? x + ((((long long)n * D + d) * H + h) * W + ww) * C + c : x;
-            if (by_four)
-                copy_or_zero_async<4>(buf + ct3_swizzled(p, c), src, valid);
-            else
-                copy_or_zero_async<1>(buf + ct3_swizzled(p, c), src, valid);
+            copy_or_zero_async<V>(buf + ct3_swizzled(p, c), src, valid);
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    auto copy_halo = [&](int n, int t, float* buf) {
+        if (by_four)
+            copy_halo_by(n, t, buf, CT3Int<4>{});
+        else
+            copy_halo_by(n, t, buf, CT3Int<1>{});
     };
 
     // This lane's channels k0 + 8 j + 2 tig + e: their bias, the accumulators' start.
@@ -1416,24 +1418,29 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
                 // accumulators until the class's last group is.
                 constexpr int A_REGS = CT3_CI / 8 * 2 * 4;
                 unsigned sets[2][CT3_CI / 8][2][4];
-                auto load_tap = [&](int t, unsigned (&af)[CT3_CI / 8][2][4]) {
+                // Tap t's operands: its weights' descriptor (step ks's 8 channels are 32
+                // bytes on: 2 in the start address, 16-byte units, 14 bits that a shared
+                // address fills at most) and this lane's A addresses (a_address).
+                auto operands = [&](int t, unsigned long long& desc, unsigned (&rows)[2]) {
                     const float* wtap;
                     int shift;
                     tap_at(t, wtap, shift);
+                    desc = ct3_weight_desc(wtap);
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) rows[i] = a_address(i, shift);
+                };
+                auto load_tap = [&](const unsigned (&rows)[2], unsigned (&af)[CT3_CI / 8][2][4]) {
 #pragma unroll
                     for (int ks = 0; ks < CT3_CI / 8; ++ks)
 #pragma unroll
-                        for (int i = 0; i < 2; ++i) a_fragment(af[ks][i], i, ks, shift);
+                        for (int i = 0; i < 2; ++i) ldmatrix_x4(af[ks][i], rows[i] ^ (ks << 5));
                     pin_registers<A_REGS>(&af[0][0][0]);
                 };
-                auto steps = [&](int t, unsigned (&af)[CT3_CI / 8][2][4],
+                // Tap t's steps from af and desc; the next tap's operands are formed while
+                // they run (pinned before the wait: off the path from one group to the next),
+                // its fragments loaded into `next` once the group before is done.
+                auto steps = [&](int t, unsigned long long& desc, unsigned (&af)[CT3_CI / 8][2][4],
                                  unsigned (&next)[CT3_CI / 8][2][4]) {
-                    const float* wtap;
-                    int shift;
-                    tap_at(t, wtap, shift);
-                    // Step ks's 8 channels are 32 bytes on: 2 in the descriptor's start
-                    // address (16-byte units, 14 bits that a shared address fills at most).
-                    const unsigned long long desc = ct3_weight_desc(wtap);
                     pin_registers<32>(&acc[0][0][0]);
                     pin_registers<A_REGS>(&af[0][0][0]);
                     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -1443,16 +1450,27 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
                         for (int i = 0; i < 2; ++i)
                             wgmma_tf32<true>(acc[i], af[ks][i], desc + 2 * ks);
                     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+                    const bool more = t + 1 < taps;
+                    unsigned rows[2];
+                    if (more) {
+                        operands(t + 1, desc, rows);
+                        asm volatile("" : "+l"(desc), "+r"(rows[0]), "+r"(rows[1])::"memory");
+                    }
                     asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
                     pin_registers<A_REGS>(&next[0][0][0]);
-                    if (t + 1 < taps) load_tap(t + 1, next);
+                    if (more) load_tap(rows, next);
                 };
-                load_tap(0, sets[0]);
+                unsigned long long desc;
+                {
+                    unsigned rows[2];
+                    operands(0, desc, rows);
+                    load_tap(rows, sets[0]);
+                }
                 int t = 0;  // every class has a tap
 #pragma unroll 1
                 do {
-                    steps(t, sets[0], sets[1]);
-                    if (t + 1 < taps) steps(t + 1, sets[1], sets[0]);
+                    steps(t, desc, sets[0], sets[1]);
+                    if (t + 1 < taps) steps(t + 1, desc, sets[1], sets[0]);
                     t += 2;
                 } while (t < taps);
                 asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
