@@ -1287,18 +1287,6 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
     TilePos pos;
     if (!segments.first(pos)) return;
 
-    for (int i = tid; i < CT3_WFLOATS; i += CONV_THREADS) {
-        const int tap = i % 27, co = i / 27, o = co % CT3_BN, c = co / CT3_BN;
-        float v = 0.0f;
-        if (c < C && k0 + o < K) v = __ldg(w + ((long long)c * K + k0 + o) * 27 + tap);
-        if (PASSES == 1) v = __uint_as_float(to_tf32(v));
-        wt[tap * CT3_BN * CT3_CI + ct3_swizzled(o, c)] = v;
-    }
-#if HALO_WGMMA
-    // The weights, stored by the generic proxy, are read by wgmma through the async proxy.
-    if (PASSES == 1) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
-
     // The tile at t: its first base position.
     auto tile_origin = [&](int t, int& d0, int& h0, int& w0) {
         const int th = t / tiles_w, tw = t - th * tiles_w;
@@ -1332,6 +1320,20 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
             copy_halo_by(n, t, buf, CT3Int<1>{});
     };
 
+    // The first tile's halo is on its way while the weights are staged.
+    copy_halo(pos.n, pos.t, halo);
+    for (int i = tid; i < CT3_WFLOATS; i += CONV_THREADS) {
+        const int tap = i % 27, co = i / 27, o = co % CT3_BN, c = co / CT3_BN;
+        float v = 0.0f;
+        if (c < C && k0 + o < K) v = __ldg(w + ((long long)c * K + k0 + o) * 27 + tap);
+        if (PASSES == 1) v = __uint_as_float(to_tf32(v));
+        wt[tap * CT3_BN * CT3_CI + ct3_swizzled(o, c)] = v;
+    }
+#if HALO_WGMMA
+    // The weights, stored by the generic proxy, are read by wgmma through the async proxy.
+    if (PASSES == 1) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+
     // This lane's channels k0 + 8 j + 2 tig + e: their bias, the accumulators' start.
     const ChannelBias bias_je = channel_bias(bias, k0, tig, K);
     // ldmatrix rows of this lane: matrix q = lane / 8, row lane % 8. A: MMA tile i's position
@@ -1348,7 +1350,6 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
     const float hi_log2e = hi * 1.4426950408889634f;
     float run_sums[4][2] = {};
 
-    copy_halo(pos.n, pos.t, halo);
     int buf = 0;
     for (bool more = true; more;) {
         asm volatile("cp.async.wait_all;" ::: "memory");
