@@ -80,10 +80,10 @@ def tile_origin(t: int, tiles_h: int, tiles_w: int) -> tuple[int, int, int]:
     return td * TD, (th - td * tiles_h) * TH, tw * TW
 
 
-def tile_classes(x, wt, bias, n, origin, out_shape, k):
-    """One tile's classes r = 0 .. 7: ``(r, acc, od, oh, ow, valid)``, acc[row, column,
+def tile_classes(x, wt, bias, n, origin, out_shape):
+    """One tile's classes r = 0 .. 7: ``(r, acc, od, oh, ow, inside)``, acc[row, column,
     channel] = conv + bias over the swizzled halo and weights, the rows' and columns' output
-    positions and where the kernel's epilogue takes them (inside the output, k < K)."""
+    positions and which of them lie inside the output ([row, column, 1])."""
     _, c_total, d_in, h_in, w_in = x.shape
     d_out, h_out, w_out = out_shape[2:]
     d0, h0, w0 = origin
@@ -108,7 +108,7 @@ def tile_classes(x, wt, bias, n, origin, out_shape, k):
             acc += av @ bv.T
         od, oh, ow = 2 * (d0 + pd) + rd, 2 * (h0 + ph) + rh, 2 * (w0 + m) + rw
         inside_out = ((od < d_out) & (oh < h_out))[:, None] & (ow < w_out)
-        yield r, acc, od, oh, ow, inside_out[..., None] & (k < out_shape[1])
+        yield r, acc, od, oh, ow, inside_out[..., None]
 
 
 def emulate(x, w, bias, out_shape, clamp, scale, slots):
@@ -138,17 +138,18 @@ def emulate(x, w, bias, out_shape, clamp, scale, slots):
                 for n, t, run in items:
                     origin = tile_origin(t, tiles_h, tiles_w)
                     kept = None
-                    for r, acc, od, oh, ow, valid in tile_classes(x, wt, bias_k, n, origin,
-                                                                 out_shape, k):
+                    for r, acc, od, oh, ow, inside in tile_classes(x, wt, bias_k, n, origin,
+                                                                  out_shape):
                         ex = np.exp(np.clip(acc, lo, hi) - hi)
                         if out_pass == "sums":
-                            sums += np.where(valid, ex, 0.0).sum(axis=(0, 1))
+                            # Every channel of the block, those past K too (never stored).
+                            sums += np.where(inside, ex, 0.0).sum(axis=(0, 1))
                             continue
                         v = ex * factor[n, np.minimum(k, k_total - 1)]
                         if pairs and r & 1 == 0:
                             kept = v
                             continue
-                        for row, col, o in zip(*np.nonzero(valid)):
+                        for row, col, o in zip(*np.nonzero(inside & (k < k_total))):
                             at = (n, k[o], od[row], oh[row])
                             if pairs:  # the float2 of outputs ow - 1 and ow
                                 y[at + (ow[col] - 1,)] = kept[row, col, o]

@@ -1526,7 +1526,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
                             const int u = half * 2 + e;
                             float v = acc[i][j][u];
                             const float ex = exp_below(clamp_nan_mm(v, lo, hi), hi_log2e);
-                            if (SUMS) {  // a channel past K sums zeros, never stored
+                            if (SUMS) {  // channels past K summed too, never stored
                                 if (inside) run_sums[j][e] += ex;
                                 continue;
                             }
