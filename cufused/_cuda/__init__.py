@@ -363,6 +363,77 @@ def compile_offline(filename: str, arch: str) -> dict[str, str]:
     return {"log": log, "cubin_bytes": str(len(cubin))}
 
 
+class TensorMap:
+    """A kernel argument passed by value: a tiled tensor map of the tensor memory accelerator
+    (the driver's 128-byte ``CUtensorMap``), as the ``__grid_constant__`` struct of its size
+    that the kernel declares. All zeros where no map could be built (the kernel then copies
+    by other means)."""
+
+    BYTES = 128
+
+    def __init__(self) -> None:
+        import numpy
+
+        # The driver writes the map to a 64-byte aligned address.
+        self._raw = numpy.zeros(self.BYTES // 8 + 8, dtype=numpy.uint64)
+        start = (-self._raw.ctypes.data % 64) // 8
+        self.words = self._raw[start:start + self.BYTES // 8]
+
+    @property
+    def address(self) -> int:
+        """The host address of the map's bytes."""
+        return self.words.ctypes.data
+
+    def as_argument(self):
+        """The argument CuPy's launch passes: a pointer to the bytes, copied at the launch
+        (or into the graph node when captured)."""
+        from cupy.cuda.function import CPointer
+
+        return CPointer(self.address)
+
+
+@functools.cache
+def _encode_tiled():
+    """The driver's ``cuTensorMapEncodeTiled``, or None (no driver library, or one without the
+    tensor memory accelerator's entry point)."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_TENSOR_MAP_FLOAT32, _SWIZZLE_128B, _L2_PROMOTION_128B = 7, 3, 2
+
+
+@functools.lru_cache(maxsize=64)
+def float32_tensor_map(address: int, dims: tuple[int, ...], strides: tuple[int, ...],
+                       box: tuple[int, ...]) -> TensorMap | None:
+    """A tiled tensor map of float32 values at device ``address``: ``dims`` innermost first,
+    ``strides`` the bytes between consecutive indices of each dimension after the first
+    (multiples of 16), ``box`` the elements one copy moves per dimension (its first
+    dimension 128 bytes: the 128-byte swizzle, whose 16-byte chunks of a 128-byte row are
+    XORed with the row's index modulo 8 from a 1024-byte aligned destination). Elements
+    outside ``dims`` arrive as zeros. None where the driver offers no such map or refuses
+    this one. Cached per (address, geometry): the map holds nothing else."""
+    import ctypes
+
+    encode = _encode_tiled()
+    if encode is None:
+        return None
+    rank = len(dims)
+    tensor_map = TensorMap()
+    status = encode(ctypes.c_void_p(tensor_map.address), _TENSOR_MAP_FLOAT32, rank,
+                    ctypes.c_void_p(address), (ctypes.c_uint64 * rank)(*dims),
+                    (ctypes.c_uint64 * (rank - 1))(*strides), (ctypes.c_uint32 * rank)(*box),
+                    (ctypes.c_uint32 * rank)(*([1] * rank)), 0, _SWIZZLE_128B,
+                    _L2_PROMOTION_128B, 0)
+    return tensor_map if status == 0 else None
+
+
 def optional(array):
     """A kernel argument for an optional array: the array, or a null pointer."""
     import numpy

@@ -1197,7 +1197,11 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
 #define CT3_HPOS ((CT3_TD + 1) * CT3_HH * CT3_HW)
 #define CT3_WFLOATS (27 * CT3_BN * CT3_CI)
 #define CT3_HFLOATS (CT3_HPOS * CT3_CI)
-#define CT3_SHARED_FLOATS (CT3_WFLOATS + 2 * CT3_HFLOATS + 8 * CT3_BN)
+// Floats from one halo buffer to the next: each starts 1024-byte aligned (the 128-byte
+// swizzle's period, for the tensor memory accelerator's copies).
+#define CT3_HSTRIDE ((CT3_HFLOATS + 255) / 256 * 256)
+// The weights, two halo buffers, the scratch and the halo buffers' two mbarriers.
+#define CT3_SHARED_FLOATS (CT3_WFLOATS + 2 * CT3_HSTRIDE + 8 * CT3_BN + 4)
 static_assert(CT3_CI == 32, "a row is 8 chunks of 16 bytes, swizzled by its low 3 bits");
 
 // A class's rw as a compile-time constant of conv_transpose3d_s2k3's class body.
@@ -1256,24 +1260,34 @@ __device__ __forceinline__ float exp_below(float v, float hi_log2e) {
     return e;
 }
 
+// A tensor map of the tensor memory accelerator (the driver's CUtensorMap), by value.
+struct alignas(64) CT3TensorMap {
+    unsigned long long words[16];
+};
+
 // Grid (blocks, ceil(K / CT3_BN)), CONV_THREADS threads, CT3_SHARED_FLOATS floats of dynamic
 // shared memory; blocks take the runs of SampleSegments (each sample's tiles in `splits`
 // runs). x (N, D, H, W, C) channels-last, by_four: C % 4 == 0 and x 16-byte aligned (the
 // halo is copied 16 bytes at a time); w (C, K, 3, 3, 3) as ConvTranspose3d keeps it; y (N, K,
 // Do, Ho, Wo) contiguous, a plane Do * Ho * Wo below 2**31; pairs: Wo even and y 8-byte
-// aligned (outputs stored in float2 pairs). bias may be null.
+// aligned (outputs stored in float2 pairs). bias may be null. tma: tmap is x's map (dims C,
+// W, H, D, N; box CT3_CI x (T + 1)^3 x 1; the 128-byte swizzle), and the sm_90a build copies
+// each halo with one tensor copy; else (and in the portable build) with cp.async.
 template <int PASSES, int OUT>
 __global__ void __launch_bounds__(CONV_THREADS, 1)
 conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
                       const float* __restrict__ bias, float* __restrict__ y,
                       float2* __restrict__ partial, const float* __restrict__ factor, int N,
                       int C, int D, int H, int W, int K, int Do, int Ho, int Wo, float lo,
-                      float hi, int splits, int by_four, int pairs) {
+                      float hi, int splits, int by_four, int pairs, int tma,
+                      const __grid_constant__ CT3TensorMap tmap) {
     constexpr bool SUMS = OUT == CT3_SOFTMAX_SUMS;
     extern __shared__ float smem[];
     float* wt = smem;                         // [tap][o][c], swizzled rows of o
     float* halo = smem + CT3_WFLOATS;         // [buffer][hd][hh][hw][c], swizzled rows
-    float* scratch = halo + 2 * CT3_HFLOATS;  // [warp][channel] run sums
+    float* scratch = halo + 2 * CT3_HSTRIDE;  // [warp][channel] run sums
+    // Per halo buffer: the mbarrier its tensor copy completes.
+    unsigned long long* filled = reinterpret_cast<unsigned long long*>(scratch + 8 * CT3_BN);
     // ct3_weight_desc's swizzle is that of ct3_swizzled only from a 1024-byte aligned start,
     // and the A fragments' addresses (a_address) need 128-byte aligned rows.
     if ((__cvta_generic_to_shared(smem) & 1023) != 0) __trap();
@@ -1313,15 +1327,69 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     };
-    auto copy_halo = [&](int n, int t, float* buf) {
+#if HALO_WGMMA
+    // One tensor copy of the halo (x's map, zeros outside the input and past C; its 128-byte
+    // swizzle is ct3_swizzled from the buffer's 1024-byte aligned start), issued by thread 0,
+    // completing the buffer's mbarrier with its bytes.
+    auto copy_halo_tensor = [&](int n, int t, int b) {
+        if (tid != 0) return;
+        int d0, h0, w0;
+        tile_origin(t, d0, h0, w0);
+        const unsigned bar = (unsigned)__cvta_generic_to_shared(filled + b);
+        const unsigned dst = (unsigned)__cvta_generic_to_shared(halo + b * CT3_HSTRIDE);
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                     :: "r"(bar), "r"(CT3_HFLOATS * 4) : "memory");
+        asm volatile(
+            "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+            " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];"
+            :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(&tmap)), "r"(0), "r"(w0),
+               "r"(h0), "r"(d0), "r"(n), "r"(bar) : "memory");
+    };
+    if (tma) {
+        if (tid == 0) {
+            for (int b = 0; b < 2; ++b)
+                asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;"
+                             :: "r"((unsigned)__cvta_generic_to_shared(filled + b)) : "memory");
+            // The barriers' initialization before the tensor copies complete them.
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+        __syncthreads();  // initialized before any thread waits on them
+    }
+#endif
+    // The halo of the tile at t of sample n into buffer b.
+    auto copy_halo = [&](int n, int t, int b) {
+#if HALO_WGMMA
+        if (tma) {
+            copy_halo_tensor(n, t, b);
+            return;
+        }
+#endif
         if (by_four)
-            copy_halo_by(n, t, buf, CT3Int<4>{});
+            copy_halo_by(n, t, halo + b * CT3_HSTRIDE, CT3Int<4>{});
         else
-            copy_halo_by(n, t, buf, CT3Int<1>{});
+            copy_halo_by(n, t, halo + b * CT3_HSTRIDE, CT3Int<1>{});
+    };
+    // Wait for buffer b's halo: its tensor copy's current phase (the parity bits of `phases`,
+    // one a buffer, flip with each), or this thread's cp.async copies.
+    unsigned phases = 0;
+    auto await_halo = [&](int b) {
+#if HALO_WGMMA
+        if (tma) {
+            const unsigned bar = (unsigned)__cvta_generic_to_shared(filled + b);
+            asm volatile(
+                "{\n .reg .pred done;\n wait%=:\n"
+                " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+                " @!done bra wait%=;\n}"
+                :: "r"(bar), "r"((phases >> b) & 1) : "memory");
+            phases ^= 1u << b;
+            return;
+        }
+#endif
+        asm volatile("cp.async.wait_all;" ::: "memory");
     };
 
     // The first tile's halo is on its way while the weights are staged.
-    copy_halo(pos.n, pos.t, halo);
+    copy_halo(pos.n, pos.t, 0);
     for (int i = tid; i < CT3_WFLOATS; i += CONV_THREADS) {
         const int tap = i % 27, co = i / 27, o = co % CT3_BN, c = co / CT3_BN;
         float v = 0.0f;
@@ -1352,12 +1420,12 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
 
     int buf = 0;
     for (bool more = true; more;) {
-        asm volatile("cp.async.wait_all;" ::: "memory");
+        await_halo(buf);
         __syncthreads();  // this tile's halo (and the weights) in; the other buffer free
         TilePos next = pos;
         more = segments.next(next);
-        if (more) copy_halo(next.n, next.t, halo + (buf ^ 1) * CT3_HFLOATS);
-        const unsigned hb = (unsigned)__cvta_generic_to_shared(halo + buf * CT3_HFLOATS);
+        if (more) copy_halo(next.n, next.t, buf ^ 1);
+        const unsigned hb = (unsigned)__cvta_generic_to_shared(halo + buf * CT3_HSTRIDE);
         // The shared address of MMA tile i's A fragments at step 0 of the tap whose input
         // offset is `shift` halo positions: this lane's row p, its 16-byte chunk (q / 2) ^ (p
         // & 7). At step ks the chunk is (2 ks + q / 2) ^ (p & 7), the step-0 chunk XOR 2 ks:

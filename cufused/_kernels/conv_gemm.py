@@ -7,7 +7,8 @@ import math
 
 import numpy
 
-from .._cuda import get_kernel, optional, shared_per_block, sm_count
+from .._cuda import (TensorMap, float32_tensor_map, get_kernel, optional, shared_per_block,
+                     sm_count)
 
 _FILE = "conv_gemm.cu"
 _TILE_M, _TILE_K, _THREADS = 128, 64, 256  # CONV_BM, CONV_BN, CONV_THREADS
@@ -193,12 +194,14 @@ def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, stride: tuple[int,
 
 # conv_transpose3d_s2k3: tiles of 4 x 4 x 16 base positions (CT3_TD, CT3_TH, CT3_TW), at most
 # 32 input channels (CT3_CI), 32 output channels a block (CT3_BN), CT3_SHARED_FLOATS floats
-# of shared memory (the weights, two halo buffers of 5 x 5 x 17 positions x 32 channels, the
-# scratch).
+# of shared memory (the weights, two halo buffers of 5 x 5 x 17 positions x 32 channels, each
+# 1024-byte aligned: CT3_HSTRIDE, the scratch, two mbarriers).
 _CT3_TILE = (4, 4, 16)
+_CT3_HALO = tuple(t + 1 for t in _CT3_TILE)
 _CT3_CI, _CT3_BN = 32, 32
-_CT3_SHARED = 4 * (27 * _CT3_CI * _CT3_BN
-                   + 2 * _CT3_CI * math.prod(t + 1 for t in _CT3_TILE) + 8 * _CT3_BN)
+_CT3_SHARED = 4 * (27 * _CT3_CI * _CT3_BN + 2 * -(-_CT3_CI * math.prod(_CT3_HALO) // 256) * 256
+                   + 8 * _CT3_BN + 4)
+_NO_TENSOR_MAP = TensorMap()  # the argument where the halo goes by cp.async
 _CT3_MAX_CLAMP = 60.0  # exp_below's accuracy bound; a wider clamp may underflow a whole row
 
 
@@ -228,14 +231,19 @@ def _transposed_s2k3(mode: str, x, w, bias, *, out_shape, runs: tuple[int, int],
     splits, blocks = runs
     if blocks == 0 or k == 0:
         return
+    by_four = c % 4 == 0 and x.data.ptr % 16 == 0
+    # The tensor copies' map of x (16-byte strides: C % 4 == 0), where the driver makes one.
+    tensor_map = by_four and float32_tensor_map(
+        x.data.ptr, (c, wd, h, d, n), (4 * c, 4 * c * wd, 4 * c * wd * h, 4 * c * wd * h * d),
+        (_CT3_CI,) + _CT3_HALO[::-1] + (1,))
     i32, f32 = numpy.int32, numpy.float32
     get_kernel(_FILE, f"conv_transpose3d_s2k3<{passes}, {mode}>", shared_bytes=_CT3_SHARED)(
         (blocks, -(-k // _CT3_BN)), (_THREADS,),
         (x, w, optional(bias), optional(y), optional(partial), optional(factor), i32(n),
          i32(c), i32(d), i32(h), i32(wd), i32(k), *(i32(s) for s in out_shape[2:]),
-         f32(clamp[0]), f32(clamp[1]), i32(splits),
-         i32(c % 4 == 0 and x.data.ptr % 16 == 0),
-         i32(y is not None and out_shape[4] % 2 == 0 and y.data.ptr % 8 == 0)),
+         f32(clamp[0]), f32(clamp[1]), i32(splits), i32(by_four),
+         i32(y is not None and out_shape[4] % 2 == 0 and y.data.ptr % 8 == 0),
+         i32(bool(tensor_map)), (tensor_map or _NO_TENSOR_MAP).as_argument()),
         shared_mem=_CT3_SHARED)
 
 

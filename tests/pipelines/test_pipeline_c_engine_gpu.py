@@ -66,16 +66,22 @@ def test_matches_reference(rng, monkeypatch, precision, case):
     np.testing.assert_array_equal(out.get(), first)
 
 
-def test_both_builds_agree(rng, monkeypatch):
-    # On compute capability 9.0 "tf32" runs on the warpgroup MMA (sm_90a's build); the
-    # portable build's mma.sync takes the same TF32 operands in the same order.
+@pytest.mark.parametrize("c_in", [7, 8])
+def test_both_builds_agree(rng, monkeypatch, c_in):
+    # On compute capability 9.0 "tf32" runs on the warpgroup MMA (sm_90a's build), its halo
+    # by the tensor memory accelerator where C_in % 4 == 0; the portable build's mma.sync
+    # takes the same TF32 operands in the same order, its halo by cp.async.
+    import cufused._kernels.conv_gemm as conv
     from cufused._cuda import _CubinKernel, get_kernel
 
     if cp.cuda.Device().compute_capability != "90":
         pytest.skip("the warpgroup-MMA build needs compute capability 9.0")
     native = get_kernel("conv_gemm.cu", "conv_transpose3d_s2k3<1, CT3_SOFTMAX>")
     assert isinstance(native, _CubinKernel)
-    x, w, scale, cb = _arrays(rng, (2, 7, 12, 14, 34), 40)
+    maps, make_map = [], conv.float32_tensor_map
+    monkeypatch.setattr(conv, "float32_tensor_map",
+                        lambda *args: maps.append(make_map(*args)) or maps[-1])
+    x, w, scale, cb = _arrays(rng, (2, c_in, 12, 14, 34), 40)
     ref = pipeline_c(x, w, scale, **_opts(1, 2), conv_bias=cb)
     calls = count_calls(monkeypatch, c_module, "conv_transpose3d_softmax")
     args = to_gpu(x, w, scale, cb)
@@ -87,6 +93,8 @@ def test_both_builds_agree(rng, monkeypatch):
         got[build] = out.get()
         assert rel_err(got[build], ref) < TOL["tf32"], build
     assert len(calls) == 2
+    # The driver's maps where C_in % 4 == 0 (the portable build ignores them), else none.
+    assert (len(maps) >= 2) == (c_in % 4 == 0) and all(maps)
     np.testing.assert_array_equal(got["native"].view(np.uint32), got["portable"].view(np.uint32))
 
 

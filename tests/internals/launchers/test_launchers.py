@@ -5,7 +5,8 @@ what they read (shape, strides, pointer); each recorded launch must name a regis
 instantiation and pass exactly the arguments of the kernel's ``__global__`` signature in the
 CUDA source, each of the NumPy type its parameter needs (``int``: int32, ``index_t``: int64,
 ``float``: float32, ``double``: float64, a pointer: an array or a null ``uint64``), with a
-grid and block the device accepts. Each module's calls below reach every instantiation
+grid and block the device accepts (a struct passed by value, such as a tensor map: a
+pointer to its bytes). Each module's calls below reach every instantiation
 registered for its source. Also: only the launchers launch, and imports point down.
 """
 
@@ -30,6 +31,7 @@ PACKAGE = pathlib.Path(cufused._cuda.__file__).resolve().parent.parent
 LAUNCHERS = {filename: importlib.import_module(f"cufused._kernels.{filename[:-3]}")
              for filename in KERNELS}
 SCALARS = {"int": np.int32, "index_t": np.int64, "float": np.float32, "double": np.float64}
+STRUCTS = {"CT3TensorMap"}  # by value: CuPy's CPointer to the struct's bytes
 
 
 # ------------------------------------------------------------------- kernel signatures
@@ -57,7 +59,8 @@ def test_signatures_cover_every_registered_kernel():
         for name in names:
             params = SIGNATURES[filename].get(name.split("<")[0])
             assert params, f"no __global__ signature of {name} in {filename}"
-            assert all(kind == "pointer" or kind in SCALARS for kind, _ in params), params
+            assert all(kind == "pointer" or kind in SCALARS or kind in STRUCTS
+                       for kind, _ in params), params
 
 
 def test_one_launcher_module_per_cuda_source():
@@ -143,6 +146,10 @@ def check_launch(launch: Launch) -> None:
         if kind == "pointer":
             assert isinstance(arg, Dev) or (type(arg) is np.uint64 and arg == 0), \
                 (launch.name, pname, arg)
+        elif kind in STRUCTS:
+            from cupy.cuda.function import CPointer
+
+            assert isinstance(arg, CPointer), (launch.name, pname, arg)
         else:
             assert type(arg) is SCALARS[kind], (launch.name, pname, type(arg).__name__, kind)
     assert 1 <= len(launch.grid) <= 3 and 1 <= len(launch.block) <= 3, launch
@@ -328,7 +335,9 @@ def test_conv_gemm_launchers(launches, monkeypatch):
                                padding=(0, 0), dilation=(1, 1), pool=3, passes=1)
     # Pipeline C's transposed 3-D convolution, both passes: 2 x 2 x 2 tiles of 4 x 4 x 16 base
     # positions per sample, each its own run (16 blocks) for each of 2 channel tiles; the
-    # halo copied 16 bytes at a time (C_in % 4 == 0), pass 2's stores paired (W_out even).
+    # halo copied 16 bytes at a time (C_in % 4 == 0), pass 2's stores paired (W_out even);
+    # here no tensor map (by_four, pairs, tma, then the map).
+    monkeypatch.setattr(conv, "float32_tensor_map", lambda *args: None)
     x, w = Dev((2, 32, 5, 6, 17), "nhwc"), Dev((32, 64, 3, 3, 3))
     for passes in (1, 3):
         partial, splits = conv.conv_transpose3d_softmax_sums(
@@ -336,11 +345,24 @@ def test_conv_gemm_launchers(launches, monkeypatch):
             passes=passes)
         assert launches[-1].name == f"conv_transpose3d_s2k3<{passes}, CT3_SOFTMAX_SUMS>"
         assert splits == 8 and partial.shape == (2, 64, 8, 2)
-        assert launches[-1].grid == (16, 2) and launches[-1].args[-2:] == (1, 0)
+        assert launches[-1].grid == (16, 2) and launches[-1].args[-4:-1] == (1, 0, 0)
         conv.conv_transpose3d_softmax(x, w, None, Dev((2, 64, 10, 12, 34)), Dev((128,)),
                                       clamp=(0.0, 1.0), passes=passes)
         assert launches[-1].name == f"conv_transpose3d_s2k3<{passes}, CT3_SOFTMAX>"
-        assert launches[-1].grid == (16, 2) and launches[-1].args[-2:] == (1, 1)
+        assert launches[-1].grid == (16, 2) and launches[-1].args[-4:-1] == (1, 1, 0)
+    # Where the driver makes x's map: its geometry (dims C, W, H, D, N; byte strides; the
+    # box of one halo), the flag on. C_in not a multiple of 4 (4-byte strides): no map asked.
+    maps = []
+    monkeypatch.setattr(conv, "float32_tensor_map",
+                        lambda *args: maps.append(args) or cufused._cuda.TensorMap())
+    conv.conv_transpose3d_softmax(x, w, None, Dev((2, 64, 10, 12, 34)), Dev((128,)),
+                                  clamp=(0.0, 1.0), passes=1)
+    assert maps == [(x.data.ptr, (32, 17, 6, 5, 2), (128, 2176, 13056, 65280), (32, 17, 5, 5, 1))]
+    assert launches[-1].args[-4:-1] == (1, 1, 1)
+    conv.conv_transpose3d_softmax(Dev((2, 6, 5, 6, 17), "nhwc"), Dev((6, 64, 3, 3, 3)), None,
+                                  Dev((2, 64, 10, 12, 34)), Dev((128,)), clamp=(0.0, 1.0),
+                                  passes=1)
+    assert len(maps) == 1 and launches[-1].args[-4:-1] == (0, 1, 0)
     check_all(launches, "conv_gemm.cu")
     halo = [launch for launch in launches if launch.name.startswith("conv2d_halo<")]
     # 2 samples x 5 x 1 tiles of 4 x 32 pixels: a block per tile (fewer tiles than 2 blocks
