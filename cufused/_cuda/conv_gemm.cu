@@ -1286,8 +1286,10 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
     float* wt = smem;                         // [tap][o][c], swizzled rows of o
     float* halo = smem + CT3_WFLOATS;         // [buffer][hd][hh][hw][c], swizzled rows
     float* scratch = halo + 2 * CT3_HSTRIDE;  // [warp][channel] run sums
+#if HALO_WGMMA
     // Per halo buffer: the mbarrier its tensor copy completes.
     unsigned long long* filled = reinterpret_cast<unsigned long long*>(scratch + 8 * CT3_BN);
+#endif
     // ct3_weight_desc's swizzle is that of ct3_swizzled only from a 1024-byte aligned start,
     // and the A fragments' addresses (a_address) need 128-byte aligned rows.
     if ((__cvta_generic_to_shared(smem) & 1023) != 0) __trap();
@@ -1371,7 +1373,9 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
     };
     // Wait for buffer b's halo: its tensor copy's current phase (the parity bits of `phases`,
     // one a buffer, flip with each), or this thread's cp.async copies.
+#if HALO_WGMMA
     unsigned phases = 0;
+#endif
     auto await_halo = [&](int b) {
 #if HALO_WGMMA
         if (tma) {

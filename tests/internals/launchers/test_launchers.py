@@ -63,6 +63,22 @@ def test_signatures_cover_every_registered_kernel():
                        for kind, _ in params), params
 
 
+def test_transposed_conv_geometry_is_the_sources():
+    # conv_transpose3d_s2k3's tile, channels and shared memory as conv_gemm.cu defines them
+    # (its tensor copy waits for exactly the bytes of one halo: a box of another size would
+    # never complete the wait).
+    conv = LAUNCHERS["conv_gemm.cu"]
+    defines = {}
+    for name, expr in re.findall(r"^#define (CT3_\w+) (\(?[\w +*/()-]+\)?)\s*$",
+                                 source("conv_gemm.cu"), re.M):
+        defines[name] = eval(re.sub(r"\bCT3_\w+\b", lambda m: str(defines[m.group(0)]),
+                                    expr).replace("/", "//"))
+    assert (defines["CT3_TD"], defines["CT3_TH"], defines["CT3_TW"]) == conv._CT3_TILE
+    assert (defines["CT3_CI"], defines["CT3_BN"]) == (conv._CT3_CI, conv._CT3_BN)
+    assert 4 * defines["CT3_SHARED_FLOATS"] == conv._CT3_SHARED
+    assert defines["CT3_HFLOATS"] == conv._CT3_CI * math.prod(conv._CT3_HALO)
+
+
 def test_one_launcher_module_per_cuda_source():
     for filename, module in LAUNCHERS.items():
         assert module._FILE == filename
