@@ -1175,7 +1175,8 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
 // warps each hold 32 rows (two (d, h) rows of 16 w positions: MMA tiles i) x 32 channels.
 // The whole weight slice (27 taps x CT3_BN x CT3_CI) is staged once per block; the input
 // halo ((T + 1)^3 positions x CT3_CI channels, zeros outside the input and past C) takes
-// turns in two buffers, the next tile's copied with cp.async while this tile's MMAs run.
+// turns in two buffers, the next tile's copied (one tensor copy on sm_90a where C % 4 == 0,
+// else cp.async) while this tile's MMAs run.
 // Both are channel-contiguous (the input comes channels-last), so that ldmatrix loads four
 // 8 x 4 TF32 fragments in one instruction; the 16-byte chunks of a row are swizzled by the
 // row's low 3 bits, which puts the 8 rows of each fragment on distinct banks.
@@ -1204,7 +1205,8 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
 #define CT3_SHARED_FLOATS (CT3_WFLOATS + 2 * CT3_HSTRIDE + 8 * CT3_BN + 4)
 static_assert(CT3_CI == 32, "a row is 8 chunks of 16 bytes, swizzled by its low 3 bits");
 
-// A class's rw as a compile-time constant of conv_transpose3d_s2k3's class body.
+// A compile-time int for conv_transpose3d_s2k3's generic lambdas: a class's rw, the channels
+// a halo copy moves.
 template <int V> struct CT3Int {
     static constexpr int value = V;
 };

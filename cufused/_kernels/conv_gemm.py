@@ -199,8 +199,8 @@ def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, stride: tuple[int,
 _CT3_TILE = (4, 4, 16)
 _CT3_HALO = tuple(t + 1 for t in _CT3_TILE)
 _CT3_CI, _CT3_BN = 32, 32
-_CT3_SHARED = 4 * (27 * _CT3_CI * _CT3_BN + 2 * -(-_CT3_CI * math.prod(_CT3_HALO) // 256) * 256
-                   + 8 * _CT3_BN + 4)
+_CT3_HSTRIDE = -(-(_CT3_CI * math.prod(_CT3_HALO)) // 256) * 256  # floats, CT3_HSTRIDE
+_CT3_SHARED = 4 * (27 * _CT3_CI * _CT3_BN + 2 * _CT3_HSTRIDE + 8 * _CT3_BN + 4)
 _NO_TENSOR_MAP = TensorMap()  # the argument where the halo goes by cp.async
 _CT3_MAX_CLAMP = 60.0  # exp_below's accuracy bound; a wider clamp may underflow a whole row
 
@@ -210,7 +210,7 @@ def transposed_s2k3_takes(c_in: int, kernel, stride, padding, output_padding, di
     """Whether ``conv_transpose3d_s2k3`` computes the transposed 3-D convolution (stride 2,
     3 x 3 x 3 kernel, padding 1, output padding 0 or 1, dilation 1, one group, 1 to 32 input
     channels, an output plane below 2**31) with the clamped softmax after it (clamp
-    ``(lo, hi)`` with ``hi - lo`` at most 60) on the current device (its 223 KB of shared
+    ``(lo, hi)`` with ``hi - lo`` at most 60) on the current device (its 217 KiB of shared
     memory a block: compute capability 9.0)."""
     lo, hi = clamp
     return (tuple(kernel) == (3, 3, 3) and tuple(stride) == (2, 2, 2)
