@@ -1262,6 +1262,20 @@ __device__ __forceinline__ float exp_below(float v, float hi_log2e) {
     return e;
 }
 
+// Class r = (rd, rh, rw) and input offset o = (a, b, c) as 3-bit numbers (d highest): per
+// axis, output 2 m + r takes kernel index 1 of input m (r = 0), or 2 of input m and 0 of
+// input m + 1 (r = 1). The tap (kernel index kd * 9 + kh * 3 + kw) of offset o in class r,
+// for o <= r bitwise.
+__device__ __forceinline__ constexpr int ct3_tap(int r, int o) {
+    return ((r & 4) ? 2 - ((o & 4) >> 1) : 1) * 9 + ((r & 2) ? 2 - (o & 2) : 1) * 3 +
+           ((r & 1) ? 2 - 2 * (o & 1) : 1);
+}
+
+// Input offset o = (a, b, c) in halo positions.
+__device__ __forceinline__ constexpr int ct3_offset_shift(int o) {
+    return ((o >> 2) * CT3_HH + ((o >> 1) & 1)) * CT3_HW + (o & 1);
+}
+
 // A tensor map of the tensor memory accelerator (the driver's CUtensorMap), by value.
 struct alignas(64) CT3TensorMap {
     unsigned long long words[16];
@@ -1410,16 +1424,15 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
 
     // This lane's channels k0 + 8 j + 2 tig + e: their bias, the accumulators' start.
     const ChannelBias bias_je = channel_bias(bias, k0, tig, K);
-    // ldmatrix rows of this lane: matrix q = lane / 8, row lane % 8. A: MMA tile i's position
-    // row + 8 (q & 1), chunk 2 ks + q / 2. B: output channel 8 (2 jp + q / 2) + row, chunk
-    // 2 ks + (q & 1).
+    // ldmatrix rows of this lane: matrix q = lane / 8, row lane % 8. A: position
+    // row_position(row) + 8 (q & 1), chunk 2 ks + q / 2. B: output channel 8 (2 jp + q / 2)
+    // + row, chunk 2 ks + (q & 1).
     const int q = lane >> 3, rr = lane & 7;
-    int a_pos[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int row = 2 * warp + i, pd = row / CT3_TH, ph = row % CT3_TH;
-        a_pos[i] = (pd * CT3_HH + ph) * CT3_HW + rr + 8 * (q & 1);
-    }
+    // The halo position of this lane's A row in tile row `row` (a (d, h) row of CT3_TW base
+    // positions), at input offset 0.
+    auto row_position = [&](int row) {
+        return ((row / CT3_TH) * CT3_HH + row % CT3_TH) * CT3_HW + rr + 8 * (q & 1);
+    };
     const long long plane = (long long)Do * Ho * Wo;
     const float hi_log2e = hi * 1.4426950408889634f;
     float run_sums[4][2] = {};
@@ -1432,16 +1445,14 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         more = segments.next(next);
         if (more) copy_halo(next.n, next.t, buf ^ 1);
         const unsigned hb = (unsigned)__cvta_generic_to_shared(halo + buf * CT3_HSTRIDE);
-        // The shared address of MMA tile i's A fragments at step 0 of the tap whose input
-        // offset is `shift` halo positions: this lane's row p, its 16-byte chunk (q / 2) ^ (p
-        // & 7). At step ks the chunk is (2 ks + q / 2) ^ (p & 7), the step-0 chunk XOR 2 ks:
-        // in a row of 128 bytes from an aligned start, the address XOR 32 ks.
-        auto a_address = [&](int i, int shift) -> unsigned {
-            const int p = a_pos[i] + shift;
+        // The shared address of this lane's A fragments at step 0, for the row whose
+        // row_position is `position`, at an input offset of `shift` halo positions: the lane's
+        // halo row p, its 16-byte chunk (q / 2) ^ (p & 7). At step ks the chunk is (2 ks + q /
+        // 2) ^ (p & 7), the step-0 chunk XOR 2 ks: in a row of 128 bytes from an aligned
+        // start, the address XOR 32 ks.
+        auto a_address = [&](int position, int shift) -> unsigned {
+            const int p = position + shift;
             return hb + p * (CT3_CI * 4) + (((q >> 1) ^ (p & 7)) << 4);
-        };
-        auto a_fragment = [&](unsigned (&f)[4], int i, int ks, int shift) {
-            ldmatrix_x4(f, a_address(i, shift) ^ (ks << 5));
         };
         int d0, h0, w0;
         tile_origin(pos.t, d0, h0, w0);
@@ -1452,120 +1463,164 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         // planes on.
         float* const y_lane = y + ((long long)pos.n * K + k0 + 2 * tig) * plane;
 
-        // Class r = (rd, rh, rw): its taps' MMAs, then the epilogue of its accumulators; the
-        // classes in pairs of rw = 0 and 1 (the two that share an output row's sectors), rw
-        // compiled in. Run-time loops over the pairs and taps: unrolled, the compiler hoists
-        // fragment loads across them past the registers. Where `pairs`, the class with rw = 0
-        // keeps its results until the class with rw = 1 has its own, and each lane stores the
-        // two as one float2 (outputs 2 m and 2 m + 1 of its row): a warp's store then fills
-        // whole sectors.
-        float kept[2][4][4];
-        auto run_class = [&](int rd, int rh, auto rw_constant) {
+        // A warp's accumulators of one tile row (16 base positions x CT3_BN channels) start
+        // at the bias.
+        auto start = [&](float (&acc)[4][4]) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[j][e] = bias_je.b[j][e & 1];
+        };
+        // The epilogue of tile row `row`'s accumulators in class (rd, rh, rw), rw compiled in.
+        // Where `pairs`, the class with rw = 0 leaves its results in `keep` and the class with
+        // rw = 1 that follows stores both as one float2 a lane (outputs 2 m and 2 m + 1 of its
+        // row): a warp's store then fills whole sectors.
+        auto finish = [&](int rd, int rh, auto rw_constant, const float (&acc)[4][4], int row,
+                          float (&keep)[4][4]) {
             constexpr int rw = decltype(rw_constant)::value;
-            float acc[2][4][4], stage[2][4][4];
+            const int od = 2 * (d0 + row / CT3_TH) + rd, oh = 2 * (h0 + row % CT3_TH) + rh;
 #pragma unroll
-            for (int i = 0; i < 2; ++i)
+            for (int half = 0; half < 2; ++half) {
+                const int ow = 2 * (w0 + gid + 8 * half) + rw;
+                const bool inside = od < Do && oh < Ho && ow < Wo;
+                // A pointer stepped along the channels, not 8 offsets held over the loops.
+                float* yj = y_lane + (od * Ho + oh) * Wo + ow;
 #pragma unroll
-                for (int j = 0; j < 4; ++j)
+                for (int j = 0; j < 4; ++j, yj += 8 * plane)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[i][j][e] = bias_je.b[j][e & 1];
-            float (&sum)[2][4][4] = PASSES == 3 ? stage : acc;
-            // Tap (a, b, c) of the class: per axis, input offset 0 with kernel index 1
-            // (r = 0), or offsets 0 and 1 with kernel indices 2 and 0 (r = 1).
-            const int taps = (1 + rd) * (1 + rh) * (1 + rw);
-            // Tap t's weights and the offset of its input in halo positions.
-            auto tap_at = [&](int t, const float*& wtap, int& shift) {
-                const int c = rw ? t & 1 : 0, b = rh ? (t >> rw) & 1 : 0;
-                const int a = rd ? t >> (rw + rh) : 0;
-                const int kd = rd ? 2 - 2 * a : 1, kh = rh ? 2 - 2 * b : 1;
-                const int kw = rw ? 2 - 2 * c : 1;
-                wtap = wt + (kd * 9 + kh * 3 + kw) * CT3_BN * CT3_CI;
-                shift = (a * CT3_HH + b) * CT3_HW + c;
-            };
+                    for (int e = 0; e < 2; ++e) {
+                        const int u = half * 2 + e;
+                        float v = acc[j][u];
+                        const float ex = exp_below(clamp_nan_mm(v, lo, hi), hi_log2e);
+                        if (SUMS) {  // channels past K summed too, never stored
+                            if (inside) run_sums[j][e] += ex;
+                            continue;
+                        }
+                        v = ex * f_je.b[j][e];
+                        float* const yk = e ? yj + plane : yj;
+                        const bool valid = inside && k0 + j * 8 + 2 * tig + e < K;
+                        if (rw == 0 && pairs) {
+                            keep[j][u] = v;
+                        } else if (rw == 1 && pairs) {
+                            if (valid)  // ow - 1 is inside too
+                                *reinterpret_cast<float2*>(yk - 1) =
+                                    make_float2(keep[j][u], v);
+                        } else if (valid) {
+                            *yk = v;
+                        }
+                    }
+            }
+        };
 #if HALO_WGMMA
-            if (PASSES == 1) {
-                // The warpgroup's 64 x 32 steps (MMA tile i of each of its 4 warps; wgmma's A
-                // fragment and accumulator layouts are mma_tf32's per warp), a tap's steps
-                // one commit group. A tap's A fragments take turns in two register sets: the
-                // next tap's load while this tap's steps run, and the next tap's steps are
-                // issued while this tap's are still in flight (at most two groups are). A
-                // set stays untouched until the group that reads it is done, the
-                // accumulators until the class's last group is.
-                constexpr int A_REGS = CT3_CI / 8 * 2 * 4;
-                unsigned sets[2][CT3_CI / 8][2][4];
-                // Tap t's operands: its weights' descriptor (step ks's 8 channels are 32
-                // bytes on: 2 in the start address, 16-byte units, 14 bits that a shared
-                // address fills at most) and this lane's A addresses (a_address).
-                auto operands = [&](int t, unsigned long long& desc, unsigned (&rows)[2]) {
-                    const float* wtap;
-                    int shift;
-                    tap_at(t, wtap, shift);
-                    desc = ct3_weight_desc(wtap);
+        if (PASSES == 1) {
+            // The warpgroup MMA (m64n32k8, A from the ldmatrix fragments, B read by the tensor
+            // cores from the staged weights). The tile goes in two halves of 128 rows, a
+            // warpgroup's 64 x 32 MMA tile each (d rows 2 s + warpgroup, a warp's h row), with
+            // the accumulators of all eight classes (128 a thread). Per input offset (a, b, c)
+            // in order, one commit group: the offset's A fragments, loaded once, times the
+            // weights of every class r that reads it (r >= (a, b, c) bitwise, the tap of
+            // kernel index 2 - 2 a per axis where r has 1, else 1), so that each class's taps
+            // go in tap_at's order. A class's last offset is its own index: the class is
+            // done with its group, and its epilogue runs while the next groups do (pass 2:
+            // a pair of rw = 0 and 1 after the second's group). Loaded once per offset,
+            // the A fragments take 8 ldmatrix rounds a tile row instead of 27: the weights
+            // and A fragments read from shared memory per MMA step were the limit.
+            static_assert(CT3_TD == 4 && CT3_TH == 4, "two halves of two warpgroups' h rows");
+            const unsigned long long desc0 = ct3_weight_desc(wt);
+            // The epilogue of class r, done; pass 2 stores a pair of rw = 0 and 1 after the
+            // second is done.
+            auto finish_class = [&](const float (&acc)[8][4][4], int r, int row,
+                                    float (&keep)[4][4]) {
+                const int rd = r >> 2, rh = (r >> 1) & 1;
+                if (SUMS) {
+                    if (r & 1)
+                        finish(rd, rh, CT3Int<1>{}, acc[r], row, keep);
+                    else
+                        finish(rd, rh, CT3Int<0>{}, acc[r], row, keep);
+                } else if (r & 1) {
+                    finish(rd, rh, CT3Int<0>{}, acc[r - 1], row, keep);
+                    finish(rd, rh, CT3Int<1>{}, acc[r], row, keep);
+                }
+            };
+            auto by_offsets = [&](int row) {
+                const int position = row_position(row);
+                float acc[8][4][4];
+                unsigned sets[2][CT3_CI / 8][4];
 #pragma unroll
-                    for (int i = 0; i < 2; ++i) rows[i] = a_address(i, shift);
+                for (int r = 0; r < 8; ++r) start(acc[r]);
+                auto load_offset = [&](int o, unsigned (&af)[CT3_CI / 8][4]) {
+                    const unsigned a = a_address(position, ct3_offset_shift(o));
+#pragma unroll
+                    for (int ks = 0; ks < CT3_CI / 8; ++ks) ldmatrix_x4(af[ks], a ^ (ks << 5));
                 };
-                auto load_tap = [&](const unsigned (&rows)[2], unsigned (&af)[CT3_CI / 8][2][4]) {
+                load_offset(0, sets[0]);
+                float keep[4][4];
 #pragma unroll
-                    for (int ks = 0; ks < CT3_CI / 8; ++ks)
-#pragma unroll
-                        for (int i = 0; i < 2; ++i) ldmatrix_x4(af[ks][i], rows[i] ^ (ks << 5));
-                    pin_registers<A_REGS>(&af[0][0][0]);
-                };
-                // Tap t's steps from af and desc; the next tap's operands are formed while
-                // they run (pinned before the wait: off the path from one group to the next),
-                // its fragments loaded into `next` once the group before is done.
-                auto steps = [&](int t, unsigned long long& desc, unsigned (&af)[CT3_CI / 8][2][4],
-                                 unsigned (&next)[CT3_CI / 8][2][4]) {
-                    pin_registers<32>(&acc[0][0][0]);
-                    pin_registers<A_REGS>(&af[0][0][0]);
+                for (int o = 0; o < 8; ++o) {
+                    unsigned (&af)[CT3_CI / 8][4] = sets[o & 1];
+                    pin_registers<8 * 16>(&acc[0][0][0]);
+                    pin_registers<4 * CT3_CI / 8>(&af[0][0]);
                     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-                    for (int ks = 0; ks < CT3_CI / 8; ++ks)
+                    for (int r = 0; r < 8; ++r) {
+                        if ((r & o) != o) continue;
+                        const unsigned long long desc =
+                            desc0 + ct3_tap(r, o) * (CT3_BN * CT3_CI * 4 / 16);
 #pragma unroll
-                        for (int i = 0; i < 2; ++i)
-                            wgmma_tf32<true>(acc[i], af[ks][i], desc + 2 * ks);
-                    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-                    const bool more = t + 1 < taps;
-                    unsigned rows[2];
-                    if (more) {
-                        operands(t + 1, desc, rows);
-                        asm volatile("" : "+l"(desc), "+r"(rows[0]), "+r"(rows[1])::"memory");
+                        for (int ks = 0; ks < CT3_CI / 8; ++ks)
+                            wgmma_tf32<true>(acc[r], af[ks], desc + 2 * ks);
                     }
-                    asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-                    pin_registers<A_REGS>(&next[0][0][0]);
-                    if (more) load_tap(rows, next);
-                };
-                unsigned long long desc;
-                {
-                    unsigned rows[2];
-                    operands(0, desc, rows);
-                    load_tap(rows, sets[0]);
+                    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+                    if (o < 7) {
+                        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+                        pin_registers<4 * CT3_CI / 8>(&sets[(o + 1) & 1][0][0]);
+                        load_offset(o + 1, sets[(o + 1) & 1]);
+                    } else {
+                        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+                    }
+                    // Group o - 1 is done, and group 7 after the last wait.
+                    pin_registers<8 * 16>(&acc[0][0][0]);
+                    if (o >= 1) finish_class(acc, o - 1, row, keep);
+                    if (o == 7) finish_class(acc, 7, row, keep);
                 }
-                int t = 0;  // every class has a tap
+            };
 #pragma unroll 1
-                do {
-                    steps(t, desc, sets[0], sets[1]);
-                    if (t + 1 < taps) steps(t + 1, desc, sets[1], sets[0]);
-                    t += 2;
-                } while (t < taps);
-                asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-                pin_registers<32>(&acc[0][0][0]);
-                pin_registers<2 * A_REGS>(&sets[0][0][0][0]);
-            } else
+            for (int s = 0; s < CT3_TD / 2; ++s)
+                by_offsets((2 * s + (warp >> 2)) * CT3_TH + (warp & 3));
+        } else
 #endif
-            {
+        {
+            // mma.sync: a warp's two tile rows 2 warp + i (MMA tiles i), class r = (rd, rh,
+            // rw) after class: its taps' MMAs, then its epilogue; the classes in pairs of rw
+            // = 0 and 1 (the two that share an output row's sectors), rw compiled in.
+            // Run-time loops over the pairs and taps: unrolled, the compiler hoists fragment
+            // loads across them past the registers.
+            int a_pos[2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i) a_pos[i] = row_position(2 * warp + i);
+            float kept[2][4][4];
+            auto run_class = [&](int rd, int rh, auto rw_constant) {
+                constexpr int rw = decltype(rw_constant)::value;
+                float acc[2][4][4], stage[2][4][4];
+#pragma unroll
+                for (int i = 0; i < 2; ++i) start(acc[i]);
+                float (&sum)[2][4][4] = PASSES == 3 ? stage : acc;
+                const int taps = (1 + rd) * (1 + rh) * (1 + rw);
 #pragma unroll 1
                 for (int t = 0; t < taps; ++t) {
-                    const float* wtap;
-                    int shift;
-                    tap_at(t, wtap, shift);
+                    // Tap t = (a, b, c) of the class, c fastest over the axes where r = 1.
+                    const int c = rw ? t & 1 : 0, b = rh ? (t >> rw) & 1 : 0;
+                    const int a = rd ? t >> (rw + rh) : 0;
+                    const float* wtap = wt + ct3_tap(rd * 4 + rh * 2 + rw, a * 4 + b * 2 + c) *
+                                                 CT3_BN * CT3_CI;
+                    const int shift = ct3_offset_shift(a * 4 + b * 2 + c);
 #pragma unroll(PASSES == 1 ? CT3_CI / 8 : 1)
                     for (int ks = 0; ks < CT3_CI / 8; ++ks) {
                         float af[2][4], bf[4][2];
 #pragma unroll
                         for (int i = 0; i < 2; ++i) {
                             unsigned f[4];
-                            a_fragment(f, i, ks, shift);
+                            ldmatrix_x4(f, a_address(a_pos[i], shift) ^ (ks << 5));
 #pragma unroll
                             for (int e = 0; e < 4; ++e) af[i][e] = __uint_as_float(f[e]);
                         }
@@ -1582,52 +1637,19 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
                     }
                     if (PASSES == 3) flush_step_sums(acc, stage);
                 }
-            }
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const int row = 2 * warp + i;
-                const int od = 2 * (d0 + row / CT3_TH) + rd, oh = 2 * (h0 + row % CT3_TH) + rh;
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int ow = 2 * (w0 + gid + 8 * half) + rw;
-                    const bool inside = od < Do && oh < Ho && ow < Wo;
-                    // A pointer stepped along the channels, not 8 offsets held over the loops.
-                    float* yj = y_lane + (od * Ho + oh) * Wo + ow;
-#pragma unroll
-                    for (int j = 0; j < 4; ++j, yj += 8 * plane)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int u = half * 2 + e;
-                            float v = acc[i][j][u];
-                            const float ex = exp_below(clamp_nan_mm(v, lo, hi), hi_log2e);
-                            if (SUMS) {  // channels past K summed too, never stored
-                                if (inside) run_sums[j][e] += ex;
-                                continue;
-                            }
-                            v = ex * f_je.b[j][e];
-                            float* const yk = e ? yj + plane : yj;
-                            const bool valid = inside && k0 + j * 8 + 2 * tig + e < K;
-                            if (rw == 0 && pairs) {
-                                kept[i][j][u] = v;
-                            } else if (rw == 1 && pairs) {
-                                if (valid)  // ow - 1 is inside too
-                                    *reinterpret_cast<float2*>(yk - 1) =
-                                        make_float2(kept[i][j][u], v);
-                            } else if (valid) {
-                                *yk = v;
-                            }
-                        }
-                }
-            }
-        };
+                for (int i = 0; i < 2; ++i)
+                    finish(rd, rh, rw_constant, acc[i], 2 * warp + i, kept[i]);
+            };
 #pragma unroll 1
-        for (int step = 0; step < 4; ++step) {
-            // Pass 2's warpgroups start two pairs apart, so that one's MMAs run while the
-            // other's stores stall it (in the same order, both wait on the memory system at
-            // once).
-            const int rp = SUMS ? step : (step + 2 * (warp >> 2)) & 3;
-            run_class(rp >> 1, rp & 1, CT3Int<0>{});
-            run_class(rp >> 1, rp & 1, CT3Int<1>{});
+            for (int step = 0; step < 4; ++step) {
+                // Pass 2's warpgroups start two pairs apart, so that one's MMAs run while the
+                // other's stores stall it (in the same order, both wait on the memory system
+                // at once).
+                const int rp = SUMS ? step : (step + 2 * (warp >> 2)) & 3;
+                run_class(rp >> 1, rp & 1, CT3Int<0>{});
+                run_class(rp >> 1, rp & 1, CT3Int<1>{});
+            }
         }
 
         if (SUMS && pos.t + 1 == pos.end) {

@@ -70,9 +70,12 @@ def test_matches_reference(rng, monkeypatch, precision, case):
 def test_both_builds_agree(rng, monkeypatch, c_in):
     # On compute capability 9.0 "tf32" runs on the warpgroup MMA (sm_90a's build), its halo
     # by the tensor memory accelerator where C_in % 4 == 0; the portable build's mma.sync
-    # takes the same TF32 operands in the same order, its halo by cp.async.
+    # takes the same TF32 operands and each output's taps in the same order, its halo by
+    # cp.async. So the result from given factors agrees bit for bit; pass 1's sums over a
+    # run add the same values in another order (the builds give a lane other rows).
     import cufused._kernels.conv_gemm as conv
     from cufused._cuda import _CubinKernel, get_kernel
+    from cufused._layout import empty_in_layout
 
     if cp.cuda.Device().compute_capability != "90":
         pytest.skip("the warpgroup-MMA build needs compute capability 9.0")
@@ -85,17 +88,34 @@ def test_both_builds_agree(rng, monkeypatch, c_in):
     ref = pipeline_c(x, w, scale, **_opts(1, 2), conv_bias=cb)
     calls = count_calls(monkeypatch, c_module, "conv_transpose3d_softmax")
     args = to_gpu(x, w, scale, cb)
-    got = {}
+    # The kernels' own operands: a pooled channels-last input, factors of either sign.
+    pooled = empty_in_layout((2, c_in, 6, 7, 17), "nhwc")
+    pooled[...] = cp.asarray(rng.standard_normal(pooled.shape), dtype=cp.float32)
+    factor = cp.asarray(mixed(rng, 2 * 40), dtype=cp.float32)
+    clamp, out_shape = (-0.5, 1.0), (2, 40, 12, 14, 34)
+    got, sums, direct = {}, {}, {}
     for build in ("native", "portable"):
         out = poisoned(ref.shape)
         with kernels_built(build), plan_options(engine="igemm"):
             pipeline_c(*args[:3], **_opts(1, 2), conv_bias=args[3], precision="tf32", out=out)
+            partial, _ = conv.conv_transpose3d_softmax_sums(
+                cp, pooled, args[1], args[3], out_shape=out_shape, clamp=clamp, passes=1)
+            y = poisoned(out_shape)
+            conv.conv_transpose3d_softmax(pooled, args[1], args[3], y, factor, clamp=clamp,
+                                          passes=1)
         got[build] = out.get()
         assert rel_err(got[build], ref) < TOL["tf32"], build
+        sums[build], direct[build] = partial.get(), y.get()
     assert len(calls) == 2
     # The driver's maps where C_in % 4 == 0 (the portable build ignores them), else none.
-    assert (len(maps) >= 2) == (c_in % 4 == 0) and all(maps)
-    np.testing.assert_array_equal(got["native"].view(np.uint32), got["portable"].view(np.uint32))
+    assert (len(maps) >= 4) == (c_in % 4 == 0) and all(maps)
+    np.testing.assert_array_equal(direct["native"].view(np.uint32),
+                                  direct["portable"].view(np.uint32))
+    assert not np.isnan(direct["native"]).any()
+    np.testing.assert_array_equal(sums["native"][..., 0], sums["portable"][..., 0])
+    np.testing.assert_allclose(sums["native"][..., 1].sum(-1), sums["portable"][..., 1].sum(-1),
+                               rtol=1e-6)
+    np.testing.assert_allclose(got["native"], got["portable"], rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("precision", ["tf32", "3xtf32"])
