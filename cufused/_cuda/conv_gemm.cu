@@ -1410,12 +1410,25 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
 
     // The first tile's halo is on its way while the weights are staged.
     copy_halo(pos.n, pos.t, 0);
-    for (int i = tid; i < CT3_WFLOATS; i += CONV_THREADS) {
-        const int tap = i % 27, co = i / 27, o = co % CT3_BN, c = co / CT3_BN;
-        float v = 0.0f;
-        if (c < C && k0 + o < K) v = __ldg(w + ((long long)c * K + k0 + o) * 27 + tap);
-        if (PASSES == 1) v = __uint_as_float(to_tf32(v));
-        wt[tap * CT3_BN * CT3_CI + ct3_swizzled(o, c)] = v;
+    // CT3_STAGE loads in flight a thread: one at a time, each waited a memory latency.
+    constexpr int CT3_STAGE = 12;
+    static_assert(CT3_WFLOATS % (CT3_STAGE * CONV_THREADS) == 0, "whole rounds of loads");
+    for (int i0 = tid; i0 < CT3_WFLOATS; i0 += CT3_STAGE * CONV_THREADS) {
+        float v[CT3_STAGE];
+#pragma unroll
+        for (int u = 0; u < CT3_STAGE; ++u) {
+            const int i = i0 + u * CONV_THREADS;
+            const int tap = i % 27, co = i / 27, o = co % CT3_BN, c = co / CT3_BN;
+            v[u] = c < C && k0 + o < K ? __ldg(w + ((long long)c * K + k0 + o) * 27 + tap)
+                                       : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < CT3_STAGE; ++u) {
+            const int i = i0 + u * CONV_THREADS;
+            const int tap = i % 27, co = i / 27, o = co % CT3_BN, c = co / CT3_BN;
+            wt[tap * CT3_BN * CT3_CI + ct3_swizzled(o, c)] =
+                PASSES == 1 ? __uint_as_float(to_tf32(v[u])) : v[u];
+        }
     }
 #if HALO_WGMMA
     // The weights, stored by the generic proxy, are read by wgmma through the async proxy.
