@@ -247,13 +247,21 @@ def _transposed_s2k3(mode: str, x, w, bias, *, out_shape, runs: tuple[int, int],
         shared_mem=_CT3_SHARED)
 
 
-def transposed_s2k3_runs(x_shape: tuple[int, ...], k: int) -> tuple[int, int]:
+def transposed_s2k3_runs(x_shape: tuple[int, ...], k: int, *,
+                         stores: bool = False) -> tuple[int, int]:
     """``(splits, blocks)``: :func:`sample_segments` of the input's tiles, the channel tiles
-    of ``k`` output channels sharing the device's multiprocessors (one block each)."""
+    of ``k`` output channels sharing the device's multiprocessors (one block each). Where
+    the kernel ``stores`` its results (pass 2), every tile is a run of its own, so that the
+    blocks take the tiles in a grid stride: the blocks running together write neighbouring
+    tiles of y and fill its DRAM pages together, not each block a corner of a sample of its
+    own."""
     n, _, d, h, wd = x_shape
     td, th, tw = _CT3_TILE
     tiles = -(-d // td) * -(-h // th) * -(-wd // tw)
-    return sample_segments(n, tiles, max(1, sm_count() // max(1, -(-k // _CT3_BN))))
+    slots = max(1, sm_count() // max(1, -(-k // _CT3_BN)))
+    if stores:
+        return (tiles, min(n * tiles, slots)) if n and tiles else (1, 0)
+    return sample_segments(n, tiles, slots)
 
 
 def conv_transpose3d_softmax_sums(xp, x, w, bias, *, out_shape, clamp, passes: int):
@@ -273,5 +281,5 @@ def conv_transpose3d_softmax(x, w, bias, out, factor, *, clamp, passes: int) -> 
     """Pass 2: ``out`` (N, C_out, Do, Ho, Wo), contiguous, = exp(clamp(y) - hi) * factor[n,
     c], the convolution computed again."""
     _transposed_s2k3("CT3_SOFTMAX", x, w, bias, out_shape=out.shape,
-                     runs=transposed_s2k3_runs(x.shape, w.shape[1]), clamp=clamp,
-                     passes=passes, y=out, factor=factor)
+                     runs=transposed_s2k3_runs(x.shape, w.shape[1], stores=True),
+                     clamp=clamp, passes=passes, y=out, factor=factor)

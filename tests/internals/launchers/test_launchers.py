@@ -79,6 +79,19 @@ def test_transposed_conv_geometry_is_the_sources():
     assert defines["CT3_HFLOATS"] == conv._CT3_CI * math.prod(conv._CT3_HALO)
 
 
+def test_transposed_conv_result_pass_takes_tiles_in_a_grid_stride(monkeypatch):
+    # Pass 1 cuts each sample's tiles into runs (its sums reduce per run); pass 2, which
+    # stores, makes every tile a run, so that the blocks running together take neighbouring
+    # tiles: canonical C (32 samples of 4 x 8 x 2 tiles, 2 channel tiles, 132 SMs).
+    conv = LAUNCHERS["conv_gemm.cu"]
+    monkeypatch.setattr(conv, "sm_count", lambda: 132)
+    shape = (32, 32, 16, 32, 32)
+    assert conv.transposed_s2k3_runs(shape, 64) == (2, 64)
+    assert conv.transposed_s2k3_runs(shape, 64, stores=True) == (64, 66)
+    assert conv.transposed_s2k3_runs((1, 4, 1, 1, 1), 8, stores=True) == (1, 1)
+    assert conv.transposed_s2k3_runs((0, 4, 1, 1, 1), 8, stores=True)[1] == 0
+
+
 def test_one_launcher_module_per_cuda_source():
     for filename, module in LAUNCHERS.items():
         assert module._FILE == filename
