@@ -1171,8 +1171,8 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
 // input m + 1 (r = 1): the eight residue classes r = (rd, rh, rw) of a base position m have
 // 1, 2, 4 or 8 taps (27 in all), each a GEMM of the base positions (rows) by the input
 // channels (reduction) by the output channels (columns). A block takes tiles of CT3_TD x
-// CT3_TH x CT3_TW base positions of one sample (256 rows) and CT3_BN output channels; its 8
-// warps each hold 32 rows (two (d, h) rows of 16 w positions: MMA tiles i) x 32 channels.
+// CT3_TH x CT3_TW base positions of one sample (256 rows, 16 (d, h) rows of 16 w positions)
+// and CT3_BN output channels.
 // The whole weight slice (27 taps x CT3_BN x CT3_CI) is staged once per block; the input
 // halo ((T + 1)^3 positions x CT3_CI channels, zeros outside the input and past C) takes
 // turns in two buffers, the next tile's copied (one tensor copy on sm_90a where C % 4 == 0,
@@ -1180,8 +1180,11 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
 // Both are channel-contiguous (the input comes channels-last), so that ldmatrix loads four
 // 8 x 4 TF32 fragments in one instruction; the 16-byte chunks of a row are swizzled by the
 // row's low 3 bits, which puts the 8 rows of each fragment on distinct banks.
-// The classes go one after another (rw fastest: the two classes that share an output row's
-// sectors are written back to back), each class's accumulators into the epilogue.
+// The warpgroup-MMA path ("tf32" on sm_90a) takes the tile in two halves of 128 rows, all
+// eight classes' accumulators at once, its MMAs grouped by input offset (below); the
+// mma.sync path gives each warp two (d, h) rows and runs the classes one after another (rw
+// fastest: the two classes that share an output row's sectors are written back to back).
+// Both add each output's taps in the same order.
 //
 // PASSES = 1 feeds the staged float32 halo to the TF32 MMA as it is (the tensor cores read
 // a TF32 operand's top 19 bits: truncation) and stages the weights TF32-rounded; on sm_90a
@@ -1414,7 +1417,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
 
     // The first tile's halo is on its way while the weights are staged.
     copy_halo(pos.n, pos.t, 0);
-    // CT3_STAGE loads in flight a thread: one at a time, each waited a memory latency.
+    // CT3_STAGE loads in flight a thread, so that their memory latencies overlap.
     constexpr int CT3_STAGE = 12;
     static_assert(CT3_WFLOATS % (CT3_STAGE * CONV_THREADS) == 0, "whole rounds of loads");
     for (int i0 = tid; i0 < CT3_WFLOATS; i0 += CT3_STAGE * CONV_THREADS) {
@@ -1537,11 +1540,12 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
             // in order, one commit group: the offset's A fragments, loaded once, times the
             // weights of every class r that reads it (r >= (a, b, c) bitwise, the tap of
             // kernel index 2 - 2 a per axis where r has 1, else 1), so that each class's taps
-            // go in tap_at's order. A class's last offset is its own index: the class is
-            // done with its group, and its epilogue runs while the next groups do (pass 2:
-            // a pair of rw = 0 and 1 after the second's group). Loaded once per offset,
-            // the A fragments take 8 ldmatrix rounds a tile row instead of 27: the weights
-            // and A fragments read from shared memory per MMA step were the limit.
+            // go in the mma.sync path's order (offsets ascending). A class's last offset is
+            // its own index: the class is done with its group, and its epilogue runs while the
+            // next groups do (pass 2: a pair of rw = 0 and 1 after the second's group). The A
+            // fragments of a tile row are loaded once per offset, 8 ldmatrix rounds for its 27
+            // taps: the shared-memory reads of the MMA steps (fragments and weights) bound
+            // the tensor cores.
             static_assert(CT3_TD == 4 && CT3_TH == 4, "two halves of two warpgroups' h rows");
             const unsigned long long desc0 = ct3_weight_desc(wt);
             // The epilogue of class r, done; pass 2 stores a pair of rw = 0 and 1 after the

@@ -253,8 +253,7 @@ def transposed_s2k3_runs(x_shape: tuple[int, ...], k: int, *,
     of ``k`` output channels sharing the device's multiprocessors (one block each). Where
     the kernel ``stores`` its results (pass 2), every tile is a run of its own, so that the
     blocks take the tiles in a grid stride: the blocks running together write neighbouring
-    tiles of y and fill its DRAM pages together, not each block a corner of a sample of its
-    own."""
+    tiles of y, and so fill its DRAM pages together."""
     n, _, d, h, wd = x_shape
     td, th, tw = _CT3_TILE
     tiles = -(-d // td) * -(-h // th) * -(-wd // tw)

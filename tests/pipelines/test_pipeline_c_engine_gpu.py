@@ -72,7 +72,9 @@ def test_both_builds_agree(rng, monkeypatch, c_in):
     # by the tensor memory accelerator where C_in % 4 == 0; the portable build's mma.sync
     # takes the same TF32 operands and each output's taps in the same order, its halo by
     # cp.async. So the result from given factors agrees bit for bit; pass 1's sums over a
-    # run add the same values in another order (the builds give a lane other rows).
+    # run add the same values in another order (the builds give a lane other rows). The
+    # direct calls also run on 4 blocks a channel tile, each taking several tiles of both
+    # samples: the result is the same bit for bit on any schedule of the tiles.
     import cufused._kernels.conv_gemm as conv
     from cufused._cuda import _CubinKernel, get_kernel
     from cufused._layout import empty_in_layout
@@ -98,23 +100,30 @@ def test_both_builds_agree(rng, monkeypatch, c_in):
         out = poisoned(ref.shape)
         with kernels_built(build), plan_options(engine="igemm"):
             pipeline_c(*args[:3], **_opts(1, 2), conv_bias=args[3], precision="tf32", out=out)
-            partial, _ = conv.conv_transpose3d_softmax_sums(
-                cp, pooled, args[1], args[3], out_shape=out_shape, clamp=clamp, passes=1)
-            y = poisoned(out_shape)
-            conv.conv_transpose3d_softmax(pooled, args[1], args[3], y, factor, clamp=clamp,
-                                          passes=1)
+            for sms in (None, 8):
+                with pytest.MonkeyPatch.context() as patch:
+                    if sms:
+                        patch.setattr(conv, "sm_count", lambda: sms)
+                    partial, _ = conv.conv_transpose3d_softmax_sums(
+                        cp, pooled, args[1], args[3], out_shape=out_shape, clamp=clamp,
+                        passes=1)
+                    y = poisoned(out_shape)
+                    conv.conv_transpose3d_softmax(pooled, args[1], args[3], y, factor,
+                                                  clamp=clamp, passes=1)
+                sums[build, sms], direct[build, sms] = partial.get(), y.get()
         got[build] = out.get()
         assert rel_err(got[build], ref) < TOL["tf32"], build
-        sums[build], direct[build] = partial.get(), y.get()
     assert len(calls) == 2
     # The driver's maps where C_in % 4 == 0 (the portable build ignores them), else none.
     assert (len(maps) >= 4) == (c_in % 4 == 0) and all(maps)
-    np.testing.assert_array_equal(direct["native"].view(np.uint32),
-                                  direct["portable"].view(np.uint32))
-    assert not np.isnan(direct["native"]).any()
-    np.testing.assert_array_equal(sums["native"][..., 0], sums["portable"][..., 0])
-    np.testing.assert_allclose(sums["native"][..., 1].sum(-1), sums["portable"][..., 1].sum(-1),
-                               rtol=1e-6)
+    first = direct["native", None]
+    assert not np.isnan(first).any()
+    for key, y in direct.items():
+        np.testing.assert_array_equal(y.view(np.uint32), first.view(np.uint32), err_msg=key)
+    for sms in (None, 8):  # the same runs in both builds: each run's sum, in another order
+        np.testing.assert_array_equal(sums["native", sms][..., 0], clamp[1])
+        np.testing.assert_allclose(sums["native", sms][..., 1], sums["portable", sms][..., 1],
+                                   rtol=1e-6)
     np.testing.assert_allclose(got["native"], got["portable"], rtol=1e-5, atol=0)
 
 

@@ -79,7 +79,7 @@ def test_transposed_conv_geometry_is_the_sources():
     assert defines["CT3_HFLOATS"] == conv._CT3_CI * math.prod(conv._CT3_HALO)
 
 
-def test_transposed_conv_result_pass_takes_tiles_in_a_grid_stride(monkeypatch):
+def test_transposed_conv_result_pass_takes_tiles_in_a_grid_stride(launches, monkeypatch):
     # Pass 1 cuts each sample's tiles into runs (its sums reduce per run); pass 2, which
     # stores, makes every tile a run, so that the blocks running together take neighbouring
     # tiles: canonical C (32 samples of 4 x 8 x 2 tiles, 2 channel tiles, 132 SMs).
@@ -90,6 +90,17 @@ def test_transposed_conv_result_pass_takes_tiles_in_a_grid_stride(monkeypatch):
     assert conv.transposed_s2k3_runs(shape, 64, stores=True) == (64, 66)
     assert conv.transposed_s2k3_runs((1, 4, 1, 1, 1), 8, stores=True) == (1, 1)
     assert conv.transposed_s2k3_runs((0, 4, 1, 1, 1), 8, stores=True)[1] == 0
+    # The launches: 4 samples of 2 x 2 x 2 tiles on 8 SMs (4 blocks a channel tile): pass 1
+    # a run a sample, pass 2 a run a tile (the kernel's splits argument).
+    monkeypatch.setattr(conv, "sm_count", lambda: 8)
+    monkeypatch.setattr(conv, "float32_tensor_map", lambda *args: None)
+    x, w = Dev((4, 32, 8, 8, 32), "nhwc"), Dev((32, 64, 3, 3, 3))
+    conv.conv_transpose3d_softmax_sums(FakeXp, x, w, None, out_shape=(4, 64, 16, 16, 64),
+                                       clamp=(0.0, 1.0), passes=1)
+    assert launches[-1].grid == (4, 2) and launches[-1].args[-5] == 1
+    conv.conv_transpose3d_softmax(x, w, None, Dev((4, 64, 16, 16, 64)), Dev((256,)),
+                                  clamp=(0.0, 1.0), passes=1)
+    assert launches[-1].grid == (4, 2) and launches[-1].args[-5] == 8
 
 
 def test_one_launcher_module_per_cuda_source():
