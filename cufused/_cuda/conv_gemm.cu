@@ -1271,11 +1271,14 @@ __device__ __forceinline__ constexpr int ct3_kernel_index(int r, int o) {
     return r ? 2 - 2 * o : 1;
 }
 
-// The tap (kernel index kd * 9 + kh * 3 + kw) of input offset o = (a, b, c) in class r =
-// (rd, rh, rw), both as 3-bit numbers (d highest), o <= r bitwise.
+// The tap (kernel index kd * 9 + kh * 3 + kw) of input offset (a, b, c) in class (rd, rh,
+// rw); ct3_tap(r, o) takes both as 3-bit numbers (d highest), o <= r bitwise.
+__device__ __forceinline__ constexpr int ct3_tap(int rd, int rh, int rw, int a, int b, int c) {
+    return ct3_kernel_index(rd, a) * 9 + ct3_kernel_index(rh, b) * 3 + ct3_kernel_index(rw, c);
+}
+
 __device__ __forceinline__ constexpr int ct3_tap(int r, int o) {
-    return ct3_kernel_index(r >> 2, o >> 2) * 9 +
-           ct3_kernel_index((r >> 1) & 1, (o >> 1) & 1) * 3 + ct3_kernel_index(r & 1, o & 1);
+    return ct3_tap(r >> 2, (r >> 1) & 1, r & 1, o >> 2, (o >> 1) & 1, o & 1);
 }
 
 // Input offset o = (a, b, c) in halo positions.
@@ -1632,9 +1635,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
                     // Tap t = (a, b, c) of the class, c fastest over the axes where r = 1.
                     const int c = rw ? t & 1 : 0, b = rh ? (t >> rw) & 1 : 0;
                     const int a = rd ? t >> (rw + rh) : 0;
-                    const int tap = ct3_kernel_index(rd, a) * 9 + ct3_kernel_index(rh, b) * 3 +
-                                    ct3_kernel_index(rw, c);
-                    const float* wtap = wt + tap * CT3_BN * CT3_CI;
+                    const float* wtap = wt + ct3_tap(rd, rh, rw, a, b, c) * CT3_BN * CT3_CI;
                     const int shift = ct3_offset_shift(a * 4 + b * 2 + c);
 #pragma unroll(PASSES == 1 ? CT3_CI / 8 : 1)
                     for (int ks = 0; ks < CT3_CI / 8; ++ks) {
