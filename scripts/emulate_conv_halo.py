@@ -206,8 +206,8 @@ def emulate(x, w, bias, stride, padding, dilation, grid_x=7, sign=None):
     (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
     p_total = (height + 2 * ph - dh * (kh - 1) - 1) // sh + 1
     q_total = (width + 2 * pw - dw * (kw - 1) - 1) // sw + 1
-    cc, hr, hc = halo_chunk(c_total, (kh, kw), stride, dilation)
-    fixed = fixed_ksize((kh, kw), stride, dilation) > 0
+    cc, hr, hc = halo_chunk(c_total, (kh, kw), stride, dilation, 1)
+    fixed = fixed_ksize(c_total, (kh, kw), stride, dilation, 1) > 0
     assert cc >= 1
     y = np.full((n_total, k_total, p_total, q_total), np.nan)
     tiles_w = -(-q_total // TW)
@@ -413,21 +413,21 @@ def check_shared_layout() -> bool:
                    (5, (1, 1), (2, 2), (1, 1)), (64, (3, 3), (1, 1), (1, 1))]
     ok = True
     for c, kernel, stride, dilation in geometries:
-        cc, hr, hc = halo_chunk(c, kernel, stride, dilation)
-        ksize = fixed_ksize(kernel, stride, dilation)
-        hsize = cc * halo_channel_stride(hr, hc, ksize)
         for passes in (1, 3):
+            cc, hr, hc = halo_chunk(c, kernel, stride, dilation, passes)
+            ksize = fixed_ksize(c, kernel, stride, dilation, passes)
+            hsize = cc * halo_channel_stride(hr, hc, ksize)
             planes, wplanes = halo_planes(passes, ksize), weight_planes(passes, ksize)
             # halo_scratch: after the weights' and both halo buffers' planes.
             start = (wplanes * _HALO_RC * (_TILE_K + 8) + _HALO_RC + 2 * planes * hsize + 3) & ~3
             for pool in (0, 2, 4):
                 end = start + (_POOL_SCRATCH_FLOATS if pool else _TILE_K * _HALO_OUT_STRIDE)
                 ok &= 4 * end <= halo_shared_bytes(cc, hr, hc, ksize, passes, pool)
-        if ksize:
-            rstride = halo_row_stride(hc, ksize)
-            last = (cc - 1) * halo_channel_stride(hr, hc, ksize) + (hr - 1) * rstride + rstride
-            ok &= rstride % 4 == 0 and last <= hsize
-            ok &= ksize * ksize * _TILE_K * cc <= _HALO_RC * (_TILE_K + 8)
+            if ksize:
+                rstride = halo_row_stride(hc, ksize)
+                last = (cc - 1) * halo_channel_stride(hr, hc, ksize) + (hr - 1) * rstride + rstride
+                ok &= rstride % 4 == 0 and last <= hsize
+                ok &= ksize * ksize * _TILE_K * cc <= _HALO_RC * (_TILE_K + 8)
     # The 4-float copies need every 4 columns of a halo row inside the input or outside
     # together: so for W and the padding multiples of 4 (tiles start at multiples of 32).
     for width, pw in [(128, 0), (40, 4), (36, 0), (8, 4)]:
@@ -484,7 +484,7 @@ def main() -> int:
         err = float(np.abs(got - ref).max()) if not np.isnan(got).any() else float("inf")
         worst = max(worst, err)
         print(f"x {xs} w {ws} stride {stride} padding {padding} dilation {dilation} "
-              f"(cc, hr, hc) {halo_chunk(xs[1], ws[2:], stride, dilation)}: max error {err:.1e}")
+              f"(cc, hr, hc) {halo_chunk(xs[1], ws[2:], stride, dilation, 1)}: max error {err:.1e}")
     worst = max(worst, check_pool_stats(rng))
     if not check_shared_layout() or not check_wgmma_weights(rng):
         return 1

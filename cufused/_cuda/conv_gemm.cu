@@ -379,6 +379,15 @@ conv2d_igemm(const float* __restrict__ x, const float* __restrict__ w,
 #define HALO_MAX 4800
 #define HALO_BLOCKS_PER_SM 2
 
+// The blocks a multiprocessor that a halo kernel's launch bounds promise: two (128 registers a
+// thread) in TF32, and in 3xTF32 where the wgmma build compiles the geometry in and the
+// epilogue pools (halo_tiles' residuals-first sum; conv2d_halo's staged output tile does not
+// fit twice); else one. The launcher's grid is the same (blocks past those resident wait).
+template <int PASSES, int KSIZE, bool POOLS>
+__host__ __device__ constexpr int halo_blocks_per_sm() {
+    return PASSES == 1 || (HALO_WGMMA && KSIZE > 0 && POOLS) ? HALO_BLOCKS_PER_SM : 1;
+}
+
 // V consecutive floats as one access (8- or 16-byte aligned for V = 2, 4).
 template <int V> struct FloatVec;
 template <> struct FloatVec<1> { using type = float; };
@@ -571,10 +580,11 @@ struct SampleSegments {
 // copied with cp.async while the previous stage's MMAs run, so the block waits on global
 // memory only where one stage's copies take longer than another's MMAs and epilogue.
 // KSIZE = 0 takes the geometry from the arguments; KSIZE > 0 compiles it in (FixedHalo:
-// the launcher passes cc, hr, hc = 8, HR, HC, and stride and dilation 1).
+// the launcher passes cc, hr, hc = 8, HR, HC, and stride and dilation 1). BLOCKS: the
+// kernel's halo_blocks_per_sm.
 // The weights of output channel k are staged times sign(k) (+1 or -1), so acc holds
 // sign(k) times the convolution without its bias.
-template <int PASSES, int KSIZE, class Schedule, class Epilogue, class Sign>
+template <int PASSES, int KSIZE, int BLOCKS, class Schedule, class Epilogue, class Sign>
 __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                                            const float* __restrict__ w, int C, int H, int W,
                                            int K, int kh, int kw, int P, int Q, int sh, int sw,
@@ -772,15 +782,17 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                 // unrolled: every tap unrolled hoists its loads past the register budget.
                 constexpr int HPLANE = Fixed::CC * Fixed::CSTRIDE;  // == s.hsize
                 const float* lane_base = halo + tig * Fixed::CSTRIDE + warp_col + gid;
+                auto load_plane = [&](int v, int q, unsigned (&plane)[Fixed::HR][2]) {
+#pragma unroll
+                    for (int h = 0; h < Fixed::HR; ++h) {
+                        const float* at = lane_base + v + q * HPLANE + h * Fixed::HCS;
+                        plane[h][0] = __float_as_uint(at[0]);
+                        plane[h][1] = __float_as_uint(at[4 * Fixed::CSTRIDE]);
+                    }
+                };
                 auto load_column = [&](int v, unsigned (&column)[3][Fixed::HR][2]) {
 #pragma unroll
-                    for (int q = 0; q < PLANES; ++q)
-#pragma unroll
-                        for (int h = 0; h < Fixed::HR; ++h) {
-                            const float* at = lane_base + v + q * HPLANE + h * Fixed::HCS;
-                            column[2 * q][h][0] = __float_as_uint(at[0]);
-                            column[2 * q][h][1] = __float_as_uint(at[4 * Fixed::CSTRIDE]);
-                        }
+                    for (int q = 0; q < PLANES; ++q) load_plane(v, q, column[2 * q]);
                     if (PASSES == 3) {
 #pragma unroll
                         for (int h = 0; h < Fixed::HR; ++h) {
@@ -789,75 +801,111 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                         }
                     }
                 };
-                // Kernel row u's A fragments of each operand plane (MMA tile i, half: pixel
-                // row 2 i + half) from a column.
+                // Kernel row u's A fragment of MMA tile i (half: pixel row 2 i + half) from
+                // one operand plane of a column, and those of every plane.
+                auto fragment = [&](const unsigned (&plane)[Fixed::HR][2], int u, int i,
+                                    unsigned (&a)[4]) {
+                    a[0] = plane[2 * i + u][0];
+                    a[1] = plane[2 * i + 1 + u][0];
+                    a[2] = plane[2 * i + u][1];
+                    a[3] = plane[2 * i + 1 + u][1];
+                };
                 auto fragments = [&](const unsigned (&column)[3][Fixed::HR][2], int u,
                                      unsigned (&a)[3][2][4]) {
 #pragma unroll
-                    for (int q = 0; q < 2 * PLANES - 1; ++q) {
+                    for (int q = 0; q < 2 * PLANES - 1; ++q)
 #pragma unroll
-                        for (int i = 0; i < 2; ++i) {
-                            a[q][i][0] = column[q][2 * i + u][0];
-                            a[q][i][1] = column[q][2 * i + 1 + u][0];
-                            a[q][i][2] = column[q][2 * i + u][1];
-                            a[q][i][3] = column[q][2 * i + 1 + u][1];
-                        }
-                    }
+                        for (int i = 0; i < 2; ++i) fragment(column[q], u, i, a[q][i]);
                 };
 #if HALO_WGMMA
                 // The warpgroup's 64 x 32 steps, MMA tile i of each of its 4 warps: wgmma's
-                // A fragment and accumulator layouts are mma_tf32's per warp. A kernel
-                // column's steps run while the next column's halo values are loaded into
-                // the other register set; A's registers and the sums stay untouched until
-                // the steps are done.
+                // A fragment and accumulator layouts are mma_tf32's per warp. A's registers
+                // and acc stay untouched from a group's fence until its wait.
                 // warp_k / 32, shuffled from lane 0 so that the compiler sees it uniform over
                 // the warp: the descriptors built from it stay in uniform registers (no
                 // move into them per wgmma).
                 const int warpgroup = __shfl_sync(0xffffffffu, warp >> 2, 0);
-                unsigned columns[2][3][Fixed::HR][2];
-                constexpr int COLUMN = (2 * PLANES - 1) * Fixed::HR * 2;  // registers in use
-                load_column(0, columns[0]);
-                float (&d)[2][4][4] = PASSES == 3 ? stage : acc;
-#pragma unroll
-                for (int v = 0; v < KSIZE; ++v) {
-                    unsigned (&column)[3][Fixed::HR][2] = columns[v & 1];
-                    pin_registers<32>(&d[0][0][0]);
-                    pin_registers<COLUMN>(&column[0][0][0]);
-                    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+                // Kernel column v's steps, A from operand plane `plane`, B from the weights'
+                // plane wq, into acc.
+                auto column_steps = [&](const unsigned (&plane)[Fixed::HR][2], int v, int wq) {
 #pragma unroll
                     for (int u = 0; u < KSIZE; ++u) {
-                        unsigned a[3][2][4];
-                        fragments(column, u, a);
-                        const float* tap_b = &s.wt[0][0] + (u * KSIZE + v) * 2 * 256
-                                             + warpgroup * 256;
+                        const float* tap_b = &s.wt[0][0] + wq * HALO_WPLANE
+                                             + (u * KSIZE + v) * 2 * 256 + warpgroup * 256;
 #pragma unroll
                         for (int i = 0; i < 2; ++i) {
-                            if (PASSES == 3 && u == 0)
-                                wgmma_tf32<false>(d[i], a[0][i], wgmma_desc(tap_b));
-                            else
-                                wgmma_tf32<true>(d[i], a[0][i], wgmma_desc(tap_b));
-                        }
-                        if (PASSES == 3) {
-#pragma unroll
-                            for (int i = 0; i < 2; ++i)
-                                wgmma_tf32<true>(d[i], a[2][i],
-                                                 wgmma_desc(tap_b + HALO_WPLANE));
-#pragma unroll
-                            for (int i = 0; i < 2; ++i)
-                                wgmma_tf32<true>(d[i], a[1][i],
-                                                 wgmma_desc(tap_b + 2 * HALO_WPLANE));
+                            unsigned a[4];
+                            fragment(plane, u, i, a);
+                            wgmma_tf32<true>(acc[i], a, wgmma_desc(tap_b));
                         }
                     }
+                };
+                // One commit group: steps() issues its wgmma, whose N A registers at r are
+                // pinned with acc at the fence and at the wait; meanwhile() runs before the
+                // wait.
+                auto mma_group = [&](auto n, unsigned* r, auto steps, auto meanwhile) {
+                    constexpr int N = decltype(n)::value;
+                    pin_registers<32>(&acc[0][0][0]);
+                    pin_registers<N>(r);
+                    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+                    steps();
                     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-                    if (v + 1 < KSIZE) {
-                        load_column(v + 1, columns[(v + 1) & 1]);
-                        pin_registers<COLUMN>(&columns[(v + 1) & 1][0][0][0]);
-                    }
+                    meanwhile();
                     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-                    pin_registers<32>(&d[0][0][0]);
-                    pin_registers<COLUMN>(&column[0][0][0]);
-                    // 3xTF32: one step sum per kernel column.
-                    if (PASSES == 3) flush_step_sums(acc, stage);
+                    pin_registers<32>(&acc[0][0][0]);
+                    pin_registers<N>(r);
+                };
+                // A column's halo values load while the previous column's steps run, into the
+                // other register set, except for 3xTF32 at two blocks a multiprocessor (128
+                // registers a thread: one set).
+                constexpr bool EARLY = PASSES == 1 || BLOCKS == 1;
+                unsigned columns[2][3][Fixed::HR][2];
+                auto load_next = [&](int v, auto n, int q0) {
+                    constexpr int N = decltype(n)::value;
+                    if (EARLY && v + 1 < KSIZE) {
+                        load_column(v + 1, columns[(v + 1) & 1]);
+                        pin_registers<N>(&columns[(v + 1) & 1][q0][0][0]);
+                    }
+                };
+                if (EARLY) load_column(0, columns[0]);
+                if constexpr (PASSES == 3) {
+                    // One chunk of input channels (fixed_ksize in conv_gemm.py sends 3xTF32
+                    // problems of more to KSIZE = 0). Every column's residual products (lo *
+                    // hi, hi * lo) go first, then the high ones, all into acc: the tensor cores
+                    // truncate each step's sum to float32, which costs the residual products,
+                    // 2^-11 of the result, nothing while acc is as small, and the high
+                    // products, summed last, one truncation per tap. No step sums, and one
+                    // column's residual fragments at a time: two blocks a multiprocessor
+                    // (conv2d_halo_pool_stats' launch bounds), one's MMAs running while the
+                    // other waits.
+                    constexpr int RESIDUAL = 2 * Fixed::HR * 2;  // planes 1 and 2 of a column
+#pragma unroll
+                    for (int v = 0; v < KSIZE; ++v) {
+                        unsigned (&column)[3][Fixed::HR][2] = columns[EARLY ? v & 1 : 0];
+                        if (!EARLY) load_column(v, column);
+                        mma_group(
+                            Flag<RESIDUAL>{}, &column[1][0][0],
+                            [&] {
+                                column_steps(column[2], v, 1);
+                                column_steps(column[1], v, 2);
+                            },
+                            [&] { load_next(v, Flag<RESIDUAL>{}, 1); });
+                    }
+#pragma unroll
+                    for (int v = 0; v < KSIZE; ++v) {
+                        unsigned high[Fixed::HR][2];
+                        load_plane(v, 0, high);
+                        mma_group(Flag<Fixed::HR * 2>{}, &high[0][0],
+                                  [&] { column_steps(high, v, 0); }, [] {});
+                    }
+                } else {
+#pragma unroll
+                    for (int v = 0; v < KSIZE; ++v) {
+                        unsigned (&column)[3][Fixed::HR][2] = columns[v & 1];
+                        mma_group(Flag<Fixed::HR * 2>{}, &column[0][0][0],
+                                  [&] { column_steps(column[0], v, 0); },
+                                  [&] { load_next(v, Flag<Fixed::HR * 2>{}, 0); });
+                    }
                 }
 #else
                 const float4* b4 = reinterpret_cast<const float4*>(&s.wt[0][0])
@@ -948,10 +996,8 @@ __device__ __forceinline__ void store_staged_rows(const float* staged, float* yt
     }
 }
 
-// 3xTF32's step sums pass 128 registers a thread: one block per multiprocessor there (the
-// launcher's grid is the same; blocks past those resident wait).
 template <int PASSES, int KSIZE>
-__global__ void __launch_bounds__(CONV_THREADS, PASSES == 1 ? HALO_BLOCKS_PER_SM : 1)
+__global__ void __launch_bounds__(CONV_THREADS, halo_blocks_per_sm<PASSES, KSIZE, false>())
 conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
             const float* __restrict__ bias, float* __restrict__ y, int N, int C, int H, int W,
             int K, int kh, int kw, int P, int Q, int sh, int sw, int ph, int pw, int dh, int dw,
@@ -985,10 +1031,10 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
     };
     const int tiles_w = (Q + HALO_TW - 1) / HALO_TW;
     const int tiles = ((P + HALO_TH - 1) / HALO_TH) * tiles_w;
-    halo_tiles<PASSES, KSIZE>(x, w, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
-                              halo_shared<PASSES, KSIZE>(smem, hsize),
-                              GridStride{tiles, tiles_w, (long long)N * tiles}, store,
-                              [](int) { return 1.0f; });
+    halo_tiles<PASSES, KSIZE, halo_blocks_per_sm<PASSES, KSIZE, false>()>(
+        x, w, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
+        halo_shared<PASSES, KSIZE>(smem, hsize), GridStride{tiles, tiles_w, (long long)N * tiles},
+        store, [](int) { return 1.0f; });
 }
 
 // Pipeline A's convolution with the fused pass of pool_extremum_stats (pooling.cu) as its
@@ -1024,9 +1070,8 @@ __device__ __forceinline__ float window_sign(const float* __restrict__ sign_a,
     return a * b < 0.0f ? -1.0f : 1.0f;
 }
 
-// Registers as conv2d_halo's.
 template <int PASSES, int KSIZE, int POOL>
-__global__ void __launch_bounds__(CONV_THREADS, PASSES == 1 ? HALO_BLOCKS_PER_SM : 1)
+__global__ void __launch_bounds__(CONV_THREADS, halo_blocks_per_sm<PASSES, KSIZE, true>())
 conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
                        const float* __restrict__ bias, const float* __restrict__ sign_a,
                        const float* __restrict__ sign_b, float* __restrict__ ext,
@@ -1155,9 +1200,10 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
                 make_float4(bs.y * total.x, total.y, fmaf(bs.y, bs.z, bs.x), __int_as_float(count));
         }
     };
-    halo_tiles<PASSES, KSIZE>(x, w, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
-                              halo_shared<PASSES, KSIZE>(smem, hsize), segments, pool_stats,
-                              [&](int k) { return window_sign(sign_a, sign_b, k); });
+    halo_tiles<PASSES, KSIZE, halo_blocks_per_sm<PASSES, KSIZE, true>()>(
+        x, w, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
+        halo_shared<PASSES, KSIZE>(smem, hsize), segments, pool_stats,
+        [&](int k) { return window_sign(sign_a, sign_b, k); });
 }
 
 // ---------------------------------------------------------------------------------------

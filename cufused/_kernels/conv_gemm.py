@@ -21,24 +21,28 @@ _HALO_OUT_STRIDE = 132  # HALO_OUT_STRIDE: floats per channel of conv2d_halo's s
 _FIXED_KSIZE, _FIXED_CC = 3, 8  # FixedHalo's instantiation and its channels per chunk
 
 
-def fixed_ksize(kernel: tuple[int, int], stride: tuple[int, int],
-                dilation: tuple[int, int]) -> int:
-    """The kernel size that the halo kernels compile in for this geometry (``FixedHalo``: a
-    3 x 3 kernel at stride and dilation 1), or 0: the geometry comes as arguments."""
-    if kernel == (_FIXED_KSIZE, _FIXED_KSIZE) and stride == (1, 1) and dilation == (1, 1):
+def fixed_ksize(c: int, kernel: tuple[int, int], stride: tuple[int, int],
+                dilation: tuple[int, int], passes: int) -> int:
+    """The kernel size that the halo kernels compile in for this problem (``FixedHalo``: a
+    3 x 3 kernel at stride and dilation 1; in 3xTF32 with at most one chunk of 8 input
+    channels, whose products the ``wgmma`` build sums in one accumulator, residuals first:
+    over several chunks that sum would lose float32's accuracy), or 0: the geometry comes as
+    arguments."""
+    if (kernel == (_FIXED_KSIZE, _FIXED_KSIZE) and stride == (1, 1) and dilation == (1, 1)
+            and (passes == 1 or c <= _FIXED_CC)):
         return _FIXED_KSIZE
     return 0
 
 
 def halo_chunk(c: int, kernel: tuple[int, int], stride: tuple[int, int],
-               dilation: tuple[int, int]) -> tuple[int, int, int]:
+               dilation: tuple[int, int], passes: int) -> tuple[int, int, int]:
     """``(cc, hr, hc)`` of ``conv2d_halo``: the input channels staged per chunk (0 where not
     even one channel's halo fits its shared memory, or ``c`` is 0; 8 where the geometry is
     compiled in, zeros past ``c``) and the halo's rows and columns."""
     kh, kw = kernel
     hr = (_HALO_TH - 1) * stride[0] + (kh - 1) * dilation[0] + 1
     hc = (_HALO_TW - 1) * stride[1] + (kw - 1) * dilation[1] + 1
-    if fixed_ksize(kernel, stride, dilation):
+    if fixed_ksize(c, kernel, stride, dilation, passes):
         # No input channel, no stage: the kernel's barriers between tiles come with stages.
         return (_FIXED_CC if c else 0), hr, hc
     return min(c, _HALO_RC // (kh * kw), _HALO_MAX // (hr * hc)), hr, hc
@@ -93,10 +97,10 @@ def halo_launch(c: int, kernel: tuple[int, int], stride: tuple[int, int],
     None where it does not take it: no chunk of input channels whose halo fits, or more
     shared memory than a block may have there (3xTF32's 3 x 3 kernel without pooling passes
     the 99 KB of compute capability 8.6, 8.9 and 12.0)."""
-    cc, hr, hc = halo_chunk(c, kernel, stride, dilation)
+    cc, hr, hc = halo_chunk(c, kernel, stride, dilation, passes)
     if cc < 1:
         return None
-    ksize = fixed_ksize(kernel, stride, dilation)
+    ksize = fixed_ksize(c, kernel, stride, dilation, passes)
     shared = halo_shared_bytes(cc, hr, hc, ksize, passes, pool)
     return (cc, hr, hc, ksize, shared) if shared <= shared_per_block() else None
 
@@ -171,7 +175,7 @@ def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, stride: tuple[int,
     if halo is None:
         raise ValueError(f"conv2d_pool_stats takes pool 2 or 4 and a halo that fits "
                          f"(pool {pool}, channels per chunk "
-                         f"{halo_chunk(c, (kh, kw), stride, dilation)[0]})")
+                         f"{halo_chunk(c, (kh, kw), stride, dilation, passes)[0]})")
     cc, hr, hc, ksize, shared = halo
     p = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
     q = (wd + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1

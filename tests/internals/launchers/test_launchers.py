@@ -357,6 +357,18 @@ def test_conv_gemm_launchers(launches, monkeypatch):
                 conv.conv2d_implicit_gemm(Dev(x), Dev(w), bias, Dev(y), stride=stride,
                                           padding=(0, 0), dilation=dilation, passes=passes)
                 assert launches[-1].name == f"{kernel}<{passes}{rest}>"
+    # More than one chunk of 8 input channels: TF32 keeps the compiled-in 3 x 3 geometry,
+    # 3xTF32 takes it as arguments (the wgmma build's one-accumulator sum is as accurate as
+    # float32 for one chunk only).
+    for passes, ksize in ((1, 3), (3, 0)):
+        conv.conv2d_implicit_gemm(Dev((2, 19, 20, 18)), Dev((64, 19, 3, 3)), None,
+                                  Dev((2, 64, 18, 16)), stride=(1, 1), padding=(0, 0),
+                                  dilation=(1, 1), passes=passes)
+        assert launches[-1].name == f"conv2d_halo<{passes}, {ksize}>"
+        conv.conv2d_pool_stats(FakeXp, Dev((2, 19, 20, 18)), Dev((64, 19, 3, 3)), None,
+                               Dev((2, 64, 9, 8)), sign_a=None, sign_b=None, stride=(1, 1),
+                               padding=(0, 0), dilation=(1, 1), pool=2, passes=passes)
+        assert launches[-1].name == f"conv2d_halo_pool_stats<{passes}, {ksize}, 2>"
     # Stride 1: the compiled-in 3 x 3 geometry, 18 x 16 outputs in 5 tiles; stride 2: the
     # geometry as arguments, 9 x 16 in 3.
     for stride, ksize, p, splits_want in (((1, 1), 3, 18, 5), ((2, 1), 0, 9, 3)):
