@@ -825,18 +825,21 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                 // the warp: the descriptors built from it stay in uniform registers (no
                 // move into them per wgmma).
                 const int warpgroup = __shfl_sync(0xffffffffu, warp >> 2, 0);
+                // Each step's descriptor is this one plus its operand's offset in 16-byte
+                // units (the address field's sum stays below 2^14: no carry into the other
+                // fields), a constant: one add a step, not the address arithmetic.
+                const unsigned long long desc0 = wgmma_desc(&s.wt[0][0] + warpgroup * 256);
                 // Kernel column v's steps, A from operand plane `plane`, B from the weights'
                 // plane wq, into acc.
                 auto column_steps = [&](const unsigned (&plane)[Fixed::HR][2], int v, int wq) {
 #pragma unroll
                     for (int u = 0; u < KSIZE; ++u) {
-                        const float* tap_b = &s.wt[0][0] + wq * HALO_WPLANE
-                                             + (u * KSIZE + v) * 2 * 256 + warpgroup * 256;
+                        const int tap_b = wq * HALO_WPLANE + (u * KSIZE + v) * 2 * 256;  // floats
 #pragma unroll
                         for (int i = 0; i < 2; ++i) {
                             unsigned a[4];
                             fragment(plane, u, i, a);
-                            wgmma_tf32<true>(acc[i], a, wgmma_desc(tap_b));
+                            wgmma_tf32<true>(acc[i], a, desc0 + tap_b * 4 / 16);
                         }
                     }
                 };
