@@ -206,8 +206,8 @@ def emulate(x, w, bias, stride, padding, dilation, grid_x=7, sign=None):
     (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
     p_total = (height + 2 * ph - dh * (kh - 1) - 1) // sh + 1
     q_total = (width + 2 * pw - dw * (kw - 1) - 1) // sw + 1
-    cc, hr, hc = halo_chunk(c_total, (kh, kw), stride, dilation, 1)
-    fixed = fixed_ksize(c_total, (kh, kw), stride, dilation, 1) > 0
+    cc, hr, hc = halo_chunk(c_total, (kh, kw), stride, dilation, 1, wgmma=True)
+    fixed = fixed_ksize(c_total, (kh, kw), stride, dilation, 1, wgmma=True) > 0
     assert cc >= 1
     y = np.full((n_total, k_total, p_total, q_total), np.nan)
     tiles_w = -(-q_total // TW)
@@ -413,9 +413,9 @@ def check_shared_layout() -> bool:
                    (5, (1, 1), (2, 2), (1, 1)), (64, (3, 3), (1, 1), (1, 1))]
     ok = True
     for c, kernel, stride, dilation in geometries:
-        for passes in (1, 3):
-            cc, hr, hc = halo_chunk(c, kernel, stride, dilation, passes)
-            ksize = fixed_ksize(c, kernel, stride, dilation, passes)
+        for passes, wgmma in ((1, True), (3, True), (3, False)):
+            cc, hr, hc = halo_chunk(c, kernel, stride, dilation, passes, wgmma=wgmma)
+            ksize = fixed_ksize(c, kernel, stride, dilation, passes, wgmma=wgmma)
             hsize = cc * halo_channel_stride(hr, hc, ksize)
             planes, wplanes = halo_planes(passes, ksize), weight_planes(passes, ksize)
             # halo_scratch: after the weights' and both halo buffers' planes.
@@ -484,7 +484,8 @@ def main() -> int:
         err = float(np.abs(got - ref).max()) if not np.isnan(got).any() else float("inf")
         worst = max(worst, err)
         print(f"x {xs} w {ws} stride {stride} padding {padding} dilation {dilation} "
-              f"(cc, hr, hc) {halo_chunk(xs[1], ws[2:], stride, dilation, 1)}: max error {err:.1e}")
+              f"(cc, hr, hc) {halo_chunk(xs[1], ws[2:], stride, dilation, 1, wgmma=True)}: "
+              f"max error {err:.1e}")
     worst = max(worst, check_pool_stats(rng))
     if not check_shared_layout() or not check_wgmma_weights(rng):
         return 1

@@ -471,6 +471,25 @@ def shared_per_block() -> int:
     return _shared_per_block(cupy.cuda.runtime.getDevice())
 
 
+@functools.cache
+def _arch_target(filename: str, device: int) -> str | None:
+    import cupy
+
+    return ARCH_TARGETS.get(filename, {}).get(cupy.cuda.Device(device).compute_capability)
+
+
+def arch_target(filename: str) -> str | None:
+    """The architecture's own target (``ARCH_TARGETS``) that :func:`get_kernel` builds
+    ``filename``'s kernels for on the current device, or None: the portable build (no such
+    target there, or inside :func:`portable_builds`). Where NVRTC lacks the target the
+    kernels fall back to the portable build although this names it."""
+    import cupy
+
+    if _portable.get():
+        return None
+    return _arch_target(filename, cupy.cuda.runtime.getDevice())
+
+
 def capturing(stream) -> bool:
     """Whether ``stream`` is being captured into a CUDA graph. The query itself is illegal
     during some global captures (cudaErrorStreamCaptureImplicit): then it is."""

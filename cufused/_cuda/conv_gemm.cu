@@ -382,7 +382,8 @@ conv2d_igemm(const float* __restrict__ x, const float* __restrict__ w,
 // The blocks a multiprocessor that a halo kernel's launch bounds promise: two (128 registers a
 // thread) in TF32, and in 3xTF32 where the wgmma build compiles the geometry in and the
 // epilogue pools (halo_tiles' residuals-first sum; conv2d_halo's staged output tile does not
-// fit twice); else one. The launcher's grid is the same (blocks past those resident wait).
+// fit twice); else one. The launcher's grid is sm_count x HALO_BLOCKS_PER_SM either way
+// (blocks past those resident wait).
 template <int PASSES, int KSIZE, bool POOLS>
 __host__ __device__ constexpr int halo_blocks_per_sm() {
     return PASSES == 1 || (HALO_WGMMA && KSIZE > 0 && POOLS) ? HALO_BLOCKS_PER_SM : 1;
@@ -802,20 +803,13 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                     }
                 };
                 // Kernel row u's A fragment of MMA tile i (half: pixel row 2 i + half) from
-                // one operand plane of a column, and those of every plane.
+                // one operand plane of a column.
                 auto fragment = [&](const unsigned (&plane)[Fixed::HR][2], int u, int i,
                                     unsigned (&a)[4]) {
                     a[0] = plane[2 * i + u][0];
                     a[1] = plane[2 * i + 1 + u][0];
                     a[2] = plane[2 * i + u][1];
                     a[3] = plane[2 * i + 1 + u][1];
-                };
-                auto fragments = [&](const unsigned (&column)[3][Fixed::HR][2], int u,
-                                     unsigned (&a)[3][2][4]) {
-#pragma unroll
-                    for (int q = 0; q < 2 * PLANES - 1; ++q)
-#pragma unroll
-                        for (int i = 0; i < 2; ++i) fragment(column[q], u, i, a[q][i]);
                 };
 #if HALO_WGMMA
                 // The warpgroup's 64 x 32 steps, MMA tile i of each of its 4 warps: wgmma's
@@ -826,8 +820,9 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                 // move into them per wgmma).
                 const int warpgroup = __shfl_sync(0xffffffffu, warp >> 2, 0);
                 // Each step's descriptor is this one plus its operand's offset in 16-byte
-                // units (the address field's sum stays below 2^14: no carry into the other
-                // fields), a constant: one add a step, not the address arithmetic.
+                // units, a constant: one add a step, not the address arithmetic. Every operand
+                // lies in the shared window (under 228 KB), so the address field's sum stays
+                // below 2^14 and carries into no other field.
                 const unsigned long long desc0 = wgmma_desc(&s.wt[0][0] + warpgroup * 256);
                 // Kernel column v's steps, A from operand plane `plane`, B from the weights'
                 // plane wq, into acc.
@@ -859,8 +854,8 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                     pin_registers<N>(r);
                 };
                 // A column's halo values load while the previous column's steps run, into the
-                // other register set, except for 3xTF32 at two blocks a multiprocessor (128
-                // registers a thread: one set).
+                // other register set (TF32, and 3xTF32's residual products at one block a
+                // multiprocessor: at two, a thread's 128 registers hold one set).
                 constexpr bool EARLY = PASSES == 1 || BLOCKS == 1;
                 unsigned columns[2][3][Fixed::HR][2];
                 auto load_next = [&](int v, auto n, int q0) {
@@ -872,15 +867,16 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                 };
                 if (EARLY) load_column(0, columns[0]);
                 if constexpr (PASSES == 3) {
-                    // One chunk of input channels (fixed_ksize in conv_gemm.py sends 3xTF32
-                    // problems of more to KSIZE = 0). Every column's residual products (lo *
-                    // hi, hi * lo) go first, then the high ones, all into acc: the tensor cores
-                    // truncate each step's sum to float32, which costs the residual products,
-                    // 2^-11 of the result, nothing while acc is as small, and the high
-                    // products, summed last, one truncation per tap. No step sums, and one
-                    // column's residual fragments at a time: two blocks a multiprocessor
-                    // (conv2d_halo_pool_stats' launch bounds), one's MMAs running while the
-                    // other waits.
+                    // One chunk of input channels (fixed_ksize in conv_gemm.py sends the wgmma
+                    // build's 3xTF32 problems of more to KSIZE = 0). Every column's residual
+                    // products (lo * hi, hi * lo) go first, then the high ones, all into acc.
+                    // The tensor cores truncate each step's sum to float32: while acc holds
+                    // only residual products (~2^-11 of the result) that loses nothing, and
+                    // the high products, summed last, are truncated once per tap. No step
+                    // sums, and one column's residual fragments at a time: two blocks a
+                    // multiprocessor (conv2d_halo_pool_stats' launch bounds), one's MMAs
+                    // running while the other waits. The high parts load after the previous
+                    // group's wait.
                     constexpr int RESIDUAL = 2 * Fixed::HR * 2;  // planes 1 and 2 of a column
 #pragma unroll
                     for (int v = 0; v < KSIZE; ++v) {
@@ -911,6 +907,13 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                     }
                 }
 #else
+                auto fragments = [&](const unsigned (&column)[3][Fixed::HR][2], int u,
+                                     unsigned (&a)[3][2][4]) {
+#pragma unroll
+                    for (int q = 0; q < 2 * PLANES - 1; ++q)
+#pragma unroll
+                        for (int i = 0; i < 2; ++i) fragment(column[q], u, i, a[q][i]);
+                };
                 const float4* b4 = reinterpret_cast<const float4*>(&s.wt[0][0])
                                    + ((warp_k >> 5) * 32 + lane) * 2;
 #pragma unroll 1

@@ -7,14 +7,14 @@ import math
 
 import numpy
 
-from .._cuda import (TensorMap, float32_tensor_map, get_kernel, optional, shared_per_block,
-                     sm_count)
+from .._cuda import (TensorMap, arch_target, float32_tensor_map, get_kernel, optional,
+                     shared_per_block, sm_count)
 
 _FILE = "conv_gemm.cu"
 _TILE_M, _TILE_K, _THREADS = 128, 64, 256  # CONV_BM, CONV_BN, CONV_THREADS
 # conv2d_halo's output tile (HALO_TH x HALO_TW), staged reduction values and halo floats.
 _HALO_TH, _HALO_TW, _HALO_RC, _HALO_MAX = 4, 32, 72, 4800
-_HALO_BLOCKS_PER_SM = 2  # HALO_BLOCKS_PER_SM, the kernels' __launch_bounds__
+_HALO_BLOCKS_PER_SM = 2  # HALO_BLOCKS_PER_SM: the grid's blocks per multiprocessor
 # POOL_SCRATCH_FLOATS: per channel 4 floats, per warp column and channel 2.
 _POOL_SCRATCH_FLOATS = 4 * _TILE_K + 2 * 4 * _TILE_K
 _HALO_OUT_STRIDE = 132  # HALO_OUT_STRIDE: floats per channel of conv2d_halo's staged tile
@@ -22,27 +22,34 @@ _FIXED_KSIZE, _FIXED_CC = 3, 8  # FixedHalo's instantiation and its channels per
 
 
 def fixed_ksize(c: int, kernel: tuple[int, int], stride: tuple[int, int],
-                dilation: tuple[int, int], passes: int) -> int:
+                dilation: tuple[int, int], passes: int, *, wgmma: bool) -> int:
     """The kernel size that the halo kernels compile in for this problem (``FixedHalo``: a
-    3 x 3 kernel at stride and dilation 1; in 3xTF32 with at most one chunk of 8 input
-    channels, whose products the ``wgmma`` build sums in one accumulator, residuals first:
-    over several chunks that sum would lose float32's accuracy), or 0: the geometry comes as
-    arguments."""
-    if (kernel == (_FIXED_KSIZE, _FIXED_KSIZE) and stride == (1, 1) and dilation == (1, 1)
-            and (passes == 1 or c <= _FIXED_CC)):
-        return _FIXED_KSIZE
-    return 0
+    3 x 3 kernel at stride and dilation 1), or 0: the geometry comes as arguments. With
+    ``wgmma`` (the kernels built for sm_90a) 3xTF32 compiles it in for one chunk of 8 input
+    channels at most: that build sums the products in one accumulator, residuals first, which
+    over several chunks would lose float32's accuracy."""
+    if kernel != (_FIXED_KSIZE, _FIXED_KSIZE) or stride != (1, 1) or dilation != (1, 1):
+        return 0
+    return _FIXED_KSIZE if passes == 1 or not wgmma or c <= _FIXED_CC else 0
+
+
+def _wgmma_sum(c: int, passes: int) -> bool:
+    """:func:`fixed_ksize`'s ``wgmma`` for a problem of ``c`` input channels, asked of the
+    device only where it decides (3xTF32 past one chunk)."""
+    return passes == 3 and c > _FIXED_CC and arch_target(_FILE) is not None
 
 
 def halo_chunk(c: int, kernel: tuple[int, int], stride: tuple[int, int],
-               dilation: tuple[int, int], passes: int) -> tuple[int, int, int]:
+               dilation: tuple[int, int], passes: int, *,
+               wgmma: bool) -> tuple[int, int, int]:
     """``(cc, hr, hc)`` of ``conv2d_halo``: the input channels staged per chunk (0 where not
     even one channel's halo fits its shared memory, or ``c`` is 0; 8 where the geometry is
-    compiled in, zeros past ``c``) and the halo's rows and columns."""
+    compiled in, zeros past ``c``) and the halo's rows and columns (:func:`fixed_ksize`'s
+    arguments)."""
     kh, kw = kernel
     hr = (_HALO_TH - 1) * stride[0] + (kh - 1) * dilation[0] + 1
     hc = (_HALO_TW - 1) * stride[1] + (kw - 1) * dilation[1] + 1
-    if fixed_ksize(c, kernel, stride, dilation, passes):
+    if fixed_ksize(c, kernel, stride, dilation, passes, wgmma=wgmma):
         # No input channel, no stage: the kernel's barriers between tiles come with stages.
         return (_FIXED_CC if c else 0), hr, hc
     return min(c, _HALO_RC // (kh * kw), _HALO_MAX // (hr * hc)), hr, hc
@@ -97,10 +104,11 @@ def halo_launch(c: int, kernel: tuple[int, int], stride: tuple[int, int],
     None where it does not take it: no chunk of input channels whose halo fits, or more
     shared memory than a block may have there (3xTF32's 3 x 3 kernel without pooling passes
     the 99 KB of compute capability 8.6, 8.9 and 12.0)."""
-    cc, hr, hc = halo_chunk(c, kernel, stride, dilation, passes)
+    wgmma = _wgmma_sum(c, passes)
+    cc, hr, hc = halo_chunk(c, kernel, stride, dilation, passes, wgmma=wgmma)
     if cc < 1:
         return None
-    ksize = fixed_ksize(c, kernel, stride, dilation, passes)
+    ksize = fixed_ksize(c, kernel, stride, dilation, passes, wgmma=wgmma)
     shared = halo_shared_bytes(cc, hr, hc, ksize, passes, pool)
     return (cc, hr, hc, ksize, shared) if shared <= shared_per_block() else None
 
@@ -173,9 +181,9 @@ def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, stride: tuple[int,
     k, _, kh, kw = w.shape
     halo = halo_launch(c, (kh, kw), stride, dilation, passes, pool) if pool in (2, 4) else None
     if halo is None:
+        cc = halo_chunk(c, (kh, kw), stride, dilation, passes, wgmma=_wgmma_sum(c, passes))[0]
         raise ValueError(f"conv2d_pool_stats takes pool 2 or 4 and a halo that fits "
-                         f"(pool {pool}, channels per chunk "
-                         f"{halo_chunk(c, (kh, kw), stride, dilation, passes)[0]})")
+                         f"(pool {pool}, channels per chunk {cc})")
     cc, hr, hc, ksize, shared = halo
     p = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
     q = (wd + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1

@@ -54,12 +54,13 @@ def test_convolutions(rng, shapes, options, precision):
 
 
 @pytest.mark.parametrize("build", ["native", "portable"])
-@pytest.mark.parametrize("channels", [16, 8])
+@pytest.mark.parametrize("channels", [64, 8])
 def test_3xtf32_is_as_accurate_as_float32(rng, channels, build):
-    # 144- and 72-term dot products of standard normal values (two chunks of input channels:
-    # the geometry as arguments in 3xTF32; one: compiled in, the wgmma build's residuals-first
-    # sum): TF32 alone errs by ~1e-3 relative; the split recovers float32's rounding (the
-    # implicit GEMM's one TF32 pass is the check that the split matters).
+    # 576- and 72-term dot products of standard normal values (8 chunks of input channels:
+    # the wgmma build takes the geometry as arguments, the portable one compiles it in with
+    # its step sums; one chunk: compiled in, the wgmma build's residuals-first sum): TF32
+    # alone errs by ~1e-3 relative; the split recovers float32's rounding (the implicit
+    # GEMM's one TF32 pass is the check that the split matters).
     from cufused._kernels.conv_gemm import conv2d_implicit_gemm
 
     x = rng.standard_normal((2, channels, 40, 40))
@@ -207,13 +208,14 @@ def test_non_finite_values_as_pytorch(rng, precision, build):
 @pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
 @pytest.mark.parametrize("shapes, options", [
     (((2, 8, 30, 36), (64, 8, 3, 3)), dict(padding=1)),   # one chunk, two warpgroups' tiles
-    (((2, 19, 13, 40), (70, 19, 3, 3)), dict()),          # three chunks (TF32), K past one tile
+    (((2, 19, 13, 40), (70, 19, 3, 3)), dict()),          # three chunks, K past one tile
     (((3, 5, 17, 13), (7, 5, 3, 3)), dict(padding=2)),    # C < 8, K < 8, scalar copies
 ])
 def test_builds_agree_with_the_reference(rng, shapes, options, precision):
-    # The compiled-in 3 x 3 geometry (FixedHalo) in either build, on shapes whose channels,
-    # chunks and edges exercise the weight staging, the tiles and the step sums. In TF32 the
-    # two builds sum the same products in the same order per output: equal bits.
+    # The compiled-in 3 x 3 geometry (FixedHalo) in either build (3xTF32 past one chunk on the
+    # wgmma build: the geometry as arguments), on shapes whose channels, chunks and edges
+    # exercise the weight staging, the tiles and the sums. In TF32 the two builds sum the
+    # same products in the same order per output: equal bits.
     x = rng.standard_normal(shapes[0])
     w = rng.standard_normal(shapes[1]) * 0.3
     b = rng.standard_normal(shapes[1][0])

@@ -357,18 +357,23 @@ def test_conv_gemm_launchers(launches, monkeypatch):
                 conv.conv2d_implicit_gemm(Dev(x), Dev(w), bias, Dev(y), stride=stride,
                                           padding=(0, 0), dilation=dilation, passes=passes)
                 assert launches[-1].name == f"{kernel}<{passes}{rest}>"
-    # More than one chunk of 8 input channels: TF32 keeps the compiled-in 3 x 3 geometry,
-    # 3xTF32 takes it as arguments (the wgmma build's one-accumulator sum is as accurate as
-    # float32 for one chunk only).
-    for passes, ksize in ((1, 3), (3, 0)):
-        conv.conv2d_implicit_gemm(Dev((2, 19, 20, 18)), Dev((64, 19, 3, 3)), None,
-                                  Dev((2, 64, 18, 16)), stride=(1, 1), padding=(0, 0),
-                                  dilation=(1, 1), passes=passes)
-        assert launches[-1].name == f"conv2d_halo<{passes}, {ksize}>"
-        conv.conv2d_pool_stats(FakeXp, Dev((2, 19, 20, 18)), Dev((64, 19, 3, 3)), None,
-                               Dev((2, 64, 9, 8)), sign_a=None, sign_b=None, stride=(1, 1),
-                               padding=(0, 0), dilation=(1, 1), pool=2, passes=passes)
-        assert launches[-1].name == f"conv2d_halo_pool_stats<{passes}, {ksize}, 2>"
+    # Past one chunk of 8 input channels, 3xTF32 on the wgmma build (sm_90a) takes the 3 x 3
+    # geometry as arguments (its one-accumulator sum is as accurate as float32 for one chunk
+    # only); TF32, and the portable build's step sums, keep it compiled in.
+    for target in ("sm_90a", None):
+        monkeypatch.setattr(conv, "arch_target", lambda filename, target=target: target)
+        for c in (8, 9, 19):
+            for passes in (1, 3):
+                ksize = 0 if passes == 3 and target and c > 8 else 3
+                conv.conv2d_implicit_gemm(Dev((2, c, 20, 18)), Dev((64, c, 3, 3)), None,
+                                          Dev((2, 64, 18, 16)), stride=(1, 1), padding=(0, 0),
+                                          dilation=(1, 1), passes=passes)
+                assert launches[-1].name == f"conv2d_halo<{passes}, {ksize}>"
+                conv.conv2d_pool_stats(FakeXp, Dev((2, c, 20, 18)), Dev((64, c, 3, 3)), None,
+                                       Dev((2, 64, 9, 8)), sign_a=None, sign_b=None,
+                                       stride=(1, 1), padding=(0, 0), dilation=(1, 1), pool=2,
+                                       passes=passes)
+                assert launches[-1].name == f"conv2d_halo_pool_stats<{passes}, {ksize}, 2>"
     # Stride 1: the compiled-in 3 x 3 geometry, 18 x 16 outputs in 5 tiles; stride 2: the
     # geometry as arguments, 9 x 16 in 3.
     for stride, ksize, p, splits_want in (((1, 1), 3, 18, 5), ((2, 1), 0, 9, 3)):
