@@ -289,11 +289,29 @@ def portable_builds():
         _portable.reset(token)
 
 
+@functools.cache
+def _arch_target(filename: str, device: int) -> str | None:
+    import cupy
+
+    return ARCH_TARGETS.get(filename, {}).get(cupy.cuda.Device(device).compute_capability)
+
+
+def arch_target(filename: str) -> str | None:
+    """The architecture's own target (``ARCH_TARGETS``) that :func:`get_kernel` builds
+    ``filename``'s kernels for on the current device, or None: the portable build (no such
+    target there, or inside :func:`portable_builds`). Where NVRTC lacks the target the
+    kernels fall back to the portable build although this names it."""
+    import cupy
+
+    if _portable.get():
+        return None
+    return _arch_target(filename, cupy.cuda.runtime.getDevice())
+
+
 def _build(filename: str, name: str, device: int, portable: bool):
     import cupy
 
-    arch = None if portable else ARCH_TARGETS.get(filename, {}).get(
-        cupy.cuda.Device(device).compute_capability)
+    arch = None if portable else _arch_target(filename, device)
     if arch is not None:
         try:
             return _CubinKernel(filename, name, arch)
@@ -469,25 +487,6 @@ def shared_per_block() -> int:
     import cupy
 
     return _shared_per_block(cupy.cuda.runtime.getDevice())
-
-
-@functools.cache
-def _arch_target(filename: str, device: int) -> str | None:
-    import cupy
-
-    return ARCH_TARGETS.get(filename, {}).get(cupy.cuda.Device(device).compute_capability)
-
-
-def arch_target(filename: str) -> str | None:
-    """The architecture's own target (``ARCH_TARGETS``) that :func:`get_kernel` builds
-    ``filename``'s kernels for on the current device, or None: the portable build (no such
-    target there, or inside :func:`portable_builds`). Where NVRTC lacks the target the
-    kernels fall back to the portable build although this names it."""
-    import cupy
-
-    if _portable.get():
-        return None
-    return _arch_target(filename, cupy.cuda.runtime.getDevice())
 
 
 def capturing(stream) -> bool:
