@@ -65,18 +65,17 @@ __device__ __forceinline__ unsigned long long wgmma_desc(const float* p) {
         "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]),           \
         "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
 
-// d (+)= a * b for one 64 x 32 x 8 step of the warpgroup: d[j][e] is this thread's element
-// of 8-column tile j in mma_tf32's accumulator order, a its A fragment (mma_tf32's order);
-// ACCUMULATE false: d = a * b.
-template <bool ACCUMULATE>
+// d += a * b for one 64 x 32 x 8 step of the warpgroup: d[j][e] is this thread's element of
+// 8-column tile j in mma_tf32's accumulator order, a its A fragment (mma_tf32's order).
+// Always accumulating: with scale-d false, ptxas drops some MMAs of a commit group.
 __device__ __forceinline__ void wgmma_tf32(float (&d)[4][4], const unsigned (&a)[4],
                                            unsigned long long b) {
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 "
         "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-        "{%16, %17, %18, %19}, %20, %21, 1, 1;"
+        "{%16, %17, %18, %19}, %20, 1, 1, 1;"
         : WGMMA_D16(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(ACCUMULATE ? 1 : 0));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
 // Keep the compiler from moving accesses of registers that wgmma reads or writes across the
@@ -834,7 +833,7 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                         for (int i = 0; i < 2; ++i) {
                             unsigned a[4];
                             fragment(plane, u, i, a);
-                            wgmma_tf32<true>(acc[i], a, desc0 + tap_b * 4 / 16);
+                            wgmma_tf32(acc[i], a, desc0 + tap_b * 4 / 16);
                         }
                     }
                 };
@@ -1644,7 +1643,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
                             desc0 + ct3_tap(r, o) * (CT3_BN * CT3_CI * 4 / 16);
 #pragma unroll
                         for (int ks = 0; ks < CT3_CI / 8; ++ks)
-                            wgmma_tf32<true>(acc[r], af[ks], desc + 2 * ks);
+                            wgmma_tf32(acc[r], af[ks], desc + 2 * ks);
                     }
                     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
                     if (o < 7) {
