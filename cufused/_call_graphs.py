@@ -12,9 +12,11 @@ whatever differs (another buffer, layout, stride pattern, option or stream) is a
 A public function wrapped by :func:`warm_calls` also remembers, by its raw arguments (each
 array's address, shape, strides and dtype, every other value, the device, the stream and the
 settings), the graph that its checked call launched: a later call with the same raw arguments
-launches that graph without checking them again, since the checks read nothing else. Only
-graphs that read and write nothing but the caller's arrays (and their own temporaries) are
-remembered so.
+launches that graph without checking them again, since the checks read nothing else. A call
+without ``out`` remembers the shape and dtype of its result and the graph's key without it:
+a later call allocates its result as the checked call would and launches the graph that
+writes to that buffer, where one is cached. Only graphs that read and write nothing but the
+caller's arrays, the result and their own temporaries are remembered so.
 
 A graph keeps its temporaries (the convolution output included) and the plans that ran in it.
 So that this memory stays bounded, at most ``MAX_GRAPHS`` graphs live, holding at most
@@ -32,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 import sys
 import threading
 from collections import OrderedDict
@@ -61,6 +64,9 @@ _counts: dict = {}
 _lock = threading.Lock()
 # Raw-argument key of a public call -> the key of the graph its checked call launched.
 _shortcuts: dict = {}
+# Raw-argument key of a public call without out -> its result's shape and dtype, and the key
+# of the graph its checked call launched before and after the result's part.
+_fresh_shortcuts: dict = {}
 _MAX_SHORTCUTS = 256
 # The graph keys that _run launches, recorded for the public call around it (warm_calls).
 _launched: contextvars.ContextVar[list | None] = contextvars.ContextVar(
@@ -201,16 +207,23 @@ def _launch(entry: _Graph, stream) -> None:
 
 
 def warm_calls(public: Callable) -> Callable:
-    """``public`` (a pipeline or building block taking ``out``) with its warm calls launched
-    straight from their raw arguments: a call with ``out`` whose raw arguments, device, stream
-    and settings equal those of an earlier call that replayed a graph launches that graph
-    again, skipping the argument checks (module docstring)."""
+    """``public`` (a pipeline or building block taking ``out`` as a keyword) with its warm
+    calls launched straight from their raw arguments: a call whose raw arguments, device,
+    stream and settings equal those of an earlier call that replayed a graph launches that
+    graph again (without ``out``: the one writing to the result it allocates), skipping the
+    argument checks (module docstring)."""
+    # A call without "out" among its keywords then has none.
+    if inspect.signature(public).parameters["out"].kind is not inspect.Parameter.KEYWORD_ONLY:
+        raise TypeError(f"{public.__name__} must take out as a keyword-only parameter")
 
     @functools.wraps(public)
     def call(*args, **kwargs):
+        if not _config["replay"] or _inside.get() or _suspended.get():
+            return public(*args, **kwargs)
         out = kwargs.get("out")
-        if (out is None or not _config["replay"] or _inside.get() or _suspended.get()
-                or not is_cupy_array(out)):
+        if out is None:
+            return _call_without_out(public, args, kwargs)
+        if not is_cupy_array(out):
             return public(*args, **kwargs)
         cupy = sys.modules["cupy"]
         stream = cupy.cuda.get_current_stream()
@@ -225,15 +238,7 @@ def warm_calls(public: Callable) -> Callable:
                     _graphs.move_to_end(graph_key)
                     _launch(entry, stream)
                     return out
-        launched: list = []
-        token = _launched.set(launched)
-        try:
-            # The checked call under the key's default precision: another thread may change
-            # the process default meanwhile.
-            with default_precision(key[6]):
-                result = public(*args, **kwargs)
-        finally:
-            _launched.reset(token)
+        result, launched = _checked_call(public, args, kwargs, key)
         # The graph must have been captured under the key's settings (another thread may
         # have changed them meanwhile) and read only the caller's arrays.
         if (len(launched) == 1 and result is out and launched[0][-1] == key[5]
@@ -244,6 +249,55 @@ def warm_calls(public: Callable) -> Callable:
         return result
 
     return call
+
+
+def _call_without_out(public: Callable, args: tuple, kwargs: dict):
+    """A public call without ``out``: where its raw arguments equal those of a checked call
+    whose graph wrote the result, the result is allocated as that call allocated it, and the
+    graph cached for that buffer (if any) launches without the checks (:func:`warm_calls`)."""
+    cupy = sys.modules.get("cupy")
+    # Only a CuPy input can have a graph (and reading the stream needs a device).
+    if cupy is None or not args or type(args[0]) is not cupy.ndarray:
+        return public(*args, **kwargs)
+    stream = cupy.cuda.get_current_stream()
+    key = _raw_key(public, args, kwargs, stream, cupy)
+    if key is None:
+        return public(*args, **kwargs)
+    fresh = _fresh_shortcuts.get(key)
+    if fresh is not None and not capturing(stream):
+        shape, dtype, head, tail = fresh
+        out = cupy.empty(shape, dtype)
+        graph_key = (*head, _value_key(out), *tail)
+        with _lock:  # launched under it: see _launch_recorded
+            entry = _graphs.get(graph_key)
+            if entry is not None:
+                _graphs.move_to_end(graph_key)
+                _launch(entry, stream)
+                return out
+        del out  # back to the pool, where the checked call's allocation finds it
+    result, launched = _checked_call(public, args, kwargs, key)
+    # The graph wrote the result (allocated by the call, as the launch above allocates it),
+    # was captured under the key's settings and read only the caller's arrays.
+    if (len(launched) == 1 and is_cupy_array(result) and launched[0][3] == _value_key(result)
+            and launched[0][-1] == key[5] and _reads_only(launched[0], (*args, result), kwargs)):
+        if len(_fresh_shortcuts) >= _MAX_SHORTCUTS:
+            _fresh_shortcuts.clear()
+        _fresh_shortcuts[key] = (result.shape, result.dtype, launched[0][:3], launched[0][4:])
+    return result
+
+
+def _checked_call(public: Callable, args: tuple, kwargs: dict, key: tuple):
+    """``public``'s checked call under the default precision of its raw-argument ``key``
+    (another thread may change the process default meanwhile), and the keys of the graphs it
+    launched."""
+    launched: list = []
+    token = _launched.set(launched)
+    try:
+        with default_precision(key[6]):
+            result = public(*args, **kwargs)
+    finally:
+        _launched.reset(token)
+    return result, launched
 
 
 def _raw_key(public: Callable, args: tuple, kwargs: dict, stream, cupy):
@@ -369,6 +423,7 @@ def _clear() -> None:
         _direct_keys.clear()
         _counts.clear()
         _shortcuts.clear()
+        _fresh_shortcuts.clear()
     _release(dropped)
 
 

@@ -8,8 +8,11 @@ warm-up) and the median host time of a warm call (20 back-to-back calls without
 synchronizing, over 20). The table gives each tree's median over the rounds, the spread
 (max - min over the rounds) and the ratio to the first tree.
 
+With ``--without-out`` the calls allocate their results (each dropped before the next call)
+instead of writing into one ``out``.
+
 Usage: python scripts/compare_trees.py TREE [TREE ...] [--rounds 3] [--repeat 30]
-       [--cases A B C] [--precisions ieee tf32 3xtf32] [--json FILE]
+       [--cases A B C] [--precisions ieee tf32 3xtf32] [--without-out] [--json FILE]
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ def _time(cupy, numpy, fn, repeat: int) -> tuple[float, float]:
     return float(numpy.median(device)), float(numpy.median(host))
 
 
-def child(cases: list[str], precisions: list[str], repeat: int) -> None:
+def child(cases: list[str], precisions: list[str], repeat: int, without_out: bool) -> None:
     """Time this process's cufused (the tree on PYTHONPATH); one JSON line per row."""
     import cupy
     import numpy
@@ -84,7 +87,7 @@ def child(cases: list[str], precisions: list[str], repeat: int) -> None:
         pipeline, shapes, options = CASES[name]
         arrays = _inputs(cupy, numpy, shapes)
         fn = getattr(cufused, pipeline)
-        out = fn(*arrays, **options)
+        out = None if without_out else fn(*arrays, **options)
         for precision in precisions:
             ms, us = _time(cupy, numpy, lambda p=precision: fn(
                 *arrays, **options, precision=p, out=out), repeat)
@@ -98,7 +101,8 @@ def _run_tree(tree: str, args) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.abspath(tree), *filter(None, [os.environ.get("PYTHONPATH")])]))
     command = [sys.executable, __file__, "--child", "--repeat", str(args.repeat),
-               "--cases", *args.cases, "--precisions", *args.precisions]
+               "--cases", *args.cases, "--precisions", *args.precisions,
+               *(["--without-out"] if args.without_out else [])]
     lines = subprocess.run(command, env=env, check=True, capture_output=True,
                            text=True).stdout.splitlines()
     return [json.loads(line) for line in lines if line.startswith("{")]
@@ -131,11 +135,13 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", nargs="*", choices=sorted(CASES), default=sorted(CASES))
     parser.add_argument("--precisions", nargs="*", choices=("ieee", "tf32", "3xtf32"),
                         default=["ieee", "tf32"])
+    parser.add_argument("--without-out", action="store_true",
+                        help="calls that allocate their results (no out)")
     parser.add_argument("--json", metavar="FILE", help="write every run's rows to FILE")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        child(args.cases, args.precisions, args.repeat)
+        child(args.cases, args.precisions, args.repeat, args.without_out)
         return 0
     if not args.trees:
         parser.error("give at least one tree")

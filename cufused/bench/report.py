@@ -29,13 +29,16 @@ def _host_lines(result: dict) -> list[str]:
     if not rows:
         return []
     lines = ["warm calls: ms (L2 flushed) of the prepared call and of torch.compile "
-             "reduce-overhead; host us per call (back to back, out given); latency = one "
-             "fused call after the flush / back-to-back device ms per call",
+             "reduce-overhead; host us per call (back to back; fused: out given, new: "
+             "without out); latency = one fused call after the flush / back-to-back device "
+             "ms per call",
              f"{'case':<4} {'prec':<5} {'prepared':>8} {'comp-ro':>8} {'host fused':>10} "
-             f"{'prepared':>8} {'eager':>7} {'compile':>7} {'comp-ro':>7} {'latency':>7}"]
+             f"{'new':>6} {'prepared':>8} {'eager':>7} {'compile':>7} {'comp-ro':>7} "
+             f"{'latency':>7}"]
     for r in rows:
         lines.append(_cells(r, ("prepared", "8.3f"), ("torch_compile_ro", "8.3f"),
-                            ("host_us_fused", "10.1f"), ("host_us_prepared", "8.1f"),
+                            ("host_us_fused", "10.1f"), ("host_us_fused_new", "6.1f"),
+                            ("host_us_prepared", "8.1f"),
                             ("host_us_torch_eager", "7.1f"), ("host_us_torch_compile", "7.1f"),
                             ("host_us_torch_compile_ro", "7.1f"))
                      + f" {r['fused'] / r['fused_back_to_back']:7.3f}")

@@ -226,10 +226,13 @@ def _compare(timer: Timer, fns: dict, precision: str, *, torch_calls: bool) -> d
         return timer.compare(fns)
 
 
-def _host_times(fns: dict, precision: str) -> dict:
+def _host_times(fns: dict, precision: str, fused_new: Callable[[], Any]) -> dict:
     """Host microseconds per warm call (:func:`host_us_per_call`) of the fused, prepared and
-    PyTorch calls among ``fns``, as ``host_us_<name>``."""
-    row = {}
+    PyTorch calls among ``fns``, as ``host_us_<name>``, and of ``fused_new`` (the fused call
+    without ``out``, warmed up first) as ``host_us_fused_new``."""
+    for _ in range(3):
+        fused_new()
+    row = {"host_us_fused_new": host_us_per_call(fused_new)}
     for name in ("fused", "prepared", "torch_eager", "torch_compile", "torch_compile_ro"):
         if name in fns:
             with _pytorch_at(precision, name.startswith("torch")):
@@ -242,7 +245,8 @@ def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_e
     """Time one case: fused, prepared, unfused, the internal convolution (the pipeline's
     plan, and the plan for an input in any layout), the public convolution, PyTorch eager
     and compiled (default and "reduce-overhead"); the host microseconds per call of the
-    fused, prepared and PyTorch calls, and the fused call's back-to-back device time."""
+    fused (with and without ``out``), prepared and PyTorch calls, and the fused call's
+    back-to-back device time."""
     import cupy
 
     rng = rng or numpy.random.default_rng(0)
@@ -254,7 +258,8 @@ def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_e
     for precision in precisions:
         fns, plan, free_plan = _timed_calls(case, precision, inputs, out, rng, torch_calls)
         row = _compare(timer, fns, precision, torch_calls=bool(torch_calls))
-        row.update(_host_times(fns, precision))
+        row.update(_host_times(fns, precision, lambda: case.run_cufused(
+            inputs, precision=precision)))
         # Device ms per call of 20 fused calls back to back (CUDA events around them).
         from .._cudnn._timing import _time_ms
 

@@ -270,6 +270,83 @@ def test_warm_calls_launch_from_their_raw_arguments(rng, quick_plans, fresh, lau
         assert_same_as_direct(out, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
 
 
+def _check_calls_without_out(fn, args, kwargs, rng, launches, monkeypatch) -> None:
+    """Calls without ``out`` in a loop that rebinds each result (``y = fn(x)``: the last
+    result lives until the call returns, so two buffers take turns): once both buffers' graphs
+    are captured, a call allocates its result as the checked call does and launches the graph
+    that writes it, without checking its arguments; each result is a new array, and new input
+    values at the same addresses reach it (equal to direct calls)."""
+    # Made before the loop, so that the loop allocates nothing but its results.
+    inputs = [cp.asarray(rng.random(args[0].shape), dtype=cp.float32) for _ in range(3)]
+    y = fn(*args, **kwargs)
+    snapshots = [cp.full(y.shape, cp.nan, dtype=y.dtype) for _ in inputs]
+    # Enough calls for each buffer the pool hands out in turn to be seen twice (captured).
+    for _ in range(12):
+        y = fn(*args, **kwargs)
+    assert len(_call_graphs._fresh_shortcuts) == 1
+    checked = []
+    check = _call_graphs._checked_call
+    monkeypatch.setattr(_call_graphs, "_checked_call",
+                        lambda *a: checked.append(1) or check(*a))
+    before = launches[0]
+    for x, snapshot in zip(inputs, snapshots):
+        args[0][...] = x
+        previous = y
+        y = fn(*args, **kwargs)
+        assert y is not previous and y.data.ptr != previous.data.ptr
+        del previous
+        snapshot[...] = y
+    assert not checked and launches[0] == before + len(inputs)
+    monkeypatch.undo()
+    for x, snapshot in zip(inputs, snapshots):
+        args[0][...] = x
+        assert_same_as_direct(snapshot, _direct(fn, *args, **kwargs),
+                              _direct(fn, *args, **kwargs))
+
+
+@pytest.mark.parametrize("case", sorted(PIPELINES))
+def test_calls_without_out_launch_from_their_raw_arguments(rng, quick_plans, fresh, launches,
+                                                           monkeypatch, case):
+    fn, make = PIPELINES[case]
+    args, kwargs = make(rng)
+    _check_calls_without_out(fn, to_gpu(*args), kwargs, rng, launches, monkeypatch)
+
+
+@pytest.mark.parametrize("case", sorted(PIPELINES))
+def test_calls_without_out_keep_every_result(rng, quick_plans, fresh, case):
+    # Results that all stay alive: each call's result is a buffer of its own (checked calls,
+    # since no cached graph writes there), none overwritten by a later call; a new default
+    # precision is another key.
+    fn, make = PIPELINES[case]
+    args, kwargs = make(rng)
+    args = to_gpu(*args)
+    kept = []
+    for i in range(6):
+        args[0][...] = cp.asarray(rng.random(args[0].shape), dtype=cp.float32)
+        with cufused.default_precision("tf32" if i % 3 == 2 else "ieee"):
+            kept.append((args[0].copy(), fn(*args, **kwargs)))
+    assert len({y.data.ptr for _, y in kept}) == len(kept)
+    for i, (x, y) in enumerate(kept):
+        args[0][...] = x
+        with cufused.default_precision("tf32" if i % 3 == 2 else "ieee"):
+            assert_same_as_direct(y, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
+
+
+def test_calls_without_out_past_a_temporary(rng, quick_plans, fresh, launches):
+    # A number for scale becomes a device array in each checked call: no launch from the raw
+    # arguments of a call without out either.
+    fn, make = PIPELINES["A"]
+    args, kwargs = make(rng)
+    args = to_gpu(*args)
+    args[5] = 1.5
+    y = None
+    for _ in range(5):
+        args[0][...] = cp.asarray(rng.random(args[0].shape), dtype=cp.float32)
+        y = fn(*args, **kwargs)
+        assert_same_as_direct(y, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
+    assert launches[0] >= 2 and not _call_graphs._fresh_shortcuts
+
+
 def test_negative_zero_is_another_key(rng, quick_plans, fresh):
     # -0.0 == 0.0 as floats, but a clamp to -0.0 writes -0.0 where a clamp to 0.0 writes 0.0.
     fn, make = PIPELINES["A"]
@@ -393,6 +470,20 @@ def test_host_time_of_a_warm_call(rng, quick_plans, fresh, case):
     assert host_us <= 40.0
 
 
+@pytest.mark.parametrize("case", sorted(PIPELINES))
+def test_host_time_of_a_warm_call_without_out(rng, quick_plans, fresh, case):
+    # The same bound for a call that allocates its result (each result dropped before the
+    # next call, as a loop that discards them does).
+    fn, make = PIPELINES[case]
+    args, kwargs = make(rng)
+    args = to_gpu(*args)
+    for _ in range(3):
+        fn(*args, **kwargs)
+    host_us = host_us_per_call(lambda: fn(*args, **kwargs), calls=50, repeat=15)
+    print(f"{case}: warm call without out {host_us:.1f} us of host time")
+    assert host_us <= 40.0
+
+
 def test_memory_budget_evicts_the_oldest(rng, quick_plans, fresh, monkeypatch):
     fn, make = PIPELINES["A"]
     args, kwargs = make(rng)
@@ -435,6 +526,15 @@ def test_building_blocks_warm_calls(rng, quick_plans, fresh, launches, name, mak
         assert fn(*args, **kwargs, out=out) is out
         assert_same_as_direct(out, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
     assert launches[0] >= 2
+
+
+@pytest.mark.parametrize("name, make", [b for b in BLOCKS if b[0] != "conv2d"])
+def test_building_blocks_calls_without_out(rng, quick_plans, fresh, launches, monkeypatch,
+                                           name, make):
+    # (A convolution without out lets its plan pick the result's buffer: no whole-call graph.)
+    fn = getattr(cufused, name)
+    args, kwargs = _block_args(rng, make)
+    _check_calls_without_out(fn, args, kwargs, rng, launches, monkeypatch)
 
 
 @pytest.mark.parametrize("name, make", BLOCKS)
