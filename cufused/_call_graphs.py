@@ -107,7 +107,7 @@ def _value_key(value: Any):
     if isinstance(value, float):
         return ("float", value.hex())  # NaN keys equal to NaN
     if is_cupy_array(value):
-        return ("array", value.data.ptr, value.shape, value.strides, value.dtype.char)
+        return array_key(value.data.ptr, value.shape, value.strides, value.dtype.char)
     if isinstance(value, tuple):
         return ("tuple", *(_value_key(v) for v in value))
     if getattr(value, "__dataclass_fields__", None) is not None and value.__hash__ is not None:
@@ -231,13 +231,8 @@ def warm_calls(public: Callable) -> Callable:
         if key is None:
             return public(*args, **kwargs)
         graph_key = _shortcuts.get(key)
-        if graph_key is not None and not capturing(stream):
-            with _lock:  # launched under it: see _launch_recorded
-                entry = _graphs.get(graph_key)
-                if entry is not None:
-                    _graphs.move_to_end(graph_key)
-                    _launch(entry, stream)
-                    return out
+        if graph_key is not None and not capturing(stream) and launch_cached(graph_key, stream):
+            return out
         result, launched = _checked_call(public, args, kwargs, key)
         # The graph must have been captured under the key's settings (another thread may
         # have changed them meanwhile) and read only the caller's arrays.
@@ -267,13 +262,8 @@ def _call_without_out(public: Callable, args: tuple, kwargs: dict):
     if fresh is not None and not capturing(stream):
         shape, dtype, head, tail = fresh
         out = cupy.empty(shape, dtype)
-        graph_key = (*head, _value_key(out), *tail)
-        with _lock:  # launched under it: see _launch_recorded
-            entry = _graphs.get(graph_key)
-            if entry is not None:
-                _graphs.move_to_end(graph_key)
-                _launch(entry, stream)
-                return out
+        if launch_cached((*head, _value_key(out), *tail), stream):
+            return out
         del out  # back to the pool, where the checked call's allocation finds it
     result, launched = _checked_call(public, args, kwargs, key)
     # The graph wrote the result (allocated by the call, as the launch above allocates it),
@@ -323,6 +313,39 @@ def _raw_key(public: Callable, args: tuple, kwargs: dict, stream, cupy):
                 resolve_precision(None))
     except TypeError:
         return None
+
+
+def settings_key() -> tuple | None:
+    """What a raw-argument key holds besides the arguments, device and stream: the settings
+    and the default precision; None where calls are not launched from their raw arguments
+    (graph replay off, inside a cufused call, or in :func:`without_call_graphs`)."""
+    if not _config["replay"] or _inside.get() or _suspended.get():
+        return None
+    return tuple(_config.values()), resolve_precision(None)
+
+
+def array_key(ptr: int, shape: tuple, strides: tuple, char: str) -> tuple:
+    """The part of a graph's key for an array (address, shape, byte strides, dtype char)."""
+    return ("array", ptr, shape, strides, char)
+
+
+def shortcut_graph(public: Callable, args: tuple, kwargs: dict, stream) -> tuple | None:
+    """The key of the graph that a call of ``public`` (a function that :func:`warm_calls`
+    returned) with these raw arguments, ``out`` among them, launches without its checks, or
+    None where it has none yet."""
+    key = _raw_key(public.__wrapped__, args, kwargs, stream, sys.modules["cupy"])
+    return None if key is None else _shortcuts.get(key)
+
+
+def launch_cached(graph_key: tuple, stream) -> bool:
+    """Launch the cached graph of ``graph_key`` on ``stream``; False where none is cached."""
+    with _lock:  # launched under it: see _launch_recorded
+        entry = _graphs.get(graph_key)
+        if entry is None:
+            return False
+        _graphs.move_to_end(graph_key)
+        _launch(entry, stream)
+    return True
 
 
 def _reads_only(graph_key: tuple, args: tuple, kwargs: dict) -> bool:

@@ -1,5 +1,7 @@
 """The operators' kernels: fake (output shape only), CPU (the float64 reference) and CUDA
-(zero-copy CuPy views, PyTorch's current stream, PyTorch's allocator during a graph capture).
+(zero-copy CuPy views, PyTorch's current stream, PyTorch's allocator during a graph capture;
+a warm call with the raw arguments of one that replayed a whole-call graph allocates its
+result and launches the graph cached for that buffer, with no views and no checks).
 
 Each factory takes the name of a cufused function and returns the kernel that
 :mod:`cufused.torch` registers for it; nothing here registers anything.
@@ -16,6 +18,7 @@ import numpy
 import torch
 
 import cufused
+from cufused import _call_graphs
 from cufused._arrays import import_cupy
 
 
@@ -87,6 +90,13 @@ _VIEWS: dict[tuple, Any] = {}
 # CuPy handles of PyTorch's streams, by (stream, device).
 _STREAMS: dict[tuple[int, int], Any] = {}
 _TORCH_MALLOC = None
+# Warm calls by their raw arguments (each tensor's address, shape, strides and dtype, every
+# other value, the device, the stream, cufused's settings) -> the result's shape, byte
+# strides and dtype char, and the key of the whole-call graph that the cufused call launched,
+# before and after the result's part: a later call allocates its result and launches the
+# graph cached for that buffer (cufused._call_graphs), with no CuPy view and no checks.
+_WARM: dict[tuple, tuple] = {}
+_SCALARS = frozenset({bool, int, str, type(None)})
 
 
 def _load_cupy():
@@ -154,6 +164,33 @@ def _launch_elsewhere(fn: Callable, args: list, kwargs: dict, device: int, strea
         fn(*args, **kwargs)
 
 
+def _raw(value: Any):
+    """The part of a warm call's key for one argument (``TypeError`` for one it cannot key)."""
+    kind = type(value)
+    if kind is torch.Tensor or issubclass(kind, torch.Tensor):  # parameters too
+        return (value.data_ptr(), value.shape, value.stride(), value.dtype)
+    if kind is float:
+        return (kind, value.hex())  # -0.0 apart from 0.0 (equal as floats)
+    if kind in _SCALARS:
+        return (kind, value)
+    if kind is tuple or kind is list:
+        return (kind, tuple(map(_raw, value)))
+    raise TypeError
+
+
+def _warm_key(name: str, args: tuple, kwargs: dict, device: int) -> tuple | None:
+    """The raw-argument key of a call on ``device`` (PyTorch's current stream there), or None
+    for arguments it cannot key or where cufused launches nothing from raw arguments."""
+    settings = _call_graphs.settings_key()
+    if settings is None:
+        return None
+    try:
+        return (name, tuple(map(_raw, args)), tuple((k, _raw(v)) for k, v in kwargs.items()),
+                device, torch._C._cuda_getCurrentRawStream(device), settings)
+    except TypeError:
+        return None
+
+
 def _cuda_kernel(name: str, shape: Callable) -> Callable:
     fn = getattr(cufused, name)
 
@@ -162,26 +199,51 @@ def _cuda_kernel(name: str, shape: Callable) -> Callable:
         if torch.is_grad_enabled():
             _check_no_grad(name, args, kwargs)
         x = args[0]
-        try:
-            out = torch.empty(shape(*args, **kwargs, _check=False), dtype=x.dtype,
-                              device=x.device)
-        except (ZeroDivisionError, RuntimeError, IndexError):
-            shape(*args, **kwargs)  # the checks: a ValueError that says what is wrong
-            raise
+        out = warm = None
+        if x.is_cuda and _WARM:
+            key = _warm_key(name, args, kwargs, x.get_device())
+            warm = _WARM.get(key)
+            if (warm is not None and not torch._C._cuda_isCurrentStreamCapturing()
+                    and key[3] == cupy.cuda.runtime.getDevice()):
+                out_shape, out_strides, char, head, tail = warm
+                out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
+                if _call_graphs.launch_cached(
+                        (*head, _call_graphs.array_key(out.data_ptr(), out_shape, out_strides,
+                                                       char), *tail),
+                        _current_stream(key[3], cupy)):
+                    return out
+        if out is None:
+            try:
+                out = torch.empty(shape(*args, **kwargs, _check=False), dtype=x.dtype,
+                                  device=x.device)
+            except (ZeroDivisionError, RuntimeError, IndexError):
+                shape(*args, **kwargs)  # the checks: a ValueError that says what is wrong
+                raise
         cargs = [_cupy_view(a, cupy) if isinstance(a, torch.Tensor) else a for a in args]
         ckwargs = {k: _cupy_view(v, cupy) if isinstance(v, torch.Tensor) else v
                    for k, v in kwargs.items()}
-        ckwargs["out"] = _cupy_view(out, cupy)
+        ckwargs["out"] = result = _cupy_view(out, cupy)
         device = x.get_device()
         stream = _current_stream(device, cupy)
         capturing = torch._C._cuda_isCurrentStreamCapturing()
-        if device == cupy.cuda.runtime.getDevice() and not capturing:
-            if cupy.cuda.get_current_stream().ptr == stream.ptr:  # already CuPy's
-                fn(*cargs, **ckwargs)
-            else:
-                with stream:
-                    fn(*cargs, **ckwargs)
-        else:
+        if device != cupy.cuda.runtime.getDevice() or capturing:
             _launch_elsewhere(fn, cargs, ckwargs, device, stream, cupy, capturing)
+            return out
+        key = _warm_key(name, args, kwargs, device) if warm is None else None
+        if cupy.cuda.get_current_stream().ptr == stream.ptr:  # already CuPy's
+            fn(*cargs, **ckwargs)
+        else:
+            with stream:
+                fn(*cargs, **ckwargs)
+        if key is not None:
+            graph_key = _call_graphs.shortcut_graph(fn, cargs, ckwargs, stream)
+            # The graph that writes this result, found under the settings of this call's key.
+            if (graph_key is not None and graph_key[3] == _call_graphs.array_key(
+                    result.data.ptr, result.shape, result.strides, result.dtype.char)
+                    and _warm_key(name, args, kwargs, device) == key):
+                if len(_WARM) >= 256:
+                    _WARM.clear()
+                _WARM[key] = (result.shape, result.strides, result.dtype.char, graph_key[:3],
+                              graph_key[4:])
         return out
     return cuda

@@ -171,6 +171,48 @@ def test_torch_compile_fullgraph_cuda(cuda, name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", PIPELINES + ["group_norm", "softmax"])
+def test_warm_operator_calls_launch_from_their_raw_arguments(cuda, name, monkeypatch):
+    # A loop that rebinds each result (y = op(x)): once the graphs are captured, a call
+    # allocates its result and launches the graph cached for that buffer, without CuPy views
+    # or checks; each result is a new tensor, and new input values reach it (equal to the
+    # CuPy call on the same values).
+    import cupy
+
+    import cufused
+    from cufused.torch import _kernels
+
+    args, kwargs = samples("cuda")[name]
+    op = getattr(torch.ops.cufused, name).default
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    inputs = [torch.rand(args[0].shape, generator=gen, device="cuda") for _ in range(3)]
+    with torch.no_grad():
+        y = op(*args, **kwargs)
+        snapshots = [torch.full_like(y, float("nan")) for _ in inputs]
+        for _ in range(12):
+            y = op(*args, **kwargs)
+        views = []
+        view = _kernels._cupy_view
+        monkeypatch.setattr(_kernels, "_cupy_view", lambda *a: views.append(1) or view(*a))
+        for x, snapshot in zip(inputs, snapshots):
+            args[0].copy_(x)
+            previous = y
+            y = op(*args, **kwargs)
+            assert y.data_ptr() != previous.data_ptr()
+            del previous
+            snapshot.copy_(y)
+        assert not views
+    monkeypatch.undo()
+    fn = getattr(cufused, name)
+    for x, snapshot in zip(inputs, snapshots):
+        args[0].copy_(x)
+        want = fn(*(cupy.from_dlpack(a) if isinstance(a, torch.Tensor) else a for a in args),
+                  **{k: cupy.from_dlpack(v) if isinstance(v, torch.Tensor) else v
+                     for k, v in kwargs.items()})
+        assert rel_err(snapshot.cpu().numpy(), cupy.asnumpy(want)) < 1e-5
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", PIPELINES)
 def test_host_time_added_over_the_cupy_call(cuda, name):
     # Warm back-to-back calls without synchronizing, on small inputs (so that the host, not
