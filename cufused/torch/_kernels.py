@@ -167,14 +167,16 @@ def _launch_elsewhere(fn: Callable, args: list, kwargs: dict, device: int, strea
 def _raw(value: Any):
     """The part of a warm call's key for one argument (``TypeError`` for one it cannot key)."""
     kind = type(value)
-    if kind is torch.Tensor or issubclass(kind, torch.Tensor):  # parameters too
+    if kind is torch.Tensor:
         return (value.data_ptr(), value.shape, value.stride(), value.dtype)
-    if kind is float:
-        return (kind, value.hex())  # -0.0 apart from 0.0 (equal as floats)
     if kind in _SCALARS:
         return (kind, value)
+    if kind is float:
+        return (kind, value.hex())  # -0.0 apart from 0.0 (equal as floats)
     if kind is tuple or kind is list:
         return (kind, tuple(map(_raw, value)))
+    if issubclass(kind, torch.Tensor):  # parameters
+        return (value.data_ptr(), value.shape, value.stride(), value.dtype)
     raise TypeError
 
 
