@@ -113,7 +113,8 @@ def test_unknown_command_fails():
     assert run("frobnicate").returncode != 0
 
 
-@pytest.mark.parametrize("name", ["bench.json", "bench_h200_canonical.json",
+@pytest.mark.parametrize("name", ["bench.json", "bench_h200_all.json",
+                                  "bench_h200_canonical.json",
                                   "bench_h200_a_compile.json", "bench_h100.json",
                                   "bench_h100_canonical.json", "bench_h100_batch1.json",
                                   "bench_h100_batch8.json"])
