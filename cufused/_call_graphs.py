@@ -206,12 +206,14 @@ def _launch(entry: _Graph, stream) -> None:
     entry.graph.launch(stream=stream)
 
 
-def warm_calls(public: Callable) -> Callable:
+def warm_calls(public: Callable, *, launch_without_out: bool = True) -> Callable:
     """``public`` (a pipeline or building block taking ``out`` as a keyword) with its warm
     calls launched straight from their raw arguments: a call whose raw arguments, device,
     stream and settings equal those of an earlier call that replayed a graph launches that
     graph again (without ``out``: the one writing to the result it allocates), skipping the
-    argument checks (module docstring)."""
+    argument checks (module docstring). ``launch_without_out=False`` leaves calls without
+    ``out`` to ``public`` (a GPU path that picks its own result buffer has no graph for
+    them)."""
     # A call without "out" among its keywords then has none.
     if inspect.signature(public).parameters["out"].kind is not inspect.Parameter.KEYWORD_ONLY:
         raise TypeError(f"{public.__name__} must take out as a keyword-only parameter")
@@ -222,7 +224,9 @@ def warm_calls(public: Callable) -> Callable:
             return public(*args, **kwargs)
         out = kwargs.get("out")
         if out is None:
-            return _call_without_out(public, args, kwargs)
+            if launch_without_out:
+                return _call_without_out(public, args, kwargs)
+            return public(*args, **kwargs)
         if not is_cupy_array(out):
             return public(*args, **kwargs)
         cupy = sys.modules["cupy"]

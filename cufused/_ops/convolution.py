@@ -324,7 +324,8 @@ def _convolution_op(nd: int, transposed: bool) -> Callable:
                              output_padding=0, dilation=dilation, groups=groups,
                              precision=precision, out=out)
     conv.__name__ = conv.__qualname__ = f"conv{'_transpose' if transposed else ''}{nd}d"
-    return warm_calls(conv)
+    # Without out, the plan picks the result's buffer (no whole-call graph).
+    return warm_calls(conv, launch_without_out=False)
 
 
 conv2d, conv3d = _convolution_op(2, False), _convolution_op(3, False)

@@ -20,7 +20,7 @@ from .. import reference
 from .._arrays import (check_float_dtype, check_required, check_scalar, check_sizes,
                        check_writeable, forward, get_array_module, like_x_sections,
                        per_channel)
-from .._call_graphs import replayed, warm_calls
+from .._call_graphs import replayed, warm_calls, without_call_graphs
 from .._kernels.normalization import (ROW_CACHE_BYTES, batch_norm_coefficients, channel_affine,
                                      group_norm_coefficients, group_norm_rows,
                                      key_stats_partial, reads_channels_last)
@@ -52,12 +52,13 @@ _WHOLE_BATCH: contextvars.ContextVar[int | None] = contextvars.ContextVar(
 def part_of_batch(n: int):
     """Inside, the rules across the batch count ``n`` samples, whatever the call's batch.
 
-    The whole-call graph cache's replays skip the checks, and its keys do not hold ``n``:
-    calls inside take no ``out`` (cufused.dask's probes and tasks; on CuPy the tasks also run
-    ``without_call_graphs``), so the cache neither remembers nor replays them."""
+    The whole-call graph cache's launches from raw arguments skip the checks, and its keys do
+    not hold ``n``: calls inside run ``without_call_graphs``, so the cache neither remembers
+    nor replays them."""
     token = _WHOLE_BATCH.set(n)
     try:
-        yield
+        with without_call_graphs():
+            yield
     finally:
         _WHOLE_BATCH.reset(token)
 

@@ -20,6 +20,7 @@ import torch
 import cufused
 from cufused import _call_graphs
 from cufused._arrays import import_cupy
+from cufused._cudnn import on_clear_plan_cache
 
 
 # ---------------------------------------------------------------------------------- kernels
@@ -96,6 +97,7 @@ _TORCH_MALLOC = None
 # before and after the result's part: a later call allocates its result and launches the
 # graph cached for that buffer (cufused._call_graphs), with no CuPy view and no checks.
 _WARM: dict[tuple, tuple] = {}
+on_clear_plan_cache(_WARM.clear)  # cufused.clear_caches() drops the graphs they name
 _SCALARS = frozenset({bool, int, str, type(None)})
 
 
@@ -201,7 +203,7 @@ def _cuda_kernel(name: str, shape: Callable) -> Callable:
         if torch.is_grad_enabled():
             _check_no_grad(name, args, kwargs)
         x = args[0]
-        out = warm = None
+        out = key = None
         if x.is_cuda and _WARM:
             key = _warm_key(name, args, kwargs, x.get_device())
             warm = _WARM.get(key)
@@ -231,7 +233,8 @@ def _cuda_kernel(name: str, shape: Callable) -> Callable:
         if device != cupy.cuda.runtime.getDevice() or capturing:
             _launch_elsewhere(fn, cargs, ckwargs, device, stream, cupy, capturing)
             return out
-        key = _warm_key(name, args, kwargs, device) if warm is None else None
+        if key is None:
+            key = _warm_key(name, args, kwargs, device)
         if cupy.cuda.get_current_stream().ptr == stream.ptr:  # already CuPy's
             fn(*cargs, **ckwargs)
         else:

@@ -314,22 +314,58 @@ def test_calls_without_out_launch_from_their_raw_arguments(rng, quick_plans, fre
 
 @pytest.mark.parametrize("case", sorted(PIPELINES))
 def test_calls_without_out_keep_every_result(rng, quick_plans, fresh, case):
-    # Results that all stay alive: each call's result is a buffer of its own (checked calls,
-    # since no cached graph writes there), none overwritten by a later call; a new default
-    # precision is another key.
+    # Keys remembered in each default precision (a key each), then calls whose results all
+    # stay alive: each gets a buffer of its own (a graph's buffer launched, a new one
+    # checked), none overwritten by a later call, each equal to a direct call.
     fn, make = PIPELINES[case]
     args, kwargs = make(rng)
     args = to_gpu(*args)
+    precisions = ("ieee", "tf32")
+    for precision in precisions:
+        with cufused.default_precision(precision):
+            y = None
+            for _ in range(6):
+                y = fn(*args, **kwargs)
+            del y
+    assert {key[6] for key in _call_graphs._fresh_shortcuts} == set(precisions)
     kept = []
     for i in range(6):
         args[0][...] = cp.asarray(rng.random(args[0].shape), dtype=cp.float32)
-        with cufused.default_precision("tf32" if i % 3 == 2 else "ieee"):
+        with cufused.default_precision(precisions[i % 2]):
             kept.append((args[0].copy(), fn(*args, **kwargs)))
     assert len({y.data.ptr for _, y in kept}) == len(kept)
     for i, (x, y) in enumerate(kept):
         args[0][...] = x
-        with cufused.default_precision("tf32" if i % 3 == 2 else "ieee"):
+        with cufused.default_precision(precisions[i % 2]):
             assert_same_as_direct(y, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
+
+
+def test_running_buffers_updated_by_every_call_without_out(rng, quick_plans, fresh, launches,
+                                                           monkeypatch):
+    # Calls launched from their raw arguments update the running statistics once each: after
+    # as many direct calls on copies, both are equal.
+    fn, make = PIPELINES["B"]
+    args, kwargs = make(rng)
+    args = to_gpu(*args)
+    mean, var = cp.zeros(8, cp.float32), cp.ones(8, cp.float32)
+    stats = dict(running_mean=mean, running_var=var)
+    y = None
+    for _ in range(12):
+        y = fn(*args, **kwargs, **stats)
+    checked = []
+    check = _call_graphs._checked_call
+    monkeypatch.setattr(_call_graphs, "_checked_call",
+                        lambda *a: checked.append(1) or check(*a))
+    before = launches[0]
+    for _ in range(4):
+        y = fn(*args, **kwargs, **stats)
+    assert not checked and launches[0] == before + 4
+    del y
+    ref_mean, ref_var = cp.zeros(8, cp.float32), cp.ones(8, cp.float32)
+    for _ in range(16):
+        _direct(fn, *args, **kwargs, running_mean=ref_mean, running_var=ref_var)
+    assert_close(mean.get(), ref_mean.get(), 1e-6)
+    assert_close(var.get(), ref_var.get(), 1e-6)
 
 
 def test_calls_without_out_past_a_temporary(rng, quick_plans, fresh, launches):
