@@ -64,9 +64,13 @@ _counts: dict = {}
 _lock = threading.Lock()
 # Raw-argument key of a public call -> the key of the graph its checked call launched.
 _shortcuts: dict = {}
-# Raw-argument key of a public call without out -> its result's shape and dtype, and the key
-# of the graph its checked call launched before and after the result's part.
+# Raw-argument key of a public call without out -> its result's shape and dtype, the key of
+# the graph its checked call launched before and after the result's part, and the addresses of
+# the results whose graphs it has launched.
 _fresh_shortcuts: dict = {}
+# Results of one such key given graphs: past them a call is checked and runs directly, so that
+# the buffers a memory pool cycles over do not drop the graphs of other calls.
+_MAX_FRESH_BUFFERS = 3
 _MAX_SHORTCUTS = 256
 # The graph keys that _run launches, recorded for the public call around it (warm_calls).
 _launched: contextvars.ContextVar[list | None] = contextvars.ContextVar(
@@ -264,11 +268,14 @@ def _call_without_out(public: Callable, args: tuple, kwargs: dict):
         return public(*args, **kwargs)
     fresh = _fresh_shortcuts.get(key)
     if fresh is not None and not capturing(stream):
-        shape, dtype, head, tail = fresh
+        shape, dtype, head, tail, buffers = fresh
         out = cupy.empty(shape, dtype)
         if launch_cached((*head, _value_key(out), *tail), stream):
             return out
         del out  # back to the pool, where the checked call's allocation finds it
+        if len(buffers) >= _MAX_FRESH_BUFFERS:
+            with without_call_graphs():
+                return public(*args, **kwargs)
     result, launched = _checked_call(public, args, kwargs, key)
     # The graph wrote the result (allocated by the call, as the launch above allocates it),
     # was captured under the key's settings and read only the caller's arrays.
@@ -276,7 +283,10 @@ def _call_without_out(public: Callable, args: tuple, kwargs: dict):
             and launched[0][-1] == key[5] and _reads_only(launched[0], (*args, result), kwargs)):
         if len(_fresh_shortcuts) >= _MAX_SHORTCUTS:
             _fresh_shortcuts.clear()
-        _fresh_shortcuts[key] = (result.shape, result.dtype, launched[0][:3], launched[0][4:])
+        buffers = fresh[4] if fresh is not None else set()
+        buffers.add(result.data.ptr)
+        _fresh_shortcuts[key] = (result.shape, result.dtype, launched[0][:3], launched[0][4:],
+                                 buffers)
     return result
 
 

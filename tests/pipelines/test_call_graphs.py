@@ -368,6 +368,29 @@ def test_running_buffers_updated_by_every_call_without_out(rng, quick_plans, fre
     assert_close(var.get(), ref_var.get(), 1e-6)
 
 
+def test_calls_without_out_past_the_buffer_cap(rng, quick_plans, fresh, captures, monkeypatch):
+    # Past _MAX_FRESH_BUFFERS results given graphs, a call whose new buffer has none is checked
+    # and runs directly (no capture that could drop other graphs), and is right.
+    monkeypatch.setattr(_call_graphs, "_MAX_FRESH_BUFFERS", 1)
+    fn, make = PIPELINES["A"]
+    args, kwargs = make(rng)
+    args = to_gpu(*args)
+    y = None
+    for _ in range(6):
+        y = fn(*args, **kwargs)
+    (entry,) = _call_graphs._fresh_shortcuts.values()
+    assert len(entry[4]) == 1
+    captured = len(captures)
+    kept = []
+    for _ in range(3):
+        args[0][...] = cp.asarray(rng.random(args[0].shape), dtype=cp.float32)
+        kept.append((args[0].copy(), fn(*args, **kwargs)))
+    assert len(captures) == captured and len(entry[4]) == 1
+    for x, y in kept:
+        args[0][...] = x
+        assert_same_as_direct(y, _direct(fn, *args, **kwargs), _direct(fn, *args, **kwargs))
+
+
 def test_calls_without_out_past_a_temporary(rng, quick_plans, fresh, launches):
     # A number for scale becomes a device array in each checked call: no launch from the raw
     # arguments of a call without out either.
