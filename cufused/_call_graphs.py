@@ -70,7 +70,7 @@ _shortcuts: dict = {}
 _fresh_shortcuts: dict = {}
 # Results of one such key given graphs: past them a call is checked and runs directly, so that
 # the buffers a memory pool cycles over do not drop the graphs of other calls.
-_MAX_FRESH_BUFFERS = 3
+_MAX_FRESH_BUFFERS = 4
 _MAX_SHORTCUTS = 256
 # The graph keys that _run launches, recorded for the public call around it (warm_calls).
 _launched: contextvars.ContextVar[list | None] = contextvars.ContextVar(
@@ -283,7 +283,8 @@ def _call_without_out(public: Callable, args: tuple, kwargs: dict):
             and launched[0][-1] == key[5] and _reads_only(launched[0], (*args, result), kwargs)):
         if len(_fresh_shortcuts) >= _MAX_SHORTCUTS:
             _fresh_shortcuts.clear()
-        buffers = fresh[4] if fresh is not None else set()
+        current = _fresh_shortcuts.get(key)  # not the entry read before a clear_caches()
+        buffers = current[4] if current is not None else set()
         buffers.add(result.data.ptr)
         _fresh_shortcuts[key] = (result.shape, result.dtype, launched[0][:3], launched[0][4:],
                                  buffers)
