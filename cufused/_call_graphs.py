@@ -242,13 +242,11 @@ def warm_calls(public: Callable, *, launch_without_out: bool = True) -> Callable
         if graph_key is not None and not capturing(stream) and launch_cached(graph_key, stream):
             return out
         result, launched = _checked_call(public, args, kwargs, key)
-        # The graph must have been captured under the key's settings (another thread may
-        # have changed them meanwhile) and read only the caller's arrays.
-        if (len(launched) == 1 and result is out and launched[0][-1] == key[5]
-                and _reads_only(launched[0], args, kwargs)):
+        graph_key = _graph_to_remember(launched, key, args, kwargs)
+        if graph_key is not None and result is out:
             if len(_shortcuts) >= _MAX_SHORTCUTS:
                 _shortcuts.clear()
-            _shortcuts[key] = launched[0]
+            _shortcuts[key] = graph_key
         return result
 
     return call
@@ -277,18 +275,29 @@ def _call_without_out(public: Callable, args: tuple, kwargs: dict):
             with without_call_graphs():
                 return public(*args, **kwargs)
     result, launched = _checked_call(public, args, kwargs, key)
-    # The graph wrote the result (allocated by the call, as the launch above allocates it),
-    # was captured under the key's settings and read only the caller's arrays.
-    if (len(launched) == 1 and is_cupy_array(result) and launched[0][3] == _value_key(result)
-            and launched[0][-1] == key[5] and _reads_only(launched[0], (*args, result), kwargs)):
+    if not is_cupy_array(result):
+        return result
+    graph_key = _graph_to_remember(launched, key, (*args, result), kwargs)
+    # The graph wrote the result, allocated by the call as the launch above allocates it.
+    if graph_key is not None and graph_key[3] == _value_key(result):
         if len(_fresh_shortcuts) >= _MAX_SHORTCUTS:
             _fresh_shortcuts.clear()
         current = _fresh_shortcuts.get(key)  # not the entry read before a clear_caches()
         buffers = current[4] if current is not None else set()
         buffers.add(result.data.ptr)
-        _fresh_shortcuts[key] = (result.shape, result.dtype, launched[0][:3], launched[0][4:],
+        _fresh_shortcuts[key] = (result.shape, result.dtype, graph_key[:3], graph_key[4:],
                                  buffers)
     return result
+
+
+def _graph_to_remember(launched: list, key: tuple, arrays: tuple, kwargs: dict):
+    """The key of the one graph that a checked call with raw-argument ``key`` launched, where
+    it was captured under the key's settings (another thread may have changed them meanwhile)
+    and read only ``arrays`` and ``kwargs``' arrays (views included); else None."""
+    if len(launched) == 1 and launched[0][-1] == key[5] and _reads_only(launched[0], arrays,
+                                                                         kwargs):
+        return launched[0]
+    return None
 
 
 def _checked_call(public: Callable, args: tuple, kwargs: dict, key: tuple):
