@@ -35,6 +35,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import struct
 import sys
 import threading
 from collections import OrderedDict
@@ -76,6 +77,8 @@ _MAX_SHORTCUTS = 256
 _launched: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "cufused_launched_graphs", default=None)
 _SCALARS = frozenset({bool, int, str, type(None)})
+_INTS = frozenset({int})
+_float_bits = struct.Struct("d").pack  # -0.0 apart from 0.0, equal as floats
 # Inside without_call_graphs(): the cache neither counts, captures nor replays.
 _suspended: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "cufused_call_graphs_suspended", default=False)
@@ -294,7 +297,7 @@ def _graph_to_remember(launched: list, key: tuple, arrays: tuple, kwargs: dict):
     """The key of the one graph that a checked call with raw-argument ``key`` launched, where
     it was captured under the key's settings (another thread may have changed them meanwhile)
     and read only ``arrays`` and ``kwargs``' arrays (views included); else None."""
-    if len(launched) == 1 and launched[0][-1] == key[5] and _reads_only(launched[0], arrays,
+    if len(launched) == 1 and launched[0][-1] == key[-2] and _reads_only(launched[0], arrays,
                                                                          kwargs):
         return launched[0]
     return None
@@ -307,34 +310,53 @@ def _checked_call(public: Callable, args: tuple, kwargs: dict, key: tuple):
     launched: list = []
     token = _launched.set(launched)
     try:
-        with default_precision(key[6]):
+        with default_precision(key[-1]):
             result = public(*args, **kwargs)
     finally:
         _launched.reset(token)
     return result, launched
 
 
-def _raw_key(public: Callable, args: tuple, kwargs: dict, stream, cupy):
-    """The key of a public call's raw arguments and everything else its checks and path read
-    (device, stream, settings, default precision), or None for a value it cannot key."""
-    ndarray = cupy.ndarray
-
-    def raw(value):
+def value_key_function(array_type: type, array_part: Callable,
+                       subclasses: bool) -> Callable:
+    """The function giving the part of a raw-argument key for one value: an array of
+    ``array_type`` (or of a subclass, where ``subclasses``) is ``array_part(value)``; a number,
+    string, None, or a list or tuple of them, is its type and value (a float its bits); any
+    other value raises ``TypeError``."""
+    def value_key(value):
         kind = type(value)
-        if kind is ndarray:
-            return (value.data.ptr, value.shape, value.strides, value.dtype.char)
+        if kind is array_type:
+            return array_part(value)
         if kind is float:
-            return (kind, value.hex())  # -0.0 apart from 0.0 (equal as floats)
+            return (kind, _float_bits(value))
         if kind in _SCALARS:
             return (kind, value)
         if kind is tuple or kind is list:
-            return (kind, tuple(map(raw, value)))
+            items = tuple(value)
+            if _INTS.issuperset(map(type, items)):  # the common shape or stride list
+                return (kind, items)
+            return (kind, tuple(map(value_key, items)))
+        if subclasses and issubclass(kind, array_type):
+            return array_part(value)
         raise TypeError
+    return value_key
 
+
+@functools.cache
+def _cupy_value_key(cupy) -> Callable:
+    return value_key_function(
+        cupy.ndarray, lambda a: (a.data.ptr, a.shape, a.strides, a.dtype.char), False)
+
+
+def _raw_key(public: Callable, args: tuple, kwargs: dict, stream, cupy):
+    """The key of a public call's raw arguments and everything else its checks and path read
+    (device, stream, and last the settings and the default precision), or None for a value
+    it cannot key."""
+    value_key = _cupy_value_key(cupy)
     try:
-        return (public, tuple(map(raw, args)), tuple((k, raw(v)) for k, v in kwargs.items()),
-                cupy.cuda.runtime.getDevice(), stream.ptr, tuple(_config.values()),
-                resolve_precision(None))
+        return (public, tuple(map(value_key, args)), tuple(kwargs),
+                tuple(map(value_key, kwargs.values())), cupy.cuda.runtime.getDevice(),
+                stream.ptr, tuple(_config.values()), resolve_precision(None))
     except TypeError:
         return None
 

@@ -98,7 +98,6 @@ _TORCH_MALLOC = None
 # graph cached for that buffer (cufused._call_graphs), with no CuPy view and no checks.
 _WARM: dict[tuple, tuple] = {}
 on_clear_plan_cache(_WARM.clear)  # cufused.clear_caches() drops the graphs they name
-_SCALARS = frozenset({bool, int, str, type(None)})
 
 
 def _load_cupy():
@@ -131,9 +130,10 @@ def _cupy_view(t: torch.Tensor, cupy) -> Any:
     return view
 
 
-def _current_stream(device: int, cupy) -> Any:
-    """CuPy's handle of PyTorch's current stream on ``device`` (cached per stream)."""
-    key = (torch._C._cuda_getCurrentRawStream(device), device)
+def _current_stream(device: int, cupy, raw: int | None = None) -> Any:
+    """CuPy's handle of PyTorch's current stream on ``device`` (cached per stream); ``raw`` is
+    that stream's handle where the caller has read it already."""
+    key = (torch._C._cuda_getCurrentRawStream(device) if raw is None else raw, device)
     stream = _STREAMS.get(key)
     if stream is None:
         if len(_STREAMS) >= 64:
@@ -166,20 +166,9 @@ def _launch_elsewhere(fn: Callable, args: list, kwargs: dict, device: int, strea
         fn(*args, **kwargs)
 
 
-def _raw(value: Any):
-    """The part of a warm call's key for one argument (``TypeError`` for one it cannot key)."""
-    kind = type(value)
-    if kind is torch.Tensor:
-        return (value.data_ptr(), value.shape, value.stride(), value.dtype)
-    if kind in _SCALARS:
-        return (kind, value)
-    if kind is float:
-        return (kind, value.hex())  # -0.0 apart from 0.0 (equal as floats)
-    if kind is tuple or kind is list:
-        return (kind, tuple(map(_raw, value)))
-    if issubclass(kind, torch.Tensor):  # parameters
-        return (value.data_ptr(), value.shape, value.stride(), value.dtype)
-    raise TypeError
+# The part of a warm call's key for one argument (TypeError for one it cannot key).
+_raw = _call_graphs.value_key_function(
+    torch.Tensor, lambda t: (t.data_ptr(), t.shape, t.stride(), t.dtype), True)
 
 
 def _warm_key(name: str, args: tuple, kwargs: dict, device: int) -> tuple | None:
@@ -189,7 +178,7 @@ def _warm_key(name: str, args: tuple, kwargs: dict, device: int) -> tuple | None
     if settings is None:
         return None
     try:
-        return (name, tuple(map(_raw, args)), tuple((k, _raw(v)) for k, v in kwargs.items()),
+        return (name, tuple(map(_raw, args)), tuple(kwargs), tuple(map(_raw, kwargs.values())),
                 device, torch._C._cuda_getCurrentRawStream(device), settings)
     except TypeError:
         return None
@@ -205,16 +194,17 @@ def _cuda_kernel(name: str, shape: Callable) -> Callable:
         x = args[0]
         out = key = None
         if x.is_cuda and _WARM:
-            key = _warm_key(name, args, kwargs, x.get_device())
+            device = x.get_device()
+            key = _warm_key(name, args, kwargs, device)
             warm = _WARM.get(key)
-            if (warm is not None and not torch._C._cuda_isCurrentStreamCapturing()
-                    and key[3] == cupy.cuda.runtime.getDevice()):
+            if (warm is not None and device == cupy.cuda.runtime.getDevice()
+                    and not torch._C._cuda_isCurrentStreamCapturing()):
                 out_shape, out_strides, char, head, tail = warm
-                out = torch.empty(out_shape, dtype=x.dtype, device=x.device)
+                out = x.new_empty(out_shape)  # x's dtype and device, contiguous
                 if _call_graphs.launch_cached(
                         (*head, _call_graphs.array_key(out.data_ptr(), out_shape, out_strides,
                                                        char), *tail),
-                        _current_stream(key[3], cupy)):
+                        _current_stream(device, cupy, key[5])):
                     return out
         if out is None:
             try:
@@ -244,7 +234,7 @@ def _cuda_kernel(name: str, shape: Callable) -> Callable:
             # The graph that writes this result (the shortcut's key holds out's address), with
             # the settings unchanged since this call's key was taken.
             graph_key = _call_graphs.shortcut_graph(fn, cargs, ckwargs, stream)
-            if graph_key is not None and _call_graphs.settings_key() == key[5]:
+            if graph_key is not None and _call_graphs.settings_key() == key[-1]:
                 if len(_WARM) >= 256:
                     _WARM.clear()
                 _WARM[key] = (result.shape, result.strides, result.dtype.char, graph_key[:3],

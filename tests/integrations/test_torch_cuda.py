@@ -217,12 +217,27 @@ def test_warm_operator_calls_launch_from_their_raw_arguments(cuda, name, monkeyp
         assert rel_err(snapshot.cpu().numpy(), cupy.asnumpy(want)) < 1e-5
 
 
+@pytest.fixture(scope="module")
+def noop_operators():
+    """Operators with the pipelines' schemas whose CUDA kernel returns its first argument:
+    PyTorch's own host time for a call with these arguments."""
+    lib = torch.library.Library("cufused_test_noop", "DEF")
+    for name in PIPELINES:
+        lib.define(name + cft.OPERATORS[name][0])
+        lib.impl(name, lambda *args, **kwargs: args[0], "CUDA")
+    yield torch.ops.cufused_test_noop
+    lib._destroy()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", PIPELINES)
-def test_host_time_added_over_the_cupy_call(cuda, name):
+def test_host_time_added_over_the_cupy_call(cuda, noop_operators, name):
     # Warm back-to-back calls without synchronizing, on small inputs (so that the host, not
-    # the device, sets the pace): the operator may add at most 15 us of host time per call
-    # over the same cufused call on CuPy arrays. Median of alternating rounds.
+    # the device, sets the pace), median of alternating rounds. The operator's host time less
+    # PyTorch's own for these arguments (a no-op operator of the same schema) is its kernel:
+    # a key from the tensors, PyTorch's allocation and the graph launch, the work the same
+    # cufused call on CuPy arrays does. It may take at most 1.5 times that call; both scale
+    # with the host's speed, which differs between machines of one kind.
     import cupy
 
     import cufused
@@ -234,8 +249,10 @@ def test_host_time_added_over_the_cupy_call(cuda, name):
     ckwargs = {k: cupy.from_dlpack(v) if isinstance(v, torch.Tensor) else v
                for k, v in kwargs.items()}
     op = getattr(torch.ops.cufused, name).default
+    noop = getattr(noop_operators, name).default
     fn = getattr(cufused, name)
-    calls = {"cupy": lambda: fn(*cargs, **ckwargs), "torch": lambda: op(*args, **kwargs)}
+    calls = {"cupy": lambda: fn(*cargs, **ckwargs), "torch": lambda: op(*args, **kwargs),
+             "dispatch": lambda: noop(*args, **kwargs)}
     rounds, per_round = 30, 50
     times = {k: [] for k in calls}
     with torch.no_grad():
@@ -243,14 +260,14 @@ def test_host_time_added_over_the_cupy_call(cuda, name):
             for _ in range(20):
                 call()
         for r in range(rounds):
-            for key in (("cupy", "torch") if r % 2 else ("torch", "cupy")):
+            for key in list(calls)[r % 3:] + list(calls)[:r % 3]:
                 torch.cuda.synchronize()
                 start = time.perf_counter()
                 for _ in range(per_round):
                     calls[key]()
                 times[key].append((time.perf_counter() - start) / per_round)
     torch.cuda.synchronize()
-    cupy_us, torch_us = (float(np.median(times[k])) * 1e6 for k in ("cupy", "torch"))
-    print(f"{name}: CuPy call {cupy_us:.1f} us, operator {torch_us:.1f} us, "
-          f"added {torch_us - cupy_us:.1f} us")
-    assert torch_us - cupy_us <= 15.0
+    cupy_us, torch_us, dispatch_us = (float(np.median(times[k])) * 1e6 for k in calls)
+    print(f"{name}: CuPy call {cupy_us:.1f} us, operator {torch_us:.1f} us, PyTorch's "
+          f"dispatch {dispatch_us:.1f} us")
+    assert torch_us - dispatch_us <= 1.5 * cupy_us

@@ -1,12 +1,16 @@
-"""Scope of cufused._call_graphs.without_call_graphs (no GPU needed)."""
+"""Scope of cufused._call_graphs.without_call_graphs, and the raw-argument keys of warm calls
+(no GPU needed)."""
 
 from __future__ import annotations
 
 import threading
+import types
 
+import numpy as np
 import pytest
 
-from cufused._call_graphs import _suspended, without_call_graphs
+from cufused import _call_graphs, default_precision
+from cufused._call_graphs import _suspended, value_key_function, without_call_graphs
 
 
 def test_without_call_graphs_is_scoped_to_its_context():
@@ -27,3 +31,52 @@ def test_without_call_graphs_is_scoped_to_its_context():
         with without_call_graphs():
             1 / 0
     assert not _suspended.get()
+
+
+class _Array:
+    """What a raw-argument key reads of a CuPy array."""
+
+    def __init__(self, ptr):
+        self.data = types.SimpleNamespace(ptr=ptr)
+        self.shape, self.strides, self.dtype = (1,), (4,), np.dtype(np.float32)
+
+
+class _SubArray(_Array):
+    pass
+
+
+def _array_part(a):
+    return ("array", a.data.ptr)
+
+
+def test_value_keys_tell_apart_what_a_call_tells_apart():
+    key = value_key_function(_Array, _array_part, subclasses=False)
+    assert key(_Array(7)) == ("array", 7)
+    assert key(0.0) != key(-0.0)  # equal as floats, not as arguments
+    assert key(1.0) != key(1) != key(True)
+    assert key(float("nan")) == key(float("nan"))
+    assert key([2, 3]) == key([2, 3]) != key((2, 3))
+    assert key([1, 2]) != key([True, 2]) != key([1.0, 2])
+    assert key([0.0]) != key([-0.0])
+    assert key([_Array(1), 2]) != key([_Array(2), 2])
+    assert key(None) == (type(None), None) and key("ieee") != key("tf32")
+    for value in (object(), _SubArray(1), [object()], [1, [_SubArray(1)]]):
+        with pytest.raises(TypeError):
+            key(value)
+    assert value_key_function(_Array, _array_part, subclasses=True)(_SubArray(3)) == (
+        "array", 3)
+
+
+def test_raw_key_ends_with_the_settings_and_the_default_precision():
+    # _graph_to_remember and _checked_call read these two from the end of the key.
+    fake_cupy = types.ModuleType("fake_cupy")
+    fake_cupy.ndarray = _Array
+    fake_cupy.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0))
+    stream = types.SimpleNamespace(ptr=5)
+    with default_precision("3xtf32"):
+        key = _call_graphs._raw_key(len, (_Array(1),), {"eps": 1e-5}, stream, fake_cupy)
+    assert key[-2] == tuple(_call_graphs._config.values())
+    assert key[-1] == "3xtf32"
+    assert key != _call_graphs._raw_key(len, (_Array(1),), {"eps": 1e-5}, stream, fake_cupy)
+    assert _call_graphs._raw_key(len, (_Array(1),), {"eps": object()}, stream,
+                                 fake_cupy) is None
