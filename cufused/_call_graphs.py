@@ -321,8 +321,8 @@ def value_key_function(array_type: type, array_part: Callable,
                        subclasses: bool) -> Callable:
     """The function giving the part of a raw-argument key for one value: an array of
     ``array_type`` (or of a subclass, where ``subclasses``) is ``array_part(value)``; a number,
-    string, None, or a list or tuple of them, is its type and value (a float its bits); any
-    other value raises ``TypeError``."""
+    string or None is its type and value (a float its bits); a list or tuple is its type and
+    its items' keys (plain ints as they are); any other value raises ``TypeError``."""
     def value_key(value):
         kind = type(value)
         if kind is array_type:
