@@ -135,6 +135,18 @@ def _call_key(gpu: functools.partial, out, cupy):
             stream.ptr, tuple(_config.values()))
 
 
+def split_at_result(graph_key: tuple) -> tuple[tuple, tuple, tuple]:
+    """A graph's key (:func:`_call_key`) as its parts before ``out``'s, ``out``'s, and
+    after it."""
+    return graph_key[:3], graph_key[3], graph_key[4:]
+
+
+def launch_with_result(head: tuple, result: tuple, tail: tuple, stream) -> bool:
+    """:func:`launch_cached` for the graph whose key is ``head`` and ``tail``
+    (:func:`split_at_result`) around the part ``result`` of the array it writes."""
+    return launch_cached((*head, result, *tail), stream)
+
+
 @contextlib.contextmanager
 def without_call_graphs():
     """Run the calls made inside (in this context only) without whole-call graphs: the cache
@@ -271,7 +283,7 @@ def _call_without_out(public: Callable, args: tuple, kwargs: dict):
     if fresh is not None and not capturing(stream):
         shape, dtype, head, tail, buffers = fresh
         out = cupy.empty(shape, dtype)
-        if launch_cached((*head, _value_key(out), *tail), stream):
+        if launch_with_result(head, _value_key(out), tail, stream):
             return out
         del out  # back to the pool, where the checked call's allocation finds it
         if len(buffers) >= _MAX_FRESH_BUFFERS:
@@ -281,15 +293,17 @@ def _call_without_out(public: Callable, args: tuple, kwargs: dict):
     if not is_cupy_array(result):
         return result
     graph_key = _graph_to_remember(launched, key, (*args, result), kwargs)
+    if graph_key is None:
+        return result
+    head, written, tail = split_at_result(graph_key)
     # The graph wrote the result, allocated by the call as the launch above allocates it.
-    if graph_key is not None and graph_key[3] == _value_key(result):
+    if written == _value_key(result):
         if len(_fresh_shortcuts) >= _MAX_SHORTCUTS:
             _fresh_shortcuts.clear()
         current = _fresh_shortcuts.get(key)  # not the entry read before a clear_caches()
         buffers = current[4] if current is not None else set()
         buffers.add(result.data.ptr)
-        _fresh_shortcuts[key] = (result.shape, result.dtype, graph_key[:3], graph_key[4:],
-                                 buffers)
+        _fresh_shortcuts[key] = (result.shape, result.dtype, head, tail, buffers)
     return result
 
 

@@ -192,19 +192,19 @@ def _cuda_kernel(name: str, shape: Callable) -> Callable:
         if torch.is_grad_enabled():
             _check_no_grad(name, args, kwargs)
         x = args[0]
+        device = x.get_device()
         out = key = None
         if x.is_cuda and _WARM:
-            device = x.get_device()
             key = _warm_key(name, args, kwargs, device)
             warm = _WARM.get(key)
             if (warm is not None and device == cupy.cuda.runtime.getDevice()
                     and not torch._C._cuda_isCurrentStreamCapturing()):
                 out_shape, out_strides, char, head, tail = warm
                 out = x.new_empty(out_shape)  # x's dtype and device, contiguous
-                if _call_graphs.launch_cached(
-                        (*head, _call_graphs.array_key(out.data_ptr(), out_shape, out_strides,
-                                                       char), *tail),
-                        _current_stream(device, cupy, key[5])):
+                if _call_graphs.launch_with_result(
+                        head, _call_graphs.array_key(out.data_ptr(), out_shape, out_strides,
+                                                     char),
+                        tail, _current_stream(device, cupy, key[5])):
                     return out
         if out is None:
             try:
@@ -217,7 +217,6 @@ def _cuda_kernel(name: str, shape: Callable) -> Callable:
         ckwargs = {k: _cupy_view(v, cupy) if isinstance(v, torch.Tensor) else v
                    for k, v in kwargs.items()}
         ckwargs["out"] = result = _cupy_view(out, cupy)
-        device = x.get_device()
         stream = _current_stream(device, cupy)
         capturing = torch._C._cuda_isCurrentStreamCapturing()
         if device != cupy.cuda.runtime.getDevice() or capturing:
@@ -237,7 +236,7 @@ def _cuda_kernel(name: str, shape: Callable) -> Callable:
             if graph_key is not None and _call_graphs.settings_key() == key[-1]:
                 if len(_WARM) >= 256:
                     _WARM.clear()
-                _WARM[key] = (result.shape, result.strides, result.dtype.char, graph_key[:3],
-                              graph_key[4:])
+                head, _, tail = _call_graphs.split_at_result(graph_key)
+                _WARM[key] = (result.shape, result.strides, result.dtype.char, head, tail)
         return out
     return cuda
