@@ -11,7 +11,15 @@ for ``"tf32"`` (2e-2 with an offset input), 1e-4 for ``"ieee"`` and ``"3xtf32"``
 an offset input). A draw that the functions reject (``ValueError``) is skipped. Each failure
 prints its case; the exit status is 1 if any case failed.
 
+With ``--nonfinite``, each case plants one to three NaN, +inf or -inf values at random
+positions of random array arguments (input, weights, parameters) and compares with PyTorch in
+float64 on the CPU, the definition's products only (PyTorch CUDA's float32 NaNs for an infinite
+weight depend on its convolution algorithm): the NaN, +inf and -inf positions must be the same,
+the finite values within the tolerances above. The NumPy path is held to the same positions and
+to 1e-9. With ``--nonfinite --cpu``, only the NumPy path runs (no GPU needed).
+
 Usage: python scripts/fuzz_pipelines.py [--seed 1] [--seconds 60] [--cases A B C]
+                                        [--nonfinite] [--cpu]
 """
 
 from __future__ import annotations
@@ -85,13 +93,91 @@ def _case_c(rng):
 CASES = {"A": _case_a, "B": _case_b, "C": _case_c}
 
 
+def _torch_a(x, w, cb, gw, gb, scale, *, num_groups, pool_kernel, clamp_min, clamp_max,
+             stride, padding):
+    import torch
+    import torch.nn.functional as F
+
+    y = F.group_norm(F.conv2d(x, w, cb, stride=stride, padding=padding), num_groups, gw, gb)
+    if scale is not None:
+        y = y * (scale.reshape(1, -1, 1, 1) if isinstance(scale, torch.Tensor) else scale)
+    return F.max_pool2d(y, pool_kernel).clamp(clamp_min, clamp_max)
+
+
+def _torch_b(x, w, bw, bb, gw, gb, *, num_groups, stride, padding, output_padding, groups,
+             conv_bias):
+    import torch
+    import torch.nn.functional as F
+
+    y = F.conv_transpose2d(x, w, conv_bias, stride=stride, padding=padding,
+                           output_padding=output_padding, groups=groups)
+    y = torch.tanh(F.batch_norm(y, None, None, bw, bb, training=True))
+    return F.group_norm(F.max_pool2d(y, 2, 2), num_groups, gw, gb)
+
+
+def _torch_c(x, w, scale, *, stride, padding, output_padding, pool_kernel, clamp_min,
+             clamp_max, conv_bias):
+    import torch
+    import torch.nn.functional as F
+
+    y = F.conv_transpose3d(F.avg_pool3d(x, pool_kernel), w, conv_bias, stride=stride,
+                           padding=padding, output_padding=output_padding)
+    y = y.clamp(clamp_min, clamp_max)
+    n, c = y.shape[:2]
+    return torch.softmax(y.reshape(n, c, -1), dim=2).reshape(y.shape) * scale
+
+
+TORCH = {"A": _torch_a, "B": _torch_b, "C": _torch_c}
+
+
+def _torch_reference(name: str, args, options) -> np.ndarray:
+    """The pipeline in PyTorch, float64 on the CPU."""
+    import torch
+
+    def t(value):
+        return torch.from_numpy(value) if isinstance(value, np.ndarray) else value
+
+    with torch.no_grad():
+        return TORCH[name](*map(t, args), **{k: t(v) for k, v in options.items()}).numpy()
+
+
+def _plant(rng, args, options):
+    """Copies of ``args`` and ``options`` with one to three NaN / +inf / -inf values planted
+    in random array arguments; the list of (argument, flat index, value) planted."""
+    args = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+    options = {k: v.copy() if isinstance(v, np.ndarray) else v for k, v in options.items()}
+    slots = [(i, None) for i, a in enumerate(args) if isinstance(a, np.ndarray)]
+    slots += [(None, k) for k, v in options.items() if isinstance(v, np.ndarray)]
+    planted = []
+    for _ in range(int(rng.integers(1, 4))):
+        i, k = slots[int(rng.integers(len(slots)))]
+        target = args[i] if k is None else options[k]
+        at = int(rng.integers(target.size))
+        value = float(rng.choice([np.nan, np.inf, -np.inf]))
+        target.reshape(-1)[at] = value
+        planted.append((i if k is None else k, at, value))
+    return args, options, planted
+
+
+def _placement_error(out, ref) -> float:
+    """inf where the NaN, +inf or -inf positions of ``out`` and ``ref`` differ, else the
+    relative error of the values finite in both (0 where there are none)."""
+    out = np.asarray(out, dtype=np.float64)
+    for test in (np.isnan, np.isposinf, np.isneginf):
+        if not np.array_equal(test(out), test(ref)):
+            return float("inf")
+    finite = np.isfinite(ref)
+    return rel_err(out[finite], ref[finite]) if finite.any() else 0.0
+
+
 def _to_gpu(value):
     import cupy
 
     return cupy.asarray(value, dtype=cupy.float32) if isinstance(value, np.ndarray) else value
 
 
-def run_case(rng, name: str) -> tuple[str, dict, float] | None:
+def run_case(rng, name: str, *, nonfinite: bool = False,
+             gpu: bool = True) -> tuple[str, dict, float] | None:
     """One random case of pipeline ``name``: (description, draw, worst error / tolerance), or
     None where the draw is rejected."""
     pipeline, args, options = CASES[name](rng)
@@ -99,11 +185,25 @@ def run_case(rng, name: str) -> tuple[str, dict, float] | None:
     args = (args[0] + offset,) + args[1:]
     precision = str(rng.choice(["ieee", "tf32", "3xtf32"]))
     engine = str(rng.choice(["igemm", "auto"]))
+    planted = None
+    if nonfinite:
+        args, options, planted = _plant(rng, args, options)
     fn = getattr(cufused, pipeline)
     try:
         ref = fn(*args, **options)
     except ValueError:
         return None
+    draw = dict(shapes=[getattr(a, "shape", a) for a in args],
+                options={k: getattr(v, "shape", v) for k, v in options.items()},
+                offset=offset, precision=precision, engine=engine)
+    errors = []
+    if nonfinite:
+        draw["planted"] = planted
+        torch_ref = _torch_reference(name, args, options)
+        errors.append(_placement_error(ref, torch_ref) / 1e-9)
+        ref = torch_ref
+    if not gpu:
+        return name, draw, max(errors)
     # An offset input (values 5-6 over a spread of 0.29) keeps its spread in fewer bits:
     # TF32's 10 bits round it about 19 times as coarsely relative to the spread, and the
     # normalizations subtract the mean that hides it.
@@ -111,15 +211,14 @@ def run_case(rng, name: str) -> tuple[str, dict, float] | None:
         tol = 2e-2 if offset else 5e-3
     else:
         tol = 3e-4 if offset else 1e-4
+    error = _placement_error if nonfinite else rel_err
     gpu_args = [_to_gpu(a) for a in args]
     gpu_options = {k: _to_gpu(v) for k, v in options.items()}
     with plan_options(engine=engine):
-        errors = [rel_err(fn(*gpu_args, **gpu_options, precision=precision), ref)
-                  for _ in range(2)]
-    draw = dict(shapes=[getattr(a, "shape", a) for a in args],
-                options={k: getattr(v, "shape", v) for k, v in options.items()},
-                offset=offset, precision=precision, engine=engine)
-    return name, draw, max(errors) / tol
+        for _ in range(2):
+            out = fn(*gpu_args, **gpu_options, precision=precision)
+            errors.append(error(out.get() if nonfinite else out, ref) / tol)
+    return name, draw, max(errors)
 
 
 def main(argv=None) -> int:
@@ -127,13 +226,20 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=1, help="random seed (1)")
     parser.add_argument("--seconds", type=float, default=60.0, help="time to run (60)")
     parser.add_argument("--cases", nargs="*", choices=sorted(CASES), default=sorted(CASES))
+    parser.add_argument("--nonfinite", action="store_true",
+                        help="plant NaN / inf values and compare with PyTorch float64")
+    parser.add_argument("--cpu", action="store_true",
+                        help="the NumPy path only (with --nonfinite)")
     args = parser.parse_args(argv)
+    if args.cpu and not args.nonfinite:
+        parser.error("--cpu compares with PyTorch only with --nonfinite")
     rng = np.random.default_rng(args.seed)
     ran = {name: 0 for name in args.cases}
     failed = 0
     start = time.perf_counter()
     while time.perf_counter() - start < args.seconds:
-        result = run_case(rng, str(rng.choice(args.cases)))
+        result = run_case(rng, str(rng.choice(args.cases)), nonfinite=args.nonfinite,
+                          gpu=not args.cpu)
         if result is None:
             continue
         name, draw, ratio = result

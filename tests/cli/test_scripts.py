@@ -144,6 +144,18 @@ def test_conv_transpose3d_emulation_matches_the_reference():
     assert res.stdout.count(": max error ") == 4 and res.stdout.count(": ok") == 1, res.stdout
 
 
+def test_nonfinite_fuzz_of_the_numpy_path_matches_torch():
+    """scripts/fuzz_pipelines.py --nonfinite --cpu: NaN / inf planted in random arguments of
+    random shapes and options; the NumPy path puts them where PyTorch float64 does."""
+    pytest.importorskip("torch")
+    res = subprocess.run([sys.executable, str(SCRIPTS / "fuzz_pipelines.py"), "--nonfinite",
+                          "--cpu", "--seconds", "10", "--seed", "7"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    ran = re.search(r"cases run: \{'A': (\d+), 'B': (\d+), 'C': (\d+)\}; failed: 0", res.stdout)
+    assert ran and min(map(int, ran.groups())) >= 20, res.stdout
+
+
 @pytest.mark.parametrize("path", SHELL_SCRIPTS, ids=lambda p: p.name)
 def test_shell_script_parses(path):
     res = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=60)
