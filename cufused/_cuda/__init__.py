@@ -256,6 +256,13 @@ class _CubinKernel:
         self._function(grid, block, args, shared_mem=shared_mem)
 
     @property
+    def shared_size_bytes(self) -> int:
+        import cupy
+
+        return cupy.cuda.driver.funcGetAttribute(
+            cupy.cuda.driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, self._function.ptr)
+
+    @property
     def max_dynamic_shared_size_bytes(self) -> int:
         import cupy
 
@@ -327,7 +334,10 @@ def _build(filename: str, name: str, device: int, portable: bool):
 # what it uses, not for a whole file's templates), and the lookup of a warm kernel is one
 # dict access.
 _kernels: dict[tuple[int, str, str, bool], object] = {}
-# Dynamic shared memory granted past the default 48 KB, by the key of _kernels: the attribute
+# Dynamic shared memory that a launch gets without a grant, by the key of _kernels: 48 KB
+# less the kernel's static shared memory (a launch past it fails), queried once per kernel.
+_shared_default: dict[tuple[int, str, str, bool], int] = {}
+# Dynamic shared memory granted past that default, by the key of _kernels: the attribute
 # belongs to the compiled function, so it is set once, not queried per launch.
 _shared_granted: dict[tuple[int, str, str, bool], int] = {}
 _lock = threading.Lock()
@@ -335,9 +345,10 @@ _lock = threading.Lock()
 
 def get_kernel(filename: str, name: str, *, shared_bytes: int = 0):
     """Return the kernel for ``name`` (a name expression of ``KERNELS[filename]``) on the
-    current device, allowed ``shared_bytes`` of dynamic shared memory where that passes the
-    default 48 KB: a ``cupy.RawKernel``, or for a source of ``ARCH_TARGETS`` on its
-    architecture one built for that architecture's own target, launched the same way."""
+    current device, allowed ``shared_bytes`` of dynamic shared memory where that and the
+    kernel's static shared memory pass the default 48 KB: a ``cupy.RawKernel``, or for a
+    source of ``ARCH_TARGETS`` on its architecture one built for that architecture's own
+    target, launched the same way."""
     import cupy
 
     device = cupy.cuda.runtime.getDevice()
@@ -348,8 +359,9 @@ def get_kernel(filename: str, name: str, *, shared_bytes: int = 0):
             raise KeyError(f"{name} is not a registered instantiation of {filename}")
         with _lock:
             kernel = _kernels.get(key) or _build(filename, name, device, key[3])
+            _shared_default[key] = 48 * 1024 - kernel.shared_size_bytes
             _kernels[key] = kernel
-    if shared_bytes > 48 * 1024 and _shared_granted.get(key, 0) < shared_bytes:
+    if shared_bytes > _shared_default[key] and _shared_granted.get(key, 0) < shared_bytes:
         with _lock:  # two threads must not leave the smaller grant in place
             if _shared_granted.get(key, 0) < shared_bytes:
                 kernel.max_dynamic_shared_size_bytes = shared_bytes

@@ -114,10 +114,12 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 
 // i / d for 0 <= i < 2**31 without an integer division: a float estimate times the
 // precomputed inv_d = 1.0f / d, then corrected (one step at most for i < 2**24, a few beyond).
+// The checks multiply in 64 bits: near 2**31 the estimate can exceed i / d, and q * d in 32
+// bits would wrap.
 __device__ __forceinline__ int quotient(int i, int d, float inv_d) {
     int q = __float2int_rz((float)i * inv_d);
-    while (q * d > i) --q;
-    while ((q + 1) * d <= i) ++q;
+    while ((index_t)q * d > i) --q;
+    while (((index_t)q + 1) * d <= i) ++q;
     return q;
 }
 

@@ -269,8 +269,8 @@ conv2d_igemm(const float* __restrict__ x, const float* __restrict__ w,
     if (m_valid) {
         const long long pq = (long long)P * Q;
         const long long n = m_load / pq;
-        const int rest = (int)(m_load - n * pq);
-        const int p = rest / Q, q = rest - p * Q;
+        const long long rest = m_load - n * pq;  // a plane may pass 2**31 positions
+        const int p = (int)(rest / Q), q = (int)(rest - (long long)p * Q);
         h_base = p * sh - ph;
         w_base = q * sw - pw;
         x_sample = x + n * (long long)C * H * W;

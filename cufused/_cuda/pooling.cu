@@ -17,6 +17,15 @@ __device__ __forceinline__ void window_positions(int first, int p_end, int Wo, f
     }
 }
 
+// Depth, row and column of position r of a plane of rows of ow values, oh rows a depth.
+template <class I>
+__device__ __forceinline__ void plane_position(I r, int oh, int ow, int& d, int& h, int& w) {
+    w = (int)(r % ow);
+    r /= ow;
+    h = (int)(r % oh);
+    d = (int)(r / oh);
+}
+
 // Max or average pooling of a contiguous (N, C, D, H, W) tensor (2-D pooling runs with
 // D = kd = sd = 1, pd = 0), one thread per output element in NCDHW order, written through
 // output strides. Average pooling divides by the full window size (count_include_pad, floor
@@ -27,15 +36,17 @@ __global__ void pool_nd(const float* __restrict__ x, float* __restrict__ y, inde
                         int id, int ih, int iw, int od, int oh, int ow,
                         int kd, int kh, int kw, int sd, int sh, int sw, int pd, int ph, int pw,
                         index_t ysn, index_t ysc, index_t ysd, index_t ysh, index_t ysw) {
-    const int out_plane = od * oh * ow;
+    const index_t out_plane = (index_t)od * oh * ow;
+    const bool narrow = out_plane < (1LL << 31);  // 32-bit divisions where the plane allows
     const float inv_count = 1.0f / (float)(kd * kh * kw);
     for (index_t i = blockIdx.x * (index_t)blockDim.x + threadIdx.x; i < total;
          i += (index_t)gridDim.x * blockDim.x) {
         const index_t plane = i / out_plane;
-        int r = (int)(i - plane * out_plane);
-        const int w_o = r % ow; r /= ow;
-        const int h_o = r % oh;
-        const int d_o = r / oh;
+        int d_o, h_o, w_o;
+        if (narrow)
+            plane_position<int>((int)(i - plane * out_plane), oh, ow, d_o, h_o, w_o);
+        else
+            plane_position<index_t>(i - plane * out_plane, oh, ow, d_o, h_o, w_o);
         const float* xp = x + plane * ((index_t)id * ih * iw);
         float acc = IS_MAX ? -INFINITY : 0.0f;
         if (KD > 0 && KHW > 0) {

@@ -215,85 +215,88 @@ __global__ void softmax_apply(const float* y, float* out, const float* __restric
 // channel (16 loads in flight) and stores scalars. VEC = 4 (C, S and ss multiples of 4,
 // 16-byte aligned buffers): a thread loads 4 channels of a position and stores 4 positions of
 // a channel, 16-byte accesses, a quarter of the memory instructions.
-// Grid (ceil(S / 128), ceil(C / 32), N), block (32, 8).
+// Grid (ceil(S / 128), ceil(C / 32), min(N, 65535)), block (32, 8): a block takes the samples
+// blockIdx.z + k * gridDim.z.
 template <bool CLAMP, int VEC>
 __global__ void softmax_apply_transpose(const float* __restrict__ y, float* __restrict__ out,
                                         const float* __restrict__ bias,
                                         const float* __restrict__ shift,
-                                        const float* __restrict__ factor, index_t S, int C,
-                                        index_t sn, index_t ss, float lo, float hi) {
-    // First samples first: the statistics pass read them last, so they may still be in L2.
-    const index_t n = blockIdx.z;
+                                        const float* __restrict__ factor, index_t N, index_t S,
+                                        int C, index_t sn, index_t ss, float lo, float hi) {
     const index_t p0 = (index_t)blockIdx.x * 128;
     const int c0 = blockIdx.y * 32;
-    if constexpr (VEC == 1) {
-        __shared__ float tile[128][33];  // [position][channel]
-        const int c = c0 + threadIdx.x;
-        if (c < C) {
-            const index_t row = n * C + c;
-            const float b = bias ? bias[c] : 0.0f;
-            const float m = shift[row], f = factor[row];
-            float v[16];
-#pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                const index_t p = min(p0 + threadIdx.y + 8 * j, S - 1);  // in bounds
-                v[j] = load_value<CLAMP>(y + n * sn + p * ss + c, b, lo, hi);
+    // First samples first: the statistics pass read them last, so they may still be in L2.
+    for (index_t n = blockIdx.z; n < N; n += gridDim.z) {
+        if constexpr (VEC == 1) {
+            __shared__ float tile[128][33];  // [position][channel]
+            const int c = c0 + threadIdx.x;
+            if (c < C) {
+                const index_t row = n * C + c;
+                const float b = bias ? bias[c] : 0.0f;
+                const float m = shift[row], f = factor[row];
+                float v[16];
+    #pragma unroll
+                for (int j = 0; j < 16; ++j) {
+                    const index_t p = min(p0 + threadIdx.y + 8 * j, S - 1);  // in bounds
+                    v[j] = load_value<CLAMP>(y + n * sn + p * ss + c, b, lo, hi);
+                }
+    #pragma unroll
+                for (int j = 0; j < 16; ++j)
+                    tile[threadIdx.y + 8 * j][threadIdx.x] = expf(v[j] - m) * f;
             }
-#pragma unroll
-            for (int j = 0; j < 16; ++j)
-                tile[threadIdx.y + 8 * j][threadIdx.x] = expf(v[j] - m) * f;
-        }
-        __syncthreads();
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-            const index_t p = p0 + t * 32 + threadIdx.x;
-            if (p < S) {
-#pragma unroll
-                for (int j = threadIdx.y; j < 32; j += 8) {
-                    const int cj = c0 + j;
-                    if (cj < C) out[(n * C + cj) * S + p] = tile[t * 32 + threadIdx.x][j];
+            __syncthreads();
+    #pragma unroll
+            for (int t = 0; t < 4; ++t) {
+                const index_t p = p0 + t * 32 + threadIdx.x;
+                if (p < S) {
+    #pragma unroll
+                    for (int j = threadIdx.y; j < 32; j += 8) {
+                        const int cj = c0 + j;
+                        if (cj < C) out[(n * C + cj) * S + p] = tile[t * 32 + threadIdx.x][j];
+                    }
                 }
             }
-        }
-    } else {
-        __shared__ __align__(16) float tile[32][132];  // [channel][position]: float4 rows
-        const int quad = threadIdx.x & 7;
-        const int lane = (threadIdx.x >> 3) + 4 * threadIdx.y;
-        const int c = c0 + quad * 4;
-        if (c < C) {
-            float b[4], m[4], f[4];
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                b[q] = bias ? bias[c + q] : 0.0f;
-                m[q] = shift[n * C + c + q];
-                f[q] = factor[n * C + c + q];
+        } else {
+            __shared__ __align__(16) float tile[32][132];  // [channel][position]: float4 rows
+            const int quad = threadIdx.x & 7;
+            const int lane = (threadIdx.x >> 3) + 4 * threadIdx.y;
+            const int c = c0 + quad * 4;
+            if (c < C) {
+                float b[4], m[4], f[4];
+    #pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    b[q] = bias ? bias[c + q] : 0.0f;
+                    m[q] = shift[n * C + c + q];
+                    f[q] = factor[n * C + c + q];
+                }
+                float4 v[4];
+    #pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const index_t p = min(p0 + lane + 32 * j, S - 1);  // in bounds
+                    v[j] = __ldg(reinterpret_cast<const float4*>(y + n * sn + p * ss + c));
+                }
+    #pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const float t[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+    #pragma unroll
+                    for (int q = 0; q < 4; ++q)
+                        tile[quad * 4 + q][lane + 32 * j] =
+                            expf(load_value<CLAMP>(&t[q], b[q], lo, hi) - m[q]) * f[q];
+                }
             }
-            float4 v[4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const index_t p = min(p0 + lane + 32 * j, S - 1);  // in bounds
-                v[j] = __ldg(reinterpret_cast<const float4*>(y + n * sn + p * ss + c));
-            }
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const float t[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
-#pragma unroll
-                for (int q = 0; q < 4; ++q)
-                    tile[quad * 4 + q][lane + 32 * j] =
-                        expf(load_value<CLAMP>(&t[q], b[q], lo, hi) - m[q]) * f[q];
+            __syncthreads();
+            const int tid = threadIdx.y * 32 + threadIdx.x;
+    #pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int i = tid + 256 * r;
+                const int ch = i >> 5, pq = i & 31;
+                const index_t p = p0 + pq * 4;
+                if (c0 + ch < C && p < S)
+                    *reinterpret_cast<float4*>(out + (n * C + c0 + ch) * S + p) =
+                        *reinterpret_cast<const float4*>(&tile[ch][pq * 4]);
             }
         }
-        __syncthreads();
-        const int tid = threadIdx.y * 32 + threadIdx.x;
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const int i = tid + 256 * r;
-            const int ch = i >> 5, pq = i & 31;
-            const index_t p = p0 + pq * 4;
-            if (c0 + ch < C && p < S)
-                *reinterpret_cast<float4*>(out + (n * C + c0 + ch) * S + p) =
-                    *reinterpret_cast<const float4*>(&tile[ch][pq * 4]);
-        }
+        __syncthreads();  // the next sample's tile overwrites this one's
     }
 }
 

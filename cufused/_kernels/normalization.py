@@ -196,5 +196,5 @@ def group_norm_rows(x, y, num_groups: int, weight, bias, eps: float, *, pre=None
             numpy.int32(c), numpy.int32(num_groups), numpy.int32(hw), numpy.float32(eps))
     if name.startswith("group_norm_rows_cached"):
         args += (numpy.int32(x_block or 0),)  # read only for channels-last blocks
-    get_kernel(_FILE, name)((n * num_groups,), (group_norm_threads(shared),), args,
-                            shared_mem=shared)
+    get_kernel(_FILE, name, shared_bytes=shared)((n * num_groups,), (group_norm_threads(shared),),
+                                                 args, shared_mem=shared)

@@ -206,9 +206,10 @@ def softmax_apply_transpose(y, out, coef_a, coef_b, *, n: int, length: int, chan
     sn, _, ss = strides
     cp = cpp_bool(clamp is not None)
     get_kernel(_FILE, f"softmax_apply_transpose<{cp}, {4 if stores4 else 1}>")(
-        (-(-length // 128), -(-channels // 32), n), (32, 8),
-        (y, out, optional(bias), coef_a, coef_b, numpy.int64(length), numpy.int32(channels),
-         numpy.int64(sn), numpy.int64(ss), numpy.float32(lo), numpy.float32(hi)))
+        (-(-length // 128), -(-channels // 32), min(n, 65535)), (32, 8),
+        (y, out, optional(bias), coef_a, coef_b, numpy.int64(n), numpy.int64(length),
+         numpy.int32(channels), numpy.int64(sn), numpy.int64(ss), numpy.float32(lo),
+         numpy.float32(hi)))
 
 
 def softmax_apply(y, out, coef_a, coef_b, *, rows: int, length: int, channels: int, bias,
