@@ -510,6 +510,10 @@ def capturing(stream) -> bool:
         return True
 
 
+#: Blocks that a grid's x dimension takes (y and z: 65535).
+MAX_GRID_X = 2**31 - 1
+
+
 def launch_1d(kernel, total: int, args: tuple, *, block: int = 256) -> None:
     """Launch a grid-stride kernel over ``total`` items (enough blocks to fill the device)."""
     if total <= 0:

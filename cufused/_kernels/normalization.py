@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy
 
-from .._cuda import get_kernel, launch_1d, optional
+from .._cuda import MAX_GRID_X, get_kernel, launch_1d, optional
 from .._layout import stored_in
 from ._common import cpp_bool, split_count
 
@@ -166,7 +166,8 @@ def group_norm_rows(x, y, num_groups: int, weight, bias, eps: float, *, pre=None
     ``pre = (a, b)`` first maps each value to ``tanh(a[c] * x + b[c])``.
     The row stays in shared memory between statistics and normalize when it fits in
     ``ROW_CACHE_BYTES``, and is then visited one warp per channel where a channel has at
-    least 32 values; 16-byte accesses when the row length and pointers allow.
+    least 32 values; 16-byte accesses when the row length and pointers allow. More rows than
+    a grid holds (``MAX_GRID_X``) run in launches over slices of the batch.
     """
     n, c = x.shape[:2]
     hw = x.size // max(n * c, 1)
@@ -192,9 +193,14 @@ def group_norm_rows(x, y, num_groups: int, weight, bias, eps: float, *, pre=None
     else:
         name = f"group_norm_rows<{act}, {cpp_bool(cache)}, {vec}>"
     shared = length * 4 if cache else 0
-    args = (x, y, optional(pre_a), optional(pre_b), optional(weight), optional(bias),
+    args = (optional(pre_a), optional(pre_b), optional(weight), optional(bias),
             numpy.int32(c), numpy.int32(num_groups), numpy.int32(hw), numpy.float32(eps))
     if name.startswith("group_norm_rows_cached"):
         args += (numpy.int32(x_block or 0),)  # read only for channels-last blocks
-    get_kernel(_FILE, name, shared_bytes=shared)((n * num_groups,), (group_norm_threads(shared),),
-                                                 args, shared_mem=shared)
+    kernel = get_kernel(_FILE, name, shared_bytes=shared)
+    per_launch = MAX_GRID_X // num_groups  # samples whose rows one grid holds
+    for n0 in range(0, n, per_launch):
+        part = slice(n0, n0 + per_launch)
+        samples = (x, y) if n <= per_launch else (x[part], y[part])
+        kernel((min(n - n0, per_launch) * num_groups,), (group_norm_threads(shared),),
+               samples + args, shared_mem=shared)

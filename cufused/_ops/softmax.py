@@ -16,6 +16,8 @@ from .._kernels.softmax import softmax_rows
 
 __all__ = ["softmax"]
 
+_ROWS_PER_CALL = 2**31 - 1  # rows that one softmax_rows call counts as channels
+
 
 def normalize_axes(axis: Any, ndim: int) -> tuple[int, ...]:
     """Turn an int or a tuple of ints into sorted, non-negative, distinct axes."""
@@ -76,11 +78,22 @@ def _softmax_gpu(xp, x, axes, out):
     perm = kept + axes
     moved = xp.ascontiguousarray(x.transpose(perm))
     length = int(numpy.prod([x.shape[a] for a in axes]))
-    rows = x.size // length
     if perm == tuple(range(x.ndim)):
-        softmax_rows(xp, moved, out, rows, length, rows, (0, length, 1))
+        _contiguous_rows(xp, moved, out, length)
         return out
     result = xp.empty(moved.shape, dtype=x.dtype)
-    softmax_rows(xp, moved, result, rows, length, rows, (0, length, 1))
+    _contiguous_rows(xp, moved, result, length)
     out[...] = result.transpose(numpy.argsort(perm))
     return out
+
+
+def _contiguous_rows(xp, x, out, length: int) -> None:
+    """Softmax of the contiguous rows of ``length`` values of ``x`` into contiguous ``out``,
+    one sample of the rows as channels: the kernels count channels in 32 bits, so more rows
+    than that run in parts."""
+    rows = x.size // length
+    x, out = x.reshape(rows, length), out.reshape(rows, length)
+    for first in range(0, rows, _ROWS_PER_CALL):
+        part = slice(first, first + _ROWS_PER_CALL)
+        count = min(rows - first, _ROWS_PER_CALL)
+        softmax_rows(xp, x[part], out[part], count, length, count, (0, length, 1))

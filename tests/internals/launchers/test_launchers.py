@@ -129,6 +129,7 @@ class Dev:
     _next_ptr = 1 << 20
 
     def __init__(self, shape, layout="nchw", *, ptr=None):
+        self.layout = layout
         self.shape = tuple(int(v) for v in shape)
         self.ndim = len(self.shape)
         self.size = math.prod(self.shape)
@@ -141,7 +142,12 @@ class Dev:
         self.flags = types.SimpleNamespace(
             c_contiguous=elements == layout_strides(self.shape, "nchw"))
 
-    def __getitem__(self, i):  # a row of a 2-D buffer (coef[0])
+    def __getitem__(self, i):  # a row of a 2-D buffer (coef[0]), or a slice of the batch
+        if isinstance(i, slice):
+            start, stop, step = i.indices(self.shape[0])
+            assert step == 1
+            return Dev((stop - start, *self.shape[1:]), self.layout,
+                       ptr=self.data.ptr + start * self.strides[0])
         assert self.ndim == 2 and isinstance(i, int)
         return Dev(self.shape[1:], ptr=self.data.ptr + i * self.strides[0])
 
@@ -275,6 +281,15 @@ def test_normalization_launchers(launches):
     for shape in ((2, 64, 16, 16), (1, 63, 257, 1)):  # rows past the cache, read twice
         norm.group_norm_rows(Dev(shape), Dev(shape), 1, None, None, 1e-5,
                              pre=(Dev((shape[1],)), Dev((shape[1],))))
+    # More (n, group) rows than a grid holds: launches over slices of the batch.
+    n, first = 2**28 + 5, len(launches)
+    x, y = Dev((n, 8, 1, 1)), Dev((n, 8, 1, 1))
+    norm.group_norm_rows(x, y, 8, None, None, 1e-5)
+    parts = launches[first:]
+    assert len(parts) == 2 and sum(launch.grid[0] for launch in parts) == n * 8
+    step = (2**31 - 1) // 8 * x.strides[0]
+    assert [launch.args[0].data.ptr for launch in parts] == [x.data.ptr, x.data.ptr + step]
+    assert [launch.args[1].data.ptr for launch in parts] == [y.data.ptr, y.data.ptr + step]
     check_all(launches, "normalization.cu")
     finalize = [launch for launch in launches if launch.name.startswith("stats_finalize")]
     training = [int(launch.args[14]) for launch in finalize]  # int training

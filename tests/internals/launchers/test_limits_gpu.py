@@ -133,3 +133,28 @@ def test_implicit_gemm_plane_past_2_31(precision, free_memory):
             for v in range(k):
                 want += float(w[0, 0, u, v]) * row[v:v + q]
         assert_close(out[0, 0, p].get(), want.get(), 5e-3 if precision == "tf32" else 1e-5)
+
+
+# More (n, group) rows than a grid holds (2**31 rows of two values): GroupNorm's row launches
+# run over slices of the batch.
+def test_group_norm_past_2_31_rows(rng, free_memory):
+    n = 2**28 + 3
+    x = cp.random.default_rng(0).random((n, 16, 1, 1), dtype=cp.float32)
+    w, b = to_gpu(mixed(rng, 16), rng.standard_normal(16))
+    out = cp.full(x.shape, cp.nan, dtype=cp.float32)
+    cufused.group_norm(x, 8, w, b, out=out)
+    for part in (slice(0, 2), slice(n // 2, n // 2 + 2), slice(n - 2, n)):
+        pairs = x[part].astype(cp.float64).reshape(-1, 8, 2)
+        half = (pairs[..., :1] - pairs[..., 1:]) / 2
+        normalized = cp.concatenate([half, -half], axis=-1) / cp.sqrt(half**2 + 1e-5)
+        want = normalized.reshape(-1, 16) * w + b
+        assert_close(out[part].reshape(-1, 16).get(), want.get(), 1e-5)
+    assert not bool(cp.isnan(out).any())
+
+
+# More rows than softmax_rows counts as channels in 32 bits: the public softmax runs in parts.
+def test_softmax_past_2_31_rows(free_memory):
+    x = cp.random.default_rng(0).random((2**31 + 5, 1), dtype=cp.float32)
+    out = cp.full(x.shape, cp.nan, dtype=cp.float32)
+    cufused.softmax(x, axis=1, out=out)
+    assert bool((out == 1.0).all())
