@@ -17,9 +17,9 @@ from typing import Any
 import numpy
 
 from .. import reference
-from .._arrays import (check_float_dtype, check_required, check_scalar, check_sizes,
-                       check_writeable, forward, get_array_module, like_x_sections,
-                       per_channel)
+from .._arrays import (check_fits, check_float_dtype, check_required, check_scalar,
+                       check_sizes, check_writeable, forward, get_array_module,
+                       like_x_sections, per_channel)
 from .._call_graphs import replayed, warm_calls, without_call_graphs
 from .._kernels.normalization import (ROW_CACHE_BYTES, batch_norm_coefficients, channel_affine,
                                      group_norm_coefficients, group_norm_rows,
@@ -144,6 +144,7 @@ def group_norm(x: Any, num_groups: int, weight: Any = None, bias: Any = None, *,
     if x.ndim < 2:
         raise ValueError(f"x must have at least 2 dimensions (N, C, ...), got shape {x.shape}")
     check_sizes(x, "x")
+    check_fits(x.shape, xp, "the result")
     c = x.shape[1]
     num_groups = check_num_groups(num_groups, c)
     check_group_values(x.shape, num_groups, "x")
@@ -220,6 +221,7 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
     if x.ndim < 2:
         raise ValueError(f"x must have at least 2 dimensions (N, C, ...), got shape {x.shape}")
     check_sizes(x, "x")
+    check_fits(x.shape, xp, "the result")
     c = x.shape[1]
     weight = per_channel(weight, "weight", c, xp)
     bias = per_channel(bias, "bias", c, xp)

@@ -5,6 +5,7 @@ moments), phase 2 (their tree reduction, whose task updates the running buffers)
 from __future__ import annotations
 
 import functools
+import numbers
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -118,8 +119,11 @@ def _batch_statistics(graph: _Graph, moments: list, running_mean, running_var,
     buffers when it computes, even where two are built from equal inputs.
     """
     split_every = SPLIT_EVERY if split_every is None else split_every
-    if isinstance(split_every, bool) or not isinstance(split_every, int) or split_every < 2:
+    if isinstance(split_every, bool) or not isinstance(split_every, numbers.Integral):
+        raise TypeError(f"split_every must be an int, got {split_every!r}")
+    if split_every < 2:
         raise ValueError(f"split_every must be an int >= 2, got {split_every!r}")
+    split_every = int(split_every)
     keys = [(graph.key_name("moments"), i) for i in range(len(moments))]
     graph.dsk.update(zip(keys, moments))
     merge, depth = graph.key_name("merge"), 0

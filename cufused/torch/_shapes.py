@@ -7,6 +7,7 @@ symbolic sizes.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 __all__ = ["OPERATORS"]
@@ -111,8 +112,8 @@ def _same_shape(x, *args, _check=True, **kwargs):
     return list(x.shape)
 
 
-def _pool_shape(x, kernel_size, stride=None, padding=0, _check=True):
-    _layout(x, len(kernel_size), None, "", _check)
+def _pool_shape(x, kernel_size, stride=None, padding=0, *, nd: int, _check=True):
+    _layout(x, nd, None, "", _check)
     return [*x.shape[:2], *_pool_size(x.shape[2:], kernel_size, stride, padding, _check)]
 
 
@@ -161,14 +162,14 @@ OPERATORS: dict[str, tuple[str, Callable]] = {
                    "Tensor(a!)? running_mean=None, Tensor(b!)? running_var=None, "
                    "bool training=True, float momentum=0.1, float eps=1e-05, "
                    "str? activation=None) -> Tensor", _same_shape),
-    "max_pool2d": (_POOL.format(n=2), _pool_shape),
-    "max_pool3d": (_POOL.format(n=3), _pool_shape),
-    "avg_pool2d": (_POOL.format(n=2), _pool_shape),
-    "avg_pool3d": (_POOL.format(n=3), _pool_shape),
+    "max_pool2d": (_POOL.format(n=2), partial(_pool_shape, nd=2)),
+    "max_pool3d": (_POOL.format(n=3), partial(_pool_shape, nd=3)),
+    "avg_pool2d": (_POOL.format(n=2), partial(_pool_shape, nd=2)),
+    "avg_pool3d": (_POOL.format(n=3), partial(_pool_shape, nd=3)),
     "softmax": ("(Tensor x, int[1] axis=-1) -> Tensor", _same_shape),
     "conv2d_groupnorm_scale_maxpool_clamp": (
         "(Tensor x, Tensor weight, Tensor? conv_bias, Tensor? gn_weight, Tensor? gn_bias, "
-        "Tensor scale, *, int num_groups, int pool_kernel, float clamp_min, float clamp_max, "
+        "Tensor? scale, *, int num_groups, int pool_kernel, float clamp_min, float clamp_max, "
         "int[2] stride=1, int[2] padding=0, float eps=1e-05, str? precision=None, "
         "str method=\"fused\") -> Tensor",
         _pipeline_a_shape),
@@ -180,7 +181,7 @@ OPERATORS: dict[str, tuple[str, Callable]] = {
         "float momentum=0.1, str? precision=None, str method=\"fused\") -> Tensor",
         _pipeline_b_shape),
     "conv_transpose3d_avgpool_clamp_softmax_multiply": (
-        "(Tensor x, Tensor weight, Tensor scale, *, int[3] stride, int[3] padding, "
+        "(Tensor x, Tensor weight, Tensor? scale, *, int[3] stride, int[3] padding, "
         "int[3] output_padding, int pool_kernel, float clamp_min, float clamp_max, "
         "Tensor? conv_bias=None, int groups=1, str? precision=None, str method=\"fused\") "
         "-> Tensor",

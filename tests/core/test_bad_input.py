@@ -153,6 +153,15 @@ def test_reference_refuses_a_padded_input_beyond_memory():
         cufused.conv2d(d["x4"], d["w"], padding=2**30, stride=2**30)
 
 
+@pytest.mark.parametrize("name", ["softmax", "group_norm", "batch_norm"])
+def test_normalizations_refuse_a_result_beyond_memory(xp, name):
+    # A broadcast view holds no memory; its result would take 2**52 values.
+    x = xp.broadcast_to(xp.asarray(1.0, dtype=xp.float32), (2**36, 2, 2**16))
+    args = {"softmax": (-1,), "group_norm": (2,), "batch_norm": ()}[name]
+    with pytest.raises(ValueError, match="the result would have shape"):
+        getattr(cufused, name)(x, *args)
+
+
 def test_read_only_out_and_buffers_raise_before_side_effects():
     d = arrays(np)
     out = np.empty((2, 8, 3, 3), np.float32)

@@ -81,6 +81,9 @@ def test_input_errors_name_the_argument(rng):
         b(chunked(x, (5,)), *params, **{**options, "num_groups": 3})
     with pytest.raises(ValueError, match="split_every"):
         b(chunked(x, (5,)), *params, **options, split_every=1)
+    for not_int in (2.5, True, "2"):
+        with pytest.raises(TypeError, match="split_every must be an int"):
+            b(chunked(x, (5,)), *params, **options, split_every=not_int)
     with pytest.raises(ValueError, match="more than 1 value per channel"):
         b(chunked(x[:1, :, :1, :1], (1,)), np.ones((4, 4, 1, 1), np.float32), *params[1:],
           **{**options, "stride": 1, "padding": 0, "output_padding": 0, "pool_kernel": 1})

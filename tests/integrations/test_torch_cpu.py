@@ -44,6 +44,36 @@ def test_opcheck_cpu(name):
     torch.library.opcheck(getattr(torch.ops.cufused, name).default, args, kwargs)
 
 
+@pytest.mark.parametrize("name,shape", [("max_pool2d", (2, 4, 7, 6)),
+                                        ("avg_pool3d", (2, 3, 5, 6, 4))])
+def test_pool_operators_take_one_element_lists(name, shape):
+    # A one-element int[n] list stands for every spatial axis, in eager calls and in the fake
+    # kernel that torch.compile and torch.export run.
+    x = torch.rand(*shape, dtype=torch.float64)
+    kwargs = dict(stride=[1], padding=[1]) if name == "avg_pool3d" else {}
+    op = getattr(torch.ops.cufused, name).default
+    torch.library.opcheck(op, (x, [2]), kwargs)
+    nd = len(shape) - 2
+    want = getattr(torch.nn.functional, name)(x, [2] * nd, **{k: v * nd for k, v in kwargs.items()})
+    assert rel_err(op(x, [2], **kwargs).numpy(), want.numpy()) < 1e-12
+
+
+@pytest.mark.parametrize("scale", [2.0, None])
+def test_pipeline_scale_as_one_value_or_none(scale):
+    # The function takes a number or None for scale; the operator a tensor of one value or None.
+    import cufused
+
+    x, w = torch.rand(2, 3, 10, 10, dtype=torch.float64), torch.randn(8, 3, 3, 3).double()
+    kw = dict(num_groups=4, pool_kernel=2, clamp_min=-0.5, clamp_max=0.5)
+    op = torch.ops.cufused.conv2d_groupnorm_scale_maxpool_clamp.default
+    want = cufused.conv2d_groupnorm_scale_maxpool_clamp(x.numpy(), w.numpy(), None, None, None,
+                                                        scale, **kw)
+    for given in ([None] if scale is None else
+                  [torch.tensor(scale, dtype=torch.float64), torch.tensor([scale]).double()]):
+        torch.library.opcheck(op, (x, w, None, None, None, given), kw)
+        assert rel_err(op(x, w, None, None, None, given, **kw).numpy(), want) < 1e-12
+
+
 @pytest.mark.parametrize("name", BLOCKS)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_building_blocks_match_torch_functional_cpu(name, dtype):
