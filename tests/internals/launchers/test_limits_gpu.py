@@ -44,46 +44,50 @@ def test_pipeline_b_group_of_12288_values(rng):
     assert_close(got.get(), fn(x, w, *params, num_groups=1), 1e-4)
 
 
+C_KW = dict(stride=2, padding=1, output_padding=1, pool_kernel=2, clamp_min=0.0, clamp_max=1.0)
+
+
+def _pipeline_c_on_gpu(rng, shape, pin):
+    """Float64 operands of pipeline C (4 -> 8 channels) and the result of its "ieee" GPU call
+    (on the host) with the convolution strategy ``pin``."""
+    from cufused._cudnn import plan_options
+
+    x = rng.random(shape)
+    w, s = 0.3 * rng.standard_normal((4, 8, 3, 3, 3)), mixed(rng, 8)
+    with plan_options(pins=(pin,)):
+        got = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
+            *to_gpu(x, w, s), **C_KW, precision="ieee")
+    return x, w, s, got.get()
+
+
 # Pipeline C's one-read softmax stages 48 KB a block for an output of 48 x 64 x 32 (the
 # control: 48 x 64 x 16, 24 KB), on the cuDNN plan's NCHW output or its sub-pixel classes.
 @pytest.mark.parametrize("spatial", [(48, 64, 16), (48, 64, 32)])
 @pytest.mark.parametrize("pin", ["nchw", "subpixel nchw"])
 def test_one_read_softmax_staging_48_kb(rng, monkeypatch, spatial, pin):
-    from cufused._cudnn import plan_options
     from cufused._kernels import softmax
 
-    x = rng.random((1, 4, *spatial))
-    w, s = 0.3 * rng.standard_normal((4, 8, 3, 3, 3)), mixed(rng, 8)
-    kw = dict(stride=2, padding=1, output_padding=1, pool_kernel=2, clamp_min=0.0,
-              clamp_max=1.0)
-    fn = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply
     calls = count_calls(monkeypatch, softmax, "softmax_rows_cluster")
-    with plan_options(pins=(pin,)):
-        got = fn(*to_gpu(x, w, s), **kw, precision="ieee")
+    x, w, s, got = _pipeline_c_on_gpu(rng, (1, 4, *spatial), pin)
     if int(cp.cuda.Device().compute_capability) >= 90:  # clusters
         assert calls == ["softmax_rows_cluster"]
-    assert_close(got.get(), fn(x, w, s, **kw), 1e-4)
+    assert_close(got, cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(x, w, s, **C_KW),
+                 1e-4)
 
 
 # Pipeline C over 70000 samples with the convolution output channels-last: the normalize
 # pass's blocks take samples blockIdx.z + k * 65535.
 @pytest.mark.parametrize("pin", ["nhwc", "nchw>nhwc"])
 def test_channels_last_softmax_past_65535_samples(rng, monkeypatch, pin, free_memory):
-    from cufused._cudnn import plan_options
     from cufused._kernels import softmax
 
     n = 70000
-    x = rng.random((n, 4, 2, 2, 2))
-    w, s = 0.3 * rng.standard_normal((4, 8, 3, 3, 3)), mixed(rng, 8)
-    kw = dict(stride=2, padding=1, output_padding=1, pool_kernel=2, clamp_min=0.0,
-              clamp_max=1.0)
-    fn = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply
     calls = count_calls(monkeypatch, softmax, "softmax_apply_transpose")
-    with plan_options(pins=(pin,)):
-        got = fn(*to_gpu(x, w, s), **kw, precision="ieee").get()
+    x, w, s, got = _pipeline_c_on_gpu(rng, (n, 4, 2, 2, 2), pin)
     assert calls == ["softmax_apply_transpose"]
+    fn = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply
     for part in (slice(0, 3), slice(65533, 65538), slice(n - 3, n)):
-        assert_close(got[part], fn(x[part], w, s, **kw), 1e-4)
+        assert_close(got[part], fn(x[part], w, s, **C_KW), 1e-4)
 
 
 # BatchNorm's per-channel affine divides element indices by the plane size in float while the
