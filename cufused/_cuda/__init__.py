@@ -358,10 +358,13 @@ def get_kernel(filename: str, name: str, *, shared_bytes: int = 0):
         if name not in KERNELS[filename]:
             raise KeyError(f"{name} is not a registered instantiation of {filename}")
         with _lock:
-            kernel = _kernels.get(key) or _build(filename, name, device, key[3])
-            _shared_default[key] = 48 * 1024 - kernel.shared_size_bytes
-            _kernels[key] = kernel
-    if shared_bytes > _shared_default[key] and _shared_granted.get(key, 0) < shared_bytes:
+            kernel = _kernels.get(key)
+            if kernel is None:
+                kernel = _build(filename, name, device, key[3])
+                _shared_default[key] = 48 * 1024 - kernel.shared_size_bytes
+                _kernels[key] = kernel
+    if (shared_bytes and shared_bytes > _shared_default[key]
+            and _shared_granted.get(key, 0) < shared_bytes):
         with _lock:  # two threads must not leave the smaller grant in place
             if _shared_granted.get(key, 0) < shared_bytes:
                 kernel.max_dynamic_shared_size_bytes = shared_bytes

@@ -113,9 +113,9 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 }
 
 // i / d for 0 <= i < 2**31 without an integer division: a float estimate times the
-// precomputed inv_d = 1.0f / d, then corrected (one step at most for i < 2**24, a few beyond).
-// The checks multiply in 64 bits: near 2**31 the estimate can exceed i / d, and q * d in 32
-// bits would wrap.
+// precomputed inv_d = 1.0f / d, then corrected (one step at most for i < 2**24, about
+// i / d / 2**24 beyond). The checks multiply in 64 bits: near 2**31, q * d (the estimate may
+// exceed i / d) and (q + 1) * d would wrap in 32.
 __device__ __forceinline__ int quotient(int i, int d, float inv_d) {
     int q = __float2int_rz((float)i * inv_d);
     while ((index_t)q * d > i) --q;

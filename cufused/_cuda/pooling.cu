@@ -38,7 +38,7 @@ __global__ void pool_nd(const float* __restrict__ x, float* __restrict__ y, inde
                         index_t ysn, index_t ysc, index_t ysd, index_t ysh, index_t ysw) {
     const index_t out_plane = (index_t)od * oh * ow;
     const bool narrow = out_plane < (1LL << 31);  // 32-bit divisions where the plane allows
-    const float inv_count = 1.0f / (float)(kd * kh * kw);
+    const float inv_count = 1.0f / ((float)kd * kh * kw);  // a window may pass 2**31 values
     for (index_t i = blockIdx.x * (index_t)blockDim.x + threadIdx.x; i < total;
          i += (index_t)gridDim.x * blockDim.x) {
         const index_t plane = i / out_plane;

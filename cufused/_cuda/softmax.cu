@@ -235,21 +235,21 @@ __global__ void softmax_apply_transpose(const float* __restrict__ y, float* __re
                 const float b = bias ? bias[c] : 0.0f;
                 const float m = shift[row], f = factor[row];
                 float v[16];
-    #pragma unroll
+#pragma unroll
                 for (int j = 0; j < 16; ++j) {
                     const index_t p = min(p0 + threadIdx.y + 8 * j, S - 1);  // in bounds
                     v[j] = load_value<CLAMP>(y + n * sn + p * ss + c, b, lo, hi);
                 }
-    #pragma unroll
+#pragma unroll
                 for (int j = 0; j < 16; ++j)
                     tile[threadIdx.y + 8 * j][threadIdx.x] = expf(v[j] - m) * f;
             }
             __syncthreads();
-    #pragma unroll
+#pragma unroll
             for (int t = 0; t < 4; ++t) {
                 const index_t p = p0 + t * 32 + threadIdx.x;
                 if (p < S) {
-    #pragma unroll
+#pragma unroll
                     for (int j = threadIdx.y; j < 32; j += 8) {
                         const int cj = c0 + j;
                         if (cj < C) out[(n * C + cj) * S + p] = tile[t * 32 + threadIdx.x][j];
@@ -263,22 +263,22 @@ __global__ void softmax_apply_transpose(const float* __restrict__ y, float* __re
             const int c = c0 + quad * 4;
             if (c < C) {
                 float b[4], m[4], f[4];
-    #pragma unroll
+#pragma unroll
                 for (int q = 0; q < 4; ++q) {
                     b[q] = bias ? bias[c + q] : 0.0f;
                     m[q] = shift[n * C + c + q];
                     f[q] = factor[n * C + c + q];
                 }
                 float4 v[4];
-    #pragma unroll
+#pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     const index_t p = min(p0 + lane + 32 * j, S - 1);  // in bounds
                     v[j] = __ldg(reinterpret_cast<const float4*>(y + n * sn + p * ss + c));
                 }
-    #pragma unroll
+#pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     const float t[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
-    #pragma unroll
+#pragma unroll
                     for (int q = 0; q < 4; ++q)
                         tile[quad * 4 + q][lane + 32 * j] =
                             expf(load_value<CLAMP>(&t[q], b[q], lo, hi) - m[q]) * f[q];
@@ -286,7 +286,7 @@ __global__ void softmax_apply_transpose(const float* __restrict__ y, float* __re
             }
             __syncthreads();
             const int tid = threadIdx.y * 32 + threadIdx.x;
-    #pragma unroll
+#pragma unroll
             for (int r = 0; r < 4; ++r) {
                 const int i = tid + 256 * r;
                 const int ch = i >> 5, pq = i & 31;

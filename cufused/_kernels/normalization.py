@@ -167,7 +167,8 @@ def group_norm_rows(x, y, num_groups: int, weight, bias, eps: float, *, pre=None
     The row stays in shared memory between statistics and normalize when it fits in
     ``ROW_CACHE_BYTES``, and is then visited one warp per channel where a channel has at
     least 32 values; 16-byte accesses when the row length and pointers allow. More rows than
-    a grid holds (``MAX_GRID_X``) run in launches over slices of the batch.
+    a grid holds (``MAX_GRID_X``) run in launches over slices of the batch (``x[n0:n1]``:
+    its first stride is a sample's values, blocked or not).
     """
     n, c = x.shape[:2]
     hw = x.size // max(n * c, 1)

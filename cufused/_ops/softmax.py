@@ -93,6 +93,9 @@ def _contiguous_rows(xp, x, out, length: int) -> None:
     one sample of the rows as channels: the kernels count channels in 32 bits, so more rows
     than that run in parts."""
     rows = x.size // length
+    if rows <= _ROWS_PER_CALL:
+        softmax_rows(xp, x, out, rows, length, rows, (0, length, 1))
+        return
     x, out = x.reshape(rows, length), out.reshape(rows, length)
     for first in range(0, rows, _ROWS_PER_CALL):
         part = slice(first, first + _ROWS_PER_CALL)

@@ -186,9 +186,10 @@ def batch_norm(x: Array, weight: Any = None, bias: Any = None, *, running_mean: 
     Raises
     ------
     {type_error}
+        Also a ``split_every`` that is not an int.
     ValueError
-        ``x`` is chunked along a non-batch axis, ``return_running_stats`` in inference, a bad
-        ``split_every``, or the single call's ``ValueError``.
+        ``x`` is chunked along a non-batch axis, ``return_running_stats`` in inference,
+        ``split_every`` below 2, or the single call's ``ValueError``.
 
     Examples
     --------

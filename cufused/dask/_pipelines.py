@@ -251,9 +251,10 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     Raises
     ------
     {type_error}
+        Also a ``split_every`` that is not an int.
     ValueError
-        ``x`` is chunked along a non-batch axis, a bad ``split_every``, or the single call's
-        ``ValueError``.
+        ``x`` is chunked along a non-batch axis, ``split_every`` below 2, or the single
+        call's ``ValueError``.
 
     Examples
     --------

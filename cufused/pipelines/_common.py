@@ -9,6 +9,7 @@ from functools import partial
 import numpy
 
 from .._arrays import insert_sections, ntuple
+from .._cuda import MAX_GRID_X
 from .._call_graphs import replayed
 
 METHODS = ("fused", "unfused")
@@ -48,11 +49,13 @@ def check_method(method: str) -> None:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
 
-def gpu_method(method: str, conv_out_shape: tuple[int, ...]) -> str:
+def gpu_method(method: str, conv_out_shape: tuple[int, ...], *, groups: int = 1) -> str:
     """The GPU method that runs: the fused pass indexes within a sample with 32-bit offsets,
-    so a larger sample of the convolution output takes the unfused building blocks, which
-    index with 64 bits."""
-    if method == "fused" and math.prod(conv_out_shape[1:]) >= 2**31:
+    and launches a block per (sample, group) where ``groups`` is given, so a larger sample of
+    the convolution output, or more (sample, group) rows than a grid holds, takes the unfused
+    building blocks, which index with 64 bits and launch over slices of the batch."""
+    if method == "fused" and (math.prod(conv_out_shape[1:]) >= 2**31
+                              or conv_out_shape[0] * groups > MAX_GRID_X):
         return "unfused"
     return method
 

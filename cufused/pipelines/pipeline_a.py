@@ -118,8 +118,8 @@ def conv2d_groupnorm_scale_maxpool_clamp(
             x, weight, conv_bias, gn_weight, gn_bias, ones_if_none(scale, c, xp),
             num_groups=num_groups, pool_kernel=(k, k), clamp_min=lo, clamp_max=hi,
             stride=args.stride, padding=args.padding, eps=eps),
-        gpu=gpu_run(gpu_method(method, args.out_shape), _fused, _unfused, xp, x, weight, args,
-                    precision, k=k, num_groups=num_groups, conv_bias=conv_bias,
+        gpu=gpu_run(gpu_method(method, args.out_shape, groups=num_groups), _fused, _unfused,
+                    xp, x, weight, args, precision, k=k, num_groups=num_groups, conv_bias=conv_bias,
                     gn_weight=gn_weight, gn_bias=gn_bias, scale=scale, eps=eps, lo=lo, hi=hi))
 
 

@@ -68,6 +68,9 @@ def test_pipeline_scale_as_one_value_or_none(scale):
     op = torch.ops.cufused.conv2d_groupnorm_scale_maxpool_clamp.default
     want = cufused.conv2d_groupnorm_scale_maxpool_clamp(x.numpy(), w.numpy(), None, None, None,
                                                         scale, **kw)
+    for name in ("conv2d_groupnorm_scale_maxpool_clamp",
+                 "conv_transpose3d_avgpool_clamp_softmax_multiply"):
+        assert "Tensor? scale" in str(getattr(torch.ops.cufused, name).default._schema)
     for given in ([None] if scale is None else
                   [torch.tensor(scale, dtype=torch.float64), torch.tensor([scale]).double()]):
         torch.library.opcheck(op, (x, w, None, None, None, given), kw)

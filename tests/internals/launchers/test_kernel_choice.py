@@ -100,3 +100,16 @@ def test_strategy_score_handicaps_input_conversions():
     assert strategy_score(0.400, nhwc, True) > strategy_score(0.408, mixed, True)
     faster = 0.408 / (1 + 2 * _INPUT_CONVERSION_MARGIN)
     assert strategy_score(faster, nhwc, True) < strategy_score(0.408, mixed, True)
+
+
+@pytest.mark.parametrize("shape,groups,expected", [
+    ((128, 64, 126, 126), 8, "fused"),      # A's canonical convolution output
+    ((1, 64, 5798, 5798), 16, "unfused"),   # a sample past 2**31 values
+    ((2**28, 8, 4, 4), 8, "unfused"),       # 2**31 (sample, group) rows: past a grid
+    ((2**28 - 1, 8, 4, 4), 8, "fused"),
+])
+def test_pipelines_take_the_unfused_blocks_past_the_fused_limits(shape, groups, expected):
+    from cufused.pipelines._common import gpu_method
+
+    assert gpu_method("fused", shape, groups=groups) == expected
+    assert gpu_method("unfused", shape, groups=groups) == "unfused"

@@ -572,6 +572,7 @@ def test_get_kernel_grants_what_the_static_shared_memory_leaves(monkeypatch):
         assert cuda.get_kernel("normalization.cu", name, shared_bytes=need) is kernel
     assert kernel.max_dynamic_shared_size_bytes == 48 * 1024  # the largest, kept
 
+
 def test_only_the_launchers_launch_kernels():
     for path, parts in _modules():
         if parts[1:2] in (("_kernels",), ("_cuda",)):

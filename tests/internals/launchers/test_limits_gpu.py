@@ -162,3 +162,14 @@ def test_softmax_past_2_31_rows(free_memory):
     out = cp.full(x.shape, cp.nan, dtype=cp.float32)
     cufused.softmax(x, axis=1, out=out)
     assert bool((out == 1.0).all())
+
+
+def test_softmax_rows_in_parts_read_and_write_their_own_rows(rng, monkeypatch):
+    # The parts of 2**31 - 1 rows, made 7 rows here: each part's rows at their own offsets.
+    from cufused._ops import softmax
+
+    monkeypatch.setattr(softmax, "_ROWS_PER_CALL", 7)
+    x = rng.standard_normal((5, 4, 6))
+    for axis in (2, 1):  # the rows in place, or moved last
+        got = cufused.softmax(*to_gpu(x), axis=axis)
+        assert_close(got.get(), cufused.softmax(x, axis=axis), 1e-6)
