@@ -513,8 +513,8 @@ def capturing(stream) -> bool:
         return True
 
 
-#: Blocks that a grid's x dimension takes (y and z: 65535).
-MAX_GRID_X = 2**31 - 1
+#: Blocks that a grid's x dimension takes, and its y or z dimension.
+MAX_GRID_X, MAX_GRID_YZ = 2**31 - 1, 65535
 
 
 def launch_1d(kernel, total: int, args: tuple, *, block: int = 256) -> None:

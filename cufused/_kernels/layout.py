@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy
 
-from .._cuda import get_kernel, launch_1d, optional
+from .._cuda import MAX_GRID_YZ, get_kernel, launch_1d, optional
 
 _FILE = "layout.cu"
 
@@ -58,7 +58,7 @@ def transpose_batched(src, dst, *, epilogue: str, scale, shift, lo: float, hi: f
     """``dst[n, b, a] = epilogue(src[n, a, b])``; ``epilogue`` names an ``EPILOGUE_*`` code."""
     tiles = 4 if b > 64 else 2 if b > 32 else 1  # 32-wide tiles along b per block
     get_kernel(_FILE, f"transpose_batched<{epilogue}, {tiles}>")(
-        (-(-b // (32 * tiles)) * -(-a // 32), 1, min(n, 65535)), (32, 8),
+        (-(-b // (32 * tiles)) * -(-a // 32), 1, min(n, MAX_GRID_YZ)), (32, 8),
         (src, dst, optional(scale), optional(shift), numpy.float32(lo), numpy.float32(hi),
          numpy.int64(n), numpy.int64(a), numpy.int64(b)))
 

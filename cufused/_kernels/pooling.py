@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy
 
 from .._arrays import get_array_module
-from .._cuda import get_kernel, launch_1d, optional
+from .._cuda import MAX_GRID_YZ, get_kernel, launch_1d, optional
 from .._layout import stored_in
 from ._common import cpp_bool, split_count
 from .layout import transpose_channels
@@ -55,7 +55,7 @@ def pool2_to_channels_last(x, y, *, is_max: bool) -> None:
     i32 = numpy.int32
     name = f"pool2_to_channels_last<{cpp_bool(is_max)}, {2 if nd == 3 else 1}>"
     get_kernel(_FILE, name)(
-        (-(-spatial // 32), -(-c // 32), min(n, 65535)), (32, 8),
+        (-(-spatial // 32), -(-c // 32), min(n, MAX_GRID_YZ)), (32, 8),
         (x, y, numpy.int64(n), i32(c), *map(i32, (1,) * (3 - nd) + x.shape[2:]),
          *map(i32, (1,) * (3 - nd) + y.shape[2:])))
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy
 
-from .._cuda import get_kernel, launch_1d, optional
+from .._cuda import MAX_GRID_YZ, get_kernel, launch_1d, optional
 from ._common import cpp_bool, split_count
 from .layout import class_geometry
 
@@ -206,7 +206,7 @@ def softmax_apply_transpose(y, out, coef_a, coef_b, *, n: int, length: int, chan
     sn, _, ss = strides
     cp = cpp_bool(clamp is not None)
     get_kernel(_FILE, f"softmax_apply_transpose<{cp}, {4 if stores4 else 1}>")(
-        (-(-length // 128), -(-channels // 32), min(n, 65535)), (32, 8),
+        (-(-length // 128), -(-channels // 32), min(n, MAX_GRID_YZ)), (32, 8),
         (y, out, optional(bias), coef_a, coef_b, numpy.int64(n), numpy.int64(length),
          numpy.int32(channels), numpy.int64(sn), numpy.int64(ss), numpy.float32(lo),
          numpy.float32(hi)))

@@ -9,8 +9,8 @@ from functools import partial
 import numpy
 
 from .._arrays import insert_sections, ntuple
-from .._cuda import MAX_GRID_X
 from .._call_graphs import replayed
+from .._cuda import MAX_GRID_X
 
 METHODS = ("fused", "unfused")
 
