@@ -7,17 +7,18 @@ call issued to the device being idle, with every result kept until then (as Dask
 ``persist`` keeps its chunks): the loop calls the pipeline on each chunk; for pipeline B it
 runs the same three phases that ``cufused.dask`` runs (the batch statistics span all chunks),
 and the column "B 1-call" is one fused call per chunk (each chunk's own statistics: another
-result, shown for its cost). Dask runs with the threaded scheduler in this process and, where
-``dask_cuda`` imports, on a ``LocalCUDACluster`` with one worker per GPU: for each count in
-``--gpus``, the input is made on that many workers and the pipeline runs on them only (one
-cluster serves every count, so each worker builds its convolution plans once). The loop's time
-is this process's; ``--cluster-only`` leaves out the loop and the threaded scheduler. For
-each cluster figure, one more run's task stream says where the time goes: the busiest
-worker's task time, transfer time between workers, and the rest of the wall time (scheduling,
-and the device finishing after the last task returns).
+result, shown for its cost). Dask runs in this process with the threaded scheduler and with
+the synchronous one (every task in the calling thread, as the loop issues its calls) and,
+where ``dask_cuda`` imports, on a ``LocalCUDACluster`` with one worker per GPU: for each
+count in ``--gpus``, the input is made on that many workers and the pipeline runs on them
+only (one cluster serves every count, so each worker builds its convolution plans once). The
+loop's time is this process's; ``--cluster-only`` leaves out the loop and the in-process
+schedulers. For each cluster figure, one more run's task stream says where the time goes:
+the busiest worker's task time, transfer time between workers, and the rest of the wall time
+(scheduling, and the device finishing after the last task returns).
 
 Without a GPU, ``--small`` is a smoke run of the same code on NumPy chunks (the float64
-reference) with small shapes and the threaded scheduler only.
+reference) with small shapes and the in-process schedulers only.
 
 Usage: python scripts/bench_dask.py [--small] [--cases A B C] [--precisions ieee tf32]
        [--factor 8] [--batch N] [--repeat 3] [--threads N] [--no-cluster]
@@ -145,6 +146,7 @@ def local_times(case, xp, params, total, n, precisions, repeat, threads):
             runners["loop"] = lambda: [single(c, *params, **opts) for c in chunks]
         runners["threads"] = lambda: lazy(x_dask, *params, **opts).persist(
             scheduler="threads", num_workers=threads)
+        runners["sync"] = lambda: lazy(x_dask, *params, **opts).persist(scheduler="sync")
         rows[precision] = {name: wall_time(fn, xp, repeat) for name, fn in runners.items()}
         rows[precision]["timeline"] = task_timeline(runners["threads"], xp)
     return rows
@@ -287,7 +289,7 @@ def format_table(result: dict) -> str:
     count's speed-up over one GPU."""
     gpus = result["header"].get("gpus", [])
     head = (f"{'case':<4} {'prec':<5} {'images':>7} {'chunk':>6} {'loop':>9} {'threads':>9} "
-            f"{'ovh':>7}")
+            f"{'ovh':>7} {'sync':>9} {'ovh':>7}")
     for count in gpus:
         head += f" {f'{count} GPU':>9} {'ovh' if count == 1 else 'speedup':>7}"
     lines = [" ".join(f"{k}={v}" for k, v in result["header"].items()),
@@ -303,7 +305,8 @@ def format_table(result: dict) -> str:
             return f"{'-':>7}"
 
         line = (f"{r['case']:<4} {r['precision']:<5} {r['images']:>7} {r['chunk']:>6} "
-                f"{rate('loop')} {rate('threads')} {ratio('threads', 'loop', True)}")
+                f"{rate('loop')} {rate('threads')} {ratio('threads', 'loop', True)} "
+                f"{rate('sync')} {ratio('sync', 'loop', True)}")
         for count in gpus:
             key = f"cluster{count}"
             line += (f" {rate(key)} " + (ratio(key, "loop", True) if count == 1

@@ -223,5 +223,5 @@ def test_bench_script_smoke_run_on_numpy_chunks(tmp_path):
 
     (row,) = json.loads(out.read_text())["rows"]
     assert (row["case"], row["images"], row["chunk"]) == ("B", 3, 1)
-    assert all(row[k] > 0 for k in ("loop", "threads", "one_call_per_chunk"))
+    assert all(row[k] > 0 for k in ("loop", "threads", "sync", "one_call_per_chunk"))
     assert "B    ieee" in res.stdout
