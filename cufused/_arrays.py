@@ -30,6 +30,18 @@ def is_cupy_array(value: Any) -> bool:
     return cupy is not None and isinstance(value, cupy.ndarray)
 
 
+def other_device(args: tuple, kwargs: dict) -> int | None:
+    """The CUDA device of a public call's CuPy ``x`` (its first argument) where that is not
+    the current device, else None: the call then runs with that device current, so that its
+    results, temporaries, streams and kernels are the array's device's."""
+    cupy = sys.modules.get("cupy")
+    x = args[0] if args else kwargs.get("x")
+    if cupy is None or not isinstance(x, cupy.ndarray):
+        return None
+    device = x.data.device_id
+    return None if device == cupy.cuda.runtime.getDevice() else device
+
+
 def import_cupy():
     """Import CuPy or raise an ``ImportError`` that names the extra to install."""
     try:
@@ -309,10 +321,11 @@ def run_reference(fn, *args, **kwargs):
 
 
 def finish_numpy(result: numpy.ndarray, dtype, out: numpy.ndarray | None) -> numpy.ndarray:
-    """Cast a float64 reference result to ``dtype`` and store it in ``out`` if given."""
+    """Cast a float64 reference result to ``dtype`` and store it in ``out`` if given; a new
+    result is C-contiguous (never a view into a larger reference buffer), as on the GPU."""
     with numpy.errstate(all="ignore"):  # float64 values beyond float32 become inf silently
         if out is None:
-            return result.astype(dtype, copy=False)
+            return result.astype(dtype, order="C", copy=False)
         out[...] = result
     return out
 

@@ -42,7 +42,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from ._arrays import _byte_span, _memory_limit, import_cupy, is_cupy_array
+from ._arrays import _byte_span, _memory_limit, import_cupy, is_cupy_array, other_device
 from ._capture import _inside, capture_call
 from ._cuda import capturing
 from ._cudnn import _config, clear_plan_cache, on_clear_plan_cache
@@ -239,6 +239,10 @@ def warm_calls(public: Callable, *, launch_without_out: bool = True) -> Callable
 
     @functools.wraps(public)
     def call(*args, **kwargs):
+        device = other_device(args, kwargs)
+        if device is not None:
+            with sys.modules["cupy"].cuda.Device(device):
+                return call(*args, **kwargs)
         if not _config["replay"] or _inside.get() or _suspended.get():
             return public(*args, **kwargs)
         out = kwargs.get("out")

@@ -8,7 +8,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from ._arrays import import_cupy, is_cupy_array
+from ._arrays import import_cupy, is_cupy_array, other_device
 from ._capture import capture_call
 
 
@@ -130,6 +130,10 @@ def prepare(function: Callable, *args: Any, **kwargs: Any) -> PreparedCall:
     if not _array_function(function):
         raise TypeError(f"function must be one of cufused's functions on arrays (a pipeline or "
                         f"a building block), got {function!r}")
+    device = other_device(args, kwargs)
+    if device is not None:  # the call, its capture and its replays on the array's device
+        with import_cupy().cuda.Device(device):
+            return prepare(function, *args, **kwargs)
     # The first call checks the arguments and, on the GPU, builds what the capture reuses:
     # compiled kernels, cuDNN plans.
     first = function(*args, **kwargs)

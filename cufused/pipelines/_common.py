@@ -8,7 +8,7 @@ from functools import partial
 
 import numpy
 
-from .._arrays import insert_sections, ntuple
+from .._arrays import check_scalar, insert_sections, ntuple
 from .._call_graphs import replayed
 from .._cuda import MAX_GRID_X
 
@@ -42,6 +42,17 @@ def shared_doc_sections(shape: str):
     """Decorator: insert the shared ``precision`` / ``method`` / ``out`` entries and the
     Returns (an array of ``shape``) and Raises sections before the docstring's Examples."""
     return lambda fn: insert_sections(fn, _SHARED_DOC.format(shape=shape))
+
+
+def clamp_bounds(clamp_min, clamp_max) -> tuple[float, float]:
+    """The clamp's bounds as floats: real numbers, infinities included (no bound, as in
+    ``torch.clamp``); NaN, which ``torch.clamp`` spreads to every value, is refused."""
+    bounds = (check_scalar(clamp_min, "clamp_min", finite=False),
+              check_scalar(clamp_max, "clamp_max", finite=False))
+    for name, value in zip(("clamp_min", "clamp_max"), bounds):
+        if math.isnan(value):
+            raise ValueError(f"{name} must not be NaN")
+    return bounds
 
 
 def check_method(method: str) -> None:

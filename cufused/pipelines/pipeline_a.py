@@ -31,8 +31,8 @@ from .._ops.convolution import conv2d, conv_on_gpu, fastest, settled_engine
 from .._ops.normalization import check_group_values, check_num_groups, group_norm
 from .._ops.pooling import check_pool_args, max_pool2d
 from .._precision import mma_passes, resolve_precision
-from ._common import (check_method, gpu_method, gpu_run, ones_if_none, shared_doc_sections,
-                      tuple_pool)
+from ._common import (check_method, clamp_bounds, gpu_method, gpu_run, ones_if_none,
+                      shared_doc_sections, tuple_pool)
 
 
 @warm_calls
@@ -63,8 +63,8 @@ def conv2d_groupnorm_scale_maxpool_clamp(
     pool_kernel : int
         Max-pool window and stride (floor mode).
     clamp_min, clamp_max : float
-        Finite bounds of the final clamp (``clamp_min > clamp_max`` gives ``clamp_max``, as
-        ``torch.clamp``).
+        Bounds of the final clamp, infinities included (``clamp_min > clamp_max`` gives
+        ``clamp_max``, as ``torch.clamp``); not NaN.
     stride, padding : int or tuple of int
         Convolution options.
     eps : float
@@ -98,8 +98,7 @@ def conv2d_groupnorm_scale_maxpool_clamp(
     check_group_values(args.out_shape, num_groups, "the conv output")
     k = tuple_pool(pool_kernel, 2)
     _, _, _, pooled = check_pool_args(args.out_shape[2:], 2, k, k, 0, name="the conv output")
-    lo = check_scalar(clamp_min, "clamp_min")
-    hi = check_scalar(clamp_max, "clamp_max")
+    lo, hi = clamp_bounds(clamp_min, clamp_max)
     eps = check_scalar(eps, "eps", minimum=0.0)
     precision = resolve_precision(precision)
     check_method(method)
@@ -153,9 +152,11 @@ def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, gn_
                                      conv_bias is not None)
     moments = xp.empty((n * num_groups, 2), dtype=xp.float32)
     if epilogue:
+        # Both kernels that read x and w index them as contiguous NCHW and OIHW.
+        x, weight = xp.ascontiguousarray(x), xp.ascontiguousarray(weight)
         # The extrema straight into out, then the statistics and the affine in one pass.
         partial, _ = conv2d_pool_stats(
-            xp, xp.ascontiguousarray(x), xp.ascontiguousarray(weight), conv_bias, out,
+            xp, x, weight, conv_bias, out,
             sign_a=gn_weight, sign_b=scale, stride=args.stride, padding=args.padding,
             dilation=args.dilation, pool=k, passes=mma_passes(precision))
         group_affine_rows(out, out, partial, num_groups=num_groups, count=cg * h * w, eps=eps,

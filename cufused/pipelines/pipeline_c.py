@@ -17,8 +17,8 @@ from typing import Any
 import numpy
 
 from .. import reference
-from .._arrays import (Size, check_float_dtype, check_ndim, check_required, check_scalar,
-                       check_sizes, forward, get_array_module, per_channel)
+from .._arrays import (Size, check_float_dtype, check_ndim, check_required, check_sizes,
+                       forward, get_array_module, per_channel)
 from .._cudnn import UnsupportedConvolution
 from .._call_graphs import warm_calls
 from .._kernels.conv_gemm import (conv_transpose3d_softmax, conv_transpose3d_softmax_sums,
@@ -32,7 +32,8 @@ from .._ops.convolution import (conv_on_gpu, conv_transpose3d, fastest, gpu_conv
 from .._ops.pooling import avg_pool3d, check_pool_args
 from .._ops.softmax import softmax
 from .._precision import mma_passes, resolve_precision
-from ._common import check_method, gpu_run, ones_if_none, shared_doc_sections, tuple_pool
+from ._common import (check_method, clamp_bounds, gpu_run, ones_if_none, shared_doc_sections,
+                      tuple_pool)
 
 
 @warm_calls
@@ -61,7 +62,8 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
     pool_kernel : int
         Average-pool window and stride.
     clamp_min, clamp_max : float
-        Finite clamp bounds applied before the softmax.
+        Clamp bounds applied before the softmax, infinities included (``clamp_min >
+        clamp_max`` gives ``clamp_max``, as ``torch.clamp``); not NaN.
     conv_bias : array, optional
         Per-channel convolution bias.
     groups : int
@@ -92,8 +94,7 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
                             padding=padding, output_padding=output_padding, groups=groups)
     check_conv_memory(pooled_shape, args, xp)
     c = args.out_shape[1]
-    lo = check_scalar(clamp_min, "clamp_min")
-    hi = check_scalar(clamp_max, "clamp_max")
+    lo, hi = clamp_bounds(clamp_min, clamp_max)
     precision = resolve_precision(precision)
     check_method(method)
     # The parameters last: a number for scale becomes a device array here.

@@ -188,6 +188,30 @@ def test_gpu_a_on_the_convolution_epilogue(rng, plant, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device with CuPy")
+@pytest.mark.parametrize("plant", [p for p in PLANTS if p[0] == "A"], ids=_ids)
+def test_gpu_a_on_the_convolution_epilogue_with_strided_operands(rng, plant, monkeypatch):
+    # The same with x channels-last and the weight a transposed view: the channels with a
+    # non-finite parameter are recomputed from the contiguous copies that the convolution
+    # reads, not from the caller's strided arrays.
+    import cupy as cp
+
+    from cufused._cudnn import plan_options
+    from cufused.pipelines import pipeline_a
+
+    def ours(v):
+        x = cp.ascontiguousarray(v[0].transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+        w = cp.ascontiguousarray(v[1].transpose(1, 0, 2, 3)).transpose(1, 0, 2, 3)
+        assert not (x.flags.c_contiguous or w.flags.c_contiguous)
+        return ours_a([x, w, *v[2:]])
+
+    calls = count_calls(monkeypatch, pipeline_a, "pool_affine_nonfinite_conv")
+    with plan_options(engine="igemm"):
+        _check_gpu_plant(rng, plant, "3xtf32", 1e-4, monkeypatch, ours)
+    assert calls  # the path that recomputes from x and w ran
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device with CuPy")
 @pytest.mark.parametrize("plant", [p for p in PLANTS if p[0] == "C"], ids=_ids)
 @pytest.mark.parametrize("precision, rtol", [("3xtf32", 1e-4), ("tf32", 1e-2)])
 def test_gpu_c_on_the_convolution_epilogue(rng, plant, precision, rtol, monkeypatch):

@@ -286,6 +286,18 @@ def test_results_keep_input_dtype_and_shape(rng, dtype):
     assert rel_err(got, ref) < {np.float16: 2e-3, np.float32: 1e-6, np.float64: TOL}[dtype]
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_results_are_contiguous_arrays_of_their_own(rng, dtype):
+    # A transposed convolution with padding crops a larger buffer: the result is a C-contiguous
+    # array of its own in every dtype (as PyTorch's and the GPU path's), not a view into it.
+    x = rng.standard_normal((2, 4, 5, 5)).astype(dtype)
+    w = rng.standard_normal((4, 3, 3, 3)).astype(dtype)
+    got = cufused.conv_transpose2d(x, w, stride=2, padding=1)
+    assert got.flags.c_contiguous and got.base is None
+    assert_close(got, F.conv_transpose2d(t(x).double(), t(w).double(), stride=2,
+                                         padding=1).numpy(), 1e-6)
+
+
 def test_out_argument_is_filled_and_returned(rng):
     x = rng.standard_normal((2, 3, 6, 6))
     out = np.full((2, 3, 3, 3), np.nan)
@@ -310,6 +322,35 @@ def test_clamp_min_above_max_gives_max_like_torch(rng):
     got = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts)
     assert np.all(got == -0.5)
     assert rel_err(got, torch_a(*arrays, **opts)) < TOL
+
+
+INF = float("inf")
+
+
+@pytest.mark.parametrize("bounds", [(-INF, INF), (0.1, INF), (-INF, 0.25), (INF, 0.5),
+                                    (0.2, -INF), (INF, INF)])
+def test_infinite_clamp_bounds_like_torch(rng, bounds):
+    # torch.clamp takes infinite bounds (no bound; past each other the upper one wins): so do
+    # pipelines A and C, NaN and infinities landing where PyTorch puts them.
+    lo, hi = bounds
+    arrays, opts = args_a(rng)
+    opts.update(clamp_min=lo, clamp_max=hi)
+    got = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts)
+    np.testing.assert_allclose(got, torch_a(*arrays, **opts), rtol=1e-12, atol=1e-12)
+    x = rng.random((2, 3, 4, 6, 8))
+    w, scale = rng.standard_normal((3, 4, 3, 3, 3)), mixed(rng, 4)
+    opts = dict(stride=2, padding=1, output_padding=1, pool_kernel=2, clamp_min=lo,
+                clamp_max=hi)
+    got = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(x, w, scale, **opts)
+    np.testing.assert_allclose(got, torch_c(x, w, scale, **opts), rtol=1e-12, atol=0)
+
+
+def test_nan_clamp_bounds_are_refused(rng):
+    # torch.clamp with a NaN bound makes every value NaN: refused here, naming the bound.
+    arrays, opts = args_a(rng)
+    for name in ("clamp_min", "clamp_max"):
+        with pytest.raises(ValueError, match=name):
+            cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **{**opts, name: np.nan})
 
 
 @pytest.mark.gpu

@@ -516,6 +516,38 @@ def test_devices(rng, quick_plans, fresh, launches):
     assert {key[4] for key in _call_graphs._graphs} == {0, 1}
 
 
+def test_arrays_on_another_device(rng, quick_plans, fresh):
+    # Operands on device 1 while device 0 is current: every call runs on the arrays' device
+    # (results there, device 0 still current after it), warm calls and prepared calls too,
+    # and gives what the same call gives with device 1 current.
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two devices")
+    x4 = rng.standard_normal((2, 4, 9, 9), dtype=np.float32)
+    calls = {PIPELINE_CASES[case][0]: (fn, make(rng)) for case, (fn, make) in PIPELINES.items()}
+    calls.update({
+        "conv2d": (cufused.conv2d, ((x4, rng.standard_normal((3, 4, 3, 3), np.float32)), {})),
+        "max_pool2d": (cufused.max_pool2d, ((x4,), {"kernel_size": 2})),
+        "group_norm": (cufused.group_norm, ((x4,), {"num_groups": 2})),
+        "batch_norm": (cufused.batch_norm, ((x4,), {"activation": "tanh"})),
+        "softmax": (cufused.softmax, ((x4,), {"axis": (2, 3)})),
+    })
+    for name, (fn, (args, kwargs)) in calls.items():
+        with cp.cuda.Device(1):
+            gargs = to_gpu(*args)
+            want = fn(*gargs, **kwargs).get()
+            out = cp.full(want.shape, cp.nan, dtype=cp.float32)
+        with cp.cuda.Device(0):
+            for _ in range(3):
+                got = fn(*gargs, **kwargs)
+                assert got.device.id == 1 and cp.cuda.runtime.getDevice() == 0, name
+                assert_close(got.get(), want, 1e-5)
+                assert fn(*gargs, **kwargs, out=out) is out
+                assert_close(out.get(), want, 1e-5)
+            step = cufused.prepare(fn, *gargs, **kwargs)
+            assert_close(step().get(), want, 1e-5)
+            assert cp.cuda.runtime.getDevice() == 0, name
+
+
 @pytest.mark.parametrize("case", sorted(PIPELINES))
 def test_host_time_of_a_warm_call(rng, quick_plans, fresh, case):
     # Issue 24's target: a warm functional pipeline call costs the host at most 40 us

@@ -34,6 +34,35 @@ def test_pipeline_a(rng, layout, method, precision, sign):
     assert_close(out.get(), ref, 10 * TOL[precision])
 
 
+INF = float("inf")
+
+
+@pytest.mark.parametrize("bounds", [(-INF, INF), (0.1, INF), (-INF, 0.25), (INF, 0.5),
+                                    (0.2, -INF)])
+@pytest.mark.parametrize("route", ["unfused", "fused", "igemm"])
+def test_infinite_clamp_bounds(rng, bounds, route):
+    # Pipelines A and C with an infinite clamp bound (no bound, as torch.clamp takes it) on
+    # each route: the blocks, the fused kernels after cuDNN, and cufused's implicit GEMM
+    # forced (A's pass in its epilogue; C's two passes take clamps at most 60 wide, here the
+    # bounds past each other, and C's other calls run on cuDNN), NaN and infinities where the
+    # reference puts them.
+    from cufused._cudnn import plan_options
+
+    lo, hi = bounds
+    method = "unfused" if route == "unfused" else "fused"
+    precision = "3xtf32" if route == "igemm" else "ieee"
+    for name, make in (("conv2d_groupnorm_scale_maxpool_clamp", pipeline_a_args),
+                       ("conv_transpose3d_avgpool_clamp_softmax_multiply", pipeline_c_args)):
+        fn = getattr(cufused, name)
+        arrays, opts = make(rng)
+        opts.update(clamp_min=lo, clamp_max=hi)
+        ref = fn(*arrays, **opts)
+        out = poisoned(ref.shape)
+        with plan_options(engine="igemm" if route == "igemm" else "auto"):
+            fn(*to_gpu(*arrays), **opts, method=method, precision=precision, out=out)
+        np.testing.assert_allclose(out.get(), ref, rtol=1e-4, atol=1e-6, err_msg=name)
+
+
 def test_pipeline_a_dropped_rows_count_in_stats(rng, layout):
     # 126 // 4 = 31 windows; rows/cols 124-125 are pooled away but shape the statistics.
     arrays, opts = pipeline_a_args(rng, n=2, cin=3, h=128, w=128, cout=8, groups=2)
