@@ -260,7 +260,9 @@ class ConvPlan:
             elif add_bias:
                 add_channel_bias(y, bias)
 
-        self._launch(("apply", convert_output), (x, w, bias, result), buffers, work)
+        # run_bias is the aligned copy of a misaligned bias, made outside the graph: its
+        # address is keyed beside the caller's bias, which the conversion passes read.
+        self._launch(("apply", convert_output), (x, w, bias, run_bias, result), buffers, work)
         if out is not None and result is not out and layout == "nchw":
             out[...] = result  # a misaligned out
             result = out

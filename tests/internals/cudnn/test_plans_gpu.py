@@ -78,6 +78,32 @@ def test_conv_plan_replays_graph(rng, case, conv_pin, plan_graphs_only):
     assert_close(out.get(), fn(x_new, w_new, b_new, **opts), TOL["ieee"])
 
 
+def test_replay_reads_this_calls_copy_of_a_misaligned_bias(rng, plan_graphs_only):
+    # A bias 4 bytes past a 16-byte boundary reaches cuDNN's graph as an aligned copy made
+    # outside the plan's CUDA graph: a replay must read this call's copy, not the freed block
+    # of the capturing call's, which other arrays (filled with 1e6 here) take over.
+    from cufused import _cudnn
+
+    x, w = to_gpu(rng.standard_normal((2, 8, 12, 12)), rng.standard_normal((16, 8, 3, 3)))
+    b = cp.asarray(rng.standard_normal(17), dtype=cp.float32)[1:]
+    assert b.data.ptr % 16 == 4
+    out = cp.empty((2, 16, 10, 10), dtype=cp.float32)
+    with _pinned("nchw+bias"):
+        for _ in range(3):
+            cufused.conv2d(x, w, b, out=out)
+        plan = [p for p in _cudnn._plans.values() if p is not None and p.problem.bias][-1]
+        assert plan.strategy.bias_in_graph and plan._replays
+        taken = [cp.full(16, 1e6, dtype=cp.float32) for _ in range(64)]
+        for _ in range(3):
+            b_new = rng.standard_normal(16)
+            b[...] = cp.asarray(b_new, dtype=cp.float32)
+            out.fill(cp.nan)
+            cufused.conv2d(x, w, b, out=out)
+            assert_close(out.get(), cufused.conv2d(x.get().astype("float64"),
+                                                   w.get().astype("float64"), b_new), TOL["ieee"])
+    assert all(float(t.min()) == 1e6 for t in taken)
+
+
 def test_replay_decision_without_memory_for_a_flush(monkeypatch):
     # With no room for the L2 flush buffer the autotuner times unflushed instead of failing.
     from cufused import _cudnn
