@@ -78,17 +78,23 @@ def test_conv_plan_replays_graph(rng, case, conv_pin, plan_graphs_only):
     assert_close(out.get(), fn(x_new, w_new, b_new, **opts), TOL["ieee"])
 
 
-def test_replay_reads_this_calls_copy_of_a_misaligned_bias(rng, plan_graphs_only):
+def test_replay_reads_this_calls_copy_of_a_misaligned_bias(rng, plan_graphs_only,
+                                                           monkeypatch):
     # A bias 4 bytes past a 16-byte boundary reaches cuDNN's graph as an aligned copy made
     # outside the plan's CUDA graph: a replay must read this call's copy, not the freed block
-    # of the capturing call's, which other arrays (filled with 1e6 here) take over.
+    # of the capturing call's, which other arrays (filled with 1e6 here) take over. The
+    # autotuner, which keeps the bias in the graph where that is faster, is made to keep it.
     from cufused import _cudnn
+    from cufused._cudnn import _autotune
+
+    monkeypatch.setattr(_autotune, "strategy_score",
+                        lambda cost, strategy, convert_input: float(not strategy.bias_in_graph))
 
     x, w = to_gpu(rng.standard_normal((2, 8, 12, 12)), rng.standard_normal((16, 8, 3, 3)))
     b = cp.asarray(rng.standard_normal(17), dtype=cp.float32)[1:]
     assert b.data.ptr % 16 == 4
     out = cp.empty((2, 16, 10, 10), dtype=cp.float32)
-    with _pinned("nchw+bias"):
+    with _cudnn.plan_options(autotune=True, pins=("nchw+bias",)):
         for _ in range(3):
             cufused.conv2d(x, w, b, out=out)
         plan = [p for p in _cudnn._plans.values() if p is not None and p.problem.bias][-1]
