@@ -63,25 +63,28 @@ def part_of_batch(n: int):
         _WHOLE_BATCH.reset(token)
 
 
-def _values_across_batch(shape: tuple[int, ...]) -> int:
+def _whole_batch(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """``shape`` with the batch that the rules across the batch count (:func:`part_of_batch`)."""
     n = _WHOLE_BATCH.get()
-    return math.prod(shape if n is None else (n, *shape[1:]))
+    return tuple(shape) if n is None else (n, *shape[1:])
 
 
 def check_group_values(shape: tuple[int, ...], num_groups: int, name: str) -> None:
     """PyTorch's GroupNorm rule: more than one value per group across the batch
     (N * C / num_groups * spatial values; an empty batch passes)."""
-    if _values_across_batch(shape) // num_groups == 1:
+    shape = _whole_batch(shape)
+    if math.prod(shape) // num_groups == 1:
         raise ValueError(f"expected more than 1 value per group of {name}, got shape "
-                         f"{tuple(shape)} with num_groups={num_groups}")
+                         f"{shape} with num_groups={num_groups}")
 
 
 def check_channel_values(shape: tuple[int, ...], name: str) -> None:
     """PyTorch's training-mode BatchNorm rule: more than one value per channel across the
     batch (N * spatial values; an empty batch passes)."""
-    if _values_across_batch(shape) // shape[1] == 1:
+    shape = _whole_batch(shape)
+    if math.prod(shape) // shape[1] == 1:
         raise ValueError(f"expected more than 1 value per channel of {name} when training, "
-                         f"got shape {tuple(shape)}")
+                         f"got shape {shape}")
 
 
 def check_running_pair(running_mean: Any, running_var: Any) -> None:

@@ -92,9 +92,12 @@ def test_input_errors_name_the_argument(rng):
         cdask.group_norm(unknown, 2)
     with pytest.raises(TypeError, match="training must be a bool"):
         cdask.batch_norm(chunked(x, (5,)), training="False")
-    # PyTorch's rules across the batch count the whole batch, when the graph is built.
-    with pytest.raises(ValueError, match="more than 1 value per group"):
+    # PyTorch's rules across the batch count the whole batch, when the graph is built, and
+    # name its shape (not that of the empty probe the graph is checked with).
+    with pytest.raises(ValueError, match=r"more than 1 value per group .* shape \(1, 6\)"):
         cdask.group_norm(chunked(np.ones((1, 6), np.float32), (1,)), 6)
+    with pytest.raises(ValueError, match=r"more than 1 value per channel .* \(1, 4, 1, 1\)"):
+        cdask.batch_norm(chunked(np.ones((1, 4, 1, 1), np.float32), (1,)))
     with pytest.raises(ValueError, match="convolution output would have shape"):
         cdask.conv2d(chunked(np.ones((2, 4, 8, 8)), (1, 1)), np.ones((8, 4, 3, 3)),
                      padding=2**20)  # a sample past memory: at build, not at compute
