@@ -322,10 +322,12 @@ def run_reference(fn, *args, **kwargs):
 
 def finish_numpy(result: numpy.ndarray, dtype, out: numpy.ndarray | None) -> numpy.ndarray:
     """Cast a float64 reference result to ``dtype`` and store it in ``out`` if given; a new
-    result is C-contiguous (never a view into a larger reference buffer), as on the GPU."""
+    result is a C-contiguous array of its own (never a view into a larger reference buffer
+    or an input), as on the GPU."""
     with numpy.errstate(all="ignore"):  # float64 values beyond float32 become inf silently
         if out is None:
-            return result.astype(dtype, order="C", copy=False)
+            result = result.astype(dtype, order="C", copy=False)
+            return result if result.base is None else result.copy()
         out[...] = result
     return out
 

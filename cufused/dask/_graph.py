@@ -88,16 +88,18 @@ _DEVICE_LOCKS_GUARD = threading.Lock()
 
 
 def _one_at_a_time(func: Callable, *args, **kwargs):
-    """``func(*args, **kwargs)`` holding the lock of the device of its first CuPy argument
-    (the chunk; the current device if none)."""
+    """``func(*args, **kwargs)`` on the device of its first CuPy argument (the chunk; the
+    current device if none), made current (a scheduler's thread starts on device 0), and
+    holding that device's lock."""
+    cupy = import_cupy()
     device = next((a.device.id for a in args if is_cupy_array(a)), None)
     if device is None:
-        device = import_cupy().cuda.runtime.getDevice()
+        device = cupy.cuda.runtime.getDevice()
     lock = _DEVICE_LOCKS.get(device)
     if lock is None:
         with _DEVICE_LOCKS_GUARD:
             lock = _DEVICE_LOCKS.setdefault(device, threading.Lock())
-    with lock, without_call_graphs():
+    with lock, without_call_graphs(), cupy.cuda.Device(device):
         return func(*args, **kwargs)
 
 

@@ -182,16 +182,17 @@ class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(torch.nn.Module):
             x, ct.weight, ct.bias, stride=ct.stride, padding=ct.padding,
             output_padding=ct.output_padding, dilation=ct.dilation, groups=ct.groups,
             precision=self.precision)
-        # The blocks update copies of the running statistics, which replace them once the
-        # last block has succeeded, as the fused call's checks come before its update.
-        staged = [None if b is None else b.clone() for b in (running_mean, running_var)]
+        # In training the blocks update copies of the running statistics, which replace them
+        # once the last block has succeeded, as the fused call's checks come before its update.
+        staged = [b.clone() if batch_stats and b is not None else b
+                  for b in (running_mean, running_var)]
         y = _ops.batch_norm.default(y, bn.weight, bn.bias, running_mean=staged[0],
                                     running_var=staged[1], training=batch_stats,
                                     momentum=momentum, eps=bn.eps, activation="tanh")
         y = _ops.max_pool2d.default(y, 2, 2)
         y = _ops.group_norm.default(y, gn.num_groups, gn.weight, gn.bias, eps=gn.eps)
         for buffer, new in zip((running_mean, running_var), staged):
-            if buffer is not None:
+            if new is not buffer:
                 buffer.copy_(new)
         if counted:
             bn.num_batches_tracked.add_(1)

@@ -292,10 +292,14 @@ def test_results_are_contiguous_arrays_of_their_own(rng, dtype):
     # array of its own in every dtype (as PyTorch's and the GPU path's), not a view into it.
     x = rng.standard_normal((2, 4, 5, 5)).astype(dtype)
     w = rng.standard_normal((4, 3, 3, 3)).astype(dtype)
-    got = cufused.conv_transpose2d(x, w, stride=2, padding=1)
-    assert got.flags.c_contiguous and got.base is None
-    assert_close(got, F.conv_transpose2d(t(x).double(), t(w).double(), stride=2,
-                                         padding=1).numpy(), 1e-6)
+    # The second crop (one sample, one output channel, rows only) is contiguous in memory.
+    for xi, wi, padding in ((x, w, 1), (x[:1, :2], w[:2, :1], (1, 0))):
+        got = cufused.conv_transpose2d(xi, wi, padding=padding)
+        assert got.flags.c_contiguous and got.base is None
+        assert_close(got, F.conv_transpose2d(t(xi).double(), t(wi).double(),
+                                             padding=padding).numpy(), 1e-6)
+    got = cufused.max_pool2d(x, 1)
+    assert got.base is None and not np.shares_memory(got, x) and np.array_equal(got, x)
 
 
 def test_out_argument_is_filled_and_returned(rng):
@@ -328,7 +332,7 @@ INF = float("inf")
 
 
 @pytest.mark.parametrize("bounds", [(-INF, INF), (0.1, INF), (-INF, 0.25), (INF, 0.5),
-                                    (0.2, -INF), (INF, INF)])
+                                    (0.2, -INF), (INF, INF), (-INF, -INF)])
 def test_infinite_clamp_bounds_like_torch(rng, bounds):
     # torch.clamp takes infinite bounds (no bound; past each other the upper one wins): so do
     # pipelines A and C, NaN and infinities landing where PyTorch puts them.
@@ -348,9 +352,15 @@ def test_infinite_clamp_bounds_like_torch(rng, bounds):
 def test_nan_clamp_bounds_are_refused(rng):
     # torch.clamp with a NaN bound makes every value NaN: refused here, naming the bound.
     arrays, opts = args_a(rng)
+    x, w = rng.random((1, 2, 4, 4, 4)), rng.standard_normal((2, 2, 3, 3, 3))
+    c_opts = dict(stride=2, padding=1, output_padding=1, pool_kernel=2, clamp_min=0.0,
+                  clamp_max=1.0)
     for name in ("clamp_min", "clamp_max"):
         with pytest.raises(ValueError, match=name):
             cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **{**opts, name: np.nan})
+        with pytest.raises(ValueError, match=name):
+            cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
+                x, w, 1.0, **{**c_opts, name: np.nan})
 
 
 @pytest.mark.gpu
