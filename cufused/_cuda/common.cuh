@@ -112,15 +112,17 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     return block_reduce(v, scratch, -INFINITY, [](float u) { return warp_max(u); });
 }
 
-// i / d for 0 <= i < 2**31 without an integer division: a float estimate times the
-// precomputed inv_d = 1.0f / d, then corrected (one step at most for i < 2**24, about
-// i / d / 2**24 beyond). The checks multiply in 64 bits: near 2**31, q * d (the estimate may
-// exceed i / d) and (q + 1) * d would wrap in 32.
+// i / d for 0 <= i < 2**31 and 0 < d < 2**31 without an integer division: a float estimate
+// times the precomputed inv_d = 1.0f / d, then corrected (one step at most for i < 2**24,
+// about i / d / 2**24 beyond). The checks multiply in unsigned 32 bits: the estimate's q * d
+// stays within i * (1 + 2**-22) and (q + 1) * d, once q * d <= i, within i + d, both below
+// 2**32, where signed products near 2**31 would wrap.
 __device__ __forceinline__ int quotient(int i, int d, float inv_d) {
-    int q = __float2int_rz((float)i * inv_d);
-    while ((index_t)q * d > i) --q;
-    while (((index_t)q + 1) * d <= i) ++q;
-    return q;
+    unsigned q = (unsigned)__float2int_rz((float)i * inv_d);
+    const unsigned ui = (unsigned)i, ud = (unsigned)d;
+    while (q * ud > ui) --q;
+    while ((q + 1) * ud <= ui) ++q;
+    return (int)q;
 }
 
 // [begin, end): the part of 0 .. total - 1 that split `split` of `splits` equal parts covers.
