@@ -180,9 +180,9 @@ def per_channel(value: Any, name: str, channels: int, xp, *, allow_scalar: bool 
 
 def check_scalar(value: Any, name: str, *, minimum: float | None = None,
                  maximum: float | None = None, positive: bool = False,
-                 finite: bool = True) -> float:
-    """Check a real scalar option (finite unless ``finite=False``) and return it as
-    ``float``."""
+                 finite: bool = True, nan: bool = True) -> float:
+    """Check a real scalar option (finite unless ``finite=False``; then not NaN either with
+    ``nan=False``) and return it as ``float``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     try:
@@ -191,6 +191,8 @@ def check_scalar(value: Any, name: str, *, minimum: float | None = None,
         raise ValueError(f"{name} is out of float range") from None
     if finite and not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
+    if not nan and math.isnan(value):
+        raise ValueError(f"{name} must not be NaN")
     if positive and value <= 0:
         raise ValueError(f"{name} must be > 0, got {value}")
     if minimum is not None and value < minimum:

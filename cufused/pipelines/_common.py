@@ -47,12 +47,8 @@ def shared_doc_sections(shape: str):
 def clamp_bounds(clamp_min, clamp_max) -> tuple[float, float]:
     """The clamp's bounds as floats: real numbers, infinities included (no bound, as in
     ``torch.clamp``); NaN, which ``torch.clamp`` spreads to every value, is refused."""
-    bounds = (check_scalar(clamp_min, "clamp_min", finite=False),
-              check_scalar(clamp_max, "clamp_max", finite=False))
-    for name, value in zip(("clamp_min", "clamp_max"), bounds):
-        if math.isnan(value):
-            raise ValueError(f"{name} must not be NaN")
-    return bounds
+    return (check_scalar(clamp_min, "clamp_min", finite=False, nan=False),
+            check_scalar(clamp_max, "clamp_max", finite=False, nan=False))
 
 
 def check_method(method: str) -> None:
