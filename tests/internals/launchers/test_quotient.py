@@ -28,7 +28,8 @@ def quotient(i: np.ndarray, d: int, inv_d: np.float32) -> np.ndarray:
     estimate = np.trunc((i.astype(np.float32) * inv_d).astype(np.float64))  # rz
     q = np.clip(estimate, -2**31, 2**31 - 1).astype(np.int64).astype(np.uint32)  # saturates
     ui, ud = i.astype(np.uint32), np.uint32(d)
-    for step, test in ((np.uint32(-1 % 2**32), lambda q: q * ud > ui),
+    # Adding 2**32 - 1 subtracts one, modulo 2**32.
+    for step, test in ((np.uint32(2**32 - 1), lambda q: q * ud > ui),
                        (np.uint32(1), lambda q: (q + np.uint32(1)) * ud <= ui)):
         for _ in range(2**10):  # products wrap modulo 2**32, as on the device
             move = test(q)
