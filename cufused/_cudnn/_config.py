@@ -129,6 +129,13 @@ def import_cudnn():
     if _cudnn_module is None:
         try:
             import cudnn
+
+            # A directory named cudnn on the path (a CUDA wheel's headers or libraries)
+            # imports as an empty namespace package.
+            if not hasattr(cudnn, "pygraph"):
+                raise ImportError(
+                    f"the module found, at {list(getattr(cudnn, '__path__', []))}, has no pygraph"
+                )
         except (ImportError, OSError) as exc:
             raise ImportError(
                 "cuDNN Frontend (module 'cudnn') is not importable: install cufused[cuda12] or "
