@@ -157,7 +157,10 @@ def per_channel(value: Any, name: str, channels: int, xp, *, allow_scalar: bool 
     if allow_scalar and isinstance(value, numbers.Real) and not isinstance(value, bool):
         check_scalar(value, name, finite=False)
         return xp.full(channels, value, dtype=xp.float32 if xp is not numpy else numpy.float64)
-    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+    # A NumPy scalar that is not a real number (complex, bool, string, date) is no parameter
+    # value; on the GPU path it would reach CuPy as a host array.
+    if (not hasattr(value, "shape") or not hasattr(value, "dtype")
+            or (isinstance(value, numpy.generic) and value.dtype.kind not in "iuf")):
         kinds = "an array or a real number" if allow_scalar else "an array"
         raise TypeError(f"{name} must be {kinds}, got {type(value).__name__}")
     if value.shape == (channels,):  # the usual case: no reshaped view to create
@@ -199,6 +202,19 @@ def check_scalar(value: Any, name: str, *, minimum: float | None = None,
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     if maximum is not None and value > maximum:
         raise ValueError(f"{name} must be <= {maximum}, got {value}")
+    return value
+
+
+def check_choice(value: Any, name: str, choices: tuple, *, none: bool = False) -> Any:
+    """A string option: ``TypeError`` for a value of another type (``None`` too, unless
+    ``none``), ``ValueError`` for a string not among ``choices``; returns ``value``."""
+    if value is None and none:
+        return value
+    allowed = f"one of {choices}" + (" or None" if none else "")
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be {allowed}, got {type(value).__name__} {value!r}")
+    if value not in choices:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
     return value
 
 

@@ -14,6 +14,8 @@ import contextvars
 import threading
 from collections.abc import Iterator
 
+from ._arrays import check_choice
+
 PRECISIONS = ("ieee", "tf32", "3xtf32")
 
 _process_default = ["ieee"]
@@ -29,9 +31,7 @@ def mma_passes(precision: str) -> int:
 
 
 def _check(precision: str) -> str:
-    if not isinstance(precision, str) or precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS} or None, got {precision!r}")
-    return precision
+    return check_choice(precision, "precision", PRECISIONS)
 
 
 def get_default_precision() -> str:
@@ -69,8 +69,10 @@ def set_default_precision(precision: str) -> None:
 
     Raises
     ------
+    TypeError
+        For a value that is not a string; the default stays as it was.
     ValueError
-        For any other value; the default stays as it was.
+        For any other string; the default stays as it was.
 
     Examples
     --------
@@ -99,8 +101,10 @@ def default_precision(precision: str) -> Iterator[None]:
 
     Raises
     ------
+    TypeError
+        For a value that is not a string, on entering the block.
     ValueError
-        For any other value, on entering the block.
+        For any other string, on entering the block.
 
     Examples
     --------
@@ -120,4 +124,6 @@ def default_precision(precision: str) -> Iterator[None]:
 
 def resolve_precision(precision: str | None) -> str:
     """Per-call precision, or the default when ``None``."""
-    return get_default_precision() if precision is None else _check(precision)
+    if precision is None:
+        return get_default_precision()
+    return check_choice(precision, "precision", PRECISIONS, none=True)

@@ -26,6 +26,15 @@ __device__ __forceinline__ void plane_position(I r, int oh, int ow, int& d, int&
     d = (int)(r / oh);
 }
 
+// The input positions [lo, hi) of output o's window (stride s, padding p, size k) along an
+// axis of n positions, in 64-bit arithmetic: o * s + k may pass 2**31.
+__device__ __forceinline__ void window_inside(int o, int s, int p, int k, int n, int& lo,
+                                              int& hi) {
+    const long long first = (long long)o * s - p;
+    lo = (int)min(max(first, 0LL), (long long)n);
+    hi = (int)max(min(first + k, (long long)n), 0LL);
+}
+
 // Max or average pooling of a contiguous (N, C, D, H, W) tensor (2-D pooling runs with
 // D = kd = sd = 1, pd = 0), one thread per output element in NCDHW order, written through
 // output strides. Average pooling divides by the full window size (count_include_pad, floor
@@ -64,21 +73,20 @@ __global__ void pool_nd(const float* __restrict__ x, float* __restrict__ y, inde
             for (int j = 0; j < (KD > 0 && KHW > 0 ? KD * KHW * KHW : 1); ++j)
                 acc = IS_MAX ? nan_max(acc, v[j]) : acc + v[j];
         } else {
-            for (int a = 0; a < kd; ++a) {
-                const int d = d_o * sd - pd + a;
-                if (d < 0 || d >= id) continue;  // padding: -inf (max) or 0 (avg)
-                for (int b = 0; b < kh; ++b) {
-                    const int h = h_o * sh - ph + b;
-                    if (h < 0 || h >= ih) continue;
+            // Only the window's positions inside the input: padding adds -inf (max) or 0
+            // (avg), and a window may be far larger than the input.
+            int d0, d1, h0, h1, w0, w1;
+            window_inside(d_o, sd, pd, kd, id, d0, d1);
+            window_inside(h_o, sh, ph, kh, ih, h0, h1);
+            window_inside(w_o, sw, pw, kw, iw, w0, w1);
+            for (int d = d0; d < d1; ++d)
+                for (int h = h0; h < h1; ++h) {
                     const float* row = xp + ((index_t)d * ih + h) * iw;
-                    for (int c = 0; c < kw; ++c) {
-                        const int w = w_o * sw - pw + c;
-                        if (w < 0 || w >= iw) continue;
+                    for (int w = w0; w < w1; ++w) {
                         const float v = __ldg(row + w);
                         acc = IS_MAX ? nan_max(acc, v) : acc + v;
                     }
                 }
-            }
         }
         const index_t n = plane / C;
         const int ch = (int)(plane - n * C);

@@ -17,7 +17,7 @@ from typing import Any
 import numpy
 
 from .. import reference
-from .._arrays import (check_fits, check_float_dtype, check_required, check_scalar,
+from .._arrays import (check_choice, check_fits, check_float_dtype, check_required, check_scalar,
                        check_sizes, check_writeable, forward, get_array_module,
                        like_x_sections, per_channel)
 from .._call_graphs import replayed, warm_calls, without_call_graphs
@@ -28,7 +28,7 @@ from .._kernels.normalization import (ROW_CACHE_BYTES, batch_norm_coefficients, 
 __all__ = ["group_norm", "batch_norm"]
 
 # The activations batch_norm fuses.
-ACTIVATIONS = frozenset({None, "tanh"})
+ACTIVATIONS = ("tanh",)  # or None: no activation
 
 
 def check_num_groups(num_groups: Any, channels: int) -> int:
@@ -233,8 +233,7 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
     check_running_pair(running_mean, running_var)
     momentum = check_scalar(momentum, "momentum", minimum=0.0, maximum=1.0)
     eps = check_scalar(eps, "eps", minimum=0.0)
-    if not (activation is None or isinstance(activation, str)) or activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be None or 'tanh', got {activation!r}")
+    check_choice(activation, "activation", ACTIVATIONS, none=True)
     training = check_training(training)
     if training:
         check_channel_values(x.shape, "x")

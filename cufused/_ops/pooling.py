@@ -22,13 +22,14 @@ __all__ = ["max_pool2d", "max_pool3d", "avg_pool2d", "avg_pool3d"]
 
 
 def check_pool_args(in_size, nd: int, kernel_size, stride, padding, *, name: str = "x",
-                    unpadded_window: bool = False):
+                    unpadded_window: bool = False, kernel_name: str = "kernel_size"):
     """Validate pooling options; return ``(kernel, stride, padding, out_size)`` tuples.
 
     With ``unpadded_window`` the window must also fit in the unpadded input, as PyTorch's
-    ``avg_pool3d`` requires.
+    ``avg_pool3d`` requires. ``name`` is the pooled array's and ``kernel_name`` the window
+    argument's, as the caller's user knows them.
     """
-    kernel = ntuple(kernel_size, nd, "kernel_size", minimum=1)
+    kernel = ntuple(kernel_size, nd, kernel_name, minimum=1)
     # None or an empty sequence: the window's size, as PyTorch's pools read it.
     empty = isinstance(stride, (tuple, list)) and not stride
     stride = kernel if stride is None or empty else ntuple(stride, nd, "stride", minimum=1)
@@ -39,10 +40,11 @@ def check_pool_args(in_size, nd: int, kernel_size, stride, padding, *, name: str
     out_size = tuple((in_size[i] + 2 * padding[i] - kernel[i]) // stride[i] + 1
                      for i in range(nd))
     if any(in_size[i] + 2 * padding[i] < kernel[i] for i in range(nd)):
-        raise ValueError(f"pooling window {kernel} is larger than the padded input of {name} "
-                         f"(spatial size {tuple(in_size)}, padding {padding})")
+        padded = f"the padded {name} (padding {padding}, " if any(padding) else f"{name} ("
+        raise ValueError(f"{kernel_name}: pooling window {kernel} is larger than {padded}"
+                         f"spatial size {tuple(in_size)})")
     if unpadded_window and any(in_size[i] < kernel[i] for i in range(nd)):
-        raise ValueError(f"pooling window {kernel} is larger than the input of {name} "
+        raise ValueError(f"{kernel_name}: pooling window {kernel} is larger than {name} "
                          f"(spatial size {tuple(in_size)})")
     return kernel, stride, padding, out_size
 

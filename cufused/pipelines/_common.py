@@ -8,7 +8,7 @@ from functools import partial
 
 import numpy
 
-from .._arrays import check_scalar, insert_sections, ntuple
+from .._arrays import check_choice, check_scalar, insert_sections, ntuple
 from .._call_graphs import replayed
 from .._cuda import MAX_GRID_X
 
@@ -52,8 +52,7 @@ def clamp_bounds(clamp_min, clamp_max) -> tuple[float, float]:
 
 
 def check_method(method: str) -> None:
-    if not isinstance(method, str) or method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_choice(method, "method", METHODS)
 
 
 def gpu_method(method: str, conv_out_shape: tuple[int, ...], *, groups: int = 1) -> str:

@@ -97,7 +97,8 @@ def conv2d_groupnorm_scale_maxpool_clamp(
     num_groups = check_num_groups(num_groups, c)
     check_group_values(args.out_shape, num_groups, "the conv output")
     k = tuple_pool(pool_kernel, 2)
-    _, _, _, pooled = check_pool_args(args.out_shape[2:], 2, k, k, 0, name="the conv output")
+    _, _, _, pooled = check_pool_args(args.out_shape[2:], 2, k, k, 0, name="the convolution output",
+                                      kernel_name="pool_kernel")
     lo, hi = clamp_bounds(clamp_min, clamp_max)
     eps = check_scalar(eps, "eps", minimum=0.0)
     precision = resolve_precision(precision)

@@ -105,7 +105,8 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     check_running_pair(running_mean, running_var)
     num_groups = check_num_groups(num_groups, c)
     k = tuple_pool(pool_kernel, 2)
-    _, _, _, pooled = check_pool_args(args.out_shape[2:], 2, k, k, 0, name="the conv output")
+    _, _, _, pooled = check_pool_args(args.out_shape[2:], 2, k, k, 0, name="the convolution output",
+                                      kernel_name="pool_kernel")
     check_group_values(args.out_shape[:2] + pooled, num_groups, "the pooled output")
     eps = check_scalar(eps, "eps", minimum=0.0)
     momentum = check_scalar(momentum, "momentum", minimum=0.0, maximum=1.0)

@@ -88,7 +88,8 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
     check_ndim(x, "x", (5,), "NCDHW")
     check_sizes(x, "x")
     k = tuple_pool(pool_kernel, 3)
-    _, _, _, pooled = check_pool_args(x.shape[2:], 3, k, k, 0, unpadded_window=True)
+    _, _, _, pooled = check_pool_args(x.shape[2:], 3, k, k, 0, unpadded_window=True,
+                                      kernel_name="pool_kernel")
     pooled_shape = x.shape[:2] + pooled
     args = cached_conv_args(pooled_shape, weight.shape, 3, transposed=True, stride=stride,
                             padding=padding, output_padding=output_padding, groups=groups)

@@ -19,7 +19,7 @@ import torch
 
 import cufused
 from cufused import _call_graphs
-from cufused._arrays import import_cupy
+from cufused._arrays import check_fits, import_cupy
 from cufused._cudnn import on_clear_plan_cache
 
 
@@ -106,13 +106,13 @@ def _load_cupy():
     return _CUPY
 
 
-def _new_view(t: torch.Tensor, cupy) -> Any:
+def _new_view(t: torch.Tensor, cupy, name: str) -> Any:
     if not t.is_cuda:
-        raise ValueError(f"a tensor on {t.device} was passed with CUDA tensors; cufused needs "
-                         "all tensors of a call on the same device")
+        raise ValueError(f"{name} is a tensor on {t.device}, passed with CUDA tensors; cufused "
+                         "needs all tensors of a call on the same device")
     dtype = _NUMPY_DTYPES.get(t.dtype)
     if dtype is None:
-        raise TypeError(f"cufused has no CUDA path for dtype {t.dtype}")
+        raise TypeError(f"{name} has dtype {t.dtype}; supported here: float32")
     span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride())) if t.numel() else 0
     memory = cupy.cuda.UnownedMemory(t.data_ptr(), span * dtype.itemsize, None,
                                      t.get_device())
@@ -120,13 +120,13 @@ def _new_view(t: torch.Tensor, cupy) -> Any:
                         tuple(s * dtype.itemsize for s in t.stride()))
 
 
-def _cupy_view(t: torch.Tensor, cupy) -> Any:
+def _cupy_view(t: torch.Tensor, cupy, name: str) -> Any:
     key = (t.data_ptr(), t.dtype, t.shape, t.stride())
     view = _VIEWS.get(key)
     if view is None:
         if len(_VIEWS) >= 1024:
             _VIEWS.clear()
-        view = _VIEWS[key] = _new_view(t, cupy)
+        view = _VIEWS[key] = _new_view(t, cupy, name)
     return view
 
 
@@ -186,6 +186,7 @@ def _warm_key(name: str, args: tuple, kwargs: dict, device: int) -> tuple | None
 
 def _cuda_kernel(name: str, shape: Callable) -> Callable:
     fn = getattr(cufused, name)
+    names = list(inspect.signature(fn).parameters)  # the positional arguments' names
 
     def cuda(*args, **kwargs):
         cupy = _CUPY or _load_cupy()
@@ -211,12 +212,16 @@ def _cuda_kernel(name: str, shape: Callable) -> Callable:
                 out = torch.empty(shape(*args, **kwargs, _check=False), dtype=x.dtype,
                                   device=x.device)
             except (ZeroDivisionError, RuntimeError, IndexError):
-                shape(*args, **kwargs)  # the checks: a ValueError that says what is wrong
+                # The checks say what is wrong: the shape's, then cufused's refusal of a
+                # result past the device's memory (PyTorch's allocator would raise
+                # OutOfMemoryError or an overflow of its size computation).
+                check_fits(tuple(shape(*args, **kwargs)), cupy, "the result")
                 raise
-        cargs = [_cupy_view(a, cupy) if isinstance(a, torch.Tensor) else a for a in args]
-        ckwargs = {k: _cupy_view(v, cupy) if isinstance(v, torch.Tensor) else v
+        cargs = [_cupy_view(a, cupy, arg) if isinstance(a, torch.Tensor) else a
+                 for a, arg in zip(args, names)]
+        ckwargs = {k: _cupy_view(v, cupy, k) if isinstance(v, torch.Tensor) else v
                    for k, v in kwargs.items()}
-        ckwargs["out"] = result = _cupy_view(out, cupy)
+        ckwargs["out"] = result = _cupy_view(out, cupy, "out")
         stream = _current_stream(device, cupy)
         capturing = torch._C._cuda_isCurrentStreamCapturing()
         if device != cupy.cuda.runtime.getDevice() or capturing:

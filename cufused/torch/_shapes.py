@@ -20,6 +20,8 @@ def _expand(value: Any, n: int, name: str, minimum: int, check: bool) -> tuple:
     """An option as ``n`` values; with ``check``, each an int of at least ``minimum``
     (symbolic values are left to cufused's checks when the call runs)."""
     if isinstance(value, (list, tuple)):
+        if check and len(value) not in (1, n):
+            raise TypeError(f"{name} must be an int or a sequence of {n} ints, got {value!r}")
         value = tuple(value) * n if len(value) == 1 else tuple(value)
     else:
         value = (value,) * n
@@ -41,15 +43,22 @@ def _spatial(size: list, check: bool) -> list:
     return size
 
 
-def _layout(x, nd: int, channels, what: str, check: bool) -> None:
-    """With ``check``: ``x`` is (N, C, *nd spatial sizes) with the channels ``what``
-    expects."""
+def _layout(x, nd: int, check: bool, weight=None) -> None:
+    """With ``check``: ``x`` is (N, C, *nd spatial sizes), and ``weight`` (if given) a
+    convolution weight of ``nd`` spatial sizes; the shapes are indexed after this."""
     if not check:
         return
     if x.dim() != nd + 2:
         raise ValueError(f"x must have {nd + 2} dimensions (N, C and {nd} spatial), got shape "
                          f"{tuple(x.shape)}")
-    if type(channels) is int and type(x.shape[1]) is int and x.shape[1] != channels:
+    if weight is not None and weight.dim() != nd + 2:
+        raise ValueError(f"weight must have {nd + 2} dimensions ({nd} spatial), got shape "
+                         f"{tuple(weight.shape)}")
+
+
+def _channels(x, channels, what: str, check: bool) -> None:
+    """With ``check``: ``x`` has the channels ``what`` expects."""
+    if check and type(channels) is int and type(x.shape[1]) is int and x.shape[1] != channels:
         raise ValueError(f"x has {x.shape[1]} channels but {what} expects {channels}")
 
 
@@ -72,12 +81,20 @@ def _conv_transpose_size(size: Sequence, kernel: Sequence, stride, padding, outp
                      for i in range(n)], check)
 
 
-def _pool_size(size: Sequence, kernel_size, stride, padding, check: bool) -> list:
+def _pool_size(size: Sequence, kernel_size, stride, padding, check: bool,
+               unpadded_window: bool = False) -> list:
     n = len(size)
     k = _expand(kernel_size, n, "kernel_size", 1, check)
     s = k if stride is None or (isinstance(stride, (list, tuple)) and not stride) else \
         _expand(stride, n, "stride", 1, check)
     p = _expand(padding, n, "padding", 0, check)
+    if check and any(type(a) is int and type(b) is int and a > b // 2 for a, b in zip(p, k)):
+        raise ValueError(f"padding must be at most half the kernel size, got padding={p} for "
+                         f"kernel_size={k}")
+    if check and unpadded_window and any(type(a) is int and type(b) is int and a < b
+                                         for a, b in zip(size, k)):
+        raise ValueError(f"kernel_size: pooling window {k} is larger than x (spatial size "
+                         f"{tuple(size)})")
     return _spatial([(size[i] + 2 * p[i] - k[i]) // s[i] + 1 for i in range(n)], check)
 
 
@@ -93,16 +110,20 @@ def _pooled(size: Sequence, pool_kernel, check: bool) -> list:
 # comes before cufused's own checks) only computes, and the kernel calls it again with
 # ``_check`` where the computation fails.
 
-def _conv_shape(x, weight, bias=None, *, stride=1, padding=0, dilation=1, groups=1,
+def _conv_shape(x, weight, bias=None, *, nd: int, stride=1, padding=0, dilation=1, groups=1,
                 precision=None, _check=True):
-    _layout(x, weight.dim() - 2, weight.shape[1] * groups, "weight (times groups)", _check)
+    _layout(x, nd, _check, weight)
+    _expand(groups, 1, "groups", 1, _check)
+    _channels(x, weight.shape[1] * groups, "weight (times groups)", _check)
     return [x.shape[0], weight.shape[0],
             *_conv_size(x.shape[2:], weight.shape[2:], stride, padding, dilation, _check)]
 
 
-def _conv_transpose_shape(x, weight, bias=None, *, stride=1, padding=0, output_padding=0,
-                          dilation=1, groups=1, precision=None, _check=True):
-    _layout(x, weight.dim() - 2, weight.shape[0], "the transposed weight", _check)
+def _conv_transpose_shape(x, weight, bias=None, *, nd: int, stride=1, padding=0,
+                          output_padding=0, dilation=1, groups=1, precision=None, _check=True):
+    _layout(x, nd, _check, weight)
+    _expand(groups, 1, "groups", 1, _check)
+    _channels(x, weight.shape[0], "the transposed weight", _check)
     return [x.shape[0], weight.shape[1] * groups,
             *_conv_transpose_size(x.shape[2:], weight.shape[2:], stride, padding,
                                   output_padding, dilation, _check)]
@@ -112,21 +133,26 @@ def _same_shape(x, *args, _check=True, **kwargs):
     return list(x.shape)
 
 
-def _pool_shape(x, kernel_size, stride=None, padding=0, *, nd: int, _check=True):
-    _layout(x, nd, None, "", _check)
-    return [*x.shape[:2], *_pool_size(x.shape[2:], kernel_size, stride, padding, _check)]
+def _pool_shape(x, kernel_size, stride=None, padding=0, *, nd: int, unpadded_window=False,
+                _check=True):
+    _layout(x, nd, _check)
+    return [*x.shape[:2], *_pool_size(x.shape[2:], kernel_size, stride, padding, _check,
+                                      unpadded_window)]
 
 
 def _pipeline_a_shape(x, weight, *args, pool_kernel, stride=1, padding=0, _check=True,
                       **kwargs):
-    _layout(x, 2, weight.shape[1], "weight", _check)
+    _layout(x, 2, _check, weight)
+    _channels(x, weight.shape[1], "weight", _check)
     conv = _conv_size(x.shape[2:], weight.shape[2:], stride, padding, 1, _check)
     return [x.shape[0], weight.shape[0], *_pooled(conv, pool_kernel, _check)]
 
 
 def _pipeline_b_shape(x, weight, *args, stride=1, padding=0, output_padding=0, groups=1,
                       pool_kernel=2, _check=True, **kwargs):
-    _layout(x, 2, weight.shape[0], "the transposed weight", _check)
+    _layout(x, 2, _check, weight)
+    _expand(groups, 1, "groups", 1, _check)
+    _channels(x, weight.shape[0], "the transposed weight", _check)
     conv = _conv_transpose_size(x.shape[2:], weight.shape[2:], stride, padding,
                                 output_padding, 1, _check)
     return [x.shape[0], weight.shape[1] * groups, *_pooled(conv, pool_kernel, _check)]
@@ -134,7 +160,9 @@ def _pipeline_b_shape(x, weight, *args, stride=1, padding=0, output_padding=0, g
 
 def _pipeline_c_shape(x, weight, scale, *, stride, padding, output_padding, pool_kernel,
                       groups=1, _check=True, **kwargs):
-    _layout(x, 3, weight.shape[0], "the transposed weight", _check)
+    _layout(x, 3, _check, weight)
+    _expand(groups, 1, "groups", 1, _check)
+    _channels(x, weight.shape[0], "the transposed weight", _check)
     return [x.shape[0], weight.shape[1] * groups,
             *_conv_transpose_size(_pooled(x.shape[2:], pool_kernel, _check), weight.shape[2:],
                                   stride, padding, output_padding, 1, _check)]
@@ -152,10 +180,10 @@ _POOL = "(Tensor x, int[{n}] kernel_size, int[{n}]? stride=None, int[{n}] paddin
 #: Every operator: name -> (schema, output-shape function). The argument names, order and
 #: defaults are those of the cufused function of the same name.
 OPERATORS: dict[str, tuple[str, Callable]] = {
-    "conv2d": (_CONV.format(n=2), _conv_shape),
-    "conv3d": (_CONV.format(n=3), _conv_shape),
-    "conv_transpose2d": (_CONV_T.format(n=2), _conv_transpose_shape),
-    "conv_transpose3d": (_CONV_T.format(n=3), _conv_transpose_shape),
+    "conv2d": (_CONV.format(n=2), partial(_conv_shape, nd=2)),
+    "conv3d": (_CONV.format(n=3), partial(_conv_shape, nd=3)),
+    "conv_transpose2d": (_CONV_T.format(n=2), partial(_conv_transpose_shape, nd=2)),
+    "conv_transpose3d": (_CONV_T.format(n=3), partial(_conv_transpose_shape, nd=3)),
     "group_norm": ("(Tensor x, int num_groups, Tensor? weight=None, Tensor? bias=None, *, "
                    "float eps=1e-05) -> Tensor", _same_shape),
     "batch_norm": ("(Tensor x, Tensor? weight=None, Tensor? bias=None, *, "
@@ -165,7 +193,8 @@ OPERATORS: dict[str, tuple[str, Callable]] = {
     "max_pool2d": (_POOL.format(n=2), partial(_pool_shape, nd=2)),
     "max_pool3d": (_POOL.format(n=3), partial(_pool_shape, nd=3)),
     "avg_pool2d": (_POOL.format(n=2), partial(_pool_shape, nd=2)),
-    "avg_pool3d": (_POOL.format(n=3), partial(_pool_shape, nd=3)),
+    # As PyTorch's, avg_pool3d's window must fit in the unpadded input.
+    "avg_pool3d": (_POOL.format(n=3), partial(_pool_shape, nd=3, unpadded_window=True)),
     "softmax": ("(Tensor x, int[1] axis=-1) -> Tensor", _same_shape),
     "conv2d_groupnorm_scale_maxpool_clamp": (
         "(Tensor x, Tensor weight, Tensor? conv_bias, Tensor? gn_weight, Tensor? gn_bias, "

@@ -69,7 +69,9 @@ CASES = [
     (lambda: cufused.batch_norm(X4, running_var=np.ones((4, 2), np.float32)[:, 0]), ValueError,
      "running_var"),
     (lambda: cufused.max_pool2d(X4, 0), ValueError, "kernel_size"),
-    (lambda: cufused.max_pool2d(X4, 9), ValueError, "larger than the padded input"),
+    (lambda: cufused.max_pool2d(X4, 9), ValueError, r"kernel_size: .* larger than x \("),
+    (lambda: cufused.max_pool2d(X4, 11, padding=1), ValueError,
+     r"kernel_size: .* larger than the padded x \(padding \(1, 1\)"),
     (lambda: cufused.max_pool2d(X4, 2, padding=2), ValueError, "padding"),
     (lambda: cufused.avg_pool3d(X4, 2), ValueError, "NCDHW"),
     (lambda: cufused.avg_pool2d(X4, 2, stride=(1, 0)), ValueError, "stride"),
@@ -78,7 +80,8 @@ CASES = [
     (lambda: cufused.softmax(X4, axis=1.0), TypeError, "axis"),
     (lambda: cufused.softmax(np.ones((), np.float32)), ValueError, "dimension"),
     (lambda: pipeline_a(num_groups=3), ValueError, "num_groups"),
-    (lambda: pipeline_a(pool_kernel=7), ValueError, "larger than the padded input"),
+    (lambda: pipeline_a(pool_kernel=7), ValueError,
+     "pool_kernel: .* larger than the convolution output"),
     (lambda: pipeline_a(pool_kernel=(2, 3)), ValueError, "pool_kernel"),
     (lambda: pipeline_a(clamp_min=float("nan")), ValueError, "clamp_min"),
     (lambda: pipeline_a(clamp_max=None), TypeError, "clamp_max"),
@@ -102,7 +105,7 @@ CASES = [
         pool_kernel=2, clamp_min=0, clamp_max=1), ValueError, "output_padding"),
     (lambda: cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
         X5, np.ones((2, 3, 3, 3, 3), np.float32), 1.0, stride=2, padding=1, output_padding=1,
-        pool_kernel=5, clamp_min=0, clamp_max=1), ValueError, "larger than the padded input"),
+        pool_kernel=5, clamp_min=0, clamp_max=1), ValueError, "pool_kernel: .* larger than x"),
     (lambda: cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
         X4, np.ones((2, 3, 3, 3, 3), np.float32), 1.0, stride=2, padding=1, output_padding=1,
         pool_kernel=2, clamp_min=0, clamp_max=1), ValueError, "NCDHW"),
@@ -117,8 +120,12 @@ CASES = [
     (lambda: cufused.group_norm(X4, 2, eps=10**400), ValueError, "eps is out of float range"),
     (lambda: pipeline_a(clamp_max=-10**400), ValueError, "clamp_max"),
     (lambda: pipeline_a(scale=10**400), ValueError, "scale"),
-    (lambda: cufused.batch_norm(X4, activation=["tanh"]), ValueError, "activation"),
-    (lambda: pipeline_a(method=np.array(["fused", "unfused"])), ValueError, "method"),
+    # A string option of another type is a TypeError (no unhashable-type error either).
+    (lambda: cufused.batch_norm(X4, activation=["tanh"]), TypeError, "activation"),
+    (lambda: pipeline_a(method=np.array(["fused", "unfused"])), TypeError, "method"),
+    (lambda: cufused.conv2d(X4, W, precision=1), TypeError, r"precision .* or None, got int"),
+    (lambda: cufused.set_default_precision(None), TypeError,
+     r"precision must be one of \('ieee', 'tf32', '3xtf32'\), got NoneType"),
     # Memory: the reference's padded pool input; a sample of an empty batch's output.
     (lambda: cufused.max_pool3d(np.ones((1, 1, 4, 4, 4)), 2**16 + 1, 1, 2**15), ValueError,
      "padded input of the pool"),  # 2 PiB: past any host's memory

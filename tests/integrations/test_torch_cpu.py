@@ -286,6 +286,46 @@ def test_operators_name_bad_dtypes_devices_and_options():
         2, 8, 4, 4)
 
 
+def _meta(*shape):
+    return torch.empty(*shape, device="meta")
+
+
+# Calls the eager operators refuse, each with the ValueError or TypeError naming the argument
+# that the traced (fake) call must raise too, before indexing a shape.
+_REFUSED_BY_SHAPE = [
+    ("conv2d", (_meta(2, 4, 8, 8), _meta(6)), {}, ValueError, "weight must have 4 dim"),
+    ("conv2d", (_meta(2, 4, 8, 8), _meta(6, 4, 3)), {}, ValueError, "weight must have 4 dim"),
+    ("conv3d", (_meta(2, 4, 8, 8), _meta(6, 4, 3, 3)), {}, ValueError, "x must have 5 dim"),
+    ("conv_transpose2d", (_meta(2, 4, 8, 8), _meta(4)), {}, ValueError,
+     "weight must have 4 dim"),
+    ("conv2d", (_meta(2, 4, 8, 8), _meta(6, 4, 3, 3)), dict(stride=[]), TypeError,
+     "stride must be an int or a sequence of 2 ints"),
+    ("conv2d", (_meta(2, 4, 8, 8), _meta(6, 4, 3, 3)), dict(stride=[1, 1, 1]), TypeError,
+     "stride must be an int or a sequence of 2 ints"),
+    ("conv2d", (_meta(2, 4, 8, 8), _meta(6, 4, 3, 3)), dict(groups=0), ValueError,
+     "groups must be >= 1"),
+    ("max_pool2d", (_meta(2, 4, 8, 8), []), {}, TypeError, "kernel_size must be an int"),
+    ("max_pool2d", (_meta(2, 4, 8, 8), [3], [1], [2]), {}, ValueError,
+     "padding must be at most half"),
+    ("avg_pool3d", (_meta(1, 2, 4, 9, 9), [5]), dict(padding=[2]), ValueError,
+     "kernel_size: pooling window .* larger than x"),
+    ("conv2d_groupnorm_scale_maxpool_clamp",
+     (_meta(2, 3, 10, 10), _meta(8), None, None, None, None),
+     dict(num_groups=4, pool_kernel=2, clamp_min=0.0, clamp_max=1.0), ValueError,
+     "weight must have 4 dim"),
+]
+
+
+@pytest.mark.parametrize("name, args, kwargs, error, message", _REFUSED_BY_SHAPE)
+def test_traced_calls_refuse_what_eager_calls_refuse(name, args, kwargs, error, message):
+    op = getattr(torch.ops.cufused, name)
+    with pytest.raises(error, match=message):
+        op(*args, **kwargs)
+    cpu = [torch.rand(a.shape) if isinstance(a, torch.Tensor) else a for a in args]
+    with pytest.raises((ValueError, TypeError)):  # the eager call's own check
+        op(*cpu, **kwargs)
+
+
 def test_cuda_kernel_output_shape_fails_with_the_checks(monkeypatch):
     # The CUDA kernel computes the output's shape before cufused checks the call; where that
     # computation fails (a zero stride, a negative size) the shape's checks say why. Both are
@@ -299,5 +339,10 @@ def test_cuda_kernel_output_shape_fails_with_the_checks(monkeypatch):
         pool(x, [2, 2], [0, 0], [0, 0])
     with pytest.raises(ValueError, match="spatial size"):
         pool(x, [9, 9], [1, 1], [0, 0])
+    with pytest.raises(TypeError, match="kernel_size must be an int"):
+        pool(x, [], [1, 1], [0, 0])
+    conv = _kernels._cuda_kernel("conv2d", cft.OPERATORS["conv2d"][1])
+    with pytest.raises(ValueError, match="weight must have 4 dimensions"):
+        conv(x, torch.rand(6))
 
 

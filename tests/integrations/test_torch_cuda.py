@@ -35,7 +35,7 @@ def test_cupy_views_are_the_tensors_memory(cuda):
 
     base = torch.rand(4, 6, 10, 12, device="cuda")
     for t in (base, base.permute(0, 2, 3, 1), base[1:3, :, 2:, ::2], base[0, 0]):
-        view = cft._cupy_view(t, cupy)
+        view = cft._cupy_view(t, cupy, "x")
         ref = cupy.from_dlpack(t)  # what DLPack gives, for comparison
         assert view.data.ptr == t.data_ptr() == ref.data.ptr
         assert view.shape == ref.shape and view.strides == ref.strides
@@ -93,10 +93,18 @@ def test_bad_cuda_calls_raise_before_any_work(cuda):
         torch.ops.cufused.max_pool2d(x, 2, 0)
     with pytest.raises(ValueError, match="spatial size"):
         torch.ops.cufused.max_pool2d(x, 9, 1)
-    with pytest.raises(ValueError, match="larger than the padded input"):
+    with pytest.raises(ValueError, match="kernel_size: .* larger than x"):
         torch.ops.cufused.max_pool2d(x, 7)  # an empty output: cufused's own check
-    with pytest.raises(ValueError, match="same device"):
+    with pytest.raises(ValueError, match="weight is a tensor on cpu.*same device"):
         torch.ops.cufused.group_norm(x, 2, torch.ones(4))
+    w = torch.rand(4, 3, 3, 3, device="cuda")
+    with pytest.raises(TypeError, match="weight has dtype torch.bfloat16"):
+        torch.ops.cufused.conv_transpose2d(x, w.bfloat16())
+    with pytest.raises(ValueError, match="weight must have 4 dimensions"):
+        torch.ops.cufused.conv_transpose2d(x, w[0, 0, 0])
+    # A result past the device's memory: cufused's refusal, not the allocator's error.
+    with pytest.raises(ValueError, match="the result would have shape"):
+        torch.ops.cufused.conv_transpose2d(x, w, stride=[2**20])
     rm, rv = torch.zeros(4, device="cuda"), torch.ones(4, device="cuda")
     with pytest.raises(ValueError, match="momentum"):
         torch.ops.cufused.batch_norm(x, running_mean=rm, running_var=rv, momentum=2.0)

@@ -93,6 +93,22 @@ def test_pooling(rng, nd, is_max):
         assert_close(got[mask], ref[mask], 1e-6)
 
 
+@pytest.mark.parametrize("nd", [2, 3])
+@pytest.mark.parametrize("is_max", [True, False])
+def test_pooling_windows_far_larger_than_the_input(rng, nd, is_max):
+    # A window of 2**30 (padding 2**29, within the checks) visits only its positions inside
+    # the input: the call returns at once, the max, or the sum over the whole window size.
+    x = rng.standard_normal((2, 3) + (9,) * nd).astype(np.float32)
+    fn = getattr(cufused, f"{'max' if is_max else 'avg'}_pool{nd}d")
+    k, p = 2**30, 2**29
+    out = poisoned((2, 3) + (1,) * nd)
+    fn(*to_gpu(x), k, None, p, out=out)
+    axes = tuple(range(2, 2 + nd))
+    x64 = x.astype(np.float64)
+    want = x64.max(axis=axes) if is_max else x64.sum(axis=axes) / float(k) ** nd
+    assert_close(out.get().reshape(2, 3), want, 1e-6)
+
+
 @pytest.mark.parametrize("shape,axis", [((3, 5, 7), -1), ((2, 3, 4, 5, 6), (2, 3, 4)),
                                         ((4, 6, 5), 1), ((2, 3, 4), (0, 2)), ((1000, 3), 0),
                                         ((2, 200_000), -1)])
