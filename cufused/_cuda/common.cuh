@@ -12,6 +12,12 @@ typedef long long index_t;
 #define NAN __int_as_float(0x7fffffff)
 #endif
 
+// The shift of shifted sums taken from a data value: an infinite one would turn every
+// d = value - shift into NaN or -inf, and the mean of a row holding one infinity NaN where
+// PyTorch's is that infinity (BatchNorm's running mean shows it); 0 keeps the sums' own
+// infinities. A finite shift only keeps |mean| >> std accurate.
+__device__ __forceinline__ float finite_shift(float v) { return isinf(v) ? 0.0f : v; }
+
 // NaN-propagating max/min (fmaxf/fminf drop NaN; PyTorch's pooling keeps it).
 __device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
 __device__ __forceinline__ float nan_min(float a, float b) { return (a < b || a != a) ? a : b; }

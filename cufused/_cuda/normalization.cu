@@ -14,7 +14,7 @@
 // Shifted sums for one statistics key over x[o * outer_stride + key * key_stride + i],
 // o < n_outer, i < inner, split into `splits` blocks per key (the split reduction that keeps
 // the GPU busy when there are few keys). partial[key * splits + split] = (sum d, sum d*d) with
-// d = x - shift, shift = the key's first element (written to shift_out[key]).
+// d = x - shift, shift = the key's first element, 0 where infinite (written to shift_out[key]).
 __global__ void key_stats_partial(const float* __restrict__ x, float2* __restrict__ partial,
                                   float* __restrict__ shift_out, index_t n_outer,
                                   index_t outer_stride, index_t key_stride, index_t inner,
@@ -23,7 +23,7 @@ __global__ void key_stats_partial(const float* __restrict__ x, float2* __restric
     const int split = blockIdx.x % splits;
     const index_t key = blockIdx.x / splits;
     const float* base = x + key * key_stride;
-    const float shift = base[0];
+    const float shift = finite_shift(base[0]);
     if (split == 0 && threadIdx.x == 0) shift_out[key] = shift;
     const index_t total = n_outer * inner;
     index_t j_begin, j_end;

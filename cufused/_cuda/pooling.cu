@@ -171,8 +171,8 @@ struct ChannelStats {
             const int c = c0 + q;
             b[q] = bias ? bias[c] : 0.0f;
             const int c_first = (c / shift_group) * shift_group;
-            const float shift = y[(shift_per_sample ? n : 0) * sn + c_first * sc]
-                                + (bias ? bias[c_first] : 0.0f);
+            const float shift = finite_shift(y[(shift_per_sample ? n : 0) * sn + c_first * sc]
+                                             + (bias ? bias[c_first] : 0.0f));
             if (writer && c == c_first && (shift_per_sample || n == 0))
                 shift_out[shift_per_sample ? n * (C / shift_group) + c / shift_group
                                            : c / shift_group] = shift;

@@ -93,12 +93,35 @@ def test_pooling(rng, nd, is_max):
         assert_close(got[mask], ref[mask], 1e-6)
 
 
+@pytest.mark.parametrize("first", [np.inf, -np.inf])
+def test_batch_norm_infinity_as_a_channels_first_value(rng, first):
+    # The running mean of a channel whose first value is infinite (the others finite) is that
+    # infinity, as in PyTorch; its running variance and outputs are NaN; other channels as
+    # usual.
+    x = rng.standard_normal((3, 4, 5, 6))
+    x[0, 1, 0, 0] = first
+    rm, rv = rng.standard_normal(4), rng.uniform(0.5, 2, 4)
+    rm_g, rv_g = to_gpu(rm, rv)
+    ref = cufused.batch_norm(x, running_mean=rm, running_var=rv, training=True)
+    out = poisoned(x.shape)
+    cufused.batch_norm(*to_gpu(x), running_mean=rm_g, running_var=rv_g, training=True, out=out)
+    got = out.get()
+    assert rm[1] == first and rm_g.get()[1] == first
+    assert np.isnan(rv[1]) and np.isnan(rv_g.get()[1])
+    assert np.isnan(ref[:, 1]).all() and np.isnan(got[:, 1]).all()
+    keep = [0, 2, 3]
+    assert_close(got[:, keep], ref[:, keep], 1e-5)
+    assert_close(rm_g.get()[keep], rm[keep], 1e-5)
+    assert_close(rv_g.get()[keep], rv[keep], 1e-5)
+
+
 @pytest.mark.parametrize("nd", [2, 3])
 @pytest.mark.parametrize("is_max", [True, False])
 def test_pooling_windows_far_larger_than_the_input(rng, nd, is_max):
     # A window of 2**30 (padding 2**29, within the checks) visits only its positions inside
     # the input: the call returns at once, the max, or the sum over the whole window size.
-    x = rng.standard_normal((2, 3) + (9,) * nd).astype(np.float32)
+    # Positive values: the average's float32 sum of 81 or 729 values has no cancellation.
+    x = rng.uniform(0.5, 1.5, (2, 3) + (9,) * nd).astype(np.float32)
     fn = getattr(cufused, f"{'max' if is_max else 'avg'}_pool{nd}d")
     k, p = 2**30, 2**29
     out = poisoned((2, 3) + (1,) * nd)
@@ -106,7 +129,7 @@ def test_pooling_windows_far_larger_than_the_input(rng, nd, is_max):
     axes = tuple(range(2, 2 + nd))
     x64 = x.astype(np.float64)
     want = x64.max(axis=axes) if is_max else x64.sum(axis=axes) / float(k) ** nd
-    assert_close(out.get().reshape(2, 3), want, 1e-6)
+    assert_close(out.get().reshape(2, 3), want, 1e-6 if is_max else 1e-5)
 
 
 @pytest.mark.parametrize("shape,axis", [((3, 5, 7), -1), ((2, 3, 4, 5, 6), (2, 3, 4)),

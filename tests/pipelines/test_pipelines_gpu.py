@@ -200,6 +200,26 @@ def test_pipeline_b_nan_reaches_running_buffers(rng, method):
         assert np.isnan(expected).all() and np.isnan(result.get()).all()
 
 
+@pytest.mark.parametrize("method", ["fused", "unfused"])
+def test_pipeline_b_infinity_at_a_channels_first_value(rng, method):
+    # x[0, 0, 0, 0] = inf with positive weights from input channel 0: every channel's
+    # convolution output holds +inf at its first positions, its first value among them. The
+    # batch mean, and so the running mean, is +inf (the shifted sums must not take the
+    # infinity as their shift: inf - inf); the variance and every output are NaN.
+    arrays, opts = pipeline_b_args(rng)
+    arrays[1][0] = np.abs(arrays[1][0]) + 0.1
+    arrays[0][0, 0, 0, 0] = np.inf
+    rm, rv = rng.standard_normal(8), rng.uniform(0.5, 2, 8)
+    rm_g, rv_g = to_gpu(rm, rv)
+    ref = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        *arrays, **opts, running_mean=rm, running_var=rv)
+    got = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        *to_gpu(*arrays), **opts, running_mean=rm_g, running_var=rv_g, method=method)
+    assert np.isposinf(rm).all() and np.isposinf(rm_g.get()).all()
+    for expected, result in ((ref, got), (rv, rv_g)):
+        assert np.isnan(expected).all() and np.isnan(result.get()).all()
+
+
 def test_pipelines_propagate_nan(rng):
     arrays, opts = pipeline_a_args(rng)
     arrays[0][1, 2, 5, 5] = np.nan
