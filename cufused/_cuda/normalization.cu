@@ -131,10 +131,11 @@ __global__ void stats_finalize(const float* __restrict__ partial, const float* _
         if (threadIdx.x == 0) {
             double mean = moments_row.x, var = moments_row.y < 0.0 ? 0.0 : moments_row.y;
             const double offset = mean_offset ? (double)mean_offset[row] : 0.0;
-            // The offset (a convolution bias the statistics skipped) cancels for finite
-            // values; a NaN or infinite one makes the channel's statistics NaN, as adding it
-            // to every value first would.
-            if (!isfinite(offset)) var = mean = __longlong_as_double(0x7ff8000000000000LL);
+            // The offset (a convolution bias the statistics skipped) cancels in the
+            // normalized values; the running mean takes it. Added to every value first, an
+            // infinite one makes the mean that infinity and the variance NaN (inf - inf), as
+            // in PyTorch; a NaN one makes both NaN.
+            if (!isfinite(offset)) var = __longlong_as_double(0x7ff8000000000000LL);
             stats[0] = (float)mean;
             stats[1] = (float)inverse_std(var, eps);
             if (MODE == MODE_BATCH_NORM) {

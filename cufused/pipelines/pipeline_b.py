@@ -189,9 +189,10 @@ def _chunk_extrema_sums(x, weight, conv_bias, bn_weight, *, stride, padding, out
     min where ``bn_weight < 0``), and each channel's sums ``(sum d, sum d * d)`` over its
     ``count`` values, ``d = y + conv_bias - shift`` (``sums`` (C, 2) float64 of float32
     partial sums, ``shift`` (C,) the channel's first value). The bias is in them, so that the
-    chunks' merged moments give the running mean's update, and a non-finite bias turns its
-    channel NaN, as in the single call (whose statistics skip the bias and add it to the
-    mean). The sample of ``y`` has fewer than 2**31 elements (``gpu_method``).
+    chunks' merged moments give the running mean's update, and an infinite bias makes its
+    channel's mean that infinity and its variance NaN, as in the single call (whose
+    statistics skip the bias and add it to the mean) and PyTorch. The sample of ``y`` has
+    fewer than 2**31 elements (``gpu_method``).
     """
     xp = get_array_module(x=x)
     args = cached_conv_args(x.shape, weight.shape, 2, transposed=True, stride=stride,

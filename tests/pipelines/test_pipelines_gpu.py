@@ -220,6 +220,30 @@ def test_pipeline_b_infinity_at_a_channels_first_value(rng, method):
         assert np.isnan(expected).all() and np.isnan(result.get()).all()
 
 
+@pytest.mark.parametrize("method", ["fused", "unfused"])
+def test_pipeline_b_non_finite_conv_bias_in_the_running_buffers(rng, method):
+    # As in PyTorch (and the NumPy path): an infinite bias makes its channel's running mean
+    # that infinity and its running variance NaN, a NaN bias both NaN; the other channels
+    # as usual.
+    arrays, opts = pipeline_b_args(rng)
+    bias = rng.standard_normal(8)
+    bias[[2, 3, 4]] = [np.inf, -np.inf, np.nan]
+    rm, rv = rng.standard_normal(8), rng.uniform(0.5, 2, 8)
+    rm_g, rv_g = to_gpu(rm, rv)
+    ref = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        *arrays, **opts, conv_bias=bias, running_mean=rm, running_var=rv)
+    got = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        *to_gpu(*arrays), **opts, conv_bias=to_gpu(bias)[0], running_mean=rm_g,
+        running_var=rv_g, method=method)
+    assert rm[2] == np.inf and rm[3] == -np.inf and np.isnan(rm[4])
+    for expected, result in ((ref, got), (rm, rm_g), (rv, rv_g)):
+        result = result.get()
+        for test in (np.isnan, np.isposinf, np.isneginf):
+            assert np.array_equal(test(result), test(expected))
+        finite = np.isfinite(expected)
+        assert_close(result[finite], expected[finite], 1e-4)
+
+
 def test_pipelines_propagate_nan(rng):
     arrays, opts = pipeline_a_args(rng)
     arrays[0][1, 2, 5, 5] = np.nan
