@@ -246,8 +246,9 @@ __device__ __forceinline__ void write_staged_extrema(const float (&stage)[ROWS][
 //  * partial[(n * C + c) * splits + split] = (sum d, sum d*d), d = y + bias - shift, over every
 //    element of the plane, including the rows and columns that the pool drops.
 // shift is the first element of the statistics row: y + bias at (shift_per_sample ? n : 0, first
-// channel of c's group of shift_group channels, 0, 0), stored in shift_out[row]. It keeps the
-// float32 sums accurate when |mean| >> std, and all partials of a row share it.
+// channel of c's group of shift_group channels, 0, 0), 0 where infinite (finite_shift), stored
+// in shift_out[row]. It keeps the float32 sums accurate when |mean| >> std, and all partials
+// of a row share it.
 // ext_block is for the variants that may store ext channels-last (see below): the channels
 // per block of that layout (blocked_channels_last); the others ignore it.
 // Block (32, 8). NCHW: x lanes walk pooled columns (coalesced rows), y lanes channels.

@@ -1,8 +1,8 @@
 """Launchers of ``normalization.cu``: split statistics, their finalization into per-channel
 affine coefficients, the affine (+ activation) apply pass, and a one-block-per-row GroupNorm.
 
-Statistics are float32 sums shifted by each key's first value (so ``|mean| >> std`` stays
-accurate), combined in float64 by ``stats_finalize``.
+Statistics are float32 sums shifted by each key's first value (0 where infinite; so
+``|mean| >> std`` stays accurate), combined in float64 by ``stats_finalize``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ def key_stats_partial(xp, x, keys: int, *, n_outer: int, outer_stride: int, key_
     """Shifted sums of each of ``keys`` statistics keys over
     ``x[o * outer_stride + key * key_stride + i]`` (o < n_outer, i < inner), split across
     blocks; returns ``(partial, shift, splits)``: partial (keys, splits, 2) float32 sums of
-    ``d`` and ``d * d`` with ``d = x - shift``, shift (keys,) each key's first value."""
+    ``d`` and ``d * d`` with ``d = x - shift``, shift (keys,) each key's first
+    value, 0 where infinite."""
     splits = split_count(keys, n_outer * inner)
     partial = xp.empty((keys, splits, 2), dtype=xp.float32)
     shift = xp.empty(keys, dtype=xp.float32)

@@ -1,8 +1,8 @@
 """Normalization: ``group_norm`` and ``batch_norm`` (with a fused ``tanh``).
 
-GPU statistics are float32 shifted sums (the shift is each row's first value, so
-``|mean| >> std`` stays accurate) combined in float64; the normalization is folded into a
-per-channel ``a * x + b`` applied in one pass.
+GPU statistics are float32 shifted sums (the shift is each row's first value, 0 where
+infinite, so ``|mean| >> std`` stays accurate) combined in float64; the normalization is
+folded into a per-channel ``a * x + b`` applied in one pass.
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ def conv2d_groupnorm_scale_maxpool_clamp(
     check_conv_memory(x.shape, args, xp)
     c = args.out_shape[1]
     num_groups = check_num_groups(num_groups, c)
-    check_group_values(args.out_shape, num_groups, "the conv output")
+    check_group_values(args.out_shape, num_groups, "the convolution output")
     k = tuple_pool(pool_kernel, 2)
     _, _, _, pooled = check_pool_args(args.out_shape[2:], 2, k, k, 0, name="the convolution output",
                                       kernel_name="pool_kernel")

@@ -110,7 +110,7 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     check_group_values(args.out_shape[:2] + pooled, num_groups, "the pooled output")
     eps = check_scalar(eps, "eps", minimum=0.0)
     momentum = check_scalar(momentum, "momentum", minimum=0.0, maximum=1.0)
-    check_channel_values(args.out_shape, "the conv output")
+    check_channel_values(args.out_shape, "the convolution output")
     precision = resolve_precision(precision)
     check_method(method)
     return forward(
@@ -188,11 +188,11 @@ def _chunk_extrema_sums(x, weight, conv_bias, bn_weight, *, stride, padding, out
     Returns ``(pooled, sums, shift, count)``: the window extrema of ``y + conv_bias`` (the
     min where ``bn_weight < 0``), and each channel's sums ``(sum d, sum d * d)`` over its
     ``count`` values, ``d = y + conv_bias - shift`` (``sums`` (C, 2) float64 of float32
-    partial sums, ``shift`` (C,) the channel's first value). The bias is in them, so that the
-    chunks' merged moments give the running mean's update, and an infinite bias makes its
-    channel's mean that infinity and its variance NaN, as in the single call (whose
-    statistics skip the bias and add it to the mean) and PyTorch. The sample of ``y`` has
-    fewer than 2**31 elements (``gpu_method``).
+    partial sums, ``shift`` (C,) the channel's first value, 0 where infinite). The bias is
+    in them, so that the chunks' merged moments give the running mean's update, and an
+    infinite bias makes its channel's mean that infinity and its variance NaN, as in the
+    single call (whose statistics skip the bias and add it to the mean) and PyTorch. The
+    sample of ``y`` has fewer than 2**31 elements (``gpu_method``).
     """
     xp = get_array_module(x=x)
     args = cached_conv_args(x.shape, weight.shape, 2, transposed=True, stride=stride,

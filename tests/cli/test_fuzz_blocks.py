@@ -44,8 +44,10 @@ def test_fuzz_of_the_numpy_path_matches_torch(flags):
 def test_fuzz_catches_a_wrong_reference(monkeypatch, capsys):
     """A max pool that pads with zeros instead of -inf fails cases (the fuzzer can fail), and
     each failure names the command that replays it."""
-    pytest.importorskip("torch")
+    torch = pytest.importorskip("torch")
     monkeypatch.syspath_prepend(str(SCRIPTS))
+    # The fuzzer runs PyTorch on one thread; the rest of the test session keeps its own.
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     import fuzz_blocks
 
     def zero_padded(x, kernel_size, stride, padding):

@@ -120,7 +120,7 @@ def test_batch_norm_infinity_as_a_channels_first_value(rng, first):
 def test_pooling_windows_far_larger_than_the_input(rng, nd, is_max):
     # A window of 2**30 (padding 2**29, within the checks) visits only its positions inside
     # the input: the call returns at once, the max, or the sum over the whole window size.
-    # Positive values: the average's float32 sum of 81 or 729 values has no cancellation.
+    # Positive values: the average's float32 sum of 81 values has no cancellation.
     x = rng.uniform(0.5, 1.5, (2, 3) + (9,) * nd).astype(np.float32)
     fn = getattr(cufused, f"{'max' if is_max else 'avg'}_pool{nd}d")
     k, p = 2**30, 2**29

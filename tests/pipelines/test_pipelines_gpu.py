@@ -209,6 +209,10 @@ def test_pipeline_b_infinity_at_a_channels_first_value(rng, method):
     arrays, opts = pipeline_b_args(rng)
     arrays[1][0] = np.abs(arrays[1][0]) + 0.1
     arrays[0][0, 0, 0, 0] = np.inf
+    # Where the infinity lands is the convolution algorithm's (an FFT plan spreads NaN).
+    y = cufused.conv_transpose2d(*to_gpu(arrays[0], arrays[1])).get()
+    if not np.isposinf(y[0, :, 0, 0]).all():
+        pytest.skip("this device's convolution plan does not keep the infinity")
     rm, rv = rng.standard_normal(8), rng.uniform(0.5, 2, 8)
     rm_g, rv_g = to_gpu(rm, rv)
     ref = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
