@@ -43,9 +43,10 @@ def _spatial(size: list, check: bool) -> list:
     return size
 
 
-def _layout(x, nd: int, check: bool, weight=None) -> None:
+def _layout(x, nd: int, check: bool, weight=None, groups=1) -> None:
     """With ``check``: ``x`` is (N, C, *nd spatial sizes), and ``weight`` (if given) a
-    convolution weight of ``nd`` spatial sizes; the shapes are indexed after this."""
+    convolution weight of ``nd`` spatial sizes in ``groups >= 1`` groups; the shapes are
+    indexed, and the channels counted with ``groups``, after this."""
     if not check:
         return
     if x.dim() != nd + 2:
@@ -54,6 +55,7 @@ def _layout(x, nd: int, check: bool, weight=None) -> None:
     if weight is not None and weight.dim() != nd + 2:
         raise ValueError(f"weight must have {nd + 2} dimensions ({nd} spatial), got shape "
                          f"{tuple(weight.shape)}")
+    _expand(groups, 1, "groups", 1, check)
 
 
 def _channels(x, channels, what: str, check: bool) -> None:
@@ -112,8 +114,7 @@ def _pooled(size: Sequence, pool_kernel, check: bool) -> list:
 
 def _conv_shape(x, weight, bias=None, *, nd: int, stride=1, padding=0, dilation=1, groups=1,
                 precision=None, _check=True):
-    _layout(x, nd, _check, weight)
-    _expand(groups, 1, "groups", 1, _check)
+    _layout(x, nd, _check, weight, groups)
     _channels(x, weight.shape[1] * groups, "weight (times groups)", _check)
     return [x.shape[0], weight.shape[0],
             *_conv_size(x.shape[2:], weight.shape[2:], stride, padding, dilation, _check)]
@@ -121,8 +122,7 @@ def _conv_shape(x, weight, bias=None, *, nd: int, stride=1, padding=0, dilation=
 
 def _conv_transpose_shape(x, weight, bias=None, *, nd: int, stride=1, padding=0,
                           output_padding=0, dilation=1, groups=1, precision=None, _check=True):
-    _layout(x, nd, _check, weight)
-    _expand(groups, 1, "groups", 1, _check)
+    _layout(x, nd, _check, weight, groups)
     _channels(x, weight.shape[0], "the transposed weight", _check)
     return [x.shape[0], weight.shape[1] * groups,
             *_conv_transpose_size(x.shape[2:], weight.shape[2:], stride, padding,
@@ -150,8 +150,7 @@ def _pipeline_a_shape(x, weight, *args, pool_kernel, stride=1, padding=0, _check
 
 def _pipeline_b_shape(x, weight, *args, stride=1, padding=0, output_padding=0, groups=1,
                       pool_kernel=2, _check=True, **kwargs):
-    _layout(x, 2, _check, weight)
-    _expand(groups, 1, "groups", 1, _check)
+    _layout(x, 2, _check, weight, groups)
     _channels(x, weight.shape[0], "the transposed weight", _check)
     conv = _conv_transpose_size(x.shape[2:], weight.shape[2:], stride, padding,
                                 output_padding, 1, _check)
@@ -160,8 +159,7 @@ def _pipeline_b_shape(x, weight, *args, stride=1, padding=0, output_padding=0, g
 
 def _pipeline_c_shape(x, weight, scale, *, stride, padding, output_padding, pool_kernel,
                       groups=1, _check=True, **kwargs):
-    _layout(x, 3, _check, weight)
-    _expand(groups, 1, "groups", 1, _check)
+    _layout(x, 3, _check, weight, groups)
     _channels(x, weight.shape[0], "the transposed weight", _check)
     return [x.shape[0], weight.shape[1] * groups,
             *_conv_transpose_size(_pooled(x.shape[2:], pool_kernel, _check), weight.shape[2:],
