@@ -11,7 +11,8 @@ least per-call overhead), with fake kernels so that ``torch.compile(fullgraph=Tr
 * CPU tensors run the float64 reference (NumPy) and come back as tensors of the input dtype.
 
 The operators are forward-only: a call with an input that requires grad while grad mode is on
-raises ``RuntimeError`` (run under ``torch.no_grad()`` or ``torch.inference_mode()``).
+raises ``RuntimeError`` (run under ``torch.no_grad()`` or ``torch.inference_mode()``). The
+modules also run in grad mode, with a result whose backward raises ``NotImplementedError``.
 
 The three ``nn.Module`` classes take the constructor arguments of the KernelBench level 2
 models in their order, create the same submodules and parameters (same initialization, same

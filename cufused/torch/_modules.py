@@ -2,10 +2,14 @@
 operators.
 
 The operators are looked up when ``forward`` runs; :mod:`cufused.torch`, which imports this
-module, registers them. Like the operators, the modules are forward-only.
+module, registers them. Like the operators, the modules are forward-only, but unlike them they
+also run in grad mode with parameters that require grad (``nn.Module``'s default, and how
+KernelBench times a model): the result then carries a backward that raises.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -21,6 +25,38 @@ _ops = torch.ops.cufused
 # ---------------------------------------------------------------------------------- modules
 
 
+class _NoBackward(torch.autograd.Function):
+    """A module's result in grad mode: ``run(x)`` runs with grad mode off (inside ``forward``),
+    and the result is recorded against ``x`` and the parameters that require grad with a
+    backward that raises, so that a loss built on it fails at ``backward()`` instead of leaving
+    those parameters without a gradient."""
+
+    @staticmethod
+    def forward(ctx, name: str, run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                *params: torch.Tensor) -> torch.Tensor:
+        ctx.name = name
+        return run(x)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> None:
+        raise NotImplementedError(
+            f"{ctx.name} is forward-only: cufused has no backward. Its result in grad mode "
+            "depends on the parameters and the input, but no gradient flows through it.")
+
+
+class _ForwardOnlyModule(torch.nn.Module):
+    """``forward`` runs the subclass's ``_run(x)``; in grad mode with ``x`` or a parameter that
+    requires grad, through :class:`_NoBackward` (the operators themselves refuse such
+    inputs)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            tracked = [p for p in self.parameters() if p.requires_grad]
+            if tracked or x.requires_grad:
+                return _NoBackward.apply(type(self).__name__, self._run, x, *tracked)
+        return self._run(x)
+
+
 def _square_window(kernel_size: int | tuple[int, ...], nd: int, name: str) -> int:
     """A pool window as the fused operators take it: one int, its side (a tuple of ``nd``
     equal sides, as ``nn.MaxPool2d`` / ``nn.AvgPool3d`` keep it, gives that side)."""
@@ -32,7 +68,7 @@ def _square_window(kernel_size: int | tuple[int, ...], nd: int, name: str) -> in
     return kernel_size
 
 
-class Conv2dGroupNormScaleMaxPoolClamp(torch.nn.Module):
+class Conv2dGroupNormScaleMaxPoolClamp(_ForwardOnlyModule):
     """KernelBench level 2 "Conv2d_GroupNorm_Scale_MaxPool_Clamp" as one fused call.
 
     ``clamp(max_pool2d(group_norm(conv2d(x)) * scale, maxpool_kernel_size), clamp_min,
@@ -85,7 +121,7 @@ class Conv2dGroupNormScaleMaxPoolClamp(torch.nn.Module):
         self.clamp_max = float(clamp_max)
         self.precision = precision
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
         conv, gn = self.conv, self.group_norm
         return _ops.conv2d_groupnorm_scale_maxpool_clamp.default(
             x, conv.weight, conv.bias, gn.weight, gn.bias, self.scale,
@@ -95,7 +131,7 @@ class Conv2dGroupNormScaleMaxPoolClamp(torch.nn.Module):
             padding=conv.padding, eps=gn.eps, precision=self.precision)
 
 
-class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(torch.nn.Module):
+class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(_ForwardOnlyModule):
     """KernelBench level 2 "ConvTranspose2d_BatchNorm_Tanh_MaxPool_GroupNorm" on cufused.
 
     ``group_norm(max_pool2d(tanh(batch_norm(conv_transpose2d(x))), 2, 2))``. In training mode
@@ -152,12 +188,11 @@ class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(torch.nn.Module):
         self.groups = groups
         self.precision = precision
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
         bn = self.batch_norm
         # BatchNorm's bookkeeping, as nn.BatchNorm2d.forward does it, except that the batch
         # is counted with the running statistics' update, once the call that updates them has
-        # succeeded: a call that fails its checks (or the forward-only rule) first leaves the
-        # module as it was.
+        # succeeded: a call that fails its checks first leaves the module as it was.
         momentum = 0.0 if bn.momentum is None else bn.momentum
         counted = (self.training and bn.track_running_stats
                    and bn.num_batches_tracked is not None)
@@ -199,7 +234,7 @@ class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(torch.nn.Module):
         return y
 
 
-class ConvTranspose3dAvgPoolClampSoftmaxMultiply(torch.nn.Module):
+class ConvTranspose3dAvgPoolClampSoftmaxMultiply(_ForwardOnlyModule):
     """KernelBench level 2 "ConvTranspose3d_AvgPool_Clamp_Softmax_Multiply" as one fused call.
 
     ``softmax(clamp(conv_transpose3d(avg_pool3d(x)), clamp_min, clamp_max)) * scale`` with the
@@ -252,7 +287,7 @@ class ConvTranspose3dAvgPoolClampSoftmaxMultiply(torch.nn.Module):
         self.scale = torch.nn.Parameter(torch.ones(1, out_channels, 1, 1, 1))
         self.precision = precision
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
         ct = self.conv_transpose
         return _ops.conv_transpose3d_avgpool_clamp_softmax_multiply.default(
             x, ct.weight, self.scale, stride=ct.stride, padding=ct.padding,

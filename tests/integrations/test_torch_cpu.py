@@ -155,9 +155,11 @@ def test_forward_only_errors():
     model = ours("A")(*init)
     x = torch.rand(shape)
     with pytest.raises(RuntimeError, match="forward-only.*torch.no_grad"):
-        model(x)  # the parameters require grad
-    with pytest.raises(RuntimeError, match="forward-only"):
-        torch.ops.cufused.softmax(x.requires_grad_())
+        torch.ops.cufused.softmax(x.clone().requires_grad_())
+    with pytest.raises(RuntimeError, match="forward-only.*torch.no_grad"):
+        torch.ops.cufused.conv2d_groupnorm_scale_maxpool_clamp(
+            x, model.conv.weight, None, None, None, None, num_groups=4, pool_kernel=2,
+            clamp_min=0.0, clamp_max=1.0)  # the weight requires grad
     with torch.no_grad():
         assert model(x).shape == (2, 8, 4, 4)
     with torch.inference_mode():
@@ -165,6 +167,37 @@ def test_forward_only_errors():
     torch._dynamo.reset()
     with pytest.raises(Exception, match="forward-only"):
         torch.compile(model, fullgraph=True, backend="aot_eager")(x)
+
+
+@pytest.mark.parametrize("name", ["A", "B", "C"])
+def test_modules_in_grad_mode(name):
+    # A module call in grad mode (parameters that require grad, as KernelBench times a model)
+    # gives the no_grad result, once; the result requires grad and its backward raises.
+    init, shape = SMALL[name]
+    ref, mine = make_pair(name, init)
+    x = torch.rand(shape)
+    got = mine(x)
+    with torch.no_grad():
+        want = ref(x)
+    assert got.requires_grad and got.grad_fn is not None
+    assert rel_err(got.detach().numpy(), want.numpy()) < 1e-5
+    for key, value in ref.state_dict().items():  # B's running statistics, counted once
+        assert torch.allclose(mine.state_dict()[key], value, rtol=1e-5, atol=0), key
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        got.sum().backward()
+    assert all(p.grad is None for p in mine.parameters())
+    # An input that requires grad alone also gives a result that does; nothing that requires
+    # grad gives a plain result; and a model compiled without fullgraph runs the same way.
+    mine.requires_grad_(False)
+    assert mine(x.clone().requires_grad_()).requires_grad
+    plain = mine(x)
+    assert not plain.requires_grad and plain.grad_fn is None
+    mine.requires_grad_(True)
+    torch._dynamo.reset()
+    compiled = torch.compile(mine, backend="aot_eager")(x)
+    assert compiled.requires_grad
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        compiled.sum().backward()
 
 
 # Inductor, except for B, whose BatchNorm bookkeeping (num_batches_tracked += 1) inductor
@@ -202,17 +235,17 @@ def test_torch_export(name):
 
 
 def test_module_b_counts_a_batch_once_the_call_succeeds():
-    # A call that fails (the forward-only rule, bad input) leaves the module as it was: with
+    # A call that fails (bad input, in grad mode or not) leaves the module as it was: with
     # momentum=None (a cumulative average) a miscounted batch would skew every later update.
     init, shape = SMALL["B"]
     ref, mine = make_pair("B", init, dtype=torch.float64)
     for model in (ref, mine):
         model.batch_norm.momentum = None
     x = torch.rand(shape, dtype=torch.float64)
-    with pytest.raises(RuntimeError, match="forward-only"):
-        mine(x)
-    with torch.no_grad(), pytest.raises(ValueError):
+    with pytest.raises(ValueError):
         mine(x[:, :1])  # wrong input channels
+    with torch.no_grad(), pytest.raises(ValueError):
+        mine(x[:, :1])
     assert int(mine.batch_norm.num_batches_tracked) == 0
     with torch.no_grad():
         for _ in range(2):

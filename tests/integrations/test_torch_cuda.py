@@ -84,6 +84,28 @@ def test_modules_match_kernelbench_cuda(cuda, name, sizes):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["A", "B", "C"])
+def test_modules_in_grad_mode_cuda(cuda, name):
+    # As KernelBench times a model: calls in grad mode with the parameters requiring grad, a
+    # synchronize after each. Each gives the no_grad call's result (B: its running statistics
+    # updated once a call); the result requires grad and its backward raises.
+    init, shape = SMALL[name]
+    ref, mine = make_pair(name, init, device="cuda")
+    x = torch.rand(shape, device="cuda")
+    for _ in range(3):
+        got = mine(x)
+        torch.cuda.synchronize()
+        with torch.no_grad():
+            want = ref(x)
+        assert got.requires_grad and got.grad_fn is not None
+        assert rel_err(got.detach().cpu().numpy(), want.cpu().numpy()) < 1e-4
+    for key, value in ref.state_dict().items():
+        assert torch.allclose(mine.state_dict()[key], value, rtol=1e-5, atol=0), key
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        got.sum().backward()
+
+
+@pytest.mark.gpu
 def test_bad_cuda_calls_raise_before_any_work(cuda):
     # The CUDA kernel's output shape comes before cufused's checks: where it cannot be formed
     # (a zero stride, a negative size) the shape's checks say why; otherwise cufused's own
