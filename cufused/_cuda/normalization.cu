@@ -458,9 +458,12 @@ __global__ void group_norm_rows_cached(const float* x, float* y, const float* __
     const int c0 = gn.c0, cg = gn.cg, len = gn.len();
     float shift, s1 = 0.0f, s2 = 0.0f;
     if constexpr (!X_BLOCKED) {
-        copy_to_shared<VEC>(row_cache, x + Row::start(len), gn.n_vec);
+        // The shift comes from x, not from row_cache[0]: the warp of channel 0 maps the
+        // cached row in place while other warps may not have read its first value yet.
+        const float* xr = x + Row::start(len);
+        shift = Row::pre_map(pre_a, pre_b, c0, xr[0]);
+        copy_to_shared<VEC>(row_cache, xr, gn.n_vec);
         __syncthreads();
-        shift = Row::pre_map(pre_a, pre_b, c0, row_cache[0]);
         map_cached_row(row_cache, cg, HW, [&](int c) {
             const float a = param_or(pre_a, c0 + c, 1.0f), b = param_or(pre_b, c0 + c, 0.0f);
             return [&, a, b](float v) {

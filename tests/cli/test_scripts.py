@@ -57,6 +57,7 @@ HELPERS = [p for p in PYTHON_SCRIPTS if not _is_command(p)]
 def test_the_contributor_tools_are_there():
     names = {p.name for p in PYTHON_SCRIPTS + SHELL_SCRIPTS}
     assert names >= {"gpu_check.sh", "ncu_kernels.sh", "bench_dask.py", "profile_pipelines.py",
+                     "sanitize.py",
                      "host_breakdown.py", "time_pipelines.py", "pipeline_calls.py",
                      "host_time.py"}, names
     assert {p.name for p in HELPERS} == {"pipeline_calls.py"}
@@ -154,6 +155,40 @@ def test_nonfinite_fuzz_of_the_numpy_path_matches_torch():
     assert res.returncode == 0, res.stdout + res.stderr
     ran = re.search(r"cases run: \{'A': (\d+), 'B': (\d+), 'C': (\d+)\}; failed: 0", res.stdout)
     assert ran and min(map(int, ran.groups())) >= 20, res.stdout
+
+
+def test_sanitize_reads_kernel_names_and_reports():
+    """scripts/sanitize.py finds every kernel of cufused's CUDA sources, and counts a
+    compute-sanitizer log's reports per kernel (the formats of racecheck and memcheck)."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        sanitize = importlib.import_module("sanitize")
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    ours = sanitize.cufused_kernels()
+    sources = list((ROOT / "cufused" / "_cuda").glob("*.cu"))
+    assert len(ours) == sum(p.read_text(encoding="utf-8").count("__global__") for p in sources)
+    assert {"conv2d_halo_pool_stats", "conv_transpose3d_s2k3", "softmax_rows_cluster",
+            "group_norm_rows_cached", "pool_extremum_stats_nchw_bands"} <= ours
+    log = "\n".join([
+        "========= COMPUTE-SANITIZER",
+        "========= Error: Race reported between Read access at void group_norm_rows_cached"
+        "<(int)1, (int)4, (bool)0>(const float *, float *, int)+0x660",
+        "=========     and Write access at void group_norm_rows_cached<(int)1, (int)4, (bool)0>"
+        "(const float *, float *, int)+0x7a0 [512 hazards]",
+        "========= Error: Race reported between Write access at sm90_xmma_dgrad_kernel__5x_cudnn"
+        "+0x7e90",
+        "========= Invalid __global__ read of size 16 bytes",
+        "=========     at pool_nd(const float *, float *)+0x1a0 in pooling.cu:88",
+        "=========     by thread (3,0,0) in block (0,0,0)",
+        "=========     Host Frame: cuLaunchKernel at libcuda.so",
+        "========= Program hit cudaErrorInvalidValue on CUDA API call to cuGetProcAddress",
+        "=========     Host Frame: at cupy_backends.cuda.api.driver.launchKernel(x)+0x2",
+        "========= ERROR SUMMARY: 3 errors",
+    ])
+    assert sanitize.reported_kernels(log) == {"group_norm_rows_cached": 1,
+                                              "sm90_xmma_dgrad_kernel__5x_cudnn": 1,
+                                              "pool_nd": 1}
 
 
 @pytest.mark.parametrize("path", SHELL_SCRIPTS, ids=lambda p: p.name)

@@ -1,0 +1,151 @@
+"""The kernels under NVIDIA's compute-sanitizer (device): random cases of the two fuzzers
+(``fuzz_pipelines.py``, ``fuzz_blocks.py``) run under each tool, in the device's builds and
+in the portable ones (``portable_builds``: the ``mma.sync`` path every other architecture
+takes), with cuDNN's heuristic plans (``plan_options(autotune=False)``: timing every plan
+would take the tool's time).
+
+Tools: ``racecheck`` (shared-memory hazards between threads), ``memcheck`` (out-of-bounds
+and misaligned accesses), ``synccheck`` (barriers), ``initcheck`` (reads of global memory
+never written). Each run prints its cases (the fuzzers still compare every result with the
+float64 reference) and the reports per kernel; cuDNN's and CuPy's own kernels are listed
+apart. The exit status is 1 if any of cufused's kernels has a report, or a case fails.
+
+Usage: python scripts/sanitize.py [--tools racecheck memcheck] [--fuzzers pipelines blocks]
+                                  [--builds device portable] [--seconds 40] [--seed 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+FUZZERS = {"pipelines": "fuzz_pipelines", "blocks": "fuzz_blocks"}
+# A kernel named in a report: "at <name>+0x..", "at void <name><..>(..)+0x..".
+_REPORTED = re.compile(r"\bat (?:void )?([A-Za-z_]\w*)(?=[<(+])")
+
+
+def _kernel_name(header: str) -> str:
+    """The function name in the text after ``__global__``: the first identifier before a
+    ``(`` outside the attributes' parentheses (``__launch_bounds__(...)``, macros)."""
+    depth = 0
+    for token in re.finditer(r"\w+|[()]", header):
+        text = token.group()
+        if text == "(":
+            depth += 1
+        elif text == ")":
+            depth -= 1
+        elif depth == 0 and re.match(r"\s*\(", header[token.end():]) and not (
+                text.startswith("__") or text.isupper()):
+            return text
+    raise ValueError(f"no kernel name in {header[:80]!r}")
+
+
+def cufused_kernels() -> set[str]:
+    """The names of the ``__global__`` functions in cufused's CUDA sources."""
+    names = set()
+    for source in (ROOT / "cufused" / "_cuda").glob("*.cu"):
+        for header in source.read_text(encoding="utf-8").split("__global__")[1:]:
+            names.add(_kernel_name(header))
+    return names
+
+
+def reported_kernels(log: str) -> collections.Counter:
+    """Reports per kernel in a compute-sanitizer log: each report's first line that names a
+    device function (host frames name none)."""
+    counts: collections.Counter = collections.Counter()
+    in_report = False
+    for line in log.splitlines():
+        body = line.removeprefix("=========").strip()
+        if re.match(r"(Error: |Invalid |Uninitialized |Barrier |Warning: )", body):
+            in_report = True
+        if in_report and "Host Frame" not in body:
+            found = _REPORTED.search(body)
+            if found:
+                counts[found.group(1)] += 1
+                in_report = False
+    return counts
+
+
+def _child(fuzzer: str, portable: bool, argv: list[str]) -> int:
+    """One fuzzer's main() in this process, with heuristic plans (and portable builds)."""
+    sys.path.insert(0, str(SCRIPTS))
+    from cufused._cuda import portable_builds
+    from cufused._cudnn import plan_options
+
+    main = __import__(FUZZERS[fuzzer]).main
+    with contextlib.ExitStack() as scope:
+        scope.enter_context(plan_options(autotune=False))
+        if portable:
+            scope.enter_context(portable_builds())
+        return main(argv)
+
+
+def _run(sanitizer: str, tool: str, fuzzer: str, build: str, seconds: float, seed: int,
+         ours: set[str]) -> bool:
+    """One tool over one fuzzer and build; prints the summary, returns whether it is clean."""
+    with tempfile.TemporaryDirectory() as tmp:
+        log = pathlib.Path(tmp) / "sanitizer.log"
+        command = [sanitizer, "--tool", tool, "--report-api-errors", "no", "--print-limit",
+                   "10000", "--log-file", str(log), sys.executable, __file__, "--child",
+                   fuzzer, "--seconds", str(seconds), "--seed", str(seed)]
+        command += ["--portable"] * (build == "portable")
+        result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+        text = log.read_text(encoding="utf-8", errors="replace") if log.exists() else ""
+    out = result.stdout.strip().splitlines()
+    failures = [line for line in out if line.startswith("FAIL")]
+    counts = reported_kernels(text)
+    mine = {k: v for k, v in counts.items() if k in ours}
+    others = {k: v for k, v in counts.items() if k not in ours}
+    print(f"== {tool} over {fuzzer} ({build} builds): {out[-1] if out else 'no output'}")
+    for line in failures:
+        print("  " + line)
+    print(f"  cufused kernels with reports: {mine or 'none'}")
+    if others:
+        print(f"  other kernels with reports (not counted): {others}")
+    if result.returncode not in (0, 1) and not failures:  # 1: a failed case, listed above
+        print(f"  exit status {result.returncode}: {result.stderr.strip()[-2000:]}")
+    return not mine and not failures and result.returncode == 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tools", nargs="*", default=["racecheck", "memcheck"],
+                        choices=["racecheck", "memcheck", "synccheck", "initcheck"])
+    parser.add_argument("--fuzzers", nargs="*", choices=sorted(FUZZERS),
+                        default=sorted(FUZZERS))
+    parser.add_argument("--builds", nargs="*", choices=["device", "portable"],
+                        default=["device", "portable"])
+    parser.add_argument("--seconds", type=float, default=40.0,
+                        help="time of each fuzzer run (40)")
+    parser.add_argument("--seed", type=int, default=1, help="random seed of the first run (1)")
+    parser.add_argument("--child", choices=sorted(FUZZERS), help=argparse.SUPPRESS)
+    parser.add_argument("--portable", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return _child(args.child, args.portable,
+                      ["--seconds", str(args.seconds), "--seed", str(args.seed)])
+    sanitizer = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    if not pathlib.Path(sanitizer).exists():
+        parser.error("compute-sanitizer is not on PATH nor in /usr/local/cuda/bin")
+    ours = cufused_kernels()
+    clean = True
+    seed = args.seed
+    for tool in args.tools:
+        for fuzzer in args.fuzzers:
+            for build in args.builds:
+                clean &= _run(sanitizer, tool, fuzzer, build, args.seconds, seed, ours)
+                seed += 1
+    return 0 if clean else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
