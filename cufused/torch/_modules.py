@@ -45,13 +45,15 @@ class _NoBackward(torch.autograd.Function):
 
 
 class _ForwardOnlyModule(torch.nn.Module):
-    """``forward`` runs the subclass's ``_run(x)``; in grad mode with ``x`` or a parameter that
-    requires grad, through :class:`_NoBackward` (the operators themselves refuse such
-    inputs)."""
+    """``forward`` runs the subclass's ``_run(x)``; in grad mode with ``x`` or one of the
+    tensors that ``_run`` passes to the operators (the subclass's ``_weights()``) requiring
+    grad, through :class:`_NoBackward` (the operators themselves refuse such inputs). The
+    tensors are named, not found by ``parameters()``: a ``DataParallel`` replica holds its
+    weights as plain tensors."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():
-            tracked = [p for p in self.parameters() if p.requires_grad]
+            tracked = [t for t in self._weights() if t is not None and t.requires_grad]
             if tracked or x.requires_grad:
                 return _NoBackward.apply(type(self).__name__, self._run, x, *tracked)
         return self._run(x)
@@ -121,6 +123,10 @@ class Conv2dGroupNormScaleMaxPoolClamp(_ForwardOnlyModule):
         self.clamp_max = float(clamp_max)
         self.precision = precision
 
+    def _weights(self) -> tuple[torch.Tensor | None, ...]:
+        conv, gn = self.conv, self.group_norm
+        return conv.weight, conv.bias, gn.weight, gn.bias, self.scale
+
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         conv, gn = self.conv, self.group_norm
         return _ops.conv2d_groupnorm_scale_maxpool_clamp.default(
@@ -187,6 +193,10 @@ class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(_ForwardOnlyModule):
         self.group_norm = torch.nn.GroupNorm(num_groups=num_groups, num_channels=out_channels)
         self.groups = groups
         self.precision = precision
+
+    def _weights(self) -> tuple[torch.Tensor | None, ...]:
+        ct, bn, gn = self.conv_transpose, self.batch_norm, self.group_norm
+        return ct.weight, ct.bias, bn.weight, bn.bias, gn.weight, gn.bias
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         bn = self.batch_norm
@@ -286,6 +296,10 @@ class ConvTranspose3dAvgPoolClampSoftmaxMultiply(_ForwardOnlyModule):
         self.clamp_max = float(clamp_max)
         self.scale = torch.nn.Parameter(torch.ones(1, out_channels, 1, 1, 1))
         self.precision = precision
+
+    def _weights(self) -> tuple[torch.Tensor | None, ...]:
+        ct = self.conv_transpose
+        return ct.weight, ct.bias, self.scale
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         ct = self.conv_transpose

@@ -193,11 +193,19 @@ def test_modules_in_grad_mode(name):
     plain = mine(x)
     assert not plain.requires_grad and plain.grad_fn is None
     mine.requires_grad_(True)
+    batches = [int(m.num_batches_tracked) for m in mine.modules()
+               if isinstance(m, torch.nn.BatchNorm2d)]
     torch._dynamo.reset()
     compiled = torch.compile(mine, backend="aot_eager")(x)
     assert compiled.requires_grad
     with pytest.raises(NotImplementedError, match="forward-only"):
         compiled.sum().backward()
+    assert [int(m.num_batches_tracked) for m in mine.modules()
+            if isinstance(m, torch.nn.BatchNorm2d)] == [b + 1 for b in batches]
+    # The tensors that decide grad mode's path are every parameter (a DataParallel replica
+    # has no parameters() to walk).
+    assert {id(p) for p in mine.parameters()} == {id(t) for t in mine._weights()
+                                                  if t is not None}
 
 
 # Inductor, except for B, whose BatchNorm bookkeeping (num_batches_tracked += 1) inductor
