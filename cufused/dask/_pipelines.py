@@ -14,7 +14,7 @@ import cufused
 from .._arrays import Size, get_array_module, per_channel
 from .._ops.normalization import part_of_batch
 from .._precision import resolve_precision
-from ..pipelines._common import gpu_method, tuple_pool
+from ..pipelines._common import check_pipeline_pool, gpu_method
 from ..pipelines.pipeline_b import _chunk_extrema_sums, _chunk_normalized
 from ._blocks import _shared_sections, _with_sections
 from ._graph import Array, _check_params, _each_chunk, _empty_batch, _Graph
@@ -291,7 +291,8 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     graph = _Graph("conv_transpose2d_batchnorm_tanh_maxpool_groupnorm", x)
     phase1, constants, phase3 = _phases(
         get_array_module(x=empty), weight, conv_bias, bn_weight,
-        conv_shape=(x.shape[0], *conv_shape[1:]), pool=tuple_pool(pool_kernel, 2),
+        conv_shape=(x.shape[0], *conv_shape[1:]),
+        pool=check_pipeline_pool(pool_kernel, conv_shape[2:])[0],
         num_groups=num_groups, eps=eps, dtype=x.dtype, precision=precision, **conv_options)
     keys = _pool_moments_tasks(graph, phase1, constants)
     # The moments reach the reduction alone (a key each, so a distributed worker fetches no

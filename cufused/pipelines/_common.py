@@ -11,6 +11,7 @@ import numpy
 from .._arrays import check_choice, check_scalar, insert_sections, ntuple
 from .._call_graphs import replayed
 from .._cuda import MAX_GRID_X
+from .._ops.pooling import check_pool_args
 
 METHODS = ("fused", "unfused")
 
@@ -80,9 +81,15 @@ def ones_if_none(value, channels: int, xp):
         value is None) else value
 
 
-def tuple_pool(pool_kernel, nd: int) -> int:
-    """The pipelines pool with square / cubic windows, stride = kernel."""
+def check_pipeline_pool(pool_kernel, size: tuple[int, ...], *, name: str = "x",
+                        unpadded_window: bool = False) -> tuple[int, tuple[int, ...]]:
+    """The pipelines pool ``name`` (spatial ``size``) with square / cubic windows, stride =
+    kernel, no padding; returns the window's side and the pooled spatial size."""
+    nd = len(size)
     k = ntuple(pool_kernel, nd, "pool_kernel", minimum=1)
     if len(set(k)) != 1:
         raise ValueError(f"pool_kernel must be the same along every axis, got {pool_kernel!r}")
-    return k[0]
+    _, _, _, pooled = check_pool_args(size, nd, k[0], k[0], 0, name=name,
+                                      unpadded_window=unpadded_window,
+                                      kernel_name="pool_kernel")
+    return k[0], pooled

@@ -29,10 +29,10 @@ from .._layout import empty_in_layout
 from .._ops._conv_args import cached_conv_args, check_conv_memory
 from .._ops.convolution import conv2d, conv_on_gpu, fastest, settled_engine
 from .._ops.normalization import check_group_values, check_num_groups, group_norm
-from .._ops.pooling import check_pool_args, max_pool2d
+from .._ops.pooling import max_pool2d
 from .._precision import mma_passes, resolve_precision
-from ._common import (check_method, clamp_bounds, gpu_method, gpu_run, ones_if_none,
-                      shared_doc_sections, tuple_pool)
+from ._common import (check_method, check_pipeline_pool, clamp_bounds, gpu_method, gpu_run,
+                      ones_if_none, shared_doc_sections)
 
 
 @warm_calls
@@ -96,9 +96,8 @@ def conv2d_groupnorm_scale_maxpool_clamp(
     c = args.out_shape[1]
     num_groups = check_num_groups(num_groups, c)
     check_group_values(args.out_shape, num_groups, "the convolution output")
-    k = tuple_pool(pool_kernel, 2)
-    _, _, _, pooled = check_pool_args(args.out_shape[2:], 2, k, k, 0, name="the convolution output",
-                                      kernel_name="pool_kernel")
+    k, pooled = check_pipeline_pool(pool_kernel, args.out_shape[2:],
+                                    name="the convolution output")
     lo, hi = clamp_bounds(clamp_min, clamp_max)
     eps = check_scalar(eps, "eps", minimum=0.0)
     precision = resolve_precision(precision)

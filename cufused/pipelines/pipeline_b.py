@@ -24,9 +24,10 @@ from .._ops.convolution import conv_on_gpu, conv_transpose2d
 from .._ops.normalization import (batch_norm, bn_coefficients, check_channel_values,
                                   check_group_values, check_num_groups, check_running_buffer,
                                   check_running_pair, group_norm)
-from .._ops.pooling import check_pool_args, max_pool2d
+from .._ops.pooling import max_pool2d
 from .._precision import resolve_precision
-from ._common import check_method, gpu_method, gpu_run, shared_doc_sections, tuple_pool
+from ._common import (check_method, check_pipeline_pool, gpu_method, gpu_run,
+                      shared_doc_sections)
 
 
 @warm_calls
@@ -104,9 +105,8 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     running_var = check_running_buffer(running_var, "running_var", c, xp)
     check_running_pair(running_mean, running_var)
     num_groups = check_num_groups(num_groups, c)
-    k = tuple_pool(pool_kernel, 2)
-    _, _, _, pooled = check_pool_args(args.out_shape[2:], 2, k, k, 0, name="the convolution output",
-                                      kernel_name="pool_kernel")
+    k, pooled = check_pipeline_pool(pool_kernel, args.out_shape[2:],
+                                    name="the convolution output")
     check_group_values(args.out_shape[:2] + pooled, num_groups, "the pooled output")
     eps = check_scalar(eps, "eps", minimum=0.0)
     momentum = check_scalar(momentum, "momentum", minimum=0.0, maximum=1.0)

@@ -29,11 +29,11 @@ from .._layout import empty_in_layout
 from .._ops._conv_args import cached_conv_args, check_conv_memory
 from .._ops.convolution import (conv_on_gpu, conv_transpose3d, fastest, gpu_conv_plan,
                                 settled_engine)
-from .._ops.pooling import avg_pool3d, check_pool_args
+from .._ops.pooling import avg_pool3d
 from .._ops.softmax import softmax
 from .._precision import mma_passes, resolve_precision
-from ._common import (check_method, clamp_bounds, gpu_run, ones_if_none, shared_doc_sections,
-                      tuple_pool)
+from ._common import (check_method, check_pipeline_pool, clamp_bounds, gpu_run, ones_if_none,
+                      shared_doc_sections)
 
 
 @warm_calls
@@ -87,9 +87,7 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
     check_float_dtype(xp, x=x, weight=weight, conv_bias=conv_bias)
     check_ndim(x, "x", (5,), "NCDHW")
     check_sizes(x, "x")
-    k = tuple_pool(pool_kernel, 3)
-    _, _, _, pooled = check_pool_args(x.shape[2:], 3, k, k, 0, unpadded_window=True,
-                                      kernel_name="pool_kernel")
+    k, pooled = check_pipeline_pool(pool_kernel, x.shape[2:], unpadded_window=True)
     pooled_shape = x.shape[:2] + pooled
     args = cached_conv_args(pooled_shape, weight.shape, 3, transposed=True, stride=stride,
                             padding=padding, output_padding=output_padding, groups=groups)
