@@ -740,7 +740,6 @@ __device__ __forceinline__ void affine_nonfinite_planes(
         ValueAt value_at, const float2* __restrict__ moments, const float* __restrict__ gamma,
         const float* __restrict__ beta, const float* __restrict__ scale, float* __restrict__ out,
         int N, int C, int G, int k, int Ho, int Wo, float lo, float hi) {
-    __shared__ int flagged;
     const int c = blockIdx.x;
     const float g = gamma ? gamma[c] : 1.0f, bt = beta ? beta[c] : 0.0f;
     const float s = scale ? scale[c] : 1.0f;
@@ -751,14 +750,12 @@ __device__ __forceinline__ void affine_nonfinite_planes(
         b = bt - m.x * a;
         return isfinite(a) && isfinite(b) && isfinite(s) && isfinite(a * s) && isfinite(b * s);
     };
-    if (threadIdx.x == 0) flagged = 0;
-    __syncthreads();
+    int flagged = 0;
     for (int n = threadIdx.x; n < N; n += blockDim.x) {
         float a, b;
-        if (!coefficients(n, a, b)) flagged = 1;
+        flagged |= !coefficients(n, a, b);
     }
-    __syncthreads();
-    if (!flagged) return;
+    if (!__syncthreads_or(flagged)) return;
     const int P = Ho * Wo;
     for (int n = 0; n < N; ++n) {
         float a, b;
