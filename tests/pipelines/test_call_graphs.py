@@ -248,8 +248,8 @@ def test_warm_calls_launch_from_their_raw_arguments(rng, quick_plans, fresh, lau
         fn(*args, **kwargs, out=out)
     assert len(_call_graphs._shortcuts) == 1
     checked = []
-    check = pipeline_a.check_pool_args
-    monkeypatch.setattr(pipeline_a, "check_pool_args", lambda *a, **k: checked.append(1)
+    check = pipeline_a.check_pipeline_pool
+    monkeypatch.setattr(pipeline_a, "check_pipeline_pool", lambda *a, **k: checked.append(1)
                         or check(*a, **k))
     before = launches[0]
     args[0][...] = cp.asarray(rng.random(args[0].shape), dtype=cp.float32)
