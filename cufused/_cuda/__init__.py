@@ -42,6 +42,9 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "conv_transpose3d_s2k3<3, CT3_SOFTMAX_SUMS>",
         "conv_transpose3d_s2k3<1, CT3_SOFTMAX>",
         "conv_transpose3d_s2k3<3, CT3_SOFTMAX>",
+        "conv_transpose3d_s2k3<1, CT3_CONV>",
+        "conv_transpose3d_s2k3<3, CT3_CONV>",
+        "conv_transpose_rows_nonfinite_weight",
     ),
     "pooling.cu": (
         "pool_nd<true, 0, 0>",

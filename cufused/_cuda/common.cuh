@@ -251,3 +251,59 @@ __device__ __forceinline__ void interleave_classes(const float* __restrict__ cla
         }
     }
 }
+
+// A transposed 3-D convolution by its definition (PyTorch's): output o of channel c is the sum
+// of x[i] * w[ci, c, k] over the (input, tap) pairs with o = i * stride - padding + k *
+// dilation, so a non-finite weight meets only real inputs. A convolution algorithm that also
+// multiplies zeros (those a stride inserts, padding, the zeros past the input's edge of a
+// sub-pixel implicit GEMM) puts NaNs where the definition has no product: the rows of an
+// output channel with a non-finite weight are recomputed with this. x (N, C_in, Di, Hi, Wi)
+// in element strides xn .. xw; w (C_in, C / groups, KD, KH, KW) contiguous.
+struct TransposedConvDefinition {
+    const float* x;
+    const float* w;
+    int c_in_group, c_out_group, Di, Hi, Wi, Ho, Wo, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh,
+        dw;
+    index_t xn, xc, xd, xh, xw;
+
+    // w[ci, col, tap] for input channel ci_local of output channel c's group.
+    __device__ float weight(int c, int ci_local, int tap) const {
+        const int group = c / c_out_group, col = c - group * c_out_group;
+        return w[((index_t)(group * c_in_group + ci_local) * c_out_group + col) * (KD * KH * KW) +
+                 tap];
+    }
+
+    // Whether output channel c's weight (every input channel of its group, every tap) is
+    // finite, for the whole block (one barrier).
+    __device__ bool block_finite_weight(int c) const {
+        const int taps = KD * KH * KW;
+        int nonfinite = 0;
+        for (int i = threadIdx.x; i < c_in_group * taps; i += blockDim.x)
+            nonfinite |= !isfinite(weight(c, i / taps, i % taps));
+        return !__syncthreads_or(nonfinite);
+    }
+
+    // b plus output o (flat over the Do x Ho x Wo plane) of sample n, channel c.
+    __device__ float at(index_t n, int c, index_t o, float b) const {
+        const int od = (int)(o / ((index_t)Ho * Wo)), r = (int)(o % ((index_t)Ho * Wo));
+        const int oh = r / Wo, ow = r - oh * Wo;
+        const float* xs = x + n * xn + (index_t)(c / c_out_group) * c_in_group * xc;
+        float v = b;
+        for (int kd = 0; kd < KD; ++kd) {
+            const int td = od + pd - kd * dd;
+            if (td < 0 || td % sd || td / sd >= Di) continue;
+            for (int kh = 0; kh < KH; ++kh) {
+                const int th = oh + ph - kh * dh;
+                if (th < 0 || th % sh || th / sh >= Hi) continue;
+                for (int kw = 0; kw < KW; ++kw) {
+                    const int tw = ow + pw - kw * dw;
+                    if (tw < 0 || tw % sw || tw / sw >= Wi) continue;
+                    const float* xi = xs + (td / sd) * xd + (th / sh) * xh + (tw / sw) * xw;
+                    const int tap = (kd * KH + kh) * KW + kw;
+                    for (int ci = 0; ci < c_in_group; ++ci) v += xi[ci * xc] * weight(c, ci, tap);
+                }
+            }
+        }
+        return v;
+    }
+};

@@ -1216,7 +1216,8 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
 // padding 0 or 1, groups 1, at most CT3_CI input channels: sub-pixel implicit GEMMs whose
 // epilogues take the clamped softmax's sums or write its result, so that the convolution
 // output is never stored (issue 26's "recompute" design: one pass for the sums, a second
-// that computes the convolution again and writes the result).
+// that computes the convolution again and writes the result), or write the convolution
+// itself (the public conv_transpose3d).
 //
 // Per axis, output o = 2 m + r takes tap 1 of input m (r = 0), or taps 2 of input m and 0 of
 // input m + 1 (r = 1): the eight residue classes r = (rd, rh, rw) of a base position m have
@@ -1268,6 +1269,7 @@ template <int V> struct CT3Int {
 // What the epilogue does with y = conv + bias (the launcher's codes, conv_gemm.py).
 #define CT3_SOFTMAX_SUMS 1  // partial[n, k, run] = (hi, sum of exp(clamp(y) - hi) over run)
 #define CT3_SOFTMAX 2       // y[n, k, o] = exp(clamp(y) - hi) * factor[n, k]
+#define CT3_CONV 3          // y[n, k, o] = y
 
 // Float offset of value c of row `row` in a swizzled channel-contiguous buffer.
 __device__ __forceinline__ int ct3_swizzled(int row, int c) {
@@ -1531,8 +1533,8 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         int d0, h0, w0;
         tile_origin(pos.t, d0, h0, w0);
         // The factors of this lane's channels in this tile's sample.
-        const ChannelBias f_je =
-            channel_bias(SUMS ? nullptr : factor + (long long)pos.n * K, k0, tig, K);
+        const ChannelBias f_je = channel_bias(
+            OUT == CT3_SOFTMAX ? factor + (long long)pos.n * K : nullptr, k0, tig, K);
         // Output channel k0 + 2 tig of the sample; channel k0 + 8 j + 2 tig + e is 8 j + e
         // planes on.
         float* const y_lane = y + ((long long)pos.n * K + k0 + 2 * tig) * plane;
@@ -1565,12 +1567,14 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
                     for (int e = 0; e < 2; ++e) {
                         const int u = half * 2 + e;
                         float v = acc[j][u];
-                        const float ex = exp_below(clamp_nan_mm(v, lo, hi), hi_log2e);
-                        if (SUMS) {  // channels past K summed too, never stored
-                            if (inside) run_sums[j][e] += ex;
-                            continue;
+                        if (OUT != CT3_CONV) {
+                            const float ex = exp_below(clamp_nan_mm(v, lo, hi), hi_log2e);
+                            if (SUMS) {  // channels past K summed too, never stored
+                                if (inside) run_sums[j][e] += ex;
+                                continue;
+                            }
+                            v = ex * f_je.b[j][e];
                         }
-                        v = ex * f_je.b[j][e];
                         float* const yk = e ? yj + plane : yj;
                         const bool valid = inside && k0 + j * 8 + 2 * tig + e < K;
                         if (rw == 0 && pairs) {
@@ -1752,4 +1756,27 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         pos = next;
         buf ^= 1;
     }
+}
+
+// The public conv_transpose3d on conv_transpose3d_s2k3 (CT3_CONV) where an output channel's
+// weight holds a non-finite value (TransposedConvDefinition): the implicit GEMM's zeros past
+// the input's far edge meet it. One block per (n, c) row checks channel c's weight and returns
+// where it is finite; else it rewrites y[n, c, :] (contiguous) by the definition plus bias[c],
+// from x (element strides xn, xc, xd, xh, xw).
+__global__ void conv_transpose_rows_nonfinite_weight(
+    const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
+    float* __restrict__ y, int C, int c_in_group, int c_out_group, int Di, int Hi, int Wi,
+    int Do, int Ho, int Wo, int KD, int KH, int KW, int sd, int sh, int sw, int pd, int ph,
+    int pw, int dd, int dh, int dw, index_t xn, index_t xc, index_t xd, index_t xh,
+    index_t xw) {
+    const TransposedConvDefinition conv{x,  w,  c_in_group, c_out_group, Di, Hi, Wi, Ho, Wo,
+                                        KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
+                                        xn, xc, xd, xh, xw};
+    const index_t n = blockIdx.x / C;
+    const int c = blockIdx.x - (int)(n * C);
+    if (conv.block_finite_weight(c)) return;
+    const float b = bias ? bias[c] : 0.0f;
+    const index_t length = (index_t)Do * Ho * Wo;
+    float* row = y + (n * C + c) * length;
+    for (index_t o = threadIdx.x; o < length; o += blockDim.x) row[o] = conv.at(n, c, o, b);
 }

@@ -450,15 +450,12 @@ softmax_rows_cluster(const float* y, float* out, const float* __restrict__ bias,
 }
 
 // Pipeline C's exact rows for an output channel whose transposed-convolution weight holds a
-// non-finite value. Where such a weight meets an input zero, the definition's product is NaN;
-// a convolution algorithm that also multiplies the zeros a stride inserts (or padding) puts
-// NaNs where the definition has no product, and one NaN turns a whole softmax row into NaN.
-// One block per (n, c) row: the block checks the weight slice of channel c (every input
-// channel of c's group, every tap) and returns when it is finite, so a finite-weight call
-// costs one read of the weight per row. Otherwise it recomputes the row from the pooled input
-// x (element strides xn, xc, xd, xh, xw) by the definition, y[o] = bias[c] + sum over the
-// (input, tap) pairs with o = i * stride - padding + k * dilation of x[i] * w[.., k], clamps it
-// to [lo, hi], and rewrites out[n, c, :] (contiguous) with the softmax times scale[c].
+// non-finite value (TransposedConvDefinition): one NaN where the definition has no product
+// turns a whole softmax row into NaN. One block per (n, c) row: the block checks the weight
+// slice of channel c and returns when it is finite, so a finite-weight call costs one read of
+// the weight per row. Otherwise it recomputes the row from the pooled input x (element
+// strides xn, xc, xd, xh, xw) by the definition plus bias[c], clamps it to [lo, hi], and
+// rewrites out[n, c, :] (contiguous) with the softmax times scale[c].
 __global__ void softmax_rows_nonfinite_weight(
     const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
     const float* __restrict__ scale, float* __restrict__ out, int C, int c_in_group,
@@ -467,43 +464,18 @@ __global__ void softmax_rows_nonfinite_weight(
     index_t xc, index_t xd, index_t xh, index_t xw, float lo, float hi) {
     __shared__ double2 scratch[32];
     __shared__ float maxima[32];
+    const TransposedConvDefinition conv{x,  w,  c_in_group, c_out_group, Di, Hi, Wi, Ho, Wo,
+                                        KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
+                                        xn, xc, xd, xh, xw};
     const index_t n = blockIdx.x / C;
     const int c = blockIdx.x - (int)(n * C);
-    const int group = c / c_out_group, col = c - group * c_out_group;
-    const int taps = KD * KH * KW;
-    // The weight of output channel c: w[ci, col, :, :, :] for the group's input channels.
-    auto weight = [&](int ci_local, int tap) {
-        return w[((index_t)(group * c_in_group + ci_local) * c_out_group + col) * taps + tap];
-    };
-    int nonfinite = 0;
-    for (int i = threadIdx.x; i < c_in_group * taps; i += blockDim.x)
-        if (!isfinite(weight(i / taps, i % taps))) nonfinite = 1;
-    if (!__syncthreads_or(nonfinite)) return;
+    if (conv.block_finite_weight(c)) return;
     const float b = bias ? bias[c] : 0.0f;
     const index_t length = (index_t)Do * Ho * Wo;
     float* row = out + (n * C + c) * length;
-    const float* xs = x + n * xn + (index_t)group * c_in_group * xc;
     float m = -INFINITY;
     for (index_t o = threadIdx.x; o < length; o += blockDim.x) {
-        const int od = (int)(o / ((index_t)Ho * Wo)), r = (int)(o % ((index_t)Ho * Wo));
-        const int oh = r / Wo, ow = r - oh * Wo;
-        float v = b;
-        for (int kd = 0; kd < KD; ++kd) {
-            const int td = od + pd - kd * dd;
-            if (td < 0 || td % sd || td / sd >= Di) continue;
-            for (int kh = 0; kh < KH; ++kh) {
-                const int th = oh + ph - kh * dh;
-                if (th < 0 || th % sh || th / sh >= Hi) continue;
-                for (int kw = 0; kw < KW; ++kw) {
-                    const int tw = ow + pw - kw * dw;
-                    if (tw < 0 || tw % sw || tw / sw >= Wi) continue;
-                    const float* xi = xs + (td / sd) * xd + (th / sh) * xh + (tw / sw) * xw;
-                    const int tap = (kd * KH + kh) * KW + kw;
-                    for (int ci = 0; ci < c_in_group; ++ci) v += xi[ci * xc] * weight(ci, tap);
-                }
-            }
-        }
-        v = clamp_nan(v, lo, hi);
+        const float v = clamp_nan(conv.at(n, c, o, b), lo, hi);
         row[o] = v;
         m = nan_max(m, v);
     }

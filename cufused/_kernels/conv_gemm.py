@@ -9,6 +9,7 @@ import numpy
 
 from .._cuda import (TensorMap, arch_target, float32_tensor_map, get_kernel, optional,
                      shared_per_block, sm_count)
+from ._common import transposed_definition_args
 
 _FILE = "conv_gemm.cu"
 _TILE_M, _TILE_K, _THREADS = 128, 64, 256  # CONV_BM, CONV_BN, CONV_THREADS
@@ -218,13 +219,13 @@ _CT3_MAX_CLAMP = 60.0  # exp_below's accuracy bound; a wider clamp may underflow
 
 
 def transposed_s2k3_takes(c_in: int, kernel, stride, padding, output_padding, dilation,
-                          groups: int, out_shape: tuple[int, ...], clamp) -> bool:
+                          groups: int, out_shape: tuple[int, ...], clamp=None) -> bool:
     """Whether ``conv_transpose3d_s2k3`` computes the transposed 3-D convolution (stride 2,
     3 x 3 x 3 kernel, padding 1, output padding 0 or 1, dilation 1, one group, 1 to 32 input
-    channels, an output plane below 2**31) with the clamped softmax after it (clamp
-    ``(lo, hi)`` with ``hi - lo`` at most 60) on the current device (its 217 KiB of shared
-    memory a block: compute capability 9.0)."""
-    lo, hi = clamp
+    channels, an output plane below 2**31), with the clamped softmax after it where ``clamp``
+    is given (``(lo, hi)`` with ``hi - lo`` at most 60), on the current device (its 217 KiB
+    of shared memory a block: compute capability 9.0)."""
+    lo, hi = clamp or (0.0, 0.0)
     return (tuple(kernel) == (3, 3, 3) and tuple(stride) == (2, 2, 2)
             and tuple(padding) == (1, 1, 1) and tuple(dilation) == (1, 1, 1)
             and all(o in (0, 1) for o in output_padding) and groups == 1
@@ -286,6 +287,24 @@ def conv_transpose3d_softmax_sums(xp, x, w, bias, *, out_shape, clamp, passes: i
     _transposed_s2k3("CT3_SOFTMAX_SUMS", x, w, bias, out_shape=out_shape, runs=runs,
                      clamp=clamp, passes=passes, partial=partial)
     return partial, runs[0]
+
+
+def conv_transpose3d_implicit_gemm(x, w, bias, y, *, passes: int) -> None:
+    """``y`` (N, C_out, Do, Ho, Wo), contiguous, = conv_transpose3d(x, w) + bias for ``x``
+    stored channels-last, contiguous ``w`` and a problem that :func:`transposed_s2k3_takes`
+    (stride 2, padding 1). The rows of an output channel whose weight holds a non-finite
+    value are then recomputed by the definition (``conv_transpose_rows_nonfinite_weight``:
+    the implicit GEMM multiplies the zeros past the input's far edge too), which costs a
+    finite weight one check per row on the device."""
+    _transposed_s2k3("CT3_CONV", x, w, bias, out_shape=y.shape,
+                     runs=transposed_s2k3_runs(x.shape, w.shape[1], stores=True),
+                     clamp=(0.0, 0.0), passes=passes, y=y)
+    if y.size:
+        get_kernel(_FILE, "conv_transpose_rows_nonfinite_weight")(
+            (y.shape[0] * y.shape[1],), (256,),
+            (x, w, optional(bias), y,
+             *transposed_definition_args(x, w, y.shape, groups=1, stride=(2, 2, 2),
+                                         padding=(1, 1, 1), dilation=(1, 1, 1))))
 
 
 def conv_transpose3d_softmax(x, w, bias, out, factor, *, clamp, passes: int) -> None:

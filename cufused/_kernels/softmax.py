@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy
 
 from .._cuda import MAX_GRID_YZ, get_kernel, launch_1d, optional
-from ._common import cpp_bool, split_count
+from ._common import cpp_bool, split_count, transposed_definition_args
 from .layout import class_geometry
 
 _FILE = "softmax.cu"
@@ -237,12 +237,9 @@ def softmax_rows_nonfinite_weight(xp, x, weight, out, *, groups: int, stride, pa
     """
     w = xp.ascontiguousarray(weight)
     n, c = out.shape[:2]
-    i32 = numpy.int32
     get_kernel(_FILE, "softmax_rows_nonfinite_weight")(
         (n * c,), (256,),
-        (x, w, optional(bias), optional(scale), out, i32(c), i32(x.shape[1] // groups),
-         i32(w.shape[1]), *(i32(v) for v in x.shape[2:]), *(i32(v) for v in out.shape[2:]),
-         *(i32(v) for v in w.shape[2:]), *(i32(v) for v in stride),
-         *(i32(v) for v in padding), *(i32(v) for v in dilation),
-         *(numpy.int64(st // x.itemsize) for st in x.strides),
+        (x, w, optional(bias), optional(scale), out,
+         *transposed_definition_args(x, w, out.shape, groups=groups, stride=stride,
+                                     padding=padding, dilation=dilation),
          numpy.float32(clamp[0]), numpy.float32(clamp[1])))

@@ -39,12 +39,11 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
     """
     from .._cudnn import UnsupportedConvolution
 
-    forward_args = _stride1_forward_args(args, weight.shape[2:]) if args.transposed else args
-    if (forward_args is not None
-            and _engine(x, weight, args, forward_args, precision, bias, out) == "igemm"):
+    run = _igemm_route(x, weight, args, precision, bias, out)
+    if (run is not None and _settled_engine(x.shape, weight.shape, args, bias is not None,
+                                            precision, run) == "igemm"):
         y = out if out is not None else _empty_nchw(args.out_shape)
-        _igemm(x, _flipped(weight) if args.transposed else weight, bias, y, forward_args,
-               precision)
+        run(x, weight, bias, y)
         return y, "nchw"
     try:
         plan = _plan(x.shape, weight.shape, args, precision, bias is not None, True,
@@ -106,38 +105,54 @@ def fastest(candidates: dict[str, Callable[[], Any]]) -> str:
     return min(times, key=times.get)
 
 
-def _engine(x, weight, args: ConvArgs, forward_args: ConvArgs, precision: str, bias,
-            out) -> str:
-    """"igemm" or "cudnn" for the convolution ``args`` of ``x`` and ``weight``, which the
-    implicit GEMM would compute as the forward convolution ``forward_args`` (a stride-1
-    transposed one on the flipped weight, which is dense). "ieee" runs on cuDNN; "tf32" and
-    "3xtf32" on the engine that the settings force, else on the one the autotuner measured
-    faster for the problem (cuDNN without autotuning, or with cuDNN strategies pinned).
+def _igemm_route(x, weight, args: ConvArgs, precision: str, bias,
+                 out) -> Callable[..., None] | None:
+    """How cufused's implicit GEMM computes the convolution ``args`` of ``x`` and ``weight``:
+    ``run(x, weight, bias, y)`` writes it, plus ``bias``, into a contiguous NCHW / NCDHW
+    ``y``; None where the engine does not take the problem. "ieee" runs on cuDNN; "tf32" and
+    "3xtf32" run on the engine that the settings force, else on the one the autotuner
+    measured faster for the problem (:func:`_settled_engine`).
 
     The implicit GEMM computes 2-D convolutions of one group on dense NCHW operands (any
-    sizes, strides, padding, dilation)."""
-    if (precision == "ieee" or x.ndim != 4 or forward_args.groups != 1
-            or not x.flags.c_contiguous
-            or not (args.transposed or weight.flags.c_contiguous)
+    sizes, strides, padding, dilation), a stride-1 transposed one as the forward convolution
+    of the flipped weight (:func:`_stride1_forward_args`), and the transposed 3-D
+    convolutions that ``conv_transpose3d_s2k3`` takes (pipeline C's: stride 2, a 3 x 3 x 3
+    kernel, padding 1; :func:`~cufused._kernels.conv_gemm.transposed_s2k3_takes`) from a
+    channels-last copy of a dense NCDHW input."""
+    from .._kernels.conv_gemm import transposed_s2k3_takes
+
+    if (precision == "ieee" or not x.flags.c_contiguous
             or (bias is not None and not bias.flags.c_contiguous)
             or (out is not None and not out.flags.c_contiguous)):
-        return "cudnn"
-    return _settled_engine(x.shape, weight.shape, args, forward_args, bias is not None,
-                           precision)
+        return None
+    passes = mma_passes(precision)
+    if x.ndim == 4:
+        forward_args = (_stride1_forward_args(args, weight.shape[2:]) if args.transposed
+                        else args)
+        if (forward_args is None or forward_args.groups != 1
+                or not (args.transposed or weight.flags.c_contiguous)):
+            return None
+        return partial(_igemm_2d, args=forward_args, flip=args.transposed, passes=passes)
+    if args.transposed and transposed_s2k3_takes(
+            x.shape[1], weight.shape[2:], args.stride, args.padding, args.output_padding,
+            args.dilation, args.groups, args.out_shape):
+        return partial(_igemm_transposed_3d, passes=passes)
+    return None
 
 
-def _settled_engine(x_shape, w_shape, args: ConvArgs, forward_args: ConvArgs, bias: bool,
-                    precision: str) -> str:
-    """The engine of an eligible problem (settled_engine)."""
-    return settled_engine(
-        (tuple(x_shape), tuple(w_shape), args, bias, precision),
-        lambda: _faster_engine(x_shape, w_shape, args, forward_args, bias, precision))
+def _settled_engine(x_shape, w_shape, args: ConvArgs, bias: bool, precision: str,
+                    run: Callable[..., None]) -> str:
+    """The engine of a problem that the implicit GEMM computes with ``run``
+    (settled_engine)."""
+    return settled_engine((tuple(x_shape), tuple(w_shape), args, bias, precision),
+                          lambda: _faster_engine(x_shape, w_shape, args, bias, precision, run))
 
 
-def _faster_engine(x_shape, w_shape, args: ConvArgs, forward_args: ConvArgs, bias: bool,
-                   precision: str) -> str:
-    """Time the implicit GEMM and the cuDNN plan that ``precision`` runs on cuDNN (TF32, or
-    exact float32 for 3xTF32) on random operands, L2 flushed; "igemm" where cuDNN has none."""
+def _faster_engine(x_shape, w_shape, args: ConvArgs, bias: bool, precision: str,
+                   run: Callable[..., None]) -> str:
+    """Time the implicit GEMM's ``run`` and the cuDNN plan that ``precision`` runs on cuDNN
+    (TF32, or exact float32 for 3xTF32) on random operands, NCHW / NCDHW in and out, L2
+    flushed; "igemm" where cuDNN has none."""
     from .._cudnn import UnsupportedConvolution
     from .._cudnn._timing import _random
 
@@ -148,9 +163,8 @@ def _faster_engine(x_shape, w_shape, args: ConvArgs, forward_args: ConvArgs, bia
     x, w = _random(x_shape), _random(w_shape)
     b = _random((args.out_shape[1],)) if bias else None
     y = _empty_nchw(args.out_shape)
-    forward_w = _flipped(w) if args.transposed else w
     return fastest({"cudnn": lambda: plan.apply(x, w, bias=b, out=y),
-                    "igemm": lambda: _igemm(x, forward_w, b, y, forward_args, precision)})
+                    "igemm": lambda: run(x, w, b, y)})
 
 
 def _stride1_forward_args(args: ConvArgs, kernel_size: tuple[int, ...]) -> ConvArgs | None:
@@ -174,11 +188,27 @@ def _flipped(weight):
         weight.swapaxes(0, 1)[(Ellipsis, *(slice(None, None, -1),) * nd)])
 
 
-def _igemm(x, weight, bias, y, args: ConvArgs, precision: str) -> None:
+def _igemm_2d(x, weight, bias, y, *, args: ConvArgs, flip: bool, passes: int) -> None:
+    """The 2-D implicit GEMM of the forward convolution ``args`` (of the :func:`_flipped`
+    weight where ``flip``)."""
     from .._kernels.conv_gemm import conv2d_implicit_gemm
 
-    conv2d_implicit_gemm(x, weight, bias, y, stride=args.stride, padding=args.padding,
-                         dilation=args.dilation, passes=mma_passes(precision))
+    conv2d_implicit_gemm(x, _flipped(weight) if flip else weight, bias, y, stride=args.stride,
+                         padding=args.padding, dilation=args.dilation, passes=passes)
+
+
+def _igemm_transposed_3d(x, weight, bias, y, *, passes: int) -> None:
+    """``conv_transpose3d_s2k3`` on a channels-last copy of ``x``."""
+    import cupy
+
+    from .._kernels.conv_gemm import conv_transpose3d_implicit_gemm
+    from .._kernels.layout import transpose_channels
+    from .._layout import empty_in_layout
+
+    x_last = empty_in_layout(x.shape, "nhwc")
+    transpose_channels(x, x_last, to_channels_last=True)
+    conv_transpose3d_implicit_gemm(x_last, cupy.ascontiguousarray(weight), bias, y,
+                                   passes=passes)
 
 
 def _empty_nchw(shape):

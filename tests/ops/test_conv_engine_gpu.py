@@ -1,7 +1,8 @@
 """The "3xtf32" precision and the implicit-GEMM engine through the public functions: float32
 accuracy for 3xTF32, TF32 accuracy on the implicit GEMM (forced) and on whichever engine the
-autotuner picks, fallbacks (groups, 3-D, transposed, strided operands) to cuDNN, the
-pipelines, non-finite values, outputs past 2**31 elements."""
+autotuner picks, fallbacks (groups, 3-D, transposed, strided operands) to cuDNN, pipeline
+C's transposed 3-D convolution on its engine, the pipelines, non-finite values, outputs past
+2**31 elements."""
 
 from __future__ import annotations
 
@@ -228,6 +229,84 @@ def test_builds_agree_with_the_reference(rng, shapes, options, precision):
     if precision == "tf32":
         np.testing.assert_array_equal(got["native"].view(np.uint32),
                                       got["portable"].view(np.uint32))
+
+
+def _s2k3_route(monkeypatch, x_shape, c_out, output_padding) -> list:
+    """The launches of the public conv_transpose3d's implicit-GEMM route, counted; a skip
+    where this device's shared memory does not take ``conv_transpose3d_s2k3``."""
+    import cufused._kernels.conv_gemm as conv
+
+    d, h, w = x_shape[2:]
+    op = (output_padding,) * 3 if isinstance(output_padding, int) else output_padding
+    out_shape = (x_shape[0], c_out, 2 * d - 1 + op[0], 2 * h - 1 + op[1], 2 * w - 1 + op[2])
+    if not conv.transposed_s2k3_takes(x_shape[1], (3, 3, 3), (2, 2, 2), (1, 1, 1), op,
+                                      (1, 1, 1), 1, out_shape):
+        pytest.skip("conv_transpose3d_s2k3 needs 217 KiB of shared memory a block")
+    return count_calls(monkeypatch, conv, "conv_transpose3d_implicit_gemm")
+
+
+@pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
+@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("x_shape, c_out, output_padding, bias", [
+    ((2, 32, 4, 6, 17), 64, 1, True),          # pipeline C's form: by four, paired stores
+    ((1, 3, 5, 3, 9), 5, (0, 1, 0), False),    # C_in, C_out not multiples of 4; odd W_out
+    ((3, 8, 2, 7, 1), 40, (1, 0, 1), True),    # C_out past one channel tile
+    ((1, 1, 1, 1, 1), 1, 0, True),             # one input value: only class (0, 0, 0)
+])
+def test_transposed_3d_stride2_on_the_implicit_gemm(rng, monkeypatch, x_shape, c_out,
+                                                    output_padding, bias, build, precision):
+    # A transposed 3-D convolution of stride 2, a 3 x 3 x 3 kernel and padding 1 (pipeline
+    # C's) runs on conv_transpose3d_s2k3 from a channels-last copy of x: into a NaN-poisoned
+    # out, into one 4 bytes past an 8-byte boundary (unpaired stores) and into a new array,
+    # all equal; the autotuner's engine, whichever it is, agrees with the reference too.
+    calls = _s2k3_route(monkeypatch, x_shape, c_out, output_padding)
+    x = rng.standard_normal(x_shape)
+    w = rng.standard_normal((x_shape[1], c_out, 3, 3, 3))
+    b = rng.standard_normal(c_out) if bias else None
+    opts = dict(stride=2, padding=1, output_padding=output_padding)
+    ref = cufused.conv_transpose3d(x, w, b, **opts)
+    args = to_gpu(x, w, b)
+    out = poisoned(ref.shape)
+    shifted = cp.full(ref.size + 1, cp.nan, dtype=cp.float32)[1:].reshape(ref.shape)
+    with kernels_built(build):
+        assert cufused.conv_transpose3d(*args, **opts, precision=precision, out=out) is out
+        cufused.conv_transpose3d(*args, **opts, precision=precision, out=shifted)
+        fresh = cufused.conv_transpose3d(*args, **opts, precision=precision)
+    assert len(calls) == 3, "the implicit-GEMM route did not run"
+    assert_close(out.get(), ref, TOL[precision])
+    np.testing.assert_array_equal(shifted.get(), out.get())
+    np.testing.assert_array_equal(fresh.get(), out.get())
+    with plan_options(engine="auto"):
+        got = cufused.conv_transpose3d(*args, **opts, precision=precision)
+    assert_close(got.get(), ref, TOL[precision])
+
+
+@pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_transposed_3d_stride2_non_finite_values_as_the_definition(rng, monkeypatch, build,
+                                                                   precision):
+    # An infinite or NaN weight meets only real inputs, as in the definition (the float64
+    # reference): also on the far-edge planes of output_padding 1, where the implicit GEMM
+    # multiplies the zeros past the input (those rows are recomputed by the definition). An
+    # infinite input value gives the reference's infinities and NaNs; the other values agree.
+    calls = _s2k3_route(monkeypatch, (2, 5, 3, 4, 5), 6, 1)
+    x = rng.standard_normal((2, 5, 3, 4, 5))
+    w = rng.standard_normal((5, 6, 3, 3, 3))
+    b = rng.standard_normal(6)
+    w[1, 2, 0, 1, 2], w[3, 4, 2, 2, 0], x[1, 2, 1, 2, 3] = np.inf, np.nan, -np.inf
+    opts = dict(stride=2, padding=1, output_padding=1)
+    with np.errstate(all="ignore"):
+        ref = cufused.conv_transpose3d(x, w, b, **opts)
+    out = poisoned(ref.shape)
+    with kernels_built(build):
+        got = cufused.conv_transpose3d(*to_gpu(x, w, b), **opts, precision=precision,
+                                       out=out).get()
+    assert calls, "the implicit-GEMM route did not run"
+    for test in (np.isnan, np.isposinf, np.isneginf):
+        np.testing.assert_array_equal(test(got), test(ref))
+    assert np.isnan(ref[:, 4]).any() and np.isinf(ref[:, 2]).any()
+    finite = np.isfinite(ref)
+    assert_close(got[finite], ref[finite], TOL[precision])
 
 
 def test_native_build_of_the_engine():

@@ -423,6 +423,16 @@ def test_conv_gemm_launchers(launches, monkeypatch):
                                       clamp=(0.0, 1.0), passes=passes)
         assert launches[-1].name == f"conv_transpose3d_s2k3<{passes}, CT3_SOFTMAX>"
         assert launches[-1].grid == (16, 2) and launches[-1].args[-4:-1] == (1, 1, 0)
+        # The public conv_transpose3d's route: the convolution stored, then the check of
+        # each (sample, channel) row's weight (its recomputation where not finite).
+        conv.conv_transpose3d_implicit_gemm(x, w, Dev((64,)), Dev((2, 64, 10, 12, 34)),
+                                            passes=passes)
+        assert [launch.name for launch in launches[-2:]] == [
+            f"conv_transpose3d_s2k3<{passes}, CT3_CONV>", "conv_transpose_rows_nonfinite_weight"]
+        assert launches[-2].grid == (16, 2) and launches[-2].args[-4:-1] == (1, 1, 0)
+        assert launches[-1].grid == (128,) and launches[-1].args[4:7] == (64, 32, 64)
+        # x's element strides (channels-last): n, c, d, h, w.
+        assert launches[-1].args[-5:] == (32 * 5 * 6 * 17, 1, 32 * 6 * 17, 32 * 17, 32)
     # Where the driver makes x's map: its geometry (dims C, W, H, D, N; byte strides; the
     # box of one halo), the flag on. C_in not a multiple of 4 (4-byte strides): no map asked.
     maps = []
