@@ -306,4 +306,20 @@ struct TransposedConvDefinition {
         }
         return v;
     }
+
+    // Where the weight of output channel c = blockIdx.x % C is not finite, rewrites the
+    // block's (n, c) row of out (contiguous planes of `length` = Do x Ho x Wo values) by the
+    // definition plus bias[c], each thread the outputs o = threadIdx.x + k blockDim.x, and
+    // returns the row; else nullptr (the whole block alike).
+    __device__ float* rewrite_nonfinite_row(const float* bias, float* out, int C, int Do,
+                                            index_t& length) const {
+        const index_t n = blockIdx.x / C;
+        const int c = blockIdx.x - (int)(n * C);
+        length = (index_t)Do * Ho * Wo;
+        if (block_finite_weight(c)) return nullptr;
+        const float b = bias ? bias[c] : 0.0f;
+        float* row = out + (n * C + c) * length;
+        for (index_t o = threadIdx.x; o < length; o += blockDim.x) row[o] = at(n, c, o, b);
+        return row;
+    }
 };

@@ -1772,11 +1772,6 @@ __global__ void conv_transpose_rows_nonfinite_weight(
     const TransposedConvDefinition conv{x,  w,  c_in_group, c_out_group, Di, Hi, Wi, Ho, Wo,
                                         KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
                                         xn, xc, xd, xh, xw};
-    const index_t n = blockIdx.x / C;
-    const int c = blockIdx.x - (int)(n * C);
-    if (conv.block_finite_weight(c)) return;
-    const float b = bias ? bias[c] : 0.0f;
-    const index_t length = (index_t)Do * Ho * Wo;
-    float* row = y + (n * C + c) * length;
-    for (index_t o = threadIdx.x; o < length; o += blockDim.x) row[o] = conv.at(n, c, o, b);
+    index_t length;
+    conv.rewrite_nonfinite_row(bias, y, C, Do, length);
 }

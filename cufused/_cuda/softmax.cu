@@ -467,15 +467,14 @@ __global__ void softmax_rows_nonfinite_weight(
     const TransposedConvDefinition conv{x,  w,  c_in_group, c_out_group, Di, Hi, Wi, Ho, Wo,
                                         KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
                                         xn, xc, xd, xh, xw};
-    const index_t n = blockIdx.x / C;
-    const int c = blockIdx.x - (int)(n * C);
-    if (conv.block_finite_weight(c)) return;
-    const float b = bias ? bias[c] : 0.0f;
-    const index_t length = (index_t)Do * Ho * Wo;
-    float* row = out + (n * C + c) * length;
+    index_t length;
+    float* row = conv.rewrite_nonfinite_row(bias, out, C, Do, length);
+    if (!row) return;
+    const int c = blockIdx.x % C;
+    // Each thread clamps the outputs it wrote.
     float m = -INFINITY;
     for (index_t o = threadIdx.x; o < length; o += blockDim.x) {
-        const float v = clamp_nan(conv.at(n, c, o, b), lo, hi);
+        const float v = clamp_nan(row[o], lo, hi);
         row[o] = v;
         m = nan_max(m, v);
     }
