@@ -282,6 +282,26 @@ def test_transposed_3d_stride2_on_the_implicit_gemm(rng, monkeypatch, x_shape, c
 
 
 @pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
+def test_transposed_3d_stride2_replays_with_new_values(rng, monkeypatch, precision):
+    # Warm calls into the same out replay the whole call's graph, with the channels-last copy
+    # of x and that copy's tensor map inside it: new values of x reach the result, bitwise
+    # that of a call without any replay.
+    calls = _s2k3_route(monkeypatch, (2, 8, 4, 6, 6), 16, 1)
+    x = cp.empty((2, 8, 4, 6, 6), dtype=cp.float32)
+    w = to_gpu(rng.standard_normal((8, 16, 3, 3, 3)))[0]
+    opts = dict(stride=2, padding=1, output_padding=1, precision=precision)
+    out = poisoned((2, 16, 8, 12, 12))
+    for _ in range(2):
+        x[...] = cp.asarray(rng.standard_normal(x.shape), dtype=cp.float32)
+        for _ in range(3):
+            cufused.conv_transpose3d(x, w, **opts, out=out)
+        with plan_options(replay=False):
+            direct = cufused.conv_transpose3d(x, w, **opts)
+        np.testing.assert_array_equal(out.get(), direct.get())
+    assert calls, "the implicit-GEMM route did not run"
+
+
+@pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
 @pytest.mark.parametrize("build", ["native", "portable"])
 def test_transposed_3d_stride2_non_finite_values_as_the_definition(rng, monkeypatch, build,
                                                                    precision):
