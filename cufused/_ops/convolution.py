@@ -1,8 +1,9 @@
 """Convolutions: ``conv2d``, ``conv3d``, ``conv_transpose2d``, ``conv_transpose3d``.
 
 NumPy arrays run the float64 reference (:mod:`cufused.reference`); CuPy float32 arrays run
-cuDNN through :mod:`cufused._cudnn`. Layouts, weight shapes and output-size formulas are
-PyTorch's.
+cuDNN through :mod:`cufused._cudnn`, or at a tensor-core precision cufused's implicit GEMM
+(:mod:`cufused._kernels.conv_gemm`) where the autotuner measured it faster. Layouts, weight
+shapes and output-size formulas are PyTorch's.
 """
 
 from __future__ import annotations
@@ -304,7 +305,7 @@ _COMMON_DOC = """
     ----------
     x : numpy.ndarray or cupy.ndarray
         Input of shape {xshape}. NumPy arrays (float16/32/64) run the float64 reference on the
-        CPU; CuPy arrays (float32) run cuDNN on the array's device and CuPy's current stream.
+        CPU; CuPy arrays (float32) run on the array's device and CuPy's current stream.
     weight : array
         {wdesc}
     bias : array, optional
@@ -314,8 +315,11 @@ _COMMON_DOC = """
     groups : int
         Blocked channel connections; must divide the input (and output) channels.
     precision : {{"ieee", "tf32", "3xtf32"}}, optional
-        ``"tf32"`` lets cuDNN use TF32 tensor cores; ``None`` uses the default
-        (:func:`cufused.get_default_precision`). Ignored on the NumPy path.
+        ``"ieee"`` is exact float32 (cuDNN). ``"tf32"`` runs on TF32 tensor cores and
+        ``"3xtf32"`` sums three TF32 products per multiply for float32 accuracy, each on
+        cuDNN or on cufused's implicit GEMM, whichever the autotuner measured faster for the
+        problem (cuDNN's exact float32 stands in for ``"3xtf32"``). ``None`` uses the
+        default (:func:`cufused.get_default_precision`). Ignored on the NumPy path.
     out : array, optional
         Destination with exactly the result's shape and dtype.
 
@@ -389,7 +393,9 @@ conv3d.__doc__ = """3-D convolution (cross-correlation), as ``torch.nn.functiona
 
 conv_transpose2d.__doc__ = """2-D transposed convolution, as PyTorch's ``conv_transpose2d``.
 
-    On the GPU this is cuDNN's data-gradient convolution with the output shape set explicitly.
+    On the GPU this is cuDNN's data-gradient convolution with the output shape set explicitly
+    (stride 1 at a tensor-core precision: the forward convolution of the flipped kernel on
+    cufused's implicit GEMM, where the autotuner measured it faster).
 """ + _COMMON_DOC.format(
     xshape="(N, C_in, H, W)", wdesc="Shape (C_in, C_out / groups, kH, kW) (PyTorch's layout).",
     extra=_OUTPAD, rdesc="Shape (N, C_out, H_out, W_out) with "
