@@ -113,3 +113,57 @@ def test_pipelines_take_the_unfused_blocks_past_the_fused_limits(shape, groups, 
 
     assert gpu_method("fused", shape, groups=groups) == expected
     assert gpu_method("unfused", shape, groups=groups) == "unfused"
+
+
+def _operand(shape, layout="nchw"):
+    """A stand-in operand that also says whether it is C-contiguous."""
+    a = device_array(shape, layout)
+    a.flags = types.SimpleNamespace(c_contiguous=layout == "nchw")
+    return a
+
+
+_S2 = dict(stride=2, padding=1)
+
+
+@pytest.mark.parametrize("transposed, x_shape, w_shape, opts, precision, x_layout, expected", [
+    # 2-D forward of one group, and a stride-1 transposed one as its forward convolution.
+    (False, (2, 8, 20, 20), (16, 8, 3, 3), dict(padding=1), "tf32", "nchw", "_igemm_2d"),
+    (True, (2, 8, 20, 20), (8, 16, 5, 5), dict(padding=1), "3xtf32", "nchw", "_igemm_2d"),
+    (False, (2, 8, 20, 20), (16, 8, 3, 3), dict(padding=1), "ieee", "nchw", None),
+    (False, (2, 8, 20, 20), (16, 8, 3, 3), dict(padding=1), "tf32", "nhwc", None),
+    (False, (2, 8, 20, 20), (16, 4, 3, 3), dict(groups=2), "tf32", "nchw", None),
+    (True, (2, 8, 20, 20), (8, 16, 4, 4), _S2, "tf32", "nchw", None),
+    # Pipeline C's transposed 3-D convolution; other 3-D ones stay on cuDNN.
+    (True, (2, 32, 4, 6, 17), (32, 64, 3, 3, 3), dict(_S2, output_padding=1), "tf32", "nchw",
+     "_igemm_transposed_3d"),
+    (True, (1, 3, 5, 3, 9), (3, 5, 3, 3, 3), dict(_S2, output_padding=(0, 1, 0)), "3xtf32",
+     "nchw", "_igemm_transposed_3d"),
+    (True, (2, 32, 4, 6, 17), (32, 64, 3, 3, 3), _S2, "ieee", "nchw", None),
+    (True, (2, 32, 4, 6, 17), (32, 64, 3, 3, 3), _S2, "tf32", "nhwc", None),
+    (True, (2, 33, 4, 6, 17), (33, 64, 3, 3, 3), _S2, "tf32", "nchw", None),
+    (True, (2, 8, 4, 6, 6), (8, 8, 3, 3, 3), dict(stride=2, padding=0), "tf32", "nchw", None),
+    (True, (2, 8, 4, 6, 6), (8, 8, 3, 3, 3), dict(padding=1), "tf32", "nchw", None),
+    (True, (2, 8, 4, 6, 6), (8, 4, 3, 3, 3), dict(_S2, groups=2), "tf32", "nchw", None),
+    (True, (2, 8, 4, 6, 6), (8, 8, 2, 2, 2), _S2, "tf32", "nchw", None),
+    (False, (2, 8, 4, 6, 6), (8, 8, 3, 3, 3), _S2, "tf32", "nchw", None),
+])
+def test_implicit_gemm_routes(monkeypatch, transposed, x_shape, w_shape, opts, precision,
+                              x_layout, expected):
+    # Which convolutions the implicit GEMM takes (on a device with conv_transpose3d_s2k3's
+    # 217 KiB of shared memory a block), and how: None leaves the problem to cuDNN.
+    from cufused._kernels import conv_gemm
+    from cufused._ops import convolution
+    from cufused._ops._conv_args import check_conv_args
+
+    monkeypatch.setattr(conv_gemm, "shared_per_block", lambda: 227 * 1024)
+    args = check_conv_args(x_shape, w_shape, len(x_shape) - 2, transposed=transposed,
+                           **{"stride": 1, "padding": 0, **opts})
+    run = convolution._igemm_route(_operand(x_shape, x_layout), _operand(w_shape), args,
+                                   precision, None, None)
+    assert (run and run.func.__name__) == expected
+    if expected:
+        assert run.keywords["passes"] == (3 if precision == "3xtf32" else 1)
+    if expected == "_igemm_transposed_3d":  # 99 KiB a block (compute capability 8.6, 8.9)
+        monkeypatch.setattr(conv_gemm, "shared_per_block", lambda: 99 * 1024)
+        assert convolution._igemm_route(_operand(x_shape), _operand(w_shape), args, precision,
+                                        None, None) is None
