@@ -145,6 +145,13 @@ def _torch_c(x, w, scale, *, stride, padding, output_padding, pool_kernel, clamp
 
 TORCH = {"A": _torch_a, "B": _torch_b, "C": _torch_c}
 
+# The least magnitude per value that a pipeline's errors are taken relative to. A's and B's
+# results are of the order of their GroupNorm's weight and bias (clamped in A), standard
+# normal draws: a group whose exact result is its bias (one value, or values all equal after
+# tanh saturates) leaves them 0 in the NumPy path and roundoff (~1e-14) in PyTorch's float64,
+# whose relative error means nothing. C's softmax values are small by design: no floor.
+SCALE_FLOOR = {"A": 1e-3, "B": 1e-3, "C": 0.0}
+
 
 def _torch_reference(name: str, args, options) -> np.ndarray:
     """The pipeline in PyTorch, float64 on the CPU."""
@@ -175,10 +182,11 @@ def _plant(rng, args, options):
     return args, options, planted
 
 
-def _placement_error(out, ref, ignore=None) -> float:
+def _placement_error(out, ref, ignore=None, *, floor: float = 0.0) -> float:
     """inf where the NaN, +inf or -inf positions of ``out`` and ``ref`` differ, else the
     relative error of the values finite in both (0 where there are none); positions where
-    the boolean array ``ignore`` is set are left out."""
+    the boolean array ``ignore`` is set are left out. ``floor`` is the least magnitude per
+    value that the error is taken relative to (:data:`SCALE_FLOOR`)."""
     out = np.asarray(out, dtype=np.float64)
     if ignore is not None:
         out, ref = out[~ignore], ref[~ignore]
@@ -186,7 +194,10 @@ def _placement_error(out, ref, ignore=None) -> float:
         if not np.array_equal(test(out), test(ref)):
             return float("inf")
     finite = np.isfinite(ref)
-    return rel_err(out[finite], ref[finite]) if finite.any() else 0.0
+    if not finite.any():
+        return 0.0
+    scale = max(float(np.linalg.norm(ref[finite])), floor * float(np.sqrt(finite.sum())))
+    return float(np.linalg.norm(out[finite] - ref[finite])) / max(scale, 1e-300)
 
 
 def _float32_underflow(name: str, args, options):
@@ -229,7 +240,7 @@ def run_case(rng, name: str, *, nonfinite: bool = False,
     if nonfinite:
         draw["planted"] = planted
         torch_ref = _torch_reference(name, args, options)
-        errors.append(_placement_error(ref, torch_ref) / 1e-9)
+        errors.append(_placement_error(ref, torch_ref, floor=SCALE_FLOOR[name]) / 1e-9)
         ref = torch_ref
     if not gpu:
         return name, draw, max(errors)
@@ -246,7 +257,8 @@ def run_case(rng, name: str, *, nonfinite: bool = False,
     with plan_options(engine=engine):
         for _ in range(2):
             out = fn(*gpu_args, **gpu_options, precision=precision)
-            errors.append((_placement_error(out.get(), ref, ignore) if nonfinite
+            errors.append((_placement_error(out.get(), ref, ignore, floor=SCALE_FLOOR[name])
+                           if nonfinite
                            else rel_err(out, ref)) / tol)
     return name, draw, max(errors)
 
