@@ -12,7 +12,8 @@ with or without running buffers, momentum 0 to 1, a fused tanh or none), the poo
 (None, ``()`` or values) and padding, ``softmax``'s axis (an int or a tuple, negative ones
 too), an offset of the input (means far from zero), the layout of the input and weight
 (contiguous, channels-last or with the last two axes swapped), and for the convolutions the
-precision and engine (cufused's implicit GEMM forced, or the autotuner's choice). The block
+precision and engine (cufused's implicit GEMM forced, or the autotuner's choice; a fifth of
+the ``conv_transpose3d`` draws take pipeline C's form, which that engine computes). The block
 runs on CuPy float32 copies: twice without ``out`` (a first and a warm call), then twice into
 ``out`` (a NaN-filled array or, for the blocks that allow it, ``x`` itself); each result, and
 each running buffer that ``batch_norm`` updates, is compared with the same public function on
@@ -103,14 +104,20 @@ def _conv(rng: np.random.Generator, nd: int, transposed: bool) -> tuple[list, di
     kernel = [int(rng.choice([1, 2, 3, 3, 4, 5] if nd == 2 else [1, 2, 3, 3])) for _ in range(nd)]
     stride = [int(rng.choice([1, 1, 2, 3])) for _ in range(nd)]
     dilation = [int(rng.choice([1, 1, 1, 2, 3])) for _ in range(nd)]
+    c_form = nd == 3 and transposed and rng.random() < 0.2
+    if c_form:
+        # Pipeline C's form, which cufused's implicit GEMM takes at a tensor-core precision
+        # (conv_transpose3d_s2k3): one group, 3 x 3 x 3, stride 2, padding 1, dilation 1.
+        groups, kernel, stride, dilation = 1, [3] * 3, [2] * 3, [1] * 3
+        cin, cout = int(rng.integers(1, 33)), int(rng.integers(1, 41))
     reach = [d * (k - 1) for d, k in zip(dilation, kernel)]
     options: dict[str, Any] = dict(stride=_option(rng, stride), dilation=_option(rng, dilation),
                                    groups=groups)
     if transposed:
         # Padding up to the kernel's reach crops the output, sometimes to nothing (rejected):
         # mostly up to half of it.
-        padding = [int(rng.integers(0, (r if rng.random() < 0.3 else r // 2) + 1))
-                   for r in reach]
+        padding = [1] * 3 if c_form else [
+            int(rng.integers(0, (r if rng.random() < 0.3 else r // 2) + 1)) for r in reach]
         size = _spatial(rng, nd, 8 if nd == 2 else 4)
         options["output_padding"] = _option(
             rng, [int(rng.integers(0, max(s, d))) if rng.random() < 0.5 else 0
