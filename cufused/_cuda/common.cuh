@@ -262,8 +262,8 @@ __device__ __forceinline__ void interleave_classes(const float* __restrict__ cla
 struct TransposedConvDefinition {
     const float* x;
     const float* w;
-    int c_in_group, c_out_group, Di, Hi, Wi, Ho, Wo, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh,
-        dw;
+    int c_in_group, c_out_group, Di, Hi, Wi, Do, Ho, Wo, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd,
+        dh, dw;
     index_t xn, xc, xd, xh, xw;
 
     // w[ci, col, tap] for input channel ci_local of output channel c's group.
@@ -282,6 +282,9 @@ struct TransposedConvDefinition {
             nonfinite |= !isfinite(weight(c, i / taps, i % taps));
         return !__syncthreads_or(nonfinite);
     }
+
+    // Outputs per (sample, channel) row.
+    __device__ index_t plane() const { return (index_t)Do * Ho * Wo; }
 
     // b plus output o (flat over the Do x Ho x Wo plane) of sample n, channel c.
     __device__ float at(index_t n, int c, index_t o, float b) const {
@@ -308,16 +311,15 @@ struct TransposedConvDefinition {
     }
 
     // Where the weight of output channel c = blockIdx.x % C is not finite, rewrites the
-    // block's (n, c) row of out (contiguous planes of `length` = Do x Ho x Wo values) by the
-    // definition plus bias[c], each thread the outputs o = threadIdx.x + k blockDim.x, and
-    // returns the row; else nullptr (the whole block alike).
-    __device__ float* rewrite_nonfinite_row(const float* bias, float* out, int C, int Do,
-                                            index_t& length) const {
+    // block's (n, c) row of out (contiguous rows of plane() values) by the definition plus
+    // bias[c], each thread the outputs o = threadIdx.x + k blockDim.x, and returns the row;
+    // else nullptr (the whole block alike).
+    __device__ float* rewrite_nonfinite_row(const float* bias, float* out, int C) const {
         const index_t n = blockIdx.x / C;
         const int c = blockIdx.x - (int)(n * C);
-        length = (index_t)Do * Ho * Wo;
         if (block_finite_weight(c)) return nullptr;
         const float b = bias ? bias[c] : 0.0f;
+        const index_t length = plane();
         float* row = out + (n * C + c) * length;
         for (index_t o = threadIdx.x; o < length; o += blockDim.x) row[o] = at(n, c, o, b);
         return row;

@@ -1769,9 +1769,8 @@ __global__ void conv_transpose_rows_nonfinite_weight(
     int Do, int Ho, int Wo, int KD, int KH, int KW, int sd, int sh, int sw, int pd, int ph,
     int pw, int dd, int dh, int dw, index_t xn, index_t xc, index_t xd, index_t xh,
     index_t xw) {
-    const TransposedConvDefinition conv{x,  w,  c_in_group, c_out_group, Di, Hi, Wi, Ho, Wo,
-                                        KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
+    const TransposedConvDefinition conv{x,  w,  c_in_group, c_out_group, Di, Hi, Wi, Do, Ho,
+                                        Wo, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
                                         xn, xc, xd, xh, xw};
-    index_t length;
-    conv.rewrite_nonfinite_row(bias, y, C, Do, length);
+    conv.rewrite_nonfinite_row(bias, y, C);
 }

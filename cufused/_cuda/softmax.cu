@@ -464,12 +464,12 @@ __global__ void softmax_rows_nonfinite_weight(
     index_t xc, index_t xd, index_t xh, index_t xw, float lo, float hi) {
     __shared__ double2 scratch[32];
     __shared__ float maxima[32];
-    const TransposedConvDefinition conv{x,  w,  c_in_group, c_out_group, Di, Hi, Wi, Ho, Wo,
-                                        KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
+    const TransposedConvDefinition conv{x,  w,  c_in_group, c_out_group, Di, Hi, Wi, Do, Ho,
+                                        Wo, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
                                         xn, xc, xd, xh, xw};
-    index_t length;
-    float* row = conv.rewrite_nonfinite_row(bias, out, C, Do, length);
+    float* row = conv.rewrite_nonfinite_row(bias, out, C);
     if (!row) return;
+    const index_t length = conv.plane();
     const int c = blockIdx.x % C;
     // Each thread clamps the outputs it wrote.
     float m = -INFINITY;
