@@ -19,6 +19,7 @@ from .._arrays import (Size, check_float_dtype, check_ndim, check_required, chec
 from .._call_graphs import replayed, warm_calls
 from .._cuda import capturing
 from .._cudnn import on_clear_plan_cache
+from .._layout import stored_in
 from .._precision import mma_passes, resolve_precision
 from ._conv_args import ConvArgs, cached_conv_args, check_conv_memory
 
@@ -41,8 +42,10 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
     from .._cudnn import UnsupportedConvolution
 
     run = _igemm_route(x, weight, args, precision, bias, out)
-    if (run is not None and _settled_engine(x.shape, weight.shape, args, bias is not None,
-                                            precision, run) == "igemm"):
+    # The route takes x packed NC(D)HW, or packed channels-last where it reads that layout.
+    x_layout = "nchw" if x.flags.c_contiguous else "nhwc"
+    if (run is not None and _settled_engine(x.shape, x_layout, weight.shape, args,
+                                            bias is not None, precision, run) == "igemm"):
         y = out if out is not None else _empty_nchw(args.out_shape)
         run(x, weight, bias, y)
         return y, "nchw"
@@ -119,41 +122,43 @@ def _igemm_route(x, weight, args: ConvArgs, precision: str, bias,
     of the flipped weight (:func:`_stride1_forward_args`), and the transposed 3-D
     convolutions that ``conv_transpose3d_s2k3`` takes (pipeline C's: stride 2, a 3 x 3 x 3
     kernel, padding 1; :func:`~cufused._kernels.conv_gemm.transposed_s2k3_takes`) from a
-    channels-last copy of a dense NCDHW input."""
+    packed channels-last input (NDHWC memory) as it is, or from a channels-last copy of a
+    dense NCDHW one."""
     from .._kernels.conv_gemm import transposed_s2k3_takes
 
-    if (precision == "ieee" or not x.flags.c_contiguous
-            or (bias is not None and not bias.flags.c_contiguous)
+    if (precision == "ieee" or (bias is not None and not bias.flags.c_contiguous)
             or (out is not None and not out.flags.c_contiguous)):
         return None
     passes = mma_passes(precision)
     if x.ndim == 4:
         forward_args = (_stride1_forward_args(args, weight.shape[2:]) if args.transposed
                         else args)
-        if (forward_args is None or forward_args.groups != 1
+        if (not x.flags.c_contiguous or forward_args is None or forward_args.groups != 1
                 or not (args.transposed or weight.flags.c_contiguous)):
             return None
         return partial(_igemm_2d, args=forward_args, flip=args.transposed, passes=passes)
-    if args.transposed and transposed_s2k3_takes(
-            x.shape[1], weight.shape[2:], args.stride, args.padding, args.output_padding,
-            args.dilation, args.groups, args.out_shape):
+    if ((x.flags.c_contiguous or stored_in(x, "nhwc")) and args.transposed
+            and transposed_s2k3_takes(x.shape[1], weight.shape[2:], args.stride, args.padding,
+                                      args.output_padding, args.dilation, args.groups,
+                                      args.out_shape)):
         return partial(_igemm_transposed_3d, passes=passes)
     return None
 
 
-def _settled_engine(x_shape, w_shape, args: ConvArgs, bias: bool, precision: str,
-                    run: Callable[..., None]) -> str:
-    """The engine of a problem that the implicit GEMM computes with ``run``
-    (settled_engine)."""
-    return settled_engine((tuple(x_shape), tuple(w_shape), args, bias, precision),
-                          lambda: _faster_engine(x_shape, w_shape, args, bias, precision, run))
+def _settled_engine(x_shape, x_layout: str, w_shape, args: ConvArgs, bias: bool,
+                    precision: str, run: Callable[..., None]) -> str:
+    """The engine of a problem that the implicit GEMM computes with ``run`` from an input
+    stored in ``x_layout`` (settled_engine)."""
+    return settled_engine(
+        (tuple(x_shape), x_layout, tuple(w_shape), args, bias, precision),
+        lambda: _faster_engine(x_shape, x_layout, w_shape, args, bias, precision, run))
 
 
-def _faster_engine(x_shape, w_shape, args: ConvArgs, bias: bool, precision: str,
-                   run: Callable[..., None]) -> str:
+def _faster_engine(x_shape, x_layout: str, w_shape, args: ConvArgs, bias: bool,
+                   precision: str, run: Callable[..., None]) -> str:
     """Time the implicit GEMM's ``run`` and the cuDNN plan that ``precision`` runs on cuDNN
-    (TF32, or exact float32 for 3xTF32) on random operands, NCHW / NCDHW in and out, L2
-    flushed; "igemm" where cuDNN has none."""
+    (TF32, or exact float32 for 3xTF32) on random operands, the input in ``x_layout``, the
+    output NCHW / NCDHW, L2 flushed; "igemm" where cuDNN has none."""
     from .._cudnn import UnsupportedConvolution
     from .._cudnn._timing import _random
 
@@ -161,7 +166,7 @@ def _faster_engine(x_shape, w_shape, args: ConvArgs, bias: bool, precision: str,
         plan = _plan(x_shape, w_shape, args, precision, bias, True, True, False)
     except UnsupportedConvolution:
         return "igemm"
-    x, w = _random(x_shape), _random(w_shape)
+    x, w = _random(x_shape, x_layout), _random(w_shape)
     b = _random((args.out_shape[1],)) if bias else None
     y = _empty_nchw(args.out_shape)
     return fastest({"cudnn": lambda: plan.apply(x, w, bias=b, out=y),
@@ -199,15 +204,18 @@ def _igemm_2d(x, weight, bias, y, *, args: ConvArgs, flip: bool, passes: int) ->
 
 
 def _igemm_transposed_3d(x, weight, bias, y, *, passes: int) -> None:
-    """``conv_transpose3d_s2k3`` on a channels-last copy of ``x``."""
+    """``conv_transpose3d_s2k3`` on ``x`` stored channels-last, or on a channels-last copy of
+    it."""
     import cupy
 
     from .._kernels.conv_gemm import conv_transpose3d_implicit_gemm
     from .._kernels.layout import transpose_channels
     from .._layout import empty_in_layout
 
-    x_last = empty_in_layout(x.shape, "nhwc")
-    transpose_channels(x, x_last, to_channels_last=True)
+    x_last = x
+    if not stored_in(x, "nhwc"):
+        x_last = empty_in_layout(x.shape, "nhwc")
+        transpose_channels(x, x_last, to_channels_last=True)
     conv_transpose3d_implicit_gemm(x_last, cupy.ascontiguousarray(weight), bias, y,
                                    passes=passes)
 

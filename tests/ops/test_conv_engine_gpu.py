@@ -281,6 +281,49 @@ def test_transposed_3d_stride2_on_the_implicit_gemm(rng, monkeypatch, x_shape, c
     assert_close(got.get(), ref, TOL[precision])
 
 
+def _channels_last(a, offset: int = 0):
+    """``a`` (N, C, D, H, W) as a logical NCDHW view of packed NDHWC memory that starts
+    ``offset`` float32 values into its allocation."""
+    last = a.transpose(0, 2, 3, 4, 1)
+    buf = cp.full(last.size + offset, cp.nan, dtype=cp.float32)[offset:].reshape(last.shape)
+    buf[...] = last
+    return buf.transpose(0, 4, 1, 2, 3)
+
+
+@pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
+@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("x_shape, c_out, offset", [
+    ((2, 32, 4, 6, 17), 64, 0),     # pipeline C's form: the tensor map of x itself
+    ((2, 32, 4, 6, 17), 64, 1),     # x 4 bytes past a 16-byte boundary: no tensor map
+    ((1, 3, 5, 3, 9), 5, 0),        # C_in not a multiple of 4
+])
+def test_transposed_3d_stride2_reads_channels_last_x_as_it_is(rng, monkeypatch, x_shape,
+                                                               c_out, offset, build,
+                                                               precision):
+    # An x stored channels-last (PyTorch's channels_last_3d) is read in place, without the
+    # copy that an NCDHW x takes: the result is bitwise that of the same values in NCDHW.
+    import cufused._kernels.layout as layout
+
+    calls = _s2k3_route(monkeypatch, x_shape, c_out, 1)
+    copies = count_calls(monkeypatch, layout, "transpose_channels")
+    host = (rng.standard_normal(x_shape), rng.standard_normal((x_shape[1], c_out, 3, 3, 3)),
+            rng.standard_normal(c_out))
+    x_first, w, b = to_gpu(*host)
+    x_last = _channels_last(x_first, offset)
+    opts = dict(stride=2, padding=1, output_padding=1, precision=precision)
+    with kernels_built(build):
+        first = cufused.conv_transpose3d(x_first, w, b, **opts)
+        assert len(copies) == 1 and len(calls) == 1
+        out = poisoned(first.shape)
+        assert cufused.conv_transpose3d(x_last, w, b, **opts, out=out) is out
+    assert len(copies) == 1 and len(calls) == 2, "channels-last x took a copy or left the route"
+    np.testing.assert_array_equal(out.get(), first.get())
+    ref = cufused.conv_transpose3d(*host, stride=2, padding=1, output_padding=1)
+    assert_close(out.get(), ref, TOL[precision])
+    with plan_options(engine="auto"):  # the autotuner times cuDNN on the channels-last x
+        assert_close(cufused.conv_transpose3d(x_last, w, b, **opts).get(), ref, TOL[precision])
+
+
 @pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
 def test_transposed_3d_stride2_replays_with_new_values(rng, monkeypatch, precision):
     # Warm calls into the same out replay the whole call's graph, with the channels-last copy

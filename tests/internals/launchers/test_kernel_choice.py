@@ -116,8 +116,11 @@ def test_pipelines_take_the_unfused_blocks_past_the_fused_limits(shape, groups, 
 
 
 def _operand(shape, layout="nchw"):
-    """A stand-in operand that also says whether it is C-contiguous."""
-    a = device_array(shape, layout)
+    """A stand-in operand that also says whether it is C-contiguous; "strided" is NCHW memory
+    with every other element of the last axis (neither layout packed)."""
+    a = device_array(shape, "nchw" if layout == "strided" else layout)
+    if layout == "strided":
+        a.strides = tuple(2 * s for s in a.strides)
     a.flags = types.SimpleNamespace(c_contiguous=layout == "nchw")
     return a
 
@@ -139,7 +142,8 @@ _S2 = dict(stride=2, padding=1)
     (True, (1, 3, 5, 3, 9), (3, 5, 3, 3, 3), dict(_S2, output_padding=(0, 1, 0)), "3xtf32",
      "nchw", "_igemm_transposed_3d"),
     (True, (2, 32, 4, 6, 17), (32, 64, 3, 3, 3), _S2, "ieee", "nchw", None),
-    (True, (2, 32, 4, 6, 17), (32, 64, 3, 3, 3), _S2, "tf32", "nhwc", None),
+    (True, (2, 32, 4, 6, 17), (32, 64, 3, 3, 3), _S2, "3xtf32", "nhwc", "_igemm_transposed_3d"),
+    (True, (2, 32, 4, 6, 17), (32, 64, 3, 3, 3), _S2, "tf32", "strided", None),
     (True, (2, 33, 4, 6, 17), (33, 64, 3, 3, 3), _S2, "tf32", "nchw", None),
     (True, (2, 8, 4, 6, 6), (8, 8, 3, 3, 3), dict(stride=2, padding=0), "tf32", "nchw", None),
     (True, (2, 8, 4, 6, 6), (8, 8, 3, 3, 3), dict(padding=1), "tf32", "nchw", None),
