@@ -12,7 +12,8 @@ import numpy
 from .._arrays import import_cupy
 from .._cuda import capturing
 from ._config import _config, cudnn_handle, import_cudnn, plan_options
-from ._graphs import ConvProblem, Strategy, _build_graph, _Part, _part_specs, strategies
+from ._graphs import (ConvProblem, Strategy, _build_graph, _Part, _part_specs, runnable_plans,
+                      strategies)
 from ._plan import ConvPlan, _graph_buffer_pool
 from ._timing import _issue_ms, _l2_flush_buffer, _random, _time_ms
 
@@ -77,7 +78,7 @@ def _chosen_parts(problem: ConvProblem, strategy: Strategy, tune: bool, handle):
         if tune and spec.graph_key() not in built:
             graph.build_plans(cudnn.build_plan_policy.ALL)
             built.add(spec.graph_key())
-        for i in range(graph.get_execution_plan_count()):
+        for i in runnable_plans(spec, graph):
             try:
                 if not tune:
                     graph.build_plan_at_index(i)

@@ -206,6 +206,32 @@ def _build_graph(spec: _PartSpec, precision: str, handle):
     return graph, tensors
 
 
+# Engines that fault on problems that cuDNN accepts, by the graphs they fault in: a fault ends
+# the process's CUDA context, so the plan search cannot run such a plan and move on. cuDNN
+# 9.19 on an H200: engine 52 of a convolution with its bias in the graph, misaligned address
+# on a 2 x 6 x 2 x 1 input in 3 groups (12 x 2 x 4 x 1 weight, stride 3, padding (2, 1)).
+# Engine numbers belong to the graph's pattern (the convolution alone lists other engines):
+# an engine is barred in the pattern it faulted in.
+_FAULTING_WITH_BIAS = frozenset({"eng52"})
+
+
+def runnable_plans(spec: _PartSpec, graph) -> list[int]:
+    """The indices of ``graph``'s execution plans (built from ``spec``) that may run, in
+    cuDNN's order: every one but those of an engine that faults in such a graph."""
+    barred = _FAULTING_WITH_BIAS if spec.bias_strides is not None else frozenset()
+    return [i for i in range(graph.get_execution_plan_count())
+            if not barred or _engine_name(graph, i) not in barred]
+
+
+def _engine_name(graph, index: int) -> str:
+    """The engine of plan ``index`` ("eng52" of "eng52_k2=4"); "" where cuDNN names none
+    (the plan is then tried, as any other)."""
+    try:
+        return graph.get_plan_name_at_index(index).split("_")[0]
+    except Exception:  # noqa: BLE001 - cuDNN reports an unnamed plan in several ways
+        return ""
+
+
 @dataclass
 class _Part:
     """A built graph with its chosen execution plan, and where its operands start."""
