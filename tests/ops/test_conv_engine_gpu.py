@@ -296,13 +296,16 @@ def _channels_last(a, offset: int = 0):
     ((2, 32, 4, 6, 17), 64, 0),     # pipeline C's form: the tensor map of x itself
     ((2, 32, 4, 6, 17), 64, 1),     # x 4 bytes past a 16-byte boundary: no tensor map
     ((1, 3, 5, 3, 9), 5, 0),        # C_in not a multiple of 4
+    ((2, 1, 3, 2, 5), 3, 0),        # C_in 1: the channels-last view is C-contiguous too
 ])
 def test_transposed_3d_stride2_reads_channels_last_x_as_it_is(rng, monkeypatch, x_shape,
                                                                c_out, offset, build,
                                                                precision):
     # An x stored channels-last (PyTorch's channels_last_3d) is read in place, without the
     # copy that an NCDHW x takes: the result is bitwise that of the same values in NCDHW.
+    # The autotuner times the engines on such an x under a key of its own.
     import cufused._kernels.layout as layout
+    from cufused._ops import convolution
 
     calls = _s2k3_route(monkeypatch, x_shape, c_out, 1)
     copies = count_calls(monkeypatch, layout, "transpose_channels")
@@ -320,8 +323,11 @@ def test_transposed_3d_stride2_reads_channels_last_x_as_it_is(rng, monkeypatch, 
     np.testing.assert_array_equal(out.get(), first.get())
     ref = cufused.conv_transpose3d(*host, stride=2, padding=1, output_padding=1)
     assert_close(out.get(), ref, TOL[precision])
-    with plan_options(engine="auto"):  # the autotuner times cuDNN on the channels-last x
+    convolution._ENGINES.clear()
+    with plan_options(engine="auto"):
         assert_close(cufused.conv_transpose3d(x_last, w, b, **opts).get(), ref, TOL[precision])
+    layout_keys = {k[2] for k in convolution._ENGINES if k[1] == x_shape}
+    assert layout_keys == {"nchw" if x_last.flags.c_contiguous else "nhwc"}
 
 
 @pytest.mark.parametrize("precision", ["3xtf32", "tf32"])

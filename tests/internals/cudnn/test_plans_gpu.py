@@ -191,21 +191,32 @@ def test_conv_autotune_times_both_layouts(rng):
 
 
 @pytest.mark.parametrize("precision", ["tf32", "ieee"])
-def test_conv_autotune_skips_the_engines_that_fault(rng, precision):
+def test_conv_autotune_skips_the_engines_that_fault(rng, monkeypatch, precision):
     # The autotuner runs every plan of every strategy, the bias inside the graph included,
     # whose cuDNN engine 52 faulted on this grouped problem (misaligned address: every later
     # CUDA call of the process then failed; fuzz_blocks). No such plan runs: the result is
     # the reference's, and the device still works.
     from cufused import _cudnn
+    from cufused._cudnn import _graphs
 
+    ran, execute = [], _graphs._Part.execute
+
+    def recorded(part, *args, **kwargs):
+        ran.append((part.spec.bias_strides is not None,
+                    part.graph.get_plan_name_at_index(part.plan_index).split("_")[0]))
+        return execute(part, *args, **kwargs)
+
+    monkeypatch.setattr(_graphs._Part, "execute", recorded)
     x, w, b = (rng.standard_normal(s) for s in ((2, 6, 2, 1), (12, 2, 4, 1), (12,)))
     opts = dict(stride=3, padding=(2, 1), groups=3)
     with _cudnn.plan_options(autotune=True):
         got = cufused.conv2d(*to_gpu(x, w, b), **opts, precision=precision)
     cp.cuda.runtime.deviceSynchronize()
     assert_close(got.get(), cufused.conv2d(x, w, b, **opts), TOL[precision])
-    plans = [p for k, p in _cudnn._plans.items() if k[1].x_shape == (2, 6, 2, 1) and k[5]]
-    assert plans and any("+bias" in label for label in plans[0].candidates)
+    assert (True, "eng52") not in ran and any(in_graph for in_graph, _ in ran)
+    plans = [p for k, p in _cudnn._plans.items()
+             if k[1].x_shape == (2, 6, 2, 1) and k[1].precision == precision and k[5]]
+    assert len(plans) == 1 and any("+bias" in label for label in plans[0].candidates)
 
 
 def test_conv_autotune_weighs_subpixel_split(rng):

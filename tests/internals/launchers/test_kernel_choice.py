@@ -169,5 +169,5 @@ def test_implicit_gemm_routes(monkeypatch, transposed, x_shape, w_shape, opts, p
         assert run.keywords["passes"] == (3 if precision == "3xtf32" else 1)
     if expected == "_igemm_transposed_3d":  # 99 KiB a block (compute capability 8.6, 8.9)
         monkeypatch.setattr(conv_gemm, "shared_per_block", lambda: 99 * 1024)
-        assert convolution._igemm_route(_operand(x_shape), _operand(w_shape), args, precision,
-                                        None, None) is None
+        assert convolution._igemm_route(_operand(x_shape, x_layout), _operand(w_shape), args,
+                                        precision, None, None) is None
