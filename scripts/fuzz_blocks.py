@@ -426,6 +426,17 @@ def run_case(block: str, seed: int, *, nonfinite: bool = False,
     return draw, *worst, differs
 
 
+def _context_lost() -> bool:
+    """Whether this process's CUDA context has ended (a kernel faulted: every call fails)."""
+    import cupy
+
+    try:
+        cupy.cuda.runtime.deviceSynchronize()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        return True
+    return False
+
+
 def _cases(args: argparse.Namespace) -> Iterator[tuple[str, int]]:
     """(block, case seed) pairs: the one case of ``--case``, else random ones for
     ``--seconds``."""
@@ -473,6 +484,11 @@ def main(argv: list[str] | None = None) -> int:
             failed += 1
             ran[block] += 1
             print(f"FAIL {block}: {type(exc).__name__}: {exc}; replay: {replay}", flush=True)
+            if not args.cpu and _context_lost():
+                print("the device faulted and its CUDA context is lost: every later case "
+                      "would fail, so the run stops (the fault may be an earlier kernel's: "
+                      "replay with CUDA_LAUNCH_BLOCKING=1)", flush=True)
+                break
             continue
         if result is None:
             rejected[block] += 1

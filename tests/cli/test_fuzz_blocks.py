@@ -61,3 +61,21 @@ def test_fuzz_catches_a_wrong_reference(monkeypatch, capsys):
     assert status == 1, out
     assert re.search(r"^FAIL max_pool\dd: .*replay: python scripts/fuzz_blocks.py "
                      r"--blocks max_pool\dd --case \d+ --cpu$", out, re.MULTILINE), out
+
+
+def test_fuzz_stops_where_the_device_faulted(monkeypatch, capsys):
+    """A case that ends the CUDA context (a kernel fault) is the run's last: it is reported
+    with its replay command, and the cases after it, which could only fail, do not run."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import fuzz_blocks
+
+    def faulting(block, seed, **kwargs):
+        raise RuntimeError("cudaErrorMisalignedAddress: misaligned address")
+
+    monkeypatch.setattr(fuzz_blocks, "run_case", faulting)
+    monkeypatch.setattr(fuzz_blocks, "_context_lost", lambda: True)
+    status = fuzz_blocks.main(["--blocks", "conv2d", "--seconds", "3", "--seed", "7"])
+    out = capsys.readouterr().out
+    assert status == 1, out
+    assert out.count("FAIL conv2d") == 1 and "context is lost" in out, out
+    assert "cases run: {'conv2d': 1}; failed: 1" in out, out
