@@ -42,10 +42,9 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
     from .._cudnn import UnsupportedConvolution
 
     run = _igemm_route(x, weight, args, precision, bias, out)
-    # The route takes x packed NC(D)HW, or packed channels-last where it reads that layout.
-    x_layout = "nchw" if x.flags.c_contiguous else "nhwc"
-    if (run is not None and _settled_engine(x.shape, x_layout, weight.shape, args,
-                                            bias is not None, precision, run) == "igemm"):
+    if (run is not None
+            and _settled_engine(x, weight.shape, args, bias is not None, precision, run)
+            == "igemm"):
         y = out if out is not None else _empty_nchw(args.out_shape)
         run(x, weight, bias, y)
         return y, "nchw"
@@ -145,13 +144,15 @@ def _igemm_route(x, weight, args: ConvArgs, precision: str, bias,
     return None
 
 
-def _settled_engine(x_shape, x_layout: str, w_shape, args: ConvArgs, bias: bool,
-                    precision: str, run: Callable[..., None]) -> str:
-    """The engine of a problem that the implicit GEMM computes with ``run`` from an input
-    stored in ``x_layout`` (settled_engine)."""
+def _settled_engine(x, w_shape, args: ConvArgs, bias: bool, precision: str,
+                    run: Callable[..., None]) -> str:
+    """The engine of a problem that the implicit GEMM computes with ``run`` from ``x``
+    (settled_engine), keyed and timed with the layout that ``x`` is stored in: packed
+    NC(D)HW, else packed channels-last (the only other layout the route takes)."""
+    x_layout = "nchw" if x.flags.c_contiguous else "nhwc"
     return settled_engine(
-        (tuple(x_shape), x_layout, tuple(w_shape), args, bias, precision),
-        lambda: _faster_engine(x_shape, x_layout, w_shape, args, bias, precision, run))
+        (tuple(x.shape), x_layout, tuple(w_shape), args, bias, precision),
+        lambda: _faster_engine(x.shape, x_layout, w_shape, args, bias, precision, run))
 
 
 def _faster_engine(x_shape, x_layout: str, w_shape, args: ConvArgs, bias: bool,
