@@ -182,4 +182,3 @@ def test_strategies_short_of_memory_are_skipped(monkeypatch):
     made["nchw"] = None
     with pytest.raises(_cudnn.UnsupportedConvolution):
         _autotune._choose(problem, True, False, False, True, None)
-
