@@ -265,6 +265,35 @@ def _byte_span(a: Any) -> tuple[int, int]:
     return low, high + a.itemsize
 
 
+# The most elements whose addresses _elements_overlap compares one by one.
+_OVERLAP_CHECK_ELEMENTS = 2**24
+
+
+def _elements_overlap(a: numpy.ndarray) -> bool:
+    """Whether two elements of NumPy array ``a`` share a byte (a stride of 0 on an axis of
+    more than one element, or strides that interleave); ``ValueError`` for a layout too large
+    and irregular to check."""
+    if a.size <= 1 or a.flags.c_contiguous or a.flags.f_contiguous:
+        return False
+    axes = sorted((abs(s), n) for s, n in zip(a.strides, a.shape) if n > 1)
+    if axes[0][0] == 0:
+        return True
+    reach = a.itemsize  # bytes from an element's start to the end of the last one reached
+    for stride, n in axes:
+        if stride < reach:
+            break
+        reach += stride * (n - 1)
+    else:  # each axis steps past everything that the axes below it reach
+        return False
+    if a.size > _OVERLAP_CHECK_ELEMENTS:
+        raise ValueError("out has strides whose elements may overlap, in an array too large to "
+                         "check element by element: pass an out without interleaved strides")
+    offsets = numpy.zeros(1, dtype=numpy.int64)
+    for stride, n in axes:
+        offsets = (offsets[:, None] + numpy.arange(n, dtype=numpy.int64) * stride).ravel()
+    return bool((numpy.diff(numpy.sort(offsets)) < a.itemsize).any())
+
+
 def check_out(out: Any, shape: tuple[int, ...], dtype, xp, like: Any, *,
               inputs: dict[str, Any] | None = None, in_place: bool = False) -> None:
     """``out=`` must match the result's shape, dtype and array library/device exactly, be
@@ -282,6 +311,9 @@ def check_out(out: Any, shape: tuple[int, ...], dtype, xp, like: Any, *,
     if xp is not numpy and not out.flags.c_contiguous:
         raise ValueError("out must be C-contiguous")
     check_writeable(out, "out")
+    if xp is numpy and _elements_overlap(out):
+        raise ValueError("out has elements that share memory (a stride of 0, or strides that "
+                         "interleave): each result value needs an element of its own")
     low, high = _byte_span(out)
     for name, value in (inputs or {}).items():
         if value is None or not hasattr(value, "strides") or value.size == 0:

@@ -160,11 +160,15 @@ def group_norm(x: Any, num_groups: int, weight: Any = None, bias: Any = None, *,
                    gpu=replayed(partial(_group_norm_gpu, xp, x, num_groups, weight, bias, eps)))
 
 
-def check_running_buffer(buf: Any, name: str, channels: int, xp) -> Any:
-    """A running-statistics buffer: C values, contiguous (it is updated in place)."""
+def check_running_buffer(buf: Any, name: str, channels: int, xp, *,
+                         updated: bool = True) -> Any:
+    """A running-statistics buffer: C values; contiguous and writeable where it is
+    ``updated`` in place (training), as PyTorch reads any strided buffer in inference."""
     if buf is None:
         return None
     flat = per_channel(buf, name, channels, xp)
+    if not updated:
+        return flat
     if not buf.flags.c_contiguous:
         raise ValueError(f"{name} must be contiguous: it is updated in place")
     check_writeable(buf, name)
@@ -201,7 +205,8 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
     momentum : float
         Weight of the batch statistics in the running update, in [0, 1].
     eps : float
-        Added to the variance; finite and >= 0.
+        Added to the variance; finite, > 0 in training and >= 0 in inference (as in
+        PyTorch).
     activation : {None, "tanh"}
         Activation fused after the affine.
 
@@ -210,9 +215,9 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
     >>> import numpy as np, cufused
     >>> x = np.array([[[1.0], [10.0]], [[3.0], [30.0]]])   # N=2, C=2, L=1
     >>> rm, rv = np.zeros(2), np.ones(2)
-    >>> cufused.batch_norm(x, running_mean=rm, running_var=rv, eps=0.0)[:, :, 0]
-    array([[-1., -1.],
-           [ 1.,  1.]])
+    >>> cufused.batch_norm(x, running_mean=rm, running_var=rv)[:, :, 0]
+    array([[-0.999995  , -0.99999995],
+           [ 0.999995  ,  0.99999995]])
     >>> rm, rv
     (array([0.2, 2. ]), array([ 1.1, 20.9]))
     """
@@ -228,13 +233,14 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
     c = x.shape[1]
     weight = per_channel(weight, "weight", c, xp)
     bias = per_channel(bias, "bias", c, xp)
-    running_mean = check_running_buffer(running_mean, "running_mean", c, xp)
-    running_var = check_running_buffer(running_var, "running_var", c, xp)
+    training = check_training(training)
+    running_mean = check_running_buffer(running_mean, "running_mean", c, xp, updated=training)
+    running_var = check_running_buffer(running_var, "running_var", c, xp, updated=training)
     check_running_pair(running_mean, running_var)
     momentum = check_scalar(momentum, "momentum", minimum=0.0, maximum=1.0)
-    eps = check_scalar(eps, "eps", minimum=0.0)
+    # PyTorch's rule: a positive eps in training (a constant channel's variance is 0).
+    eps = check_scalar(eps, "eps", minimum=0.0, positive=training)
     check_choice(activation, "activation", ACTIVATIONS, none=True)
-    training = check_training(training)
     if training:
         check_channel_values(x.shape, "x")
     if not training and (running_mean is None or running_var is None):

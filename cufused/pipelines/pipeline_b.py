@@ -65,7 +65,8 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     pool_kernel : int
         Max-pool window and stride.
     eps : float
-        Epsilon of both norms.
+        Epsilon of both norms; finite and > 0 (BatchNorm in training needs it positive, as
+        in PyTorch).
     running_mean, running_var : array, optional
         BatchNorm running buffers, updated in place.
     momentum : float
@@ -108,7 +109,7 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     k, pooled = check_pipeline_pool(pool_kernel, args.out_shape[2:],
                                     name="the convolution output")
     check_group_values(args.out_shape[:2] + pooled, num_groups, "the pooled output")
-    eps = check_scalar(eps, "eps", minimum=0.0)
+    eps = check_scalar(eps, "eps", positive=True)
     momentum = check_scalar(momentum, "momentum", minimum=0.0, maximum=1.0)
     check_channel_values(args.out_shape, "the convolution output")
     precision = resolve_precision(precision)

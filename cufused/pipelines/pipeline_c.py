@@ -90,7 +90,8 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
     k, pooled = check_pipeline_pool(pool_kernel, x.shape[2:], unpadded_window=True)
     pooled_shape = x.shape[:2] + pooled
     args = cached_conv_args(pooled_shape, weight.shape, 3, transposed=True, stride=stride,
-                            padding=padding, output_padding=output_padding, groups=groups)
+                            padding=padding, output_padding=output_padding, groups=groups,
+                            x_name="the pooled x")
     check_conv_memory(pooled_shape, args, xp)
     c = args.out_shape[1]
     lo, hi = clamp_bounds(clamp_min, clamp_max)

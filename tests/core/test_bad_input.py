@@ -129,6 +129,15 @@ CASES = {
     "B running_var without running_mean": (
         lambda d: pipeline_b(d, running_var=d["c8"].copy()), ValueError,
         "running_mean and running_var"),
+    # PyTorch's BatchNorm takes eps > 0 in training (>= 0 in inference); B's is BatchNorm's
+    "batch_norm eps 0 in training": (lambda d: cufused.batch_norm(d["x4"], eps=0.0),
+                                     ValueError, "eps must be > 0"),
+    "B eps 0": (lambda d: pipeline_b(d, eps=0.0), ValueError, "eps must be > 0"),
+    "batch_norm eps < 0 in inference": (
+        lambda d: cufused.batch_norm(d["x4"], running_mean=d["c4"], running_var=d["c4"],
+                                     training=False, eps=-1e-5), ValueError, "eps must be >= 0"),
+    "C conv of the pooled x empty": (lambda d: pipeline_c(d, padding=5), ValueError,
+                                     "convolution output of the pooled x"),
     # A scale broadcasts against (N, C, H, W) as in y * scale: C values off the channel axis
     "A scale (C, 1)": (lambda d: pipeline_a(d, scale=d["c8"].reshape(8, 1)), ValueError,
                        "scale"),
@@ -177,6 +186,46 @@ def test_read_only_out_and_buffers_raise_before_side_effects():
         cufused.batch_norm(d["x4"][:, :2].reshape(2, 8, 4, 4), running_mean=rm,
                            running_var=rv)
     assert (rm == 0).all()
+
+
+def test_inference_reads_running_buffers_it_does_not_update(xp):
+    # As PyTorch: in inference the running statistics are only read, so a read-only or
+    # strided buffer serves (training needs them contiguous and writeable).
+    d = arrays(xp)
+    x = d["x4"]
+    rm, rv = xp.zeros(8, xp.float32), xp.ones(8, xp.float32)
+    rm[::2], rv[::2] = d["c4"], 2 * d["c4"]
+    if xp is np:
+        rm.flags.writeable = rv.flags.writeable = False
+    got = cufused.batch_norm(x, running_mean=rm[::2], running_var=rv[::2], training=False)
+    want = cufused.batch_norm(x, running_mean=rm[::2].copy(), running_var=rv[::2].copy(),
+                              training=False)
+    np.testing.assert_array_equal(_host(got), _host(want))
+    expected = (_host(x) - _host(rm[::2])[:, None, None]) / np.sqrt(
+        _host(rv[::2])[:, None, None] + 1e-5)
+    np.testing.assert_allclose(_host(got), expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="running_mean must be contiguous"):
+        cufused.batch_norm(x, running_mean=rm[::2], running_var=rv[::2].copy())
+
+
+def test_out_whose_elements_share_memory_raises():
+    # NumPy's out may be any strided view (the GPU's must be C-contiguous), but not one
+    # whose elements overlap: a later value would overwrite an earlier one.
+    from numpy.lib.stride_tricks import as_strided
+
+    x = np.random.default_rng(1).random((2, 3, 4))
+    base = np.zeros(64)
+    for strides in [(0, 32, 8), (96, 32, 4), (8, 8, 8)]:  # broadcast, byte overlap, diagonal
+        out = as_strided(base, shape=x.shape, strides=strides)
+        with pytest.raises(ValueError, match="out has elements that share memory"):
+            cufused.softmax(x, out=out)
+    assert (base == 0).all()
+    # Interleaved strides whose elements are distinct, and a transposed out, are fine.
+    y = np.random.default_rng(2).random((3, 2))
+    out = as_strided(np.zeros(10), shape=(3, 2), strides=(16, 24))
+    np.testing.assert_allclose(cufused.softmax(y, out=out), cufused.softmax(y))
+    out = np.zeros((4, 3, 2)).T
+    np.testing.assert_allclose(cufused.softmax(x, out=out), cufused.softmax(x))
 
 
 def test_out_overlapping_an_input_raises(xp):
