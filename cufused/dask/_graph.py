@@ -155,9 +155,25 @@ class _Graph:
         rest = (0,) * (probe.ndim - 1)
         for i, args in enumerate(chunk_args):
             self.dsk[(self.name, i) + rest] = (self.task(func), *args)
-        graph = HighLevelGraph.from_collections(self.name, self.dsk, dependencies=[self.x])
         chunks = (self.x.chunks[0],) + tuple((s,) for s in probe.shape[1:])
-        return da.Array(graph, self.name, chunks, meta=probe)
+        return new_array(self.name, self.dsk, self.x, chunks, probe)
+
+
+def new_array(name: str, layer: dict, dependency: Array, chunks: tuple, meta: Any) -> Array:
+    """The dask array of the chunk tasks ``(name, i, ...)`` in ``layer`` (with the tasks they
+    read) over the collection ``dependency``, of ``chunks`` and ``meta``. Where dask's array
+    query planning is on, an expression of the graph (its chunks renamed from ``name``)
+    whose token is given (unique to the array, as dask identifies expressions by their
+    tokens): dask would hash the graph, parameters included, for one."""
+    graph = HighLevelGraph.from_collections(name, layer, dependencies=[dependency])
+    if not getattr(da, "array_expr_enabled", bool)():
+        return da.Array(graph, name, chunks, meta=meta)
+    from dask.array._array_expr._collection import new_collection
+    from dask.array._array_expr._io import FromGraph
+
+    keys = sorted(k for k in layer if isinstance(k, tuple) and k[0] == name)
+    return new_collection(FromGraph(dict(graph), meta, chunks, keys, name,
+                                    _determ_token=uuid.uuid4().hex))
 
 
 def _map_chunks(func: Callable, x: Array, params: dict[str, Any], options: dict[str, Any],

@@ -10,16 +10,14 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-import dask.array as da
 import numpy
 from dask.array.utils import meta_from_array
-from dask.highlevelgraph import HighLevelGraph
 
 import cufused
 
 from .._arrays import get_array_module
 from .._kernels.normalization import key_stats_partial
-from ._graph import Array, _Graph
+from ._graph import Array, _Graph, new_array
 
 #: Partial moments of each node of the tree reduction (the default ``split_every``).
 SPLIT_EVERY = 8
@@ -167,8 +165,7 @@ def _normalized_batch(graph: _Graph, statistics: str, task: Callable, inputs: li
             continue
         name = graph.key_name(f"updated_{part}")
         layer = {(name,) + (0,) * buf.ndim: (operator.getitem, statistics, index)}
-        results.append(da.Array(HighLevelGraph.from_collections(name, layer, dependencies=[out]),
-                                name, tuple((s,) for s in buf.shape),
-                                meta=meta_from_array(probe, buf.ndim, buf.dtype)))
+        results.append(new_array(name, layer, out, tuple((s,) for s in buf.shape),
+                                 meta_from_array(probe, buf.ndim, buf.dtype)))
     return tuple(results)
 

@@ -294,3 +294,46 @@ def test_softmax_over_the_batch_axis_needs_one_chunk(rng):
         cdask.softmax(chunked(x, (2, 2, 1)), axis=0)
     y = cdask.softmax(chunked(x, (5,)), axis=(0, 1))
     assert_close(y.compute(), cufused.softmax(x, axis=(0, 1)), 1e-12)
+
+
+_QUERY_PLANNING_SCRIPT = """
+import numpy as np, dask, dask.array as da, cufused, cufused.dask as cdask
+from dask_cases import PER_SAMPLE_PIPELINES, case_b, chunked
+assert da.array_expr_enabled()
+rng = np.random.default_rng(5)
+for name, make in PER_SAMPLE_PIPELINES:
+    x, params, options = make(rng)
+    y = getattr(cdask, name)(chunked(x, (2, 2, 1)), *params, **options)
+    ref = getattr(cufused, name)(x, *params, **options)
+    np.testing.assert_allclose(y.compute(), ref, rtol=1e-6, atol=1e-6)
+x, params, options = case_b(rng, np.float64)
+rm, rv = np.zeros(8), np.ones(8)
+y, mean, var = cdask.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+    chunked(x, (2, 2, 1)), *params, **options, running_mean=rm.copy(), running_var=rv.copy(),
+    return_running_stats=True)
+ref = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+    x, *params, **options, running_mean=rm, running_var=rv)
+got = dask.compute(y, mean, var)
+for a, b in zip(got, (ref, rm, rv)):
+    np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+print("matched")
+"""
+
+
+def test_results_under_dask_array_query_planning():
+    # Dask's array query planning (the array.query-planning option, read once when
+    # dask.array is first imported) makes dask arrays expressions: a process of its own.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not hasattr(da, "array_expr_enabled"):
+        pytest.skip("this dask has no array query planning")
+    here = Path(__file__).parent
+    env = dict(os.environ, DASK_ARRAY__QUERY_PLANNING="True",
+               PYTHONPATH=os.pathsep.join([str(here), str(here.parent),
+                                           os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, "-c", _QUERY_PLANNING_SCRIPT], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "matched" in res.stdout, res.stderr[-3000:]
