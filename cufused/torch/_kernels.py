@@ -1,4 +1,4 @@
-"""The operators' kernels: fake (output shape only), CPU (the float64 reference) and CUDA
+"""The operators' kernels: fake (output shape; cufused's checks on stand-ins), CPU (the float64 reference) and CUDA
 (zero-copy CuPy views, PyTorch's current stream, PyTorch's allocator during a graph capture;
 a warm call with the raw arguments of one that replayed a whole-call graph allocates its
 result and launches the graph cached for that buffer, with no views and no checks).
@@ -20,6 +20,7 @@ import torch
 import cufused
 from cufused import _call_graphs
 from cufused._arrays import check_fits, import_cupy
+from cufused._ops.normalization import part_of_batch
 from cufused._cudnn import on_clear_plan_cache
 
 
@@ -51,11 +52,57 @@ def _check_devices(name: str, args: tuple, kwargs: dict) -> None:
                                "every tensor of a call must be on the same device")
 
 
+def _numpy_dtype(t: torch.Tensor, arg: str) -> numpy.dtype:
+    """The NumPy dtype of a tensor for cufused's CPU path (TypeError for another dtype)."""
+    dtype = _NUMPY_DTYPES.get(t.dtype)
+    if dtype is None:
+        raise TypeError(f"{arg} has dtype {t.dtype}; cufused's CPU path takes "
+                        "torch.float16, torch.float32 and torch.float64")
+    return dtype
+
+
+def _call_dtype(t: torch.Tensor, arg: str, cuda: bool) -> numpy.dtype:
+    """:func:`_numpy_dtype`; on a CUDA call float32 only, as cufused's GPU path takes."""
+    if cuda and t.dtype != torch.float32:
+        raise TypeError(f"{arg} has dtype {t.dtype}; supported here: float32")
+    return _numpy_dtype(t, arg)
+
+
+def _stand_in(value: Any, arg: str, cuda: bool) -> Any:
+    """A NumPy array of a tensor's shape, dtype and contiguity, holding zeros (else the value
+    itself), for cufused's checks."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    dtype, shape = _call_dtype(value, arg, cuda), tuple(value.shape)
+    if value.is_contiguous():
+        return numpy.zeros(shape, dtype)
+    return numpy.zeros(2 * value.numel(), dtype)[::2].reshape(shape)
+
+
+def _eager_checks(fn: Callable, names: list, args: tuple, kwargs: dict) -> None:
+    """Run cufused's checks of the call as its eager kernel would, on stand-ins: ``x`` as an
+    empty batch (the rules across the batch counting x's, ``part_of_batch``), the other
+    tensors as zeros; where a size is symbolic, only the output-shape function's checks run."""
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    if not all(type(s) is int for t in tensors for s in t.shape):
+        return
+    x, cuda = args[0], args[0].device.type == "cuda"
+    empty = numpy.empty((0, *x.shape[1:]), _call_dtype(x, names[0], cuda))
+    with part_of_batch(x.shape[0]):
+        fn(empty, *(_stand_in(a, arg, cuda) for a, arg in zip(args[1:], names[1:])),
+           **{k: _stand_in(v, k, cuda) for k, v in kwargs.items()})
+
+
 def _fake_kernel(name: str, shape: Callable) -> Callable:
+    fn = getattr(cufused, name)
+    names = list(inspect.signature(fn).parameters)  # the positional arguments' names
+
     def fake(*args, **kwargs):
         _check_no_grad(name, args, kwargs)
         _check_devices(name, args, kwargs)
-        return args[0].new_empty(shape(*args, **kwargs))
+        size = shape(*args, **kwargs)
+        _eager_checks(fn, names, args, kwargs)
+        return args[0].new_empty(size)
     return fake
 
 
@@ -66,9 +113,7 @@ def _cpu_kernel(name: str) -> Callable:
     def numpy_of(value: Any, arg: str) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
-        if value.dtype not in _NUMPY_DTYPES:
-            raise TypeError(f"{arg} has dtype {value.dtype}; cufused's CPU path takes "
-                            "torch.float16, torch.float32 and torch.float64")
+        _numpy_dtype(value, arg)
         return value.detach().numpy()
 
     def cpu(*args, **kwargs):

@@ -358,6 +358,25 @@ _REFUSED_BY_SHAPE = [
      (_meta(2, 3, 10, 10), _meta(8), None, None, None, None),
      dict(num_groups=4, pool_kernel=2, clamp_min=0.0, clamp_max=1.0), ValueError,
      "weight must have 4 dim"),
+    # Beyond the shape: the option rules that cufused's own checks apply.
+    ("conv_transpose2d", (_meta(2, 3, 8, 8), _meta(3, 4, 3, 3)), dict(output_padding=[1]),
+     ValueError, "output_padding must be smaller than stride or dilation"),
+    ("conv2d", (_meta(2, 4, 8, 8), _meta(6, 4, 3, 3)), dict(precision="fp8"), ValueError,
+     "precision must be one of"),
+    ("group_norm", (_meta(2, 3, 8, 8), 2), {}, ValueError, "num_groups=2 must be positive"),
+    ("group_norm", (_meta(2, 4, 0, 8), 2), {}, ValueError, "zero-sized non-batch dimension"),
+    ("softmax", (_meta(2, 3, 8, 8), [7]), {}, ValueError, "axis 7 is out of bounds"),
+    ("softmax", (_meta(2, 3, 8, 8), [1, -3]), {}, ValueError, "repeated"),
+    ("batch_norm", (_meta(2, 3, 8, 8),), dict(activation="relu"), ValueError, "activation"),
+    ("batch_norm", (_meta(1, 3, 1, 1),), {}, ValueError, "more than 1 value per channel"),
+    ("batch_norm", (_meta(2, 3, 8, 8),), dict(eps=0.0), ValueError, "eps must be > 0"),
+    ("conv_transpose2d_batchnorm_tanh_maxpool_groupnorm",
+     (_meta(2, 4, 6, 6), _meta(4, 8, 3, 3), None, None, None, None),
+     dict(num_groups=3), ValueError, "num_groups=3 must be positive"),
+    ("conv2d_groupnorm_scale_maxpool_clamp",
+     (_meta(2, 3, 10, 10), _meta(8, 3, 3, 3), None, None, None, None),
+     dict(num_groups=4, pool_kernel=2, clamp_min=0.0, clamp_max=1.0, method="fast"),
+     ValueError, "method"),
 ]
 
 
@@ -370,6 +389,28 @@ def test_traced_calls_refuse_what_eager_calls_refuse(name, args, kwargs, error, 
     cpu = [torch.rand(a) if isinstance(a, _Meta) else a for a in args]
     with pytest.raises((ValueError, TypeError)):  # the eager call's own check
         op(*cpu, **kwargs)
+
+
+def test_traced_calls_refuse_the_dtypes_eager_calls_refuse():
+    x = torch.empty(2, 4, 8, 8, device="meta")
+    with pytest.raises(TypeError, match="x has dtype torch.bfloat16"):
+        torch.ops.cufused.max_pool2d(x.bfloat16(), [2])
+    with pytest.raises(TypeError, match="weight has dtype torch.int32"):
+        torch.ops.cufused.conv2d(x, torch.empty(6, 4, 3, 3, device="meta", dtype=torch.int32))
+    assert torch.ops.cufused.max_pool2d(x.half(), [2]).dtype == torch.float16
+
+
+def test_export_refuses_a_call_its_program_could_not_run():
+    class TransposedConv(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(3, 4, 3, 3))
+
+        def forward(self, x):
+            return torch.ops.cufused.conv_transpose2d(x, self.w, output_padding=[1])
+
+    with torch.no_grad(), pytest.raises(ValueError, match="output_padding must be smaller"):
+        torch.export.export(TransposedConv(), (torch.rand(2, 3, 8, 8),))
 
 
 def test_cuda_kernel_output_shape_fails_with_the_checks(monkeypatch):
