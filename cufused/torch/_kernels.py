@@ -1,7 +1,8 @@
 """The operators' kernels: fake (output shape; cufused's checks on stand-ins), CPU (the
 float64 reference) and CUDA (zero-copy CuPy views, PyTorch's current stream, PyTorch's
-allocator during a graph capture; a warm call with the raw arguments of one that replayed a whole-call graph allocates its
-result and launches the graph cached for that buffer, with no views and no checks).
+allocator during a graph capture; a warm call with the raw arguments of one that replayed a
+whole-call graph allocates its result and launches the graph cached for that buffer, with no
+views and no checks).
 
 Each factory takes the name of a cufused function and returns the kernel that
 :mod:`cufused.torch` registers for it; nothing here registers anything.
