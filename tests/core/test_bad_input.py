@@ -228,6 +228,23 @@ def test_out_whose_elements_share_memory_raises():
     np.testing.assert_allclose(cufused.softmax(x, out=out), cufused.softmax(x))
 
 
+def test_numpy_out_interleaved_with_an_input_is_written():
+    # NumPy views that interleave share no element (PyTorch accepts them too); the reference
+    # computes the result before writing it into out.
+    buf = np.random.default_rng(3).random((2, 3, 8))
+    x, out = buf[..., ::2], buf[..., 1::2]
+    want = cufused.softmax(x.copy())
+    np.testing.assert_array_equal(cufused.softmax(x, out=out), want)
+    np.testing.assert_array_equal(buf[..., 1::2], want)
+    w = np.random.default_rng(4).random((3, 2, 3, 3))
+    both = np.zeros((2 * w.size,))
+    both[::2] = w.ravel()
+    xc = np.random.default_rng(5).random((1, 2, 5, 5))
+    want = cufused.conv2d(xc, w)
+    out = both[1::2][: want.size].reshape(want.shape)
+    np.testing.assert_array_equal(cufused.conv2d(xc, both[::2].reshape(w.shape), out=out), want)
+
+
 def test_out_overlapping_an_input_raises(xp):
     d = arrays(xp)
     x = d["x4"]
