@@ -6,6 +6,8 @@ CuPy is imported lazily so that ``import cufused`` works on machines without it.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import numbers
 import os
@@ -266,7 +268,7 @@ def _byte_span(a: Any) -> tuple[int, int]:
 
 
 # The most elements whose addresses _elements_overlap compares one by one.
-_OVERLAP_CHECK_ELEMENTS = 2**24
+_OVERLAP_CHECK_ELEMENTS = 2**22
 
 
 def _elements_overlap(a: numpy.ndarray) -> bool:
@@ -360,11 +362,30 @@ def _memory_limit(xp) -> int:
     return limit
 
 
+# False inside ``memory_unchecked``.
+_MEMORY_CHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "cufused_memory_checked", default=True)
+
+
+@contextlib.contextmanager
+def memory_unchecked():
+    """Inside, :func:`check_fits` passes every shape: for checks of a call on NumPy stand-ins
+    of arrays that live elsewhere (the PyTorch fake kernels of a CUDA call), to which the
+    host's memory is no limit."""
+    token = _MEMORY_CHECKED.set(False)
+    try:
+        yield
+    finally:
+        _MEMORY_CHECKED.reset(token)
+
+
 def check_fits(shape: tuple[int, ...], xp, what: str) -> None:
     """Raise ``ValueError`` before any work when an array of ``shape`` (float32 on the GPU,
     float64 in the reference) could not fit in memory; an empty batch (``shape[0] == 0``)
     counts one sample, which a non-empty one would need (and which cufused.dask's probe on an
     empty batch checks for its chunks)."""
+    if not _MEMORY_CHECKED.get():
+        return
     nbytes = math.prod(shape[1:]) * max(shape[0], 1) * (8 if xp is numpy else 4)
     if nbytes > _memory_limit(xp):
         per = " a sample" if shape[0] == 0 else ""

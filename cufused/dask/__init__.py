@@ -32,8 +32,9 @@ in phase 3, as in the single call) they compose the public operations.
 Running buffers are updated in place by the statistics task, once each time a computation
 runs it (``compute``/``persist`` of the result, or of anything depending on it). The
 threaded and synchronous schedulers run it in this process, on the caller's buffers; a
-distributed worker updates its own copy, so there ``return_running_stats=True`` returns the
-updated buffers as dask arrays to compute along with the result.
+distributed worker or another process (dask's ``"processes"`` scheduler) updates its own copy,
+so there ``return_running_stats=True`` returns the updated buffers as dask arrays to compute
+along with the result.
 
 With CuPy chunks the tasks of a process take turns on each device (one at a time), so that
 the threaded scheduler's threads do not interleave their chunks on the device's stream.

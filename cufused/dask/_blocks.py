@@ -159,14 +159,15 @@ def batch_norm(x: Array, weight: Any = None, bias: Any = None, *, running_mean: 
         Running statistics (C values each, of the chunks' library). In training they are
         updated in place (``(1 - momentum) * old + momentum * batch``, unbiased variance)
         by the statistics task, each time a computation runs it: in this process with the
-        threaded or synchronous scheduler, on a worker's copy with a distributed one (see
-        ``return_running_stats``). In inference both are required and read.
+        threaded or synchronous scheduler, on another process's copy with a distributed or
+        the ``"processes"`` one (see ``return_running_stats``). In inference both are
+        required and read.
     training : bool
         Normalize with the batch statistics (biased variance) instead of the running ones.
     momentum : float
         Weight of the batch statistics in the running update, in [0, 1].
     eps : float
-        Added to the variance.
+        Added to the variance; > 0 in training, >= 0 in inference.
     activation : {None, "tanh"}
         Activation fused after the affine.
     split_every : int, optional

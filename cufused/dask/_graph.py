@@ -46,6 +46,8 @@ def _empty_batch(x: Any, func: str):
             f"{[len(x.chunks[a]) for a in split]} chunks: rechunk it explicitly, "
             f"x = x.rechunk({{{spec}}})")
     meta = x._meta
+    if meta is None:  # dask's query planning where it could not infer the chunk type
+        meta = numpy.empty((0,) * x.ndim, dtype=x.dtype)
     if not (isinstance(meta, numpy.ndarray) or is_cupy_array(meta)):
         raise TypeError(f"x has chunks of type {type(meta).__module__}.{type(meta).__name__}; "
                         "cufused.dask runs NumPy or CuPy chunks")

@@ -20,7 +20,7 @@ import torch
 
 import cufused
 from cufused import _call_graphs
-from cufused._arrays import check_fits, import_cupy
+from cufused._arrays import check_fits, import_cupy, memory_unchecked
 from cufused._ops.normalization import part_of_batch
 from cufused._cudnn import on_clear_plan_cache
 
@@ -69,12 +69,21 @@ def _call_dtype(t: torch.Tensor, arg: str, cuda: bool) -> numpy.dtype:
     return _numpy_dtype(t, arg)
 
 
+# The most values of a stand-in held in memory of its own (running buffers and per-channel
+# parameters, whose contiguity and writeability cufused checks); a larger tensor's stand-in
+# repeats one zero.
+_STAND_IN_VALUES = 2**20
+
+
 def _stand_in(value: Any, arg: str, cuda: bool) -> Any:
     """A NumPy array of a tensor's shape, dtype and contiguity, holding zeros (else the value
     itself), for cufused's checks."""
     if not isinstance(value, torch.Tensor):
         return value
     dtype, shape = _call_dtype(value, arg, cuda), tuple(value.shape)
+    if value.numel() > _STAND_IN_VALUES:
+        return numpy.lib.stride_tricks.as_strided(numpy.zeros(1, dtype), shape,
+                                                  (0,) * len(shape), writeable=False)
     if value.is_contiguous():
         return numpy.zeros(shape, dtype)
     return numpy.zeros(2 * value.numel(), dtype)[::2].reshape(shape)
@@ -83,20 +92,29 @@ def _stand_in(value: Any, arg: str, cuda: bool) -> Any:
 def _eager_checks(fn: Callable, names: list, args: tuple, kwargs: dict) -> None:
     """Run cufused's checks of the call as its eager kernel would, on stand-ins: ``x`` as an
     empty batch (the rules across the batch counting x's, ``part_of_batch``), the other
-    tensors as zeros; where a size is symbolic, only the output-shape function's checks run."""
+    tensors as zeros; where a size is symbolic, only the output-shape function's checks run.
+    The host's memory limits only a call on the CPU."""
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     if not all(type(s) is int for t in tensors for s in t.shape):
         return
     x, cuda = args[0], args[0].device.type == "cuda"
     empty = numpy.empty((0, *x.shape[1:]), _call_dtype(x, names[0], cuda))
-    with part_of_batch(x.shape[0]):
+    with contextlib.ExitStack() as scope:
+        scope.enter_context(part_of_batch(x.shape[0]))
+        if x.device.type != "cpu":
+            scope.enter_context(memory_unchecked())
         fn(empty, *(_stand_in(a, arg, cuda) for a, arg in zip(args[1:], names[1:])),
            **{k: _stand_in(v, k, cuda) for k, v in kwargs.items()})
 
 
-def _fake_kernel(name: str, shape: Callable) -> Callable:
+def _function(name: str) -> tuple[Callable, list[str]]:
+    """The cufused function ``name`` and its parameters' names, in order."""
     fn = getattr(cufused, name)
-    names = list(inspect.signature(fn).parameters)  # the positional arguments' names
+    return fn, list(inspect.signature(fn).parameters)
+
+
+def _fake_kernel(name: str, shape: Callable) -> Callable:
+    fn, names = _function(name)
 
     def fake(*args, **kwargs):
         _check_no_grad(name, args, kwargs)
@@ -108,8 +126,7 @@ def _fake_kernel(name: str, shape: Callable) -> Callable:
 
 
 def _cpu_kernel(name: str) -> Callable:
-    fn = getattr(cufused, name)
-    names = list(inspect.signature(fn).parameters)  # the positional arguments' names
+    fn, names = _function(name)
 
     def numpy_of(value: Any, arg: str) -> Any:
         if not isinstance(value, torch.Tensor):
@@ -231,8 +248,7 @@ def _warm_key(name: str, args: tuple, kwargs: dict, device: int) -> tuple | None
 
 
 def _cuda_kernel(name: str, shape: Callable) -> Callable:
-    fn = getattr(cufused, name)
-    names = list(inspect.signature(fn).parameters)  # the positional arguments' names
+    fn, names = _function(name)
 
     def cuda(*args, **kwargs):
         cupy = _CUPY or _load_cupy()

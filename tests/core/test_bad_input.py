@@ -228,6 +228,27 @@ def test_out_whose_elements_share_memory_raises():
     np.testing.assert_allclose(cufused.softmax(x, out=out), cufused.softmax(x))
 
 
+def test_out_checks_past_their_work_limits(monkeypatch):
+    # An irregular out too large to compare element by element is refused; where NumPy cannot
+    # tell within its work limit whether out and an input share an element, they are taken to.
+    from numpy.lib.stride_tricks import as_strided
+
+    from cufused import _arrays
+
+    y = np.random.default_rng(6).random((3, 2))
+    monkeypatch.setattr(_arrays, "_OVERLAP_CHECK_ELEMENTS", 4)
+    with pytest.raises(ValueError, match="too large to check"):
+        cufused.softmax(y, out=as_strided(np.zeros(10), shape=(3, 2), strides=(16, 24)))
+
+    def too_hard(a, b, max_work=None):
+        raise np.exceptions.TooHardError("work limit")
+
+    monkeypatch.setattr(np, "shares_memory", too_hard)
+    buf = np.random.default_rng(7).random((2, 3, 8))
+    with pytest.raises(ValueError, match="out overlaps the memory of x"):
+        cufused.softmax(buf[..., ::2], out=buf[..., 1::2])
+
+
 def test_numpy_out_interleaved_with_an_input_is_written():
     # NumPy views that interleave share no element (PyTorch accepts them too); the reference
     # computes the result before writing it into out.

@@ -306,6 +306,11 @@ for name, make in PER_SAMPLE_PIPELINES:
     y = getattr(cdask, name)(chunked(x, (2, 2, 1)), *params, **options)
     ref = getattr(cufused, name)(x, *params, **options)
     np.testing.assert_allclose(y.compute(), ref, rtol=1e-6, atol=1e-6)
+# A chunk type that dask cannot infer (the function fails on its empty probe): NumPy's.
+unknown = chunked(x, (2, 2, 1)).map_blocks(lambda b: b + 0 * b[0].max(), dtype=x.dtype)
+assert unknown._meta is None
+np.testing.assert_allclose(cdask.softmax(unknown, axis=1).compute(), cufused.softmax(x, 1),
+                           rtol=1e-6, atol=1e-6)
 x, params, options = case_b(rng, np.float64)
 rm, rv = np.zeros(8), np.ones(8)
 y, mean, var = cdask.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(

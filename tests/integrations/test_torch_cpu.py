@@ -400,6 +400,37 @@ def test_traced_calls_refuse_the_dtypes_eager_calls_refuse():
     assert torch.ops.cufused.max_pool2d(x.half(), [2]).dtype == torch.float16
 
 
+def test_traced_checks_hold_no_memory_of_the_tensors_size():
+    # A weight of 36 GiB (meta): its stand-in repeats one zero; x is an empty batch.
+    x = torch.empty(2, 16384, 64, 64, device="meta")
+    w = torch.empty(65536, 16384, 3, 3, device="meta")
+    assert torch.ops.cufused.conv2d(x, w).shape == (2, 65536, 62, 62)
+
+
+def test_traced_cuda_calls_follow_the_gpu_rules(monkeypatch):
+    # Fake CUDA tensors (no device needed): float32 only, and the host's memory is no limit
+    # (a sample of 6.4 GiB in float32, past this test's host limit below).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from cufused import _arrays
+
+    with FakeTensorMode():
+        x = torch.empty(2, 4, 8, 8, device="cuda")
+        with pytest.raises(TypeError, match="x has dtype torch.float16; supported here: float32"):
+            torch.ops.cufused.max_pool2d(x.half(), [2])
+        with pytest.raises(TypeError, match="running_var has dtype torch.float64"):
+            torch.ops.cufused.batch_norm(x, running_mean=torch.zeros(4, device="cuda"),
+                                         running_var=torch.ones(4, device="cuda").double())
+        y = torch.ops.cufused.batch_norm(x, running_mean=torch.zeros(4, device="cuda"),
+                                         running_var=torch.ones(4, device="cuda"))
+        assert y.shape == x.shape and y.device.type == "cuda"
+        monkeypatch.setattr(_arrays, "_memory_limit", lambda xp: 2**30)
+        big = torch.empty(1, 1, 40000, 40000, device="cuda")
+        assert torch.ops.cufused.max_pool2d(big, [2]).shape == (1, 1, 20000, 20000)
+        with pytest.raises(ValueError, match="more than this machine's memory"):
+            torch.ops.cufused.max_pool2d(torch.empty(1, 1, 40000, 40000), [2])
+
+
 def test_export_refuses_a_call_its_program_could_not_run():
     class TransposedConv(torch.nn.Module):
         def __init__(self):
