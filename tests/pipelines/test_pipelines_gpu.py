@@ -327,6 +327,61 @@ def test_pipeline_a_sample_past_2_31_elements(rng, monkeypatch, precision):
     torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+def test_pipeline_b_batch_past_2_31_elements(rng, precision):
+    # A convolution output of 2684355 * 8 * 10 * 10 > 2**31 elements over the batch (a
+    # sample's are few): BatchNorm's statistics and running buffers span the whole batch, so
+    # the check is against PyTorch CUDA in float32 on the whole batch.
+    torch = torch_cuda()
+    F = torch.nn.functional
+    n = 2**31 // 800 + 1
+    x = cp.random.default_rng(int(rng.integers(2**31))).random((n, 4, 8, 8), dtype=cp.float32)
+    w, bw, bb, gw, gb = to_gpu(rng.standard_normal((4, 8, 3, 3)), mixed(rng, 8),
+                               rng.standard_normal(8), mixed(rng, 8), rng.standard_normal(8))
+    rm, rv = to_gpu(rng.standard_normal(8), rng.uniform(0.5, 2, 8))
+    t = [torch.from_dlpack(a) for a in (x, w, bw, bb, gw, gb)]
+    trm, trv = torch.from_dlpack(rm).clone(), torch.from_dlpack(rv).clone()
+    got = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        x, w, bw, bb, gw, gb, num_groups=2, running_mean=rm, running_var=rv,
+        precision=precision)
+    assert got.shape == (n, 8, 5, 5) and n * 8 * 10 * 10 > 2**31
+    with torch.backends.cudnn.flags(allow_tf32=False):
+        y = F.conv_transpose2d(t[0], t[1])
+        y = torch.tanh(F.batch_norm(y, trm, trv, t[2], t[3], training=True))
+        want = F.group_norm(F.max_pool2d(y, 2), 2, t[4], t[5])
+    del y
+    tol = 5e-3 if precision == "tf32" else 1e-4
+    assert_close(got.get(), want.cpu().numpy(), tol)
+    assert_close(rm.get(), trm.cpu().numpy(), tol)
+    assert_close(rv.get(), trv.cpu().numpy(), tol)
+    del got, want, t, x
+    cp.get_default_memory_pool().free_all_blocks()
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+def test_pipeline_c_batch_past_2_31_elements(rng, precision):
+    # A convolution output (and result) of 65537 * 16 * 8 * 16 * 16 > 2**31 elements over the
+    # batch: the softmax is per sample, so samples at the start, middle and end are checked
+    # against the float64 reference of each alone.
+    n = 2**31 // 32768 + 1
+    x = cp.random.default_rng(int(rng.integers(2**31))).random((n, 4, 8, 16, 16),
+                                                              dtype=cp.float32)
+    w, s, b = to_gpu(rng.standard_normal((4, 16, 3, 3, 3)), mixed(rng, 16),
+                     rng.standard_normal(16))
+    opts = dict(stride=2, padding=1, output_padding=1, pool_kernel=2, clamp_min=-0.3,
+                clamp_max=0.4)
+    got = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
+        x, w, s, conv_bias=b, precision=precision, **opts)
+    assert got.shape == (n, 16, 8, 16, 16) and got.size > 2**31
+    for i in (0, n // 2, n - 1):
+        ref = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
+            x[i:i + 1].get(), w.get(), s.get(), conv_bias=b.get(), **opts)
+        assert rel_err(got[i:i + 1].get(), ref) < 10 * TOL[precision]
+    del got, x
+    cp.get_default_memory_pool().free_all_blocks()
+
+
 # ----------------------------------------------------------------------- canonical shapes
 
 
