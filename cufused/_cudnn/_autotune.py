@@ -15,7 +15,7 @@ from ._config import _config, cudnn_handle, import_cudnn, plan_options
 from ._graphs import (ConvProblem, Strategy, _build_graph, _Part, _part_specs, runnable_plans,
                       strategies)
 from ._plan import ConvPlan, _graph_buffer_pool
-from ._timing import _issue_ms, _l2_flush_buffer, _random, _time_ms
+from ._timing import LONG_CALL_MS, _issue_ms, _l2_flush_buffer, _random, _time_ms
 
 _plans: dict[tuple, ConvPlan] = {}
 _plans_lock = threading.Lock()
@@ -49,6 +49,15 @@ def _make_plan(problem: ConvProblem, strategy: Strategy, tune: bool):
     parts, y_shape, index = chosen
     return ConvPlan(problem, strategy, parts, y_shape, index,
                     max(p.workspace_size for p in parts))
+
+
+def _give_up_ms(best) -> float | None:
+    """Where the best plan so far takes ``LONG_CALL_MS`` or more, a plan whose first run
+    takes 3 times as long is not timed further (its first run is its time); shorter
+    problems time every plan in full, since a plan's first run may load its kernels."""
+    if best is None or best.milliseconds < LONG_CALL_MS:
+        return None
+    return 3 * best.milliseconds
 
 
 def _chosen_parts(problem: ConvProblem, strategy: Strategy, tune: bool, handle):
@@ -88,7 +97,8 @@ def _chosen_parts(problem: ConvProblem, strategy: Strategy, tune: bool, handle):
                     break
                 ws = cupy.empty(max(part.workspace_size, 1), dtype=cupy.uint8)
                 part.milliseconds = _time_ms(lambda p=part, ws=ws: p.execute(
-                    x.data.ptr, w.data.ptr, y.data.ptr, b.data.ptr, ws.data.ptr, handle))
+                    x.data.ptr, w.data.ptr, y.data.ptr, b.data.ptr, ws.data.ptr, handle),
+                    give_up_ms=_give_up_ms(best))
             except cupy.cuda.memory.OutOfMemoryError:  # its workspace does not fit
                 short_of_memory = True
                 continue

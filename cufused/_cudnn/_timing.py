@@ -10,17 +10,34 @@ from .._arrays import import_cupy
 from .._layout import empty_in_layout
 
 
-def _time_ms(fn, repeat: int = 5, batch: int = 3, flush=None) -> float:
+# A call of at least this many milliseconds is timed in at most 3 single runs: its host
+# overhead is nothing beside it, and a problem that large (a batch of millions of images) would
+# otherwise keep the autotuner busy for minutes on its first call.
+LONG_CALL_MS = 20.0
+
+
+def _time_ms(fn, repeat: int = 5, batch: int = 3, flush=None,
+             give_up_ms: float | None = None) -> float:
     """Median CUDA-event time of ``fn()`` on the current stream after one warm-up run.
 
     Each sample times ``batch`` back-to-back calls and divides, so that the host overhead of a
     call hides behind the device work of the previous one; with a ``flush`` array, which is
-    overwritten before each sample, the L2 holds none of the operands.
+    overwritten before each sample, the L2 holds none of the operands. The warm-up run is
+    timed too: past ``give_up_ms`` its time is the answer (a candidate far slower than the
+    best one so far), and from ``LONG_CALL_MS`` on the samples are at most 3 single runs.
     """
     cupy = import_cupy()
-    fn()
-    times = []
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    start.record()
+    fn()
+    stop.record()
+    stop.synchronize()
+    first = cupy.cuda.get_elapsed_time(start, stop)
+    if give_up_ms is not None and first > give_up_ms:
+        return first
+    if first >= LONG_CALL_MS:
+        repeat, batch = min(repeat, 3), 1
+    times = []
     for _ in range(repeat):
         if flush is not None:
             flush.fill(0)
