@@ -331,7 +331,8 @@ def test_pipeline_a_sample_past_2_31_elements(rng, monkeypatch, precision):
 def test_pipeline_b_batch_past_2_31_elements(rng, precision):
     # A convolution output of 2684355 * 8 * 10 * 10 > 2**31 elements over the batch (a
     # sample's are few): BatchNorm's statistics and running buffers span the whole batch, so
-    # the check is against PyTorch CUDA in float32 on the whole batch.
+    # the check is against PyTorch CUDA in float32 on the whole batch, on every 4099th
+    # sample and the last (the statistics enter every sample).
     torch = torch_cuda()
     F = torch.nn.functional
     n = 2**31 // 800 + 1
@@ -351,7 +352,8 @@ def test_pipeline_b_batch_past_2_31_elements(rng, precision):
         want = F.group_norm(F.max_pool2d(y, 2), 2, t[4], t[5])
     del y
     tol = 5e-3 if precision == "tf32" else 1e-4
-    assert_close(got.get(), want.cpu().numpy(), tol)
+    rows = list(range(0, n, 4099)) + [n - 1]
+    assert_close(got[rows].get(), want[rows].cpu().numpy(), tol)
     assert_close(rm.get(), trm.cpu().numpy(), tol)
     assert_close(rv.get(), trv.cpu().numpy(), tol)
     del got, want, t, x
