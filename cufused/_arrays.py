@@ -267,7 +267,8 @@ def _byte_span(a: Any) -> tuple[int, int]:
     return low, high + a.itemsize
 
 
-# The most elements whose addresses _elements_overlap compares one by one.
+# The most elements whose addresses _elements_overlap compares one by one, and the work that
+# _may_share_elements lets numpy.shares_memory spend.
 _OVERLAP_CHECK_ELEMENTS = 2**22
 
 
