@@ -51,6 +51,18 @@ def _make_plan(problem: ConvProblem, strategy: Strategy, tune: bool):
                     max(p.workspace_size for p in parts))
 
 
+# Where a graph's best plan so far takes ``LONG_CALL_MS`` or more, only this many of its plans
+# (the first that run, in cuDNN's heuristic order) are timed: each costs at least a run of
+# that length, and a graph has dozens.
+_LONG_CALL_PLANS = 8
+
+
+def _enough_plans(best, timed: int) -> bool:
+    """Whether a graph whose best plan so far is ``best``, after ``timed`` plans, is done."""
+    return (best is not None and best.milliseconds >= LONG_CALL_MS
+            and timed >= _LONG_CALL_PLANS)
+
+
 def _give_up_ms(best) -> float | None:
     """Where the best plan so far takes ``LONG_CALL_MS`` or more, a plan whose first run
     takes 3 times as long is not timed further (its first run is its time); shorter
@@ -83,11 +95,13 @@ def _chosen_parts(problem: ConvProblem, strategy: Strategy, tune: bool, handle):
     parts, built = [], set()
     for spec in specs:
         graph, tensors = graphs[spec.graph_key()]
-        best, short_of_memory = None, False
+        best, short_of_memory, timed = None, False, 0
         if tune and spec.graph_key() not in built:
             graph.build_plans(cudnn.build_plan_policy.ALL)
             built.add(spec.graph_key())
         for i in runnable_plans(spec, graph):
+            if _enough_plans(best, timed):
+                break
             try:
                 if not tune:
                     graph.build_plan_at_index(i)
@@ -104,6 +118,7 @@ def _chosen_parts(problem: ConvProblem, strategy: Strategy, tune: bool, handle):
                 continue
             except Exception:  # noqa: BLE001 - a plan that did not build or run is skipped
                 continue
+            timed += 1
             if best is None or part.milliseconds < best.milliseconds:
                 best = part
         if best is None:

@@ -50,3 +50,13 @@ def test_plans_give_up_only_beside_a_long_best():
     assert _autotune._give_up_ms(plan(milliseconds=0.6)) is None  # first runs load kernels
     assert _autotune._give_up_ms(plan(milliseconds=_timing.LONG_CALL_MS)) == pytest.approx(
         3 * _timing.LONG_CALL_MS)
+
+
+def test_plans_of_a_graph_are_cut_only_beside_a_long_best():
+    plan = types.SimpleNamespace
+    limit = _autotune._LONG_CALL_PLANS
+    assert not _autotune._enough_plans(None, 10 * limit)
+    assert not _autotune._enough_plans(plan(milliseconds=0.6), 10 * limit)  # all are timed
+    long = plan(milliseconds=_timing.LONG_CALL_MS)
+    assert not _autotune._enough_plans(long, limit - 1)
+    assert _autotune._enough_plans(long, limit)
