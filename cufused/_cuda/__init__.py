@@ -507,6 +507,18 @@ def shared_per_block() -> int:
     return _shared_per_block(cupy.cuda.runtime.getDevice())
 
 
+# CUDA's handle of the per-thread default stream: the same value names another stream in each
+# thread.
+_PER_THREAD_STREAM = 2
+
+
+def stream_key(stream):
+    """What tells ``stream`` apart from the others in a cache key: its handle, and the thread
+    for the per-thread default stream."""
+    ptr = stream.ptr
+    return ptr if ptr != _PER_THREAD_STREAM else (ptr, threading.get_ident())
+
+
 def capturing(stream) -> bool:
     """Whether ``stream`` is being captured into a CUDA graph. The query itself is illegal
     during some global captures (cudaErrorStreamCaptureImplicit): then it is."""

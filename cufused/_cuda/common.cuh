@@ -20,6 +20,13 @@ __device__ __forceinline__ float finite_shift(float v) { return isinf(v) ? 0.0f 
 
 // NaN-propagating max/min (fmaxf/fminf drop NaN; PyTorch's pooling keeps it).
 __device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
+
+// -1 where a * b < 0 in exact arithmetic, else +1 (also for a zero or NaN factor): the sign of
+// the slope that chooses a pooling window's max or min. The float32 product of two tiny
+// factors flushes to -0, and that of two huge ones overflows, so it is not formed.
+__device__ __forceinline__ float product_sign(float a, float b) {
+    return (a < 0.0f && b > 0.0f) || (a > 0.0f && b < 0.0f) ? -1.0f : 1.0f;
+}
 __device__ __forceinline__ float nan_min(float a, float b) { return (a < b || a != a) ? a : b; }
 
 // tanh without tanhf's branch: a warp whose |x| fall on both sides of tanhf's cutoff runs

@@ -1067,12 +1067,12 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
 // column][channel] (float2).
 #define POOL_SCRATCH_FLOATS (4 * CONV_BN + 2 * 4 * CONV_BN)
 
-// -1 where sign_a[k] * sign_b[k] < 0 (either may be null: positive), else +1 (also for NaN).
+// product_sign of sign_a[k] and sign_b[k] (either may be null: positive).
 __device__ __forceinline__ float window_sign(const float* __restrict__ sign_a,
                                             const float* __restrict__ sign_b, int k) {
     const float a = sign_a != nullptr ? __ldg(sign_a + k) : 1.0f;
     const float b = sign_b != nullptr ? __ldg(sign_b + k) : 1.0f;
-    return a * b < 0.0f ? -1.0f : 1.0f;
+    return product_sign(a, b);
 }
 
 template <int PASSES, int KSIZE, int POOL>
@@ -1308,13 +1308,13 @@ __device__ __forceinline__ float clamp_nan_mm(float v, float lo, float hi) {
     return r;
 }
 
-// exp(v - hi) for v <= hi (or NaN) from the flush-to-zero ex2 instruction, hi_log2e = hi *
-// log2(e) rounded: one fused multiply-add forms the exponent, within |hi| * 2^-24 (the
-// rounding of hi_log2e; v itself, a float32 sum, is as uncertain) plus the clamp width
-// (under 60, the launcher's limit) times 2^-24.
-__device__ __forceinline__ float exp_below(float v, float hi_log2e) {
+// exp(v - hi) for v in [hi - 60, hi] (the launcher's clamp width) or NaN, from the
+// flush-to-zero ex2 instruction. v - hi is exact from |hi| = 120 on (the two are within a
+// factor of 2) and within 2^-24 * 60 below; v * log2(e) - hi * log2(e) would carry the rounding
+// of hi * log2(e), |hi| * 2^-24: a whole row's exponents off by over 128 from |hi| ~ 2^31.
+__device__ __forceinline__ float exp_below(float v, float hi) {
     float e;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(fmaf(v, 1.4426950408889634f, -hi_log2e)));
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"((v - hi) * 1.4426950408889634f));
     return e;
 }
 
@@ -1510,7 +1510,6 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         return ((row / CT3_TH) * CT3_HH + row % CT3_TH) * CT3_HW + rr + 8 * (q & 1);
     };
     const long long plane = (long long)Do * Ho * Wo;
-    const float hi_log2e = hi * 1.4426950408889634f;
     float run_sums[4][2] = {};
 
     int buf = 0;
@@ -1568,7 +1567,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
                         const int u = half * 2 + e;
                         float v = acc[j][u];
                         if (OUT != CT3_CONV) {
-                            const float ex = exp_below(clamp_nan_mm(v, lo, hi), hi_log2e);
+                            const float ex = exp_below(clamp_nan_mm(v, lo, hi), hi);
                             if (SUMS) {  // channels past K summed too, never stored
                                 if (inside) run_sums[j][e] += ex;
                                 continue;

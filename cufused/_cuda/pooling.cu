@@ -112,7 +112,8 @@ __global__ void pool2_to_channels_last(const float* __restrict__ x, float* __res
     const int s = s0 + threadIdx.x;
     const int w_o = s % ow, h_o = (s / ow) % oh, d_o = s / (ow * oh);
     const index_t plane = (index_t)D * H * W;
-    const int offset = ((d_o * KD) * H + 2 * h_o) * W + 2 * w_o;
+    // 64-bit: the input plane D * H * W may pass 2**31 where C * S does not.
+    const index_t offset = ((index_t)(d_o * KD) * H + 2 * h_o) * W + 2 * w_o;
     for (index_t n = blockIdx.z; n < N; n += gridDim.z) {
         float2 v[4][KD][2];
 #pragma unroll
@@ -176,8 +177,7 @@ struct ChannelStats {
             if (writer && c == c_first && (shift_per_sample || n == 0))
                 shift_out[shift_per_sample ? n * (C / shift_group) + c / shift_group
                                            : c / shift_group] = shift;
-            sgn[q] = (sign_a ? sign_a[c] : 1.0f) * (sign_b ? sign_b[c] : 1.0f) < 0.0f ? -1.0f
-                                                                                       : 1.0f;
+            sgn[q] = product_sign(sign_a ? sign_a[c] : 1.0f, sign_b ? sign_b[c] : 1.0f);
             bs[q] = b[q] - shift;
             s1[q] = 0.0f;
             s2[q] = 0.0f;

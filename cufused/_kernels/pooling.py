@@ -150,8 +150,8 @@ def pool_extremum_stats(xp, y, ext, pool: int, *, bias, sign_a, sign_b, shift_gr
     vec2 = (not channels_last and fixed and sw == 1 and sh % 2 == 0 and sc % 2 == 0
             and sn % 2 == 0 and y.data.ptr % 8 == 0)
     rows_t = fixed * c // 128
-    if ext_block is None:
-        ext_block = c if stored_in(ext, "nhwc") else 0
+    if ext_block is None:  # an ext whose strides fit both layouts (C = 1, one position) is NCHW
+        ext_block = c if stored_in(ext, "nhwc") and not stored_in(ext, "nchw") else 0
     ext_channels_last = ext_block > 0
     if ext_channels_last and not (_CHANNELS_LAST_EXT.get(fixed) == variant
                                   and ext.data.ptr % 16 == 0 and ext_block % 4 == 0

@@ -63,6 +63,43 @@ def test_infinite_clamp_bounds(rng, bounds, route):
         np.testing.assert_allclose(out.get(), ref, rtol=1e-4, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.parametrize("precision", ["ieee", "tf32", "3xtf32"])
+@pytest.mark.parametrize("method", ["fused", "unfused"])
+def test_pipeline_a_one_channel_one_window(rng, method, precision):
+    # One output channel pooled to one position: the contiguous out's strides are those of
+    # both layouts, and the fused pass stores its extrema there as NCHW.
+    from cufused._cudnn import plan_options
+
+    arrays, opts = pipeline_a_args(rng, n=2, cin=3, h=4, w=4, cout=1, groups=1, pool=2)
+    ref = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts)
+    assert ref.shape == (2, 1, 1, 1)
+    for engine in ("cudnn", "igemm") if precision != "ieee" else ("cudnn",):
+        out = poisoned(ref.shape)
+        with plan_options(engine=engine):
+            cufused.conv2d_groupnorm_scale_maxpool_clamp(
+                *to_gpu(*arrays), **opts, method=method, precision=precision, out=out)
+        assert_close(out.get(), ref, 10 * TOL[precision])
+
+
+@pytest.mark.parametrize("engine", ["cudnn", "igemm"])
+def test_pipeline_a_window_choice_beside_a_tiny_product(rng, engine):
+    # gn_weight * scale (1e-20 by 1e-19) flushes to -0 in float32, while the slope
+    # gn_weight / std * scale stays normal (std about 1e-15): the sign of the exact product
+    # chooses each window's max or min.
+    from cufused._cudnn import plan_options
+
+    (x, w, cb, gw, gb, scale), opts = pipeline_a_args(rng)
+    arrays = (x * 1e-15, w, cb * 1e-15, gw * 1e-20, 0 * gb, scale * 1e-19)
+    opts.update(eps=0.0)
+    ref = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts)
+    out = poisoned(ref.shape)
+    precision = "3xtf32" if engine == "igemm" else "ieee"
+    with plan_options(engine=engine):
+        cufused.conv2d_groupnorm_scale_maxpool_clamp(*to_gpu(*arrays), **opts,
+                                                     precision=precision, out=out)
+    assert_close(out.get(), ref, 10 * TOL[precision])
+
+
 def test_pipeline_a_dropped_rows_count_in_stats(rng, layout):
     # 126 // 4 = 31 windows; rows/cols 124-125 are pooled away but shape the statistics.
     arrays, opts = pipeline_a_args(rng, n=2, cin=3, h=128, w=128, cout=8, groups=2)
@@ -117,6 +154,23 @@ def test_pipeline_c(rng, layout, method, precision, clamp):
         precision=precision, out=out)
     # Outputs are tiny (~1 / (D*H*W)): only a relative check can tell them from zeros.
     assert rel_err(out.get(), ref) < 10 * TOL[precision]
+
+
+@pytest.mark.parametrize("bound", [1e10, -1e10, 3e38, -3e38])
+@pytest.mark.parametrize("engine", ["cudnn", "igemm"])
+def test_pipeline_c_clamp_bounds_far_from_zero(rng, engine, bound):
+    # Both bounds at one huge value: every value clamps to it, and the softmax is uniform
+    # (the implicit GEMM's epilogue forms each exponent from v - clamp_max).
+    from cufused._cudnn import plan_options
+
+    arrays, opts = pipeline_c_args(rng)
+    opts.update(clamp_min=bound, clamp_max=bound)
+    ref = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(*arrays, **opts)
+    out = poisoned(ref.shape)
+    with plan_options(engine=engine):
+        cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
+            *to_gpu(*arrays), **opts, precision="tf32", out=out)
+    assert_close(out.get(), ref, 1e-5)
 
 
 def test_pipeline_b_odd_group_rows(rng, layout):
@@ -272,8 +326,10 @@ def test_empty_batch():
     assert got.shape == (0, 8, 3, 3)
 
 
-def test_pipeline_capture_in_cuda_graph(rng, layout):
+@pytest.mark.parametrize("method", ["fused", "unfused"])
+def test_pipeline_capture_in_cuda_graph(rng, layout, method):
     arrays, opts = pipeline_a_args(rng)
+    opts.update(method=method)
     garrays = to_gpu(*arrays)
     ref = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts)
     stream = cp.cuda.Stream(non_blocking=True)
@@ -285,14 +341,23 @@ def test_pipeline_capture_in_cuda_graph(rng, layout):
             cufused.conv2d_groupnorm_scale_maxpool_clamp(*garrays, **opts, out=out)
         stream.begin_capture()
         cufused.conv2d_groupnorm_scale_maxpool_clamp(*garrays, **opts, out=out)
+        fresh = cufused.conv2d_groupnorm_scale_maxpool_clamp(*garrays, **opts)
         graph = stream.end_capture()
+        # Arrays of every size up to past the convolution output's, allocated after the
+        # capture: the pool must not hand them the captured calls' temporaries, which each
+        # launch writes.
+        sizes = np.unique(np.geomspace(1, 4 * ref.size * 16, 60).astype(int))
+        junk = [cp.full(int(k), 7.0, dtype=cp.float32) for k in sizes for _ in range(3)]
         arrays = (rng.random(arrays[0].shape),) + tuple(arrays[1:])
         garrays[0][...] = cp.asarray(arrays[0], dtype=cp.float32)
         out.fill(cp.nan)
+        fresh.fill(cp.nan)
         graph.launch()
     stream.synchronize()
-    assert_close(out.get(), cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts),
-                 1e-4)
+    want = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts)
+    assert_close(out.get(), want, 1e-4)
+    assert_close(fresh.get(), want, 1e-4)
+    assert all(bool((j == 7.0).all()) for j in junk)
 
 
 @pytest.mark.parametrize("precision", ["ieee", "tf32", "3xtf32"])

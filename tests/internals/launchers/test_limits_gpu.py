@@ -118,6 +118,25 @@ def test_pool_plane_past_2_31(free_memory):
     assert bool((out == x).all())
 
 
+# An input plane past 2**31 positions whose pooled planes over the channels stay below it:
+# the 2 x 2 x 2 pool into a channels-last destination (pipeline C's, before a channels-last
+# convolution) against the N-d pool into NCDHW, whose indices are 64-bit.
+def test_pool_to_channels_last_input_plane_past_2_31(free_memory):
+    from cufused._kernels.pooling import pool_into
+    from cufused._layout import empty_in_layout
+
+    x = cp.random.default_rng(0).random((1, 2, 1026, 1024, 2048), dtype=cp.float32)
+    assert x[0, 0].size > 2**31 and x.size // 8 < 2**31
+    window = (2, 2, 2)
+    last = empty_in_layout((1, 2, 513, 512, 1024), "nhwc")
+    last.fill(cp.nan)
+    pool_into(x, last, window, window, (0, 0, 0), is_max=True)
+    want = cp.full(last.shape, cp.nan, dtype=cp.float32)
+    pool_into(x, want, window, window, (0, 0, 0), is_max=True)
+    del x
+    assert bool((last == want).all())
+
+
 @pytest.mark.parametrize("precision", ["tf32", "3xtf32"])
 def test_implicit_gemm_plane_past_2_31(precision, free_memory):
     from cufused._cudnn import plan_options
