@@ -43,8 +43,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ._arrays import _byte_span, _memory_limit, import_cupy, is_cupy_array, other_device
-from ._capture import _inside, capture_call
-from ._cuda import capturing
+from ._capture import _inside, capture_call, kept_for_caller_capture, release_caller_captures
+from ._cuda import capturing, stream_key
 from ._cudnn import _config, clear_plan_cache, on_clear_plan_cache
 from ._precision import default_precision, resolve_precision
 
@@ -132,7 +132,7 @@ def _call_key(gpu: functools.partial, out, cupy):
         return None
     stream = cupy.cuda.get_current_stream()
     return (gpu.func, bound, options, _value_key(out), cupy.cuda.runtime.getDevice(),
-            stream.ptr, tuple(_config.values()))
+            stream_key(stream), tuple(_config.values()))
 
 
 def split_at_result(graph_key: tuple) -> tuple[tuple, tuple, tuple]:
@@ -243,6 +243,11 @@ def warm_calls(public: Callable, *, launch_without_out: bool = True) -> Callable
         if device is not None:
             with sys.modules["cupy"].cuda.Device(device):
                 return call(*args, **kwargs)
+        cupy = sys.modules.get("cupy")
+        if (cupy is not None and is_cupy_array(args[0] if args else kwargs.get("x"))
+                and capturing(cupy.cuda.get_current_stream())):
+            with kept_for_caller_capture():
+                return public(*args, **kwargs)
         if not _config["replay"] or _inside.get() or _suspended.get():
             return public(*args, **kwargs)
         out = kwargs.get("out")
@@ -374,7 +379,7 @@ def _raw_key(public: Callable, args: tuple, kwargs: dict, stream, cupy):
     try:
         return (public, tuple(map(value_key, args)), tuple(kwargs),
                 tuple(map(value_key, kwargs.values())), cupy.cuda.runtime.getDevice(),
-                stream.ptr, tuple(_config.values()), resolve_precision(None))
+                stream_key(stream), tuple(_config.values()), resolve_precision(None))
     except TypeError:
         return None
 
@@ -491,7 +496,9 @@ def clear_caches() -> None:
     cufused caches, per device, the cuDNN plan of each convolution problem it has run (with
     the CUDA graphs of warm convolution calls), the engine the autotuner measured fastest for
     each tensor-core problem, and the CUDA graphs of up to ``MAX_GRAPHS`` warm pipeline calls
-    (each with its temporaries). All are rebuilt, or measured again, on next use.
+    (each with its temporaries). All are rebuilt, or measured again, on next use. It also
+    frees the buffers and plans of the calls recorded into the caller's own CUDA-graph
+    captures: those graphs must not be launched afterwards.
 
     Examples
     --------
@@ -512,6 +519,7 @@ def _clear() -> None:
         _shortcuts.clear()
         _fresh_shortcuts.clear()
     _release(dropped)
+    release_caller_captures()
 
 
 on_clear_plan_cache(_clear)

@@ -16,6 +16,61 @@ from ._cudnn import plans_in_use
 _inside = contextvars.ContextVar("cufused_inside_call_graph", default=False)
 
 
+# What the calls recorded into the caller's own captures allocated (each call's blocks, freed
+# by it or not) and the plans they ran: the caller's graphs, which cufused does not see, read
+# and write them at every replay. Kept until clear_caches() (release_caller_captures).
+_caller_captures: list = []
+# Inside a call that records what it allocates for the caller's capture, or whose caller's
+# capture has a pool of its own that keeps the blocks (PyTorch's private graph pool).
+_allocations_kept = contextvars.ContextVar("cufused_allocations_kept", default=False)
+
+
+@contextlib.contextmanager
+def pool_kept_by_caller():
+    """Around a call whose allocations come from the caller's capture's own pool, which keeps
+    every block for the graph: nothing more is kept (:func:`kept_for_caller_capture`)."""
+    token = _allocations_kept.set(True)
+    try:
+        yield
+    finally:
+        _allocations_kept.reset(token)
+
+
+@contextlib.contextmanager
+def kept_for_caller_capture():
+    """Around a call made while the caller captures the current stream: every block the call
+    allocates, also those it frees before returning, and every plan that runs stay until
+    :func:`release_caller_captures`. Freed into the pool, a temporary would be handed to the
+    caller's next array, which each replay of the caller's graph would then overwrite."""
+    if _allocations_kept.get() or _inside.get():  # kept already (capture_call keeps its own)
+        yield
+        return
+    cupy = import_cupy()
+    allocate = cupy.cuda.get_allocator()
+    blocks: list = []
+
+    def malloc(size: int):
+        block = allocate(size)
+        blocks.append(block)
+        return block
+
+    token = _allocations_kept.set(True)
+    try:
+        with plans_in_use() as plans, cupy.cuda.using_allocator(malloc):
+            try:
+                yield
+            finally:
+                _caller_captures.append((blocks, plans))
+    finally:
+        _allocations_kept.reset(token)
+
+
+def release_caller_captures() -> None:
+    """Let go of what :func:`kept_for_caller_capture` kept (the caller's graphs that recorded
+    those calls must not be launched again)."""
+    _caller_captures.clear()
+
+
 class _TooLarge(MemoryError):
     """The capture's temporaries passed the limit given to :func:`capture_call`."""
 

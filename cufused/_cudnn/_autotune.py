@@ -299,7 +299,15 @@ def clear_plan_cache() -> None:
     >>> cufused.clear_plan_cache()
     """
     with _plans_lock:
+        dropped = list(_plans.items())
         _plans.clear()
+    if dropped:
+        # A call queued on another stream than the one a plan's memory (the sub-pixel weight
+        # index) was allocated on may still read it, and the pool would reuse it on that one.
+        cupy = import_cupy()
+        for device in {key[0] for key, _ in dropped}:
+            cupy.cuda.Device(device).synchronize()
+        dropped.clear()
     for hook in _clear_hooks:
         hook()
     if _graph_buffer_pool.cache_info().currsize:  # the dropped graphs' buffers

@@ -12,7 +12,7 @@ from typing import Any
 import numpy
 
 from .._arrays import import_cupy
-from .._cuda import capturing
+from .._cuda import capturing, stream_key
 from .._kernels.layout import add_channel_bias, interleave_classes, transpose_channels
 from .._layout import empty_in_layout, stored_in
 from ._config import _config, cudnn_handle
@@ -176,15 +176,16 @@ class ConvPlan:
     def _replay(self, kind, operands, buffers, work):
         """The graph launcher for ``_launch``: cached, captured now (on the second call with
         these operands), or None (replay off, a capture in progress, a failed capture)."""
-        if not _config["replay"] or self._replays is None:
+        replays = self._replays  # another thread's failed capture may set it to None
+        if not _config["replay"] or replays is None:
             return None
         cupy = import_cupy()
         stream = cupy.cuda.get_current_stream()
         if capturing(stream):  # the caller's capture records the cuDNN calls
             return None
-        key = (kind, cupy.cuda.runtime.getDevice(), stream.ptr,
+        key = (kind, cupy.cuda.runtime.getDevice(), stream_key(stream),
                *(None if a is None else operand_key(a) for a in operands))
-        replay = self._replays.get(key)
+        replay = replays.get(key)
         if replay is not None:
             return replay
         calls = self._calls.get(key, 0) + 1
@@ -211,9 +212,9 @@ class ConvPlan:
             self._replays = None
             return None
         replay = functools.partial(_launch_graph, graph, stream, kept)
-        if len(self._replays) >= _MAX_REPLAYS:
-            self._replays.pop(next(iter(self._replays)))  # the oldest
-        self._replays[key] = replay
+        if len(replays) >= _MAX_REPLAYS:
+            replays.pop(next(iter(replays)))  # the oldest
+        replays[key] = replay
         return replay
 
     def apply(self, x, w, *, bias=None, out=None, convert_output: bool = True):

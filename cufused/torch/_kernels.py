@@ -21,6 +21,7 @@ import torch
 import cufused
 from cufused import _call_graphs
 from cufused._arrays import check_fits, import_cupy, memory_unchecked
+from cufused._capture import pool_kept_by_caller
 from cufused._ops.normalization import part_of_batch
 from cufused._cudnn import on_clear_plan_cache
 
@@ -226,6 +227,7 @@ def _launch_elsewhere(fn: Callable, args: list, kwargs: dict, device: int, strea
         scope.enter_context(stream)
         if capturing:
             scope.enter_context(cupy.cuda.using_allocator(_torch_allocator(cupy)))
+            scope.enter_context(pool_kept_by_caller())
         fn(*args, **kwargs)
 
 

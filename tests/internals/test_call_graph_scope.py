@@ -82,3 +82,52 @@ def test_raw_key_ends_with_the_settings_and_the_default_precision():
     assert key != _call_graphs._raw_key(len, (_Array(1),), {"eps": 1e-5}, stream, fake_cupy)
     assert _call_graphs._raw_key(len, (_Array(1),), {"eps": object()}, stream,
                                  fake_cupy) is None
+
+
+def test_caller_captures_keep_every_block_until_clear_caches():
+    # What a call recorded into the caller's capture allocates, freed by the call or not,
+    # stays referenced (the caller's graph writes it at every replay) until clear_caches();
+    # nothing more is kept inside cufused's own capture or under a caller's pool that keeps
+    # its blocks itself (PyTorch's graph pool).
+    cupy = pytest.importorskip("cupy")
+    from cufused import _capture, clear_caches
+
+    def fake_malloc(size):
+        return ("block", size)
+
+    _capture.release_caller_captures()
+    with cupy.cuda.using_allocator(fake_malloc):
+        with _capture.kept_for_caller_capture():
+            cupy.cuda.get_allocator()(512)  # a temporary the call frees
+            with _capture.kept_for_caller_capture():  # a nested public call
+                cupy.cuda.get_allocator()(1024)
+        assert _capture._caller_captures == [([("block", 512), ("block", 1024)], [])]
+        _capture.release_caller_captures()
+        with _capture.pool_kept_by_caller(), _capture.kept_for_caller_capture():
+            assert cupy.cuda.get_allocator() is fake_malloc
+        token = _capture._inside.set(True)
+        try:
+            with _capture.kept_for_caller_capture():
+                assert cupy.cuda.get_allocator() is fake_malloc
+        finally:
+            _capture._inside.reset(token)
+        assert _capture._caller_captures == []
+        with _capture.kept_for_caller_capture():
+            cupy.cuda.get_allocator()(64)
+    assert len(_capture._caller_captures) == 1
+    clear_caches()
+    assert _capture._caller_captures == []
+
+
+def test_stream_keys_tell_the_threads_per_thread_default_streams_apart():
+    # Handle 2 names each thread's own default stream; any other handle is one stream.
+    from cufused._cuda import stream_key
+
+    streams = [types.SimpleNamespace(ptr=p) for p in (0, 2, 0x7F00)]
+    here = [stream_key(s) for s in streams]
+    there = []
+    worker = threading.Thread(target=lambda: there.extend(stream_key(s) for s in streams))
+    worker.start()
+    worker.join()
+    assert here[0] == there[0] == 0 and here[2] == there[2] == 0x7F00
+    assert here[1] != there[1]
