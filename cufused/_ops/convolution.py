@@ -133,7 +133,9 @@ def _igemm_route(x, weight, args: ConvArgs, precision: str, bias,
         forward_args = (_stride1_forward_args(args, weight.shape[2:]) if args.transposed
                         else args)
         if (not x.flags.c_contiguous or forward_args is None or forward_args.groups != 1
-                or not (args.transposed or weight.flags.c_contiguous)):
+                or not (args.transposed or weight.flags.c_contiguous)
+                or any(d * (k - 1) + p >= 2**31 for d, k, p in zip(  # the kernel's int32 rows
+                    forward_args.dilation, weight.shape[2:], forward_args.padding))):
             return None
         return partial(_igemm_2d, args=forward_args, flip=args.transposed, passes=passes)
     if ((x.flags.c_contiguous or stored_in(x, "nhwc")) and args.transposed

@@ -194,3 +194,20 @@ def test_3xtf32_is_a_precision(rng):
         assert cufused.get_default_precision() == "3xtf32"
     with pytest.raises(ValueError, match="3xtf32"):
         cufused.conv2d(x, w, precision="fp16")
+
+
+def test_implicit_gemm_route_leaves_rows_past_int32_to_cudnn():
+    # A stride-1 transposed convolution whose forward padding, d * (k - 1) - p, is 2**31:
+    # the implicit GEMM's int32 row arithmetic cannot hold it, so the route is cuDNN's.
+    import types
+
+    from cufused._ops._conv_args import ConvArgs
+    from cufused._ops.convolution import _igemm_route
+
+    dense = types.SimpleNamespace(c_contiguous=True)
+    x = types.SimpleNamespace(ndim=4, flags=dense)
+    w = types.SimpleNamespace(shape=(1, 1, 4, 4), flags=dense)
+    far = ConvArgs(True, (1, 1), (2**31 - 1,) * 2, (0, 0), (1431655765,) * 2, 1, (1, 1, 5, 5))
+    near = ConvArgs(True, (1, 1), (1, 1), (0, 0), (1, 1), 1, (1, 1, 5, 5))
+    assert _igemm_route(x, w, far, "tf32", None, None) is None
+    assert _igemm_route(x, w, near, "tf32", None, None) is not None
