@@ -229,6 +229,8 @@ class ConvPlan:
         cupy = import_cupy()
         layout = self.layout
         in_graph = self.strategy.bias_in_graph
+        if bias is not None and not (convert_output or in_graph):
+            raise ValueError("a bias needs convert_output=True, or a plan with it in its graph")
         convert_x = self.x_layout != "nchw" and not stored_in(x, self.x_layout)
         if convert_x or self.x_layout == "nchw":
             x = cupy.ascontiguousarray(x)
