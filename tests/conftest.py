@@ -207,6 +207,7 @@ CONV_CASES = [
     (3, True, (2, 5, 4, 5, 3), (5, 7, 3, 3, 3), dict(stride=2, padding=1, output_padding=1)),
     (2, True, (2, 6, 8, 12), (6, 4, 4, 4), dict(stride=2, padding=1, groups=2)),
     (2, True, (2, 4, 3, 8), (4, 3, 2, 2), dict(stride=2, padding=(1, 0))),  # sub-pixel crops
+    (2, False, (2, 3, 8, 9), (4, 3, 3, 5), dict(padding="same", dilation=(2, 1))),
 ]
 
 

@@ -31,8 +31,10 @@ def check_conv_args(x_shape, w_shape, nd: int, *, transposed: bool, stride, padd
     Raises ``TypeError`` / ``ValueError`` that name the offending argument.
     """
     stride = ntuple(stride, nd, "stride", minimum=1)
-    padding = ntuple(padding, nd, "padding", minimum=0)
     dilation = ntuple(dilation, nd, "dilation", minimum=1)
+    if isinstance(padding, str) and not transposed:
+        padding = _named_padding(padding, stride, dilation, w_shape[2:], nd)
+    padding = ntuple(padding, nd, "padding", minimum=0)
     output_padding = ntuple(output_padding, nd, "output_padding", minimum=0)
     if isinstance(groups, bool) or not isinstance(groups, (int, numpy.integer)):
         raise TypeError(f"groups must be a positive int, got {groups!r}")
@@ -107,6 +109,27 @@ def _typed(value):
     if isinstance(value, (tuple, list)):
         return type(value), tuple((type(v), v) for v in value)
     return type(value), value
+
+
+def _named_padding(name: str, stride, dilation, kernel, nd: int) -> tuple[int, ...]:
+    """PyTorch's ``padding="valid"`` (none) or ``"same"`` (the output the input's size, at
+    stride 1: ``dilation * (k - 1)`` in all, split evenly; PyTorch puts an odd one's extra
+    element after the input, which symmetric padding cannot, so that is refused)."""
+    if name == "valid":
+        return (0,) * nd
+    if name != "same":
+        raise ValueError(f"padding must be 'valid', 'same' or ints, got {name!r}")
+    if any(s != 1 for s in stride):
+        raise ValueError(f"padding='same' needs stride 1 (as in PyTorch), got stride={stride}")
+    if len(kernel) != nd:
+        return (0,) * nd  # the weight's ndim check reports it
+    total = [d * (k - 1) for d, k in zip(dilation, kernel)]
+    if any(t % 2 for t in total):
+        raise ValueError(
+            f"padding='same' with dilation * (kernel - 1) = {tuple(total)} pads unevenly "
+            f"(PyTorch puts the odd element after the input), which cufused does not "
+            f"support: give the padding as ints")
+    return tuple(t // 2 for t in total)
 
 
 def cached_conv_args(x_shape, w_shape, nd: int, **options) -> ConvArgs:

@@ -322,7 +322,7 @@ _COMMON_DOC = """
     bias : array, optional
         One value per output channel.
     stride, padding, dilation : int or tuple of int
-        As in PyTorch; one value or one per spatial dimension.{extra}
+        As in PyTorch; one value or one per spatial dimension.{padnote}{extra}
     groups : int
         Blocked channel connections; must divide the input (and output) channels.
     precision : {{"ieee", "tf32", "3xtf32"}}, optional
@@ -377,6 +377,9 @@ conv2d, conv3d = _convolution_op(2, False), _convolution_op(3, False)
 conv_transpose2d, conv_transpose3d = _convolution_op(2, True), _convolution_op(3, True)
 
 
+_NAMED_PADDING = """ ``padding`` may also be
+        ``"valid"`` (none) or ``"same"`` (stride 1; ``dilation * (k - 1)`` even on each axis)."""
+
 _OUTPAD = """
     output_padding : int or tuple of int
         Extra size added to one side of the output (must be below stride or dilation)."""
@@ -384,6 +387,7 @@ _OUTPAD = """
 conv2d.__doc__ = """2-D convolution (cross-correlation), as ``torch.nn.functional.conv2d``.
 """ + _COMMON_DOC.format(
     xshape="(N, C_in, H, W)", wdesc="Shape (C_out, C_in / groups, kH, kW).", extra="",
+    padnote=_NAMED_PADDING,
     rdesc="Shape (N, C_out, H_out, W_out)") + """\
     >>> x = np.ones((1, 1, 3, 3), dtype=np.float32)
     >>> w = np.ones((1, 1, 2, 2), dtype=np.float32)
@@ -395,6 +399,7 @@ conv2d.__doc__ = """2-D convolution (cross-correlation), as ``torch.nn.functiona
 conv3d.__doc__ = """3-D convolution (cross-correlation), as ``torch.nn.functional.conv3d``.
 """ + _COMMON_DOC.format(
     xshape="(N, C_in, D, H, W)", wdesc="Shape (C_out, C_in / groups, kD, kH, kW).", extra="",
+    padnote=_NAMED_PADDING,
     rdesc="Shape (N, C_out, D_out, H_out, W_out)") + """\
     >>> x = np.ones((1, 2, 3, 3, 3))
     >>> w = np.ones((4, 2, 3, 3, 3))
@@ -409,7 +414,7 @@ conv_transpose2d.__doc__ = """2-D transposed convolution, as PyTorch's ``conv_tr
     cufused's implicit GEMM, where the autotuner measured it faster).
 """ + _COMMON_DOC.format(
     xshape="(N, C_in, H, W)", wdesc="Shape (C_in, C_out / groups, kH, kW) (PyTorch's layout).",
-    extra=_OUTPAD, rdesc="Shape (N, C_out, H_out, W_out) with "
+    extra=_OUTPAD, padnote="", rdesc="Shape (N, C_out, H_out, W_out) with "
     "H_out = (H - 1) * stride - 2 * padding + dilation * (kH - 1) + output_padding + 1") + """\
     >>> x = np.ones((1, 1, 2, 2))
     >>> w = np.ones((1, 1, 2, 2))
@@ -423,7 +428,7 @@ conv_transpose3d.__doc__ = """3-D transposed convolution, as PyTorch's ``conv_tr
 """ + _COMMON_DOC.format(
     xshape="(N, C_in, D, H, W)",
     wdesc="Shape (C_in, C_out / groups, kD, kH, kW) (PyTorch's layout).", extra=_OUTPAD,
-    rdesc="Shape (N, C_out, D_out, H_out, W_out)") + """\
+    padnote="", rdesc="Shape (N, C_out, D_out, H_out, W_out)") + """\
     >>> x = np.ones((1, 2, 2, 2, 2))
     >>> w = np.ones((2, 3, 3, 3, 3))
     >>> cufused.conv_transpose3d(x, w, stride=2, padding=1, output_padding=1).shape

@@ -22,9 +22,11 @@ _ROWS_PER_CALL = 2**31 - 1  # rows that one softmax_rows call counts as channels
 def normalize_axes(axis: Any, ndim: int) -> tuple[int, ...]:
     """Turn an int or a tuple of ints into sorted, non-negative, distinct axes."""
     items = (axis,) if isinstance(axis, numbers.Integral) else axis
-    if not isinstance(items, (tuple, list)) or not items or not all(
+    if not isinstance(items, (tuple, list)) or not all(
             isinstance(a, numbers.Integral) and not isinstance(a, bool) for a in items):
         raise TypeError(f"axis must be an int or a non-empty tuple of ints, got {axis!r}")
+    if not items:
+        raise ValueError(f"axis must be an int or a non-empty tuple of ints, got {axis!r}")
     axes = []
     for a in items:
         if not -ndim <= a < ndim:

@@ -66,7 +66,8 @@ def conv2d_groupnorm_scale_maxpool_clamp(
         Bounds of the final clamp, infinities included (``clamp_min > clamp_max`` gives
         ``clamp_max``, as ``torch.clamp``); not NaN.
     stride, padding : int or tuple of int
-        Convolution options.
+        Convolution options (``padding`` also ``"valid"`` or ``"same"``, as in
+        :func:`cufused.conv2d`).
     eps : float
         GroupNorm epsilon.
 
