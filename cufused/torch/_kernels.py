@@ -148,9 +148,10 @@ _NUMPY_DTYPES = {torch.float16: numpy.dtype(numpy.float16),
                  torch.float32: numpy.dtype(numpy.float32),
                  torch.float64: numpy.dtype(numpy.float64)}
 _CUPY = None  # imported on the first CUDA call
-# CuPy views of recent tensors, by (address, dtype, shape, strides): creating a view costs
-# more host time than looking it up, and weights and recycled activations repeat. A view
-# holds no reference to the tensor; the caller's tensor keeps the memory alive during a call.
+# CuPy views of recent tensors, by (address, device, dtype, shape, strides; an address freed
+# on one device may come back on another): creating a view costs more host time than looking
+# it up, and weights and recycled activations repeat. A view holds no reference to the
+# tensor; the caller's tensor keeps the memory alive during a call.
 _VIEWS: dict[tuple, Any] = {}
 # CuPy handles of PyTorch's streams, by (stream, device).
 _STREAMS: dict[tuple[int, int], Any] = {}
@@ -185,7 +186,7 @@ def _new_view(t: torch.Tensor, cupy, name: str) -> Any:
 
 
 def _cupy_view(t: torch.Tensor, cupy, name: str) -> Any:
-    key = (t.data_ptr(), t.dtype, t.shape, t.stride())
+    key = (t.data_ptr(), t.get_device(), t.dtype, t.shape, t.stride())
     view = _VIEWS.get(key)
     if view is None:
         if len(_VIEWS) >= 1024:
