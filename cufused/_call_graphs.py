@@ -263,7 +263,7 @@ def warm_calls(public: Callable, *, launch_without_out: bool = True) -> Callable
         if key is None:
             return public(*args, **kwargs)
         graph_key = _shortcuts.get(key)
-        if graph_key is not None and not capturing(stream) and launch_cached(graph_key, stream):
+        if graph_key is not None and launch_cached(graph_key, stream):
             return out
         result, launched = _checked_call(public, args, kwargs, key)
         graph_key = _graph_to_remember(launched, key, args, kwargs)
@@ -289,7 +289,7 @@ def _call_without_out(public: Callable, args: tuple, kwargs: dict):
     if key is None:
         return public(*args, **kwargs)
     fresh = _fresh_shortcuts.get(key)
-    if fresh is not None and not capturing(stream):
+    if fresh is not None:
         shape, dtype, head, tail, buffers = fresh
         out = cupy.empty(shape, dtype)
         if launch_with_result(head, _value_key(out), tail, stream):
@@ -498,7 +498,8 @@ def clear_caches() -> None:
     each tensor-core problem, and the CUDA graphs of up to ``MAX_GRAPHS`` warm pipeline calls
     (each with its temporaries). All are rebuilt, or measured again, on next use. It also
     frees the buffers and plans of the calls recorded into the caller's own CUDA-graph
-    captures: those graphs must not be launched afterwards.
+    captures, which nothing else frees (each such call keeps its temporaries and result):
+    those graphs must not be launched afterwards.
 
     Examples
     --------
@@ -506,6 +507,7 @@ def clear_caches() -> None:
     >>> cufused.clear_caches()
     """
     clear_plan_cache()  # calls _clear (registered below)
+    release_caller_captures()
 
 
 def _clear() -> None:
@@ -519,7 +521,6 @@ def _clear() -> None:
         _shortcuts.clear()
         _fresh_shortcuts.clear()
     _release(dropped)
-    release_caller_captures()
 
 
 on_clear_plan_cache(_clear)

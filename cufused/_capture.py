@@ -17,8 +17,9 @@ _inside = contextvars.ContextVar("cufused_inside_call_graph", default=False)
 
 
 # What the calls recorded into the caller's own captures allocated (each call's blocks, freed
-# by it or not) and the plans they ran: the caller's graphs, which cufused does not see, read
-# and write them at every replay. Kept until clear_caches() (release_caller_captures).
+# by it or not), the plans they ran and the device: the caller's graphs, which cufused does
+# not see, read and write them at every replay. Kept until clear_caches()
+# (release_caller_captures).
 _caller_captures: list = []
 # Inside a call that records what it allocates for the caller's capture, or whose caller's
 # capture has a pool of its own that keeps the blocks (PyTorch's private graph pool).
@@ -28,12 +29,26 @@ _allocations_kept = contextvars.ContextVar("cufused_allocations_kept", default=F
 @contextlib.contextmanager
 def pool_kept_by_caller():
     """Around a call whose allocations come from the caller's capture's own pool, which keeps
-    every block for the graph: nothing more is kept (:func:`kept_for_caller_capture`)."""
+    every block for the graph: :func:`kept_for_caller_capture` keeps only the plans."""
     token = _allocations_kept.set(True)
     try:
-        yield
+        with _plans_kept_for_caller_capture():
+            yield
     finally:
         _allocations_kept.reset(token)
+
+
+@contextlib.contextmanager
+def _plans_kept_for_caller_capture(blocks: list | None = None):
+    """Keep the plans that run inside (and ``blocks``) until :func:`release_caller_captures`:
+    the caller's graph reads their memory (a sub-pixel plan's weight index)."""
+    cupy = import_cupy()
+    with plans_in_use() as plans:
+        try:
+            yield
+        finally:
+            if plans or blocks:
+                _caller_captures.append((blocks or [], plans, cupy.cuda.runtime.getDevice()))
 
 
 @contextlib.contextmanager
@@ -56,18 +71,21 @@ def kept_for_caller_capture():
 
     token = _allocations_kept.set(True)
     try:
-        with plans_in_use() as plans, cupy.cuda.using_allocator(malloc):
-            try:
-                yield
-            finally:
-                _caller_captures.append((blocks, plans))
+        with _plans_kept_for_caller_capture(blocks), cupy.cuda.using_allocator(malloc):
+            yield
     finally:
         _allocations_kept.reset(token)
 
 
 def release_caller_captures() -> None:
-    """Let go of what :func:`kept_for_caller_capture` kept (the caller's graphs that recorded
+    """Let go of what :func:`kept_for_caller_capture` kept, once the devices it was used on
+    are idle (a caller's graph launched last may still run; the caller's graphs that recorded
     those calls must not be launched again)."""
+    if not _caller_captures:
+        return
+    cupy = import_cupy()
+    for device in {entry[2] for entry in _caller_captures}:
+        cupy.cuda.Device(device).synchronize()
     _caller_captures.clear()
 
 

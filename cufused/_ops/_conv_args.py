@@ -121,8 +121,8 @@ def _named_padding(name: str, stride, dilation, kernel, nd: int) -> tuple[int, .
         raise ValueError(f"padding must be 'valid', 'same' or ints, got {name!r}")
     if any(s != 1 for s in stride):
         raise ValueError(f"padding='same' needs stride 1 (as in PyTorch), got stride={stride}")
-    if len(kernel) != nd:
-        return (0,) * nd  # the weight's ndim check reports it
+    if len(kernel) != nd or min(kernel) < 1:
+        return (0,) * nd  # the weight's checks report it
     total = [d * (k - 1) for d, k in zip(dilation, kernel)]
     if any(t % 2 for t in total):
         raise ValueError(

@@ -81,6 +81,8 @@ CASES = [
     (lambda: cufused.softmax(X4, axis=()), ValueError, "axis"),
     (lambda: cufused.conv2d(X4, np.ones((2, 4, 2, 2), np.float32), padding="same"), ValueError,
      "padding='same' with dilation"),
+    (lambda: cufused.conv2d(X4, np.ones((2, 4, 0, 3), np.float32), padding="same"), ValueError,
+     "weight has a zero-sized dimension"),
     (lambda: cufused.softmax(np.ones((), np.float32)), ValueError, "dimension"),
     (lambda: pipeline_a(num_groups=3), ValueError, "num_groups"),
     (lambda: pipeline_a(pool_kernel=7), ValueError,

@@ -84,16 +84,26 @@ def test_raw_key_ends_with_the_settings_and_the_default_precision():
                                  fake_cupy) is None
 
 
-def test_caller_captures_keep_every_block_until_clear_caches():
+def test_caller_captures_keep_every_block_until_clear_caches(monkeypatch):
     # What a call recorded into the caller's capture allocates, freed by the call or not,
-    # stays referenced (the caller's graph writes it at every replay) until clear_caches();
-    # nothing more is kept inside cufused's own capture or under a caller's pool that keeps
-    # its blocks itself (PyTorch's graph pool).
+    # stays referenced (the caller's graph writes it at every replay) until clear_caches(),
+    # which first waits for the device; clear_plan_cache() keeps it. Inside cufused's own
+    # capture nothing more is kept, and under a caller's pool that keeps its blocks itself
+    # (PyTorch's graph pool) only the plans are.
     cupy = pytest.importorskip("cupy")
-    from cufused import _capture, clear_caches
+    from cufused import _capture, _cudnn, clear_caches, clear_plan_cache
+
+    synchronized = []
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+    monkeypatch.setattr(cupy.cuda, "Device", lambda d: types.SimpleNamespace(
+        synchronize=lambda: synchronized.append(d)))
+    plan = object()
 
     def fake_malloc(size):
         return ("block", size)
+
+    def run_plan():
+        _cudnn._plan._plans_in_use.get().append(plan)
 
     _capture.release_caller_captures()
     with cupy.cuda.using_allocator(fake_malloc):
@@ -101,22 +111,29 @@ def test_caller_captures_keep_every_block_until_clear_caches():
             cupy.cuda.get_allocator()(512)  # a temporary the call frees
             with _capture.kept_for_caller_capture():  # a nested public call
                 cupy.cuda.get_allocator()(1024)
-        assert _capture._caller_captures == [([("block", 512), ("block", 1024)], [])]
+        assert _capture._caller_captures == [([("block", 512), ("block", 1024)], [], 0)]
         _capture.release_caller_captures()
         with _capture.pool_kept_by_caller(), _capture.kept_for_caller_capture():
             assert cupy.cuda.get_allocator() is fake_malloc
+            run_plan()
+        assert _capture._caller_captures == [([], [plan], 0)]
+        _capture.release_caller_captures()
         token = _capture._inside.set(True)
         try:
             with _capture.kept_for_caller_capture():
                 assert cupy.cuda.get_allocator() is fake_malloc
         finally:
             _capture._inside.reset(token)
+        with _capture.kept_for_caller_capture():
+            pass  # nothing allocated, no plan: nothing kept
         assert _capture._caller_captures == []
         with _capture.kept_for_caller_capture():
             cupy.cuda.get_allocator()(64)
+    synchronized.clear()
+    clear_plan_cache()
     assert len(_capture._caller_captures) == 1
     clear_caches()
-    assert _capture._caller_captures == []
+    assert _capture._caller_captures == [] and synchronized == [0]
 
 
 def test_stream_keys_tell_the_threads_per_thread_default_streams_apart():

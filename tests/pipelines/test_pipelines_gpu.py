@@ -320,24 +320,35 @@ def test_pipeline_capture_in_cuda_graph(rng, layout, method):
         # the raw arguments; inside the caller's capture the same call must record its kernels.
         for _ in range(3):
             cufused.conv2d_groupnorm_scale_maxpool_clamp(*garrays, **opts, out=out)
+        # A building block without out whose plan picks its own buffer (and, pinned
+        # sub-pixel, gathers its weight through an index the plan owns).
+        ct_x, ct_w = rng.random((2, 4, 5, 6)), rng.standard_normal((4, 3, 3, 3))
+        ct_args = to_gpu(ct_x, ct_w)
+        for _ in range(3):
+            cufused.conv_transpose2d(*ct_args, stride=2, padding=1)
         stream.begin_capture()
         cufused.conv2d_groupnorm_scale_maxpool_clamp(*garrays, **opts, out=out)
         fresh = cufused.conv2d_groupnorm_scale_maxpool_clamp(*garrays, **opts)
+        ct_out = cufused.conv_transpose2d(*ct_args, stride=2, padding=1)
         graph = stream.end_capture()
-        # Arrays of every size up to past the convolution output's, allocated after the
+        # The plan cache cleared (clear_caches alone frees what the capture recorded), then
+        # arrays of every size up to past the convolution output's, allocated after the
         # capture: the pool must not hand them the captured calls' temporaries, which each
         # launch writes.
+        cufused.clear_plan_cache()
         sizes = np.unique(np.geomspace(1, 4 * ref.size * 16, 60).astype(int))
         junk = [cp.full(int(k), 7.0, dtype=cp.float32) for k in sizes for _ in range(3)]
         arrays = (rng.random(arrays[0].shape),) + tuple(arrays[1:])
         garrays[0][...] = cp.asarray(arrays[0], dtype=cp.float32)
         out.fill(cp.nan)
         fresh.fill(cp.nan)
+        ct_out.fill(cp.nan)
         graph.launch()
     stream.synchronize()
     want = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts)
     assert_close(out.get(), want, 1e-4)
     assert_close(fresh.get(), want, 1e-4)
+    assert_close(ct_out.get(), cufused.conv_transpose2d(ct_x, ct_w, stride=2, padding=1), 1e-4)
     assert all(bool((j == 7.0).all()) for j in junk)
 
 
