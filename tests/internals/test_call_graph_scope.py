@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import types
 
@@ -148,3 +149,35 @@ def test_stream_keys_tell_the_threads_per_thread_default_streams_apart():
     worker.join()
     assert here[0] == there[0] == 0 and here[2] == there[2] == 0x7F00
     assert here[1] != there[1]
+
+
+def test_warm_calls_keep_what_calls_inside_a_caller_capture_allocate(monkeypatch):
+    # A wrapped public function called while the current stream is being captured runs inside
+    # kept_for_caller_capture, x given by position or by keyword, with or without out; a call
+    # on a stream that is not captured does not.
+    cupy = pytest.importorskip("cupy")
+    entered = []
+
+    @contextlib.contextmanager
+    def recorded():
+        entered.append(True)
+        yield
+
+    capturing = [True]
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: "stream")
+    monkeypatch.setattr(_call_graphs, "capturing", lambda stream: capturing[0])
+    monkeypatch.setattr(_call_graphs, "is_cupy_array", lambda a: isinstance(a, list))
+    monkeypatch.setattr(_call_graphs, "kept_for_caller_capture", recorded)
+    monkeypatch.setattr(_call_graphs, "other_device", lambda args, kwargs: None)
+
+    def public(x, *, out=None):
+        return "ran"
+
+    call = _call_graphs.warm_calls(public)
+    assert call([1]) == call(x=[1]) == call([1], out=[2]) == "ran"
+    assert entered == [True] * 3
+    capturing[0] = False
+    with without_call_graphs():
+        assert call([1]) == "ran"
+    assert call(np.ones(2)) == "ran"  # not a CuPy input: no capture query
+    assert len(entered) == 3
