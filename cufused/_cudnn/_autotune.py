@@ -291,7 +291,8 @@ def on_clear_plan_cache(hook) -> None:
 
 def clear_plan_cache() -> None:
     """Forget every built cuDNN plan, and the CUDA graphs of warm calls that ran them; they
-    are rebuilt, and re-tuned, on next use.
+    are rebuilt, and re-tuned, on next use. The plans that calls recorded into the caller's
+    own CUDA-graph captures ran stay until :func:`cufused.clear_caches`.
 
     Examples
     --------
