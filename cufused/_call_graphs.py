@@ -44,7 +44,7 @@ from typing import Any
 
 from ._arrays import _byte_span, _memory_limit, import_cupy, is_cupy_array, other_device
 from ._capture import _inside, capture_call, kept_for_caller_capture, release_caller_captures
-from ._cuda import capturing, stream_key
+from ._cuda import capturing, stream_key, wait_for_devices
 from ._cudnn import _config, clear_plan_cache, on_clear_plan_cache
 from ._precision import default_precision, resolve_precision
 
@@ -100,9 +100,7 @@ def _release(graphs: list) -> None:
     another stream than the one they run on (outside ``_lock``)."""
     if not graphs:
         return
-    cupy = import_cupy()
-    for device in {g.device for g in graphs}:
-        cupy.cuda.Device(device).synchronize()
+    wait_for_devices(g.device for g in graphs)
     graphs.clear()
 
 
@@ -243,9 +241,12 @@ def warm_calls(public: Callable, *, launch_without_out: bool = True) -> Callable
         if device is not None:
             with sys.modules["cupy"].cuda.Device(device):
                 return call(*args, **kwargs)
+        # Only a CuPy input can have a graph (and reading the stream needs a device).
         cupy = sys.modules.get("cupy")
-        if (cupy is not None and is_cupy_array(args[0] if args else kwargs.get("x"))
-                and capturing(cupy.cuda.get_current_stream())):
+        if cupy is None or not is_cupy_array(args[0] if args else kwargs.get("x")):
+            return public(*args, **kwargs)
+        stream = cupy.cuda.get_current_stream()
+        if capturing(stream):
             with kept_for_caller_capture():
                 return public(*args, **kwargs)
         if not _config["replay"] or _inside.get() or _suspended.get():
@@ -253,12 +254,10 @@ def warm_calls(public: Callable, *, launch_without_out: bool = True) -> Callable
         out = kwargs.get("out")
         if out is None:
             if launch_without_out:
-                return _call_without_out(public, args, kwargs)
+                return _call_without_out(public, args, kwargs, stream, cupy)
             return public(*args, **kwargs)
         if not is_cupy_array(out):
             return public(*args, **kwargs)
-        cupy = sys.modules["cupy"]
-        stream = cupy.cuda.get_current_stream()
         key = _raw_key(public, args, kwargs, stream, cupy)
         if key is None:
             return public(*args, **kwargs)
@@ -276,15 +275,13 @@ def warm_calls(public: Callable, *, launch_without_out: bool = True) -> Callable
     return call
 
 
-def _call_without_out(public: Callable, args: tuple, kwargs: dict):
-    """A public call without ``out``: where its raw arguments equal those of a checked call
-    whose graph wrote the result, the result is allocated as that call allocated it, and the
-    graph cached for that buffer (if any) launches without the checks (:func:`warm_calls`)."""
-    cupy = sys.modules.get("cupy")
-    # Only a CuPy input can have a graph (and reading the stream needs a device).
-    if cupy is None or not args or type(args[0]) is not cupy.ndarray:
+def _call_without_out(public: Callable, args: tuple, kwargs: dict, stream, cupy):
+    """A public call without ``out`` of a CuPy input on ``stream``: where its raw arguments
+    equal those of a checked call whose graph wrote the result, the result is allocated as
+    that call allocated it, and the graph cached for that buffer (if any) launches without
+    the checks (:func:`warm_calls`)."""
+    if not args or type(args[0]) is not cupy.ndarray:
         return public(*args, **kwargs)
-    stream = cupy.cuda.get_current_stream()
     key = _raw_key(public, args, kwargs, stream, cupy)
     if key is None:
         return public(*args, **kwargs)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ._arrays import import_cupy
+from ._cuda import wait_for_devices
 from ._cudnn import plans_in_use
 
 # Inside a call being captured or run by the graph cache: nested pipeline calls (the unfused
@@ -81,11 +82,7 @@ def release_caller_captures() -> None:
     """Let go of what :func:`kept_for_caller_capture` kept, once the devices it was used on
     are idle (a caller's graph launched last may still run; the caller's graphs that recorded
     those calls must not be launched again)."""
-    if not _caller_captures:
-        return
-    cupy = import_cupy()
-    for device in {entry[2] for entry in _caller_captures}:
-        cupy.cuda.Device(device).synchronize()
+    wait_for_devices(entry[2] for entry in _caller_captures)
     _caller_captures.clear()
 
 

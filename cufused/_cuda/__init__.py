@@ -519,6 +519,18 @@ def stream_key(stream):
     return ptr if ptr != _PER_THREAD_STREAM else (ptr, threading.get_ident())
 
 
+def wait_for_devices(devices) -> None:
+    """Wait until each device (id) in ``devices`` has done its queued work: before memory
+    that the work may still read goes back to a pool, where another stream would reuse it."""
+    devices = set(devices)
+    if not devices:
+        return
+    import cupy
+
+    for device in devices:
+        cupy.cuda.Device(device).synchronize()
+
+
 def capturing(stream) -> bool:
     """Whether ``stream`` is being captured into a CUDA graph. The query itself is illegal
     during some global captures (cudaErrorStreamCaptureImplicit): then it is."""

@@ -10,7 +10,7 @@ import threading
 import numpy
 
 from .._arrays import import_cupy
-from .._cuda import capturing
+from .._cuda import capturing, wait_for_devices
 from ._config import _config, cudnn_handle, import_cudnn, plan_options
 from ._graphs import (ConvProblem, Strategy, _build_graph, _Part, _part_specs, runnable_plans,
                       strategies)
@@ -57,19 +57,21 @@ def _make_plan(problem: ConvProblem, strategy: Strategy, tune: bool):
 _LONG_CALL_PLANS = 8
 
 
+def _long(best) -> bool:
+    """Whether the best plan so far takes ``LONG_CALL_MS`` or more; shorter problems time
+    every plan in full, since a plan's first run may load its kernels."""
+    return best is not None and best.milliseconds >= LONG_CALL_MS
+
+
 def _enough_plans(best, timed: int) -> bool:
     """Whether a graph whose best plan so far is ``best``, after ``timed`` plans, is done."""
-    return (best is not None and best.milliseconds >= LONG_CALL_MS
-            and timed >= _LONG_CALL_PLANS)
+    return _long(best) and timed >= _LONG_CALL_PLANS
 
 
 def _give_up_ms(best) -> float | None:
-    """Where the best plan so far takes ``LONG_CALL_MS`` or more, a plan whose first run
-    takes 3 times as long is not timed further (its first run is its time); shorter
-    problems time every plan in full, since a plan's first run may load its kernels."""
-    if best is None or best.milliseconds < LONG_CALL_MS:
-        return None
-    return 3 * best.milliseconds
+    """Beside a long best plan, a plan whose first run takes 3 times as long is not timed
+    further (its first run is its time)."""
+    return 3 * best.milliseconds if _long(best) else None
 
 
 def _chosen_parts(problem: ConvProblem, strategy: Strategy, tune: bool, handle):
@@ -302,13 +304,10 @@ def clear_plan_cache() -> None:
     with _plans_lock:
         dropped = list(_plans.items())
         _plans.clear()
-    if dropped:
-        # A call queued on another stream than the one a plan's memory (the sub-pixel weight
-        # index) was allocated on may still read it, and the pool would reuse it on that one.
-        cupy = import_cupy()
-        for device in {key[0] for key, _ in dropped}:
-            cupy.cuda.Device(device).synchronize()
-        dropped.clear()
+    # A call queued on another stream than the one a plan's memory (the sub-pixel weight
+    # index) was allocated on may still read it.
+    wait_for_devices(key[0] for key, _ in dropped)
+    dropped.clear()
     for hook in _clear_hooks:
         hook()
     if _graph_buffer_pool.cache_info().currsize:  # the dropped graphs' buffers
