@@ -17,6 +17,8 @@ from typing import Any, Union
 
 import numpy
 
+from ._scoped import scoped_value
+
 #: An option given once for every spatial dimension, or once per dimension.
 Size = Union[int, tuple[int, ...]]
 
@@ -373,11 +375,8 @@ def memory_unchecked():
     """Inside, :func:`check_fits` passes every shape: for checks of a call on NumPy stand-ins
     of arrays that live elsewhere (the PyTorch fake kernels of a CUDA call), to which the
     host's memory is no limit."""
-    token = _MEMORY_CHECKED.set(False)
-    try:
+    with scoped_value(_MEMORY_CHECKED, False):
         yield
-    finally:
-        _MEMORY_CHECKED.reset(token)
 
 
 def check_fits(shape: tuple[int, ...], xp, what: str) -> None:

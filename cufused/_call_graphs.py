@@ -47,6 +47,7 @@ from ._capture import _inside, capture_call, kept_for_caller_capture, release_ca
 from ._cuda import capturing, stream_key, wait_for_devices
 from ._cudnn import _config, clear_plan_cache, on_clear_plan_cache
 from ._precision import default_precision, resolve_precision
+from ._scoped import scoped_value
 
 #: Whole-call graphs kept at once (all devices); the least recently used goes first.
 MAX_GRAPHS = 8
@@ -153,11 +154,8 @@ def without_call_graphs():
     pool at addresses that change between runs (Dask's chunk tasks): a key that rarely
     repeats only costs a capture, and each graph kept drops another, which waits for the
     device."""
-    token = _suspended.set(True)
-    try:
+    with scoped_value(_suspended, True):
         yield
-    finally:
-        _suspended.reset(token)
 
 
 def replayed(gpu: functools.partial) -> Callable:
@@ -327,13 +325,8 @@ def _checked_call(public: Callable, args: tuple, kwargs: dict, key: tuple):
     """``public``'s checked call under the default precision of its raw-argument ``key``
     (another thread may change the process default meanwhile), and the keys of the graphs it
     launched."""
-    launched: list = []
-    token = _launched.set(launched)
-    try:
-        with default_precision(key[-1]):
-            result = public(*args, **kwargs)
-    finally:
-        _launched.reset(token)
+    with scoped_value(_launched, []) as launched, default_precision(key[-1]):
+        result = public(*args, **kwargs)
     return result, launched
 
 
@@ -470,11 +463,8 @@ def _run_directly(key: tuple) -> None:
 
 
 def _direct(gpu: functools.partial, out):
-    token = _inside.set(True)
-    try:
+    with scoped_value(_inside, True):
         return gpu(out)
-    finally:
-        _inside.reset(token)
 
 
 def _capture(gpu: functools.partial, out, cupy) -> _Graph | None:

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 from ._arrays import import_cupy
 from ._cuda import wait_for_devices
 from ._cudnn import plans_in_use
+from ._scoped import scoped_value
 
 # Inside a call being captured or run by the graph cache: nested pipeline calls (the unfused
 # path composes the public operations) run directly, recorded into the caller's graph.
@@ -31,12 +32,8 @@ _allocations_kept = contextvars.ContextVar("cufused_allocations_kept", default=F
 def pool_kept_by_caller():
     """Around a call whose allocations come from the caller's capture's own pool, which keeps
     every block for the graph: :func:`kept_for_caller_capture` keeps only the plans."""
-    token = _allocations_kept.set(True)
-    try:
-        with _plans_kept_for_caller_capture():
-            yield
-    finally:
-        _allocations_kept.reset(token)
+    with scoped_value(_allocations_kept, True), _plans_kept_for_caller_capture():
+        yield
 
 
 @contextlib.contextmanager
@@ -70,12 +67,9 @@ def kept_for_caller_capture():
         blocks.append(block)
         return block
 
-    token = _allocations_kept.set(True)
-    try:
-        with _plans_kept_for_caller_capture(blocks), cupy.cuda.using_allocator(malloc):
-            yield
-    finally:
-        _allocations_kept.reset(token)
+    with (scoped_value(_allocations_kept, True), _plans_kept_for_caller_capture(blocks),
+          cupy.cuda.using_allocator(malloc)):
+        yield
 
 
 def release_caller_captures() -> None:
@@ -124,9 +118,9 @@ def capture_call(call: Callable[[], Any], *, limit: float | None = None) -> Capt
         return block
 
     side = cupy.cuda.Stream(non_blocking=True)
-    token = _inside.set(True)
     try:
-        with plans_in_use() as plans, cupy.cuda.using_allocator(malloc), side:
+        with (scoped_value(_inside, True), plans_in_use() as plans,
+              cupy.cuda.using_allocator(malloc), side):
             side.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
             try:
                 result = call()
@@ -137,8 +131,6 @@ def capture_call(call: Callable[[], Any], *, limit: float | None = None) -> Capt
             graph = side.end_capture()
     except Exception:  # noqa: BLE001 - an engine that refuses capture, or _TooLarge
         return None
-    finally:
-        _inside.reset(token)
     if not all(plan.replays for plan in plans):
         return None
     return Capture(graph, result, pool.total_bytes(), side, (blocks, pool, plans))

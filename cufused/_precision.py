@@ -15,6 +15,7 @@ import threading
 from collections.abc import Iterator
 
 from ._arrays import check_choice
+from ._scoped import scoped_value
 
 PRECISIONS = ("ieee", "tf32", "3xtf32")
 
@@ -115,11 +116,8 @@ def default_precision(precision: str) -> Iterator[None]:
     >>> cufused.get_default_precision()
     'ieee'
     """
-    token = _override.set(_check(precision))
-    try:
+    with scoped_value(_override, _check(precision)):
         yield
-    finally:
-        _override.reset(token)
 
 
 def resolve_precision(precision: str | None) -> str:

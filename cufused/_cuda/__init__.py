@@ -19,6 +19,8 @@ import tempfile
 import threading
 import warnings
 
+from .._scoped import scoped_value
+
 # Template arguments that select a behaviour name the sources' #define codes (ACT_*, MODE_*,
 # EPILOGUE_*): NVRTC expands them in name expressions, so their values live only in the .cu
 # files. The launchers (cufused/_kernels/) ask for exactly these strings.
@@ -292,11 +294,8 @@ def portable_builds():
     (CuPy's) inside this context, so that tests on such a device also run the path every
     other architecture takes. Convolution plans and whole-call graphs captured with the
     other build replay it: callers clear them (:func:`cufused.clear_caches`) around."""
-    token = _portable.set(True)
-    try:
+    with scoped_value(_portable, True):
         yield
-    finally:
-        _portable.reset(token)
 
 
 @functools.cache

@@ -15,6 +15,7 @@ from .._arrays import import_cupy
 from .._cuda import capturing, stream_key
 from .._kernels.layout import add_channel_bias, interleave_classes, transpose_channels
 from .._layout import empty_in_layout, stored_in
+from .._scoped import scoped_value
 from ._config import _config, cudnn_handle
 from ._graphs import ConvProblem, Strategy, _aligned, _Part
 from ._timing import _random
@@ -41,12 +42,8 @@ _plans_in_use: contextvars.ContextVar[list | None] = contextvars.ContextVar(
 @contextlib.contextmanager
 def plans_in_use():
     """Collect, in the list this yields, every plan that runs inside the block."""
-    users: list = []
-    token = _plans_in_use.set(users)
-    try:
+    with scoped_value(_plans_in_use, []) as users:
         yield users
-    finally:
-        _plans_in_use.reset(token)
 
 
 @functools.cache

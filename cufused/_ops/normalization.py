@@ -24,6 +24,7 @@ from .._call_graphs import replayed, warm_calls, without_call_graphs
 from .._kernels.normalization import (ROW_CACHE_BYTES, batch_norm_coefficients, channel_affine,
                                      group_norm_coefficients, group_norm_rows,
                                      key_stats_partial, reads_channels_last)
+from .._scoped import scoped_value
 
 __all__ = ["group_norm", "batch_norm"]
 
@@ -55,12 +56,8 @@ def part_of_batch(n: int):
     The whole-call graph cache's launches from raw arguments skip the checks, and its keys do
     not hold ``n``: calls inside run ``without_call_graphs``, so the cache neither remembers
     nor replays them."""
-    token = _WHOLE_BATCH.set(n)
-    try:
-        with without_call_graphs():
-            yield
-    finally:
-        _WHOLE_BATCH.reset(token)
+    with scoped_value(_WHOLE_BATCH, n), without_call_graphs():
+        yield
 
 
 def _whole_batch(shape: tuple[int, ...]) -> tuple[int, ...]:
