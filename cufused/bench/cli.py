@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import sys
 import time
@@ -162,9 +163,34 @@ def _header() -> dict:
     return info
 
 
+def _unwritable(path: str) -> str | None:
+    """Why a file cannot be written at ``path``, or None: checked before the benchmark runs,
+    so that its figures are not lost at the end."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{path} is a directory"
+    if not os.path.isdir(folder):
+        return f"no directory {folder}"
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        return f"{path} is not writable"
+    return None
+
+
 def cmd_bench(args) -> int:
+    for option, path in (("--json", args.json), ("--plot", args.plot)):
+        reason = path and _unwritable(path)
+        if reason:
+            print(f"python -m cufused bench: error: {option}: {reason}", file=sys.stderr)
+            return 2
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401 - plot's dependency, checked before the run
+        except ImportError:
+            print("python -m cufused bench: error: --plot needs matplotlib "
+                  "(the bench extra)", file=sys.stderr)
+            return 2
     if not gpu_available():
-        print("no CUDA GPU available: bench needs one")
+        print("no CUDA GPU available: bench needs one", file=sys.stderr)
         return 1
     timer = Timer(repeat=args.repeat)
     cases = make_cases(small=args.quick, batch=args.batch)
@@ -198,12 +224,17 @@ cufused: fused GPU operator pipelines for convolutional networks.
 Run "python -m cufused COMMAND --help" for a command's options."""
 
 
-def _positive_int(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
+def _int_at_least(minimum: int):
+    """An argparse type: an integer of at least ``minimum``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {value}")
+        return value
+    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -218,8 +249,9 @@ def _parser() -> argparse.ArgumentParser:
                                    "sizes, against PyTorch CPU when installed).")
     p.add_argument("--small", action="store_true",
                    help="small shapes instead of the canonical ones (always without a GPU)")
-    p.add_argument("--cases", nargs="*", choices=["A", "B", "C"], help="only these cases")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--cases", nargs="+", choices=["A", "B", "C"], help="only these cases")
+    p.add_argument("--seed", type=_int_at_least(0), default=0,
+                   help="seed of the random inputs (default 0)")
     p.set_defaults(func=cmd_check)
     p = sub.add_parser("bench", help="time the pipelines against PyTorch eager and torch.compile",
                        description="Time the pipelines (fused and unfused) against PyTorch eager "
@@ -228,13 +260,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write every figure to FILE")
     p.add_argument("--plot", metavar="FILE.png", help="draw a bar chart (needs matplotlib)")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
-    p.add_argument("--precisions", nargs="*", choices=["ieee", "tf32", "3xtf32"],
+    p.add_argument("--precisions", nargs="+", choices=["ieee", "tf32", "3xtf32"],
                    default=["ieee", "tf32"],
                    help="precisions to time (default ieee tf32); PyTorch runs 3xtf32's rows "
                         "in float32 (TF32 off)")
-    p.add_argument("--repeat", type=int, default=20, help="timed runs per figure (median)")
-    p.add_argument("--cases", nargs="*", choices=["A", "B", "C"], help="only these cases")
-    p.add_argument("--batch", type=_positive_int, metavar="N",
+    p.add_argument("--repeat", type=_int_at_least(1), default=20,
+                   help="timed runs per figure (median)")
+    p.add_argument("--cases", nargs="+", choices=["A", "B", "C"], help="only these cases")
+    p.add_argument("--batch", type=_int_at_least(1), metavar="N",
                    help="batch size N instead of each case's (small batches: host-bound)")
     p.set_defaults(func=cmd_bench)
     return parser

@@ -31,10 +31,11 @@ in phase 3, as in the single call) they compose the public operations.
 
 Running buffers are updated in place by the statistics task, once each time a computation
 runs it (``compute``/``persist`` of the result, or of anything depending on it). The
-threaded and synchronous schedulers run it in this process, on the caller's buffers; a
-distributed worker or another process (dask's ``"processes"`` scheduler) updates its own copy,
-so there ``return_running_stats=True`` returns the updated buffers as dask arrays to compute
-along with the result.
+threaded and synchronous schedulers, and distributed workers in this process, run it on the
+caller's buffers; a task in another process (distributed workers in processes of their own,
+dask's ``"processes"`` scheduler) updates that process's copy, so there
+``return_running_stats=True`` returns the updated buffers as dask arrays to compute along with
+the result. Statistics tasks that run at once take turns on the buffers.
 
 With CuPy chunks the tasks of a process take turns on each device (one at a time), so that
 the threaded scheduler's threads do not interleave their chunks on the device's stream.

@@ -14,7 +14,7 @@ from .._ops.normalization import check_training, part_of_batch
 from .._ops.softmax import normalize_axes
 from ._graph import Array, _check_params, _each_chunk, _empty_batch, _Graph, _map_chunks
 from ._statistics import (_batch_statistics, _channel_moments, _normalize,
-                          _normalized_batch)
+                          _normalized_batch, check_return_running_stats)
 
 _TYPE_ERROR = """    TypeError
         ``x`` is not a dask array of NumPy or CuPy chunks, a parameter is a dask collection,
@@ -159,9 +159,9 @@ def batch_norm(x: Array, weight: Any = None, bias: Any = None, *, running_mean: 
         Running statistics (C values each, of the chunks' library). In training they are
         updated in place (``(1 - momentum) * old + momentum * batch``, unbiased variance)
         by the statistics task, each time a computation runs it: in this process with the
-        threaded or synchronous scheduler, on another process's copy with a distributed or
-        the ``"processes"`` one (see ``return_running_stats``). In inference both are
-        required and read.
+        threaded or synchronous scheduler or in-process distributed workers, on another
+        process's copy where the task runs in another process (see
+        ``return_running_stats``). In inference both are required and read.
     training : bool
         Normalize with the batch statistics (biased variance) instead of the running ones.
     momentum : float
@@ -205,6 +205,7 @@ def batch_norm(x: Array, weight: Any = None, bias: Any = None, *, running_mean: 
     True
     """
     params = dict(weight=weight, bias=bias, running_mean=running_mean, running_var=running_var)
+    return_running_stats = check_return_running_stats(return_running_stats)
     if not check_training(training):
         if return_running_stats:
             raise ValueError("return_running_stats applies in training only: inference leaves "

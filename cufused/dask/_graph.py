@@ -139,9 +139,15 @@ class _Graph:
         return functools.partial(_one_at_a_time, part) if self.gpu else part
 
     def input_keys(self) -> list[tuple]:
-        """The keys of ``x``'s chunks, in batch order (every other axis is one chunk)."""
-        rest = (0,) * (self.x.ndim - 1)
-        return [(self.x.name, i) + rest for i in range(len(self.x.chunks[0]))]
+        """The keys of ``x``'s chunks, in batch order (every other axis is one chunk), as
+        ``x``'s graph names them: under dask's array query planning that graph is lowered,
+        and its keys need not be named after ``x.name``."""
+        keys = []
+        for block in self.x.__dask_keys__():
+            while isinstance(block, list):  # the one chunk of each further axis
+                block = block[0]
+            keys.append(block)
+        return keys
 
     def constant(self, name: str, value: Any) -> Any:
         """A parameter as a task argument: its key for an array, else the value itself."""

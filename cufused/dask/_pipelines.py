@@ -19,7 +19,8 @@ from ..pipelines.pipeline_b import _chunk_extrema_sums, _chunk_normalized
 from ._blocks import _shared_sections, _with_sections
 from ._graph import Array, _check_params, _each_chunk, _empty_batch, _Graph
 from ._statistics import (_batch_statistics, _channel_moments, _normalize,
-                          _normalized_batch, _shifted_moments, _without_numpy_warnings)
+                          _normalized_batch, _shifted_moments, _without_numpy_warnings,
+                          check_return_running_stats)
 
 
 # The docstring of a pipeline that each batch chunk runs whole (independent per sample).
@@ -168,12 +169,13 @@ def _phases(xp, weight, conv_bias, bn_weight, *, conv_shape: tuple[int, ...], po
 
     CuPy chunks run the single call's kernels where its fused pass does (``gpu_method``;
     ``conv_shape`` is the convolution output's). NumPy chunks, samples past 32-bit indexing
-    and an infinite BatchNorm weight compose the public operations on weights whose output
+    and an infinite BatchNorm factor compose the public operations on weights whose output
     channels are negated where ``bn_weight < 0`` (``_flip_channels``; NumPy's in float64). An
-    infinite BatchNorm weight takes the exact route: the whole convolution output crosses to
-    phase 3, which pools after the tanh, as the single call does for such channels.
+    infinite BatchNorm factor (``_factor_may_overflow``) takes the exact route: the whole
+    convolution output crosses to phase 3, which pools after the tanh, as the single call does
+    for such channels.
     """
-    exact = _has_infinity(bn_weight)
+    exact = _factor_may_overflow(bn_weight, eps, numpy.float64 if xp is numpy else numpy.float32)
     if xp is not numpy and not exact and gpu_method("fused", conv_shape) == "fused":
         return (functools.partial(_extrema_moments_phase, pool=pool, precision=precision,
                                   **conv_options),
@@ -202,11 +204,18 @@ def _pool_moments_tasks(graph: _Graph, phase1, constants: dict[str, Any]) -> lis
     return keys
 
 
-def _has_infinity(a) -> bool:
-    """Whether the parameter ``a`` (NumPy, CuPy or None) holds an infinite value."""
-    if a is None:
+def _factor_may_overflow(bn_weight, eps: float, dtype) -> bool:
+    """Whether a BatchNorm factor ``bn_weight * rstd`` can be infinite in ``dtype``: an
+    infinite weight, or one whose product with ``rstd`` (at most ``1 / sqrt(eps)``) overflows.
+    Where it is, BatchNorm's ``factor * v + shift`` is NaN for some of a window's values and
+    infinite for others (``shift = bias - mean * factor``): the window's extremum alone does
+    not give its result."""
+    if bn_weight is None:
         return False
-    return bool(numpy.isinf(a.get() if hasattr(a, "get") else numpy.asarray(a)).any())
+    w = numpy.abs(bn_weight.get() if hasattr(bn_weight, "get") else numpy.asarray(bn_weight))
+    with numpy.errstate(all="ignore"):
+        bound = w.astype(dtype) / numpy.sqrt(dtype(eps))
+    return bool(numpy.isinf(bound).any())
 
 
 @_shared_sections
@@ -275,6 +284,7 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     (True, True, True)
     """
     empty = _empty_batch(x, "conv_transpose2d_batchnorm_tanh_maxpool_groupnorm")
+    return_running_stats = check_return_running_stats(return_running_stats)
     params = dict(weight=weight, bn_weight=bn_weight, bn_bias=bn_bias, gn_weight=gn_weight,
                   gn_bias=gn_bias, conv_bias=conv_bias, running_mean=running_mean,
                   running_var=running_var)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import numbers
 import operator
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,12 @@ from ._graph import Array, _Graph, new_array
 
 #: Partial moments of each node of the tree reduction (the default ``split_every``).
 SPLIT_EVERY = 8
+
+# Held while a statistics task updates and copies running buffers: the threaded scheduler runs
+# the statistics tasks of graphs computed together at once, and two of them sharing a buffer
+# would each read it before the other wrote it (NumPy releases the interpreter lock), losing
+# an update.
+_RUNNING_BUFFERS_LOCK = threading.Lock()
 
 def _without_numpy_warnings(func: Callable) -> Callable:
     """NaN and inf propagate silently through the statistics, as through the single call's
@@ -93,14 +100,16 @@ def _finish_statistics(moments: tuple[int, Any, Any], running_mean, running_var,
     An empty batch leaves the buffers alone, as the single call does."""
     count, mean, m2 = moments
     if count == 0:
-        return mean, m2, _copy(running_mean), _copy(running_var)
+        with _RUNNING_BUFFERS_LOCK:
+            return mean, m2, _copy(running_mean), _copy(running_var)
     var = m2 / count
     unbiased = var * (count / (count - 1))  # count >= 2: checked with the graph
-    for buf, batch in ((running_mean, mean), (running_var, unbiased)):
-        if buf is not None:
-            buf[...] = ((1.0 - momentum) * buf.astype(numpy.float64)
-                        + momentum * batch.reshape(buf.shape)).astype(buf.dtype)
-    return mean, var, _copy(running_mean), _copy(running_var)
+    with _RUNNING_BUFFERS_LOCK:
+        for buf, batch in ((running_mean, mean), (running_var, unbiased)):
+            if buf is not None:
+                buf[...] = ((1.0 - momentum) * buf.astype(numpy.float64)
+                            + momentum * batch.reshape(buf.shape)).astype(buf.dtype)
+        return mean, var, _copy(running_mean), _copy(running_var)
 
 
 def _copy(buf):
@@ -116,6 +125,7 @@ def _batch_statistics(graph: _Graph, moments: list, running_mean, running_var,
     The key is fresh per graph built, as every key of ``graph``: each graph updates the
     buffers when it computes, even where two are built from equal inputs.
     """
+    momentum = float(momentum)  # checked by the caller's probe; the single call's float
     split_every = SPLIT_EVERY if split_every is None else split_every
     if isinstance(split_every, bool) or not isinstance(split_every, numbers.Integral):
         raise TypeError(f"split_every must be an int, got {split_every!r}")
@@ -136,6 +146,13 @@ def _batch_statistics(graph: _Graph, moments: list, running_mean, running_var,
                       graph.constant("running_mean", running_mean),
                       graph.constant("running_var", running_var), momentum)
     return key
+
+
+def check_return_running_stats(value: Any) -> bool:
+    """``return_running_stats`` must be a bool (NumPy's too)."""
+    if not isinstance(value, (bool, numpy.bool_)):
+        raise TypeError(f"return_running_stats must be a bool, got {type(value).__name__}")
+    return bool(value)
 
 
 def _normalize(chunk, mean, var, weight, bias, *, eps: float, activation: str | None):

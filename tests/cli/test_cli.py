@@ -106,11 +106,35 @@ def test_bench_without_gpu_says_so():
         pytest.skip("a GPU is present")
     res = run("bench", "--quick")
     assert res.returncode == 1
-    assert "no CUDA GPU available" in res.stdout
+    assert "no CUDA GPU available" in res.stderr
 
 
 def test_unknown_command_fails():
     assert run("frobnicate").returncode != 0
+
+
+@pytest.mark.parametrize("args", [
+    ("check", "--seed", "-1"), ("check", "--seed", "x"), ("check", "--cases"),
+    ("bench", "--repeat", "0"), ("bench", "--repeat", "-5"), ("bench", "--precisions"),
+    ("bench", "--cases"), ("bench", "--batch", "x"),
+])
+def test_bad_options_are_usage_errors(args):
+    # argparse's usage error (status 2, a message, no traceback) before any work.
+    res = run(*args)
+    assert res.returncode == 2, res.stderr
+    assert "error:" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("option", ["--json", "--plot"])
+def test_bench_refuses_an_unwritable_output_before_running(tmp_path, option):
+    # The figures of a run of minutes would be lost at its end: the path is checked first,
+    # with or without a GPU.
+    if option == "--plot":
+        pytest.importorskip("matplotlib")
+    for path in (tmp_path / "missing" / "out.file", tmp_path):
+        res = run("bench", "--quick", option, str(path))
+        assert res.returncode == 2, res.stderr
+        assert option in res.stderr and "Traceback" not in res.stderr
 
 
 @pytest.mark.parametrize("name", ["bench.json", "bench_h200_all.json",

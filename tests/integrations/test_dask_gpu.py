@@ -166,7 +166,8 @@ def test_gpu_pipeline_b_phases_run_the_single_calls_kernels(rng, quick_plans, mo
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["nan_input", "nan_bias", "inf_bias", "minus_inf_bias",
                                      "zero_nan_bn_weight", "inf_bn_bias", "inf_bn_weight",
-                                     "empty_chunk", "tuple_pool", "one_channel"])
+                                     "huge_bn_weight", "empty_chunk", "tuple_pool",
+                                     "one_channel"])
 def test_gpu_pipeline_b_non_finite_values_and_odd_chunks(rng, quick_plans, variant):
     # NaN and inf where the single call (as PyTorch) puts them, through the fused phases, and
     # through the composed ones for an infinite BatchNorm weight; odd chunks and options.
@@ -189,11 +190,17 @@ def test_gpu_pipeline_b_non_finite_values_and_odd_chunks(rng, quick_plans, varia
         params[2][[1, 6]] = to_gpu([np.inf, -np.inf])[0]
     elif variant == "inf_bn_weight":
         params[1][[3, 4]] = to_gpu([np.inf, -np.inf])[0]
+    elif variant == "huge_bn_weight":  # finite weights whose factor weight * rstd overflows
+        x *= 1e-3
+        params[1][[3, 4]] = to_gpu([3e38, -3e38])[0]
     elif variant == "empty_chunk":
         chunks = (1, 0, 13, 1)
     ref = check_b_against_the_single_call(x, params, options, chunks, 3e-5)
-    if variant != "inf_bn_weight":  # its channels hold +-1 and NaN, by the values' signs
+    if not variant.endswith("_bn_weight") or variant == "zero_nan_bn_weight":
+        # An infinite factor's channels hold +-1 and NaN, by the values' signs.
         assert np.isnan(ref).any() == variant.startswith(("nan", "inf_bias", "minus", "zero"))
+    else:  # factor * v + shift = inf - inf for some window of channels 3 and 4
+        assert np.isnan(ref).any()
 
 
 @pytest.mark.gpu

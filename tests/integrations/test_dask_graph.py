@@ -105,6 +105,12 @@ def test_input_errors_name_the_argument(rng):
         cdask.batch_norm(chunked(x, (5,)), running_mean=np.zeros(4, np.float32),
                          running_var=np.ones(4, np.float32), training=False,
                          return_running_stats=True)
+    xb, params, options = case_b(rng)
+    for call in (functools.partial(cdask.batch_norm, chunked(x, (5,))),
+                 functools.partial(cdask.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm,
+                                   chunked(xb, (2, 3)), *params, **options)):
+        with pytest.raises(TypeError, match="return_running_stats must be a bool, got str"):
+            call(return_running_stats="no")
 
 
 # ------------------------------------------------------------------------------------ the graph
@@ -181,6 +187,23 @@ def test_equal_graphs_each_update_the_running_buffers(rng):
             x, *params, **options, running_mean=ref_rm, running_var=ref_rv)
     assert_close(rm, ref_rm, 1e-12)
     assert_close(rv, ref_rv, 1e-12)
+
+
+def test_graphs_computed_together_on_threads_each_land_their_update():
+    # The threaded scheduler runs the statistics tasks of graphs computed together at once;
+    # each reads and writes the shared buffers (NumPy releases the interpreter lock meanwhile)
+    # and no update may be lost. Many channels make each update long enough to overlap.
+    channels, graphs = 2_000_000, 8
+    x = np.random.default_rng(3).random((2, channels, 1))
+    batch_mean = x.mean(axis=(0, 2))
+    for _ in range(2):
+        rm, rv = np.zeros(channels), np.ones(channels)
+        ys = [cdask.batch_norm(chunked(x, (1, 1)), running_mean=rm, running_var=rv,
+                               momentum=0.5)[:, :1] for _ in range(graphs)]
+        dask.compute(*ys, scheduler="threads", num_workers=graphs)
+        # After k updates with momentum 1/2, rm = batch_mean * (1 - 2**-k).
+        landed = -np.log2(1.0 - rm / batch_mean)
+        np.testing.assert_allclose(landed, graphs, atol=1e-6)
 
 
 @pytest.mark.parametrize("chunks", CHUNKINGS[:2])

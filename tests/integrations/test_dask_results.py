@@ -135,6 +135,42 @@ def test_pipeline_b_non_finite_conv_bias_and_bn_weight(rng, value):
 
 
 @pytest.mark.filterwarnings("error")  # NaN and inf propagate silently
+def test_pipeline_b_bn_factor_past_float_range(rng):
+    # A finite BatchNorm weight whose factor weight * rstd overflows: BatchNorm's values are
+    # then NaN on one side of the channel's mean and +-inf on the other (the single call's, as
+    # PyTorch's), so a window mixing both is NaN, which its extremum alone does not tell.
+    x = np.empty((2, 1, 4, 4))
+    x[0] = np.tile([[-0.1, -0.1], [-0.1, 0.3]], (2, 2))  # each window: 3 below the mean, 1 above
+    x[1] = 0.3
+    args = (np.ones((1, 1, 1, 1)), np.array([-1e308]), None, None, None)
+    options = dict(num_groups=1, pool_kernel=2)
+    ref = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(x, *args, **options)
+    y = cdask.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(chunked(x, (1, 1)), *args,
+                                                                **options).compute()
+    assert np.isnan(ref[0]).all()
+    assert np.array_equal(np.isnan(y), np.isnan(ref))
+    assert_close(y[~np.isnan(ref)], ref[~np.isnan(ref)], 1e-10)
+
+
+@pytest.mark.parametrize("momentum", [np.float16(0.1), np.float32(0.3), np.float64(0.7)])
+def test_numpy_scalar_momentum_updates_as_the_single_call(rng, momentum):
+    # The single call takes momentum as a Python float: 1 - momentum is not rounded to the
+    # scalar's type.
+    x, params, options = case_b(rng, np.float64)
+    options["momentum"] = momentum
+    _, _, new, (_, ref_buffers) = run_b(x, params, options, (2, 3), "threads")
+    for got, want in zip(new, ref_buffers):
+        assert_close(got, want, 1e-12)
+    rm, rv, ref_rm, ref_rv = np.zeros(4), np.ones(4), np.zeros(4), np.ones(4)
+    x = rng.random((5, 4, 3))
+    cdask.batch_norm(chunked(x, (2, 3)), running_mean=rm, running_var=rv,
+                     momentum=momentum).compute()
+    cufused.batch_norm(x, running_mean=ref_rm, running_var=ref_rv, momentum=momentum)
+    assert_close(rm, ref_rm, 1e-12)
+    assert_close(rv, ref_rv, 1e-12)
+
+
+@pytest.mark.filterwarnings("error")  # NaN and inf propagate silently
 def test_pipeline_b_nan_input_reaches_the_batch_statistics(rng):
     # One NaN input value reaches the batch statistics of its convolution group's channels
     # (0-3): they turn NaN in every sample, in the output and in both running buffers.
@@ -306,6 +342,10 @@ for name, make in PER_SAMPLE_PIPELINES:
     y = getattr(cdask, name)(chunked(x, (2, 2, 1)), *params, **options)
     ref = getattr(cufused, name)(x, *params, **options)
     np.testing.assert_allclose(y.compute(), ref, rtol=1e-6, atol=1e-6)
+# An input whose lowered graph names its chunks after another expression (a rechunk's).
+split = da.from_array(x, chunks=(5,) + (1,) * (x.ndim - 1))
+y = cdask.softmax(split.rechunk({0: 2, **{axis: -1 for axis in range(1, x.ndim)}}), 1)
+np.testing.assert_allclose(y.compute(), cufused.softmax(x, 1), rtol=1e-12)
 # A chunk type that dask cannot infer (the function fails on its empty probe): NumPy's.
 unknown = chunked(x, (2, 2, 1)).map_blocks(lambda b: b + 0 * b[0].max(), dtype=x.dtype)
 assert unknown._meta is None
