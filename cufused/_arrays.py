@@ -211,9 +211,12 @@ def check_scalar(value: Any, name: str, *, minimum: float | None = None,
 
 def check_choice(value: Any, name: str, choices: tuple, *, none: bool = False) -> Any:
     """A string option: ``TypeError`` for a value of another type (``None`` too, unless
-    ``none``), ``ValueError`` for a string not among ``choices``; returns ``value``."""
-    if (value is None and none) or (isinstance(value, str) and value in choices):
-        return value  # the message below is formed only for a refusal
+    ``none``), ``ValueError`` for a string not among ``choices``; returns ``value`` (a
+    ``str``, also for a subclass such as ``numpy.str_``)."""
+    if value is None and none:
+        return value
+    if isinstance(value, str) and value in choices:
+        return str(value)  # the message below is formed only for a refusal
     allowed = f"one of {choices}" + (" or None" if none else "")
     if not isinstance(value, str):
         raise TypeError(f"{name} must be {allowed}, got {type(value).__name__} {value!r}")

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 from ._arrays import import_cupy, is_cupy_array, other_device
 from ._capture import capture_call
+from ._precision import get_default_precision
 
 
 class PreparedCall:
@@ -86,7 +88,9 @@ def prepare(function: Callable, *args: Any, **kwargs: Any) -> PreparedCall:
 
     The graph reads the bound arrays where they are: to run on new data, copy it into them
     (``x[...] = new_x``, as with the static inputs of ``torch.cuda.graphs``), or prepare a
-    new call for other arrays. A parameter given as a Python number is fixed at its value.
+    new call for other arrays. A parameter given as a Python number is fixed at its value,
+    and so is the precision: ``precision=None`` (or none given) means the default precision
+    in force when ``prepare`` is called, also for a call prepared without a graph.
     ``prepare`` itself runs the call once (it checks the arguments and builds the plans and
     kernels the graph reuses): that call writes ``out`` and, in pipeline B, updates the
     running buffers, as every later call does. The graph keeps its temporaries (the
@@ -130,6 +134,9 @@ def prepare(function: Callable, *args: Any, **kwargs: Any) -> PreparedCall:
     if not _array_function(function):
         raise TypeError(f"function must be one of cufused's functions on arrays (a pipeline or "
                         f"a building block), got {function!r}")
+    if ("precision" in inspect.signature(function).parameters
+            and kwargs.get("precision") is None):
+        kwargs = {**kwargs, "precision": get_default_precision()}
     device = other_device(args, kwargs)
     if device is not None:  # the call, its capture and its replays on the array's device
         with import_cupy().cuda.Device(device):

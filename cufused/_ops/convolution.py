@@ -290,9 +290,10 @@ def _convolve(nd: int, transposed: bool, x, weight, bias, *, stride, padding, ou
     args = cached_conv_args(x.shape, weight.shape, nd, transposed=transposed, stride=stride,
                             padding=padding, output_padding=output_padding,
                             dilation=dilation, groups=groups)
-    bias = per_channel(bias, "bias", args.out_shape[1], xp)
     precision = resolve_precision(precision)
     check_conv_memory(x.shape, args, xp)
+    # The parameter last: a strided bias becomes a contiguous device array here.
+    bias = per_channel(bias, "bias", args.out_shape[1], xp)
     if transposed:
         ref = partial(reference.conv_transpose, x, weight, bias, args.stride, args.padding,
                       args.output_padding, args.dilation, args.groups)

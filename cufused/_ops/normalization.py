@@ -148,9 +148,10 @@ def group_norm(x: Any, num_groups: int, weight: Any = None, bias: Any = None, *,
     c = x.shape[1]
     num_groups = check_num_groups(num_groups, c)
     check_group_values(x.shape, num_groups, "x")
+    eps = check_scalar(eps, "eps", minimum=0.0)
+    # The parameters last: a strided one becomes a contiguous device array here.
     weight = per_channel(weight, "weight", c, xp)
     bias = per_channel(bias, "bias", c, xp)
-    eps = check_scalar(eps, "eps", minimum=0.0)
     return forward(xp, x, out, x.shape, inputs={"x": x, "weight": weight, "bias": bias},
                    in_place=True,
                    reference=partial(reference.group_norm, x, num_groups, weight, bias, eps),
@@ -228,12 +229,7 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
     check_sizes(x, "x")
     check_fits(x.shape, xp, "the result")
     c = x.shape[1]
-    weight = per_channel(weight, "weight", c, xp)
-    bias = per_channel(bias, "bias", c, xp)
     training = check_training(training)
-    running_mean = check_running_buffer(running_mean, "running_mean", c, xp, updated=training)
-    running_var = check_running_buffer(running_var, "running_var", c, xp, updated=training)
-    check_running_pair(running_mean, running_var)
     momentum = check_scalar(momentum, "momentum", minimum=0.0, maximum=1.0)
     # PyTorch's rule: a positive eps in training (a constant channel's variance is 0).
     eps = check_scalar(eps, "eps", minimum=0.0, positive=training)
@@ -242,6 +238,12 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
         check_channel_values(x.shape, "x")
     if not training and (running_mean is None or running_var is None):
         raise ValueError("running_mean and running_var are required when training=False")
+    # The parameters last: a strided one becomes a contiguous device array here.
+    weight = per_channel(weight, "weight", c, xp)
+    bias = per_channel(bias, "bias", c, xp)
+    running_mean = check_running_buffer(running_mean, "running_mean", c, xp, updated=training)
+    running_var = check_running_buffer(running_var, "running_var", c, xp, updated=training)
+    check_running_pair(running_mean, running_var)
     stats = (running_mean, running_var, training, momentum, eps)
     return forward(xp, x, out, x.shape, in_place=True,
                    inputs={"x": x, "weight": weight, "bias": bias,

@@ -97,14 +97,6 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
                             padding=padding, output_padding=output_padding, groups=groups)
     check_conv_memory(x.shape, args, xp)
     c = args.out_shape[1]
-    bn_weight = per_channel(bn_weight, "bn_weight", c, xp)
-    bn_bias = per_channel(bn_bias, "bn_bias", c, xp)
-    gn_weight = per_channel(gn_weight, "gn_weight", c, xp)
-    gn_bias = per_channel(gn_bias, "gn_bias", c, xp)
-    conv_bias = per_channel(conv_bias, "conv_bias", c, xp)
-    running_mean = check_running_buffer(running_mean, "running_mean", c, xp)
-    running_var = check_running_buffer(running_var, "running_var", c, xp)
-    check_running_pair(running_mean, running_var)
     num_groups = check_num_groups(num_groups, c)
     k, pooled = check_pipeline_pool(pool_kernel, args.out_shape[2:],
                                     name="the convolution output")
@@ -114,6 +106,15 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     check_channel_values(args.out_shape, "the convolution output")
     precision = resolve_precision(precision)
     check_method(method)
+    # The parameters last: a strided one becomes a contiguous device array here.
+    bn_weight = per_channel(bn_weight, "bn_weight", c, xp)
+    bn_bias = per_channel(bn_bias, "bn_bias", c, xp)
+    gn_weight = per_channel(gn_weight, "gn_weight", c, xp)
+    gn_bias = per_channel(gn_bias, "gn_bias", c, xp)
+    conv_bias = per_channel(conv_bias, "conv_bias", c, xp)
+    running_mean = check_running_buffer(running_mean, "running_mean", c, xp)
+    running_var = check_running_buffer(running_var, "running_var", c, xp)
+    check_running_pair(running_mean, running_var)
     return forward(
         xp, x, out, args.out_shape[:2] + pooled, inputs={
             "x": x, "weight": weight, "bn_weight": bn_weight, "bn_bias": bn_bias,

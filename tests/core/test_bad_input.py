@@ -410,6 +410,11 @@ def test_default_precision_is_process_wide_and_the_block_scoped():
     assert seen == {"setter": "tf32", "other thread in a block": "tf32"}
     with pytest.raises(ValueError, match="precision"):
         cufused.set_default_precision("fp8")
+    cufused.set_default_precision(np.str_("tf32"))  # a str subclass; a str comes back
+    try:
+        assert type(cufused.get_default_precision()) is str
+    finally:
+        cufused.set_default_precision("ieee")
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device with CuPy")
@@ -445,4 +450,44 @@ def test_bad_option_after_a_number_for_scale_allocates_nothing(pipeline):
 
     with cupy.cuda.using_allocator(counting), pytest.raises(TypeError, match="clamp_min"):
         pipeline(d, scale=2.0, clamp_min="low")
+    assert allocations == []
+
+
+STRIDED_PARAMETER_CASES = {
+    # name: (call(d, strided per-channel parameter), the bad option's name)
+    "conv2d bias, precision": (lambda d, p: cufused.conv2d(d["x4"], d["w"], p,
+                                                           precision="fp16"), "precision"),
+    "group_norm weight, eps": (lambda d, p: cufused.group_norm(d["x4"], 2, p[:4], eps=-1.0),
+                               "eps"),
+    "batch_norm weight, momentum": (lambda d, p: cufused.batch_norm(d["x4"], p[:4],
+                                                                    momentum=2.0), "momentum"),
+    "batch_norm bias, activation": (lambda d, p: cufused.batch_norm(d["x4"], None, p[:4],
+                                                                    activation="relu"),
+                                    "activation"),
+    "B bn_weight, eps": (lambda d, p: pipeline_b(d, bn_weight=p, eps=-1.0), "eps"),
+    "B gn_bias, method": (lambda d, p: pipeline_b(d, gn_bias=p, method="fast"), "method"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device with CuPy")
+@pytest.mark.parametrize("case", list(STRIDED_PARAMETER_CASES))
+def test_bad_option_after_a_strided_parameter_allocates_nothing(case):
+    # A strided per-channel parameter is copied to a contiguous device array only once every
+    # option passed.
+    import cupy
+
+    d = arrays(cupy)
+    strided = cupy.repeat(d["c8"], 2)[::2]  # 8 values, stride 2
+    call, option = STRIDED_PARAMETER_CASES[case]
+    allocations = []
+    pool = cupy.get_default_memory_pool()
+
+    def counting(size):
+        allocations.append(size)
+        return pool.malloc(size)
+
+    with cupy.cuda.using_allocator(counting), pytest.raises((TypeError, ValueError),
+                                                             match=option):
+        call(d, strided)
     assert allocations == []

@@ -35,6 +35,20 @@ def test_numpy_path_calls_the_function_each_time(rng):
     assert "a call each time" in repr(step)
 
 
+def test_the_precision_is_the_default_when_prepared(rng):
+    # A prepared call keeps the precision in force when prepare ran, with a graph or without
+    # one (then each call runs the function, under whatever default is current then).
+    x = rng.random((2, 3, 6, 5)).astype(np.float32)
+    w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    with cufused.default_precision("tf32"):
+        step = cufused.prepare(cufused.conv2d, x, w, padding=1)
+        given = cufused.prepare(cufused.conv2d, x, w, precision="3xtf32")
+        norm = cufused.prepare(cufused.group_norm, x, 3)
+    assert step.kwargs == {"padding": 1, "precision": "tf32"}
+    assert given.kwargs == {"precision": "3xtf32"}
+    assert norm.kwargs == {}  # a function without a precision
+
+
 def test_numpy_path_updates_running_buffers_on_each_call(rng):
     args, kwargs = pipeline_b_args(rng)
     mean, var = np.zeros(8), np.ones(8)
