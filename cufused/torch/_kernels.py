@@ -46,12 +46,12 @@ def _check_no_grad(name: str, args: tuple, kwargs: dict) -> None:
 def _check_devices(name: str, args: tuple, kwargs: dict) -> None:
     """Every tensor on ``x``'s device (the fake kernel is also the Meta one, which the
     dispatcher picks where any argument is a meta tensor), as PyTorch's own operators
-    require."""
+    require; ``ValueError``, as the eager kernels raise."""
     device = args[0].device
     for a in (*args[1:], *kwargs.values()):
         if isinstance(a, torch.Tensor) and a.device != device:
-            raise RuntimeError(f"cufused::{name} got a tensor on {a.device} with x on {device}: "
-                               "every tensor of a call must be on the same device")
+            raise ValueError(f"cufused::{name} got a tensor on {a.device} with x on {device}: "
+                             "every tensor of a call must be on the same device")
 
 
 def _numpy_dtype(t: torch.Tensor, arg: str) -> numpy.dtype:
@@ -99,9 +99,11 @@ def _eager_checks(fn: Callable, names: list, args: tuple, kwargs: dict) -> None:
     if not all(type(s) is int for t in tensors for s in t.shape):
         return
     x, cuda = args[0], args[0].device.type == "cuda"
-    empty = numpy.empty((0, *x.shape[1:]), _call_dtype(x, names[0], cuda))
+    # x without its batch (a 0-d x as it is: the function refuses it)
+    empty = numpy.empty((0, *x.shape[1:]) if x.dim() else (), _call_dtype(x, names[0], cuda))
     with contextlib.ExitStack() as scope:
-        scope.enter_context(part_of_batch(x.shape[0]))
+        if x.dim():
+            scope.enter_context(part_of_batch(x.shape[0]))
         if x.device.type != "cpu":
             scope.enter_context(memory_unchecked())
         fn(empty, *(_stand_in(a, arg, cuda) for a, arg in zip(args[1:], names[1:])),

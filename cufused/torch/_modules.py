@@ -70,6 +70,21 @@ def _square_window(kernel_size: int | tuple[int, ...], nd: int, name: str) -> in
     return kernel_size
 
 
+def _check_channel_scale(scale_shape: tuple[int, ...], channels: int) -> None:
+    """``x * scale`` with ``scale`` of ``scale_shape`` must give each of the ``channels``
+    channels of an (N, C, H, W) ``x`` one value, as the fused pipeline scales: one value, or
+    the C values on axis -3 (``(C, 1, 1)``, ``(1, C, 1, 1)``). PyTorch aligns a ``(C,)``
+    scale with the width instead."""
+    shape = tuple(scale_shape)
+    per_channel = (len(shape) in (3, 4) and shape[-3] == channels
+                   and all(s == 1 for i, s in enumerate(shape) if i != len(shape) - 3))
+    if not (per_channel or (len(shape) <= 4 and all(s == 1 for s in shape))):
+        raise ValueError(f"scale_shape must give each of the {channels} output channels one "
+                         f"value under x * scale's broadcasting, as the fused pipeline scales: "
+                         f"({channels}, 1, 1), (1, {channels}, 1, 1) or one value; got "
+                         f"{shape} (PyTorch aligns a ({channels},) scale with the width)")
+
+
 class Conv2dGroupNormScaleMaxPoolClamp(_ForwardOnlyModule):
     """KernelBench level 2 "Conv2d_GroupNorm_Scale_MaxPool_Clamp" as one fused call.
 
@@ -85,7 +100,9 @@ class Conv2dGroupNormScaleMaxPoolClamp(_ForwardOnlyModule):
     num_groups : int
         GroupNorm groups; must divide ``out_channels``.
     scale_shape : tuple of int
-        Shape of the per-channel ``scale`` parameter, e.g. ``(out_channels, 1, 1)``.
+        Shape of the ``scale`` parameter: ``(out_channels, 1, 1)`` (KernelBench's),
+        ``(1, out_channels, 1, 1)`` or one value, the shapes by which ``x * scale`` scales
+        each channel by one value.
     maxpool_kernel_size : int
         Max-pool window and stride.
     clamp_min, clamp_max : float
@@ -114,6 +131,7 @@ class Conv2dGroupNormScaleMaxPoolClamp(_ForwardOnlyModule):
                  num_groups: int, scale_shape: tuple[int, ...], maxpool_kernel_size: int,
                  clamp_min: float, clamp_max: float, *, precision: str | None = None):
         super().__init__()
+        _check_channel_scale(scale_shape, out_channels)
         self.conv = torch.nn.Conv2d(in_channels, out_channels, kernel_size)
         self.group_norm = torch.nn.GroupNorm(num_groups, out_channels)
         self.scale = torch.nn.Parameter(torch.ones(scale_shape))

@@ -303,6 +303,26 @@ def test_modules_take_a_square_tuple_pool_window():
         assert torch.equal(square(x), plain(x))
     with pytest.raises(ValueError, match="maxpool_kernel_size must be an int or 2 equal sides"):
         ours("A")(in_c, out_c, k, groups, scale_shape, (pool, pool + 1), lo, hi)
+
+
+@pytest.mark.parametrize("scale_shape", [(6, 1, 1), (1, 6, 1, 1), (), (1,), (1, 1, 1, 1)])
+def test_module_a_scales_each_channel_as_x_times_scale(scale_shape):
+    model = ours("A")(3, 6, 3, 2, scale_shape, 2, -1.0, 1.0).double()
+    reference = kernelbench_models()["A"](3, 6, 3, 2, scale_shape, 2, -1.0, 1.0).double()
+    with torch.no_grad():
+        model.scale.copy_(torch.linspace(-2, 2, model.scale.numel()).reshape(scale_shape))
+    reference.load_state_dict(model.state_dict())
+    x = torch.rand(2, 3, 8, 8, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x))
+
+
+@pytest.mark.parametrize("scale_shape", [(6,), (6, 1), (1, 1, 6, 1, 1), (2, 6, 1, 1), (1, 1, 6)])
+def test_module_a_refuses_a_scale_that_is_not_per_channel(scale_shape):
+    # x * scale with a (6,) scale scales the width in PyTorch (here the 6 x 6 conv output of
+    # an 8 x 8 input): the fused pipeline scales channels.
+    with pytest.raises(ValueError, match="scale_shape must give each of the 6 output channels"):
+        ours("A")(3, 6, 3, 2, scale_shape, 2, -1.0, 1.0)
     with pytest.raises(ValueError, match="pool_kernel_size must be an int or 3 equal sides"):
         ours("C")(2, 3, 3, 2, 1, 1, (2, 1, 2), 0.0, 1.0)
 
@@ -314,7 +334,7 @@ def test_operators_name_bad_dtypes_devices_and_options():
     with pytest.raises(TypeError, match="weight has dtype torch.bfloat16"):
         torch.ops.cufused.group_norm(x, 2, torch.ones(4, dtype=torch.bfloat16))
     # A meta tensor among the arguments picks the fake kernel, which checks the devices.
-    with pytest.raises(RuntimeError, match="on meta with x on cpu"):
+    with pytest.raises(ValueError, match="on meta with x on cpu"):
         torch.ops.cufused.group_norm(x, 2, torch.ones(4, device="meta"))
     meta = x.to("meta")
     with pytest.raises(ValueError, match="stride must be >= 1"):
@@ -367,6 +387,7 @@ _REFUSED_BY_SHAPE = [
     ("group_norm", (_meta(2, 4, 0, 8), 2), {}, ValueError, "zero-sized non-batch dimension"),
     ("softmax", (_meta(2, 3, 8, 8), [7]), {}, ValueError, "axis 7 is out of bounds"),
     ("softmax", (_meta(2, 3, 8, 8), [1, -3]), {}, ValueError, "repeated"),
+    ("softmax", (_meta(), []), {}, ValueError, "at least one dimension"),
     ("batch_norm", (_meta(2, 3, 8, 8),), dict(activation="relu"), ValueError, "activation"),
     ("batch_norm", (_meta(1, 3, 1, 1),), {}, ValueError, "more than 1 value per channel"),
     ("batch_norm", (_meta(2, 3, 8, 8),), dict(eps=0.0), ValueError, "eps must be > 0"),
