@@ -218,7 +218,8 @@ __device__ __forceinline__ void interleave_classes(const float* __restrict__ cla
                                                    int Md, int Mh, int Mw, int sd, int sh,
                                                    Op op) {
     const int wvecs = Mw / VEC;
-    const int plane_items = sd * Md * sh * Mh;  // (d, h) pairs of one output row
+    const index_t plane_items = (index_t)sd * Md * sh * Mh;  // (d, h) pairs of one output row
+    const bool narrow = plane_items < (1LL << 31);  // 32-bit division of dh below
     const index_t block = rows * Md * Mh * (index_t)Mw;
     const index_t items = rows * plane_items * wvecs;
     for (index_t i = blockIdx.x * (index_t)blockDim.x + threadIdx.x; i < items;
@@ -226,8 +227,9 @@ __device__ __forceinline__ void interleave_classes(const float* __restrict__ cla
         const index_t t = i / wvecs;
         const int wv = (int)(i - t * wvecs);
         const index_t row = t / plane_items;
-        const int dh = (int)(t - row * plane_items);
-        const int d = dh / (sh * Mh), h = dh - d * (sh * Mh);
+        const index_t dh = t - row * plane_items;
+        const int d = narrow ? (int)dh / (sh * Mh) : (int)(dh / (sh * Mh));
+        const int h = (int)(dh - (index_t)d * (sh * Mh));
         const int rd = d % sd, qd = d / sd, rh = h % sh, qh = h / sh;
         const float* src = classes + (index_t)((rd * sh + rh) * SW) * block +
                            (row * Md * Mh + (index_t)qd * Mh + qh) * Mw + wv * VEC;
@@ -317,13 +319,14 @@ struct TransposedConvDefinition {
         return v;
     }
 
-    // Where the weight of output channel c = blockIdx.x % C is not finite, rewrites the
-    // block's (n, c) row of out (contiguous rows of plane() values) by the definition plus
-    // bias[c], each thread the outputs o = threadIdx.x + k blockDim.x, and returns the row;
-    // else nullptr (the whole block alike).
-    __device__ float* rewrite_nonfinite_row(const float* bias, float* out, int C) const {
-        const index_t n = blockIdx.x / C;
-        const int c = blockIdx.x - (int)(n * C);
+    // Where the weight of output channel c = r % C is not finite, rewrites the (n, c) row r
+    // of out (contiguous rows of plane() values) by the definition plus bias[c], each thread
+    // of the block the outputs o = threadIdx.x + k blockDim.x, and returns the row; else
+    // nullptr (the whole block alike).
+    __device__ float* rewrite_nonfinite_row(const float* bias, float* out, int C,
+                                            index_t r) const {
+        const index_t n = r / C;
+        const int c = (int)(r - n * C);
         if (block_finite_weight(c)) return nullptr;
         const float b = bias ? bias[c] : 0.0f;
         const index_t length = plane();

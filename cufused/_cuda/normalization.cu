@@ -204,12 +204,12 @@ __global__ void channel_affine(const float* x, float* y, const float* __restrict
         const index_t e = i * VEC;
         const index_t plane = small ? quotient((int)e, (int)inner, inv_inner) : e / inner;
         const index_t left = (plane + 1) * inner - e;  // values of this plane from e on
-        const int k0 = (int)(plane % n_coef);
-        const int k1 = k0 + 1 == n_coef ? 0 : k0 + 1;
+        const index_t k0 = plane % n_coef;  // n_coef = N * C may pass 2**31
+        const index_t k1 = k0 + 1 == n_coef ? 0 : k0 + 1;
         float* t = &v.x;
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-            const int k = j < left ? k0 : k1;
+            const index_t k = j < left ? k0 : k1;
             t[j] = activate<ACT>(fmaf(__ldg(coef_a + k), t[j], __ldg(coef_b + k)), lo, hi);
         }
         store_vec<VEC>(y, i, v);
@@ -495,7 +495,8 @@ __global__ void group_norm_rows_cached(const float* x, float* y, const float* __
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u)
                 if (p0 + u * lanes < HW)
-                    v[u] = *reinterpret_cast<const float4*>(xs + (p0 + u * lanes) * block);
+                    v[u] = *reinterpret_cast<const float4*>(xs + (index_t)(p0 + u * lanes) *
+                                                                      block);
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
                 const int p = p0 + u * lanes;

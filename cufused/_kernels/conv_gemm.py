@@ -7,8 +7,8 @@ import math
 
 import numpy
 
-from .._cuda import (TensorMap, arch_target, float32_tensor_map, get_kernel, optional,
-                     shared_per_block, sm_count)
+from .._cuda import (MAX_GRID_X, MAX_GRID_YZ, TensorMap, arch_target, float32_tensor_map,
+                     get_kernel, optional, shared_per_block, sm_count)
 from ._common import transposed_definition_args
 
 _FILE = "conv_gemm.cu"
@@ -95,6 +95,12 @@ def halo_shared_bytes(cc: int, hr: int, hc: int, ksize: int, passes: int,
     else:
         floats += _TILE_K * _HALO_OUT_STRIDE
     return 4 * floats
+
+
+def channel_tiles_fit(out_channels: int) -> bool:
+    """Whether the 2-D implicit GEMMs' grid holds the output channels' tiles (its y
+    dimension, at most ``MAX_GRID_YZ``)."""
+    return -(-out_channels // _TILE_K) <= MAX_GRID_YZ
 
 
 def halo_launch(c: int, kernel: tuple[int, int], stride: tuple[int, int],
@@ -222,7 +228,8 @@ def transposed_s2k3_takes(c_in: int, kernel, stride, padding, output_padding, di
                           groups: int, out_shape: tuple[int, ...], clamp=None) -> bool:
     """Whether ``conv_transpose3d_s2k3`` computes the transposed 3-D convolution (stride 2,
     3 x 3 x 3 kernel, padding 1, output padding 0 or 1, dilation 1, one group, 1 to 32 input
-    channels, an output plane below 2**31), with the clamped softmax after it where ``clamp``
+    channels, an output plane below 2**31, output channels whose tiles the grid holds), with
+    the clamped softmax after it where ``clamp``
     is given (``(lo, hi)`` with ``hi - lo`` at most 60), on the current device (its 217 KiB
     of shared memory a block: compute capability 9.0)."""
     lo, hi = clamp or (0.0, 0.0)
@@ -230,7 +237,8 @@ def transposed_s2k3_takes(c_in: int, kernel, stride, padding, output_padding, di
             and tuple(padding) == (1, 1, 1) and tuple(dilation) == (1, 1, 1)
             and all(o in (0, 1) for o in output_padding) and groups == 1
             and 0 < c_in <= _CT3_CI and hi - lo <= _CT3_MAX_CLAMP
-            and math.prod(out_shape[2:]) < 2**31 and _CT3_SHARED <= shared_per_block())
+            and math.prod(out_shape[2:]) < 2**31 and -(-out_shape[1] // _CT3_BN) <= MAX_GRID_YZ
+            and _CT3_SHARED <= shared_per_block())
 
 
 def _transposed_s2k3(mode: str, x, w, bias, *, out_shape, runs: tuple[int, int], clamp,
@@ -300,9 +308,10 @@ def conv_transpose3d_implicit_gemm(x, w, bias, y, *, passes: int) -> None:
                      runs=transposed_s2k3_runs(x.shape, w.shape[1], stores=True),
                      clamp=(0.0, 0.0), passes=passes, y=y)
     if y.size:
+        rows = y.shape[0] * y.shape[1]
         get_kernel(_FILE, "conv_transpose_rows_nonfinite_weight")(
-            (y.shape[0] * y.shape[1],), (256,),
-            (x, w, optional(bias), y,
+            (min(rows, MAX_GRID_X),), (256,),
+            (x, w, optional(bias), y, numpy.int64(rows),
              *transposed_definition_args(x, w, y.shape, groups=1, stride=(2, 2, 2),
                                          padding=(1, 1, 1), dilation=(1, 1, 1))))
 

@@ -37,7 +37,8 @@ def pool_into(x, y, kernel, stride, padding, *, is_max: bool) -> None:
     fixed = kernel == stride == (2,) * nd and not any(padding)
     if c > 1 and stored_in(y, "nhwc"):
         spatial = y.size // (n * c)
-        if fixed and x.shape[-1] % 2 == 0 and x.data.ptr % 8 == 0 and c * spatial < 2**31:
+        if (fixed and x.shape[-1] % 2 == 0 and x.data.ptr % 8 == 0 and c * spatial < 2**31
+                and -(-c // 32) <= MAX_GRID_YZ):  # pool2_to_channels_last's channel tiles
             pool2_to_channels_last(x, y, is_max=is_max)
         else:
             pooled = get_array_module(x=x).empty(y.shape, dtype=y.dtype)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy
 
-from .._cuda import MAX_GRID_YZ, get_kernel, launch_1d, optional
+from .._cuda import MAX_GRID_X, MAX_GRID_YZ, get_kernel, launch_1d, optional
 from ._common import cpp_bool, split_count, transposed_definition_args
 from .layout import class_geometry
 
@@ -100,7 +100,18 @@ def softmax_rows(xp, y, out, rows: int, length: int, channels: int, strides, *,
     normalize pass run. ``vec4=False`` keeps both channels-last passes on their scalar kernels
     (tests, timings).
     """
-    geometry = one_read_geometry(y, out, layout, length, channels, strides, clamp)
+    if layout == "nhwc" and -(-channels // 32) > MAX_GRID_YZ:
+        # More channel tiles than the transposing normalize pass's grid holds: the rows
+        # made contiguous first.
+        sn, sc, ss = strides
+        logical = xp.lib.stride_tricks.as_strided(
+            y, (rows // channels, channels, length),
+            tuple(s * y.itemsize for s in (sn, sc, ss)))
+        y, layout = xp.ascontiguousarray(logical), "nchw"
+        strides = (channels * length, length, 1)
+    # The one-read kernel launches a cluster of blocks per row.
+    geometry = (one_read_geometry(y, out, layout, length, channels, strides, clamp)
+                if rows * _CLUSTER_BLOCKS <= MAX_GRID_X else None)
     if geometry:
         softmax_rows_cluster(y, out, rows=rows, channels=channels, geometry=geometry,
                              bias=bias, scale=scale, clamp=clamp)
@@ -236,10 +247,10 @@ def softmax_rows_nonfinite_weight(xp, x, weight, out, *, groups: int, stride, pa
     options; ``out`` the contiguous result.
     """
     w = xp.ascontiguousarray(weight)
-    n, c = out.shape[:2]
+    rows = out.shape[0] * out.shape[1]
     get_kernel(_FILE, "softmax_rows_nonfinite_weight")(
-        (n * c,), (256,),
-        (x, w, optional(bias), optional(scale), out,
+        (min(rows, MAX_GRID_X),), (256,),
+        (x, w, optional(bias), optional(scale), out, numpy.int64(rows),
          *transposed_definition_args(x, w, out.shape, groups=groups, stride=stride,
                                      padding=padding, dilation=dilation),
          numpy.float32(clamp[0]), numpy.float32(clamp[1])))

@@ -8,6 +8,7 @@ shapes and output-size formulas are PyTorch's.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -123,7 +124,7 @@ def _igemm_route(x, weight, args: ConvArgs, precision: str, bias,
     kernel, padding 1; :func:`~cufused._kernels.conv_gemm.transposed_s2k3_takes`) from a
     packed channels-last input (NDHWC memory) as it is, or from a channels-last copy of a
     dense NCDHW one."""
-    from .._kernels.conv_gemm import transposed_s2k3_takes
+    from .._kernels.conv_gemm import channel_tiles_fit, transposed_s2k3_takes
 
     if (precision == "ieee" or (bias is not None and not bias.flags.c_contiguous)
             or (out is not None and not out.flags.c_contiguous)):
@@ -134,6 +135,8 @@ def _igemm_route(x, weight, args: ConvArgs, precision: str, bias,
                         else args)
         if (not x.flags.c_contiguous or forward_args is None or forward_args.groups != 1
                 or not (args.transposed or weight.flags.c_contiguous)
+                or not channel_tiles_fit(args.out_shape[1])
+                or x.shape[1] * math.prod(weight.shape[2:]) >= 2**31  # the int32 reduction
                 or any(d * (k - 1) + p >= 2**31 for d, k, p in zip(  # the kernel's int32 rows
                     forward_args.dilation, weight.shape[2:], forward_args.padding))):
             return None

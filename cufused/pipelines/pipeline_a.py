@@ -18,7 +18,7 @@ from .. import reference
 from .._arrays import (Size, check_float_dtype, check_ndim, check_required, check_scalar,
                        check_sizes, forward, get_array_module, per_channel)
 from .._call_graphs import warm_calls
-from .._kernels.conv_gemm import conv2d_pool_stats, halo_launch
+from .._kernels.conv_gemm import channel_tiles_fit, conv2d_pool_stats, halo_launch
 from .._kernels.layout import transpose_channels
 from .._kernels.normalization import (channel_affine, group_affine_rows,
                                       group_norm_coefficients)
@@ -199,7 +199,7 @@ def _epilogue_applies(xp, x, weight, args, precision, k, num_groups, bias: bool)
     tensor-core precision, 2 x 2 or 4 x 4 windows, a halo that fits, and cufused's implicit
     GEMM forced or this path measured faster than the convolution with the pass after it
     (:func:`_faster_path`, once per problem)."""
-    if not (precision != "ieee" and k in (2, 4)
+    if not (precision != "ieee" and k in (2, 4) and channel_tiles_fit(args.out_shape[1])
             and halo_launch(x.shape[1], weight.shape[2:], args.stride, args.dilation,
                             mma_passes(precision), pool=k) is not None):
         return False

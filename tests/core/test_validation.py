@@ -204,15 +204,28 @@ def test_3xtf32_is_a_precision(rng):
 def test_implicit_gemm_route_leaves_rows_past_int32_to_cudnn():
     # A stride-1 transposed convolution whose forward padding, d * (k - 1) - p, is 2**31:
     # the implicit GEMM's int32 row arithmetic cannot hold it, so the route is cuDNN's.
+    import dataclasses
     import types
 
     from cufused._ops._conv_args import ConvArgs
     from cufused._ops.convolution import _igemm_route
 
     dense = types.SimpleNamespace(c_contiguous=True)
-    x = types.SimpleNamespace(ndim=4, flags=dense)
+    x = types.SimpleNamespace(ndim=4, flags=dense, shape=(1, 1, 2, 2))
     w = types.SimpleNamespace(shape=(1, 1, 4, 4), flags=dense)
     far = ConvArgs(True, (1, 1), (2**31 - 1,) * 2, (0, 0), (1431655765,) * 2, 1, (1, 1, 5, 5))
     near = ConvArgs(True, (1, 1), (1, 1), (0, 0), (1, 1), 1, (1, 1, 5, 5))
     assert _igemm_route(x, w, far, "tf32", None, None) is None
     assert _igemm_route(x, w, near, "tf32", None, None) is not None
+    # More output channels than the grid's 65535 tiles of 64, and a reduction over
+    # C * kh * kw values past int32: cuDNN's too.
+    forward = ConvArgs(False, (1, 1), (1, 1), (0, 0), (1, 1), 1, (1, 64 * 65535, 1, 1))
+    assert _igemm_route(x, types.SimpleNamespace(shape=(64 * 65535, 1, 1, 1), flags=dense),
+                        forward, "tf32", None, None) is not None
+    wide = dataclasses.replace(forward, out_shape=(1, 64 * 65535 + 1, 1, 1))
+    assert _igemm_route(x, types.SimpleNamespace(shape=(64 * 65535 + 1, 1, 1, 1), flags=dense),
+                        wide, "tf32", None, None) is None
+    deep = types.SimpleNamespace(ndim=4, flags=dense, shape=(1, 2**27, 4, 4))
+    one = dataclasses.replace(forward, out_shape=(1, 1, 1, 1))
+    assert _igemm_route(deep, types.SimpleNamespace(shape=(1, 2**27, 4, 4), flags=dense), one,
+                        "tf32", None, None) is None

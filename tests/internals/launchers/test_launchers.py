@@ -430,7 +430,7 @@ def test_conv_gemm_launchers(launches, monkeypatch):
         assert [launch.name for launch in launches[-2:]] == [
             f"conv_transpose3d_s2k3<{passes}, CT3_CONV>", "conv_transpose_rows_nonfinite_weight"]
         assert launches[-2].grid == (16, 2) and launches[-2].args[-4:-1] == (1, 1, 0)
-        assert launches[-1].grid == (128,) and launches[-1].args[4:7] == (64, 32, 64)
+        assert launches[-1].grid == (128,) and launches[-1].args[4:8] == (128, 64, 32, 64)
         # x's element strides (channels-last): n, c, d, h, w.
         assert launches[-1].args[-5:] == (32 * 5 * 6 * 17, 1, 32 * 6 * 17, 32 * 17, 32)
     # Where the driver makes x's map: its geometry (dims C, W, H, D, N; byte strides; the
@@ -548,7 +548,8 @@ def test_softmax_launchers(launches, monkeypatch):
         stride=(2, 2, 2), padding=(1, 1, 1), dilation=(1, 1, 1), bias=None, scale=Dev((6,)),
         clamp=narrow)
     check_all(launches, "softmax.cu")
-    assert launches[-1].grid == (12,) and launches[-1].args[5:8] == (6, 2, 3)  # C, groups
+    # rows, C, groups
+    assert launches[-1].grid == (12,) and launches[-1].args[5:9] == (12, 6, 2, 3)
     clusters = [launch for launch in launches if launch.name.startswith("softmax_rows_cluster")]
     assert all(launch.shared_mem == launch.shared_bytes > 0 for launch in clusters)
 

@@ -192,3 +192,153 @@ def test_softmax_rows_in_parts_read_and_write_their_own_rows(rng, monkeypatch):
     for axis in (2, 1):  # the rows in place, or moved last
         got = cufused.softmax(*to_gpu(x), axis=axis)
         assert_close(got.get(), cufused.softmax(x, axis=axis), 1e-6)
+
+
+# ------------------------------------------- products past 32 bits and grids past their limits
+
+def test_group_norm_coefficients_of_more_than_2_31_planes(free_memory):
+    # N * C = 2**31 + 2**14 planes of one value, rows of 16384 values (past the row kernels'
+    # cache): the split statistics, then the affine with N * C coefficients.
+    n, c = 2**17 + 1, 2**14
+    rng = cp.random.default_rng(1)
+    x = rng.random((n, c), dtype=cp.float32)
+    w, b = rng.standard_normal(c, dtype=cp.float32), rng.standard_normal(c, dtype=cp.float32)
+    out = cufused.group_norm(x, 1, w, b)
+    for rows in (slice(0, 2), slice(n - 2, n)):
+        assert_close(out[rows].get(), cufused.group_norm(x[rows].get(), 1, w.get(), b.get()),
+                     1e-5)
+
+
+def test_group_norm_of_a_channels_last_sample_past_2_31(free_memory):
+    # One sample of 2**20 channels of 40 x 64 stored channels-last, groups of 4 channels: the
+    # rows read position p of channel c at p * C + c, past 2**31 from p = 2048 on.
+    c = 2**20
+    x = cp.random.default_rng(2).random((1, 40, 64, c), dtype=cp.float32).transpose(0, 3, 1, 2)
+    out = cufused.group_norm(x, c // 4)
+    for group in (0, c // 8, c // 4 - 1):
+        part = slice(4 * group, 4 * group + 4)
+        assert_close(out[:, part].get(), cufused.group_norm(x[:, part].get(), 1), 1e-5)
+
+
+def test_nonfinite_weight_rows_past_the_grid(free_memory):
+    # 2**25 x 64 rows of one value, more than a grid's blocks: the rows of the channel with an
+    # infinite weight are rewritten (the softmax of one value is 1), the others kept.
+    from cufused._kernels.softmax import softmax_rows_nonfinite_weight
+
+    n, c = 2**25, 64
+    x = cp.full((n, 1, 1, 1, 1), 0.75, dtype=cp.float32)
+    w = cp.ones((1, c, 1, 1, 1), dtype=cp.float32)
+    w[0, 5] = cp.inf
+    out = cp.full((n, c, 1, 1, 1), 7.0, dtype=cp.float32)
+    softmax_rows_nonfinite_weight(cp, x, w, out, groups=1, stride=(1, 1, 1), padding=(0, 0, 0),
+                                  dilation=(1, 1, 1), bias=None, scale=None, clamp=(0.0, 1.0))
+    assert bool((out[:, 5] == 1.0).all()) and bool((out[:, 4] == 7.0).all())
+
+
+@pytest.mark.parametrize("precision", ["tf32", "3xtf32"])
+def test_conv_transpose3d_rows_past_the_grid(precision, free_memory):
+    # (2**21, 1024) rows of one output (stride 2, padding 1: only the centre tap meets the
+    # input), exact in TF32; the last channel's corner tap is infinite and meets no input.
+    from cufused._cudnn import plan_options
+
+    n, k = 2**21, 1024
+    x = ((cp.arange(n) % 8) + 1).astype(cp.float32).reshape(n, 1, 1, 1, 1)
+    w = cp.ones((1, k, 3, 3, 3), dtype=cp.float32)
+    centre = ((cp.arange(k) % 16) / 8).astype(cp.float32)
+    w[0, :, 1, 1, 1] = centre
+    w[0, k - 1, 0, 0, 0] = cp.inf
+    with plan_options(engine="igemm"):
+        out = cufused.conv_transpose3d(x, w, stride=2, padding=1, precision=precision)
+    want = x.reshape(n, 1) * centre
+    assert bool((out.reshape(n, k) == want).all())
+
+
+def test_one_read_softmax_rows_past_the_grid(free_memory):
+    # (2**24 + 1) x 16 rows of 32 values with a narrow clamp: more rows than the one-read
+    # kernel's clusters of blocks fit in a grid.
+    from cufused._kernels.softmax import softmax_rows
+
+    n, c, length = 2**24 + 1, 16, 32
+    y = cp.random.default_rng(6).random((n, c, length), dtype=cp.float32)
+    ends = [y[:2].get(), y[-2:].get()]
+    softmax_rows(cp, y, y, n * c, length, c, (c * length, length, 1), clamp=(0.0, 1.0))
+    for got, part in zip((y[:2].get(), y[-2:].get()), ends):
+        assert_close(got, cufused.softmax(part.astype("float64"), axis=2), 1e-5)
+
+
+def test_subpixel_interleave_of_a_row_past_2_31(free_memory):
+    # Class blocks (4, 1, 1, 2**15, 2**14, 1) into an output row of 2**16 x 2**15 (d, h)
+    # pairs.
+    from cufused._kernels.layout import interleave_classes
+
+    md, mh = 2**15, 2**14
+    classes = cp.random.default_rng(14).random((4, 1, 1, md, mh, 1), dtype=cp.float32)
+    out = cp.full((1, 1, 2 * md, 2 * mh, 1), cp.nan, dtype=cp.float32)
+    interleave_classes(classes, out)
+    by_class = out.reshape(md, 2, mh, 2)
+    for rd in (0, 1):
+        for rh in (0, 1):
+            assert bool((by_class[:, rd, :, rh] == classes[2 * rd + rh, 0, 0, :, :, 0]).all())
+
+
+@pytest.mark.parametrize("case", ["conv2d", "conv_transpose3d", "max_pool2d", "softmax nhwc",
+                                  "pipeline A"])
+def test_channels_past_the_grids_y_limit(case, free_memory):
+    # More output channels than 65535 tiles of the launches that tile channels on grid.y:
+    # the implicit GEMMs leave them to cuDNN, the pool and softmax passes take other kernels.
+    from cufused._cudnn import plan_options
+    from cufused._kernels.softmax import softmax_rows
+
+    rng = cp.random.default_rng(9)
+    with plan_options(engine="igemm"):
+        if case == "conv2d":
+            k = 65537 * 64
+            w = ((cp.arange(k) % 16) / 8).astype(cp.float32).reshape(k, 1, 1, 1)
+            out = cufused.conv2d(cp.full((1, 1, 1, 1), 2.0, cp.float32), w, precision="tf32")
+            assert bool((out.ravel() == 2.0 * w.ravel()).all())
+        elif case == "conv_transpose3d":
+            k = 65537 * 32
+            w = cp.ones((1, k, 3, 3, 3), dtype=cp.float32)
+            w[0, :, 1, 1, 1] = (cp.arange(k) % 16) / 8
+            out = cufused.conv_transpose3d(cp.full((1, 1, 1, 1, 1), 3.0, cp.float32), w,
+                                           stride=2, padding=1, precision="tf32")
+            assert bool((out.ravel() == 3.0 * w[0, :, 1, 1, 1]).all())
+        elif case == "max_pool2d":
+            c = 2**21 + 32
+            x = rng.random((1, c, 2, 2), dtype=cp.float32)
+            out = cp.full((1, 1, 1, c), cp.nan, cp.float32).transpose(0, 3, 1, 2)
+            cufused.max_pool2d(x, 2, out=out)
+            assert bool((out == x.max(axis=(2, 3), keepdims=True)).all())
+        elif case == "softmax nhwc":
+            c, s = 2**21 + 32, 4
+            y = rng.random((1, s, c), dtype=cp.float32).transpose(0, 2, 1)
+            out = cp.full((1, c, s), cp.nan, dtype=cp.float32)
+            softmax_rows(cp, y, out, c, s, c, (s * c, 1, c), layout="nhwc")
+            assert_close(out[:, -3:].get(), cufused.softmax(y[:, -3:].get(), axis=2), 1e-5)
+        else:
+            k = 65537 * 64
+            x = cp.asarray([0.5, 1.0, 1.5, 2.0], dtype=cp.float32).reshape(1, 1, 2, 2)
+            w = ((cp.arange(k) % 16) / 8 + 0.5).astype(cp.float32).reshape(k, 1, 1, 1)
+            params = [rng.uniform(0.5, 1.5, k, dtype=cp.float32),
+                      rng.standard_normal(k, dtype=cp.float32),
+                      rng.uniform(0.5, 2.0, k, dtype=cp.float32)]
+            options = dict(num_groups=k // 2, pool_kernel=2, clamp_min=-4.0, clamp_max=4.0)
+            out = cufused.conv2d_groupnorm_scale_maxpool_clamp(x, w, None, *params, **options,
+                                                               precision="tf32")
+            part = slice(k - 4, k)
+            want = cufused.conv2d_groupnorm_scale_maxpool_clamp(
+                x.get(), w[part].get(), None, *(p[part].get() for p in params), **options | {
+                    "num_groups": 2})
+            assert_close(out[:, part].get(), want, 1e-3)
+
+
+def test_pool_sizes_past_32_bits(free_memory):
+    # An axis of 2**31 or more positions is refused by name on the GPU (the kernels' sizes
+    # are 32-bit; a stride-0 view allocates nothing); a stride past 32 bits that steps once
+    # gives the result.
+    wide = cp.broadcast_to(cp.zeros(1, cp.float32), (1, 1, 1, 2**31 + 2))
+    with pytest.raises(ValueError, match="below 2\\*\\*31 on the GPU"):
+        cufused.max_pool2d(wide, (1, 2))
+    x = cp.random.default_rng(3).random((2, 3, 5, 4), dtype=cp.float32)
+    got = cufused.max_pool2d(x, 2, stride=2**40)
+    assert_close(got.get(), cufused.max_pool2d(x.get(), 2, stride=2**40), 0.0)
