@@ -60,14 +60,9 @@ def _pool(nd: int, is_max: bool, x, kernel_size, stride, padding, out):
     if xp is numpy:  # the reference pads its input
         check_fits((*x.shape[:2], *(s + 2 * p for s, p in zip(x.shape[2:], padding))), xp,
                    "the padded input of the pool")
-    else:
-        if any(v >= 2**31 for v in (*x.shape[2:], *kernel, *padding)):
-            raise ValueError(f"x's spatial sizes {x.shape[2:]}, kernel_size {kernel} and "
-                             f"padding {padding} must each be below 2**31 on the GPU (32-bit "
-                             "kernel arguments)")
-        # A window that fits once along an axis does not step: any stride gives the result,
-        # and one past 32 bits stands in for none.
-        stride = tuple(1 if o == 1 and s >= 2**31 else s for o, s in zip(out_size, stride))
+    elif any(s >= 2**31 for s in x.shape[2:]):  # the options are below 2**31 (ntuple)
+        raise ValueError(f"x's spatial sizes must each be below 2**31 on the GPU (32-bit "
+                         f"kernel arguments), got shape {x.shape}")
     fn = reference.max_pool if is_max else reference.avg_pool
     return forward(xp, x, out, x.shape[:2] + out_size, inputs={"x": x},
                    reference=partial(fn, x, kernel, stride, padding),
@@ -105,7 +100,7 @@ _DOC = """{title}
         Not an array, or an unsupported dtype.
     ValueError
         Wrong ndim, bad options, a window larger than the padded input, or on the GPU a
-        spatial size, window or padding of 2**31 or more.
+        spatial size of 2**31 or more.
 
     Examples
     --------
