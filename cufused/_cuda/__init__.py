@@ -47,6 +47,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "conv_transpose3d_s2k3<1, CT3_CONV>",
         "conv_transpose3d_s2k3<3, CT3_CONV>",
         "conv_transpose_rows_nonfinite_weight",
+        "conv_nonfinite_weight_rows",
     ),
     "pooling.cu": (
         "pool_nd<true, 0, 0>",

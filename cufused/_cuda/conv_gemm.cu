@@ -1775,3 +1775,55 @@ __global__ void conv_transpose_rows_nonfinite_weight(
     for (index_t r = blockIdx.x; r < rows; r += gridDim.x)
         conv.rewrite_nonfinite_row(bias, y, C, r);
 }
+
+// The public forward convolution where an output channel's weight holds a non-finite value,
+// by its definition (PyTorch's): every tap multiplies the input or a padding zero (0 * inf
+// and 0 * NaN are NaN), which an algorithm that skips the padding does not, and an FFT or
+// Winograd algorithm spreads a non-finite weight past its products. Block (c, j) checks
+// output channel c's weight (w (C, C_in / groups, KD, KH, KW) contiguous) and returns where
+// it is finite; else it rewrites y[n, c, :] for the samples n = j, j + gridDim.y, ... as
+// bias[c] plus the sum of the products, from x (N, C_in, Di, Hi, Wi) in element strides xn ..
+// xw into y in element strides yn .. yw.
+__global__ void conv_nonfinite_weight_rows(
+    const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
+    float* __restrict__ y, index_t N, int c_in_group, int c_out_group, int Di, int Hi, int Wi,
+    int Do, int Ho, int Wo, int KD, int KH, int KW, int sd, int sh, int sw, int pd, int ph,
+    int pw, int dd, int dh, int dw, index_t xn, index_t xc, index_t xd, index_t xh, index_t xw,
+    index_t yn, index_t yc, index_t yd, index_t yh, index_t yw) {
+    const int c = blockIdx.x;
+    const int taps = KD * KH * KW;
+    const float* wc = w + (index_t)c * c_in_group * taps;
+    int nonfinite = 0;
+    for (int i = threadIdx.x; i < c_in_group * taps; i += blockDim.x)
+        nonfinite |= !isfinite(wc[i]);
+    if (!__syncthreads_or(nonfinite)) return;
+    const float b = bias ? bias[c] : 0.0f;
+    const float* xg = x + (index_t)(c / c_out_group) * c_in_group * xc;
+    const index_t hw = (index_t)Ho * Wo, plane = Do * hw;
+    for (index_t n = blockIdx.y; n < N; n += gridDim.y) {
+        for (index_t o = threadIdx.x; o < plane; o += blockDim.x) {
+            const int od = (int)(o / hw), r = (int)(o - od * hw);
+            const int oh = r / Wo, ow = r - oh * Wo;
+            float v = b;
+            for (int kd = 0; kd < KD; ++kd) {
+                const long long id = (long long)od * sd - pd + (long long)kd * dd;
+                for (int kh = 0; kh < KH; ++kh) {
+                    const long long ih = (long long)oh * sh - ph + (long long)kh * dh;
+                    for (int kw = 0; kw < KW; ++kw) {
+                        const long long iw = (long long)ow * sw - pw + (long long)kw * dw;
+                        const bool inside = id >= 0 && id < Di && ih >= 0 && ih < Hi &&
+                                            iw >= 0 && iw < Wi;
+                        const int tap = (kd * KH + kh) * KW + kw;
+                        for (int ci = 0; ci < c_in_group; ++ci) {
+                            const float xv =
+                                inside ? xg[n * xn + ci * xc + id * xd + ih * xh + iw * xw]
+                                       : 0.0f;
+                            v += xv * wc[ci * taps + tap];
+                        }
+                    }
+                }
+            }
+            y[n * yn + c * yc + od * yd + oh * yh + ow * yw] = v;
+        }
+    }
+}

@@ -316,6 +316,31 @@ def conv_transpose3d_implicit_gemm(x, w, bias, y, *, passes: int) -> None:
                                          padding=(1, 1, 1), dilation=(1, 1, 1))))
 
 
+def conv_nonfinite_weight_rows(x, w, bias, y, *, groups: int, stride, padding,
+                               dilation) -> None:
+    """Recompute by the definition the output channels of the forward convolution ``y =
+    conv(x, w) + bias`` (2-D or 3-D; ``y`` in any strides) whose weight holds a non-finite
+    value (see the kernel): the padding's zeros meet the weight as in PyTorch. A call with a
+    finite weight costs one check of each channel's weight on the device, no host sync."""
+    w = w if w.flags.c_contiguous else w.copy()
+    n, k = y.shape[:2]
+    if y.size == 0:
+        return
+    lift = (1,) * (5 - x.ndim)  # 2-D as 3-D with a unit depth
+    unit = (0,) * (5 - x.ndim)
+    i32, i64 = numpy.int32, numpy.int64
+    x_strides = [s // x.itemsize for s in x.strides]
+    y_strides = [s // y.itemsize for s in y.strides]
+    get_kernel(_FILE, "conv_nonfinite_weight_rows")(
+        (k, min(n, 8)), (128,),
+        (x, w, optional(bias), y, i64(n), i32(x.shape[1] // groups), i32(k // groups),
+         *(i32(v) for v in lift + x.shape[2:]), *(i32(v) for v in lift + y.shape[2:]),
+         *(i32(v) for v in lift + w.shape[2:]), *(i32(v) for v in lift + tuple(stride)),
+         *(i32(v) for v in unit + tuple(padding)), *(i32(v) for v in lift + tuple(dilation)),
+         *(i64(v) for v in x_strides[:2] + list(unit) + x_strides[2:]),
+         *(i64(v) for v in y_strides[:2] + list(unit) + y_strides[2:])))
+
+
 def conv_transpose3d_softmax(x, w, bias, out, factor, *, clamp, passes: int) -> None:
     """Pass 2: ``out`` (N, C_out, Do, Ho, Wo), contiguous, = exp(clamp(y) - hi) * factor[n,
     c], the convolution computed again."""

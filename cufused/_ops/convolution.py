@@ -311,7 +311,12 @@ def _convolve(nd: int, transposed: bool, x, weight, bias, *, stride, padding, ou
 
 
 def _conv_gpu(x, weight, args: ConvArgs, precision: str, bias, out):
+    from .._kernels.conv_gemm import conv_nonfinite_weight_rows
+
     y, _ = conv_on_gpu(x, weight, args, precision, out=out, bias=bias)
+    if not args.transposed:  # PyTorch's placement of a non-finite weight's NaNs (semantics)
+        conv_nonfinite_weight_rows(x, weight, bias, y, groups=args.groups, stride=args.stride,
+                                   padding=args.padding, dilation=args.dilation)
     return y
 
 

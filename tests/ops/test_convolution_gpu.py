@@ -36,6 +36,42 @@ def test_conv_matches_reference(rng, case, precision, conv_pin):
     assert_close(got.get(), ref, TOL[precision])
 
 
+NON_FINITE_WEIGHT_CASES = {
+    # the weights' non-finite taps at the edges, where they meet the padding (a tap that meets
+    # only padding included: (0, 4) of a 5-wide kernel on a 3-wide padded input)
+    "2d groups": ((2, 4, 8, 3), (6, 2, 2, 5), dict(stride=(3, 2), padding=(2, 1), groups=2),
+                  {(1, 1, 0, 4): np.nan, (4, 0, 1, 0): np.inf, (5, 1, 0, 0): -np.inf}),
+    "2d": ((2, 3, 7, 6), (5, 3, 3, 3), dict(padding=1),
+           {(0, 2, 0, 0): np.nan, (3, 1, 2, 2): np.inf}),
+    "3d": ((2, 2, 5, 4, 6), (4, 2, 3, 3, 3), dict(padding=1, dilation=(1, 2, 1)),
+           {(2, 1, 0, 0, 0): np.nan, (3, 0, 2, 2, 2): -np.inf}),
+}
+
+
+@pytest.mark.parametrize("engine", [None, "igemm"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32", "3xtf32"])
+@pytest.mark.parametrize("case", list(NON_FINITE_WEIGHT_CASES))
+def test_conv_non_finite_weight_meets_the_padding(rng, case, precision, engine, conv_pin):
+    # PyTorch's placement, whichever algorithm runs: a non-finite weight times a padding zero
+    # is NaN (0 * inf, 0 * NaN), and an infinite one times an input its signed infinity.
+    from cufused._cudnn import plan_options
+
+    x_shape, w_shape, options, planted = NON_FINITE_WEIGHT_CASES[case]
+    x = rng.standard_normal(x_shape)
+    w = rng.standard_normal(w_shape)
+    for index, value in planted.items():
+        w[index] = value
+    fn = cufused.conv2d if len(x_shape) == 4 else cufused.conv3d
+    with np.errstate(all="ignore"):
+        ref = fn(x, w, **options)
+    with plan_options(engine=engine):
+        got = fn(*to_gpu(x, w), **options, precision=precision, out=poisoned(ref.shape)).get()
+    for test in (np.isnan, np.isposinf, np.isneginf):
+        np.testing.assert_array_equal(test(got), test(ref))
+    finite = np.isfinite(ref)
+    assert_close(got[finite], ref[finite], TOL["tf32" if precision == "tf32" else "ieee"])
+
+
 def test_conv_capture_in_cuda_graph(rng, conv_pin):
     # A caller's capture records the cuDNN calls themselves (no graph launch inside it), also
     # after warm calls on that stream have captured the plan's own graph.

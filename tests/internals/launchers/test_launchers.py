@@ -433,6 +433,15 @@ def test_conv_gemm_launchers(launches, monkeypatch):
         assert launches[-1].grid == (128,) and launches[-1].args[4:8] == (128, 64, 32, 64)
         # x's element strides (channels-last): n, c, d, h, w.
         assert launches[-1].args[-5:] == (32 * 5 * 6 * 17, 1, 32 * 6 * 17, 32 * 17, 32)
+    # The public forward convolutions' check of each output channel's weight: a block per
+    # channel and sample slot, a 2-D problem as 3-D with a unit depth, y in its strides.
+    conv.conv_nonfinite_weight_rows(Dev((2, 4, 8, 3)), Dev((6, 2, 2, 5)), Dev((6,)),
+                                    Dev((2, 6, 4, 1), "nhwc"), groups=2, stride=(3, 2),
+                                    padding=(2, 1), dilation=(1, 1))
+    assert launches[-1].name == "conv_nonfinite_weight_rows"
+    assert launches[-1].grid == (6, 2) and launches[-1].args[4:7] == (2, 2, 3)
+    assert launches[-1].args[7:22] == (1, 8, 3, 1, 4, 1, 1, 2, 5, 1, 3, 2, 0, 2, 1)
+    assert launches[-1].args[-10:] == (96, 24, 0, 3, 1, 24, 1, 0, 6, 6)
     # Where the driver makes x's map: its geometry (dims C, W, H, D, N; byte strides; the
     # box of one halo), the flag on. C_in not a multiple of 4 (4-byte strides): no map asked.
     maps = []
