@@ -1802,8 +1802,9 @@ __global__ void conv_nonfinite_weight_rows(
     const index_t hw = (index_t)Ho * Wo, plane = Do * hw;
     for (index_t n = blockIdx.y; n < N; n += gridDim.y) {
         for (index_t o = threadIdx.x; o < plane; o += blockDim.x) {
-            const int od = (int)(o / hw), r = (int)(o - od * hw);
-            const int oh = r / Wo, ow = r - oh * Wo;
+            const int od = (int)(o / hw);
+            const index_t r = o - od * hw;  // Ho * Wo may pass 2**31
+            const int oh = (int)(r / Wo), ow = (int)(r - (index_t)oh * Wo);
             float v = b;
             for (int kd = 0; kd < KD; ++kd) {
                 const long long id = (long long)od * sd - pd + (long long)kd * dd;

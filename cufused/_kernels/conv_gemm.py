@@ -320,8 +320,9 @@ def conv_nonfinite_weight_rows(x, w, bias, y, *, groups: int, stride, padding,
                                dilation) -> None:
     """Recompute by the definition the output channels of the forward convolution ``y =
     conv(x, w) + bias`` (2-D or 3-D; ``y`` in any strides) whose weight holds a non-finite
-    value (see the kernel): the padding's zeros meet the weight as in PyTorch. A call with a
-    finite weight costs one check of each channel's weight on the device, no host sync."""
+    value (see the kernel): the padding's zeros meet every tap, as the definition (and the
+    float64 reference) has them. A call with a finite weight costs a check of each channel's
+    weight on the device (read once where there are 256 channels or more), no host sync."""
     w = w if w.flags.c_contiguous else w.copy()
     n, k = y.shape[:2]
     if y.size == 0:
@@ -331,8 +332,10 @@ def conv_nonfinite_weight_rows(x, w, bias, y, *, groups: int, stride, padding,
     i32, i64 = numpy.int32, numpy.int64
     x_strides = [s // x.itemsize for s in x.strides]
     y_strides = [s // y.itemsize for s in y.strides]
+    # Blocks per channel: enough for a recomputation to fill the device, each reading the
+    # channel's weight.
     get_kernel(_FILE, "conv_nonfinite_weight_rows")(
-        (k, min(n, 8)), (128,),
+        (k, min(n, -(-256 // k))), (128,),
         (x, w, optional(bias), y, i64(n), i32(x.shape[1] // groups), i32(k // groups),
          *(i32(v) for v in lift + x.shape[2:]), *(i32(v) for v in lift + y.shape[2:]),
          *(i32(v) for v in lift + w.shape[2:]), *(i32(v) for v in lift + tuple(stride)),

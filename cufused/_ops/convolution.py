@@ -136,7 +136,8 @@ def _igemm_route(x, weight, args: ConvArgs, precision: str, bias,
         if (not x.flags.c_contiguous or forward_args is None or forward_args.groups != 1
                 or not (args.transposed or weight.flags.c_contiguous)
                 or not channel_tiles_fit(args.out_shape[1])
-                or x.shape[1] * math.prod(weight.shape[2:]) >= 2**31  # the int32 reduction
+                # the int32 reduction (and its tile's end)
+                or x.shape[1] * math.prod(weight.shape[2:]) >= 2**31 - 64
                 or any(d * (k - 1) + p >= 2**31 for d, k, p in zip(  # the kernel's int32 rows
                     forward_args.dilation, weight.shape[2:], forward_args.padding))):
             return None
@@ -314,7 +315,7 @@ def _conv_gpu(x, weight, args: ConvArgs, precision: str, bias, out):
     from .._kernels.conv_gemm import conv_nonfinite_weight_rows
 
     y, _ = conv_on_gpu(x, weight, args, precision, out=out, bias=bias)
-    if not args.transposed:  # PyTorch's placement of a non-finite weight's NaNs (semantics)
+    if not args.transposed:  # the definition's NaNs of a non-finite weight (semantics.rst)
         conv_nonfinite_weight_rows(x, weight, bias, y, groups=args.groups, stride=args.stride,
                                    padding=args.padding, dilation=args.dilation)
     return y

@@ -29,6 +29,7 @@ SPLIT_EVERY = 8
 # an update.
 _RUNNING_BUFFERS_LOCK = threading.Lock()
 
+
 def _without_numpy_warnings(func: Callable) -> Callable:
     """NaN and inf propagate silently through the statistics, as through the single call's
     reference (``run_reference``)."""

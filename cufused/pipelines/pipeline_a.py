@@ -18,7 +18,8 @@ from .. import reference
 from .._arrays import (Size, check_float_dtype, check_ndim, check_required, check_scalar,
                        check_sizes, forward, get_array_module, per_channel)
 from .._call_graphs import warm_calls
-from .._kernels.conv_gemm import channel_tiles_fit, conv2d_pool_stats, halo_launch
+from .._kernels.conv_gemm import (channel_tiles_fit, conv2d_pool_stats, conv_nonfinite_weight_rows,
+                                  halo_launch)
 from .._kernels.layout import transpose_channels
 from .._kernels.normalization import (channel_affine, group_affine_rows,
                                       group_norm_coefficients)
@@ -165,6 +166,9 @@ def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, gn_
                           moments=moments)
     else:
         y, _ = conv_on_gpu(x, weight, args, precision, convert_output=False)
+        # A non-finite weight's NaNs by the definition, as the public conv2d places them.
+        conv_nonfinite_weight_rows(x, weight, None, y, groups=args.groups, stride=args.stride,
+                                   padding=args.padding, dilation=args.dilation)
         # From a channels-last conv output the pass stores the extrema channels-last and the
         # affine pass transposes them into out.
         variant = fused_pass_variant(y, k)

@@ -75,7 +75,7 @@ def _check_channel_scale(scale_shape: tuple[int, ...], channels: int) -> None:
     channels of an (N, C, H, W) ``x`` one value, as the fused pipeline scales: one value, or
     the C values on axis -3 (``(C, 1, 1)``, ``(1, C, 1, 1)``). PyTorch aligns a ``(C,)``
     scale with the width instead."""
-    shape = tuple(scale_shape)
+    shape = (scale_shape,) if isinstance(scale_shape, int) else tuple(scale_shape)
     per_channel = (len(shape) in (3, 4) and shape[-3] == channels
                    and all(s == 1 for i, s in enumerate(shape) if i != len(shape) - 3))
     if not (per_channel or (len(shape) <= 4 and all(s == 1 for s in shape))):

@@ -303,9 +303,11 @@ def test_modules_take_a_square_tuple_pool_window():
         assert torch.equal(square(x), plain(x))
     with pytest.raises(ValueError, match="maxpool_kernel_size must be an int or 2 equal sides"):
         ours("A")(in_c, out_c, k, groups, scale_shape, (pool, pool + 1), lo, hi)
+    with pytest.raises(ValueError, match="pool_kernel_size must be an int or 3 equal sides"):
+        ours("C")(2, 3, 3, 2, 1, 1, (2, 1, 2), 0.0, 1.0)
 
 
-@pytest.mark.parametrize("scale_shape", [(6, 1, 1), (1, 6, 1, 1), (), (1,), (1, 1, 1, 1)])
+@pytest.mark.parametrize("scale_shape", [(6, 1, 1), (1, 6, 1, 1), (), (1,), 1, (1, 1, 1, 1)])
 def test_module_a_scales_each_channel_as_x_times_scale(scale_shape):
     model = ours("A")(3, 6, 3, 2, scale_shape, 2, -1.0, 1.0).double()
     reference = kernelbench_models()["A"](3, 6, 3, 2, scale_shape, 2, -1.0, 1.0).double()
@@ -323,8 +325,6 @@ def test_module_a_refuses_a_scale_that_is_not_per_channel(scale_shape):
     # an 8 x 8 input): the fused pipeline scales channels.
     with pytest.raises(ValueError, match="scale_shape must give each of the 6 output channels"):
         ours("A")(3, 6, 3, 2, scale_shape, 2, -1.0, 1.0)
-    with pytest.raises(ValueError, match="pool_kernel_size must be an int or 3 equal sides"):
-        ours("C")(2, 3, 3, 2, 1, 1, (2, 1, 2), 0.0, 1.0)
 
 
 def test_operators_name_bad_dtypes_devices_and_options():

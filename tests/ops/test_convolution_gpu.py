@@ -72,6 +72,24 @@ def test_conv_non_finite_weight_meets_the_padding(rng, case, precision, engine, 
     assert_close(got[finite], ref[finite], TOL["tf32" if precision == "tf32" else "ieee"])
 
 
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+def test_pipeline_a_non_finite_weight_meets_only_the_padding(rng, precision, conv_pin):
+    # Tap (0, 4) of channel 1 meets only the padding: its NaN reaches channel 1's outputs and
+    # so GroupNorm group 0, as in the public conv2d and the reference.
+    x = rng.standard_normal((2, 2, 8, 3))
+    w = rng.standard_normal((4, 2, 2, 5))
+    w[1, 1, 0, 4] = np.nan
+    params = [rng.standard_normal(4) for _ in range(4)]
+    options = dict(num_groups=2, pool_kernel=1, clamp_min=-2.0, clamp_max=2.0, stride=(3, 2),
+                   padding=(2, 1))
+    fn = cufused.conv2d_groupnorm_scale_maxpool_clamp
+    with np.errstate(all="ignore"):
+        ref = fn(x, w, *params, **options)
+    got = fn(*to_gpu(x, w, *params), **options, precision=precision).get()
+    assert np.isnan(ref[:, :2]).all() and not np.isnan(ref[:, 2:]).any()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+
+
 def test_conv_capture_in_cuda_graph(rng, conv_pin):
     # A caller's capture records the cuDNN calls themselves (no graph launch inside it), also
     # after warm calls on that stream have captured the plan's own graph.
