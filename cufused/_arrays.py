@@ -209,6 +209,13 @@ def check_scalar(value: Any, name: str, *, minimum: float | None = None,
     return value
 
 
+def check_bool(value: Any, name: str) -> bool:
+    """A flag option: a bool (NumPy's too), as PyTorch's ``training``; returns it as ``bool``."""
+    if not isinstance(value, (bool, numpy.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
 def check_choice(value: Any, name: str, choices: tuple, *, none: bool = False) -> Any:
     """A string option: ``TypeError`` for a value of another type (``None`` too, unless
     ``none``), ``ValueError`` for a string not among ``choices``; returns ``value`` (a

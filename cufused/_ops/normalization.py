@@ -14,11 +14,9 @@ import numbers
 from functools import partial
 from typing import Any
 
-import numpy
-
 from .. import reference
-from .._arrays import (check_choice, check_fits, check_float_dtype, check_required, check_scalar,
-                       check_sizes, check_writeable, forward, get_array_module,
+from .._arrays import (check_bool, check_choice, check_fits, check_float_dtype, check_required,
+                       check_scalar, check_sizes, check_writeable, forward, get_array_module,
                        like_x_sections, per_channel)
 from .._call_graphs import replayed, warm_calls, without_call_graphs
 from .._kernels.normalization import (ROW_CACHE_BYTES, batch_norm_coefficients, channel_affine,
@@ -173,13 +171,6 @@ def check_running_buffer(buf: Any, name: str, channels: int, xp, *,
     return flat
 
 
-def check_training(training: Any) -> bool:
-    """``training`` must be a bool (NumPy's too), as in PyTorch."""
-    if not isinstance(training, (bool, numpy.bool_)):
-        raise TypeError(f"training must be a bool, got {type(training).__name__}")
-    return bool(training)
-
-
 @warm_calls
 @like_x_sections("Wrong parameter sizes, a single value per channel in training, missing running\n"
                  "        statistics in inference, bad ``momentum`` / ``eps`` / ``activation``.")
@@ -229,7 +220,7 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
     check_sizes(x, "x")
     check_fits(x.shape, xp, "the result")
     c = x.shape[1]
-    training = check_training(training)
+    training = check_bool(training, "training")
     momentum = check_scalar(momentum, "momentum", minimum=0.0, maximum=1.0)
     # PyTorch's rule: a positive eps in training (a constant channel's variance is 0).
     eps = check_scalar(eps, "eps", minimum=0.0, positive=training)

@@ -9,12 +9,12 @@ from typing import Any
 
 import cufused
 
-from .._arrays import Size
-from .._ops.normalization import check_training, part_of_batch
+from .._arrays import Size, check_bool
+from .._ops.normalization import part_of_batch
 from .._ops.softmax import normalize_axes
 from ._graph import Array, _check_params, _each_chunk, _empty_batch, _Graph, _map_chunks
 from ._statistics import (_batch_statistics, _channel_moments, _normalize,
-                          _normalized_batch, check_return_running_stats)
+                          _normalized_batch)
 
 _TYPE_ERROR = """    TypeError
         ``x`` is not a dask array of NumPy or CuPy chunks, a parameter is a dask collection,
@@ -205,8 +205,8 @@ def batch_norm(x: Array, weight: Any = None, bias: Any = None, *, running_mean: 
     True
     """
     params = dict(weight=weight, bias=bias, running_mean=running_mean, running_var=running_var)
-    return_running_stats = check_return_running_stats(return_running_stats)
-    if not check_training(training):
+    return_running_stats = check_bool(return_running_stats, "return_running_stats")
+    if not check_bool(training, "training"):
         if return_running_stats:
             raise ValueError("return_running_stats applies in training only: inference leaves "
                              "the running buffers unchanged")

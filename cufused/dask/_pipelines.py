@@ -11,7 +11,7 @@ import numpy
 
 import cufused
 
-from .._arrays import Size, get_array_module, per_channel
+from .._arrays import Size, check_bool, get_array_module, per_channel
 from .._ops.normalization import part_of_batch
 from .._precision import resolve_precision
 from ..pipelines._common import check_pipeline_pool, gpu_method
@@ -19,8 +19,7 @@ from ..pipelines.pipeline_b import _chunk_extrema_sums, _chunk_normalized
 from ._blocks import _shared_sections, _with_sections
 from ._graph import Array, _check_params, _each_chunk, _empty_batch, _Graph
 from ._statistics import (_batch_statistics, _channel_moments, _normalize,
-                          _normalized_batch, _shifted_moments, _without_numpy_warnings,
-                          check_return_running_stats)
+                          _normalized_batch, _shifted_moments, _without_numpy_warnings)
 
 
 # The docstring of a pipeline that each batch chunk runs whole (independent per sample).
@@ -285,7 +284,7 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     (True, True, True)
     """
     empty = _empty_batch(x, "conv_transpose2d_batchnorm_tanh_maxpool_groupnorm")
-    return_running_stats = check_return_running_stats(return_running_stats)
+    return_running_stats = check_bool(return_running_stats, "return_running_stats")
     params = dict(weight=weight, bn_weight=bn_weight, bn_bias=bn_bias, gn_weight=gn_weight,
                   gn_bias=gn_bias, conv_bias=conv_bias, running_mean=running_mean,
                   running_var=running_var)
