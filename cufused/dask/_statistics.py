@@ -100,16 +100,14 @@ def _finish_statistics(moments: tuple[int, Any, Any], running_mean, running_var,
 
     An empty batch leaves the buffers alone, as the single call does."""
     count, mean, m2 = moments
-    if count == 0:
-        with _RUNNING_BUFFERS_LOCK:
-            return mean, m2, _copy(running_mean), _copy(running_var)
-    var = m2 / count
-    unbiased = var * (count / (count - 1))  # count >= 2: checked with the graph
+    var = m2 / count if count else m2
     with _RUNNING_BUFFERS_LOCK:
-        for buf, batch in ((running_mean, mean), (running_var, unbiased)):
-            if buf is not None:
-                buf[...] = ((1.0 - momentum) * buf.astype(numpy.float64)
-                            + momentum * batch.reshape(buf.shape)).astype(buf.dtype)
+        if count:
+            unbiased = var * (count / (count - 1))  # count >= 2: checked with the graph
+            for buf, batch in ((running_mean, mean), (running_var, unbiased)):
+                if buf is not None:
+                    buf[...] = ((1.0 - momentum) * buf.astype(numpy.float64)
+                                + momentum * batch.reshape(buf.shape)).astype(buf.dtype)
         return mean, var, _copy(running_mean), _copy(running_var)
 
 
@@ -147,13 +145,6 @@ def _batch_statistics(graph: _Graph, moments: list, running_mean, running_var,
                       graph.constant("running_mean", running_mean),
                       graph.constant("running_var", running_var), momentum)
     return key
-
-
-def check_return_running_stats(value: Any) -> bool:
-    """``return_running_stats`` must be a bool (NumPy's too)."""
-    if not isinstance(value, (bool, numpy.bool_)):
-        raise TypeError(f"return_running_stats must be a bool, got {type(value).__name__}")
-    return bool(value)
 
 
 def _normalize(chunk, mean, var, weight, bias, *, eps: float, activation: str | None):
