@@ -544,6 +544,11 @@ def capturing(stream) -> bool:
 MAX_GRID_X, MAX_GRID_YZ = 2**31 - 1, 65535
 
 
+def fits_grid_yz(items: int, per_block: int) -> bool:
+    """Whether ``items`` tiled ``per_block`` to a block fit a grid's y or z dimension."""
+    return -(-items // per_block) <= MAX_GRID_YZ
+
+
 def launch_1d(kernel, total: int, args: tuple, *, block: int = 256) -> None:
     """Launch a grid-stride kernel over ``total`` items (enough blocks to fill the device)."""
     if total <= 0:

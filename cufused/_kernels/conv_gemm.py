@@ -7,7 +7,7 @@ import math
 
 import numpy
 
-from .._cuda import (MAX_GRID_X, MAX_GRID_YZ, TensorMap, arch_target, float32_tensor_map,
+from .._cuda import (MAX_GRID_X, TensorMap, arch_target, fits_grid_yz, float32_tensor_map,
                      get_kernel, optional, shared_per_block, sm_count)
 from ._common import transposed_definition_args
 
@@ -99,8 +99,8 @@ def halo_shared_bytes(cc: int, hr: int, hc: int, ksize: int, passes: int,
 
 def channel_tiles_fit(out_channels: int) -> bool:
     """Whether the 2-D implicit GEMMs' grid holds the output channels' tiles (its y
-    dimension, at most ``MAX_GRID_YZ``)."""
-    return -(-out_channels // _TILE_K) <= MAX_GRID_YZ
+    dimension)."""
+    return fits_grid_yz(out_channels, _TILE_K)
 
 
 def halo_launch(c: int, kernel: tuple[int, int], stride: tuple[int, int],
@@ -237,7 +237,7 @@ def transposed_s2k3_takes(c_in: int, kernel, stride, padding, output_padding, di
             and tuple(padding) == (1, 1, 1) and tuple(dilation) == (1, 1, 1)
             and all(o in (0, 1) for o in output_padding) and groups == 1
             and 0 < c_in <= _CT3_CI and hi - lo <= _CT3_MAX_CLAMP
-            and math.prod(out_shape[2:]) < 2**31 and -(-out_shape[1] // _CT3_BN) <= MAX_GRID_YZ
+            and math.prod(out_shape[2:]) < 2**31 and fits_grid_yz(out_shape[1], _CT3_BN)
             and _CT3_SHARED <= shared_per_block())
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy
 
 from .._arrays import get_array_module
-from .._cuda import MAX_GRID_YZ, get_kernel, launch_1d, optional
+from .._cuda import MAX_GRID_YZ, fits_grid_yz, get_kernel, launch_1d, optional
 from .._layout import stored_in
 from ._common import cpp_bool, split_count
 from .layout import transpose_channels
@@ -38,7 +38,7 @@ def pool_into(x, y, kernel, stride, padding, *, is_max: bool) -> None:
     if c > 1 and stored_in(y, "nhwc"):
         spatial = y.size // (n * c)
         if (fixed and x.shape[-1] % 2 == 0 and x.data.ptr % 8 == 0 and c * spatial < 2**31
-                and -(-c // 32) <= MAX_GRID_YZ):  # pool2_to_channels_last's channel tiles
+                and fits_grid_yz(c, 32)):  # pool2_to_channels_last's channel tiles
             pool2_to_channels_last(x, y, is_max=is_max)
         else:
             pooled = get_array_module(x=x).empty(y.shape, dtype=y.dtype)

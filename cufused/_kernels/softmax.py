@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy
 
-from .._cuda import MAX_GRID_X, MAX_GRID_YZ, get_kernel, launch_1d, optional
+from .._cuda import MAX_GRID_X, MAX_GRID_YZ, fits_grid_yz, get_kernel, launch_1d, optional
 from ._common import cpp_bool, split_count, transposed_definition_args
 from .layout import class_geometry
 
@@ -100,7 +100,7 @@ def softmax_rows(xp, y, out, rows: int, length: int, channels: int, strides, *,
     normalize pass run. ``vec4=False`` keeps both channels-last passes on their scalar kernels
     (tests, timings).
     """
-    if layout == "nhwc" and -(-channels // 32) > MAX_GRID_YZ:
+    if layout == "nhwc" and not fits_grid_yz(channels, 32):
         # More channel tiles than the transposing normalize pass's grid holds: the rows
         # made contiguous first.
         sn, sc, ss = strides
