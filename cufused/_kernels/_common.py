@@ -15,17 +15,28 @@ def split_count(keys: int, elements_per_key: int) -> int:
     return max(1, min(want, -(-elements_per_key // 1024)))
 
 
-def transposed_definition_args(x, w, out_shape: tuple[int, ...], *, groups: int, stride,
-                               padding, dilation) -> tuple:
-    """The arguments of a ``TransposedConvDefinition`` kernel (common.cuh) from the output
-    channels ``C`` to the input's element strides: ``x`` (N, C_in, D, H, W) in any strides,
-    contiguous ``w``, the output's shape and the transposed convolution's checked options."""
+def element_strides_3d(a) -> tuple:
+    """``a``'s (N, C, *spatial) element strides as int64 kernel arguments, a 2-D array's
+    with a unit depth's (0)."""
+    strides = [s // a.itemsize for s in a.strides]
+    return tuple(numpy.int64(s) for s in strides[:2] + [0] * (5 - a.ndim) + strides[2:])
+
+
+def definition_args(x, w, out_shape: tuple[int, ...], *, groups: int, c_out_group: int, stride,
+                    padding, dilation) -> tuple:
+    """The geometry of a convolution-by-definition kernel (common.cuh's
+    ``TransposedConvDefinition``, conv_gemm.cu's ``conv_nonfinite_weight_rows``) from the
+    input channels per group to the input's element strides: ``x`` (N, C_in, *spatial) in
+    any strides, contiguous ``w``, the output's shape and the convolution's checked options;
+    2-D as 3-D with a unit depth."""
     i32 = numpy.int32
-    return (i32(out_shape[1]), i32(x.shape[1] // groups), i32(w.shape[1]),
-            *(i32(v) for v in x.shape[2:]), *(i32(v) for v in out_shape[2:]),
-            *(i32(v) for v in w.shape[2:]), *(i32(v) for v in stride),
-            *(i32(v) for v in padding), *(i32(v) for v in dilation),
-            *(numpy.int64(st // x.itemsize) for st in x.strides))
+    lift = (1,) * (5 - x.ndim)
+    return (i32(x.shape[1] // groups), i32(c_out_group),
+            *(i32(v) for v in lift + tuple(x.shape[2:])),
+            *(i32(v) for v in lift + tuple(out_shape[2:])),
+            *(i32(v) for v in lift + tuple(w.shape[2:])), *(i32(v) for v in lift + tuple(stride)),
+            *(i32(v) for v in (0,) * len(lift) + tuple(padding)),
+            *(i32(v) for v in lift + tuple(dilation)), *element_strides_3d(x))
 
 
 def cpp_bool(flag) -> str:

@@ -9,7 +9,7 @@ import numpy
 
 from .._cuda import (MAX_GRID_X, TensorMap, arch_target, fits_grid_yz, float32_tensor_map,
                      get_kernel, optional, shared_per_block, sm_count)
-from ._common import transposed_definition_args
+from ._common import definition_args, element_strides_3d
 
 _FILE = "conv_gemm.cu"
 _TILE_M, _TILE_K, _THREADS = 128, 64, 256  # CONV_BM, CONV_BN, CONV_THREADS
@@ -311,9 +311,9 @@ def conv_transpose3d_implicit_gemm(x, w, bias, y, *, passes: int) -> None:
         rows = y.shape[0] * y.shape[1]
         get_kernel(_FILE, "conv_transpose_rows_nonfinite_weight")(
             (min(rows, MAX_GRID_X),), (256,),
-            (x, w, optional(bias), y, numpy.int64(rows),
-             *transposed_definition_args(x, w, y.shape, groups=1, stride=(2, 2, 2),
-                                         padding=(1, 1, 1), dilation=(1, 1, 1))))
+            (x, w, optional(bias), y, numpy.int64(rows), numpy.int32(y.shape[1]),
+             *definition_args(x, w, y.shape, groups=1, c_out_group=w.shape[1],
+                              stride=(2, 2, 2), padding=(1, 1, 1), dilation=(1, 1, 1))))
 
 
 def conv_nonfinite_weight_rows(x, w, bias, y, *, groups: int, stride, padding,
@@ -327,21 +327,14 @@ def conv_nonfinite_weight_rows(x, w, bias, y, *, groups: int, stride, padding,
     n, k = y.shape[:2]
     if y.size == 0:
         return
-    lift = (1,) * (5 - x.ndim)  # 2-D as 3-D with a unit depth
-    unit = (0,) * (5 - x.ndim)
-    i32, i64 = numpy.int32, numpy.int64
-    x_strides = [s // x.itemsize for s in x.strides]
-    y_strides = [s // y.itemsize for s in y.strides]
     # Blocks per channel: enough for a recomputation to fill the device, each reading the
     # channel's weight.
     get_kernel(_FILE, "conv_nonfinite_weight_rows")(
         (k, min(n, -(-256 // k))), (128,),
-        (x, w, optional(bias), y, i64(n), i32(x.shape[1] // groups), i32(k // groups),
-         *(i32(v) for v in lift + x.shape[2:]), *(i32(v) for v in lift + y.shape[2:]),
-         *(i32(v) for v in lift + w.shape[2:]), *(i32(v) for v in lift + tuple(stride)),
-         *(i32(v) for v in unit + tuple(padding)), *(i32(v) for v in lift + tuple(dilation)),
-         *(i64(v) for v in x_strides[:2] + list(unit) + x_strides[2:]),
-         *(i64(v) for v in y_strides[:2] + list(unit) + y_strides[2:])))
+        (x, w, optional(bias), y, numpy.int64(n),
+         *definition_args(x, w, y.shape, groups=groups, c_out_group=k // groups, stride=stride,
+                          padding=padding, dilation=dilation),
+         *element_strides_3d(y)))
 
 
 def conv_transpose3d_softmax(x, w, bias, out, factor, *, clamp, passes: int) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy
 
 from .._cuda import MAX_GRID_X, MAX_GRID_YZ, fits_grid_yz, get_kernel, launch_1d, optional
-from ._common import cpp_bool, split_count, transposed_definition_args
+from ._common import cpp_bool, definition_args, split_count
 from .layout import class_geometry
 
 _FILE = "softmax.cu"
@@ -251,6 +251,7 @@ def softmax_rows_nonfinite_weight(xp, x, weight, out, *, groups: int, stride, pa
     get_kernel(_FILE, "softmax_rows_nonfinite_weight")(
         (min(rows, MAX_GRID_X),), (256,),
         (x, w, optional(bias), optional(scale), out, numpy.int64(rows),
-         *transposed_definition_args(x, w, out.shape, groups=groups, stride=stride,
-                                     padding=padding, dilation=dilation),
+         numpy.int32(out.shape[1]),
+         *definition_args(x, w, out.shape, groups=groups, c_out_group=w.shape[1], stride=stride,
+                          padding=padding, dilation=dilation),
          numpy.float32(clamp[0]), numpy.float32(clamp[1])))
