@@ -143,13 +143,13 @@ def check_sizes(x: Any, name: str) -> None:
         raise ValueError(f"{name} has a zero-sized non-batch dimension: shape {x.shape}")
 
 
-def per_channel(value: Any, name: str, channels: int, xp, *, allow_scalar: bool = False,
-                broadcast_ndim: int | None = None):
-    """Flatten a per-channel parameter to a 1-D array of ``channels`` values.
+def check_per_channel(value: Any, name: str, channels: int, *, allow_scalar: bool = False,
+                      broadcast_ndim: int | None = None) -> None:
+    """Check a per-channel parameter, which :func:`per_channel` then flattens.
 
     Accepts any shape holding exactly ``channels`` values laid out per channel: ``(C,)``,
     ``(C, 1, 1)``, ``(1, C, 1, 1)``, ``(1, C, 1, 1, 1)``. With ``allow_scalar`` a Python
-    number or an array of one value is broadcast to every channel.
+    number or an array of one value stands for every channel.
 
     ``broadcast_ndim`` is the ndim of the (N, C, ...) tensor that the parameter multiplies by
     broadcasting (``y * scale`` in PyTorch): an array of 2 or more dimensions must then put its
@@ -157,21 +157,21 @@ def per_channel(value: Any, name: str, channels: int, xp, *, allow_scalar: bool 
     (N, C, H, W), ``(C, 1, 1, 1)`` against (N, C, D, H, W)); ``(C,)`` stays per channel.
     """
     if value is None:
-        return None
+        return
     if allow_scalar and isinstance(value, numbers.Real) and not isinstance(value, bool):
         check_scalar(value, name, finite=False)
-        return xp.full(channels, value, dtype=xp.float32 if xp is not numpy else numpy.float64)
+        return
     # A NumPy scalar that is not a real number (complex, bool, string, date) is no parameter
     # value; on the GPU path it would reach CuPy as a host array.
     if (not hasattr(value, "shape") or not hasattr(value, "dtype")
             or (isinstance(value, numpy.generic) and value.dtype.kind not in "iuf")):
         kinds = "an array or a real number" if allow_scalar else "an array"
         raise TypeError(f"{name} must be {kinds}, got {type(value).__name__}")
-    if value.shape == (channels,):  # the usual case: no reshaped view to create
-        return xp.ascontiguousarray(value)
+    if value.shape == (channels,):  # the usual case
+        return
     fits = broadcast_ndim is None or value.ndim <= broadcast_ndim
     if allow_scalar and value.size == 1 and fits:  # one value for every channel
-        return xp.ascontiguousarray(xp.broadcast_to(value.reshape(1), (channels,)))
+        return
     non_unit = [s for s in value.shape if s != 1]
     if broadcast_ndim is not None and value.ndim > 1:
         axis = value.ndim - broadcast_ndim + 1  # the channel axis, aligned from the right
@@ -182,6 +182,21 @@ def per_channel(value: Any, name: str, channels: int, xp, *, allow_scalar: bool 
             f"({channels},) or (1, {channels}, 1, 1), its C values on the channel axis), "
             f"got shape {value.shape}"
         )
+
+
+def per_channel(value: Any, channels: int, xp):
+    """The 1-D contiguous array of ``channels`` values of a parameter that
+    :func:`check_per_channel` accepted (a number or one value repeated for every channel);
+    None stays None. It is a new device array only for a number, one value, or a strided
+    parameter: the callers run every check first."""
+    if value is None:
+        return None
+    if isinstance(value, numbers.Real):
+        return xp.full(channels, value, dtype=xp.float32 if xp is not numpy else numpy.float64)
+    if value.shape == (channels,):
+        return xp.ascontiguousarray(value)
+    if value.size == 1:
+        return xp.ascontiguousarray(xp.broadcast_to(value.reshape(1), (channels,)))
     return xp.ascontiguousarray(value.reshape(channels))  # a view when already contiguous
 
 
@@ -341,7 +356,8 @@ def check_out(out: Any, shape: tuple[int, ...], dtype, xp, like: Any, *,
                          "interleave): each result value needs an element of its own")
     low, high = _byte_span(out)
     for name, value in (inputs or {}).items():
-        if value is None or not hasattr(value, "strides") or value.size == 0:
+        if (value is None or isinstance(value, numpy.generic) or not hasattr(value, "strides")
+                or value.size == 0):  # a number or nothing: no memory to share
             continue
         v_low, v_high = _byte_span(value)
         # Same lowest address, shape and strides: exactly the same elements in the same order.
@@ -422,19 +438,18 @@ def finish_numpy(result: numpy.ndarray, dtype, out: numpy.ndarray | None) -> num
     return out
 
 
-def forward(xp, x: Any, out: Any, shape: tuple[int, ...], *, inputs: dict[str, Any],
-            reference, gpu, in_place: bool = False, gpu_allocates: bool = False) -> Any:
-    """The end of every op and pipeline, called once its own arguments are checked (as
-    Chainer's ``forward_cpu`` / ``forward_gpu`` follow ``check_type_forward``).
+def forward(xp, x: Any, out: Any, shape: tuple[int, ...], *, reference, gpu,
+            gpu_allocates: bool = False) -> Any:
+    """The end of every op and pipeline, called once every argument is checked, ``out`` last
+    (:func:`check_out`), and the per-channel parameters flattened (:func:`per_channel`), as
+    Chainer's ``forward_cpu`` / ``forward_gpu`` follow ``check_type_forward``.
 
-    ``out`` is checked last (:func:`check_out` with ``inputs`` and ``in_place``). Then an empty
-    ``x`` gives the empty result of ``shape`` (``out`` if given); NumPy input runs
+    An empty ``x`` gives the empty result of ``shape`` (``out`` if given); NumPy input runs
     ``reference()``, the float64 reference with the checked arguments bound, and casts its
     result to ``x.dtype`` (into ``out`` if given); CuPy input returns ``gpu(out)``, with ``out``
     allocated first unless ``gpu_allocates`` (a GPU path that picks its own result buffer when
-    ``out`` is None). Nothing runs before every check has passed.
+    ``out`` is None).
     """
-    check_out(out, shape, x.dtype, xp, x, inputs=inputs, in_place=in_place)
     if x.size == 0:  # the callers' checks leave only the batch axis empty (softmax: any axis)
         return out if out is not None else xp.empty(shape, dtype=x.dtype)
     if xp is numpy:

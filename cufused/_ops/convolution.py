@@ -15,8 +15,8 @@ from typing import Any
 
 
 from .. import reference
-from .._arrays import (Size, check_float_dtype, check_ndim, check_required, check_sizes,
-                       forward, get_array_module, per_channel)
+from .._arrays import (Size, check_float_dtype, check_ndim, check_out, check_per_channel,
+                       check_required, check_sizes, forward, get_array_module, per_channel)
 from .._call_graphs import replayed, warm_calls
 from .._cuda import capturing
 from .._cudnn import on_clear_plan_cache
@@ -296,8 +296,11 @@ def _convolve(nd: int, transposed: bool, x, weight, bias, *, stride, padding, ou
                             dilation=dilation, groups=groups)
     precision = resolve_precision(precision)
     check_conv_memory(x.shape, args, xp)
-    # The parameter last: a strided bias becomes a contiguous device array here.
-    bias = per_channel(bias, "bias", args.out_shape[1], xp)
+    check_per_channel(bias, "bias", args.out_shape[1])
+    check_out(out, args.out_shape, x.dtype, xp, x, inputs={"x": x, "weight": weight,
+                                                          "bias": bias})
+    # Every check passed: a strided bias becomes a contiguous device array.
+    bias = per_channel(bias, args.out_shape[1], xp)
     if transposed:
         ref = partial(reference.conv_transpose, x, weight, bias, args.stride, args.padding,
                       args.output_padding, args.dilation, args.groups)
@@ -305,8 +308,7 @@ def _convolve(nd: int, transposed: bool, x, weight, bias, *, stride, padding, ou
         ref = partial(reference.conv, x, weight, bias, args.stride, args.padding,
                       args.dilation, args.groups)
     # The plan picks the result's buffer when out is None (it may write it directly).
-    return forward(xp, x, out, args.out_shape, inputs={"x": x, "weight": weight, "bias": bias},
-                   reference=ref,
+    return forward(xp, x, out, args.out_shape, reference=ref,
                    gpu=replayed(partial(_conv_gpu, x, weight, args, precision, bias)),
                    gpu_allocates=True)
 

@@ -15,9 +15,10 @@ from functools import partial
 from typing import Any
 
 from .. import reference
-from .._arrays import (check_bool, check_choice, check_fits, check_float_dtype, check_required,
-                       check_scalar, check_sizes, check_writeable, forward, get_array_module,
-                       like_x_sections, per_channel)
+from .._arrays import (check_bool, check_choice, check_fits, check_float_dtype, check_out,
+                       check_per_channel, check_required, check_scalar, check_sizes,
+                       check_writeable, forward, get_array_module, like_x_sections,
+                       per_channel)
 from .._call_graphs import replayed, warm_calls, without_call_graphs
 from .._kernels.normalization import (ROW_CACHE_BYTES, batch_norm_coefficients, channel_affine,
                                      group_norm_coefficients, group_norm_rows,
@@ -147,28 +148,27 @@ def group_norm(x: Any, num_groups: int, weight: Any = None, bias: Any = None, *,
     num_groups = check_num_groups(num_groups, c)
     check_group_values(x.shape, num_groups, "x")
     eps = check_scalar(eps, "eps", minimum=0.0)
-    # The parameters last: a strided one becomes a contiguous device array here.
-    weight = per_channel(weight, "weight", c, xp)
-    bias = per_channel(bias, "bias", c, xp)
-    return forward(xp, x, out, x.shape, inputs={"x": x, "weight": weight, "bias": bias},
-                   in_place=True,
+    check_per_channel(weight, "weight", c)
+    check_per_channel(bias, "bias", c)
+    check_out(out, x.shape, x.dtype, xp, x, inputs={"x": x, "weight": weight, "bias": bias},
+              in_place=True)
+    # Every check passed: a strided parameter becomes a contiguous device array.
+    weight, bias = per_channel(weight, c, xp), per_channel(bias, c, xp)
+    return forward(xp, x, out, x.shape,
                    reference=partial(reference.group_norm, x, num_groups, weight, bias, eps),
                    gpu=replayed(partial(_group_norm_gpu, xp, x, num_groups, weight, bias, eps)))
 
 
-def check_running_buffer(buf: Any, name: str, channels: int, xp, *,
-                         updated: bool = True) -> Any:
+def check_running_buffer(buf: Any, name: str, channels: int, *, updated: bool = True) -> None:
     """A running-statistics buffer: C values; contiguous and writeable where it is
     ``updated`` in place (training), as PyTorch reads any strided buffer in inference."""
     if buf is None:
-        return None
-    flat = per_channel(buf, name, channels, xp)
-    if not updated:
-        return flat
-    if not buf.flags.c_contiguous:
-        raise ValueError(f"{name} must be contiguous: it is updated in place")
-    check_writeable(buf, name)
-    return flat
+        return
+    check_per_channel(buf, name, channels)
+    if updated:
+        if not buf.flags.c_contiguous:
+            raise ValueError(f"{name} must be contiguous: it is updated in place")
+        check_writeable(buf, name)
 
 
 @warm_calls
@@ -229,16 +229,19 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
         check_channel_values(x.shape, "x")
     if not training and (running_mean is None or running_var is None):
         raise ValueError("running_mean and running_var are required when training=False")
-    # The parameters last: a strided one becomes a contiguous device array here.
-    weight = per_channel(weight, "weight", c, xp)
-    bias = per_channel(bias, "bias", c, xp)
-    running_mean = check_running_buffer(running_mean, "running_mean", c, xp, updated=training)
-    running_var = check_running_buffer(running_var, "running_var", c, xp, updated=training)
+    check_per_channel(weight, "weight", c)
+    check_per_channel(bias, "bias", c)
+    check_running_buffer(running_mean, "running_mean", c, updated=training)
+    check_running_buffer(running_var, "running_var", c, updated=training)
     check_running_pair(running_mean, running_var)
+    check_out(out, x.shape, x.dtype, xp, x, in_place=True, inputs={
+        "x": x, "weight": weight, "bias": bias, "running_mean": running_mean,
+        "running_var": running_var})
+    # Every check passed: a strided parameter becomes a contiguous device array.
+    weight, bias, running_mean, running_var = (
+        per_channel(v, c, xp) for v in (weight, bias, running_mean, running_var))
     stats = (running_mean, running_var, training, momentum, eps)
-    return forward(xp, x, out, x.shape, in_place=True,
-                   inputs={"x": x, "weight": weight, "bias": bias,
-                           "running_mean": running_mean, "running_var": running_var},
+    return forward(xp, x, out, x.shape,
                    reference=partial(reference.batch_norm, x, weight, bias, *stats, activation),
                    gpu=replayed(partial(_batch_norm_gpu, xp, x, weight, bias, stats, activation)))
 

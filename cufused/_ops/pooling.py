@@ -13,8 +13,8 @@ from typing import Any
 import numpy
 
 from .. import reference
-from .._arrays import (Size, check_fits, check_float_dtype, check_ndim, check_required,
-                       check_sizes, forward, get_array_module, ntuple)
+from .._arrays import (Size, check_fits, check_float_dtype, check_ndim, check_out,
+                       check_required, check_sizes, forward, get_array_module, ntuple)
 from .._call_graphs import replayed, warm_calls
 from .._kernels.pooling import pool_into
 
@@ -64,7 +64,8 @@ def _pool(nd: int, is_max: bool, x, kernel_size, stride, padding, out):
         raise ValueError(f"x's spatial sizes must each be below 2**31 on the GPU (32-bit "
                          f"kernel arguments), got shape {x.shape}")
     fn = reference.max_pool if is_max else reference.avg_pool
-    return forward(xp, x, out, x.shape[:2] + out_size, inputs={"x": x},
+    check_out(out, x.shape[:2] + out_size, x.dtype, xp, x, inputs={"x": x})
+    return forward(xp, x, out, x.shape[:2] + out_size,
                    reference=partial(fn, x, kernel, stride, padding),
                    gpu=replayed(partial(_pool_gpu, xp, x, kernel, stride, padding, is_max)))
 

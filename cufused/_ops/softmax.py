@@ -9,8 +9,8 @@ from typing import Any
 import numpy
 
 from .. import reference
-from .._arrays import (Size, check_fits, check_float_dtype, check_required, forward,
-                       get_array_module, like_x_sections)
+from .._arrays import (Size, check_fits, check_float_dtype, check_out, check_required,
+                       forward, get_array_module, like_x_sections)
 from .._call_graphs import replayed, warm_calls
 from .._kernels.softmax import softmax_rows
 
@@ -70,7 +70,8 @@ def softmax(x: Any, axis: Size = -1, *, out: Any = None) -> Any:
         raise ValueError("x must have at least one dimension")
     axes = normalize_axes(axis, x.ndim)
     check_fits(x.shape, xp, "the result")
-    return forward(xp, x, out, x.shape, inputs={"x": x}, in_place=True,
+    check_out(out, x.shape, x.dtype, xp, x, inputs={"x": x}, in_place=True)
+    return forward(xp, x, out, x.shape,
                    reference=partial(reference.softmax, x, axes),
                    gpu=replayed(partial(_softmax_gpu, xp, x, axes)))
 

@@ -86,13 +86,13 @@ def _flip_channels(xp, weight, conv_bias, bn_weight, groups: int, channels: int)
     """
     if bn_weight is None:
         return weight, conv_bias, None
-    negative = per_channel(bn_weight, "bn_weight", channels, xp) < 0
+    negative = per_channel(bn_weight, channels, xp) < 0
     sign = 1 - 2 * negative.astype(weight.dtype)
     c_in, c_group = weight.shape[:2]
     flipped = (weight.reshape(groups, c_in // groups, c_group, -1)
                * sign.reshape(groups, 1, c_group, 1)).reshape(weight.shape)
     if conv_bias is not None:
-        conv_bias = per_channel(conv_bias, "conv_bias", channels, xp) * sign
+        conv_bias = per_channel(conv_bias, channels, xp) * sign
     return flipped, conv_bias, sign
 
 

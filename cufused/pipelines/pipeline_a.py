@@ -9,14 +9,16 @@ clamp.
 
 from __future__ import annotations
 
+import numbers
 from functools import partial
 from typing import Any
 
 import numpy
 
 from .. import reference
-from .._arrays import (Size, check_float_dtype, check_ndim, check_required, check_scalar,
-                       check_sizes, forward, get_array_module, per_channel)
+from .._arrays import (Size, check_float_dtype, check_ndim, check_out, check_per_channel,
+                       check_required, check_scalar, check_sizes, forward, get_array_module,
+                       per_channel)
 from .._call_graphs import warm_calls
 from .._kernels.conv_gemm import (channel_tiles_fit, conv2d_pool_stats, conv_nonfinite_weight_rows,
                                   halo_launch)
@@ -104,16 +106,20 @@ def conv2d_groupnorm_scale_maxpool_clamp(
     eps = check_scalar(eps, "eps", minimum=0.0)
     precision = resolve_precision(precision)
     check_method(method)
-    # The parameters last: a number for scale becomes a device array here.
-    conv_bias = per_channel(conv_bias, "conv_bias", c, xp)
-    gn_weight = per_channel(gn_weight, "gn_weight", c, xp)
-    gn_bias = per_channel(gn_bias, "gn_bias", c, xp)
-    scale = per_channel(scale, "scale", c, xp, allow_scalar=True, broadcast_ndim=4)
-    check_float_dtype(xp, scale=scale)
+    for name, value in (("conv_bias", conv_bias), ("gn_weight", gn_weight),
+                        ("gn_bias", gn_bias)):
+        check_per_channel(value, name, c)
+    check_per_channel(scale, "scale", c, allow_scalar=True, broadcast_ndim=4)
+    check_float_dtype(xp, scale=None if isinstance(scale, numbers.Real) else scale)
+    shape = args.out_shape[:2] + pooled
+    check_out(out, shape, x.dtype, xp, x, inputs={
+        "x": x, "weight": weight, "conv_bias": conv_bias, "gn_weight": gn_weight,
+        "gn_bias": gn_bias, "scale": scale})
+    # Every check passed: a number for scale or a strided parameter becomes a device array.
+    conv_bias, gn_weight, gn_bias, scale = (
+        per_channel(v, c, xp) for v in (conv_bias, gn_weight, gn_bias, scale))
     return forward(
-        xp, x, out, args.out_shape[:2] + pooled, inputs={
-            "x": x, "weight": weight, "conv_bias": conv_bias, "gn_weight": gn_weight,
-            "gn_bias": gn_bias, "scale": scale},
+        xp, x, out, shape,
         # A lambda: the ones for scale=None are made on the NumPy path only.
         reference=lambda: reference.conv2d_groupnorm_scale_maxpool_clamp(
             x, weight, conv_bias, gn_weight, gn_bias, ones_if_none(scale, c, xp),

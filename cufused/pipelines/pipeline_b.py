@@ -13,8 +13,9 @@ from functools import partial
 from typing import Any
 
 from .. import reference
-from .._arrays import (Size, check_float_dtype, check_ndim, check_required, check_scalar,
-                       check_sizes, forward, get_array_module, per_channel)
+from .._arrays import (Size, check_float_dtype, check_ndim, check_out, check_per_channel,
+                       check_required, check_scalar, check_sizes, forward, get_array_module,
+                       per_channel)
 from .._call_graphs import warm_calls
 from .._kernels.normalization import group_norm_rows, group_rows_fit_channels_last
 from .._kernels.pooling import (fused_pass_variant, pool_bn_tanh_nonfinite,
@@ -106,20 +107,23 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     check_channel_values(args.out_shape, "the convolution output")
     precision = resolve_precision(precision)
     check_method(method)
-    # The parameters last: a strided one becomes a contiguous device array here.
-    bn_weight = per_channel(bn_weight, "bn_weight", c, xp)
-    bn_bias = per_channel(bn_bias, "bn_bias", c, xp)
-    gn_weight = per_channel(gn_weight, "gn_weight", c, xp)
-    gn_bias = per_channel(gn_bias, "gn_bias", c, xp)
-    conv_bias = per_channel(conv_bias, "conv_bias", c, xp)
-    running_mean = check_running_buffer(running_mean, "running_mean", c, xp)
-    running_var = check_running_buffer(running_var, "running_var", c, xp)
+    params = {"bn_weight": bn_weight, "bn_bias": bn_bias, "gn_weight": gn_weight,
+              "gn_bias": gn_bias, "conv_bias": conv_bias}
+    for name, value in params.items():
+        check_per_channel(value, name, c)
+    check_running_buffer(running_mean, "running_mean", c)
+    check_running_buffer(running_var, "running_var", c)
     check_running_pair(running_mean, running_var)
+    shape = args.out_shape[:2] + pooled
+    check_out(out, shape, x.dtype, xp, x, inputs={
+        "x": x, "weight": weight, **params, "running_mean": running_mean,
+        "running_var": running_var})
+    # Every check passed: a strided parameter becomes a contiguous device array.
+    bn_weight, bn_bias, gn_weight, gn_bias, conv_bias, running_mean, running_var = (
+        per_channel(v, c, xp) for v in (bn_weight, bn_bias, gn_weight, gn_bias, conv_bias,
+                                         running_mean, running_var))
     return forward(
-        xp, x, out, args.out_shape[:2] + pooled, inputs={
-            "x": x, "weight": weight, "bn_weight": bn_weight, "bn_bias": bn_bias,
-            "gn_weight": gn_weight, "gn_bias": gn_bias, "conv_bias": conv_bias,
-            "running_mean": running_mean, "running_var": running_var},
+        xp, x, out, shape,
         reference=partial(
             reference.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm, x, weight, bn_weight,
             bn_bias, gn_weight, gn_bias, num_groups=num_groups, stride=args.stride,
@@ -204,8 +208,8 @@ def _chunk_extrema_sums(x, weight, conv_bias, bn_weight, *, stride, padding, out
     y, _ = conv_on_gpu(x, weight, args, precision, convert_output=False)
     pooled = xp.empty((n, c, h // pool, w // pool), dtype=x.dtype)
     partial, shift, _ = pool_extremum_stats(
-        xp, y, pooled, pool, bias=per_channel(conv_bias, "conv_bias", c, xp),
-        sign_a=per_channel(bn_weight, "bn_weight", c, xp), sign_b=None, shift_group=1,
+        xp, y, pooled, pool, bias=per_channel(conv_bias, c, xp),
+        sign_a=per_channel(bn_weight, c, xp), sign_b=None, shift_group=1,
         per_sample=False, variant=fused_pass_variant(y, pool), ext_block=0)
     return pooled, partial.sum(axis=(0, 2), dtype=xp.float64), shift, n * h * w
 
@@ -218,9 +222,9 @@ def _chunk_normalized(pooled, mean, var, bn_weight, bn_bias, gn_weight, gn_bias,
     Returns a new array."""
     xp = get_array_module(x=pooled)
     c = pooled.shape[1]
-    coef = bn_coefficients(xp, pooled, per_channel(bn_weight, "bn_weight", c, xp),
-                           per_channel(bn_bias, "bn_bias", c, xp), mean, var, False, 0.0, eps)
+    coef = bn_coefficients(xp, pooled, per_channel(bn_weight, c, xp),
+                           per_channel(bn_bias, c, xp), mean, var, False, 0.0, eps)
     out = xp.empty_like(pooled)
-    group_norm_rows(pooled, out, num_groups, per_channel(gn_weight, "gn_weight", c, xp),
-                    per_channel(gn_bias, "gn_bias", c, xp), eps, pre=coef)
+    group_norm_rows(pooled, out, num_groups, per_channel(gn_weight, c, xp),
+                    per_channel(gn_bias, c, xp), eps, pre=coef)
     return out

@@ -11,14 +11,15 @@ epilogue, a second computes the convolution again and writes the result.
 from __future__ import annotations
 
 import math
+import numbers
 from functools import partial
 from typing import Any
 
 import numpy
 
 from .. import reference
-from .._arrays import (Size, check_float_dtype, check_ndim, check_required, check_sizes,
-                       forward, get_array_module, per_channel)
+from .._arrays import (Size, check_float_dtype, check_ndim, check_out, check_per_channel,
+                       check_required, check_sizes, forward, get_array_module, per_channel)
 from .._cudnn import UnsupportedConvolution
 from .._call_graphs import warm_calls
 from .._kernels.conv_gemm import (conv_transpose3d_softmax, conv_transpose3d_softmax_sums,
@@ -97,13 +98,15 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
     lo, hi = clamp_bounds(clamp_min, clamp_max)
     precision = resolve_precision(precision)
     check_method(method)
-    # The parameters last: a number for scale becomes a device array here.
-    conv_bias = per_channel(conv_bias, "conv_bias", c, xp)
-    scale = per_channel(scale, "scale", c, xp, allow_scalar=True, broadcast_ndim=5)
-    check_float_dtype(xp, scale=scale)
+    check_per_channel(conv_bias, "conv_bias", c)
+    check_per_channel(scale, "scale", c, allow_scalar=True, broadcast_ndim=5)
+    check_float_dtype(xp, scale=None if isinstance(scale, numbers.Real) else scale)
+    check_out(out, args.out_shape, x.dtype, xp, x, inputs={
+        "x": x, "weight": weight, "scale": scale, "conv_bias": conv_bias})
+    # Every check passed: a number for scale or a strided parameter becomes a device array.
+    conv_bias, scale = per_channel(conv_bias, c, xp), per_channel(scale, c, xp)
     return forward(
-        xp, x, out, args.out_shape, inputs={
-            "x": x, "weight": weight, "scale": scale, "conv_bias": conv_bias},
+        xp, x, out, args.out_shape,
         # A lambda: the ones for scale=None are made on the NumPy path only.
         reference=lambda: reference.conv_transpose3d_avgpool_clamp_softmax_multiply(
             x, weight, ones_if_none(scale, c, xp), stride=args.stride, padding=args.padding,

@@ -436,11 +436,14 @@ def test_bad_input_does_no_gpu_work():
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device with CuPy")
 @pytest.mark.parametrize("pipeline", [pipeline_a, pipeline_c])
-def test_bad_option_after_a_number_for_scale_allocates_nothing(pipeline):
-    # A number for scale becomes a device array only once every other argument passed.
+@pytest.mark.parametrize("bad", ["clamp_min", "out"])
+def test_bad_option_after_a_number_for_scale_allocates_nothing(pipeline, bad):
+    # A number for scale becomes a device array only once every other argument, out
+    # included, passed.
     import cupy
 
     d = arrays(cupy)
+    change = {"clamp_min": "low"} if bad == "clamp_min" else {"out": cupy.empty(1, cupy.float32)}
     allocations = []
     pool = cupy.get_default_memory_pool()
 
@@ -448,8 +451,9 @@ def test_bad_option_after_a_number_for_scale_allocates_nothing(pipeline):
         allocations.append(size)
         return pool.malloc(size)
 
-    with cupy.cuda.using_allocator(counting), pytest.raises(TypeError, match="clamp_min"):
-        pipeline(d, scale=2.0, clamp_min="low")
+    with cupy.cuda.using_allocator(counting), pytest.raises((TypeError, ValueError),
+                                                             match=bad):
+        pipeline(d, scale=2.0, **change)
     assert allocations == []
 
 
@@ -466,6 +470,28 @@ STRIDED_PARAMETER_CASES = {
                                     "activation"),
     "B bn_weight, eps": (lambda d, p: pipeline_b(d, bn_weight=p, eps=-1.0), "eps"),
     "B gn_bias, method": (lambda d, p: pipeline_b(d, gn_bias=p, method="fast"), "method"),
+    # A bad parameter, running buffer or out after a good strided parameter: every parameter
+    # and out are checked before the first is copied.
+    "conv2d bias, out": (lambda d, p: cufused.conv2d(d["x4"], d["w"], p, out=d["out1"]),
+                         "out"),
+    "group_norm weight, bias": (lambda d, p: cufused.group_norm(d["x4"], 2, p[:4], d["c8"]),
+                                "bias"),
+    "batch_norm weight, strided running_mean": (
+        lambda d, p: cufused.batch_norm(d["x4"], p[:4], running_mean=p[:4],
+                                        running_var=d["c4"]), "running_mean"),
+    "batch_norm weight, out": (lambda d, p: cufused.batch_norm(d["x4"], p[:4], out=d["out1"]),
+                               "out"),
+    "A gn_weight, int scale": (lambda d, p: pipeline_a(d, gn_weight=p, scale=d["int1"]),
+                               "scale"),
+    "A gn_weight, out": (lambda d, p: pipeline_a(d, gn_weight=p, out=d["out1"]), "out"),
+    "B bn_weight, gn_weight": (lambda d, p: pipeline_b(d, bn_weight=p, gn_weight=d["c4"]),
+                               "gn_weight"),
+    "B conv_bias, strided running_mean": (
+        lambda d, p: pipeline_b(d, conv_bias=p, running_mean=p, running_var=d["c8"]),
+        "running_mean"),
+    "B bn_weight, out": (lambda d, p: pipeline_b(d, bn_weight=p, out=d["out1"]), "out"),
+    "C conv_bias, out": (lambda d, p: pipeline_c(d, scale=d["c4"], conv_bias=p[:4],
+                                                 out=d["out1"]), "out"),
 }
 
 
@@ -478,6 +504,7 @@ def test_bad_option_after_a_strided_parameter_allocates_nothing(case):
     import cupy
 
     d = arrays(cupy)
+    d["out1"], d["int1"] = cupy.empty(1, cupy.float32), cupy.ones(1, cupy.int32)
     strided = cupy.repeat(d["c8"], 2)[::2]  # 8 values, stride 2
     call, option = STRIDED_PARAMETER_CASES[case]
     allocations = []
