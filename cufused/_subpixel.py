@@ -7,8 +7,8 @@ stride-1 cross-correlation of the input with a sub-kernel of about ``k / s`` tap
 in/out channels swapped), so no multiply-by-zero of the scattered formulation is left. With
 stride 1 this is the single forward convolution with the flipped kernel.
 
-In float32 without tensor cores, pipeline C's stride-2 transposed 3-D convolution runs about
-4x faster as 8 forward sub-convolutions writing packed per-class blocks than as cuDNN's
+In float32 without tensor cores, pipeline C's stride-2 transposed 3-D convolution runs
+several times faster as 8 forward sub-convolutions writing packed per-class blocks than as cuDNN's
 data-gradient convolution; writing the classes interleaved into one output through strided
 tensors sends cuDNN to slow engines, so the classes stay in separate blocks ("class-major")
 and the kernels that read the result interleave them (figures: docs/design.rst).

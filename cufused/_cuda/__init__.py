@@ -549,9 +549,10 @@ def fits_grid_yz(items: int, per_block: int) -> bool:
     return -(-items // per_block) <= MAX_GRID_YZ
 
 
-def launch_1d(kernel, total: int, args: tuple, *, block: int = 256) -> None:
-    """Launch a grid-stride kernel over ``total`` items (enough blocks to fill the device)."""
+def launch_1d(kernel, total: int, args: tuple) -> None:
+    """Launch a grid-stride kernel over ``total`` items in blocks of 256 threads (enough
+    blocks to fill the device)."""
     if total <= 0:
         return
-    grid = min(-(-total // block), sm_count() * 32)
-    kernel((grid,), (block,), args)
+    grid = min(-(-total // 256), sm_count() * 32)
+    kernel((grid,), (256,), args)

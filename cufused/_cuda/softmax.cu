@@ -155,7 +155,7 @@ __global__ void softmax_stats_nhwc4(const float* __restrict__ y, const float* __
 
 // One warp per (n, c) row: merge the splits' (m, s) pairs (sums in double) into the row's
 // shift and factor: softmax(v) * scale[c] = exp(v - shift) * factor. (A thread per row would
-// walk its pairs one after another, about 4x slower for C's 2048 rows.)
+// walk its pairs one after another; a warp merges them 32 at a time.)
 // A row may come in `parts` pieces (the residue classes of a sub-pixel convolution), whose
 // pairs lie `rows * splits` apart.
 __global__ void softmax_finalize(const float2* __restrict__ partial, index_t rows, int C,

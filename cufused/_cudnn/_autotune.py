@@ -276,8 +276,8 @@ def _direct_wins(replayed_ms: float, direct_ms: float, replayed_issue_ms: float,
     a direct call's host work the device waits for, and the host time is charged once more,
     because it is what other work of the process waits for (the calls of another GPU's
     thread, the next batch's preparation). A direct call that saves the device less than it
-    costs the host is no win (B's FFT plan: about 1 % of the device time saved, about 650 us
-    of host time a call against 20-35 us for a graph launch)."""
+    costs the host is no win (B's FFT plan: a small device saving for far more host time than
+    a graph launch; figures in docs/design.rst)."""
     gain = replayed_ms - direct_ms
     return gain > _REPLAY_MARGIN * replayed_ms and gain > direct_issue_ms - replayed_issue_ms
 

@@ -110,7 +110,7 @@ class ConvPlan:
         From the second call with the same operand pointers on a stream, the call replays a
         CUDA graph of the whole plan (the weight preparation and every cuDNN execution): one
         launch instead of the host work of each part, which for FFT and sub-pixel plans is
-        well over 100 us; unless the autotuner chose direct calls (see
+        many graph launches' worth; unless the autotuner chose direct calls (see
         ``_decide_replay``). The graph keeps its own workspace and prepared weight.
         """
         x, w, bias = self._operands(x, w, bias)

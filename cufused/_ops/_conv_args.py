@@ -85,10 +85,10 @@ def check_conv_args(x_shape, w_shape, nd: int, *, transposed: bool, stride, padd
                     (n, out_channels, *size))
 
 
-def check_conv_memory(x_shape, args: ConvArgs, xp, what: str = "the convolution output"):
+def check_conv_memory(x_shape, args: ConvArgs, xp):
     """Check before any work that the convolution's output, and on the reference path its
     padded (or, transposed, uncropped) intermediate, fit in memory."""
-    check_fits(args.out_shape, xp, what)
+    check_fits(args.out_shape, xp, "the convolution output")
     if xp is numpy:
         if args.transposed:
             lead = args.out_shape[:2]
@@ -96,7 +96,7 @@ def check_conv_memory(x_shape, args: ConvArgs, xp, what: str = "the convolution 
         else:
             lead = x_shape[:2]
             inner = tuple(s + 2 * p for s, p in zip(x_shape[2:], args.padding))
-        check_fits((*lead, *inner), xp, f"the padded input of {what}")
+        check_fits((*lead, *inner), xp, "the padded input of the convolution output")
 
 
 # Checked arguments of recent calls: validating the options costs more host time than

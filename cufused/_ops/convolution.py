@@ -42,10 +42,8 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
     """
     from .._cudnn import UnsupportedConvolution
 
-    run = _igemm_route(x, weight, args, precision, bias, out)
-    if (run is not None
-            and _settled_engine(x, weight.shape, args, bias is not None, precision, run)
-            == "igemm"):
+    run = igemm_call(x, weight, args, precision, bias=bias, out=out)
+    if run is not None:
         y = out if out is not None else _empty_nchw(args.out_shape)
         run(x, weight, bias, y)
         return y, "nchw"
@@ -57,6 +55,19 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
             raise
         return _transposed_as_forward(x, weight, args, precision, bias=bias, out=out), "nchw"
     return plan.apply(x, weight, bias=bias, out=out, convert_output=convert_output)
+
+
+def igemm_call(x, weight, args: ConvArgs, precision: str, *, bias=None,
+               out=None) -> Callable[..., None] | None:
+    """``run(x, weight, bias, y)`` of cufused's implicit GEMM where :func:`conv_on_gpu` runs
+    the convolution on it (:func:`_igemm_route` takes the problem and :func:`_settled_engine`
+    chose it), else None: the convolution runs on cuDNN."""
+    run = _igemm_route(x, weight, args, precision, bias, out)
+    if (run is not None
+            and _settled_engine(x, weight.shape, args, bias is not None, precision, run)
+            == "igemm"):
+        return run
+    return None
 
 
 # The engine of each tensor-core problem, by (device, the problem's key): "igemm" (cufused's

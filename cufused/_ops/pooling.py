@@ -100,8 +100,9 @@ _DOC = """{title}
     TypeError
         Not an array, or an unsupported dtype.
     ValueError
-        Wrong ndim, bad options, a window larger than the padded input, or on the GPU a
-        spatial size of 2**31 or more.
+        Wrong ndim, bad options, a window larger than the padded input (for ``avg_pool3d``,
+        as in PyTorch, larger than the unpadded input), or on the GPU a spatial size of
+        2**31 or more.
 
     Examples
     --------

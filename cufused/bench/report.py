@@ -52,18 +52,23 @@ def _pipeline_lines(result: dict) -> list[str]:
              f"ceilings: copy {ceil['copy_TBps']:.2f} TB/s, fp32 {ceil['fp32_TFLOPs']:.1f} "
              f"TFLOP/s" + (f", tf32 {ceil['tf32_TFLOPs']:.0f} TFLOP/s" if 'tf32_TFLOPs' in ceil
                            else ""),
-             "median ms, L2 flushed; speedup = PyTorch time / cufused fused time",
+             "median ms, L2 flushed; speedup = PyTorch time / cufused fused time; floor: the "
+             "direct convolution's FLOPs at the GEMM rate, or the input and output at the "
+             "copy bandwidth (FFT / Winograd plans may beat it)",
              f"{'case':<4} {'prec':<5} {'fused':>7} {'unfused':>8} {'eager':>7} {'compile':>8} "
              f"{'xeager':>7} {'xcompile':>8} {'conv':>6} {'post':>6} "
              f"{'postfloor':>9} {'post/pf':>7} {'floor':>6} {'/floor':>6}  conv strategy"]
     for r in result["rows"]:
         xe = r["torch_eager"] / r["fused"] if "torch_eager" in r else float("nan")
         xc = r["torch_compile"] / r["fused"] if "torch_compile" in r else float("nan")
-        if r.get("conv_in_epilogue"):
-            # The pass runs in the convolution's epilogue: no convolution of its own to
-            # subtract (the plan's time is in the table of convolutions alone).
+        # Results without conv_engine say only whether the pass ran in the epilogue.
+        engine = r.get("conv_engine", "epilogue" if r.get("conv_in_epilogue") else "cudnn")
+        if engine != "cudnn":
+            # The convolution ran on cufused's implicit GEMM, not the cuDNN plan whose time
+            # the conv column would hold (the table of convolutions alone has both).
             conv = f" {'-':>6} {'-':>6} {r['post_floor']:9.3f} {'-':>7}"
-            strategy = "igemm, pass in its epilogue"
+            strategy = ("igemm, pass in its epilogue" if engine == "epilogue"
+                        else "igemm, pass after it")
         else:
             post = r["fused"] - r["conv"]
             conv = (f" {r['conv']:6.3f} {post:6.3f} {r['post_floor']:9.3f} "
@@ -74,9 +79,16 @@ def _pipeline_lines(result: dict) -> list[str]:
         lines.append(
             _cells(r, ("fused", "7.3f"), ("unfused", "8.3f"), ("torch_eager", "7.3f"),
                    ("torch_compile", "8.3f"))
-            + f" {xe:7.2f} {xc:8.2f}{conv} {r['floor']:6.3f} {r['fused'] / r['floor']:6.2f}  "
+            + f" {xe:7.2f} {xc:8.2f}{conv} {_floor_cells(r)}  "
             f"{strategy}")
     return lines
+
+
+def _floor_cells(row: dict) -> str:
+    """The floor and the fused time over it; dashes where no floor was measured."""
+    if row.get("floor") is None:
+        return f"{'-':>6} {'-':>6}"
+    return f"{row['floor']:6.3f} {row['fused'] / row['floor']:6.2f}"
 
 
 def _conv_lines(result: dict) -> list[str]:

@@ -94,9 +94,12 @@ def measure_ceilings(timer: Timer) -> dict:
         import torch
 
         t = torch.rand(8192, 8192, device="cuda")
+        allowed = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = True
-        ms = timer(lambda: t @ t)
-        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            ms = timer(lambda: t @ t)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = allowed
         result["tf32_TFLOPs"] = 2 * 8192**3 / (ms * 1e-3) / 1e12
     except ImportError:
         pass
@@ -268,49 +271,59 @@ def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_e
         row.update(case=case.name, precision=precision, conv_layout=plan.strategy.label,
                    conv_calls="replayed" if plan.replays else "direct",
                    conv_free_layout=free_plan.strategy.label,
-                   conv_in_epilogue=conv_in_epilogue(case, gpu, precision))
+                   conv_engine=conv_engine(case, gpu, precision))
         rows.append(row)
         del fns  # this precision's operands go before the next precision's are made
     return rows
 
 
-def conv_in_epilogue(case: Case, gpu: dict, precision: str) -> bool:
-    """Whether the fused pipeline runs its pass in the convolution's epilogue on cufused's
-    implicit GEMM (pipeline A: extrema and statistics; pipeline C: the softmax sums, the
-    convolution computed again for the result), as its first call settled it: the ``conv``
-    figure is then the cuDNN plan's, which the pipeline does not run."""
+def conv_engine(case: Case, gpu: dict, precision: str) -> str:
+    """How the fused pipeline's convolution runs, as its first call settled it: "epilogue"
+    (on cufused's implicit GEMM with the pass in its epilogue: pipeline A's extrema and
+    statistics, pipeline C's softmax sums and the convolution computed again for the result),
+    "igemm" (on the implicit GEMM, the pass after it) or "cudnn". The ``conv`` figure is the
+    cuDNN plan's, which only "cudnn" runs."""
     import cupy
 
     from .._ops._conv_args import cached_conv_args
+    from .._ops.convolution import igemm_call
     from ..pipelines import pipeline_a, pipeline_c
 
     x, w, o = gpu["x"], gpu["weight"], case.options
-    if case.name == "A":
-        args = cached_conv_args(x.shape, w.shape, 2, transposed=False,
-                                stride=o.get("stride", 1), padding=o.get("padding", 0))
-        return pipeline_a._epilogue_applies(cupy, x, w, args, precision, o["pool_kernel"],
-                                            o["num_groups"], "conv_bias" in gpu)
     if case.name == "C":
         k = o["pool_kernel"]
         pooled = x.shape[:2] + tuple(s // k for s in x.shape[2:])
         args = cached_conv_args(pooled, w.shape, 3, transposed=True, stride=o["stride"],
                                 padding=o["padding"], output_padding=o["output_padding"])
-        return pipeline_c._recompute_applies(x, w, args, precision, k, pooled,
-                                             "conv_bias" in gpu, o["clamp_min"],
-                                             o["clamp_max"])
-    return False
+        recompute = pipeline_c._recompute_applies(x, w, args, precision, k, pooled,
+                                                  "conv_bias" in gpu, o["clamp_min"],
+                                                  o["clamp_max"])
+        return "epilogue" if recompute else "cudnn"  # else: a cuDNN plan (gpu_conv_plan)
+    transposed = case.name == "B"
+    args = cached_conv_args(x.shape, w.shape, 2, transposed=transposed,
+                            stride=o.get("stride", 1), padding=o.get("padding", 0))
+    if case.name == "A" and pipeline_a._epilogue_applies(
+            cupy, x, w, args, precision, o["pool_kernel"], o["num_groups"], "conv_bias" in gpu):
+        return "epilogue"
+    # Pipelines A (without the epilogue) and B: conv_on_gpu without bias or out.
+    return "igemm" if igemm_call(x, w, args, precision) is not None else "cudnn"
 
 
 def add_floors(case: Case, rows: list[dict], ceilings: dict) -> None:
-    """Add to each of a case's rows its floors in ms: ``floor``, the convolution's FLOPs at
-    the matrix rate of its precision or the pipeline's input and output at the copy bandwidth,
-    whichever takes longer; ``post_floor``, what the pipeline moves besides the convolution."""
+    """Add to each of a case's rows its floors in ms: ``floor``, the direct convolution's
+    FLOPs at the measured matrix rate of its precision or the pipeline's input and output at
+    the copy bandwidth, whichever takes longer (None for a tensor-core precision without a
+    measured TF32 rate); ``post_floor``, what the pipeline moves besides the convolution.
+
+    ``floor`` bounds a direct (GEMM-like) convolution: an FFT or Winograd plan does fewer
+    multiplications and may beat it, as cuDNN's do for pipeline B in exact float32."""
     bandwidth = ceilings["copy_TBps"] * 1e12
+    tensor = ceilings.get("tf32_TFLOPs")
     for r in rows:
         # 3xTF32 issues three TF32 products per multiply-add.
-        tensor = ceilings.get("tf32_TFLOPs", ceilings["fp32_TFLOPs"])
-        rate = {"tf32": tensor, "3xtf32": tensor / 3}.get(r["precision"],
-                                                         ceilings["fp32_TFLOPs"])
+        tflops = (ceilings["fp32_TFLOPs"] if r["precision"] == "ieee" else None
+                  if tensor is None else tensor / 3 if r["precision"] == "3xtf32" else tensor)
         byte_ms = case.io_bytes() / bandwidth * 1e3
-        r["floor"] = max(case.conv_flops() / (rate * 1e12) * 1e3, byte_ms)
+        r["floor"] = (None if tflops is None
+                      else max(case.conv_flops() / (tflops * 1e12) * 1e3, byte_ms))
         r["post_floor"] = case.post_conv_bytes() / bandwidth * 1e3

@@ -191,9 +191,14 @@ def test_bench_host_table():
     assert all(line.split()[8:10] == ["-", "-"] for line in host)  # no compiled rows
 
 
-def test_bench_row_of_a_convolution_with_the_pass_in_its_epilogue():
-    # Pipeline A on the implicit GEMM runs no convolution of its own: its row shows no
-    # convolution time or post-convolution time and names the path.
+@pytest.mark.parametrize("fields, strategy", [
+    ({"conv_engine": "epilogue"}, "igemm, pass in its epilogue"),
+    ({"conv_in_epilogue": True}, "igemm, pass in its epilogue"),  # a result before conv_engine
+    ({"conv_engine": "igemm"}, "igemm, pass after it"),
+])
+def test_bench_row_of_a_convolution_on_the_implicit_gemm(fields, strategy):
+    # A pipeline whose convolution runs on the implicit GEMM runs no cuDNN plan: its row
+    # shows no convolution time or post-convolution time and names the path.
     import json
     import pathlib
 
@@ -201,11 +206,14 @@ def test_bench_row_of_a_convolution_with_the_pass_in_its_epilogue():
 
     result = json.loads((pathlib.Path(__file__).parents[2] / "docs" / "_static"
                          / "bench.json").read_text())
-    result["rows"] = [dict(result["rows"][0], conv_in_epilogue=True)]
+    result["rows"] = [dict(result["rows"][0], **fields)]
     row = next(line for line in format_table(result).splitlines() if line.startswith("A "))
-    assert row.endswith("igemm, pass in its epilogue")
+    assert row.endswith(strategy)
     cells = row.split()
     assert cells[8:10] == ["-", "-"] and cells[11] == "-"
+    result["rows"] = [dict(result["rows"][0], conv_engine="cudnn")]
+    row = next(line for line in format_table(result).splitlines() if line.startswith("A "))
+    assert row.split()[8] == f"{result['rows'][0]['conv']:.3f}"
 
 
 def test_bench_batch_option():
@@ -279,3 +287,28 @@ def test_the_bench_subpackage_sits_beside_the_library():
     conf = _imported_modules(root / "docs" / "conf.py", root / "docs")
     assert not {m for m in conf if m.startswith("cufused.__main__")}, conf
     assert "cufused.bench.report.format_table" in conf
+
+
+def test_bench_floors():
+    # The floor: the direct convolution's FLOPs at the precision's measured rate (3xTF32 a
+    # third of TF32's), or the input and output at the copy bandwidth, whichever is longer;
+    # no floor for a tensor-core precision without a measured TF32 rate.
+    from cufused.bench.cases import make_cases
+    from cufused.bench.report import _floor_cells
+    from cufused.bench.timing import add_floors
+
+    case = make_cases()[0]
+    flops, nbytes = case.conv_flops(), case.io_bytes()
+    rows = [{"precision": p, "fused": 1.0} for p in ("ieee", "tf32", "3xtf32")]
+    add_floors(case, rows, {"copy_TBps": 4.0, "fp32_TFLOPs": 50.0, "tf32_TFLOPs": 400.0})
+    byte_ms = nbytes / 4e12 * 1e3
+    assert rows[0]["floor"] == pytest.approx(max(flops / 50e12 * 1e3, byte_ms))
+    assert rows[1]["floor"] == pytest.approx(max(flops / 400e12 * 1e3, byte_ms))
+    assert rows[2]["floor"] == pytest.approx(max(flops / (400e12 / 3) * 1e3, byte_ms))
+    assert rows[1]["floor"] > byte_ms  # A's TF32 floor is its FLOPs, not its bytes
+    assert rows[0]["post_floor"] == pytest.approx(case.post_conv_bytes() / 4e12 * 1e3)
+    add_floors(case, rows, {"copy_TBps": 4.0, "fp32_TFLOPs": 50.0})
+    assert rows[0]["floor"] is not None and rows[1]["floor"] is None is rows[2]["floor"]
+    assert _floor_cells(rows[1]).split() == ["-", "-"]
+    assert _floor_cells(rows[0]).split() == [f"{rows[0]['floor']:.3f}",
+                                             f"{1.0 / rows[0]['floor']:.2f}"]
