@@ -17,16 +17,16 @@ The modules, each importing only those above it:
   import of cuDNN Frontend and the pool of cuDNN handles (one borrowed per call).
 - ``_graphs``: ``ConvProblem``, ``Strategy`` and ``strategies``; each strategy's graphs
   (the sub-pixel split), their building, and the execution of a graph's chosen plan.
-- ``_timing``: CUDA-event timing, random operands and the L2 flush of the autotuner.
 - ``_plan``: ``ConvPlan``, which feeds its graphs in its layouts and replays warm calls as
   CUDA graphs.
 - ``_autotune``: the entry point ``conv_plan`` (the plan for the convolution of this call, in
   the layouts its caller passes and reads), the choice of strategy and of replay, and the
   plan cache (``clear_plan_cache``).
 
-The layout conversions a plan runs are launchers (:mod:`cufused._kernels.layout`). Settings
-and caches are shared objects (``_config``, ``_plans``); a test that replaces a function or a
-constant replaces it in the module that looks it up.
+The layout conversions a plan runs are launchers (:mod:`cufused._kernels.layout`); the
+timing of candidates (CUDA events, random operands, the L2 flush) is :mod:`cufused._timing`.
+Settings and caches are shared objects (``_config``, ``_plans``); a test that replaces a
+function or a constant replaces it in the module that looks it up.
 """
 
 from ._autotune import (_INPUT_CONVERSION_MARGIN, UnsupportedConvolution, _choose,
@@ -35,7 +35,6 @@ from ._autotune import (_INPUT_CONVERSION_MARGIN, UnsupportedConvolution, _choos
 from ._config import _config, import_cudnn, plan_options, set_conv_autotune, set_conv_graph_replay
 from ._graphs import ConvProblem, Strategy, _part_specs, strategies
 from ._plan import ConvPlan, _graph_buffer_pool, plans_in_use
-from ._timing import _l2_flush_buffer
 
 __all__ = [
     "conv_plan", "ConvPlan", "ConvProblem", "Strategy", "strategies", "strategy_score",
@@ -43,5 +42,5 @@ __all__ = [
     "set_conv_graph_replay", "import_cudnn", "plans_in_use", "on_clear_plan_cache",
     # private names that tests and scripts reach through the package
     "_config", "_plans", "_choose", "_decide_replay", "_graph_buffer_pool", "_part_specs",
-    "_l2_flush_buffer", "_INPUT_CONVERSION_MARGIN",
+    "_INPUT_CONVERSION_MARGIN",
 ]

@@ -15,7 +15,7 @@ from ._config import _config, cudnn_handle, import_cudnn, plan_options
 from ._graphs import (ConvProblem, Strategy, _build_graph, _Part, _part_specs, runnable_plans,
                       strategies)
 from ._plan import ConvPlan, _graph_buffer_pool
-from ._timing import LONG_CALL_MS, _issue_ms, _l2_flush_buffer, _random, _time_ms
+from .._timing import LONG_CALL_MS, issue_ms, l2_flush_buffer, random_operand, time_ms
 
 _plans: dict[tuple, ConvPlan] = {}
 _plans_lock = threading.Lock()
@@ -89,10 +89,10 @@ def _chosen_parts(problem: ConvProblem, strategy: Strategy, tune: bool, handle):
         return None
     index = None if index is None else cupy.asarray(index)
     if tune:
-        x = _random(problem.x_shape, strategy.x_layout)
-        w = _random((int(index.size),) if index is not None else problem.w_shape,
+        x = random_operand(problem.x_shape, strategy.x_layout)
+        w = random_operand((int(index.size),) if index is not None else problem.w_shape,
                     "nchw" if index is not None else strategy.x_layout)
-        b = _random((problem.y_shape[1],))
+        b = random_operand((problem.y_shape[1],))
         y = cupy.empty(y_shape, dtype=cupy.float32)
     parts, built = [], set()
     for spec in specs:
@@ -112,7 +112,7 @@ def _chosen_parts(problem: ConvProblem, strategy: Strategy, tune: bool, handle):
                     best = part
                     break
                 ws = cupy.empty(max(part.workspace_size, 1), dtype=cupy.uint8)
-                part.milliseconds = _time_ms(lambda p=part, ws=ws: p.execute(
+                part.milliseconds = time_ms(lambda p=part, ws=ws: p.execute(
                     x.data.ptr, w.data.ptr, y.data.ptr, b.data.ptr, ws.data.ptr, handle),
                     give_up_ms=_give_up_ms(best))
             except cupy.cuda.memory.OutOfMemoryError:  # its workspace does not fit
@@ -213,12 +213,12 @@ def _choose(problem, convert_input, convert_output, accept_classes, tune, pins) 
         if not tune:
             best = plan
             break
-        x = _random(problem.x_shape, "nchw" if convert_input else strategy.x_layout)
-        w = _random(problem.w_shape)
-        b = _random((problem.y_shape[1],)) if problem.bias else None
+        x = random_operand(problem.x_shape, "nchw" if convert_input else strategy.x_layout)
+        w = random_operand(problem.w_shape)
+        b = random_operand((problem.y_shape[1],)) if problem.bias else None
         plan.milliseconds = sum(p.milliseconds for p in plan.parts)
         call = functools.partial(plan.apply, x, w, bias=b, convert_output=convert_output)
-        plan.cost = _time_ms(call)
+        plan.cost = time_ms(call)
         candidates[strategy.label] = (plan.milliseconds, plan.cost)
         score = strategy_score(plan.cost, strategy, convert_input)
         if score < best_score:
@@ -250,14 +250,14 @@ def _decide_replay(plan: ConvPlan, call, rounds: int = 11) -> None:
     would not be stable between processes.) The host time of issuing each call is measured
     beside it.
     """
-    flush = _l2_flush_buffer()
+    flush = l2_flush_buffer()
     times = {True: [], False: []}
     issue = {True: [], False: []}
     for _ in range(rounds):
         for replay in (True, False):
             with plan_options(replay=replay):
-                times[replay].append(_time_ms(call, repeat=1, batch=1, flush=flush))
-                issue[replay].append(_issue_ms(call))
+                times[replay].append(time_ms(call, repeat=1, batch=1, flush=flush))
+                issue[replay].append(issue_ms(call))
     if plan._replays is not None:
         plan._replays.clear()  # the graphs of the autotuner's operands
     plan._calls.clear()

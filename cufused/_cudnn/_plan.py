@@ -18,7 +18,7 @@ from .._layout import empty_in_layout, stored_in
 from .._scoped import scoped_value
 from ._config import _config, cudnn_handle
 from ._graphs import ConvProblem, Strategy, _aligned, _Part
-from ._timing import _random
+from .._timing import random_operand
 
 # CUDA graphs kept per plan (one per operand pointers and stream), and how many calls with the
 # same operands come before one is captured (a one-off call is not worth a capture).
@@ -93,7 +93,8 @@ class ConvPlan:
 
     def example_operands(self):
         """``(x, w, y)`` for :meth:`run` (timings): random inputs, an empty output."""
-        return (_random(self.problem.x_shape, self.x_layout), _random(self.problem.w_shape),
+        return (random_operand(self.problem.x_shape, self.x_layout),
+                random_operand(self.problem.w_shape),
                 self.empty_output())
 
     def empty_output(self):

@@ -112,11 +112,10 @@ def fastest(candidates: dict[str, Callable[[], Any]]) -> str:
     """The name of the fastest of ``candidates`` (calls of the device's work, each timed after
     a warm-up, median of CUDA events, the L2 flushed between samples; a tie goes to the
     first)."""
-    from .._cudnn import _l2_flush_buffer
-    from .._cudnn._timing import _time_ms
+    from .._timing import l2_flush_buffer, time_ms
 
-    flush = _l2_flush_buffer()
-    times = {name: _time_ms(fn, flush=flush) for name, fn in candidates.items()}
+    flush = l2_flush_buffer()
+    times = {name: time_ms(fn, flush=flush) for name, fn in candidates.items()}
     return min(times, key=times.get)
 
 
@@ -178,14 +177,14 @@ def _faster_engine(x_shape, x_layout: str, w_shape, args: ConvArgs, bias: bool,
     (TF32, or exact float32 for 3xTF32) on random operands, the input in ``x_layout``, the
     output NCHW / NCDHW, L2 flushed; "igemm" where cuDNN has none."""
     from .._cudnn import UnsupportedConvolution
-    from .._cudnn._timing import _random
+    from .._timing import random_operand
 
     try:
         plan = _plan(x_shape, w_shape, args, precision, bias, True, True, False)
     except UnsupportedConvolution:
         return "igemm"
-    x, w = _random(x_shape, x_layout), _random(w_shape)
-    b = _random((args.out_shape[1],)) if bias else None
+    x, w = random_operand(x_shape, x_layout), random_operand(w_shape)
+    b = random_operand((args.out_shape[1],)) if bias else None
     y = _empty_nchw(args.out_shape)
     return fastest({"cudnn": lambda: plan.apply(x, w, bias=b, out=y),
                     "igemm": lambda: run(x, w, b, y)})

@@ -264,9 +264,9 @@ def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_e
         row.update(_host_times(fns, precision, lambda: case.run_cufused(
             inputs, precision=precision)))
         # Device ms per call of 20 fused calls back to back (CUDA events around them).
-        from .._cudnn._timing import _time_ms
+        from .._timing import time_ms
 
-        row["fused_back_to_back"] = _time_ms(fns["fused"], repeat=5, batch=20)
+        row["fused_back_to_back"] = time_ms(fns["fused"], repeat=5, batch=20)
         row.setdefault("conv_free", row["conv"])
         row.update(case=case.name, precision=precision, conv_layout=plan.strategy.label,
                    conv_calls="replayed" if plan.replays else "direct",

@@ -90,10 +90,10 @@ def test_decide_replay_times_both_ways_alternately(monkeypatch, direct_wins):
         assert medians == (1.0, 0.5, 0.01, 0.02)  # replayed, direct, and their host times
         return direct_wins
 
-    monkeypatch.setattr(_autotune, "_time_ms", fake_time_ms)
-    monkeypatch.setattr(_autotune, "_issue_ms", fake_issue_ms)
+    monkeypatch.setattr(_autotune, "time_ms", fake_time_ms)
+    monkeypatch.setattr(_autotune, "issue_ms", fake_issue_ms)
     monkeypatch.setattr(_autotune, "_direct_wins", fake_direct_wins)
-    monkeypatch.setattr(_autotune, "_l2_flush_buffer", lambda: "flush")
+    monkeypatch.setattr(_autotune, "l2_flush_buffer", lambda: "flush")
     calls = []
     _cudnn._decide_replay(plan, lambda: calls.append(1), rounds=3)
     assert seen == issued == [True, False] * 3 and len(calls) == 12
@@ -116,8 +116,8 @@ def test_autotuner_measures_replay_of_every_plan(monkeypatch, convert_output):
     monkeypatch.setattr(_autotune, "strategies",
                         lambda problem, accept: [_cudnn.Strategy("direct", "nchw", "nchw")])
     monkeypatch.setattr(_autotune, "_make_plan", lambda problem, strategy, tune: plan)
-    monkeypatch.setattr(_autotune, "_random", lambda shape, layout="nchw": None)
-    monkeypatch.setattr(_autotune, "_time_ms", lambda call: 1.0)
+    monkeypatch.setattr(_autotune, "random_operand", lambda shape, layout="nchw": None)
+    monkeypatch.setattr(_autotune, "time_ms", lambda call: 1.0)
     decided = []
     monkeypatch.setattr(_autotune, "_decide_replay", lambda p, call: decided.append(p))
     best = _cudnn._choose(problem, True, convert_output, False, True, None)
@@ -166,8 +166,8 @@ def test_strategies_short_of_memory_are_skipped(monkeypatch):
                                  apply=lambda *args, **kwargs: None, _replays={})
     found = [_cudnn.Strategy("direct", "nchw", "nchw"), _cudnn.Strategy("direct", "nhwc", "nhwc")]
     monkeypatch.setattr(_autotune, "strategies", lambda problem, accept: found)
-    monkeypatch.setattr(_autotune, "_random", lambda shape, layout="nchw": None)
-    monkeypatch.setattr(_autotune, "_time_ms", lambda call: 1.0)
+    monkeypatch.setattr(_autotune, "random_operand", lambda shape, layout="nchw": None)
+    monkeypatch.setattr(_autotune, "time_ms", lambda call: 1.0)
     monkeypatch.setattr(_autotune, "_decide_replay", lambda p, call: None)
     made = {"nchw": _autotune._SHORT_OF_MEMORY, "nhwc": plan}
     monkeypatch.setattr(_autotune, "_make_plan", lambda problem, s, tune: made[s.x_layout])

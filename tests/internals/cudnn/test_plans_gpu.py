@@ -112,13 +112,13 @@ def test_replay_reads_this_calls_copy_of_a_misaligned_bias(rng, plan_graphs_only
 
 def test_replay_decision_without_memory_for_a_flush(monkeypatch):
     # With no room for the L2 flush buffer the autotuner times unflushed instead of failing.
-    from cufused import _cudnn
+    from cufused import _timing
 
     def out_of_memory(*args, **kwargs):
         raise cp.cuda.memory.OutOfMemoryError(1 << 40, 0)
 
     monkeypatch.setattr(cp, "empty", out_of_memory)
-    assert _cudnn._l2_flush_buffer() is None
+    assert _timing.l2_flush_buffer() is None
 
 
 def test_graph_buffers_leave_the_default_pool_alone(rng, plan_graphs_only):
@@ -241,7 +241,7 @@ def test_conv_autotune_without_memory_for_its_operands(rng, monkeypatch):
     def out_of_memory(*args, **kwargs):
         raise cp.cuda.memory.OutOfMemoryError(1 << 40, 0)
 
-    monkeypatch.setattr(_autotune, "_random", out_of_memory)
+    monkeypatch.setattr(_autotune, "random_operand", out_of_memory)
     x, w = rng.standard_normal((2, 3, 10, 7)), rng.standard_normal((5, 3, 3, 2))
     with _cudnn.plan_options(autotune=True):
         got = cufused.conv2d(*to_gpu(x, w), padding=1)

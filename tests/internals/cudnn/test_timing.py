@@ -7,7 +7,8 @@ import types
 
 import pytest
 
-from cufused._cudnn import _autotune, _timing
+from cufused import _timing
+from cufused._cudnn import _autotune
 
 
 def _clock(monkeypatch, run_ms: float) -> tuple:
@@ -40,7 +41,7 @@ def _clock(monkeypatch, run_ms: float) -> tuple:
 ])
 def test_runs_per_timing(monkeypatch, run_ms, give_up_ms, runs):
     done, call = _clock(monkeypatch, run_ms)
-    assert _timing._time_ms(call, give_up_ms=give_up_ms) == pytest.approx(run_ms)
+    assert _timing.time_ms(call, give_up_ms=give_up_ms) == pytest.approx(run_ms)
     assert len(done) == runs
 
 

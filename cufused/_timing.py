@@ -1,4 +1,5 @@
-"""Timing for the autotuner: CUDA-event times of a call, random operands, the L2 flush."""
+"""Timing for the autotuners (cuDNN plans, convolution engines) and the benchmark: CUDA-event
+times of a call, host issue time, random operands, the L2 flush."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import time
 
 import numpy
 
-from .._arrays import import_cupy
-from .._layout import empty_in_layout
+from ._arrays import import_cupy
+from ._layout import empty_in_layout
 
 
 # A call of at least this many milliseconds is timed in at most 3 single runs: its host
@@ -16,7 +17,7 @@ from .._layout import empty_in_layout
 LONG_CALL_MS = 20.0
 
 
-def _time_ms(fn, repeat: int = 5, batch: int = 3, flush=None,
+def time_ms(fn, repeat: int = 5, batch: int = 3, flush=None,
              give_up_ms: float | None = None) -> float:
     """Median CUDA-event time of ``fn()`` on the current stream after one warm-up run.
 
@@ -50,7 +51,7 @@ def _time_ms(fn, repeat: int = 5, batch: int = 3, flush=None,
     return float(numpy.median(times))
 
 
-def _issue_ms(fn) -> float:
+def issue_ms(fn) -> float:
     """Host milliseconds of issuing ``fn()`` to an idle current stream (not waiting for the
     work it queues)."""
     stream = import_cupy().cuda.get_current_stream()
@@ -62,7 +63,7 @@ def _issue_ms(fn) -> float:
     return issued * 1e3
 
 
-def _random(shape, layout="nchw"):
+def random_operand(shape, layout="nchw"):
     """Random (not zero: zeros can run faster) float32 test data in ``layout``."""
     cupy = import_cupy()
     a = empty_in_layout(shape, layout)
@@ -70,7 +71,7 @@ def _random(shape, layout="nchw"):
     return a
 
 
-def _l2_flush_buffer():
+def l2_flush_buffer():
     """A float32 array twice the size of the current device's L2 cache, or None when that
     much memory is not free (the autotuner then times without flushing)."""
     cupy = import_cupy()
