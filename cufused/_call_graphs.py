@@ -482,8 +482,9 @@ def clear_caches() -> None:
 
     cufused caches, per device, the cuDNN plan of each convolution problem it has run (with
     the CUDA graphs of warm convolution calls), the engine the autotuner measured fastest for
-    each tensor-core problem, and the CUDA graphs of up to ``MAX_GRAPHS`` warm pipeline calls
-    (each with its temporaries). All are rebuilt, or measured again, on next use. It also
+    each tensor-core problem, and the CUDA graphs of up to 8 warm pipeline or building-block
+    calls across all devices, each with its temporaries (fewer where those pass a quarter of
+    a device's memory). All are rebuilt, or measured again, on next use. It also
     frees the buffers and plans of the calls recorded into the caller's own CUDA-graph
     captures, which nothing else frees (each such call keeps its temporaries and result):
     those graphs must not be launched afterwards.

@@ -65,8 +65,10 @@ def set_default_precision(precision: str) -> None:
         ``"ieee"`` keeps convolutions in true float32; ``"tf32"`` lets them use TF32
         tensor cores, as PyTorch does for convolutions by default; ``"3xtf32"`` splits each
         float32 operand into two TF32 parts and sums three tensor-core products (float32
-        accuracy; cufused's own convolution where it applies, 2-D, one group, forward or
-        transposed with stride 1, and the autotuner measures it faster; else ``"ieee"``).
+        accuracy) on cufused's own convolution where it applies (2-D, one group, forward or
+        transposed with stride 1; transposed 3-D with stride 2, a 3 x 3 x 3 kernel, padding 1
+        and at most 32 input channels, pipeline C's) and the autotuner measures it faster than
+        cuDNN's exact float32; other convolutions run in ``"ieee"``.
 
     Raises
     ------

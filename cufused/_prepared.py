@@ -79,12 +79,14 @@ def prepare(function: Callable, *args: Any, **kwargs: Any) -> PreparedCall:
     """Prepare a call for a loop: run it once, capture it into a CUDA graph, and return a
     callable that replays the graph.
 
-    Every call of the returned :class:`PreparedCall` runs the same work on the same buffers
+    Every call of the returned ``PreparedCall`` runs the same work on the same buffers
     as ``function(*args, **kwargs)`` and gives the same result, at the host cost of one
     CUDA-graph launch instead of the argument checks, plan lookups and kernel launches of a
-    functional call (the way ``torch.cuda.graphs`` or cuFFT plans serve a loop). It returns
-    the same array every time: ``out`` when given, else an array that the prepared call owns
-    and overwrites on each call (copy it to keep a result).
+    functional call (the way ``torch.cuda.graphs`` or cuFFT plans serve a loop). A call that
+    replays a graph returns the same array every time: ``out`` when given, else an array that
+    the prepared call owns and overwrites on each call (copy it to keep a result). A call
+    prepared without a graph (see below) returns what ``function`` returns each time: ``out``
+    when given, else a new array; pass ``out`` for one fixed buffer either way.
 
     The graph reads the bound arrays where they are: to run on new data, copy it into them
     (``x[...] = new_x``, as with the static inputs of ``torch.cuda.graphs``), or prepare a
@@ -97,7 +99,7 @@ def prepare(function: Callable, *args: Any, **kwargs: Any) -> PreparedCall:
     convolution output included) for as long as the prepared call lives. A call that cannot
     be captured (a cuDNN engine that refuses graph capture), or whose convolution the
     autotuner measured faster issued directly than replayed, is prepared without a graph:
-    each call then runs the function.
+    each call then runs the function, as a call on NumPy arrays does.
 
     Parameters
     ----------

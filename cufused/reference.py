@@ -3,7 +3,7 @@
 Every function takes NumPy arrays, computes in float64 and returns float64. The code is
 written against the array module of its input, so CuPy arrays run the same code in float64 on
 the GPU (``python -m cufused check`` computes the canonical references that way). Arguments are
-assumed valid (the public functions in :mod:`cufused` check them) and use PyTorch's
+assumed valid (the public functions in ``cufused`` check them) and use PyTorch's
 conventions: NCHW / NCDHW data, weights ``(out, in/groups, *k)`` for convolutions and
 ``(in, out/groups, *k)`` for transposed convolutions, integer options expanded to one value
 per spatial dimension. Loops run over kernel offsets and groups, never over pixels.

@@ -1,7 +1,9 @@
 """The three fused pipelines (KernelBench level 2 / Tensara problem names), one module each.
 
-Each runs its convolution through cuDNN and everything after it in cufused's own kernels,
-reading the large convolution output as few times as possible:
+Each runs its convolution through cuDNN or, at a tensor-core precision where the autotuner
+measures it faster, cufused's implicit GEMM (A and C then compute their statistics in its
+epilogue, the convolution output never stored), and everything after it in cufused's own
+kernels, reading the large convolution output as few times as possible:
 
 * A (:mod:`.pipeline_a`), conv2d -> GroupNorm -> scale -> MaxPool -> clamp: GroupNorm * scale
   is a per-channel affine ``a * y + b`` with ``sign(a) = sign(gamma * scale)``; a monotone map
@@ -15,8 +17,8 @@ reading the large convolution output as few times as possible:
   cached in shared memory. The convolution bias cancels in training-mode BatchNorm and is only
   added to the running-mean update.
 * C (:mod:`.pipeline_c`), AvgPool3d -> ConvTranspose3d -> clamp -> softmax over D*H*W ->
-  scale: the pool runs first, writing the convolution's input directly in the layout its cuDNN
-  plan wants; after the clamp to [lo, hi] the softmax needs no max pass (exp(v - hi) <= 1), so
+  scale: the pool runs first, writing the convolution's input directly in the layout its
+  convolution wants; after the clamp to [lo, hi] the softmax needs no max pass (exp(v - hi) <= 1), so
   one statistics read and one normalize-and-scale pass follow, in place in the output when the
   layout allows.
 

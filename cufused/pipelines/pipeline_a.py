@@ -63,8 +63,9 @@ def conv2d_groupnorm_scale_maxpool_clamp(
         Python number or a 0-d array), or None for no scaling.
     num_groups : int
         GroupNorm groups; must divide C_out.
-    pool_kernel : int
-        Max-pool window and stride (floor mode).
+    pool_kernel : int or tuple of int
+        Max-pool window and stride (floor mode): one side, or a sequence of equal sides (one
+        value or one per spatial dimension).
     clamp_min, clamp_max : float
         Bounds of the final clamp, infinities included (``clamp_min > clamp_max`` gives
         ``clamp_max``, as ``torch.clamp``); not NaN.

@@ -63,8 +63,9 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
         Transposed-convolution groups.
     conv_bias : array, optional
         Convolution bias (it cancels in the output; it still enters the running mean).
-    pool_kernel : int
-        Max-pool window and stride.
+    pool_kernel : int or tuple of int
+        Max-pool window and stride: one side, or a sequence of equal sides (one value or one
+        per spatial dimension).
     eps : float
         Epsilon of both norms; finite and > 0 (BatchNorm in training needs it positive, as
         in PyTorch).

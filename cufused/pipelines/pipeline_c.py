@@ -60,8 +60,9 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
         or a 0-d array), or None for no scaling.
     stride, padding, output_padding : int or tuple of int
         Transposed-convolution options.
-    pool_kernel : int
-        Average-pool window and stride.
+    pool_kernel : int or tuple of int
+        Average-pool window and stride: one side, or a sequence of equal sides (one value or
+        one per spatial dimension).
     clamp_min, clamp_max : float
         Clamp bounds applied before the softmax, infinities included (``clamp_min >
         clamp_max`` gives ``clamp_max``, as ``torch.clamp``); not NaN.

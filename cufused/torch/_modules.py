@@ -279,7 +279,8 @@ class ConvTranspose3dAvgPoolClampSoftmaxMultiply(_ForwardOnlyModule):
     pool_kernel_size : int
         Average-pool window and stride.
     clamp_min, clamp_max : float
-        Bounds of the clamp of the pooled convolution output, before the softmax.
+        Bounds of the clamp of the convolution output (of the pooled input), before the
+        softmax.
     precision : {"ieee", "tf32", "3xtf32"}, optional
         Convolution precision on the GPU; ``None`` uses cufused's default.
 
