@@ -200,8 +200,8 @@ def _choose_fitting(problem, convert_input, convert_output, accept_classes, tune
 
 def _choose(problem, convert_input, convert_output, accept_classes, tune, pins) -> ConvPlan:
     found = _pinned(strategies(problem, accept_classes or convert_output), pins)
-    if not tune:  # the first strategy, in order, that builds
-        found = [s for s in found if not s.bias_in_graph] or found
+    if not tune and pins is None:  # the first strategy, in order, that builds; pinned ones
+        found = [s for s in found if not s.bias_in_graph] or found  # as pinned
     best, best_score, candidates, short_of_memory = None, float("inf"), {}, False
     for strategy in found:
         plan = _make_plan(problem, strategy, tune)

@@ -127,6 +127,30 @@ def test_autotuner_measures_replay_of_every_plan(monkeypatch, convert_output):
     assert decided == [plan]
 
 
+@pytest.mark.parametrize("pins, built", [
+    (None, ["nchw"]),  # untimed: the first strategy without the bias in its graph
+    (("nchw+bias",), ["nchw+bias"]),  # a pinned bias-in-graph strategy is the one built
+])
+def test_untimed_choice_builds_the_pinned_strategy(monkeypatch, pins, built):
+    from cufused import _cudnn
+    from cufused._cudnn import _autotune
+
+    problem = _cudnn.ConvProblem("fprop", (1, 2, 5, 5), (3, 2, 3, 3), (1, 3, 3, 3), (1, 1),
+                                 (0, 0), (1, 1), "ieee", bias=True)
+    monkeypatch.setattr(_autotune, "strategies", lambda problem, accept: [
+        _cudnn.Strategy("direct", "nchw", "nchw", bias_in_graph=True),
+        _cudnn.Strategy("direct", "nchw", "nchw")])
+    made = []
+
+    def make_plan(problem, strategy, tune):
+        made.append(strategy.label)
+        return types.SimpleNamespace(strategy=strategy)
+
+    monkeypatch.setattr(_autotune, "_make_plan", make_plan)
+    plan = _cudnn._choose(problem, True, True, False, False, pins)
+    assert made == built and plan.strategy.label == built[0]
+
+
 def test_autotuning_out_of_memory_chooses_untimed(monkeypatch):
     # Timing operands that do not fit make the choice the first plan that builds, untimed;
     # an untimed choice that runs out of memory (or any other error) is not retried.
