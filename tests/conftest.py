@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import zlib
 
 import numpy as np
@@ -24,6 +25,10 @@ ORACLE_COMMAND = ("python -m pip install torch --index-url https://download.pyto
 
 
 def pytest_collection_modifyitems(config, items):
+    if not GPU and os.environ.get("CUFUSED_REQUIRE_GPU") == "1":
+        # On the GPU machine (scripts/gpu_check.sh) a CuPy that sees no device is a failure,
+        # not a reason to skip every GPU test.
+        raise pytest.UsageError("CUFUSED_REQUIRE_GPU=1 but CuPy sees no CUDA device")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device with CuPy")
     skip_oracle = pytest.mark.skip(reason=NO_ORACLE)
     for item in items:

@@ -65,6 +65,34 @@ def test_check_without_gpu_catches_a_semantic_error(monkeypatch, capsys):
     assert " FAIL " in out and out.splitlines()[-1] == "1 check(s) FAILED"
 
 
+def test_check_seed_draws_the_inputs(monkeypatch):
+    # --seed picks the inputs: the same seed draws the same ones, another seed and each case
+    # other ones.
+    import sys
+
+    from cufused.bench import cli
+    from cufused.bench.cases import Case
+
+    monkeypatch.setattr(cli, "gpu_available", lambda: False)
+    monkeypatch.setitem(sys.modules, "torch", None)  # the reference alone: quicker
+    drawn = []
+    make_inputs = Case.make_inputs
+
+    def recording(self, rng):
+        inputs = make_inputs(self, rng)
+        drawn.append(float(inputs["x"].ravel()[0]))
+        return inputs
+
+    monkeypatch.setattr(Case, "make_inputs", recording)
+    runs = {}
+    for seed in (1, 2, 1):
+        drawn.clear()
+        assert cli.main(["check", "--cases", "A", "C", "--seed", str(seed)]) == 0
+        runs.setdefault(seed, []).append(list(drawn))
+    assert runs[1][0] == runs[1][1] and len(runs[1][0]) == 2
+    assert runs[1][0] != runs[2][0] and runs[1][0][0] != runs[1][0][1]
+
+
 def test_check_without_gpu_or_torch_says_so(monkeypatch, capsys):
     import sys
 

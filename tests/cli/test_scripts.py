@@ -17,6 +17,8 @@ import sys
 
 import pytest
 
+from cufused._arrays import gpu_available
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 PYTHON_SCRIPTS = sorted(SCRIPTS.glob("*.py"))
@@ -212,3 +214,23 @@ def test_every_mentioned_script_exists():
     assert any(name == "profile_pipelines.py" for _, name in mentioned)  # the scan finds them
     missing = sorted((str(f), name) for f, name in mentioned if not (SCRIPTS / name).exists())
     assert not missing, missing
+
+
+@pytest.mark.skipif(gpu_available(), reason="this machine has a GPU")
+def test_required_gpu_fails_the_run_without_one(tmp_path):
+    # gpu_check.sh sets CUFUSED_REQUIRE_GPU=1: without a device the GPU tests do not skip,
+    # the run stops with a usage error (pytest's status 4).
+    import os
+
+    (tmp_path / "test_one.py").write_text("def test_one():\n    assert 1 + 1 == 2\n")
+    env = {**os.environ, "CUFUSED_REQUIRE_GPU": "1"}
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+            "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"),
+            "--confcutdir", str(ROOT / "tests"), str(ROOT / "tests" / "conftest.py"),
+            str(tmp_path / "test_one.py")]
+    required = subprocess.run(args, env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert required.returncode == 4, required.stdout + required.stderr
+    assert "CuPy sees no CUDA device" in required.stdout + required.stderr
+    env["CUFUSED_REQUIRE_GPU"] = "0"
+    free = subprocess.run(args, env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert free.returncode == 0, free.stdout + free.stderr

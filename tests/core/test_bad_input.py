@@ -96,6 +96,10 @@ CASES = {
         lambda d: cufused.group_norm(d["x4"][:1, :, :1, :1], 4), ValueError, "more than 1"),
     "group_norm weight complex": (
         lambda d: cufused.group_norm(d["x4"], 2, 1j), TypeError, "weight"),
+    "group_norm 1-d x": (lambda d: cufused.group_norm(d["c8"], 2), ValueError,
+                         "x must have at least 2 dimensions"),
+    "batch_norm 1-d x": (lambda d: cufused.batch_norm(d["c8"]), ValueError,
+                         "x must have at least 2 dimensions"),
     "batch_norm training str": (
         lambda d: cufused.batch_norm(d["x4"], training="yes"), TypeError, "training"),
     "batch_norm training None": (
@@ -427,10 +431,25 @@ def test_bad_input_does_no_gpu_work():
     d = arrays(cupy)
     rm, rv = cupy.zeros(8, cupy.float32), cupy.ones(8, cupy.float32)
     out = cupy.full((2, 8, 5, 5), cupy.nan, cupy.float32)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="momentum"):
         pipeline_b(d, running_mean=rm, running_var=rv, out=out, momentum="x")
     cupy.cuda.get_current_stream().synchronize()
     assert (rm == 0).all() and (rv == 1).all() and cupy.isnan(out).all()
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device with CuPy")
+@pytest.mark.gpu
+def test_gpu_out_must_be_c_contiguous():
+    # The kernels write out densely: a strided out of the right shape is refused, untouched.
+    import cupy
+
+    d = arrays(cupy)
+    base = cupy.full((2, 8, 6, 12), cupy.nan, cupy.float32)
+    with pytest.raises(ValueError, match="out must be C-contiguous"):
+        cufused.conv2d(d["x4"], d["w"], out=base[..., ::2])
+    with pytest.raises(ValueError, match="out must be C-contiguous"):
+        cufused.softmax(d["x4"], axis=1, out=cupy.empty((2, 4, 8, 16), cupy.float32)[..., ::2])
+    assert bool(cupy.isnan(base).all())
 
 
 @pytest.mark.gpu

@@ -160,6 +160,19 @@ def test_mixing_numpy_and_cupy_is_a_type_error_naming_the_argument(monkeypatch):
         cufused._arrays.get_array_module(x=X4, weight=fake)
 
 
+def test_cupy_arrays_on_two_devices_are_a_value_error_naming_the_argument(monkeypatch):
+    class FakeCupyArray:  # a cupy.ndarray as get_array_module sees it: its device id
+        def __init__(self, device_id):
+            self.data = types.SimpleNamespace(device_id=device_id)
+
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(ndarray=FakeCupyArray))
+    monkeypatch.setattr(cufused._arrays, "import_cupy", lambda: sys.modules["cupy"])
+    assert cufused._arrays.get_array_module(x=FakeCupyArray(1), weight=FakeCupyArray(1)) \
+        is sys.modules["cupy"]
+    with pytest.raises(ValueError, match="weight is on CUDA device 1 but x is on CUDA device 0"):
+        cufused._arrays.get_array_module(x=FakeCupyArray(0), weight=FakeCupyArray(1))
+
+
 def test_errors_come_before_any_work():
     # A wrong option after valid arrays: nothing is written to out.
     out = np.full((2, 8, 3, 3), 7.0, dtype=np.float32)

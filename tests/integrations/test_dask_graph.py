@@ -90,6 +90,21 @@ def test_input_errors_name_the_argument(rng):
     unknown = chunked(x, (5,))[da.from_array(np.arange(5) > 1)]
     with pytest.raises(ValueError, match="unknown chunk sizes"):
         cdask.group_norm(unknown, 2)
+    with pytest.raises(ValueError, match=r"x must have a batch axis \(ndim >= 1\)"):
+        cdask.group_norm(da.from_array(np.float32(1.0)), 1)
+
+    class Chunk:  # a chunk type that is neither NumPy's nor CuPy's
+        ndim, shape, dtype = 4, (0, 0, 0, 0), np.dtype(np.float32)
+
+        def __getitem__(self, key):
+            return self
+
+        def astype(self, *args, **kwargs):
+            return self
+
+    foreign = chunked(x, (5,)).map_blocks(lambda block: block, meta=Chunk())
+    with pytest.raises(TypeError, match=r"x has chunks of type .*Chunk; cufused.dask runs"):
+        cdask.group_norm(foreign, 2)
     with pytest.raises(TypeError, match="training must be a bool"):
         cdask.batch_norm(chunked(x, (5,)), training="False")
     # PyTorch's rules across the batch count the whole batch, when the graph is built, and

@@ -233,15 +233,18 @@ def test_builds_agree_with_the_reference(rng, shapes, options, precision):
 
 def _s2k3_route(monkeypatch, x_shape, c_out, output_padding) -> list:
     """The launches of the public conv_transpose3d's implicit-GEMM route, counted; a skip
-    where this device's shared memory does not take ``conv_transpose3d_s2k3``."""
+    only where this device's shared memory does not hold ``conv_transpose3d_s2k3``'s block
+    (every problem of these tests is one that the route must take)."""
     import cufused._kernels.conv_gemm as conv
+    from cufused._cuda import shared_per_block
 
+    if shared_per_block() < conv._CT3_SHARED:
+        pytest.skip("conv_transpose3d_s2k3 needs 217 KiB of shared memory a block")
     d, h, w = x_shape[2:]
     op = (output_padding,) * 3 if isinstance(output_padding, int) else output_padding
     out_shape = (x_shape[0], c_out, 2 * d - 1 + op[0], 2 * h - 1 + op[1], 2 * w - 1 + op[2])
-    if not conv.transposed_s2k3_takes(x_shape[1], (3, 3, 3), (2, 2, 2), (1, 1, 1), op,
-                                      (1, 1, 1), 1, out_shape):
-        pytest.skip("conv_transpose3d_s2k3 needs 217 KiB of shared memory a block")
+    assert conv.transposed_s2k3_takes(x_shape[1], (3, 3, 3), (2, 2, 2), (1, 1, 1), op,
+                                      (1, 1, 1), 1, out_shape)
     return count_calls(monkeypatch, conv, "conv_transpose3d_implicit_gemm")
 
 

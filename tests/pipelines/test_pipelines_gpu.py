@@ -21,6 +21,10 @@ if GPU:
 
 # -------------------------------------------------------------------------------- pipelines
 
+# A whole pipeline against the float64 reference: float32 far under 1e-4 (design section 5;
+# GroupNorm divides by the spread of a few values), TF32 as one TF32 convolution (TOL).
+PIPELINE_TOL = {"ieee": 1e-4, "3xtf32": 1e-4, "tf32": TOL["tf32"]}
+
 
 @pytest.mark.parametrize("method", ["fused", "unfused"])
 @pytest.mark.parametrize("precision", ["ieee", "tf32"])
@@ -31,7 +35,7 @@ def test_pipeline_a(rng, layout, method, precision, sign):
     out = poisoned(ref.shape)
     cufused.conv2d_groupnorm_scale_maxpool_clamp(*to_gpu(*arrays), **opts, method=method,
                                                  precision=precision, out=out)
-    assert_close(out.get(), ref, 10 * TOL[precision])
+    assert_close(out.get(), ref, PIPELINE_TOL[precision])
 
 
 INF = float("inf")
@@ -78,7 +82,7 @@ def test_pipeline_a_one_channel_one_window(rng, method, precision):
         with plan_options(engine=engine):
             cufused.conv2d_groupnorm_scale_maxpool_clamp(
                 *to_gpu(*arrays), **opts, method=method, precision=precision, out=out)
-        assert_close(out.get(), ref, 10 * TOL["tf32" if precision == "tf32" else "ieee"])
+        assert_close(out.get(), ref, PIPELINE_TOL[precision])
 
 
 def test_pipeline_a_dropped_rows_count_in_stats(rng, layout):
@@ -105,9 +109,9 @@ def test_pipeline_b(rng, layout, method, precision):
     cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
         *to_gpu(*arrays), **opts, conv_bias=to_gpu(cb)[0], running_mean=rm_g,
         running_var=rv_g, method=method, precision=precision, out=out)
-    assert_close(out.get(), ref, 10 * TOL[precision])
-    assert_close(rm_g.get(), rm, 10 * TOL[precision])
-    assert_close(rv_g.get(), rv, 10 * TOL[precision])
+    assert_close(out.get(), ref, PIPELINE_TOL[precision])
+    assert_close(rm_g.get(), rm, PIPELINE_TOL[precision])
+    assert_close(rv_g.get(), rv, PIPELINE_TOL[precision])
 
 
 @pytest.mark.parametrize("cout", [64, 63])
@@ -134,7 +138,7 @@ def test_pipeline_c(rng, layout, method, precision, clamp):
         *to_gpu(*arrays), **opts, conv_bias=to_gpu(cb)[0], method=method,
         precision=precision, out=out)
     # Outputs are tiny (~1 / (D*H*W)): only a relative check can tell them from zeros.
-    assert rel_err(out.get(), ref) < 10 * TOL[precision]
+    assert rel_err(out.get(), ref) < PIPELINE_TOL[precision]
 
 
 @pytest.mark.parametrize("bound", [1e10, -1e10, 3e38, -3e38])
@@ -178,7 +182,7 @@ def test_pipeline_channels_last_window_rows(rng, pipeline, cout):
     out = poisoned(ref.shape)
     with _pinned("nhwc"):
         fn(*to_gpu(*arrays), **opts, out=out)
-    assert_close(out.get(), ref, 10 * TOL["ieee"])
+    assert_close(out.get(), ref, PIPELINE_TOL["ieee"])
 
 
 @pytest.mark.parametrize("precision", ["ieee", "tf32"])
@@ -190,7 +194,7 @@ def test_pipeline_c_channels_last_vectorized(rng, precision):
     with _pinned("nhwc"):
         cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
             *to_gpu(*arrays), **opts, precision=precision, out=out)
-    assert rel_err(out.get(), ref) < 10 * TOL[precision]
+    assert rel_err(out.get(), ref) < PIPELINE_TOL[precision]
 
 
 @pytest.mark.parametrize("pin", ["subpixel nchw", "nchw"])
@@ -216,7 +220,7 @@ def test_pipeline_c_one_read(rng, monkeypatch, pin, precision):
     got = out.get()
     assert np.isnan(ref[2]).all() and np.array_equal(np.isnan(got), np.isnan(ref))
     mask = ~np.isnan(ref)
-    assert rel_err(got[mask], ref[mask]) < 10 * TOL[precision]
+    assert rel_err(got[mask], ref[mask]) < PIPELINE_TOL[precision]
 
 
 @pytest.mark.parametrize("method", ["fused", "unfused"])
@@ -436,7 +440,7 @@ def test_pipeline_c_batch_past_2_31_elements(rng, precision):
     for i in (0, n // 2, n - 1):
         ref = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
             x[i:i + 1].get(), w.get(), s.get(), conv_bias=b.get(), **opts)
-        assert rel_err(got[i:i + 1].get(), ref) < 10 * TOL[precision]
+        assert rel_err(got[i:i + 1].get(), ref) < PIPELINE_TOL[precision]
     del got, x
     cp.get_default_memory_pool().free_all_blocks()
 
@@ -459,4 +463,4 @@ def test_canonical_pipelines_match_torch_cuda(rng):
                 got = case.run_cufused(inputs, precision=precision).get()
             ref = torch_reference(case, inputs)
             err = rel_err(got, ref)
-            assert err < 10 * TOL[precision], (case.name, precision, err)
+            assert err < PIPELINE_TOL[precision], (case.name, precision, err)
