@@ -340,3 +340,33 @@ def test_bench_floors():
     assert _floor_cells(rows[1]).split() == ["-", "-"]
     assert _floor_cells(rows[0]).split() == [f"{rows[0]['floor']:.3f}",
                                              f"{1.0 / rows[0]['floor']:.2f}"]
+
+
+@pytest.mark.parametrize("name, epilogue, igemm, engine", [
+    ("A", True, None, "epilogue"), ("A", False, "run", "igemm"), ("A", False, None, "cudnn"),
+    ("B", False, "run", "igemm"), ("B", False, None, "cudnn"),
+    ("C", True, None, "epilogue"), ("C", False, None, "cudnn"),
+])
+def test_bench_conv_engine(monkeypatch, name, epilogue, igemm, engine):
+    # The benchmark asks each pipeline's own routing about the convolution it ran, with the
+    # arguments the pipeline computes (and so the keys of its settled engines).
+    import numpy as np
+
+    from cufused._ops import convolution
+    from cufused.bench.cases import make_cases
+    from cufused.bench.timing import conv_engine
+    from cufused.pipelines import pipeline_a, pipeline_c
+
+    case = next(c for c in make_cases(small=True) if c.name == name)
+    gpu = {k: np.empty(s, np.float32) for k, s in case.shapes.items()}
+    asked = []
+    monkeypatch.setattr(pipeline_a, "_epilogue_applies",
+                        lambda xp, x, w, args, *rest: asked.append(args) or epilogue)
+    monkeypatch.setattr(pipeline_c, "_recompute_applies",
+                        lambda x, w, args, *rest: asked.append(args) or epilogue)
+    monkeypatch.setattr(convolution, "igemm_call",
+                        lambda x, w, args, precision: asked.append(args) or igemm)
+    assert conv_engine(case, gpu, "tf32") == engine
+    c = case.conv
+    assert all(a.transposed == (c["kind"] == "dgrad") and a.out_shape == c["y_shape"]
+               for a in asked) and asked
