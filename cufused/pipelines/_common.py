@@ -53,6 +53,8 @@ def clamp_bounds(clamp_min, clamp_max) -> tuple[float, float]:
 
 
 def check_method(method: str) -> None:
+    """``method`` must be one of :data:`METHODS` ("fused" or "unfused"): ``ValueError``
+    naming it otherwise."""
     check_choice(method, "method", METHODS)
 
 

@@ -52,6 +52,23 @@ class _ForwardOnlyModule(torch.nn.Module):
     weights as plain tensors."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The fused pipeline of ``x`` with this module's parameters (and, for the BatchNorm
+        module in training, its running buffers updated), as the KernelBench model computes
+        it.
+
+        Parameters
+        ----------
+        x : torch.Tensor
+            The input batch, float32 on a CUDA device (float16/32/64 on the CPU, where the
+            float64 reference runs).
+
+        Returns
+        -------
+        torch.Tensor
+            A new tensor of ``x``'s dtype and device. In grad mode with ``x`` or a parameter
+            requiring grad it has a ``grad_fn`` whose backward raises: cufused is
+            forward-only.
+        """
         if torch.is_grad_enabled():
             tracked = [t for t in self._weights() if t is not None and t.requires_grad]
             if tracked or x.requires_grad:
@@ -129,7 +146,7 @@ class Conv2dGroupNormScaleMaxPoolClamp(_ForwardOnlyModule):
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, int],
                  num_groups: int, scale_shape: tuple[int, ...], maxpool_kernel_size: int,
-                 clamp_min: float, clamp_max: float, *, precision: str | None = None):
+                 clamp_min: float, clamp_max: float, *, precision: str | None = None) -> None:
         super().__init__()
         _check_channel_scale(scale_shape, out_channels)
         self.conv = torch.nn.Conv2d(in_channels, out_channels, kernel_size)
@@ -201,7 +218,7 @@ class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(_ForwardOnlyModule):
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, int],
                  stride: int | tuple[int, int], padding: int | tuple[int, int], groups: int,
-                 num_groups: int, *, precision: str | None = None):
+                 num_groups: int, *, precision: str | None = None) -> None:
         super().__init__()
         self.conv_transpose = torch.nn.ConvTranspose2d(in_channels, out_channels, kernel_size,
                                                        stride=stride, padding=padding)
@@ -304,7 +321,7 @@ class ConvTranspose3dAvgPoolClampSoftmaxMultiply(_ForwardOnlyModule):
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, ...],
                  stride: int | tuple[int, ...], padding: int | tuple[int, ...],
                  output_padding: int | tuple[int, ...], pool_kernel_size: int,
-                 clamp_min: float, clamp_max: float, *, precision: str | None = None):
+                 clamp_min: float, clamp_max: float, *, precision: str | None = None) -> None:
         super().__init__()
         _square_window(pool_kernel_size, 3, "pool_kernel_size")
         self.avg_pool = torch.nn.AvgPool3d(pool_kernel_size)
