@@ -187,17 +187,18 @@ def check_per_channel(value: Any, name: str, channels: int, *, allow_scalar: boo
 def per_channel(value: Any, channels: int, xp):
     """The 1-D contiguous array of ``channels`` values of a parameter that
     :func:`check_per_channel` accepted (a number or one value repeated for every channel);
-    None stays None. It is a new device array only for a number, one value, or a strided
-    parameter: the callers run every check first."""
+    None stays None. It is a new device array only for a number, one value repeated, or a
+    strided parameter (the callers run every check first); otherwise a view, through which
+    a running buffer is updated in place."""
     if value is None:
         return None
     if isinstance(value, numbers.Real):
         return xp.full(channels, value, dtype=xp.float32 if xp is not numpy else numpy.float64)
     if value.shape == (channels,):
         return xp.ascontiguousarray(value)
-    if value.size == 1:
-        return xp.ascontiguousarray(xp.broadcast_to(value.reshape(1), (channels,)))
-    return xp.ascontiguousarray(value.reshape(channels))  # a view when already contiguous
+    if value.size == channels:  # (1, C, 1, 1) and the like, C = 1 included
+        return xp.ascontiguousarray(value.reshape(channels))  # a view when contiguous
+    return xp.ascontiguousarray(xp.broadcast_to(value.reshape(1), (channels,)))
 
 
 def check_scalar(value: Any, name: str, *, minimum: float | None = None,

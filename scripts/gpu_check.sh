@@ -14,6 +14,10 @@
 # CuPy sees no device.
 set -u -o pipefail
 what=${1:-all}; shift || true
+case "$what" in
+  tests|bench|check|all|compare|dask) ;;
+  *) echo "usage: bash scripts/gpu_check.sh [tests|bench|check|all|compare|dask] ..." >&2; exit 2 ;;
+esac
 out=${OUT:-gpu_check_out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
