@@ -99,8 +99,15 @@ def group_norm(x, num_groups, weight, bias, eps):
     x = _f64(x)
     n = x.shape[0]
     rows = x.reshape(n, num_groups, -1)
-    mean = rows.mean(axis=2, keepdims=True)
-    var = rows.var(axis=2, keepdims=True)
+    # Deviations from the row's first finite value, as the GPU path sums them: a constant
+    # group's variance is exactly 0 (NaN with eps = 0, and bias with eps > 0, as in PyTorch),
+    # not the square of the rounding error of its mean.
+    first = rows[:, :, :1]
+    shift = xp.where(xp.isfinite(first), first, 0.0)
+    d = rows - shift
+    mean_d = d.mean(axis=2, keepdims=True)
+    var = ((d - mean_d) ** 2).mean(axis=2, keepdims=True)
+    mean = shift + mean_d
     shape = (n, num_groups, x.shape[1] // num_groups, -1)
     rstd = (1.0 / xp.sqrt(var + eps)).reshape(n, num_groups, 1, 1)
     return _affine(x.reshape(shape), rstd, mean.reshape(n, num_groups, 1, 1),

@@ -80,6 +80,24 @@ def test_group_norm(rng, shape, groups, affine):
     assert rel_err(got, F.group_norm(t(x), groups, t(w), t(b), eps=1e-3).numpy()) < TOL
 
 
+@pytest.mark.parametrize("eps", [0.0, 1e-5])
+def test_group_norm_of_a_constant_group(rng, eps):
+    # A constant group has variance 0: 0 / 0 = NaN with eps = 0; otherwise its bias (NaN for
+    # an infinite weight, inf - inf), as PyTorch gives. The mean of a constant row rounds
+    # (0.1 * 3 / 3 != 0.1): its error must not become a variance (+-1 where PyTorch has NaN).
+    x = rng.standard_normal((2, 4, 3, 3))
+    x[0, :2] = 0.1
+    x[1, 2:] = -7.3
+    w = np.array([1.5, np.inf, -2.0, 0.5])
+    b = rng.standard_normal(4)
+    got = cufused.group_norm(x, 2, w, b, eps=eps)
+    want = F.group_norm(t(x), 2, t(w), t(b), eps=eps).numpy()
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(got[0, 1]).all()
+    finite = np.isfinite(want)
+    assert np.array_equal(np.isinf(got), np.isinf(want))
+    assert rel_err(got[finite], want[finite]) < TOL
+
+
 def test_group_norm_mean_much_larger_than_std(rng):
     x = 1e6 + rng.standard_normal((2, 4, 8, 8))
     got = cufused.group_norm(x, 2)

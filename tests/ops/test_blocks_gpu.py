@@ -37,6 +37,28 @@ def test_group_norm(rng, shape, groups):
     assert_close(out.get(), ref, 1e-4)
 
 
+@pytest.mark.parametrize("eps", [0.0, 1e-5])
+@pytest.mark.parametrize("shape", [(2, 4, 3, 3), (2, 8, 6, 10)])
+def test_group_norm_of_a_constant_group(rng, shape, eps):
+    # A constant group's variance is exactly 0 (the sums of x - x0): NaN with eps = 0, and
+    # with eps > 0 its bias (NaN for an infinite weight), where the reference puts them.
+    x = rng.standard_normal(shape).astype(np.float32).astype(np.float64)
+    c = shape[1]
+    x[0, :c // 2] = 0.1
+    x[1, c // 2:] = -7.3
+    w = mixed(rng, c)
+    w[1] = np.inf
+    b = rng.standard_normal(c)
+    ref = cufused.group_norm(x, 2, w, b, eps=eps)
+    out = poisoned(shape)
+    cufused.group_norm(*to_gpu(x), 2, *to_gpu(w, b), eps=eps, out=out)
+    got = out.get()
+    assert np.array_equal(np.isnan(got), np.isnan(ref)) and np.isnan(got[0, 1]).all()
+    assert np.array_equal(np.isinf(got), np.isinf(ref))
+    finite = np.isfinite(ref)
+    assert_close(got[finite], ref[finite], 1e-4)
+
+
 # Channels-last inputs read in place (groups of 4, 8, 32 channels; 16-byte output vectors
 # where H*W >= 4, scalar ones for (2, 16, 1, 3)) and one that is copied (groups of 3).
 @pytest.mark.parametrize("shape,groups", [((3, 24, 5, 7), 3), ((2, 16, 1, 3), 4),
