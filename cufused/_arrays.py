@@ -177,9 +177,10 @@ def check_per_channel(value: Any, name: str, channels: int, *, allow_scalar: boo
         axis = value.ndim - broadcast_ndim + 1  # the channel axis, aligned from the right
         fits = fits and axis >= 0 and value.shape[axis] == channels
     if value.size != channels or len(non_unit) > 1 or not fits:
+        like = (1, channels) + (1,) * ((broadcast_ndim or 4) - 2)
         raise ValueError(
             f"{name} must hold one value per channel ({channels} values, shape like "
-            f"({channels},) or (1, {channels}, 1, 1), its C values on the channel axis), "
+            f"({channels},) or {like}, its C values on the channel axis), "
             f"got shape {value.shape}"
         )
 

@@ -153,6 +153,9 @@ CASES = {
                              ValueError, "scale"),
     "C scale (C, 1, 1)": (lambda d: pipeline_c(d, scale=d["c4"].reshape(4, 1, 1)), ValueError,
                           "scale"),
+    # The message's example has the pipeline's own ndim.
+    "C scale (1, C, 1, 1)": (lambda d: pipeline_c(d, scale=d["c4"].reshape(1, 4, 1, 1)),
+                             ValueError, r"^scale must .* or \(1, 4, 1, 1, 1\)"),
 }
 
 
