@@ -103,9 +103,9 @@ def channel_tiles_fit(out_channels: int) -> bool:
     return fits_grid_yz(out_channels, _TILE_K)
 
 
-def halo_launch(c: int, kernel: tuple[int, int], stride: tuple[int, int],
-                dilation: tuple[int, int], passes: int,
-                pool: int = 0) -> tuple[int, int, int, int, int] | None:
+def halo_geometry(c: int, kernel: tuple[int, int], stride: tuple[int, int],
+                  dilation: tuple[int, int], passes: int,
+                  pool: int = 0) -> tuple[int, int, int, int, int] | None:
     """``(cc, hr, hc, ksize, shared_bytes)`` of the halo kernel for the problem on the
     current device (:func:`halo_chunk`, :func:`fixed_ksize`, :func:`halo_shared_bytes`), or
     None where it does not take it: no chunk of input channels whose halo fits, or more
@@ -147,7 +147,7 @@ def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tup
 
     The halo kernel runs where a chunk of input channels fits its shared memory (every
     kernel of up to 72 values at moderate stride and dilation) and the device grants what
-    it then needs (:func:`halo_launch`), else the gathering one."""
+    it then needs (:func:`halo_geometry`), else the gathering one."""
     n, c, h, wd = x.shape
     k, _, kh, kw = w.shape
     p, q = y.shape[2:]
@@ -158,7 +158,7 @@ def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tup
     geometry = (x, w, optional(bias), y, i32(n), i32(c), i32(h), i32(wd), i32(k), i32(kh),
                 i32(kw), i32(p), i32(q), i32(stride[0]), i32(stride[1]), i32(padding[0]),
                 i32(padding[1]), i32(dilation[0]), i32(dilation[1]))
-    halo = halo_launch(c, (kh, kw), stride, dilation, passes)
+    halo = halo_geometry(c, (kh, kw), stride, dilation, passes)
     if halo is not None:
         cc, hr, hc, ksize, shared = halo
         tiles = n * -(-p // _HALO_TH) * -(-q // _HALO_TW)
@@ -183,10 +183,10 @@ def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, stride: tuple[int,
     values minus the shift (the value at the run's first pixel), as
     :func:`cufused._kernels.normalization.group_affine_rows` takes them.
 
-    Needs ``pool`` 2 or 4 and a problem the halo kernel takes (:func:`halo_launch`)."""
+    Needs ``pool`` 2 or 4 and a problem the halo kernel takes (:func:`halo_geometry`)."""
     n, c, h, wd = x.shape
     k, _, kh, kw = w.shape
-    halo = halo_launch(c, (kh, kw), stride, dilation, passes, pool) if pool in (2, 4) else None
+    halo = halo_geometry(c, (kh, kw), stride, dilation, passes, pool) if pool in (2, 4) else None
     if halo is None:
         cc = halo_chunk(c, (kh, kw), stride, dilation, passes, wgmma=_wgmma_sum(c, passes))[0]
         raise ValueError(f"conv2d_pool_stats takes pool 2 or 4 and a halo that fits "

@@ -69,7 +69,7 @@ def gpu_method(method: str, conv_out_shape: tuple[int, ...], *, groups: int = 1)
     return method
 
 
-def gpu_run(method: str, fused, unfused, xp, x, weight, args, precision, **options):
+def gpu_path(method: str, fused, unfused, xp, x, weight, args, precision, **options):
     """A pipeline's GPU half as :func:`~cufused._arrays.forward` calls it, with ``out``:
     ``fused`` or, for ``method="unfused"``, ``unfused``, the checked arguments bound; warm
     calls replay a CUDA graph of the whole call (:mod:`cufused._call_graphs`)."""

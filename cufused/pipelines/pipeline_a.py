@@ -21,7 +21,7 @@ from .._arrays import (Size, check_float_dtype, check_ndim, check_out, check_per
                        per_channel)
 from .._call_graphs import warm_calls
 from .._kernels.conv_gemm import (channel_tiles_fit, conv2d_pool_stats, conv_nonfinite_weight_rows,
-                                  halo_launch)
+                                  halo_geometry)
 from .._kernels.layout import transpose_channels
 from .._kernels.normalization import (channel_affine, group_affine_rows,
                                       group_norm_coefficients)
@@ -34,7 +34,7 @@ from .._ops.convolution import conv2d, conv_on_gpu, fastest, settled_engine
 from .._ops.normalization import check_group_values, check_num_groups, group_norm
 from .._ops.pooling import max_pool2d
 from .._precision import mma_passes, resolve_precision
-from ._common import (check_method, check_pipeline_pool, clamp_bounds, gpu_method, gpu_run,
+from ._common import (check_method, check_pipeline_pool, clamp_bounds, gpu_method, gpu_path,
                       ones_if_none, shared_doc_sections)
 
 
@@ -126,9 +126,10 @@ def conv2d_groupnorm_scale_maxpool_clamp(
             x, weight, conv_bias, gn_weight, gn_bias, ones_if_none(scale, c, xp),
             num_groups=num_groups, pool_kernel=(k, k), clamp_min=lo, clamp_max=hi,
             stride=args.stride, padding=args.padding, eps=eps),
-        gpu=gpu_run(gpu_method(method, args.out_shape, groups=num_groups), _fused, _unfused,
-                    xp, x, weight, args, precision, k=k, num_groups=num_groups, conv_bias=conv_bias,
-                    gn_weight=gn_weight, gn_bias=gn_bias, scale=scale, eps=eps, lo=lo, hi=hi))
+        gpu=gpu_path(gpu_method(method, args.out_shape, groups=num_groups), _fused, _unfused,
+                     xp, x, weight, args, precision, k=k, num_groups=num_groups,
+                     conv_bias=conv_bias, gn_weight=gn_weight, gn_bias=gn_bias, scale=scale,
+                     eps=eps, lo=lo, hi=hi))
 
 
 def _unfused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, gn_weight,
@@ -211,8 +212,8 @@ def _epilogue_applies(xp, x, weight, args, precision, k, num_groups, bias: bool)
     GEMM forced or this path measured faster than the convolution with the pass after it
     (:func:`_faster_path`, once per problem)."""
     if not (precision != "ieee" and k in (2, 4) and channel_tiles_fit(args.out_shape[1])
-            and halo_launch(x.shape[1], weight.shape[2:], args.stride, args.dilation,
-                            mma_passes(precision), pool=k) is not None):
+            and halo_geometry(x.shape[1], weight.shape[2:], args.stride, args.dilation,
+                              mma_passes(precision), pool=k) is not None):
         return False
     key = ("conv2d_pool_stats", x.shape, weight.shape, args, precision, k, num_groups, bias)
     return settled_engine(key, lambda: _faster_path(xp, x.shape, weight.shape, args,

@@ -27,7 +27,7 @@ from .._ops.normalization import (batch_norm, bn_coefficients, check_channel_val
                                   check_running_pair, group_norm)
 from .._ops.pooling import max_pool2d
 from .._precision import resolve_precision
-from ._common import (check_method, check_pipeline_pool, gpu_method, gpu_run,
+from ._common import (check_method, check_pipeline_pool, gpu_method, gpu_path,
                       shared_doc_sections)
 
 
@@ -131,11 +131,11 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
             padding=args.padding, output_padding=args.output_padding, groups=args.groups,
             conv_bias=conv_bias, pool_kernel=(k, k), eps=eps, running_mean=running_mean,
             running_var=running_var, momentum=momentum),
-        gpu=gpu_run(gpu_method(method, args.out_shape), _fused, _unfused, xp, x, weight, args,
-                    precision, k=k, num_groups=num_groups, conv_bias=conv_bias,
-                    bn_weight=bn_weight, bn_bias=bn_bias, gn_weight=gn_weight, gn_bias=gn_bias,
-                    running_mean=running_mean, running_var=running_var, momentum=momentum,
-                    eps=eps))
+        gpu=gpu_path(gpu_method(method, args.out_shape), _fused, _unfused, xp, x, weight, args,
+                     precision, k=k, num_groups=num_groups, conv_bias=conv_bias,
+                     bn_weight=bn_weight, bn_bias=bn_bias, gn_weight=gn_weight, gn_bias=gn_bias,
+                     running_mean=running_mean, running_var=running_var, momentum=momentum,
+                     eps=eps))
 
 
 def _unfused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, bn_weight,

@@ -33,7 +33,7 @@ from .._ops.convolution import (conv_on_gpu, conv_transpose3d, fastest, gpu_conv
 from .._ops.pooling import avg_pool3d
 from .._ops.softmax import softmax
 from .._precision import mma_passes, resolve_precision
-from ._common import (check_method, check_pipeline_pool, clamp_bounds, gpu_run, ones_if_none,
+from ._common import (check_method, check_pipeline_pool, clamp_bounds, gpu_path, ones_if_none,
                       shared_doc_sections)
 
 
@@ -113,8 +113,8 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
             x, weight, ones_if_none(scale, c, xp), stride=args.stride, padding=args.padding,
             output_padding=args.output_padding, pool_kernel=(k, k, k), clamp_min=lo,
             clamp_max=hi, conv_bias=conv_bias, groups=args.groups),
-        gpu=gpu_run(method, _fused, _unfused, xp, x, weight, args, precision, k=k,
-                    pooled_shape=pooled_shape, conv_bias=conv_bias, scale=scale, lo=lo, hi=hi))
+        gpu=gpu_path(method, _fused, _unfused, xp, x, weight, args, precision, k=k,
+                     pooled_shape=pooled_shape, conv_bias=conv_bias, scale=scale, lo=lo, hi=hi))
 
 
 def _nonfinite_weight_rows(xp, x_pooled, weight, args, out, *, conv_bias, scale, lo, hi):

@@ -412,7 +412,7 @@ def test_output_past_2_31_elements(rng, monkeypatch, precision, x_shape, w_shape
     F = torch.nn.functional
     passes = 3 if precision == "3xtf32" else 1
     both = (options.get("stride", 1),) * 2, (options.get("dilation", 1),) * 2
-    assert (conv_gemm.halo_launch(x_shape[1], w_shape[2:], *both, passes) is not None) == halo
+    assert (conv_gemm.halo_geometry(x_shape[1], w_shape[2:], *both, passes) is not None) == halo
     calls = count_calls(monkeypatch, conv_gemm, "conv2d_implicit_gemm")
     x = cp.random.default_rng(int(rng.integers(2**31))).random(x_shape, dtype=cp.float32)
     w, b = to_gpu(rng.standard_normal(w_shape) * 0.3, rng.standard_normal(w_shape[0]))

@@ -482,8 +482,8 @@ def test_halo_kernels_within_the_devices_shared_memory(launches, monkeypatch):
                                    dilation=(1, 1), pool=pool, passes=passes)
             assert launches[-1].name == f"conv2d_halo_pool_stats<{passes}, 3, {pool}>"
             assert launches[-1].shared_mem <= 99 * 1024
-    assert conv.halo_launch(8, (3, 3), (1, 1), (1, 1), 3, pool=4) is not None
-    assert conv.halo_launch(8, (3, 3), (1, 1), (1, 1), 3) is None
+    assert conv.halo_geometry(8, (3, 3), (1, 1), (1, 1), 3, pool=4) is not None
+    assert conv.halo_geometry(8, (3, 3), (1, 1), (1, 1), 3) is None
     monkeypatch.setattr(conv, "shared_per_block", lambda: 48 * 1024)
     with pytest.raises(ValueError, match="a halo that fits"):
         conv.conv2d_pool_stats(FakeXp, x, w, None, Dev((2, 64, 4, 4)), sign_a=None,
