@@ -60,11 +60,11 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
 def igemm_call(x, weight, args: ConvArgs, precision: str, *, bias=None,
                out=None) -> Callable[..., None] | None:
     """``run(x, weight, bias, y)`` of cufused's implicit GEMM where :func:`conv_on_gpu` runs
-    the convolution on it (:func:`_igemm_route` takes the problem and :func:`_settled_engine`
-    chose it), else None: the convolution runs on cuDNN."""
+    the convolution on it (:func:`_igemm_route` takes the problem and
+    :func:`_settled_conv_engine` chose it), else None: the convolution runs on cuDNN."""
     run = _igemm_route(x, weight, args, precision, bias, out)
     if (run is not None
-            and _settled_engine(x, weight.shape, args, bias is not None, precision, run)
+            and _settled_conv_engine(x, weight.shape, args, bias is not None, precision, run)
             == "igemm"):
         return run
     return None
@@ -125,7 +125,7 @@ def _igemm_route(x, weight, args: ConvArgs, precision: str, bias,
     ``run(x, weight, bias, y)`` writes it, plus ``bias``, into a contiguous NCHW / NCDHW
     ``y``; None where the engine does not take the problem. "ieee" runs on cuDNN; "tf32" and
     "3xtf32" run on the engine that the settings force, else on the one the autotuner
-    measured faster for the problem (:func:`_settled_engine`).
+    measured faster for the problem (:func:`_settled_conv_engine`).
 
     The implicit GEMM computes 2-D convolutions of one group on dense NCHW operands (any
     sizes, strides, padding, dilation), a stride-1 transposed one as the forward convolution
@@ -160,8 +160,8 @@ def _igemm_route(x, weight, args: ConvArgs, precision: str, bias,
     return None
 
 
-def _settled_engine(x, w_shape, args: ConvArgs, bias: bool, precision: str,
-                    run: Callable[..., None]) -> str:
+def _settled_conv_engine(x, w_shape, args: ConvArgs, bias: bool, precision: str,
+                         run: Callable[..., None]) -> str:
     """The engine of a problem that the implicit GEMM computes with ``run`` from ``x``
     (settled_engine), keyed and timed with the layout that ``x`` is stored in: packed
     NC(D)HW, else packed channels-last (the only other layout the route takes)."""
