@@ -593,6 +593,45 @@ def test_get_kernel_grants_what_the_static_shared_memory_leaves(monkeypatch):
     assert kernel.max_dynamic_shared_size_bytes == 48 * 1024  # the largest, kept
 
 
+def test_launcher_calls_match_their_signatures():
+    """Every call of a launcher in the package, most of them on GPU-only paths, passes as many
+    positional arguments as the launcher takes and only keywords it names: checked here by
+    binding each call's shape to the launcher's signature."""
+    import importlib
+    import importlib.util
+    import inspect
+
+    checked = 0
+    for path, parts in _modules():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        package = ".".join(parts if path.name == "__init__.py" else parts[:-1])
+        launchers = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                module = importlib.util.resolve_name("." * node.level + (node.module or ""),
+                                                     package) if node.level else node.module
+                if module and module.startswith("cufused._kernels"):
+                    imported = importlib.import_module(module)
+                    for alias in node.names:
+                        fn = getattr(imported, alias.name, None)
+                        if inspect.isfunction(fn):
+                            launchers[alias.asname or alias.name] = fn
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id in launchers):
+                continue
+            if (any(isinstance(a, ast.Starred) for a in node.args)
+                    or any(k.arg is None for k in node.keywords)):
+                continue  # *args or **kwargs: the shape is not known statically
+            try:
+                inspect.signature(launchers[node.func.id]).bind(
+                    *node.args, **{k.arg: k.value for k in node.keywords})
+            except TypeError as exc:
+                raise AssertionError(f"{path}:{node.lineno}: {node.func.id}: {exc}") from None
+            checked += 1
+    assert checked > 50  # the pipelines' and ops' launcher calls
+
+
 def test_only_the_launchers_launch_kernels():
     for path, parts in _modules():
         if parts[1:2] in (("_kernels",), ("_cuda",)):
