@@ -155,7 +155,7 @@ def group_norm_threads(shared_bytes: int) -> int:
     return 128 if 8 * shared_bytes <= 224 * 1024 else 256
 
 
-def group_norm_rows(x, y, num_groups: int, weight, bias, eps: float, *, pre=None,
+def group_norm_rows(x, y, weight, bias, *, num_groups: int, eps: float, pre=None,
                     x_block: int | None = None) -> None:
     """GroupNorm of ``x`` (N, C, ...) into contiguous ``y`` with one block per (n, group) row.
 

@@ -84,7 +84,7 @@ def _bounds(clamp) -> tuple[float, float]:
     return clamp if clamp is not None else (0.0, 0.0)
 
 
-def softmax_rows(xp, y, out, rows: int, length: int, channels: int, strides, *,
+def softmax_rows(xp, y, out, *, rows: int, length: int, channels: int, strides,
                  layout: str = "nchw", bias=None, scale=None, clamp=None,
                  vec4: bool = True) -> None:
     """Softmax of ``rows`` = N * ``channels`` rows of ``length`` values, into contiguous ``out``.

@@ -97,7 +97,7 @@ def _group_norm_gpu(xp, x, num_groups, weight, bias, eps, out):
     length = (c // num_groups) * hw
     rows = n * num_groups
     if length * 4 <= ROW_CACHE_BYTES:
-        group_norm_rows(x, out, num_groups, weight, bias, eps)
+        group_norm_rows(x, out, weight, bias, num_groups=num_groups, eps=eps)
         return out
     partial, shift, splits = key_stats_partial(xp, x, rows, n_outer=1, outer_stride=0,
                                                key_stride=length, inner=length)

@@ -97,10 +97,12 @@ def _contiguous_rows(xp, x, out, length: int) -> None:
     than that run in parts."""
     rows = x.size // length
     if rows <= _ROWS_PER_CALL:
-        softmax_rows(xp, x, out, rows, length, rows, (0, length, 1))
+        softmax_rows(xp, x, out, rows=rows, length=length, channels=rows,
+                     strides=(0, length, 1))
         return
     x, out = x.reshape(rows, length), out.reshape(rows, length)
     for first in range(0, rows, _ROWS_PER_CALL):
         part = slice(first, first + _ROWS_PER_CALL)
         count = min(rows - first, _ROWS_PER_CALL)
-        softmax_rows(xp, x[part], out[part], count, length, count, (0, length, 1))
+        softmax_rows(xp, x[part], out[part], rows=count, length=length, channels=count,
+                     strides=(0, length, 1))

@@ -177,7 +177,7 @@ def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, bn_
                            mean_offset=conv_bias, moments=moments)
     pool_bn_tanh_nonfinite(y, out, moments, coef[0], coef[1], bias=conv_bias, gamma=bn_weight,
                            beta=bn_bias, pool=k, ext_block=ext_block)
-    group_norm_rows(out, out, num_groups, gn_weight, gn_bias, eps, pre=coef,
+    group_norm_rows(out, out, gn_weight, gn_bias, num_groups=num_groups, eps=eps, pre=coef,
                     x_block=ext_block or None)
     return out
 
@@ -226,6 +226,6 @@ def _chunk_normalized(pooled, mean, var, bn_weight, bn_bias, gn_weight, gn_bias,
     coef = bn_coefficients(xp, pooled, per_channel(bn_weight, c, xp),
                            per_channel(bn_bias, c, xp), mean, var, False, 0.0, eps)
     out = xp.empty_like(pooled)
-    group_norm_rows(pooled, out, num_groups, per_channel(gn_weight, c, xp),
-                    per_channel(gn_bias, c, xp), eps, pre=coef)
+    group_norm_rows(pooled, out, per_channel(gn_weight, c, xp), per_channel(gn_bias, c, xp),
+                    num_groups=num_groups, eps=eps, pre=coef)
     return out

@@ -173,7 +173,8 @@ def _fused(xp, x, weight, args, precision, out, *, k, pooled_shape, conv_bias, s
         y, layout = plan.apply(x_pooled, weight, out=out, convert_output=False)
     strides = [s // y.itemsize for s in y.strides]
     length = math.prod(out.shape[2:])
-    softmax_rows(xp, y, out, n * c, length, c, (strides[0], strides[1], strides[-1]),
+    softmax_rows(xp, y, out, rows=n * c, length=length, channels=c,
+                 strides=(strides[0], strides[1], strides[-1]),
                  layout=layout, bias=conv_bias, scale=scale, clamp=(lo, hi))
     return _nonfinite_weight_rows(xp, x_pooled, weight, args, out, conv_bias=conv_bias,
                                   scale=scale, lo=lo, hi=hi)

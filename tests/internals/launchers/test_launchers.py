@@ -274,17 +274,17 @@ def test_normalization_launchers(launches):
                               ((2, 8, 8, 8), "nchw"), ((2, 6, 33, 1), "nchw"),  # by channel
                               ((2, 8, 4, 4), "nhwc"), ((2, 8, 3, 1), "nhwc")]:  # channels-last
             groups = 2
-            norm.group_norm_rows(Dev(shape, layout), Dev(shape), groups, Dev((shape[1],)), None,
-                                 1e-5, pre=pre)
-        norm.group_norm_rows(Dev((2, 8, 4, 4)), Dev((2, 8, 4, 4)), 2, None, None, 1e-5, pre=pre,
-                             x_block=4)
+            norm.group_norm_rows(Dev(shape, layout), Dev(shape), Dev((shape[1],)), None,
+                                 num_groups=groups, eps=1e-5, pre=pre)
+        norm.group_norm_rows(Dev((2, 8, 4, 4)), Dev((2, 8, 4, 4)), None, None, num_groups=2,
+                             eps=1e-5, pre=pre, x_block=4)
     for shape in ((2, 64, 16, 16), (1, 63, 257, 1)):  # rows past the cache, read twice
-        norm.group_norm_rows(Dev(shape), Dev(shape), 1, None, None, 1e-5,
+        norm.group_norm_rows(Dev(shape), Dev(shape), None, None, num_groups=1, eps=1e-5,
                              pre=(Dev((shape[1],)), Dev((shape[1],))))
     # More (n, group) rows than a grid holds: launches over slices of the batch.
     n, first = 2**28 + 5, len(launches)
     x, y = Dev((n, 8, 1, 1)), Dev((n, 8, 1, 1))
-    norm.group_norm_rows(x, y, 8, None, None, 1e-5)
+    norm.group_norm_rows(x, y, None, None, num_groups=8, eps=1e-5)
     parts = launches[first:]
     assert len(parts) == 2 and sum(launch.grid[0] for launch in parts) == n * 8
     step = (2**31 - 1) // 8 * x.strides[0]
@@ -524,19 +524,21 @@ def test_softmax_launchers(launches, monkeypatch):
     narrow, wide = (0.0, 1.0), (-80.0, 80.0)  # no running max / the online softmax
     for length in (100, 99):  # 16-byte normalize pass or not; no cluster (length % 8 != 0)
         for clamp in (None, wide, narrow):
-            softmax.softmax_rows(FakeXp, Dev((6, length)), Dev((6, length)), 6, length, 6,
-                                 (0, length, 1), clamp=clamp)
+            softmax.softmax_rows(FakeXp, Dev((6, length)), Dev((6, length)), rows=6,
+                                 length=length, channels=6, strides=(0, length, 1),
+                                 clamp=clamp)
     for channels in (6, 8):  # channels-last rows: scalar or 16-byte passes
         for clamp in (wide, narrow):
             y = Dev((2, 64, channels))
-            softmax.softmax_rows(FakeXp, y, Dev((2, channels, 64)), 2 * channels, 64, channels,
-                                 (64 * channels, 1, channels), layout="nhwc", bias=Dev((channels,)),
-                                 scale=Dev((channels,)), clamp=clamp)
+            softmax.softmax_rows(FakeXp, y, Dev((2, channels, 64)), rows=2 * channels,
+                                 length=64, channels=channels,
+                                 strides=(64 * channels, 1, channels), layout="nhwc",
+                                 bias=Dev((channels,)), scale=Dev((channels,)), clamp=clamp)
     for channels in (6, 8):  # more samples than a grid's z takes: the blocks loop over them
         n = 70000
         softmax.softmax_rows(FakeXp, Dev((n, 64, channels)), Dev((n, channels, 64)),
-                             n * channels, 64, channels, (64 * channels, 1, channels),
-                             layout="nhwc", clamp=wide)
+                             rows=n * channels, length=64, channels=channels,
+                             strides=(64 * channels, 1, channels), layout="nhwc", clamp=wide)
         assert launches[-1].name.startswith("softmax_apply_transpose")
         assert launches[-1].grid[2] == 65535 and launches[-1].args[5] == n
     for sd in (1, 2):  # class blocks: one read per row (clusters), or the two passes
@@ -545,13 +547,16 @@ def test_softmax_launchers(launches, monkeypatch):
                 y = Dev((sd * sh * sw, 2, 3, 8, 2, 4))
                 out = Dev((2, 3, sd * 8, sh * 2, sw * 4))
                 for clamp in (narrow, wide):
-                    softmax.softmax_rows(FakeXp, y, out, 6, out.size // 6, 3, None,
-                                         layout="classes", bias=Dev((3,)), clamp=clamp)
+                    softmax.softmax_rows(FakeXp, y, out, rows=6, length=out.size // 6,
+                                         channels=3, strides=None, layout="classes",
+                                         bias=Dev((3,)), clamp=clamp)
     for out_shape in ((2, 3, 16, 4, 3), (2, 3, 16, 2, 6)):  # classes of 3 columns, SW 1 or 2
-        softmax.softmax_rows(FakeXp, Dev((4, 2, 3, 8, 2, 3)), Dev(out_shape), 6, 192, 3, None,
-                             layout="classes", clamp=wide)
+        softmax.softmax_rows(FakeXp, Dev((4, 2, 3, 8, 2, 3)), Dev(out_shape), rows=6,
+                             length=192, channels=3, strides=None, layout="classes",
+                             clamp=wide)
     monkeypatch.setattr(softmax, "_compute_capability", lambda: 80)
-    softmax.softmax_rows(FakeXp, Dev((6, 64)), Dev((6, 64)), 6, 64, 6, (0, 64, 1), clamp=narrow)
+    softmax.softmax_rows(FakeXp, Dev((6, 64)), Dev((6, 64)), rows=6, length=64, channels=6,
+                         strides=(0, 64, 1), clamp=narrow)
     softmax.softmax_rows_nonfinite_weight(
         FakeXp, Dev((2, 4, 3, 4, 5)), Dev((4, 3, 3, 3, 3)), Dev((2, 6, 6, 8, 10)), groups=2,
         stride=(2, 2, 2), padding=(1, 1, 1), dilation=(1, 1, 1), bias=None, scale=Dev((6,)),

@@ -40,7 +40,7 @@ def test_group_norm_rows_from_blocked_channels_last(rng, shape, groups, pre):
         blocked = x.reshape(n, c // block, block, -1).transpose(0, 1, 3, 2)
         x_gpu = cp.asarray(np.ascontiguousarray(blocked).reshape(shape), dtype=cp.float32)
         out = x_gpu if in_place else poisoned(shape)
-        group_norm_rows(x_gpu, out, groups, *to_gpu(w, b), 1e-5, pre=pre_gpu,
+        group_norm_rows(x_gpu, out, *to_gpu(w, b), num_groups=groups, eps=1e-5, pre=pre_gpu,
                         x_block=block)
         assert_close(out.get(), ref, 1e-4 if pre else 1e-5)
 
@@ -93,9 +93,10 @@ def test_softmax_rows_channels_last(rng, monkeypatch, channels, length, clamp, v
     ref = (e / e.sum(axis=1, keepdims=True) * scale).transpose(0, 2, 1)
     y_gpu, bias_gpu, scale_gpu = to_gpu(y, bias, scale)
     out = poisoned(ref.shape)
-    softmax_module.softmax_rows(cp, y_gpu, out, n * channels, length, channels,
-                                (length * channels, 1, channels), layout="nhwc",
-                                bias=bias_gpu, scale=scale_gpu, clamp=clamp, vec4=vec4)
+    softmax_module.softmax_rows(cp, y_gpu, out, rows=n * channels, length=length,
+                                channels=channels, strides=(length * channels, 1, channels),
+                                layout="nhwc", bias=bias_gpu, scale=scale_gpu, clamp=clamp,
+                                vec4=vec4)
     uses_vec4 = vec4 and channels % 4 == 0
     assert any(k.startswith("softmax_stats_nhwc4") for k in launched) == uses_vec4
     assert ("softmax_apply_transpose<true, 4>" in launched) == (uses_vec4 and length % 4 == 0)

@@ -262,7 +262,8 @@ def test_one_read_softmax_rows_past_the_grid(free_memory):
     n, c, length = 2**24 + 1, 16, 32
     y = cp.random.default_rng(6).random((n, c, length), dtype=cp.float32)
     ends = [y[:2].get(), y[-2:].get()]
-    softmax_rows(cp, y, y, n * c, length, c, (c * length, length, 1), clamp=(0.0, 1.0))
+    softmax_rows(cp, y, y, rows=n * c, length=length, channels=c, strides=(c * length, length, 1),
+                 clamp=(0.0, 1.0))
     for got, part in zip((y[:2].get(), y[-2:].get()), ends):
         assert_close(got, cufused.softmax(part.astype("float64"), axis=2), 1e-5)
 
@@ -314,7 +315,8 @@ def test_channels_past_the_grids_y_limit(case, free_memory):
             c, s = 2**21 + 32, 4
             y = rng.random((1, s, c), dtype=cp.float32).transpose(0, 2, 1)
             out = cp.full((1, c, s), cp.nan, dtype=cp.float32)
-            softmax_rows(cp, y, out, c, s, c, (s * c, 1, c), layout="nhwc")
+            softmax_rows(cp, y, out, rows=c, length=s, channels=c, strides=(s * c, 1, c),
+                         layout="nhwc")
             assert_close(out[:, -3:].get(), cufused.softmax(y[:, -3:].get(), axis=2), 1e-5)
         else:
             k = 65537 * 64
