@@ -479,6 +479,24 @@ def test_gpu_out_must_be_c_contiguous():
     assert bool(cupy.isnan(base).all())
 
 
+def raises_without_allocating(call, name: str) -> None:
+    """``call()`` raises a TypeError or ValueError whose message starts with ``name``, and
+    allocates no device memory before it does."""
+    import cupy
+
+    allocations = []
+    pool = cupy.get_default_memory_pool()
+
+    def counting(size):
+        allocations.append(size)
+        return pool.malloc(size)
+
+    with cupy.cuda.using_allocator(counting), pytest.raises((TypeError, ValueError),
+                                                             match=f"^{name} "):
+        call()
+    assert allocations == []
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device with CuPy")
 @pytest.mark.parametrize("pipeline", [pipeline_a, pipeline_c])
@@ -490,17 +508,7 @@ def test_bad_option_after_a_number_for_scale_allocates_nothing(pipeline, bad):
 
     d = arrays(cupy)
     change = {"clamp_min": "low"} if bad == "clamp_min" else {"out": cupy.empty(1, cupy.float32)}
-    allocations = []
-    pool = cupy.get_default_memory_pool()
-
-    def counting(size):
-        allocations.append(size)
-        return pool.malloc(size)
-
-    with cupy.cuda.using_allocator(counting), pytest.raises((TypeError, ValueError),
-                                                             match=f"^{bad} "):
-        pipeline(d, scale=2.0, **change)
-    assert allocations == []
+    raises_without_allocating(lambda: pipeline(d, scale=2.0, **change), bad)
 
 
 STRIDED_PARAMETER_CASES = {
@@ -553,14 +561,4 @@ def test_bad_option_after_a_strided_parameter_allocates_nothing(case):
     d["out1"], d["int1"] = cupy.empty(1, cupy.float32), cupy.ones(1, cupy.int32)
     strided = cupy.repeat(d["c8"], 2)[::2]  # 8 values, stride 2
     call, option = STRIDED_PARAMETER_CASES[case]
-    allocations = []
-    pool = cupy.get_default_memory_pool()
-
-    def counting(size):
-        allocations.append(size)
-        return pool.malloc(size)
-
-    with cupy.cuda.using_allocator(counting), pytest.raises((TypeError, ValueError),
-                                                             match=f"^{option} "):
-        call(d, strided)
-    assert allocations == []
+    raises_without_allocating(lambda: call(d, strided), option)
