@@ -341,14 +341,15 @@ __global__ void group_affine_rows(const float* x, float* y, const float* __restr
     });
 }
 
-// mean and rstd of a row from its block's shifted sums (len values).
+// mean and rstd of a row from its block's shifted sums (len values), formed in double as
+// stats_finalize forms them: a sum of squares past float32's range makes the variance infinite
+// and rstd 0 (PyTorch's float32 result), where float32 would take inf - inf.
 __device__ __forceinline__ void row_moments(float s1, float s2, float shift, int len, float eps,
                                             float2* scratch, float& mean, float& rstd) {
     const float2 s = block_sum(make_float2(s1, s2), scratch);
-    const float m1 = s.x / len;
-    mean = shift + m1;
-    const float var = s.y / len - m1 * m1;
-    rstd = rsqrtf((var < 0.0f ? 0.0f : var) + eps);  // a NaN variance stays NaN
+    const double m1 = (double)s.x / len;
+    mean = (float)(shift + m1);
+    rstd = (float)inverse_std((double)s.y / len - m1 * m1, eps);
 }
 
 // Maps every value of a row cached in shared memory as (Cg, HW), one warp per channel at a

@@ -59,6 +59,36 @@ def test_group_norm_of_a_constant_group(rng, shape, eps):
     assert_close(got[finite], ref[finite], 1e-4)
 
 
+# Deviations whose squares pass float32's range (3.4e38): the variance is infinite, rstd 0 and
+# every output its channel's bias, as PyTorch's float32 kernels give (semantics.rst,
+# Statistics), on each GroupNorm route: rows cached by channel ((3, 12, 7, 5)) and per vector
+# ((3, 8, 2, 3)), and the split statistics ((2, 6, 67, 131)). Then BatchNorm in training: its
+# outputs are the bias, running_var becomes inf and running_mean takes the batch mean.
+@pytest.mark.parametrize("shape", [(3, 12, 7, 5), (3, 8, 2, 3), (2, 6, 67, 131)])
+def test_group_norm_past_float32_squares(rng, shape):
+    x = (1e30 * rng.uniform(-1.0, 1.0, shape)).astype(np.float32)
+    c = shape[1]
+    w, b = mixed(rng, c), rng.standard_normal(c)
+    out = poisoned(shape)
+    cufused.group_norm(*to_gpu(x), 2, *to_gpu(w, b), out=out)
+    bias = np.float32(b).reshape((c,) + (1,) * (len(shape) - 2))
+    assert np.array_equal(out.get(), np.broadcast_to(bias, shape))
+
+
+def test_batch_norm_past_float32_squares(rng):
+    shape = (4, 5, 9, 11)
+    x = (1e30 * rng.uniform(-1.0, 1.0, shape)).astype(np.float32)
+    w, b = mixed(rng, 5), rng.standard_normal(5)
+    rm, rv = cp.zeros(5, dtype=cp.float32), cp.ones(5, dtype=cp.float32)
+    out = poisoned(shape)
+    cufused.batch_norm(*to_gpu(x, w, b), running_mean=rm, running_var=rv, training=True,
+                       momentum=0.25, out=out)
+    assert np.array_equal(out.get(), np.broadcast_to(np.float32(b)[:, None, None], shape))
+    assert np.isposinf(rv.get()).all()
+    batch_mean = x.astype(np.float64).mean(axis=(0, 2, 3))
+    assert np.abs(rm.get() - 0.25 * batch_mean).max() <= 1e-5 * 1e30
+
+
 # Channels-last inputs read in place (groups of 4, 8, 32 channels; 16-byte output vectors
 # where H*W >= 4, scalar ones for (2, 16, 1, 3)) and one that is copied (groups of 3).
 @pytest.mark.parametrize("shape,groups", [((3, 24, 5, 7), 3), ((2, 16, 1, 3), 4),
