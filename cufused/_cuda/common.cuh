@@ -54,6 +54,14 @@ __device__ __forceinline__ float clamp_nan(float v, float lo, float hi) {
     return v != v ? v : fminf(fmaxf(v, lo), hi);
 }
 
+// The exponent's reference of a softmax over values clamped to [lo, hi] without a max pass:
+// the least value the clamp gives (hi where lo > hi). For hi - lo <= 60 (checked on the host)
+// every exp(v - ref) lies in [1, e^60], so the sums neither overflow nor underflow, and a sum
+// of at least 1 keeps the factor scale / sum within |scale|.
+__device__ __forceinline__ float clamp_floor(float lo, float hi) {
+    return fminf(lo, hi);
+}
+
 // The (split, channel tile, sample) of a block in the 1-D grid of a pass over a convolution
 // output, splits x c_tiles blocks per sample, last samples first: the convolution wrote them
 // last, so they are the ones that may still be in L2 (the pass after this one then visits

@@ -1267,8 +1267,8 @@ template <int V> struct CT3Int {
 };
 
 // What the epilogue does with y = conv + bias (the launcher's codes, conv_gemm.py).
-#define CT3_SOFTMAX_SUMS 1  // partial[n, k, run] = (hi, sum of exp(clamp(y) - hi) over run)
-#define CT3_SOFTMAX 2       // y[n, k, o] = exp(clamp(y) - hi) * factor[n, k]
+#define CT3_SOFTMAX_SUMS 1  // partial[n, k, run] = (ref, sum of exp(clamp(y) - ref) over run)
+#define CT3_SOFTMAX 2       // y[n, k, o] = exp(clamp(y) - ref) * factor[n, k]
 #define CT3_CONV 3          // y[n, k, o] = y
 
 // Float offset of value c of row `row` in a swizzled channel-contiguous buffer.
@@ -1308,13 +1308,14 @@ __device__ __forceinline__ float clamp_nan_mm(float v, float lo, float hi) {
     return r;
 }
 
-// exp(v - hi) for v in [hi - 60, hi] (the launcher's clamp width) or NaN, from the
-// flush-to-zero ex2 instruction. v - hi is exact from |hi| = 120 on (the two are within a
-// factor of 2) and within 2^-24 * 60 below; v * log2(e) - hi * log2(e) would carry the rounding
-// of hi * log2(e), |hi| * 2^-24: a whole row's exponents off by over 128 from |hi| ~ 2^31.
-__device__ __forceinline__ float exp_below(float v, float hi) {
+// exp(v - ref) for v in [ref, ref + 60] (ref = clamp_floor(lo, hi), the launcher's clamp
+// width) or NaN, from the flush-to-zero ex2 instruction. v - ref is exact from |ref| = 120 on
+// (the two are within a factor of 2) and within 2^-24 * 60 below; v * log2(e) - ref * log2(e)
+// would carry the rounding of ref * log2(e), |ref| * 2^-24: a whole row's exponents off by
+// over 128 from |ref| ~ 2^31.
+__device__ __forceinline__ float exp_above(float v, float ref) {
     float e;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"((v - hi) * 1.4426950408889634f));
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"((v - ref) * 1.4426950408889634f));
     return e;
 }
 
@@ -1351,14 +1352,16 @@ struct alignas(64) CT3TensorMap {
 // Do, Ho, Wo) contiguous, a plane Do * Ho * Wo below 2**31; pairs: Wo even and y 8-byte
 // aligned (outputs stored in float2 pairs). bias may be null. tma: tmap is x's map (dims C,
 // W, H, D, N; box CT3_CI x (T + 1)^3 x 1; the 128-byte swizzle), and the sm_90a build copies
-// each halo with one tensor copy; else (and in the portable build) with cp.async.
+// each halo with one tensor copy; else (and in the portable build) with cp.async. The clamp is
+// [lo, hi]; ref = min(lo, hi) is the softmax exponents' reference (clamp_floor's, a parameter
+// so that it takes no register).
 template <int PASSES, int OUT>
 __global__ void __launch_bounds__(CONV_THREADS, 1)
 conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
                       const float* __restrict__ bias, float* __restrict__ y,
                       float2* __restrict__ partial, const float* __restrict__ factor, int N,
                       int C, int D, int H, int W, int K, int Do, int Ho, int Wo, float lo,
-                      float hi, int splits, int by_four, int pairs, int tma,
+                      float hi, float ref, int splits, int by_four, int pairs, int tma,
                       const __grid_constant__ CT3TensorMap tmap) {
     constexpr bool SUMS = OUT == CT3_SOFTMAX_SUMS;
     extern __shared__ float smem[];
@@ -1567,7 +1570,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
                         const int u = half * 2 + e;
                         float v = acc[j][u];
                         if (OUT != CT3_CONV) {
-                            const float ex = exp_below(clamp_nan_mm(v, lo, hi), hi);
+                            const float ex = exp_above(clamp_nan_mm(v, lo, hi), ref);
                             if (SUMS) {  // channels past K summed too, never stored
                                 if (inside) run_sums[j][e] += ex;
                                 continue;
@@ -1748,7 +1751,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
 #pragma unroll
                 for (int v = 0; v < 8; ++v) s += scratch[v * CT3_BN + tid];
                 partial[((long long)pos.n * K + k0 + tid) * splits + pos.run] =
-                    make_float2(hi, s);
+                    make_float2(ref, s);
             }
             // The next write of the scratch follows the next tile's barrier.
         }

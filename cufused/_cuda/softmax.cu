@@ -8,12 +8,12 @@ __device__ __forceinline__ float load_value(const float* p, float b, float lo, f
     return CLAMP ? clamp_nan(v, lo, hi) : v;
 }
 
-// Add value v to a running (m, s) pair of softmax_stats: s += exp(v - hi) without ONLINE
-// (m stays hi), else the online update with a running maximum m.
+// Add value v to a running (m, s) pair of softmax_stats: s += exp(v - ref) without ONLINE
+// (m stays ref, clamp_floor's), else the online update with a running maximum m.
 template <bool ONLINE>
-__device__ __forceinline__ void softmax_take(float& m, float& s, float v, float hi) {
+__device__ __forceinline__ void softmax_take(float& m, float& s, float v, float ref) {
     if (!ONLINE) {
-        s += expf(v - hi);
+        s += expf(v - ref);
     } else if (v > m) {
         s = s * expf(m - v) + 1.0f;
         m = v;
@@ -26,7 +26,7 @@ __device__ __forceinline__ void softmax_take(float& m, float& s, float v, float 
 }
 
 // Combine two pairs of softmax_take: with ONLINE as softmax_merge does; without it both share
-// m = hi, so the sums add.
+// m = ref, so the sums add.
 template <bool ONLINE>
 __device__ __forceinline__ void softmax_combine(float& m, float& s, float m2, float s2) {
     if (ONLINE) softmax_merge(m, s, m2, s2);
@@ -34,9 +34,9 @@ __device__ __forceinline__ void softmax_combine(float& m, float& s, float m2, fl
 }
 
 // Per (n, c, split): the pair (m, sum exp(v - m)) over positions [split * chunk, ...), with
-// v = y + bias (clamped to [lo, hi] when CLAMP). ONLINE keeps a running max; without it m = hi,
-// valid because clamped values never exceed hi, so exp(v - hi) <= 1 cannot overflow and, for
-// hi - lo small enough (checked on the host), does not underflow: no max pass is needed.
+// v = y + bias (clamped to [lo, hi] when CLAMP). ONLINE keeps a running max; without it
+// (CLAMP with hi - lo <= 60) m = clamp_floor(lo, hi), whose exponents neither overflow nor
+// underflow: no max pass is needed.
 // y has strides (sn, sc, ss). Block (32, 8); NCHW: x lanes walk positions, y lanes channels;
 // channels-last: x lanes walk channels, y lanes positions (coalesced either way).
 template <bool CHANNELS_LAST, bool ONLINE, bool CLAMP>
@@ -54,11 +54,12 @@ __global__ void softmax_stats(const float* __restrict__ y, const float* __restri
     index_t p_begin, p_end;
     split_range(S, splits, split, p_begin, p_end);
 
-    float m = ONLINE ? -INFINITY : hi, s = 0.0f;
+    const float ref = clamp_floor(lo, hi);
+    float m = ONLINE ? -INFINITY : ref, s = 0.0f;
     if (c < C) {
         const float b = bias ? bias[c] : 0.0f;
         const float* plane = y + n * sn + c * sc;
-        auto take = [&](float v) { softmax_take<ONLINE>(m, s, v, hi); };
+        auto take = [&](float v) { softmax_take<ONLINE>(m, s, v, ref); };
         index_t p = p_begin + lane;
         // Four independent loads in flight per thread before their values are used.
         for (; p + 3 * step < p_end; p += 4 * step) {
@@ -108,16 +109,17 @@ __global__ void softmax_stats_nhwc4(const float* __restrict__ y, const float* __
     const int c = block.tile * 4 * Q + 4 * quad;
     index_t p_begin, p_end;
     split_range(S, splits, block.split, p_begin, p_end);
+    const float ref = clamp_floor(lo, hi);
     float b[4], m[4], s[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
         b[k] = bias ? bias[c + k] : 0.0f;
-        m[k] = ONLINE ? -INFINITY : hi;
+        m[k] = ONLINE ? -INFINITY : ref;
         s[k] = 0.0f;
     }
     const float* base = y + block.n * sn + c;
     auto take1 = [&](int k, float x) {
-        softmax_take<ONLINE>(m[k], s[k], load_value<CLAMP>(&x, b[k], lo, hi), hi);
+        softmax_take<ONLINE>(m[k], s[k], load_value<CLAMP>(&x, b[k], lo, hi), ref);
     };
     auto take = [&](float4 v) { take1(0, v.x); take1(1, v.y); take1(2, v.z); take1(3, v.w); };
     index_t p = p_begin + threadIdx.x / Q;
@@ -332,14 +334,15 @@ __global__ void softmax_apply_subpixel(const float* __restrict__ classes, float*
 
 // ---------------------------------------------------------------------------------------------
 // One-read softmax on Hopper (sm_90): a thread-block cluster of 8 blocks per (n, c) row, for a
-// clamped row (exp(v - hi) needs no running maximum). Block `rank` owns the rank-th eighth of
-// the row's output, (sd * Md / 8) whole output planes. It reads the values of those planes
-// once, from the P = sd * sh * SW class blocks of a sub-pixel convolution (blocks
-// [P][R][Md][Mh][Mw], see interleave_classes; a contiguous (R, S) tensor is the case
-// P = 1, Md = 8, Mh = 1, Mw = S / 8), keeps exp(v - hi) in shared memory (at most 64 KB),
-// and writes its part of the contiguous output once the cluster's 8 partial sums have met
-// in distributed shared memory. So the conv output is read once instead of twice. In place
-// (y == out, P = 1) works: a block writes only what it has read, after the cluster barrier.
+// clamped row (exp(v - ref), ref = clamp_floor(lo, hi), needs no running maximum). Block
+// `rank` owns the rank-th eighth of the row's output, (sd * Md / 8) whole output planes. It
+// reads the values of those planes once, from the P = sd * sh * SW class blocks of a
+// sub-pixel convolution (blocks [P][R][Md][Mh][Mw], see interleave_classes; a contiguous
+// (R, S) tensor is the case P = 1, Md = 8, Mh = 1, Mw = S / 8), keeps exp(v - ref) in shared
+// memory (at most 64 KB), and writes its part of the contiguous output once the cluster's 8
+// partial sums have met in distributed shared memory. So the conv output is read once instead
+// of twice. In place (y == out, P = 1) works: a block writes only what it has read, after the
+// cluster barrier.
 // SD, SH, SW (1 or 2): the classes along each axis. Needs Md % 8 == 0, Mh * Mw % 4 == 0,
 // SW * Mw % 4 == 0 and 16-byte aligned buffers.
 // Compiled for sm_80 too, where it traps (the host launches it on sm_90 and later only).
@@ -359,7 +362,7 @@ softmax_rows_cluster(const float* y, float* out, const float* __restrict__ bias,
                      const float* __restrict__ scale, int C, int Md, int Mh, int Mw, float lo,
                      float hi) {
 #if HAS_CLUSTERS
-    extern __shared__ float4 staged4[];  // exp(v - hi) of this block's values, class-major
+    extern __shared__ float4 staged4[];  // exp(v - ref) of this block's values, class-major
     __shared__ float scratch[32];
     __shared__ float block_total;
     const float* staged = reinterpret_cast<const float*>(staged4);
@@ -375,6 +378,7 @@ softmax_rows_cluster(const float* y, float* out, const float* __restrict__ bias,
     const index_t class_block = rows * Md * (index_t)(Mh * Mw);
     const float* src = y + (row * Md + rank * Mq) * (index_t)(Mh * Mw);
     const float b = bias ? bias[row % C] : 0.0f;
+    const float ref = clamp_floor(lo, hi);
 
     // Read: eight 16-byte loads in flight per thread before their values are used.
     constexpr int UNROLL = 8;
@@ -394,10 +398,10 @@ softmax_rows_cluster(const float* y, float* out, const float* __restrict__ bias,
             const int i = i0 + u * CLUSTER_ROW_THREADS;
             if (i < n4) {
                 float4 e;
-                e.x = expf(clamp_nan(v[u].x + b, lo, hi) - hi);
-                e.y = expf(clamp_nan(v[u].y + b, lo, hi) - hi);
-                e.z = expf(clamp_nan(v[u].z + b, lo, hi) - hi);
-                e.w = expf(clamp_nan(v[u].w + b, lo, hi) - hi);
+                e.x = expf(clamp_nan(v[u].x + b, lo, hi) - ref);
+                e.y = expf(clamp_nan(v[u].y + b, lo, hi) - ref);
+                e.z = expf(clamp_nan(v[u].z + b, lo, hi) - ref);
+                e.w = expf(clamp_nan(v[u].w + b, lo, hi) - ref);
                 s += (e.x + e.y) + (e.z + e.w);
                 staged4[i] = e;
             }

@@ -221,7 +221,7 @@ _CT3_CI, _CT3_BN = 32, 32
 _CT3_HSTRIDE = -(-(_CT3_CI * math.prod(_CT3_HALO)) // 256) * 256  # floats, CT3_HSTRIDE
 _CT3_SHARED = 4 * (27 * _CT3_CI * _CT3_BN + 2 * _CT3_HSTRIDE + 8 * _CT3_BN + 4)
 _NO_TENSOR_MAP = TensorMap()  # the argument where the halo goes by cp.async
-_CT3_MAX_CLAMP = 60.0  # exp_below's accuracy bound; a wider clamp may underflow a whole row
+_CT3_MAX_CLAMP = 60.0  # exp_above's accuracy bound; a wider clamp may overflow the sums
 
 
 def transposed_s2k3_takes(c_in: int, kernel, stride, padding, output_padding, dilation,
@@ -262,7 +262,7 @@ def _transposed_s2k3(mode: str, x, w, bias, *, out_shape, runs: tuple[int, int],
         (blocks, -(-k // _CT3_BN)), (_THREADS,),
         (x, w, optional(bias), optional(y), optional(partial), optional(factor), i32(n),
          i32(c), i32(d), i32(h), i32(wd), i32(k), *(i32(s) for s in out_shape[2:]),
-         f32(clamp[0]), f32(clamp[1]), i32(splits), i32(by_four),
+         f32(clamp[0]), f32(clamp[1]), f32(min(clamp)), i32(splits), i32(by_four),
          i32(y is not None and out_shape[4] % 2 == 0 and y.data.ptr % 8 == 0),
          i32(bool(tensor_map)), (tensor_map or _NO_TENSOR_MAP).as_argument()),
         shared_mem=_CT3_SHARED)
@@ -286,7 +286,7 @@ def transposed_s2k3_runs(x_shape: tuple[int, ...], k: int, *,
 
 def conv_transpose3d_softmax_sums(xp, x, w, bias, *, out_shape, clamp, passes: int):
     """Pass 1 of pipeline C on ``conv_transpose3d_s2k3``: returns ``(partial, splits)``,
-    ``partial`` (N, C_out, splits, 2) each row's (hi, sum of exp(clamp(y) - hi)) over run s
+    ``partial`` (N, C_out, splits, 2) each row's (ref, sum of exp(clamp(y) - ref)) over run s
     of its sample's tiles, y = conv_transpose3d(x, w) + bias (never stored), as
     :func:`cufused._kernels.softmax.softmax_finalize` takes them."""
     k = w.shape[1]
@@ -338,8 +338,8 @@ def conv_nonfinite_weight_rows(x, w, bias, y, *, groups: int, stride, padding,
 
 
 def conv_transpose3d_softmax(x, w, bias, out, factor, *, clamp, passes: int) -> None:
-    """Pass 2: ``out`` (N, C_out, Do, Ho, Wo), contiguous, = exp(clamp(y) - hi) * factor[n,
-    c], the convolution computed again."""
+    """Pass 2: ``out`` (N, C_out, Do, Ho, Wo), contiguous, = exp(clamp(y) - ref) * factor[n,
+    c], ref = min(lo, hi), the convolution computed again."""
     _transposed_s2k3("CT3_SOFTMAX", x, w, bias, out_shape=out.shape,
                      runs=transposed_s2k3_runs(x.shape, w.shape[1], stores=True),
                      clamp=clamp, passes=passes, y=out, factor=factor)

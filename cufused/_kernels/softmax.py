@@ -16,8 +16,9 @@ _FILE = "softmax.cu"
 _CLUSTER_BLOCKS = 8
 _CLUSTER_THREADS = 256
 _CLUSTER_BYTES = 64 * 1024
-# exp(-60) ~ 1e-26: with a clamp narrower than this, exp(v - hi) cannot underflow to zero for
-# a whole row, so no running maximum is needed.
+# e^60 ~ 1e26: with a clamp narrower than this, exp(v - min(lo, hi)) lies in [1, e^60], so the
+# sums neither overflow nor underflow, the factor scale / sum stays within |scale|, and no
+# running maximum is needed.
 _MAX_FREE_CLAMP = 60.0
 
 
@@ -94,11 +95,11 @@ def softmax_rows(xp, y, out, *, rows: int, length: int, channels: int, strides,
     or "classes" (a sub-pixel convolution's class blocks (P, N, C, *M), see
     :func:`cufused._kernels.layout.class_geometry`; ``strides`` unused). ``bias`` is added
     and ``clamp = (lo, hi)`` applied before the softmax; the result is multiplied by
-    ``scale[c]``. When ``hi - lo`` is small, exp(v - hi) can neither overflow nor underflow, so
-    no running maximum is needed; then, where :func:`one_read_geometry` allows, one kernel
-    reads ``y`` once (a thread-block cluster per row). Otherwise a statistics pass and a
-    normalize pass run. ``vec4=False`` keeps both channels-last passes on their scalar kernels
-    (tests, timings).
+    ``scale[c]``. When ``hi - lo`` is small, exp(v - min(lo, hi)) can neither overflow nor
+    underflow, so no running maximum is needed; then, where :func:`one_read_geometry` allows,
+    one kernel reads ``y`` once (a thread-block cluster per row). Otherwise a statistics pass
+    and a normalize pass run. ``vec4=False`` keeps both channels-last passes on their scalar
+    kernels (tests, timings).
     """
     if layout == "nhwc" and not fits_grid_yz(channels, 32):
         # More channel tiles than the transposing normalize pass's grid holds: the rows

@@ -19,8 +19,8 @@ kernels, reading the large convolution output as few times as possible:
 * C (:mod:`.pipeline_c`), AvgPool3d -> ConvTranspose3d -> clamp -> softmax over D*H*W ->
   scale: the pool runs first, writing the convolution's input directly in the layout its
   convolution wants; after the clamp to [lo, hi] the softmax needs no max pass
-  (exp(v - hi) <= 1), so one statistics read and one normalize-and-scale pass follow, in
-  place in the output when the layout allows.
+  (1 <= exp(v - lo) <= e^60 for hi - lo <= 60), so one statistics read and one
+  normalize-and-scale pass follow, in place in the output when the layout allows.
 
 ``method="unfused"`` runs the same math as separate cufused building blocks (the baseline).
 """

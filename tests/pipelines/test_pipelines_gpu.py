@@ -145,7 +145,7 @@ def test_pipeline_c(rng, layout, method, precision, clamp):
 @pytest.mark.parametrize("engine", ["cudnn", "igemm"])
 def test_pipeline_c_clamp_bounds_far_from_zero(rng, engine, bound):
     # Both bounds at one huge value: every value clamps to it, and the softmax is uniform
-    # (the implicit GEMM's epilogue forms each exponent from v - clamp_max).
+    # (the implicit GEMM's epilogue forms each exponent from v - min(clamp_min, clamp_max)).
     from cufused._cudnn import plan_options
 
     arrays, opts = pipeline_c_args(rng)
@@ -156,6 +156,31 @@ def test_pipeline_c_clamp_bounds_far_from_zero(rng, engine, bound):
         cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
             *to_gpu(*arrays), **opts, precision="tf32", out=out)
     assert_close(out.get(), ref, 1e-5)
+
+
+@pytest.mark.parametrize("geometry", [{}, dict(n=3, cin=4, d=16, h=12, w=4, cout=6)],
+                         ids=["two-pass", "one-read"])
+@pytest.mark.parametrize("engine,precision", [("cudnn", "ieee"), ("cudnn", "tf32"),
+                                              ("igemm", "tf32")])
+def test_pipeline_c_large_scale_at_the_clamps_floor(rng, engine, precision, geometry):
+    # A clamp 60 wide with the values near its floor: exp(v - clamp_max) would be ~e^-60 and
+    # the factor scale / sum past float32's range for a scale of 1e20 (inf where PyTorch's
+    # outputs are ~1e20 / (D*H*W)); the exponents are taken from the floor, so the sums are at
+    # least 1 and the factor stays within the scale. On every softmax path: the implicit
+    # GEMM's epilogue, the one-read cluster kernel (sm_90) and the statistics + normalize pass.
+    from cufused._cudnn import plan_options
+
+    (x, w, scale), opts = pipeline_c_args(rng, **geometry)
+    arrays = (x, w, scale * 1e20)
+    opts.update(clamp_min=0.0, clamp_max=60.0)
+    ref = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(*arrays, **opts)
+    out = poisoned(ref.shape)
+    with plan_options(engine=engine):
+        cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
+            *to_gpu(*arrays), **opts, precision=precision, out=out)
+    got = out.get()
+    assert np.isfinite(got).all() and np.abs(ref).max() > 1e14
+    assert rel_err(got, ref) < PIPELINE_TOL[precision]
 
 
 def test_pipeline_b_odd_group_rows(rng, layout):
