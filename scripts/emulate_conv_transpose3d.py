@@ -23,6 +23,7 @@ import numpy as np
 from emulate_conv_halo import segments
 
 from cufused import reference
+from cufused._kernels._common import clamp_middle
 from cufused._kernels.conv_gemm import _CT3_BN as BN
 from cufused._kernels.conv_gemm import _CT3_CI as CI
 from cufused._kernels.conv_gemm import _CT3_TILE, sample_segments
@@ -114,11 +115,13 @@ def tile_classes(x, wt, bias, n, origin, out_shape):
 def emulate(x, w, bias, out_shape, clamp, scale, slots):
     """Both passes over the kernel's run schedule (SampleSegments: runs of tiles for
     ``slots`` resident blocks per channel tile, as the launcher cuts them): pass 1's per-run
-    sums of exp(clamp(y) - hi) (partial[n, k, run]), the factors as softmax_finalize forms
-    them, and pass 2's outputs exp(clamp(y) - hi) * factor with the paired stores."""
+    sums of exp(clamp(y) - ref) (partial[n, k, run], ref the clamp's middle as the launcher
+    passes it), the factors as softmax_finalize forms them, and pass 2's outputs
+    exp(clamp(y) - ref) * factor with the paired stores."""
     n_total, _, d_in, h_in, w_in = x.shape
     k_total = w.shape[1]
     lo, hi = clamp
+    ref = clamp_middle(clamp)
     w_out = out_shape[4]
     pairs = w_out % 2 == 0
     tiles_h, tiles_w = -(-h_in // TH), -(-w_in // TW)
@@ -140,7 +143,7 @@ def emulate(x, w, bias, out_shape, clamp, scale, slots):
                     kept = None
                     for r, acc, od, oh, ow, inside in tile_classes(x, wt, bias_k, n, origin,
                                                                   out_shape):
-                        ex = np.exp(np.clip(acc, lo, hi) - hi)
+                        ex = np.exp(np.clip(acc, lo, hi) - ref)
                         if out_pass == "sums":
                             # Every channel of the block, those past K too (never stored).
                             sums += np.where(inside, ex, 0.0).sum(axis=(0, 1))

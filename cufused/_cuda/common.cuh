@@ -54,12 +54,14 @@ __device__ __forceinline__ float clamp_nan(float v, float lo, float hi) {
     return v != v ? v : fminf(fmaxf(v, lo), hi);
 }
 
-// The exponent's reference of a softmax over values clamped to [lo, hi] without a max pass:
-// the least value the clamp gives (hi where lo > hi). For hi - lo <= 60 (checked on the host)
-// every exp(v - ref) lies in [1, e^60], so the sums neither overflow nor underflow, and a sum
-// of at least 1 keeps the factor scale / sum within |scale|.
-__device__ __forceinline__ float clamp_floor(float lo, float hi) {
-    return fminf(lo, hi);
+// The exponents' reference of a softmax over values clamped to [lo, hi] without a max pass:
+// halfway between the least value the clamp gives, min(lo, hi) (hi where lo > hi), and hi.
+// For hi - lo <= 60 (checked on the host, skips_max) every exp(v - ref) lies in
+// [e^-30, e^30], so a row's sum neither overflows nor underflows, and the factor scale / sum
+// stays a normal float32 for |scale| between about 1e-25 * (values a row) and 1e25.
+__device__ __forceinline__ float clamp_middle(float lo, float hi) {
+    const float floor = fminf(lo, hi);
+    return floor + 0.5f * (hi - floor);
 }
 
 // The (split, channel tile, sample) of a block in the 1-D grid of a pass over a convolution

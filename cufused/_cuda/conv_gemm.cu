@@ -1308,12 +1308,12 @@ __device__ __forceinline__ float clamp_nan_mm(float v, float lo, float hi) {
     return r;
 }
 
-// exp(v - ref) for v in [ref, ref + 60] (ref = clamp_floor(lo, hi), the launcher's clamp
-// width) or NaN, from the flush-to-zero ex2 instruction. v - ref is exact from |ref| = 120 on
-// (the two are within a factor of 2) and within 2^-24 * 60 below; v * log2(e) - ref * log2(e)
+// exp(v - ref) for v within 30 of ref (ref = clamp_middle(lo, hi), the launcher's clamp
+// width) or NaN, from the flush-to-zero ex2 instruction. v - ref is exact from |ref| = 60 on
+// (the two are within a factor of 2) and within 2^-24 * 30 below; v * log2(e) - ref * log2(e)
 // would carry the rounding of ref * log2(e), |ref| * 2^-24: a whole row's exponents off by
 // over 128 from |ref| ~ 2^31.
-__device__ __forceinline__ float exp_above(float v, float ref) {
+__device__ __forceinline__ float exp_near(float v, float ref) {
     float e;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"((v - ref) * 1.4426950408889634f));
     return e;
@@ -1353,8 +1353,8 @@ struct alignas(64) CT3TensorMap {
 // aligned (outputs stored in float2 pairs). bias may be null. tma: tmap is x's map (dims C,
 // W, H, D, N; box CT3_CI x (T + 1)^3 x 1; the 128-byte swizzle), and the sm_90a build copies
 // each halo with one tensor copy; else (and in the portable build) with cp.async. The clamp is
-// [lo, hi]; ref = min(lo, hi) is the softmax exponents' reference (clamp_floor's, a parameter
-// so that it takes no register).
+// [lo, hi]; ref is the softmax exponents' reference (clamp_middle's, a parameter so that it
+// takes no register).
 template <int PASSES, int OUT>
 __global__ void __launch_bounds__(CONV_THREADS, 1)
 conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
@@ -1570,7 +1570,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
                         const int u = half * 2 + e;
                         float v = acc[j][u];
                         if (OUT != CT3_CONV) {
-                            const float ex = exp_above(clamp_nan_mm(v, lo, hi), ref);
+                            const float ex = exp_near(clamp_nan_mm(v, lo, hi), ref);
                             if (SUMS) {  // channels past K summed too, never stored
                                 if (inside) run_sums[j][e] += ex;
                                 continue;

@@ -9,7 +9,7 @@ __device__ __forceinline__ float load_value(const float* p, float b, float lo, f
 }
 
 // Add value v to a running (m, s) pair of softmax_stats: s += exp(v - ref) without ONLINE
-// (m stays ref, clamp_floor's), else the online update with a running maximum m.
+// (m stays ref, clamp_middle's), else the online update with a running maximum m.
 template <bool ONLINE>
 __device__ __forceinline__ void softmax_take(float& m, float& s, float v, float ref) {
     if (!ONLINE) {
@@ -35,7 +35,7 @@ __device__ __forceinline__ void softmax_combine(float& m, float& s, float m2, fl
 
 // Per (n, c, split): the pair (m, sum exp(v - m)) over positions [split * chunk, ...), with
 // v = y + bias (clamped to [lo, hi] when CLAMP). ONLINE keeps a running max; without it
-// (CLAMP with hi - lo <= 60) m = clamp_floor(lo, hi), whose exponents neither overflow nor
+// (CLAMP with hi - lo <= 60) m = clamp_middle(lo, hi), whose exponents neither overflow nor
 // underflow: no max pass is needed.
 // y has strides (sn, sc, ss). Block (32, 8); NCHW: x lanes walk positions, y lanes channels;
 // channels-last: x lanes walk channels, y lanes positions (coalesced either way).
@@ -54,7 +54,7 @@ __global__ void softmax_stats(const float* __restrict__ y, const float* __restri
     index_t p_begin, p_end;
     split_range(S, splits, split, p_begin, p_end);
 
-    const float ref = clamp_floor(lo, hi);
+    const float ref = clamp_middle(lo, hi);
     float m = ONLINE ? -INFINITY : ref, s = 0.0f;
     if (c < C) {
         const float b = bias ? bias[c] : 0.0f;
@@ -109,7 +109,7 @@ __global__ void softmax_stats_nhwc4(const float* __restrict__ y, const float* __
     const int c = block.tile * 4 * Q + 4 * quad;
     index_t p_begin, p_end;
     split_range(S, splits, block.split, p_begin, p_end);
-    const float ref = clamp_floor(lo, hi);
+    const float ref = clamp_middle(lo, hi);
     float b[4], m[4], s[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -334,7 +334,7 @@ __global__ void softmax_apply_subpixel(const float* __restrict__ classes, float*
 
 // ---------------------------------------------------------------------------------------------
 // One-read softmax on Hopper (sm_90): a thread-block cluster of 8 blocks per (n, c) row, for a
-// clamped row (exp(v - ref), ref = clamp_floor(lo, hi), needs no running maximum). Block
+// clamped row (exp(v - ref), ref = clamp_middle(lo, hi), needs no running maximum). Block
 // `rank` owns the rank-th eighth of the row's output, (sd * Md / 8) whole output planes. It
 // reads the values of those planes once, from the P = sd * sh * SW class blocks of a
 // sub-pixel convolution (blocks [P][R][Md][Mh][Mw], see interleave_classes; a contiguous
@@ -378,7 +378,7 @@ softmax_rows_cluster(const float* y, float* out, const float* __restrict__ bias,
     const index_t class_block = rows * Md * (index_t)(Mh * Mw);
     const float* src = y + (row * Md + rank * Mq) * (index_t)(Mh * Mw);
     const float b = bias ? bias[row % C] : 0.0f;
-    const float ref = clamp_floor(lo, hi);
+    const float ref = clamp_middle(lo, hi);
 
     // Read: eight 16-byte loads in flight per thread before their values are used.
     constexpr int UNROLL = 8;

@@ -6,6 +6,11 @@ import numpy
 
 # Aim for at least this many blocks in a split reduction.
 _TARGET_BLOCKS = 2048
+# The widest clamp after which a softmax skips its running maximum: exponents taken from the
+# clamp's middle (common.cuh's clamp_middle) lie within +-30, so a row's sum and the factor
+# scale / sum stay within float32's normal range for |scale| between about 1e-25 * (values a
+# row) and 1e25.
+_MAX_FREE_CLAMP = 60.0
 
 
 def split_count(keys: int, elements_per_key: int) -> int:
@@ -13,6 +18,24 @@ def split_count(keys: int, elements_per_key: int) -> int:
     blocks overall, at least 1024 values each."""
     want = -(-_TARGET_BLOCKS // max(keys, 1))
     return max(1, min(want, -(-elements_per_key // 1024)))
+
+
+def skips_max(clamp) -> bool:
+    """Whether a softmax after ``clamp`` = (lo, hi) (None: no clamp) needs no running
+    maximum: the bounds as the kernels get them, float32, at most ``_MAX_FREE_CLAMP`` apart
+    (lo > hi, which clamps every value to hi, included; two infinite bounds excluded)."""
+    if clamp is None:
+        return False
+    lo, hi = (float(numpy.float32(v)) for v in clamp)
+    return hi - lo <= _MAX_FREE_CLAMP
+
+
+def clamp_middle(clamp) -> float:
+    """The exponents' reference of a softmax that :func:`skips_max`, as common.cuh's
+    ``clamp_middle`` forms it: halfway between min(lo, hi) and hi."""
+    lo, hi = (float(numpy.float32(v)) for v in clamp)
+    floor = min(lo, hi)
+    return floor + 0.5 * (hi - floor)
 
 
 def element_strides_3d(a) -> tuple:

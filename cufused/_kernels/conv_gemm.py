@@ -9,7 +9,7 @@ import numpy
 
 from .._cuda import (MAX_GRID_X, TensorMap, arch_target, fits_grid_yz, float32_tensor_map,
                      get_kernel, optional, shared_per_block, sm_count)
-from ._common import definition_args, element_strides_3d
+from ._common import clamp_middle, definition_args, element_strides_3d, skips_max
 
 _FILE = "conv_gemm.cu"
 _TILE_M, _TILE_K, _THREADS = 128, 64, 256  # CONV_BM, CONV_BN, CONV_THREADS
@@ -221,7 +221,6 @@ _CT3_CI, _CT3_BN = 32, 32
 _CT3_HSTRIDE = -(-(_CT3_CI * math.prod(_CT3_HALO)) // 256) * 256  # floats, CT3_HSTRIDE
 _CT3_SHARED = 4 * (27 * _CT3_CI * _CT3_BN + 2 * _CT3_HSTRIDE + 8 * _CT3_BN + 4)
 _NO_TENSOR_MAP = TensorMap()  # the argument where the halo goes by cp.async
-_CT3_MAX_CLAMP = 60.0  # exp_above's accuracy bound; a wider clamp may overflow the sums
 
 
 def transposed_s2k3_takes(c_in: int, kernel, stride, padding, output_padding, dilation,
@@ -229,14 +228,13 @@ def transposed_s2k3_takes(c_in: int, kernel, stride, padding, output_padding, di
     """Whether ``conv_transpose3d_s2k3`` computes the transposed 3-D convolution (stride 2,
     3 x 3 x 3 kernel, padding 1, output padding 0 or 1, dilation 1, one group, 1 to 32 input
     channels, an output plane below 2**31, output channels whose tiles the grid holds), with
-    the clamped softmax after it where ``clamp``
-    is given (``(lo, hi)`` with ``hi - lo`` at most 60), on the current device (its 217 KiB
-    of shared memory a block: compute capability 9.0)."""
-    lo, hi = clamp or (0.0, 0.0)
+    the clamped softmax after it where ``clamp`` is given (narrow enough to skip the running
+    maximum: :func:`skips_max`), on the current device (its 217 KiB of shared memory a block:
+    compute capability 9.0)."""
     return (tuple(kernel) == (3, 3, 3) and tuple(stride) == (2, 2, 2)
             and tuple(padding) == (1, 1, 1) and tuple(dilation) == (1, 1, 1)
             and all(o in (0, 1) for o in output_padding) and groups == 1
-            and 0 < c_in <= _CT3_CI and hi - lo <= _CT3_MAX_CLAMP
+            and 0 < c_in <= _CT3_CI and (clamp is None or skips_max(clamp))
             and math.prod(out_shape[2:]) < 2**31 and fits_grid_yz(out_shape[1], _CT3_BN)
             and _CT3_SHARED <= shared_per_block())
 
@@ -262,7 +260,7 @@ def _transposed_s2k3(mode: str, x, w, bias, *, out_shape, runs: tuple[int, int],
         (blocks, -(-k // _CT3_BN)), (_THREADS,),
         (x, w, optional(bias), optional(y), optional(partial), optional(factor), i32(n),
          i32(c), i32(d), i32(h), i32(wd), i32(k), *(i32(s) for s in out_shape[2:]),
-         f32(clamp[0]), f32(clamp[1]), f32(min(clamp)), i32(splits), i32(by_four),
+         f32(clamp[0]), f32(clamp[1]), f32(clamp_middle(clamp)), i32(splits), i32(by_four),
          i32(y is not None and out_shape[4] % 2 == 0 and y.data.ptr % 8 == 0),
          i32(bool(tensor_map)), (tensor_map or _NO_TENSOR_MAP).as_argument()),
         shared_mem=_CT3_SHARED)
@@ -339,7 +337,7 @@ def conv_nonfinite_weight_rows(x, w, bias, y, *, groups: int, stride, padding,
 
 def conv_transpose3d_softmax(x, w, bias, out, factor, *, clamp, passes: int) -> None:
     """Pass 2: ``out`` (N, C_out, Do, Ho, Wo), contiguous, = exp(clamp(y) - ref) * factor[n,
-    c], ref = min(lo, hi), the convolution computed again."""
+    c], ref the clamp's middle (:func:`clamp_middle`), the convolution computed again."""
     _transposed_s2k3("CT3_SOFTMAX", x, w, bias, out_shape=out.shape,
                      runs=transposed_s2k3_runs(x.shape, w.shape[1], stores=True),
                      clamp=clamp, passes=passes, y=out, factor=factor)

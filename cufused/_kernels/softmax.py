@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy
 
 from .._cuda import MAX_GRID_X, MAX_GRID_YZ, fits_grid_yz, get_kernel, launch_1d, optional
-from ._common import cpp_bool, definition_args, split_count
+from ._common import cpp_bool, definition_args, skips_max, split_count
 from .layout import class_geometry
 
 _FILE = "softmax.cu"
@@ -16,10 +16,6 @@ _FILE = "softmax.cu"
 _CLUSTER_BLOCKS = 8
 _CLUSTER_THREADS = 256
 _CLUSTER_BYTES = 64 * 1024
-# e^60 ~ 1e26: with a clamp narrower than this, exp(v - min(lo, hi)) lies in [1, e^60], so the
-# sums neither overflow nor underflow, the factor scale / sum stays within |scale|, and no
-# running maximum is needed.
-_MAX_FREE_CLAMP = 60.0
 
 
 def cluster_row_split(classes: tuple[int, int, int], class_dims: tuple[int, int, int]):
@@ -65,7 +61,7 @@ def one_read_geometry(y, out, layout: str, length: int, channels: int, strides,
     the running maximum, 16-byte aligned buffers, and either contiguous rows ("nchw") or a
     sub-pixel convolution's class blocks ("classes").
     """
-    if clamp is None or clamp[1] - clamp[0] > _MAX_FREE_CLAMP:
+    if not skips_max(clamp):
         return None
     if _compute_capability() < 90:
         return None
@@ -95,11 +91,11 @@ def softmax_rows(xp, y, out, *, rows: int, length: int, channels: int, strides,
     or "classes" (a sub-pixel convolution's class blocks (P, N, C, *M), see
     :func:`cufused._kernels.layout.class_geometry`; ``strides`` unused). ``bias`` is added
     and ``clamp = (lo, hi)`` applied before the softmax; the result is multiplied by
-    ``scale[c]``. When ``hi - lo`` is small, exp(v - min(lo, hi)) can neither overflow nor
-    underflow, so no running maximum is needed; then, where :func:`one_read_geometry` allows,
-    one kernel reads ``y`` once (a thread-block cluster per row). Otherwise a statistics pass
-    and a normalize pass run. ``vec4=False`` keeps both channels-last passes on their scalar
-    kernels (tests, timings).
+    ``scale[c]``. When ``hi - lo`` is small (:func:`skips_max`), exp(v - the clamp's middle) can
+    neither overflow nor underflow, so no running maximum is needed; then, where
+    :func:`one_read_geometry` allows, one kernel reads ``y`` once (a thread-block cluster per
+    row). Otherwise a statistics pass and a normalize pass run. ``vec4=False`` keeps both
+    channels-last passes on their scalar kernels (tests, timings).
     """
     if layout == "nhwc" and not fits_grid_yz(channels, 32):
         # More channel tiles than the transposing normalize pass's grid holds: the rows
@@ -175,7 +171,7 @@ def softmax_stats(xp, y, *, n: int, partial_rows: int, length: int, channels: in
                -(-channels // (32 if channels_last else 8)))
     splits = split_count(n * c_tiles, length)
     splits = max(1, min(splits, -(-length // 32)))
-    on = cpp_bool(clamp is None or hi - lo > _MAX_FREE_CLAMP)
+    on = cpp_bool(not skips_max(clamp))
     partial = xp.empty((partial_rows, splits, 2), dtype=xp.float32)
     if quads:
         get_kernel(_FILE, f"softmax_stats_nhwc4<{on}, {cp}>")(

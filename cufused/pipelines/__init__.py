@@ -16,11 +16,11 @@ kernels, reading the large convolution output as few times as possible:
   (n, group) then applies BatchNorm + tanh and GroupNorm on the 4x smaller pooled tensor,
   cached in shared memory. The convolution bias cancels in training-mode BatchNorm and is only
   added to the running-mean update.
-* C (:mod:`.pipeline_c`), AvgPool3d -> ConvTranspose3d -> clamp -> softmax over D*H*W ->
-  scale: the pool runs first, writing the convolution's input directly in the layout its
-  convolution wants; after the clamp to [lo, hi] the softmax needs no max pass
-  (1 <= exp(v - lo) <= e^60 for hi - lo <= 60), so one statistics read and one
-  normalize-and-scale pass follow, in place in the output when the layout allows.
+* C (:mod:`.pipeline_c`), AvgPool3d -> ConvTranspose3d -> clamp -> softmax over D*H*W -> scale:
+  the pool runs first, writing the convolution's input directly in the layout its convolution
+  wants; after the clamp to [lo, hi] the softmax needs no max pass (exp(v - the clamp's middle)
+  within e^+-30 for hi - lo <= 60), so one statistics read and one normalize-and-scale pass
+  follow, in place in the output when the layout allows.
 
 ``method="unfused"`` runs the same math as separate cufused building blocks (the baseline).
 """

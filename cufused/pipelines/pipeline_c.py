@@ -1,11 +1,12 @@
 """Pipeline C: AvgPool3d -> ConvTranspose3d -> clamp -> softmax over D*H*W -> scale.
 
 The pool runs first, writing the convolution's input directly in the layout its cuDNN plan
-wants; after the clamp to [lo, hi] the softmax needs no max pass (1 <= exp(v - lo) <= e^60 for
-hi - lo <= 60), so one statistics read and one normalize-and-scale pass follow, in place in the
-output when the layout allows. On cufused's tensor-core convolution (stride 2, 3 x 3 x 3
-kernels) the convolution output is never stored: one pass takes the softmax sums in the
-convolution's epilogue, a second computes the convolution again and writes the result.
+wants; after the clamp to [lo, hi] the softmax needs no max pass (exp(v - the clamp's middle)
+within e^+-30 for hi - lo <= 60), so one statistics read and one normalize-and-scale pass
+follow, in place in the output when the layout allows. On cufused's tensor-core convolution
+(stride 2, 3 x 3 x 3 kernels) the convolution output is never stored: one pass takes the softmax
+sums in the convolution's epilogue, a second computes the convolution again and writes the
+result.
 """
 
 from __future__ import annotations

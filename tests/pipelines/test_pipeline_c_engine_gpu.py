@@ -139,7 +139,7 @@ def test_without_bias_or_scale(rng, precision):
 
 @pytest.mark.parametrize("opts", [
     dict(stride=2, padding=1, output_padding=1, pool_kernel=2, clamp_min=-100.0,
-         clamp_max=100.0),  # a clamp wider than 60: exp(v - hi) may underflow a whole row
+         clamp_max=100.0),  # a clamp wider than 60: exp(v - ref) may overflow a row's sum
     dict(stride=1, padding=1, output_padding=0, pool_kernel=2, clamp_min=0.0, clamp_max=1.0),
 ])
 def test_problems_it_does_not_take_go_to_cudnn(rng, monkeypatch, opts):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from cufused._kernels import normalization, pooling
+from cufused._kernels._common import clamp_middle, skips_max
 from cufused._kernels.softmax import cluster_row_split, stats_quads
 from cufused._layout import layout_strides
 
@@ -87,6 +88,23 @@ def test_softmax_stats_quads(channels, quads):
     assert stats_quads(channels) == quads
     if quads:
         assert 32 % quads == 0 and channels % (4 * quads) == 0
+
+
+@pytest.mark.parametrize("clamp,skips,middle", [
+    (None, False, None),
+    ((0.0, 1.0), True, 0.5),
+    ((0.0, 60.0), True, 30.0),
+    ((0.0, 60.5), False, None),
+    ((5.0, -3.0), True, -3.0),                      # lo > hi: every value is hi
+    ((2.0**31 + 100, 2.0**31 + 150), False, None),  # 2**31 and 2**31 + 256 in float32
+    ((np.inf, np.inf), False, None),                # inf - inf: the online pass
+    ((-np.inf, 0.0), False, None),
+    ((np.inf, 7.0), True, 7.0),
+])
+def test_softmax_skips_the_max_pass_for_a_narrow_float32_clamp(clamp, skips, middle):
+    assert skips_max(clamp) is skips
+    if middle is not None:
+        assert clamp_middle(clamp) == middle
 
 
 def test_strategy_score_handicaps_input_conversions():
