@@ -343,7 +343,8 @@ __global__ void group_affine_rows(const float* x, float* y, const float* __restr
 
 // mean and rstd of a row from its block's shifted sums (len values), formed in double as
 // stats_finalize forms them: a sum of squares past float32's range makes the variance infinite
-// and rstd 0 (PyTorch's float32 result), where float32 would take inf - inf.
+// and rstd 0 (PyTorch's float32 result) whether or not the compiler contracts the subtraction
+// into an FMA (in float32, m1 * m1 alone overflows, and inf - inf is NaN).
 __device__ __forceinline__ void row_moments(float s1, float s2, float shift, int len, float eps,
                                             float2* scratch, float& mean, float& rstd) {
     const float2 s = block_sum(make_float2(s1, s2), scratch);

@@ -166,11 +166,11 @@ def test_pipeline_c_clamp_bounds_far_from_zero(rng, engine, bound):
                          ids=["large-scale-values-at-the-floor", "small-scale-values-at-the-top"])
 def test_pipeline_c_extreme_scales_with_a_60_wide_clamp(rng, engine, precision, geometry, clamp,
                                                         scale_by):
-    # A clamp 60 wide skips the softmax's max pass. With the exponents taken from clamp_max,
-    # values near the floor made a row's sum ~e^-60 per value and a scale of 1e20 overflowed
-    # the factor scale / sum (inf where PyTorch's outputs are ~1e20 / (D*H*W)); taken from
-    # clamp_min, values at the top made it ~e^60 per value and a scale of 1e-10 flushed the
-    # factor to 0. From the clamp's middle both stay normal. On every softmax path: the
+    # A clamp 60 wide skips the softmax's max pass. Exponents taken from clamp_max would make
+    # a row's sum ~e^-60 per value near the floor, and a scale of 1e20 would overflow the
+    # factor scale / sum (inf where PyTorch's outputs are ~1e20 / (D*H*W)); taken from
+    # clamp_min, the sum would be ~e^60 per value at the top, and a scale of 1e-10 would flush
+    # the factor to 0. From the clamp's middle both stay normal. On every softmax path: the
     # implicit GEMM's epilogue, the one-read cluster kernel (sm_90) and the statistics +
     # normalize pass.
     from cufused._cudnn import plan_options
