@@ -54,6 +54,38 @@ __device__ __forceinline__ float clamp_nan(float v, float lo, float hi) {
     return v != v ? v : fminf(fmaxf(v, lo), hi);
 }
 
+// A channel's normalization affine, gamma * (v - mean) * rstd + beta, times scale, as
+// a * (v - center) + c. Finite coefficients take the centered form (a = gamma * rstd * scale,
+// center = mean, c = beta * scale), in which |mean| >> std stays accurate and a constant
+// channel gives beta * scale exactly; otherwise PyTorch's a * v + b (center 0,
+// c = (beta - mean * gamma * rstd) * scale), so that an infinite or NaN parameter gives the
+// infinities and NaNs that PyTorch gives. Stored as three rows of K entries:
+// coef[k] = a, coef[K + k] = center, coef[2 * K + k] = c.
+struct ChannelAffine {
+    float a, center, c;
+
+    __device__ static ChannelAffine of(float gamma, float beta, float scale, float mean,
+                                       float rstd) {
+        const float g = gamma * rstd, b = beta - mean * g;
+        const float as = g * scale, bs = b * scale, cs = beta * scale;
+        if (isfinite(g) && isfinite(b) && isfinite(as) && isfinite(bs) && isfinite(cs))
+            return {as, mean, cs};
+        return {as, 0.0f, bs};
+    }
+    __device__ static ChannelAffine identity() { return {1.0f, 0.0f, 0.0f}; }
+    __device__ static ChannelAffine load(const float* __restrict__ coef, index_t K, index_t k) {
+        return {__ldg(coef + k), __ldg(coef + K + k), __ldg(coef + 2 * K + k)};
+    }
+    __device__ void store(float* coef, index_t K, index_t k) const {
+        coef[k] = a;
+        coef[K + k] = center;
+        coef[2 * K + k] = c;
+    }
+    // Whether the coefficients are those of the centered form (finite a and c).
+    __device__ bool finite() const { return isfinite(a) && isfinite(c); }
+    __device__ float operator()(float v) const { return fmaf(a, v - center, c); }
+};
+
 // The exponents' reference of a softmax over values clamped to [lo, hi] without a max pass:
 // halfway between the least value the clamp gives, min(lo, hi) (hi where lo > hi), and hi.
 // For hi - lo <= 60 (checked on the host, skips_max) every exp(v - ref) lies in

@@ -2,8 +2,9 @@
 #include "common.cuh"
 
 // What transpose_batched does to each value on its way out: nothing, + bias[b], or pipeline
-// A's GroupNorm affine and clamp, clamp(scale[n, b] * v + shift[n, b], lo, hi). The launcher
-// names these codes in the instantiations it requests (cufused/_kernels/layout.py).
+// A's GroupNorm affine and clamp, clamp(f(v), lo, hi) with f the ChannelAffine of entry
+// n * B + b in coef (rows of N * B entries). The launcher names these codes in the
+// instantiations it requests (cufused/_kernels/layout.py).
 #define EPILOGUE_NONE 0
 #define EPILOGUE_BIAS 1
 #define EPILOGUE_AFFINE_CLAMP 2
@@ -18,8 +19,8 @@
 // a sample are numbered along b first in grid x, which, unlike grid y, takes a long A.
 template <int EPILOGUE, int TILES>
 __global__ void transpose_batched(const float* __restrict__ in, float* __restrict__ out,
-                                  const float* __restrict__ scale,
-                                  const float* __restrict__ shift, float lo, float hi,
+                                  const float* __restrict__ bias,
+                                  const float* __restrict__ coef, float lo, float hi,
                                   index_t N, index_t A, index_t B) {
     __shared__ float tile[TILES][32][33];
     const int a_len = (int)A, b_len = (int)B;
@@ -48,9 +49,9 @@ __global__ void transpose_batched(const float* __restrict__ in, float* __restric
                 const int b = b0 + t * 32 + j;
                 if (a < a_len && b < b_len) {
                     float v = tile[t][threadIdx.x][j];
-                    if (EPILOGUE == EPILOGUE_BIAS) v += shift[b];
+                    if (EPILOGUE == EPILOGUE_BIAS) v += bias[b];
                     if (EPILOGUE == EPILOGUE_AFFINE_CLAMP)
-                        v = clamp_nan(fmaf(scale[n * B + b], v, shift[n * B + b]), lo, hi);
+                        v = clamp_nan(ChannelAffine::load(coef, N * B, n * B + b)(v), lo, hi);
                     dst[b * a_len + a] = v;
                 }
             }

@@ -48,16 +48,13 @@ __device__ __forceinline__ float param_or(const float* __restrict__ p, int c, fl
     return p ? __ldg(p + c) : fallback;
 }
 
-// (a, b) of channel c's affine a * v + b for a normalization of (mean, rstd), times scale:
-// PyTorch's forms (a = gamma * rstd, b = beta - mean * a), so that an infinite parameter
-// gives the infinities and NaNs that PyTorch gives.
-__device__ __forceinline__ float2 affine_coef(const float* __restrict__ gamma,
-                                             const float* __restrict__ beta,
-                                             const float* __restrict__ scale, int c, float mean,
-                                             float rstd) {
-    const float a = param_or(gamma, c, 1.0f) * rstd;
-    const float s = param_or(scale, c, 1.0f);
-    return make_float2(a * s, (param_or(beta, c, 0.0f) - mean * a) * s);
+// Channel c's affine for a normalization of (mean, rstd), times scale.
+__device__ __forceinline__ ChannelAffine channel_affine_of(const float* __restrict__ gamma,
+                                                           const float* __restrict__ beta,
+                                                           const float* __restrict__ scale,
+                                                           int c, float mean, float rstd) {
+    return ChannelAffine::of(param_or(gamma, c, 1.0f), param_or(beta, c, 0.0f),
+                             param_or(scale, c, 1.0f), mean, rstd);
 }
 
 // (mean, variance) in double of statistics row `row` from its partials at
@@ -104,11 +101,11 @@ __device__ __forceinline__ double inverse_std(double var, float eps) {
 
 // One block per statistics row. The row's partials (float2: sum d, sum d * d, d = value -
 // shift[row]) sit at partial[o * outer_stride + row * row_len + m], o < n_outer,
-// m < row_len, and are summed in double. They become per-channel coefficients a, b of the
-// affine that the next pass applies:
-//  MODE_GROUP_NORM: row = n * G + g; a[n, c] = gamma * rstd * scale,
-//                   b[n, c] = (beta - mean * gamma * rstd) * scale for the group's channels.
-//  MODE_BATCH_NORM: row = c; a[c] = gamma * rstd, b[c] = beta - mean * a[c]; with training = 0
+// m < row_len, and are summed in double. They become the ChannelAffine coefficients (rows
+// of K entries in coef) that the next pass applies:
+//  MODE_GROUP_NORM: row = n * G + g; entry n * C + c for each of the group's channels c, with
+//                   scale (K = N * C);
+//  MODE_BATCH_NORM: row = c; entry c (K = C); with training = 0
 //                   the running statistics replace the batch ones; with training = 1 the running
 //                   buffers (when given) are updated in place as PyTorch does, the batch mean
 //                   including mean_offset[c] (a convolution bias that the statistics skipped).
@@ -116,8 +113,8 @@ template <int MODE>
 __global__ void stats_finalize(const float* __restrict__ partial, const float* __restrict__ shift,
                                index_t n_outer, index_t outer_stride, int row_len, double count,
                                const float* __restrict__ gamma, const float* __restrict__ beta,
-                               const float* __restrict__ scale, float* __restrict__ coef_a,
-                               float* __restrict__ coef_b, int C, int G, float eps, int training,
+                               const float* __restrict__ scale, float* __restrict__ coef,
+                               int C, int G, float eps, int training,
                                float* running_mean, float* running_var,
                                const float* __restrict__ mean_offset, float momentum,
                                float2* __restrict__ moments) {
@@ -156,12 +153,11 @@ __global__ void stats_finalize(const float* __restrict__ partial, const float* _
     const float mean = stats[0], rstd = stats[1];
     if (moments && threadIdx.x == 0) moments[row] = make_float2(mean, rstd);
     const int channels = MODE == MODE_GROUP_NORM ? C / G : 1;
+    const index_t K = MODE == MODE_GROUP_NORM ? (index_t)gridDim.x / G * C : C;
     for (int j = threadIdx.x; j < channels; j += blockDim.x) {
         const int c = MODE == MODE_GROUP_NORM ? (int)(row % G) * channels + j : (int)row;
         const index_t out = MODE == MODE_GROUP_NORM ? (row / G) * C + c : row;
-        const float2 ab = affine_coef(gamma, beta, scale, c, mean, rstd);
-        coef_a[out] = ab.x;
-        coef_b[out] = ab.y;
+        channel_affine_of(gamma, beta, scale, c, mean, rstd).store(coef, K, out);
     }
 }
 
@@ -172,29 +168,15 @@ __device__ __forceinline__ float activate(float v, float lo, float hi) {
     return v;
 }
 
-// GroupNorm's gamma * (v - mean) * rstd + beta. Finite coefficients take the form that keeps
-// |mean| >> std accurate; otherwise PyTorch's a * v + b (a = gamma * rstd, b = beta - mean * a),
-// so that an infinite gamma gives the infinities and NaNs that PyTorch gives.
-struct GroupNormAffine {
-    float a, b, mean, beta;
-    bool finite;
-    __device__ GroupNormAffine(float gamma, float beta_, float mean_, float rstd)
-        : a(gamma * rstd), b(beta_ - mean_ * (gamma * rstd)), mean(mean_), beta(beta_),
-          finite(isfinite(a) && isfinite(b)) {}
-    __device__ float operator()(float v) const {
-        return finite ? fmaf(a, v - mean, beta) : fmaf(a, v, b);
-    }
-};
-
-// y = act(a[k] * x + b[k]) over a contiguous tensor of planes of `inner` values,
-// k = plane % n_coef, visited flat as vectors of VEC values (VEC = 4: 16-byte accesses; needs
-// size % 4 == 0, inner >= 4 and 16-byte aligned x, y, so a vector spans at most two planes;
-// the planes themselves need no alignment: pipeline A's are 31 x 31). Each thread has UNROLL
-// vectors in flight (a grid-stride loop). x may equal y.
+// y = act(f_k(x)) over a contiguous tensor of planes of `inner` values, f_k the ChannelAffine
+// of entry k = plane % n_coef in coef (rows of n_coef entries), visited flat as vectors of VEC
+// values (VEC = 4: 16-byte accesses; needs size % 4 == 0, inner >= 4 and 16-byte aligned x, y,
+// so a vector spans at most two planes; the planes themselves need no alignment: pipeline A's
+// are 31 x 31). Each thread has UNROLL vectors in flight (a grid-stride loop). x may equal y.
 template <int ACT, int VEC>
-__global__ void channel_affine(const float* x, float* y, const float* __restrict__ coef_a,
-                               const float* __restrict__ coef_b, index_t n_vec, index_t inner,
-                               index_t n_coef, float lo, float hi) {
+__global__ void channel_affine(const float* x, float* y, const float* __restrict__ coef,
+                               index_t n_vec, index_t inner, index_t n_coef, float lo,
+                               float hi) {
     const index_t stride = (index_t)gridDim.x * blockDim.x;
     // A float-reciprocal quotient while offsets fit in 32 bits, a 64-bit division beyond.
     const bool small = n_vec * VEC < (1LL << 31);
@@ -206,12 +188,11 @@ __global__ void channel_affine(const float* x, float* y, const float* __restrict
         const index_t left = (plane + 1) * inner - e;  // values of this plane from e on
         const index_t k0 = plane % n_coef;  // n_coef = N * C may pass 2**31
         const index_t k1 = k0 + 1 == n_coef ? 0 : k0 + 1;
+        const ChannelAffine f0 = ChannelAffine::load(coef, n_coef, k0);
+        const ChannelAffine f1 = left < VEC ? ChannelAffine::load(coef, n_coef, k1) : f0;
         float* t = &v.x;
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-            const index_t k = j < left ? k0 : k1;
-            t[j] = activate<ACT>(fmaf(__ldg(coef_a + k), t[j], __ldg(coef_b + k)), lo, hi);
-        }
+        for (int j = 0; j < VEC; ++j) t[j] = activate<ACT>((j < left ? f0 : f1)(t[j]), lo, hi);
         store_vec<VEC>(y, i, v);
     });
 }
@@ -219,23 +200,22 @@ __global__ void channel_affine(const float* x, float* y, const float* __restrict
 // One (n, g) row of GroupNorm for a block: the row's Cg * HW values in NCHW order, visited
 // as vectors of VEC (VEC = 4: 16-byte accesses, which needs Cg * HW % 4 == 0, HW >= 4 and
 // 16-byte aligned buffers; a vector then spans at most two channels, c and c + 1). PRE =
-// ACT_TANH first maps each value to tanh(pre_a[c] * x + pre_b[c]) (pipeline B's BatchNorm
-// affine + tanh on the pooled extremum).
+// ACT_TANH first maps each value to tanh(pre affine c (x)), with the ChannelAffine rows of C
+// entries in pre (pipeline B's BatchNorm affine + tanh on the pooled extremum).
 template <int PRE, int VEC>
 struct GroupNormRow {
-    const float* pre_a;
-    const float* pre_b;
+    const float* pre;
     const float* gamma;
     const float* beta;
-    int c0, cg, HW, n_vec;  // first channel, channels, values per channel, vectors in the row
+    int C, c0, cg, HW, n_vec;  // channels, first channel, its group's channels, values per
+                               // channel, vectors in the row
     float inv_hw;
 
     // The block's row, (n, g) = (blockIdx.x / G, blockIdx.x % G) of an (N, C, HW) tensor.
-    __device__ static GroupNormRow of_block(const float* pre_a, const float* pre_b,
-                                            const float* gamma, const float* beta, int C, int G,
-                                            int HW) {
+    __device__ static GroupNormRow of_block(const float* pre, const float* gamma,
+                                            const float* beta, int C, int G, int HW) {
         const int cg = C / G;
-        return {pre_a, pre_b, gamma, beta, (int)(blockIdx.x % G) * cg, cg, HW, cg * HW / VEC,
+        return {pre, gamma, beta, C, (int)(blockIdx.x % G) * cg, cg, HW, cg * HW / VEC,
                 1.0f / HW};
     }
 
@@ -267,36 +247,38 @@ struct GroupNormRow {
         return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w;
     }
 
-    __device__ static float pre_value(float a, float b, float v) {
-        return PRE == ACT_TANH ? tanh_branchless(fmaf(a, v, b)) : v;
+    // Channel c's pre-map affine (the identity without PRE).
+    __device__ ChannelAffine pre_affine(int c) const {
+        return PRE == ACT_TANH ? ChannelAffine::load(pre, C, c) : ChannelAffine::identity();
+    }
+
+    __device__ static float pre_value(const ChannelAffine& f, float v) {
+        return PRE == ACT_TANH ? tanh_branchless(f(v)) : v;
     }
 
     // Value v of channel c after the pre-map (a row's shift is its first value, mapped).
-    __device__ static float pre_map(const float* pre_a, const float* pre_b, int c, float v) {
-        return pre_value(param_or(pre_a, c, 1.0f), param_or(pre_b, c, 0.0f), v);
-    }
+    __device__ float pre_map(int c, float v) const { return pre_value(pre_affine(c), v); }
 
-    __device__ void pre(float4& v, Span s) const {
+    __device__ void map_pre(float4& v, Span s) const {
         if (PRE != ACT_TANH) return;
-        const Pair a = param(pre_a, s, 1.0f), b = param(pre_b, s, 0.0f);
+        const ChannelAffine first = pre_affine(s.c);
+        const ChannelAffine second = s.left < VEC ? pre_affine(s.c + 1) : first;
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-            const bool j = k >= s.left;
-            lane(v, k) = pre_value(a(j), b(j), lane(v, k));
-        }
+        for (int k = 0; k < VEC; ++k)
+            lane(v, k) = pre_value(k >= s.left ? second : first, lane(v, k));
     }
 
-    // y row = GroupNormAffine(value) from src (the cached, already mapped row,
+    // y row = ChannelAffine of (mean, rstd) (value) from src (the cached, already mapped row,
     // or the input row that is mapped again), 4 vectors in flight per thread.
     __device__ void normalize(const float* src, bool mapped, float* yr, float mean,
                               float rstd) const {
         for_each_vector<VEC, 4>(src, (int)threadIdx.x, n_vec, (int)blockDim.x,
                                 [&](int q, float4& v) {
             const Span s = span(q);
-            if (!mapped) pre(v, s);
+            if (!mapped) map_pre(v, s);
             const Pair g = param(gamma, s, 1.0f), bt = param(beta, s, 0.0f);
-            const GroupNormAffine first(g(false), bt(false), mean, rstd);
-            const GroupNormAffine second(g(true), bt(true), mean, rstd);
+            const ChannelAffine first = ChannelAffine::of(g(false), bt(false), 1.0f, mean, rstd);
+            const ChannelAffine second = ChannelAffine::of(g(true), bt(true), 1.0f, mean, rstd);
 #pragma unroll
             for (int k = 0; k < VEC; ++k)
                 lane(v, k) = k >= s.left ? second(lane(v, k)) : first(lane(v, k));
@@ -305,10 +287,10 @@ struct GroupNormRow {
     }
 };
 
-// GroupNorm times scale and an activation, y = act(a * x + b), with the statistics from
+// GroupNorm times scale and an activation, y = act(affine(x)), with the statistics from
 // partials with shifts and counts of their own (partial_moments<true>'s):
 // one block per (n, g) row of a contiguous (N, C, HW) tensor (GroupNormRow; x may equal y)
-// reduces the row's partials, forms (mean, rstd) and each channel's (a, b) as
+// reduces the row's partials, forms (mean, rstd) and each channel's ChannelAffine as
 // stats_finalize does (moments[row] = (mean, rstd)) and applies them: stats_finalize and
 // channel_affine in one pass (pipeline A's pooled extrema).
 template <int ACT, int VEC>
@@ -319,7 +301,7 @@ __global__ void group_affine_rows(const float* x, float* y, const float* __restr
                                   float eps, float lo, float hi, float2* __restrict__ moments) {
     __shared__ double2 scratch[32];
     using Row = GroupNormRow<ACT_NONE, VEC>;
-    const Row gn = Row::of_block(nullptr, nullptr, nullptr, nullptr, C, G, HW);  // spans only
+    const Row gn = Row::of_block(nullptr, nullptr, nullptr, C, G, HW);  // spans only
     const double2 mv = partial_moments<true>(partial, nullptr, blockIdx.x, 1, 0, row_len, count,
                                              scratch);
     const float mean = (float)mv.x, rstd = (float)inverse_std(mv.y, eps);
@@ -329,13 +311,13 @@ __global__ void group_affine_rows(const float* x, float* y, const float* __restr
     for_each_vector<VEC, 4>(x + Row::start(len), (int)threadIdx.x, gn.n_vec, (int)blockDim.x,
                             [&](int q, float4& v) {
         const typename Row::Span s = gn.span(q);
-        const float2 first = affine_coef(gamma, beta, scale, s.c, mean, rstd);
-        const float2 second = s.left < VEC
-            ? affine_coef(gamma, beta, scale, s.c + 1, mean, rstd) : first;
+        const ChannelAffine first = channel_affine_of(gamma, beta, scale, s.c, mean, rstd);
+        const ChannelAffine second = s.left < VEC
+            ? channel_affine_of(gamma, beta, scale, s.c + 1, mean, rstd) : first;
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
-            const float2 ab = k >= s.left ? second : first;
-            Row::lane(v, k) = activate<ACT>(fmaf(ab.x, Row::lane(v, k), ab.y), lo, hi);
+            const ChannelAffine& f = k >= s.left ? second : first;
+            Row::lane(v, k) = activate<ACT>(f(Row::lane(v, k)), lo, hi);
         }
         store_vec<VEC>(yr, q, v);
     });
@@ -376,8 +358,9 @@ __device__ void normalize_cached_row(float* row_cache, float* yr, const float* g
                                      const float* beta, int c0, int cg, int HW, float mean,
                                      float rstd) {
     map_cached_row(row_cache, cg, HW, [&](int c) {
-        const GroupNormAffine f(param_or(gamma, c0 + c, 1.0f), param_or(beta, c0 + c, 0.0f),
-                                mean, rstd);
+        const ChannelAffine f = ChannelAffine::of(param_or(gamma, c0 + c, 1.0f),
+                                                  param_or(beta, c0 + c, 0.0f), 1.0f, mean,
+                                                  rstd);
         return [=](float v) { return f(v); };
     });
     __syncthreads();
@@ -405,20 +388,20 @@ __device__ __forceinline__ void copy_to_shared(float* dst, const float* src, int
 // statistics and the normalize step; otherwise it is recomputed from x. x may equal y: every
 // element is read and written by the same thread.
 template <int PRE, bool CACHE, int VEC>
-__global__ void group_norm_rows(const float* x, float* y, const float* __restrict__ pre_a,
-                                const float* __restrict__ pre_b, const float* __restrict__ gamma,
-                                const float* __restrict__ beta, int C, int G, int HW, float eps) {
+__global__ void group_norm_rows(const float* x, float* y, const float* __restrict__ pre,
+                                const float* __restrict__ gamma, const float* __restrict__ beta,
+                                int C, int G, int HW, float eps) {
     extern __shared__ float4 cache[];
     __shared__ float2 scratch[32];
     using Row = GroupNormRow<PRE, VEC>;
-    const Row gn = Row::of_block(pre_a, pre_b, gamma, beta, C, G, HW);
+    const Row gn = Row::of_block(pre, gamma, beta, C, G, HW);
     const int len = gn.len();
     const float* xr = x + Row::start(len);
-    const float shift = Row::pre_map(pre_a, pre_b, gn.c0, xr[0]);
+    const float shift = gn.pre_map(gn.c0, xr[0]);
     float s1 = 0.0f, s2 = 0.0f;
     for_each_vector<VEC, 4>(xr, (int)threadIdx.x, gn.n_vec, (int)blockDim.x,
                             [&](int q, float4& v) {
-        gn.pre(v, gn.span(q));
+        gn.map_pre(v, gn.span(q));
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
             const float d = gn.lane(v, k) - shift;
@@ -440,15 +423,14 @@ __global__ void group_norm_rows(const float* x, float* y, const float* __restric
 // channels-last in blocks of `block` channels (blocked_channels_last: block = C is
 // (N, HW, C)), the output NCHW: pipeline B's pooled extrema, which its channels-last fused
 // pass writes with 16-byte stores. Each thread reads 16-byte quads of the group's channels
-// (Cg / 4 dividing 32, so a thread's quad is fixed: its pre_a, pre_b are loaded once) and
+// (Cg / 4 dividing 32, so a thread's quad is fixed: its pre-map affines are loaded once) and
 // scatters them into the cached row in NCHW order; the normalize step is
 // normalize_cached_row's (HW >= 32) or GroupNormRow's. Needs C % 4 == 0, a block of whole
 // groups and x 16-byte aligned. `block` is read only with X_BLOCKED. x may equal y: with
 // X_BLOCKED and block = Cg a row has the same bytes in x as in y, and the block reads its
 // whole row before it writes (no __ldg).
 template <int PRE, int VEC, bool X_BLOCKED>
-__global__ void group_norm_rows_cached(const float* x, float* y, const float* __restrict__ pre_a,
-                                       const float* __restrict__ pre_b,
+__global__ void group_norm_rows_cached(const float* x, float* y, const float* __restrict__ pre,
                                        const float* __restrict__ gamma,
                                        const float* __restrict__ beta, int C, int G, int HW,
                                        float eps, int block) {
@@ -456,20 +438,20 @@ __global__ void group_norm_rows_cached(const float* x, float* y, const float* __
     float* row_cache = reinterpret_cast<float*>(cache);
     __shared__ float2 scratch[32];
     using Row = GroupNormRow<PRE, VEC>;
-    const Row gn = Row::of_block(pre_a, pre_b, gamma, beta, C, G, HW);
+    const Row gn = Row::of_block(pre, gamma, beta, C, G, HW);
     const int c0 = gn.c0, cg = gn.cg, len = gn.len();
     float shift, s1 = 0.0f, s2 = 0.0f;
     if constexpr (!X_BLOCKED) {
         // The shift comes from x, not from row_cache[0]: the warp of channel 0 maps the
         // cached row in place while other warps may not have read its first value yet.
         const float* xr = x + Row::start(len);
-        shift = Row::pre_map(pre_a, pre_b, c0, xr[0]);
+        shift = gn.pre_map(c0, xr[0]);
         copy_to_shared<VEC>(row_cache, xr, gn.n_vec);
         __syncthreads();
         map_cached_row(row_cache, cg, HW, [&](int c) {
-            const float a = param_or(pre_a, c0 + c, 1.0f), b = param_or(pre_b, c0 + c, 0.0f);
-            return [&, a, b](float v) {
-                const float t = Row::pre_value(a, b, v);
+            const ChannelAffine f = gn.pre_affine(c0 + c);
+            return [&, f](float v) {
+                const float t = Row::pre_value(f, v);
                 const float d = t - shift;
                 s1 += d;
                 s2 = fmaf(d, d, s2);
@@ -481,14 +463,11 @@ __global__ void group_norm_rows_cached(const float* x, float* y, const float* __
         const int quads = cg / 4;
         const int quad = threadIdx.x % quads, lanes = blockDim.x / quads;
         const int cq = c0 + 4 * quad;
-        float a[4], b[4];
+        ChannelAffine f[4];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            a[k] = param_or(pre_a, cq + k, 1.0f);
-            b[k] = param_or(pre_b, cq + k, 0.0f);
-        }
+        for (int k = 0; k < 4; ++k) f[k] = gn.pre_affine(cq + k);
         const float* xs = x + blocked_channels_last(n, cq, 0, C, HW, block);
-        shift = Row::pre_map(pre_a, pre_b, c0, x[blocked_channels_last(n, c0, 0, C, HW, block)]);
+        shift = gn.pre_map(c0, x[blocked_channels_last(n, c0, 0, C, HW, block)]);
         // Positions p = threadIdx.x / quads + lanes * i, UNROLL loads in flight (8 are slower
         // on B: 72 registers, 3 blocks per SM instead of 4).
         constexpr int UNROLL = 4;
@@ -505,7 +484,7 @@ __global__ void group_norm_rows_cached(const float* x, float* y, const float* __
                 if (p >= HW) break;
 #pragma unroll
                 for (int k = 0; k < 4; ++k) {
-                    const float t = Row::pre_value(a[k], b[k], gn.lane(v[u], k));
+                    const float t = Row::pre_value(f[k], gn.lane(v[u], k));
                     const float d = t - shift;
                     s1 += d;
                     s2 = fmaf(d, d, s2);

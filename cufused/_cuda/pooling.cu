@@ -825,18 +825,19 @@ __global__ void pool_affine_nonfinite_conv(
 // (strides sn, sc, sh, sw; plus the convolution bias, with which PyTorch forms the
 // statistics: a = gamma * rstd, b = beta - (mean + bias) * a) and stores atanh of it (+-inf
 // for +-1, NaN for NaN) in ext (NCHW, or blocked channels-last with ext_block > 0), then sets
-// the channel's coefficients to the identity, so that the GroupNorm pass's tanh(1 * e + 0)
-// reads back the exact value. Runs after bn_coefficients and before the GroupNorm pass.
+// the channel's coefficients (ChannelAffine rows of C entries in coef) to the identity, so that
+// the GroupNorm pass's tanh(1 * (e - 0) + 0) reads back the exact value. Runs after
+// bn_coefficients and before the GroupNorm pass.
 __global__ void pool_bn_tanh_nonfinite(const float* __restrict__ y,
                                        const float* __restrict__ bias,
                                        const float2* __restrict__ moments,
                                        const float* __restrict__ gamma,
-                                       const float* __restrict__ beta, float* coef_a,
-                                       float* coef_b, float* ext, int N, int C, int k, int Ho,
+                                       const float* __restrict__ beta, float* coef, float* ext,
+                                       int N, int C, int k, int Ho,
                                        int Wo, index_t sn, index_t sc, index_t sh, index_t sw,
                                        int ext_block) {
     const int c = blockIdx.x;
-    if (isfinite(coef_a[c]) && isfinite(coef_b[c])) return;
+    if (ChannelAffine::load(coef, C, c).finite()) return;
     const float2 m = moments[c];
     const float b0 = bias ? bias[c] : 0.0f;
     const float a = (gamma ? gamma[c] : 1.0f) * m.y;
@@ -857,8 +858,5 @@ __global__ void pool_bn_tanh_nonfinite(const float* __restrict__ y,
         ext[at] = atanhf(acc);
     }
     __syncthreads();  // every thread has read the coefficients (at the top) before they change
-    if (threadIdx.x == 0) {
-        coef_a[c] = 1.0f;
-        coef_b[c] = 0.0f;
-    }
+    if (threadIdx.x == 0) ChannelAffine::identity().store(coef, C, c);
 }

@@ -15,8 +15,9 @@ def transpose_channels(src, dst, *, to_channels_last: bool, bias=None, affine=No
 
     Both arrays have the same logical shape; ``src``'s memory is in the source layout and
     ``dst``'s in the other one. One tiled-transpose kernel, coalesced on both sides. Back to
-    NC(D)HW, ``affine = (scale, shift, lo, hi)`` instead writes
-    ``clip(scale[n, c] * src + shift[n, c], lo, hi)`` (scale, shift: N * C values).
+    NC(D)HW, ``affine = (coef, lo, hi)`` instead writes ``clip(coef[0, k] * (src - coef[1, k])
+    + coef[2, k], lo, hi)`` with k = n * C + c (coef: (3, N * C), a normalization's
+    coefficients as ``stats_finalize`` forms them).
     """
     n, c = src.shape[:2]
     s = src.size // max(n * c, 1)
@@ -30,10 +31,10 @@ def transpose_channels(src, dst, *, to_channels_last: bool, bias=None, affine=No
         nchw_to_nhwc8(src, dst, n=n, c=c, s=s)
         return
     if affine is not None:
-        scale, shift, lo, hi = affine
+        coef, lo, hi = affine
         epilogue = "EPILOGUE_AFFINE_CLAMP"
     else:
-        scale, shift, lo, hi = None, bias, 0.0, 0.0
+        coef, lo, hi = None, 0.0, 0.0
         epilogue = "EPILOGUE_NONE" if bias is None else "EPILOGUE_BIAS"
     if a * b >= 2**31:  # the kernel's per-sample offsets are 32-bit
         if affine is not None:
@@ -43,8 +44,8 @@ def transpose_channels(src, dst, *, to_channels_last: bool, bias=None, affine=No
         if bias is not None:
             add_channel_bias(dst, bias)
         return
-    transpose_batched(src, dst, epilogue=epilogue, scale=scale, shift=shift, lo=lo, hi=hi,
-                      n=n, a=a, b=b)
+    transpose_batched(src, dst, epilogue=epilogue, bias=bias, coef=coef, lo=lo, hi=hi, n=n,
+                      a=a, b=b)
 
 
 def nchw_to_nhwc8(src, dst, *, n: int, c: int, s: int) -> None:
@@ -53,13 +54,13 @@ def nchw_to_nhwc8(src, dst, *, n: int, c: int, s: int) -> None:
               (src, dst, numpy.int64(n), numpy.int32(c), numpy.int64(s)))
 
 
-def transpose_batched(src, dst, *, epilogue: str, scale, shift, lo: float, hi: float, n: int,
+def transpose_batched(src, dst, *, epilogue: str, bias, coef, lo: float, hi: float, n: int,
                       a: int, b: int) -> None:
     """``dst[n, b, a] = epilogue(src[n, a, b])``; ``epilogue`` names an ``EPILOGUE_*`` code."""
     tiles = 4 if b > 64 else 2 if b > 32 else 1  # 32-wide tiles along b per block
     get_kernel(_FILE, f"transpose_batched<{epilogue}, {tiles}>")(
         (-(-b // (32 * tiles)) * -(-a // 32), 1, min(n, MAX_GRID_YZ)), (32, 8),
-        (src, dst, optional(scale), optional(shift), numpy.float32(lo), numpy.float32(hi),
+        (src, dst, optional(bias), optional(coef), numpy.float32(lo), numpy.float32(hi),
          numpy.int64(n), numpy.int64(a), numpy.int64(b)))
 
 

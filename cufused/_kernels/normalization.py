@@ -2,7 +2,11 @@
 affine coefficients, the affine (+ activation) apply pass, and a one-block-per-row GroupNorm.
 
 Statistics are float32 sums shifted by each key's first value (0 where infinite; so
-``|mean| >> std`` stays accurate), combined in float64 by ``stats_finalize``.
+``|mean| >> std`` stays accurate), combined in float64 by ``stats_finalize``. Coefficients
+are a (3, K) float32 array (``coef_array``): entry k maps ``v`` to
+``coef[0, k] * (v - coef[1, k]) + coef[2, k]`` (``ChannelAffine`` in common.cuh: the centered
+form ``gamma * rstd * (v - mean) + beta`` where it is finite, PyTorch's ``a * v + b``
+otherwise).
 """
 
 from __future__ import annotations
@@ -43,8 +47,13 @@ def finalize_threads(partials_per_row: int) -> int:
     return min(256, 32 * max(1, -(-partials_per_row // 32)))
 
 
+def coef_array(xp, k: int):
+    """An uninitialized (3, k) array of normalization coefficients."""
+    return xp.empty((3, k), dtype=xp.float32)
+
+
 def _stats_finalize(mode: str, rows: int, *, partial, shift, n_outer: int, outer_stride: int,
-                    row_len: int, count: int, gamma, beta, scale, coef_a, coef_b, channels: int,
+                    row_len: int, count: int, gamma, beta, scale, coef, channels: int,
                     groups: int, eps: float, training: bool, running_mean, running_var,
                     mean_offset, momentum: float, moments) -> None:
     """``stats_finalize<mode>``, one block per statistics row (see the kernel)."""
@@ -52,33 +61,33 @@ def _stats_finalize(mode: str, rows: int, *, partial, shift, n_outer: int, outer
         (rows,), (finalize_threads(n_outer * row_len),),
         (optional(partial), optional(shift), numpy.int64(n_outer), numpy.int64(outer_stride),
          numpy.int32(row_len), numpy.float64(count), optional(gamma), optional(beta),
-         optional(scale), coef_a, coef_b, numpy.int32(channels), numpy.int32(groups),
+         optional(scale), coef, numpy.int32(channels), numpy.int32(groups),
          numpy.float32(eps), numpy.int32(training), optional(running_mean),
          optional(running_var), optional(mean_offset), numpy.float32(momentum),
          optional(moments)))
 
 
-def group_norm_coefficients(partial, shift, coef_a, coef_b, *, rows: int, row_len: int,
-                            count: int, channels: int, num_groups: int, eps: float, gamma=None,
-                            beta=None, scale=None, moments=None) -> None:
-    """GroupNorm (times ``scale``) as per-(n, c) coefficients ``a * v + b``.
+def group_norm_coefficients(partial, shift, coef, *, rows: int, row_len: int, count: int,
+                            channels: int, num_groups: int, eps: float, gamma=None, beta=None,
+                            scale=None, moments=None) -> None:
+    """GroupNorm (times ``scale``) as per-(n, c) coefficients.
 
     Row ``n * num_groups + g`` has its ``row_len`` shifted-sum partials at
-    ``partial[row * row_len + m]`` over ``count`` values; ``coef_a``, ``coef_b`` receive
-    N * C values, ``moments`` (optional, rows x float2) each row's (mean, rstd).
+    ``partial[row * row_len + m]`` over ``count`` values; ``coef`` (3, N * C) receives the
+    coefficients, ``moments`` (optional, rows x float2) each row's (mean, rstd).
     """
     _stats_finalize("MODE_GROUP_NORM", rows, partial=partial, shift=shift, n_outer=1,
                     outer_stride=0, row_len=row_len, count=count, gamma=gamma, beta=beta,
-                    scale=scale, coef_a=coef_a, coef_b=coef_b, channels=channels,
-                    groups=num_groups, eps=eps, training=True, running_mean=None,
-                    running_var=None, mean_offset=None, momentum=0.0, moments=moments)
+                    scale=scale, coef=coef, channels=channels, groups=num_groups, eps=eps,
+                    training=True, running_mean=None, running_var=None, mean_offset=None,
+                    momentum=0.0, moments=moments)
 
 
-def batch_norm_coefficients(partial, shift, coef_a, coef_b, *, n_outer: int,
-                            outer_stride: int, row_len: int, count: int, channels: int,
-                            eps: float, training: bool, gamma, beta, running_mean, running_var,
-                            mean_offset, momentum: float, moments) -> None:
-    """BatchNorm as per-channel coefficients ``a * v + b``, one block per channel.
+def batch_norm_coefficients(partial, shift, coef, *, n_outer: int, outer_stride: int,
+                            row_len: int, count: int, channels: int, eps: float, training: bool,
+                            gamma, beta, running_mean, running_var, mean_offset, momentum: float,
+                            moments) -> None:
+    """BatchNorm as per-channel coefficients (``coef``, (3, C)), one block per channel.
 
     In training channel c's partials sit at ``partial[o * outer_stride + c * row_len + m]``
     (o < n_outer) over ``count`` values, and the running buffers (optional) are updated in
@@ -86,29 +95,30 @@ def batch_norm_coefficients(partial, shift, coef_a, coef_b, *, n_outer: int,
     """
     _stats_finalize("MODE_BATCH_NORM", channels, partial=partial, shift=shift, n_outer=n_outer,
                     outer_stride=outer_stride, row_len=row_len, count=count, gamma=gamma,
-                    beta=beta, scale=None, coef_a=coef_a, coef_b=coef_b, channels=channels,
+                    beta=beta, scale=None, coef=coef, channels=channels,
                     groups=channels, eps=eps, training=training, running_mean=running_mean,
                     running_var=running_var, mean_offset=mean_offset, momentum=momentum,
                     moments=moments)
 
 
-def channel_affine(x, y, coef_a, coef_b, *, inner: int, n_coef: int,
-                   activation: str | None = None, lo: float = 0.0, hi: float = 0.0) -> None:
-    """``y = act(a[k] * x + b[k])`` over contiguous planes of ``inner`` values,
-    k = plane % n_coef: one flat grid-stride pass, 16-byte accesses where aligned.
+def channel_affine(x, y, coef, *, inner: int, n_coef: int, activation: str | None = None,
+                   lo: float = 0.0, hi: float = 0.0) -> None:
+    """``y = act(coef[0, k] * (x - coef[1, k]) + coef[2, k])`` over contiguous planes of
+    ``inner`` values, k = plane % n_coef (coef: (3, n_coef)): one flat grid-stride pass,
+    16-byte accesses where aligned.
     ``activation``: None, "tanh" or "clamp" (to [lo, hi])."""
     vec = 4 if (x.size % 4 == 0 and inner >= 4 and x.data.ptr % 16 == 0
                 and y.data.ptr % 16 == 0) else 1
     n_vec = x.size // vec
     launch_1d(get_kernel(_FILE, f"channel_affine<{_ACT[activation]}, {vec}>"),
               -(-n_vec // 4),  # 4 per thread
-              (x, y, coef_a, coef_b, numpy.int64(n_vec), numpy.int64(inner),
+              (x, y, coef, numpy.int64(n_vec), numpy.int64(inner),
                numpy.int64(n_coef), numpy.float32(lo), numpy.float32(hi)))
 
 
 def group_affine_rows(x, y, partial, *, num_groups: int, count: int, eps: float, gamma, beta,
                       scale, lo: float, hi: float, moments) -> None:
-    """``y = clamp(a * x + b, lo, hi)`` with GroupNorm (times ``scale``) coefficients from
+    """``y = clamp(f(x), lo, hi)`` with the GroupNorm (times ``scale``) affine ``f`` from
     partials with shifts and counts of their own (``partial`` (N, C, runs, 4): sum, sum of
     squares, shift, count as int32 bits; ``count`` values per (n, g) row):
     :func:`group_norm_coefficients` and :func:`channel_affine` in one kernel, one block per
@@ -164,7 +174,8 @@ def group_norm_rows(x, y, weight, bias, *, num_groups: int, eps: float, pre=None
     channels, a whole number of groups (``blocked_channels_last`` in common.cuh), whatever
     its strides say, with rows that ``group_rows_fit_channels_last`` allows and 16-byte
     alignment; ``x`` may then be ``y`` when a block is one group.
-    ``pre = (a, b)`` first maps each value to ``tanh(a[c] * x + b[c])``.
+    ``pre`` (coefficients (3, C)) first maps each value to
+    ``tanh(pre[0, c] * (x - pre[1, c]) + pre[2, c])``.
     The row stays in shared memory between statistics and normalize when it fits in
     ``ROW_CACHE_BYTES``, and is then visited one warp per channel where a channel has at
     least 32 values; 16-byte accesses when the row length and pointers allow. More rows than
@@ -177,7 +188,6 @@ def group_norm_rows(x, y, weight, bias, *, num_groups: int, eps: float, pre=None
     cache = length * 4 <= ROW_CACHE_BYTES
     vec = 4 if (length % 4 == 0 and hw >= 4 and x.data.ptr % 16 == 0
                 and y.data.ptr % 16 == 0) else 1
-    pre_a, pre_b = pre if pre is not None else (None, None)
     act = _ACT["tanh" if pre is not None else None]
     if x_block is None and reads_channels_last(x, num_groups):
         x_block = c
@@ -195,7 +205,7 @@ def group_norm_rows(x, y, weight, bias, *, num_groups: int, eps: float, pre=None
     else:
         name = f"group_norm_rows<{act}, {cpp_bool(cache)}, {vec}>"
     shared = length * 4 if cache else 0
-    args = (optional(pre_a), optional(pre_b), optional(weight), optional(bias),
+    args = (optional(pre), optional(weight), optional(bias),
             numpy.int32(c), numpy.int32(num_groups), numpy.int32(hw), numpy.float32(eps))
     if name.startswith("group_norm_rows_cached"):
         args += (numpy.int32(x_block or 0),)  # read only for channels-last blocks

@@ -218,16 +218,16 @@ def pool_affine_nonfinite_conv(x, w, out, moments, *, bias, gamma, beta, scale,
          numpy.float32(lo), numpy.float32(hi)))
 
 
-def pool_bn_tanh_nonfinite(y, ext, moments, coef_a, coef_b, *, bias, gamma, beta, pool: int,
+def pool_bn_tanh_nonfinite(y, ext, moments, coef, *, bias, gamma, beta, pool: int,
                            ext_block: int) -> None:
     """Pipeline B's channels with a non-finite BatchNorm parameter or bias, recomputed into
     the pooled ``ext`` (N, C, Ho, Wo; channels-last in blocks of ``ext_block`` channels
     where nonzero) from the conv output ``y``, with their pre-map coefficients (see the
-    kernel)."""
+    kernel; ``coef``: the (3, C) BatchNorm coefficients)."""
     n, c = y.shape[:2]
     i32 = numpy.int32
     get_kernel(_FILE, "pool_bn_tanh_nonfinite")(
         (c,), (256,),
-        (y, optional(bias), moments, optional(gamma), optional(beta), coef_a, coef_b, ext,
+        (y, optional(bias), moments, optional(gamma), optional(beta), coef, ext,
          i32(n), i32(c), i32(pool), i32(ext.shape[2]), i32(ext.shape[3]), *_strides(y),
          i32(ext_block)))

@@ -21,7 +21,7 @@ from .._arrays import (check_bool, check_choice, check_fits, check_float_dtype, 
                        per_channel)
 from .._call_graphs import replayed, warm_calls, without_call_graphs
 from .._kernels.normalization import (ROW_CACHE_BYTES, batch_norm_coefficients, channel_affine,
-                                     group_norm_coefficients, group_norm_rows,
+                                     coef_array, group_norm_coefficients, group_norm_rows,
                                      key_stats_partial, reads_channels_last)
 from .._scoped import scoped_value
 
@@ -101,11 +101,11 @@ def _group_norm_gpu(xp, x, num_groups, weight, bias, eps, out):
         return out
     partial, shift, splits = key_stats_partial(xp, x, rows, n_outer=1, outer_stride=0,
                                                key_stride=length, inner=length)
-    coef = xp.empty((2, n * c), dtype=xp.float32)
-    group_norm_coefficients(partial, shift, coef[0], coef[1], rows=rows, row_len=splits,
+    coef = coef_array(xp, n * c)
+    group_norm_coefficients(partial, shift, coef, rows=rows, row_len=splits,
                             count=length, channels=c, num_groups=num_groups, eps=eps,
                             gamma=weight, beta=bias)
-    channel_affine(x, out, coef[0], coef[1], inner=hw, n_coef=n * c)
+    channel_affine(x, out, coef, inner=hw, n_coef=n * c)
     return out
 
 
@@ -250,13 +250,14 @@ def _batch_norm_gpu(xp, x, weight, bias, stats, activation, out):
     x = xp.ascontiguousarray(x)
     coef = bn_coefficients(xp, x, weight, bias, *stats)
     hw = x.size // (x.shape[0] * x.shape[1])
-    channel_affine(x, out, coef[0], coef[1], inner=hw, n_coef=x.shape[1], activation=activation)
+    channel_affine(x, out, coef, inner=hw, n_coef=x.shape[1], activation=activation)
     return out
 
 
 def bn_coefficients(xp, x, weight, bias, running_mean, running_var, training, momentum, eps,
                     *, partial=None, splits=None, mean_offset=None, moments=None):
-    """Per-channel ``(a, b)`` (a (2, C) array) of BatchNorm's affine on the GPU.
+    """BatchNorm's per-channel affine coefficients on the GPU, a (3, C) array
+    (``coef_array``).
 
     In training the batch statistics come from ``partial`` (shifted sums laid out
     ``[n][c][split]``, as the pipelines' fused pass writes them) or, without it, from a
@@ -265,7 +266,7 @@ def bn_coefficients(xp, x, weight, bias, running_mean, running_var, training, mo
     """
     n, c = x.shape[:2]
     hw = x.size // (n * c)
-    coef = xp.empty((2, c), dtype=xp.float32)
+    coef = coef_array(xp, c)
     if training and partial is None:
         partial, shift, splits = key_stats_partial(xp, x, c, n_outer=n, outer_stride=c * hw,
                                                    key_stride=hw, inner=hw)
@@ -275,7 +276,7 @@ def bn_coefficients(xp, x, weight, bias, running_mean, running_var, training, mo
         n_outer, outer_stride = n, c * splits
     else:
         partial, shift, n_outer, outer_stride, splits = None, None, 0, 0, 1
-    batch_norm_coefficients(partial, shift, coef[0], coef[1], n_outer=n_outer,
+    batch_norm_coefficients(partial, shift, coef, n_outer=n_outer,
                             outer_stride=outer_stride, row_len=splits, count=n * hw,
                             channels=c, eps=eps, training=training, gamma=weight, beta=bias,
                             running_mean=running_mean, running_var=running_var,

@@ -23,7 +23,7 @@ from .._call_graphs import warm_calls
 from .._kernels.conv_gemm import (channel_tiles_fit, conv2d_pool_stats, conv_nonfinite_weight_rows,
                                   halo_geometry)
 from .._kernels.layout import transpose_channels
-from .._kernels.normalization import (channel_affine, group_affine_rows,
+from .._kernels.normalization import (channel_affine, coef_array, group_affine_rows,
                                       group_norm_coefficients)
 from .._kernels.pooling import (fused_pass_variant, pool_affine_nonfinite,
                                 pool_affine_nonfinite_conv, pool_extremum_stats,
@@ -185,17 +185,17 @@ def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, gn_
         partial, shift, splits = pool_extremum_stats(
             xp, y, ext, k, bias=conv_bias, sign_a=gn_weight, sign_b=scale, shift_group=cg,
             per_sample=True, variant=variant)
-        coef = xp.empty((2, n * c), dtype=xp.float32)
-        group_norm_coefficients(partial, shift, coef[0], coef[1], rows=n * num_groups,
+        coef = coef_array(xp, n * c)
+        group_norm_coefficients(partial, shift, coef, rows=n * num_groups,
                                 row_len=cg * splits, count=cg * h * w, channels=c,
                                 num_groups=num_groups, eps=eps, gamma=gn_weight, beta=gn_bias,
                                 scale=scale, moments=moments)
         if ext is out:
-            channel_affine(out, out, coef[0], coef[1], inner=out.shape[2] * out.shape[3],
+            channel_affine(out, out, coef, inner=out.shape[2] * out.shape[3],
                            n_coef=n * c, activation="clamp", lo=lo, hi=hi)
         else:
             transpose_channels(ext, out, to_channels_last=False,
-                               affine=(coef[0], coef[1], lo, hi))
+                               affine=(coef, lo, hi))
     nonfinite = dict(bias=conv_bias, gamma=gn_weight, beta=gn_bias, scale=scale,
                      num_groups=num_groups, pool=k, lo=lo, hi=hi)
     if y is None:

@@ -175,8 +175,8 @@ def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, bn_
     coef = bn_coefficients(xp, y, bn_weight, bn_bias, running_mean, running_var, True,
                            momentum, eps, partial=(partial, shift), splits=splits,
                            mean_offset=conv_bias, moments=moments)
-    pool_bn_tanh_nonfinite(y, out, moments, coef[0], coef[1], bias=conv_bias, gamma=bn_weight,
-                           beta=bn_bias, pool=k, ext_block=ext_block)
+    pool_bn_tanh_nonfinite(y, out, moments, coef, bias=conv_bias, gamma=bn_weight, beta=bn_bias,
+                           pool=k, ext_block=ext_block)
     group_norm_rows(out, out, gn_weight, gn_bias, num_groups=num_groups, eps=eps, pre=coef,
                     x_block=ext_block or None)
     return out

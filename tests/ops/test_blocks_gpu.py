@@ -89,6 +89,34 @@ def test_batch_norm_past_float32_squares(rng):
     assert np.abs(rm.get() - 0.25 * batch_mean).max() <= 1e-5 * 1e30
 
 
+# A constant channel (BatchNorm) or group (GroupNorm) far from zero: its values equal the
+# mean, so every output is exactly the bias, as in PyTorch's native kernels (a * x + b with
+# b = beta - mean * a would leave about ulp(mean * rstd * gamma): 0.016 at 1234.5). GroupNorm
+# on each route: rows cached by channel ((3, 8, 7, 5)) and per vector ((3, 8, 2, 3)), and the
+# split statistics ((2, 8, 67, 131)); BatchNorm in training, without affine parameters, and
+# from running statistics.
+@pytest.mark.parametrize("shape", [(3, 8, 7, 5), (3, 8, 2, 3), (2, 8, 67, 131)])
+def test_normalization_of_constant_values_gives_the_bias(rng, shape):
+    c = shape[1]
+    level = np.float32([5.0, 1234.5, -0.3, 7e4, 1.0, -2.5e3, 0.1, 3.0])
+    planes = (c,) + (1,) * (len(shape) - 2)
+    w, b = mixed(rng, c), rng.standard_normal(c)
+    bias = np.broadcast_to(np.float32(b).reshape(planes), shape)
+    group_constant = np.ascontiguousarray(np.broadcast_to(
+        np.repeat(level[::2], 2).reshape(planes), shape))
+    out = poisoned(shape)
+    cufused.group_norm(cp.asarray(group_constant), 4, *to_gpu(w, b), out=out)
+    assert np.array_equal(out.get(), bias)
+    x = cp.asarray(np.ascontiguousarray(np.broadcast_to(level.reshape(planes), shape)))
+    for stats in (dict(training=True),
+                  dict(training=False, running_mean=cp.asarray(level),
+                       running_var=cp.ones(c, dtype=cp.float32))):
+        out = poisoned(shape)
+        cufused.batch_norm(x, *to_gpu(w, b), **stats, out=out)
+        assert np.array_equal(out.get(), bias)
+    assert not cp.any(cufused.batch_norm(x))
+
+
 # Channels-last inputs read in place (groups of 4, 8, 32 channels; 16-byte output vectors
 # where H*W >= 4, scalar ones for (2, 16, 1, 3)) and one that is copied (groups of 3).
 @pytest.mark.parametrize("shape,groups", [((3, 24, 5, 7), 3), ((2, 16, 1, 3), 4),

@@ -188,6 +188,38 @@ def test_pipeline_c_extreme_scales_with_a_60_wide_clamp(rng, engine, precision, 
     assert rel_err(got, ref) < PIPELINE_TOL[precision]
 
 
+# Zero weights make every convolution output its channel's bias. In A one bias per GroupNorm
+# group makes each group constant far from zero, and the output is exactly
+# clamp(gn_bias * scale); in B each BatchNorm channel is constant, and with bn_bias = 0 the
+# GroupNorm groups are all zero, so the output is exactly gn_bias. On every route.
+@pytest.mark.parametrize("method,engine,precision", [
+    ("unfused", "auto", "ieee"), ("fused", "cudnn", "ieee"), ("fused", "cudnn", "tf32"),
+    ("fused", "igemm", "tf32"), ("fused", "igemm", "3xtf32")])
+def test_pipelines_of_zero_weights_give_the_bias(rng, method, engine, precision):
+    from cufused._cudnn import plan_options
+
+    level = np.float32([5.0, 1234.5, -0.3, 7e4, 1.0, -2.5e3, 0.1, 3.0])
+    (x, w, _, gw, gb, scale), opts = pipeline_a_args(rng, cout=12, groups=4)
+    arrays = (x, np.zeros_like(w), np.repeat(level[:4], 3), gw, gb, scale)
+    ref = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts)
+    want = np.clip(np.float32(gb)[:, None, None] * np.float32(scale), np.float32(-0.5),
+                   np.float32(0.7))
+    out = poisoned(ref.shape)
+    with plan_options(engine=engine):
+        cufused.conv2d_groupnorm_scale_maxpool_clamp(*to_gpu(*arrays), **opts, method=method,
+                                                     precision=precision, out=out)
+    assert np.array_equal(out.get(), np.broadcast_to(want, ref.shape))
+    (x, w, bw, _, gw, gb), opts = pipeline_b_args(rng)
+    arrays = (x, np.zeros_like(w), bw, np.zeros(8), gw, gb)
+    ref = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(*arrays, **opts)
+    out = poisoned(ref.shape)
+    with plan_options(engine=engine):
+        cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+            *to_gpu(*arrays), **opts, conv_bias=cp.asarray(level), method=method,
+            precision=precision, out=out)
+    assert np.array_equal(out.get(), np.broadcast_to(np.float32(gb)[:, None, None], ref.shape))
+
+
 def test_pipeline_b_odd_group_rows(rng, layout):
     # One channel of 5 * 5 pooled values per group: rows too short for 16-byte accesses.
     arrays, opts = pipeline_b_args(rng, h=8, w=8, cout=8, groups=8)

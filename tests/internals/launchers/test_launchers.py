@@ -225,7 +225,7 @@ def test_layout_launchers(launches):
         layout.transpose_channels(src, dst, to_channels_last=False)
         layout.transpose_channels(src, dst, to_channels_last=False, bias=Dev((c,)))
         layout.transpose_channels(src, dst, to_channels_last=False,
-                                  affine=(Dev((2 * c,)), Dev((2 * c,)), -1.0, 1.0))
+                                  affine=(Dev((3, 2 * c)), -1.0, 1.0))
     layout.transpose_channels(Dev((2, 8, 4, 4)), Dev((2, 8, 4, 4), "nhwc"), to_channels_last=True)
     layout.transpose_channels(Dev((2, 5, 4, 4)), Dev((2, 5, 4, 4), "nhwc"), to_channels_last=True)
     layout.add_channel_bias(Dev((2, 3, 4, 4)), Dev((3,)))
@@ -246,8 +246,7 @@ def test_normalization_launchers(launches):
                                                     outer_stride=128, key_stride=16, inner=16)
     assert partial.shape == (8, splits, 2) and shift.shape == (8,)
     assert launches[-1].grid == (8 * splits,)
-    coef = Dev((2, 8))
-    norm.group_norm_coefficients(Dev((4, 3, 2)), Dev((4,)), coef[0], coef[1], rows=4,
+    norm.group_norm_coefficients(Dev((4, 3, 2)), Dev((4,)), Dev((3, 8)), rows=4,
                                  row_len=3, count=48, channels=4, num_groups=2, eps=1e-5,
                                  gamma=Dev((4,)), scale=Dev((4,)), moments=Dev((4, 2)))
     # Pipeline A's statistics from partials of their own shifts, and the affine: 16-byte
@@ -260,16 +259,16 @@ def test_normalization_launchers(launches):
         assert launches[-1].grid == (4,)
     for training in (True, False):
         norm.batch_norm_coefficients(
-            Dev((2, 4, 3, 2)) if training else None, Dev((4,)) if training else None, coef[0],
-            coef[1], n_outer=2 if training else 0, outer_stride=12 if training else 0,
+            Dev((2, 4, 3, 2)) if training else None, Dev((4,)) if training else None,
+            Dev((3, 4)), n_outer=2 if training else 0, outer_stride=12 if training else 0,
             row_len=3 if training else 1, count=50, channels=4, eps=1e-5, training=training,
             gamma=Dev((4,)), beta=None, running_mean=Dev((4,)), running_var=Dev((4,)),
             mean_offset=None, momentum=0.1, moments=Dev((4, 2)))
     for activation in (None, "tanh", "clamp"):
         for shape in ((2, 4, 4, 4), (2, 3, 3, 3)):  # 16-byte vectors, scalars
-            norm.channel_affine(Dev(shape), Dev(shape), Dev((8,)), Dev((8,)), inner=16, n_coef=8,
+            norm.channel_affine(Dev(shape), Dev(shape), Dev((3, 8)), inner=16, n_coef=8,
                                 activation=activation, lo=0.0, hi=1.0)
-    for pre in (None, (Dev((8,)), Dev((8,)))):
+    for pre in (None, Dev((3, 8))):
         for shape, layout in [((2, 8, 4, 4), "nchw"), ((2, 8, 3, 1), "nchw"),  # cached rows
                               ((2, 8, 8, 8), "nchw"), ((2, 6, 33, 1), "nchw"),  # by channel
                               ((2, 8, 4, 4), "nhwc"), ((2, 8, 3, 1), "nhwc")]:  # channels-last
@@ -280,7 +279,7 @@ def test_normalization_launchers(launches):
                              eps=1e-5, pre=pre, x_block=4)
     for shape in ((2, 64, 16, 16), (1, 63, 257, 1)):  # rows past the cache, read twice
         norm.group_norm_rows(Dev(shape), Dev(shape), None, None, num_groups=1, eps=1e-5,
-                             pre=(Dev((shape[1],)), Dev((shape[1],))))
+                             pre=Dev((3, shape[1])))
     # More (n, group) rows than a grid holds: launches over slices of the batch.
     n, first = 2**28 + 5, len(launches)
     x, y = Dev((n, 8, 1, 1)), Dev((n, 8, 1, 1))
@@ -292,7 +291,7 @@ def test_normalization_launchers(launches):
     assert [launch.args[1].data.ptr for launch in parts] == [y.data.ptr, y.data.ptr + step]
     check_all(launches, "normalization.cu")
     finalize = [launch for launch in launches if launch.name.startswith("stats_finalize")]
-    training = [int(launch.args[14]) for launch in finalize]  # int training
+    training = [int(launch.args[13]) for launch in finalize]  # int training
     assert training == [1, 1, 0]
     assert [launch.grid for launch in finalize] == [(4,), (4,), (4,)]
 
@@ -341,10 +340,9 @@ def test_pooling_launchers(launches):
                                     num_groups=2, pool=2, stride=(1, 1), padding=(0, 0),
                                     dilation=(1, 1), lo=0.0, hi=1.0)
     assert launches[-1].args[8:19] == (2, 8, 2, 2, 4, 4, 3, 11, 11, 3, 3)
-    coef = Dev((2, 8))
-    pool.pool_bn_tanh_nonfinite(y, out, Dev((8, 2)), coef[0], coef[1], bias=Dev((8,)),
-                                gamma=None, beta=None, pool=2, ext_block=4)
-    assert launches[-1].args[8:13] == (2, 8, 2, 4, 4)  # N, C, k, Ho, Wo
+    pool.pool_bn_tanh_nonfinite(y, out, Dev((8, 2)), Dev((3, 8)), bias=Dev((8,)), gamma=None,
+                                beta=None, pool=2, ext_block=4)
+    assert launches[-1].args[7:12] == (2, 8, 2, 4, 4)  # N, C, k, Ho, Wo
     check_all(launches, "pooling.cu")
 
 

@@ -32,10 +32,12 @@ def test_group_norm_rows_from_blocked_channels_last(rng, shape, groups, pre):
     n, c = shape[:2]
     x = (3.0 + rng.standard_normal(shape)).astype(np.float32).astype(np.float64)
     w, b = mixed(rng, c), rng.standard_normal(c)
-    a_pre, b_pre = mixed(rng, c), rng.standard_normal(c)
-    mapped = np.tanh(a_pre[:, None, None] * x + b_pre[:, None, None]) if pre else x
+    # The pre-map's coefficients (a, center, c): tanh(a * (x - center) + c).
+    coef = np.stack([mixed(rng, c), 3.0 + rng.standard_normal(c), rng.standard_normal(c)])
+    a, center, shift = (v[:, None, None] for v in coef)
+    mapped = np.tanh(a * (x - center) + shift) if pre else x
     ref = cufused.group_norm(mapped, groups, w, b)
-    pre_gpu = tuple(to_gpu(a_pre, b_pre)) if pre else None
+    pre_gpu = cp.asarray(coef, dtype=cp.float32) if pre else None
     for block, in_place in [(c // groups, True), (2 * c // groups, False)]:
         blocked = x.reshape(n, c // block, block, -1).transpose(0, 1, 3, 2)
         x_gpu = cp.asarray(np.ascontiguousarray(blocked).reshape(shape), dtype=cp.float32)
@@ -107,21 +109,23 @@ def test_softmax_rows_channels_last(rng, monkeypatch, channels, length, clamp, v
 
 
 def test_transpose_channels_affine(rng):
-    # Channels-last -> NCHW with clamp(scale[n, c] * v + shift[n, c]): 37 channels (partial
-    # tiles), NaN kept, bounds applied.
+    # Channels-last -> NCHW with clamp(scale[n, c] * (v - center[n, c]) + shift[n, c]): 37
+    # channels (partial tiles), NaN kept, bounds applied.
     from cufused._kernels.layout import transpose_channels
     from cufused._layout import empty_in_layout
 
     n, c, h, w = 3, 37, 5, 7
     x = rng.standard_normal((n, c, h, w))
     x[1, 4, 2, 3] = np.nan
-    scale, shift = rng.standard_normal((n, c)), rng.standard_normal((n, c))
+    scale, center, shift = rng.standard_normal((3, n, c))
     src = empty_in_layout(x.shape, "nhwc")
     src[...] = cp.asarray(x, dtype=cp.float32)
     out = poisoned(x.shape)
     transpose_channels(src, out, to_channels_last=False,
-                       affine=(*to_gpu(scale.ravel(), shift.ravel()), -0.5, 0.75))
-    ref = np.clip(scale[:, :, None, None] * x + shift[:, :, None, None], -0.5, 0.75)
+                       affine=(cp.asarray(np.stack([scale, center, shift]).reshape(3, -1),
+                                          dtype=cp.float32), -0.5, 0.75))
+    ref = np.clip(scale[:, :, None, None] * (x - center[:, :, None, None])
+                  + shift[:, :, None, None], -0.5, 0.75)
     got = out.get()
     assert np.array_equal(np.isnan(got), np.isnan(ref))
     assert_close(np.nan_to_num(got), np.nan_to_num(ref), 1e-6)
