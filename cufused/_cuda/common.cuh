@@ -59,8 +59,10 @@ __device__ __forceinline__ float clamp_nan(float v, float lo, float hi) {
 // center = mean, c = beta * scale), in which |mean| >> std stays accurate and a constant
 // channel gives beta * scale exactly; otherwise PyTorch's a * v + b (center 0,
 // c = (beta - mean * gamma * rstd) * scale), so that an infinite or NaN parameter gives the
-// infinities and NaNs that PyTorch gives. Stored as three rows of K entries:
-// coef[k] = a, coef[K + k] = center, coef[2 * K + k] = c.
+// infinities and NaNs that PyTorch gives. a = 0 (rstd 0 where the squared deviations
+// overflow, or a zero gamma or scale) takes center 0 too: c is then beta * scale either way,
+// and a value farther than float32's range from the mean gives c, not 0 * inf. Stored as
+// three rows of K entries: coef[k] = a, coef[K + k] = center, coef[2 * K + k] = c.
 struct ChannelAffine {
     float a, center, c;
 
@@ -68,20 +70,26 @@ struct ChannelAffine {
                                        float rstd) {
         const float g = gamma * rstd, b = beta - mean * g;
         const float as = g * scale, bs = b * scale, cs = beta * scale;
-        if (isfinite(g) && isfinite(b) && isfinite(as) && isfinite(bs) && isfinite(cs))
+        if (isfinite(g) && isfinite(b) && isfinite(as) && isfinite(bs) && isfinite(cs)
+            && as != 0.0f)
             return {as, mean, cs};
         return {as, 0.0f, bs};
     }
     __device__ static ChannelAffine identity() { return {1.0f, 0.0f, 0.0f}; }
-    __device__ static ChannelAffine load(const float* __restrict__ coef, index_t K, index_t k) {
-        return {__ldg(coef + k), __ldg(coef + K + k), __ldg(coef + 2 * K + k)};
+    // Entry k; READ_ONLY loads through the read-only data cache, for coefficients that no
+    // thread of the kernel writes.
+    template <bool READ_ONLY = true>
+    __device__ static ChannelAffine load(const float* coef, index_t K, index_t k) {
+        if (READ_ONLY) return {__ldg(coef + k), __ldg(coef + K + k), __ldg(coef + 2 * K + k)};
+        return {coef[k], coef[K + k], coef[2 * K + k]};
     }
     __device__ void store(float* coef, index_t K, index_t k) const {
         coef[k] = a;
         coef[K + k] = center;
         coef[2 * K + k] = c;
     }
-    // Whether the coefficients are those of the centered form (finite a and c).
+    // Whether a and c are finite: with scale 1 (BatchNorm), whether gamma * rstd and
+    // beta - mean * gamma * rstd are.
     __device__ bool finite() const { return isfinite(a) && isfinite(c); }
     __device__ float operator()(float v) const { return fmaf(a, v - center, c); }
 };

@@ -114,7 +114,7 @@ __global__ void stats_finalize(const float* __restrict__ partial, const float* _
                                index_t n_outer, index_t outer_stride, int row_len, double count,
                                const float* __restrict__ gamma, const float* __restrict__ beta,
                                const float* __restrict__ scale, float* __restrict__ coef,
-                               int C, int G, float eps, int training,
+                               index_t K, int C, int G, float eps, int training,
                                float* running_mean, float* running_var,
                                const float* __restrict__ mean_offset, float momentum,
                                float2* __restrict__ moments) {
@@ -153,7 +153,6 @@ __global__ void stats_finalize(const float* __restrict__ partial, const float* _
     const float mean = stats[0], rstd = stats[1];
     if (moments && threadIdx.x == 0) moments[row] = make_float2(mean, rstd);
     const int channels = MODE == MODE_GROUP_NORM ? C / G : 1;
-    const index_t K = MODE == MODE_GROUP_NORM ? (index_t)gridDim.x / G * C : C;
     for (int j = threadIdx.x; j < channels; j += blockDim.x) {
         const int c = MODE == MODE_GROUP_NORM ? (int)(row % G) * channels + j : (int)row;
         const index_t out = MODE == MODE_GROUP_NORM ? (row / G) * C + c : row;

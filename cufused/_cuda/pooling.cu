@@ -724,7 +724,7 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_rows(
 
 // Pipeline A's exact path for channels whose GroupNorm or scale coefficients are not finite.
 // The fused pass keeps one extremum per window and applies the folded affine
-// (a * s) * v + b * s to it, which equals PyTorch's max over the window of
+// (ChannelAffine with scale) to it, which equals PyTorch's max over the window of
 // clamp(s * (a * v + b)) only for finite a, b, s: with an infinite gamma or scale, one
 // window holds +-inf and NaN values that no single extremum predicts. One block per channel
 // checks every sample's coefficients (a = gamma * rstd, b = beta - mean * a, as PyTorch forms
@@ -837,7 +837,7 @@ __global__ void pool_bn_tanh_nonfinite(const float* __restrict__ y,
                                        int Wo, index_t sn, index_t sc, index_t sh, index_t sw,
                                        int ext_block) {
     const int c = blockIdx.x;
-    if (ChannelAffine::load(coef, C, c).finite()) return;
+    if (ChannelAffine::load<false>(coef, C, c).finite()) return;  // coef changes below
     const float2 m = moments[c];
     const float b0 = bias ? bias[c] : 0.0f;
     const float a = (gamma ? gamma[c] : 1.0f) * m.y;

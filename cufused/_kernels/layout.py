@@ -32,6 +32,9 @@ def transpose_channels(src, dst, *, to_channels_last: bool, bias=None, affine=No
         return
     if affine is not None:
         coef, lo, hi = affine
+        if coef.shape != (3, n * c):
+            raise ValueError(f"the affine's coefficients have shape {coef.shape}, not "
+                             f"(3, {n * c})")
         epilogue = "EPILOGUE_AFFINE_CLAMP"
     else:
         coef, lo, hi = None, 0.0, 0.0

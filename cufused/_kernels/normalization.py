@@ -61,7 +61,8 @@ def _stats_finalize(mode: str, rows: int, *, partial, shift, n_outer: int, outer
         (rows,), (finalize_threads(n_outer * row_len),),
         (optional(partial), optional(shift), numpy.int64(n_outer), numpy.int64(outer_stride),
          numpy.int32(row_len), numpy.float64(count), optional(gamma), optional(beta),
-         optional(scale), coef, numpy.int32(channels), numpy.int32(groups),
+         optional(scale), coef, numpy.int64(coef.shape[1]), numpy.int32(channels),
+         numpy.int32(groups),
          numpy.float32(eps), numpy.int32(training), optional(running_mean),
          optional(running_var), optional(mean_offset), numpy.float32(momentum),
          optional(moments)))
@@ -101,11 +102,11 @@ def batch_norm_coefficients(partial, shift, coef, *, n_outer: int, outer_stride:
                     moments=moments)
 
 
-def channel_affine(x, y, coef, *, inner: int, n_coef: int, activation: str | None = None,
-                   lo: float = 0.0, hi: float = 0.0) -> None:
+def channel_affine(x, y, coef, *, inner: int, activation: str | None = None, lo: float = 0.0,
+                   hi: float = 0.0) -> None:
     """``y = act(coef[0, k] * (x - coef[1, k]) + coef[2, k])`` over contiguous planes of
-    ``inner`` values, k = plane % n_coef (coef: (3, n_coef)): one flat grid-stride pass,
-    16-byte accesses where aligned.
+    ``inner`` values, k = plane % K (coef: (3, K)): one flat grid-stride pass, 16-byte
+    accesses where aligned.
     ``activation``: None, "tanh" or "clamp" (to [lo, hi])."""
     vec = 4 if (x.size % 4 == 0 and inner >= 4 and x.data.ptr % 16 == 0
                 and y.data.ptr % 16 == 0) else 1
@@ -113,7 +114,7 @@ def channel_affine(x, y, coef, *, inner: int, n_coef: int, activation: str | Non
     launch_1d(get_kernel(_FILE, f"channel_affine<{_ACT[activation]}, {vec}>"),
               -(-n_vec // 4),  # 4 per thread
               (x, y, coef, numpy.int64(n_vec), numpy.int64(inner),
-               numpy.int64(n_coef), numpy.float32(lo), numpy.float32(hi)))
+               numpy.int64(coef.shape[1]), numpy.float32(lo), numpy.float32(hi)))
 
 
 def group_affine_rows(x, y, partial, *, num_groups: int, count: int, eps: float, gamma, beta,
@@ -189,6 +190,8 @@ def group_norm_rows(x, y, weight, bias, *, num_groups: int, eps: float, pre=None
     vec = 4 if (length % 4 == 0 and hw >= 4 and x.data.ptr % 16 == 0
                 and y.data.ptr % 16 == 0) else 1
     act = _ACT["tanh" if pre is not None else None]
+    if pre is not None and pre.shape != (3, c):
+        raise ValueError(f"pre has shape {pre.shape}; the pre-map needs (3, {c})")
     if x_block is None and reads_channels_last(x, num_groups):
         x_block = c
     elif x_block is not None and not (x_block % (c // num_groups) == 0 and c % x_block == 0

@@ -2,7 +2,7 @@
 
 GPU statistics are float32 shifted sums (the shift is each row's first value, 0 where
 infinite, so ``|mean| >> std`` stays accurate) combined in float64; the normalization is
-folded into a per-channel ``a * x + b`` applied in one pass.
+folded into a per-channel affine ``a * (x - center) + c`` applied in one pass.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def _group_norm_gpu(xp, x, num_groups, weight, bias, eps, out):
     group_norm_coefficients(partial, shift, coef, rows=rows, row_len=splits,
                             count=length, channels=c, num_groups=num_groups, eps=eps,
                             gamma=weight, beta=bias)
-    channel_affine(x, out, coef, inner=hw, n_coef=n * c)
+    channel_affine(x, out, coef, inner=hw)
     return out
 
 
@@ -250,7 +250,7 @@ def _batch_norm_gpu(xp, x, weight, bias, stats, activation, out):
     x = xp.ascontiguousarray(x)
     coef = bn_coefficients(xp, x, weight, bias, *stats)
     hw = x.size // (x.shape[0] * x.shape[1])
-    channel_affine(x, out, coef, inner=hw, n_coef=x.shape[1], activation=activation)
+    channel_affine(x, out, coef, inner=hw, activation=activation)
     return out
 
 

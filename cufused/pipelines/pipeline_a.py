@@ -192,7 +192,7 @@ def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, gn_
                                 scale=scale, moments=moments)
         if ext is out:
             channel_affine(out, out, coef, inner=out.shape[2] * out.shape[3],
-                           n_coef=n * c, activation="clamp", lo=lo, hi=hi)
+                           activation="clamp", lo=lo, hi=hi)
         else:
             transpose_channels(ext, out, to_channels_last=False,
                                affine=(coef, lo, hi))

@@ -103,7 +103,7 @@ def test_normalization_of_constant_values_gives_the_bias(rng, shape):
     w, b = mixed(rng, c), rng.standard_normal(c)
     bias = np.broadcast_to(np.float32(b).reshape(planes), shape)
     group_constant = np.ascontiguousarray(np.broadcast_to(
-        np.repeat(level[::2], 2).reshape(planes), shape))
+        np.repeat(level[1::2], 2).reshape(planes), shape))
     out = poisoned(shape)
     cufused.group_norm(cp.asarray(group_constant), 4, *to_gpu(w, b), out=out)
     assert np.array_equal(out.get(), bias)

@@ -191,21 +191,35 @@ def test_pipeline_c_extreme_scales_with_a_60_wide_clamp(rng, engine, precision, 
 # Zero weights make every convolution output its channel's bias. In A one bias per GroupNorm
 # group makes each group constant far from zero, and the output is exactly
 # clamp(gn_bias * scale); in B each BatchNorm channel is constant, and with bn_bias = 0 the
-# GroupNorm groups are all zero, so the output is exactly gn_bias. On every route.
-@pytest.mark.parametrize("method,engine,precision", [
-    ("unfused", "auto", "ieee"), ("fused", "cudnn", "ieee"), ("fused", "cudnn", "tf32"),
-    ("fused", "igemm", "tf32"), ("fused", "igemm", "3xtf32")])
-def test_pipelines_of_zero_weights_give_the_bias(rng, method, engine, precision):
+# GroupNorm groups are all zero, so the output is exactly gn_bias. A's routes apply the
+# affine in channel_affine (cuDNN, NCHW output), in the transposing affine (a channels-last
+# output: 32 channels take the pass's window-row variant, which stores the extrema
+# channels-last), in group_affine_rows (the implicit GEMM's epilogue), and in the blocks
+# (unfused). B's single call skips the bias in its statistics and extrema (y = 0 here); its
+# unfused route normalizes y + bias in BatchNorm's channel_affine.
+ZERO_WEIGHT_ROUTES = {
+    "unfused": ("unfused", "ieee", {}),
+    "cudnn-ieee": ("fused", "ieee", dict(engine="cudnn")),
+    "cudnn-nhwc": ("fused", "ieee", dict(engine="cudnn", autotune=False, pins=("nhwc",))),
+    "cudnn-tf32": ("fused", "tf32", dict(engine="cudnn")),
+    "igemm-tf32": ("fused", "tf32", dict(engine="igemm")),
+    "igemm-3xtf32": ("fused", "3xtf32", dict(engine="igemm")),
+}
+
+
+@pytest.mark.parametrize("route", list(ZERO_WEIGHT_ROUTES))
+def test_pipelines_of_zero_weights_give_the_bias(rng, route):
     from cufused._cudnn import plan_options
 
+    method, precision, plans = ZERO_WEIGHT_ROUTES[route]
     level = np.float32([5.0, 1234.5, -0.3, 7e4, 1.0, -2.5e3, 0.1, 3.0])
-    (x, w, _, gw, gb, scale), opts = pipeline_a_args(rng, cout=12, groups=4)
-    arrays = (x, np.zeros_like(w), np.repeat(level[:4], 3), gw, gb, scale)
+    (x, w, _, gw, gb, scale), opts = pipeline_a_args(rng, cout=32, groups=4)
+    arrays = (x, np.zeros_like(w), np.repeat(level[:4], 8), gw, gb, scale)
     ref = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts)
     want = np.clip(np.float32(gb)[:, None, None] * np.float32(scale), np.float32(-0.5),
                    np.float32(0.7))
     out = poisoned(ref.shape)
-    with plan_options(engine=engine):
+    with plan_options(**plans):
         cufused.conv2d_groupnorm_scale_maxpool_clamp(*to_gpu(*arrays), **opts, method=method,
                                                      precision=precision, out=out)
     assert np.array_equal(out.get(), np.broadcast_to(want, ref.shape))
@@ -213,11 +227,27 @@ def test_pipelines_of_zero_weights_give_the_bias(rng, method, engine, precision)
     arrays = (x, np.zeros_like(w), bw, np.zeros(8), gw, gb)
     ref = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(*arrays, **opts)
     out = poisoned(ref.shape)
-    with plan_options(engine=engine):
+    with plan_options(**plans):
         cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
             *to_gpu(*arrays), **opts, conv_bias=cp.asarray(level), method=method,
             precision=precision, out=out)
     assert np.array_equal(out.get(), np.broadcast_to(np.float32(gb)[:, None, None], ref.shape))
+
+
+def test_pipeline_b_chunk_pre_map_of_constant_channels(rng):
+    # cufused.dask's phase 3 (_chunk_normalized) on pooled extrema that include the
+    # convolution bias: a channel constant at its batch mean, far from zero, maps to
+    # tanh(bn_bias) = 0 exactly, and the all-zero GroupNorm groups give exactly gn_bias.
+    from cufused.pipelines.pipeline_b import _chunk_normalized
+
+    level = np.float32([5.0, 1234.5, -0.3, 7e4, 1.0, -2.5e3, 0.1, 3.0])
+    shape = (3, 8, 5, 4)
+    pooled = cp.asarray(np.ascontiguousarray(np.broadcast_to(level[:, None, None], shape)))
+    gw, gb = mixed(rng, 8), rng.standard_normal(8)
+    got = _chunk_normalized(pooled, cp.asarray(level), cp.full(8, 0.25, dtype=cp.float32),
+                            *to_gpu(mixed(rng, 8), np.zeros(8), gw, gb), num_groups=2,
+                            eps=1e-5)
+    assert np.array_equal(got.get(), np.broadcast_to(np.float32(gb)[:, None, None], shape))
 
 
 def test_pipeline_b_odd_group_rows(rng, layout):

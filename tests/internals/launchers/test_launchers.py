@@ -226,6 +226,8 @@ def test_layout_launchers(launches):
         layout.transpose_channels(src, dst, to_channels_last=False, bias=Dev((c,)))
         layout.transpose_channels(src, dst, to_channels_last=False,
                                   affine=(Dev((3, 2 * c)), -1.0, 1.0))
+    with pytest.raises(ValueError, match="coefficients have shape"):  # (3, N * C) needed
+        layout.transpose_channels(src, dst, to_channels_last=False, affine=(Dev((3, c)), 0, 1))
     layout.transpose_channels(Dev((2, 8, 4, 4)), Dev((2, 8, 4, 4), "nhwc"), to_channels_last=True)
     layout.transpose_channels(Dev((2, 5, 4, 4)), Dev((2, 5, 4, 4), "nhwc"), to_channels_last=True)
     layout.add_channel_bias(Dev((2, 3, 4, 4)), Dev((3,)))
@@ -266,17 +268,21 @@ def test_normalization_launchers(launches):
             mean_offset=None, momentum=0.1, moments=Dev((4, 2)))
     for activation in (None, "tanh", "clamp"):
         for shape in ((2, 4, 4, 4), (2, 3, 3, 3)):  # 16-byte vectors, scalars
-            norm.channel_affine(Dev(shape), Dev(shape), Dev((3, 8)), inner=16, n_coef=8,
+            norm.channel_affine(Dev(shape), Dev(shape), Dev((3, 8)), inner=16,
                                 activation=activation, lo=0.0, hi=1.0)
-    for pre in (None, Dev((3, 8))):
+    for with_pre in (False, True):
         for shape, layout in [((2, 8, 4, 4), "nchw"), ((2, 8, 3, 1), "nchw"),  # cached rows
                               ((2, 8, 8, 8), "nchw"), ((2, 6, 33, 1), "nchw"),  # by channel
                               ((2, 8, 4, 4), "nhwc"), ((2, 8, 3, 1), "nhwc")]:  # channels-last
             groups = 2
             norm.group_norm_rows(Dev(shape, layout), Dev(shape), Dev((shape[1],)), None,
-                                 num_groups=groups, eps=1e-5, pre=pre)
+                                 num_groups=groups, eps=1e-5,
+                                 pre=Dev((3, shape[1])) if with_pre else None)
         norm.group_norm_rows(Dev((2, 8, 4, 4)), Dev((2, 8, 4, 4)), None, None, num_groups=2,
-                             eps=1e-5, pre=pre, x_block=4)
+                             eps=1e-5, pre=Dev((3, 8)) if with_pre else None, x_block=4)
+    with pytest.raises(ValueError, match=r"needs \(3, 8\)"):  # one coefficient per channel
+        norm.group_norm_rows(Dev((2, 8, 4, 4)), Dev((2, 8, 4, 4)), None, None, num_groups=2,
+                             eps=1e-5, pre=Dev((3, 16)))
     for shape in ((2, 64, 16, 16), (1, 63, 257, 1)):  # rows past the cache, read twice
         norm.group_norm_rows(Dev(shape), Dev(shape), None, None, num_groups=1, eps=1e-5,
                              pre=Dev((3, shape[1])))
@@ -291,7 +297,7 @@ def test_normalization_launchers(launches):
     assert [launch.args[1].data.ptr for launch in parts] == [y.data.ptr, y.data.ptr + step]
     check_all(launches, "normalization.cu")
     finalize = [launch for launch in launches if launch.name.startswith("stats_finalize")]
-    training = [int(launch.args[13]) for launch in finalize]  # int training
+    training = [int(launch.args[14]) for launch in finalize]  # int training
     assert training == [1, 1, 0]
     assert [launch.grid for launch in finalize] == [(4,), (4,), (4,)]
 
