@@ -89,6 +89,16 @@ def test_batch_norm_past_float32_squares(rng):
     assert np.abs(rm.get() - 0.25 * batch_mean).max() <= 1e-5 * 1e30
 
 
+# One row of 4 values, [0, 3e38, -3e38, -3e38], summed in order by one thread: the sum of
+# deviations stays finite (-3e38), their squares overflow, so rstd is 0 and every output is
+# the bias, also that of 3e38, which lies farther than float32's range from the mean (-7.5e37).
+def test_group_norm_of_a_value_past_float32_range_from_the_mean():
+    x = cp.asarray(np.float32([0.0, 3e38, -3e38, -3e38]).reshape(1, 1, 2, 2))
+    w, b = cp.asarray([1.5], dtype=cp.float32), cp.asarray([0.25], dtype=cp.float32)
+    assert np.array_equal(cufused.group_norm(x, 1, w, b).get(),
+                          np.full((1, 1, 2, 2), np.float32(0.25)))
+
+
 # A constant channel (BatchNorm) or group (GroupNorm) far from zero: its values equal the
 # mean, so every output is exactly the bias, as in PyTorch's native kernels (a * x + b with
 # b = beta - mean * a would leave about ulp(mean * rstd * gamma): 0.016 at 1234.5). GroupNorm
