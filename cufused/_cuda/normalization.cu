@@ -468,7 +468,7 @@ __global__ void group_norm_rows_cached(const float* x, float* y, const float* __
         const float* xs = x + blocked_channels_last(n, cq, 0, C, HW, block);
         shift = gn.pre_map(c0, x[blocked_channels_last(n, c0, 0, C, HW, block)]);
         // Positions p = threadIdx.x / quads + lanes * i, UNROLL loads in flight (8 are slower
-        // on B: 72 registers, 3 blocks per SM instead of 4).
+        // on B: 80 registers, 3 blocks per SM instead of 4).
         constexpr int UNROLL = 4;
         for (int p0 = threadIdx.x / quads; p0 < HW; p0 += UNROLL * lanes) {
             float4 v[UNROLL];

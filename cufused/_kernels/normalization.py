@@ -62,8 +62,7 @@ def _stats_finalize(mode: str, rows: int, *, partial, shift, n_outer: int, outer
         (optional(partial), optional(shift), numpy.int64(n_outer), numpy.int64(outer_stride),
          numpy.int32(row_len), numpy.float64(count), optional(gamma), optional(beta),
          optional(scale), coef, numpy.int64(coef.shape[1]), numpy.int32(channels),
-         numpy.int32(groups),
-         numpy.float32(eps), numpy.int32(training), optional(running_mean),
+         numpy.int32(groups), numpy.float32(eps), numpy.int32(training), optional(running_mean),
          optional(running_var), optional(mean_offset), numpy.float32(momentum),
          optional(moments)))
 
