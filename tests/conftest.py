@@ -88,6 +88,9 @@ if GPU:
     import cupy as cp
 
 TOL = {"ieee": 1e-5, "tf32": 5e-3}
+# Values of constant channels, most of them far from zero (a normalization of such a channel
+# gives exactly its bias).
+CONSTANT_LEVELS = np.float32([5.0, 1234.5, -0.3, 7e4, 1.0, -2.5e3, 0.1, 3.0])
 
 
 @pytest.fixture(autouse=True)

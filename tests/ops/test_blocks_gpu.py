@@ -8,7 +8,7 @@ import pytest
 
 import cufused
 
-from conftest import GPU, assert_close, mixed, poisoned, to_gpu
+from conftest import CONSTANT_LEVELS, GPU, assert_close, mixed, poisoned, to_gpu
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("quick_plans")]
 
@@ -108,18 +108,17 @@ def test_group_norm_of_a_value_past_float32_range_from_the_mean():
 @pytest.mark.parametrize("shape", [(3, 8, 7, 5), (3, 8, 2, 3), (2, 8, 67, 131)])
 def test_normalization_of_constant_values_gives_the_bias(rng, shape):
     c = shape[1]
-    level = np.float32([5.0, 1234.5, -0.3, 7e4, 1.0, -2.5e3, 0.1, 3.0])
     planes = (c,) + (1,) * (len(shape) - 2)
     w, b = mixed(rng, c), rng.standard_normal(c)
     bias = np.broadcast_to(np.float32(b).reshape(planes), shape)
     group_constant = np.ascontiguousarray(np.broadcast_to(
-        np.repeat(level[1::2], 2).reshape(planes), shape))
+        np.repeat(CONSTANT_LEVELS[1::2], 2).reshape(planes), shape))
     out = poisoned(shape)
     cufused.group_norm(cp.asarray(group_constant), 4, *to_gpu(w, b), out=out)
     assert np.array_equal(out.get(), bias)
-    x = cp.asarray(np.ascontiguousarray(np.broadcast_to(level.reshape(planes), shape)))
+    x = cp.asarray(np.ascontiguousarray(np.broadcast_to(CONSTANT_LEVELS.reshape(planes), shape)))
     for stats in (dict(training=True),
-                  dict(training=False, running_mean=cp.asarray(level),
+                  dict(training=False, running_mean=cp.asarray(CONSTANT_LEVELS),
                        running_var=cp.ones(c, dtype=cp.float32))):
         out = poisoned(shape)
         cufused.batch_norm(x, *to_gpu(w, b), **stats, out=out)

@@ -10,8 +10,9 @@ import pytest
 
 import cufused
 
-from conftest import (GPU, TOL, _pinned, assert_close, count_calls, mixed, pipeline_a_args,
-                      pipeline_b_args, pipeline_c_args, poisoned, rel_err, to_gpu, torch_cuda)
+from conftest import (CONSTANT_LEVELS, GPU, TOL, _pinned, assert_close, count_calls, mixed,
+                      pipeline_a_args, pipeline_b_args, pipeline_c_args, poisoned, rel_err,
+                      to_gpu, torch_cuda)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("quick_plans")]
 
@@ -212,9 +213,8 @@ def test_pipelines_of_zero_weights_give_the_bias(rng, route):
     from cufused._cudnn import plan_options
 
     method, precision, plans = ZERO_WEIGHT_ROUTES[route]
-    level = np.float32([5.0, 1234.5, -0.3, 7e4, 1.0, -2.5e3, 0.1, 3.0])
     (x, w, _, gw, gb, scale), opts = pipeline_a_args(rng, cout=32, groups=4)
-    arrays = (x, np.zeros_like(w), np.repeat(level[:4], 8), gw, gb, scale)
+    arrays = (x, np.zeros_like(w), np.repeat(CONSTANT_LEVELS[:4], 8), gw, gb, scale)
     ref = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts)
     want = np.clip(np.float32(gb)[:, None, None] * np.float32(scale), np.float32(-0.5),
                    np.float32(0.7))
@@ -229,7 +229,7 @@ def test_pipelines_of_zero_weights_give_the_bias(rng, route):
     out = poisoned(ref.shape)
     with plan_options(**plans):
         cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
-            *to_gpu(*arrays), **opts, conv_bias=cp.asarray(level), method=method,
+            *to_gpu(*arrays), **opts, conv_bias=cp.asarray(CONSTANT_LEVELS), method=method,
             precision=precision, out=out)
     assert np.array_equal(out.get(), np.broadcast_to(np.float32(gb)[:, None, None], ref.shape))
 
@@ -240,11 +240,12 @@ def test_pipeline_b_chunk_pre_map_of_constant_channels(rng):
     # tanh(bn_bias) = 0 exactly, and the all-zero GroupNorm groups give exactly gn_bias.
     from cufused.pipelines.pipeline_b import _chunk_normalized
 
-    level = np.float32([5.0, 1234.5, -0.3, 7e4, 1.0, -2.5e3, 0.1, 3.0])
     shape = (3, 8, 5, 4)
-    pooled = cp.asarray(np.ascontiguousarray(np.broadcast_to(level[:, None, None], shape)))
+    pooled = cp.asarray(np.ascontiguousarray(
+        np.broadcast_to(CONSTANT_LEVELS[:, None, None], shape)))
     gw, gb = mixed(rng, 8), rng.standard_normal(8)
-    got = _chunk_normalized(pooled, cp.asarray(level), cp.full(8, 0.25, dtype=cp.float32),
+    got = _chunk_normalized(pooled, cp.asarray(CONSTANT_LEVELS),
+                            cp.full(8, 0.25, dtype=cp.float32),
                             *to_gpu(mixed(rng, 8), np.zeros(8), gw, gb), num_groups=2,
                             eps=1e-5)
     assert np.array_equal(got.get(), np.broadcast_to(np.float32(gb)[:, None, None], shape))
