@@ -224,22 +224,11 @@ struct GroupNormRow {
 
     // A vector's values belong to channel c (the first `left` of them) and c + 1.
     struct Span { int c, left; };
-    // A parameter of a vector's two channels (picked with ?:, not an indexed array, which
-    // would live in local memory).
-    struct Pair {
-        float first, second;
-        __device__ float operator()(bool in_second) const { return in_second ? second : first; }
-    };
 
     __device__ Span span(int q) const {
         const int e = q * VEC;
         const int c = quotient(e, HW, inv_hw);
         return Span{c0 + c, (c + 1) * HW - e};
-    }
-
-    __device__ Pair param(const float* p, Span s, float fallback) const {
-        const float first = param_or(p, s.c, fallback);
-        return Pair{first, p && s.left < VEC ? __ldg(p + s.c + 1) : first};
     }
 
     __device__ static float& lane(float4& v, int k) {
@@ -275,9 +264,9 @@ struct GroupNormRow {
                                 [&](int q, float4& v) {
             const Span s = span(q);
             if (!mapped) map_pre(v, s);
-            const Pair g = param(gamma, s, 1.0f), bt = param(beta, s, 0.0f);
-            const ChannelAffine first = ChannelAffine::of(g(false), bt(false), 1.0f, mean, rstd);
-            const ChannelAffine second = ChannelAffine::of(g(true), bt(true), 1.0f, mean, rstd);
+            const ChannelAffine first = channel_affine_of(gamma, beta, nullptr, s.c, mean, rstd);
+            const ChannelAffine second = s.left < VEC
+                ? channel_affine_of(gamma, beta, nullptr, s.c + 1, mean, rstd) : first;
 #pragma unroll
             for (int k = 0; k < VEC; ++k)
                 lane(v, k) = k >= s.left ? second(lane(v, k)) : first(lane(v, k));
@@ -350,17 +339,14 @@ __device__ __forceinline__ void map_cached_row(float* row, int cg, int HW, Chann
     }
 }
 
-// y row = gamma * (value - mean) * rstd + beta for a cached, already mapped row: normalized
+// y row = ChannelAffine of (mean, rstd) (value) for a cached, already mapped row: normalized
 // in place channel by channel (map_cached_row), then stored with VEC-wide accesses.
 template <int VEC>
 __device__ void normalize_cached_row(float* row_cache, float* yr, const float* gamma,
                                      const float* beta, int c0, int cg, int HW, float mean,
                                      float rstd) {
     map_cached_row(row_cache, cg, HW, [&](int c) {
-        const ChannelAffine f = ChannelAffine::of(param_or(gamma, c0 + c, 1.0f),
-                                                  param_or(beta, c0 + c, 0.0f), 1.0f, mean,
-                                                  rstd);
-        return [=](float v) { return f(v); };
+        return channel_affine_of(gamma, beta, nullptr, c0 + c, mean, rstd);
     });
     __syncthreads();
     for (int q = threadIdx.x; q < cg * HW / VEC; q += blockDim.x)
