@@ -54,10 +54,23 @@ __device__ __forceinline__ float clamp_nan(float v, float lo, float hi) {
     return v != v ? v : fminf(fmaxf(v, lo), hi);
 }
 
+// A statistics row's normalization moments: its float64 mean as the float32 mean plus the
+// remainder mean_lo (0 where the float32 mean is not finite), and rstd.
+struct NormMoments {
+    float mean, mean_lo, rstd;
+
+    __device__ static NormMoments of(double mean, float rstd) {
+        const float hi = (float)mean;
+        return {hi, isfinite(hi) ? (float)(mean - (double)hi) : 0.0f, rstd};
+    }
+};
+
 // A channel's normalization affine, gamma * (v - mean) * rstd + beta, times scale, as
 // a * (v - center) + c. Finite coefficients take the centered form (a = gamma * rstd * scale,
-// center = mean, c = beta * scale), in which |mean| >> std stays accurate and a constant
-// channel gives beta * scale exactly; otherwise PyTorch's a * v + b (center 0,
+// center = the float32 mean, c = beta * scale - a * mean_lo), in which |mean| >> std stays
+// accurate and a constant channel gives beta * scale exactly: c takes out the float32 mean's
+// rounding (up to half its ulp, for |mean| >> std a visible part of a standard deviation), so
+// the values are centered on the float64 mean. Otherwise PyTorch's a * v + b (center 0,
 // c = (beta - mean * gamma * rstd) * scale), so that an infinite or NaN parameter gives the
 // infinities and NaNs that PyTorch gives. a = 0 (rstd 0 where the squared deviations
 // overflow, or a zero gamma or scale) takes center 0 too: c is then beta * scale either way,
@@ -66,13 +79,13 @@ __device__ __forceinline__ float clamp_nan(float v, float lo, float hi) {
 struct ChannelAffine {
     float a, center, c;
 
-    __device__ static ChannelAffine of(float gamma, float beta, float scale, float mean,
-                                       float rstd) {
-        const float g = gamma * rstd, b = beta - mean * g;
+    __device__ static ChannelAffine of(float gamma, float beta, float scale,
+                                       const NormMoments& m) {
+        const float g = gamma * m.rstd, b = beta - m.mean * g;
         const float as = g * scale, bs = b * scale, cs = beta * scale;
         if (isfinite(g) && isfinite(b) && isfinite(as) && isfinite(bs) && isfinite(cs)
-            && as != 0.0f)
-            return {as, mean, cs};
+            && as != 0.0f)  // mean_lo = 0 leaves cs, its sign of zero included
+            return {as, m.mean, m.mean_lo == 0.0f ? cs : fmaf(-as, m.mean_lo, cs)};
         return {as, 0.0f, bs};
     }
     __device__ static ChannelAffine identity() { return {1.0f, 0.0f, 0.0f}; }

@@ -48,13 +48,13 @@ __device__ __forceinline__ float param_or(const float* __restrict__ p, int c, fl
     return p ? __ldg(p + c) : fallback;
 }
 
-// Channel c's affine for a normalization of (mean, rstd), times scale.
+// Channel c's affine for a normalization of moments m, times scale.
 __device__ __forceinline__ ChannelAffine channel_affine_of(const float* __restrict__ gamma,
                                                            const float* __restrict__ beta,
                                                            const float* __restrict__ scale,
-                                                           int c, float mean, float rstd) {
+                                                           int c, const NormMoments& m) {
     return ChannelAffine::of(param_or(gamma, c, 1.0f), param_or(beta, c, 0.0f),
-                             param_or(scale, c, 1.0f), mean, rstd);
+                             param_or(scale, c, 1.0f), m);
 }
 
 // (mean, variance) in double of statistics row `row` from its partials at
@@ -119,7 +119,7 @@ __global__ void stats_finalize(const float* __restrict__ partial, const float* _
                                const float* __restrict__ mean_offset, float momentum,
                                float2* __restrict__ moments) {
     __shared__ double2 scratch[32];
-    __shared__ float stats[2];
+    __shared__ NormMoments stats;
     const index_t row = blockIdx.x;
     if (training) {
         const double2 moments_row = partial_moments<false>(partial, shift, row, n_outer,
@@ -133,8 +133,7 @@ __global__ void stats_finalize(const float* __restrict__ partial, const float* _
             // infinite one makes the mean that infinity and the variance NaN (inf - inf), as
             // in PyTorch; a NaN one makes both NaN.
             if (!isfinite(offset)) var = __longlong_as_double(0x7ff8000000000000LL);
-            stats[0] = (float)mean;
-            stats[1] = (float)inverse_std(var, eps);
+            stats = NormMoments::of(mean, (float)inverse_std(var, eps));
             if (MODE == MODE_BATCH_NORM) {
                 const double m = momentum;
                 if (running_mean)
@@ -146,17 +145,16 @@ __global__ void stats_finalize(const float* __restrict__ partial, const float* _
             }
         }
     } else if (threadIdx.x == 0) {
-        stats[0] = running_mean[row];
-        stats[1] = rsqrtf(running_var[row] + eps);
+        stats = NormMoments{running_mean[row], 0.0f, rsqrtf(running_var[row] + eps)};
     }
     __syncthreads();
-    const float mean = stats[0], rstd = stats[1];
-    if (moments && threadIdx.x == 0) moments[row] = make_float2(mean, rstd);
+    const NormMoments m = stats;
+    if (moments && threadIdx.x == 0) moments[row] = make_float2(m.mean, m.rstd);
     const int channels = MODE == MODE_GROUP_NORM ? C / G : 1;
     for (int j = threadIdx.x; j < channels; j += blockDim.x) {
         const int c = MODE == MODE_GROUP_NORM ? (int)(row % G) * channels + j : (int)row;
         const index_t out = MODE == MODE_GROUP_NORM ? (row / G) * C + c : row;
-        channel_affine_of(gamma, beta, scale, c, mean, rstd).store(coef, K, out);
+        channel_affine_of(gamma, beta, scale, c, m).store(coef, K, out);
     }
 }
 
@@ -256,17 +254,17 @@ struct GroupNormRow {
             lane(v, k) = pre_value(k >= s.left ? second : first, lane(v, k));
     }
 
-    // y row = ChannelAffine of (mean, rstd) (value) from src (the cached, already mapped row,
+    // y row = ChannelAffine of moments m (value) from src (the cached, already mapped row,
     // or the input row that is mapped again), 4 vectors in flight per thread.
-    __device__ void normalize(const float* src, bool mapped, float* yr, float mean,
-                              float rstd) const {
+    __device__ void normalize(const float* src, bool mapped, float* yr,
+                              const NormMoments& m) const {
         for_each_vector<VEC, 4>(src, (int)threadIdx.x, n_vec, (int)blockDim.x,
                                 [&](int q, float4& v) {
             const Span s = span(q);
             if (!mapped) map_pre(v, s);
-            const ChannelAffine first = channel_affine_of(gamma, beta, nullptr, s.c, mean, rstd);
+            const ChannelAffine first = channel_affine_of(gamma, beta, nullptr, s.c, m);
             const ChannelAffine second = s.left < VEC
-                ? channel_affine_of(gamma, beta, nullptr, s.c + 1, mean, rstd) : first;
+                ? channel_affine_of(gamma, beta, nullptr, s.c + 1, m) : first;
 #pragma unroll
             for (int k = 0; k < VEC; ++k)
                 lane(v, k) = k >= s.left ? second(lane(v, k)) : first(lane(v, k));
@@ -292,16 +290,16 @@ __global__ void group_affine_rows(const float* x, float* y, const float* __restr
     const Row gn = Row::of_block(nullptr, nullptr, nullptr, C, G, HW);  // spans only
     const double2 mv = partial_moments<true>(partial, nullptr, blockIdx.x, 1, 0, row_len, count,
                                              scratch);
-    const float mean = (float)mv.x, rstd = (float)inverse_std(mv.y, eps);
-    if (moments && threadIdx.x == 0) moments[blockIdx.x] = make_float2(mean, rstd);
+    const NormMoments m = NormMoments::of(mv.x, (float)inverse_std(mv.y, eps));
+    if (moments && threadIdx.x == 0) moments[blockIdx.x] = make_float2(m.mean, m.rstd);
     const int len = gn.len();
     float* yr = y + Row::start(len);
     for_each_vector<VEC, 4>(x + Row::start(len), (int)threadIdx.x, gn.n_vec, (int)blockDim.x,
                             [&](int q, float4& v) {
         const typename Row::Span s = gn.span(q);
-        const ChannelAffine first = channel_affine_of(gamma, beta, scale, s.c, mean, rstd);
+        const ChannelAffine first = channel_affine_of(gamma, beta, scale, s.c, m);
         const ChannelAffine second = s.left < VEC
-            ? channel_affine_of(gamma, beta, scale, s.c + 1, mean, rstd) : first;
+            ? channel_affine_of(gamma, beta, scale, s.c + 1, m) : first;
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
             const ChannelAffine& f = k >= s.left ? second : first;
@@ -311,16 +309,15 @@ __global__ void group_affine_rows(const float* x, float* y, const float* __restr
     });
 }
 
-// mean and rstd of a row from its block's shifted sums (len values), formed in double as
+// The moments of a row from its block's shifted sums (len values), formed in double as
 // stats_finalize forms them: a sum of squares past float32's range makes the variance infinite
 // and rstd 0 (PyTorch's float32 result) whether or not the compiler contracts the subtraction
 // into an FMA (in float32, m1 * m1 alone overflows, and inf - inf is NaN).
-__device__ __forceinline__ void row_moments(float s1, float s2, float shift, int len, float eps,
-                                            float2* scratch, float& mean, float& rstd) {
+__device__ __forceinline__ NormMoments row_moments(float s1, float s2, float shift, int len,
+                                                   float eps, float2* scratch) {
     const float2 s = block_sum(make_float2(s1, s2), scratch);
     const double m1 = (double)s.x / len;
-    mean = (float)(shift + m1);
-    rstd = (float)inverse_std((double)s.y / len - m1 * m1, eps);
+    return NormMoments::of(shift + m1, (float)inverse_std((double)s.y / len - m1 * m1, eps));
 }
 
 // Maps every value of a row cached in shared memory as (Cg, HW), one warp per channel at a
@@ -339,14 +336,14 @@ __device__ __forceinline__ void map_cached_row(float* row, int cg, int HW, Chann
     }
 }
 
-// y row = ChannelAffine of (mean, rstd) (value) for a cached, already mapped row: normalized
+// y row = ChannelAffine of moments m (value) for a cached, already mapped row: normalized
 // in place channel by channel (map_cached_row), then stored with VEC-wide accesses.
 template <int VEC>
 __device__ void normalize_cached_row(float* row_cache, float* yr, const float* gamma,
-                                     const float* beta, int c0, int cg, int HW, float mean,
-                                     float rstd) {
+                                     const float* beta, int c0, int cg, int HW,
+                                     const NormMoments& m) {
     map_cached_row(row_cache, cg, HW, [&](int c) {
-        return channel_affine_of(gamma, beta, nullptr, c0 + c, mean, rstd);
+        return channel_affine_of(gamma, beta, nullptr, c0 + c, m);
     });
     __syncthreads();
     for (int q = threadIdx.x; q < cg * HW / VEC; q += blockDim.x)
@@ -395,10 +392,9 @@ __global__ void group_norm_rows(const float* x, float* y, const float* __restric
         }
         if (CACHE) store_vec<VEC>(reinterpret_cast<float*>(cache), q, v);
     });
-    float mean, rstd;
-    row_moments(s1, s2, shift, len, eps, scratch, mean, rstd);
+    const NormMoments m = row_moments(s1, s2, shift, len, eps, scratch);
     gn.normalize(CACHE ? reinterpret_cast<const float*>(cache) : xr, CACHE, y + Row::start(len),
-                 mean, rstd);
+                 m);
 }
 
 // group_norm_rows with the mapped row cached in dynamic shared memory, filled one of two
@@ -478,11 +474,10 @@ __global__ void group_norm_rows_cached(const float* x, float* y, const float* __
             }
         }
     }
-    float mean, rstd;
-    row_moments(s1, s2, shift, len, eps, scratch, mean, rstd);  // its barriers order the cache
+    // row_moments' barriers order the cache.
+    const NormMoments m = row_moments(s1, s2, shift, len, eps, scratch);
     if (!X_BLOCKED || HW >= 32)  // the NCHW fill runs only for HW >= 32
-        normalize_cached_row<VEC>(row_cache, y + Row::start(len), gamma, beta, c0, cg, HW, mean,
-                                  rstd);
+        normalize_cached_row<VEC>(row_cache, y + Row::start(len), gamma, beta, c0, cg, HW, m);
     else
-        gn.normalize(row_cache, true, y + Row::start(len), mean, rstd);
+        gn.normalize(row_cache, true, y + Row::start(len), m);
 }

@@ -126,6 +126,28 @@ def test_normalization_of_constant_values_gives_the_bias(rng, shape):
     assert not cp.any(cufused.batch_norm(x))
 
 
+# Channels (BatchNorm) or groups (GroupNorm) of spread 1 far from zero, on the same routes:
+# a float32 mean is off by up to half its ulp (0.004 at 7e4, 0.4 % of a standard deviation),
+# which the affine takes out, centering on the float64 mean; the outputs stay at float32
+# rounding of the float64 reference's.
+@pytest.mark.parametrize("shape", [(3, 8, 7, 5), (3, 8, 2, 3), (2, 8, 67, 131)])
+def test_normalization_of_values_far_from_zero(rng, shape):
+    c = shape[1]
+    planes = (c,) + (1,) * (len(shape) - 2)
+    w, b = mixed(rng, c), rng.standard_normal(c)
+    spread = rng.uniform(-1.0, 1.0, shape)
+
+    def group_norm(x, w, b, **kw):
+        return cufused.group_norm(x, 4, w, b, **kw)
+
+    for norm, offsets in ((group_norm, np.repeat(CONSTANT_LEVELS[1::2], 2)),
+                          (cufused.batch_norm, CONSTANT_LEVELS)):
+        x = (offsets.reshape(planes) + spread).astype(np.float32)
+        out = poisoned(shape)
+        norm(cp.asarray(x), *to_gpu(w, b), out=out)
+        assert_close(out.get(), norm(x.astype(np.float64), w, b), 1e-5)
+
+
 # Channels-last inputs read in place (groups of 4, 8, 32 channels; 16-byte output vectors
 # where H*W >= 4, scalar ones for (2, 16, 1, 3)) and one that is copied (groups of 3).
 @pytest.mark.parametrize("shape,groups", [((3, 24, 5, 7), 3), ((2, 16, 1, 3), 4),
