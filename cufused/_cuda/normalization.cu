@@ -106,7 +106,9 @@ __device__ __forceinline__ double inverse_std(double var, float eps) {
 //  MODE_GROUP_NORM: row = n * G + g; entry n * C + c for each of the group's channels c, with
 //                   scale (K = N * C);
 //  MODE_BATCH_NORM: row = c; entry c (K = C); with training = 0
-//                   the running statistics replace the batch ones; with training = 1 the running
+//                   the running statistics replace the batch ones, the mean running_mean[c]
+//                   plus, when given, running_mean_lo[c] (the float32 remainder of a float64
+//                   mean, cufused.dask's batch statistics); with training = 1 the running
 //                   buffers (when given) are updated in place as PyTorch does, the batch mean
 //                   including mean_offset[c] (a convolution bias that the statistics skipped).
 template <int MODE>
@@ -116,6 +118,7 @@ __global__ void stats_finalize(const float* __restrict__ partial, const float* _
                                const float* __restrict__ scale, float* __restrict__ coef,
                                index_t K, int C, int G, float eps, int training,
                                float* running_mean, float* running_var,
+                               const float* __restrict__ running_mean_lo,
                                const float* __restrict__ mean_offset, float momentum,
                                float2* __restrict__ moments) {
     __shared__ double2 scratch[32];
@@ -145,7 +148,8 @@ __global__ void stats_finalize(const float* __restrict__ partial, const float* _
             }
         }
     } else if (threadIdx.x == 0) {
-        stats = NormMoments{running_mean[row], 0.0f, rsqrtf(running_var[row] + eps)};
+        stats = NormMoments{running_mean[row], running_mean_lo ? running_mean_lo[row] : 0.0f,
+                            rsqrtf(running_var[row] + eps)};
     }
     __syncthreads();
     const NormMoments m = stats;

@@ -55,7 +55,7 @@ def coef_array(xp, k: int):
 def _stats_finalize(mode: str, rows: int, *, partial, shift, n_outer: int, outer_stride: int,
                     row_len: int, count: int, gamma, beta, scale, coef, channels: int,
                     groups: int, eps: float, training: bool, running_mean, running_var,
-                    mean_offset, momentum: float, moments) -> None:
+                    running_mean_lo, mean_offset, momentum: float, moments) -> None:
     """``stats_finalize<mode>``, one block per statistics row (see the kernel)."""
     get_kernel(_FILE, f"stats_finalize<{mode}>")(
         (rows,), (finalize_threads(n_outer * row_len),),
@@ -63,8 +63,8 @@ def _stats_finalize(mode: str, rows: int, *, partial, shift, n_outer: int, outer
          numpy.int32(row_len), numpy.float64(count), optional(gamma), optional(beta),
          optional(scale), coef, numpy.int64(coef.shape[1]), numpy.int32(channels),
          numpy.int32(groups), numpy.float32(eps), numpy.int32(training), optional(running_mean),
-         optional(running_var), optional(mean_offset), numpy.float32(momentum),
-         optional(moments)))
+         optional(running_var), optional(running_mean_lo), optional(mean_offset),
+         numpy.float32(momentum), optional(moments)))
 
 
 def group_norm_coefficients(partial, shift, coef, *, rows: int, row_len: int, count: int,
@@ -79,26 +79,27 @@ def group_norm_coefficients(partial, shift, coef, *, rows: int, row_len: int, co
     _stats_finalize("MODE_GROUP_NORM", rows, partial=partial, shift=shift, n_outer=1,
                     outer_stride=0, row_len=row_len, count=count, gamma=gamma, beta=beta,
                     scale=scale, coef=coef, channels=channels, groups=num_groups, eps=eps,
-                    training=True, running_mean=None, running_var=None, mean_offset=None,
-                    momentum=0.0, moments=moments)
+                    training=True, running_mean=None, running_var=None, running_mean_lo=None,
+                    mean_offset=None, momentum=0.0, moments=moments)
 
 
 def batch_norm_coefficients(partial, shift, coef, *, n_outer: int, outer_stride: int,
                             row_len: int, count: int, channels: int, eps: float, training: bool,
                             gamma, beta, running_mean, running_var, mean_offset, momentum: float,
-                            moments) -> None:
+                            moments, running_mean_lo=None) -> None:
     """BatchNorm as per-channel coefficients (``coef``, (3, C)), one block per channel.
 
     In training channel c's partials sit at ``partial[o * outer_stride + c * row_len + m]``
     (o < n_outer) over ``count`` values, and the running buffers (optional) are updated in
-    place; otherwise (``partial``, ``shift`` None) the running statistics are used.
+    place; otherwise (``partial``, ``shift`` None) the running statistics are used, the mean
+    plus ``running_mean_lo`` (optional: the float32 remainder of a float64 mean).
     """
     _stats_finalize("MODE_BATCH_NORM", channels, partial=partial, shift=shift, n_outer=n_outer,
                     outer_stride=outer_stride, row_len=row_len, count=count, gamma=gamma,
                     beta=beta, scale=None, coef=coef, channels=channels,
                     groups=channels, eps=eps, training=training, running_mean=running_mean,
-                    running_var=running_var, mean_offset=mean_offset, momentum=momentum,
-                    moments=moments)
+                    running_var=running_var, running_mean_lo=running_mean_lo,
+                    mean_offset=mean_offset, momentum=momentum, moments=moments)
 
 
 def channel_affine(x, y, coef, *, inner: int, activation: str | None = None, lo: float = 0.0,

@@ -246,23 +246,53 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
                    gpu=replayed(partial(_batch_norm_gpu, xp, x, weight, bias, stats, activation)))
 
 
-def _batch_norm_gpu(xp, x, weight, bias, stats, activation, out):
+def _batch_norm_gpu(xp, x, weight, bias, stats, activation, out, running_mean_lo=None):
     x = xp.ascontiguousarray(x)
-    coef = bn_coefficients(xp, x, weight, bias, *stats)
+    coef = bn_coefficients(xp, x, weight, bias, *stats, running_mean_lo=running_mean_lo)
     hw = x.size // (x.shape[0] * x.shape[1])
     channel_affine(x, out, coef, inner=hw, activation=activation)
     return out
 
 
+def split_mean(xp, mean):
+    """A per-channel float64 ``mean`` as float32 ``(head, remainder)``: the running mean and
+    ``running_mean_lo`` of :func:`bn_coefficients` in inference, which then centers on the
+    float64 mean as a training call does (remainder 0 where the head is not finite)."""
+    mean = xp.asarray(mean, dtype=xp.float64)
+    head = mean.astype(xp.float32)
+    finite = xp.isfinite(head)
+    return head, xp.where(finite, mean - xp.where(finite, head, 0.0), 0.0).astype(xp.float32)
+
+
+def batch_norm_of_statistics(x, weight, bias, mean, var, *, eps: float,
+                             activation: str | None):
+    """``batch_norm`` of a CuPy ``x`` in inference with a batch's float64 ``mean`` and ``var``
+    formed elsewhere (cufused.dask's, across chunks), centered on the float64 mean as the
+    single training call is (:func:`split_mean`). Returns a new array; the arguments are
+    ones that ``batch_norm`` accepts (the dask graph's probe checked them)."""
+    xp = get_array_module(x=x)
+    out = xp.empty(x.shape, dtype=x.dtype)
+    if x.size == 0:
+        return out
+    c = x.shape[1]
+    head, remainder = split_mean(xp, mean)
+    stats = (head, xp.asarray(var, dtype=xp.float32), False, 0.0, eps)
+    return _batch_norm_gpu(xp, x, per_channel(weight, c, xp), per_channel(bias, c, xp), stats,
+                           activation, out, running_mean_lo=remainder)
+
+
 def bn_coefficients(xp, x, weight, bias, running_mean, running_var, training, momentum, eps,
-                    *, partial=None, splits=None, mean_offset=None, moments=None):
+                    *, partial=None, splits=None, mean_offset=None, moments=None,
+                    running_mean_lo=None):
     """BatchNorm's per-channel affine coefficients on the GPU, a (3, C) array
     (``coef_array``).
 
     In training the batch statistics come from ``partial`` (shifted sums laid out
     ``[n][c][split]``, as the pipelines' fused pass writes them) or, without it, from a
-    split reduction over contiguous ``x``; the running buffers are updated in place.
-    ``moments``, a (C, 2) float32 array, receives each channel's (mean, rstd).
+    split reduction over contiguous ``x``; the running buffers are updated in place. In
+    inference the mean is ``running_mean`` plus ``running_mean_lo`` when given
+    (:func:`split_mean`). ``moments``, a (C, 2) float32 array, receives each channel's
+    (mean, rstd).
     """
     n, c = x.shape[:2]
     hw = x.size // (n * c)
@@ -280,5 +310,6 @@ def bn_coefficients(xp, x, weight, bias, running_mean, running_var, training, mo
                             outer_stride=outer_stride, row_len=splits, count=n * hw,
                             channels=c, eps=eps, training=training, gamma=weight, beta=bias,
                             running_mean=running_mean, running_var=running_var,
-                            mean_offset=mean_offset, momentum=momentum, moments=moments)
+                            mean_offset=mean_offset, momentum=momentum, moments=moments,
+                            running_mean_lo=running_mean_lo)
     return coef

@@ -155,9 +155,8 @@ def _normalize_extrema(pooled, mean, var, bn_weight, bn_bias, gn_weight, gn_bias
     the batch statistics, tanh and GroupNorm in one pass over the pooled extrema."""
     if pooled.shape[0] == 0:
         return pooled.copy()
-    return _chunk_normalized(pooled, mean.astype(numpy.float32), var.astype(numpy.float32),
-                             bn_weight, bn_bias, gn_weight, gn_bias, num_groups=num_groups,
-                             eps=eps)
+    return _chunk_normalized(pooled, mean, var, bn_weight, bn_bias, gn_weight, gn_bias,
+                             num_groups=num_groups, eps=eps)
 
 
 def _phases(xp, weight, conv_bias, bn_weight, *, conv_shape: tuple[int, ...], pool: int,

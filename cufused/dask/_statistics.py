@@ -18,6 +18,7 @@ import cufused
 
 from .._arrays import get_array_module
 from .._kernels.normalization import key_stats_partial
+from .._ops.normalization import batch_norm_of_statistics
 from ._graph import Array, _Graph, new_array
 
 #: Partial moments of each node of the tree reduction (the default ``split_every``).
@@ -148,10 +149,11 @@ def _batch_statistics(graph: _Graph, moments: list, running_mean, running_var,
 
 
 def _normalize(chunk, mean, var, weight, bias, *, eps: float, activation: str | None):
-    """Phase 3 of BatchNorm: ``batch_norm`` in inference mode with the batch statistics
-    (float32 on the GPU, whose path takes no float64)."""
+    """Phase 3 of BatchNorm: ``batch_norm`` in inference mode with the batch statistics; on
+    the GPU centered on their float64 mean, as the single call is."""
     if get_array_module(x=chunk) is not numpy:
-        mean, var = mean.astype(numpy.float32), var.astype(numpy.float32)
+        return batch_norm_of_statistics(chunk, weight, bias, mean, var, eps=eps,
+                                        activation=activation)
     return cufused.batch_norm(chunk, weight, bias, running_mean=mean, running_var=var,
                               training=False, eps=eps, activation=activation)
 

@@ -24,7 +24,7 @@ from .._ops._conv_args import cached_conv_args, check_conv_memory
 from .._ops.convolution import conv_on_gpu, conv_transpose2d
 from .._ops.normalization import (batch_norm, bn_coefficients, check_channel_values,
                                   check_group_values, check_num_groups, check_running_buffer,
-                                  check_running_pair, group_norm)
+                                  check_running_pair, group_norm, split_mean)
 from .._ops.pooling import max_pool2d
 from .._precision import resolve_precision
 from ._common import (check_method, check_pipeline_pool, gpu_method, gpu_path,
@@ -218,13 +218,15 @@ def _chunk_extrema_sums(x, weight, conv_bias, bn_weight, *, stride, padding, out
 def _chunk_normalized(pooled, mean, var, bn_weight, bn_bias, gn_weight, gn_bias, *,
                       num_groups: int, eps: float):
     """Phase 3 on a CuPy chunk: BatchNorm with the batch's ``mean`` and biased ``var``
-    (float32, per channel) and tanh, then GroupNorm, in one pass over phase 1's ``pooled``
-    extrema: the single call's GroupNorm pass with the BatchNorm coefficients as its pre-map.
-    Returns a new array."""
+    (float64, per channel; centered on the float64 mean as the single call is) and tanh,
+    then GroupNorm, in one pass over phase 1's ``pooled`` extrema: the single call's
+    GroupNorm pass with the BatchNorm coefficients as its pre-map. Returns a new array."""
     xp = get_array_module(x=pooled)
     c = pooled.shape[1]
+    head, remainder = split_mean(xp, mean)
     coef = bn_coefficients(xp, pooled, per_channel(bn_weight, c, xp),
-                           per_channel(bn_bias, c, xp), mean, var, False, 0.0, eps)
+                           per_channel(bn_bias, c, xp), head, xp.asarray(var, dtype=xp.float32),
+                           False, 0.0, eps, running_mean_lo=remainder)
     out = xp.empty_like(pooled)
     group_norm_rows(pooled, out, per_channel(gn_weight, c, xp), per_channel(gn_bias, c, xp),
                     num_groups=num_groups, eps=eps, pre=coef)

@@ -206,3 +206,30 @@ def test_fused_pass_variants_match_scalar(rng, layout, pool, c, h, w, variants):
         assert np.array_equal(ext_v, ext_s), variant
         assert np.array_equal(shift_v, shift_s), variant
         assert_close(sums_v, sums_s, 1e-5)
+
+
+@pytest.mark.parametrize("layout,pool,c,h,w,variant", [
+    ("nchw", 2, 12, 22, 18, "scalar"), ("nchw", 2, 12, 22, 18, "bands"),
+    ("nhwc", 2, 128, 9, 41, "vec4"), ("nhwc", 2, 128, 9, 41, "rows"),
+    ("nhwc", 4, 32, 9, 10, "rows"),
+])
+def test_fused_pass_sums_of_constant_rows_are_zero(layout, pool, c, h, w, variant):
+    # Statistics rows (4 per sample) constant at y + bias where the bias rounds y away
+    # (y = 1e-8 * (row + 1) against biases of 1 to 1234.5): the sums are of the normalized
+    # values' deviations, (y + bias) - shift, so they are exactly 0, and the mean is exactly
+    # the rows' value (y + (bias - shift) would leave y itself).
+    from cufused._kernels import pooling
+    from cufused._layout import empty_in_layout
+
+    n, group = 3, c // 4
+    level = np.repeat(np.float32(1e-8) * np.arange(1, 5, dtype=np.float32), group)
+    y = empty_in_layout((n, c, h, w), layout)
+    y[...] = cp.asarray(level)[None, :, None, None]
+    bias = cp.asarray(np.repeat(np.float32([1.0, 1234.5, -3.0, 0.75]), group))
+    ext = poisoned((n, c, h // pool, w // pool))
+    partial, shift, _ = pooling.pool_extremum_stats(
+        cp, y, ext, pool, bias=bias, sign_a=None, sign_b=None, shift_group=group,
+        per_sample=True, variant=pooling.fused_pass_variant(y, pool, variant))
+    assert not cp.any(partial)
+    row_value = (cp.asarray(level) + bias)[::group]
+    assert bool((shift.reshape(n, 4) == row_value).all())
