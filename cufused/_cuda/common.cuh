@@ -55,13 +55,16 @@ __device__ __forceinline__ float clamp_nan(float v, float lo, float hi) {
 }
 
 // A statistics row's normalization moments: its float64 mean as the float32 mean plus the
-// remainder mean_lo (0 where the float32 mean is not finite), and rstd.
+// remainder mean_lo, and rstd. mean_lo is 0 where the float32 mean is not finite, and without
+// `centered_sums`: sums that are not of the normalized values themselves (pipeline A's,
+// which skip the rounding of y + bias) give a float64 mean no closer to theirs than its
+// float32 rounding, which also rounds a constant row's inexact sums back to its value.
 struct NormMoments {
     float mean, mean_lo, rstd;
 
-    __device__ static NormMoments of(double mean, float rstd) {
+    __device__ static NormMoments of(double mean, float rstd, bool centered_sums = true) {
         const float hi = (float)mean;
-        return {hi, isfinite(hi) ? (float)(mean - (double)hi) : 0.0f, rstd};
+        return {hi, centered_sums && isfinite(hi) ? (float)(mean - (double)hi) : 0.0f, rstd};
     }
 };
 

@@ -101,8 +101,9 @@ __device__ __forceinline__ double inverse_std(double var, float eps) {
 
 // One block per statistics row. The row's partials (float2: sum d, sum d * d, d = value -
 // shift[row]) sit at partial[o * outer_stride + row * row_len + m], o < n_outer,
-// m < row_len, and are summed in double. They become the ChannelAffine coefficients (rows
-// of K entries in coef) that the next pass applies:
+// m < row_len, and are summed in double; centered_sums: d are of the normalized values
+// themselves (NormMoments). They become the ChannelAffine coefficients (rows of K entries in
+// coef) that the next pass applies:
 //  MODE_GROUP_NORM: row = n * G + g; entry n * C + c for each of the group's channels c, with
 //                   scale (K = N * C);
 //  MODE_BATCH_NORM: row = c; entry c (K = C); with training = 0
@@ -117,7 +118,7 @@ __global__ void stats_finalize(const float* __restrict__ partial, const float* _
                                const float* __restrict__ gamma, const float* __restrict__ beta,
                                const float* __restrict__ scale, float* __restrict__ coef,
                                index_t K, int C, int G, float eps, int training,
-                               float* running_mean, float* running_var,
+                               int centered_sums, float* running_mean, float* running_var,
                                const float* __restrict__ running_mean_lo,
                                const float* __restrict__ mean_offset, float momentum,
                                float2* __restrict__ moments) {
@@ -136,7 +137,7 @@ __global__ void stats_finalize(const float* __restrict__ partial, const float* _
             // infinite one makes the mean that infinity and the variance NaN (inf - inf), as
             // in PyTorch; a NaN one makes both NaN.
             if (!isfinite(offset)) var = __longlong_as_double(0x7ff8000000000000LL);
-            stats = NormMoments::of(mean, (float)inverse_std(var, eps));
+            stats = NormMoments::of(mean, (float)inverse_std(var, eps), centered_sums);
             if (MODE == MODE_BATCH_NORM) {
                 const double m = momentum;
                 if (running_mean)
@@ -281,8 +282,8 @@ struct GroupNormRow {
 // partials with shifts and counts of their own (partial_moments<true>'s):
 // one block per (n, g) row of a contiguous (N, C, HW) tensor (GroupNormRow; x may equal y)
 // reduces the row's partials, forms (mean, rstd) and each channel's ChannelAffine as
-// stats_finalize does (moments[row] = (mean, rstd)) and applies them: stats_finalize and
-// channel_affine in one pass (pipeline A's pooled extrema).
+// stats_finalize does without centered_sums (moments[row] = (mean, rstd)) and applies them:
+// stats_finalize and channel_affine in one pass (pipeline A's pooled extrema).
 template <int ACT, int VEC>
 __global__ void group_affine_rows(const float* x, float* y, const float* __restrict__ partial,
                                   int row_len, double count, const float* __restrict__ gamma,
@@ -294,7 +295,7 @@ __global__ void group_affine_rows(const float* x, float* y, const float* __restr
     const Row gn = Row::of_block(nullptr, nullptr, nullptr, C, G, HW);  // spans only
     const double2 mv = partial_moments<true>(partial, nullptr, blockIdx.x, 1, 0, row_len, count,
                                              scratch);
-    const NormMoments m = NormMoments::of(mv.x, (float)inverse_std(mv.y, eps));
+    const NormMoments m = NormMoments::of(mv.x, (float)inverse_std(mv.y, eps), false);
     if (moments && threadIdx.x == 0) moments[blockIdx.x] = make_float2(m.mean, m.rstd);
     const int len = gn.len();
     float* yr = y + Row::start(len);

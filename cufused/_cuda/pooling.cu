@@ -154,13 +154,11 @@ __global__ void pool2_to_channels_last(const float* __restrict__ x, float* __res
 // of sample n (Q = 4: the 16-byte channels-last kernels): each channel's bias, extremum sign
 // (sign_a * sign_b < 0 takes the min as -max(-v); fmaxf drops NaN, which cannot matter: a NaN
 // or inf in a statistics row makes that row's mean NaN, and with it every output the
-// extremum feeds) and sums of d = (y + bias) - shift: y + bias rounded as the pooled values
-// that are normalized, so a constant channel's d is exactly 0. `writer` threads store the
-// shift of each statistics row that starts at one of their channels (see
-// pool_extremum_stats).
+// extremum feeds) and sums of d = y + bias - shift. `writer` threads store the shift of each
+// statistics row that starts at one of their channels (see pool_extremum_stats).
 template <int Q>
 struct ChannelStats {
-    float b[Q], shift[Q], sgn[Q], s1[Q], s2[Q];
+    float b[Q], bs[Q], sgn[Q], s1[Q], s2[Q];
 
     __device__ __forceinline__ ChannelStats(const float* __restrict__ y,
                                             const float* __restrict__ bias,
@@ -174,12 +172,13 @@ struct ChannelStats {
             const int c = c0 + q;
             b[q] = bias ? bias[c] : 0.0f;
             const int c_first = (c / shift_group) * shift_group;
-            shift[q] = finite_shift(y[(shift_per_sample ? n : 0) * sn + c_first * sc]
-                                    + (bias ? bias[c_first] : 0.0f));
+            const float shift = finite_shift(y[(shift_per_sample ? n : 0) * sn + c_first * sc]
+                                             + (bias ? bias[c_first] : 0.0f));
             if (writer && c == c_first && (shift_per_sample || n == 0))
                 shift_out[shift_per_sample ? n * (C / shift_group) + c / shift_group
-                                           : c / shift_group] = shift[q];
+                                           : c / shift_group] = shift;
             sgn[q] = product_sign(sign_a ? sign_a[c] : 1.0f, sign_b ? sign_b[c] : 1.0f);
+            bs[q] = b[q] - shift;
             s1[q] = 0.0f;
             s2[q] = 0.0f;
         }
@@ -187,7 +186,7 @@ struct ChannelStats {
 
     // A value of channel q into its sums.
     __device__ __forceinline__ void take(float v, int q = 0) {
-        const float d = (v + b[q]) - shift[q];
+        const float d = v + bs[q];
         s1[q] += d;
         s2[q] = fmaf(d, d, s2[q]);
     }

@@ -54,33 +54,38 @@ def coef_array(xp, k: int):
 
 def _stats_finalize(mode: str, rows: int, *, partial, shift, n_outer: int, outer_stride: int,
                     row_len: int, count: int, gamma, beta, scale, coef, channels: int,
-                    groups: int, eps: float, training: bool, running_mean, running_var,
-                    running_mean_lo, mean_offset, momentum: float, moments) -> None:
+                    groups: int, eps: float, training: bool, centered_sums: bool, running_mean,
+                    running_var, running_mean_lo, mean_offset, momentum: float,
+                    moments) -> None:
     """``stats_finalize<mode>``, one block per statistics row (see the kernel)."""
     get_kernel(_FILE, f"stats_finalize<{mode}>")(
         (rows,), (finalize_threads(n_outer * row_len),),
         (optional(partial), optional(shift), numpy.int64(n_outer), numpy.int64(outer_stride),
          numpy.int32(row_len), numpy.float64(count), optional(gamma), optional(beta),
          optional(scale), coef, numpy.int64(coef.shape[1]), numpy.int32(channels),
-         numpy.int32(groups), numpy.float32(eps), numpy.int32(training), optional(running_mean),
+         numpy.int32(groups), numpy.float32(eps), numpy.int32(training),
+         numpy.int32(centered_sums), optional(running_mean),
          optional(running_var), optional(running_mean_lo), optional(mean_offset),
          numpy.float32(momentum), optional(moments)))
 
 
 def group_norm_coefficients(partial, shift, coef, *, rows: int, row_len: int, count: int,
-                            channels: int, num_groups: int, eps: float, gamma=None, beta=None,
-                            scale=None, moments=None) -> None:
+                            channels: int, num_groups: int, eps: float, centered_sums: bool,
+                            gamma=None, beta=None, scale=None, moments=None) -> None:
     """GroupNorm (times ``scale``) as per-(n, c) coefficients.
 
     Row ``n * num_groups + g`` has its ``row_len`` shifted-sum partials at
     ``partial[row * row_len + m]`` over ``count`` values; ``coef`` (3, N * C) receives the
     coefficients, ``moments`` (optional, rows x float2) each row's (mean, rstd).
+    ``centered_sums``: the partials sum the normalized values themselves, so the affine
+    centers on the float64 mean (``NormMoments`` in common.cuh).
     """
     _stats_finalize("MODE_GROUP_NORM", rows, partial=partial, shift=shift, n_outer=1,
                     outer_stride=0, row_len=row_len, count=count, gamma=gamma, beta=beta,
                     scale=scale, coef=coef, channels=channels, groups=num_groups, eps=eps,
-                    training=True, running_mean=None, running_var=None, running_mean_lo=None,
-                    mean_offset=None, momentum=0.0, moments=moments)
+                    training=True, centered_sums=centered_sums, running_mean=None,
+                    running_var=None, running_mean_lo=None, mean_offset=None, momentum=0.0,
+                    moments=moments)
 
 
 def batch_norm_coefficients(partial, shift, coef, *, n_outer: int, outer_stride: int,
@@ -97,9 +102,10 @@ def batch_norm_coefficients(partial, shift, coef, *, n_outer: int, outer_stride:
     _stats_finalize("MODE_BATCH_NORM", channels, partial=partial, shift=shift, n_outer=n_outer,
                     outer_stride=outer_stride, row_len=row_len, count=count, gamma=gamma,
                     beta=beta, scale=None, coef=coef, channels=channels,
-                    groups=channels, eps=eps, training=training, running_mean=running_mean,
-                    running_var=running_var, running_mean_lo=running_mean_lo,
-                    mean_offset=mean_offset, momentum=momentum, moments=moments)
+                    groups=channels, eps=eps, training=training, centered_sums=True,
+                    running_mean=running_mean, running_var=running_var,
+                    running_mean_lo=running_mean_lo, mean_offset=mean_offset,
+                    momentum=momentum, moments=moments)
 
 
 def channel_affine(x, y, coef, *, inner: int, activation: str | None = None, lo: float = 0.0,

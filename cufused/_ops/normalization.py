@@ -104,7 +104,7 @@ def _group_norm_gpu(xp, x, num_groups, weight, bias, eps, out):
     coef = coef_array(xp, n * c)
     group_norm_coefficients(partial, shift, coef, rows=rows, row_len=splits,
                             count=length, channels=c, num_groups=num_groups, eps=eps,
-                            gamma=weight, beta=bias)
+                            centered_sums=True, gamma=weight, beta=bias)
     channel_affine(x, out, coef, inner=hw)
     return out
 

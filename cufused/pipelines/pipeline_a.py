@@ -188,8 +188,8 @@ def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, gn_
         coef = coef_array(xp, n * c)
         group_norm_coefficients(partial, shift, coef, rows=n * num_groups,
                                 row_len=cg * splits, count=cg * h * w, channels=c,
-                                num_groups=num_groups, eps=eps, gamma=gn_weight, beta=gn_bias,
-                                scale=scale, moments=moments)
+                                num_groups=num_groups, eps=eps, centered_sums=False,
+                                gamma=gn_weight, beta=gn_bias, scale=scale, moments=moments)
         if ext is out:
             channel_affine(out, out, coef, inner=out.shape[2] * out.shape[3],
                            activation="clamp", lo=lo, hi=hi)

@@ -250,7 +250,8 @@ def test_normalization_launchers(launches):
     assert launches[-1].grid == (8 * splits,)
     norm.group_norm_coefficients(Dev((4, 3, 2)), Dev((4,)), Dev((3, 8)), rows=4,
                                  row_len=3, count=48, channels=4, num_groups=2, eps=1e-5,
-                                 gamma=Dev((4,)), scale=Dev((4,)), moments=Dev((4, 2)))
+                                 centered_sums=False, gamma=Dev((4,)), scale=Dev((4,)),
+                                 moments=Dev((4, 2)))
     # Pipeline A's statistics from partials of their own shifts, and the affine: 16-byte
     # vectors where a row's values allow them (4 channels x 9), else scalars (3 x 9).
     for shape, vec in (((2, 8, 3, 3), 4), ((2, 6, 3, 3), 1)):

@@ -213,12 +213,15 @@ def test_fused_pass_variants_match_scalar(rng, layout, pool, c, h, w, variants):
     ("nhwc", 2, 128, 9, 41, "vec4"), ("nhwc", 2, 128, 9, 41, "rows"),
     ("nhwc", 4, 32, 9, 10, "rows"),
 ])
-def test_fused_pass_sums_of_constant_rows_are_zero(layout, pool, c, h, w, variant):
-    # Statistics rows (4 per sample) constant at y + bias where the bias rounds y away
-    # (y = 1e-8 * (row + 1) against biases of 1 to 1234.5): the sums are of the normalized
-    # values' deviations, (y + bias) - shift, so they are exactly 0, and the mean is exactly
-    # the rows' value (y + (bias - shift) would leave y itself).
+def test_fused_pass_constant_rows_normalize_to_the_bias(rng, layout, pool, c, h, w, variant):
+    # Pipeline A's route on statistics rows (4 per sample) constant at y + bias, where the
+    # bias rounds y away (y = 1e-8 * (row + 1) against biases of 1 to 1234.5): the pass sums
+    # y + (bias - shift), which keeps y, and the affine centers on the float32 mean
+    # (centered_sums=False), which rounds it away, so every pooled value normalizes to
+    # exactly gn_bias * scale.
     from cufused._kernels import pooling
+    from cufused._kernels.normalization import (channel_affine, coef_array,
+                                                group_norm_coefficients)
     from cufused._layout import empty_in_layout
 
     n, group = 3, c // 4
@@ -226,10 +229,14 @@ def test_fused_pass_sums_of_constant_rows_are_zero(layout, pool, c, h, w, varian
     y = empty_in_layout((n, c, h, w), layout)
     y[...] = cp.asarray(level)[None, :, None, None]
     bias = cp.asarray(np.repeat(np.float32([1.0, 1234.5, -3.0, 0.75]), group))
+    gn_weight, gn_bias, scale = to_gpu(mixed(rng, c), rng.standard_normal(c), mixed(rng, c))
     ext = poisoned((n, c, h // pool, w // pool))
-    partial, shift, _ = pooling.pool_extremum_stats(
-        cp, y, ext, pool, bias=bias, sign_a=None, sign_b=None, shift_group=group,
+    partial, shift, splits = pooling.pool_extremum_stats(
+        cp, y, ext, pool, bias=bias, sign_a=gn_weight, sign_b=scale, shift_group=group,
         per_sample=True, variant=pooling.fused_pass_variant(y, pool, variant))
-    assert not cp.any(partial)
-    row_value = (cp.asarray(level) + bias)[::group]
-    assert bool((shift.reshape(n, 4) == row_value).all())
+    coef = coef_array(cp, n * c)
+    group_norm_coefficients(partial, shift, coef, rows=n * 4, row_len=group * splits,
+                            count=group * h * w, channels=c, num_groups=4, eps=1e-5,
+                            centered_sums=False, gamma=gn_weight, beta=gn_bias, scale=scale)
+    channel_affine(ext, ext, coef, inner=(h // pool) * (w // pool))
+    assert bool((ext == (gn_bias * scale)[None, :, None, None]).all())
