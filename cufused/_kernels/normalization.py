@@ -5,7 +5,8 @@ Statistics are float32 sums shifted by each key's first value (0 where infinite;
 ``|mean| >> std`` stays accurate), combined in float64 by ``stats_finalize``. Coefficients
 are a (3, K) float32 array (``coef_array``): entry k maps ``v`` to
 ``coef[0, k] * (v - coef[1, k]) + coef[2, k]`` (``ChannelAffine`` in common.cuh: the centered
-form ``gamma * rstd * (v - mean) + beta`` on the float64 mean where it is finite, PyTorch's
+form ``gamma * rstd * (v - mean) + beta`` where it is finite, on the float64 mean where the
+sums are of the normalized values themselves (``centered_sums``; not pipeline A's), PyTorch's
 ``a * v + b`` otherwise).
 """
 

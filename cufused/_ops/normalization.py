@@ -271,6 +271,7 @@ def batch_norm_of_statistics(x, weight, bias, mean, var, *, eps: float,
     single training call is (:func:`split_mean`). Returns a new array; the arguments are
     ones that ``batch_norm`` accepts (the dask graph's probe checked them)."""
     xp = get_array_module(x=x)
+    check_float_dtype(xp, x=x)
     out = xp.empty(x.shape, dtype=x.dtype)
     if x.size == 0:
         return out

@@ -150,13 +150,14 @@ def _extrema_moments_phase(x, weight, bias, bn_weight, *, stride, padding, outpu
 
 
 def _normalize_extrema(pooled, mean, var, bn_weight, bn_bias, gn_weight, gn_bias, *,
-                       num_groups: int, eps: float):
+                       num_groups: int, eps: float, centered_sums: bool):
     """Phase 3 of pipeline B on one CuPy chunk, on the single call's kernels: BatchNorm with
-    the batch statistics, tanh and GroupNorm in one pass over the pooled extrema."""
+    the batch statistics, tanh and GroupNorm in one pass over the pooled extrema
+    (``centered_sums``: phase 1 had no convolution bias; see ``_chunk_normalized``)."""
     if pooled.shape[0] == 0:
         return pooled.copy()
     return _chunk_normalized(pooled, mean, var, bn_weight, bn_bias, gn_weight, gn_bias,
-                             num_groups=num_groups, eps=eps)
+                             num_groups=num_groups, eps=eps, centered_sums=centered_sums)
 
 
 def _phases(xp, weight, conv_bias, bn_weight, *, conv_shape: tuple[int, ...], pool: int,
@@ -178,7 +179,8 @@ def _phases(xp, weight, conv_bias, bn_weight, *, conv_shape: tuple[int, ...], po
         return (functools.partial(_extrema_moments_phase, pool=pool, precision=precision,
                                   **conv_options),
                 dict(weight=weight, conv_bias=conv_bias, bn_weight=bn_weight),
-                functools.partial(_normalize_extrema, num_groups=num_groups, eps=eps))
+                functools.partial(_normalize_extrema, num_groups=num_groups, eps=eps,
+                                  centered_sums=conv_bias is None))
     if xp is numpy:  # the reference's float64 end to end
         weight, conv_bias = (None if a is None else a.astype(numpy.float64)
                              for a in (weight, conv_bias))

@@ -81,14 +81,15 @@ def _shifted_moments(sums, shift, count: int) -> tuple[int, Any, Any]:
 @_without_numpy_warnings
 def _merge_moments(*parts: tuple[int, Any, Any]) -> tuple[int, Any, Any]:
     """The parallel combination of partial ``(count, mean, M2)`` moments (Chan et al.'s,
-    over all parts at once): the mean is the parts' means weighted by their counts, which
+    over all parts at once): the mean is the count-weighted sum of the parts' means over the
+    total count, which is exact where every part has the same mean (a constant channel) and
     keeps an infinite part's infinity as the single call does (NaN where parts hold opposite
     ones), and M2 adds to the parts' own each part's squared distance from it."""
     counted = [part for part in parts if part[0] > 0]
     if len(counted) < 2:
         return counted[0] if counted else parts[0]
     total = sum(n for n, _, _ in counted)
-    mean = sum(part_mean * (n / total) for n, part_mean, _ in counted)
+    mean = sum(part_mean * n for n, part_mean, _ in counted) / total
     m2 = sum(part_m2 + (part_mean - mean) ** 2 * n for n, part_mean, part_m2 in counted)
     return total, mean, m2
 

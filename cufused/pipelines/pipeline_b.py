@@ -216,14 +216,18 @@ def _chunk_extrema_sums(x, weight, conv_bias, bn_weight, *, stride, padding, out
 
 
 def _chunk_normalized(pooled, mean, var, bn_weight, bn_bias, gn_weight, gn_bias, *,
-                      num_groups: int, eps: float):
+                      num_groups: int, eps: float, centered_sums: bool):
     """Phase 3 on a CuPy chunk: BatchNorm with the batch's ``mean`` and biased ``var``
-    (float64, per channel; centered on the float64 mean as the single call is) and tanh,
-    then GroupNorm, in one pass over phase 1's ``pooled`` extrema: the single call's
-    GroupNorm pass with the BatchNorm coefficients as its pre-map. Returns a new array."""
+    (float64, per channel) and tanh, then GroupNorm, in one pass over phase 1's ``pooled``
+    extrema: the single call's GroupNorm pass with the BatchNorm coefficients as its pre-map.
+    ``centered_sums``: phase 1 summed the pooled values themselves (no convolution bias),
+    so BatchNorm centers on the float64 mean, as the single call does; with a bias the sums
+    skip the rounding of y + bias, and the float32 mean is as close. Returns a new array."""
     xp = get_array_module(x=pooled)
     c = pooled.shape[1]
     head, remainder = split_mean(xp, mean)
+    if not centered_sums:
+        remainder = None
     coef = bn_coefficients(xp, pooled, per_channel(bn_weight, c, xp),
                            per_channel(bn_bias, c, xp), head, xp.asarray(var, dtype=xp.float32),
                            False, 0.0, eps, running_mean_lo=remainder)

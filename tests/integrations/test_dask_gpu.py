@@ -105,8 +105,8 @@ def test_gpu_batch_norm_and_blocks_threaded(rng, gpu_threads):
 
 
 @pytest.mark.gpu
-def test_gpu_batch_norm_of_values_far_from_zero(rng, quick_plans):
-    # Channels of spread 1 around 0.1 to 7e4: the chunks' phase 3 centers on the batch's
+def test_gpu_batch_norm_of_values_far_from_zero(rng):
+    # Channels uniform in +-1 around 0.1 to 7e4: the chunks' phase 3 centers on the batch's
     # float64 mean, as the single call does (a float32 center is off by up to 0.7 % of a
     # standard deviation); both stay at float32 rounding of the float64 reference.
     import cupy as cp
@@ -118,6 +118,30 @@ def test_gpu_batch_norm_of_values_far_from_zero(rng, quick_plans):
     y = cdask.batch_norm(chunked(cp.asarray(x), (4, 4, 1)), *to_gpu(weight, bias))
     assert_close(y.compute().get(), ref, 1e-6)
     assert_close(cufused.batch_norm(cp.asarray(x), *to_gpu(weight, bias)).get(), ref, 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunks", [(3, 3), (1, 2, 2, 1)])
+def test_gpu_pipeline_b_constant_channels_with_a_conv_bias(rng, quick_plans, chunks):
+    # A 1 x 1 transposed convolution of a constant one-channel input: each output channel is
+    # one product, constant and nonzero, which the convolution bias (0.1 to 7e4) rounds.
+    # With bn_bias 0 every channel maps to tanh(0) = 0 exactly, so the GroupNorm groups are
+    # all zero and the output is exactly gn_bias, on chunks as in the single call: the chunks'
+    # sums include the bias without the rounding of y + bias, so their BatchNorm centers on
+    # the float32 mean.
+    import cupy as cp
+
+    x = cp.full((6, 1, 6, 6), 0.37, dtype=cp.float32)
+    weight = cp.asarray(mixed(rng, 8, np.float32).reshape(1, 8, 1, 1) * np.float32(1e-3))
+    gn_bias = rng.standard_normal(8)
+    params = to_gpu(mixed(rng, 8), np.zeros(8), mixed(rng, 8), gn_bias)
+    name = "conv_transpose2d_batchnorm_tanh_maxpool_groupnorm"
+    options = dict(num_groups=2, conv_bias=cp.asarray(CONSTANT_LEVELS))
+    want = np.broadcast_to(np.float32(gn_bias)[:, None, None], (6, 8, 3, 3))
+    single = getattr(cufused, name)(x, weight, *params, **options)
+    assert np.array_equal(single.get(), want)
+    lazy = getattr(cdask, name)(chunked(x, chunks), weight, *params, **options)
+    assert np.array_equal(lazy.compute(scheduler="threads").get(), want)
 
 
 def b_gpu_case(rng):

@@ -126,7 +126,7 @@ def test_normalization_of_constant_values_gives_the_bias(rng, shape):
     assert not cp.any(cufused.batch_norm(x))
 
 
-# Channels (BatchNorm) or groups (GroupNorm) of spread 1 far from zero, on the same routes:
+# Channels (BatchNorm) or groups (GroupNorm) uniform in +-1 far from zero, on the same routes:
 # a float32 mean is off by up to half its ulp (0.004 at 7e4, 0.7 % of a standard deviation),
 # which the affine takes out, centering on the float64 mean; the outputs stay at float32
 # rounding of the float64 reference's (about 5e-8 relative; a float32 center gives 2e-5 to

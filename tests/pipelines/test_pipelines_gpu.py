@@ -244,11 +244,13 @@ def test_pipeline_b_chunk_pre_map_of_constant_channels(rng):
     pooled = cp.asarray(np.ascontiguousarray(
         np.broadcast_to(CONSTANT_LEVELS[:, None, None], shape)))
     gw, gb = mixed(rng, 8), rng.standard_normal(8)
-    got = _chunk_normalized(pooled, cp.asarray(CONSTANT_LEVELS),
-                            cp.full(8, 0.25, dtype=cp.float32),
-                            *to_gpu(mixed(rng, 8), np.zeros(8), gw, gb), num_groups=2,
-                            eps=1e-5)
-    assert np.array_equal(got.get(), np.broadcast_to(np.float32(gb)[:, None, None], shape))
+    for centered_sums in (False, True):
+        got = _chunk_normalized(pooled, cp.asarray(CONSTANT_LEVELS),
+                                cp.full(8, 0.25, dtype=cp.float32),
+                                *to_gpu(mixed(rng, 8), np.zeros(8), gw, gb), num_groups=2,
+                                eps=1e-5, centered_sums=centered_sums)
+        assert np.array_equal(got.get(),
+                              np.broadcast_to(np.float32(gb)[:, None, None], shape))
 
 
 def test_pipeline_b_odd_group_rows(rng, layout):

@@ -242,6 +242,24 @@ def test_layout_launchers(launches):
     assert [launch.args[4:6] for launch in affine] == [(-1.0, 1.0)] * 3  # lo, hi
 
 
+def test_split_mean_is_a_float32_head_and_its_remainder():
+    # head + remainder is the float64 mean to float32's precision on the remainder; a head
+    # past float32's range or not finite has no remainder (NormMoments' rule), and -0 stays.
+    from cufused._ops.normalization import split_mean
+
+    mean = np.array([7e4 + 1 / 3, -1234.5 + 1e-6, 0.1, -0.0, 1e300, -np.inf, np.nan])
+    with np.errstate(over="ignore", invalid="ignore"):  # the casts of 1e300, inf, NaN
+        head, remainder = split_mean(np, mean)
+    assert head.dtype == remainder.dtype == np.float32
+    assert np.array_equal(head[:4], mean[:4].astype(np.float32))
+    finite = slice(0, 4)
+    err = np.abs(head[finite] + remainder[finite].astype(np.float64) - mean[finite])
+    assert (err <= np.abs(mean[finite]) * 2.0 ** -46).all()
+    assert remainder[0] != 0 and np.signbit(head[3]) and remainder[3] == 0
+    assert np.isposinf(head[4]) and np.isneginf(head[5]) and np.isnan(head[6])
+    assert not remainder[4:].any()
+
+
 def test_normalization_launchers(launches):
     norm = LAUNCHERS["normalization.cu"]
     partial, shift, splits = norm.key_stats_partial(FakeXp, Dev((2, 8, 4, 4)), 8, n_outer=2,

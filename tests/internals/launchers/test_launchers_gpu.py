@@ -215,7 +215,7 @@ def test_fused_pass_variants_match_scalar(rng, layout, pool, c, h, w, variants):
 ])
 def test_fused_pass_constant_rows_normalize_to_the_bias(rng, layout, pool, c, h, w, variant):
     # Pipeline A's route on statistics rows (4 per sample) constant at y + bias, where the
-    # bias rounds y away (y = 1e-8 * (row + 1) against biases of 1 to 1234.5): the pass sums
+    # bias rounds y away (y = 1e-8 * (row + 1) against biases 1, 1234.5, -3, 0.75): the pass sums
     # y + (bias - shift), which keeps y, and the affine centers on the float32 mean
     # (centered_sums=False), which rounds it away, so every pooled value normalizes to
     # exactly gn_bias * scale.
