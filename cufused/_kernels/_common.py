@@ -20,20 +20,26 @@ def split_count(keys: int, elements_per_key: int) -> int:
     return max(1, min(want, -(-elements_per_key // 1024)))
 
 
+def _float32_bounds(clamp) -> tuple[float, float]:
+    """``clamp`` = (lo, hi) as the kernels get them, float32."""
+    lo, hi = (float(numpy.float32(v)) for v in clamp)
+    return lo, hi
+
+
 def skips_max(clamp) -> bool:
     """Whether a softmax after ``clamp`` = (lo, hi) (None: no clamp) needs no running
-    maximum: the bounds as the kernels get them, float32, at most ``_MAX_FREE_CLAMP`` apart
-    (lo > hi, which clamps every value to hi, included; two infinite bounds excluded)."""
+    maximum: the float32 bounds at most ``_MAX_FREE_CLAMP`` apart (lo > hi, which clamps
+    every value to hi, included; two infinite bounds excluded)."""
     if clamp is None:
         return False
-    lo, hi = (float(numpy.float32(v)) for v in clamp)
+    lo, hi = _float32_bounds(clamp)
     return hi - lo <= _MAX_FREE_CLAMP
 
 
 def clamp_middle(clamp) -> float:
     """The exponents' reference of a softmax that :func:`skips_max`, as common.cuh's
     ``clamp_middle`` forms it: halfway between min(lo, hi) and hi."""
-    lo, hi = (float(numpy.float32(v)) for v in clamp)
+    lo, hi = _float32_bounds(clamp)
     floor = min(lo, hi)
     return floor + 0.5 * (hi - floor)
 

@@ -146,7 +146,7 @@ def test_pipeline_c(rng, layout, method, precision, clamp):
 @pytest.mark.parametrize("engine", ["cudnn", "igemm"])
 def test_pipeline_c_clamp_bounds_far_from_zero(rng, engine, bound):
     # Both bounds at one huge value: every value clamps to it, and the softmax is uniform
-    # (the implicit GEMM's epilogue forms each exponent from v - min(clamp_min, clamp_max)).
+    # (every path forms each exponent from v - clamp_middle(clamp_min, clamp_max)).
     from cufused._cudnn import plan_options
 
     arrays, opts = pipeline_c_args(rng)
