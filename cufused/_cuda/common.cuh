@@ -56,9 +56,10 @@ __device__ __forceinline__ float clamp_nan(float v, float lo, float hi) {
 
 // A statistics row's normalization moments: its float64 mean as the float32 mean plus the
 // remainder mean_lo, and rstd. mean_lo is 0 where the float32 mean is not finite, and without
-// `centered_sums`: sums that are not of the normalized values themselves (pipeline A's,
-// which skip the rounding of y + bias) give a float64 mean no closer to theirs than its
-// float32 rounding, which also rounds a constant row's inexact sums back to its value.
+// `centered_sums`: sums that are not of the normalized values themselves (pipeline A's with a
+// convolution bias, which skip the rounding of y + bias) give a float64 mean no closer to
+// theirs than its float32 rounding, which also rounds a constant row's inexact sums back to
+// its value.
 struct NormMoments {
     float mean, mean_lo, rstd;
 

@@ -282,20 +282,22 @@ struct GroupNormRow {
 // partials with shifts and counts of their own (partial_moments<true>'s):
 // one block per (n, g) row of a contiguous (N, C, HW) tensor (GroupNormRow; x may equal y)
 // reduces the row's partials, forms (mean, rstd) and each channel's ChannelAffine as
-// stats_finalize does without centered_sums (moments[row] = (mean, rstd)) and applies them:
+// stats_finalize does (moments[row] = (mean, rstd); centered_sums as there) and applies them:
 // stats_finalize and channel_affine in one pass (pipeline A's pooled extrema).
 template <int ACT, int VEC>
 __global__ void group_affine_rows(const float* x, float* y, const float* __restrict__ partial,
                                   int row_len, double count, const float* __restrict__ gamma,
                                   const float* __restrict__ beta,
                                   const float* __restrict__ scale, int C, int G, int HW,
-                                  float eps, float lo, float hi, float2* __restrict__ moments) {
+                                  float eps, int centered_sums, float lo, float hi,
+                                  float2* __restrict__ moments) {
     __shared__ double2 scratch[32];
     using Row = GroupNormRow<ACT_NONE, VEC>;
     const Row gn = Row::of_block(nullptr, nullptr, nullptr, C, G, HW);  // spans only
     const double2 mv = partial_moments<true>(partial, nullptr, blockIdx.x, 1, 0, row_len, count,
                                              scratch);
-    const NormMoments m = NormMoments::of(mv.x, (float)inverse_std(mv.y, eps), false);
+    const NormMoments m = NormMoments::of(mv.x, (float)inverse_std(mv.y, eps),
+                                          centered_sums != 0);
     if (moments && threadIdx.x == 0) moments[blockIdx.x] = make_float2(m.mean, m.rstd);
     const int len = gn.len();
     float* yr = y + Row::start(len);

@@ -6,8 +6,8 @@ Statistics are float32 sums shifted by each key's first value (0 where infinite;
 are a (3, K) float32 array (``coef_array``): entry k maps ``v`` to
 ``coef[0, k] * (v - coef[1, k]) + coef[2, k]`` (``ChannelAffine`` in common.cuh: the centered
 form ``gamma * rstd * (v - mean) + beta`` where it is finite, on the float64 mean where the
-sums are of the normalized values themselves (``centered_sums``; not pipeline A's), PyTorch's
-``a * v + b`` otherwise).
+sums are of the normalized values themselves (``centered_sums``; not pipeline A's with a
+convolution bias), PyTorch's ``a * v + b`` otherwise).
 """
 
 from __future__ import annotations
@@ -124,14 +124,16 @@ def channel_affine(x, y, coef, *, inner: int, activation: str | None = None, lo:
                numpy.int64(coef.shape[1]), numpy.float32(lo), numpy.float32(hi)))
 
 
-def group_affine_rows(x, y, partial, *, num_groups: int, count: int, eps: float, gamma, beta,
-                      scale, lo: float, hi: float, moments) -> None:
+def group_affine_rows(x, y, partial, *, num_groups: int, count: int, eps: float,
+                      centered_sums: bool, gamma, beta, scale, lo: float, hi: float,
+                      moments) -> None:
     """``y = clamp(f(x), lo, hi)`` with the GroupNorm (times ``scale``) affine ``f`` from
     partials with shifts and counts of their own (``partial`` (N, C, runs, 4): sum, sum of
     squares, shift, count as int32 bits; ``count`` values per (n, g) row):
     :func:`group_norm_coefficients` and :func:`channel_affine` in one kernel, one block per
-    row of the contiguous (N, C, H, W) ``x`` (``x`` may be ``y``). ``moments`` (N *
-    num_groups, 2; optional) receives each row's (mean, rstd)."""
+    row of the contiguous (N, C, H, W) ``x`` (``x`` may be ``y``). ``centered_sums``: as
+    :func:`group_norm_coefficients` takes it. ``moments`` (N * num_groups, 2; optional)
+    receives each row's (mean, rstd)."""
     n, c = x.shape[:2]
     rows = n * num_groups
     if x.size == 0:
@@ -145,7 +147,7 @@ def group_affine_rows(x, y, partial, *, num_groups: int, count: int, eps: float,
         (rows,), (256,),
         (x, y, partial, i32(cg * partial.shape[2]), numpy.float64(count), optional(gamma),
          optional(beta), optional(scale), i32(c), i32(num_groups), i32(hw), numpy.float32(eps),
-         numpy.float32(lo), numpy.float32(hi), optional(moments)))
+         i32(centered_sums), numpy.float32(lo), numpy.float32(hi), optional(moments)))
 
 
 def group_rows_fit_channels_last(c: int, num_groups: int, hw: int) -> bool:

@@ -82,9 +82,11 @@ def _shifted_moments(sums, shift, count: int) -> tuple[int, Any, Any]:
 def _merge_moments(*parts: tuple[int, Any, Any]) -> tuple[int, Any, Any]:
     """The parallel combination of partial ``(count, mean, M2)`` moments (Chan et al.'s,
     over all parts at once): the mean is the count-weighted sum of the parts' means over the
-    total count, which is exact where every part has the same mean (a constant channel) and
-    keeps an infinite part's infinity as the single call does (NaN where parts hold opposite
-    ones), and M2 adds to the parts' own each part's squared distance from it."""
+    total count, which is exact where every part has the same float32-valued mean (a
+    constant channel of float32 values; each product and partial sum then fits float64's
+    53 bits for totals below 2**29) and keeps an infinite part's infinity as the single call
+    does (NaN where parts hold opposite ones), and M2 adds to the parts' own each part's
+    squared distance from it."""
     counted = [part for part in parts if part[0] > 0]
     if len(counted) < 2:
         return counted[0] if counted else parts[0]

@@ -161,6 +161,11 @@ def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, gn_
         epilogue = _epilogue_applies(xp, x, weight, args, precision, k, num_groups,
                                      conv_bias is not None)
     moments = xp.empty((n * num_groups, 2), dtype=xp.float32)
+    # Both passes sum y + (bias - shift) and normalize fl(y + bias): without a bias the sums
+    # are of the normalized values, and the affine centers on their float64 mean; with one
+    # they skip the rounding of y + bias, and the float32 mean rounds a constant row back to
+    # its value.
+    centered_sums = conv_bias is None
     if epilogue:
         # Both kernels that read x and w index them as contiguous NCHW and OIHW.
         x, weight = xp.ascontiguousarray(x), xp.ascontiguousarray(weight)
@@ -170,8 +175,8 @@ def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, gn_
             sign_a=gn_weight, sign_b=scale, stride=args.stride, padding=args.padding,
             dilation=args.dilation, pool=k, passes=mma_passes(precision))
         group_affine_rows(out, out, partial, num_groups=num_groups, count=cg * h * w, eps=eps,
-                          gamma=gn_weight, beta=gn_bias, scale=scale, lo=lo, hi=hi,
-                          moments=moments)
+                          centered_sums=centered_sums, gamma=gn_weight, beta=gn_bias,
+                          scale=scale, lo=lo, hi=hi, moments=moments)
     else:
         y, _ = conv_on_gpu(x, weight, args, precision, convert_output=False)
         # A non-finite weight's NaNs by the definition, as the public conv2d places them.
@@ -188,7 +193,7 @@ def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, gn_
         coef = coef_array(xp, n * c)
         group_norm_coefficients(partial, shift, coef, rows=n * num_groups,
                                 row_len=cg * splits, count=cg * h * w, channels=c,
-                                num_groups=num_groups, eps=eps, centered_sums=False,
+                                num_groups=num_groups, eps=eps, centered_sums=centered_sums,
                                 gamma=gn_weight, beta=gn_bias, scale=scale, moments=moments)
         if ext is out:
             channel_affine(out, out, coef, inner=out.shape[2] * out.shape[3],

@@ -234,23 +234,59 @@ def test_pipelines_of_zero_weights_give_the_bias(rng, route):
     assert np.array_equal(out.get(), np.broadcast_to(np.float32(gb)[:, None, None], ref.shape))
 
 
+@pytest.mark.parametrize("route", list(ZERO_WEIGHT_ROUTES))
+def test_pipeline_a_without_a_bias_centers_on_the_float64_mean(rng, monkeypatch, route):
+    # A 1 x 1 convolution that copies each channel of integers in [1024, 1032), exact on
+    # every precision and engine, spread 2.3 around 1028: without a convolution bias the
+    # sums are of the normalized values, and each route centers on their float64 mean (the
+    # float32 mean's rounding alone would leave some 1.5e-5 relative error).
+    from cufused._cudnn import plan_options
+    from cufused.pipelines import pipeline_a
+
+    method, precision, plans = ZERO_WEIGHT_ROUTES[route]
+    epilogue = count_calls(monkeypatch, pipeline_a, "group_affine_rows")
+    c = 32
+    x = rng.integers(1024, 1032, (2, c, 12, 10)).astype(np.float64)
+    w = np.eye(c).reshape(c, c, 1, 1)
+    arrays = (x, w, None, mixed(rng, c), rng.standard_normal(c),
+              mixed(rng, c).reshape(c, 1, 1))
+    opts = dict(num_groups=4, pool_kernel=2, clamp_min=-10.0, clamp_max=10.0)
+    ref = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts)
+    out = poisoned(ref.shape)
+    with plan_options(**plans):
+        cufused.conv2d_groupnorm_scale_maxpool_clamp(*to_gpu(*arrays), **opts, method=method,
+                                                     precision=precision, out=out)
+    assert_close(out.get(), ref, 1e-6)
+    assert len(epilogue) == route.startswith("igemm")
+
+
 def test_pipeline_b_chunk_pre_map_of_constant_channels(rng):
-    # cufused.dask's phase 3 (_chunk_normalized) on pooled extrema that include the
-    # convolution bias: a channel constant at its batch mean, far from zero, maps to
-    # tanh(bn_bias) = 0 exactly, and the all-zero GroupNorm groups give exactly gn_bias.
+    # cufused.dask's phase 3 (_chunk_normalized) on pooled extrema constant at their float32
+    # level, with a float64 batch mean a quarter ulp above it. Sums that include the
+    # convolution bias (centered_sums False) center on the float32 mean, the level: each
+    # channel maps to tanh(bn_bias) = 0 exactly, and the all-zero GroupNorm groups give
+    # exactly gn_bias. Sums of the pooled values themselves center on the float64 mean: each
+    # channel maps to tanh(-a * ulp / 4), and GroupNorm spreads those.
     from cufused.pipelines.pipeline_b import _chunk_normalized
 
     shape = (3, 8, 5, 4)
-    pooled = cp.asarray(np.ascontiguousarray(
-        np.broadcast_to(CONSTANT_LEVELS[:, None, None], shape)))
-    gw, gb = mixed(rng, 8), rng.standard_normal(8)
-    for centered_sums in (False, True):
-        got = _chunk_normalized(pooled, cp.asarray(CONSTANT_LEVELS),
-                                cp.full(8, 0.25, dtype=cp.float32),
-                                *to_gpu(mixed(rng, 8), np.zeros(8), gw, gb), num_groups=2,
-                                eps=1e-5, centered_sums=centered_sums)
-        assert np.array_equal(got.get(),
-                              np.broadcast_to(np.float32(gb)[:, None, None], shape))
+    pooled = np.ascontiguousarray(np.broadcast_to(CONSTANT_LEVELS[:, None, None], shape))
+    mean = CONSTANT_LEVELS.astype(np.float64) + np.spacing(CONSTANT_LEVELS) / 4
+    bw, gw, gb = mixed(rng, 8), mixed(rng, 8), rng.standard_normal(8)
+    var, eps = 0.25, 1e-5
+    pre = np.tanh(bw * (CONSTANT_LEVELS - mean) / np.sqrt(var + eps))
+    want = {False: np.broadcast_to(np.float32(gb)[:, None, None], shape),
+            True: cufused.group_norm(np.broadcast_to(pre[:, None, None], shape), 2, gw, gb,
+                                     eps=eps)}
+    for centered_sums, expected in want.items():
+        got = _chunk_normalized(cp.asarray(pooled), cp.asarray(mean),
+                                cp.full(8, var, dtype=cp.float32),
+                                *to_gpu(bw, np.zeros(8), gw, gb), num_groups=2, eps=eps,
+                                centered_sums=centered_sums)
+        if centered_sums:
+            assert_close(got.get(), expected, 1e-5)
+        else:
+            assert np.array_equal(got.get(), expected)
 
 
 def test_pipeline_b_odd_group_rows(rng, layout):

@@ -184,6 +184,12 @@ def launches(monkeypatch):
     return recorded
 
 
+def argument(launch: Launch, name: str):
+    """The value ``launch`` passes for the kernel parameter called ``name``."""
+    params = SIGNATURES[launch.filename][launch.name.split("<")[0]]
+    return launch.args[[pname for _, pname in params].index(name)]
+
+
 def check_launch(launch: Launch) -> None:
     assert launch.name in KERNELS[launch.filename], launch.name
     params = SIGNATURES[launch.filename][launch.name.split("<")[0]]
@@ -266,25 +272,34 @@ def test_normalization_launchers(launches):
                                                     outer_stride=128, key_stride=16, inner=16)
     assert partial.shape == (8, splits, 2) and shift.shape == (8,)
     assert launches[-1].grid == (8 * splits,)
-    norm.group_norm_coefficients(Dev((4, 3, 2)), Dev((4,)), Dev((3, 8)), rows=4,
-                                 row_len=3, count=48, channels=4, num_groups=2, eps=1e-5,
-                                 centered_sums=False, gamma=Dev((4,)), scale=Dev((4,)),
-                                 moments=Dev((4, 2)))
+    for centered_sums in (False, True):
+        norm.group_norm_coefficients(Dev((4, 3, 2)), Dev((4,)), Dev((3, 8)), rows=4,
+                                     row_len=3, count=48, channels=4, num_groups=2, eps=1e-5,
+                                     centered_sums=centered_sums, gamma=Dev((4,)),
+                                     scale=Dev((4,)), moments=Dev((4, 2)))
+        assert argument(launches[-1], "centered_sums") == centered_sums
     # Pipeline A's statistics from partials of their own shifts, and the affine: 16-byte
     # vectors where a row's values allow them (4 channels x 9), else scalars (3 x 9).
-    for shape, vec in (((2, 8, 3, 3), 4), ((2, 6, 3, 3), 1)):
+    for shape, vec, centered_sums in (((2, 8, 3, 3), 4, False), ((2, 6, 3, 3), 1, True)):
         norm.group_affine_rows(Dev(shape), Dev(shape), Dev((2, shape[1], 5, 4)), num_groups=2,
-                               count=100, eps=1e-5, gamma=Dev((shape[1],)), beta=None,
-                               scale=None, lo=0.0, hi=1.0, moments=Dev((4, 2)))
+                               count=100, eps=1e-5, centered_sums=centered_sums,
+                               gamma=Dev((shape[1],)), beta=None, scale=None, lo=0.0, hi=1.0,
+                               moments=Dev((4, 2)))
         assert launches[-1].name == f"group_affine_rows<ACT_CLAMP, {vec}>"
         assert launches[-1].grid == (4,)
+        assert argument(launches[-1], "centered_sums") == centered_sums
     for training in (True, False):
+        # In inference, a float64 mean's float32 remainder (cufused.dask's statistics).
+        mean_lo = None if training else Dev((4,))
         norm.batch_norm_coefficients(
             Dev((2, 4, 3, 2)) if training else None, Dev((4,)) if training else None,
             Dev((3, 4)), n_outer=2 if training else 0, outer_stride=12 if training else 0,
             row_len=3 if training else 1, count=50, channels=4, eps=1e-5, training=training,
             gamma=Dev((4,)), beta=None, running_mean=Dev((4,)), running_var=Dev((4,)),
-            mean_offset=None, momentum=0.1, moments=Dev((4, 2)))
+            mean_offset=None, momentum=0.1, moments=Dev((4, 2)), running_mean_lo=mean_lo)
+        assert argument(launches[-1], "centered_sums") == 1
+        lo_arg = argument(launches[-1], "running_mean_lo")
+        assert lo_arg is mean_lo if mean_lo is not None else lo_arg == 0
     for activation in (None, "tanh", "clamp"):
         for shape in ((2, 4, 4, 4), (2, 3, 3, 3)):  # 16-byte vectors, scalars
             norm.channel_affine(Dev(shape), Dev(shape), Dev((3, 8)), inner=16,
@@ -316,9 +331,72 @@ def test_normalization_launchers(launches):
     assert [launch.args[1].data.ptr for launch in parts] == [y.data.ptr, y.data.ptr + step]
     check_all(launches, "normalization.cu")
     finalize = [launch for launch in launches if launch.name.startswith("stats_finalize")]
-    training = [int(launch.args[14]) for launch in finalize]  # int training
-    assert training == [1, 1, 0]
-    assert [launch.grid for launch in finalize] == [(4,), (4,), (4,)]
+    training = [int(argument(launch, "training")) for launch in finalize]
+    assert training == [1, 1, 1, 0]
+    assert [launch.grid for launch in finalize] == [(4,)] * 4
+
+
+@pytest.mark.parametrize("epilogue", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_pipeline_a_centers_where_its_sums_are_of_the_normalized_values(
+        launches, monkeypatch, epilogue, with_bias):
+    # Both of pipeline A's fused routes sum y + (bias - shift) and normalize fl(y + bias):
+    # the float64 mean only without a convolution bias, or a constant row whose bias rounds y
+    # away normalizes to beta - a * mean_lo instead of exactly beta.
+    from cufused._ops._conv_args import cached_conv_args
+    from cufused.pipelines import pipeline_a
+
+    n, cin, c, h, w, k = 2, 3, 8, 10, 10, 2
+    args = cached_conv_args((n, cin, h, w), (c, cin, 3, 3), 2, transposed=False, stride=1,
+                            padding=1, dilation=1, groups=1)
+    monkeypatch.setattr(pipeline_a, "conv_on_gpu",
+                        lambda x, weight, args, precision, convert_output: (
+                            Dev(args.out_shape), None))
+    monkeypatch.setattr(pipeline_a, "conv_nonfinite_weight_rows", lambda *a, **kw: None)
+    monkeypatch.setattr(LAUNCHERS["conv_gemm.cu"], "sm_count", lambda: 132)
+    pipeline_a._fused(FakeXp, Dev((n, cin, h, w)), Dev((c, cin, 3, 3)), args, "tf32",
+                      Dev((n, c, h // k, w // k)), k=k, num_groups=2,
+                      conv_bias=Dev((c,)) if with_bias else None, gn_weight=Dev((c,)),
+                      gn_bias=Dev((c,)), scale=Dev((c,)), eps=1e-5, lo=0.0, hi=1.0,
+                      epilogue=epilogue)
+    for launch in launches:
+        check_launch(launch)
+    (stats,) = [launch for launch in launches
+                if launch.name.startswith(("stats_finalize", "group_affine_rows"))]
+    assert stats.name.startswith("group_affine_rows" if epilogue else "stats_finalize")
+    assert argument(stats, "centered_sums") == (not with_bias)
+
+
+def test_pipeline_b_statistics_center_on_the_float64_mean(launches, monkeypatch):
+    # The single call's fused pass sums y (mean_offset carries the bias) and normalizes y;
+    # cufused.dask's phase 1 sums y + (bias - shift) with a bias, so its phase 3 centers on
+    # the float64 mean only without one.
+    from cufused._ops._conv_args import cached_conv_args
+    from cufused.dask._pipelines import _phases
+    from cufused.pipelines import pipeline_b
+
+    n, cin, c, h, w = 2, 3, 8, 8, 8
+    args = cached_conv_args((n, cin, h, w), (cin, c, 3, 3), 2, transposed=True, stride=1,
+                            padding=1, output_padding=0, groups=1)
+    monkeypatch.setattr(pipeline_b, "conv_on_gpu",
+                        lambda x, weight, args, precision, convert_output: (
+                            Dev(args.out_shape), None))
+    oh, ow = args.out_shape[2:]
+    pipeline_b._fused(FakeXp, Dev((n, cin, h, w)), Dev((cin, c, 3, 3)), args, "ieee",
+                      Dev((n, c, oh // 2, ow // 2)), k=2, num_groups=2, conv_bias=Dev((c,)),
+                      bn_weight=Dev((c,)), bn_bias=Dev((c,)), gn_weight=Dev((c,)),
+                      gn_bias=Dev((c,)), running_mean=Dev((c,)), running_var=Dev((c,)),
+                      momentum=0.1, eps=1e-5)
+    (finalize,) = [launch for launch in launches if launch.name.startswith("stats_finalize")]
+    check_launch(finalize)
+    assert argument(finalize, "training") == 1 and argument(finalize, "centered_sums") == 1
+    for conv_bias in (None, np.zeros(4, np.float32)):
+        # Any array module but NumPy takes the single call's kernels.
+        phase3 = _phases(FakeXp, np.ones((3, 4, 3, 3), np.float32), conv_bias, None,
+                         conv_shape=(1, 4, 8, 8), pool=2, num_groups=2, eps=1e-5,
+                         dtype=np.float32, precision="ieee", stride=1, padding=0,
+                         output_padding=0, groups=1)[2]
+        assert phase3.keywords["centered_sums"] is (conv_bias is None)
 
 
 def test_pooling_launchers(launches):
