@@ -236,10 +236,10 @@ def test_pipelines_of_zero_weights_give_the_bias(rng, route):
 
 @pytest.mark.parametrize("route", list(ZERO_WEIGHT_ROUTES))
 def test_pipeline_a_without_a_bias_centers_on_the_float64_mean(rng, monkeypatch, route):
-    # A 1 x 1 convolution that copies each channel of integers in [1024, 1032), exact on
-    # every precision and engine, spread 2.3 around 1028: without a convolution bias the
-    # sums are of the normalized values, and each route centers on their float64 mean (the
-    # float32 mean's rounding alone would leave some 1.5e-5 relative error).
+    # A 1 x 1 convolution that copies each channel of integers in [1024, 1032) (exact in
+    # TF32, 3xTF32 and a GEMM), spread 2.3 around 1028: without a convolution bias the sums
+    # are of the normalized values, and each route centers on their float64 mean (the
+    # float32 mean's rounding alone would leave about 1e-5 relative error).
     from cufused._cudnn import plan_options
     from cufused.pipelines import pipeline_a
 
@@ -258,11 +258,22 @@ def test_pipeline_a_without_a_bias_centers_on_the_float64_mean(rng, monkeypatch,
                                                      precision=precision, out=out)
     assert_close(out.get(), ref, 1e-6)
     assert len(epilogue) == route.startswith("igemm")
+    # Groups constant at levels far from zero: their float64 mean is their value, and each
+    # gives exactly gn_bias * scale.
+    x = np.broadcast_to(np.repeat(CONSTANT_LEVELS[:4], 8)[:, None, None], x.shape)
+    arrays = (x,) + arrays[1:]
+    want = np.clip(np.float32(arrays[4])[:, None, None] * np.float32(arrays[5]),
+                   np.float32(-10.0), np.float32(10.0))
+    out = poisoned(ref.shape)
+    with plan_options(**plans):
+        cufused.conv2d_groupnorm_scale_maxpool_clamp(*to_gpu(*arrays), **opts, method=method,
+                                                     precision=precision, out=out)
+    assert np.array_equal(out.get(), np.broadcast_to(want, ref.shape))
 
 
 def test_pipeline_b_chunk_pre_map_of_constant_channels(rng):
     # cufused.dask's phase 3 (_chunk_normalized) on pooled extrema constant at their float32
-    # level, with a float64 batch mean a quarter ulp above it. Sums that include the
+    # level, with a float64 batch mean a quarter ulp away from it. Sums that include the
     # convolution bias (centered_sums False) center on the float32 mean, the level: each
     # channel maps to tanh(bn_bias) = 0 exactly, and the all-zero GroupNorm groups give
     # exactly gn_bias. Sums of the pooled values themselves center on the float64 mean: each

@@ -187,6 +187,7 @@ def launches(monkeypatch):
 def argument(launch: Launch, name: str):
     """The value ``launch`` passes for the kernel parameter called ``name``."""
     params = SIGNATURES[launch.filename][launch.name.split("<")[0]]
+    assert len(launch.args) == len(params), (launch.name, len(launch.args), len(params))
     return launch.args[[pname for _, pname in params].index(name)]
 
 
