@@ -170,6 +170,20 @@ __device__ __forceinline__ float activate(float v, float lo, float hi) {
     return v;
 }
 
+// Maps the VEC lanes of a vector that spans two channels (VEC = 4 vectors of a row or tensor
+// of planes of at least VEC values): lane k to apply(affine_of(0), value) while k < left (the
+// first channel's values), to apply(affine_of(1), value) after; the second channel's affine
+// is built only where the vector reaches it.
+template <int VEC, class AffineOf, class Apply>
+__device__ __forceinline__ void map_two_channels(float4& v, int left, AffineOf affine_of,
+                                                 Apply apply) {
+    const ChannelAffine first = affine_of(0);
+    const ChannelAffine second = left < VEC ? affine_of(1) : first;
+    float* t = &v.x;
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) t[k] = apply(k < left ? first : second, t[k]);
+}
+
 // y = act(f_k(x)) over a contiguous tensor of planes of `inner` values, f_k the ChannelAffine
 // of entry k = plane % n_coef in coef (rows of n_coef entries), visited flat as vectors of VEC
 // values (VEC = 4: 16-byte accesses; needs size % 4 == 0, inner >= 4 and 16-byte aligned x, y,
@@ -190,11 +204,10 @@ __global__ void channel_affine(const float* x, float* y, const float* __restrict
         const index_t left = (plane + 1) * inner - e;  // values of this plane from e on
         const index_t k0 = plane % n_coef;  // n_coef = N * C may pass 2**31
         const index_t k1 = k0 + 1 == n_coef ? 0 : k0 + 1;
-        const ChannelAffine f0 = ChannelAffine::load(coef, n_coef, k0);
-        const ChannelAffine f1 = left < VEC ? ChannelAffine::load(coef, n_coef, k1) : f0;
-        float* t = &v.x;
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) t[j] = activate<ACT>((j < left ? f0 : f1)(t[j]), lo, hi);
+        map_two_channels<VEC>(
+            v, (int)(left < VEC ? left : VEC),
+            [&](int second) { return ChannelAffine::load(coef, n_coef, second ? k1 : k0); },
+            [&](const ChannelAffine& f, float t) { return activate<ACT>(f(t), lo, hi); });
         store_vec<VEC>(y, i, v);
     });
 }
@@ -252,11 +265,8 @@ struct GroupNormRow {
 
     __device__ void map_pre(float4& v, Span s) const {
         if (PRE != ACT_TANH) return;
-        const ChannelAffine first = pre_affine(s.c);
-        const ChannelAffine second = s.left < VEC ? pre_affine(s.c + 1) : first;
-#pragma unroll
-        for (int k = 0; k < VEC; ++k)
-            lane(v, k) = pre_value(k >= s.left ? second : first, lane(v, k));
+        map_two_channels<VEC>(v, s.left, [&](int second) { return pre_affine(s.c + second); },
+                              [](const ChannelAffine& f, float t) { return pre_value(f, t); });
     }
 
     // y row = ChannelAffine of moments m (value) from src (the cached, already mapped row,
@@ -267,12 +277,12 @@ struct GroupNormRow {
                                 [&](int q, float4& v) {
             const Span s = span(q);
             if (!mapped) map_pre(v, s);
-            const ChannelAffine first = channel_affine_of(gamma, beta, nullptr, s.c, m);
-            const ChannelAffine second = s.left < VEC
-                ? channel_affine_of(gamma, beta, nullptr, s.c + 1, m) : first;
-#pragma unroll
-            for (int k = 0; k < VEC; ++k)
-                lane(v, k) = k >= s.left ? second(lane(v, k)) : first(lane(v, k));
+            map_two_channels<VEC>(
+                v, s.left,
+                [&](int second) {
+                    return channel_affine_of(gamma, beta, nullptr, s.c + second, m);
+                },
+                [](const ChannelAffine& f, float t) { return f(t); });
             store_vec<VEC>(yr, q, v);
         });
     }
@@ -304,14 +314,10 @@ __global__ void group_affine_rows(const float* x, float* y, const float* __restr
     for_each_vector<VEC, 4>(x + Row::start(len), (int)threadIdx.x, gn.n_vec, (int)blockDim.x,
                             [&](int q, float4& v) {
         const typename Row::Span s = gn.span(q);
-        const ChannelAffine first = channel_affine_of(gamma, beta, scale, s.c, m);
-        const ChannelAffine second = s.left < VEC
-            ? channel_affine_of(gamma, beta, scale, s.c + 1, m) : first;
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-            const ChannelAffine& f = k >= s.left ? second : first;
-            Row::lane(v, k) = activate<ACT>(f(Row::lane(v, k)), lo, hi);
-        }
+        map_two_channels<VEC>(
+            v, s.left,
+            [&](int second) { return channel_affine_of(gamma, beta, scale, s.c + second, m); },
+            [&](const ChannelAffine& f, float t) { return activate<ACT>(f(t), lo, hi); });
         store_vec<VEC>(yr, q, v);
     });
 }
