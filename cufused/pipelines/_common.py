@@ -4,13 +4,16 @@ half and the end of their docstrings."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import numpy
 
 from .._arrays import check_choice, check_scalar, insert_sections, ntuple
 from .._call_graphs import replayed
 from .._cuda import MAX_GRID_X
+from .._ops.convolution import fastest, settled_engine
 from .._ops.pooling import check_pool_args
 
 METHODS = ("fused", "unfused")
@@ -95,3 +98,23 @@ def check_pipeline_pool(pool_kernel, size: tuple[int, ...], *, name: str = "x",
                                       unpadded_window=unpadded_window,
                                       kernel_name="pool_kernel")
     return k[0], pooled
+
+
+def runs_on_igemm(xp, key: tuple, x_shape: tuple[int, ...], w_shape: tuple[int, ...],
+                  out_shape: tuple[int, ...], path_of: Callable[..., Callable[[bool], Any]]
+                  ) -> bool:
+    """Whether the pipeline problem ``key`` runs on cufused's implicit GEMM: the engine that
+    the settings force, else the faster (measured once per device and key,
+    :func:`~cufused._ops.convolution.settled_engine`) of ``path(True)`` (its fused path on
+    the implicit GEMM) and ``path(False)`` (on the convolution that the autotuner picks for
+    it alone), ``path = path_of(x, weight, out)`` on random float32 operands of these
+    shapes."""
+
+    def measure() -> str:
+        rng = xp.random.default_rng(0)
+        x = rng.random(x_shape, dtype=xp.float32)
+        weight = rng.standard_normal(w_shape, dtype=xp.float32)
+        path = path_of(x, weight, xp.empty(out_shape, dtype=xp.float32))
+        return fastest({"cudnn": partial(path, False), "igemm": partial(path, True)})
+
+    return settled_engine(key, measure) == "igemm"

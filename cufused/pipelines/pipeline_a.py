@@ -10,7 +10,6 @@ clamp.
 from __future__ import annotations
 
 import numbers
-from functools import partial
 from typing import Any
 
 import numpy
@@ -30,12 +29,12 @@ from .._kernels.pooling import (fused_pass_variant, pool_affine_nonfinite,
                                 stores_ext_channels_last)
 from .._layout import empty_in_layout
 from .._ops._conv_args import cached_conv_args, check_conv_memory
-from .._ops.convolution import conv2d, conv_on_gpu, fastest, settled_engine
+from .._ops.convolution import conv2d, conv_on_gpu
 from .._ops.normalization import check_group_values, check_num_groups, group_norm
 from .._ops.pooling import max_pool2d
 from .._precision import mma_passes, resolve_precision
 from ._common import (check_method, check_pipeline_pool, clamp_bounds, gpu_method, gpu_path,
-                      ones_if_none, shared_doc_sections)
+                      ones_if_none, runs_on_igemm, shared_doc_sections)
 
 
 @warm_calls
@@ -214,33 +213,22 @@ def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, gn_
 def _epilogue_applies(xp, x, weight, args, precision, k, num_groups, bias: bool) -> bool:
     """Whether the convolution runs with the pass as its epilogue (conv2d_pool_stats): a
     tensor-core precision, 2 x 2 or 4 x 4 windows, a halo that fits, and cufused's implicit
-    GEMM forced or this path measured faster than the convolution with the pass after it
-    (:func:`_faster_path`, once per problem)."""
+    GEMM forced or the whole fused call measured faster with the pass in the convolution's
+    epilogue than after the convolution (:func:`~._common.runs_on_igemm`, once per
+    problem)."""
     if not (precision != "ieee" and k in (2, 4) and channel_tiles_fit(args.out_shape[1])
             and halo_geometry(x.shape[1], weight.shape[2:], args.stride, args.dilation,
                               mma_passes(precision), pool=k) is not None):
         return False
+
+    def path_of(random_x, random_weight, out):
+        c = args.out_shape[1]
+        ones, zeros = xp.ones(c, dtype=xp.float32), xp.zeros(c, dtype=xp.float32)
+        return lambda epilogue: _fused(
+            xp, random_x, random_weight, args, precision, out, k=k, num_groups=num_groups,
+            conv_bias=zeros if bias else None, gn_weight=ones, gn_bias=zeros, scale=ones,
+            eps=1e-5, lo=0.0, hi=1.0, epilogue=epilogue)
+
     key = ("conv2d_pool_stats", x.shape, weight.shape, args, precision, k, num_groups, bias)
-    return settled_engine(key, lambda: _faster_path(xp, x.shape, weight.shape, args,
-                                                    precision, k, num_groups, bias)) == "igemm"
-
-
-def _faster_path(xp, x_shape, w_shape, args, precision, k, num_groups, bias: bool) -> str:
-    """"igemm" where :func:`_fused` on random operands of these shapes runs faster with the
-    pass in the convolution's epilogue than after the convolution (on the engine that the
-    autotuner picks for it alone), else "cudnn"."""
-    rng = xp.random.default_rng(0)
-    c = args.out_shape[1]
-    x = rng.random(x_shape, dtype=xp.float32)
-    weight = rng.standard_normal(w_shape, dtype=xp.float32)
-    ones, zeros = xp.ones(c, dtype=xp.float32), xp.zeros(c, dtype=xp.float32)
-    out = xp.empty(args.out_shape[:2] + tuple(s // k for s in args.out_shape[2:]),
-                   dtype=xp.float32)
-
-    def path(epilogue: bool):
-        return partial(_fused, xp, x, weight, args, precision, out, k=k,
-                       num_groups=num_groups, conv_bias=zeros if bias else None,
-                       gn_weight=ones, gn_bias=zeros, scale=ones, eps=1e-5, lo=0.0, hi=1.0,
-                       epilogue=epilogue)
-
-    return fastest({"cudnn": path(False), "igemm": path(True)})
+    pooled = args.out_shape[:2] + tuple(s // k for s in args.out_shape[2:])
+    return runs_on_igemm(xp, key, x.shape, weight.shape, pooled, path_of)

@@ -225,9 +225,10 @@ def _chunk_normalized(pooled, mean, var, bn_weight, bn_bias, gn_weight, gn_bias,
     skip the rounding of y + bias, and the float32 mean is as close. Returns a new array."""
     xp = get_array_module(x=pooled)
     c = pooled.shape[1]
-    head, remainder = split_mean(xp, mean)
-    if not centered_sums:
-        remainder = None
+    if centered_sums:
+        head, remainder = split_mean(xp, mean)
+    else:
+        head, remainder = xp.asarray(mean, dtype=xp.float32), None
     coef = bn_coefficients(xp, pooled, per_channel(bn_weight, c, xp),
                            per_channel(bn_bias, c, xp), head, xp.asarray(var, dtype=xp.float32),
                            False, 0.0, eps, running_mean_lo=remainder)

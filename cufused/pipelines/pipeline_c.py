@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import numbers
-from functools import partial
 from typing import Any
 
 import numpy
@@ -29,13 +28,12 @@ from .._kernels.pooling import pool_into
 from .._kernels.softmax import softmax_finalize, softmax_rows, softmax_rows_nonfinite_weight
 from .._layout import empty_in_layout
 from .._ops._conv_args import cached_conv_args, check_conv_memory
-from .._ops.convolution import (conv_on_gpu, conv_transpose3d, fastest, gpu_conv_plan,
-                                settled_engine)
+from .._ops.convolution import conv_on_gpu, conv_transpose3d, gpu_conv_plan
 from .._ops.pooling import avg_pool3d
 from .._ops.softmax import softmax
 from .._precision import mma_passes, resolve_precision
 from ._common import (check_method, check_pipeline_pool, clamp_bounds, gpu_path, ones_if_none,
-                      shared_doc_sections)
+                      runs_on_igemm, shared_doc_sections)
 
 
 @warm_calls
@@ -206,32 +204,21 @@ def _recompute_applies(x, weight, args, precision, k, pooled_shape, bias: bool, 
                        hi) -> bool:
     """Whether :func:`_fused` runs on cufused's implicit GEMM (``conv_transpose3d_s2k3``): a
     tensor-core precision, a problem that its kernels take, and the implicit GEMM forced or
-    this path measured faster than cuDNN's (:func:`_faster_path`, once per problem)."""
+    this path measured faster than cuDNN's (:func:`~._common.runs_on_igemm`, once per
+    problem)."""
     if precision == "ieee" or not transposed_s2k3_takes(
             pooled_shape[1], weight.shape[2:], args.stride, args.padding, args.output_padding,
             args.dilation, args.groups, args.out_shape, (lo, hi)):
         return False
+    xp = get_array_module(x=x)
+
+    def path_of(random_x, random_weight, out):
+        c = args.out_shape[1]
+        conv_bias = xp.zeros(c, dtype=xp.float32) if bias else None
+        scale = xp.ones(c, dtype=xp.float32)
+        return lambda recompute: _fused(
+            xp, random_x, random_weight, args, precision, out, k=k, pooled_shape=pooled_shape,
+            conv_bias=conv_bias, scale=scale, lo=0.0, hi=1.0, recompute=recompute)
+
     key = ("conv_transpose3d_s2k3", x.shape, weight.shape, args, precision, k, bias)
-    return settled_engine(key, lambda: _faster_path(x.shape, weight.shape, args, precision, k,
-                                                    pooled_shape, bias)) == "igemm"
-
-
-def _faster_path(x_shape, w_shape, args, precision, k, pooled_shape, bias: bool) -> str:
-    """"igemm" where :func:`_fused` on random operands of these shapes runs faster on
-    cufused's implicit GEMM than on cuDNN, else "cudnn"."""
-    import cupy
-
-    rng = cupy.random.default_rng(0)
-    c = args.out_shape[1]
-    x = rng.random(x_shape, dtype=cupy.float32)
-    weight = rng.standard_normal(w_shape, dtype=cupy.float32)
-    out = cupy.empty(args.out_shape, dtype=cupy.float32)
-
-    def path(recompute: bool):
-        return partial(_fused, cupy, x, weight, args, precision, out, k=k,
-                       pooled_shape=pooled_shape,
-                       conv_bias=cupy.zeros(c, dtype=cupy.float32) if bias else None,
-                       scale=cupy.ones(c, dtype=cupy.float32), lo=0.0, hi=1.0,
-                       recompute=recompute)
-
-    return fastest({"cudnn": path(False), "igemm": path(True)})
+    return runs_on_igemm(xp, key, x.shape, weight.shape, args.out_shape, path_of)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import cufused
+import cufused.pipelines._common as pipelines_common
 import cufused.pipelines.pipeline_c as c_module
 from cufused._cudnn import plan_options
 from cufused._kernels._common import clamp_middle
@@ -173,8 +174,8 @@ def test_the_autotuner_without_memory_for_its_operands(rng, monkeypatch):
     def out_of_memory(*args, **kwargs):
         raise cp.cuda.memory.OutOfMemoryError(1 << 40, 0)
 
-    monkeypatch.setattr(c_module, "_faster_path", out_of_memory)
-    measured = count_calls(monkeypatch, c_module, "_faster_path")
+    monkeypatch.setattr(pipelines_common, "fastest", out_of_memory)
+    measured = count_calls(monkeypatch, pipelines_common, "fastest")
     calls = count_calls(monkeypatch, c_module, "conv_transpose3d_softmax")
     x, w, scale, cb = _arrays(rng, (2, 8, 8, 12, 14), 10)
     ref = pipeline_c(x, w, scale, **_opts(1, 2), conv_bias=cb)
@@ -184,4 +185,4 @@ def test_the_autotuner_without_memory_for_its_operands(rng, monkeypatch):
             out = poisoned(ref.shape)
             pipeline_c(*args[:3], **_opts(1, 2), conv_bias=args[3], precision="tf32", out=out)
             assert rel_err(out.get(), ref) < TOL["tf32"]
-    assert measured == ["_faster_path"] and not calls
+    assert measured == ["fastest"] and not calls
