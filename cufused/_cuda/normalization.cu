@@ -170,12 +170,13 @@ __device__ __forceinline__ float activate(float v, float lo, float hi) {
     return v;
 }
 
-// Maps the VEC lanes of a vector that spans two channels (VEC = 4 vectors of a row or tensor
-// of planes of at least VEC values): lane k to apply(affine_of(0), value) while k < left (the
-// first channel's values), to apply(affine_of(1), value) after; the second channel's affine
-// is built only where the vector reaches it.
-template <int VEC, class AffineOf, class Apply>
-__device__ __forceinline__ void map_two_channels(float4& v, int left, AffineOf affine_of,
+// Maps the VEC lanes of a vector whose values belong to at most two channels (a VEC-wide
+// vector of a row, or of a tensor of planes of at least VEC values): lane k to
+// apply(affine_of(0), value) while k < left (the first channel's values), to
+// apply(affine_of(1), value) after; the second channel's affine is built only where the
+// vector reaches it.
+template <int VEC, class Left, class AffineOf, class Apply>
+__device__ __forceinline__ void map_two_channels(float4& v, Left left, AffineOf affine_of,
                                                  Apply apply) {
     const ChannelAffine first = affine_of(0);
     const ChannelAffine second = left < VEC ? affine_of(1) : first;
@@ -205,7 +206,7 @@ __global__ void channel_affine(const float* x, float* y, const float* __restrict
         const index_t k0 = plane % n_coef;  // n_coef = N * C may pass 2**31
         const index_t k1 = k0 + 1 == n_coef ? 0 : k0 + 1;
         map_two_channels<VEC>(
-            v, (int)(left < VEC ? left : VEC),
+            v, left,
             [&](int second) { return ChannelAffine::load(coef, n_coef, second ? k1 : k0); },
             [&](const ChannelAffine& f, float t) { return activate<ACT>(f(t), lo, hi); });
         store_vec<VEC>(y, i, v);

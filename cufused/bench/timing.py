@@ -295,7 +295,7 @@ def conv_engine(case: Case, gpu: dict, precision: str) -> str:
         pooled = x.shape[:2] + tuple(s // k for s in x.shape[2:])
         args = cached_conv_args(pooled, w.shape, 3, transposed=True, stride=o["stride"],
                                 padding=o["padding"], output_padding=o["output_padding"])
-        recompute = pipeline_c._recompute_applies(x, w, args, precision, k, pooled,
+        recompute = pipeline_c._recompute_applies(cupy, x, w, args, precision, k, pooled,
                                                   "conv_bias" in gpu, o["clamp_min"],
                                                   o["clamp_max"])
         return "epilogue" if recompute else "cudnn"  # else: a cuDNN plan (gpu_conv_plan)

@@ -150,7 +150,7 @@ def _fused(xp, x, weight, args, precision, out, *, k, pooled_shape, conv_bias, s
     :func:`_recompute_applies`), the convolution runs twice, the softmax sums in its first
     pass's epilogue and the result written by its second."""
     if recompute is None:
-        recompute = _recompute_applies(x, weight, args, precision, k, pooled_shape,
+        recompute = _recompute_applies(xp, x, weight, args, precision, k, pooled_shape,
                                        conv_bias is not None, lo, hi)
     if recompute:
         return _fused_recompute(xp, x, weight, args, precision, out, k=k,
@@ -200,7 +200,7 @@ def _fused_recompute(xp, x, weight, args, precision, out, *, k, pooled_shape, co
                                   scale=scale, lo=lo, hi=hi)
 
 
-def _recompute_applies(x, weight, args, precision, k, pooled_shape, bias: bool, lo,
+def _recompute_applies(xp, x, weight, args, precision, k, pooled_shape, bias: bool, lo,
                        hi) -> bool:
     """Whether :func:`_fused` runs on cufused's implicit GEMM (``conv_transpose3d_s2k3``): a
     tensor-core precision, a problem that its kernels take, and the implicit GEMM forced or
@@ -210,7 +210,6 @@ def _recompute_applies(x, weight, args, precision, k, pooled_shape, bias: bool, 
             pooled_shape[1], weight.shape[2:], args.stride, args.padding, args.output_padding,
             args.dilation, args.groups, args.out_shape, (lo, hi)):
         return False
-    xp = get_array_module(x=x)
 
     def path_of(random_x, random_weight, out):
         c = args.out_shape[1]

@@ -364,7 +364,7 @@ def test_bench_conv_engine(monkeypatch, name, epilogue, igemm, engine):
     monkeypatch.setattr(pipeline_a, "_epilogue_applies",
                         lambda xp, x, w, args, *rest: asked.append(args) or epilogue)
     monkeypatch.setattr(pipeline_c, "_recompute_applies",
-                        lambda x, w, args, *rest: asked.append(args) or epilogue)
+                        lambda xp, x, w, args, *rest: asked.append(args) or epilogue)
     monkeypatch.setattr(convolution, "igemm_call",
                         lambda x, w, args, precision: asked.append(args) or igemm)
     assert conv_engine(case, gpu, "tf32") == engine
