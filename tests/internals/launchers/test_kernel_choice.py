@@ -189,3 +189,68 @@ def test_implicit_gemm_routes(monkeypatch, transposed, x_shape, w_shape, opts, p
         monkeypatch.setattr(conv_gemm, "shared_per_block", lambda: 99 * 1024)
         assert convolution._igemm_route(_operand(x_shape, x_layout), _operand(w_shape), args,
                                         precision, None, None) is None
+
+
+@pytest.mark.parametrize("case, precision, bias, winner", [
+    ("A", "tf32", True, "igemm"), ("A", "3xtf32", False, "cudnn"),
+    ("C", "tf32", False, "igemm"), ("C", "3xtf32", True, "cudnn"),
+])
+def test_pipelines_time_their_fused_path_on_each_engine(monkeypatch, case, precision, bias,
+                                                         winner):
+    # Pipelines A and C measure the whole fused call on random operands of the problem's
+    # shapes, the implicit GEMM's path (the pass in the convolution's epilogue, or the
+    # convolution run twice) against the other engine's, and take the implicit GEMM where
+    # it wins. Every measured call gets the same operands and per-channel constants, formed
+    # before anything is timed; the key holds everything the choice depends on.
+    from cufused._kernels import conv_gemm
+    from cufused._ops._conv_args import check_conv_args
+    from cufused.pipelines import _common, pipeline_a, pipeline_c
+
+    monkeypatch.setattr(conv_gemm, "shared_per_block", lambda: 227 * 1024)
+    settled, timed, calls = [], [], []
+    monkeypatch.setattr(_common, "settled_engine",
+                        lambda key, measure: settled.append(key) or measure())
+
+    def fastest(candidates):
+        assert not calls, "a path ran before the timing"
+        for name, run in candidates.items():
+            timed.append(name)
+            run()
+        return winner
+
+    monkeypatch.setattr(_common, "fastest", fastest)
+    module = pipeline_a if case == "A" else pipeline_c
+    monkeypatch.setattr(module, "_fused", lambda *args, **kw: calls.append((args, kw)))
+    if case == "A":
+        x_shape, w_shape, k = (2, 8, 18, 18), (16, 8, 3, 3), 4
+        args = check_conv_args(x_shape, w_shape, 2, transposed=False, stride=1, padding=0)
+        out_shape = (2, 16, 4, 4)
+        on_igemm = pipeline_a._epilogue_applies(np, np.empty(x_shape), np.empty(w_shape),
+                                                args, precision, k, 4, bias)
+        flag, key = "epilogue", ("conv2d_pool_stats", x_shape, w_shape, args, precision, k,
+                                 4, bias)
+    else:
+        x_shape, w_shape, k = (2, 8, 8, 12, 16), (8, 16, 3, 3, 3), 2
+        pooled = (2, 8, 4, 6, 8)
+        args = check_conv_args(pooled, w_shape, 3, transposed=True, stride=2, padding=1,
+                               output_padding=1)
+        out_shape = args.out_shape
+        on_igemm = pipeline_c._recompute_applies(np, np.empty(x_shape), np.empty(w_shape),
+                                                 args, precision, k, pooled, bias, 0.0, 1.0)
+        flag, key = "recompute", ("conv_transpose3d_s2k3", x_shape, w_shape, args, precision,
+                                  k, bias)
+    assert on_igemm == (winner == "igemm")
+    assert settled == [key] and timed == ["cudnn", "igemm"]
+    assert [kw[flag] for _, kw in calls] == [False, True]
+    (first, first_kw), (second, second_kw) = calls
+    x, weight, out = first[1], first[2], first[5]
+    assert (x.shape, weight.shape, out.shape) == (x_shape, w_shape, out_shape)
+    assert x.dtype == weight.dtype == out.dtype == np.float32
+    assert 0 <= x.min() and x.max() < 1 and weight.min() < 0 < weight.max()
+    assert first[0] is np and first[3] == args and first[4] == precision
+    assert all(a is b for a, b in zip(first, second))
+    assert all(first_kw[name] is second_kw[name] for name in first_kw if name != flag)
+    assert (first_kw["conv_bias"] is None) != bias
+    if bias:
+        assert not first_kw["conv_bias"].any()
+    assert (first_kw["scale"] == 1).all()
