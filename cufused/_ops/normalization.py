@@ -246,9 +246,9 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
                    gpu=replayed(partial(_batch_norm_gpu, xp, x, weight, bias, stats, activation)))
 
 
-def _batch_norm_gpu(xp, x, weight, bias, stats, activation, out, running_mean_lo=None):
+def _batch_norm_gpu(xp, x, weight, bias, stats, activation, out):
     x = xp.ascontiguousarray(x)
-    coef = bn_coefficients(xp, x, weight, bias, *stats, running_mean_lo=running_mean_lo)
+    coef = bn_coefficients(xp, x, weight, bias, *stats)
     hw = x.size // (x.shape[0] * x.shape[1])
     channel_affine(x, out, coef, inner=hw, activation=activation)
     return out
@@ -264,22 +264,38 @@ def split_mean(xp, mean):
     return head, xp.where(finite, mean - xp.where(finite, head, 0.0), 0.0).astype(xp.float32)
 
 
+def coefficients_of_statistics(xp, x, weight, bias, mean, var, *, eps: float,
+                               centered: bool = True):
+    """BatchNorm's inference coefficients (:func:`bn_coefficients`) for ``x`` from a batch's
+    float64 per-channel ``mean`` and biased ``var`` formed elsewhere (cufused.dask's, across
+    chunks). ``centered`` centers on the float64 mean as the single training call does
+    (:func:`split_mean`); otherwise on its float32 rounding. ``weight`` and ``bias`` are
+    ``batch_norm``'s (None or per channel)."""
+    c = x.shape[1]
+    if centered:
+        head, remainder = split_mean(xp, mean)
+    else:
+        head, remainder = xp.asarray(mean, dtype=xp.float32), None
+    return bn_coefficients(xp, x, per_channel(weight, c, xp), per_channel(bias, c, xp), head,
+                           xp.asarray(var, dtype=xp.float32), False, 0.0, eps,
+                           running_mean_lo=remainder)
+
+
 def batch_norm_of_statistics(x, weight, bias, mean, var, *, eps: float,
                              activation: str | None):
     """``batch_norm`` of a CuPy ``x`` in inference with a batch's float64 ``mean`` and ``var``
-    formed elsewhere (cufused.dask's, across chunks), centered on the float64 mean as the
-    single training call is (:func:`split_mean`). Returns a new array; the arguments are
+    (:func:`coefficients_of_statistics`, centered). Returns a new array; the arguments are
     ones that ``batch_norm`` accepts (the dask graph's probe checked them)."""
     xp = get_array_module(x=x)
     check_float_dtype(xp, x=x)
     out = xp.empty(x.shape, dtype=x.dtype)
     if x.size == 0:
         return out
-    c = x.shape[1]
-    head, remainder = split_mean(xp, mean)
-    stats = (head, xp.asarray(var, dtype=xp.float32), False, 0.0, eps)
-    return _batch_norm_gpu(xp, x, per_channel(weight, c, xp), per_channel(bias, c, xp), stats,
-                           activation, out, running_mean_lo=remainder)
+    x = xp.ascontiguousarray(x)
+    coef = coefficients_of_statistics(xp, x, weight, bias, mean, var, eps=eps)
+    channel_affine(x, out, coef, inner=x.size // (x.shape[0] * x.shape[1]),
+                   activation=activation)
+    return out
 
 
 def bn_coefficients(xp, x, weight, bias, running_mean, running_var, training, momentum, eps,

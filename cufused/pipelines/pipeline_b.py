@@ -24,7 +24,7 @@ from .._ops._conv_args import cached_conv_args, check_conv_memory
 from .._ops.convolution import conv_on_gpu, conv_transpose2d
 from .._ops.normalization import (batch_norm, bn_coefficients, check_channel_values,
                                   check_group_values, check_num_groups, check_running_buffer,
-                                  check_running_pair, group_norm, split_mean)
+                                  check_running_pair, coefficients_of_statistics, group_norm)
 from .._ops.pooling import max_pool2d
 from .._precision import resolve_precision
 from ._common import (check_method, check_pipeline_pool, gpu_method, gpu_path,
@@ -225,13 +225,8 @@ def _chunk_normalized(pooled, mean, var, bn_weight, bn_bias, gn_weight, gn_bias,
     skip the rounding of y + bias, and the float32 mean is as close. Returns a new array."""
     xp = get_array_module(x=pooled)
     c = pooled.shape[1]
-    if centered_sums:
-        head, remainder = split_mean(xp, mean)
-    else:
-        head, remainder = xp.asarray(mean, dtype=xp.float32), None
-    coef = bn_coefficients(xp, pooled, per_channel(bn_weight, c, xp),
-                           per_channel(bn_bias, c, xp), head, xp.asarray(var, dtype=xp.float32),
-                           False, 0.0, eps, running_mean_lo=remainder)
+    coef = coefficients_of_statistics(xp, pooled, bn_weight, bn_bias, mean, var, eps=eps,
+                                      centered=centered_sums)
     out = xp.empty_like(pooled)
     group_norm_rows(pooled, out, per_channel(gn_weight, c, xp), per_channel(gn_bias, c, xp),
                     num_groups=num_groups, eps=eps, pre=coef)
