@@ -78,18 +78,22 @@ struct NormMoments {
 // c = (beta - mean * gamma * rstd) * scale), so that an infinite or NaN parameter gives the
 // infinities and NaNs that PyTorch gives. a = 0 (rstd 0 where the squared deviations
 // overflow, or a zero gamma or scale) takes center 0 too: c is then beta * scale either way,
-// and a value farther than float32's range from the mean gives c, not 0 * inf. Stored as
-// three rows of K entries: coef[k] = a, coef[K + k] = center, coef[2 * K + k] = c.
+// and a value farther than float32's range from the mean gives c, not 0 * inf.
+// `centered_only` keeps the centered form for the other coefficients too (center = the mean,
+// c = beta * scale), as PyTorch CUDA's GroupNorm does for inputs of one value per channel
+// (N, C) and (N, C, 1): an infinite gamma then gives +-inf, NaN only where v is the mean.
+// Stored as three rows of K entries: coef[k] = a, coef[K + k] = center, coef[2 * K + k] = c.
 struct ChannelAffine {
     float a, center, c;
 
     __device__ static ChannelAffine of(float gamma, float beta, float scale,
-                                       const NormMoments& m) {
+                                       const NormMoments& m, bool centered_only = false) {
         const float g = gamma * m.rstd, b = beta - m.mean * g;
         const float as = g * scale, bs = b * scale, cs = beta * scale;
         if (isfinite(g) && isfinite(b) && isfinite(as) && isfinite(bs) && isfinite(cs)
             && as != 0.0f)  // mean_lo = 0 leaves cs, its sign of zero included
             return {as, m.mean, m.mean_lo == 0.0f ? cs : fmaf(-as, m.mean_lo, cs)};
+        if (centered_only) return {as, m.mean, cs};
         return {as, 0.0f, bs};
     }
     __device__ static ChannelAffine identity() { return {1.0f, 0.0f, 0.0f}; }

@@ -48,13 +48,15 @@ __device__ __forceinline__ float param_or(const float* __restrict__ p, int c, fl
     return p ? __ldg(p + c) : fallback;
 }
 
-// Channel c's affine for a normalization of moments m, times scale.
+// Channel c's affine for a normalization of moments m, times scale (centered_only: see
+// ChannelAffine::of).
 __device__ __forceinline__ ChannelAffine channel_affine_of(const float* __restrict__ gamma,
                                                            const float* __restrict__ beta,
                                                            const float* __restrict__ scale,
-                                                           int c, const NormMoments& m) {
+                                                           int c, const NormMoments& m,
+                                                           bool centered_only = false) {
     return ChannelAffine::of(param_or(gamma, c, 1.0f), param_or(beta, c, 0.0f),
-                             param_or(scale, c, 1.0f), m);
+                             param_or(scale, c, 1.0f), m, centered_only);
 }
 
 // (mean, variance) in double of statistics row `row` from its partials at
@@ -112,14 +114,15 @@ __device__ __forceinline__ double inverse_std(double var, float eps) {
 //                   mean, cufused.dask's batch statistics); with training = 1 the running
 //                   buffers (when given) are updated in place as PyTorch does, the batch mean
 //                   including mean_offset[c] (a convolution bias that the statistics skipped).
+// centered_only: ChannelAffine::of's.
 template <int MODE>
 __global__ void stats_finalize(const float* __restrict__ partial, const float* __restrict__ shift,
                                index_t n_outer, index_t outer_stride, int row_len, double count,
                                const float* __restrict__ gamma, const float* __restrict__ beta,
                                const float* __restrict__ scale, float* __restrict__ coef,
                                index_t K, int C, int G, float eps, int training,
-                               int centered_sums, float* running_mean, float* running_var,
-                               const float* __restrict__ running_mean_lo,
+                               int centered_sums, int centered_only, float* running_mean,
+                               float* running_var, const float* __restrict__ running_mean_lo,
                                const float* __restrict__ mean_offset, float momentum,
                                float2* __restrict__ moments) {
     __shared__ double2 scratch[32];
@@ -159,7 +162,7 @@ __global__ void stats_finalize(const float* __restrict__ partial, const float* _
     for (int j = threadIdx.x; j < channels; j += blockDim.x) {
         const int c = MODE == MODE_GROUP_NORM ? (int)(row % G) * channels + j : (int)row;
         const index_t out = MODE == MODE_GROUP_NORM ? (row / G) * C + c : row;
-        channel_affine_of(gamma, beta, scale, c, m).store(coef, K, out);
+        channel_affine_of(gamma, beta, scale, c, m, centered_only != 0).store(coef, K, out);
     }
 }
 
@@ -271,9 +274,10 @@ struct GroupNormRow {
     }
 
     // y row = ChannelAffine of moments m (value) from src (the cached, already mapped row,
-    // or the input row that is mapped again), 4 vectors in flight per thread.
-    __device__ void normalize(const float* src, bool mapped, float* yr,
-                              const NormMoments& m) const {
+    // or the input row that is mapped again), 4 vectors in flight per thread;
+    // centered_only as ChannelAffine::of's.
+    __device__ void normalize(const float* src, bool mapped, float* yr, const NormMoments& m,
+                              bool centered_only) const {
         for_each_vector<VEC, 4>(src, (int)threadIdx.x, n_vec, (int)blockDim.x,
                                 [&](int q, float4& v) {
             const Span s = span(q);
@@ -281,7 +285,8 @@ struct GroupNormRow {
             map_two_channels<VEC>(
                 v, s.left,
                 [&](int second) {
-                    return channel_affine_of(gamma, beta, nullptr, s.c + second, m);
+                    return channel_affine_of(gamma, beta, nullptr, s.c + second, m,
+                                             centered_only);
                 },
                 [](const ChannelAffine& f, float t) { return f(t); });
             store_vec<VEC>(yr, q, v);
@@ -382,11 +387,11 @@ __device__ __forceinline__ void copy_to_shared(float* dst, const float* src, int
 // GroupNorm with one block per (n, g) row of a contiguous (N, C, HW) tensor (see
 // GroupNormRow). With CACHE the mapped row stays in dynamic shared memory between the
 // statistics and the normalize step; otherwise it is recomputed from x. x may equal y: every
-// element is read and written by the same thread.
+// element is read and written by the same thread. centered_only: ChannelAffine::of's.
 template <int PRE, bool CACHE, int VEC>
 __global__ void group_norm_rows(const float* x, float* y, const float* __restrict__ pre,
                                 const float* __restrict__ gamma, const float* __restrict__ beta,
-                                int C, int G, int HW, float eps) {
+                                int C, int G, int HW, float eps, int centered_only) {
     extern __shared__ float4 cache[];
     __shared__ float2 scratch[32];
     using Row = GroupNormRow<PRE, VEC>;
@@ -408,7 +413,7 @@ __global__ void group_norm_rows(const float* x, float* y, const float* __restric
     });
     const NormMoments m = row_moments(s1, s2, shift, len, eps, scratch);
     gn.normalize(CACHE ? reinterpret_cast<const float*>(cache) : xr, CACHE, y + Row::start(len),
-                 m);
+                 m, centered_only != 0);
 }
 
 // group_norm_rows with the mapped row cached in dynamic shared memory, filled one of two
@@ -493,5 +498,5 @@ __global__ void group_norm_rows_cached(const float* x, float* y, const float* __
     if (!X_BLOCKED || HW >= 32)  // the NCHW fill runs only for HW >= 32
         normalize_cached_row<VEC>(row_cache, y + Row::start(len), gamma, beta, c0, cg, HW, m);
     else
-        gn.normalize(row_cache, true, y + Row::start(len), m);
+        gn.normalize(row_cache, true, y + Row::start(len), m, false);  // 4-D blocks only
 }

@@ -55,9 +55,9 @@ def coef_array(xp, k: int):
 
 def _stats_finalize(mode: str, rows: int, *, partial, shift, n_outer: int, outer_stride: int,
                     row_len: int, count: int, gamma, beta, scale, coef, channels: int,
-                    groups: int, eps: float, training: bool, centered_sums: bool, running_mean,
-                    running_var, running_mean_lo, mean_offset, momentum: float,
-                    moments) -> None:
+                    groups: int, eps: float, training: bool, centered_sums: bool,
+                    centered_only: bool, running_mean, running_var, running_mean_lo,
+                    mean_offset, momentum: float, moments) -> None:
     """``stats_finalize<mode>``, one block per statistics row (see the kernel)."""
     get_kernel(_FILE, f"stats_finalize<{mode}>")(
         (rows,), (finalize_threads(n_outer * row_len),),
@@ -65,26 +65,30 @@ def _stats_finalize(mode: str, rows: int, *, partial, shift, n_outer: int, outer
          numpy.int32(row_len), numpy.float64(count), optional(gamma), optional(beta),
          optional(scale), coef, numpy.int64(coef.shape[1]), numpy.int32(channels),
          numpy.int32(groups), numpy.float32(eps), numpy.int32(training),
-         numpy.int32(centered_sums), optional(running_mean),
+         numpy.int32(centered_sums), numpy.int32(centered_only), optional(running_mean),
          optional(running_var), optional(running_mean_lo), optional(mean_offset),
          numpy.float32(momentum), optional(moments)))
 
 
 def group_norm_coefficients(partial, shift, coef, *, rows: int, row_len: int, count: int,
                             channels: int, num_groups: int, eps: float, centered_sums: bool,
-                            gamma=None, beta=None, scale=None, moments=None) -> None:
+                            gamma=None, beta=None, scale=None, moments=None,
+                            centered_only: bool = False) -> None:
     """GroupNorm (times ``scale``) as per-(n, c) coefficients.
 
     Row ``n * num_groups + g`` has its ``row_len`` shifted-sum partials at
     ``partial[row * row_len + m]`` over ``count`` values; ``coef`` (3, N * C) receives the
     coefficients, ``moments`` (optional, rows x float2) each row's (mean, rstd).
     ``centered_sums``: the partials sum the normalized values themselves, so the affine
-    centers on the float64 mean (``NormMoments`` in common.cuh).
+    centers on the float64 mean (``NormMoments`` in common.cuh). ``centered_only`` keeps the
+    centered form for non-finite coefficients too, as PyTorch CUDA's GroupNorm of one value
+    per channel does (``ChannelAffine::of``).
     """
     _stats_finalize("MODE_GROUP_NORM", rows, partial=partial, shift=shift, n_outer=1,
                     outer_stride=0, row_len=row_len, count=count, gamma=gamma, beta=beta,
                     scale=scale, coef=coef, channels=channels, groups=num_groups, eps=eps,
-                    training=True, centered_sums=centered_sums, running_mean=None,
+                    training=True, centered_sums=centered_sums,
+                    centered_only=centered_only, running_mean=None,
                     running_var=None, running_mean_lo=None, mean_offset=None, momentum=0.0,
                     moments=moments)
 
@@ -104,7 +108,7 @@ def batch_norm_coefficients(partial, shift, coef, *, n_outer: int, outer_stride:
                     outer_stride=outer_stride, row_len=row_len, count=count, gamma=gamma,
                     beta=beta, scale=None, coef=coef, channels=channels,
                     groups=channels, eps=eps, training=training, centered_sums=True,
-                    running_mean=running_mean, running_var=running_var,
+                    centered_only=False, running_mean=running_mean, running_var=running_var,
                     running_mean_lo=running_mean_lo, mean_offset=mean_offset,
                     momentum=momentum, moments=moments)
 
@@ -176,7 +180,7 @@ def group_norm_threads(shared_bytes: int) -> int:
 
 
 def group_norm_rows(x, y, weight, bias, *, num_groups: int, eps: float, pre=None,
-                    x_block: int | None = None) -> None:
+                    x_block: int | None = None, centered_only: bool = False) -> None:
     """GroupNorm of ``x`` (N, C, ...) into contiguous ``y`` with one block per (n, group) row.
 
     ``x`` is contiguous, or channels-last where ``reads_channels_last`` allows. With
@@ -190,7 +194,8 @@ def group_norm_rows(x, y, weight, bias, *, num_groups: int, eps: float, pre=None
     ``ROW_CACHE_BYTES``, and is then visited one warp per channel where a channel has at
     least 32 values; 16-byte accesses when the row length and pointers allow. More rows than
     a grid holds (``MAX_GRID_X``) run in launches over slices of the batch (``x[n0:n1]``:
-    its first stride is a sample's values, blocked or not).
+    its first stride is a sample's values, blocked or not). ``centered_only`` as
+    ``group_norm_coefficients``'s (rows of one value per channel).
     """
     n, c = x.shape[:2]
     hw = x.size // max(n * c, 1)
@@ -220,7 +225,11 @@ def group_norm_rows(x, y, weight, bias, *, num_groups: int, eps: float, pre=None
     args = (optional(pre), optional(weight), optional(bias),
             numpy.int32(c), numpy.int32(num_groups), numpy.int32(hw), numpy.float32(eps))
     if name.startswith("group_norm_rows_cached"):
+        if centered_only:
+            raise ValueError("centered_only needs rows of one value per channel (HW = 1)")
         args += (numpy.int32(x_block or 0),)  # read only for channels-last blocks
+    else:
+        args += (numpy.int32(centered_only),)
     kernel = get_kernel(_FILE, name, shared_bytes=shared)
     per_launch = MAX_GRID_X // num_groups  # samples whose rows one grid holds
     for n0 in range(0, n, per_launch):

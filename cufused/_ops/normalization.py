@@ -96,15 +96,21 @@ def _group_norm_gpu(xp, x, num_groups, weight, bias, eps, out):
     hw = x.size // (n * c)
     length = (c // num_groups) * hw
     rows = n * num_groups
+    # PyTorch CUDA normalizes (N, C) and (N, C, 1) inputs with its one-value-per-channel
+    # kernel, in the centered form whatever the coefficients; a 4-D or 5-D input with one
+    # value per channel is channels-last contiguous there too and takes a * x + b.
+    centered_only = x.ndim <= 3 and hw == 1
     if length * 4 <= ROW_CACHE_BYTES:
-        group_norm_rows(x, out, weight, bias, num_groups=num_groups, eps=eps)
+        group_norm_rows(x, out, weight, bias, num_groups=num_groups, eps=eps,
+                        centered_only=centered_only)
         return out
     partial, shift, splits = key_stats_partial(xp, x, rows, n_outer=1, outer_stride=0,
                                                key_stride=length, inner=length)
     coef = coef_array(xp, n * c)
     group_norm_coefficients(partial, shift, coef, rows=rows, row_len=splits,
                             count=length, channels=c, num_groups=num_groups, eps=eps,
-                            centered_sums=True, gamma=weight, beta=bias)
+                            centered_sums=True, gamma=weight, beta=bias,
+                            centered_only=centered_only)
     channel_affine(x, out, coef, inner=hw)
     return out
 

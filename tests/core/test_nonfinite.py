@@ -100,11 +100,19 @@ def make(case, rng):
         return ["x", "weight", "bias"], [n((2, 4, 3, 3)), n(4), n(4)]
     if case == "group_norm split":  # rows that take the split statistics and affine pass
         return ["x", "weight", "bias"], [n((2, 4, 80, 80)), n(4), n(4)]
+    if case == "group_norm (N, C)":  # one value per channel: PyTorch CUDA's centered form
+        return ["x", "weight", "bias"], [n((3, 8)), n(8), n(8)]
+    if case == "group_norm (N, C, 1)":
+        return ["x", "weight", "bias"], [n((3, 8, 1)), n(8), n(8)]
+    if case == "group_norm (N, C) split":  # 2 groups of 12289 values: past the row cache
+        return ["x", "weight", "bias"], [n((2, 24578)), n(24578), n(24578)]
     return ["x", "weight", "bias"], [n((3, 4, 5, 5)), n(4), n(4)]
 
 
 CASES = {"A": (torch_a, ours_a), "B": (torch_b, ours_b), "C": (torch_c, ours_c),
          "group_norm rows": (torch_gn, ours_gn), "group_norm split": (torch_gn, ours_gn),
+         "group_norm (N, C)": (torch_gn, ours_gn), "group_norm (N, C, 1)": (torch_gn, ours_gn),
+         "group_norm (N, C) split": (torch_gn, ours_gn),
          "batch_norm tanh": (torch_bn, ours_bn)}
 PLANTS = [(case, i, value) for case in CASES
           for i in range(len(make(case, np.random.default_rng())[0])) for value in VALUES]
