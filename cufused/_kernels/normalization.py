@@ -96,19 +96,20 @@ def group_norm_coefficients(partial, shift, coef, *, rows: int, row_len: int, co
 def batch_norm_coefficients(partial, shift, coef, *, n_outer: int, outer_stride: int,
                             row_len: int, count: int, channels: int, eps: float, training: bool,
                             gamma, beta, running_mean, running_var, mean_offset, momentum: float,
-                            moments, running_mean_lo=None) -> None:
+                            moments, running_mean_lo=None, centered_only: bool = False) -> None:
     """BatchNorm as per-channel coefficients (``coef``, (3, C)), one block per channel.
 
     In training channel c's partials sit at ``partial[o * outer_stride + c * row_len + m]``
     (o < n_outer) over ``count`` values, and the running buffers (optional) are updated in
     place; otherwise (``partial``, ``shift`` None) the running statistics are used, the mean
     plus ``running_mean_lo`` (optional: the float32 remainder of a float64 mean).
+    ``centered_only`` as ``group_norm_coefficients``'s (PyTorch CUDA's native BatchNorm).
     """
     _stats_finalize("MODE_BATCH_NORM", channels, partial=partial, shift=shift, n_outer=n_outer,
                     outer_stride=outer_stride, row_len=row_len, count=count, gamma=gamma,
                     beta=beta, scale=None, coef=coef, channels=channels,
                     groups=channels, eps=eps, training=training, centered_sums=True,
-                    centered_only=False, running_mean=running_mean, running_var=running_var,
+                    centered_only=centered_only, running_mean=running_mean, running_var=running_var,
                     running_mean_lo=running_mean_lo, mean_offset=mean_offset,
                     momentum=momentum, moments=moments)
 

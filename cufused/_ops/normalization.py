@@ -243,18 +243,34 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
     check_out(out, x.shape, x.dtype, xp, x, in_place=True, inputs={
         "x": x, "weight": weight, "bias": bias, "running_mean": running_mean,
         "running_var": running_var})
+    centered_only = torch_cuda_native_form(x.ndim, x.shape[0], weight, bias, training)
     # Every check passed: a strided parameter becomes a contiguous device array.
     weight, bias, running_mean, running_var = (
         per_channel(v, c, xp) for v in (weight, bias, running_mean, running_var))
     stats = (running_mean, running_var, training, momentum, eps)
     return forward(xp, x, out, x.shape,
                    reference=partial(reference.batch_norm, x, weight, bias, *stats, activation),
-                   gpu=replayed(partial(_batch_norm_gpu, xp, x, weight, bias, stats, activation)))
+                   gpu=replayed(partial(_batch_norm_gpu, xp, x, weight, bias, stats, activation,
+                                        centered_only)))
 
 
-def _batch_norm_gpu(xp, x, weight, bias, stats, activation, out):
+# The largest batches that PyTorch hands to cuDNN's BatchNorm, in training and in inference.
+CUDNN_TRAINING_BATCH, CUDNN_INFERENCE_BATCH = 880801, 65535
+
+
+def torch_cuda_native_form(ndim: int, batch, weight, bias, training: bool) -> bool:
+    """Whether PyTorch CUDA runs a BatchNorm of this kind with its native kernel, which keeps
+    the centered form ``(x - mean) * rstd * weight + bias`` for every coefficient: without a
+    weight or a bias, for an (N, C) input, or past the batches it hands to cuDNN. Otherwise
+    cuDNN's kernels run, and cufused keeps ``a * x + b`` for non-finite coefficients
+    (ChannelAffine in common.cuh), as cuDNN does on small inputs."""
+    limit = CUDNN_TRAINING_BATCH if training else CUDNN_INFERENCE_BATCH
+    return weight is None or bias is None or ndim == 2 or batch > limit
+
+
+def _batch_norm_gpu(xp, x, weight, bias, stats, activation, centered_only, out):
     x = xp.ascontiguousarray(x)
-    coef = bn_coefficients(xp, x, weight, bias, *stats)
+    coef = bn_coefficients(xp, x, weight, bias, *stats, centered_only=centered_only)
     hw = x.size // (x.shape[0] * x.shape[1])
     channel_affine(x, out, coef, inner=hw, activation=activation)
     return out
@@ -271,12 +287,12 @@ def split_mean(xp, mean):
 
 
 def coefficients_of_statistics(xp, x, weight, bias, mean, var, *, eps: float,
-                               centered: bool = True):
+                               centered: bool = True, centered_only: bool = False):
     """BatchNorm's inference coefficients (:func:`bn_coefficients`) for ``x`` from a batch's
     float64 per-channel ``mean`` and biased ``var`` formed elsewhere (cufused.dask's, across
     chunks). ``centered`` centers on the float64 mean as the single training call does
     (:func:`split_mean`); otherwise on its float32 rounding. ``weight`` and ``bias`` are
-    ``batch_norm``'s (None or per channel)."""
+    ``batch_norm``'s (None or per channel); ``centered_only`` as :func:`bn_coefficients`'s."""
     c = x.shape[1]
     if centered:
         head, remainder = split_mean(xp, mean)
@@ -284,21 +300,23 @@ def coefficients_of_statistics(xp, x, weight, bias, mean, var, *, eps: float,
         head, remainder = xp.asarray(mean, dtype=xp.float32), None
     return bn_coefficients(xp, x, per_channel(weight, c, xp), per_channel(bias, c, xp), head,
                            xp.asarray(var, dtype=xp.float32), False, 0.0, eps,
-                           running_mean_lo=remainder)
+                           running_mean_lo=remainder, centered_only=centered_only)
 
 
 def batch_norm_of_statistics(x, weight, bias, mean, var, *, eps: float,
-                             activation: str | None):
+                             activation: str | None, centered_only: bool = False):
     """``batch_norm`` of a CuPy ``x`` in inference with a batch's float64 ``mean`` and ``var``
     (:func:`coefficients_of_statistics`, centered). Returns a new array; the arguments are
-    ones that ``batch_norm`` accepts (the dask graph's probe checked them)."""
+    ones that ``batch_norm`` accepts (the dask graph's probe checked them); ``centered_only``
+    the whole batch's :func:`torch_cuda_native_form`."""
     xp = get_array_module(x=x)
     check_float_dtype(xp, x=x)
     out = xp.empty(x.shape, dtype=x.dtype)
     if x.size == 0:
         return out
     x = xp.ascontiguousarray(x)
-    coef = coefficients_of_statistics(xp, x, weight, bias, mean, var, eps=eps)
+    coef = coefficients_of_statistics(xp, x, weight, bias, mean, var, eps=eps,
+                                      centered_only=centered_only)
     channel_affine(x, out, coef, inner=x.size // (x.shape[0] * x.shape[1]),
                    activation=activation)
     return out
@@ -306,7 +324,7 @@ def batch_norm_of_statistics(x, weight, bias, mean, var, *, eps: float,
 
 def bn_coefficients(xp, x, weight, bias, running_mean, running_var, training, momentum, eps,
                     *, partial=None, splits=None, mean_offset=None, moments=None,
-                    running_mean_lo=None):
+                    running_mean_lo=None, centered_only=False):
     """BatchNorm's per-channel affine coefficients on the GPU, a (3, C) array
     (``coef_array``).
 
@@ -315,7 +333,8 @@ def bn_coefficients(xp, x, weight, bias, running_mean, running_var, training, mo
     split reduction over contiguous ``x``; the running buffers are updated in place. In
     inference the mean is ``running_mean`` plus ``running_mean_lo`` when given
     (:func:`split_mean`). ``moments``, a (C, 2) float32 array, receives each channel's
-    (mean, rstd).
+    (mean, rstd). ``centered_only`` keeps the centered form for non-finite coefficients too
+    (:func:`torch_cuda_native_form`).
     """
     n, c = x.shape[:2]
     hw = x.size // (n * c)
@@ -334,5 +353,5 @@ def bn_coefficients(xp, x, weight, bias, running_mean, running_var, training, mo
                             channels=c, eps=eps, training=training, gamma=weight, beta=bias,
                             running_mean=running_mean, running_var=running_var,
                             mean_offset=mean_offset, momentum=momentum, moments=moments,
-                            running_mean_lo=running_mean_lo)
+                            running_mean_lo=running_mean_lo, centered_only=centered_only)
     return coef

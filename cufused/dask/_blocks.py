@@ -10,7 +10,7 @@ from typing import Any
 import cufused
 
 from .._arrays import Size, check_bool
-from .._ops.normalization import part_of_batch
+from .._ops.normalization import part_of_batch, torch_cuda_native_form
 from .._ops.softmax import normalize_axes
 from ._graph import Array, _check_params, _each_chunk, _empty_batch, _Graph, _map_chunks
 from ._statistics import (_batch_statistics, _channel_moments, _normalize,
@@ -224,9 +224,10 @@ def batch_norm(x: Array, weight: Any = None, bias: Any = None, *, running_mean: 
     moments = graph.task(_channel_moments)
     stats = _batch_statistics(graph, [(moments, key) for key in inputs], running_mean,
                               running_var, momentum, split_every)
+    centered_only = torch_cuda_native_form(x.ndim, x.shape[0], weight, bias, True)
     return _normalized_batch(graph, stats, functools.partial(
-        _normalize, eps=eps, activation=activation), inputs, dict(weight=weight, bias=bias),
-        probe, running_mean, running_var, return_running_stats)
+        _normalize, eps=eps, activation=activation, centered_only=centered_only), inputs,
+        dict(weight=weight, bias=bias), probe, running_mean, running_var, return_running_stats)
 
 
 _POOL_DOC = """{title}, each batch chunk running :func:`cufused.{name}`.

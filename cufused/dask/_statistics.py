@@ -151,12 +151,15 @@ def _batch_statistics(graph: _Graph, moments: list, running_mean, running_var,
     return key
 
 
-def _normalize(chunk, mean, var, weight, bias, *, eps: float, activation: str | None):
+def _normalize(chunk, mean, var, weight, bias, *, eps: float, activation: str | None,
+               centered_only: bool = False):
     """Phase 3 of BatchNorm: ``batch_norm`` in inference mode with the batch statistics; on
-    the GPU centered on their float64 mean, as the single call is."""
+    the GPU centered on their float64 mean, as the single call is, and with the single
+    call's form for non-finite coefficients (``centered_only``: the whole batch's
+    ``torch_cuda_native_form``)."""
     if get_array_module(x=chunk) is not numpy:
         return batch_norm_of_statistics(chunk, weight, bias, mean, var, eps=eps,
-                                        activation=activation)
+                                        activation=activation, centered_only=centered_only)
     return cufused.batch_norm(chunk, weight, bias, running_mean=mean, running_var=var,
                               training=False, eps=eps, activation=activation)
 

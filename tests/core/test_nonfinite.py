@@ -82,6 +82,15 @@ def ours_bn(v):
     return cufused.batch_norm(v[0], v[1], v[2], activation="tanh")
 
 
+def torch_bn_no_bias(v, device, dtype):
+    x, w = (_t(a, device, dtype) for a in v)
+    return torch.tanh(F.batch_norm(x, None, None, w, None, training=True))
+
+
+def ours_bn_no_bias(v):
+    return cufused.batch_norm(v[0], v[1], activation="tanh")
+
+
 def make(case, rng):
     """(parameter names, float64 values) with mixed signs."""
     n = rng.standard_normal
@@ -106,6 +115,10 @@ def make(case, rng):
         return ["x", "weight", "bias"], [n((3, 8, 1)), n(8), n(8)]
     if case == "group_norm (N, C) split":  # 2 groups of 12289 values: past the row cache
         return ["x", "weight", "bias"], [n((2, 24578)), n(24578), n(24578)]
+    if case == "batch_norm tanh, no bias":  # PyTorch CUDA's native kernel: centered
+        return ["x", "weight"], [n((3, 4, 5, 5)), n(4)]
+    if case == "batch_norm tanh (N, C)":  # the same
+        return ["x", "weight", "bias"], [n((6, 4)), n(4), n(4)]
     return ["x", "weight", "bias"], [n((3, 4, 5, 5)), n(4), n(4)]
 
 
@@ -113,7 +126,9 @@ CASES = {"A": (torch_a, ours_a), "B": (torch_b, ours_b), "C": (torch_c, ours_c),
          "group_norm rows": (torch_gn, ours_gn), "group_norm split": (torch_gn, ours_gn),
          "group_norm (N, C)": (torch_gn, ours_gn), "group_norm (N, C, 1)": (torch_gn, ours_gn),
          "group_norm (N, C) split": (torch_gn, ours_gn),
-         "batch_norm tanh": (torch_bn, ours_bn)}
+         "batch_norm tanh": (torch_bn, ours_bn),
+         "batch_norm tanh, no bias": (torch_bn_no_bias, ours_bn_no_bias),
+         "batch_norm tanh (N, C)": (torch_bn, ours_bn)}
 PLANTS = [(case, i, value) for case in CASES
           for i in range(len(make(case, np.random.default_rng())[0])) for value in VALUES]
 
