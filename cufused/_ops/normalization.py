@@ -96,10 +96,9 @@ def _group_norm_gpu(xp, x, num_groups, weight, bias, eps, out):
     hw = x.size // (n * c)
     length = (c // num_groups) * hw
     rows = n * num_groups
-    # PyTorch CUDA normalizes (N, C) and (N, C, 1) inputs with its one-value-per-channel
-    # kernel, in the centered form whatever the coefficients; a 4-D or 5-D input with one
-    # value per channel is channels-last contiguous there too and takes a * x + b.
-    centered_only = x.ndim <= 3 and hw == 1
+    # PyTorch CUDA normalizes an input of one value per channel with its own kernel, in the
+    # centered form whatever the coefficients.
+    centered_only = hw == 1
     if length * 4 <= ROW_CACHE_BYTES:
         group_norm_rows(x, out, weight, bias, num_groups=num_groups, eps=eps,
                         centered_only=centered_only)

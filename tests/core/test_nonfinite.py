@@ -113,6 +113,8 @@ def make(case, rng):
         return ["x", "weight", "bias"], [n((3, 8)), n(8), n(8)]
     if case == "group_norm (N, C, 1)":
         return ["x", "weight", "bias"], [n((3, 8, 1)), n(8), n(8)]
+    if case == "group_norm (N, C, 1, 1)":
+        return ["x", "weight", "bias"], [n((3, 8, 1, 1)), n(8), n(8)]
     if case == "group_norm (N, C) split":  # 2 groups of 12289 values: past the row cache
         return ["x", "weight", "bias"], [n((2, 24578)), n(24578), n(24578)]
     if case == "batch_norm tanh, no bias":  # PyTorch CUDA's native kernel: centered
@@ -125,6 +127,7 @@ def make(case, rng):
 CASES = {"A": (torch_a, ours_a), "B": (torch_b, ours_b), "C": (torch_c, ours_c),
          "group_norm rows": (torch_gn, ours_gn), "group_norm split": (torch_gn, ours_gn),
          "group_norm (N, C)": (torch_gn, ours_gn), "group_norm (N, C, 1)": (torch_gn, ours_gn),
+         "group_norm (N, C, 1, 1)": (torch_gn, ours_gn),
          "group_norm (N, C) split": (torch_gn, ours_gn),
          "batch_norm tanh": (torch_bn, ours_bn),
          "batch_norm tanh, no bias": (torch_bn_no_bias, ours_bn_no_bias),

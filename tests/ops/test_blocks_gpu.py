@@ -59,6 +59,23 @@ def test_group_norm_of_a_constant_group(rng, shape, eps):
     assert_close(got[finite], ref[finite], 1e-4)
 
 
+@pytest.mark.parametrize("eps,want", [
+    (1e-5, [-np.inf, np.nan, -np.inf, 0.25, np.nan, 0.75]),
+    (0.0, [-np.inf, np.nan, -np.inf, np.nan, np.nan, np.nan])])
+@pytest.mark.parametrize("shape", [(1, 6), (1, 6, 1), (1, 6, 1, 1)])
+def test_group_norm_of_one_value_per_channel_in_the_centered_form(shape, eps, want):
+    # PyTorch CUDA's form for one value per channel, (x - mean) * rstd * w + b, whatever the
+    # coefficients: an infinite weight gives +-inf, and NaN where the value is the mean (the
+    # group 1, 2, 3 has mean 2 exactly); the constant group 5, 5, 5 gives its bias for a
+    # finite weight and NaN for an infinite one, and NaN throughout with eps = 0.
+    x = np.array([1.0, 2.0, 3.0, 5.0, 5.0, 5.0]).reshape(shape)
+    w = np.array([np.inf, np.inf, -np.inf, 2.0, np.inf, 0.0])
+    b = np.array([0.5, 0.5, 0.5, 0.25, 0.5, 0.75])
+    out = poisoned(shape)
+    cufused.group_norm(*to_gpu(x), 2, *to_gpu(w, b), eps=eps, out=out)
+    np.testing.assert_array_equal(out.get().reshape(-1), np.array(want, dtype=np.float32))
+
+
 # Deviations whose squares pass float32's range (3.4e38): the variance is infinite, rstd 0 and
 # every output its channel's bias, as PyTorch's float32 kernels give (semantics.rst,
 # Statistics), on each GroupNorm route: rows cached by channel ((3, 12, 7, 5)) and per vector

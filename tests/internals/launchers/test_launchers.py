@@ -337,6 +337,45 @@ def test_normalization_launchers(launches):
     assert [launch.grid for launch in finalize] == [(4,)] * 4
 
 
+@pytest.mark.parametrize("shape,centered_only", [
+    ((3, 8), 1), ((3, 8, 1), 1), ((3, 8, 1, 1), 1), ((3, 8, 1, 1, 1), 1),  # one value each
+    ((2, 24578), 1),  # rows past the row cache: statistics, then the affine pass
+    ((3, 8, 2), 0), ((3, 8, 1, 2), 0), ((2, 4, 80, 80), 0)])
+def test_group_norm_of_one_value_per_channel_keeps_the_centered_form(launches, shape,
+                                                                      centered_only):
+    # PyTorch CUDA's GroupNorm of one value per channel computes (x - mean) * rstd * w + b
+    # whatever the coefficients; other shapes a * x + b where they are not finite.
+    from cufused._ops.normalization import _group_norm_gpu
+
+    c = shape[1]
+    _group_norm_gpu(FakeXp, Dev(shape), 2, Dev((c,)), Dev((c,)), 1e-5, Dev(shape))
+    coefficients = [launch for launch in launches
+                    if launch.name.split("<")[0] in ("group_norm_rows", "stats_finalize")]
+    assert len(coefficients) == 1
+    assert argument(coefficients[0], "centered_only") == centered_only
+
+
+@pytest.mark.parametrize("shape,weight,bias,training,centered_only", [
+    ((3, 4, 5), True, True, True, 0),  # cuDNN: a * x + b for non-finite coefficients
+    ((3, 4, 5), True, True, False, 0),
+    ((3, 4, 5), False, True, True, 1),  # PyTorch's native kernel: centered
+    ((3, 4, 5), True, False, False, 1),
+    ((6, 4), True, True, True, 1),
+    ((65536, 4, 1), True, True, False, 1),  # past the batch PyTorch hands to cuDNN
+    ((65536, 4, 1), True, True, True, 0)])
+def test_batch_norm_keeps_the_centered_form_where_pytorch_cuda_runs_its_own_kernel(
+        launches, shape, weight, bias, training, centered_only):
+    import cufused._ops.normalization as ops
+
+    c = shape[1]
+    w, b = (Dev((c,)) if given else None for given in (weight, bias))
+    flag = ops.torch_cuda_native_form(len(shape), shape[0], w, b, training)
+    stats = (Dev((c,)), Dev((c,)), training, 0.1, 1e-5)
+    ops._batch_norm_gpu(FakeXp, Dev(shape), w, b, stats, None, flag, Dev(shape))
+    finalize = [launch for launch in launches if launch.name.startswith("stats_finalize")]
+    assert len(finalize) == 1 and argument(finalize[0], "centered_only") == centered_only
+
+
 @pytest.mark.parametrize("epilogue", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_pipeline_a_centers_where_its_sums_are_of_the_normalized_values(
