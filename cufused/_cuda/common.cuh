@@ -80,8 +80,9 @@ struct NormMoments {
 // overflow, or a zero gamma or scale) takes center 0 too: c is then beta * scale either way,
 // and a value farther than float32's range from the mean gives c, not 0 * inf.
 // `centered_only` keeps the centered form for the other coefficients too (center = the mean,
-// c = beta * scale), as PyTorch CUDA's GroupNorm does for inputs of one value per channel:
-// an infinite gamma then gives +-inf, NaN only where v is the mean.
+// c = beta * scale), as PyTorch CUDA's GroupNorm does for inputs of one value per channel and
+// its native BatchNorm kernel always: an infinite gamma then gives +-inf, NaN only where v is
+// the mean.
 // Stored as three rows of K entries: coef[k] = a, coef[K + k] = center, coef[2 * K + k] = c.
 struct ChannelAffine {
     float a, center, c;

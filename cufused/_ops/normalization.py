@@ -242,7 +242,7 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
     check_out(out, x.shape, x.dtype, xp, x, in_place=True, inputs={
         "x": x, "weight": weight, "bias": bias, "running_mean": running_mean,
         "running_var": running_var})
-    centered_only = torch_cuda_native_form(x.ndim, x.shape[0], weight, bias, training)
+    centered_only = torch_cuda_native_form(_whole_batch(x.shape), weight, bias, training)
     # Every check passed: a strided parameter becomes a contiguous device array.
     weight, bias, running_mean, running_var = (
         per_channel(v, c, xp) for v in (weight, bias, running_mean, running_var))
@@ -253,18 +253,21 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
                                         centered_only)))
 
 
-# The largest batches that PyTorch hands to cuDNN's BatchNorm, in training and in inference.
-CUDNN_TRAINING_BATCH, CUDNN_INFERENCE_BATCH = 880801, 65535
+# The largest batches, and the elements below which, PyTorch hands a BatchNorm to cuDNN.
+CUDNN_TRAINING_BATCH, CUDNN_INFERENCE_BATCH, CUDNN_ELEMENTS = 880801, 65535, 2**31 - 1
 
 
-def torch_cuda_native_form(ndim: int, batch, weight, bias, training: bool) -> bool:
-    """Whether PyTorch CUDA runs a BatchNorm of this kind with its native kernel, which keeps
-    the centered form ``(x - mean) * rstd * weight + bias`` for every coefficient: without a
-    weight or a bias, for an (N, C) input, or past the batches it hands to cuDNN. Otherwise
-    cuDNN's kernels run, and cufused keeps ``a * x + b`` for non-finite coefficients
-    (ChannelAffine in common.cuh), as cuDNN does on small inputs."""
+def torch_cuda_native_form(shape: tuple[int, ...], weight, bias, training: bool) -> bool:
+    """Whether PyTorch CUDA (cuDNN enabled) runs a BatchNorm of the whole batch's ``shape``
+    with its native kernel, which keeps the centered form ``weight * (x - mean) * rstd + bias``
+    for every coefficient: without a weight or a bias, for an (N, C) input, past the batches
+    it hands to cuDNN or from 2**31 - 1 elements. Otherwise cuDNN's kernels run, and cufused
+    keeps ``a * x + b`` for non-finite coefficients (ChannelAffine in common.cuh), as cuDNN
+    does on small inputs. (PyTorch's eps condition, cuDNN 9's minimum of 0, holds for every
+    eps that ``batch_norm`` accepts.)"""
     limit = CUDNN_TRAINING_BATCH if training else CUDNN_INFERENCE_BATCH
-    return weight is None or bias is None or ndim == 2 or batch > limit
+    return (weight is None or bias is None or len(shape) == 2 or shape[0] > limit
+            or math.prod(shape) >= CUDNN_ELEMENTS)
 
 
 def _batch_norm_gpu(xp, x, weight, bias, stats, activation, centered_only, out):

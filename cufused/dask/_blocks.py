@@ -224,7 +224,7 @@ def batch_norm(x: Array, weight: Any = None, bias: Any = None, *, running_mean: 
     moments = graph.task(_channel_moments)
     stats = _batch_statistics(graph, [(moments, key) for key in inputs], running_mean,
                               running_var, momentum, split_every)
-    centered_only = torch_cuda_native_form(x.ndim, x.shape[0], weight, bias, True)
+    centered_only = torch_cuda_native_form(x.shape, weight, bias, True)
     return _normalized_batch(graph, stats, functools.partial(
         _normalize, eps=eps, activation=activation, centered_only=centered_only), inputs,
         dict(weight=weight, bias=bias), probe, running_mean, running_var, return_running_stats)

@@ -242,3 +242,74 @@ def test_implicit_gemm_route_leaves_rows_past_int32_to_cudnn():
     one = dataclasses.replace(forward, out_shape=(1, 1, 1, 1))
     assert _igemm_route(deep, types.SimpleNamespace(shape=(1, 2**27, 4, 4), flags=dense), one,
                         "tf32", None, None) is None
+
+
+@pytest.fixture
+def batch_norm_forms(monkeypatch):
+    """The ``centered_only`` that each ``batch_norm`` call hands its GPU path (built for NumPy
+    inputs too), with the call's batch."""
+    import cufused._ops.normalization as ops
+
+    forms = []
+
+    def record(call):
+        forms.append((call.args[1].shape[0], call.args[-1]))
+        return call
+
+    monkeypatch.setattr(ops, "replayed", record)
+    return forms
+
+
+@pytest.mark.parametrize("shape,weight,bias,training,native", [
+    ((3, 4, 5), True, True, True, False),  # cuDNN: a * x + b for non-finite coefficients
+    ((3, 4, 5), True, True, False, False),
+    ((3, 4, 5), False, True, True, True),  # PyTorch CUDA's native kernel: centered
+    ((3, 4, 5), True, False, False, True),
+    ((6, 4), True, True, True, True),
+    ((65536, 2, 1), True, True, False, True),  # past the batch PyTorch hands to cuDNN
+    ((65536, 2, 1), True, True, True, False),
+    ((880802, 1, 1), True, True, True, True)])
+def test_batch_norm_keeps_pytorch_cuda_s_form(batch_norm_forms, shape, weight, bias,
+                                               training, native):
+    rng = np.random.default_rng(0)
+    c = shape[1]
+    x = rng.standard_normal(shape).astype(np.float32)
+    w, b = (rng.standard_normal(c) if given else None for given in (weight, bias))
+    cufused.batch_norm(x, w, b, running_mean=np.zeros(c), running_var=np.ones(c),
+                       training=training)
+    assert batch_norm_forms == [(shape[0], native)]
+
+
+def test_torch_cuda_native_form_counts_elements():
+    from cufused._ops.normalization import torch_cuda_native_form
+
+    one = np.ones(3)
+    assert not torch_cuda_native_form((2**19, 2**11 - 1, 2), one, one, True)
+    assert torch_cuda_native_form((2**19, 2**11, 2), one, one, True)  # 2**31 elements
+
+
+def test_dask_batch_norm_takes_the_whole_batch_s_form(batch_norm_forms, monkeypatch):
+    # 70000 samples pass the 65535 that PyTorch hands cuDNN in inference, in chunks that do
+    # not: every chunk takes the whole batch's form, as the single call does. In training
+    # (below 880801) the phase that normalizes with the batch statistics takes cuDNN's.
+    cdask = pytest.importorskip("cufused.dask")
+    da = pytest.importorskip("dask.array")
+    import cufused.dask._blocks as blocks
+
+    phases = []
+    normalized_batch = blocks._normalized_batch
+
+    def record(graph, statistics, task, *args, **kwargs):
+        phases.append(task.keywords["centered_only"])
+        return normalized_batch(graph, statistics, task, *args, **kwargs)
+
+    monkeypatch.setattr(blocks, "_normalized_batch", record)
+    x = np.random.default_rng(1).standard_normal((70000, 2, 1)).astype(np.float32)
+    for training in (False, True):
+        y = cdask.batch_norm(da.from_array(x, chunks=(35000, 2, 1)), np.ones(2), np.zeros(2),
+                             running_mean=np.zeros(2), running_var=np.ones(2),
+                             training=training)
+        y.compute(scheduler="sync")
+        if not training:
+            assert [native for n, native in batch_norm_forms if n > 0] == [True, True]
+    assert phases == [False]

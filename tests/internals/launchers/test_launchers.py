@@ -355,23 +355,13 @@ def test_group_norm_of_one_value_per_channel_keeps_the_centered_form(launches, s
     assert argument(coefficients[0], "centered_only") == centered_only
 
 
-@pytest.mark.parametrize("shape,weight,bias,training,centered_only", [
-    ((3, 4, 5), True, True, True, 0),  # cuDNN: a * x + b for non-finite coefficients
-    ((3, 4, 5), True, True, False, 0),
-    ((3, 4, 5), False, True, True, 1),  # PyTorch's native kernel: centered
-    ((3, 4, 5), True, False, False, 1),
-    ((6, 4), True, True, True, 1),
-    ((65536, 4, 1), True, True, False, 1),  # past the batch PyTorch hands to cuDNN
-    ((65536, 4, 1), True, True, True, 0)])
-def test_batch_norm_keeps_the_centered_form_where_pytorch_cuda_runs_its_own_kernel(
-        launches, shape, weight, bias, training, centered_only):
+@pytest.mark.parametrize("centered_only", [False, True])
+def test_batch_norm_hands_its_form_to_the_coefficients(launches, centered_only):
     import cufused._ops.normalization as ops
 
-    c = shape[1]
-    w, b = (Dev((c,)) if given else None for given in (weight, bias))
-    flag = ops.torch_cuda_native_form(len(shape), shape[0], w, b, training)
-    stats = (Dev((c,)), Dev((c,)), training, 0.1, 1e-5)
-    ops._batch_norm_gpu(FakeXp, Dev(shape), w, b, stats, None, flag, Dev(shape))
+    stats = (Dev((4,)), Dev((4,)), True, 0.1, 1e-5)
+    ops._batch_norm_gpu(FakeXp, Dev((3, 4, 5)), Dev((4,)), None, stats, None, centered_only,
+                        Dev((3, 4, 5)))
     finalize = [launch for launch in launches if launch.name.startswith("stats_finalize")]
     assert len(finalize) == 1 and argument(finalize[0], "centered_only") == centered_only
 
