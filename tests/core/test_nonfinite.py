@@ -102,6 +102,10 @@ def make(case, rng):
         return (["x", "weight", "bn_weight", "bn_bias", "gn_weight", "gn_bias", "conv_bias"],
                 [rng.random((3, 4, 5, 5)), n((4, 8, 3, 3)) * 0.3, n(8), n(8) * 0.1, n(8),
                  n(8) * 0.1, n(8) * 0.1])
+    if case == "B, 1 x 1 pooled":  # GroupNorm of one value per channel
+        return (["x", "weight", "bn_weight", "bn_bias", "gn_weight", "gn_bias", "conv_bias"],
+                [rng.random((3, 4, 2, 2)), n((4, 8, 3, 3)) * 0.3, n(8), n(8) * 0.1, n(8),
+                 n(8) * 0.1, n(8) * 0.1])
     if case == "C":
         return (["x", "weight", "scale", "conv_bias"],
                 [rng.random((2, 3, 4, 6, 6)), n((3, 4, 3, 3, 3)) * 0.3, n(4), n(4) * 0.1])
@@ -124,7 +128,8 @@ def make(case, rng):
     return ["x", "weight", "bias"], [n((3, 4, 5, 5)), n(4), n(4)]
 
 
-CASES = {"A": (torch_a, ours_a), "B": (torch_b, ours_b), "C": (torch_c, ours_c),
+CASES = {"A": (torch_a, ours_a), "B": (torch_b, ours_b), "B, 1 x 1 pooled": (torch_b, ours_b),
+         "C": (torch_c, ours_c),
          "group_norm rows": (torch_gn, ours_gn), "group_norm split": (torch_gn, ours_gn),
          "group_norm (N, C)": (torch_gn, ours_gn), "group_norm (N, C, 1)": (torch_gn, ours_gn),
          "group_norm (N, C, 1, 1)": (torch_gn, ours_gn),

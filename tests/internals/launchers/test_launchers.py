@@ -429,6 +429,33 @@ def test_pipeline_b_statistics_center_on_the_float64_mean(launches, monkeypatch)
         assert phase3.keywords["centered_sums"] is (conv_bias is None)
 
 
+@pytest.mark.parametrize("size,one_value", [(2, True), (8, False)])
+def test_pipeline_b_groupnorm_of_one_pooled_value_keeps_the_centered_form(
+        launches, monkeypatch, size, one_value):
+    # A 1 x 1 pooled plane takes PyTorch CUDA's GroupNorm form for one value per channel, on
+    # NCHW extrema even where a channels-last convolution output would store them in blocks.
+    from cufused._ops._conv_args import cached_conv_args
+    from cufused.pipelines import pipeline_b
+
+    n, cin, c = 2, 3, 8
+    args = cached_conv_args((n, cin, size, size), (cin, c, 3, 3), 2, transposed=True,
+                            stride=1, padding=1, output_padding=0, groups=1)
+    monkeypatch.setattr(pipeline_b, "conv_on_gpu",
+                        lambda x, weight, args, precision, convert_output: (
+                            Dev(args.out_shape, "nhwc"), None))
+    oh, ow = args.out_shape[2:]
+    pipeline_b._fused(FakeXp, Dev((n, cin, size, size)), Dev((cin, c, 3, 3)), args, "ieee",
+                      Dev((n, c, oh // 2, ow // 2)), k=2, num_groups=2, conv_bias=None,
+                      bn_weight=Dev((c,)), bn_bias=Dev((c,)), gn_weight=Dev((c,)),
+                      gn_bias=Dev((c,)), running_mean=None, running_var=None, momentum=0.1,
+                      eps=1e-5)
+    (gn,) = [launch for launch in launches if launch.name.startswith("group_norm_rows")]
+    check_launch(gn)
+    assert gn.name.startswith("group_norm_rows<") == one_value  # NCHW rows, not blocks
+    if one_value:
+        assert argument(gn, "centered_only") == 1
+
+
 def test_pooling_launchers(launches):
     pool = LAUNCHERS["pooling.cu"]
     for is_max in (True, False):
