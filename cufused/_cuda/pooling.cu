@@ -730,8 +730,10 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_rows(
 // checks every sample's coefficients (a = gamma * rstd, b = beta - mean * a, as PyTorch forms
 // them) and recomputes the flagged (sample, channel) planes of out from the convolution output
 // y (strides sn, sc, sh, sw; plus bias) in PyTorch's order: GroupNorm affine, scale, max
-// (NaN-propagating) over each k x k window, clamp. A finite-parameter call costs one flag
-// check per (sample, channel).
+// (NaN-propagating) over each k x k window, clamp. `centered`: a convolution output of one
+// value per channel (1 x 1), whose GroupNorm PyTorch CUDA computes as
+// (v - mean) * rstd * gamma + beta. A finite-parameter call costs one flag check per
+// (sample, channel).
 //
 // The body of both kernels below: value_at(n, h, w) is the convolution output + bias of
 // channel c (blockIdx.x) at (n, h, w).
@@ -739,7 +741,7 @@ template <class ValueAt>
 __device__ __forceinline__ void affine_nonfinite_planes(
         ValueAt value_at, const float2* __restrict__ moments, const float* __restrict__ gamma,
         const float* __restrict__ beta, const float* __restrict__ scale, float* __restrict__ out,
-        int N, int C, int G, int k, int Ho, int Wo, float lo, float hi) {
+        int N, int C, int G, int k, int Ho, int Wo, float lo, float hi, bool centered) {
     const int c = blockIdx.x;
     const float g = gamma ? gamma[c] : 1.0f, bt = beta ? beta[c] : 0.0f;
     const float s = scale ? scale[c] : 1.0f;
@@ -760,12 +762,14 @@ __device__ __forceinline__ void affine_nonfinite_planes(
     for (int n = 0; n < N; ++n) {
         float a, b;
         if (coefficients(n, a, b)) continue;
+        const float2 m = moments[(index_t)n * G + group];
+        auto normalized = [&](float v) { return centered ? (v - m.x) * m.y * g + bt : a * v + b; };
         for (int p = threadIdx.x; p < P; p += blockDim.x) {
             const int i = p / Wo, j = p - i * Wo;
             float acc = -INFINITY;
             for (int di = 0; di < k; ++di)
                 for (int dj = 0; dj < k; ++dj)
-                    acc = nan_max(acc, (a * value_at(n, i * k + di, j * k + dj) + b) * s);
+                    acc = nan_max(acc, normalized(value_at(n, i * k + di, j * k + dj)) * s);
             out[((index_t)n * C + c) * P + p] = clamp_nan(acc, lo, hi);
         }
     }
@@ -777,14 +781,15 @@ __global__ void pool_affine_nonfinite(const float* __restrict__ y, const float* 
                                       const float* __restrict__ beta,
                                       const float* __restrict__ scale, float* __restrict__ out,
                                       int N, int C, int G, int k, int Ho, int Wo, index_t sn,
-                                      index_t sc, index_t sh, index_t sw, float lo, float hi) {
+                                      index_t sc, index_t sh, index_t sw, float lo, float hi,
+                                      int centered) {
     const int c = blockIdx.x;
     const float b0 = bias ? bias[c] : 0.0f;
     auto value_at = [&](int n, int h, int w) {
         return y[n * sn + c * sc + h * sh + w * sw] + b0;
     };
     affine_nonfinite_planes(value_at, moments, gamma, beta, scale, out, N, C, G, k, Ho, Wo, lo,
-                            hi);
+                            hi, centered != 0);
 }
 
 // pool_affine_nonfinite for a convolution output that was never stored (the fused
@@ -814,8 +819,9 @@ __global__ void pool_affine_nonfinite_conv(
             }
         return v;
     };
+    // Its windows (pool 2 or 4) never hold a convolution output of one value per channel.
     affine_nonfinite_planes(value_at, moments, gamma, beta, scale, out, N, C, G, k, Ho, Wo, lo,
-                            hi);
+                            hi, false);
 }
 
 // Pipeline B's exact path for channels whose BatchNorm coefficients are not finite (an

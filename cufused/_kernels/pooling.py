@@ -187,15 +187,16 @@ def _strides(y) -> tuple:
 def pool_affine_nonfinite(y, out, moments, *, bias, gamma, beta, scale, num_groups: int,
                           pool: int, lo: float, hi: float) -> None:
     """Pipeline A's channels with a non-finite GroupNorm parameter or scale, recomputed into
-    ``out`` (N, C, Ho, Wo) from the conv output ``y`` by the definition (see the kernel); a
-    call with finite parameters costs one check per channel on the device."""
+    ``out`` (N, C, Ho, Wo) from the conv output ``y`` by the definition (see the kernel; in
+    PyTorch CUDA's centered form where ``y`` has one value per channel); a call with finite
+    parameters costs one check per channel on the device."""
     n, c = y.shape[:2]
     i32 = numpy.int32
     get_kernel(_FILE, "pool_affine_nonfinite")(
         (c,), (256,),
         (y, optional(bias), moments, optional(gamma), optional(beta), optional(scale), out,
          i32(n), i32(c), i32(num_groups), i32(pool), i32(out.shape[2]), i32(out.shape[3]),
-         *_strides(y), numpy.float32(lo), numpy.float32(hi)))
+         *_strides(y), numpy.float32(lo), numpy.float32(hi), i32(y.shape[2] * y.shape[3] == 1)))
 
 
 def pool_affine_nonfinite_conv(x, w, out, moments, *, bias, gamma, beta, scale,

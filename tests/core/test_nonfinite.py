@@ -7,6 +7,8 @@ float64, on the CPU and on CUDA alike, has the definition's products only, as cu
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 
@@ -24,10 +26,10 @@ def _t(v, device, dtype):
     return None if v is None else torch.as_tensor(v, dtype=dtype, device=device)
 
 
-def torch_a(v, device, dtype):
+def torch_a(v, device, dtype, pool=2):
     x, w, cb, gw, gb, s = (_t(a, device, dtype) for a in v)
     y = F.group_norm(F.conv2d(x, w, cb), 4, gw, gb, eps=1e-5) * s.view(1, -1, 1, 1)
-    return torch.clamp(F.max_pool2d(y, 2), 0.0, 1.0)
+    return torch.clamp(F.max_pool2d(y, pool), 0.0, 1.0)
 
 
 def torch_b(v, device, dtype):
@@ -55,10 +57,10 @@ def torch_bn(v, device, dtype):
     return torch.tanh(F.batch_norm(x, None, None, w, b, training=True))
 
 
-def ours_a(v):
+def ours_a(v, pool=2):
     x, w, cb, gw, gb, s = v
     return cufused.conv2d_groupnorm_scale_maxpool_clamp(
-        x, w, cb, gw, gb, s, num_groups=4, pool_kernel=2, clamp_min=0.0, clamp_max=1.0)
+        x, w, cb, gw, gb, s, num_groups=4, pool_kernel=pool, clamp_min=0.0, clamp_max=1.0)
 
 
 def ours_b(v):
@@ -98,6 +100,10 @@ def make(case, rng):
         return (["x", "weight", "conv_bias", "gn_weight", "gn_bias", "scale"],
                 [rng.random((2, 3, 10, 10)), n((8, 3, 3, 3)) * 0.3, n(8) * 0.1, n(8),
                  n(8) * 0.1, n(8)])
+    if case == "A, 1 x 1 convolution output":  # GroupNorm of one value per channel
+        return (["x", "weight", "conv_bias", "gn_weight", "gn_bias", "scale"],
+                [rng.random((3, 3, 3, 3)), n((8, 3, 3, 3)) * 0.3, n(8) * 0.1, n(8),
+                 n(8) * 0.1, n(8)])
     if case == "B":
         return (["x", "weight", "bn_weight", "bn_bias", "gn_weight", "gn_bias", "conv_bias"],
                 [rng.random((3, 4, 5, 5)), n((4, 8, 3, 3)) * 0.3, n(8), n(8) * 0.1, n(8),
@@ -128,7 +134,9 @@ def make(case, rng):
     return ["x", "weight", "bias"], [n((3, 4, 5, 5)), n(4), n(4)]
 
 
-CASES = {"A": (torch_a, ours_a), "B": (torch_b, ours_b), "B, 1 x 1 pooled": (torch_b, ours_b),
+CASES = {"A": (torch_a, ours_a),
+         "A, 1 x 1 convolution output": (partial(torch_a, pool=1), partial(ours_a, pool=1)),
+         "B": (torch_b, ours_b), "B, 1 x 1 pooled": (torch_b, ours_b),
          "C": (torch_c, ours_c),
          "group_norm rows": (torch_gn, ours_gn), "group_norm split": (torch_gn, ours_gn),
          "group_norm (N, C)": (torch_gn, ours_gn), "group_norm (N, C, 1)": (torch_gn, ours_gn),

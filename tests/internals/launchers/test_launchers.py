@@ -397,6 +397,33 @@ def test_pipeline_a_centers_where_its_sums_are_of_the_normalized_values(
     assert argument(stats, "centered_sums") == (not with_bias)
 
 
+@pytest.mark.parametrize("size,k,one_value", [(1, 1, 1), (2, 2, 0), (4, 1, 0)])
+def test_pipeline_a_recomputes_one_value_per_channel_in_the_centered_form(
+        launches, monkeypatch, size, k, one_value):
+    # A 1 x 1 convolution output's GroupNorm is PyTorch CUDA's form for one value per channel
+    # where the exact path recomputes channels with non-finite coefficients (the epilogue
+    # route, for pools of 2 and 4, never has one).
+    from cufused._ops._conv_args import cached_conv_args
+    from cufused.pipelines import pipeline_a
+
+    n, cin, c = 2, 3, 8
+    args = cached_conv_args((n, cin, size, size), (c, cin, 3, 3), 2, transposed=False,
+                            stride=1, padding=1, dilation=1, groups=1)
+    monkeypatch.setattr(pipeline_a, "conv_on_gpu",
+                        lambda x, weight, args, precision, convert_output: (
+                            Dev(args.out_shape), None))
+    monkeypatch.setattr(pipeline_a, "conv_nonfinite_weight_rows", lambda *a, **kw: None)
+    monkeypatch.setattr(LAUNCHERS["conv_gemm.cu"], "sm_count", lambda: 132)
+    pipeline_a._fused(FakeXp, Dev((n, cin, size, size)), Dev((c, cin, 3, 3)), args, "tf32",
+                      Dev((n, c, size // k, size // k)), k=k, num_groups=2, conv_bias=None,
+                      gn_weight=Dev((c,)), gn_bias=Dev((c,)), scale=Dev((c,)), eps=1e-5,
+                      lo=0.0, hi=1.0, epilogue=False)
+    (exact,) = [launch for launch in launches
+                if launch.name.startswith("pool_affine_nonfinite")]
+    check_launch(exact)
+    assert exact.name == "pool_affine_nonfinite" and argument(exact, "centered") == one_value
+
+
 def test_pipeline_b_statistics_center_on_the_float64_mean(launches, monkeypatch):
     # The single call's fused pass sums y (mean_offset carries the bias) and normalizes y;
     # cufused.dask's phase 1 sums y + (bias - shift) with a bias, so its phase 3 centers on
