@@ -366,6 +366,28 @@ def test_batch_norm_hands_its_form_to_the_coefficients(launches, centered_only):
     assert len(finalize) == 1 and argument(finalize[0], "centered_only") == centered_only
 
 
+def run_pipeline_a_fused(monkeypatch, *, size: int, k: int, with_bias: bool,
+                         epilogue: bool) -> None:
+    """Pipeline A's fused path on a (2, 3, size, size) input, 8 channels of a 3 x 3
+    convolution with padding 1 and pool ``k``, its convolution output a fake array."""
+    from cufused._ops._conv_args import cached_conv_args
+    from cufused.pipelines import pipeline_a
+
+    n, cin, c = 2, 3, 8
+    args = cached_conv_args((n, cin, size, size), (c, cin, 3, 3), 2, transposed=False,
+                            stride=1, padding=1, dilation=1, groups=1)
+    monkeypatch.setattr(pipeline_a, "conv_on_gpu",
+                        lambda x, weight, args, precision, convert_output: (
+                            Dev(args.out_shape), None))
+    monkeypatch.setattr(pipeline_a, "conv_nonfinite_weight_rows", lambda *a, **kw: None)
+    monkeypatch.setattr(LAUNCHERS["conv_gemm.cu"], "sm_count", lambda: 132)
+    pipeline_a._fused(FakeXp, Dev((n, cin, size, size)), Dev((c, cin, 3, 3)), args, "tf32",
+                      Dev((n, c, size // k, size // k)), k=k, num_groups=2,
+                      conv_bias=Dev((c,)) if with_bias else None, gn_weight=Dev((c,)),
+                      gn_bias=Dev((c,)), scale=Dev((c,)), eps=1e-5, lo=0.0, hi=1.0,
+                      epilogue=epilogue)
+
+
 @pytest.mark.parametrize("epilogue", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_pipeline_a_centers_where_its_sums_are_of_the_normalized_values(
@@ -373,22 +395,7 @@ def test_pipeline_a_centers_where_its_sums_are_of_the_normalized_values(
     # Both of pipeline A's fused routes sum y + (bias - shift) and normalize fl(y + bias):
     # the float64 mean only without a convolution bias, or a constant row whose bias rounds y
     # away normalizes to beta - a * mean_lo instead of exactly beta.
-    from cufused._ops._conv_args import cached_conv_args
-    from cufused.pipelines import pipeline_a
-
-    n, cin, c, h, w, k = 2, 3, 8, 10, 10, 2
-    args = cached_conv_args((n, cin, h, w), (c, cin, 3, 3), 2, transposed=False, stride=1,
-                            padding=1, dilation=1, groups=1)
-    monkeypatch.setattr(pipeline_a, "conv_on_gpu",
-                        lambda x, weight, args, precision, convert_output: (
-                            Dev(args.out_shape), None))
-    monkeypatch.setattr(pipeline_a, "conv_nonfinite_weight_rows", lambda *a, **kw: None)
-    monkeypatch.setattr(LAUNCHERS["conv_gemm.cu"], "sm_count", lambda: 132)
-    pipeline_a._fused(FakeXp, Dev((n, cin, h, w)), Dev((c, cin, 3, 3)), args, "tf32",
-                      Dev((n, c, h // k, w // k)), k=k, num_groups=2,
-                      conv_bias=Dev((c,)) if with_bias else None, gn_weight=Dev((c,)),
-                      gn_bias=Dev((c,)), scale=Dev((c,)), eps=1e-5, lo=0.0, hi=1.0,
-                      epilogue=epilogue)
+    run_pipeline_a_fused(monkeypatch, size=10, k=2, with_bias=with_bias, epilogue=epilogue)
     for launch in launches:
         check_launch(launch)
     (stats,) = [launch for launch in launches
@@ -403,21 +410,7 @@ def test_pipeline_a_recomputes_one_value_per_channel_in_the_centered_form(
     # A 1 x 1 convolution output's GroupNorm is PyTorch CUDA's form for one value per channel
     # where the exact path recomputes channels with non-finite coefficients (the epilogue
     # route, for pools of 2 and 4, never has one).
-    from cufused._ops._conv_args import cached_conv_args
-    from cufused.pipelines import pipeline_a
-
-    n, cin, c = 2, 3, 8
-    args = cached_conv_args((n, cin, size, size), (c, cin, 3, 3), 2, transposed=False,
-                            stride=1, padding=1, dilation=1, groups=1)
-    monkeypatch.setattr(pipeline_a, "conv_on_gpu",
-                        lambda x, weight, args, precision, convert_output: (
-                            Dev(args.out_shape), None))
-    monkeypatch.setattr(pipeline_a, "conv_nonfinite_weight_rows", lambda *a, **kw: None)
-    monkeypatch.setattr(LAUNCHERS["conv_gemm.cu"], "sm_count", lambda: 132)
-    pipeline_a._fused(FakeXp, Dev((n, cin, size, size)), Dev((c, cin, 3, 3)), args, "tf32",
-                      Dev((n, c, size // k, size // k)), k=k, num_groups=2, conv_bias=None,
-                      gn_weight=Dev((c,)), gn_bias=Dev((c,)), scale=Dev((c,)), eps=1e-5,
-                      lo=0.0, hi=1.0, epilogue=False)
+    run_pipeline_a_fused(monkeypatch, size=size, k=k, with_bias=False, epilogue=False)
     (exact,) = [launch for launch in launches
                 if launch.name.startswith("pool_affine_nonfinite")]
     check_launch(exact)
