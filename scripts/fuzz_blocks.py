@@ -49,11 +49,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
-from fuzz_pipelines import _per_channel, _placement_error, _plant, _to_gpu  # scripts/
+from fuzz_pipelines import (_per_channel, _placement_error, _plant, _to_gpu,  # scripts/
+                            group_norm_as)
 
 import cufused
 from cufused._arrays import is_cupy_array
 from cufused._cudnn import plan_options
+from cufused._ops.normalization import torch_cuda_native_form
 from cufused.bench.cases import rel_err
 
 CONVOLUTIONS = ("conv2d", "conv3d", "conv_transpose2d", "conv_transpose3d")
@@ -217,9 +219,31 @@ BLOCKS = {
 }
 
 
-def _torch_outputs(block: str, args: list, options: dict) -> list[np.ndarray]:
+def _batch_norm_centered(x, weight, bias, options: dict):
+    """PyTorch CUDA's native BatchNorm, ``(x - mean) * rstd * weight + bias`` (float64 torch
+    tensors), with the batch's statistics in training and the running ones otherwise."""
+    import torch
+
+    per_channel = (1, -1) + (1,) * (x.ndim - 2)
+    if options["training"]:
+        axes = [0, *range(2, x.ndim)]
+        mean = x.mean(dim=axes, keepdim=True)
+        var = x.var(dim=axes, unbiased=False, keepdim=True)
+    else:
+        mean = torch.from_numpy(np.array(options["running_mean"])).reshape(per_channel)
+        var = torch.from_numpy(np.array(options["running_var"])).reshape(per_channel)
+    y = (x - mean) * (1.0 / torch.sqrt(var + options["eps"]))
+    if weight is not None:
+        y = y * weight.reshape(per_channel)
+    return y if bias is None else y + bias.reshape(per_channel)
+
+
+def _torch_outputs(block: str, args: list, options: dict, *,
+                   gpu: bool = False) -> list[np.ndarray]:
     """The block in PyTorch, float64 on the CPU: its result, then the running buffers it
-    updates (flattened)."""
+    updates (flattened). With ``gpu``, the normalizations take the GPU path's form for
+    non-finite coefficients where PyTorch CUDA's kernel rules give the centered one
+    (``group_norm_as``; BatchNorm's ``torch_cuda_native_form``)."""
     import torch
     import torch.nn.functional as F
 
@@ -236,13 +260,16 @@ def _torch_outputs(block: str, args: list, options: dict) -> list[np.ndarray]:
             return [getattr(F, block)(t(x), t(w), flat(b), **options).numpy()]
         if block == "group_norm":
             x, groups, w, b = args
-            return [F.group_norm(t(x), groups, flat(w), flat(b), eps=options["eps"]).numpy()]
+            return [group_norm_as(t(x), groups, flat(w), flat(b), gpu=gpu,
+                                  eps=options["eps"]).numpy()]
         if block == "batch_norm":
             x, w, b = args
             buffers = [flat(options[k]) for k in BUFFERS if k in options]
             y = F.batch_norm(t(x), *(buffers or (None, None)), flat(w), flat(b),
                              training=options["training"], momentum=options["momentum"],
                              eps=options["eps"])
+            if gpu and torch_cuda_native_form(x.shape, w, b, options["training"]):
+                y = _batch_norm_centered(t(x), flat(w), flat(b), options)
             if options["activation"] == "tanh":
                 y = torch.tanh(y)
             return [y.numpy()] + [buf.numpy() for buf in buffers]
@@ -411,7 +438,7 @@ def run_case(block: str, seed: int, *, nonfinite: bool = False,
     if nonfinite:
         torch_refs = _torch_outputs(block, args, options)
         worst = _worst([("reference", refs, None)], torch_refs, 1e-9)
-        refs = torch_refs
+        refs = _torch_outputs(block, args, options, gpu=True)
     gpu_args = [_laid_out(_to_gpu(a), layout) if i in laid_out else _to_gpu(a)
                 for i, a in enumerate(args)]
     gpu_options = {k: _to_gpu(v) for k, v in options.items()}

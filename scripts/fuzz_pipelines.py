@@ -28,6 +28,7 @@ Usage: python scripts/fuzz_pipelines.py [--seed 1] [--seconds 60] [--cases A B C
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
@@ -109,30 +110,51 @@ def _case_c(rng):
 CASES = {"A": _case_a, "B": _case_b, "C": _case_c}
 
 
-def _torch_a(x, w, cb, gw, gb, scale, *, num_groups, pool_kernel, clamp_min, clamp_max,
-             stride, padding):
+def group_norm_as(y, num_groups, weight, bias, *, gpu: bool, eps: float = 1e-5):
+    """PyTorch's GroupNorm in float64 on the CPU, in the form of the GPU path where ``gpu``:
+    an input of one value per channel takes PyTorch CUDA's centered form
+    ``(y - mean) * rstd * weight + bias`` (docs/semantics.rst), which PyTorch CPU's
+    ``a * y + b`` departs from for non-finite coefficients."""
     import torch
     import torch.nn.functional as F
 
-    y = F.group_norm(F.conv2d(x, w, cb, stride=stride, padding=padding), num_groups, gw, gb)
+    if not gpu or math.prod(y.shape[2:]) != 1:
+        return F.group_norm(y, num_groups, weight, bias, eps=eps)
+    rows = y.reshape(y.shape[0], num_groups, -1)
+    mean = rows.mean(dim=2, keepdim=True)
+    rstd = 1.0 / torch.sqrt(rows.var(dim=2, unbiased=False, keepdim=True) + eps)
+    z = ((rows - mean) * rstd).reshape(y.shape)
+    per_channel = (1, -1) + (1,) * (y.ndim - 2)
+    if weight is not None:
+        z = z * weight.reshape(per_channel)
+    return z if bias is None else z + bias.reshape(per_channel)
+
+
+def _torch_a(x, w, cb, gw, gb, scale, *, num_groups, pool_kernel, clamp_min, clamp_max,
+             stride, padding, gpu=False):
+    import torch
+    import torch.nn.functional as F
+
+    y = group_norm_as(F.conv2d(x, w, cb, stride=stride, padding=padding), num_groups, gw, gb,
+                      gpu=gpu)
     if scale is not None:
         y = y * (scale.reshape(1, -1, 1, 1) if isinstance(scale, torch.Tensor) else scale)
     return F.max_pool2d(y, pool_kernel).clamp(clamp_min, clamp_max)
 
 
 def _torch_b(x, w, bw, bb, gw, gb, *, num_groups, stride, padding, output_padding, groups,
-             conv_bias):
+             conv_bias, gpu=False):
     import torch
     import torch.nn.functional as F
 
     y = F.conv_transpose2d(x, w, conv_bias, stride=stride, padding=padding,
                            output_padding=output_padding, groups=groups)
     y = torch.tanh(F.batch_norm(y, None, None, bw, bb, training=True))
-    return F.group_norm(F.max_pool2d(y, 2, 2), num_groups, gw, gb)
+    return group_norm_as(F.max_pool2d(y, 2, 2), num_groups, gw, gb, gpu=gpu)
 
 
 def _torch_c(x, w, scale, *, stride, padding, output_padding, pool_kernel, clamp_min,
-             clamp_max, conv_bias):
+             clamp_max, conv_bias, gpu=False):
     import torch
     import torch.nn.functional as F
 
@@ -153,15 +175,17 @@ TORCH = {"A": _torch_a, "B": _torch_b, "C": _torch_c}
 SCALE_FLOOR = {"A": 1e-3, "B": 1e-3, "C": 0.0}
 
 
-def _torch_reference(name: str, args, options) -> np.ndarray:
-    """The pipeline in PyTorch, float64 on the CPU."""
+def _torch_reference(name: str, args, options, *, gpu: bool = False) -> np.ndarray:
+    """The pipeline in PyTorch, float64 on the CPU (in the GPU path's forms where ``gpu``:
+    :func:`group_norm_as`)."""
     import torch
 
     def t(value):
         return torch.from_numpy(value) if isinstance(value, np.ndarray) else value
 
     with torch.no_grad():
-        return TORCH[name](*map(t, args), **{k: t(v) for k, v in options.items()}).numpy()
+        return TORCH[name](*map(t, args), **{k: t(v) for k, v in options.items()},
+                           gpu=gpu).numpy()
 
 
 def _plant(rng, args, options):
@@ -241,7 +265,7 @@ def run_case(rng, name: str, *, nonfinite: bool = False,
         draw["planted"] = planted
         torch_ref = _torch_reference(name, args, options)
         errors.append(_placement_error(ref, torch_ref, floor=SCALE_FLOOR[name]) / 1e-9)
-        ref = torch_ref
+        ref = _torch_reference(name, args, options, gpu=True) if gpu else torch_ref
     if not gpu:
         return name, draw, max(errors)
     # An offset input (values 5-6 over a spread of 0.29) keeps its spread in fewer bits:
