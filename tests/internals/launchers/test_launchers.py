@@ -476,6 +476,23 @@ def test_pipeline_b_groupnorm_of_one_pooled_value_keeps_the_centered_form(
         assert argument(gn, "centered_only") == 1
 
 
+def test_pipeline_b_dask_phase_3_keeps_the_centered_form_for_one_value(launches, monkeypatch):
+    # cufused.dask's phase 3 of pipeline B: the GroupNorm of 1 x 1 pooled extrema takes the
+    # single call's (and PyTorch CUDA's) centered form.
+    from cufused.pipelines import pipeline_b
+
+    fake_xp = types.SimpleNamespace(empty_like=lambda a: Dev(a.shape))
+    monkeypatch.setattr(pipeline_b, "get_array_module", lambda **arrays: fake_xp)
+    monkeypatch.setattr(pipeline_b, "coefficients_of_statistics", lambda *a, **kw: Dev((3, 8)))
+    monkeypatch.setattr(pipeline_b, "per_channel", lambda value, c, xp: value)
+    for size, one_value in ((1, 1), (2, 0)):
+        pipeline_b._chunk_normalized(Dev((2, 8, size, size)), None, None, None, None,
+                                     Dev((8,)), Dev((8,)), num_groups=2, eps=1e-5,
+                                     centered_sums=True)
+        check_launch(launches[-1])
+        assert argument(launches[-1], "centered_only") == one_value
+
+
 def test_pooling_launchers(launches):
     pool = LAUNCHERS["pooling.cu"]
     for is_max in (True, False):
