@@ -181,7 +181,7 @@ def group_norm_threads(shared_bytes: int) -> int:
 
 
 def group_norm_rows(x, y, weight, bias, *, num_groups: int, eps: float, pre=None,
-                    x_block: int | None = None, centered_only: bool = False) -> None:
+                    x_block: int | None = None) -> None:
     """GroupNorm of ``x`` (N, C, ...) into contiguous ``y`` with one block per (n, group) row.
 
     ``x`` is contiguous, or channels-last where ``reads_channels_last`` allows. With
@@ -195,8 +195,9 @@ def group_norm_rows(x, y, weight, bias, *, num_groups: int, eps: float, pre=None
     ``ROW_CACHE_BYTES``, and is then visited one warp per channel where a channel has at
     least 32 values; 16-byte accesses when the row length and pointers allow. More rows than
     a grid holds (``MAX_GRID_X``) run in launches over slices of the batch (``x[n0:n1]``:
-    its first stride is a sample's values, blocked or not). ``centered_only`` as
-    ``group_norm_coefficients``'s (rows of one value per channel).
+    its first stride is a sample's values, blocked or not). Rows of one value per channel
+    keep the centered form for non-finite coefficients too, as PyTorch CUDA's GroupNorm of
+    such inputs does (``centered_only``, ``ChannelAffine::of``); their ``x`` is not blocked.
     """
     n, c = x.shape[:2]
     hw = x.size // max(n * c, 1)
@@ -226,11 +227,11 @@ def group_norm_rows(x, y, weight, bias, *, num_groups: int, eps: float, pre=None
     args = (optional(pre), optional(weight), optional(bias),
             numpy.int32(c), numpy.int32(num_groups), numpy.int32(hw), numpy.float32(eps))
     if name.startswith("group_norm_rows_cached"):
-        if centered_only:
-            raise ValueError("centered_only needs rows of one value per channel (HW = 1)")
+        if hw == 1:
+            raise ValueError("x_block needs rows of more than one value per channel")
         args += (numpy.int32(x_block or 0),)  # read only for channels-last blocks
     else:
-        args += (numpy.int32(centered_only),)
+        args += (numpy.int32(hw == 1),)  # centered_only
     kernel = get_kernel(_FILE, name, shared_bytes=shared)
     per_launch = MAX_GRID_X // num_groups  # samples whose rows one grid holds
     for n0 in range(0, n, per_launch):

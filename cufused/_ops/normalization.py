@@ -96,12 +96,8 @@ def _group_norm_gpu(xp, x, num_groups, weight, bias, eps, out):
     hw = x.size // (n * c)
     length = (c // num_groups) * hw
     rows = n * num_groups
-    # PyTorch CUDA normalizes an input of one value per channel with its own kernel, in the
-    # centered form whatever the coefficients.
-    centered_only = hw == 1
     if length * 4 <= ROW_CACHE_BYTES:
-        group_norm_rows(x, out, weight, bias, num_groups=num_groups, eps=eps,
-                        centered_only=centered_only)
+        group_norm_rows(x, out, weight, bias, num_groups=num_groups, eps=eps)
         return out
     partial, shift, splits = key_stats_partial(xp, x, rows, n_outer=1, outer_stride=0,
                                                key_stride=length, inner=length)
@@ -109,7 +105,7 @@ def _group_norm_gpu(xp, x, num_groups, weight, bias, eps, out):
     group_norm_coefficients(partial, shift, coef, rows=rows, row_len=splits,
                             count=length, channels=c, num_groups=num_groups, eps=eps,
                             centered_sums=True, gamma=weight, beta=bias,
-                            centered_only=centered_only)
+                            centered_only=hw == 1)  # as group_norm_rows for one value
     channel_affine(x, out, coef, inner=hw)
     return out
 
@@ -289,14 +285,14 @@ def split_mean(xp, mean):
 
 
 def coefficients_of_statistics(xp, x, weight, bias, mean, var, *, eps: float,
-                               centered: bool = True, centered_only: bool = False):
+                               float64_center: bool = True, centered_only: bool = False):
     """BatchNorm's inference coefficients (:func:`bn_coefficients`) for ``x`` from a batch's
     float64 per-channel ``mean`` and biased ``var`` formed elsewhere (cufused.dask's, across
-    chunks). ``centered`` centers on the float64 mean as the single training call does
+    chunks). ``float64_center`` centers on the float64 mean as the single training call does
     (:func:`split_mean`); otherwise on its float32 rounding. ``weight`` and ``bias`` are
     ``batch_norm``'s (None or per channel); ``centered_only`` as :func:`bn_coefficients`'s."""
     c = x.shape[1]
-    if centered:
+    if float64_center:
         head, remainder = split_mean(xp, mean)
     else:
         head, remainder = xp.asarray(mean, dtype=xp.float32), None
@@ -308,9 +304,9 @@ def coefficients_of_statistics(xp, x, weight, bias, mean, var, *, eps: float,
 def batch_norm_of_statistics(x, weight, bias, mean, var, *, eps: float,
                              activation: str | None, centered_only: bool = False):
     """``batch_norm`` of a CuPy ``x`` in inference with a batch's float64 ``mean`` and ``var``
-    (:func:`coefficients_of_statistics`, centered). Returns a new array; the arguments are
-    ones that ``batch_norm`` accepts (the dask graph's probe checked them); ``centered_only``
-    the whole batch's :func:`torch_cuda_native_form`."""
+    (:func:`coefficients_of_statistics`, on the float64 mean). Returns a new array; the
+    arguments are ones that ``batch_norm`` accepts (the dask graph's probe checked them);
+    ``centered_only`` the whole batch's :func:`torch_cuda_native_form`."""
     xp = get_array_module(x=x)
     check_float_dtype(xp, x=x)
     out = xp.empty(x.shape, dtype=x.dtype)

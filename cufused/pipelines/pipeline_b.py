@@ -164,13 +164,12 @@ def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, bn_
     # the path measured and tested on the GPU). Unlike a separate channels-last buffer, this
     # leaves no dirty lines of a temporary in the L2 to be written back during the GroupNorm.
     # A pooled plane of one value takes PyTorch CUDA's GroupNorm form for one value per
-    # channel (centered_only), which the GroupNorm pass applies to NCHW extrema.
+    # channel, which the GroupNorm pass applies to NCHW extrema only.
     variant = fused_pass_variant(y, k)
     ext_block = 0
-    one_value = out.shape[2] * out.shape[3] == 1
-    if (k == 2 and stores_ext_channels_last(variant, k) and out.data.ptr % 16 == 0
-            and not one_value
-            and group_rows_fit_channels_last(c, num_groups, out.shape[2] * out.shape[3])):
+    hw = out.shape[2] * out.shape[3]
+    if (k == 2 and stores_ext_channels_last(variant, k) and out.data.ptr % 16 == 0 and hw > 1
+            and group_rows_fit_channels_last(c, num_groups, hw)):
         ext_block = c // num_groups
     partial, shift, splits = pool_extremum_stats(
         xp, y, out, k, bias=None, sign_a=bn_weight, sign_b=None, shift_group=1,
@@ -182,7 +181,7 @@ def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, bn_
     pool_bn_tanh_nonfinite(y, out, moments, coef, bias=conv_bias, gamma=bn_weight, beta=bn_bias,
                            pool=k, ext_block=ext_block)
     group_norm_rows(out, out, gn_weight, gn_bias, num_groups=num_groups, eps=eps, pre=coef,
-                    x_block=ext_block or None, centered_only=one_value)
+                    x_block=ext_block or None)
     return out
 
 
@@ -230,9 +229,8 @@ def _chunk_normalized(pooled, mean, var, bn_weight, bn_bias, gn_weight, gn_bias,
     xp = get_array_module(x=pooled)
     c = pooled.shape[1]
     coef = coefficients_of_statistics(xp, pooled, bn_weight, bn_bias, mean, var, eps=eps,
-                                      centered=centered_sums)
+                                      float64_center=centered_sums)
     out = xp.empty_like(pooled)
     group_norm_rows(pooled, out, per_channel(gn_weight, c, xp), per_channel(gn_bias, c, xp),
-                    num_groups=num_groups, eps=eps, pre=coef,
-                    centered_only=pooled.shape[2] * pooled.shape[3] == 1)
+                    num_groups=num_groups, eps=eps, pre=coef)
     return out
