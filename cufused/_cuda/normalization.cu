@@ -13,13 +13,14 @@
 
 // Shifted sums for one statistics key over x[o * outer_stride + key * key_stride + i],
 // o < n_outer, i < inner, split into `splits` blocks per key (the split reduction that keeps
-// the GPU busy when there are few keys). partial[key * splits + split] = (sum d, sum d*d) with
-// d = x - shift, shift = the key's first element, 0 where infinite (written to shift_out[key]).
-__global__ void key_stats_partial(const float* __restrict__ x, float2* __restrict__ partial,
+// the GPU busy when there are few keys). partial[key * splits + split] = (sum d, sum d*d) in
+// double with d = x - shift, shift = the key's first element, 0 where infinite (written to
+// shift_out[key]); the sum of d is a double, as ChannelStats' (pooling.cu) is.
+__global__ void key_stats_partial(const float* __restrict__ x, double2* __restrict__ partial,
                                   float* __restrict__ shift_out, index_t n_outer,
                                   index_t outer_stride, index_t key_stride, index_t inner,
                                   int splits) {
-    __shared__ float2 scratch[32];
+    __shared__ double2 scratch[32];
     const int split = blockIdx.x % splits;
     const index_t key = blockIdx.x / splits;
     const float* base = x + key * key_stride;
@@ -28,7 +29,8 @@ __global__ void key_stats_partial(const float* __restrict__ x, float2* __restric
     const index_t total = n_outer * inner;
     index_t j_begin, j_end;
     split_range(total, splits, split, j_begin, j_end);
-    float s1 = 0.0f, s2 = 0.0f;
+    double s1 = 0.0;
+    float s2 = 0.0f;
     index_t j = j_begin + threadIdx.x;
     index_t o = j / inner;
     index_t i = j - o * inner;
@@ -39,7 +41,7 @@ __global__ void key_stats_partial(const float* __restrict__ x, float2* __restric
         i += blockDim.x;
         while (i >= inner) { i -= inner; ++o; }
     }
-    const float2 sums = block_sum(make_float2(s1, s2), scratch);
+    const double2 sums = block_sum(make_double2(s1, s2), scratch);
     if (threadIdx.x == 0) partial[key * splits + split] = sums;
 }
 
@@ -59,37 +61,34 @@ __device__ __forceinline__ ChannelAffine channel_affine_of(const float* __restri
                              param_or(scale, c, 1.0f), m, centered_only);
 }
 
+// A partial's (sum d, sum d * d) with d taken from the row's shift: a double2 of
+// stats_finalize's partials has them already; a float4 entry of group_affine_rows' (sum d,
+// sum d * d, s, count as int bits) has d = value - s, s a shift of the entry's own, and its
+// sums move by e = s - row_shift in double.
+__device__ __forceinline__ double2 row_shifted_sums(double2 p, double) { return p; }
+
+__device__ __forceinline__ double2 row_shifted_sums(float4 p, double row_shift) {
+    const double e = (double)p.z - row_shift, n = __float_as_int(p.w);
+    return make_double2(p.x + n * e, p.y + e * (2.0 * p.x + n * e));
+}
+
 // (mean, variance) in double of statistics row `row` from its partials at
-// partial[o * outer_stride + row * row_len + m], o < n_outer, m < row_len: float2 (sum d,
-// sum d * d), d = value - shift[row]; or with ENTRIES, float4 (sum d, sum d * d, s, count as
-// int bits), d = value - s with a shift s of each partial's own, the sums moved to the row's
-// first shift in double. Reduced over the block (every thread gets them); the variance as
-// the sums give it (below 0 by rounding, or NaN).
-template <bool ENTRIES>
-__device__ __forceinline__ double2 partial_moments(const float* __restrict__ partial,
-                                                   const float* __restrict__ shift,
-                                                   index_t row, index_t n_outer,
-                                                   index_t outer_stride, int row_len,
-                                                   double count, double2* scratch) {
-    constexpr int WIDTH = ENTRIES ? 4 : 2;  // floats per partial
-    const double row_shift = ENTRIES ? (double)partial[WIDTH * row * row_len + 2]
-                                     : (double)shift[row];
+// partial[o * outer_stride + row * row_len + m], o < n_outer, m < row_len, whose d are taken
+// from row_shift (row_shifted_sums). Reduced over the block (every thread gets them); the
+// variance as the sums give it (below 0 by rounding, or NaN).
+template <typename Partial>
+__device__ __forceinline__ double2 partial_moments(const Partial* __restrict__ partial,
+                                                   double row_shift, index_t row,
+                                                   index_t n_outer, index_t outer_stride,
+                                                   int row_len, double count, double2* scratch) {
     double2 s = make_double2(0.0, 0.0);
     const index_t total = n_outer * row_len;
     for (index_t j = threadIdx.x; j < total; j += blockDim.x) {
         const index_t o = j / row_len;
-        const float* v = partial + WIDTH * (o * outer_stride + row * row_len
-                                            + (j - o * row_len));
-        if (ENTRIES) {
-            // sum (d + e) and sum (d + e)^2 over the entry's values, e = its shift's
-            // distance to the row's.
-            const double e = (double)v[2] - row_shift, n = __float_as_int(v[3]);
-            s.x += v[0] + n * e;
-            s.y += v[1] + e * (2.0 * v[0] + n * e);
-        } else {
-            s.x += v[0];
-            s.y += v[1];
-        }
+        const double2 p = row_shifted_sums(
+            partial[o * outer_stride + row * row_len + (j - o * row_len)], row_shift);
+        s.x += p.x;
+        s.y += p.y;
     }
     s = block_sum(s, scratch);
     const double m1 = s.x / count;
@@ -101,7 +100,7 @@ __device__ __forceinline__ double inverse_std(double var, float eps) {
     return 1.0 / sqrt((var < 0.0 ? 0.0 : var) + (double)eps);
 }
 
-// One block per statistics row. The row's partials (float2: sum d, sum d * d, d = value -
+// One block per statistics row. The row's partials (double2: sum d, sum d * d, d = value -
 // shift[row]) sit at partial[o * outer_stride + row * row_len + m], o < n_outer,
 // m < row_len, and are summed in double; centered_sums: d are of the normalized values
 // themselves (NormMoments). They become the ChannelAffine coefficients (rows of K entries in
@@ -116,7 +115,8 @@ __device__ __forceinline__ double inverse_std(double var, float eps) {
 //                   including mean_offset[c] (a convolution bias that the statistics skipped).
 // centered_only: ChannelAffine::of's.
 template <int MODE>
-__global__ void stats_finalize(const float* __restrict__ partial, const float* __restrict__ shift,
+__global__ void stats_finalize(const double2* __restrict__ partial,
+                               const float* __restrict__ shift,
                                index_t n_outer, index_t outer_stride, int row_len, double count,
                                const float* __restrict__ gamma, const float* __restrict__ beta,
                                const float* __restrict__ scale, float* __restrict__ coef,
@@ -129,9 +129,8 @@ __global__ void stats_finalize(const float* __restrict__ partial, const float* _
     __shared__ NormMoments stats;
     const index_t row = blockIdx.x;
     if (training) {
-        const double2 moments_row = partial_moments<false>(partial, shift, row, n_outer,
-                                                           outer_stride, row_len, count,
-                                                           scratch);
+        const double2 moments_row = partial_moments(partial, (double)shift[row], row, n_outer,
+                                                    outer_stride, row_len, count, scratch);
         if (threadIdx.x == 0) {
             double mean = moments_row.x, var = moments_row.y < 0.0 ? 0.0 : moments_row.y;
             const double offset = mean_offset ? (double)mean_offset[row] : 0.0;
@@ -295,13 +294,13 @@ struct GroupNormRow {
 };
 
 // GroupNorm times scale and an activation, y = act(affine(x)), with the statistics from
-// partials with shifts and counts of their own (partial_moments<true>'s):
+// partials with shifts and counts of their own (row_shifted_sums' float4 entries):
 // one block per (n, g) row of a contiguous (N, C, HW) tensor (GroupNormRow; x may equal y)
 // reduces the row's partials, forms (mean, rstd) and each channel's ChannelAffine as
 // stats_finalize does (moments[row] = (mean, rstd); centered_sums as there) and applies them:
 // stats_finalize and channel_affine in one pass (pipeline A's pooled extrema).
 template <int ACT, int VEC>
-__global__ void group_affine_rows(const float* x, float* y, const float* __restrict__ partial,
+__global__ void group_affine_rows(const float* x, float* y, const float4* __restrict__ partial,
                                   int row_len, double count, const float* __restrict__ gamma,
                                   const float* __restrict__ beta,
                                   const float* __restrict__ scale, int C, int G, int HW,
@@ -310,8 +309,8 @@ __global__ void group_affine_rows(const float* x, float* y, const float* __restr
     __shared__ double2 scratch[32];
     using Row = GroupNormRow<ACT_NONE, VEC>;
     const Row gn = Row::of_block(nullptr, nullptr, nullptr, C, G, HW);  // spans only
-    const double2 mv = partial_moments<true>(partial, nullptr, blockIdx.x, 1, 0, row_len, count,
-                                             scratch);
+    const double2 mv = partial_moments(partial, (double)partial[blockIdx.x * row_len].z,
+                                       blockIdx.x, 1, 0, row_len, count, scratch);
     const NormMoments m = NormMoments::of(mv.x, (float)inverse_std(mv.y, eps),
                                           centered_sums != 0);
     if (moments && threadIdx.x == 0) moments[blockIdx.x] = make_float2(m.mean, m.rstd);

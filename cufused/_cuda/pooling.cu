@@ -156,9 +156,17 @@ __global__ void pool2_to_channels_last(const float* __restrict__ x, float* __res
 // or inf in a statistics row makes that row's mean NaN, and with it every output the
 // extremum feeds) and sums of d = y + bias - shift. `writer` threads store the shift of each
 // statistics row that starts at one of their channels (see pool_extremum_stats).
+// The sum of d is a double: the shift is one value of the row, so where the mean is small
+// next to the spread (|mean| << |shift - mean|) a float32 sum drifts by |shift - mean| per
+// value and its rounding would be large next to the mean (BatchNorm's running mean shows
+// it). Values first meet in a float32 sum of a few (`pending`: a window, or a row of the
+// values the pool drops), which rounds to their own scale, and flush() adds it to the
+// double one: one conversion per few values, and no conversions to schedule per value. The
+// sum of d*d is at least the variance's share of each value and keeps float32.
 template <int Q>
 struct ChannelStats {
-    float b[Q], bs[Q], sgn[Q], s1[Q], s2[Q];
+    float b[Q], bs[Q], sgn[Q], s2[Q], pending[Q];
+    double s1[Q];
 
     __device__ __forceinline__ ChannelStats(const float* __restrict__ y,
                                             const float* __restrict__ bias,
@@ -179,16 +187,40 @@ struct ChannelStats {
                                            : c / shift_group] = shift;
             sgn[q] = product_sign(sign_a ? sign_a[c] : 1.0f, sign_b ? sign_b[c] : 1.0f);
             bs[q] = b[q] - shift;
-            s1[q] = 0.0f;
+            s1[q] = 0.0;
             s2[q] = 0.0f;
+            pending[q] = 0.0f;
         }
     }
 
-    // A value of channel q into its sums.
+    // A value of channel q into its sums (its d into the pending sum).
     __device__ __forceinline__ void take(float v, int q = 0) {
         const float d = v + bs[q];
-        s1[q] += d;
+        pending[q] += d;
         s2[q] = fmaf(d, d, s2[q]);
+    }
+
+    // The pending sums into the double ones.
+    __device__ __forceinline__ void flush() {
+#pragma unroll
+        for (int q = 0; q < Q; ++q) {
+            s1[q] += pending[q];
+            pending[q] = 0.0f;
+        }
+    }
+
+    // Channel q's (sum d, sum d*d), pending values included.
+    __device__ __forceinline__ double2 sums(int q = 0) const {
+        return make_double2(s1[q] + pending[q], s2[q]);
+    }
+
+    // Four values of channel 0 into the sums, flushed.
+    __device__ __forceinline__ void take_values(float4 v) {
+        take(v.x);
+        take(v.y);
+        take(v.z);
+        take(v.w);
+        flush();
     }
 
     // One value of each of 4 channels (Q = 4) into the sums.
@@ -218,6 +250,19 @@ struct ChannelStats {
     }
 };
 
+// The sum of column `col` of the 8 rows of (sum d, sum d*d) pairs that a block's 8 warps
+// leave in shared memory.
+template <int PITCH>
+__device__ __forceinline__ double2 column_sum(const double2 (&red)[8][PITCH], int col) {
+    double2 t = make_double2(0.0, 0.0);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        t.x += red[j][col].x;
+        t.y += red[j][col].y;
+    }
+    return t;
+}
+
 // Write a (32, 8) block's staged window extrema, stage[q][ch] for positions base + q
 // (q < SPAN) and channels c0 + ch (ch < channels), to the NCHW ext, position-contiguous per
 // channel (coalesced); the barriers order the staging before and the next staging after it.
@@ -243,12 +288,12 @@ __device__ __forceinline__ void write_staged_extrema(const float (&stage)[ROWS][
 //    sign_a[c] * sign_b[c] < 0 (in-plane offsets, H * W * C per sample, are 32-bit). The
 //    monotone per-channel affine that follows (GroupNorm * scale in pipeline A, BatchNorm +
 //    tanh in pipeline B) maps it to the pooled result exactly;
-//  * partial[(n * C + c) * splits + split] = (sum d, sum d*d), d = y + bias - shift, over every
-//    element of the plane, including the rows and columns that the pool drops.
+//  * partial[(n * C + c) * splits + split] = (sum d, sum d*d) in double, d = y + bias - shift,
+//    over every element of the plane, including the rows and columns that the pool drops.
 // shift is the first element of the statistics row: y + bias at (shift_per_sample ? n : 0, first
 // channel of c's group of shift_group channels, 0, 0), 0 where infinite (finite_shift), stored
-// in shift_out[row]. It keeps the float32 sums accurate when |mean| >> std, and all partials
-// of a row share it.
+// in shift_out[row]. It keeps the float32 sum of d*d accurate when |mean| >> std (see
+// ChannelStats for the sum of d), and all partials of a row share it.
 // ext_block is for the variants that may store ext channels-last (see below): the channels
 // per block of that layout (blocked_channels_last); the others ignore it.
 // Block (32, 8). NCHW: x lanes walk pooled columns (coalesced rows), y lanes channels.
@@ -263,7 +308,7 @@ template <bool CHANNELS_LAST, int K, bool VEC2>
 __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __restrict__ bias,
                                     const float* __restrict__ sign_a,
                                     const float* __restrict__ sign_b, float* __restrict__ ext,
-                                    float2* __restrict__ partial, float* __restrict__ shift_out,
+                                    double2* __restrict__ partial, float* __restrict__ shift_out,
                                     int C, int H, int W, int k_runtime, int Ho, int Wo, int splits,
                                     int c_tiles, index_t sn, index_t sc, int sh, int sw,
                                     int shift_group, int shift_per_sample, int ext_block) {
@@ -273,7 +318,7 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
     constexpr int U = K == 2 ? 4 : (K == 4 && CHANNELS_LAST ? 2 : 1);
     constexpr int STEP = CHANNELS_LAST ? 8 : 32;
     constexpr int SPAN = U * STEP;
-    __shared__ float red[2][8][33];
+    __shared__ double2 red[8][33];
     __shared__ float stage[CHANNELS_LAST ? SPAN : 1][33];
     const int k = K > 0 ? K : k_runtime;
     const SampleBlock block = sample_block_last_first(splits, c_tiles);
@@ -325,19 +370,25 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
 #pragma unroll
                     for (int j = 0; j < KK; ++j) stats.take_window(v[u][j], e);
                 } else {
-                    for (int h = h0; h < h0 + k; ++h)
-                        for (int w = w0; w < w0 + k; ++w) {
+                    for (int h = h0; h < h0 + k; ++h) {
+                        for (int w = w0; w < w0 + k; ++w)
                             stats.take_window(plane[h * sh + w * sw], e);
-                        }
+                        stats.flush();
+                    }
                 }
+                stats.flush();
                 // The last window row / column also owns the rows / columns the pool drops.
                 const int w1 = (px == Wo - 1) ? W : w0 + k;
                 if (py == Ho - 1)
-                    for (int h = h0 + k; h < H; ++h)
+                    for (int h = h0 + k; h < H; ++h) {
                         for (int w = w0; w < w1; ++w) take(plane[h * sh + w * sw]);
+                        stats.flush();
+                    }
                 if (px == Wo - 1)
-                    for (int h = h0; h < h0 + k; ++h)
+                    for (int h = h0; h < h0 + k; ++h) {
                         for (int w = w0 + k; w < W; ++w) take(plane[h * sh + w * sw]);
+                        stats.flush();
+                    }
                 if (!CHANNELS_LAST) ext[(n * C + c) * (index_t)P + p] = stats.pooled(e);
             }
             e_out[u] = stats.pooled(e);
@@ -351,22 +402,14 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
             write_staged_extrema<SPAN>(stage, ext, n, C, P, tile * 32, 32, base, p_end);
         }
     }
-    float s1 = stats.s1[0], s2 = stats.s2[0];
     if (CHANNELS_LAST) {  // reduce over the 8 position lanes of each channel column
-        red[0][threadIdx.y][threadIdx.x] = s1;
-        red[1][threadIdx.y][threadIdx.x] = s2;
+        red[threadIdx.y][threadIdx.x] = stats.sums();
         __syncthreads();
-        if (threadIdx.y == 0 && active) {
-            for (int j = 1; j < 8; ++j) {
-                s1 += red[0][j][threadIdx.x];
-                s2 += red[1][j][threadIdx.x];
-            }
-            partial[(n * C + c) * splits + split] = make_float2(s1, s2);
-        }
+        if (threadIdx.y == 0 && active)
+            partial[(n * C + c) * splits + split] = column_sum(red, threadIdx.x);
     } else {  // a warp is one channel's 32 position lanes
-        s1 = warp_sum(s1);
-        s2 = warp_sum(s2);
-        if (threadIdx.x == 0 && active) partial[(n * C + c) * splits + split] = make_float2(s1, s2);
+        const double2 sums = warp_sum(stats.sums());
+        if (threadIdx.x == 0 && active) partial[(n * C + c) * splits + split] = sums;
     }
 }
 
@@ -386,7 +429,7 @@ template <int K>
 __global__ void __launch_bounds__(256, 3) pool_extremum_stats_nchw_bands(
         const float* __restrict__ y, const float* __restrict__ bias,
         const float* __restrict__ sign_a, const float* __restrict__ sign_b,
-        float* __restrict__ ext, float2* __restrict__ partial, float* __restrict__ shift_out,
+        float* __restrict__ ext, double2* __restrict__ partial, float* __restrict__ shift_out,
         int C, int H, int W, int k_runtime, int Ho, int Wo, int splits, int c_tiles, index_t sn,
         index_t sc, int sh, int sw, int shift_group, int shift_per_sample, int ext_block) {
     constexpr int V = 10;  // float4 per lane and chunk: 40 registers, 5 KB of shared memory
@@ -432,10 +475,7 @@ __global__ void __launch_bounds__(256, 3) pool_extremum_stats_nchw_bands(
 #pragma unroll
         for (int i = 0; i < V; ++i) {
             if (lane + 32 * i < n_vec) {
-                stats.take(v[i].x);
-                stats.take(v[i].y);
-                stats.take(v[i].z);
-                stats.take(v[i].w);
+                stats.take_values(v[i]);
                 chunk_buf[warp][lane + 32 * i] = v[i];
             }
         }
@@ -474,8 +514,8 @@ __global__ void __launch_bounds__(256, 3) pool_extremum_stats_nchw_bands(
     }
     if (split == splits - 1)
         for (int i = Ho * band + lane; i < plane_size; i += 32) stats.take(plane[i]);
-    const float s1 = warp_sum(stats.s1[0]), s2 = warp_sum(stats.s2[0]);
-    if (lane == 0) partial[(n * C + c) * splits + split] = make_float2(s1, s2);
+    const double2 sums = warp_sum(stats.sums());
+    if (lane == 0) partial[(n * C + c) * splits + split] = sums;
 }
 
 // pool_extremum_stats for a channels-last y with 16-byte loads: a thread owns 4 consecutive
@@ -494,7 +534,7 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
                                           const float* __restrict__ bias,
                                           const float* __restrict__ sign_a,
                                           const float* __restrict__ sign_b,
-                                          float* __restrict__ ext, float2* __restrict__ partial,
+                                          float* __restrict__ ext, double2* __restrict__ partial,
                                           float* __restrict__ shift_out, int C, int H, int W,
                                           int k_runtime, int Ho, int Wo, int splits, int c_tiles,
                                           index_t sn, index_t sc, int sh, int sw,
@@ -505,7 +545,7 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
     constexpr int U = K == 2 ? (EXT_CHANNELS_LAST ? 4 : 2) : 1;
     constexpr int STEP = 32;
     constexpr int SPAN = U * STEP;
-    __shared__ float red[2][8][33];
+    __shared__ double2 red[8][33];
     __shared__ float stage[EXT_CHANNELS_LAST ? 1 : SPAN][33];
     const SampleBlock block = sample_block_last_first(splits, c_tiles);
     const int split = block.split, tile = block.tile;
@@ -545,17 +585,22 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
                 for (int j = 0; j < KK; ++j) {
                     quad_stats.take_window(v[u][j], e);
                 }
+                quad_stats.flush();
                 int py, px;
                 row_col(p, Wo, inv_wo, py, px);
                 const int h0 = py * K, w0 = px * K;
                 // The last window row / column also owns the rows / columns the pool drops.
                 const int w1 = (px == Wo - 1) ? W : w0 + K;
                 if (py == Ho - 1)
-                    for (int h = h0 + K; h < H; ++h)
+                    for (int h = h0 + K; h < H; ++h) {
                         for (int w = w0; w < w1; ++w) take(load4(h * sh + w * sw));
+                        quad_stats.flush();
+                    }
                 if (px == Wo - 1)
-                    for (int h = h0; h < h0 + K; ++h)
+                    for (int h = h0; h < h0 + K; ++h) {
                         for (int w = w0 + K; w < W; ++w) take(load4(h * sh + w * sw));
+                        quad_stats.flush();
+                    }
             }
             if (EXT_CHANNELS_LAST) {
                 if (active && p < p_end)
@@ -576,26 +621,18 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
     // then the 8 warps through shared memory.
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-        quad_stats.s1[q] += __shfl_xor_sync(0xffffffffu, quad_stats.s1[q], 8);
-        quad_stats.s1[q] += __shfl_xor_sync(0xffffffffu, quad_stats.s1[q], 16);
-        quad_stats.s2[q] += __shfl_xor_sync(0xffffffffu, quad_stats.s2[q], 8);
-        quad_stats.s2[q] += __shfl_xor_sync(0xffffffffu, quad_stats.s2[q], 16);
-        if (threadIdx.x < 8) {
-            red[0][threadIdx.y][quad * 4 + q] = quad_stats.s1[q];
-            red[1][threadIdx.y][quad * 4 + q] = quad_stats.s2[q];
+        double2 sums = quad_stats.sums(q);
+#pragma unroll
+        for (int offset = 8; offset < 32; offset <<= 1) {
+            sums.x += __shfl_xor_sync(0xffffffffu, sums.x, offset);
+            sums.y += __shfl_xor_sync(0xffffffffu, sums.y, offset);
         }
+        if (threadIdx.x < 8) red[threadIdx.y][quad * 4 + q] = sums;
     }
     __syncthreads();
     if (threadIdx.y == 0) {
         const int c = tile * 32 + threadIdx.x;
-        if (c < C) {
-            float t1 = 0.0f, t2 = 0.0f;
-            for (int j = 0; j < 8; ++j) {
-                t1 += red[0][j][threadIdx.x];
-                t2 += red[1][j][threadIdx.x];
-            }
-            partial[(n * C + c) * splits + split] = make_float2(t1, t2);
-        }
+        if (c < C) partial[(n * C + c) * splits + split] = column_sum(red, threadIdx.x);
     }
 }
 
@@ -610,11 +647,13 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
 // that with EXT_CHANNELS_LAST ext is contiguous channels-last in blocks of ext_block channels
 // (blocked_channels_last; ext_block % 4 == 0), 16-byte aligned:
 // the first C / 4 lanes store a position's extrema as float4, with no staging barrier.
+// 2 blocks per SM (128 registers) are set as a bound: without one, ptxas aims some variants
+// at 64 or 80 registers and spills their double sums.
 template <int K, int T, bool EXT_CHANNELS_LAST>
-__global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_rows(
+__global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc_rows(
         const float* __restrict__ y, const float* __restrict__ bias,
         const float* __restrict__ sign_a, const float* __restrict__ sign_b,
-        float* __restrict__ ext, float2* __restrict__ partial, float* __restrict__ shift_out,
+        float* __restrict__ ext, double2* __restrict__ partial, float* __restrict__ shift_out,
         int C, int H, int W, int k_runtime, int Ho, int Wo, int splits, int c_tiles, index_t sn,
         index_t sc, int sh, int sw, int shift_group, int shift_per_sample, int ext_block) {
     // Positions per warp and iteration, U * K * T loads in flight. Without the staging
@@ -622,7 +661,7 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_rows(
     constexpr int U = EXT_CHANNELS_LAST ? 1 : 2;
     constexpr int SPAN = 8 * U;
     __shared__ float stage[EXT_CHANNELS_LAST ? 1 : SPAN][129];
-    __shared__ float red[2][8][128];
+    __shared__ double2 red[8][128];
     const SampleBlock block = sample_block_last_first(splits, 1);
     const int split = block.split;
     const index_t n = block.n;
@@ -643,6 +682,7 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_rows(
     auto take_span = [&](int h, int wa, int wb) {
         for (int j = lane; j < (wb - wa) * quads; j += 32)
             take(load4(h * sh + wa * sw + 4 * (j - lane)));
+        quad_stats.flush();
     };
     for (int base = p_begin; base < p_end; base += SPAN) {  // same trip count for the block
         float4 v[U][K][T];
@@ -662,6 +702,7 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_rows(
                 for (int a = 0; a < K; ++a)
 #pragma unroll
                     for (int t = 0; t < T; ++t) quad_stats.take_window(v[u][a][t], e);
+                quad_stats.flush();
                 int py, px;
                 row_col(p, Wo, inv_wo, py, px);
                 const int h0 = py * K, w0 = px * K;
@@ -701,25 +742,24 @@ __global__ void __launch_bounds__(256) pool_extremum_stats_nhwc_rows(
         }
     }
 #pragma unroll
-    for (int off = quads; off < 32; off <<= 1)
+    for (int q = 0; q < 4; ++q) {
+        double2 sums = quad_stats.sums(q);
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            quad_stats.s1[q] += __shfl_xor_sync(0xffffffffu, quad_stats.s1[q], off);
-            quad_stats.s2[q] += __shfl_xor_sync(0xffffffffu, quad_stats.s2[q], off);
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            if (offset < quads) break;  // quads is a power of two
+            sums.x += __shfl_xor_sync(0xffffffffu, sums.x, offset);
+            sums.y += __shfl_xor_sync(0xffffffffu, sums.y, offset);
         }
+        quad_stats.s1[q] = sums.x;
+        quad_stats.s2[q] = sums.y;
+    }
     if (lane < quads) {
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-            red[0][warp][c0 + q] = quad_stats.s1[q];
-            red[1][warp][c0 + q] = quad_stats.s2[q];
-        }
+        for (int q = 0; q < 4; ++q) red[warp][c0 + q] = quad_stats.sums(q);
     }
     __syncthreads();
-    for (int c = warp * 32 + lane; c < C; c += 256) {
-        float t1 = 0.0f, t2 = 0.0f;
-        for (int j = 0; j < 8; ++j) { t1 += red[0][j][c]; t2 += red[1][j][c]; }
-        partial[(n * C + c) * splits + split] = make_float2(t1, t2);
-    }
+    for (int c = warp * 32 + lane; c < C; c += 256)
+        partial[(n * C + c) * splits + split] = column_sum(red, c);
 }
 
 // Pipeline A's exact path for channels whose GroupNorm or scale coefficients are not finite.

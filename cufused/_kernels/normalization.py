@@ -1,11 +1,12 @@
 """Launchers of ``normalization.cu``: split statistics, their finalization into per-channel
 affine coefficients, the affine (+ activation) apply pass, and a one-block-per-row GroupNorm.
 
-Statistics are float32 sums shifted by each key's first value (0 where infinite; so
-``|mean| >> std`` stays accurate), combined in float64 by ``stats_finalize``. Coefficients
-are a (3, K) float32 array (``coef_array``): entry k maps ``v`` to
-``coef[0, k] * (v - coef[1, k]) + coef[2, k]`` (``ChannelAffine`` in common.cuh: the centered
-form ``gamma * rstd * (v - mean) + beta`` where it is finite, on the float64 mean where the
+Statistics are sums shifted by each key's first value (0 where infinite; so
+``|mean| >> std`` stays accurate), the sum of ``d`` in float64 (so ``|mean| << std`` does as
+well) and that of ``d * d`` in float32 per thread, combined in float64 by
+``stats_finalize``. Coefficients are a (3, K) float32 array (``coef_array``): entry k maps
+``v`` to ``coef[0, k] * (v - coef[1, k]) + coef[2, k]`` (``ChannelAffine`` in common.cuh: the
+centered form ``gamma * rstd * (v - mean) + beta`` where it is finite, on the float64 mean where the
 sums are of the normalized values themselves (``centered_sums``; not pipeline A's with a
 convolution bias), PyTorch's ``a * v + b`` otherwise).
 """
@@ -30,11 +31,11 @@ def key_stats_partial(xp, x, keys: int, *, n_outer: int, outer_stride: int, key_
                       inner: int):
     """Shifted sums of each of ``keys`` statistics keys over
     ``x[o * outer_stride + key * key_stride + i]`` (o < n_outer, i < inner), split across
-    blocks; returns ``(partial, shift, splits)``: partial (keys, splits, 2) float32 sums of
+    blocks; returns ``(partial, shift, splits)``: partial (keys, splits, 2) float64 sums of
     ``d`` and ``d * d`` with ``d = x - shift``, shift (keys,) each key's first
     value, 0 where infinite."""
     splits = split_count(keys, n_outer * inner)
-    partial = xp.empty((keys, splits, 2), dtype=xp.float32)
+    partial = xp.empty((keys, splits, 2), dtype=xp.float64)
     shift = xp.empty(keys, dtype=xp.float32)
     get_kernel(_FILE, "key_stats_partial")(
         (keys * splits,), (256,),

@@ -133,7 +133,9 @@ def _extremum_stats_name(variant: str, *, channels_last: bool, fixed: int, rows_
 
 def pool_extremum_stats(xp, y, ext, pool: int, *, bias, sign_a, sign_b, shift_group: int,
                    per_sample: bool, variant: str, ext_block: int | None = None):
-    """Launch the fused window-extremum + statistics pass; return (partial, shift, splits).
+    """Launch the fused window-extremum + statistics pass; return (partial, shift, splits):
+    partial (N, C, splits, 2) float64 sums of ``d`` and ``d * d``, ``d = y + bias - shift``,
+    shift each statistics row's first value, 0 where infinite.
 
     Kernel ``variant`` (from ``fused_pass_variant``): "scalar" (any layout); for
     channels-last inputs "vec4" (16-byte loads, 4 channels per thread) and "rows" (a warp
@@ -164,7 +166,7 @@ def pool_extremum_stats(xp, y, ext, pool: int, *, bias, sign_a, sign_b, shift_gr
     c_tiles = 1 if variant == "rows" else -(-c // (32 if channels_last else 8))
     units = ho if variant == "bands" else -(-ho * wo // lanes)  # what splits divide
     splits = max(1, min(split_count(n * c_tiles, 1 << 30), units))
-    partial = xp.empty((n, c, splits, 2), dtype=xp.float32)
+    partial = xp.empty((n, c, splits, 2), dtype=xp.float64)
     shift = xp.empty(n * c // shift_group if per_sample else c // shift_group,
                      dtype=xp.float32)
     name = _extremum_stats_name(variant, channels_last=channels_last, fixed=fixed,

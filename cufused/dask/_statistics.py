@@ -46,8 +46,8 @@ def _channel_moments(y) -> tuple[int, Any, Any]:
     """Per-channel ``(count, mean, M2)`` of ``y`` (N, C, ...) over every axis but 1, in float64
     arrays of ``y``'s library; ``M2`` is the sum of squared deviations from the mean.
 
-    On the GPU one read of ``y`` gives float32 sums shifted by each channel's first value (0
-    where infinite; ``key_stats_partial``, as ``batch_norm`` uses), summed in float64.
+    On the GPU one read of ``y`` gives sums shifted by each channel's first value (0 where
+    infinite; ``key_stats_partial``, as ``batch_norm`` uses), summed in float64.
     """
     xp = get_array_module(y=y)
     n, c = y.shape[:2]

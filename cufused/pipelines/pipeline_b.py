@@ -197,9 +197,9 @@ def _chunk_extrema_sums(x, weight, conv_bias, bn_weight, *, stride, padding, out
 
     Returns ``(pooled, sums, shift, count)``: the window extrema of ``y + conv_bias`` (the
     min where ``bn_weight < 0``), and each channel's sums ``(sum d, sum d * d)`` over its
-    ``count`` values, ``d = y + conv_bias - shift`` (``sums`` (C, 2) float64 of float32
-    partial sums, ``shift`` (C,) the channel's first value, 0 where infinite). The bias is
-    in them, so that the chunks' merged moments give the running mean's update, and an
+    ``count`` values, ``d = y + conv_bias - shift`` (``sums`` (C, 2) float64 of the pass's
+    partial sums, ``shift`` (C,) the channel's first value, 0 where infinite). The bias is in
+    them, so that the chunks' merged moments give the running mean's update, and an
     infinite bias makes its channel's mean that infinity and its variance NaN, as in the
     single call (whose statistics skip the bias and add it to the mean) and PyTorch. The
     sample of ``y`` has fewer than 2**31 elements (``gpu_method``).

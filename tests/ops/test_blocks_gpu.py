@@ -106,6 +106,25 @@ def test_batch_norm_past_float32_squares(rng):
     assert np.abs(rm.get() - 0.25 * batch_mean).max() <= 1e-5 * 1e30
 
 
+# A batch mean a hundredth of the spread, and a shift (each channel's first value, 1.5) about
+# 1.5 spreads from it: float32 sums of the shifted values would drift by the shift per value
+# and round at that scale, far above the mean's own; the running mean keeps about PyTorch's
+# accuracy (a few 1e-7 relative).
+@pytest.mark.parametrize("shape", [(2, 3, 25, 25), (64, 3, 7, 9)])
+def test_batch_norm_running_mean_of_a_small_mean(rng, shape):
+    x = rng.standard_normal(shape)
+    axes = (0, 2, 3)
+    x[:, :, 0, 0] = 0.0
+    x -= x.mean(axis=axes, keepdims=True) - 0.01 * x.std(axis=axes, keepdims=True)
+    x[0, :, 0, 0] = 1.5  # the shift
+    x = x.astype(np.float32)
+    mean = x.astype(np.float64).mean(axis=axes)
+    assert (x.astype(np.float64).std(axis=axes) > 50 * np.abs(mean)).all()  # the premise
+    rm, rv = cp.zeros(3, dtype=cp.float32), cp.ones(3, dtype=cp.float32)
+    cufused.batch_norm(cp.asarray(x), running_mean=rm, running_var=rv, momentum=1.0)
+    assert (np.abs(rm.get() - mean) / np.abs(mean)).max() < 1e-6
+
+
 # One row of 4 values, [0, 3e38, -3e38, -3e38], summed in order by one thread: the sum of
 # deviations stays finite (-3e38), their squares overflow, so rstd is 0 and every output is
 # the bias, also that of 3e38, which lies farther than float32's range from the mean (-7.5e37).

@@ -366,6 +366,35 @@ def test_pipeline_c_one_read(rng, monkeypatch, pin, precision):
 
 
 @pytest.mark.parametrize("method", ["fused", "unfused"])
+@pytest.mark.parametrize("precision", ["ieee", "3xtf32"])
+def test_pipeline_b_running_mean_of_a_small_mean(rng, method, precision):
+    # A 1 x 1 transposed convolution of stride 3 leaves 8 of 9 values 0, and inputs of channel
+    # means 0.02 (weights summing to 0.5 over the input channels) make the batch mean about a
+    # hundredth of the spread, while the shift (the first value) is of the spread's size:
+    # float32 sums of the shifted values would drift by it per value and round at its scale.
+    # With double sums the unfused path's running mean has about PyTorch's accuracy (a few
+    # 1e-7); the fused pass first sums each window in float32, at the scale of the shift
+    # (up to 2e-6 here on an H200).
+    x = rng.uniform(-1.0, 1.0, (2, 3, 9, 9))
+    x -= x.mean(axis=(0, 2, 3), keepdims=True) - 0.02
+    x = x.astype(np.float32)
+    w = rng.uniform(-0.5, 0.5, (3, 4, 1, 1))
+    w[0] = 0.5 - w[1:].sum(axis=0)
+    w = w.astype(np.float32)
+    bn_w, bn_b, gn_w, gn_b = mixed(rng, 4), rng.standard_normal(4), mixed(rng, 4), None
+    y = np.zeros((2, 4, 25, 25))
+    y[:, :, ::3, ::3] = np.einsum("nihw,io->nohw", x.astype(np.float64), w[:, :, 0, 0])
+    mean = y.mean(axis=(0, 2, 3))
+    condition = y.std(axis=(0, 2, 3)) / np.abs(mean)
+    assert ((condition > 30) & (condition < 500)).all()  # the premise
+    rm, rv = cp.zeros(4, dtype=cp.float32), cp.ones(4, dtype=cp.float32)
+    cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        *to_gpu(x, w, bn_w, bn_b, gn_w), gn_b, num_groups=2, stride=3, running_mean=rm,
+        running_var=rv, momentum=1.0, method=method, precision=precision)
+    assert (np.abs(rm.get() - mean) / np.abs(mean)).max() < (5e-6 if method == "fused" else 1e-6)
+
+
+@pytest.mark.parametrize("method", ["fused", "unfused"])
 def test_pipeline_b_nan_reaches_running_buffers(rng, method):
     # A NaN input value reaches every channel's batch statistics: every output and both running
     # buffers turn NaN, as in PyTorch (the variance's clamp at 0 must not drop the NaN).

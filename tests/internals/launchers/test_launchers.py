@@ -122,19 +122,20 @@ class Launch:
 
 
 class Dev:
-    """A float32 CuPy-array stand-in of logical ``shape`` stored in ``layout``."""
+    """A CuPy-array stand-in (float32 unless ``dtype`` says) of logical ``shape`` stored in
+    ``layout``."""
 
-    itemsize = 4
-    dtype = np.dtype(np.float32)
     _next_ptr = 1 << 20
 
-    def __init__(self, shape, layout="nchw", *, ptr=None):
+    def __init__(self, shape, layout="nchw", *, ptr=None, dtype=np.float32):
         self.layout = layout
+        self.dtype = np.dtype(dtype)
+        self.itemsize = self.dtype.itemsize
         self.shape = tuple(int(v) for v in shape)
         self.ndim = len(self.shape)
         self.size = math.prod(self.shape)
         elements = layout_strides(self.shape, layout)
-        self.strides = tuple(4 * s for s in elements)
+        self.strides = tuple(self.itemsize * s for s in elements)
         if ptr is None:
             ptr = Dev._next_ptr
             Dev._next_ptr += 1 << 20
@@ -156,11 +157,12 @@ class FakeXp:
     """The array module the launchers allocate their temporaries with."""
 
     float32 = np.float32
+    float64 = np.float64
 
     @staticmethod
     def empty(shape, dtype=None):
-        assert dtype is np.float32
-        return Dev(shape if isinstance(shape, tuple) else (shape,))
+        assert dtype in (np.float32, np.float64)
+        return Dev(shape if isinstance(shape, tuple) else (shape,), dtype=dtype)
 
     @staticmethod
     def ascontiguousarray(a):
@@ -272,6 +274,7 @@ def test_normalization_launchers(launches):
     partial, shift, splits = norm.key_stats_partial(FakeXp, Dev((2, 8, 4, 4)), 8, n_outer=2,
                                                     outer_stride=128, key_stride=16, inner=16)
     assert partial.shape == (8, splits, 2) and shift.shape == (8,)
+    assert partial.dtype == np.float64 and shift.dtype == np.float32  # see key_stats_partial
     assert launches[-1].grid == (8 * splits,)
     for centered_sums in (False, True):
         norm.group_norm_coefficients(Dev((4, 3, 2)), Dev((4,)), Dev((3, 8)), rows=4,
@@ -524,7 +527,7 @@ def test_pooling_launchers(launches):
             FakeXp, y, ext, k, bias=Dev((shape[1],)), sign_a=None, sign_b=None, shift_group=2,
             per_sample=per_sample, variant=pool.fused_pass_variant(y, k, variant),
             ext_block=None if isinstance(ext_as, str) else ext_as)
-        assert partial.shape == (shape[0], shape[1], splits, 2)
+        assert partial.shape == (shape[0], shape[1], splits, 2) and partial.dtype == np.float64
         assert shift.shape == ((shape[0] if per_sample else 1) * shape[1] // 2,)
         assert launches[-1].args[-1] == (0 if ext_as == "nchw" else
                                          shape[1] if ext_as == "nhwc" else ext_as)  # ext_block
