@@ -91,6 +91,9 @@ __device__ __forceinline__ double2 partial_moments(const Partial* __restrict__ p
         s.y += p.y;
     }
     s = block_sum(s, scratch);
+    // A row whose sum of squared deviations passes float32's range has an infinite variance,
+    // as PyTorch's float32 sums give it, however its partials split it.
+    if (s.y > 3.4028234663852886e38) s.y = INFINITY;  // float32 max
     const double m1 = s.x / count;
     return make_double2(row_shift + m1, s.y / count - m1 * m1);
 }

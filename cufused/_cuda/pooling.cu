@@ -159,9 +159,9 @@ __global__ void pool2_to_channels_last(const float* __restrict__ x, float* __res
 // The sum of d is a double: the shift is one value of the row, so where the mean is small
 // next to the spread (|mean| << |shift - mean|) a float32 sum drifts by |shift - mean| per
 // value and its rounding would be large next to the mean (BatchNorm's running mean shows
-// it). Values first meet in a float32 sum of a few (`pending`: a window, or a row of the
-// values the pool drops), which rounds to their own scale, and flush() adds it to the
-// double one: one conversion per few values, and no conversions to schedule per value. The
+// it). Values first meet in a float32 sum of a few (`pending`: a window or a window row, a
+// row of the values the pool drops, a float4), which rounds at their own scale, and flush()
+// adds it to the double one: one conversion per few values, none to schedule per value. The
 // sum of d*d is at least the variance's share of each value and keeps float32.
 template <int Q>
 struct ChannelStats {
@@ -750,12 +750,7 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc_rows(
             sums.x += __shfl_xor_sync(0xffffffffu, sums.x, offset);
             sums.y += __shfl_xor_sync(0xffffffffu, sums.y, offset);
         }
-        quad_stats.s1[q] = sums.x;
-        quad_stats.s2[q] = sums.y;
-    }
-    if (lane < quads) {
-#pragma unroll
-        for (int q = 0; q < 4; ++q) red[warp][c0 + q] = quad_stats.sums(q);
+        if (lane < quads) red[warp][c0 + q] = sums;
     }
     __syncthreads();
     for (int c = warp * 32 + lane; c < C; c += 256)

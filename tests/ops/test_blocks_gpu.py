@@ -106,6 +106,22 @@ def test_batch_norm_past_float32_squares(rng):
     assert np.abs(rm.get() - 0.25 * batch_mean).max() <= 1e-5 * 1e30
 
 
+# Deviations of 2e17 from the shift (squares of 4e34, far inside float32's range) over 65536
+# values per channel: each thread's float32 sum of squares stays finite, the channel's, about
+# 1e39, does not, so the variance is infinite, every output the bias and running_var
+# infinite, as where PyTorch's float32 sums overflow (semantics.rst, "Statistics").
+def test_batch_norm_sum_of_squares_past_float32_range(rng):
+    shape = (64, 4, 32, 32)
+    x = (1e17 * rng.choice([-1.0, 1.0], shape)).astype(np.float32)
+    w, b = mixed(rng, 4), rng.standard_normal(4)
+    rm, rv = cp.zeros(4, dtype=cp.float32), cp.ones(4, dtype=cp.float32)
+    out = poisoned(shape)
+    cufused.batch_norm(*to_gpu(x, w, b), running_mean=rm, running_var=rv, training=True,
+                       out=out)
+    assert np.array_equal(out.get(), np.broadcast_to(np.float32(b)[:, None, None], shape))
+    assert np.isposinf(rv.get()).all() and np.isfinite(rm.get()).all()
+
+
 # A batch mean a hundredth of the spread, and a shift (each channel's first value, 1.5) about
 # 1.5 spreads from it: float32 sums of the shifted values would drift by the shift per value
 # and round at that scale, far above the mean's own; the running mean keeps about PyTorch's

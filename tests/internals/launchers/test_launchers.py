@@ -277,7 +277,8 @@ def test_normalization_launchers(launches):
     assert partial.dtype == np.float64 and shift.dtype == np.float32  # see key_stats_partial
     assert launches[-1].grid == (8 * splits,)
     for centered_sums in (False, True):
-        norm.group_norm_coefficients(Dev((4, 3, 2)), Dev((4,)), Dev((3, 8)), rows=4,
+        norm.group_norm_coefficients(Dev((4, 3, 2), dtype=np.float64), Dev((4,)), Dev((3, 8)),
+                                     rows=4,
                                      row_len=3, count=48, channels=4, num_groups=2, eps=1e-5,
                                      centered_sums=centered_sums, gamma=Dev((4,)),
                                      scale=Dev((4,)), moments=Dev((4, 2)))
@@ -296,7 +297,8 @@ def test_normalization_launchers(launches):
         # In inference, a float64 mean's float32 remainder (cufused.dask's statistics).
         mean_lo = None if training else Dev((4,))
         norm.batch_norm_coefficients(
-            Dev((2, 4, 3, 2)) if training else None, Dev((4,)) if training else None,
+            Dev((2, 4, 3, 2), dtype=np.float64) if training else None,
+            Dev((4,)) if training else None,
             Dev((3, 4)), n_outer=2 if training else 0, outer_stride=12 if training else 0,
             row_len=3 if training else 1, count=50, channels=4, eps=1e-5, training=training,
             gamma=Dev((4,)), beta=None, running_mean=Dev((4,)), running_var=Dev((4,)),
