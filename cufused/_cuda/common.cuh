@@ -162,9 +162,20 @@ __device__ __forceinline__ float2 warp_sum(float2 v) {
     return make_float2(warp_sum(v.x), warp_sum(v.y));
 }
 
-__device__ __forceinline__ double2 warp_sum(double2 v) {
-    return make_double2(warp_sum(v.x), warp_sum(v.y));
+// Sums over the lanes that share their bits below `lowest` (a power of two): lane offsets 16,
+// 8, ..., lowest; every lane of such a group gets its sum. The loop stops at a warp-uniform
+// `break`, so a runtime `lowest` keeps the shuffles unrolled.
+__device__ __forceinline__ double2 warp_sum_above(double2 v, int lowest) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        if (offset < lowest) break;
+        v.x += __shfl_xor_sync(0xffffffffu, v.x, offset);
+        v.y += __shfl_xor_sync(0xffffffffu, v.y, offset);
+    }
+    return v;
 }
+
+__device__ __forceinline__ double2 warp_sum(double2 v) { return warp_sum_above(v, 1); }
 
 // A reduction over the whole block (blockDim.x * blockDim.y a multiple of 32, at most 1024
 // threads): each warp reduces with `warp` (a warp_sum or warp_max), the warps' results meet in

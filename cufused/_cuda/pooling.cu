@@ -159,10 +159,10 @@ __global__ void pool2_to_channels_last(const float* __restrict__ x, float* __res
 // The sum of d is a double: the shift is one value of the row, so where the mean is small
 // next to the spread (|mean| << |shift - mean|) a float32 sum drifts by |shift - mean| per
 // value and its rounding would be large next to the mean (BatchNorm's running mean shows
-// it). Values first meet in a float32 sum of a few (`pending`: a window or a window row, a
-// row of the values the pool drops, a float4), which rounds at their own scale, and flush()
-// adds it to the double one: one conversion per few values, none to schedule per value. The
-// sum of d*d is at least the variance's share of each value and keeps float32.
+// it). Values first meet in pairs in a float32 sum (`pending`), which rounds at their own
+// scale (two equal values, such as the zeros of a strided transposed convolution, exactly),
+// and flush() adds it to the double one: one conversion per two values. The sum of d*d is at
+// least the variance's share of each value and keeps float32.
 template <int Q>
 struct ChannelStats {
     float b[Q], bs[Q], sgn[Q], s2[Q], pending[Q];
@@ -218,6 +218,7 @@ struct ChannelStats {
     __device__ __forceinline__ void take_values(float4 v) {
         take(v.x);
         take(v.y);
+        flush();
         take(v.z);
         take(v.w);
         flush();
@@ -368,25 +369,36 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
                 const int h0 = py * k, w0 = px * k;
                 if (K > 0) {
 #pragma unroll
-                    for (int j = 0; j < KK; ++j) stats.take_window(v[u][j], e);
+                    for (int j = 0; j < KK; ++j) {
+                        stats.take_window(v[u][j], e);
+                        if (j & 1) stats.flush();
+                    }
+                    if (KK & 1) stats.flush();
                 } else {
                     for (int h = h0; h < h0 + k; ++h) {
-                        for (int w = w0; w < w0 + k; ++w)
+                        for (int w = w0; w < w0 + k; ++w) {
                             stats.take_window(plane[h * sh + w * sw], e);
+                            if ((w - w0) & 1) stats.flush();
+                        }
                         stats.flush();
                     }
                 }
-                stats.flush();
                 // The last window row / column also owns the rows / columns the pool drops.
                 const int w1 = (px == Wo - 1) ? W : w0 + k;
                 if (py == Ho - 1)
                     for (int h = h0 + k; h < H; ++h) {
-                        for (int w = w0; w < w1; ++w) take(plane[h * sh + w * sw]);
+                        for (int w = w0; w < w1; ++w) {
+                            take(plane[h * sh + w * sw]);
+                            if ((w - w0) & 1) stats.flush();
+                        }
                         stats.flush();
                     }
                 if (px == Wo - 1)
                     for (int h = h0; h < h0 + k; ++h) {
-                        for (int w = w0 + k; w < W; ++w) take(plane[h * sh + w * sw]);
+                        for (int w = w0 + k; w < W; ++w) {
+                            take(plane[h * sh + w * sw]);
+                            if ((w - w0 - k) & 1) stats.flush();
+                        }
                         stats.flush();
                     }
                 if (!CHANNELS_LAST) ext[(n * C + c) * (index_t)P + p] = stats.pooled(e);
@@ -513,7 +525,10 @@ __global__ void __launch_bounds__(256, 3) pool_extremum_stats_nchw_bands(
         __syncwarp();  // the next chunk overwrites the buffer
     }
     if (split == splits - 1)
-        for (int i = Ho * band + lane; i < plane_size; i += 32) stats.take(plane[i]);
+        for (int i = Ho * band + lane; i < plane_size; i += 32) {
+            stats.take(plane[i]);
+            stats.flush();
+        }
     const double2 sums = warp_sum(stats.sums());
     if (lane == 0) partial[(n * C + c) * splits + split] = sums;
 }
@@ -584,8 +599,9 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
 #pragma unroll
                 for (int j = 0; j < KK; ++j) {
                     quad_stats.take_window(v[u][j], e);
+                    if (j & 1) quad_stats.flush();
                 }
-                quad_stats.flush();
+                if (KK & 1) quad_stats.flush();
                 int py, px;
                 row_col(p, Wo, inv_wo, py, px);
                 const int h0 = py * K, w0 = px * K;
@@ -593,12 +609,18 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
                 const int w1 = (px == Wo - 1) ? W : w0 + K;
                 if (py == Ho - 1)
                     for (int h = h0 + K; h < H; ++h) {
-                        for (int w = w0; w < w1; ++w) take(load4(h * sh + w * sw));
+                        for (int w = w0; w < w1; ++w) {
+                            take(load4(h * sh + w * sw));
+                            if ((w - w0) & 1) quad_stats.flush();
+                        }
                         quad_stats.flush();
                     }
                 if (px == Wo - 1)
                     for (int h = h0; h < h0 + K; ++h) {
-                        for (int w = w0 + K; w < W; ++w) take(load4(h * sh + w * sw));
+                        for (int w = w0 + K; w < W; ++w) {
+                            take(load4(h * sh + w * sw));
+                            if ((w - w0 - K) & 1) quad_stats.flush();
+                        }
                         quad_stats.flush();
                     }
             }
@@ -621,12 +643,7 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
     // then the 8 warps through shared memory.
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-        double2 sums = quad_stats.sums(q);
-#pragma unroll
-        for (int offset = 8; offset < 32; offset <<= 1) {
-            sums.x += __shfl_xor_sync(0xffffffffu, sums.x, offset);
-            sums.y += __shfl_xor_sync(0xffffffffu, sums.y, offset);
-        }
+        const double2 sums = warp_sum_above(quad_stats.sums(q), 8);
         if (threadIdx.x < 8) red[threadIdx.y][quad * 4 + q] = sums;
     }
     __syncthreads();
@@ -680,9 +697,10 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc_rows(
     auto take = [&](float4 v) { quad_stats.take(v); };
     // Values of row h, columns [wa, wb): chunks j = lane, lane + 32, ... of (wb - wa) * C floats.
     auto take_span = [&](int h, int wa, int wb) {
-        for (int j = lane; j < (wb - wa) * quads; j += 32)
+        for (int j = lane; j < (wb - wa) * quads; j += 32) {
             take(load4(h * sh + wa * sw + 4 * (j - lane)));
-        quad_stats.flush();
+            quad_stats.flush();
+        }
     };
     for (int base = p_begin; base < p_end; base += SPAN) {  // same trip count for the block
         float4 v[U][K][T];
@@ -701,8 +719,11 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc_rows(
 #pragma unroll
                 for (int a = 0; a < K; ++a)
 #pragma unroll
-                    for (int t = 0; t < T; ++t) quad_stats.take_window(v[u][a][t], e);
-                quad_stats.flush();
+                    for (int t = 0; t < T; ++t) {
+                        quad_stats.take_window(v[u][a][t], e);
+                        if ((a * T + t) & 1) quad_stats.flush();
+                    }
+                if ((K * T) & 1) quad_stats.flush();
                 int py, px;
                 row_col(p, Wo, inv_wo, py, px);
                 const int h0 = py * K, w0 = px * K;
@@ -743,13 +764,7 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc_rows(
     }
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-        double2 sums = quad_stats.sums(q);
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) {
-            if (offset < quads) break;  // quads is a power of two
-            sums.x += __shfl_xor_sync(0xffffffffu, sums.x, offset);
-            sums.y += __shfl_xor_sync(0xffffffffu, sums.y, offset);
-        }
+        const double2 sums = warp_sum_above(quad_stats.sums(q), quads);  // a power of two
         if (lane < quads) red[warp][c0 + q] = sums;
     }
     __syncthreads();
