@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 from fuzz_pipelines import (_per_channel, _placement_error, _plant, _to_gpu,  # scripts/
-                            group_norm_as)
+                            channel_affine, group_norm_as)
 
 import cufused
 from cufused._arrays import is_cupy_array
@@ -232,10 +232,7 @@ def _batch_norm_centered(x, weight, bias, options: dict):
     else:
         mean = torch.from_numpy(np.array(options["running_mean"])).reshape(per_channel)
         var = torch.from_numpy(np.array(options["running_var"])).reshape(per_channel)
-    y = (x - mean) * (1.0 / torch.sqrt(var + options["eps"]))
-    if weight is not None:
-        y = y * weight.reshape(per_channel)
-    return y if bias is None else y + bias.reshape(per_channel)
+    return channel_affine((x - mean) * (1.0 / torch.sqrt(var + options["eps"])), weight, bias)
 
 
 def _torch_outputs(block: str, args: list, options: dict, *,

@@ -110,6 +110,15 @@ def _case_c(rng):
 CASES = {"A": _case_a, "B": _case_b, "C": _case_c}
 
 
+def channel_affine(z, weight, bias):
+    """``z * weight + bias`` with per-channel (axis 1) ``weight`` and ``bias`` (either may be
+    None) of torch tensors."""
+    per_channel = (1, -1) + (1,) * (z.ndim - 2)
+    if weight is not None:
+        z = z * weight.reshape(per_channel)
+    return z if bias is None else z + bias.reshape(per_channel)
+
+
 def group_norm_as(y, num_groups, weight, bias, *, gpu: bool, eps: float = 1e-5):
     """PyTorch's GroupNorm in float64 on the CPU, in the form of the GPU path where ``gpu``:
     an input of one value per channel takes PyTorch CUDA's centered form
@@ -123,11 +132,7 @@ def group_norm_as(y, num_groups, weight, bias, *, gpu: bool, eps: float = 1e-5):
     rows = y.reshape(y.shape[0], num_groups, -1)
     mean = rows.mean(dim=2, keepdim=True)
     rstd = 1.0 / torch.sqrt(rows.var(dim=2, unbiased=False, keepdim=True) + eps)
-    z = ((rows - mean) * rstd).reshape(y.shape)
-    per_channel = (1, -1) + (1,) * (y.ndim - 2)
-    if weight is not None:
-        z = z * weight.reshape(per_channel)
-    return z if bias is None else z + bias.reshape(per_channel)
+    return channel_affine(((rows - mean) * rstd).reshape(y.shape), weight, bias)
 
 
 def _torch_a(x, w, cb, gw, gb, scale, *, num_groups, pool_kernel, clamp_min, clamp_max,
