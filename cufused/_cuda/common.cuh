@@ -157,14 +157,9 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Sums of the (s1, s2) pairs of statistics, both components at once.
-__device__ __forceinline__ float2 warp_sum(float2 v) {
-    return make_float2(warp_sum(v.x), warp_sum(v.y));
-}
-
-// Sums over the lanes that share their bits below `lowest` (a power of two): lane offsets 16,
-// 8, ..., lowest; every lane of such a group gets its sum. The loop stops at a warp-uniform
-// `break`, so a runtime `lowest` keeps the shuffles unrolled.
+// Sums of (s1, s2) pairs of statistics over the lanes that share their bits below `lowest` (a
+// power of two): lane offsets 16, 8, ..., lowest; every lane of such a group gets its sum. The
+// loop stops at a warp-uniform `break`, so a runtime `lowest` keeps the shuffles unrolled.
 __device__ __forceinline__ double2 warp_sum_above(double2 v, int lowest) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) {
@@ -196,8 +191,8 @@ __device__ T block_reduce(T v, T* scratch, T identity, Warp warp) {
     return scratch[0];
 }
 
-// Sum over the whole block of a float2 or double2 pair: one set of barriers for both sums.
-// `scratch` holds 32 pairs.
+// Sum over the whole block of a number or a double2 pair (one set of barriers for both sums).
+// `scratch` holds 32 of them.
 template <typename T>
 __device__ T block_sum(T v, T* scratch) {
     return block_reduce(v, scratch, T{}, [](T u) { return warp_sum(u); });

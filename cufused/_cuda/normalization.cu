@@ -72,10 +72,20 @@ __device__ __forceinline__ double2 row_shifted_sums(float4 p, double row_shift) 
     return make_double2(p.x + n * e, p.y + e * (2.0 * p.x + n * e));
 }
 
+// (mean, variance) in double of a row's shifted sums s = (sum d, sum d * d) over count values:
+// a sum of squared deviations past float32's range gives an infinite variance, as PyTorch's
+// float32 sums give it, however the row's values split into partial sums. The variance is as
+// the sums give it (below 0 by rounding, or NaN).
+__device__ __forceinline__ double2 shifted_moments(double2 s, double shift, double count) {
+    if (s.y > 3.4028234663852886e38) s.y = INFINITY;  // float32 max
+    const double m1 = s.x / count;
+    return make_double2(shift + m1, s.y / count - m1 * m1);
+}
+
 // (mean, variance) in double of statistics row `row` from its partials at
 // partial[o * outer_stride + row * row_len + m], o < n_outer, m < row_len, whose d are taken
-// from row_shift (row_shifted_sums). Reduced over the block (every thread gets them); the
-// variance as the sums give it (below 0 by rounding, or NaN).
+// from row_shift (row_shifted_sums). Reduced over the block (every thread gets them), as
+// shifted_moments forms them.
 template <typename Partial>
 __device__ __forceinline__ double2 partial_moments(const Partial* __restrict__ partial,
                                                    double row_shift, index_t row,
@@ -90,12 +100,7 @@ __device__ __forceinline__ double2 partial_moments(const Partial* __restrict__ p
         s.x += p.x;
         s.y += p.y;
     }
-    s = block_sum(s, scratch);
-    // A row whose sum of squared deviations passes float32's range has an infinite variance,
-    // as PyTorch's float32 sums give it, however its partials split it.
-    if (s.y > 3.4028234663852886e38) s.y = INFINITY;  // float32 max
-    const double m1 = s.x / count;
-    return make_double2(row_shift + m1, s.y / count - m1 * m1);
+    return shifted_moments(block_sum(s, scratch), row_shift, count);
 }
 
 // rstd in double of a variance: rounding can push it below 0 (0 then); a NaN stays NaN.
@@ -330,15 +335,14 @@ __global__ void group_affine_rows(const float* x, float* y, const float4* __rest
     });
 }
 
-// The moments of a row from its block's shifted sums (len values), formed in double as
-// stats_finalize forms them: a sum of squares past float32's range makes the variance infinite
-// and rstd 0 (PyTorch's float32 result) whether or not the compiler contracts the subtraction
-// into an FMA (in float32, m1 * m1 alone overflows, and inf - inf is NaN).
+// The moments of a row from its threads' float32 shifted sums (len values), combined and formed
+// in double as stats_finalize forms them (shifted_moments): a thread sums a share of the row,
+// so only deviations of about 3.4e38 over that share make the mean infinite; wider ones than
+// the squares allow give rstd 0 and the outputs the bias, as PyTorch's Welford mean does.
 __device__ __forceinline__ NormMoments row_moments(float s1, float s2, float shift, int len,
-                                                   float eps, float2* scratch) {
-    const float2 s = block_sum(make_float2(s1, s2), scratch);
-    const double m1 = (double)s.x / len;
-    return NormMoments::of(shift + m1, (float)inverse_std((double)s.y / len - m1 * m1, eps));
+                                                   float eps, double2* scratch) {
+    const double2 mv = shifted_moments(block_sum(make_double2(s1, s2), scratch), shift, len);
+    return NormMoments::of(mv.x, (float)inverse_std(mv.y, eps));
 }
 
 // Maps every value of a row cached in shared memory as (Cg, HW), one warp per channel at a
@@ -395,7 +399,7 @@ __global__ void group_norm_rows(const float* x, float* y, const float* __restric
                                 const float* __restrict__ gamma, const float* __restrict__ beta,
                                 int C, int G, int HW, float eps, int centered_only) {
     extern __shared__ float4 cache[];
-    __shared__ float2 scratch[32];
+    __shared__ double2 scratch[32];
     using Row = GroupNormRow<PRE, VEC>;
     const Row gn = Row::of_block(pre, gamma, beta, C, G, HW);
     const int len = gn.len();
@@ -438,7 +442,7 @@ __global__ void group_norm_rows_cached(const float* x, float* y, const float* __
                                        float eps, int block) {
     extern __shared__ float4 cache[];
     float* row_cache = reinterpret_cast<float*>(cache);
-    __shared__ float2 scratch[32];
+    __shared__ double2 scratch[32];
     using Row = GroupNormRow<PRE, VEC>;
     const Row gn = Row::of_block(pre, gamma, beta, C, G, HW);
     const int c0 = gn.c0, cg = gn.cg, len = gn.len();

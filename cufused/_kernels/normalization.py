@@ -1,12 +1,12 @@
 """Launchers of ``normalization.cu``: split statistics, their finalization into per-channel
 affine coefficients, the affine (+ activation) apply pass, and a one-block-per-row GroupNorm.
 
-Statistics are sums shifted by each key's first value (so ``|mean| >> std`` stays
-accurate; ``key_stats_partial`` takes 0 for an infinite one), combined in float64 by
-``stats_finalize``; ``key_stats_partial`` sums ``d`` in float64 (so ``|mean| << std`` does as
-well) and ``d * d`` in float32 per thread, ``group_norm_rows`` both in float32 (GroupNorm
-divides by the spread). Coefficients are a (3, K) float32 array (``coef_array``): entry k
-maps ``v`` to ``coef[0, k] * (v - coef[1, k]) + coef[2, k]`` (``ChannelAffine`` in
+Statistics are sums shifted by each key's first value (so ``|mean| >> std`` stays accurate;
+``key_stats_partial`` takes 0 for an infinite one), combined in float64 by ``stats_finalize``;
+``key_stats_partial`` sums ``d`` in float64 (so ``|mean| << std`` does as well) and ``d * d`` in
+float32 per thread, ``group_norm_rows`` both in float32 per thread, combined in float64
+(GroupNorm divides by the spread). Coefficients are a (3, K) float32 array (``coef_array``):
+entry k maps ``v`` to ``coef[0, k] * (v - coef[1, k]) + coef[2, k]`` (``ChannelAffine`` in
 common.cuh: the centered form ``gamma * rstd * (v - mean) + beta`` where it is finite, on the
 float64 mean where the sums are of the normalized values themselves (``centered_sums``; not
 pipeline A's with a convolution bias), PyTorch's ``a * v + b`` otherwise).

@@ -92,6 +92,29 @@ def test_group_norm_past_float32_squares(rng, shape):
     assert np.array_equal(out.get(), np.broadcast_to(bias, shape))
 
 
+# Deviations of 2e37 from the shift (each row's first value is -1e37, the others 1e37): a
+# row's sum of them passes float32's range, a thread's share of a few values does not. The
+# threads' sums combine in float64, so the mean stays finite, the squares give rstd 0 and
+# every output is its channel's bias, as PyTorch's Welford mean gives it. Rows cached by
+# channel ((3, 12, 7, 5), (2, 4, 16, 16)), per vector ((3, 8, 2, 3)) and read channels-last in
+# place ((2, 8, 6, 6) "nhwc").
+@pytest.mark.parametrize("shape,layout", [((3, 12, 7, 5), "nchw"), ((3, 8, 2, 3), "nchw"),
+                                          ((2, 4, 16, 16), "nchw"), ((2, 8, 6, 6), "nhwc")])
+def test_group_norm_sum_of_deviations_past_float32_range(rng, shape, layout):
+    from cufused._layout import empty_in_layout
+
+    n, c = shape[:2]
+    x = np.full(shape, 1e37, dtype=np.float32)
+    x.reshape(n, 2, -1)[:, :, 0] = -1e37
+    x_gpu = empty_in_layout(shape, layout)
+    x_gpu[...] = cp.asarray(x)
+    w, b = mixed(rng, c), rng.standard_normal(c)
+    out = poisoned(shape)
+    cufused.group_norm(x_gpu, 2, *to_gpu(w, b), out=out)
+    bias = np.float32(b).reshape((c,) + (1,) * (len(shape) - 2))
+    assert np.array_equal(out.get(), np.broadcast_to(bias, shape))
+
+
 def test_batch_norm_past_float32_squares(rng):
     shape = (4, 5, 9, 11)
     x = (1e30 * rng.uniform(-1.0, 1.0, shape)).astype(np.float32)
