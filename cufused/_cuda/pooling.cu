@@ -209,6 +209,17 @@ struct ChannelStats {
         }
     }
 
+    // Values load(0) .. load(count - 1) outside the windows (a float for Q = 1, a float4 for
+    // Q = 4) into the sums, flushed in pairs: the rows and columns the pool drops.
+    template <class Load>
+    __device__ __forceinline__ void take_run(int count, Load load) {
+        for (int i = 0; i < count; ++i) {
+            take(load(i));
+            if (i & 1) flush();
+        }
+        if (count & 1) flush();
+    }
+
     // Channel q's (sum d, sum d*d), pending values included.
     __device__ __forceinline__ double2 sums(int q = 0) const {
         return make_double2(s1[q] + pending[q], s2[q]);
@@ -337,7 +348,6 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
     ChannelStats<1> stats(y, bias, sign_a, sign_b, shift_out, cc, n, sn, sc, C, shift_group,
                           shift_per_sample, active && split == 0 && lane == 0);
     const float* plane = y + n * sn + cc * sc;  // in-plane offsets are 32-bit
-    auto take = [&](float v) { stats.take(v); };
     for (int base = p_begin; base < p_end; base += SPAN) {  // same trip count for the block
         float v[U][KK];
         window_positions<U, STEP>(base + lane, p_end, Wo, inv_wo, [&](int u, int py, int px) {
@@ -386,21 +396,13 @@ __global__ void pool_extremum_stats(const float* __restrict__ y, const float* __
                 // The last window row / column also owns the rows / columns the pool drops.
                 const int w1 = (px == Wo - 1) ? W : w0 + k;
                 if (py == Ho - 1)
-                    for (int h = h0 + k; h < H; ++h) {
-                        for (int w = w0; w < w1; ++w) {
-                            take(plane[h * sh + w * sw]);
-                            if ((w - w0) & 1) stats.flush();
-                        }
-                        stats.flush();
-                    }
+                    for (int h = h0 + k; h < H; ++h)
+                        stats.take_run(w1 - w0,
+                                       [&](int i) { return plane[h * sh + (w0 + i) * sw]; });
                 if (px == Wo - 1)
-                    for (int h = h0; h < h0 + k; ++h) {
-                        for (int w = w0 + k; w < W; ++w) {
-                            take(plane[h * sh + w * sw]);
-                            if ((w - w0 - k) & 1) stats.flush();
-                        }
-                        stats.flush();
-                    }
+                    for (int h = h0; h < h0 + k; ++h)
+                        stats.take_run(W - w0 - k,
+                                       [&](int i) { return plane[h * sh + (w0 + k + i) * sw]; });
                 if (!CHANNELS_LAST) ext[(n * C + c) * (index_t)P + p] = stats.pooled(e);
             }
             e_out[u] = stats.pooled(e);
@@ -525,10 +527,8 @@ __global__ void __launch_bounds__(256, 3) pool_extremum_stats_nchw_bands(
         __syncwarp();  // the next chunk overwrites the buffer
     }
     if (split == splits - 1)
-        for (int i = Ho * band + lane; i < plane_size; i += 32) {
-            stats.take(plane[i]);
-            stats.flush();
-        }
+        stats.take_run((max(plane_size - Ho * band - lane, 0) + 31) / 32,
+                       [&](int i) { return plane[Ho * band + lane + 32 * i]; });
     const double2 sums = warp_sum(stats.sums());
     if (lane == 0) partial[(n * C + c) * splits + split] = sums;
 }
@@ -581,7 +581,6 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
     auto load4 = [&](int offset) {
         return __ldcs(reinterpret_cast<const float4*>(plane + offset));
     };
-    auto take = [&](float4 v) { quad_stats.take(v); };
     for (int base = p_begin; base < p_end; base += SPAN) {  // same trip count for the block
         float4 v[U][KK];
         window_positions<U, STEP>(base + lane, p_end, Wo, inv_wo, [&](int u, int py, int px) {
@@ -608,21 +607,14 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc4(const float*
                 // The last window row / column also owns the rows / columns the pool drops.
                 const int w1 = (px == Wo - 1) ? W : w0 + K;
                 if (py == Ho - 1)
-                    for (int h = h0 + K; h < H; ++h) {
-                        for (int w = w0; w < w1; ++w) {
-                            take(load4(h * sh + w * sw));
-                            if ((w - w0) & 1) quad_stats.flush();
-                        }
-                        quad_stats.flush();
-                    }
+                    for (int h = h0 + K; h < H; ++h)
+                        quad_stats.take_run(w1 - w0,
+                                            [&](int i) { return load4(h * sh + (w0 + i) * sw); });
                 if (px == Wo - 1)
-                    for (int h = h0; h < h0 + K; ++h) {
-                        for (int w = w0 + K; w < W; ++w) {
-                            take(load4(h * sh + w * sw));
-                            if ((w - w0 - K) & 1) quad_stats.flush();
-                        }
-                        quad_stats.flush();
-                    }
+                    for (int h = h0; h < h0 + K; ++h)
+                        quad_stats.take_run(W - w0 - K, [&](int i) {
+                            return load4(h * sh + (w0 + K + i) * sw);
+                        });
             }
             if (EXT_CHANNELS_LAST) {
                 if (active && p < p_end)
@@ -694,13 +686,10 @@ __global__ void __launch_bounds__(256, 2) pool_extremum_stats_nhwc_rows(
                                shift_per_sample, split == 0 && warp == 0 && lane < quads);
     const float* plane = y + n * sn + 4 * lane;
     auto load4 = [&](int offset) { return __ldg(reinterpret_cast<const float4*>(plane + offset)); };
-    auto take = [&](float4 v) { quad_stats.take(v); };
     // Values of row h, columns [wa, wb): chunks j = lane, lane + 32, ... of (wb - wa) * C floats.
     auto take_span = [&](int h, int wa, int wb) {
-        for (int j = lane; j < (wb - wa) * quads; j += 32) {
-            take(load4(h * sh + wa * sw + 4 * (j - lane)));
-            quad_stats.flush();
-        }
+        quad_stats.take_run((max((wb - wa) * quads - lane, 0) + 31) / 32,
+                            [&](int i) { return load4(h * sh + wa * sw + 128 * i); });
     };
     for (int base = p_begin; base < p_end; base += SPAN) {  // same trip count for the block
         float4 v[U][K][T];
