@@ -210,9 +210,11 @@ struct ChannelStats {
     }
 
     // Values load(0) .. load(count - 1) outside the windows (a float for Q = 1, a float4 for
-    // Q = 4) into the sums, flushed in pairs: the rows and columns the pool drops.
+    // Q = 4) into the sums, flushed in pairs: the rows and columns the pool drops. A few values
+    // per sample: the loop stays rolled, which keeps the kernels' code (and registers) small.
     template <class Load>
     __device__ __forceinline__ void take_run(int count, Load load) {
+#pragma unroll 1
         for (int i = 0; i < count; ++i) {
             take(load(i));
             if (i & 1) flush();
