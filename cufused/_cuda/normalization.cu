@@ -338,7 +338,8 @@ __global__ void group_affine_rows(const float* x, float* y, const float4* __rest
 // The moments of a row from its threads' float32 shifted sums (len values), combined and formed
 // in double as stats_finalize forms them (shifted_moments): a thread sums a share of the row,
 // so only deviations of about 3.4e38 over that share make the mean infinite; wider ones than
-// the squares allow give rstd 0 and the outputs the bias, as PyTorch's Welford mean does.
+// the squares allow give rstd 0 and (for a finite v - mean) the outputs the bias, as PyTorch
+// gives, whose Welford mean stays finite.
 __device__ __forceinline__ NormMoments row_moments(float s1, float s2, float shift, int len,
                                                    float eps, double2* scratch) {
     const double2 mv = shifted_moments(block_sum(make_double2(s1, s2), scratch), shift, len);

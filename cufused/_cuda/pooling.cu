@@ -211,7 +211,8 @@ struct ChannelStats {
 
     // Values load(0) .. load(count - 1) outside the windows (a float for Q = 1, a float4 for
     // Q = 4) into the sums, flushed in pairs: the rows and columns the pool drops. A few values
-    // per sample: the loop stays rolled, which keeps the kernels' code (and registers) small.
+    // per thread and sample (a small share of the plane): the loop stays rolled, which keeps
+    // the kernels' code (and registers) small.
     template <class Load>
     __device__ __forceinline__ void take_run(int count, Load load) {
 #pragma unroll 1
