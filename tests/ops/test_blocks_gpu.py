@@ -95,9 +95,9 @@ def test_group_norm_past_float32_squares(rng, shape):
 # Deviations of 2e37 from the shift (each row's first value is -1e37, the others 1e37): a
 # row's sum of them passes float32's range, a thread's share of a few values does not. The
 # threads' sums combine in float64, so the mean stays finite, the squares give rstd 0 and
-# every output is its channel's bias, as PyTorch's Welford mean gives it. Rows cached by
-# channel ((3, 12, 7, 5), (2, 4, 16, 16)), per vector ((3, 8, 2, 3)) and read channels-last in
-# place ((2, 8, 6, 6) "nhwc").
+# every output is its channel's bias, as PyTorch gives, whose Welford mean stays finite. Rows
+# cached by channel ((3, 12, 7, 5), (2, 4, 16, 16)), per vector ((3, 8, 2, 3)) and read
+# channels-last in place ((2, 8, 6, 6) "nhwc").
 @pytest.mark.parametrize("shape,layout", [((3, 12, 7, 5), "nchw"), ((3, 8, 2, 3), "nchw"),
                                           ((2, 4, 16, 16), "nchw"), ((2, 8, 6, 6), "nhwc")])
 def test_group_norm_sum_of_deviations_past_float32_range(rng, shape, layout):
