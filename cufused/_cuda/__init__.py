@@ -49,6 +49,11 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "conv_transpose_rows_nonfinite_weight",
         "conv_nonfinite_weight_rows",
     ),
+    "fft_conv.cu": (
+        "fft_conv_scan",
+        "fft_conv_plane_bins",
+        "fft_conv_output_planes",
+    ),
     "pooling.cu": (
         "pool_nd<true, 0, 0>",
         "pool_nd<false, 0, 0>",

@@ -13,8 +13,8 @@ import numpy
 from .._arrays import import_cupy
 
 # Plan-choice settings: autotuning on/off, strategy labels to pin (tests), None for all, graph
-# replay, and the convolution engine forced for TF32 and 3xTF32 ("igemm" or "cudnn"; None:
-# the one measured faster).
+# replay, and the convolution engine forced where an engine of cufused's takes a problem
+# ("igemm", "fft" or "cudnn"; None: the one measured fastest).
 _config: dict[str, Any] = {"autotune": True, "pins": None, "replay": True, "engine": None}
 
 
@@ -99,12 +99,15 @@ def plan_options(*, autotune: bool | None = None, pins: tuple[str, ...] | None =
     pin each one in turn); a problem that has none of them falls back to the direct method in
     the pinned layouts. ``replay=False`` runs every call through cuDNN directly instead of
     replaying the CUDA graph captured for repeated operands (see :meth:`ConvPlan.run`).
-    ``engine`` forces the engine of TF32 and 3xTF32 convolutions that cufused's implicit GEMM
-    computes: "igemm" or "cudnn" (tests and benchmarks), or "auto": the faster one measured
-    (the default). Every option left as None keeps its current setting.
+    ``engine`` forces the engine of the convolutions that an engine of cufused's computes:
+    "igemm" (the implicit GEMM: TF32 and 3xTF32), "fft" (pipeline B's convolution through
+    DFTs: "ieee" and 3xTF32) or "cudnn" (tests and benchmarks; a problem that the forced
+    engine does not take runs on cuDNN), or "auto": the fastest one measured (the default).
+    Every option left as None keeps its current setting.
     """
-    if engine not in (None, "auto", "igemm", "cudnn"):
-        raise ValueError(f"engine must be 'auto', 'igemm', 'cudnn' or None, not {engine!r}")
+    if engine not in (None, "auto", "igemm", "fft", "cudnn"):
+        raise ValueError(
+            f"engine must be 'auto', 'igemm', 'fft', 'cudnn' or None, not {engine!r}")
     saved = dict(_config)
     if autotune is not None:
         _config["autotune"] = autotune

@@ -30,22 +30,30 @@ _LAYOUT_NAMES = {2: "NCHW", 3: "NCDHW"}
 
 
 def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bool = True,
-                out=None, bias=None):
-    """Run the cuDNN convolution of checked CuPy arrays (the plan converts ``x`` to its input
-    layout where it needs to).
+                out=None, bias=None, batch_statistics: bool = False):
+    """Run the convolution of checked CuPy arrays on cuDNN (the plan converts ``x`` to its
+    input layout where it needs to) or on an engine of cufused's (:func:`own_engine`).
 
     Returns ``(y, layout)``: with ``convert_output`` the result is NCHW/NCDHW (written to
     ``out`` if given) plus ``bias``; without it ``y`` is in the plan's output layout ("nchw",
     or a channels-last view for "nhwc") for a fused kernel to read, and ``bias`` must be None.
-    A caller that puts the input in the plan's layout itself, or reads class blocks, uses
-    :func:`gpu_conv_plan`.
+    ``batch_statistics``: the caller normalizes each output channel by its batch statistics
+    (pipeline B), which admits the DFT engine, whose error is relative to a plane's norm
+    rather than to each output. A caller that puts the input in the plan's layout itself, or
+    reads class blocks, uses :func:`gpu_conv_plan`.
     """
     from .._cudnn import UnsupportedConvolution
 
-    run = igemm_call(x, weight, args, precision, bias=bias, out=out)
-    if run is not None:
+    engine = own_engine(x, weight, args, precision, bias=bias, out=out,
+                        batch_statistics=batch_statistics)
+    if engine is not None:
+        if engine[0] == "fft":
+            # Inside a capture of the caller's the call runs on cuDNN (own_engine), whose plan
+            # cannot be built there: it is built (or found) here.
+            _plan(x.shape, weight.shape, args, precision, bias is not None, True,
+                  convert_output, False)
         y = out if out is not None else _empty_nchw(args.out_shape)
-        run(x, weight, bias, y)
+        engine[1](x, weight, bias, y)
         return y, "nchw"
     try:
         plan = _plan(x.shape, weight.shape, args, precision, bias is not None, True,
@@ -57,23 +65,31 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
     return plan.apply(x, weight, bias=bias, out=out, convert_output=convert_output)
 
 
-def igemm_call(x, weight, args: ConvArgs, precision: str, *, bias=None,
-               out=None) -> Callable[..., None] | None:
-    """``run(x, weight, bias, y)`` of cufused's implicit GEMM where :func:`conv_on_gpu` runs
-    the convolution on it (:func:`_igemm_route` takes the problem and
-    :func:`_settled_conv_engine` chose it), else None: the convolution runs on cuDNN."""
-    run = _igemm_route(x, weight, args, precision, bias, out)
-    if (run is not None
-            and _settled_conv_engine(x, weight.shape, args, bias is not None, precision, run)
-            == "igemm"):
-        return run
-    return None
+def own_engine(x, weight, args: ConvArgs, precision: str, *, bias=None, out=None,
+               batch_statistics: bool = False) -> tuple[str, Callable[..., None]] | None:
+    """``(name, run)`` of the engine of cufused's on which :func:`conv_on_gpu` runs the
+    convolution, ``run(x, weight, bias, y)``: among those whose route takes the problem
+    (:func:`_igemm_route`, and with ``batch_statistics`` :func:`_fft_route`), the one that
+    :func:`_settled_conv_engine` chose; None where it chose cuDNN, where none takes the
+    problem, and for the DFT engine inside the caller's capture (:func:`_caller_capturing`).
+    """
+    routes = {"igemm": _igemm_route(x, weight, args, precision, bias, out)}
+    if batch_statistics:
+        routes["fft"] = _fft_route(x, weight, args, precision, bias, out)
+    routes = {name: run for name, run in routes.items() if run is not None}
+    if not routes:
+        return None
+    name = _settled_conv_engine(x, weight.shape, args, bias is not None, precision, routes)
+    if name not in routes or (name == "fft" and _caller_capturing()):
+        return None
+    return name, routes[name]
 
 
-# The engine of each tensor-core problem, by (device, the problem's key): "igemm" (cufused's
-# implicit GEMM, conv_gemm.cu) or "cudnn", whichever the autotuner measured faster ("3xtf32"
-# against cuDNN's exact float32, which is at least as accurate). A convolution's key is its
-# shapes, arguments, bias and precision; a pipeline's convolution with a pass in its epilogue
+# The engine of each problem that an engine of cufused's takes, by (device, the problem's key):
+# "igemm" (the implicit GEMM, conv_gemm.cu), "fft" (the DFT convolution, fft_conv.cu) or
+# "cudnn", whichever the autotuner measured fastest ("3xtf32" against cuDNN's exact float32,
+# which is at least as accurate). A convolution's key is its shapes, arguments, bias,
+# precision and the engines that take it; a pipeline's convolution with a pass in its epilogue
 # has a key of its own (settled_engine). Cleared with the plans, whose timings chose them.
 _ENGINES: dict[tuple, str] = {}
 on_clear_plan_cache(_ENGINES.clear)
@@ -123,9 +139,8 @@ def _igemm_route(x, weight, args: ConvArgs, precision: str, bias,
                  out) -> Callable[..., None] | None:
     """How cufused's implicit GEMM computes the convolution ``args`` of ``x`` and ``weight``:
     ``run(x, weight, bias, y)`` writes it, plus ``bias``, into a contiguous NCHW / NCDHW
-    ``y``; None where the engine does not take the problem. "ieee" runs on cuDNN; "tf32" and
-    "3xtf32" run on the engine that the settings force, else on the one the autotuner
-    measured faster for the problem (:func:`_settled_conv_engine`).
+    ``y``; None where the engine does not take the problem ("ieee", which runs on cuDNN or
+    the DFT engine, included).
 
     The implicit GEMM computes 2-D convolutions of one group on dense NCHW operands (any
     sizes, strides, padding, dilation), a stride-1 transposed one as the forward convolution
@@ -160,34 +175,78 @@ def _igemm_route(x, weight, args: ConvArgs, precision: str, bias,
     return None
 
 
+def _caller_capturing() -> bool:
+    """Whether the caller is capturing the current stream into a CUDA graph, which the DFT
+    engine's cuBLAS products refuse (CuPy's cuBLAS calls refuse stream capture): the call
+    runs on cuDNN there. A capture of cufused's own (``_call_graphs``) fails on it instead,
+    and the call runs directly."""
+    import cupy
+
+    from .._capture import _inside
+
+    return capturing(cupy.cuda.get_current_stream()) and not _inside.get()
+
+
+def _fft_route(x, weight, args: ConvArgs, precision: str, bias,
+               out) -> Callable[..., None] | None:
+    """How the DFT engine computes the convolution ``args`` of ``x`` and ``weight``:
+    ``run(x, weight, bias, y)`` writes it into a contiguous NCHW ``y``; None where the engine
+    does not take the problem. It takes float32 precisions ("ieee" and "3xtf32": its products
+    are float32) of contiguous operands without bias, and the transposed convolutions that
+    :func:`~cufused._kernels.fft_conv.fft_conv_takes`."""
+    from .._kernels.fft_conv import fft_conv_takes
+
+    if (precision == "tf32" or bias is not None or not args.transposed
+            or not x.flags.c_contiguous or (out is not None and not out.flags.c_contiguous)
+            or not fft_conv_takes(x.shape, weight.shape, stride=args.stride,
+                                  padding=args.padding, output_padding=args.output_padding,
+                                  dilation=args.dilation, groups=args.groups)):
+        return None
+    return partial(_fft_transposed_2d, padding=args.padding)
+
+
+def _fft_transposed_2d(x, weight, bias, y, *, padding: tuple[int, int]) -> None:
+    """The DFT engine's transposed convolution (``bias`` is None: :func:`_fft_route`)."""
+    import cupy
+
+    from .._kernels.fft_conv import conv_transpose2d_fft
+
+    conv_transpose2d_fft(x, cupy.ascontiguousarray(weight), y, padding=padding)
+
+
 def _settled_conv_engine(x, w_shape, args: ConvArgs, bias: bool, precision: str,
-                         run: Callable[..., None]) -> str:
-    """The engine of a problem that the implicit GEMM computes with ``run`` from ``x``
+                         routes: dict[str, Callable[..., None]]) -> str:
+    """The engine of a problem that the engines ``routes`` (name: ``run``) compute from ``x``
     (settled_engine), keyed and timed with the layout that ``x`` is stored in: packed
-    NC(D)HW, else packed channels-last (the only other layout the route takes)."""
+    NC(D)HW, else packed channels-last (the only other layout the routes take)."""
     x_layout = "nchw" if x.flags.c_contiguous else "nhwc"
     return settled_engine(
-        (tuple(x.shape), x_layout, tuple(w_shape), args, bias, precision),
-        lambda: _faster_engine(x.shape, x_layout, w_shape, args, bias, precision, run))
+        (tuple(x.shape), x_layout, tuple(w_shape), args, bias, precision, tuple(routes)),
+        lambda: _fastest_engine(x.shape, x_layout, w_shape, args, bias, precision, routes))
 
 
-def _faster_engine(x_shape, x_layout: str, w_shape, args: ConvArgs, bias: bool,
-                   precision: str, run: Callable[..., None]) -> str:
-    """Time the implicit GEMM's ``run`` and the cuDNN plan that ``precision`` runs on cuDNN
-    (TF32, or exact float32 for 3xTF32) on random operands, the input in ``x_layout``, the
-    output NCHW / NCDHW, L2 flushed; "igemm" where cuDNN has none."""
+def _fastest_engine(x_shape, x_layout: str, w_shape, args: ConvArgs, bias: bool,
+                    precision: str, routes: dict[str, Callable[..., None]]) -> str:
+    """Time the engines' ``routes`` and the cuDNN plan that ``precision`` runs on cuDNN
+    (TF32, or exact float32 for "ieee" and 3xTF32) on random operands, the input in
+    ``x_layout``, the output NCHW / NCDHW, L2 flushed; the fastest of the routes where cuDNN
+    has no plan."""
     from .._cudnn import UnsupportedConvolution
     from .._timing import random_operand
 
-    try:
-        plan = _plan(x_shape, w_shape, args, precision, bias, True, True, False)
-    except UnsupportedConvolution:
-        return "igemm"
     x, w = random_operand(x_shape, x_layout), random_operand(w_shape)
     b = random_operand((args.out_shape[1],)) if bias else None
     y = _empty_nchw(args.out_shape)
-    return fastest({"cudnn": lambda: plan.apply(x, w, bias=b, out=y),
-                    "igemm": lambda: run(x, w, b, y)})
+    candidates = {name: partial(run, x, w, b, y) for name, run in routes.items()}
+    try:
+        plan = _plan(x_shape, w_shape, args, precision, bias, True, True, False)
+    except UnsupportedConvolution:
+        plan = None
+    if plan is None and len(candidates) == 1:
+        return next(iter(candidates))
+    if plan is not None:
+        candidates = {"cudnn": lambda: plan.apply(x, w, bias=b, out=y), **candidates}
+    return fastest(candidates)
 
 
 def _stride1_forward_args(args: ConvArgs, kernel_size: tuple[int, ...]) -> ConvArgs | None:

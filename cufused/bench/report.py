@@ -64,11 +64,11 @@ def _pipeline_lines(result: dict) -> list[str]:
         # Results without conv_engine say only whether the pass ran in the epilogue.
         engine = r.get("conv_engine", "epilogue" if r.get("conv_in_epilogue") else "cudnn")
         if engine != "cudnn":
-            # The convolution ran on cufused's implicit GEMM, not the cuDNN plan whose time
+            # The convolution ran on an engine of cufused's, not the cuDNN plan whose time
             # the conv column would hold (the table of convolutions alone has both).
             conv = f" {'-':>6} {'-':>6} {r['post_floor']:9.3f} {'-':>7}"
             strategy = ("igemm, pass in its epilogue" if engine == "epilogue"
-                        else "igemm, pass after it")
+                        else f"{engine}, pass after it")
         else:
             post = r["fused"] - r["conv"]
             conv = (f" {r['conv']:6.3f} {post:6.3f} {r['post_floor']:9.3f} "

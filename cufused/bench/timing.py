@@ -281,12 +281,13 @@ def conv_engine(case: Case, gpu: dict, precision: str) -> str:
     """How the fused pipeline's convolution runs, as its first call settled it: "epilogue"
     (on cufused's implicit GEMM with the pass in its epilogue: pipeline A's extrema and
     statistics, pipeline C's softmax sums and the convolution computed again for the result),
-    "igemm" (on the implicit GEMM, the pass after it) or "cudnn". The ``conv`` figure is the
-    cuDNN plan's, which only "cudnn" runs."""
+    "igemm" (on the implicit GEMM, the pass after it), "fft" (pipeline B's convolution through
+    DFTs, the pass after it) or "cudnn". The ``conv`` figure is the cuDNN plan's, which only
+    "cudnn" runs."""
     import cupy
 
     from .._ops._conv_args import cached_conv_args
-    from .._ops.convolution import igemm_call
+    from .._ops.convolution import own_engine
     from ..pipelines import pipeline_a, pipeline_c
 
     x, w, o = gpu["x"], gpu["weight"], case.options
@@ -305,8 +306,10 @@ def conv_engine(case: Case, gpu: dict, precision: str) -> str:
     if case.name == "A" and pipeline_a._epilogue_applies(
             cupy, x, w, args, precision, o["pool_kernel"], o["num_groups"], "conv_bias" in gpu):
         return "epilogue"
-    # Pipelines A (without the epilogue) and B: conv_on_gpu without bias or out.
-    return "igemm" if igemm_call(x, w, args, precision) is not None else "cudnn"
+    # Pipelines A (without the epilogue) and B: conv_on_gpu without bias or out, B's with
+    # batch statistics.
+    engine = own_engine(x, w, args, precision, batch_statistics=transposed)
+    return "cudnn" if engine is None else engine[0]
 
 
 def add_floors(case: Case, rows: list[dict], ceilings: dict) -> None:

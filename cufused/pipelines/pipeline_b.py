@@ -155,7 +155,8 @@ def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, bn_
     ``out``) and the batch statistics; BatchNorm as per-channel coefficients (and the running
     buffers updated); channels with a non-finite parameter recomputed; BatchNorm + tanh and
     the GroupNorm applied to the extrema in place."""
-    y, _ = conv_on_gpu(x, weight, args, precision, convert_output=False)
+    y, _ = conv_on_gpu(x, weight, args, precision, convert_output=False,
+                       batch_statistics=True)
     c = y.shape[1]
     # The pooled extrema go into out, and the GroupNorm maps them in place. From a
     # channels-last conv output the pass stores them channels-last with 16-byte stores, in
@@ -209,7 +210,8 @@ def _chunk_extrema_sums(x, weight, conv_bias, bn_weight, *, stride, padding, out
                             padding=padding, output_padding=output_padding, groups=groups)
     check_conv_memory(x.shape, args, xp)
     n, c, h, w = args.out_shape
-    y, _ = conv_on_gpu(x, weight, args, precision, convert_output=False)
+    y, _ = conv_on_gpu(x, weight, args, precision, convert_output=False,
+                       batch_statistics=True)
     pooled = xp.empty((n, c, h // pool, w // pool), dtype=x.dtype)
     partial, shift, _ = pool_extremum_stats(
         xp, y, pooled, pool, bias=per_channel(conv_bias, c, xp),

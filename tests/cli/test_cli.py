@@ -344,8 +344,10 @@ def test_bench_floors():
 
 
 @pytest.mark.parametrize("name, epilogue, igemm, engine", [
-    ("A", True, None, "epilogue"), ("A", False, "run", "igemm"), ("A", False, None, "cudnn"),
-    ("B", False, "run", "igemm"), ("B", False, None, "cudnn"),
+    ("A", True, None, "epilogue"), ("A", False, ("igemm", "run"), "igemm"),
+    ("A", False, None, "cudnn"),
+    ("B", False, ("igemm", "run"), "igemm"), ("B", False, ("fft", "run"), "fft"),
+    ("B", False, None, "cudnn"),
     ("C", True, None, "epilogue"), ("C", False, None, "cudnn"),
 ])
 def test_bench_conv_engine(monkeypatch, name, epilogue, igemm, engine):
@@ -365,9 +367,13 @@ def test_bench_conv_engine(monkeypatch, name, epilogue, igemm, engine):
                         lambda xp, x, w, args, *rest: asked.append(args) or epilogue)
     monkeypatch.setattr(pipeline_c, "_recompute_applies",
                         lambda xp, x, w, args, *rest: asked.append(args) or epilogue)
-    monkeypatch.setattr(convolution, "igemm_call",
-                        lambda x, w, args, precision: asked.append(args) or igemm)
+    # Pipeline B's convolution feeds batch statistics (which admits the DFT engine).
+    flags = []
+    monkeypatch.setattr(convolution, "own_engine",
+                        lambda x, w, args, precision, *, batch_statistics: asked.append(args)
+                        or flags.append(batch_statistics) or igemm)
     assert conv_engine(case, gpu, "tf32") == engine
     c = case.conv
     assert all(a.transposed == (c["kind"] == "dgrad") and a.out_shape == c["y_shape"]
                for a in asked) and asked
+    assert flags == ([] if name == "C" or epilogue else [name == "B"])

@@ -92,6 +92,23 @@ def test_group_norm_past_float32_squares(rng, shape):
     assert np.array_equal(out.get(), np.broadcast_to(bias, shape))
 
 
+# Squares that each stay in float32's range, as does a thread's sum of them, while a row's sum
+# passes it: values of +-1.5e17 (deviations of 3e17 from the row's first value, squares 9e34)
+# over rows of 12288 values (two channels of 64 x 96, one block per row). The combined sum of
+# squares is clamped to float32's range (shifted_moments), so the variance is infinite, rstd 0
+# and every output its channel's bias: the threshold of semantics.rst, "Statistics", not that
+# of PyTorch's Welford sums around the mean (which stay finite here).
+def test_group_norm_sum_of_squares_past_float32_range(rng):
+    shape = (2, 4, 64, 96)
+    x = (1.5e17 * rng.choice([-1.0, 1.0], shape)).astype(np.float32)
+    c = shape[1]
+    w, b = mixed(rng, c), rng.standard_normal(c)
+    out = poisoned(shape)
+    cufused.group_norm(*to_gpu(x), 2, *to_gpu(w, b), out=out)
+    bias = np.float32(b).reshape(c, 1, 1)
+    assert np.array_equal(out.get(), np.broadcast_to(bias, shape))
+
+
 # Deviations of 2e37 from the shift (each row's first value is -1e37, the others 1e37): a
 # row's sum of them passes float32's range, a thread's share of a few values does not. The
 # threads' sums combine in float64, so the mean stays finite, the squares give rstd 0 and

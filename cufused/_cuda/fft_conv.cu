@@ -1,0 +1,320 @@
+// A stride-1 transposed 2-D convolution through discrete Fourier transforms (pipeline B's):
+// y = crop(x (*) w), the full linear convolution of each input plane with each weight plane,
+// cropped by the padding. Per sample n and frequency bin b the output's transform is the
+// product of a (1 x C_in) row of the input's transforms with a (C_in x C_out) matrix of the
+// weight's: a batched complex GEMM (cuBLAS) between the kernels here, which transform planes
+// by their DFT matrices, a rows pass and a columns pass, each a small complex matrix product
+// in shared memory (block_complex_matmul).
+//
+// The transforms are circular of size L1 x L2 = (H + KH - 1 - ph) x (W + KW - 1 - pw): the
+// smallest size at which no wrapped-around value reaches the cropped output. The real input
+// keeps the bins kx <= L2 / 2 (the others are their conjugates).
+//
+// Range: a DFT sums a whole plane, so its partial sums reach about H * W times the largest
+// input where a direct sum stays near its output. The input and the weight are scaled by
+// powers of two (exact) so that their largest finite magnitudes fall below 1; the output is
+// scaled back. Non-finite values enter the transforms as 0, and the outputs that the
+// definition gives another value are computed by it: those whose window holds a non-finite
+// input, and every output of a channel whose weight holds one.
+#include "common.cuh"
+
+// Planes of one sample per block: the bins of P consecutive channels lie next to each other
+// in the GEMM's layout, so a block's loads and stores of one bin are P * 8 contiguous bytes.
+#define FFT_PLANES 8
+// Each thread's tile of a block_complex_matmul: FFT_TILE_M rows by FFT_TILE_N columns.
+#define FFT_TILE_M 4
+#define FFT_TILE_N 2
+
+// C_p = A_p B_p for the P planes p of a block (complex; A_p M x K, B_p K x N): each thread
+// takes tiles of FFT_TILE_M x FFT_TILE_N outputs, rows tm * FFT_TILE_M ..., columns tn,
+// tn + tiles_n, ... (neighbouring tn read neighbouring columns of B). PLANE_FASTEST puts the
+// plane in the lowest bits of the tile index (the lanes of a warp then take P planes of the
+// same tiles; else neighbouring tn of one plane). load_a(p, m, k) and load_b(p, k, n) give
+// float2 values (REAL_A: A's imaginary parts are 0 and not read); store(p, m, n, re, im)
+// takes each output within M x N (REAL_C: only the real part is formed, im is 0).
+template <bool PLANE_FASTEST, bool REAL_A, bool REAL_C, class LoadA, class LoadB, class Store>
+__device__ void block_complex_matmul(int M, int N, int K, LoadA load_a, LoadB load_b,
+                                     Store store) {
+    constexpr int P = FFT_PLANES, TM = FFT_TILE_M, TN = FFT_TILE_N;
+    const int tiles_m = (M + TM - 1) / TM, tiles_n = (N + TN - 1) / TN;
+    const int tiles = tiles_m * tiles_n;
+    for (int t = threadIdx.x; t < P * tiles; t += blockDim.x) {
+        const int p = PLANE_FASTEST ? t % P : t / tiles;
+        const int rest = PLANE_FASTEST ? t / P : t - p * tiles;
+        const int tm = rest / tiles_n, tn = rest - tm * tiles_n;
+        int rows[TM], cols[TN];
+#pragma unroll
+        for (int i = 0; i < TM; ++i) rows[i] = min(tm * TM + i, M - 1);
+#pragma unroll
+        for (int j = 0; j < TN; ++j) cols[j] = min(tn + j * tiles_n, N - 1);
+        float re[TM][TN] = {}, im[TM][TN] = {};
+        for (int k = 0; k < K; ++k) {
+            float2 a[TM], b[TN];
+#pragma unroll
+            for (int i = 0; i < TM; ++i) a[i] = load_a(p, rows[i], k);
+#pragma unroll
+            for (int j = 0; j < TN; ++j) b[j] = load_b(p, k, cols[j]);
+#pragma unroll
+            for (int i = 0; i < TM; ++i)
+#pragma unroll
+                for (int j = 0; j < TN; ++j) {
+                    re[i][j] = fmaf(a[i].x, b[j].x, re[i][j]);
+                    if (!REAL_A) re[i][j] = fmaf(-a[i].y, b[j].y, re[i][j]);
+                    if (!REAL_C) {
+                        im[i][j] = fmaf(a[i].x, b[j].y, im[i][j]);
+                        if (!REAL_A) im[i][j] = fmaf(a[i].y, b[j].x, im[i][j]);
+                    }
+                }
+        }
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+            for (int j = 0; j < TN; ++j)
+                if (tm * TM + i < M && tn + j * tiles_n < N)
+                    store(p, tm * TM + i, tn + j * tiles_n, re[i][j], im[i][j]);
+    }
+}
+
+// roots[m] = e^(2 pi i m / L) for m < L, rounded once from double; the DFT matrices take
+// their entries from it by the exact product of the indices mod L.
+__device__ void fill_roots(float2* roots, int L) {
+    for (int m = threadIdx.x; m < L; m += blockDim.x) {
+        double s, c;
+        sincospi(2.0 * m / L, &s, &c);
+        roots[m] = make_float2((float)c, (float)s);
+    }
+}
+
+// e^(sign 2 pi i m / L) from fill_roots' table.
+__device__ __forceinline__ float2 unit_root(const float2* roots, int m, int L, float sign) {
+    const float2 t = roots[m % L];
+    return make_float2(t.x, sign * t.y);
+}
+
+// A plane buffer's stride in float2: at least `count`, 2 more than a multiple of 16, so that
+// the P planes' same element falls in distinct banks for a half-warp (two neighbouring
+// columns of each plane).
+__device__ __forceinline__ int plane_stride(int count) { return (count + 15) / 16 * 16 + 2; }
+
+// v * 2^e: one multiply where 2^e is a normal float32, else ldexpf (the same value).
+__device__ __forceinline__ float times_pow2(float v, int e) {
+    return (e >= -126 && e <= 127) ? v * __int_as_float((e + 127) << 23) : ldexpf(v, e);
+}
+
+// Global loads in flight per thread while a block stages its operands in shared memory.
+#define FFT_LOADS 16
+
+// The exponent e for which the largest finite magnitude (its bits, from fft_conv_scan)
+// times 2^-e is below 1 (0 for 0).
+__device__ __forceinline__ int scale_exponent(unsigned bits) {
+    int e;
+    frexpf(__uint_as_float(bits), &e);
+    return e;
+}
+
+// stats[0]: the bits of the largest finite |x|; stats[1]: of the largest finite |w|;
+// stats[2]: 1 where x holds a non-finite value; stats[3 + c]: 1 where output channel c's
+// weight holds one (all zeroed before the launch). mask[n * H * W + q]: 1 where x[n, :, q]
+// holds a non-finite value in some channel. Blocks below x_blocks take a position (n, q) of
+// x per thread; the others w (C_in, C_out, taps) in a grid-stride loop.
+__global__ void fft_conv_scan(const float* __restrict__ x, const float* __restrict__ w,
+                              unsigned char* __restrict__ mask, unsigned* __restrict__ stats,
+                              index_t positions, int C, index_t hw, index_t w_count,
+                              int c_out, int taps, int x_blocks) {
+    float m = 0.0f;
+    if ((int)blockIdx.x < x_blocks) {
+        const index_t i = (index_t)blockIdx.x * blockDim.x + threadIdx.x;
+        int bad = 0;
+        if (i < positions) {
+            const index_t n = i / hw;
+            const float* src = x + n * C * hw + (i - n * hw);
+            for (int c = 0; c < C; ++c) {
+                const float v = src[c * hw];
+                if (isfinite(v)) m = fmaxf(m, fabsf(v));
+                else bad = 1;
+            }
+            mask[i] = (unsigned char)bad;
+        }
+        if (__any_sync(0xffffffffu, bad) && (threadIdx.x & 31) == 0) atomicOr(&stats[2], 1u);
+    } else {
+        const index_t step = (index_t)(gridDim.x - x_blocks) * blockDim.x;
+        for (index_t i = (index_t)(blockIdx.x - x_blocks) * blockDim.x + threadIdx.x;
+             i < w_count; i += step) {
+            const float v = w[i];
+            if (isfinite(v)) m = fmaxf(m, fabsf(v));
+            else stats[3 + (i / taps) % c_out] = 1u;
+        }
+    }
+    m = warp_max(m);
+    if ((threadIdx.x & 31) == 0 && m > 0.0f)
+        atomicMax(&stats[(int)blockIdx.x < x_blocks ? 0 : 1], __float_as_uint(m));
+}
+
+// bins[b][s][c] = factor * the DFT of src[s, c] (S x C planes of H x W, zero-padded to
+// L1 x L2, non-finite values as 0, times 2^-e, e from stats[slot]) at bin b = ky * F2 + kx,
+// F2 = L2 / 2 + 1: the input's (s a sample, c a channel) and the weight's (s an input
+// channel, c an output channel) transforms. Block i takes s = i / groups and the planes
+// c = (i % groups) * P ... + P - 1, groups = ceil(C / P). Shared memory: the DFT matrices of
+// the rows (W x F2) and columns (L1 x H) and their roots, the planes (P x H x W) and the
+// rows' transforms.
+__global__ void fft_conv_plane_bins(const float* __restrict__ src,
+                                    const unsigned* __restrict__ stats, int slot, float factor,
+                                    float2* __restrict__ bins, int S, int C, int H, int W,
+                                    int L1, int L2) {
+    extern __shared__ float2 shared[];
+    constexpr int P = FFT_PLANES;
+    const int F2 = L2 / 2 + 1, hw = H * W, rs = plane_stride(H * F2);
+    float2* roots1 = shared;                 // L1
+    float2* roots2 = roots1 + L1;            // L2
+    float2* row_dft = roots2 + L2;           // [j][kx]
+    float2* col_dft = row_dft + W * F2;      // [ky][r]
+    float2* rows = col_dft + L1 * H;         // [p][r][kx], planes rs apart
+    float* planes = (float*)(rows + P * rs);  // [p][r][j]
+    const int groups = (C + P - 1) / P;
+    const int s = blockIdx.x / groups, c0 = (blockIdx.x - s * groups) * P;
+    const int e = scale_exponent(stats[slot]);
+    fill_roots(roots1, L1);
+    fill_roots(roots2, L2);
+    __syncthreads();
+    for (int i = threadIdx.x; i < W * F2; i += blockDim.x)
+        row_dft[i] = unit_root(roots2, (i / F2) * (i % F2), L2, -1.0f);
+    for (int i = threadIdx.x; i < L1 * H; i += blockDim.x)
+        col_dft[i] = unit_root(roots1, (i / H) * (i % H), L1, -1.0f);
+    // The block's planes are contiguous in src: FFT_LOADS loads per thread in flight.
+    const float* first = src + ((index_t)s * C + c0) * hw;
+    const int count = min(P, C - c0) * hw;
+    for (int i0 = threadIdx.x; i0 < P * hw; i0 += FFT_LOADS * blockDim.x) {
+        float v[FFT_LOADS];
+#pragma unroll
+        for (int u = 0; u < FFT_LOADS; ++u) {
+            const int i = i0 + u * blockDim.x;
+            v[u] = i < count ? first[i] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < FFT_LOADS; ++u) {
+            const int i = i0 + u * blockDim.x;
+            if (i < P * hw) planes[i] = isfinite(v[u]) ? times_pow2(v[u], -e) : 0.0f;
+        }
+    }
+    __syncthreads();
+    // Rows: A[r][kx] = sum_j x[r][j] e^(-2 pi i j kx / L2).
+    block_complex_matmul<false, true, false>(
+        H, F2, W,
+        [&](int p, int r, int j) { return make_float2(planes[(p * H + r) * W + j], 0.0f); },
+        [&](int, int j, int kx) { return row_dft[j * F2 + kx]; },
+        [&](int p, int r, int kx, float re, float im) {
+            rows[p * rs + r * F2 + kx] = make_float2(re, im);
+        });
+    __syncthreads();
+    // Columns: X[ky][kx] = sum_r e^(-2 pi i r ky / L1) A[r][kx].
+    block_complex_matmul<true, false, false>(
+        L1, F2, H, [&](int, int ky, int r) { return col_dft[ky * H + r]; },
+        [&](int p, int r, int kx) { return rows[p * rs + r * F2 + kx]; },
+        [&](int p, int ky, int kx, float re, float im) {
+            if (c0 + p < C)
+                bins[((index_t)(ky * F2 + kx) * S + s) * C + c0 + p] =
+                    make_float2(re * factor, im * factor);
+        });
+}
+
+// Whether output (oh, ow)'s window (the inputs that reach it) holds a position that mask (a
+// sample's H x W marks) marks.
+__device__ bool window_marked(const unsigned char* mask, const TransposedConvDefinition& conv,
+                              int oh, int ow) {
+    const int i1 = min(oh + conv.ph, conv.Hi - 1), j1 = min(ow + conv.pw, conv.Wi - 1);
+    for (int i = max(oh + conv.ph - conv.KH + 1, 0); i <= i1; ++i)
+        for (int j = max(ow + conv.pw - conv.KW + 1, 0); j <= j1; ++j)
+            if (mask[i * conv.Wi + j]) return true;
+    return false;
+}
+
+// y[n, c] (Ho x Wo, contiguous NCHW) = 2^(e_x + e_w) * the inverse DFT of bins[.][n][c] at
+// the rows ph ... and columns pw ... of the L1 x L2 circular result; by the definition (conv,
+// with x and w) the outputs whose window holds a non-finite input and those of a channel
+// whose weight holds a non-finite value (fft_conv_scan's stats and mask). Blocks as
+// fft_conv_plane_bins'. Shared memory: the inverse DFT matrices of the columns at the output
+// rows (Ho x L1) and of the rows at the output columns (F2 x Wo, each bin and its conjugate),
+// the sample's bins of P planes and their columns' inverse transforms.
+__global__ void fft_conv_output_planes(
+    const float* __restrict__ x, const float* __restrict__ w, const float2* __restrict__ bins,
+    const unsigned* __restrict__ stats, const unsigned char* __restrict__ mask,
+    float* __restrict__ y, int N, int C, int L1, int L2, int c_in_group, int c_out_group,
+    int Di, int Hi, int Wi, int Do, int Ho, int Wo, int KD, int KH, int KW, int sd, int sh,
+    int sw, int pd, int ph, int pw, int dd, int dh, int dw, index_t xn, index_t xc, index_t xd,
+    index_t xh, index_t xw) {
+    extern __shared__ float2 shared[];
+    constexpr int P = FFT_PLANES;
+    const TransposedConvDefinition conv{x,  w,  c_in_group, c_out_group, Di, Hi, Wi, Do, Ho,
+                                        Wo, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
+                                        xn, xc, xd, xh, xw};
+    const int F2 = L2 / 2 + 1, ss = plane_stride(L1 * F2), cs = plane_stride(Ho * F2);
+    float2* roots1 = shared;                  // L1
+    float2* roots2 = roots1 + L1;             // L2
+    float2* col_idft = roots2 + L2;           // [r][ky]
+    float2* row_idft = col_idft + Ho * L1;    // [kx][j]
+    float2* spectrum = row_idft + F2 * Wo;    // [p][ky][kx], planes ss apart
+    float2* cols = spectrum + P * ss;         // [p][r][kx], planes cs apart
+    const int groups = (C + P - 1) / P;
+    const int n = blockIdx.x / groups, c0 = (blockIdx.x - n * groups) * P;
+    const int e = scale_exponent(stats[0]) + scale_exponent(stats[1]);
+    const bool nonfinite_x = stats[2] != 0;
+    unsigned bad_weights = 0;  // bit p: plane c0 + p's weight holds a non-finite value
+    for (int p = 0; p < P && c0 + p < C; ++p) bad_weights |= (stats[3 + c0 + p] != 0) << p;
+    fill_roots(roots1, L1);
+    fill_roots(roots2, L2);
+    __syncthreads();
+    for (int i = threadIdx.x; i < Ho * L1; i += blockDim.x)
+        col_idft[i] = unit_root(roots1, (i / L1 + ph) * (i % L1), L1, 1.0f);
+    for (int i = threadIdx.x; i < F2 * Wo; i += blockDim.x) {
+        const int kx = i / Wo;
+        const float2 t = unit_root(roots2, kx * (i % Wo + pw), L2, 1.0f);
+        // Each bin but 0 and (L2 even) L2 / 2 also stands for its conjugate.
+        const float twice = (kx == 0 || 2 * kx == L2) ? 1.0f : 2.0f;
+        row_idft[i] = make_float2(twice * t.x, twice * t.y);
+    }
+    {  // Thread t loads plane t % P of the bins t / P, t / P + blockDim.x / P, ...
+        const int p = threadIdx.x % P, step = blockDim.x / P, count = L1 * F2;
+        const bool in_range = c0 + p < C;
+        const float2* src = bins + (index_t)n * C + c0 + p;
+        const index_t bin_stride = (index_t)N * C;
+        for (int b0 = threadIdx.x / P; b0 < count; b0 += FFT_LOADS * step) {
+            float2 v[FFT_LOADS];
+#pragma unroll
+            for (int u = 0; u < FFT_LOADS; ++u) {
+                const int b = b0 + u * step;
+                v[u] = b < count && in_range ? src[b * bin_stride] : make_float2(0.0f, 0.0f);
+            }
+#pragma unroll
+            for (int u = 0; u < FFT_LOADS; ++u)
+                if (b0 + u * step < count) spectrum[p * ss + b0 + u * step] = v[u];
+        }
+    }
+    __syncthreads();
+    // Columns at the output rows r: B[r][kx] = sum_ky e^(2 pi i ky (r + ph) / L1) X[ky][kx].
+    block_complex_matmul<true, false, false>(
+        Ho, F2, L1, [&](int, int r, int ky) { return col_idft[r * L1 + ky]; },
+        [&](int p, int ky, int kx) { return spectrum[p * ss + ky * F2 + kx]; },
+        [&](int p, int r, int kx, float re, float im) {
+            cols[p * cs + r * F2 + kx] = make_float2(re, im);
+        });
+    __syncthreads();
+    // Rows, a real result: y[r][j] = Re sum_kx B[r][kx] c_kx e^(2 pi i kx (j + pw) / L2).
+    block_complex_matmul<false, false, true>(
+        Ho, Wo, F2, [&](int p, int r, int kx) { return cols[p * cs + r * F2 + kx]; },
+        [&](int, int kx, int j) { return row_idft[kx * Wo + j]; },
+        [&](int p, int r, int j, float re, float) {
+            if (c0 + p < C) y[((index_t)n * C + c0 + p) * Ho * Wo + r * Wo + j] = times_pow2(re, e);
+        });
+    // The outputs that meet a non-finite value, by the definition, over the block's own
+    // stores (which the barrier orders before these).
+    if (!bad_weights && !nonfinite_x) return;
+    __syncthreads();
+    const int hw = Ho * Wo;
+    const unsigned char* marks = mask + (index_t)n * Hi * Wi;
+    for (int i = threadIdx.x; i < P * hw; i += blockDim.x) {
+        const int p = i / hw, o = i - p * hw, r = o / Wo, j = o - r * Wo;
+        if (c0 + p < C &&
+            (((bad_weights >> p) & 1) || (nonfinite_x && window_marked(marks, conv, r, j))))
+            y[((index_t)n * C + c0 + p) * hw + o] = conv.at(n, c0 + p, o, 0.0f);
+    }
+}

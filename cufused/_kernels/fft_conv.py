@@ -1,0 +1,138 @@
+"""Launchers of ``fft_conv.cu``: a stride-1 transposed 2-D convolution through discrete
+Fourier transforms (pipeline B's), the per-frequency products on cuBLAS."""
+
+from __future__ import annotations
+
+import numpy
+
+from .._cuda import MAX_GRID_X, get_kernel, shared_per_block
+from ._common import definition_args
+
+_FILE = "fft_conv.cu"
+_PLANES, _THREADS = 8, 256  # FFT_PLANES: planes of one sample per block
+
+
+def transform_size(in_size: int, kernel: int, padding: int) -> int:
+    """The circular transform's length along one axis: the full convolution's
+    ``in_size + kernel - 1`` less ``padding``, the smallest with no wrapped-around value in
+    the cropped output."""
+    return in_size + kernel - 1 - padding
+
+
+def _plane_stride(count: int) -> int:
+    """fft_conv.cu's ``plane_stride``: float2 elements between the planes of a buffer."""
+    return -(-count // 16) * 16 + 2
+
+
+def _plane_bins_bytes(hw: tuple[int, int], sizes: tuple[int, int]) -> int:
+    """Dynamic shared memory of ``fft_conv_plane_bins`` for planes of ``hw``."""
+    (h, w), (l1, l2) = hw, sizes
+    f2 = l2 // 2 + 1
+    return (8 * (l1 + l2 + w * f2 + l1 * h + _PLANES * _plane_stride(h * f2))
+            + 4 * _PLANES * h * w)
+
+
+def _output_planes_bytes(out_hw: tuple[int, int], sizes: tuple[int, int]) -> int:
+    """Dynamic shared memory of ``fft_conv_output_planes`` for outputs of ``out_hw``."""
+    (ho, wo), (l1, l2) = out_hw, sizes
+    f2 = l2 // 2 + 1
+    return 8 * (l1 + l2 + ho * l1 + f2 * wo
+                + _PLANES * (_plane_stride(l1 * f2) + _plane_stride(ho * f2)))
+
+
+def fft_conv_takes(x_shape: tuple[int, ...], w_shape: tuple[int, ...], *, stride, padding,
+                   output_padding, dilation, groups: int) -> bool:
+    """Whether :func:`conv_transpose2d_fft` computes this transposed convolution: 2-D, stride
+    1, one group, no dilation or output padding, ``0 <= padding < kernel``, a sample's
+    transforms of 8 planes within the device's shared memory per block, the grid's blocks and
+    the GEMM's int32 sizes in range."""
+    if (len(x_shape) != 4 or groups != 1 or any(s != 1 for s in stride)
+            or any(d != 1 for d in dilation) or any(output_padding)
+            or not all(0 <= p < k for p, k in zip(padding, w_shape[2:]))):
+        return False
+    n, c_in, h, w = x_shape
+    c_out = w_shape[1]
+    sizes = tuple(transform_size(s, k, p) for s, k, p in zip((h, w), w_shape[2:], padding))
+    out_hw = tuple(s + k - 1 - 2 * p for s, k, p in zip((h, w), w_shape[2:], padding))
+    bins = sizes[0] * (sizes[1] // 2 + 1)
+    return (min(n, c_in, c_out, h, w) > 0
+            and max(_plane_bins_bytes((h, w), sizes), _plane_bins_bytes(w_shape[2:], sizes),
+                    _output_planes_bytes(out_hw, sizes)) <= shared_per_block()
+            and max(n, c_in) * -(-max(c_in, c_out) // _PLANES) <= MAX_GRID_X
+            and max(n, c_in, c_out, bins) < 2**31)
+
+
+def conv_transpose2d_fft(x, w, y, *, padding: tuple[int, int]) -> None:
+    """``y`` (N, C_out, Ho, Wo), contiguous, = conv_transpose2d(x, w, padding=padding) for
+    contiguous ``x`` (N, C_in, H, W) and ``w`` (C_in, C_out, KH, KW) of a problem that
+    :func:`fft_conv_takes`: a scan of both operands' finite ranges and non-finite values, the
+    transforms of the input's and the weight's planes, their products per frequency (cuBLAS),
+    and the inverse transform of each output plane, with the outputs that meet a non-finite
+    value computed by the definition."""
+    import cupy
+
+    n, c_in, h, wd = x.shape
+    c_out, kh, kw = w.shape[1:]
+    sizes = tuple(transform_size(s, k, p) for s, k, p in zip((h, wd), (kh, kw), padding))
+    l1, l2 = sizes
+    bins = l1 * (l2 // 2 + 1)
+    i32 = numpy.int32
+    stats = cupy.zeros(3 + c_out, dtype=cupy.uint32)
+    mask = cupy.empty(n * h * wd, dtype=cupy.uint8)
+    x_blocks = -(-(n * h * wd) // _THREADS)
+    get_kernel(_FILE, "fft_conv_scan")(
+        (x_blocks + min(-(-w.size // _THREADS), 64),), (_THREADS,),
+        (x, w, mask, stats, numpy.int64(n * h * wd), i32(c_in), numpy.int64(h * wd),
+         numpy.int64(w.size), i32(c_out), i32(kh * kw), i32(x_blocks)))
+    x_bins = cupy.empty((bins, n, c_in), dtype=cupy.complex64)
+    _plane_bins(x, stats, 0, 1.0, x_bins, sizes)
+    # The inverse transform's 1 / (L1 * L2) rides on the weight's bins.
+    w_bins = cupy.empty((bins, c_in, c_out), dtype=cupy.complex64)
+    _plane_bins(w, stats, 1, 1.0 / (l1 * l2), w_bins, sizes)
+    y_bins = cupy.empty((bins, n, c_out), dtype=cupy.complex64)
+    _bin_products(x_bins, w_bins, y_bins)
+    shared = _output_planes_bytes(y.shape[2:], sizes)
+    get_kernel(_FILE, "fft_conv_output_planes", shared_bytes=shared)(
+        (n * -(-c_out // _PLANES),), (_THREADS,),
+        (x, w, y_bins, stats, mask, y, i32(n), i32(c_out), i32(l1), i32(l2),
+         *definition_args(x, w, y.shape, groups=1, c_out_group=c_out, stride=(1, 1),
+                          padding=padding, dilation=(1, 1))),
+        shared_mem=shared)
+
+
+def _plane_bins(src, stats, slot: int, factor: float, bins, sizes: tuple[int, int]) -> None:
+    """``bins`` (bins, S, C) = ``factor`` times the transforms of the planes of ``src`` (S, C,
+    H, W), scaled by the exponent in ``stats[slot]``."""
+    s, c, h, w = src.shape
+    shared = _plane_bins_bytes((h, w), sizes)
+    i32 = numpy.int32
+    get_kernel(_FILE, "fft_conv_plane_bins", shared_bytes=shared)(
+        (s * -(-c // _PLANES),), (_THREADS,),
+        (src, stats, i32(slot), numpy.float32(factor), bins, i32(s), i32(c), i32(h), i32(w),
+         *(i32(v) for v in sizes)),
+        shared_mem=shared)
+
+
+def _bin_products(x_bins, w_bins, y_bins) -> None:
+    """``y_bins[b] = x_bins[b] @ w_bins[b]`` for every bin b (complex64, C-contiguous
+    (bins, N, C_in), (bins, C_in, C_out), (bins, N, C_out)): cuBLAS's batched complex GEMM in
+    float32 on the current stream, column-major as ``y_bins[b].T = w_bins[b].T @
+    x_bins[b].T``."""
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+
+    bins, n, c_in = x_bins.shape
+    c_out = w_bins.shape[2]
+    handle = cupy.cuda.device.get_cublas_handle()
+    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
+    mode = cublas.getPointerMode(handle)
+    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    one, zero = numpy.ones(1, numpy.complex64), numpy.zeros(1, numpy.complex64)
+    try:
+        cublas.cgemmStridedBatched(
+            handle, cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N, c_out, n, c_in,
+            one.ctypes.data, w_bins.data.ptr, c_out, c_in * c_out,
+            x_bins.data.ptr, c_in, n * c_in, zero.ctypes.data,
+            y_bins.data.ptr, c_out, n * c_out, bins)
+    finally:
+        cublas.setPointerMode(handle, mode)
