@@ -68,7 +68,10 @@ def set_default_precision(precision: str) -> None:
         accuracy) on cufused's own convolution where it applies (2-D, one group, forward or
         transposed with stride 1; transposed 3-D with stride 2, a 3 x 3 x 3 kernel, padding 1
         and at most 32 input channels, pipeline C's) and the autotuner measures it faster than
-        cuDNN's exact float32; other convolutions run in ``"ieee"``.
+        cuDNN's exact float32; other convolutions run in ``"ieee"``. Pipeline B's
+        convolution may also run through discrete Fourier transforms in ``"ieee"`` (float32
+        products) and ``"3xtf32"`` (three TF32 products), where the autotuner measures that
+        faster.
 
     Raises
     ------

@@ -101,6 +101,13 @@ __device__ __forceinline__ float times_pow2(float v, int e) {
     return (e >= -126 && e <= 127) ? v * __int_as_float((e + 127) << 23) : ldexpf(v, e);
 }
 
+// x rounded to TF32 (to nearest, ties away), as a float.
+__device__ __forceinline__ float tf32_rounded(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return __uint_as_float(r);
+}
+
 // Global loads in flight per thread while a block stages its operands in shared memory.
 #define FFT_LOADS 16
 
@@ -150,17 +157,22 @@ __global__ void fft_conv_scan(const float* __restrict__ x, const float* __restri
         atomicMax(&stats[(int)blockIdx.x < x_blocks ? 0 : 1], __float_as_uint(m));
 }
 
-// bins[b][s][c] = factor * the DFT of src[s, c] (S x C planes of H x W, zero-padded to
-// L1 x L2, non-finite values as 0, times 2^-e, e from stats[slot]) at bin b = ky * F2 + kx,
-// F2 = L2 / 2 + 1: the input's (s a sample, c a channel) and the weight's (s an input
-// channel, c an output channel) transforms. Block i takes s = i / groups and the planes
+// bins[b * bin_stride + s * s_stride + part * part_stride + c] = factor * the DFT of
+// src[s, c] (S x C planes of H x W, zero-padded to L1 x L2, non-finite values as 0, times
+// 2^-e, e from stats[slot]) at bin b = ky * F2 + kx, F2 = L2 / 2 + 1: the input's (s a
+// sample, c a channel) and the weight's (s an input channel, c an output channel)
+// transforms. With parts = 3 each value is stored as its TF32 rounding hi at the parts other
+// than lo_part and its residual v - hi at lo_part: the operands of one TF32 GEMM whose
+// reduction concatenates x's (hi, lo, hi) with w's (hi, hi, lo), 3xTF32's three products.
+// Block i takes s = i / groups and the planes
 // c = (i % groups) * P ... + P - 1, groups = ceil(C / P). Shared memory: the DFT matrices of
 // the rows (W x F2) and columns (L1 x H) and their roots, the planes (P x H x W) and the
 // rows' transforms.
 __global__ void fft_conv_plane_bins(const float* __restrict__ src,
                                     const unsigned* __restrict__ stats, int slot, float factor,
                                     float2* __restrict__ bins, int S, int C, int H, int W,
-                                    int L1, int L2) {
+                                    int L1, int L2, int parts, int lo_part, index_t bin_stride,
+                                    index_t s_stride, index_t part_stride) {
     extern __shared__ float2 shared[];
     constexpr int P = FFT_PLANES;
     const int F2 = L2 / 2 + 1, hw = H * W, rs = plane_stride(H * F2);
@@ -211,9 +223,17 @@ __global__ void fft_conv_plane_bins(const float* __restrict__ src,
         L1, F2, H, [&](int, int ky, int r) { return col_dft[ky * H + r]; },
         [&](int p, int r, int kx) { return rows[p * rs + r * F2 + kx]; },
         [&](int p, int ky, int kx, float re, float im) {
-            if (c0 + p < C)
-                bins[((index_t)(ky * F2 + kx) * S + s) * C + c0 + p] =
-                    make_float2(re * factor, im * factor);
+            if (c0 + p >= C) return;
+            const float2 v = make_float2(re * factor, im * factor);
+            float2* dst = bins + (ky * F2 + kx) * bin_stride + s * s_stride + c0 + p;
+            if (parts == 1) {
+                *dst = v;
+                return;
+            }
+            const float2 hi = make_float2(tf32_rounded(v.x), tf32_rounded(v.y));
+            for (int part = 0; part < parts; ++part)
+                dst[part * part_stride] =
+                    part == lo_part ? make_float2(v.x - hi.x, v.y - hi.y) : hi;
         });
 }
 

@@ -62,13 +62,14 @@ def fft_conv_takes(x_shape: tuple[int, ...], w_shape: tuple[int, ...], *, stride
             and max(n, c_in, c_out, bins) < 2**31)
 
 
-def conv_transpose2d_fft(x, w, y, *, padding: tuple[int, int]) -> None:
+def conv_transpose2d_fft(x, w, y, *, padding: tuple[int, int], passes: int) -> None:
     """``y`` (N, C_out, Ho, Wo), contiguous, = conv_transpose2d(x, w, padding=padding) for
     contiguous ``x`` (N, C_in, H, W) and ``w`` (C_in, C_out, KH, KW) of a problem that
     :func:`fft_conv_takes`: a scan of both operands' finite ranges and non-finite values, the
-    transforms of the input's and the weight's planes, their products per frequency (cuBLAS),
-    and the inverse transform of each output plane, with the outputs that meet a non-finite
-    value computed by the definition."""
+    transforms of the input's and the weight's planes, their products per frequency (cuBLAS:
+    in float32 for ``passes`` 1, as 3xTF32 on tensor cores for 3), and the inverse transform
+    of each output plane, with the outputs that meet a non-finite value computed by the
+    definition."""
     import cupy
 
     n, c_in, h, wd = x.shape
@@ -84,13 +85,17 @@ def conv_transpose2d_fft(x, w, y, *, padding: tuple[int, int]) -> None:
         (x_blocks + min(-(-w.size // _THREADS), 64),), (_THREADS,),
         (x, w, mask, stats, numpy.int64(n * h * wd), i32(c_in), numpy.int64(h * wd),
          numpy.int64(w.size), i32(c_out), i32(kh * kw), i32(x_blocks)))
-    x_bins = cupy.empty((bins, n, c_in), dtype=cupy.complex64)
-    _plane_bins(x, stats, 0, 1.0, x_bins, sizes)
+    # 3xTF32: x's bins (bins, N, (hi, lo, hi) x C_in) and w's (bins, (hi, hi, lo) x C_in,
+    # C_out), one TF32 GEMM over the concatenated reduction.
+    x_bins = cupy.empty((bins, n, passes * c_in), dtype=cupy.complex64)
+    _plane_bins(x, stats, 0, 1.0, x_bins, sizes, passes=passes, lo_part=1,
+                strides=(n * passes * c_in, passes * c_in, c_in))
     # The inverse transform's 1 / (L1 * L2) rides on the weight's bins.
-    w_bins = cupy.empty((bins, c_in, c_out), dtype=cupy.complex64)
-    _plane_bins(w, stats, 1, 1.0 / (l1 * l2), w_bins, sizes)
+    w_bins = cupy.empty((bins, passes * c_in, c_out), dtype=cupy.complex64)
+    _plane_bins(w, stats, 1, 1.0 / (l1 * l2), w_bins, sizes, passes=passes, lo_part=2,
+                strides=(passes * c_in * c_out, c_out, c_in * c_out))
     y_bins = cupy.empty((bins, n, c_out), dtype=cupy.complex64)
-    _bin_products(x_bins, w_bins, y_bins)
+    _bin_products(x_bins, w_bins, y_bins, tf32=passes == 3)
     shared = _output_planes_bytes(y.shape[2:], sizes)
     get_kernel(_FILE, "fft_conv_output_planes", shared_bytes=shared)(
         (n * -(-c_out // _PLANES),), (_THREADS,),
@@ -100,39 +105,50 @@ def conv_transpose2d_fft(x, w, y, *, padding: tuple[int, int]) -> None:
         shared_mem=shared)
 
 
-def _plane_bins(src, stats, slot: int, factor: float, bins, sizes: tuple[int, int]) -> None:
-    """``bins`` (bins, S, C) = ``factor`` times the transforms of the planes of ``src`` (S, C,
-    H, W), scaled by the exponent in ``stats[slot]``."""
+def _plane_bins(src, stats, slot: int, factor: float, bins, sizes: tuple[int, int], *,
+                passes: int, lo_part: int, strides: tuple[int, int, int]) -> None:
+    """``bins`` = ``factor`` times the transforms of the planes of ``src`` (S, C, H, W),
+    scaled by the exponent in ``stats[slot]``, bin b of plane (s, c) at ``b * strides[0] +
+    s * strides[1] + c`` (``passes`` 1), or split into TF32 parts ``strides[2]`` apart, the
+    residual at ``lo_part`` (``passes`` 3)."""
     s, c, h, w = src.shape
     shared = _plane_bins_bytes((h, w), sizes)
-    i32 = numpy.int32
+    i32, i64 = numpy.int32, numpy.int64
     get_kernel(_FILE, "fft_conv_plane_bins", shared_bytes=shared)(
         (s * -(-c // _PLANES),), (_THREADS,),
         (src, stats, i32(slot), numpy.float32(factor), bins, i32(s), i32(c), i32(h), i32(w),
-         *(i32(v) for v in sizes)),
+         *(i32(v) for v in sizes), i32(passes), i32(lo_part), *(i64(v) for v in strides)),
         shared_mem=shared)
 
 
-def _bin_products(x_bins, w_bins, y_bins) -> None:
+def _bin_products(x_bins, w_bins, y_bins, *, tf32: bool) -> None:
     """``y_bins[b] = x_bins[b] @ w_bins[b]`` for every bin b (complex64, C-contiguous
-    (bins, N, C_in), (bins, C_in, C_out), (bins, N, C_out)): cuBLAS's batched complex GEMM in
-    float32 on the current stream, column-major as ``y_bins[b].T = w_bins[b].T @
-    x_bins[b].T``."""
+    (bins, N, K), (bins, K, C_out), (bins, N, C_out)): cuBLAS's batched complex GEMM on the
+    current stream, column-major as ``y_bins[b].T = w_bins[b].T @ x_bins[b].T``, in float32,
+    or with ``tf32`` on TF32 tensor cores (float32 accumulation)."""
     import cupy
     from cupy_backends.cuda.libs import cublas
 
-    bins, n, c_in = x_bins.shape
+    bins, n, k = x_bins.shape
     c_out = w_bins.shape[2]
     handle = cupy.cuda.device.get_cublas_handle()
     cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
     mode = cublas.getPointerMode(handle)
     cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
     one, zero = numpy.ones(1, numpy.complex64), numpy.zeros(1, numpy.complex64)
+    operands = (w_bins.data.ptr, c_out, k * c_out, x_bins.data.ptr, k, n * k)
     try:
-        cublas.cgemmStridedBatched(
-            handle, cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N, c_out, n, c_in,
-            one.ctypes.data, w_bins.data.ptr, c_out, c_in * c_out,
-            x_bins.data.ptr, c_in, n * c_in, zero.ctypes.data,
-            y_bins.data.ptr, c_out, n * c_out, bins)
+        if tf32:
+            complex64 = 4  # cudaDataType CUDA_C_32F
+            a, lda, stride_a, b, ldb, stride_b = operands
+            cublas.gemmStridedBatchedEx(
+                handle, cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N, c_out, n, k, one.ctypes.data,
+                a, complex64, lda, stride_a, b, complex64, ldb, stride_b, zero.ctypes.data,
+                y_bins.data.ptr, complex64, c_out, n * c_out, bins,
+                cublas.CUBLAS_COMPUTE_32F_FAST_TF32, cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP)
+        else:
+            cublas.cgemmStridedBatched(
+                handle, cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N, c_out, n, k, one.ctypes.data,
+                *operands, zero.ctypes.data, y_bins.data.ptr, c_out, n * c_out, bins)
     finally:
         cublas.setPointerMode(handle, mode)

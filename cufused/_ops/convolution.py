@@ -191,8 +191,9 @@ def _fft_route(x, weight, args: ConvArgs, precision: str, bias,
                out) -> Callable[..., None] | None:
     """How the DFT engine computes the convolution ``args`` of ``x`` and ``weight``:
     ``run(x, weight, bias, y)`` writes it into a contiguous NCHW ``y``; None where the engine
-    does not take the problem. It takes float32 precisions ("ieee" and "3xtf32": its products
-    are float32) of contiguous operands without bias, and the transposed convolutions that
+    does not take the problem. It takes float32 precisions ("ieee": its products per
+    frequency in float32; "3xtf32": as three TF32 products) of contiguous operands without
+    bias, and the transposed convolutions that
     :func:`~cufused._kernels.fft_conv.fft_conv_takes`."""
     from .._kernels.fft_conv import fft_conv_takes
 
@@ -202,16 +203,16 @@ def _fft_route(x, weight, args: ConvArgs, precision: str, bias,
                                   padding=args.padding, output_padding=args.output_padding,
                                   dilation=args.dilation, groups=args.groups)):
         return None
-    return partial(_fft_transposed_2d, padding=args.padding)
+    return partial(_fft_transposed_2d, padding=args.padding, passes=mma_passes(precision))
 
 
-def _fft_transposed_2d(x, weight, bias, y, *, padding: tuple[int, int]) -> None:
+def _fft_transposed_2d(x, weight, bias, y, *, padding: tuple[int, int], passes: int) -> None:
     """The DFT engine's transposed convolution (``bias`` is None: :func:`_fft_route`)."""
     import cupy
 
     from .._kernels.fft_conv import conv_transpose2d_fft
 
-    conv_transpose2d_fft(x, cupy.ascontiguousarray(weight), y, padding=padding)
+    conv_transpose2d_fft(x, cupy.ascontiguousarray(weight), y, padding=padding, passes=passes)
 
 
 def _settled_conv_engine(x, w_shape, args: ConvArgs, bias: bool, precision: str,

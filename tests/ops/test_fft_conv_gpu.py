@@ -26,15 +26,15 @@ TOL = 1e-5
 PIPELINE_TOL = 1e-4
 
 
-def fft_conv(x, w, padding):
+def fft_conv(x, w, padding, passes=1):
     """``conv_transpose2d_fft`` of float32 copies of ``x`` and ``w`` into a NaN-poisoned
-    output."""
+    output, its products in float32 (``passes`` 1) or 3xTF32 (3)."""
     from cufused._kernels.fft_conv import conv_transpose2d_fft
 
     gx, gw = to_gpu(x, w)
     out_hw = [s + k - 1 - 2 * p for s, k, p in zip(x.shape[2:], w.shape[2:], padding)]
     y = poisoned((x.shape[0], w.shape[1], *out_hw))
-    conv_transpose2d_fft(gx, gw, y, padding=padding)
+    conv_transpose2d_fft(gx, gw, y, padding=padding, passes=passes)
     return y.get()
 
 
@@ -52,15 +52,16 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("passes", [1, 3])
 @pytest.mark.parametrize("x_shape, w_shape, padding", SHAPES)
-def test_fft_conv_matches_the_definition(rng, x_shape, w_shape, padding):
+def test_fft_conv_matches_the_definition(rng, x_shape, w_shape, padding, passes):
     from cufused._kernels.fft_conv import fft_conv_takes
 
     assert fft_conv_takes(x_shape, w_shape, stride=(1, 1), padding=padding,
                           output_padding=(0, 0), dilation=(1, 1), groups=1)
     x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
     ref = cufused.conv_transpose2d(x, w, padding=padding)  # float64 reference
-    got = fft_conv(x, w, padding)
+    got = fft_conv(x, w, padding, passes)
     assert got.shape == ref.shape
     assert scaled_err(got, ref) < TOL
 
@@ -80,9 +81,10 @@ def test_fft_conv_takes_only_its_problems():
     assert not fft_conv_takes((0, 4, 8, 8), w_shape, **base)
 
 
+@pytest.mark.parametrize("passes", [1, 3])
 @pytest.mark.parametrize("x_scale, w_scale", [(1e30, 1e5), (3e38, 1e-10), (1e-30, 1e-2),
                                               (1e-33, 1e2)])
-def test_fft_conv_scales_operands_at_float32_extremes(rng, x_scale, w_scale):
+def test_fft_conv_scales_operands_at_float32_extremes(rng, x_scale, w_scale, passes):
     # Outputs within float32's range whose transforms, unscaled, would overflow (a plane's
     # sums reach H * W times its largest value) or fall toward the denormals, which the
     # kernels flush (semantics.rst): each operand is scaled by a power of two to below 1 and
@@ -93,12 +95,13 @@ def test_fft_conv_scales_operands_at_float32_extremes(rng, x_scale, w_scale):
     xs, ws = (x * x_scale).astype(np.float32), (w * w_scale).astype(np.float32)
     ref = cufused.conv_transpose2d(xs.astype(np.float64), ws.astype(np.float64), padding=1)
     assert np.isfinite(ref).all() and 1e-32 < np.abs(ref).max() < 1e37
-    got = fft_conv(xs, ws, (1, 1))
+    got = fft_conv(xs, ws, (1, 1), passes)
     assert np.isfinite(got).all()
     assert scaled_err(got, ref) < TOL
 
 
-def test_fft_conv_nonfinite_values_where_the_definition_puts_them(rng):
+@pytest.mark.parametrize("passes", [1, 3])
+def test_fft_conv_nonfinite_values_where_the_definition_puts_them(rng, passes):
     # A NaN, +inf and -inf input (their windows' outputs by the definition; every other output
     # from the transforms of the finite values) and a NaN and an infinite weight (their
     # channels' rows by the definition): the same NaN and infinities as the float64 reference,
@@ -112,7 +115,7 @@ def test_fft_conv_nonfinite_values_where_the_definition_puts_them(rng):
     w[2, 4, 1, 1] = np.inf
     w[0, 5, 2, 0] = np.nan
     ref = cufused.conv_transpose2d(x, w, padding=1)
-    got = fft_conv(x, w, (1, 1))
+    got = fft_conv(x, w, (1, 1), passes)
     for cls in (np.isnan, np.isposinf, np.isneginf):
         assert np.array_equal(cls(got), cls(ref)), cls.__name__
     finite = np.isfinite(ref)
