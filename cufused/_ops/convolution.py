@@ -49,9 +49,14 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
     if engine is not None:
         if engine[0] == "fft":
             # Inside a capture of the caller's the call runs on cuDNN (own_engine), whose plan
-            # cannot be built there: it is built (or found) here.
-            _plan(x.shape, weight.shape, args, precision, bias is not None, True,
-                  convert_output, False)
+            # cannot be built there: it is built (or found) here. Where cuDNN has none, a
+            # capture's call takes the forward route (_transposed_as_forward) and fails as any
+            # plan built during a capture does.
+            try:
+                _plan(x.shape, weight.shape, args, precision, bias is not None, True,
+                      convert_output, False)
+            except UnsupportedConvolution:
+                pass
         y = out if out is not None else _empty_nchw(args.out_shape)
         engine[1](x, weight, bias, y)
         return y, "nchw"
