@@ -16,6 +16,14 @@ from ._scoped import scoped_value
 # Inside a call being captured or run by the graph cache: nested pipeline calls (the unfused
 # path composes the public operations) run directly, recorded into the caller's graph.
 _inside = contextvars.ContextVar("cufused_inside_call_graph", default=False)
+# Inside capture_call: the current stream's capture is cufused's own (a caller's capture
+# sets nothing), so an engine that refuses capture may fail it.
+_own_capture = contextvars.ContextVar("cufused_own_capture", default=False)
+
+
+def in_own_capture() -> bool:
+    """Whether the current call runs inside cufused's own capture (:func:`capture_call`)."""
+    return _own_capture.get()
 
 
 # What the calls recorded into the caller's own captures allocated (each call's blocks, freed
@@ -119,7 +127,8 @@ def capture_call(call: Callable[[], Any], *, limit: float | None = None) -> Capt
 
     side = cupy.cuda.Stream(non_blocking=True)
     try:
-        with (scoped_value(_inside, True), plans_in_use() as plans,
+        with (scoped_value(_inside, True), scoped_value(_own_capture, True),
+              plans_in_use() as plans,
               cupy.cuda.using_allocator(malloc), side):
             side.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
             try:

@@ -120,10 +120,10 @@ __device__ __forceinline__ int scale_exponent(unsigned bits) {
 }
 
 // stats[0]: the bits of the largest finite |x|; stats[1]: of the largest finite |w|;
-// stats[2]: 1 where x holds a non-finite value; stats[3 + c]: 1 where output channel c's
-// weight holds one (all zeroed before the launch). mask[n * H * W + q]: 1 where x[n, :, q]
-// holds a non-finite value in some channel. Blocks below x_blocks take a position (n, q) of
-// x per thread; the others w (C_in, C_out, taps) in a grid-stride loop.
+// stats[2 + c]: 1 where output channel c's weight holds a non-finite value; stats[2 + C_out +
+// n]: 1 where sample n of x holds one (all zeroed before the launch). mask[n * H * W + q]: 1
+// where x[n, :, q] holds a non-finite value in some channel. Blocks below x_blocks take a
+// position (n, q) of x per thread; the others w (C_in, C_out, taps) in a grid-stride loop.
 __global__ void fft_conv_scan(const float* __restrict__ x, const float* __restrict__ w,
                               unsigned char* __restrict__ mask, unsigned* __restrict__ stats,
                               index_t positions, int C, index_t hw, index_t w_count,
@@ -141,15 +141,15 @@ __global__ void fft_conv_scan(const float* __restrict__ x, const float* __restri
                 else bad = 1;
             }
             mask[i] = (unsigned char)bad;
+            if (bad) stats[2 + c_out + n] = 1u;
         }
-        if (__any_sync(0xffffffffu, bad) && (threadIdx.x & 31) == 0) atomicOr(&stats[2], 1u);
     } else {
         const index_t step = (index_t)(gridDim.x - x_blocks) * blockDim.x;
         for (index_t i = (index_t)(blockIdx.x - x_blocks) * blockDim.x + threadIdx.x;
              i < w_count; i += step) {
             const float v = w[i];
             if (isfinite(v)) m = fmaxf(m, fabsf(v));
-            else stats[3 + (i / taps) % c_out] = 1u;
+            else stats[2 + (i / taps) % c_out] = 1u;
         }
     }
     m = warp_max(m);
@@ -158,7 +158,7 @@ __global__ void fft_conv_scan(const float* __restrict__ x, const float* __restri
 }
 
 // bins[b * bin_stride + s * s_stride + part * part_stride + c] = factor * the DFT of
-// src[s, c] (S x C planes of H x W, zero-padded to L1 x L2, non-finite values as 0, times
+// src[s, c] (planes of H x W, C a row, zero-padded to L1 x L2, non-finite values as 0, times
 // 2^-e, e from stats[slot]) at bin b = ky * F2 + kx, F2 = L2 / 2 + 1: the input's (s a
 // sample, c a channel) and the weight's (s an input channel, c an output channel)
 // transforms. With parts = 3 each value is stored as its TF32 rounding hi at the parts other
@@ -170,7 +170,7 @@ __global__ void fft_conv_scan(const float* __restrict__ x, const float* __restri
 // rows' transforms.
 __global__ void fft_conv_plane_bins(const float* __restrict__ src,
                                     const unsigned* __restrict__ stats, int slot, float factor,
-                                    float2* __restrict__ bins, int S, int C, int H, int W,
+                                    float2* __restrict__ bins, int C, int H, int W,
                                     int L1, int L2, int parts, int lo_part, index_t bin_stride,
                                     index_t s_stride, index_t part_stride) {
     extern __shared__ float2 shared[];
@@ -277,9 +277,9 @@ __global__ void fft_conv_output_planes(
     const int groups = (C + P - 1) / P;
     const int n = blockIdx.x / groups, c0 = (blockIdx.x - n * groups) * P;
     const int e = scale_exponent(stats[0]) + scale_exponent(stats[1]);
-    const bool nonfinite_x = stats[2] != 0;
+    const bool nonfinite_x = stats[2 + C + n] != 0;  // in this block's sample
     unsigned bad_weights = 0;  // bit p: plane c0 + p's weight holds a non-finite value
-    for (int p = 0; p < P && c0 + p < C; ++p) bad_weights |= (stats[3 + c0 + p] != 0) << p;
+    for (int p = 0; p < P && c0 + p < C; ++p) bad_weights |= (stats[2 + c0 + p] != 0) << p;
     fill_roots(roots1, L1);
     fill_roots(roots2, L2);
     __syncthreads();

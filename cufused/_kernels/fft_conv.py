@@ -45,7 +45,7 @@ def fft_conv_takes(x_shape: tuple[int, ...], w_shape: tuple[int, ...], *, stride
     """Whether :func:`conv_transpose2d_fft` computes this transposed convolution: 2-D, stride
     1, one group, no dilation or output padding, ``0 <= padding < kernel``, a sample's
     transforms of 8 planes within the device's shared memory per block, the grid's blocks and
-    the GEMM's int32 sizes in range."""
+    the GEMM's int32 sizes (its reduction over 3 x C_in in "3xtf32") in range."""
     if (len(x_shape) != 4 or groups != 1 or any(s != 1 for s in stride)
             or any(d != 1 for d in dilation) or any(output_padding)
             or not all(0 <= p < k for p, k in zip(padding, w_shape[2:]))):
@@ -59,7 +59,7 @@ def fft_conv_takes(x_shape: tuple[int, ...], w_shape: tuple[int, ...], *, stride
             and max(_plane_bins_bytes((h, w), sizes), _plane_bins_bytes(w_shape[2:], sizes),
                     _output_planes_bytes(out_hw, sizes)) <= shared_per_block()
             and max(n, c_in) * -(-max(c_in, c_out) // _PLANES) <= MAX_GRID_X
-            and max(n, c_in, c_out, bins) < 2**31)
+            and max(n, 3 * c_in, c_out, bins) < 2**31)
 
 
 def conv_transpose2d_fft(x, w, y, *, padding: tuple[int, int], passes: int) -> None:
@@ -78,7 +78,8 @@ def conv_transpose2d_fft(x, w, y, *, padding: tuple[int, int], passes: int) -> N
     l1, l2 = sizes
     bins = l1 * (l2 // 2 + 1)
     i32 = numpy.int32
-    stats = cupy.zeros(3 + c_out, dtype=cupy.uint32)
+    # fft_conv_scan's: the two largest magnitudes, the weights' and the samples' flags.
+    stats = cupy.zeros(2 + c_out + n, dtype=cupy.uint32)
     mask = cupy.empty(n * h * wd, dtype=cupy.uint8)
     x_blocks = -(-(n * h * wd) // _THREADS)
     get_kernel(_FILE, "fft_conv_scan")(
@@ -116,7 +117,7 @@ def _plane_bins(src, stats, slot: int, factor: float, bins, sizes: tuple[int, in
     i32, i64 = numpy.int32, numpy.int64
     get_kernel(_FILE, "fft_conv_plane_bins", shared_bytes=shared)(
         (s * -(-c // _PLANES),), (_THREADS,),
-        (src, stats, i32(slot), numpy.float32(factor), bins, i32(s), i32(c), i32(h), i32(w),
+        (src, stats, i32(slot), numpy.float32(factor), bins, i32(c), i32(h), i32(w),
          *(i32(v) for v in sizes), i32(passes), i32(lo_part), *(i64(v) for v in strides)),
         shared_mem=shared)
 

@@ -2,7 +2,8 @@
 
 NumPy arrays run the float64 reference (:mod:`cufused.reference`); CuPy float32 arrays run
 cuDNN through :mod:`cufused._cudnn`, or at a tensor-core precision cufused's implicit GEMM
-(:mod:`cufused._kernels.conv_gemm`) where the autotuner measured it faster. Layouts, weight
+(:mod:`cufused._kernels.conv_gemm`) where the autotuner measured it faster; pipeline B's
+convolution also has the DFT engine (:mod:`cufused._kernels.fft_conv`). Layouts, weight
 shapes and output-size formulas are PyTorch's.
 """
 
@@ -187,9 +188,9 @@ def _caller_capturing() -> bool:
     and the call runs directly."""
     import cupy
 
-    from .._capture import _inside
+    from .._capture import in_own_capture
 
-    return capturing(cupy.cuda.get_current_stream()) and not _inside.get()
+    return capturing(cupy.cuda.get_current_stream()) and not in_own_capture()
 
 
 def _fft_route(x, weight, args: ConvArgs, precision: str, bias,

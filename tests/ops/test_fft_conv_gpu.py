@@ -48,6 +48,8 @@ SHAPES = [
     ((1, 1, 1, 1), (1, 1, 1, 1), (0, 0)),
     ((2, 3, 31, 7), (3, 17, 4, 2), (3, 1)),
     ((1, 2, 6, 40), (2, 3, 2, 6), (0, 5)),
+    ((1, 2, 1, 1), (2, 3, 3, 3), (1, 1)),        # L1 = 2 < KH: the weight wraps around
+    ((1, 2, 2, 1), (2, 9, 4, 3), (2, 1)),
     ((5, 64, 32, 32), (64, 128, 5, 5), (1, 1)),  # pipeline B's planes
 ]
 
@@ -201,10 +203,12 @@ def test_pipeline_b_nonfinite_on_the_dft_convolution(rng, where):
             assert rel_err(have[finite], want[finite]) < PIPELINE_TOL
 
 
-def test_pipeline_b_dft_convolution_in_a_captured_graph(rng, monkeypatch):
+@pytest.mark.parametrize("replay", [True, False])
+def test_pipeline_b_dft_convolution_in_a_captured_graph(rng, monkeypatch, replay):
     # Warm calls run directly (CuPy's cuBLAS calls refuse capture, so cufused's capture of
     # the call fails and the key runs directly from then on); inside the caller's capture the
-    # call records cuDNN's convolution instead; both compute new input values.
+    # call records cuDNN's convolution instead; both compute new input values. Without
+    # graph replay (every call direct) the caller's capture takes cuDNN alike.
     from cufused._kernels import fft_conv
 
     calls = count_calls(monkeypatch, fft_conv, "conv_transpose2d_fft")
@@ -213,7 +217,7 @@ def test_pipeline_b_dft_convolution_in_a_captured_graph(rng, monkeypatch):
     garrays = to_gpu(*arrays)
     ref = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(*arrays, **opts)
     stream = cp.cuda.Stream(non_blocking=True)
-    with plan_options(engine="fft"), stream:
+    with plan_options(engine="fft", replay=replay), stream:
         out = cp.empty(ref.shape, dtype=cp.float32)
         for _ in range(3):
             cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(*garrays, **opts, out=out)
