@@ -18,6 +18,13 @@ typedef long long index_t;
 // infinities. A finite shift only keeps |mean| >> std accurate.
 __device__ __forceinline__ float finite_shift(float v) { return isinf(v) ? 0.0f : v; }
 
+// x rounded to TF32 (to nearest, ties away from zero), as the bits of a float32.
+__device__ __forceinline__ unsigned to_tf32(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
 // NaN-propagating max/min (fmaxf/fminf drop NaN; PyTorch's pooling keeps it).
 __device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
 

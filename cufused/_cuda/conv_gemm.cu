@@ -20,12 +20,6 @@
 #define CONV_BR 16
 #define CONV_THREADS 256
 
-__device__ __forceinline__ unsigned to_tf32(float x) {
-    unsigned r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
-}
-
 // d += a * b; FRESH: d = a * b (a zero addend), opening a 3xTF32 step sum without clearing
 // it.
 template <bool FRESH = false>

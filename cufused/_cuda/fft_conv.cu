@@ -101,13 +101,6 @@ __device__ __forceinline__ float times_pow2(float v, int e) {
     return (e >= -126 && e <= 127) ? v * __int_as_float((e + 127) << 23) : ldexpf(v, e);
 }
 
-// x rounded to TF32 (to nearest, ties away), as a float.
-__device__ __forceinline__ float tf32_rounded(float x) {
-    unsigned r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return __uint_as_float(r);
-}
-
 // Global loads in flight per thread while a block stages its operands in shared memory.
 #define FFT_LOADS 16
 
@@ -230,7 +223,8 @@ __global__ void fft_conv_plane_bins(const float* __restrict__ src,
                 *dst = v;
                 return;
             }
-            const float2 hi = make_float2(tf32_rounded(v.x), tf32_rounded(v.y));
+            const float2 hi =
+                make_float2(__uint_as_float(to_tf32(v.x)), __uint_as_float(to_tf32(v.y)));
             for (int part = 0; part < parts; ++part)
                 dst[part * part_stride] =
                     part == lo_part ? make_float2(v.x - hi.x, v.y - hi.y) : hi;
