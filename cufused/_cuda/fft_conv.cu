@@ -99,12 +99,13 @@ __device__ __forceinline__ int plane_stride(int count) { return (count + 15) / 1
 
 // A columns pass of a block's P planes: for each column kx < F2,
 // out(p, k, kx) = sum_{n < n_in} in(p, n, kx) e^(sign 2 pi i n k / L) (the rows n >= n_in
-// are zero), either as one product with the DFT matrix of the outputs k_first ...
-// k_first + k_count - 1 (f1 = 1), or by the prime-factor algorithm over L = f1 * f2, f1 and
-// f2 coprime (every output k < L): a DFT of length f2 over n2 for each n1, input row
-// n = (f2 n1 + f1 n2) mod L, then one of length f1 over n1, output row
-// k = (crt1 k1 + crt2 k2) mod L (crt1 = f2 (f2^-1 mod f1), crt2 = f1 (f1^-1 mod f2)), the
-// stages' values in scratch: L (f1 + f2) products per column instead of n_in per output.
+// are zero; rows past L wrap around, on the direct path only: column_factors), either as one
+// product with the DFT matrix of the outputs k_first ... k_first + k_count - 1 (f1 = 1), or
+// by the prime-factor algorithm over L = f1 * f2, f1 and f2 coprime (every output k < L): a
+// DFT of length f2 over n2 for each n1, input row n = (f2 n1 + f1 n2) mod L, then one of
+// length f1 over n1, output row k = (crt1 k1 + crt2 k2) mod L (crt1 = f2 (f2^-1 mod f1),
+// crt2 = f1 (f1^-1 mod f2)), the stages' values in scratch: L (f1 + f2) products per column
+// instead of n_in per output.
 struct ColumnPass {
     int L, F2, n_in, k_first, k_count, f1, f2, crt1, crt2;
     float sign;
@@ -229,9 +230,9 @@ __global__ void fft_conv_scan(const float* __restrict__ x, const float* __restri
 // than lo_part and its residual v - hi at lo_part: the operands of one TF32 GEMM whose
 // reduction concatenates x's (hi, lo, hi) with w's (hi, hi, lo), 3xTF32's three products.
 // Block i takes s = i / groups and the planes
-// c = (i % groups) * P ... + P - 1, groups = ceil(C / P). Shared memory: the DFT matrices of
-// the rows (W x F2) and columns (L1 x H) and their roots, the planes (P x H x W) and the
-// rows' transforms.
+// c = (i % groups) * P ... + P - 1, groups = ceil(C / P). Shared memory: the roots, the rows'
+// DFT matrix (W x F2) and the columns pass's tables (ColumnPass), the rows' transforms, and
+// the planes (P x H x W), whose space the factored columns pass then takes as its scratch.
 __global__ void fft_conv_plane_bins(const float* __restrict__ src,
                                     const unsigned* __restrict__ stats, int slot, float factor,
                                     float2* __restrict__ bins, int C, int H, int W,
@@ -319,9 +320,10 @@ __device__ bool window_marked(const unsigned char* mask, const TransposedConvDef
 // the rows ph ... and columns pw ... of the L1 x L2 circular result; by the definition (conv,
 // with x and w) the outputs whose window holds a non-finite input and those of a channel
 // whose weight holds a non-finite value (fft_conv_scan's stats and mask). Blocks as
-// fft_conv_plane_bins'. Shared memory: the inverse DFT matrices of the columns at the output
-// rows (Ho x L1) and of the rows at the output columns (F2 x Wo, each bin and its conjugate),
-// the sample's bins of P planes and their columns' inverse transforms.
+// fft_conv_plane_bins'. Shared memory: the roots, the rows' inverse DFT matrix at the output
+// columns (F2 x Wo, each bin and its conjugate), the columns pass's tables (ColumnPass), the
+// sample's bins of P planes, and their columns' inverse transforms at the output rows (or,
+// factored, that pass's scratch, its results then in the bins' space).
 __global__ void fft_conv_output_planes(
     const float* __restrict__ x, const float* __restrict__ w, const float2* __restrict__ bins,
     const unsigned* __restrict__ stats, const unsigned char* __restrict__ mask,

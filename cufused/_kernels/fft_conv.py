@@ -31,10 +31,11 @@ def column_factors(length: int, rows_in: int) -> tuple[int, int, int, int]:
     nonzero input rows: ``(f1, f2, crt1, crt2)`` of the prime-factor algorithm, the coprime
     pair with the fewest products (``length * (f1 + f2)`` a column), where those are fewer than
     the direct product's ``rows_in`` an output with a quarter to spare (its tiles' waste);
-    else ``(1, length, 0, 0)``, the direct DFT matrix."""
+    else ``(1, length, 0, 0)``, the direct DFT matrix, which also takes more input rows than
+    ``length`` (a weight taller than the transform: its rows wrap around)."""
     pairs = [(a, length // a) for a in range(2, length) if length % a == 0
              and math.gcd(a, length // a) == 1 and a < length // a]
-    if pairs:
+    if pairs and rows_in <= length:
         f1, f2 = min(pairs, key=sum)
         if 1.25 * (f1 + f2) < rows_in:
             return f1, f2, f2 * pow(f2, -1, f1), f1 * pow(f1, -1, f2)

@@ -14,7 +14,7 @@ from cufused._kernels.fft_conv import column_factors
 @pytest.mark.parametrize("length, rows_in, expected", [
     (35, 32, (5, 7)), (35, 35, (5, 7)), (35, 5, (1, 35)), (21, 20, (3, 7)),
     (18, 17, (2, 9)), (64, 64, (1, 64)), (7, 6, (1, 7)), (105, 100, (7, 15)),
-    (15, 6, (1, 15))])
+    (15, 6, (1, 15)), (6, 7, (1, 6)), (10, 11, (1, 10))])
 def test_column_factors(length, rows_in, expected):
     f1, f2, crt1, crt2 = column_factors(length, rows_in)
     assert (f1, f2) == expected
