@@ -25,22 +25,23 @@
 #define FFT_TILE_M 4
 #define FFT_TILE_N 2
 
-// C_p = A_p B_p for the P planes p of a block (complex; A_p M x K, B_p K x N): each thread
-// takes tiles of FFT_TILE_M x FFT_TILE_N outputs, rows tm * FFT_TILE_M ..., columns tn,
-// tn + tiles_n, ... (neighbouring tn read neighbouring columns of B). PLANE_FASTEST puts the
-// plane in the lowest bits of the tile index (the lanes of a warp then take P planes of the
-// same tiles; else neighbouring tn of one plane). load_a(p, m, k) and load_b(p, k, n) give
-// float2 values (REAL_A: A's imaginary parts are 0 and not read); store(p, m, n, re, im)
-// takes each output within M x N (REAL_C: only the real part is formed, im is 0).
-template <bool PLANE_FASTEST, bool REAL_A, bool REAL_C, class LoadA, class LoadB, class Store>
-__device__ void block_complex_matmul(int M, int N, int K, LoadA load_a, LoadB load_b,
-                                     Store store) {
-    constexpr int P = FFT_PLANES, TM = FFT_TILE_M, TN = FFT_TILE_N;
+// C_b = A_b B_b for the batches b of a block (complex; A_b M x K, B_b K x N; a batch is a
+// plane, or a plane's group of rows): each thread takes tiles of FFT_TILE_M x FFT_TILE_N
+// outputs, rows tm * FFT_TILE_M ..., columns tn, tn + tiles_n, ... (neighbouring tn read
+// neighbouring columns of B). BATCH_FASTEST puts the batch in the lowest bits of the tile
+// index (the lanes of a warp then take neighbouring batches of the same tile; else
+// neighbouring tn of one batch). load_a(b, m, k) and load_b(b, k, n) give float2 values
+// (REAL_A: A's imaginary parts are 0 and not read); store(b, m, n, re, im) takes each output
+// within M x N (REAL_C: only the real part is formed, im is 0).
+template <bool BATCH_FASTEST, bool REAL_A, bool REAL_C, class LoadA, class LoadB, class Store>
+__device__ void block_complex_matmul(int batches, int M, int N, int K, LoadA load_a,
+                                     LoadB load_b, Store store) {
+    constexpr int TM = FFT_TILE_M, TN = FFT_TILE_N;
     const int tiles_m = (M + TM - 1) / TM, tiles_n = (N + TN - 1) / TN;
     const int tiles = tiles_m * tiles_n;
-    for (int t = threadIdx.x; t < P * tiles; t += blockDim.x) {
-        const int p = PLANE_FASTEST ? t % P : t / tiles;
-        const int rest = PLANE_FASTEST ? t / P : t - p * tiles;
+    for (int t = threadIdx.x; t < batches * tiles; t += blockDim.x) {
+        const int p = BATCH_FASTEST ? t % batches : t / tiles;
+        const int rest = BATCH_FASTEST ? t / batches : t - p * tiles;
         const int tm = rest / tiles_n, tn = rest - tm * tiles_n;
         int rows[TM], cols[TN];
 #pragma unroll
@@ -95,6 +96,77 @@ __device__ __forceinline__ float2 unit_root(const float2* roots, int m, int L, f
 // the P planes' same element falls in distinct banks for a half-warp (two neighbouring
 // columns of each plane).
 __device__ __forceinline__ int plane_stride(int count) { return (count + 15) / 16 * 16 + 2; }
+
+// A columns pass of a block's P planes: for each column kx < F2,
+// out(p, k, kx) = sum_{n < n_in} in(p, n, kx) e^(sign 2 pi i n k / L) (the rows n >= n_in
+// are zero; rows past L wrap around, on the direct path only: column_factors), either as one
+// product with the DFT matrix of the outputs k_first ... k_first + k_count - 1 (f1 = 1), or
+// by the prime-factor algorithm over L = f1 * f2, f1 and f2 coprime (every output k < L): a
+// DFT of length f2 over n2 for each n1, input row n = (f2 n1 + f1 n2) mod L, then one of
+// length f1 over n1, output row k = (crt1 k1 + crt2 k2) mod L (crt1 = f2 (f2^-1 mod f1),
+// crt2 = f1 (f1^-1 mod f2)), the stages' values in scratch: L (f1 + f2) products per column
+// instead of n_in per output.
+struct ColumnPass {
+    int L, F2, n_in, k_first, k_count, f1, f2, crt1, crt2;
+    float sign;
+
+    // Shared floats2 of its tables: the DFT matrix (k_count x n_in) or those of f1 and f2.
+    __device__ int table_size() const { return f1 > 1 ? f1 * f1 + f2 * f2 : k_count * n_in; }
+
+    // The tables from fill_roots' table of L (after a barrier).
+    __device__ void fill_tables(const float2* roots, float2* tables) const {
+        if (f1 > 1) {
+            for (int i = threadIdx.x; i < f1 * f1; i += blockDim.x)
+                tables[i] = unit_root(roots, f2 * (i / f1) * (i % f1), L, sign);
+            for (int i = threadIdx.x; i < f2 * f2; i += blockDim.x)
+                tables[f1 * f1 + i] = unit_root(roots, f1 * (i / f2) * (i % f2), L, sign);
+        } else {
+            for (int i = threadIdx.x; i < k_count * n_in; i += blockDim.x)
+                tables[i] = unit_root(roots, (i / n_in + k_first) * (i % n_in), L, sign);
+        }
+    }
+
+    // The pass (after a barrier that follows fill_tables and the inputs' stores); scratch:
+    // P planes of plane_stride(L * F2) float2 (the prime-factor stages only). load_in(p, n,
+    // kx) for n < n_in; store_out(p, k, kx, re, im).
+    template <class LoadIn, class StoreOut>
+    __device__ void run(const float2* tables, float2* scratch, LoadIn load_in,
+                        StoreOut store_out) const {
+        constexpr int P = FFT_PLANES;
+        if (f1 == 1) {
+            block_complex_matmul<true, false, false>(
+                P, k_count, F2, n_in, [&](int, int m, int n) { return tables[m * n_in + n]; },
+                load_in, [&](int p, int m, int kx, float re, float im) {
+                    store_out(p, m + k_first, kx, re, im);
+                });
+            return;
+        }
+        const float2* dft1 = tables;
+        const float2* dft2 = tables + f1 * f1;
+        const int ss = plane_stride(L * F2);
+        // Stage 1, batch b = n1 * P + p: Y[k2][n1][kx] = sum_n2 in(n(n1, n2)) w2^(n2 k2).
+        block_complex_matmul<false, false, false>(
+            P * f1, f2, F2, f2, [&](int, int k2, int n2) { return dft2[k2 * f2 + n2]; },
+            [&](int b, int n2, int kx) {
+                int n = f2 * (b / P) + f1 * n2;
+                if (n >= L) n -= L;
+                return n < n_in ? load_in(b % P, n, kx) : make_float2(0.0f, 0.0f);
+            },
+            [&](int b, int k2, int kx, float re, float im) {
+                scratch[(b % P) * ss + (k2 * f1 + b / P) * F2 + kx] = make_float2(re, im);
+            });
+        __syncthreads();
+        // Stage 2, batch b = k2 * P + p: out(k(k1, k2)) = sum_n1 Y[k2][n1] w1^(n1 k1).
+        block_complex_matmul<true, false, false>(
+            P * f2, f1, F2, f1, [&](int, int k1, int n1) { return dft1[k1 * f1 + n1]; },
+            [&](int b, int n1, int kx) {
+                return scratch[(b % P) * ss + ((b / P) * f1 + n1) * F2 + kx];
+            },
+            [&](int b, int k1, int kx, float re, float im) {
+                store_out(b % P, (crt1 * k1 + crt2 * (b / P)) % L, kx, re, im);
+            });
+    }
+};
 
 // v * 2^e: one multiply where 2^e is a normal float32, else ldexpf (the same value).
 __device__ __forceinline__ float times_pow2(float v, int e) {
@@ -158,23 +230,26 @@ __global__ void fft_conv_scan(const float* __restrict__ x, const float* __restri
 // than lo_part and its residual v - hi at lo_part: the operands of one TF32 GEMM whose
 // reduction concatenates x's (hi, lo, hi) with w's (hi, hi, lo), 3xTF32's three products.
 // Block i takes s = i / groups and the planes
-// c = (i % groups) * P ... + P - 1, groups = ceil(C / P). Shared memory: the DFT matrices of
-// the rows (W x F2) and columns (L1 x H) and their roots, the planes (P x H x W) and the
-// rows' transforms.
+// c = (i % groups) * P ... + P - 1, groups = ceil(C / P). Shared memory: the roots, the rows'
+// DFT matrix (W x F2) and the columns pass's tables (ColumnPass), the rows' transforms, and
+// the planes (P x H x W), whose space the factored columns pass then takes as its scratch.
 __global__ void fft_conv_plane_bins(const float* __restrict__ src,
                                     const unsigned* __restrict__ stats, int slot, float factor,
                                     float2* __restrict__ bins, int C, int H, int W,
                                     int L1, int L2, int parts, int lo_part, index_t bin_stride,
-                                    index_t s_stride, index_t part_stride) {
+                                    index_t s_stride, index_t part_stride, int f1, int f2,
+                                    int crt1, int crt2) {
     extern __shared__ float2 shared[];
     constexpr int P = FFT_PLANES;
     const int F2 = L2 / 2 + 1, hw = H * W, rs = plane_stride(H * F2);
-    float2* roots1 = shared;                 // L1
-    float2* roots2 = roots1 + L1;            // L2
-    float2* row_dft = roots2 + L2;           // [j][kx]
-    float2* col_dft = row_dft + W * F2;      // [ky][r]
-    float2* rows = col_dft + L1 * H;         // [p][r][kx], planes rs apart
-    float* planes = (float*)(rows + P * rs);  // [p][r][j]
+    const ColumnPass columns{L1, F2, H, 0, L1, f1, f2, crt1, crt2, -1.0f};
+    float2* roots1 = shared;                            // L1
+    float2* roots2 = roots1 + L1;                       // L2
+    float2* row_dft = roots2 + L2;                      // [j][kx]
+    float2* col_tables = row_dft + W * F2;              // ColumnPass's
+    float2* rows = col_tables + columns.table_size();   // [p][r][kx], planes rs apart
+    // [p][r][j]; then the prime-factor stages' scratch
+    float* planes = (float*)(rows + P * rs);
     const int groups = (C + P - 1) / P;
     const int s = blockIdx.x / groups, c0 = (blockIdx.x - s * groups) * P;
     const int e = scale_exponent(stats[slot]);
@@ -183,8 +258,7 @@ __global__ void fft_conv_plane_bins(const float* __restrict__ src,
     __syncthreads();
     for (int i = threadIdx.x; i < W * F2; i += blockDim.x)
         row_dft[i] = unit_root(roots2, (i / F2) * (i % F2), L2, -1.0f);
-    for (int i = threadIdx.x; i < L1 * H; i += blockDim.x)
-        col_dft[i] = unit_root(roots1, (i / H) * (i % H), L1, -1.0f);
+    columns.fill_tables(roots1, col_tables);
     // The block's planes are contiguous in src: FFT_LOADS loads per thread in flight.
     const float* first = src + ((index_t)s * C + c0) * hw;
     const int count = min(P, C - c0) * hw;
@@ -204,7 +278,7 @@ __global__ void fft_conv_plane_bins(const float* __restrict__ src,
     __syncthreads();
     // Rows: A[r][kx] = sum_j x[r][j] e^(-2 pi i j kx / L2).
     block_complex_matmul<false, true, false>(
-        H, F2, W,
+        P, H, F2, W,
         [&](int p, int r, int j) { return make_float2(planes[(p * H + r) * W + j], 0.0f); },
         [&](int, int j, int kx) { return row_dft[j * F2 + kx]; },
         [&](int p, int r, int kx, float re, float im) {
@@ -212,8 +286,8 @@ __global__ void fft_conv_plane_bins(const float* __restrict__ src,
         });
     __syncthreads();
     // Columns: X[ky][kx] = sum_r e^(-2 pi i r ky / L1) A[r][kx].
-    block_complex_matmul<true, false, false>(
-        L1, F2, H, [&](int, int ky, int r) { return col_dft[ky * H + r]; },
+    columns.run(
+        col_tables, (float2*)planes,
         [&](int p, int r, int kx) { return rows[p * rs + r * F2 + kx]; },
         [&](int p, int ky, int kx, float re, float im) {
             if (c0 + p >= C) return;
@@ -246,28 +320,37 @@ __device__ bool window_marked(const unsigned char* mask, const TransposedConvDef
 // the rows ph ... and columns pw ... of the L1 x L2 circular result; by the definition (conv,
 // with x and w) the outputs whose window holds a non-finite input and those of a channel
 // whose weight holds a non-finite value (fft_conv_scan's stats and mask). Blocks as
-// fft_conv_plane_bins'. Shared memory: the inverse DFT matrices of the columns at the output
-// rows (Ho x L1) and of the rows at the output columns (F2 x Wo, each bin and its conjugate),
-// the sample's bins of P planes and their columns' inverse transforms.
+// fft_conv_plane_bins'. Shared memory: the roots, the rows' inverse DFT matrix at the output
+// columns (F2 x Wo, each bin and its conjugate), the columns pass's tables (ColumnPass), the
+// sample's bins of P planes, and their columns' inverse transforms at the output rows (or,
+// factored, that pass's scratch, its results then in the bins' space).
 __global__ void fft_conv_output_planes(
     const float* __restrict__ x, const float* __restrict__ w, const float2* __restrict__ bins,
     const unsigned* __restrict__ stats, const unsigned char* __restrict__ mask,
     float* __restrict__ y, int N, int C, int L1, int L2, int c_in_group, int c_out_group,
     int Di, int Hi, int Wi, int Do, int Ho, int Wo, int KD, int KH, int KW, int sd, int sh,
     int sw, int pd, int ph, int pw, int dd, int dh, int dw, index_t xn, index_t xc, index_t xd,
-    index_t xh, index_t xw) {
+    index_t xh, index_t xw, int f1, int f2, int crt1, int crt2) {
     extern __shared__ float2 shared[];
     constexpr int P = FFT_PLANES;
     const TransposedConvDefinition conv{x,  w,  c_in_group, c_out_group, Di, Hi, Wi, Do, Ho,
                                         Wo, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
                                         xn, xc, xd, xh, xw};
-    const int F2 = L2 / 2 + 1, ss = plane_stride(L1 * F2), cs = plane_stride(Ho * F2);
-    float2* roots1 = shared;                  // L1
-    float2* roots2 = roots1 + L1;             // L2
-    float2* col_idft = roots2 + L2;           // [r][ky]
-    float2* row_idft = col_idft + Ho * L1;    // [kx][j]
-    float2* spectrum = row_idft + F2 * Wo;    // [p][ky][kx], planes ss apart
-    float2* cols = spectrum + P * ss;         // [p][r][kx], planes cs apart
+    const int F2 = L2 / 2 + 1, ss = plane_stride(L1 * F2);
+    // The columns' inverse at the output rows: k = r + ph.
+    const ColumnPass columns{L1, F2, L1, ph, Ho, f1, f2, crt1, crt2, 1.0f};
+    const bool factored = f1 > 1;
+    const int cs = plane_stride((factored ? L1 : Ho) * F2);
+    float2* roots1 = shared;                                 // L1
+    float2* roots2 = roots1 + L1;                            // L2
+    float2* row_idft = roots2 + L2;                          // [kx][j]
+    float2* col_tables = row_idft + F2 * Wo;                 // ColumnPass's
+    float2* spectrum = col_tables + columns.table_size();    // [p][ky][kx], planes ss apart
+    float2* cols = spectrum + P * ss;                        // planes cs apart
+    // The columns' results, [p][r][kx]: in cols, or after the prime-factor stages (cols
+    // their scratch) in spectrum.
+    float2* col_out = factored ? spectrum : cols;
+    const int os = factored ? ss : cs;
     const int groups = (C + P - 1) / P;
     const int n = blockIdx.x / groups, c0 = (blockIdx.x - n * groups) * P;
     const int e = scale_exponent(stats[0]) + scale_exponent(stats[1]);
@@ -277,8 +360,7 @@ __global__ void fft_conv_output_planes(
     fill_roots(roots1, L1);
     fill_roots(roots2, L2);
     __syncthreads();
-    for (int i = threadIdx.x; i < Ho * L1; i += blockDim.x)
-        col_idft[i] = unit_root(roots1, (i / L1 + ph) * (i % L1), L1, 1.0f);
+    columns.fill_tables(roots1, col_tables);
     for (int i = threadIdx.x; i < F2 * Wo; i += blockDim.x) {
         const int kx = i / Wo;
         const float2 t = unit_root(roots2, kx * (i % Wo + pw), L2, 1.0f);
@@ -305,16 +387,16 @@ __global__ void fft_conv_output_planes(
     }
     __syncthreads();
     // Columns at the output rows r: B[r][kx] = sum_ky e^(2 pi i ky (r + ph) / L1) X[ky][kx].
-    block_complex_matmul<true, false, false>(
-        Ho, F2, L1, [&](int, int r, int ky) { return col_idft[r * L1 + ky]; },
-        [&](int p, int ky, int kx) { return spectrum[p * ss + ky * F2 + kx]; },
-        [&](int p, int r, int kx, float re, float im) {
-            cols[p * cs + r * F2 + kx] = make_float2(re, im);
+    columns.run(
+        col_tables, cols, [&](int p, int ky, int kx) { return spectrum[p * ss + ky * F2 + kx]; },
+        [&](int p, int k, int kx, float re, float im) {
+            const int r = k - ph;
+            if (r >= 0 && r < Ho) col_out[p * os + r * F2 + kx] = make_float2(re, im);
         });
     __syncthreads();
     // Rows, a real result: y[r][j] = Re sum_kx B[r][kx] c_kx e^(2 pi i kx (j + pw) / L2).
     block_complex_matmul<false, false, true>(
-        Ho, Wo, F2, [&](int p, int r, int kx) { return cols[p * cs + r * F2 + kx]; },
+        P, Ho, Wo, F2, [&](int p, int r, int kx) { return col_out[p * os + r * F2 + kx]; },
         [&](int, int kx, int j) { return row_idft[kx * Wo + j]; },
         [&](int p, int r, int j, float re, float) {
             if (c0 + p < C) y[((index_t)n * C + c0 + p) * Ho * Wo + r * Wo + j] = times_pow2(re, e);

@@ -3,6 +3,8 @@ Fourier transforms (pipeline B's), the per-frequency products on cuBLAS."""
 
 from __future__ import annotations
 
+import math
+
 import numpy
 
 from .._cuda import MAX_GRID_X, get_kernel, shared_per_block
@@ -24,20 +26,46 @@ def _plane_stride(count: int) -> int:
     return -(-count // 16) * 16 + 2
 
 
+def column_factors(length: int, rows_in: int) -> tuple[int, int, int, int]:
+    """fft_conv.cu's ``ColumnPass`` factors of a columns pass of ``length`` over ``rows_in``
+    nonzero input rows: ``(f1, f2, crt1, crt2)`` of the prime-factor algorithm, the coprime
+    pair with the fewest products (``length * (f1 + f2)`` a column), where those are fewer than
+    the direct product's ``rows_in`` an output with a quarter to spare (its tiles' waste);
+    else ``(1, length, 0, 0)``, the direct DFT matrix, which also takes more input rows than
+    ``length`` (a weight taller than the transform: its rows wrap around)."""
+    pairs = [(a, length // a) for a in range(2, length) if length % a == 0
+             and math.gcd(a, length // a) == 1 and a < length // a]
+    if pairs and rows_in <= length:
+        f1, f2 = min(pairs, key=sum)
+        if 1.25 * (f1 + f2) < rows_in:
+            return f1, f2, f2 * pow(f2, -1, f1), f1 * pow(f1, -1, f2)
+    return 1, length, 0, 0
+
+
+def _table_size(factors: tuple[int, int, int, int], k_count: int, rows_in: int) -> int:
+    """``ColumnPass::table_size``."""
+    f1, f2 = factors[:2]
+    return f1 * f1 + f2 * f2 if f1 > 1 else k_count * rows_in
+
+
 def _plane_bins_bytes(hw: tuple[int, int], sizes: tuple[int, int]) -> int:
     """Dynamic shared memory of ``fft_conv_plane_bins`` for planes of ``hw``."""
     (h, w), (l1, l2) = hw, sizes
     f2 = l2 // 2 + 1
-    return (8 * (l1 + l2 + w * f2 + l1 * h + _PLANES * _plane_stride(h * f2))
-            + 4 * _PLANES * h * w)
+    factors = column_factors(l1, h)
+    scratch = 8 * _PLANES * _plane_stride(l1 * f2) if factors[0] > 1 else 0
+    return (8 * (l1 + l2 + w * f2 + _table_size(factors, l1, h)
+                 + _PLANES * _plane_stride(h * f2)) + max(4 * _PLANES * h * w, scratch))
 
 
 def _output_planes_bytes(out_hw: tuple[int, int], sizes: tuple[int, int]) -> int:
     """Dynamic shared memory of ``fft_conv_output_planes`` for outputs of ``out_hw``."""
     (ho, wo), (l1, l2) = out_hw, sizes
     f2 = l2 // 2 + 1
-    return 8 * (l1 + l2 + ho * l1 + f2 * wo
-                + _PLANES * (_plane_stride(l1 * f2) + _plane_stride(ho * f2)))
+    factors = column_factors(l1, l1)
+    rows = l1 if factors[0] > 1 else ho
+    return 8 * (l1 + l2 + f2 * wo + _table_size(factors, ho, l1)
+                + _PLANES * (_plane_stride(l1 * f2) + _plane_stride(rows * f2)))
 
 
 def fft_conv_takes(x_shape: tuple[int, ...], w_shape: tuple[int, ...], *, stride, padding,
@@ -102,7 +130,8 @@ def conv_transpose2d_fft(x, w, y, *, padding: tuple[int, int], passes: int) -> N
         (n * -(-c_out // _PLANES),), (_THREADS,),
         (x, w, y_bins, stats, mask, y, i32(n), i32(c_out), i32(l1), i32(l2),
          *definition_args(x, w, y.shape, groups=1, c_out_group=c_out, stride=(1, 1),
-                          padding=padding, dilation=(1, 1))),
+                          padding=padding, dilation=(1, 1)),
+         *(i32(v) for v in column_factors(l1, l1))),
         shared_mem=shared)
 
 
@@ -118,7 +147,8 @@ def _plane_bins(src, stats, slot: int, factor: float, bins, sizes: tuple[int, in
     get_kernel(_FILE, "fft_conv_plane_bins", shared_bytes=shared)(
         (s * -(-c // _PLANES),), (_THREADS,),
         (src, stats, i32(slot), numpy.float32(factor), bins, i32(c), i32(h), i32(w),
-         *(i32(v) for v in sizes), i32(passes), i32(lo_part), *(i64(v) for v in strides)),
+         *(i32(v) for v in sizes), i32(passes), i32(lo_part), *(i64(v) for v in strides),
+         *(i32(v) for v in column_factors(sizes[0], h))),
         shared_mem=shared)
 
 
