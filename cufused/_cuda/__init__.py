@@ -53,6 +53,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "fft_conv_scan",
         "fft_conv_plane_bins",
         "fft_conv_output_planes",
+        "fft_conv_output_tables",
+        "fft_conv_output_planes_mma",
     ),
     "pooling.cu": (
         "pool_nd<true, 0, 0>",

@@ -25,6 +25,23 @@ __device__ __forceinline__ unsigned to_tf32(float x) {
     return r;
 }
 
+// d += a * b for one mma.sync m16n8k8 step (TF32 operands, float32 accumulation; the
+// fragments in PTX's .row.col layouts); FRESH: d = a * b (a zero addend), opening a 3xTF32
+// step sum without clearing it.
+template <bool FRESH = false>
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4],
+                                         const unsigned (&b)[2]) {
+    float c[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) c[e] = FRESH ? 0.0f : d[e];
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]),
+          "f"(c[1]), "f"(c[2]), "f"(c[3]));
+}
+
 // NaN-propagating max/min (fmaxf/fminf drop NaN; PyTorch's pooling keeps it).
 __device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
 

@@ -20,22 +20,6 @@
 #define CONV_BR 16
 #define CONV_THREADS 256
 
-// d += a * b; FRESH: d = a * b (a zero addend), opening a 3xTF32 step sum without clearing
-// it.
-template <bool FRESH = false>
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4],
-                                         const unsigned (&b)[2]) {
-    float c[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) c[e] = FRESH ? 0.0f : d[e];
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]),
-          "f"(c[1]), "f"(c[2]), "f"(c[3]));
-}
-
 // Hopper's warpgroup MMA where the build targets it (sm_90a): the FixedHalo steps and
 // conv_transpose3d_s2k3's TF32 steps as wgmma.mma_async m64n32k8 with A from registers and B
 // from shared memory.

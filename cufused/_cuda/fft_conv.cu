@@ -76,6 +76,64 @@ __device__ void block_complex_matmul(int batches, int M, int N, int K, LoadA loa
     }
 }
 
+// v's TF32 operand parts: hi its first 10 mantissa bits, lo the residual v - hi (exact),
+// whose bits past those the MMA ignores. Truncating costs two instructions where rounding
+// (cvt.rna.tf32) costs six; hi * hi is exact either way, and lo's lost bits weigh below
+// 2^-20 |v|.
+__device__ __forceinline__ void split_tf32(float v, unsigned& hi, unsigned& lo) {
+    hi = __float_as_uint(v) & 0xffffe000u;
+    lo = __float_as_uint(v - __uint_as_float(hi));
+}
+
+// C = A B (real, M x N, reduction K) on tensor cores for a block: each warp takes items of
+// one 16-row tile and WN 8-column tiles of C, mma.sync m16n8k8 steps with float32
+// accumulation, each product as 3xTF32 (lo*hi + hi*lo + hi*hi, float32-grade).
+// load_a(m, k) and load_b(k, n) are read at every k below K
+// rounded up to 8 (they must give products of 0 at k >= K), every m below M rounded up to 16
+// and every n below N rounded up to WN 8-column tiles (rows and columns past M and N reach
+// only the outputs not stored: any value). Each element of C goes to store(row_at(m), n, v),
+// row_at taken once per row and item.
+template <int WN, class LoadA, class LoadB, class RowAt, class Store>
+__device__ void block_mma(int M, int N, int K, LoadA load_a, LoadB load_b, RowAt row_at,
+                          Store store) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int m_tiles = (M + 15) / 16, n_groups = (N + 8 * WN - 1) / (8 * WN);
+    for (int item = threadIdx.x >> 5; item < m_tiles * n_groups; item += blockDim.x >> 5) {
+        const int m0 = item / n_groups * 16 + g, n0 = (item % n_groups) * WN * 8;
+        float acc[WN][4] = {};
+        for (int k0 = 0; k0 < K; k0 += 8) {
+            const int k = k0 + t;
+            const float a[4] = {load_a(m0, k), load_a(m0 + 8, k), load_a(m0, k + 4),
+                                load_a(m0 + 8, k + 4)};
+            unsigned ah[4], al[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) split_tf32(a[e], ah[e], al[e]);
+#pragma unroll
+            for (int j = 0; j < WN; ++j) {
+                unsigned bh[2], bl[2];
+                split_tf32(load_b(k, n0 + 8 * j + g), bh[0], bl[0]);
+                split_tf32(load_b(k + 4, n0 + 8 * j + g), bh[1], bl[1]);
+                mma_tf32(acc[j], al, bh);
+                mma_tf32(acc[j], ah, bl);
+                mma_tf32(acc[j], ah, bh);
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int m = m0 + 8 * h;
+            if (m >= M) continue;
+            const auto row = row_at(m);
+#pragma unroll
+            for (int j = 0; j < WN; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int c = n0 + 8 * j + 2 * t + e;
+                    if (c < N) store(row, c, acc[j][2 * h + e]);
+                }
+        }
+    }
+}
+
 // roots[m] = e^(2 pi i m / L) for m < L, rounded once from double; the DFT matrices take
 // their entries from it by the exact product of the indices mod L.
 __device__ void fill_roots(float2* roots, int L) {
@@ -316,6 +374,98 @@ __device__ bool window_marked(const unsigned char* mask, const TransposedConvDef
     return false;
 }
 
+// The outputs of a block's planes y[n, c0 ...] (c0 + FFT_PLANES - 1, below C) that meet a
+// non-finite value, by the definition: those whose window holds an input that mask marks
+// and every output of a channel whose weight holds a non-finite value (fft_conv_scan's stats
+// and mask). Over the block's own stores of the transforms' values: its barrier orders them
+// before these.
+__device__ void definition_where_nonfinite(const TransposedConvDefinition& conv,
+                                           const unsigned* stats, const unsigned char* mask,
+                                           float* y, int n, int C, int c0) {
+    constexpr int P = FFT_PLANES;
+    const bool nonfinite_x = stats[2 + C + n] != 0;  // in this block's sample
+    unsigned bad_weights = 0;  // bit p: plane c0 + p's weight holds a non-finite value
+    for (int p = 0; p < P && c0 + p < C; ++p) bad_weights |= (stats[2 + c0 + p] != 0) << p;
+    if (!bad_weights && !nonfinite_x) return;
+    __syncthreads();
+    const int hw = conv.Ho * conv.Wo;
+    const unsigned char* marks = mask + (index_t)n * conv.Hi * conv.Wi;
+    for (int i = threadIdx.x; i < P * hw; i += blockDim.x) {
+        const int p = i / hw, o = i - p * hw, r = o / conv.Wo, j = o - r * conv.Wo;
+        if (c0 + p < C &&
+            (((bad_weights >> p) & 1) || (nonfinite_x && window_marked(marks, conv, r, j))))
+            y[((index_t)n * C + c0 + p) * hw + o] = conv.at(n, c0 + p, o, 0.0f);
+    }
+}
+
+// The shared memory of fft_conv_output_planes_mma (floats; planes of FFT_PLANES channels):
+// T, the columns pass's DFT matrix as a real one, 2 Ho x K1 (K1 = 2 L1 rounded up to 8,
+// zero past 2 L1); S, the bins as its B operand, K1 x F2 P (column kx P + p); O, the
+// columns' results, P Ho x 2 F2 (the rows pass's A operand); R, the rows pass's matrix,
+// K2 x Wo (K2 = 2 F2 rounded up to 8, zero past 2 F2). T and R, copied from
+// fft_conv_output_tables', start with them. Row strides: A operands' 4 mod 8 floats and B
+// operands' 8 mod 16, so that a warp's fragment loads meet 32 banks; B operands' rows hold
+// block_mma's columns past N, and the buffer ends past the rows that it reads beyond M. Every
+// offset is a multiple of 4 floats (16-byte copies).
+#define FFT_MMA_WN_COLUMNS 6
+#define FFT_MMA_WN_ROWS 5
+struct OutputMmaLayout {
+    int K1, K2, sT, sS, sO, sR, S, O, R, end;
+
+    __device__ static int a_stride(int count) { return (count + 3) / 8 * 8 + 4; }
+    __device__ static int b_stride(int count) { return (count + 7) / 16 * 16 + 8; }
+    __device__ static int round_up(int v, int m) { return (v + m - 1) / m * m; }
+
+    __device__ static OutputMmaLayout of(int L1, int L2, int Ho, int Wo) {
+        OutputMmaLayout s;
+        constexpr int P = FFT_PLANES;
+        const int F2 = L2 / 2 + 1;
+        s.K1 = round_up(2 * L1, 8);
+        s.K2 = round_up(2 * F2, 8);
+        s.sT = a_stride(s.K1);
+        s.sS = b_stride(round_up(P * F2, 8 * FFT_MMA_WN_COLUMNS));
+        s.sO = a_stride(2 * F2);
+        s.sR = b_stride(round_up(Wo, 8 * FFT_MMA_WN_ROWS));
+        s.S = 2 * Ho * s.sT;
+        s.O = s.S + s.K1 * s.sS;
+        // The rows pass reads the last row of O up to column K2 - 1: zeros past it.
+        s.R = s.O + P * Ho * s.sO + max(s.K2 - s.sO, 0);
+        s.end = max(max(s.R + s.K2 * s.sR, round_up(2 * Ho, 16) * s.sT),
+                    s.O + (round_up(P * Ho, 16) - 1) * s.sO + s.K2);
+        return s;
+    }
+};
+
+// tables = fft_conv_output_planes_mma's T (2 Ho x sT) then R (K2 x sR), padding zeroed:
+// T's 2 x 2 blocks (cos, -sin; sin, cos) of 2 pi ky (r + ph) / L1 at row 2 r, column 2 ky;
+// R's rows 2 kx and 2 kx + 1 c_kx cos and -c_kx sin of 2 pi kx (j + pw) / L2 at column j,
+// c_kx = 2 where the bin also stands for its conjugate, else 1. A grid-stride loop.
+__global__ void fft_conv_output_tables(float* __restrict__ tables, int L1, int L2, int Ho,
+                                       int Wo, int ph, int pw) {
+    const OutputMmaLayout lay = OutputMmaLayout::of(L1, L2, Ho, Wo);
+    const int F2 = L2 / 2 + 1;
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < lay.S + lay.K2 * lay.sR;
+         i += gridDim.x * blockDim.x) {
+        float v = 0.0f;
+        double sn, cs;
+        if (i < lay.S) {
+            const int row = i / lay.sT, col = i - row * lay.sT, r = row >> 1, ky = col >> 1;
+            if (col < 2 * L1) {
+                sincospi(2.0 * ((ky * (r + ph)) % L1) / L1, &sn, &cs);
+                v = (float)((row & 1) == (col & 1) ? cs : (row & 1) ? sn : -sn);
+            }
+        } else {
+            const int row = (i - lay.S) / lay.sR, j = i - lay.S - row * lay.sR, kx = row >> 1;
+            if (kx < F2 && j < Wo) {
+                sincospi(2.0 * ((kx * (j + pw)) % L2) / L2, &sn, &cs);
+                const double twice = (kx == 0 || 2 * kx == L2) ? 1.0 : 2.0;
+                v = (float)(twice * ((row & 1) ? -sn : cs));
+            }
+        }
+        tables[i] = v;
+    }
+}
+
 // y[n, c] (Ho x Wo, contiguous NCHW) = 2^(e_x + e_w) * the inverse DFT of bins[.][n][c] at
 // the rows ph ... and columns pw ... of the L1 x L2 circular result; by the definition (conv,
 // with x and w) the outputs whose window holds a non-finite input and those of a channel
@@ -354,9 +504,6 @@ __global__ void fft_conv_output_planes(
     const int groups = (C + P - 1) / P;
     const int n = blockIdx.x / groups, c0 = (blockIdx.x - n * groups) * P;
     const int e = scale_exponent(stats[0]) + scale_exponent(stats[1]);
-    const bool nonfinite_x = stats[2 + C + n] != 0;  // in this block's sample
-    unsigned bad_weights = 0;  // bit p: plane c0 + p's weight holds a non-finite value
-    for (int p = 0; p < P && c0 + p < C; ++p) bad_weights |= (stats[2 + c0 + p] != 0) << p;
     fill_roots(roots1, L1);
     fill_roots(roots2, L2);
     __syncthreads();
@@ -401,16 +548,98 @@ __global__ void fft_conv_output_planes(
         [&](int p, int r, int j, float re, float) {
             if (c0 + p < C) y[((index_t)n * C + c0 + p) * Ho * Wo + r * Wo + j] = times_pow2(re, e);
         });
-    // The outputs that meet a non-finite value, by the definition, over the block's own
-    // stores (which the barrier orders before these).
-    if (!bad_weights && !nonfinite_x) return;
-    __syncthreads();
-    const int hw = Ho * Wo;
-    const unsigned char* marks = mask + (index_t)n * Hi * Wi;
-    for (int i = threadIdx.x; i < P * hw; i += blockDim.x) {
-        const int p = i / hw, o = i - p * hw, r = o / Wo, j = o - r * Wo;
-        if (c0 + p < C &&
-            (((bad_weights >> p) & 1) || (nonfinite_x && window_marked(marks, conv, r, j))))
-            y[((index_t)n * C + c0 + p) * hw + o] = conv.at(n, c0 + p, o, 0.0f);
+    definition_where_nonfinite(conv, stats, mask, y, n, C, c0);
+}
+
+// fft_conv_output_planes on tensor cores (3xTF32, block_mma): each pass a real
+// matrix product, the complex values as (re, im) pairs. Columns, for the block's P planes
+// side by side: [B_re; B_im](2 Ho x F2 P) = T (2 Ho x 2 L1) [X_re; X_im]; rows: y (P Ho x Wo)
+// = O R, O's rows (B_re, B_im) interleaved along kx. tables: fft_conv_output_tables'. Shared
+// memory: OutputMmaLayout.
+__global__ void fft_conv_output_planes_mma(
+    const float* __restrict__ x, const float* __restrict__ w, const float2* __restrict__ bins,
+    const float* __restrict__ tables, const unsigned* __restrict__ stats,
+    const unsigned char* __restrict__ mask, float* __restrict__ y, int N, int C, int L1,
+    int L2, int c_in_group, int c_out_group, int Di, int Hi, int Wi, int Do, int Ho, int Wo,
+    int KD, int KH, int KW, int sd, int sh, int sw, int pd, int ph, int pw, int dd, int dh,
+    int dw, index_t xn, index_t xc, index_t xd, index_t xh, index_t xw) {
+    extern __shared__ float4 shared4[];
+    constexpr int P = FFT_PLANES;
+    const TransposedConvDefinition conv{x,  w,  c_in_group, c_out_group, Di, Hi, Wi, Do, Ho,
+                                        Wo, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
+                                        xn, xc, xd, xh, xw};
+    const int F2 = L2 / 2 + 1;
+    const OutputMmaLayout lay = OutputMmaLayout::of(L1, L2, Ho, Wo);
+    float* T = (float*)shared4;
+    float* S = T + lay.S;
+    float* O = T + lay.O;
+    float* R = T + lay.R;
+    const int groups = (C + P - 1) / P;
+    const int n = blockIdx.x / groups, c0 = (blockIdx.x - n * groups) * P;
+    const int e = scale_exponent(stats[0]) + scale_exponent(stats[1]);
+    {  // The tables, 16 bytes a copy.
+        const float4* src = (const float4*)tables;
+        for (int i = threadIdx.x; i < lay.S / 4; i += blockDim.x) shared4[i] = src[i];
+        for (int i = threadIdx.x; i < lay.K2 * lay.sR / 4; i += blockDim.x)
+            shared4[lay.R / 4 + i] = src[lay.S / 4 + i];
     }
+    // The zeros: S's rows past 2 L1, O's columns past 2 F2 and its tail.
+    const int o_pad = lay.sO - 2 * F2;
+    for (int i = threadIdx.x; i < (lay.K1 - 2 * L1) * lay.sS; i += blockDim.x)
+        S[2 * L1 * lay.sS + i] = 0.0f;
+    for (int i = threadIdx.x; i < P * Ho * o_pad; i += blockDim.x)
+        O[(i / o_pad) * lay.sO + 2 * F2 + i % o_pad] = 0.0f;
+    for (int i = P * Ho * lay.sO + threadIdx.x; i < lay.R - lay.O; i += blockDim.x) O[i] = 0.0f;
+    {  // Thread t loads plane t % P of the bins t / P, t / P + blockDim.x / P, ... into S:
+       // (ky, kx) of bin b kept by steps of blockDim.x / P bins.
+        const int p = threadIdx.x % P, step = blockDim.x / P, count = L1 * F2;
+        const int step_ky = step / F2, step_kx = step - step_ky * F2;
+        const bool in_range = c0 + p < C;
+        const float2* src = bins + (index_t)n * C + c0 + p;
+        const index_t bin_stride = (index_t)N * C;
+        int ky = threadIdx.x / P / F2, kx = threadIdx.x / P - ky * F2;
+        for (int b0 = threadIdx.x / P; b0 < count; b0 += FFT_LOADS * step) {
+            float2 v[FFT_LOADS];
+#pragma unroll
+            for (int u = 0; u < FFT_LOADS; ++u) {
+                const int b = b0 + u * step;
+                v[u] = b < count && in_range ? src[b * bin_stride] : make_float2(0.0f, 0.0f);
+            }
+#pragma unroll
+            for (int u = 0; u < FFT_LOADS; ++u) {
+                if (b0 + u * step < count) {
+                    S[2 * ky * lay.sS + kx * P + p] = v[u].x;
+                    S[(2 * ky + 1) * lay.sS + kx * P + p] = v[u].y;
+                }
+                ky += step_ky;
+                kx += step_kx;
+                if (kx >= F2) {
+                    kx -= F2;
+                    ++ky;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    // Columns at the output rows r: (B_re, B_im)[r][kx, p] into O[p Ho + r][2 kx + (0, 1)].
+    const int o_plane = Ho * lay.sO;
+    block_mma<FFT_MMA_WN_COLUMNS>(
+        2 * Ho, P * F2, 2 * L1, [&](int m, int k) { return T[m * lay.sT + k]; },
+        [&](int k, int c) { return S[k * lay.sS + c]; },
+        [&](int m) { return (m >> 1) * lay.sO + (m & 1); },
+        [&](int row, int c, float v) { O[row + (c % P) * o_plane + 2 * (c / P)] = v; });
+    __syncthreads();
+    // Rows, a real result: y[p, r][j], row m = p Ho + r.
+    block_mma<FFT_MMA_WN_ROWS>(
+        P * Ho, Wo, 2 * F2, [&](int m, int k) { return O[m * lay.sO + k]; },
+        [&](int k, int j) { return R[k * lay.sR + j]; },
+        [&](int m) {
+            const int p = m / Ho;
+            return c0 + p < C ? (((index_t)n * C + c0 + p) * Ho + m - p * Ho) * Wo
+                              : (index_t)-1;
+        },
+        [&](index_t row, int j, float v) {
+            if (row >= 0) y[row + j] = times_pow2(v, e);
+        });
+    definition_where_nonfinite(conv, stats, mask, y, n, C, c0);
 }

@@ -12,6 +12,7 @@ from ._common import definition_args
 
 _FILE = "fft_conv.cu"
 _PLANES, _THREADS = 8, 256  # FFT_PLANES: planes of one sample per block
+_MMA_WN_COLUMNS, _MMA_WN_ROWS = 6, 5  # FFT_MMA_WN_*: block_mma's column tiles per warp
 
 
 def transform_size(in_size: int, kernel: int, padding: int) -> int:
@@ -66,6 +67,26 @@ def _output_planes_bytes(out_hw: tuple[int, int], sizes: tuple[int, int]) -> int
     rows = l1 if factors[0] > 1 else ho
     return 8 * (l1 + l2 + f2 * wo + _table_size(factors, ho, l1)
                 + _PLANES * (_plane_stride(l1 * f2) + _plane_stride(rows * f2)))
+
+
+def _output_mma_layout(out_hw: tuple[int, int], sizes: tuple[int, int]) -> tuple[int, int]:
+    """fft_conv.cu's ``OutputMmaLayout`` for outputs of ``out_hw``: the floats of
+    ``fft_conv_output_tables``' tables (T and R) and of the kernel's shared memory."""
+    (ho, wo), (l1, l2) = out_hw, sizes
+    f2 = l2 // 2 + 1
+
+    def round_up(v: int, m: int) -> int:
+        return -(-v // m) * m
+
+    k1, k2 = round_up(2 * l1, 8), round_up(2 * f2, 8)
+    s_t, s_o = (k1 + 3) // 8 * 8 + 4, (2 * f2 + 3) // 8 * 8 + 4
+    s_s = (round_up(_PLANES * f2, 8 * _MMA_WN_COLUMNS) + 7) // 16 * 16 + 8
+    s_r = (round_up(wo, 8 * _MMA_WN_ROWS) + 7) // 16 * 16 + 8
+    o = 2 * ho * s_t + k1 * s_s
+    r = o + _PLANES * ho * s_o + max(k2 - s_o, 0)
+    end = max(r + k2 * s_r, round_up(2 * ho, 16) * s_t,
+              o + (round_up(_PLANES * ho, 16) - 1) * s_o + k2)
+    return 2 * ho * s_t + k2 * s_r, end
 
 
 def fft_conv_takes(x_shape: tuple[int, ...], w_shape: tuple[int, ...], *, stride, padding,
@@ -125,13 +146,25 @@ def conv_transpose2d_fft(x, w, y, *, padding: tuple[int, int], passes: int) -> N
                 strides=(passes * c_in * c_out, c_out, c_in * c_out))
     y_bins = cupy.empty((bins, n, c_out), dtype=cupy.complex64)
     _bin_products(x_bins, w_bins, y_bins, tf32=passes == 3)
+    args = (x, w, y_bins, stats, mask, y, i32(n), i32(c_out), i32(l1), i32(l2),
+            *definition_args(x, w, y.shape, groups=1, c_out_group=c_out, stride=(1, 1),
+                             padding=padding, dilation=(1, 1)))
+    grid = (n * -(-c_out // _PLANES),)
+    # "3xtf32": the inverse transforms' products on tensor cores too, where their operands
+    # fit a block's shared memory.
+    table_floats, shared_floats = _output_mma_layout(y.shape[2:], sizes)
+    if passes == 3 and 4 * shared_floats <= shared_per_block():
+        tables = cupy.empty(table_floats, dtype=cupy.float32)
+        get_kernel(_FILE, "fft_conv_output_tables")(
+            (-(-table_floats // _THREADS),), (_THREADS,),
+            (tables, i32(l1), i32(l2), *(i32(v) for v in y.shape[2:]),
+             *(i32(v) for v in padding)))
+        get_kernel(_FILE, "fft_conv_output_planes_mma", shared_bytes=4 * shared_floats)(
+            grid, (_THREADS,), (*args[:3], tables, *args[3:]), shared_mem=4 * shared_floats)
+        return
     shared = _output_planes_bytes(y.shape[2:], sizes)
     get_kernel(_FILE, "fft_conv_output_planes", shared_bytes=shared)(
-        (n * -(-c_out // _PLANES),), (_THREADS,),
-        (x, w, y_bins, stats, mask, y, i32(n), i32(c_out), i32(l1), i32(l2),
-         *definition_args(x, w, y.shape, groups=1, c_out_group=c_out, stride=(1, 1),
-                          padding=padding, dilation=(1, 1)),
-         *(i32(v) for v in column_factors(l1, l1))),
+        grid, (_THREADS,), (*args, *(i32(v) for v in column_factors(l1, l1))),
         shared_mem=shared)
 
 
