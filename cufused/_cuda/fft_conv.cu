@@ -374,6 +374,40 @@ __device__ bool window_marked(const unsigned char* mask, const TransposedConvDef
     return false;
 }
 
+// The bins (L1 F2, N, C) of sample n's planes c0 ... c0 + FFT_PLANES - 1 (0 past C), each
+// handed to take(p, b, ky, kx, v) for bin b = ky F2 + kx of plane c0 + p: thread t takes
+// plane t % P and the bins t / P, t / P + blockDim.x / P, ..., FFT_LOADS loads in flight,
+// (ky, kx) kept by steps of blockDim.x / P bins.
+template <class Take>
+__device__ void load_sample_bins(const float2* __restrict__ bins, int N, int C, int n, int c0,
+                                 int L1, int F2, Take take) {
+    constexpr int P = FFT_PLANES;
+    const int p = threadIdx.x % P, step = blockDim.x / P, count = L1 * F2;
+    const int step_ky = step / F2, step_kx = step - step_ky * F2;
+    const bool in_range = c0 + p < C;
+    const float2* src = bins + (index_t)n * C + c0 + p;
+    const index_t bin_stride = (index_t)N * C;
+    int ky = threadIdx.x / P / F2, kx = threadIdx.x / P - ky * F2;
+    for (int b0 = threadIdx.x / P; b0 < count; b0 += FFT_LOADS * step) {
+        float2 v[FFT_LOADS];
+#pragma unroll
+        for (int u = 0; u < FFT_LOADS; ++u) {
+            const int b = b0 + u * step;
+            v[u] = b < count && in_range ? src[b * bin_stride] : make_float2(0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int u = 0; u < FFT_LOADS; ++u) {
+            if (b0 + u * step < count) take(p, b0 + u * step, ky, kx, v[u]);
+            ky += step_ky;
+            kx += step_kx;
+            if (kx >= F2) {
+                kx -= F2;
+                ++ky;
+            }
+        }
+    }
+}
+
 // The outputs of a block's planes y[n, c0 ...] (c0 + FFT_PLANES - 1, below C) that meet a
 // non-finite value, by the definition: those whose window holds an input that mask marks
 // and every output of a channel whose weight holds a non-finite value (fft_conv_scan's stats
@@ -515,23 +549,9 @@ __global__ void fft_conv_output_planes(
         const float twice = (kx == 0 || 2 * kx == L2) ? 1.0f : 2.0f;
         row_idft[i] = make_float2(twice * t.x, twice * t.y);
     }
-    {  // Thread t loads plane t % P of the bins t / P, t / P + blockDim.x / P, ...
-        const int p = threadIdx.x % P, step = blockDim.x / P, count = L1 * F2;
-        const bool in_range = c0 + p < C;
-        const float2* src = bins + (index_t)n * C + c0 + p;
-        const index_t bin_stride = (index_t)N * C;
-        for (int b0 = threadIdx.x / P; b0 < count; b0 += FFT_LOADS * step) {
-            float2 v[FFT_LOADS];
-#pragma unroll
-            for (int u = 0; u < FFT_LOADS; ++u) {
-                const int b = b0 + u * step;
-                v[u] = b < count && in_range ? src[b * bin_stride] : make_float2(0.0f, 0.0f);
-            }
-#pragma unroll
-            for (int u = 0; u < FFT_LOADS; ++u)
-                if (b0 + u * step < count) spectrum[p * ss + b0 + u * step] = v[u];
-        }
-    }
+    load_sample_bins(bins, N, C, n, c0, L1, F2, [&](int p, int b, int, int, float2 v) {
+        spectrum[p * ss + b] = v;
+    });
     __syncthreads();
     // Columns at the output rows r: B[r][kx] = sum_ky e^(2 pi i ky (r + ph) / L1) X[ky][kx].
     columns.run(
@@ -590,36 +610,10 @@ __global__ void fft_conv_output_planes_mma(
     for (int i = threadIdx.x; i < P * Ho * o_pad; i += blockDim.x)
         O[(i / o_pad) * lay.sO + 2 * F2 + i % o_pad] = 0.0f;
     for (int i = P * Ho * lay.sO + threadIdx.x; i < lay.R - lay.O; i += blockDim.x) O[i] = 0.0f;
-    {  // Thread t loads plane t % P of the bins t / P, t / P + blockDim.x / P, ... into S:
-       // (ky, kx) of bin b kept by steps of blockDim.x / P bins.
-        const int p = threadIdx.x % P, step = blockDim.x / P, count = L1 * F2;
-        const int step_ky = step / F2, step_kx = step - step_ky * F2;
-        const bool in_range = c0 + p < C;
-        const float2* src = bins + (index_t)n * C + c0 + p;
-        const index_t bin_stride = (index_t)N * C;
-        int ky = threadIdx.x / P / F2, kx = threadIdx.x / P - ky * F2;
-        for (int b0 = threadIdx.x / P; b0 < count; b0 += FFT_LOADS * step) {
-            float2 v[FFT_LOADS];
-#pragma unroll
-            for (int u = 0; u < FFT_LOADS; ++u) {
-                const int b = b0 + u * step;
-                v[u] = b < count && in_range ? src[b * bin_stride] : make_float2(0.0f, 0.0f);
-            }
-#pragma unroll
-            for (int u = 0; u < FFT_LOADS; ++u) {
-                if (b0 + u * step < count) {
-                    S[2 * ky * lay.sS + kx * P + p] = v[u].x;
-                    S[(2 * ky + 1) * lay.sS + kx * P + p] = v[u].y;
-                }
-                ky += step_ky;
-                kx += step_kx;
-                if (kx >= F2) {
-                    kx -= F2;
-                    ++ky;
-                }
-            }
-        }
-    }
+    load_sample_bins(bins, N, C, n, c0, L1, F2, [&](int p, int, int ky, int kx, float2 v) {
+        S[2 * ky * lay.sS + kx * P + p] = v.x;
+        S[(2 * ky + 1) * lay.sS + kx * P + p] = v.y;
+    });
     __syncthreads();
     // Columns at the output rows r: (B_re, B_im)[r][kx, p] into O[p Ho + r][2 kx + (0, 1)].
     const int o_plane = Ho * lay.sO;
