@@ -117,8 +117,8 @@ def conv_transpose2d_fft(x, w, y, *, padding: tuple[int, int], passes: int) -> N
     :func:`fft_conv_takes`: a scan of both operands' finite ranges and non-finite values, the
     transforms of the input's and the weight's planes, their products per frequency (cuBLAS:
     in float32 for ``passes`` 1, as 3xTF32 on tensor cores for 3), and the inverse transform
-    of each output plane, with the outputs that meet a non-finite value computed by the
-    definition."""
+    of each output plane (for 3 on tensor cores too, where its operands fit a block's shared
+    memory), with the outputs that meet a non-finite value computed by the definition."""
     import cupy
 
     n, c_in, h, wd = x.shape
