@@ -77,9 +77,9 @@ __device__ void block_complex_matmul(int batches, int M, int N, int K, LoadA loa
 }
 
 // v's TF32 operand parts: hi its first 10 mantissa bits, lo the residual v - hi (exact),
-// whose bits past those the MMA ignores. Truncating costs two instructions where rounding
-// (cvt.rna.tf32) costs six; hi * hi is exact either way, and lo's lost bits weigh below
-// 2^-20 |v|.
+// whose bits past those the MMA ignores. Two instructions, where rounding both parts by
+// cvt.rna.tf32 (integer instructions on sm_90) takes seven; hi * hi is exact either way, and
+// lo's lost bits weigh below 2^-20 |v|.
 __device__ __forceinline__ void split_tf32(float v, unsigned& hi, unsigned& lo) {
     hi = __float_as_uint(v) & 0xffffe000u;
     lo = __float_as_uint(v - __uint_as_float(hi));
@@ -87,12 +87,11 @@ __device__ __forceinline__ void split_tf32(float v, unsigned& hi, unsigned& lo) 
 
 // C = A B (real, M x N, reduction K) on tensor cores for a block: each warp takes items of
 // one 16-row tile and WN 8-column tiles of C, mma.sync m16n8k8 steps with float32
-// accumulation, each product as 3xTF32 (lo*hi + hi*lo + hi*hi, float32-grade).
-// load_a(m, k) and load_b(k, n) are read at every k below K
-// rounded up to 8 (they must give products of 0 at k >= K), every m below M rounded up to 16
-// and every n below N rounded up to WN 8-column tiles (rows and columns past M and N reach
-// only the outputs not stored: any value). Each element of C goes to store(row_at(m), n, v),
-// row_at taken once per row and item.
+// accumulation, each product as 3xTF32 (lo*hi + hi*lo + hi*hi, float32-grade). load_a(m, k)
+// and load_b(k, n) are read at every k below K rounded up to 8 (they must give products of 0
+// at k >= K), every m below M rounded up to 16 and every n below N rounded up to WN 8-column
+// tiles (rows and columns past M and N reach only the outputs not stored: any value). Each
+// element of C goes to store(row_at(m), n, v), row_at taken once per row and item.
 template <int WN, class LoadA, class LoadB, class RowAt, class Store>
 __device__ void block_mma(int M, int N, int K, LoadA load_a, LoadB load_b, RowAt row_at,
                           Store store) {
@@ -168,7 +167,7 @@ struct ColumnPass {
     int L, F2, n_in, k_first, k_count, f1, f2, crt1, crt2;
     float sign;
 
-    // Shared floats2 of its tables: the DFT matrix (k_count x n_in) or those of f1 and f2.
+    // Shared float2 values of its tables: the DFT matrix (k_count x n_in) or those of f1 and f2.
     __device__ int table_size() const { return f1 > 1 ? f1 * f1 + f2 * f2 : k_count * n_in; }
 
     // The tables from fill_roots' table of L (after a barrier).
