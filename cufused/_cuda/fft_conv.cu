@@ -76,13 +76,14 @@ __device__ void block_complex_matmul(int batches, int M, int N, int K, LoadA loa
     }
 }
 
-// v's TF32 operand parts: hi its first 10 mantissa bits, lo the residual v - hi (exact),
-// whose bits past those the MMA ignores. Two instructions, where rounding both parts by
-// cvt.rna.tf32 (integer instructions on sm_90) takes seven; hi * hi is exact either way, and
-// lo's lost bits weigh below 2^-20 |v|.
+// v's TF32 operand parts: hi its first 10 mantissa bits, lo the residual v - hi (exact)
+// with half a TF32 unit added to its bits, so that the MMA, which ignores the bits past
+// TF32's, takes lo rounded (half away from zero) where it would take it truncated. Two
+// instructions and an add, where rounding both by cvt.rna.tf32 costs seven (sm_90 runs it
+// as integer instructions); a truncated lo would bias every product toward zero.
 __device__ __forceinline__ void split_tf32(float v, unsigned& hi, unsigned& lo) {
     hi = __float_as_uint(v) & 0xffffe000u;
-    lo = __float_as_uint(v - __uint_as_float(hi));
+    lo = __float_as_uint(v - __uint_as_float(hi)) + 0x1000u;
 }
 
 // C = A B (real, M x N, reduction K) on tensor cores for a block: each warp takes items of

@@ -126,6 +126,57 @@ def test_fft_conv_nonfinite_values_where_the_definition_puts_them(rng, passes):
     assert np.abs(got[finite] - ref[finite]).max() < TOL * np.abs(ref[finite]).max()
 
 
+def test_fft_conv_3xtf32_inverse_on_tensor_cores_and_on_the_fma_kernel(rng, monkeypatch):
+    # "3xtf32" runs the inverse transforms on tensor cores where their operands fit a
+    # block's shared memory, else on the FMA kernel: each seen to run, each against the
+    # definition.
+    from cufused._kernels import fft_conv as F
+
+    names = []
+    launch = F.get_kernel
+    monkeypatch.setattr(F, "get_kernel",
+                        lambda file, name, **kw: names.append(name) or launch(file, name, **kw))
+    x_shape, w_shape, padding = (2, 5, 20, 9), (5, 6, 3, 3), (1, 1)
+    x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
+    ref = cufused.conv_transpose2d(x, w, padding=padding)
+    assert scaled_err(fft_conv(x, w, padding, 3), ref) < TOL
+    assert "fft_conv_output_planes_mma" in names and "fft_conv_output_planes" not in names
+    sizes = (21, 10)  # transform_size of (20, 9) with a 3 x 3 kernel and padding 1
+    out_hw = ref.shape[2:]
+    mma_bytes = 4 * F._output_mma_layout(out_hw, sizes)[1]
+    assert F._output_planes_bytes(out_hw, sizes) < mma_bytes
+    monkeypatch.setattr(F, "shared_per_block", lambda: mma_bytes - 4)
+    names.clear()
+    assert scaled_err(fft_conv(x, w, padding, 3), ref) < TOL
+    assert "fft_conv_output_planes" in names and "fft_conv_output_planes_mma" not in names
+
+
+def test_output_mma_layout_is_the_kernels(rng):
+    # The launcher's mirror of OutputMmaLayout (its table and shared-memory sizes) against
+    # the struct itself, compiled beside a probe kernel, over random geometries.
+    from cufused._cuda import COMPILE_OPTIONS, source
+    from cufused._kernels.fft_conv import _output_mma_layout
+
+    probe = r"""
+extern "C" __global__ void output_mma_layout_probe(const int* shapes, int* out, int count) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= count) return;
+    const int* s = shapes + 4 * i;
+    const OutputMmaLayout lay = OutputMmaLayout::of(s[0], s[1], s[2], s[3]);
+    out[2 * i] = lay.S + lay.K2 * lay.sR;
+    out[2 * i + 1] = lay.end;
+}
+"""
+    kernel = cp.RawModule(code=source("fft_conv.cu") + probe,
+                          options=COMPILE_OPTIONS).get_function("output_mma_layout_probe")
+    l1, l2 = rng.integers(1, 80, 500), rng.integers(1, 80, 500)
+    shapes = np.stack([l1, l2, rng.integers(1, l1 + 1), rng.integers(1, l2 + 1)], axis=1)
+    got = cp.empty((len(shapes), 2), dtype=cp.int32)
+    kernel((2,), (256,), (cp.asarray(shapes, dtype=cp.int32), got, np.int32(len(shapes))))
+    want = [_output_mma_layout((ho, wo), (a, b)) for a, b, ho, wo in shapes.tolist()]
+    assert got.get().tolist() == [list(v) for v in want]
+
+
 def run_b(arrays, opts, engine, **kwargs):
     out = poisoned(kwargs.pop("shape"))
     with plan_options(engine=engine):
