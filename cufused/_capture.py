@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ._arrays import import_cupy
+from ._blas import bind_blas_stream
 from ._cuda import wait_for_devices
 from ._cudnn import plans_in_use
 from ._scoped import scoped_value
@@ -130,6 +131,7 @@ def capture_call(call: Callable[[], Any], *, limit: float | None = None) -> Capt
         with (scoped_value(_inside, True), scoped_value(_own_capture, True),
               plans_in_use() as plans,
               cupy.cuda.using_allocator(malloc), side):
+            bind_blas_stream(side)
             side.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
             try:
                 result = call()

@@ -182,10 +182,10 @@ def _igemm_route(x, weight, args: ConvArgs, precision: str, bias,
 
 
 def _caller_capturing() -> bool:
-    """Whether the caller is capturing the current stream into a CUDA graph, which the DFT
-    engine's cuBLAS products refuse (CuPy's cuBLAS calls refuse stream capture): the call
-    runs on cuDNN there. A capture of cufused's own (``_call_graphs``) fails on it instead,
-    and the call runs directly."""
+    """Whether the caller is capturing the current stream into a CUDA graph, where the DFT
+    engine's cuBLAS products cannot run (no cuBLAS handle can be moved onto a stream already
+    captured: :mod:`cufused._blas`): the call runs on cuDNN there. cufused's own captures
+    (``_call_graphs``, ``prepare``) put its handle on their stream before they begin."""
     import cupy
 
     from .._capture import in_own_capture

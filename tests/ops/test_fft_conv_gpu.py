@@ -257,10 +257,12 @@ def test_pipeline_b_nonfinite_on_the_dft_convolution(rng, where):
 
 @pytest.mark.parametrize("replay", [True, False])
 def test_pipeline_b_dft_convolution_in_a_captured_graph(rng, monkeypatch, replay):
-    # Warm calls run directly (CuPy's cuBLAS calls refuse capture, so cufused's capture of
-    # the call fails and the key runs directly from then on); inside the caller's capture the
-    # call records cuDNN's convolution instead; both compute new input values. Without
-    # graph replay (every call direct) the caller's capture takes cuDNN alike.
+    # Warm calls replay one graph of the whole call, the DFT engine's cuBLAS products in it
+    # (cufused's own cuBLAS handle, put on the capture's stream before the capture begins):
+    # the first call runs directly, the second is captured, the later ones launch the graph,
+    # which computes new input values. Inside the caller's capture the call records cuDNN's
+    # convolution instead (no handle can be moved onto a stream already captured). Without
+    # graph replay every call runs directly, and the caller's capture takes cuDNN alike.
     from cufused._kernels import fft_conv
 
     calls = count_calls(monkeypatch, fft_conv, "conv_transpose2d_fft")
@@ -274,7 +276,15 @@ def test_pipeline_b_dft_convolution_in_a_captured_graph(rng, monkeypatch, replay
         for _ in range(3):
             cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(*garrays, **opts, out=out)
         assert_close(out.get(), ref, PIPELINE_TOL)
-        assert len(calls) >= 3
+        assert calls == ["conv_transpose2d_fft"] * (2 if replay else 3)
+        new_x = rng.random(arrays[0].shape)
+        garrays[0][...] = cp.asarray(new_x, dtype=cp.float32)
+        out.fill(cp.nan)
+        cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(*garrays, **opts, out=out)
+        assert calls == ["conv_transpose2d_fft"] * (2 if replay else 4)
+        want = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+            new_x, *arrays[1:], **opts)
+        assert_close(out.get(), want, PIPELINE_TOL)
         del calls[:]
         stream.begin_capture()
         cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(*garrays, **opts, out=out)
@@ -290,4 +300,60 @@ def test_pipeline_b_dft_convolution_in_a_captured_graph(rng, monkeypatch, replay
         out.fill(cp.nan)
         cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(*garrays, **opts, out=out)
         assert_close(out.get(), want, PIPELINE_TOL)
-    assert calls == ["conv_transpose2d_fft"]
+    assert calls == ([] if replay else ["conv_transpose2d_fft"])  # a replay, else direct
+
+
+def test_prepared_pipeline_b_replays_the_dft_convolution(rng, monkeypatch):
+    # prepare captures the DFT engine's call, cuBLAS products included: replays compute new
+    # input values without calling the engine's launcher again.
+    from cufused._kernels import fft_conv
+
+    calls = count_calls(monkeypatch, fft_conv, "conv_transpose2d_fft")
+    arrays, opts = pipeline_b_args(rng, n=2, cin=5, h=9, w=11, cout=8, groups=4)
+    opts.update(padding=1, precision="3xtf32")
+    garrays = to_gpu(*arrays)
+    ref = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(*arrays, **opts)
+    out = poisoned(ref.shape)
+    with plan_options(engine="fft"):
+        prepared = cufused.prepare(cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm,
+                                   *garrays, **opts, out=out)
+    assert prepared.result is out and calls == ["conv_transpose2d_fft"] * 2
+    new_x = rng.random(arrays[0].shape)
+    garrays[0][...] = cp.asarray(new_x, dtype=cp.float32)
+    out.fill(cp.nan)
+    assert prepared() is out
+    cp.cuda.get_current_stream().synchronize()
+    want = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(new_x, *arrays[1:], **opts)
+    assert_close(out.get(), want, PIPELINE_TOL)
+    assert len(calls) == 2
+
+
+def test_blas_handle_follows_the_stream_and_refuses_a_foreign_capture():
+    import threading
+
+    from cupy_backends.cuda.libs import cublas
+
+    from cufused._blas import BlasCaptureError, bind_blas_stream, blas_handle
+
+    first, second = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    with first:
+        handle = blas_handle()
+        assert cublas.getStream(handle) == first.ptr
+    with second:
+        second.begin_capture()
+        try:
+            with pytest.raises(BlasCaptureError):
+                blas_handle()  # a capture that the handle was not put on beforehand
+        finally:
+            second.end_capture()
+        bind_blas_stream(second)
+        second.begin_capture()
+        try:
+            assert blas_handle() == handle
+        finally:
+            second.end_capture()
+    other = []
+    thread = threading.Thread(target=lambda: other.append(blas_handle()))
+    thread.start()
+    thread.join()
+    assert other and other[0] != handle  # one handle per thread
