@@ -7,7 +7,7 @@ import math
 
 import numpy
 
-from .._blas import blas_handle
+from .._blas import complex_gemm_strided_batched
 from .._cuda import MAX_GRID_X, get_kernel, shared_per_block
 from ._common import definition_args
 
@@ -189,25 +189,11 @@ def _plane_bins(src, stats, slot: int, factor: float, bins, sizes: tuple[int, in
 def _bin_products(x_bins, w_bins, y_bins, *, tf32: bool) -> None:
     """``y_bins[b] = x_bins[b] @ w_bins[b]`` for every bin b (complex64, C-contiguous
     (bins, N, K), (bins, K, C_out), (bins, N, C_out)): cuBLAS's batched complex GEMM on the
-    current stream, column-major as ``y_bins[b].T = w_bins[b].T @ x_bins[b].T``, in float32,
-    or with ``tf32`` on TF32 tensor cores (float32 accumulation). It runs on cufused's own
-    handle (:func:`~cufused._blas.blas_handle`), so that cufused's captures record it."""
-    from cupy_backends.cuda.libs import cublas
-
+    current stream (recorded by cufused's captures: :mod:`cufused._blas`), column-major as
+    ``y_bins[b].T = w_bins[b].T @ x_bins[b].T``, in float32, or with ``tf32`` on TF32 tensor
+    cores (float32 accumulation)."""
     bins, n, k = x_bins.shape
     c_out = w_bins.shape[2]
-    handle = blas_handle()
-    one, zero = numpy.ones(1, numpy.complex64), numpy.zeros(1, numpy.complex64)
-    operands = (w_bins.data.ptr, c_out, k * c_out, x_bins.data.ptr, k, n * k)
-    if tf32:
-        complex64 = 4  # cudaDataType CUDA_C_32F
-        a, lda, stride_a, b, ldb, stride_b = operands
-        cublas.gemmStridedBatchedEx(
-            handle, cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N, c_out, n, k, one.ctypes.data,
-            a, complex64, lda, stride_a, b, complex64, ldb, stride_b, zero.ctypes.data,
-            y_bins.data.ptr, complex64, c_out, n * c_out, bins,
-            cublas.CUBLAS_COMPUTE_32F_FAST_TF32, cublas.CUBLAS_GEMM_DEFAULT_TENSOR_OP)
-    else:
-        cublas.cgemmStridedBatched(
-            handle, cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N, c_out, n, k, one.ctypes.data,
-            *operands, zero.ctypes.data, y_bins.data.ptr, c_out, n * c_out, bins)
+    complex_gemm_strided_batched(c_out, n, k, w_bins.data.ptr, c_out, k * c_out,
+                                 x_bins.data.ptr, k, n * k, y_bins.data.ptr, c_out, n * c_out,
+                                 bins, tf32=tf32)
