@@ -4,9 +4,10 @@
 Each case draws the batch, channels, groups, spatial sizes, kernel, stride, padding and pool,
 the parameters' forms (per-channel arrays, a number or None where the pipeline allows it), an
 offset of the input (means far from zero), the precision and the convolution engine
-(cufused's implicit GEMM forced, or the autotuner's choice) and the clamp bounds (infinite
-ones among them). The call runs twice on CuPy float32 copies (a first and a warm call) and
-both results are compared with the same public function on the float64 NumPy arrays (the
+(cufused's implicit GEMM or DFT engine forced where it takes the problem, or the autotuner's
+choice) and the clamp bounds (infinite ones among them). The call runs three times on CuPy
+float32 copies (a first call and two warm ones, which the whole-call graphs may capture and
+replay), and every result is compared with the same public function on the float64 NumPy arrays (the
 reference path): relative norm error under 5e-3 for ``"tf32"`` (2e-2 with an offset input),
 1e-4 for ``"ieee"`` and ``"3xtf32"`` (3e-4 with an offset input). A draw that the functions
 reject (``ValueError``) is skipped. Each failure prints its case; the exit status is 1 if
@@ -253,7 +254,7 @@ def run_case(rng, name: str, *, nonfinite: bool = False,
     offset = float(rng.choice([0.0, 0.0, 5.0]))
     args = (args[0] + offset,) + args[1:]
     precision = str(rng.choice(["ieee", "tf32", "3xtf32"]))
-    engine = str(rng.choice(["igemm", "auto"]))
+    engine = str(rng.choice(["igemm", "fft", "auto"]))
     planted = None
     if nonfinite:
         args, options, planted = _plant(rng, args, options)
@@ -284,7 +285,7 @@ def run_case(rng, name: str, *, nonfinite: bool = False,
     gpu_options = {k: _to_gpu(v) for k, v in options.items()}
     ignore = _float32_underflow(name, args, options) if nonfinite else None
     with plan_options(engine=engine):
-        for _ in range(2):
+        for _ in range(3):
             out = fn(*gpu_args, **gpu_options, precision=precision)
             errors.append((_placement_error(out.get(), ref, ignore, floor=SCALE_FLOOR[name])
                            if nonfinite
