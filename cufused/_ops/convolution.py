@@ -182,10 +182,10 @@ def _igemm_route(x, weight, args: ConvArgs, precision: str, bias,
 
 
 def _caller_capturing() -> bool:
-    """Whether the caller is capturing the current stream into a CUDA graph, where the DFT
-    engine's cuBLAS products cannot run (no cuBLAS handle can be moved onto a stream already
-    captured: :mod:`cufused._blas`): the call runs on cuDNN there. cufused's own captures
-    (``_call_graphs``, ``prepare``) put its handle on their stream before they begin."""
+    """Whether the caller is capturing the current stream into a CUDA graph, where the call
+    runs on cuDNN instead of the DFT engine: cufused moves its cuBLAS handle onto a stream
+    only before a capture of its own begins (``_call_graphs``, ``prepare``; :mod:`cufused._blas`),
+    which also keeps cuBLAS's memory nodes out of the caller's graph."""
     import cupy
 
     from .._capture import in_own_capture

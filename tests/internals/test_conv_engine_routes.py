@@ -55,7 +55,8 @@ def test_other_engines_build_no_extra_plan(monkeypatch):
 def test_own_engine_routes(monkeypatch, batch_statistics, settled, capturing):
     # The DFT engine is a candidate only for a convolution feeding batch statistics; the
     # settled engine's key names the candidates; inside a caller's capture the DFT engine
-    # gives way to cuDNN (CuPy's cuBLAS calls refuse capture), the implicit GEMM does not.
+    # gives way to cuDNN (cufused's cuBLAS handle joins only its own captures), the implicit
+    # GEMM does not.
     args = cached_conv_args((2, 3, 6, 6), (3, 4, 3, 3), 2, transposed=True, stride=1,
                             padding=1, output_padding=0, groups=1)
     x, w = np.ones((2, 3, 6, 6), np.float32), np.ones((3, 4, 3, 3), np.float32)

@@ -261,7 +261,7 @@ def test_pipeline_b_dft_convolution_in_a_captured_graph(rng, monkeypatch, replay
     # (cufused's own cuBLAS handle, put on the capture's stream before the capture begins):
     # the first call runs directly, the second is captured, the later ones launch the graph,
     # which computes new input values. Inside the caller's capture the call records cuDNN's
-    # convolution instead (no handle can be moved onto a stream already captured). Without
+    # convolution instead (the handle joins only cufused's own captures). Without
     # graph replay every call runs directly, and the caller's capture takes cuDNN alike.
     from cufused._kernels import fft_conv
 
@@ -305,7 +305,11 @@ def test_pipeline_b_dft_convolution_in_a_captured_graph(rng, monkeypatch, replay
 
 def test_prepared_pipeline_b_replays_the_dft_convolution(rng, monkeypatch):
     # prepare captures the DFT engine's call, cuBLAS products included: replays compute new
-    # input values without calling the engine's launcher again.
+    # input values without calling the engine's launcher again. In a thread that has run no
+    # cuBLAS call of cufused's, whose first call replays the graph the main thread cached,
+    # the capture creates the thread's handle before it begins.
+    import threading
+
     from cufused._kernels import fft_conv
 
     calls = count_calls(monkeypatch, fft_conv, "conv_transpose2d_fft")
@@ -314,18 +318,39 @@ def test_prepared_pipeline_b_replays_the_dft_convolution(rng, monkeypatch):
     garrays = to_gpu(*arrays)
     ref = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(*arrays, **opts)
     out = poisoned(ref.shape)
+    pipeline = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm
     with plan_options(engine="fft"):
-        prepared = cufused.prepare(cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm,
-                                   *garrays, **opts, out=out)
-    assert prepared.result is out and calls == ["conv_transpose2d_fft"] * 2
-    new_x = rng.random(arrays[0].shape)
-    garrays[0][...] = cp.asarray(new_x, dtype=cp.float32)
-    out.fill(cp.nan)
-    assert prepared() is out
-    cp.cuda.get_current_stream().synchronize()
-    want = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(new_x, *arrays[1:], **opts)
+        prepared = cufused.prepare(pipeline, *garrays, **opts, out=out)
+        assert "CUDA graph" in repr(prepared) and prepared.result is out
+        assert calls == ["conv_transpose2d_fft"] * 2  # the first call and the capture
+        new_x = rng.random(arrays[0].shape)
+        garrays[0][...] = cp.asarray(new_x, dtype=cp.float32)
+        out.fill(cp.nan)
+        assert prepared() is out
+        cp.cuda.get_current_stream().synchronize()
+    want = pipeline(new_x, *arrays[1:], **opts)
     assert_close(out.get(), want, PIPELINE_TOL)
     assert len(calls) == 2
+    with plan_options(engine="fft"):
+        for _ in range(2):  # the key's graph cached: the thread's first call replays it
+            pipeline(*garrays, **opts, out=out)
+    cp.cuda.get_current_stream().synchronize()
+    del calls[:]
+    prepared_in_thread = []
+
+    def prepare_in_thread():
+        with plan_options(engine="fft"):
+            prepared_in_thread.append(cufused.prepare(pipeline, *garrays, **opts, out=out))
+
+    thread = threading.Thread(target=prepare_in_thread)
+    thread.start()
+    thread.join()
+    assert prepared_in_thread and "CUDA graph" in repr(prepared_in_thread[0])
+    assert calls == ["conv_transpose2d_fft"]  # the capture; the first call replayed
+    out.fill(cp.nan)
+    prepared_in_thread[0]()
+    cp.cuda.get_current_stream().synchronize()
+    assert_close(out.get(), want, PIPELINE_TOL)
 
 
 def test_blas_handle_follows_the_stream_and_refuses_a_foreign_capture():
