@@ -97,9 +97,9 @@ def prepare(function: Callable, *args: Any, **kwargs: Any) -> PreparedCall:
     kernels the graph reuses): that call writes ``out`` and, in pipeline B, updates the
     running buffers, as every later call does. The graph keeps its temporaries (the
     convolution output included) for as long as the prepared call lives. A call that cannot
-    be captured (a cuDNN engine that refuses graph capture), or whose
-    convolution the autotuner measured faster issued directly than replayed, is prepared
-    without a graph: each call then runs the function, as a call on NumPy arrays does.
+    be captured (a cuDNN engine that refuses graph capture), or whose convolution the
+    autotuner measured faster issued directly than replayed, is prepared without a graph:
+    each call then runs the function, as a call on NumPy arrays does.
 
     Parameters
     ----------
