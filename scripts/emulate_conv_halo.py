@@ -1,9 +1,9 @@
 """NumPy emulation of conv_gemm.cu's conv2d_halo: its tiles, halo and weight staging
 (optionally times a sign per output channel), offset table (for the compiled-in 3 x 3
 geometry, FixedHalo: each lane's halo column loaded once per kernel column, each tap's A
-fragments taken from it), m16n8k8 fragment layouts and output tile staged and stored by
-rows, with float64 MMAs, against the float64 reference (no GPU); and of
-conv2d_halo_pool_stats' epilogue (its schedule of segments, registers, shuffles and
+fragments taken from it), m16n8k8 fragment layouts and output tiles staged in groups of one
+or two (TileGroups) and stored by rows, with float64 MMAs, against the float64 reference (no
+GPU); and of conv2d_halo_pool_stats' epilogue (its schedule of segments, registers, shuffles and
 scratch, on accumulators of weights staged times the window sign) against its definition;
 and the weights as the wgmma build (sm_90a) stages them, read through its shared-memory
 descriptor, against the mma.sync build's. Run it after changing the kernels' index math
@@ -20,11 +20,10 @@ import sys
 import numpy as np
 
 from cufused import reference
-from cufused._kernels.conv_gemm import (_HALO_MAX, _HALO_OUT_STRIDE, _HALO_RC,
-                                        _POOL_SCRATCH_FLOATS, _TILE_K, fixed_ksize,
-                                        halo_channel_stride, halo_chunk, halo_row_stride,
-                                        halo_planes, halo_shared_bytes, sample_segments,
-                                        weight_planes)
+from cufused._kernels.conv_gemm import (_HALO_MAX, _HALO_RC, _POOL_SCRATCH_FLOATS, _TILE_K,
+                                        fixed_ksize, halo_channel_stride, halo_chunk,
+                                        halo_out_stride, halo_planes, halo_row_stride,
+                                        halo_shared_bytes, sample_segments, weight_planes)
 from cufused._kernels.conv_gemm import _HALO_TH as TH
 from cufused._kernels.conv_gemm import _HALO_TW as TW
 
@@ -40,6 +39,7 @@ CASES = [  # x shape, w shape, stride, padding, dilation
     ((1, 11, 9, 9), (9, 11, 5, 5), (1, 1), (2, 2), (1, 1)),   # 5 x 5: 6 chunks
     ((2, 3, 7, 6), (4, 3, 1, 1), (1, 1), (0, 0), (1, 1)),     # 1 x 1
     ((1, 19, 7, 35), (9, 19, 3, 3), (1, 1), (1, 1), (1, 1)),  # FixedHalo: 3 chunks, last 3 wide
+    ((2, 4, 6, 71), (5, 4, 3, 3), (1, 1), (0, 0), (1, 1)),    # 3 tiles a row: a pair, one alone
 ]
 
 
@@ -153,10 +153,11 @@ def warp_steps(acc, halo, wt, roff, warp, sh, sw, rstride, extent):
             mma(acc[i], a, b)
 
 
-def stage_tile(acc, bias, k0, k_total):
-    """conv2d_halo's staged tile (each_output): every warp's fragment elements (+ bias) at
-    staged[(k - k0) * HALO_OUT_STRIDE + row * TW + column], NaN where nothing is staged."""
-    staged = np.full(BN * _HALO_OUT_STRIDE, np.nan)
+def stage_tile(staged, acc, bias, k0, k_total, span, part):
+    """conv2d_halo's staged tile (each_output), tile ``part`` of a group of ``span``: every
+    warp's fragment elements (+ bias) at staged[(k - k0) * halo_out_stride(span) + row * span
+    TW + part * TW + column]."""
+    stride = halo_out_stride(span)
     for warp in range(8):
         warp_col, warp_k = (warp & 3) * 8, (warp >> 2) * 32
         for lane in range(32):
@@ -169,20 +170,22 @@ def stage_tile(acc, bias, k0, k_total):
                         for half in range(2):
                             r = i * 16 + GID[lane] + half * 8
                             v = acc[warp][i, j, lane, half * 2 + e]
-                            at = (k - k0) * _HALO_OUT_STRIDE + (r >> 3) * TW + warp_col + (r & 7)
-                            staged[at] = v + (0.0 if bias is None else bias[k])
-    return staged
+                            at = (r >> 3) * span * TW + part * TW + warp_col + (r & 7)
+                            assert at < stride
+                            staged[(k - k0) * stride + at] = v + (0.0 if bias is None
+                                                                  else bias[k])
 
 
-def store_staged_rows(y, staged, n, k0, p0, q0, v):
-    """store_staged_rows<V>: thread tid keeps one row and column of the staged tile and
-    steps over its channels, V values a store, into y[n, k0 + channel, p0 + row, q0 + column]
-    (rows and columns past the output's skipped)."""
+def store_staged_rows(y, staged, n, k0, p0, q0, v, span):
+    """store_staged_rows<V, span TW>: thread tid keeps one row and column of the staged
+    group of tiles and steps over its channels, V values a store, into y[n, k0 + channel, p0
+    + row, q0 + column] (rows and columns past the output's skipped)."""
     _, k_total, p_total, q_total = y.shape
     flat = y.reshape(-1)  # a view: y is contiguous
     yt = ((n * k_total + k0) * p_total + p0) * q_total + q0
     kn, p_left, q_left = min(BN, k_total - k0), p_total - p0, q_total - q0
-    row_lanes = TW // v
+    width, stride = span * TW, halo_out_stride(span)
+    row_lanes = width // v
     kstep = THREADS // row_lanes // TH
     for tid in range(THREADS):
         slot = tid // row_lanes
@@ -192,14 +195,14 @@ def store_staged_rows(y, staged, n, k0, p0, q0, v):
         for t in range(BN // kstep):
             kl = kl0 + t * kstep
             if kl < kn:
-                src = kl * _HALO_OUT_STRIDE + row * TW + col
+                src = kl * stride + row * width + col
                 dst = yt + (kl * p_total + row) * q_total + col
                 flat[dst:dst + v] = staged[src:src + v]
 
 
-def emulate(x, w, bias, stride, padding, dilation, grid_x=7, sign=None):
-    """conv2d_halo's result, every block, warp and lane emulated (blocks loop over tiles);
-    with ``sign`` (+-1 per output channel) the weights staged times it, as
+def emulate(x, w, bias, stride, padding, dilation, grid_x=7, sign=None, span=2):
+    """conv2d_halo's result, every block, warp and lane emulated (blocks loop over groups of
+    ``span`` tiles); with ``sign`` (+-1 per output channel) the weights staged times it, as
     conv2d_halo_pool_stats stages them (the result is then sign * conv + bias)."""
     n_total, c_total, height, width = x.shape
     k_total, _, kh, kw = w.shape
@@ -211,30 +214,42 @@ def emulate(x, w, bias, stride, padding, dilation, grid_x=7, sign=None):
     assert cc >= 1
     y = np.full((n_total, k_total, p_total, q_total), np.nan)
     tiles_w = -(-q_total // TW)
-    tiles = -(-p_total // TH) * tiles_w
+    groups_w = -(-tiles_w // span)
+    groups = -(-p_total // TH) * groups_w
     wflat = w.reshape(k_total, -1) * (1.0 if sign is None else sign[:, None])
+    # TileGroups: block b takes groups b, b + grid_x, ... of the N * groups, the tiles of a
+    # group (span neighbours along a tile row; a row's last group shorter) in turn.
+    schedule = [(group, tc) for block in range(min(grid_x, n_total * groups))
+                for group in range(block, n_total * groups, grid_x)
+                for tc in range(span * (group % groups % groups_w),
+                                min(span * (group % groups % groups_w + 1), tiles_w))]
+    stride_out = halo_out_stride(span)
     for k0 in range(0, k_total, BN):
-        for block in range(min(grid_x, n_total * tiles)):
-            for tile in range(block, n_total * tiles, grid_x):
-                n, t = divmod(tile, tiles)
-                p0, q0 = (t // tiles_w) * TH, (t % tiles_w) * TW
-                geometry = (p0 * sh - ph, q0 * sw - pw, hr, hc, kh, kw, dh, dw)
-                acc = np.zeros((8, 2, 4, 32, 4))
-                for c0 in range(0, c_total, cc):
-                    ccn = cc if fixed else min(cc, c_total - c0)
-                    halo, wt, roff, lanes = stage_chunk(x, wflat, n, c0, ccn, k0, geometry,
-                                                        fixed)
-                    cstride = halo_channel_stride(hr, hc, kh if fixed else 0)
-                    rstride = halo_row_stride(hc, kh if fixed else 0)
-                    for warp in range(8):
-                        if fixed:
-                            fixed_warp_steps(acc[warp], halo, lanes, warp, rstride, cstride,
-                                             hr, kh, ccn * cstride)
-                        else:
-                            warp_steps(acc[warp], halo, wt, roff, warp, sh, sw, rstride,
-                                       ccn * cstride)
-                staged = stage_tile(acc, bias, k0, k_total)
-                store_staged_rows(y, staged, n, k0, p0, q0, 2 if q_total % 2 == 0 else 1)
+        for group, tc in schedule:
+            part = tc % span
+            if part == 0:  # a group's first tile: NaN where nothing is staged
+                staged = np.full(BN * stride_out, np.nan)
+            n = group // groups
+            p0, q0 = (group % groups // groups_w) * TH, tc * TW
+            geometry = (p0 * sh - ph, q0 * sw - pw, hr, hc, kh, kw, dh, dw)
+            acc = np.zeros((8, 2, 4, 32, 4))
+            for c0 in range(0, c_total, cc):
+                ccn = cc if fixed else min(cc, c_total - c0)
+                halo, wt, roff, lanes = stage_chunk(x, wflat, n, c0, ccn, k0, geometry,
+                                                    fixed)
+                cstride = halo_channel_stride(hr, hc, kh if fixed else 0)
+                rstride = halo_row_stride(hc, kh if fixed else 0)
+                for warp in range(8):
+                    if fixed:
+                        fixed_warp_steps(acc[warp], halo, lanes, warp, rstride, cstride,
+                                         hr, kh, ccn * cstride)
+                    else:
+                        warp_steps(acc[warp], halo, wt, roff, warp, sh, sw, rstride,
+                                   ccn * cstride)
+            stage_tile(staged, acc, bias, k0, k_total, span, part)
+            if part + 1 == span or tc + 1 == tiles_w:
+                store_staged_rows(y, staged, n, k0, p0, q0 - part * TW,
+                                  2 if q_total % 2 == 0 else 1, span)
     return y
 
 
@@ -421,8 +436,10 @@ def check_shared_layout() -> bool:
             # halo_scratch: after the weights' and both halo buffers' planes.
             start = (wplanes * _HALO_RC * (_TILE_K + 8) + _HALO_RC + 2 * planes * hsize + 3) & ~3
             for pool in (0, 2, 4):
-                end = start + (_POOL_SCRATCH_FLOATS if pool else _TILE_K * _HALO_OUT_STRIDE)
-                ok &= 4 * end <= halo_shared_bytes(cc, hr, hc, ksize, passes, pool)
+                for span in (1, 2) if pool == 0 else (1,):
+                    end = start + (_POOL_SCRATCH_FLOATS if pool
+                                   else _TILE_K * halo_out_stride(span))
+                    ok &= 4 * end <= halo_shared_bytes(cc, hr, hc, ksize, passes, pool, span)
             if ksize:
                 rstride = halo_row_stride(hc, ksize)
                 last = (cc - 1) * halo_channel_stride(hr, hc, ksize) + (hr - 1) * rstride + rstride
@@ -480,12 +497,15 @@ def main() -> int:
     for xs, ws, stride, padding, dilation in CASES:
         x, w, b = rng.standard_normal(xs), rng.standard_normal(ws), rng.standard_normal(ws[0])
         ref = reference.conv(x, w, b, stride, padding, dilation, 1)
-        got = emulate(x, w, b, stride, padding, dilation)
-        err = float(np.abs(got - ref).max()) if not np.isnan(got).any() else float("inf")
-        worst = max(worst, err)
+        errs = []
+        for span in (2, 1):  # tiles stored in pairs, or one at a time
+            got = emulate(x, w, b, stride, padding, dilation, span=span)
+            errs.append(float(np.abs(got - ref).max()) if not np.isnan(got).any()
+                        else float("inf"))
+        worst = max([worst] + errs)
         print(f"x {xs} w {ws} stride {stride} padding {padding} dilation {dilation} "
               f"(cc, hr, hc) {halo_chunk(xs[1], ws[2:], stride, dilation, 1, wgmma=True)}: "
-              f"max error {err:.1e}")
+              f"max error (tiles in pairs, alone) {errs[0]:.1e} {errs[1]:.1e}")
     worst = max(worst, check_pool_stats(rng))
     if not check_shared_layout() or not check_wgmma_weights(rng):
         return 1

@@ -344,7 +344,7 @@ conv2d_igemm(const float* __restrict__ x, const float* __restrict__ w,
 // value's offset in the halo (-1 for the rounding: those fragment values are 0, not a halo
 // value, which may be infinite). A fragment value is then one shared load at the pixel's
 // offset plus the reduction value's. With one chunk (C * kh * kw <= HALO_RC) the weights are
-// staged once per block; blocks loop over tiles (a schedule: GridStride over N * tiles, or
+// staged once per block; blocks loop over tiles (a schedule: TileGroups over N * tiles, or
 // SampleSegments), the next stage's halo copied (cp.async) while this one's MMAs run.
 //
 // Grid (blocks, ceil(K / 64)), block 256, dynamic shared memory as halo_shared lays it out.
@@ -497,23 +497,40 @@ struct TilePos {
 // block's first and next tile, false past the last; next steps without a division within a
 // run.
 //
-// GridStride: tiles blockIdx.x, + gridDim.x, ... of all N * tiles, each its own run.
-struct GridStride {
-    int tiles, tiles_w;
-    long long all;
+// TileGroups: the tiles (4 x 32 pixels of P x Q a sample, N samples) in groups of `span` (1
+// or 2) neighbours along a tile row (tc = span * j .. span * j + span - 1; a row's last group
+// shorter where span does not divide the row's tiles), groups blockIdx.x, + gridDim.x, ... of
+// all N * groups, a block taking the tiles of its group one after the other, each tile its
+// own run. It keeps the kernel's arguments only (constant memory, no registers through the
+// MMAs) and derives the rest where it steps to a new group.
+struct TileGroups {
+    int span, N, P, Q;
     __device__ bool at(long long index, TilePos& pos) const {
-        if (index >= all) return false;
-        pos.n = (int)(index / tiles);
-        pos.t = (int)(index - (long long)pos.n * tiles);
-        pos.tr = pos.t / tiles_w;
-        pos.tc = pos.t - pos.tr * tiles_w;
+        const int tiles_w = (Q + HALO_TW - 1) / HALO_TW;
+        const int groups_w = (tiles_w + span - 1) / span;
+        const int groups = ((P + HALO_TH - 1) / HALO_TH) * groups_w;
+        if (index >= (long long)N * groups) return false;
+        pos.n = (int)(index / groups);
+        const int group = (int)(index - (long long)pos.n * groups);
+        pos.tr = group / groups_w;
+        pos.tc = span * (group - pos.tr * groups_w);
+        pos.t = pos.tr * tiles_w + pos.tc;
         pos.run = 0;
         pos.end = pos.t + 1;
         return true;
     }
     __device__ bool first(TilePos& pos) const { return at(blockIdx.x, pos); }
     __device__ bool next(TilePos& pos) const {
-        return at((long long)pos.n * tiles + pos.t + gridDim.x, pos);
+        if (((pos.tc + 1) & (span - 1)) != 0 && (pos.tc + 1) * HALO_TW < Q) {
+            ++pos.tc;
+            pos.end = ++pos.t + 1;
+            return true;
+        }
+        // The group's index: (n, tr) and tc / span.
+        const int groups_w = ((Q + HALO_TW - 1) / HALO_TW + span - 1) / span;
+        const long long group = ((long long)pos.n * ((P + HALO_TH - 1) / HALO_TH) + pos.tr)
+                                * groups_w + pos.tc / span;
+        return at(group + gridDim.x, pos);
     }
 };
 
@@ -550,7 +567,7 @@ struct SampleSegments {
 };
 
 // The tiles of a conv2d_halo-style kernel: each block visits its tiles in the order of
-// `schedule` (GridStride, SampleSegments), computes a tile's 4 x 32 pixels x 64 channels into
+// `schedule` (TileGroups, SampleSegments), computes a tile's 4 x 32 pixels x 64 channels into
 // acc and calls epilogue(pos, acc) (TilePos; the tile's first pixel is row pos.tr * HALO_TH,
 // column pos.tc * HALO_TW); every thread calls it (it may hold barriers; between two calls
 // every thread passes at least one barrier here).
@@ -946,78 +963,103 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
     }
 }
 
-// conv2d_halo stages its output tile in the scratch, HALO_OUT_STRIDE floats per channel
-// (2 * 132 = 8 mod 32: the accumulators' four tig lanes write distinct banks).
-#define HALO_OUT_STRIDE 132
+// conv2d_halo stages a group of `span` tiles (TileGroups; 2 where the shared memory holds
+// them, else 1) in the scratch, 4 rows x 32 span columns in 4 * 32 span + 4 floats per
+// channel (2 * 260 and 2 * 132 = 8 mod 32: the accumulators' four tig lanes write distinct
+// banks), and stores the group's columns together: with two tiles each warp store covers
+// 256 contiguous bytes of an output row, and the DRAM writes of 128-byte halves of such
+// spans, each half at its own time, run at about 60 % of the rate of whole spans (design
+// note).
+__device__ __forceinline__ constexpr int halo_out_stride(int span) {
+    return HALO_TH * HALO_TW * span + 4;
+}
 
-// The staged tile's kn channels x HALO_TH rows x HALO_TW columns into yt (the tile's first
-// output; P, Q the output's rows and columns, rows and columns past p_left, q_left skipped),
-// V floats a store (V = 2 needs every output row 8-byte aligned). HALO_TW / V lanes write
-// one tile row; the block's threads cover STEP consecutive rows of the (channel, row) order,
-// a multiple of HALO_TH, so a thread keeps its row and column and steps over the channels:
-// one shared load and one global store per step.
-template <int V>
+// The staged group's kn channels x HALO_TH rows x WIDTH columns into yt (the group's first
+// output; P, Q the output's rows and columns, rows and columns past p_left, q_left
+// skipped), V floats a store (V = 2 needs every output row 8-byte aligned). WIDTH / V lanes
+// write one row; the block's threads cover STEP consecutive rows of the (channel, row)
+// order, a multiple of HALO_TH, so a thread keeps its row and column and steps over the
+// channels: one shared load and one global store per step.
+template <int V, int WIDTH>
 __device__ __forceinline__ void store_staged_rows(const float* staged, float* yt, int kn,
                                                   int p_left, int q_left, int P, int Q) {
     using Vec = typename FloatVec<V>::type;
-    constexpr int ROW_LANES = HALO_TW / V;
+    constexpr int ROW_LANES = WIDTH / V;
     constexpr int STEP = CONV_THREADS / ROW_LANES;
     constexpr int KSTEP = STEP / HALO_TH;
+    constexpr int STRIDE = halo_out_stride(WIDTH / HALO_TW);
     static_assert(STEP % HALO_TH == 0 && CONV_BN % KSTEP == 0, "a thread keeps its row");
     const int slot = threadIdx.x / ROW_LANES;
     const int row = slot % HALO_TH, kl0 = slot / HALO_TH;
     const int col = V * (threadIdx.x % ROW_LANES);
     if (row >= p_left || col >= q_left) return;
-    const float* src = staged + kl0 * HALO_OUT_STRIDE + row * HALO_TW + col;
+    const float* src = staged + kl0 * STRIDE + row * WIDTH + col;
     float* dst = yt + ((long long)kl0 * P + row) * Q + col;
     const long long plane = (long long)KSTEP * P * Q;
-#pragma unroll
+#pragma unroll 8
     for (int t = 0; t < CONV_BN / KSTEP; ++t, dst += plane) {
         if (kl0 + t * KSTEP < kn)
-            *reinterpret_cast<Vec*>(dst) =
-                *reinterpret_cast<const Vec*>(src + t * KSTEP * HALO_OUT_STRIDE);
+            *reinterpret_cast<Vec*>(dst) = *reinterpret_cast<const Vec*>(src + t * KSTEP * STRIDE);
     }
 }
 
+// span: the tiles a block stages and stores together (1 or 2; the scratch holds
+// halo_out_stride(span) floats per channel).
 template <int PASSES, int KSIZE>
 __global__ void __launch_bounds__(CONV_THREADS, halo_blocks_per_sm<PASSES, KSIZE, false>())
 conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
             const float* __restrict__ bias, float* __restrict__ y, int N, int C, int H, int W,
             int K, int kh, int kw, int P, int Q, int sh, int sw, int ph, int pw, int dh, int dw,
-            int cc, int hr, int hc) {
+            int cc, int hr, int hc, int span) {
     extern __shared__ float smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, tig = lane & 3;
     const int warp_col = (warp & 3) * 8, warp_k = (warp >> 2) * 32;
     const int k0 = blockIdx.y * CONV_BN;
     const int hsize = halo_floats<KSIZE>(cc, hr, hc);
-    float* staged = halo_scratch<PASSES, KSIZE>(smem, hsize);  // [channel][row * HALO_TW + column]
+    // [channel][row * group width + column of the group]
+    float* staged = halo_scratch<PASSES, KSIZE>(smem, hsize);
     const int kn = min(CONV_BN, K - k0);
     // Loaded once: 3xTF32's one block per multiprocessor does not hide a load per tile.
     const ChannelBias tile_bias = channel_bias(bias, k0 + warp_k, tig, K);
     const bool pairs = (Q & 1) == 0 && (reinterpret_cast<unsigned long long>(y) & 7) == 0;
-    // The tile goes through shared memory: a warp's accumulators span 8 columns of 4
+    // The tiles go through shared memory: a warp's accumulators span 8 columns of 4
     // channels, so stored directly each instruction would touch 4 output rows; staged, a warp
-    // writes whole rows of the tile (float2 where every row starts 8-byte aligned: Q even).
+    // writes whole rows of the group (float2 where every row starts 8-byte aligned: Q even).
+    // A group's tiles but its last stage their part and return; its last stores them all
+    // (TileGroups: one block takes them one after the other, with barriers between the
+    // epilogues).
+    // The group's geometry comes from the arguments where used (no registers held through
+    // the MMAs).
     auto store = [&](const TilePos& pos, const float (&acc)[2][4][4]) {
-        const int p0 = pos.tr * HALO_TH, q0 = pos.tc * HALO_TW;
+        const int part = pos.tc & (span - 1), width = span * HALO_TW;
+        const int stride = halo_out_stride(span);
         // Fragment row r of the warp's 32 is pixel (row r / 8, column warp_col + r % 8).
         each_output(acc, gid, tig, k0 + warp_k, K, tile_bias, [&](int r, int k, float v) {
-            staged[(k - k0) * HALO_OUT_STRIDE + (r >> 3) * HALO_TW + warp_col + (r & 7)] = v;
+            staged[(k - k0) * stride + (r >> 3) * width + part * HALO_TW + warp_col + (r & 7)]
+                = v;
         });
+        if (part + 1 < span && (pos.tc + 1) * HALO_TW < Q) return;
         __syncthreads();
+        const int p0 = pos.tr * HALO_TH, q0 = (pos.tc - part) * HALO_TW;
         float* yt = y + (((long long)pos.n * K + k0) * P + p0) * Q + q0;
-        if (pairs)
-            store_staged_rows<2>(staged, yt, kn, P - p0, Q - q0, P, Q);
+        auto rows = [&](auto vec, auto group) {
+            store_staged_rows<decltype(vec)::value, decltype(group)::value>(
+                staged, yt, kn, P - p0, Q - q0, P, Q);
+        };
+        if (span == 2 && pairs)
+            rows(Flag<2>{}, Flag<2 * HALO_TW>{});
+        else if (span == 2)
+            rows(Flag<1>{}, Flag<2 * HALO_TW>{});
+        else if (pairs)
+            rows(Flag<2>{}, Flag<HALO_TW>{});
         else
-            store_staged_rows<1>(staged, yt, kn, P - p0, Q - q0, P, Q);
+            rows(Flag<1>{}, Flag<HALO_TW>{});
     };
-    const int tiles_w = (Q + HALO_TW - 1) / HALO_TW;
-    const int tiles = ((P + HALO_TH - 1) / HALO_TH) * tiles_w;
     halo_tiles<PASSES, KSIZE, halo_blocks_per_sm<PASSES, KSIZE, false>()>(
         x, w, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
-        halo_shared<PASSES, KSIZE>(smem, hsize), GridStride{tiles, tiles_w, (long long)N * tiles},
-        store, [](int) { return 1.0f; });
+        halo_shared<PASSES, KSIZE>(smem, hsize), TileGroups{span, N, P, Q}, store,
+        [](int) { return 1.0f; });
 }
 
 // Pipeline A's convolution with the fused pass of pool_extremum_stats (pooling.cu) as its

@@ -18,7 +18,6 @@ _HALO_TH, _HALO_TW, _HALO_RC, _HALO_MAX = 4, 32, 72, 4800
 _HALO_BLOCKS_PER_SM = 2  # HALO_BLOCKS_PER_SM: the grid's blocks per multiprocessor
 # POOL_SCRATCH_FLOATS: per channel 4 floats, per warp column and channel 2.
 _POOL_SCRATCH_FLOATS = 4 * _TILE_K + 2 * 4 * _TILE_K
-_HALO_OUT_STRIDE = 132  # HALO_OUT_STRIDE: floats per channel of conv2d_halo's staged tile
 _FIXED_KSIZE, _FIXED_CC = 3, 8  # FixedHalo's instantiation and its channels per chunk
 
 
@@ -81,19 +80,25 @@ def weight_planes(passes: int, ksize: int) -> int:
     return 3 if halo_planes(passes, ksize) == 2 else 1
 
 
+def halo_out_stride(span: int) -> int:
+    """Floats per channel of ``conv2d_halo``'s staged group of ``span`` tiles
+    (``halo_out_stride``)."""
+    return _HALO_TH * _HALO_TW * span + 4
+
+
 def halo_shared_bytes(cc: int, hr: int, hc: int, ksize: int, passes: int,
-                      pool: int = 0) -> int:
+                      pool: int = 0, span: int = 1) -> int:
     """Dynamic shared memory of a halo kernel (``halo_shared`` in conv_gemm.cu): the staged
     weights' planes and their halo offsets, two halo buffers of ``cc`` channels in their
-    planes and the epilogue's scratch: the pooling epilogue's (``pool`` > 0) or the output
-    tile ``conv2d_halo`` stages."""
+    planes and the epilogue's scratch: the pooling epilogue's (``pool`` > 0) or the group of
+    ``span`` output tiles ``conv2d_halo`` stages."""
     floats = (weight_planes(passes, ksize) * _HALO_RC * (_TILE_K + 8) + _HALO_RC
               + 2 * halo_planes(passes, ksize) * cc * halo_channel_stride(hr, hc, ksize))
     floats = -(-floats // 4) * 4  # the scratch starts 16-byte aligned (halo_scratch)
     if pool:
         floats += _POOL_SCRATCH_FLOATS
     else:
-        floats += _TILE_K * _HALO_OUT_STRIDE
+        floats += _TILE_K * halo_out_stride(span)
     return 4 * floats
 
 
@@ -161,11 +166,14 @@ def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tup
     halo = halo_geometry(c, (kh, kw), stride, dilation, passes)
     if halo is not None:
         cc, hr, hc, ksize, shared = halo
-        tiles = n * -(-p // _HALO_TH) * -(-q // _HALO_TW)
-        blocks = min(tiles, sm_count() * _HALO_BLOCKS_PER_SM)
+        # Two tiles staged and stored together where the shared memory holds them (TileGroups).
+        paired = halo_shared_bytes(cc, hr, hc, ksize, passes, span=2)
+        span, shared = (2, paired) if paired <= shared_per_block() else (1, shared)
+        groups = n * -(-p // _HALO_TH) * -(-q // (span * _HALO_TW))
+        blocks = min(groups, sm_count() * _HALO_BLOCKS_PER_SM)
         get_kernel(_FILE, f"conv2d_halo<{passes}, {ksize}>", shared_bytes=shared)(
-            (blocks, -(-k // _TILE_K)), (_THREADS,), geometry + (i32(cc), i32(hr), i32(hc)),
-            shared_mem=shared)
+            (blocks, -(-k // _TILE_K)), (_THREADS,),
+            geometry + (i32(cc), i32(hr), i32(hc), i32(span)), shared_mem=shared)
         return
     get_kernel(_FILE, f"conv2d_igemm<{passes}>")(
         (-(-rows // _TILE_M), -(-k // _TILE_K)), (_THREADS,), geometry)

@@ -659,15 +659,24 @@ def test_conv_gemm_launchers(launches, monkeypatch):
     halo = [launch for launch in launches if launch.name.startswith("conv2d_halo<")]
     # 2 samples x 5 x 1 tiles of 4 x 32 pixels: a block per tile (fewer tiles than 2 blocks
     # per multiprocessor); the 8 input channels in one chunk, halos of 6 x 34 (stride 1) and
-    # 9 x 34 (stride 2: 2 samples x 3 tiles).
-    assert {(launch.grid, launch.args[-3:]) for launch in halo} == {((10, 1), (8, 6, 34)),
-                                                                   ((6, 1), (8, 9, 34))}
+    # 9 x 34 (stride 2: 2 samples x 3 tiles); the tiles staged and stored in pairs.
+    assert {(launch.grid, launch.args[-4:]) for launch in halo} == {((10, 1), (8, 6, 34, 2)),
+                                                                   ((6, 1), (8, 9, 34, 2))}
+    # 3 tiles a row (70 columns): 2 groups a row (a pair, the last tile alone), 2 x 5 x 2
+    # blocks; the scratch holds a pair.
+    for passes in (1, 3):
+        conv.conv2d_implicit_gemm(Dev((2, 8, 20, 72)), Dev((64, 8, 3, 3)), None,
+                                  Dev((2, 64, 18, 70)), stride=(1, 1), padding=(0, 0),
+                                  dilation=(1, 1), passes=passes)
+        assert launches[-1].grid == (20, 1) and launches[-1].args[-1] == 2
+        assert launches[-1].shared_mem == conv.halo_shared_bytes(8, 6, 34, 3, passes, span=2)
 
 
 def test_halo_kernels_within_the_devices_shared_memory(launches, monkeypatch):
     # Where a block may have 99 KB (compute capability 8.6, 8.9, 12.0), 3xTF32's 3 x 3
     # convolution (three weight planes, two halo planes and the output tile) goes to the
-    # gathering kernel; its TF32 one and the pooling epilogues in either precision fit.
+    # gathering kernel; its TF32 one (its tiles staged one at a time) and the pooling
+    # epilogues in either precision fit.
     conv = LAUNCHERS["conv_gemm.cu"]
     monkeypatch.setattr(conv, "sm_count", lambda: 132)
     monkeypatch.setattr(conv, "shared_per_block", lambda: 99 * 1024)
@@ -676,6 +685,8 @@ def test_halo_kernels_within_the_devices_shared_memory(launches, monkeypatch):
         conv.conv2d_implicit_gemm(x, w, None, Dev((2, 64, 18, 16)), stride=(1, 1),
                                   padding=(0, 0), dilation=(1, 1), passes=passes)
         assert launches[-1].name == kernel
+        if passes == 1:  # one tile staged at a time: a pair's scratch does not fit
+            assert launches[-1].args[-1] == 1 and launches[-1].shared_mem <= 99 * 1024
         for pool in (2, 4):
             conv.conv2d_pool_stats(FakeXp, x, w, None, Dev((2, 64, 18 // pool, 16 // pool)),
                                    sign_a=None, sign_b=None, stride=(1, 1), padding=(0, 0),
