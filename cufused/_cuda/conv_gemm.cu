@@ -497,39 +497,38 @@ struct TilePos {
 // block's first and next tile, false past the last; next steps without a division within a
 // run.
 //
-// TileGroups: the tiles (4 x 32 pixels of P x Q a sample, N samples) in groups of `span` (1
-// or 2) neighbours along a tile row (tc = span * j .. span * j + span - 1; a row's last group
-// shorter where span does not divide the row's tiles), groups blockIdx.x, + gridDim.x, ... of
-// all N * groups, a block taking the tiles of its group one after the other, each tile its
-// own run. It keeps the kernel's arguments only (constant memory, no registers through the
-// MMAs) and derives the rest where it steps to a new group.
+// TileGroups<SPAN>: the tiles (4 x 32 pixels of P x Q a sample, N samples) in groups of
+// SPAN (1 or 2) neighbours along a tile row (tc = SPAN * j .. SPAN * j + SPAN - 1; a row's
+// last group shorter where SPAN does not divide the row's tiles), groups blockIdx.x, +
+// gridDim.x, ... of all N * groups, a block taking the tiles of its group one after the
+// other, each tile its own run. It keeps the kernel's arguments only (constant memory, no
+// registers through the MMAs) and derives the rest where it steps to a new group.
+template <int SPAN>
 struct TileGroups {
-    int span, N, P, Q;
+    int N, P, Q;
+    __device__ int groups_w() const { return ((Q + HALO_TW - 1) / HALO_TW + SPAN - 1) / SPAN; }
     __device__ bool at(long long index, TilePos& pos) const {
-        const int tiles_w = (Q + HALO_TW - 1) / HALO_TW;
-        const int groups_w = (tiles_w + span - 1) / span;
-        const int groups = ((P + HALO_TH - 1) / HALO_TH) * groups_w;
+        const int per_row = groups_w();
+        const int groups = ((P + HALO_TH - 1) / HALO_TH) * per_row;
         if (index >= (long long)N * groups) return false;
         pos.n = (int)(index / groups);
         const int group = (int)(index - (long long)pos.n * groups);
-        pos.tr = group / groups_w;
-        pos.tc = span * (group - pos.tr * groups_w);
-        pos.t = pos.tr * tiles_w + pos.tc;
+        pos.tr = group / per_row;
+        pos.tc = SPAN * (group - pos.tr * per_row);
+        pos.t = pos.tr * ((Q + HALO_TW - 1) / HALO_TW) + pos.tc;
         pos.run = 0;
         pos.end = pos.t + 1;
         return true;
     }
     __device__ bool first(TilePos& pos) const { return at(blockIdx.x, pos); }
     __device__ bool next(TilePos& pos) const {
-        if (((pos.tc + 1) & (span - 1)) != 0 && (pos.tc + 1) * HALO_TW < Q) {
+        if ((pos.tc + 1) % SPAN != 0 && (pos.tc + 1) * HALO_TW < Q) {
             ++pos.tc;
             pos.end = ++pos.t + 1;
             return true;
         }
-        // The group's index: (n, tr) and tc / span.
-        const int groups_w = ((Q + HALO_TW - 1) / HALO_TW + span - 1) / span;
         const long long group = ((long long)pos.n * ((P + HALO_TH - 1) / HALO_TH) + pos.tr)
-                                * groups_w + pos.tc / span;
+                                * groups_w() + pos.tc / SPAN;
         return at(group + gridDim.x, pos);
     }
 };
@@ -963,14 +962,14 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
     }
 }
 
-// conv2d_halo stages a group of `span` tiles (TileGroups; 2 where the shared memory holds
-// them, else 1) in the scratch, 4 rows x 32 span columns in 4 * 32 span + 4 floats per
-// channel (2 * 260 and 2 * 132 = 8 mod 32: the accumulators' four tig lanes write distinct
-// banks), and stores the group's columns together: with two tiles each warp store covers
-// 256 contiguous bytes of an output row, and the DRAM writes of 128-byte halves of such
-// spans, each half at its own time, run at about 60 % of the rate of whole spans (design
-// note).
-__device__ __forceinline__ constexpr int halo_out_stride(int span) {
+// conv2d_halo<PASSES, KSIZE, SPAN> stages a group of SPAN tiles (TileGroups; 2 where the
+// shared memory holds them, else 1) in the scratch, 4 rows x 32 SPAN columns in
+// halo_out_stride(SPAN) = 4 * 32 SPAN + 4 floats per channel (2 * 260 and 2 * 132 = 8 mod
+// 32: the accumulators' four tig lanes write distinct banks), and stores the group's columns
+// together: with two tiles each warp store covers 256 contiguous bytes of an output row, and
+// the DRAM writes of 128-byte halves of such spans, each half at its own time, run at about
+// 60 % of the rate of whole spans (design note).
+__host__ __device__ constexpr int halo_out_stride(int span) {
     return HALO_TH * HALO_TW * span + 4;
 }
 
@@ -979,8 +978,9 @@ __device__ __forceinline__ constexpr int halo_out_stride(int span) {
 // skipped), V floats a store (V = 2 needs every output row 8-byte aligned). WIDTH / V lanes
 // write one row; the block's threads cover STEP consecutive rows of the (channel, row)
 // order, a multiple of HALO_TH, so a thread keeps its row and column and steps over the
-// channels: one shared load and one global store per step.
-template <int V, int WIDTH>
+// channels: one shared load and one global store per step, the steps unrolled by UNROLL
+// (all of them where the registers allow: the loads then all go out first).
+template <int V, int WIDTH, int UNROLL>
 __device__ __forceinline__ void store_staged_rows(const float* staged, float* yt, int kn,
                                                   int p_left, int q_left, int P, int Q) {
     using Vec = typename FloatVec<V>::type;
@@ -996,29 +996,28 @@ __device__ __forceinline__ void store_staged_rows(const float* staged, float* yt
     const float* src = staged + kl0 * STRIDE + row * WIDTH + col;
     float* dst = yt + ((long long)kl0 * P + row) * Q + col;
     const long long plane = (long long)KSTEP * P * Q;
-#pragma unroll 8
+#pragma unroll UNROLL
     for (int t = 0; t < CONV_BN / KSTEP; ++t, dst += plane) {
         if (kl0 + t * KSTEP < kn)
             *reinterpret_cast<Vec*>(dst) = *reinterpret_cast<const Vec*>(src + t * KSTEP * STRIDE);
     }
 }
 
-// span: the tiles a block stages and stores together (1 or 2; the scratch holds
-// halo_out_stride(span) floats per channel).
-template <int PASSES, int KSIZE>
+template <int PASSES, int KSIZE, int SPAN>
 __global__ void __launch_bounds__(CONV_THREADS, halo_blocks_per_sm<PASSES, KSIZE, false>())
 conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
             const float* __restrict__ bias, float* __restrict__ y, int N, int C, int H, int W,
             int K, int kh, int kw, int P, int Q, int sh, int sw, int ph, int pw, int dh, int dw,
-            int cc, int hr, int hc, int span) {
+            int cc, int hr, int hc) {
+    constexpr int BLOCKS = halo_blocks_per_sm<PASSES, KSIZE, false>();
+    constexpr int WIDTH = SPAN * HALO_TW, STRIDE = halo_out_stride(SPAN);
     extern __shared__ float smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, tig = lane & 3;
     const int warp_col = (warp & 3) * 8, warp_k = (warp >> 2) * 32;
     const int k0 = blockIdx.y * CONV_BN;
     const int hsize = halo_floats<KSIZE>(cc, hr, hc);
-    // [channel][row * group width + column of the group]
-    float* staged = halo_scratch<PASSES, KSIZE>(smem, hsize);
+    float* staged = halo_scratch<PASSES, KSIZE>(smem, hsize);  // [channel][row * WIDTH + column]
     const int kn = min(CONV_BN, K - k0);
     // Loaded once: 3xTF32's one block per multiprocessor does not hide a load per tile.
     const ChannelBias tile_bias = channel_bias(bias, k0 + warp_k, tig, K);
@@ -1028,37 +1027,27 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
     // writes whole rows of the group (float2 where every row starts 8-byte aligned: Q even).
     // A group's tiles but its last stage their part and return; its last stores them all
     // (TileGroups: one block takes them one after the other, with barriers between the
-    // epilogues).
-    // The group's geometry comes from the arguments where used (no registers held through
-    // the MMAs).
+    // epilogues). At two blocks a multiprocessor (128 registers) the store steps unroll by 8.
     auto store = [&](const TilePos& pos, const float (&acc)[2][4][4]) {
-        const int part = pos.tc & (span - 1), width = span * HALO_TW;
-        const int stride = halo_out_stride(span);
+        const int part = pos.tc % SPAN;
         // Fragment row r of the warp's 32 is pixel (row r / 8, column warp_col + r % 8).
         each_output(acc, gid, tig, k0 + warp_k, K, tile_bias, [&](int r, int k, float v) {
-            staged[(k - k0) * stride + (r >> 3) * width + part * HALO_TW + warp_col + (r & 7)]
+            staged[(k - k0) * STRIDE + (r >> 3) * WIDTH + part * HALO_TW + warp_col + (r & 7)]
                 = v;
         });
-        if (part + 1 < span && (pos.tc + 1) * HALO_TW < Q) return;
+        if (part + 1 < SPAN && (pos.tc + 1) * HALO_TW < Q) return;
         __syncthreads();
         const int p0 = pos.tr * HALO_TH, q0 = (pos.tc - part) * HALO_TW;
         float* yt = y + (((long long)pos.n * K + k0) * P + p0) * Q + q0;
-        auto rows = [&](auto vec, auto group) {
-            store_staged_rows<decltype(vec)::value, decltype(group)::value>(
-                staged, yt, kn, P - p0, Q - q0, P, Q);
-        };
-        if (span == 2 && pairs)
-            rows(Flag<2>{}, Flag<2 * HALO_TW>{});
-        else if (span == 2)
-            rows(Flag<1>{}, Flag<2 * HALO_TW>{});
-        else if (pairs)
-            rows(Flag<2>{}, Flag<HALO_TW>{});
+        constexpr int UNROLL = BLOCKS == 1 ? CONV_BN : 8;
+        if (pairs)
+            store_staged_rows<2, WIDTH, UNROLL>(staged, yt, kn, P - p0, Q - q0, P, Q);
         else
-            rows(Flag<1>{}, Flag<HALO_TW>{});
+            store_staged_rows<1, WIDTH, UNROLL>(staged, yt, kn, P - p0, Q - q0, P, Q);
     };
-    halo_tiles<PASSES, KSIZE, halo_blocks_per_sm<PASSES, KSIZE, false>()>(
+    halo_tiles<PASSES, KSIZE, BLOCKS>(
         x, w, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
-        halo_shared<PASSES, KSIZE>(smem, hsize), TileGroups{span, N, P, Q}, store,
+        halo_shared<PASSES, KSIZE>(smem, hsize), TileGroups<SPAN>{N, P, Q}, store,
         [](int) { return 1.0f; });
 }
 

@@ -171,9 +171,9 @@ def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tup
         span, shared = (2, paired) if paired <= shared_per_block() else (1, shared)
         groups = n * -(-p // _HALO_TH) * -(-q // (span * _HALO_TW))
         blocks = min(groups, sm_count() * _HALO_BLOCKS_PER_SM)
-        get_kernel(_FILE, f"conv2d_halo<{passes}, {ksize}>", shared_bytes=shared)(
-            (blocks, -(-k // _TILE_K)), (_THREADS,),
-            geometry + (i32(cc), i32(hr), i32(hc), i32(span)), shared_mem=shared)
+        get_kernel(_FILE, f"conv2d_halo<{passes}, {ksize}, {span}>", shared_bytes=shared)(
+            (blocks, -(-k // _TILE_K)), (_THREADS,), geometry + (i32(cc), i32(hr), i32(hc)),
+            shared_mem=shared)
         return
     get_kernel(_FILE, f"conv2d_igemm<{passes}>")(
         (-(-rows // _TILE_M), -(-k // _TILE_K)), (_THREADS,), geometry)

@@ -387,9 +387,9 @@ def test_native_build_of_the_engine():
     from cufused._cuda import ARCH_TARGETS, get_kernel
 
     arch = ARCH_TARGETS["conv_gemm.cu"].get(cp.cuda.Device().compute_capability)
-    native = type(get_kernel("conv_gemm.cu", "conv2d_halo<1, 3>"))
+    native = type(get_kernel("conv_gemm.cu", "conv2d_halo<1, 3, 2>"))
     with portable_builds():
-        portable = type(get_kernel("conv_gemm.cu", "conv2d_halo<1, 3>"))
+        portable = type(get_kernel("conv_gemm.cu", "conv2d_halo<1, 3, 2>"))
     assert portable is cp.RawKernel
     assert (native is not cp.RawKernel) == (arch is not None)
 

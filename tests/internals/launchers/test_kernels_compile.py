@@ -86,20 +86,20 @@ def test_arch_builds_are_cached_on_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(cuda, "_nvrtc_compile", fake_compile)
     if nvrtc_missing is not None:  # the key takes NVRTC's version
         pytest.skip(f"NVRTC unavailable: {nvrtc_missing}")
-    first = cuda._arch_cubin("conv_gemm.cu", "conv2d_halo<1, 3>", "sm_90a")
-    second = cuda._arch_cubin("conv_gemm.cu", "conv2d_halo<1, 3>", "sm_90a")
+    first = cuda._arch_cubin("conv_gemm.cu", "conv2d_halo<1, 3, 2>", "sm_90a")
+    second = cuda._arch_cubin("conv_gemm.cu", "conv2d_halo<1, 3, 2>", "sm_90a")
     assert first == second == (b"\x7fELF cubin \n with a newline", "_Z5lowered")
     assert len(compiled) == 1
     (entry,) = (tmp_path / "cache").iterdir()
     entry.write_bytes(entry.read_bytes()[:-1] + b"?")
-    assert cuda._arch_cubin("conv_gemm.cu", "conv2d_halo<1, 3>", "sm_90a") == first
+    assert cuda._arch_cubin("conv_gemm.cu", "conv2d_halo<1, 3, 2>", "sm_90a") == first
     assert len(compiled) == 2
     entry.write_bytes(entry.read_bytes().replace(b"_Z5lowered", b"_Z5lowerex"))
-    assert cuda._arch_cubin("conv_gemm.cu", "conv2d_halo<1, 3>", "sm_90a") == first
+    assert cuda._arch_cubin("conv_gemm.cu", "conv2d_halo<1, 3, 2>", "sm_90a") == first
     assert len(compiled) == 3
-    cuda._arch_cubin("conv_gemm.cu", "conv2d_halo<3, 3>", "sm_90a")  # another key
+    cuda._arch_cubin("conv_gemm.cu", "conv2d_halo<3, 3, 2>", "sm_90a")  # another key
     assert len(compiled) == 4 and len(list((tmp_path / "cache").iterdir())) == 2
     monkeypatch.setenv("CUPY_CACHE_IN_MEMORY", "1")  # no disk: compiled every time
-    cuda._arch_cubin("conv_gemm.cu", "conv2d_halo<3, 3>", "sm_90a")
+    cuda._arch_cubin("conv_gemm.cu", "conv2d_halo<3, 3, 2>", "sm_90a")
     assert len(compiled) == 5
 

@@ -562,8 +562,9 @@ def test_conv_gemm_launchers(launches, monkeypatch):
     conv = LAUNCHERS["conv_gemm.cu"]
     monkeypatch.setattr(conv, "sm_count", lambda: 132)
     cases = [  # x, w, y, stride, dilation, kernel, its template arguments after passes
-        ((2, 8, 20, 18), (64, 8, 3, 3), (2, 64, 18, 16), (1, 1), (1, 1), "conv2d_halo", ", 3"),
-        ((2, 8, 20, 18), (64, 8, 3, 3), (2, 64, 9, 16), (2, 1), (1, 1), "conv2d_halo", ", 0"),
+        ((2, 8, 20, 18), (64, 8, 3, 3), (2, 64, 18, 16), (1, 1), (1, 1), "conv2d_halo",
+         ", 3, 2"),
+        ((2, 8, 20, 18), (64, 8, 3, 3), (2, 64, 9, 16), (2, 1), (1, 1), "conv2d_halo", ", 0, 2"),
         ((1, 3, 70, 70), (5, 3, 3, 3), (1, 5, 10, 10), (1, 1), (30, 30), "conv2d_igemm", ""),
         ((1, 2, 12, 12), (5, 2, 9, 9), (1, 5, 4, 4), (1, 1), (1, 1), "conv2d_igemm", ""),
     ]
@@ -573,6 +574,19 @@ def test_conv_gemm_launchers(launches, monkeypatch):
                 conv.conv2d_implicit_gemm(Dev(x), Dev(w), bias, Dev(y), stride=stride,
                                           padding=(0, 0), dilation=dilation, passes=passes)
                 assert launches[-1].name == f"{kernel}<{passes}{rest}>"
+    # Where a block's shared memory holds one staged tile but not two, they go one at a time.
+    device = conv.shared_per_block
+    for stride, ksize in (((1, 1), 3), ((2, 1), 0)):
+        for passes in (1, 3):
+            monkeypatch.setattr(conv, "shared_per_block", device)
+            alone = conv.halo_geometry(8, (3, 3), stride, (1, 1), passes)[-1]
+            monkeypatch.setattr(conv, "shared_per_block", lambda alone=alone: alone)
+            conv.conv2d_implicit_gemm(Dev((2, 8, 20, 18)), Dev((64, 8, 3, 3)), None,
+                                      Dev((2, 64, 18 // stride[0], 16)), stride=stride,
+                                      padding=(0, 0), dilation=(1, 1), passes=passes)
+            assert launches[-1].name == f"conv2d_halo<{passes}, {ksize}, 1>"
+            assert launches[-1].shared_mem == alone
+    monkeypatch.setattr(conv, "shared_per_block", device)
     # Past one chunk of 8 input channels, 3xTF32 on the wgmma build (sm_90a) takes the 3 x 3
     # geometry as arguments (its one-accumulator sum is as accurate as float32 for one chunk
     # only); TF32, and the portable build's step sums, keep it compiled in.
@@ -584,7 +598,7 @@ def test_conv_gemm_launchers(launches, monkeypatch):
                 conv.conv2d_implicit_gemm(Dev((2, c, 20, 18)), Dev((64, c, 3, 3)), None,
                                           Dev((2, 64, 18, 16)), stride=(1, 1), padding=(0, 0),
                                           dilation=(1, 1), passes=passes)
-                assert launches[-1].name == f"conv2d_halo<{passes}, {ksize}>"
+                assert launches[-1].name == f"conv2d_halo<{passes}, {ksize}, 2>"
                 conv.conv2d_pool_stats(FakeXp, Dev((2, c, 20, 18)), Dev((64, c, 3, 3)), None,
                                        Dev((2, 64, 9, 8)), sign_a=None, sign_b=None,
                                        stride=(1, 1), padding=(0, 0), dilation=(1, 1), pool=2,
@@ -659,16 +673,18 @@ def test_conv_gemm_launchers(launches, monkeypatch):
     halo = [launch for launch in launches if launch.name.startswith("conv2d_halo<")]
     # 2 samples x 5 x 1 tiles of 4 x 32 pixels: a block per tile (fewer tiles than 2 blocks
     # per multiprocessor); the 8 input channels in one chunk, halos of 6 x 34 (stride 1) and
-    # 9 x 34 (stride 2: 2 samples x 3 tiles); the tiles staged and stored in pairs.
-    assert {(launch.grid, launch.args[-4:]) for launch in halo} == {((10, 1), (8, 6, 34, 2)),
-                                                                   ((6, 1), (8, 9, 34, 2))}
+    # 9 x 34 (stride 2: 2 samples x 3 tiles); the tiles staged and stored in pairs, or alone
+    # (one tile a row here: the same blocks).
+    assert {(launch.name[-2], launch.grid, launch.args[-3:]) for launch in halo} == {
+        (span, grid, geometry) for span in "12"
+        for grid, geometry in (((10, 1), (8, 6, 34)), ((6, 1), (8, 9, 34)))}
     # 3 tiles a row (70 columns): 2 groups a row (a pair, the last tile alone), 2 x 5 x 2
     # blocks; the scratch holds a pair.
     for passes in (1, 3):
         conv.conv2d_implicit_gemm(Dev((2, 8, 20, 72)), Dev((64, 8, 3, 3)), None,
                                   Dev((2, 64, 18, 70)), stride=(1, 1), padding=(0, 0),
                                   dilation=(1, 1), passes=passes)
-        assert launches[-1].grid == (20, 1) and launches[-1].args[-1] == 2
+        assert launches[-1].grid == (20, 1) and launches[-1].name.endswith(", 2>")
         assert launches[-1].shared_mem == conv.halo_shared_bytes(8, 6, 34, 3, passes, span=2)
 
 
@@ -681,12 +697,12 @@ def test_halo_kernels_within_the_devices_shared_memory(launches, monkeypatch):
     monkeypatch.setattr(conv, "sm_count", lambda: 132)
     monkeypatch.setattr(conv, "shared_per_block", lambda: 99 * 1024)
     x, w = Dev((2, 8, 20, 18)), Dev((64, 8, 3, 3))
-    for passes, kernel in ((1, "conv2d_halo<1, 3>"), (3, "conv2d_igemm<3>")):
+    for passes, kernel in ((1, "conv2d_halo<1, 3, 1>"), (3, "conv2d_igemm<3>")):
         conv.conv2d_implicit_gemm(x, w, None, Dev((2, 64, 18, 16)), stride=(1, 1),
                                   padding=(0, 0), dilation=(1, 1), passes=passes)
         assert launches[-1].name == kernel
         if passes == 1:  # one tile staged at a time: a pair's scratch does not fit
-            assert launches[-1].args[-1] == 1 and launches[-1].shared_mem <= 99 * 1024
+            assert launches[-1].shared_mem <= 99 * 1024
         for pool in (2, 4):
             conv.conv2d_pool_stats(FakeXp, x, w, None, Dev((2, 64, 18 // pool, 16 // pool)),
                                    sign_a=None, sign_b=None, stride=(1, 1), padding=(0, 0),
