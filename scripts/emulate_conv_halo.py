@@ -200,6 +200,31 @@ def store_staged_rows(y, staged, n, k0, p0, q0, v, span):
                 flat[dst:dst + v] = staged[src:src + v]
 
 
+def tile_groups(block, grid_x, span, n_total, p_total, q_total):
+    """TileGroups<span>'s first / next from block ``block`` of ``grid_x``, line for line: the
+    block's tiles in order, as (n, tr, tc)."""
+    def at(index):
+        tiles_w = -(-q_total // TW)
+        per_row = -(-tiles_w // span)
+        groups = -(-p_total // TH) * per_row
+        if index >= n_total * groups:
+            return None
+        n = index // groups
+        group = index - n * groups
+        tr = group // per_row
+        return n, tr, span * (group - tr * per_row)
+
+    pos = at(block)
+    while pos is not None:
+        yield pos
+        n, tr, tc = pos
+        if (tc + 1) % span != 0 and (tc + 1) * TW < q_total:
+            pos = (n, tr, tc + 1)
+            continue
+        per_row = -(-(-(-q_total // TW)) // span)  # groups_w(): ceil(ceil(Q / TW) / span)
+        pos = at((n * -(-p_total // TH) + tr) * per_row + tc // span + grid_x)
+
+
 def emulate(x, w, bias, stride, padding, dilation, grid_x=7, sign=None, span=2):
     """conv2d_halo's result, every block, warp and lane emulated (blocks loop over groups of
     ``span`` tiles); with ``sign`` (+-1 per output channel) the weights staged times it, as
@@ -213,24 +238,20 @@ def emulate(x, w, bias, stride, padding, dilation, grid_x=7, sign=None, span=2):
     fixed = fixed_ksize(c_total, (kh, kw), stride, dilation, 1, wgmma=True) > 0
     assert cc >= 1
     y = np.full((n_total, k_total, p_total, q_total), np.nan)
-    tiles_w = -(-q_total // TW)
-    groups_w = -(-tiles_w // span)
-    groups = -(-p_total // TH) * groups_w
     wflat = w.reshape(k_total, -1) * (1.0 if sign is None else sign[:, None])
-    # TileGroups: block b takes groups b, b + grid_x, ... of the N * groups, the tiles of a
-    # group (span neighbours along a tile row; a row's last group shorter) in turn.
-    schedule = [(group, tc) for block in range(min(grid_x, n_total * groups))
-                for group in range(block, n_total * groups, grid_x)
-                for tc in range(span * (group % groups % groups_w),
-                                min(span * (group % groups % groups_w + 1), tiles_w))]
+    tiles_w = -(-q_total // TW)
+    schedule = [pos for block in range(grid_x)
+                for pos in tile_groups(block, grid_x, span, n_total, p_total, q_total)]
+    # Every tile once.
+    assert sorted(schedule) == [(n, tr, tc) for n in range(n_total)
+                                for tr in range(-(-p_total // TH)) for tc in range(tiles_w)]
     stride_out = halo_out_stride(span)
     for k0 in range(0, k_total, BN):
-        for group, tc in schedule:
+        for n, tr, tc in schedule:
             part = tc % span
             if part == 0:  # a group's first tile: NaN where nothing is staged
                 staged = np.full(BN * stride_out, np.nan)
-            n = group // groups
-            p0, q0 = (group % groups // groups_w) * TH, tc * TW
+            p0, q0 = tr * TH, tc * TW
             geometry = (p0 * sh - ph, q0 * sw - pw, hr, hc, kh, kw, dh, dw)
             acc = np.zeros((8, 2, 4, 32, 4))
             for c0 in range(0, c_total, cc):
@@ -499,7 +520,8 @@ def main() -> int:
         ref = reference.conv(x, w, b, stride, padding, dilation, 1)
         errs = []
         for span in (2, 1):  # tiles stored in pairs, or one at a time
-            got = emulate(x, w, b, stride, padding, dilation, span=span)
+            # Two blocks: each takes several groups, stepping from one to the next.
+            got = emulate(x, w, b, stride, padding, dilation, grid_x=2, span=span)
             errs.append(float(np.abs(got - ref).max()) if not np.isnan(got).any()
                         else float("inf"))
         worst = max([worst] + errs)

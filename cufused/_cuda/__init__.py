@@ -518,6 +518,26 @@ def shared_per_block() -> int:
     return _shared_per_block(cupy.cuda.runtime.getDevice())
 
 
+@functools.cache
+def _shared_per_sm(device: int) -> tuple[int, int]:
+    import cupy
+
+    runtime = cupy.cuda.runtime
+    return (runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerMultiprocessor,
+                                       device),
+            runtime.deviceGetAttribute(runtime.cudaDevAttrReservedSharedMemoryPerBlock, device))
+
+
+def resident_blocks(shared_bytes: int) -> int:
+    """Blocks of ``shared_bytes`` of dynamic shared memory each that one multiprocessor of the
+    current device holds at once by their shared memory (each also takes the memory the
+    system reserves a block: 1 KB from compute capability 8.0)."""
+    import cupy
+
+    per_sm, reserved = _shared_per_sm(cupy.cuda.runtime.getDevice())
+    return per_sm // (shared_bytes + reserved)
+
+
 # CUDA's handle of the per-thread default stream: the same value names another stream in each
 # thread.
 _PER_THREAD_STREAM = 2

@@ -8,7 +8,7 @@ import math
 import numpy
 
 from .._cuda import (MAX_GRID_X, TensorMap, arch_target, fits_grid_yz, float32_tensor_map,
-                     get_kernel, optional, shared_per_block, sm_count)
+                     get_kernel, optional, resident_blocks, shared_per_block, sm_count)
 from ._common import clamp_middle, definition_args, element_strides_3d, skips_max
 
 _FILE = "conv_gemm.cu"
@@ -102,6 +102,20 @@ def halo_shared_bytes(cc: int, hr: int, hc: int, ksize: int, passes: int,
     return 4 * floats
 
 
+def halo_span(tiles: int, passes: int, alone: int, paired: int) -> int:
+    """The tiles ``conv2d_halo`` stages and stores together (its ``SPAN``): 2 (neighbours of
+    a tile row: whole 256-byte row segments, written at about 1.6 times the rate of the
+    halves) where there are more of the problem's ``tiles`` than the blocks of one wave
+    (else each block would run two tiles one after the other), a block may have the pair's
+    ``paired`` bytes of shared memory, and a multiprocessor holds as many such blocks, up to
+    the kernel's launch bounds (two in TF32, one in 3xTF32), as of one tile's ``alone``
+    bytes; else 1."""
+    bound = _HALO_BLOCKS_PER_SM if passes == 1 else 1
+    if tiles <= sm_count() * _HALO_BLOCKS_PER_SM or paired > shared_per_block():
+        return 1
+    return 2 if min(bound, resident_blocks(paired)) >= min(bound, resident_blocks(alone)) else 1
+
+
 def channel_tiles_fit(out_channels: int) -> bool:
     """Whether the 2-D implicit GEMMs' grid holds the output channels' tiles (its y
     dimension)."""
@@ -166,9 +180,10 @@ def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tup
     halo = halo_geometry(c, (kh, kw), stride, dilation, passes)
     if halo is not None:
         cc, hr, hc, ksize, shared = halo
-        # Two tiles staged and stored together where the shared memory holds them (TileGroups).
-        paired = halo_shared_bytes(cc, hr, hc, ksize, passes, span=2)
-        span, shared = (2, paired) if paired <= shared_per_block() else (1, shared)
+        tiles = n * -(-p // _HALO_TH) * -(-q // _HALO_TW)
+        span = halo_span(tiles, passes, shared, halo_shared_bytes(cc, hr, hc, ksize, passes,
+                                                                  span=2))
+        shared = halo_shared_bytes(cc, hr, hc, ksize, passes, span=span)
         groups = n * -(-p // _HALO_TH) * -(-q // (span * _HALO_TW))
         blocks = min(groups, sm_count() * _HALO_BLOCKS_PER_SM)
         get_kernel(_FILE, f"conv2d_halo<{passes}, {ksize}, {span}>", shared_bytes=shared)(

@@ -95,36 +95,39 @@ def test_output_rows_of_any_alignment(rng, offset, q_extra):
     assert bool(cp.isnan(outside))
 
 
-@pytest.mark.parametrize("one_sm", [False, True])
+@pytest.mark.parametrize("sms", [1, 8])
 @pytest.mark.parametrize("x_shape, w_shape, padding", [
     ((5, 8, 21, 70), (24, 8, 3, 3), (0, 0)),   # 3 tiles a row: a pair, the last alone
     ((2, 8, 13, 131), (70, 8, 3, 3), (1, 1)),  # 5 tiles a row, K past one tile
     ((3, 6, 9, 33), (9, 6, 5, 5), (2, 2)),     # the geometry as arguments
 ])
-def test_tiles_stored_alone_or_in_pairs(rng, monkeypatch, x_shape, w_shape, padding, one_sm):
-    # The plain kernel stages two neighbouring tiles and stores them together where its
-    # shared memory holds them, else one at a time (here a block granted only that): both
-    # give the float64 reference's values and each other's bits, with blocks taking one
-    # group or many.
+def test_tiles_stored_alone_or_in_pairs(rng, monkeypatch, x_shape, w_shape, padding, sms):
+    # The plain kernel stages two neighbouring tiles and stores them together (SPAN 2) or
+    # one tile at a time (SPAN 1): both give the float64 reference's values and each other's
+    # bits, with blocks taking several groups (one multiprocessor: 2 blocks) or a few.
     from cufused._kernels import conv_gemm
 
-    if one_sm:
-        monkeypatch.setattr(conv_gemm, "sm_count", lambda: 1)
+    monkeypatch.setattr(conv_gemm, "sm_count", lambda: sms)
+    names = []
+    launch = conv_gemm.get_kernel
+    monkeypatch.setattr(conv_gemm, "get_kernel",
+                        lambda filename, name, **kw: names.append(name) or launch(filename,
+                                                                                  name, **kw))
     x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
     ref = reference.conv(x, w, None, (1, 1), padding, (1, 1), 1)
     xg, wg = cp.asarray(x, cp.float32), cp.asarray(w, cp.float32)
-    device = conv_gemm.shared_per_block()
     for passes, tol in ((1, 2e-3), (3, 2e-6)):
-        monkeypatch.setattr(conv_gemm, "shared_per_block", lambda: device)
-        cc, hr, hc, ksize, alone = conv_gemm.halo_geometry(x_shape[1], w_shape[2:], (1, 1),
-                                                           (1, 1), passes)
-        assert alone < conv_gemm.halo_shared_bytes(cc, hr, hc, ksize, passes, span=2) <= device
+        halo = conv_gemm.halo_geometry(x_shape[1], w_shape[2:], (1, 1), (1, 1), passes)
+        if halo is None or conv_gemm.halo_shared_bytes(*halo[:4], passes, span=2) > (
+                conv_gemm.shared_per_block()):
+            pytest.skip("this device's blocks do not hold the pair's scratch")
         outs = []
-        for shared in (device, alone):
-            monkeypatch.setattr(conv_gemm, "shared_per_block", lambda shared=shared: shared)
+        for span in (2, 1):
+            monkeypatch.setattr(conv_gemm, "halo_span", lambda *args, span=span: span)
             y = cp.full(ref.shape, cp.nan, dtype=cp.float32)
             conv_gemm.conv2d_implicit_gemm(xg, wg, None, y, stride=(1, 1), padding=padding,
                                            dilation=(1, 1), passes=passes)
+            assert names[-1] == f"conv2d_halo<{passes}, {halo[3]}, {span}>"
             assert_close(y.get(), ref, tol)
             outs.append(y)
         assert bool(cp.array_equal(outs[0], outs[1]))

@@ -183,6 +183,9 @@ def launches(monkeypatch):
     monkeypatch.setattr(cufused._cuda, "sm_count", lambda: 132)  # launch_1d's grid
     monkeypatch.setattr(LAUNCHERS["softmax.cu"], "_compute_capability", lambda: 90)
     monkeypatch.setattr(LAUNCHERS["conv_gemm.cu"], "shared_per_block", lambda: 227 * 1024)
+    # A multiprocessor of 228 KB, 1 KB reserved a block (compute capability 9.0).
+    monkeypatch.setattr(LAUNCHERS["conv_gemm.cu"], "resident_blocks",
+                        lambda shared: 228 * 1024 // (shared + 1024))
     return recorded
 
 
@@ -563,8 +566,8 @@ def test_conv_gemm_launchers(launches, monkeypatch):
     monkeypatch.setattr(conv, "sm_count", lambda: 132)
     cases = [  # x, w, y, stride, dilation, kernel, its template arguments after passes
         ((2, 8, 20, 18), (64, 8, 3, 3), (2, 64, 18, 16), (1, 1), (1, 1), "conv2d_halo",
-         ", 3, 2"),
-        ((2, 8, 20, 18), (64, 8, 3, 3), (2, 64, 9, 16), (2, 1), (1, 1), "conv2d_halo", ", 0, 2"),
+         ", 3, 1"),
+        ((2, 8, 20, 18), (64, 8, 3, 3), (2, 64, 9, 16), (2, 1), (1, 1), "conv2d_halo", ", 0, 1"),
         ((1, 3, 70, 70), (5, 3, 3, 3), (1, 5, 10, 10), (1, 1), (30, 30), "conv2d_igemm", ""),
         ((1, 2, 12, 12), (5, 2, 9, 9), (1, 5, 4, 4), (1, 1), (1, 1), "conv2d_igemm", ""),
     ]
@@ -574,19 +577,26 @@ def test_conv_gemm_launchers(launches, monkeypatch):
                 conv.conv2d_implicit_gemm(Dev(x), Dev(w), bias, Dev(y), stride=stride,
                                           padding=(0, 0), dilation=dilation, passes=passes)
                 assert launches[-1].name == f"{kernel}<{passes}{rest}>"
-    # Where a block's shared memory holds one staged tile but not two, they go one at a time.
+    # Tiles in pairs past one wave of blocks (here 10 tiles, one multiprocessor: 2 blocks);
+    # one at a time where a block's shared memory holds one staged tile but not two.
+    monkeypatch.setattr(conv, "sm_count", lambda: 1)
     device = conv.shared_per_block
     for stride, ksize in (((1, 1), 3), ((2, 1), 0)):
         for passes in (1, 3):
             monkeypatch.setattr(conv, "shared_per_block", device)
             alone = conv.halo_geometry(8, (3, 3), stride, (1, 1), passes)[-1]
-            monkeypatch.setattr(conv, "shared_per_block", lambda alone=alone: alone)
-            conv.conv2d_implicit_gemm(Dev((2, 8, 20, 18)), Dev((64, 8, 3, 3)), None,
-                                      Dev((2, 64, 18 // stride[0], 16)), stride=stride,
-                                      padding=(0, 0), dilation=(1, 1), passes=passes)
-            assert launches[-1].name == f"conv2d_halo<{passes}, {ksize}, 1>"
-            assert launches[-1].shared_mem == alone
+            for shared, span in ((device(), 2), (alone, 1)):
+                monkeypatch.setattr(conv, "shared_per_block", lambda shared=shared: shared)
+                conv.conv2d_implicit_gemm(Dev((2, 8, 20, 18)), Dev((64, 8, 3, 3)), None,
+                                          Dev((2, 64, 18 // stride[0], 16)), stride=stride,
+                                          padding=(0, 0), dilation=(1, 1), passes=passes)
+                assert launches[-1].name == f"conv2d_halo<{passes}, {ksize}, {span}>"
+                assert launches[-1].shared_mem == (alone if span == 1 else
+                                                   conv.halo_shared_bytes(*conv.halo_geometry(
+                                                       8, (3, 3), stride, (1, 1), passes)[:4],
+                                                       passes, span=2))
     monkeypatch.setattr(conv, "shared_per_block", device)
+    monkeypatch.setattr(conv, "sm_count", lambda: 132)
     # Past one chunk of 8 input channels, 3xTF32 on the wgmma build (sm_90a) takes the 3 x 3
     # geometry as arguments (its one-accumulator sum is as accurate as float32 for one chunk
     # only); TF32, and the portable build's step sums, keep it compiled in.
@@ -598,7 +608,7 @@ def test_conv_gemm_launchers(launches, monkeypatch):
                 conv.conv2d_implicit_gemm(Dev((2, c, 20, 18)), Dev((64, c, 3, 3)), None,
                                           Dev((2, 64, 18, 16)), stride=(1, 1), padding=(0, 0),
                                           dilation=(1, 1), passes=passes)
-                assert launches[-1].name == f"conv2d_halo<{passes}, {ksize}, 2>"
+                assert launches[-1].name == f"conv2d_halo<{passes}, {ksize}, 1>"
                 conv.conv2d_pool_stats(FakeXp, Dev((2, c, 20, 18)), Dev((64, c, 3, 3)), None,
                                        Dev((2, 64, 9, 8)), sign_a=None, sign_b=None,
                                        stride=(1, 1), padding=(0, 0), dilation=(1, 1), pool=2,
@@ -676,16 +686,39 @@ def test_conv_gemm_launchers(launches, monkeypatch):
     # 9 x 34 (stride 2: 2 samples x 3 tiles); the tiles staged and stored in pairs, or alone
     # (one tile a row here: the same blocks).
     assert {(launch.name[-2], launch.grid, launch.args[-3:]) for launch in halo} == {
-        (span, grid, geometry) for span in "12"
-        for grid, geometry in (((10, 1), (8, 6, 34)), ((6, 1), (8, 9, 34)))}
-    # 3 tiles a row (70 columns): 2 groups a row (a pair, the last tile alone), 2 x 5 x 2
-    # blocks; the scratch holds a pair.
+        ("1", (10, 1), (8, 6, 34)), ("1", (6, 1), (8, 9, 34)),  # a block per tile
+        *((span, (2, 1), geometry) for span in "12"             # one multiprocessor's 2
+          for geometry in ((8, 6, 34), (8, 9, 34)))}
+    # 3 tiles a row (70 columns), 48 samples: 2 groups a row (a pair, the last tile alone),
+    # 48 x 5 x 2 groups on 264 blocks; the scratch holds a pair.
     for passes in (1, 3):
-        conv.conv2d_implicit_gemm(Dev((2, 8, 20, 72)), Dev((64, 8, 3, 3)), None,
-                                  Dev((2, 64, 18, 70)), stride=(1, 1), padding=(0, 0),
+        conv.conv2d_implicit_gemm(Dev((48, 8, 20, 72)), Dev((64, 8, 3, 3)), None,
+                                  Dev((48, 64, 18, 70)), stride=(1, 1), padding=(0, 0),
                                   dilation=(1, 1), passes=passes)
-        assert launches[-1].grid == (20, 1) and launches[-1].name.endswith(", 2>")
+        assert launches[-1].grid == (264, 1) and launches[-1].name.endswith(", 2>")
         assert launches[-1].shared_mem == conv.halo_shared_bytes(8, 6, 34, 3, passes, span=2)
+
+
+def test_halo_span(monkeypatch):
+    # Pairs of tiles where there are more tiles than one wave of blocks, the pair's scratch
+    # fits a block, and a multiprocessor holds as many blocks of it as of one tile's, up to
+    # the launch bounds: on 228 KB multiprocessors (9.0) TF32's pair of 3 x 3 tiles keeps 2
+    # blocks; on 164 KB (8.0) it would leave 1 of 2, and the tiles go alone; 3xTF32's kernel
+    # holds one block a multiprocessor either way.
+    conv = LAUNCHERS["conv_gemm.cu"]
+    monkeypatch.setattr(conv, "sm_count", lambda: 132)
+    monkeypatch.setattr(conv, "shared_per_block", lambda: 227 * 1024)
+    for per_sm, want in ((228, (2, 2)), (164, (1, 2))):
+        monkeypatch.setattr(conv, "resident_blocks",
+                            lambda shared, per_sm=per_sm: per_sm * 1024 // (shared + 1024))
+        for passes, span in zip((1, 3), want):
+            alone = conv.halo_shared_bytes(8, 6, 34, 3, passes)
+            paired = conv.halo_shared_bytes(8, 6, 34, 3, passes, span=2)
+            assert conv.halo_span(16384, passes, alone, paired) == span
+            assert conv.halo_span(264, passes, alone, paired) == 1  # one wave of blocks
+            assert conv.halo_span(265, passes, alone, paired) == span
+    monkeypatch.setattr(conv, "shared_per_block", lambda: 99 * 1024)
+    assert conv.halo_span(16384, 1, 70 * 1024, 100 * 1024) == 1  # the pair does not fit
 
 
 def test_halo_kernels_within_the_devices_shared_memory(launches, monkeypatch):
