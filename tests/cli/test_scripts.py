@@ -159,6 +159,41 @@ def test_nonfinite_fuzz_of_the_numpy_path_matches_torch():
     assert ran and min(map(int, ran.groups())) >= 20, res.stdout
 
 
+def test_fuzz_leaves_out_groupnorm_means_that_rounding_decides():
+    """fuzz_pipelines leaves out the channels of an infinite GroupNorm weight in a group of
+    exact mean 0 (pipeline B: +1 and -1 after tanh saturates under infinite BatchNorm
+    biases), whose PyTorch value its rounding of the mean decides: NaN with 4 + 4 such
+    values a group, +inf with 25 + 25, the NumPy path's NaN either way; the other channels
+    still count, and a finite weight leaves nothing out."""
+    pytest.importorskip("torch")
+    import numpy as np
+
+    import cufused
+
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        fuzz = importlib.import_module("fuzz_pipelines")
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    options = dict(num_groups=1, stride=1, padding=0, output_padding=0, groups=1,
+                   conv_bias=None)
+    for side, torch_value in ((2, np.nan), (5, np.inf)):
+        rng = np.random.default_rng(side)
+        # A 1 x 1 kernel: conv output side x side a channel, pooled to (side / 2)^2 values.
+        x = rng.random((1, 1, 2 * side, 2 * side))
+        args = [x, rng.standard_normal((1, 2, 1, 1)), np.ones(2), np.array([np.inf, -np.inf]),
+                np.array([1.0, -np.inf]), np.zeros(2)]
+        out = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(*args, **options)
+        ref = fuzz._torch_reference("B", args, options)
+        np.testing.assert_equal(ref[0, 1], np.full((side, side), torch_value))
+        assert np.isnan(out[0, 1]).all()
+        ignore = fuzz._mean_decided_by_rounding("B", args, options)
+        assert ignore[0, 1].all() and not ignore[0, 0].any()
+        assert fuzz._placement_error(out, ref, ignore, floor=1e-3) < 1e-9
+        args[4] = np.array([1.0, -2.0])
+        assert fuzz._mean_decided_by_rounding("B", args, options) is None
+
+
 def test_sanitize_counts_reports_per_kernel():
     """scripts/sanitize.py counts a compute-sanitizer log's reports per function (racecheck's
     and memcheck's formats, a device function inside a kernel), and tells cuDNN's, CuPy's and
