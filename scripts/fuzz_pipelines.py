@@ -242,14 +242,15 @@ def _float32_underflow(name: str, args, options):
     return np.abs(soft) < np.finfo(np.float32).tiny
 
 
-def _mean_decided_by_rounding(name: str, args, options):
+def _mean_decided_by_rounding(name: str, args, options, shape):
     """Pipelines A's and B's positions whose PyTorch value the rounding of its GroupNorm mean
     decides: the channels of infinite GroupNorm weight in a (sample, group) whose input has
     an exact mean of 0. There ``b = bias - mean * a`` (``a = rstd * weight`` infinite) is
     NaN for the exact mean, and PyTorch's own mean comes out as 0 or as a rounding error
     of either sign, so its values there are NaN or infinite by the group's size (half +1 and
     half -1 after B's tanh: NaN for 2 + 2 values, +inf for 6 + 6, NaN for 15 + 15;
-    docs/semantics.rst). None where there are none, and for C."""
+    docs/semantics.rst), as a mask of the output's ``shape``. None where there are none,
+    and for C."""
     if name == "C":
         return None
     import torch
@@ -277,9 +278,8 @@ def _mean_decided_by_rounding(name: str, args, options):
     exact_zero = np.array([[np.isfinite(r).all() and math.fsum(r) == 0.0 for r in sample]
                            for sample in rows])  # fsum: the exact sum's rounding, 0 iff 0
     channel = np.repeat(exact_zero, y.shape[1] // groups, axis=1) & np.isinf(weight)
-    out_shape = _torch_reference(name, args, options).shape
     return None if not channel.any() else np.broadcast_to(
-        channel[:, :, None, None], out_shape).copy()
+        channel[:, :, None, None], shape).copy()
 
 
 def _to_gpu(value):
@@ -312,8 +312,8 @@ def run_case(rng, name: str, *, nonfinite: bool = False,
     ignore = None
     if nonfinite:
         draw["planted"] = planted
-        ignore = _mean_decided_by_rounding(name, args, options)
         torch_ref = _torch_reference(name, args, options)
+        ignore = _mean_decided_by_rounding(name, args, options, torch_ref.shape)
         errors.append(_placement_error(ref, torch_ref, ignore, floor=SCALE_FLOOR[name])
                       / 1e-9)
         ref = _torch_reference(name, args, options, gpu=True) if gpu else torch_ref

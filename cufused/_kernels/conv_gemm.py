@@ -181,9 +181,9 @@ def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tup
     if halo is not None:
         cc, hr, hc, ksize, shared = halo
         tiles = n * -(-p // _HALO_TH) * -(-q // _HALO_TW)
-        span = halo_span(tiles, passes, shared, halo_shared_bytes(cc, hr, hc, ksize, passes,
-                                                                  span=2))
-        shared = halo_shared_bytes(cc, hr, hc, ksize, passes, span=span)
+        paired = halo_shared_bytes(cc, hr, hc, ksize, passes, span=2)
+        span = halo_span(tiles, passes, shared, paired)
+        shared = paired if span == 2 else shared
         groups = n * -(-p // _HALO_TH) * -(-q // (span * _HALO_TW))
         blocks = min(groups, sm_count() * _HALO_BLOCKS_PER_SM)
         get_kernel(_FILE, f"conv2d_halo<{passes}, {ksize}, {span}>", shared_bytes=shared)(

@@ -187,11 +187,11 @@ def test_fuzz_leaves_out_groupnorm_means_that_rounding_decides():
         ref = fuzz._torch_reference("B", args, options)
         np.testing.assert_equal(ref[0, 1], np.full((side, side), torch_value))
         assert np.isnan(out[0, 1]).all()
-        ignore = fuzz._mean_decided_by_rounding("B", args, options)
+        ignore = fuzz._mean_decided_by_rounding("B", args, options, ref.shape)
         assert ignore[0, 1].all() and not ignore[0, 0].any()
         assert fuzz._placement_error(out, ref, ignore, floor=1e-3) < 1e-9
         args[4] = np.array([1.0, -2.0])
-        assert fuzz._mean_decided_by_rounding("B", args, options) is None
+        assert fuzz._mean_decided_by_rounding("B", args, options, ref.shape) is None
 
 
 def test_sanitize_counts_reports_per_kernel():
