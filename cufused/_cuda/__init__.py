@@ -36,6 +36,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "conv2d_halo<3, 0, 2>",
         "conv2d_halo<1, 3, 2>",
         "conv2d_halo<3, 3, 2>",
+        "conv2d_halo_bands",
         "conv2d_halo_pool_stats<1, 0, 2>",
         "conv2d_halo_pool_stats<3, 0, 2>",
         "conv2d_halo_pool_stats<1, 0, 4>",

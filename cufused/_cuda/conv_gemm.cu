@@ -356,6 +356,16 @@ conv2d_igemm(const float* __restrict__ x, const float* __restrict__ w,
 #define HALO_MAX 4800
 #define HALO_BLOCKS_PER_SM 2
 
+// A halo kernel's output tile: HALO_TH x TW pixels x BN output channels, its 8 warps TW / 8
+// along the columns (8 columns each) by BN / 32 along the channels (32 each).
+template <int TW, int BN>
+struct HaloTile {
+    static constexpr int W = TW, N = BN, COL_WARPS = TW / 8;
+    static_assert(COL_WARPS * (BN / 32) == CONV_THREADS / 32, "8 columns x 32 channels a warp");
+};
+using NarrowTile = HaloTile<HALO_TW, CONV_BN>;  // conv2d_halo, conv2d_halo_pool_stats
+using BandTile = HaloTile<2 * HALO_TW, CONV_BN / 2>;  // conv2d_halo_bands
+
 // The blocks a multiprocessor that a halo kernel's launch bounds promise: two (128 registers a
 // thread) in TF32, and in 3xTF32 where the wgmma build compiles the geometry in and the
 // epilogue pools (halo_tiles' residuals-first sum; conv2d_halo's staged output tile does not
@@ -463,20 +473,21 @@ __device__ __forceinline__ float* halo_scratch(float* smem, int hsize) {
 // HCS floats, its HC rounded up to 4 (16-byte rows, copied 4 floats at a time where the
 // input's rows allow it); channel c of the halo starts at c * CSTRIDE, a stride of 8 mod 32
 // floats: the four tig lanes' channels fall on distinct banks.
-template <int KSIZE>
+template <int KSIZE, int TW = HALO_TW>
 struct FixedHalo {
     static constexpr int CC = 8;
     static constexpr int TAPS = KSIZE * KSIZE;
-    static constexpr int HR = HALO_TH + KSIZE - 1, HC = HALO_TW + KSIZE - 1;
+    static constexpr int HR = HALO_TH + KSIZE - 1, HC = TW + KSIZE - 1;
     static constexpr int HCS = (HC + 3) / 4 * 4;
     static constexpr int CSTRIDE = (HR * HCS + 23) / 32 * 32 + 8;
     static_assert(TAPS * CONV_BN * CC <= HALO_RC * (CONV_BN + 8), "the weights fit");
 };
 
 // Floats of one halo buffer (conv_gemm.py: halo_channel_stride).
-template <int KSIZE>
+template <int KSIZE, int TW = HALO_TW>
 __device__ __forceinline__ int halo_floats(int cc, int hr, int hc) {
-    if constexpr (KSIZE > 0) return FixedHalo<KSIZE>::CC * FixedHalo<KSIZE>::CSTRIDE;
+    if constexpr (KSIZE > 0)
+        return FixedHalo<KSIZE, TW>::CC * FixedHalo<KSIZE, TW>::CSTRIDE;
     return cc * hr * hc;
 }
 
@@ -506,7 +517,8 @@ struct TilePos {
 template <int SPAN>
 struct TileGroups {
     int N, P, Q;
-    __device__ int groups_w() const { return ((Q + HALO_TW - 1) / HALO_TW + SPAN - 1) / SPAN; }
+    __device__ int tiles_w() const { return (Q + HALO_TW - 1) / HALO_TW; }
+    __device__ int groups_w() const { return (tiles_w() + SPAN - 1) / SPAN; }
     __device__ bool at(long long index, TilePos& pos) const {
         const int per_row = groups_w();
         const int groups = ((P + HALO_TH - 1) / HALO_TH) * per_row;
@@ -515,7 +527,7 @@ struct TileGroups {
         const int group = (int)(index - (long long)pos.n * groups);
         pos.tr = group / per_row;
         pos.tc = SPAN * (group - pos.tr * per_row);
-        pos.t = pos.tr * ((Q + HALO_TW - 1) / HALO_TW) + pos.tc;
+        pos.t = pos.tr * tiles_w() + pos.tc;
         pos.run = 0;
         pos.end = pos.t + 1;
         return true;
@@ -530,6 +542,34 @@ struct TileGroups {
         const long long group = ((long long)pos.n * ((P + HALO_TH - 1) / HALO_TH) + pos.tr)
                                 * groups_w() + pos.tc / SPAN;
         return at(group + gridDim.x, pos);
+    }
+};
+
+// BandTiles: the bands of 4 output rows (sample n, tile row tr) of conv2d_halo_bands, bands
+// blockIdx.x, + gridDim.x, ... of all N * ceil(P / 4), a block taking each band's tiles of
+// BandTile::W columns last first (tc = ceil(Q / W) - 1 .. 0), each tile its own run.
+struct BandTiles {
+    int N, P, Q;
+    __device__ int last() const { return (Q - 1) / BandTile::W; }
+    __device__ bool at(long long index, TilePos& pos) const {
+        const int rows = (P + HALO_TH - 1) / HALO_TH;
+        if (index >= (long long)N * rows) return false;
+        pos.n = (int)(index / rows);
+        pos.tr = (int)(index - (long long)pos.n * rows);
+        pos.tc = last();
+        pos.t = pos.tr * (last() + 1) + pos.tc;
+        pos.run = 0;
+        pos.end = pos.t + 1;
+        return true;
+    }
+    __device__ bool first(TilePos& pos) const { return at(blockIdx.x, pos); }
+    __device__ bool next(TilePos& pos) const {
+        if (pos.tc > 0) {
+            --pos.tc;
+            pos.end = pos.t--;
+            return true;
+        }
+        return at((long long)pos.n * ((P + HALO_TH - 1) / HALO_TH) + pos.tr + gridDim.x, pos);
     }
 };
 
@@ -566,10 +606,11 @@ struct SampleSegments {
 };
 
 // The tiles of a conv2d_halo-style kernel: each block visits its tiles in the order of
-// `schedule` (TileGroups, SampleSegments), computes a tile's 4 x 32 pixels x 64 channels into
-// acc and calls epilogue(pos, acc) (TilePos; the tile's first pixel is row pos.tr * HALO_TH,
-// column pos.tc * HALO_TW); every thread calls it (it may hold barriers; between two calls
-// every thread passes at least one barrier here).
+// `schedule` (TileGroups, SampleSegments, BandTiles), computes a tile's HALO_TH x Tile::W
+// pixels x Tile::N channels (HaloTile: 4 x 32 x 64, or BandTile's 4 x 64 x 32 for the
+// wgmma build's TF32 3 x 3 kernels) into acc and calls epilogue(pos, acc) (TilePos; the
+// tile's first pixel is row pos.tr * HALO_TH, column pos.tc * Tile::W); every thread calls it
+// (it may hold barriers; between two calls every thread passes at least one barrier here).
 // The stages (tile, chunk of input channels) run as a two-buffer pipeline: a stage's halo is
 // copied with cp.async while the previous stage's MMAs run, so the block waits on global
 // memory only where one stage's copies take longer than another's MMAs and epilogue.
@@ -578,7 +619,8 @@ struct SampleSegments {
 // kernel's halo_blocks_per_sm.
 // The weights of output channel k are staged times sign(k) (+1 or -1), so acc holds
 // sign(k) times the convolution without its bias.
-template <int PASSES, int KSIZE, int BLOCKS, class Schedule, class Epilogue, class Sign>
+template <int PASSES, int KSIZE, int BLOCKS, class Tile = NarrowTile, class Schedule,
+          class Epilogue, class Sign>
 __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                                            const float* __restrict__ w, int C, int H, int W,
                                            int K, int kh, int kw, int P, int Q, int sh, int sw,
@@ -589,7 +631,10 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
     constexpr bool FIXED = KSIZE > 0;
     constexpr int PLANES = halo_planes<PASSES, KSIZE>();
     constexpr int WPLANES = weight_planes<PASSES, KSIZE>();
-    using Fixed = FixedHalo<FIXED ? KSIZE : 1>;
+    using Fixed = FixedHalo<FIXED ? KSIZE : 1, Tile::W>;
+    static_assert((Tile::W == HALO_TW && Tile::N == CONV_BN)
+                      || (FIXED && PASSES == 1 && HALO_WGMMA),
+                  "other tiles: the wgmma build's TF32 steps over a compiled-in geometry");
     if constexpr (FIXED) {
         kh = kw = KSIZE;
         sh = sw = 1;  // (dilation: the generic path only)
@@ -606,8 +651,9 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
     const int gid = lane >> 2, tig = lane & 3;
-    const int warp_col = (warp & 3) * 8, warp_k = (warp >> 2) * 32;
-    const int k0 = blockIdx.y * CONV_BN;
+    const int warp_col = (warp & (Tile::COL_WARPS - 1)) * 8;
+    const int warp_k = (int)((unsigned)warp / Tile::COL_WARPS) * 32;
+    const int k0 = blockIdx.y * Tile::N;
     const int khw = kh * kw;
     const bool one_chunk = C <= cc;
     // KSIZE = 0: this lane's fragment rows (gid, gid + 8 of MMA tile i: pixel row 2 * i +
@@ -631,7 +677,7 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
             return PASSES == 1 ? __uint_as_float(to_tf32(v)) : v;
         };
         if constexpr (FIXED) {
-            // wgmma: per tap and warpgroup (warp_k / 32) an 8 x 32 K-major operand
+            // wgmma: per tap and 32 channels (warp_k / 32) an 8 x 32 K-major operand
             // (wgmma_desc), [tap][warp_k / 32][8-column tile][half][column][c % 4], the value
             // of output channel k0 + warp_k + 8 tile + column and input channel c0 + 4 half +
             // c % 4. mma.sync: each lane's B fragments of a tap, all four 8-column tiles j, as
@@ -639,8 +685,9 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
             // value of output channel k0 + warp_k + 8 j + gid and input channel c0 + tig + 4
             // half.
             float* wt = &s.wt[0][0];
-            for (int i = tid; i < Fixed::TAPS * CONV_BN * Fixed::CC; i += CONV_THREADS) {
-                const int tap = i >> 9, wk = (i >> 8) & 1;
+            for (int i = tid; i < Fixed::TAPS * Tile::N * Fixed::CC; i += CONV_THREADS) {
+                const int tap = (int)((unsigned)i / (Tile::N * Fixed::CC));
+                const int wk = (i >> 8) & (Tile::N / 32 - 1);
                 const int k = HALO_WGMMA ? k0 + wk * 32 + ((i >> 6) & 3) * 8 + ((i >> 2) & 7)
                                          : k0 + wk * 32 + ((i >> 1) & 3) * 8 + ((i >> 5) & 7);
                 const int c = HALO_WGMMA ? c0 + (i & 3) + 4 * ((i >> 5) & 1)
@@ -714,7 +761,7 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
     // along W, zeros outside the input), V floats a copy.
     auto copy_halo_by = [&](auto v, const TilePos& pos, int c0, float* buf) {
         constexpr int V = decltype(v)::value;
-        const int h0 = pos.tr * HALO_TH * sh - ph, w0 = pos.tc * HALO_TW * sw - pw;
+        const int h0 = pos.tr * HALO_TH * sh - ph, w0 = pos.tc * Tile::W * sw - pw;
         const float* xs = x + (long long)pos.n * C * H * W;
         each_own_run(v, c0, [&](int c, int hrow, int col, int index) {
             const int h = h0 + hrow, ww = w0 + col;
@@ -808,21 +855,21 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
                 // The warpgroup's 64 x 32 steps, MMA tile i of each of its 4 warps: wgmma's
                 // A fragment and accumulator layouts are mma_tf32's per warp. A's registers
                 // and acc stay untouched from a group's fence until its wait.
-                // warp_k / 32, shuffled from lane 0 so that the compiler sees it uniform over
-                // the warp: the descriptors built from it stay in uniform registers (no
-                // move into them per wgmma).
-                const int warpgroup = __shfl_sync(0xffffffffu, warp >> 2, 0);
+                // warp_k / 32 (the warpgroup's channels), shuffled from lane 0 so that the
+                // compiler sees it uniform over the warp: the descriptors built from it stay in
+                // uniform registers (no move into them per wgmma).
+                const int kgroup = __shfl_sync(0xffffffffu, warp_k >> 5, 0);
                 // Each step's descriptor is this one plus its operand's offset in 16-byte
                 // units, a constant: one add a step, not the address arithmetic. Every operand
                 // lies in the shared window (under 228 KB), so the address field's sum stays
                 // below 2^14 and carries into no other field.
-                const unsigned long long desc0 = wgmma_desc(&s.wt[0][0] + warpgroup * 256);
+                const unsigned long long desc0 = wgmma_desc(&s.wt[0][0] + kgroup * 256);
                 // Kernel column v's steps, A from operand plane `plane`, B from the weights'
                 // plane wq, into acc.
                 auto column_steps = [&](const unsigned (&plane)[Fixed::HR][2], int v, int wq) {
 #pragma unroll
                     for (int u = 0; u < KSIZE; ++u) {
-                        const int tap_b = wq * HALO_WPLANE + (u * KSIZE + v) * 2 * 256;  // floats
+                        const int tap_b = wq * HALO_WPLANE + (u * KSIZE + v) * Tile::N * 8;
 #pragma unroll
                         for (int i = 0; i < 2; ++i) {
                             unsigned a[4];
@@ -1049,6 +1096,76 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
         x, w, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
         halo_shared<PASSES, KSIZE>(smem, hsize), TileGroups<SPAN>{N, P, Q}, store,
         [](int) { return 1.0f; });
+}
+
+// conv2d_halo in TF32 for 3 x 3 kernels at stride and dilation 1 (FixedHalo) on the wgmma
+// build, where the output rows are 65 to 128 columns: tiles of 4 x 64 pixels x 32 channels
+// (BandTile), a block taking the two tiles of a band of 4 whole output rows one after the
+// other (BandTiles). Each channel's rows of the band are one contiguous run of y, staged as
+// such (channel c at c * cs floats, a row Q floats) and written by one bulk copy of the
+// tensor memory accelerator (cp.async.bulk: no thread stores, the run's DRAM pages written
+// at once), which the block does not wait for: the next band's staging waits until the
+// copies have read the scratch. The launcher needs y 16-byte aligned and every band's run a
+// multiple of 16 bytes (P * Q and (P % 4) * Q multiples of 4), and cs >= 4 Q with cs % 8 ==
+// 4 (the accumulators' four tig lanes write distinct banks). Compiled for the other targets
+// too, where it traps.
+__global__ void __launch_bounds__(CONV_THREADS, HALO_BLOCKS_PER_SM)
+conv2d_halo_bands(const float* __restrict__ x, const float* __restrict__ w,
+                  const float* __restrict__ bias, float* __restrict__ y, int N, int C, int H,
+                  int W, int K, int P, int Q, int ph, int pw, int cs) {
+#if HALO_WGMMA
+    constexpr int KSIZE = 3;
+    using Fixed = FixedHalo<KSIZE, BandTile::W>;
+    extern __shared__ float smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gid = lane >> 2, tig = lane & 3;
+    const int warp_col = (warp & (BandTile::COL_WARPS - 1)) * 8;
+    const int k0 = blockIdx.y * BandTile::N;
+    const int hsize = halo_floats<KSIZE, BandTile::W>(0, 0, 0);
+    float* staged = halo_scratch<1, KSIZE>(smem, hsize);  // [channel][row * Q + column]
+    const int kn = min(BandTile::N, K - k0);
+    const ChannelBias tile_bias = channel_bias(bias, k0, tig, K);
+    const BandTiles bands{N, P, Q};
+    auto store = [&](const TilePos& pos, const float (&acc)[2][4][4]) {
+        if (pos.tc == bands.last()) {
+            // The previous band's copies have read the scratch.
+            if (threadIdx.x < BandTile::N)
+                asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+            __syncthreads();
+        }
+        // Fragment row r of the warp's 32 is pixel (row r / 8, column warp_col + r % 8). No
+        // output is skipped: a row past P lands within its channel's cs floats, past the run
+        // that the copy takes, and a column past Q (in the band's last tile, staged first)
+        // where the first tile's value of the same row, BandTile::W columns to the left,
+        // overwrites it.
+        const int col = pos.tc * BandTile::W + warp_col + gid;
+        float* at = staged + (col < Q ? col : col - BandTile::W);
+        each_output(acc, gid, tig, k0, K, tile_bias, [&](int r, int k, float v) {
+            at[(k - k0) * cs + (r >> 3) * Q] = v;
+        });
+        if (pos.tc != 0) return;
+        // The staged values, written through the generic proxy, before the copies read them
+        // through the async one.
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncthreads();
+        if (threadIdx.x < kn) {
+            const int p0 = pos.tr * HALO_TH;
+            const long long run = (((long long)pos.n * K + k0 + threadIdx.x) * P + p0) * Q;
+            const unsigned src = (unsigned)__cvta_generic_to_shared(staged + threadIdx.x * cs);
+            asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                         :: "l"(y + run), "r"(src), "r"(4 * min(HALO_TH, P - p0) * Q)
+                         : "memory");
+            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        }
+    };
+    halo_tiles<1, KSIZE, HALO_BLOCKS_PER_SM, BandTile>(
+        x, w, C, H, W, K, KSIZE, KSIZE, P, Q, 1, 1, ph, pw, 1, 1, Fixed::CC, Fixed::HR,
+        Fixed::HC, halo_shared<1, KSIZE>(smem, hsize), bands, store, [](int) { return 1.0f; });
+    // The copies have read the scratch before the block leaves it.
+    if (threadIdx.x < BandTile::N) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+#else
+    __trap();
+#endif
 }
 
 // Pipeline A's convolution with the fused pass of pool_extremum_stats (pooling.cu) as its

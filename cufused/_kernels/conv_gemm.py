@@ -19,6 +19,7 @@ _HALO_BLOCKS_PER_SM = 2  # HALO_BLOCKS_PER_SM: the grid's blocks per multiproces
 # POOL_SCRATCH_FLOATS: per channel 4 floats, per warp column and channel 2.
 _POOL_SCRATCH_FLOATS = 4 * _TILE_K + 2 * 4 * _TILE_K
 _FIXED_KSIZE, _FIXED_CC = 3, 8  # FixedHalo's instantiation and its channels per chunk
+_BAND_TW, _BAND_TK = 64, 32  # BandTile: conv2d_halo_bands' tile columns and channels
 
 
 def fixed_ksize(c: int, kernel: tuple[int, int], stride: tuple[int, int],
@@ -86,15 +87,21 @@ def halo_out_stride(span: int) -> int:
     return _HALO_TH * _HALO_TW * span + 4
 
 
-def halo_shared_bytes(cc: int, hr: int, hc: int, ksize: int, passes: int,
-                      pool: int = 0, span: int = 1) -> int:
-    """Dynamic shared memory of a halo kernel (``halo_shared`` in conv_gemm.cu): the staged
-    weights' planes and their halo offsets, two halo buffers of ``cc`` channels in their
-    planes and the epilogue's scratch: the pooling epilogue's (``pool`` > 0) or the group of
-    ``span`` output tiles ``conv2d_halo`` stages."""
+def _halo_scratch_offset(cc: int, hr: int, hc: int, ksize: int, passes: int) -> int:
+    """Floats of a halo kernel's shared memory before its epilogue's scratch (``halo_scratch``
+    in conv_gemm.cu): the staged weights' planes and their halo offsets, two halo buffers of
+    ``cc`` channels in their planes, rounded up to 4 (16-byte aligned)."""
     floats = (weight_planes(passes, ksize) * _HALO_RC * (_TILE_K + 8) + _HALO_RC
               + 2 * halo_planes(passes, ksize) * cc * halo_channel_stride(hr, hc, ksize))
-    floats = -(-floats // 4) * 4  # the scratch starts 16-byte aligned (halo_scratch)
+    return -(-floats // 4) * 4
+
+
+def halo_shared_bytes(cc: int, hr: int, hc: int, ksize: int, passes: int,
+                      pool: int = 0, span: int = 1) -> int:
+    """Dynamic shared memory of a halo kernel (``halo_shared`` in conv_gemm.cu): what
+    :func:`_halo_scratch_offset` counts and the epilogue's scratch: the pooling epilogue's
+    (``pool`` > 0) or the group of ``span`` output tiles ``conv2d_halo`` stages."""
+    floats = _halo_scratch_offset(cc, hr, hc, ksize, passes)
     if pool:
         floats += _POOL_SCRATCH_FLOATS
     else:
@@ -114,6 +121,29 @@ def halo_span(tiles: int, passes: int, alone: int, paired: int) -> int:
     if tiles <= sm_count() * _HALO_BLOCKS_PER_SM or paired > shared_per_block():
         return 1
     return 2 if min(bound, resident_blocks(paired)) >= min(bound, resident_blocks(alone)) else 1
+
+
+def band_channel_stride(q: int) -> int:
+    """Floats from one channel's staged band to the next in ``conv2d_halo_bands``' scratch
+    for output rows of ``q`` columns: the first of at least ``4 q`` that is 4 mod 8."""
+    return 4 * q + 4 * (1 - q % 2)
+
+
+def halo_bands_shared(n: int, k: int, p: int, q: int, y_address: int) -> int:
+    """Dynamic shared memory of ``conv2d_halo_bands`` for the TF32 3 x 3 convolution (stride
+    and dilation 1) into an NCHW output of ``n * k`` planes of ``p x q`` at ``y_address``,
+    or 0 where it does not take the problem: the kernel needs the wgmma build (sm_90a), rows
+    of 65 to 128 columns (a band of 4 rows in one tile pair), each band's run of rows a
+    multiple of 16 bytes at a 16-byte aligned address, and two blocks a multiprocessor."""
+    if (not 2 * _HALO_TW < q <= 2 * _BAND_TW or (p * q) % 4 or ((p % 4) * q) % 4
+            or y_address % 16 or arch_target(_FILE) != "sm_90a" or not n * k * p):
+        return 0
+    hr, hc = _HALO_TH + _FIXED_KSIZE - 1, _BAND_TW + _FIXED_KSIZE - 1
+    floats = (_halo_scratch_offset(_FIXED_CC, hr, hc, _FIXED_KSIZE, 1)
+              + _BAND_TK * band_channel_stride(q))
+    shared = 4 * floats
+    fits = shared <= shared_per_block() and resident_blocks(shared) >= _HALO_BLOCKS_PER_SM
+    return shared if fits else 0
 
 
 def channel_tiles_fit(out_channels: int) -> bool:
@@ -178,6 +208,18 @@ def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tup
                 i32(kw), i32(p), i32(q), i32(stride[0]), i32(stride[1]), i32(padding[0]),
                 i32(padding[1]), i32(dilation[0]), i32(dilation[1]))
     halo = halo_geometry(c, (kh, kw), stride, dilation, passes)
+    bands = halo_bands_shared(n, k, p, q, y.data.ptr) if halo and halo[3] and passes == 1 else 0
+    if bands:
+        # Every block resident: the channel halves of a band run side by side (the second
+        # reads its halos from L2).
+        channel_blocks = -(-k // _BAND_TK)
+        slots = max(1, sm_count() * _HALO_BLOCKS_PER_SM // channel_blocks)
+        get_kernel(_FILE, "conv2d_halo_bands", shared_bytes=bands)(
+            (min(n * -(-p // _HALO_TH), slots), channel_blocks), (_THREADS,),
+            (x, w, optional(bias), y, i32(n), i32(c), i32(h), i32(wd), i32(k), i32(p), i32(q),
+             i32(padding[0]), i32(padding[1]), i32(band_channel_stride(q))),
+            shared_mem=bands)
+        return
     if halo is not None:
         cc, hr, hc, ksize, shared = halo
         tiles = n * -(-p // _HALO_TH) * -(-q // _HALO_TW)

@@ -113,6 +113,7 @@ def test_tiles_stored_alone_or_in_pairs(rng, monkeypatch, x_shape, w_shape, padd
     monkeypatch.setattr(conv_gemm, "get_kernel",
                         lambda filename, name, **kw: names.append(name) or launch(filename,
                                                                                   name, **kw))
+    monkeypatch.setattr(conv_gemm, "halo_bands_shared", lambda *args: 0)
     x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
     ref = reference.conv(x, w, None, (1, 1), padding, (1, 1), 1)
     xg, wg = cp.asarray(x, cp.float32), cp.asarray(w, cp.float32)
@@ -131,6 +132,58 @@ def test_tiles_stored_alone_or_in_pairs(rng, monkeypatch, x_shape, w_shape, padd
             assert_close(y.get(), ref, tol)
             outs.append(y)
         assert bool(cp.array_equal(outs[0], outs[1]))
+
+
+@pytest.mark.parametrize("sms", [1, 8])
+@pytest.mark.parametrize("x_shape, c_out, padding", [
+    ((3, 8, 13, 128), 64, (1, 1)),  # rows of 128 columns, a last band of 1 row
+    ((2, 19, 10, 103), 70, (0, 0)),  # 3 chunks of input channels, Q odd, 3 channel blocks
+    ((3, 8, 9, 102), 40, (0, 0)),  # a last band of 3 rows, 8 channels in the second block
+    ((2, 3, 11, 70), 33, (2, 2)),  # the halo copied a float at a time, 1 channel past 32
+    ((1, 8, 6, 68), 64, (1, 0)),  # rows of 66 columns: 2 of the second tile's 64
+])
+def test_bands_of_whole_rows(rng, monkeypatch, x_shape, c_out, padding, sms):
+    # TF32 on the wgmma build stores bands of 4 whole output rows by bulk copies
+    # (conv2d_halo_bands): the float64 reference's values and conv2d_halo's bits, with
+    # blocks taking many bands (one multiprocessor) or a few, NaN and infinities where the
+    # reference has them, and nothing written outside y (a view 16 bytes into a NaN buffer).
+    from cufused._kernels import conv_gemm
+
+    if conv_gemm.arch_target(conv_gemm._FILE) != "sm_90a":
+        pytest.skip("conv2d_halo_bands runs on the wgmma build (compute capability 9.0)")
+    monkeypatch.setattr(conv_gemm, "sm_count", lambda: sms)
+    names = []
+    launch = conv_gemm.get_kernel
+    monkeypatch.setattr(conv_gemm, "get_kernel",
+                        lambda filename, name, **kw: names.append(name) or launch(filename,
+                                                                                  name, **kw))
+    bands = conv_gemm.halo_bands_shared
+    x = rng.standard_normal(x_shape)
+    w = rng.standard_normal((c_out, x_shape[1], 3, 3))
+    bias = rng.standard_normal(c_out)
+    for nonfinite in (False, True):
+        if nonfinite:
+            x[0, 0, 2, 3], x[-1, -1, -1, -1], w[c_out // 2, 0, 1, 1] = np.nan, np.inf, -np.inf
+        ref = reference.conv(x, w, bias, (1, 1), padding, (1, 1), 1)
+        outs = []
+        for use_bands, name in ((True, "conv2d_halo_bands"), (False, "conv2d_halo<1, 3, ")):
+            monkeypatch.setattr(conv_gemm, "halo_bands_shared",
+                                bands if use_bands else lambda *args: 0)
+            buf = cp.full(ref.size + 8, cp.nan, dtype=cp.float32)
+            y = buf[4:4 + ref.size].reshape(ref.shape)
+            conv_gemm.conv2d_implicit_gemm(
+                *(cp.asarray(a, cp.float32) for a in (x, w, bias)), y, stride=(1, 1),
+                padding=padding, dilation=(1, 1), passes=1)
+            assert names[-1].startswith(name)
+            assert bool(cp.isnan(buf[:4]).all()) and bool(cp.isnan(buf[-4:]).all())
+            got = y.get()
+            if nonfinite:
+                for mask in (np.isnan, np.isposinf, np.isneginf):
+                    np.testing.assert_array_equal(mask(got), mask(ref))
+            else:
+                assert_close(got, ref, 2e-3)
+            outs.append(y)
+        assert bool(cp.array_equal(outs[0], outs[1], equal_nan=True))
 
 
 @pytest.mark.parametrize("passes", [1, 3])

@@ -614,6 +614,19 @@ def test_conv_gemm_launchers(launches, monkeypatch):
                                        stride=(1, 1), padding=(0, 0), dilation=(1, 1), pool=2,
                                        passes=passes)
                 assert launches[-1].name == f"conv2d_halo_pool_stats<{passes}, {ksize}, 2>"
+    # Rows of 70 columns in TF32 on the wgmma build: bands of 4 whole rows (2 samples x 5),
+    # 32 channels a block (2 channel blocks sharing the 264 slots), each channel's staged band
+    # 4 * 70 + 4 floats apart.
+    monkeypatch.setattr(conv, "arch_target", lambda filename: "sm_90a")
+    y = Dev((2, 64, 18, 70))
+    conv.conv2d_implicit_gemm(Dev((2, 8, 20, 72)), Dev((64, 8, 3, 3)), Dev((64,)), y,
+                              stride=(1, 1), padding=(0, 0), dilation=(1, 1), passes=1)
+    band = launches[-1]
+    assert band.name == "conv2d_halo_bands"
+    assert band.grid == (10, 2) and argument(band, "cs") == 284
+    assert band.shared_mem == conv.halo_bands_shared(2, 64, 18, 70, y.data.ptr) == 4 * (
+        conv.halo_shared_bytes(8, 6, 66, 3, 1) // 4 - 64 * conv.halo_out_stride(1) + 32 * 284)
+    monkeypatch.setattr(conv, "arch_target", lambda filename: None)
     # Stride 1: the compiled-in 3 x 3 geometry, 18 x 16 outputs in 5 tiles; stride 2: the
     # geometry as arguments, 9 x 16 in 3.
     for stride, ksize, p, splits_want in (((1, 1), 3, 18, 5), ((2, 1), 0, 9, 3)):
@@ -719,6 +732,30 @@ def test_halo_span(monkeypatch):
             assert conv.halo_span(265, passes, alone, paired) == span
     monkeypatch.setattr(conv, "shared_per_block", lambda: 99 * 1024)
     assert conv.halo_span(16384, 1, 70 * 1024, 100 * 1024) == 1  # the pair does not fit
+
+
+def test_halo_bands_shared(monkeypatch):
+    # conv2d_halo_bands takes rows of 65 to 128 columns on the wgmma build where each band's
+    # run of rows is a multiple of 16 bytes at a 16-byte aligned address (P * Q and
+    # (P % 4) * Q multiples of 4) and two blocks fit a multiprocessor.
+    conv = LAUNCHERS["conv_gemm.cu"]
+    monkeypatch.setattr(conv, "shared_per_block", lambda: 227 * 1024)
+    monkeypatch.setattr(conv, "resident_blocks", lambda shared: 228 * 1024 // (shared + 1024))
+    monkeypatch.setattr(conv, "arch_target", lambda filename: "sm_90a")
+    for q, cs in ((65, 260), (70, 284), (101, 404), (128, 516)):
+        assert conv.band_channel_stride(q) == cs and cs % 8 == 4
+    assert conv.halo_bands_shared(128, 64, 126, 126, 1 << 20) == 4 * (5184 + 72 + 2 * 8 * 424
+                                                                       + 32 * 508)
+    for p, q in ((18, 70), (8, 101), (7, 100), (126, 128), (4, 65 + 3)):
+        assert conv.halo_bands_shared(2, 64, p, q, 1 << 20)
+    for p, q, address in ((18, 64, 0), (18, 130, 0), (7, 101, 0), (9, 102, 0), (18, 70, 8)):
+        assert not conv.halo_bands_shared(2, 64, p, q, address)
+    assert not conv.halo_bands_shared(0, 64, 18, 70, 0)
+    monkeypatch.setattr(conv, "resident_blocks", lambda shared: 1)
+    assert not conv.halo_bands_shared(2, 64, 18, 70, 0)
+    monkeypatch.setattr(conv, "resident_blocks", lambda shared: 2)
+    monkeypatch.setattr(conv, "arch_target", lambda filename: None)  # the portable build
+    assert not conv.halo_bands_shared(2, 64, 18, 70, 0)
 
 
 def test_halo_kernels_within_the_devices_shared_memory(launches, monkeypatch):
