@@ -134,9 +134,11 @@ def halo_bands_shared(n: int, k: int, p: int, q: int, y_address: int) -> int:
     and dilation 1) into an NCHW output of ``n * k`` planes of ``p x q`` at ``y_address``,
     or 0 where it does not take the problem: the kernel needs the wgmma build (sm_90a), rows
     of 65 to 128 columns (a band of 4 rows in one tile pair), each band's run of rows a
-    multiple of 16 bytes at a 16-byte aligned address, and two blocks a multiprocessor."""
+    multiple of 16 bytes at a 16-byte aligned address, channel tiles of 32 that the grid
+    holds, and two blocks a multiprocessor."""
     if (not 2 * _HALO_TW < q <= 2 * _BAND_TW or (p * q) % 4 or ((p % 4) * q) % 4
-            or y_address % 16 or arch_target(_FILE) != "sm_90a" or not n * k * p):
+            or y_address % 16 or not n * k * p or not fits_grid_yz(k, _BAND_TK)
+            or arch_target(_FILE) != "sm_90a"):
         return 0
     hr, hc = _HALO_TH + _FIXED_KSIZE - 1, _BAND_TW + _FIXED_KSIZE - 1
     floats = (_halo_scratch_offset(_FIXED_CC, hr, hc, _FIXED_KSIZE, 1)

@@ -751,6 +751,8 @@ def test_halo_bands_shared(monkeypatch):
     for p, q, address in ((18, 64, 0), (18, 130, 0), (7, 101, 0), (9, 102, 0), (18, 70, 8)):
         assert not conv.halo_bands_shared(2, 64, p, q, address)
     assert not conv.halo_bands_shared(0, 64, 18, 70, 0)
+    assert conv.halo_bands_shared(1, 65535 * 32, 18, 70, 0)
+    assert not conv.halo_bands_shared(1, 65535 * 32 + 1, 18, 70, 0)  # past the grid's y
     monkeypatch.setattr(conv, "resident_blocks", lambda shared: 1)
     assert not conv.halo_bands_shared(2, 64, 18, 70, 0)
     monkeypatch.setattr(conv, "resident_blocks", lambda shared: 2)
