@@ -6,8 +6,9 @@ or two (TileGroups) and stored by rows, with float64 MMAs, against the float64 r
 GPU); and of conv2d_halo_pool_stats' epilogue (its schedule of segments, registers, shuffles and
 scratch, on accumulators of weights staged times the window sign) against its definition;
 and the weights as the wgmma build (sm_90a) stages them, read through its shared-memory
-descriptor, against the mma.sync build's. Run it after changing the kernels' index math
-(and change it alongside).
+descriptor, against the mma.sync build's; and of conv2d_halo_bands' schedule (BandTiles),
+staged bands and bulk copies on the float64 convolution, with its 32-channel weight operand.
+Run it after changing the kernels' index math (and change it alongside).
 
 Usage: python scripts/emulate_conv_halo.py
 """
@@ -20,10 +21,13 @@ import sys
 import numpy as np
 
 from cufused import reference
-from cufused._kernels.conv_gemm import (_HALO_MAX, _HALO_RC, _POOL_SCRATCH_FLOATS, _TILE_K,
-                                        fixed_ksize, halo_channel_stride, halo_chunk,
-                                        halo_out_stride, halo_planes, halo_row_stride,
-                                        halo_shared_bytes, sample_segments, weight_planes)
+from cufused._kernels import conv_gemm
+from cufused._kernels.conv_gemm import (_BAND_TK, _BAND_TW, _HALO_MAX, _HALO_RC,
+                                        _POOL_SCRATCH_FLOATS, _TILE_K, band_channel_stride,
+                                        fixed_ksize, halo_bands_shared, halo_channel_stride,
+                                        halo_chunk, halo_out_stride, halo_planes,
+                                        halo_row_stride, halo_shared_bytes, sample_segments,
+                                        weight_planes)
 from cufused._kernels.conv_gemm import _HALO_TH as TH
 from cufused._kernels.conv_gemm import _HALO_TW as TW
 
@@ -479,35 +483,129 @@ def check_shared_layout() -> bool:
 
 def check_wgmma_weights(rng) -> bool:
     """The weights as the wgmma build stages them ([tap][warp_k / 32][8-column tile][half]
-    [column][c % 4]) read through wgmma_desc's descriptor (K-major, no swizzle: element
-    (k, n) at (n // 8) * SBO + (k // 4) * LBO + (n % 8) * 16 + (k % 4) * 4 bytes, LBO 128,
-    SBO 256) give every tap's and warpgroup's B operand that the mma.sync build's per-lane
-    layout gives, on channel counts past one tile and short of a chunk."""
+    [column][c % 4], a tile's N channels: 64, or BandTile's 32 that both warpgroups read)
+    read through wgmma_desc's descriptor (K-major, no swizzle: element (k, n) at (n // 8) *
+    SBO + (k // 4) * LBO + (n % 8) * 16 + (k % 4) * 4 bytes, LBO 128, SBO 256) give every
+    tap's and channel group's B operand that the mma.sync build's per-lane layout gives, on
+    channel counts past one tile and short of a chunk."""
     lbo, sbo = 128, 256  # wgmma_desc's leading and stride byte offsets
     ok = True
-    for k_total, c_total, k0 in [(64, 8, 0), (70, 5, 64), (40, 8, 0)]:
-        ksize, cc = 3, 8
-        taps = ksize * ksize
-        wflat = rng.standard_normal((k_total, c_total * taps))
-        lanes = stage_chunk(np.zeros((1, c_total, 3, 34)), wflat, 0, 0, cc, k0,
-                            (0, 0, 6, 34, ksize, ksize, 1, 1), True)[3]
-        staged = np.zeros(taps * BN * cc)
-        for i in range(staged.size):
-            k = k0 + ((i >> 8) & 1) * 32 + ((i >> 6) & 3) * 8 + ((i >> 2) & 7)
-            c = (i & 3) + 4 * ((i >> 5) & 1)
-            if k < k_total and c < c_total:
-                staged[i] = wflat[k, c * taps + (i >> 9)]
-        for tap in range(taps):
-            for warp_k in (0, 32):
-                start = (tap * 2 + warp_k // 32) * 256 * 4  # bytes: the descriptor's address
-                b = np.zeros((8, 32))
-                for k in range(8):
-                    for n in range(32):
-                        at = start + (n // 8) * sbo + (k // 4) * lbo + (n % 8) * 16 + (k % 4) * 4
-                        b[k, n] = staged[at // 4]
-                tiles = lane_b_tiles(lanes, tap, warp_k)
-                ok &= all(np.array_equal(b[:, 8 * j:8 * j + 8], tiles[j]) for j in range(4))
-    print(f"wgmma weight layout and descriptor: {'ok' if ok else 'FAILED'}")
+    for tile_n in (BN, _BAND_TK):
+        for k_total, c_total, k0 in [(64, 8, 0), (70, 5, 64), (40, 8, 0), (64, 8, 32)]:
+            ksize, cc = 3, 8
+            taps = ksize * ksize
+            wflat = rng.standard_normal((k_total, c_total * taps))
+            lanes = stage_chunk(np.zeros((1, c_total, 3, 34)), wflat, 0, 0, cc, k0,
+                                (0, 0, 6, 34, ksize, ksize, 1, 1), True)[3]
+            staged = np.zeros(taps * tile_n * cc)
+            for i in range(staged.size):
+                wk = (i >> 8) & (tile_n // 32 - 1)
+                k = k0 + wk * 32 + ((i >> 6) & 3) * 8 + ((i >> 2) & 7)
+                c = (i & 3) + 4 * ((i >> 5) & 1)
+                if k < k_total and c < c_total:
+                    staged[i] = wflat[k, c * taps + i // (tile_n * cc)]
+            for tap in range(taps):
+                for warp_k in range(0, tile_n, 32):
+                    start = (tap * tile_n * cc + warp_k * cc) * 4  # the descriptor's address
+                    b = np.zeros((8, 32))
+                    for k in range(8):
+                        for n in range(32):
+                            at = (start + (n // 8) * sbo + (k // 4) * lbo + (n % 8) * 16
+                                  + (k % 4) * 4)
+                            b[k, n] = staged[at // 4]
+                    tiles = lane_b_tiles(lanes, tap, warp_k)
+                    ok &= all(np.array_equal(b[:, 8 * j:8 * j + 8], tiles[j])
+                              for j in range(4))
+    print(f"wgmma weight layouts and descriptor: {'ok' if ok else 'FAILED'}")
+    return ok
+
+
+def band_tiles(block, grid_x, n_total, p_total, q_total):
+    """BandTiles' first / next from block ``block`` of ``grid_x``, line for line: the
+    block's tiles in order, as (n, tr, tc), each band's last tile first."""
+    rows = -(-p_total // TH)
+    last = (q_total - 1) // _BAND_TW
+
+    def at(index):
+        if index >= n_total * rows:
+            return None
+        n = index // rows
+        return n, index - n * rows, last
+
+    pos = at(block)
+    while pos is not None:
+        yield pos
+        n, tr, tc = pos
+        pos = (n, tr, tc - 1) if tc > 0 else at(n * rows + tr + grid_x)
+
+
+def check_bands(rng) -> bool:
+    """conv2d_halo_bands' epilogue on the float64 convolution, every block, warp, lane and
+    store emulated: the bands in BandTiles' order (2 blocks a channel tile, each taking
+    several bands), each tile's accumulators (BandTile: 8 warps of 8 columns, 32 channels)
+    staged without a predicate (a column past Q BandTile::W columns to the left, in the
+    last tile staged first; positions outside the output carry a marker that must not reach
+    y), every staged store's 32 lanes on distinct banks, each channel's band copied as one
+    run whose address and size are multiples of 16 bytes, inside the launcher's shared
+    memory; y then equals the convolution everywhere."""
+    ok = True
+    saved = conv_gemm.arch_target, conv_gemm.resident_blocks, conv_gemm.shared_per_block
+    conv_gemm.arch_target = lambda filename: "sm_90a"
+    conv_gemm.resident_blocks = lambda shared: 228 * 1024 // (shared + 1024)
+    conv_gemm.shared_per_block = lambda: 227 * 1024
+    try:
+        for n_total, k_total, p_total, q_total in [(2, 64, 18, 70), (2, 70, 8, 101),
+                                                   (3, 40, 7, 100), (2, 33, 13, 72),
+                                                   (1, 64, 6, 66), (1, 64, 10, 126),
+                                                   (1, 8, 5, 128)]:
+            shared = halo_bands_shared(n_total, k_total, p_total, q_total, 0)
+            ok &= shared > 0
+            cs = band_channel_stride(q_total)
+            front = (_HALO_RC * (_TILE_K + 8) + _HALO_RC
+                     + 2 * 8 * halo_channel_stride(TH + 2, _BAND_TW + 2, 3) + 3) & ~3
+            ok &= cs >= 4 * q_total and cs % 8 == 4 and 4 * (front + _BAND_TK * cs) <= shared
+            conv = rng.standard_normal((n_total, k_total, p_total, q_total))
+            y = np.full(conv.size, np.nan)
+            marker = np.inf  # a value outside the output
+            for k0 in range(0, k_total, _BAND_TK):
+                kn = min(_BAND_TK, k_total - k0)
+                schedule = [pos for block in range(2)
+                            for pos in band_tiles(block, 2, n_total, p_total, q_total)]
+                bands = [(n, tr) for n in range(n_total) for tr in range(-(-p_total // TH))]
+                ok &= sorted(schedule) == sorted(
+                    (n, tr, tc) for n, tr in bands for tc in range((q_total - 1) // _BAND_TW + 1))
+                for n, tr, tc in schedule:
+                    if tc == (q_total - 1) // _BAND_TW:  # a band's first tile: a new scratch
+                        staged = np.full(_BAND_TK * cs, np.nan)
+                    for warp in range(8):
+                        col = tc * _BAND_TW + warp * 8 + GID
+                        at = np.where(col < q_total, col, col - _BAND_TW)
+                        for j in range(4):
+                            for e in range(2):
+                                k = k0 + j * 8 + 2 * TIG + e
+                                for row in range(TH):
+                                    p = tr * TH + row
+                                    inside = (p < p_total) & (col < q_total) & (k < k_total)
+                                    v = np.where(inside, conv[n, np.minimum(k, k_total - 1),
+                                                              min(p, p_total - 1),
+                                                              np.minimum(col, q_total - 1)],
+                                                 marker)
+                                    addr = (k - k0) * cs + row * q_total + at
+                                    ok &= len(set((addr[k < k_total] % 32).tolist())) == int(
+                                        (k < k_total).sum())
+                                    ok &= bool((addr[k < k_total] < _BAND_TK * cs).all())
+                                    staged[addr[k < k_total]] = v[k < k_total]
+                    if tc == 0:  # the band's copies, one a channel
+                        rows = min(TH, p_total - tr * TH)
+                        for t in range(kn):
+                            run = ((n * k_total + k0 + t) * p_total + tr * TH) * q_total
+                            size = rows * q_total
+                            ok &= run % 4 == 0 and size % 4 == 0 and (t * cs) % 4 == 0
+                            y[run:run + size] = staged[t * cs:t * cs + size]
+            ok &= np.array_equal(y, conv.reshape(-1))
+    finally:
+        conv_gemm.arch_target, conv_gemm.resident_blocks, conv_gemm.shared_per_block = saved
+    print(f"bands of whole rows (schedule, staging, copies): {'ok' if ok else 'FAILED'}")
     return ok
 
 
@@ -529,7 +627,7 @@ def main() -> int:
               f"(cc, hr, hc) {halo_chunk(xs[1], ws[2:], stride, dilation, 1, wgmma=True)}: "
               f"max error (tiles in pairs, alone) {errs[0]:.1e} {errs[1]:.1e}")
     worst = max(worst, check_pool_stats(rng))
-    if not check_shared_layout() or not check_wgmma_weights(rng):
+    if not check_shared_layout() or not check_wgmma_weights(rng) or not check_bands(rng):
         return 1
     return 0 if worst < 1e-9 else 1  # an output never written (NaN) counts as inf
 
