@@ -95,6 +95,18 @@ def test_output_rows_of_any_alignment(rng, offset, q_extra):
     assert bool(cp.isnan(outside))
 
 
+def launched_names(monkeypatch, conv_gemm, sms: int) -> list[str]:
+    """The names of the kernels that ``conv_gemm`` launches from now on (a list that grows),
+    its grids sized for ``sms`` multiprocessors."""
+    monkeypatch.setattr(conv_gemm, "sm_count", lambda: sms)
+    names = []
+    launch = conv_gemm.get_kernel
+    monkeypatch.setattr(conv_gemm, "get_kernel",
+                        lambda filename, name, **kw: names.append(name) or launch(filename,
+                                                                                  name, **kw))
+    return names
+
+
 @pytest.mark.parametrize("sms", [1, 8])
 @pytest.mark.parametrize("x_shape, w_shape, padding", [
     ((5, 8, 21, 70), (24, 8, 3, 3), (0, 0)),   # 3 tiles a row: a pair, the last alone
@@ -107,12 +119,7 @@ def test_tiles_stored_alone_or_in_pairs(rng, monkeypatch, x_shape, w_shape, padd
     # bits, with blocks taking several groups (one multiprocessor: 2 blocks) or a few.
     from cufused._kernels import conv_gemm
 
-    monkeypatch.setattr(conv_gemm, "sm_count", lambda: sms)
-    names = []
-    launch = conv_gemm.get_kernel
-    monkeypatch.setattr(conv_gemm, "get_kernel",
-                        lambda filename, name, **kw: names.append(name) or launch(filename,
-                                                                                  name, **kw))
+    names = launched_names(monkeypatch, conv_gemm, sms)
     monkeypatch.setattr(conv_gemm, "halo_bands_shared", lambda *args: 0)
     x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
     ref = reference.conv(x, w, None, (1, 1), padding, (1, 1), 1)
@@ -151,12 +158,7 @@ def test_bands_of_whole_rows(rng, monkeypatch, x_shape, c_out, padding, sms):
 
     if conv_gemm.arch_target(conv_gemm._FILE) != "sm_90a":
         pytest.skip("conv2d_halo_bands runs on the wgmma build (compute capability 9.0)")
-    monkeypatch.setattr(conv_gemm, "sm_count", lambda: sms)
-    names = []
-    launch = conv_gemm.get_kernel
-    monkeypatch.setattr(conv_gemm, "get_kernel",
-                        lambda filename, name, **kw: names.append(name) or launch(filename,
-                                                                                  name, **kw))
+    names = launched_names(monkeypatch, conv_gemm, sms)
     bands = conv_gemm.halo_bands_shared
     x = rng.standard_normal(x_shape)
     w = rng.standard_normal((c_out, x_shape[1], 3, 3))
