@@ -318,26 +318,37 @@ def _arch_target(filename: str, device: int) -> str | None:
     return ARCH_TARGETS.get(filename, {}).get(cupy.cuda.Device(device).compute_capability)
 
 
+# (source, device) pairs whose build for the architecture's own target failed there (an
+# NVRTC without the target): their kernels take the portable build from then on.
+_arch_failed: set[tuple[str, int]] = set()
+
+
 def arch_target(filename: str) -> str | None:
     """The architecture's own target (``ARCH_TARGETS``) that :func:`get_kernel` builds
     ``filename``'s kernels for on the current device, or None: the portable build (no such
-    target there, or inside :func:`portable_builds`). Where NVRTC lacks the target the
-    kernels fall back to the portable build although this names it."""
+    target there, inside :func:`portable_builds`, or once a build for the target failed on
+    the device: NVRTC lacks it)."""
     import cupy
 
     if _portable.get():
         return None
-    return _arch_target(filename, cupy.cuda.runtime.getDevice())
+    device = cupy.cuda.runtime.getDevice()
+    if (filename, device) in _arch_failed:
+        return None
+    return _arch_target(filename, device)
 
 
 def _build(filename: str, name: str, device: int, portable: bool):
     import cupy
 
-    arch = None if portable else _arch_target(filename, device)
+    arch = None
+    if not portable and (filename, device) not in _arch_failed:
+        arch = _arch_target(filename, device)
     if arch is not None:
         try:
             return _CubinKernel(filename, name, arch)
         except RuntimeError as exc:  # an NVRTC without the target: the portable build
+            _arch_failed.add((filename, device))
             warnings.warn(f"cufused: {name} not built for {arch}, so built for the portable "
                           f"target: {str(exc).splitlines()[0]}", RuntimeWarning, stacklevel=3)
     return cupy.RawModule(code=source(filename), options=COMPILE_OPTIONS,

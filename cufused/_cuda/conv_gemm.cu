@@ -607,7 +607,7 @@ struct SampleSegments {
 
 // The tiles of a conv2d_halo-style kernel: each block visits its tiles in the order of
 // `schedule` (TileGroups, SampleSegments, BandTiles), computes a tile's HALO_TH x Tile::W
-// pixels x Tile::N channels (HaloTile: 4 x 32 x 64, or BandTile's 4 x 64 x 32 for the
+// pixels x Tile::N channels (NarrowTile: 4 x 32 x 64, or BandTile's 4 x 64 x 32 for the
 // wgmma build's TF32 3 x 3 kernels) into acc and calls epilogue(pos, acc) (TilePos; the
 // tile's first pixel is row pos.tr * HALO_TH, column pos.tc * Tile::W); every thread calls it
 // (it may hold barriers; between two calls every thread passes at least one barrier here).
@@ -1106,9 +1106,9 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
 // tensor memory accelerator (cp.async.bulk: no thread stores, the run's DRAM pages written
 // at once), which the block does not wait for: the next band's staging waits until the
 // copies have read the scratch. The launcher needs y 16-byte aligned and every band's run a
-// multiple of 16 bytes (P * Q and (P % 4) * Q multiples of 4), and cs >= 4 Q with cs % 8 ==
-// 4 (the accumulators' four tig lanes write distinct banks). Compiled for the other targets
-// too, where it traps.
+// multiple of 16 bytes (P * Q a multiple of 4, and with it the last band's (P % 4) * Q), and
+// cs >= 4 Q with cs % 8 == 4 (the accumulators' four tig lanes write distinct banks).
+// Compiled for the other targets too, where it traps.
 __global__ void __launch_bounds__(CONV_THREADS, HALO_BLOCKS_PER_SM)
 conv2d_halo_bands(const float* __restrict__ x, const float* __restrict__ w,
                   const float* __restrict__ bias, float* __restrict__ y, int N, int C, int H,

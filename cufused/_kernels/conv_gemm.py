@@ -134,10 +134,11 @@ def halo_bands_shared(n: int, k: int, p: int, q: int, y_address: int) -> int:
     and dilation 1) into an NCHW output of ``n * k`` planes of ``p x q`` at ``y_address``,
     or 0 where it does not take the problem: the kernel needs the wgmma build (sm_90a), rows
     of 65 to 128 columns (a band of 4 rows in one tile pair), each band's run of rows a
-    multiple of 16 bytes at a 16-byte aligned address, channel tiles of 32 that the grid
-    holds, and two blocks a multiprocessor."""
-    if (not 2 * _HALO_TW < q <= 2 * _BAND_TW or (p * q) % 4 or ((p % 4) * q) % 4
-            or y_address % 16 or not n * k * p or not fits_grid_yz(k, _BAND_TK)
+    multiple of 16 bytes at a 16-byte aligned address (``p * q`` a multiple of 4, which
+    makes the last band's ``(p % 4) * q`` one too), channel tiles of 32 that the grid holds,
+    and two blocks a multiprocessor."""
+    if (not 2 * _HALO_TW < q <= 2 * _BAND_TW or (p * q) % 4 or y_address % 16
+            or not n * k * p or not fits_grid_yz(k, _BAND_TK)
             or arch_target(_FILE) != "sm_90a"):
         return 0
     hr, hc = _HALO_TH + _FIXED_KSIZE - 1, _BAND_TW + _FIXED_KSIZE - 1
@@ -198,7 +199,8 @@ def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tup
 
     The halo kernel runs where a chunk of input channels fits its shared memory (every
     kernel of up to 72 values at moderate stride and dilation) and the device grants what
-    it then needs (:func:`halo_geometry`), else the gathering one."""
+    it then needs (:func:`halo_geometry`), in bands of whole rows where
+    :func:`halo_bands_shared` takes the problem, else the gathering one."""
     n, c, h, wd = x.shape
     k, _, kh, kw = w.shape
     p, q = y.shape[2:]
@@ -212,16 +214,19 @@ def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tup
     halo = halo_geometry(c, (kh, kw), stride, dilation, passes)
     bands = halo_bands_shared(n, k, p, q, y.data.ptr) if halo and halo[3] and passes == 1 else 0
     if bands:
-        # Every block resident: the channel halves of a band run side by side (the second
-        # reads its halos from L2).
-        channel_blocks = -(-k // _BAND_TK)
-        slots = max(1, sm_count() * _HALO_BLOCKS_PER_SM // channel_blocks)
-        get_kernel(_FILE, "conv2d_halo_bands", shared_bytes=bands)(
-            (min(n * -(-p // _HALO_TH), slots), channel_blocks), (_THREADS,),
-            (x, w, optional(bias), y, i32(n), i32(c), i32(h), i32(wd), i32(k), i32(p), i32(q),
-             i32(padding[0]), i32(padding[1]), i32(band_channel_stride(q))),
-            shared_mem=bands)
-        return
+        kernel = get_kernel(_FILE, "conv2d_halo_bands", shared_bytes=bands)
+        # Where the sm_90a build has just failed (an NVRTC without the target), the kernel
+        # came in the portable build, which traps: the pairs of conv2d_halo run instead.
+        if arch_target(_FILE) == "sm_90a":
+            # Every block resident: the channel halves of a band run side by side (the
+            # second reads its halos from L2).
+            channel_blocks = -(-k // _BAND_TK)
+            slots = max(1, sm_count() * _HALO_BLOCKS_PER_SM // channel_blocks)
+            kernel((min(n * -(-p // _HALO_TH), slots), channel_blocks), (_THREADS,),
+                   (x, w, optional(bias), y, i32(n), i32(c), i32(h), i32(wd), i32(k), i32(p),
+                    i32(q), i32(padding[0]), i32(padding[1]), i32(band_channel_stride(q))),
+                   shared_mem=bands)
+            return
     if halo is not None:
         cc, hr, hc, ksize, shared = halo
         tiles = n * -(-p // _HALO_TH) * -(-q // _HALO_TW)

@@ -142,18 +142,21 @@ def test_tiles_stored_alone_or_in_pairs(rng, monkeypatch, x_shape, w_shape, padd
 
 
 @pytest.mark.parametrize("sms", [1, 8])
-@pytest.mark.parametrize("x_shape, c_out, padding", [
-    ((3, 8, 13, 128), 64, (1, 1)),  # rows of 128 columns, a last band of 1 row
-    ((2, 19, 10, 103), 70, (0, 0)),  # 3 chunks of input channels, Q odd, 3 channel blocks
-    ((3, 8, 9, 102), 40, (0, 0)),  # a last band of 3 rows, 8 channels in the second block
-    ((2, 3, 11, 70), 33, (2, 2)),  # the halo copied a float at a time, 1 channel past 32
-    ((1, 8, 6, 68), 64, (1, 0)),  # rows of 66 columns: 2 of the second tile's 64
+@pytest.mark.parametrize("x_shape, c_out, padding, with_bias", [
+    ((3, 8, 13, 128), 64, (1, 1), True),  # rows of 128 columns, a last band of 1 row
+    ((2, 19, 10, 103), 70, (0, 0), True),  # 3 chunks of input channels, Q odd, 3 blocks
+    ((3, 8, 9, 102), 40, (0, 0), True),  # a last band of 3 rows, 8 channels in block 2
+    ((2, 3, 11, 70), 33, (2, 2), False),  # the halo a float at a time, 1 channel past 32
+    ((1, 8, 6, 68), 64, (1, 0), True),  # rows of 66 columns: 2 of the second tile's 64
+    ((2, 8, 4, 68), 64, (0, 0), False),  # one band of 2 rows
+    ((1, 8, 6, 67), 64, (0, 0), True),  # rows of 65 columns: 63 staged to the left
 ])
-def test_bands_of_whole_rows(rng, monkeypatch, x_shape, c_out, padding, sms):
+def test_bands_of_whole_rows(rng, monkeypatch, x_shape, c_out, padding, with_bias, sms):
     # TF32 on the wgmma build stores bands of 4 whole output rows by bulk copies
     # (conv2d_halo_bands): the float64 reference's values and conv2d_halo's bits, with
     # blocks taking many bands (one multiprocessor) or a few, NaN and infinities where the
-    # reference has them, and nothing written outside y (a view 16 bytes into a NaN buffer).
+    # reference has them, and nothing written outside y (a view 16 bytes into a NaN buffer);
+    # y 4 bytes into its buffer takes conv2d_halo.
     from cufused._kernels import conv_gemm
 
     if conv_gemm.arch_target(conv_gemm._FILE) != "sm_90a":
@@ -162,20 +165,20 @@ def test_bands_of_whole_rows(rng, monkeypatch, x_shape, c_out, padding, sms):
     bands = conv_gemm.halo_bands_shared
     x = rng.standard_normal(x_shape)
     w = rng.standard_normal((c_out, x_shape[1], 3, 3))
-    bias = rng.standard_normal(c_out)
+    bias = rng.standard_normal(c_out) if with_bias else None
     for nonfinite in (False, True):
         if nonfinite:
             x[0, 0, 2, 3], x[-1, -1, -1, -1], w[c_out // 2, 0, 1, 1] = np.nan, np.inf, -np.inf
         ref = reference.conv(x, w, bias, (1, 1), padding, (1, 1), 1)
+        to_gpu = [None if a is None else cp.asarray(a, cp.float32) for a in (x, w, bias)]
         outs = []
         for use_bands, name in ((True, "conv2d_halo_bands"), (False, "conv2d_halo<1, 3, ")):
             monkeypatch.setattr(conv_gemm, "halo_bands_shared",
                                 bands if use_bands else lambda *args: 0)
             buf = cp.full(ref.size + 8, cp.nan, dtype=cp.float32)
             y = buf[4:4 + ref.size].reshape(ref.shape)
-            conv_gemm.conv2d_implicit_gemm(
-                *(cp.asarray(a, cp.float32) for a in (x, w, bias)), y, stride=(1, 1),
-                padding=padding, dilation=(1, 1), passes=1)
+            conv_gemm.conv2d_implicit_gemm(*to_gpu, y, stride=(1, 1), padding=padding,
+                                           dilation=(1, 1), passes=1)
             assert names[-1].startswith(name)
             assert bool(cp.isnan(buf[:4]).all()) and bool(cp.isnan(buf[-4:]).all())
             got = y.get()
@@ -186,6 +189,12 @@ def test_bands_of_whole_rows(rng, monkeypatch, x_shape, c_out, padding, sms):
                 assert_close(got, ref, 2e-3)
             outs.append(y)
         assert bool(cp.array_equal(outs[0], outs[1], equal_nan=True))
+    monkeypatch.setattr(conv_gemm, "halo_bands_shared", bands)
+    y = cp.full(ref.size + 1, cp.nan, dtype=cp.float32)[1:].reshape(ref.shape)
+    conv_gemm.conv2d_implicit_gemm(*to_gpu, y, stride=(1, 1), padding=padding,
+                                   dilation=(1, 1), passes=1)
+    assert names[-1].startswith("conv2d_halo<1, 3, ")
+    assert bool(cp.array_equal(y, outs[1], equal_nan=True))
 
 
 @pytest.mark.parametrize("passes", [1, 3])

@@ -746,7 +746,7 @@ def test_halo_bands_shared(monkeypatch):
         assert conv.band_channel_stride(q) == cs and cs % 8 == 4
     assert conv.halo_bands_shared(128, 64, 126, 126, 1 << 20) == 4 * (5184 + 72 + 2 * 8 * 424
                                                                        + 32 * 508)
-    for p, q in ((18, 70), (8, 101), (7, 100), (126, 128), (4, 65 + 3)):
+    for p, q in ((18, 70), (8, 101), (7, 100), (126, 128), (4, 65 + 3), (2, 66), (4, 65)):
         assert conv.halo_bands_shared(2, 64, p, q, 1 << 20)
     for p, q, address in ((18, 64, 0), (18, 130, 0), (7, 101, 0), (9, 102, 0), (18, 70, 8)):
         assert not conv.halo_bands_shared(2, 64, p, q, address)
@@ -873,6 +873,61 @@ def _modules():
     for path in sorted(PACKAGE.rglob("*.py")):
         parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
         yield path, parts[:-1] if parts[-1] == "__init__" else parts
+
+
+def test_a_failed_architecture_build_leaves_the_portable_one(monkeypatch):
+    """Where NVRTC cannot build a source for the device's own target, the kernel comes in
+    the portable build with a warning, and arch_target names no target for that source on
+    that device from then on (the launchers then choose as for the portable build)."""
+    cupy = pytest.importorskip("cupy")
+    cuda = cufused._cuda
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+    monkeypatch.setattr(cuda, "_arch_target", lambda filename, device: "sm_90a")
+    monkeypatch.setattr(cuda, "_arch_failed", set())
+    built = []
+
+    def no_target(filename, name, arch):
+        built.append((name, arch))
+        raise RuntimeError("NVRTC_ERROR_INVALID_OPTION: invalid value for --gpu-architecture")
+
+    class Module:
+        def __init__(self, **kwargs):
+            self.names = kwargs["name_expressions"]
+
+        def get_function(self, name):
+            built.append((name, None))
+            return name
+
+    monkeypatch.setattr(cuda, "_CubinKernel", no_target)
+    monkeypatch.setattr(cupy, "RawModule", Module)
+    assert cuda.arch_target("conv_gemm.cu") == "sm_90a"
+    with pytest.warns(RuntimeWarning, match="not built for sm_90a"):
+        assert cuda._build("conv_gemm.cu", "conv2d_halo_bands", 0, False) == "conv2d_halo_bands"
+    assert cuda.arch_target("conv_gemm.cu") is None
+    assert cuda._build("conv_gemm.cu", "conv2d_igemm<1>", 0, False) == "conv2d_igemm<1>"
+    assert built == [("conv2d_halo_bands", "sm_90a"), ("conv2d_halo_bands", None),
+                     ("conv2d_igemm<1>", None)]
+
+
+def test_bands_route(launches, monkeypatch):
+    """conv2d_implicit_gemm takes conv2d_halo_bands for TF32 only, y 16-byte aligned, and the
+    sm_90a build it asked for: where that build fails (the portable kernel would trap) the
+    pairs of conv2d_halo run."""
+    conv = LAUNCHERS["conv_gemm.cu"]
+    monkeypatch.setattr(conv, "sm_count", lambda: 132)
+    monkeypatch.setattr(conv, "arch_target", lambda filename: "sm_90a")
+    x, w = Dev((48, 8, 20, 72)), Dev((64, 8, 3, 3))
+    for passes, y, name in ((1, Dev((48, 64, 18, 70)), "conv2d_halo_bands"),
+                            (3, Dev((48, 64, 18, 70)), "conv2d_halo<3, 3, 2>"),
+                            (1, Dev((48, 64, 18, 70), ptr=(1 << 30) + 8), "conv2d_halo<1, 3, 2>")):
+        conv.conv2d_implicit_gemm(x, w, None, y, stride=(1, 1), padding=(0, 0),
+                                  dilation=(1, 1), passes=passes)
+        assert launches[-1].name == name
+    answers = iter(("sm_90a", None))  # the decision, then after the failed build
+    monkeypatch.setattr(conv, "arch_target", lambda filename: next(answers))
+    conv.conv2d_implicit_gemm(x, w, None, Dev((48, 64, 18, 70)), stride=(1, 1),
+                              padding=(0, 0), dilation=(1, 1), passes=1)
+    assert launches[-1].name == "conv2d_halo<1, 3, 2>" and len(launches) == 4
 
 
 def test_get_kernel_grants_what_the_static_shared_memory_leaves(monkeypatch):
