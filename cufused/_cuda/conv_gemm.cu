@@ -1384,6 +1384,13 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
 #define CT3_HSTRIDE ((CT3_HFLOATS + 255) / 256 * 256)
 // The weights, two halo buffers, the scratch and the halo buffers' two mbarriers.
 #define CT3_SHARED_FLOATS (CT3_WFLOATS + 2 * CT3_HSTRIDE + 8 * CT3_BN + 4)
+// The halo of an NCDHW x (X_NCDHW) is stored [c][position], channel c's positions CT3_XCS
+// floats apart: 24 mod 32, so that an A fragment's lanes (tig: channel, gid: position) read
+// 32 different banks.
+#define CT3_XCS 440
+#define CT3_HSTRIDE_NCDHW ((CT3_XCS * CT3_CI + 255) / 256 * 256)
+#define CT3_SHARED_FLOATS_NCDHW (CT3_WFLOATS + 2 * CT3_HSTRIDE_NCDHW + 8 * CT3_BN + 4)
+static_assert(CT3_XCS >= CT3_HPOS && CT3_XCS % 32 == 24, "a channel's halo, bank-spread");
 static_assert(CT3_CI == 32, "a row is 8 chunks of 16 bytes, swizzled by its low 3 bits");
 
 // A compile-time int for conv_transpose3d_s2k3's generic lambdas: a class's rw, the channels
@@ -1413,6 +1420,19 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned a) {
 
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const float* p) {
     ldmatrix_x4(r, (unsigned)__cvta_generic_to_shared(p));
+}
+
+// An 8 x 8 TF32 A fragment (mma_tf32's order) from a halo stored [c][position] with channel
+// stride CT3_XCS, a = the shared address of this lane's value a[0] (position gid, channel
+// tig): a[1] is 8 positions on, a[2] and a[3] 4 channels on.
+__device__ __forceinline__ void ld_fragment_planes(unsigned (&r)[4], unsigned a) {
+    asm volatile(
+        "ld.shared.b32 %0, [%4];\n\t"
+        "ld.shared.b32 %1, [%4+32];\n\t"
+        "ld.shared.b32 %2, [%4+%5];\n\t"
+        "ld.shared.b32 %3, [%4+%6];"
+        : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+        : "r"(a), "n"(16 * CT3_XCS), "n"(16 * CT3_XCS + 32));
 }
 
 #if HALO_WGMMA
@@ -1472,16 +1492,18 @@ struct alignas(64) CT3TensorMap {
 };
 
 // Grid (blocks, ceil(K / CT3_BN)), CONV_THREADS threads, CT3_SHARED_FLOATS floats of dynamic
-// shared memory; blocks take the runs of SampleSegments (each sample's tiles in `splits`
-// runs). x (N, D, H, W, C) channels-last, by_four: C % 4 == 0 and x 16-byte aligned (the
-// halo is copied 16 bytes at a time); w (C, K, 3, 3, 3) as ConvTranspose3d keeps it; y (N, K,
+// shared memory (CT3_SHARED_FLOATS_NCDHW where X_NCDHW); blocks take the runs of
+// SampleSegments (each sample's tiles in `splits` runs). x (N, D, H, W, C) channels-last,
+// by_four: C % 4 == 0 and x 16-byte aligned (the halo is copied 16 bytes at a time); or
+// where X_NCDHW, x (N, C, D, H, W) contiguous, its halo copied a value at a time into planes
+// of channels (by_four and tma unused); w (C, K, 3, 3, 3) as ConvTranspose3d keeps it; y (N, K,
 // Do, Ho, Wo) contiguous, a plane Do * Ho * Wo below 2**31; pairs: Wo even and y 8-byte
 // aligned (outputs stored in float2 pairs). bias may be null. tma: tmap is x's map (dims C,
 // W, H, D, N; box CT3_CI x (T + 1)^3 x 1; the 128-byte swizzle), and the sm_90a build copies
 // each halo with one tensor copy; else (and in the portable build) with cp.async. The clamp is
 // [lo, hi]; ref is the softmax exponents' reference (clamp_middle's, a parameter so that it
 // takes no register).
-template <int PASSES, int OUT>
+template <int PASSES, int OUT, bool X_NCDHW>
 __global__ void __launch_bounds__(CONV_THREADS, 1)
 conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
                       const float* __restrict__ bias, float* __restrict__ y,
@@ -1490,10 +1512,14 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
                       float hi, float ref, int splits, int by_four, int pairs, int tma,
                       const __grid_constant__ CT3TensorMap tmap) {
     constexpr bool SUMS = OUT == CT3_SOFTMAX_SUMS;
+    constexpr int HSTRIDE = X_NCDHW ? CT3_HSTRIDE_NCDHW : CT3_HSTRIDE;
+    // The halo's tensor copies, which only a channels-last x takes.
+    const bool tensor_copies = !X_NCDHW && tma;
     extern __shared__ float smem[];
-    float* wt = smem;                         // [tap][o][c], swizzled rows of o
-    float* halo = smem + CT3_WFLOATS;         // [buffer][hd][hh][hw][c], swizzled rows
-    float* scratch = halo + 2 * CT3_HSTRIDE;  // [warp][channel] run sums
+    float* wt = smem;                     // [tap][o][c], swizzled rows of o
+    // [buffer][hd][hh][hw][c], swizzled rows; where X_NCDHW [buffer][c][hd][hh][hw]
+    float* halo = smem + CT3_WFLOATS;
+    float* scratch = halo + 2 * HSTRIDE;  // [warp][channel] run sums
 #if HALO_WGMMA
     // Per halo buffer: the mbarrier its tensor copy completes.
     unsigned long long* filled = reinterpret_cast<unsigned long long*>(scratch + 8 * CT3_BN);
@@ -1546,7 +1572,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         int d0, h0, w0;
         tile_origin(t, d0, h0, w0);
         const unsigned bar = (unsigned)__cvta_generic_to_shared(filled + b);
-        const unsigned dst = (unsigned)__cvta_generic_to_shared(halo + b * CT3_HSTRIDE);
+        const unsigned dst = (unsigned)__cvta_generic_to_shared(halo + b * HSTRIDE);
         asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
                      :: "r"(bar), "r"(CT3_HFLOATS * 4) : "memory");
         asm volatile(
@@ -1555,7 +1581,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
             :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(&tmap)), "r"(0), "r"(w0),
                "r"(h0), "r"(d0), "r"(n), "r"(bar) : "memory");
     };
-    if (tma) {
+    if (tensor_copies) {
         if (tid == 0) {
             for (int b = 0; b < 2; ++b)
                 asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;"
@@ -1566,18 +1592,43 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         __syncthreads();  // initialized before any thread waits on them
     }
 #endif
+    // The halo of the tile at t of sample n from an NCDHW x into buf, channel c's positions
+    // at buf + c * CT3_XCS (zeros outside the input and past C): a thread takes positions
+    // and copies their CT3_CI channels, D * H * W values apart in x.
+    auto copy_halo_planes = [&](int n, int t, float* buf) {
+        int d0, h0, w0;
+        tile_origin(t, d0, h0, w0);
+        const long long volume = (long long)D * H * W;
+        for (int p = tid; p < CT3_HPOS; p += CONV_THREADS) {
+            const int hd = p / (CT3_HH * CT3_HW), rest = p % (CT3_HH * CT3_HW);
+            const int d = d0 + hd, h = h0 + rest / CT3_HW, ww = w0 + rest % CT3_HW;
+            const bool inside = d < D && h < H && ww < W;
+            const float* src = inside ? x + (((long long)n * C * D + d) * H + h) * W + ww : x;
+#pragma unroll 8
+            for (int c = 0; c < CT3_CI; ++c) {
+                const bool valid = inside && c < C;
+                copy_or_zero_async<1>(buf + c * CT3_XCS + p, valid ? src + c * volume : x,
+                                      valid);
+            }
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
     // The halo of the tile at t of sample n into buffer b.
     auto copy_halo = [&](int n, int t, int b) {
+        if (X_NCDHW) {
+            copy_halo_planes(n, t, halo + b * HSTRIDE);
+            return;
+        }
 #if HALO_WGMMA
-        if (tma) {
+        if (tensor_copies) {
             copy_halo_tensor(n, t, b);
             return;
         }
 #endif
         if (by_four)
-            copy_halo_by(n, t, halo + b * CT3_HSTRIDE, CT3Int<4>{});
+            copy_halo_by(n, t, halo + b * HSTRIDE, CT3Int<4>{});
         else
-            copy_halo_by(n, t, halo + b * CT3_HSTRIDE, CT3Int<1>{});
+            copy_halo_by(n, t, halo + b * HSTRIDE, CT3Int<1>{});
     };
     // Wait for buffer b's halo: its tensor copy's current phase (the parity bits of `phases`,
     // one a buffer, flip with each), or this thread's cp.async copies.
@@ -1586,7 +1637,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
 #endif
     auto await_halo = [&](int b) {
 #if HALO_WGMMA
-        if (tma) {
+        if (tensor_copies) {
             const unsigned bar = (unsigned)__cvta_generic_to_shared(filled + b);
             asm volatile(
                 "{\n .reg .pred done;\n wait%=:\n"
@@ -1634,9 +1685,11 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
     // + row, chunk 2 ks + (q & 1).
     const int q = lane >> 3, rr = lane & 7;
     // The halo position of this lane's A row in tile row `row` (a (d, h) row of CT3_TW base
-    // positions), at input offset 0.
+    // positions), at input offset 0; where X_NCDHW, the float offset of this lane's value
+    // a[0] (position gid, channel tig) in the halo's planes.
     auto row_position = [&](int row) {
-        return ((row / CT3_TH) * CT3_HH + row % CT3_TH) * CT3_HW + rr + 8 * (q & 1);
+        const int first = ((row / CT3_TH) * CT3_HH + row % CT3_TH) * CT3_HW;
+        return X_NCDHW ? first + gid + tig * CT3_XCS : first + rr + 8 * (q & 1);
     };
     const long long plane = (long long)Do * Ho * Wo;
     float run_sums[4][2] = {};
@@ -1648,15 +1701,23 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         TilePos next = pos;
         more = segments.next(next);
         if (more) copy_halo(next.n, next.t, buf ^ 1);
-        const unsigned hb = (unsigned)__cvta_generic_to_shared(halo + buf * CT3_HSTRIDE);
+        const unsigned hb = (unsigned)__cvta_generic_to_shared(halo + buf * HSTRIDE);
         // The shared address of this lane's A fragments at step 0, for the row whose
         // row_position is `position`, at an input offset of `shift` halo positions: the lane's
         // halo row p, its 16-byte chunk (q / 2) ^ (p & 7). At step ks the chunk is (2 ks + q /
         // 2) ^ (p & 7), the step-0 chunk XOR 2 ks: in a row of 128 bytes from an aligned
-        // start, the address XOR 32 ks.
+        // start, the address XOR 32 ks. Where X_NCDHW, the address of the lane's a[0].
         auto a_address = [&](int position, int shift) -> unsigned {
             const int p = position + shift;
+            if (X_NCDHW) return hb + p * 4;
             return hb + p * (CT3_CI * 4) + (((q >> 1) ^ (p & 7)) << 4);
+        };
+        // The A fragment of reduction step ks (channels 8 ks to 8 ks + 7) from a_address's a.
+        auto a_fragment = [&](unsigned (&f)[4], unsigned a, int ks) {
+            if (X_NCDHW)
+                ld_fragment_planes(f, a + ks * (8 * CT3_XCS * 4));
+            else
+                ldmatrix_x4(f, a ^ (ks << 5));
         };
         int d0, h0, w0;
         tile_origin(pos.t, d0, h0, w0);
@@ -1758,7 +1819,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
                 auto load_offset = [&](int o, unsigned (&af)[CT3_CI / 8][4]) {
                     const unsigned a = a_address(position, ct3_offset_shift(o));
 #pragma unroll
-                    for (int ks = 0; ks < CT3_CI / 8; ++ks) ldmatrix_x4(af[ks], a ^ (ks << 5));
+                    for (int ks = 0; ks < CT3_CI / 8; ++ks) a_fragment(af[ks], a, ks);
                 };
                 load_offset(0, sets[0]);
                 float keep[4][4];
@@ -1826,7 +1887,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
 #pragma unroll
                         for (int i = 0; i < 2; ++i) {
                             unsigned f[4];
-                            ldmatrix_x4(f, a_address(a_pos[i], shift) ^ (ks << 5));
+                            a_fragment(f, a_address(a_pos[i], shift), ks);
 #pragma unroll
                             for (int e = 0; e < 4; ++e) af[i][e] = __uint_as_float(f[e]);
                         }

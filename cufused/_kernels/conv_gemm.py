@@ -9,7 +9,8 @@ import numpy
 
 from .._cuda import (MAX_GRID_X, TensorMap, arch_target, fits_grid_yz, float32_tensor_map,
                      get_kernel, optional, resident_blocks, shared_per_block, sm_count)
-from ._common import clamp_middle, definition_args, element_strides_3d, skips_max
+from ._common import (clamp_middle, cpp_bool, definition_args, element_strides_3d,
+                      skips_max)
 
 _FILE = "conv_gemm.cu"
 _TILE_M, _TILE_K, _THREADS = 128, 64, 256  # CONV_BM, CONV_BN, CONV_THREADS
@@ -286,12 +287,21 @@ def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, stride: tuple[int,
 # conv_transpose3d_s2k3: tiles of 4 x 4 x 16 base positions (CT3_TD, CT3_TH, CT3_TW), at most
 # 32 input channels (CT3_CI), 32 output channels a block (CT3_BN), CT3_SHARED_FLOATS floats
 # of shared memory (the weights, two halo buffers of 5 x 5 x 17 positions x 32 channels, each
-# 1024-byte aligned: CT3_HSTRIDE, the scratch, two mbarriers).
+# 1024-byte aligned: CT3_HSTRIDE, the scratch, two mbarriers). From an NCDHW x a halo buffer
+# holds 32 planes of CT3_XCS floats (CT3_HSTRIDE_NCDHW, CT3_SHARED_FLOATS_NCDHW).
 _CT3_TILE = (4, 4, 16)
 _CT3_HALO = tuple(t + 1 for t in _CT3_TILE)
-_CT3_CI, _CT3_BN = 32, 32
-_CT3_HSTRIDE = -(-(_CT3_CI * math.prod(_CT3_HALO)) // 256) * 256  # floats, CT3_HSTRIDE
-_CT3_SHARED = 4 * (27 * _CT3_CI * _CT3_BN + 2 * _CT3_HSTRIDE + 8 * _CT3_BN + 4)
+_CT3_CI, _CT3_BN, _CT3_XCS = 32, 32, 440
+
+
+def _ct3_shared(halo_floats: int) -> int:
+    """``conv_transpose3d_s2k3``'s shared memory in bytes for halo buffers of
+    ``halo_floats``, each rounded up to 1024 bytes."""
+    return 4 * (27 * _CT3_CI * _CT3_BN + 2 * (-(-halo_floats // 256) * 256) + 8 * _CT3_BN + 4)
+
+
+_CT3_SHARED = _ct3_shared(_CT3_CI * math.prod(_CT3_HALO))
+_CT3_SHARED_NCDHW = _ct3_shared(_CT3_CI * _CT3_XCS)
 _NO_TENSOR_MAP = TensorMap()  # the argument where the halo goes by cp.async
 
 
@@ -308,34 +318,37 @@ def transposed_s2k3_takes(c_in: int, kernel, stride, padding, output_padding, di
             and all(o in (0, 1) for o in output_padding) and groups == 1
             and 0 < c_in <= _CT3_CI and (clamp is None or skips_max(clamp))
             and math.prod(out_shape[2:]) < 2**31 and fits_grid_yz(out_shape[1], _CT3_BN)
-            and _CT3_SHARED <= shared_per_block())
+            and max(_CT3_SHARED, _CT3_SHARED_NCDHW) <= shared_per_block())
 
 
 def _transposed_s2k3(mode: str, x, w, bias, *, out_shape, runs: tuple[int, int], clamp,
-                     passes: int, y=None, partial=None, factor=None) -> None:
-    """Launch ``conv_transpose3d_s2k3<passes, mode>`` for ``x`` (N, C_in, D, H, W) stored
-    channels-last (packed NDHWC), contiguous ``w`` (C_in, C_out, 3, 3, 3) and the output
-    ``out_shape``, over ``runs`` = :func:`transposed_s2k3_runs` (``partial`` has room for its
-    splits)."""
+                     passes: int, y=None, partial=None, factor=None,
+                     x_ncdhw: bool = False) -> None:
+    """Launch ``conv_transpose3d_s2k3<passes, mode, x_ncdhw>`` for ``x`` (N, C_in, D, H, W)
+    stored channels-last (packed NDHWC), or contiguous where ``x_ncdhw``, contiguous ``w``
+    (C_in, C_out, 3, 3, 3) and the output ``out_shape``, over ``runs`` =
+    :func:`transposed_s2k3_runs` (``partial`` has room for its splits)."""
     n, c, d, h, wd = x.shape
     k = w.shape[1]
     splits, blocks = runs
     if blocks == 0 or k == 0:
         return
-    by_four = c % 4 == 0 and x.data.ptr % 16 == 0
+    by_four = not x_ncdhw and c % 4 == 0 and x.data.ptr % 16 == 0
     # The tensor copies' map of x (16-byte strides: C % 4 == 0), where the driver makes one.
     tensor_map = by_four and float32_tensor_map(
         x.data.ptr, (c, wd, h, d, n), (4 * c, 4 * c * wd, 4 * c * wd * h, 4 * c * wd * h * d),
         (_CT3_CI,) + _CT3_HALO[::-1] + (1,))
+    shared = _CT3_SHARED_NCDHW if x_ncdhw else _CT3_SHARED
     i32, f32 = numpy.int32, numpy.float32
-    get_kernel(_FILE, f"conv_transpose3d_s2k3<{passes}, {mode}>", shared_bytes=_CT3_SHARED)(
+    get_kernel(_FILE, f"conv_transpose3d_s2k3<{passes}, {mode}, {cpp_bool(x_ncdhw)}>",
+               shared_bytes=shared)(
         (blocks, -(-k // _CT3_BN)), (_THREADS,),
         (x, w, optional(bias), optional(y), optional(partial), optional(factor), i32(n),
          i32(c), i32(d), i32(h), i32(wd), i32(k), *(i32(s) for s in out_shape[2:]),
          f32(clamp[0]), f32(clamp[1]), f32(clamp_middle(clamp)), i32(splits), i32(by_four),
          i32(y is not None and out_shape[4] % 2 == 0 and y.data.ptr % 8 == 0),
          i32(bool(tensor_map)), (tensor_map or _NO_TENSOR_MAP).as_argument()),
-        shared_mem=_CT3_SHARED)
+        shared_mem=shared)
 
 
 def transposed_s2k3_runs(x_shape: tuple[int, ...], k: int, *,
@@ -369,14 +382,14 @@ def conv_transpose3d_softmax_sums(xp, x, w, bias, *, out_shape, clamp, passes: i
 
 def conv_transpose3d_implicit_gemm(x, w, bias, y, *, passes: int) -> None:
     """``y`` (N, C_out, Do, Ho, Wo), contiguous, = conv_transpose3d(x, w) + bias for ``x``
-    stored channels-last, contiguous ``w`` and a problem that :func:`transposed_s2k3_takes`
-    (stride 2, padding 1). The rows of an output channel whose weight holds a non-finite
+    contiguous (NCDHW, read as it is) or stored channels-last, contiguous ``w`` and a problem
+    that :func:`transposed_s2k3_takes` (stride 2, padding 1). The rows of an output channel whose weight holds a non-finite
     value are then recomputed by the definition (``conv_transpose_rows_nonfinite_weight``:
     the implicit GEMM multiplies the zeros past the input's far edge too), which costs a
     finite weight one check per row on the device."""
     _transposed_s2k3("CT3_CONV", x, w, bias, out_shape=y.shape,
                      runs=transposed_s2k3_runs(x.shape, w.shape[1], stores=True),
-                     clamp=(0.0, 0.0), passes=passes, y=y)
+                     clamp=(0.0, 0.0), passes=passes, y=y, x_ncdhw=bool(x.flags.c_contiguous))
     if y.size:
         rows = y.shape[0] * y.shape[1]
         get_kernel(_FILE, "conv_transpose_rows_nonfinite_weight")(

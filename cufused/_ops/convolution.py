@@ -153,8 +153,7 @@ def _igemm_route(x, weight, args: ConvArgs, precision: str, bias,
     of the flipped weight (:func:`_stride1_forward_args`), and the transposed 3-D
     convolutions that ``conv_transpose3d_s2k3`` takes (pipeline C's: stride 2, a 3 x 3 x 3
     kernel, padding 1; :func:`~cufused._kernels.conv_gemm.transposed_s2k3_takes`) from a
-    packed channels-last input (NDHWC memory) as it is, or from a channels-last copy of a
-    dense NCDHW one."""
+    dense NCDHW input or a packed channels-last one (NDHWC memory), read as it is."""
     from .._kernels.conv_gemm import channel_tiles_fit, transposed_s2k3_takes
 
     if (precision == "ieee" or (bias is not None and not bias.flags.c_contiguous)
@@ -287,20 +286,12 @@ def _igemm_2d(x, weight, bias, y, *, args: ConvArgs, flip: bool, passes: int) ->
 
 
 def _igemm_transposed_3d(x, weight, bias, y, *, passes: int) -> None:
-    """``conv_transpose3d_s2k3`` on ``x`` stored channels-last, or on a channels-last copy of
-    it."""
+    """``conv_transpose3d_s2k3`` on ``x``, contiguous (NCDHW) or stored channels-last."""
     import cupy
 
     from .._kernels.conv_gemm import conv_transpose3d_implicit_gemm
-    from .._kernels.layout import transpose_channels
-    from .._layout import empty_in_layout
 
-    x_last = x
-    if not stored_in(x, "nhwc"):
-        x_last = empty_in_layout(x.shape, "nhwc")
-        transpose_channels(x, x_last, to_channels_last=True)
-    conv_transpose3d_implicit_gemm(x_last, cupy.ascontiguousarray(weight), bias, y,
-                                   passes=passes)
+    conv_transpose3d_implicit_gemm(x, cupy.ascontiguousarray(weight), bias, y, passes=passes)
 
 
 def _empty_nchw(shape):

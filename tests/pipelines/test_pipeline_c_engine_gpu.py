@@ -83,7 +83,7 @@ def test_both_builds_agree(rng, monkeypatch, c_in):
 
     if cp.cuda.Device().compute_capability != "90":
         pytest.skip("the warpgroup-MMA build needs compute capability 9.0")
-    native = get_kernel("conv_gemm.cu", "conv_transpose3d_s2k3<1, CT3_SOFTMAX>")
+    native = get_kernel("conv_gemm.cu", "conv_transpose3d_s2k3<1, CT3_SOFTMAX, false>")
     assert isinstance(native, _CubinKernel)
     maps, make_map = [], conv.float32_tensor_map
     monkeypatch.setattr(conv, "float32_tensor_map",

@@ -77,6 +77,12 @@ def test_transposed_conv_geometry_is_the_sources():
     assert (defines["CT3_CI"], defines["CT3_BN"]) == (conv._CT3_CI, conv._CT3_BN)
     assert 4 * defines["CT3_SHARED_FLOATS"] == conv._CT3_SHARED
     assert defines["CT3_HFLOATS"] == conv._CT3_CI * math.prod(conv._CT3_HALO)
+    # An NCDHW x's halo: a plane of CT3_XCS floats a channel, at least the halo's positions.
+    # An A fragment's lane (gid, tig) reads position gid of channel tig: 8 tig + gid banks
+    # apart (mod 32) where the stride is 8 or 24 mod 32, so the 32 lanes hit 32 banks.
+    assert defines["CT3_XCS"] == conv._CT3_XCS >= math.prod(conv._CT3_HALO)
+    assert len({(tig * conv._CT3_XCS + gid) % 32 for tig in range(4) for gid in range(8)}) == 32
+    assert 4 * defines["CT3_SHARED_FLOATS_NCDHW"] == conv._CT3_SHARED_NCDHW
 
 
 def test_transposed_conv_result_pass_takes_tiles_in_a_grid_stride(launches, monkeypatch):
@@ -653,23 +659,33 @@ def test_conv_gemm_launchers(launches, monkeypatch):
         partial, splits = conv.conv_transpose3d_softmax_sums(
             FakeXp, x, w, Dev((64,)), out_shape=(2, 64, 10, 12, 34), clamp=(0.0, 1.0),
             passes=passes)
-        assert launches[-1].name == f"conv_transpose3d_s2k3<{passes}, CT3_SOFTMAX_SUMS>"
+        assert launches[-1].name == f"conv_transpose3d_s2k3<{passes}, CT3_SOFTMAX_SUMS, false>"
         assert splits == 8 and partial.shape == (2, 64, 8, 2)
         assert launches[-1].grid == (16, 2) and launches[-1].args[-4:-1] == (1, 0, 0)
         conv.conv_transpose3d_softmax(x, w, None, Dev((2, 64, 10, 12, 34)), Dev((128,)),
                                       clamp=(0.0, 1.0), passes=passes)
-        assert launches[-1].name == f"conv_transpose3d_s2k3<{passes}, CT3_SOFTMAX>"
+        assert launches[-1].name == f"conv_transpose3d_s2k3<{passes}, CT3_SOFTMAX, false>"
         assert launches[-1].grid == (16, 2) and launches[-1].args[-4:-1] == (1, 1, 0)
         # The public conv_transpose3d's route: the convolution stored, then the check of
         # each (sample, channel) row's weight (its recomputation where not finite).
         conv.conv_transpose3d_implicit_gemm(x, w, Dev((64,)), Dev((2, 64, 10, 12, 34)),
                                             passes=passes)
         assert [launch.name for launch in launches[-2:]] == [
-            f"conv_transpose3d_s2k3<{passes}, CT3_CONV>", "conv_transpose_rows_nonfinite_weight"]
+            f"conv_transpose3d_s2k3<{passes}, CT3_CONV, false>",
+            "conv_transpose_rows_nonfinite_weight"]
         assert launches[-2].grid == (16, 2) and launches[-2].args[-4:-1] == (1, 1, 0)
+        assert launches[-2].shared_mem == conv._CT3_SHARED
         assert launches[-1].grid == (128,) and launches[-1].args[4:8] == (128, 64, 32, 64)
         # x's element strides (channels-last): n, c, d, h, w.
         assert launches[-1].args[-5:] == (32 * 5 * 6 * 17, 1, 32 * 6 * 17, 32 * 17, 32)
+        # An NCDHW x is read as it is: its halo goes a value at a time into planes of
+        # channels (neither by_four nor a tensor map), in the larger shared memory.
+        conv.conv_transpose3d_implicit_gemm(Dev((2, 32, 5, 6, 17)), w, None,
+                                            Dev((2, 64, 10, 12, 34)), passes=passes)
+        assert launches[-2].name == f"conv_transpose3d_s2k3<{passes}, CT3_CONV, true>"
+        assert launches[-2].args[-4:-1] == (0, 1, 0)
+        assert launches[-2].shared_mem == conv._CT3_SHARED_NCDHW
+        assert launches[-1].args[-5:] == (32 * 5 * 6 * 17, 5 * 6 * 17, 6 * 17, 17, 1)
     # The public forward convolutions' check of each output channel's weight: a block per
     # channel and sample slot, a 2-D problem as 3-D with a unit depth, y in its strides.
     conv.conv_nonfinite_weight_rows(Dev((2, 4, 8, 3)), Dev((6, 2, 2, 5)), Dev((6,)),
