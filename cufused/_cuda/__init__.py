@@ -467,19 +467,20 @@ def _encode_tiled():
     return fn
 
 
-_TENSOR_MAP_FLOAT32, _SWIZZLE_128B, _L2_PROMOTION_128B = 7, 3, 2
+_TENSOR_MAP_FLOAT32, _SWIZZLE_NONE, _SWIZZLE_128B, _L2_PROMOTION_128B = 7, 0, 3, 2
 
 
 @functools.lru_cache(maxsize=64)
 def float32_tensor_map(address: int, dims: tuple[int, ...], strides: tuple[int, ...],
-                       box: tuple[int, ...]) -> TensorMap | None:
+                       box: tuple[int, ...], *, swizzle: bool = True) -> TensorMap | None:
     """A tiled tensor map of float32 values at device ``address``: ``dims`` innermost first,
     ``strides`` the bytes between consecutive indices of each dimension after the first
-    (multiples of 16), ``box`` the elements one copy moves per dimension (its first
-    dimension 128 bytes: the 128-byte swizzle, whose 16-byte chunks of a 128-byte row are
-    XORed with the row's index modulo 8 from a 1024-byte aligned destination). Elements
-    outside ``dims`` arrive as zeros. None where the driver offers no such map or refuses
-    this one. Cached per (address, geometry): the map holds nothing else."""
+    (multiples of 16), ``box`` the elements one copy moves per dimension. With ``swizzle``
+    the box's first dimension is 128 bytes and the copy applies the 128-byte swizzle (the
+    16-byte chunks of a 128-byte row XORed with the row's index modulo 8, from a 1024-byte
+    aligned destination); without, the box arrives dense, its first dimension a multiple of
+    16 bytes. Elements outside ``dims`` arrive as zeros. None where the driver offers no such
+    map or refuses this one. Cached per (address, geometry): the map holds nothing else."""
     import ctypes
 
     encode = _encode_tiled()
@@ -490,8 +491,8 @@ def float32_tensor_map(address: int, dims: tuple[int, ...], strides: tuple[int, 
     status = encode(ctypes.c_void_p(tensor_map.address), _TENSOR_MAP_FLOAT32, rank,
                     ctypes.c_void_p(address), (ctypes.c_uint64 * rank)(*dims),
                     (ctypes.c_uint64 * (rank - 1))(*strides), (ctypes.c_uint32 * rank)(*box),
-                    (ctypes.c_uint32 * rank)(*([1] * rank)), 0, _SWIZZLE_128B,
-                    _L2_PROMOTION_128B, 0)
+                    (ctypes.c_uint32 * rank)(*([1] * rank)), 0,
+                    _SWIZZLE_128B if swizzle else _SWIZZLE_NONE, _L2_PROMOTION_128B, 0)
     return tensor_map if status == 0 else None
 
 

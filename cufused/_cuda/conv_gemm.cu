@@ -1384,13 +1384,18 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
 #define CT3_HSTRIDE ((CT3_HFLOATS + 255) / 256 * 256)
 // The weights, two halo buffers, the scratch and the halo buffers' two mbarriers.
 #define CT3_SHARED_FLOATS (CT3_WFLOATS + 2 * CT3_HSTRIDE + 8 * CT3_BN + 4)
-// The halo of an NCDHW x (X_NCDHW) is stored [c][position], channel c's positions CT3_XCS
-// floats apart: 24 mod 32, so that an A fragment's lanes (tig: channel, gid: position) read
-// 32 different banks.
-#define CT3_XCS 440
-#define CT3_HSTRIDE_NCDHW ((CT3_XCS * CT3_CI + 255) / 256 * 256)
-#define CT3_SHARED_FLOATS_NCDHW (CT3_WFLOATS + 2 * CT3_HSTRIDE_NCDHW + 8 * CT3_BN + 4)
-static_assert(CT3_XCS >= CT3_HPOS && CT3_XCS % 32 == 24, "a channel's halo, bank-spread");
+// An NCDHW x (X_NCDHW) goes by input d planes into a ring of CT3_RING slots: a slot holds
+// CT3_CI channels of CT3_HH rows x CT3_XW columns (a tensor copy's box; its rows multiples of
+// 16 bytes), channel c's values CT3_XCS floats on: 24 mod 32, so that an A fragment's lanes
+// (tig: channel, gid: position) read 32 different banks. A tile reads CT3_TD + 1 planes.
+#define CT3_XW 24
+#define CT3_XCS (CT3_HH * CT3_XW)
+#define CT3_SLOT (CT3_CI * CT3_XCS)
+#define CT3_RING 7
+// The weights, the ring, the scratch and the slots' mbarriers.
+#define CT3_SHARED_FLOATS_NCDHW (CT3_WFLOATS + CT3_RING * CT3_SLOT + 8 * CT3_BN + 2 * CT3_RING)
+static_assert(CT3_XW >= CT3_HW && CT3_XW % 4 == 0 && CT3_XCS % 32 == 24,
+              "a plane's rows hold the halo's, a channel's plane spread over the banks");
 static_assert(CT3_CI == 32, "a row is 8 chunks of 16 bytes, swizzled by its low 3 bits");
 
 // A compile-time int for conv_transpose3d_s2k3's generic lambdas: a class's rw, the channels
@@ -1422,9 +1427,9 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const float* p) {
     ldmatrix_x4(r, (unsigned)__cvta_generic_to_shared(p));
 }
 
-// An 8 x 8 TF32 A fragment (mma_tf32's order) from a halo stored [c][position] with channel
-// stride CT3_XCS, a = the shared address of this lane's value a[0] (position gid, channel
-// tig): a[1] is 8 positions on, a[2] and a[3] 4 channels on.
+// An 8 x 8 TF32 A fragment (mma_tf32's order) from a plane of channels CT3_XCS floats apart,
+// a = the shared address of this lane's value a[0] (position gid, channel tig): a[1] is 8
+// positions on, a[2] and a[3] 4 channels on.
 __device__ __forceinline__ void ld_fragment_planes(unsigned (&r)[4], unsigned a) {
     asm volatile(
         "ld.shared.b32 %0, [%4];\n\t"
@@ -1443,6 +1448,29 @@ __device__ __forceinline__ void ld_fragment_planes(unsigned (&r)[4], unsigned a)
 __device__ __forceinline__ unsigned long long ct3_weight_desc(const float* p) {
     const unsigned long long a = (unsigned)__cvta_generic_to_shared(p);
     return ((a & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+
+// One tensor copy of `bytes` from the 5-D map at coordinates (c0, ..., c4) to dst, which
+// completes the mbarrier `bar` (shared addresses).
+__device__ __forceinline__ void tensor_copy_5d(unsigned dst, const void* map, int c0, int c1,
+                                               int c2, int c3, int c4, unsigned bar,
+                                               unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                 :: "r"(bar), "r"(bytes) : "memory");
+    asm volatile(
+        "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];"
+        :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1),
+           "r"(c2), "r"(c3), "r"(c4), "r"(bar) : "memory");
+}
+
+// Wait until the phase of the mbarrier at bar with this parity completes.
+__device__ __forceinline__ void mbarrier_wait_parity(unsigned bar, unsigned parity) {
+    asm volatile(
+        "{\n .reg .pred done;\n wait%=:\n"
+        " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        " @!done bra wait%=;\n}"
+        :: "r"(bar), "r"(parity) : "memory");
 }
 #endif
 
@@ -1512,16 +1540,24 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
                       float hi, float ref, int splits, int by_four, int pairs, int tma,
                       const __grid_constant__ CT3TensorMap tmap) {
     constexpr bool SUMS = OUT == CT3_SOFTMAX_SUMS;
-    constexpr int HSTRIDE = X_NCDHW ? CT3_HSTRIDE_NCDHW : CT3_HSTRIDE;
-    // The halo's tensor copies, which only a channels-last x takes.
-    const bool tensor_copies = !X_NCDHW && tma;
+    // The warpgroup MMA path (below): a tile's rows in two halves, the first reading input
+    // planes 0 to 2 of the tile, the second planes 2 to 4.
+    constexpr bool HALVES = HALO_WGMMA && PASSES == 1;
+    // X_NCDHW: the planes of a tile copied before the barrier that starts it (the ring's
+    // schedule, below).
+    constexpr int EARLY = HALVES ? 4 : 2;
+    // Two halo buffers, or the ring of planes; per buffer or slot one mbarrier.
+    constexpr int HALO_FLOATS = X_NCDHW ? CT3_RING * CT3_SLOT : 2 * CT3_HSTRIDE;
+    constexpr int BARRIERS = X_NCDHW ? CT3_RING : 2;
+    // The halo's tensor copies (sm_90a; tmap made).
+    const bool tensor_copies = HALO_WGMMA && tma;
     extern __shared__ float smem[];
-    float* wt = smem;                     // [tap][o][c], swizzled rows of o
-    // [buffer][hd][hh][hw][c], swizzled rows; where X_NCDHW [buffer][c][hd][hh][hw]
+    float* wt = smem;                         // [tap][o][c], swizzled rows of o
+    // [buffer][hd][hh][hw][c], swizzled rows; X_NCDHW: [slot][c][hh][CT3_XW columns]
     float* halo = smem + CT3_WFLOATS;
-    float* scratch = halo + 2 * HSTRIDE;  // [warp][channel] run sums
+    float* scratch = halo + HALO_FLOATS;      // [warp][channel] run sums
 #if HALO_WGMMA
-    // Per halo buffer: the mbarrier its tensor copy completes.
+    // Per halo buffer or ring slot: the mbarrier its tensor copies complete.
     unsigned long long* filled = reinterpret_cast<unsigned long long*>(scratch + 8 * CT3_BN);
 #endif
     // ct3_weight_desc's swizzle is that of ct3_swizzled only from a 1024-byte aligned start,
@@ -1571,19 +1607,13 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         if (tid != 0) return;
         int d0, h0, w0;
         tile_origin(t, d0, h0, w0);
-        const unsigned bar = (unsigned)__cvta_generic_to_shared(filled + b);
-        const unsigned dst = (unsigned)__cvta_generic_to_shared(halo + b * HSTRIDE);
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-                     :: "r"(bar), "r"(CT3_HFLOATS * 4) : "memory");
-        asm volatile(
-            "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-            " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];"
-            :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(&tmap)), "r"(0), "r"(w0),
-               "r"(h0), "r"(d0), "r"(n), "r"(bar) : "memory");
+        tensor_copy_5d((unsigned)__cvta_generic_to_shared(halo + b * CT3_HSTRIDE), &tmap, 0,
+                       w0, h0, d0, n, (unsigned)__cvta_generic_to_shared(filled + b),
+                       CT3_HFLOATS * 4);
     };
     if (tensor_copies) {
         if (tid == 0) {
-            for (int b = 0; b < 2; ++b)
+            for (int b = 0; b < BARRIERS; ++b)
                 asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;"
                              :: "r"((unsigned)__cvta_generic_to_shared(filled + b)) : "memory");
             // The barriers' initialization before the tensor copies complete them.
@@ -1592,33 +1622,8 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         __syncthreads();  // initialized before any thread waits on them
     }
 #endif
-    // The halo of the tile at t of sample n from an NCDHW x into buf, channel c's positions
-    // at buf + c * CT3_XCS (zeros outside the input and past C): a thread takes positions
-    // and copies their CT3_CI channels, D * H * W values apart in x.
-    auto copy_halo_planes = [&](int n, int t, float* buf) {
-        int d0, h0, w0;
-        tile_origin(t, d0, h0, w0);
-        const long long volume = (long long)D * H * W;
-        for (int p = tid; p < CT3_HPOS; p += CONV_THREADS) {
-            const int hd = p / (CT3_HH * CT3_HW), rest = p % (CT3_HH * CT3_HW);
-            const int d = d0 + hd, h = h0 + rest / CT3_HW, ww = w0 + rest % CT3_HW;
-            const bool inside = d < D && h < H && ww < W;
-            const float* src = inside ? x + (((long long)n * C * D + d) * H + h) * W + ww : x;
-#pragma unroll 8
-            for (int c = 0; c < CT3_CI; ++c) {
-                const bool valid = inside && c < C;
-                copy_or_zero_async<1>(buf + c * CT3_XCS + p, valid ? src + c * volume : x,
-                                      valid);
-            }
-        }
-        asm volatile("cp.async.commit_group;" ::: "memory");
-    };
     // The halo of the tile at t of sample n into buffer b.
     auto copy_halo = [&](int n, int t, int b) {
-        if (X_NCDHW) {
-            copy_halo_planes(n, t, halo + b * HSTRIDE);
-            return;
-        }
 #if HALO_WGMMA
         if (tensor_copies) {
             copy_halo_tensor(n, t, b);
@@ -1626,9 +1631,61 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         }
 #endif
         if (by_four)
-            copy_halo_by(n, t, halo + b * HSTRIDE, CT3Int<4>{});
+            copy_halo_by(n, t, halo + b * CT3_HSTRIDE, CT3Int<4>{});
         else
-            copy_halo_by(n, t, halo + b * HSTRIDE, CT3Int<1>{});
+            copy_halo_by(n, t, halo + b * CT3_HSTRIDE, CT3Int<1>{});
+    };
+    // X_NCDHW: input plane p (0 to CT3_TD) of the block's i-th tile is the ring's plane
+    // number (CT3_TD + 1) i + p: its slot that number modulo CT3_RING, the slot's use that
+    // number over CT3_RING (the parity of its mbarrier's phase).
+    auto ring_number = [](unsigned i, int p) { return i * (CT3_TD + 1) + p; };
+    // Planes first to last of the tile at t of sample n, the block's i-th: CT3_CI channels
+    // of CT3_HH rows x CT3_XW columns from (d0 + p, h0, w0) each, zeros outside the input and
+    // past C. One tensor copy a plane (thread 0); else the rows' CT3_HW values by cp.async,
+    // one commit group.
+    auto copy_planes = [&](int n, int t, unsigned i, int first, int last) {
+        int d0, h0, w0;
+        tile_origin(t, d0, h0, w0);
+#if HALO_WGMMA
+        if (tensor_copies) {
+            if (tid == 0)
+                for (int p = first; p <= last; ++p) {
+                    const unsigned slot = ring_number(i, p) % CT3_RING;
+                    tensor_copy_5d((unsigned)__cvta_generic_to_shared(halo + slot * CT3_SLOT),
+                                   &tmap, w0, h0, d0 + p, 0, n,
+                                   (unsigned)__cvta_generic_to_shared(filled + slot),
+                                   CT3_SLOT * 4);
+                }
+            return;
+        }
+#endif
+        for (int p = first; p <= last; ++p) {
+            float* const plane = halo + ring_number(i, p) % CT3_RING * CT3_SLOT;
+            const int d = d0 + p;
+            for (int e = tid; e < CT3_CI * CT3_HH * CT3_HW; e += CONV_THREADS) {
+                const int c = e / (CT3_HH * CT3_HW), rest = e % (CT3_HH * CT3_HW);
+                const int hh = rest / CT3_HW, hw = rest % CT3_HW;
+                const int h = h0 + hh, ww = w0 + hw;
+                const bool valid = c < C && d < D && h < H && ww < W;
+                const float* src =
+                    valid ? x + ((((long long)n * C + c) * D + d) * H + h) * W + ww : x;
+                copy_or_zero_async<1>(plane + c * CT3_XCS + hh * CT3_XW + hw, src, valid);
+            }
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    // Wait for planes first to last of the block's i-th tile: their tensor copies (each
+    // plane's mbarrier phase); cp.async copies are waited for before the barriers (below).
+    auto await_planes = [&](unsigned i, int first, int last) {
+#if HALO_WGMMA
+        if (!tensor_copies) return;
+        for (int p = first; p <= last; ++p) {
+            const unsigned number = ring_number(i, p);
+            mbarrier_wait_parity(
+                (unsigned)__cvta_generic_to_shared(filled + number % CT3_RING),
+                (number / CT3_RING) & 1);
+        }
+#endif
     };
     // Wait for buffer b's halo: its tensor copy's current phase (the parity bits of `phases`,
     // one a buffer, flip with each), or this thread's cp.async copies.
@@ -1638,12 +1695,8 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
     auto await_halo = [&](int b) {
 #if HALO_WGMMA
         if (tensor_copies) {
-            const unsigned bar = (unsigned)__cvta_generic_to_shared(filled + b);
-            asm volatile(
-                "{\n .reg .pred done;\n wait%=:\n"
-                " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-                " @!done bra wait%=;\n}"
-                :: "r"(bar), "r"((phases >> b) & 1) : "memory");
+            mbarrier_wait_parity((unsigned)__cvta_generic_to_shared(filled + b),
+                                 (phases >> b) & 1);
             phases ^= 1u << b;
             return;
         }
@@ -1651,8 +1704,12 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         asm volatile("cp.async.wait_all;" ::: "memory");
     };
 
-    // The first tile's halo is on its way while the weights are staged.
-    copy_halo(pos.n, pos.t, 0);
+    // The first tile's halo (X_NCDHW: its first EARLY planes) is on its way while the weights
+    // are staged.
+    if (X_NCDHW)
+        copy_planes(pos.n, pos.t, 0, 0, EARLY - 1);
+    else
+        copy_halo(pos.n, pos.t, 0);
     // CT3_STAGE loads in flight a thread, so that their memory latencies overlap.
     constexpr int CT3_STAGE = 12;
     static_assert(CT3_WFLOATS % (CT3_STAGE * CONV_THREADS) == 0, "whole rounds of loads");
@@ -1685,32 +1742,62 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
     // + row, chunk 2 ks + (q & 1).
     const int q = lane >> 3, rr = lane & 7;
     // The halo position of this lane's A row in tile row `row` (a (d, h) row of CT3_TW base
-    // positions), at input offset 0; where X_NCDHW, the float offset of this lane's value
-    // a[0] (position gid, channel tig) in the halo's planes.
+    // positions), at input offset 0; X_NCDHW: the float offset of this lane's value a[0]
+    // (position gid, channel tig) in the row's input plane.
     auto row_position = [&](int row) {
-        const int first = ((row / CT3_TH) * CT3_HH + row % CT3_TH) * CT3_HW;
-        return X_NCDHW ? first + gid + tig * CT3_XCS : first + rr + 8 * (q & 1);
+        if (X_NCDHW) return tig * CT3_XCS + row % CT3_TH * CT3_XW + gid;
+        return ((row / CT3_TH) * CT3_HH + row % CT3_TH) * CT3_HW + rr + 8 * (q & 1);
     };
     const long long plane = (long long)Do * Ho * Wo;
     float run_sums[4][2] = {};
 
+    // X_NCDHW: the ring's schedule. Reads free a tile's planes at the barrier that starts
+    // the next tile, the halves' planes 0 and 1 at the barrier between the halves. So with
+    // CT3_RING = 7 slots, at the start of the block's i-th tile its planes EARLY to 4 and
+    // the next tile's planes 0 and 1 go (their slots held planes of tile i - 1), and with
+    // HALVES the next tile's planes 2 and 3 go between the halves (in the slots of tile i's
+    // planes 0 and 1).
     int buf = 0;
-    for (bool more = true; more;) {
-        await_halo(buf);
-        __syncthreads();  // this tile's halo (and the weights) in; the other buffer free
+    unsigned tile = 0;  // X_NCDHW: the block's tiles so far
+    for (bool more = true; more; ++tile) {
         TilePos next = pos;
-        more = segments.next(next);
-        if (more) copy_halo(next.n, next.t, buf ^ 1);
-        const unsigned hb = (unsigned)__cvta_generic_to_shared(halo + buf * HSTRIDE);
+        if (X_NCDHW) {
+            // cp.async: the planes that the first half reads came before this barrier.
+            if (HALVES && !tensor_copies) asm volatile("cp.async.wait_all;" ::: "memory");
+            __syncthreads();  // the previous tile's planes read (and the weights in)
+            more = segments.next(next);
+            copy_planes(pos.n, pos.t, tile, EARLY, CT3_TD);
+            if (more) copy_planes(next.n, next.t, tile + 1, 0, 1);
+            await_planes(tile, 0, HALVES ? 2 : CT3_TD);
+            if (!HALVES && !tensor_copies) {
+                asm volatile("cp.async.wait_all;" ::: "memory");
+                __syncthreads();  // all the tile's planes in
+            }
+        } else {
+            await_halo(buf);
+            __syncthreads();  // this tile's halo (and the weights) in; the other buffer free
+            more = segments.next(next);
+            if (more) copy_halo(next.n, next.t, buf ^ 1);
+        }
+        const unsigned hb = (unsigned)__cvta_generic_to_shared(halo + buf * CT3_HSTRIDE);
         // The shared address of this lane's A fragments at step 0, for the row whose
         // row_position is `position`, at an input offset of `shift` halo positions: the lane's
         // halo row p, its 16-byte chunk (q / 2) ^ (p & 7). At step ks the chunk is (2 ks + q /
         // 2) ^ (p & 7), the step-0 chunk XOR 2 ks: in a row of 128 bytes from an aligned
-        // start, the address XOR 32 ks. Where X_NCDHW, the address of the lane's a[0].
+        // start, the address XOR 32 ks.
         auto a_address = [&](int position, int shift) -> unsigned {
             const int p = position + shift;
-            if (X_NCDHW) return hb + p * 4;
             return hb + p * (CT3_CI * 4) + (((q >> 1) ^ (p & 7)) << 4);
+        };
+        // X_NCDHW: the shared address of input plane p (0 to CT3_TD) of this tile, and that
+        // of this lane's a[0] for the row whose row_position is `position` at input offset o =
+        // (a, b, c), `plane` the address of the row's input plane a on.
+        auto plane_address = [&](int p) -> unsigned {
+            return (unsigned)__cvta_generic_to_shared(halo) +
+                   ring_number(tile, p) % CT3_RING * (CT3_SLOT * 4);
+        };
+        auto plane_a_address = [&](unsigned plane, int position, int o) -> unsigned {
+            return plane + 4 * (position + ((o >> 1) & 1) * CT3_XW + (o & 1));
         };
         // The A fragment of reduction step ks (channels 8 ks to 8 ks + 7) from a_address's a.
         auto a_fragment = [&](unsigned (&f)[4], unsigned a, int ks) {
@@ -1812,12 +1899,17 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
             };
             auto by_offsets = [&](int row) {
                 const int position = row_position(row);
+                // X_NCDHW: the row's input planes at offsets a = 0 and 1.
+                const unsigned planes[2] = {X_NCDHW ? plane_address(row / CT3_TH) : 0u,
+                                            X_NCDHW ? plane_address(row / CT3_TH + 1) : 0u};
                 float acc[8][4][4];
                 unsigned sets[2][CT3_CI / 8][4];
 #pragma unroll
                 for (int r = 0; r < 8; ++r) start(acc[r]);
                 auto load_offset = [&](int o, unsigned (&af)[CT3_CI / 8][4]) {
-                    const unsigned a = a_address(position, ct3_offset_shift(o));
+                    const unsigned a = X_NCDHW
+                                           ? plane_a_address(planes[o >> 2], position, o)
+                                           : a_address(position, ct3_offset_shift(o));
 #pragma unroll
                     for (int ks = 0; ks < CT3_CI / 8; ++ks) a_fragment(af[ks], a, ks);
                 };
@@ -1853,8 +1945,17 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
                 }
             };
 #pragma unroll 1
-            for (int s = 0; s < CT3_TD / 2; ++s)
+            for (int s = 0; s < CT3_TD / 2; ++s) {
+                if (X_NCDHW && s == 1) {
+                    // Planes 0 and 1 read: the next tile's planes 2 and 3 take their slots;
+                    // the second half reads planes 2 to 4.
+                    if (!tensor_copies) asm volatile("cp.async.wait_all;" ::: "memory");
+                    __syncthreads();
+                    if (more) copy_planes(next.n, next.t, tile + 1, 2, 3);
+                    await_planes(tile, 3, CT3_TD);
+                }
                 by_offsets((2 * s + (warp >> 2)) * CT3_TH + (warp & 3));
+            }
         } else
 #endif
         {
@@ -1864,8 +1965,14 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
             // Run-time loops over the pairs and taps: unrolled, the compiler hoists fragment
             // loads across them past the registers.
             int a_pos[2];
+            unsigned a_planes[2][2];  // X_NCDHW: row i's input planes at offsets a = 0, 1
 #pragma unroll
-            for (int i = 0; i < 2; ++i) a_pos[i] = row_position(2 * warp + i);
+            for (int i = 0; i < 2; ++i) {
+                a_pos[i] = row_position(2 * warp + i);
+#pragma unroll
+                for (int a = 0; a < 2; ++a)
+                    a_planes[i][a] = X_NCDHW ? plane_address((2 * warp + i) / CT3_TH + a) : 0u;
+            }
             float kept[2][4][4];
             auto run_class = [&](int rd, int rh, auto rw_constant) {
                 constexpr int rw = decltype(rw_constant)::value;
@@ -1887,7 +1994,12 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
 #pragma unroll
                         for (int i = 0; i < 2; ++i) {
                             unsigned f[4];
-                            a_fragment(f, a_address(a_pos[i], shift), ks);
+                            a_fragment(f,
+                                       X_NCDHW ? plane_a_address(a ? a_planes[i][1]
+                                                                   : a_planes[i][0],
+                                                                 a_pos[i], a * 4 + b * 2 + c)
+                                               : a_address(a_pos[i], shift),
+                                       ks);
 #pragma unroll
                             for (int e = 0; e < 4; ++e) af[i][e] = __uint_as_float(f[e]);
                         }

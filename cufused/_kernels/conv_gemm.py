@@ -287,21 +287,20 @@ def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, stride: tuple[int,
 # conv_transpose3d_s2k3: tiles of 4 x 4 x 16 base positions (CT3_TD, CT3_TH, CT3_TW), at most
 # 32 input channels (CT3_CI), 32 output channels a block (CT3_BN), CT3_SHARED_FLOATS floats
 # of shared memory (the weights, two halo buffers of 5 x 5 x 17 positions x 32 channels, each
-# 1024-byte aligned: CT3_HSTRIDE, the scratch, two mbarriers). From an NCDHW x a halo buffer
-# holds 32 planes of CT3_XCS floats (CT3_HSTRIDE_NCDHW, CT3_SHARED_FLOATS_NCDHW).
+# 1024-byte aligned: CT3_HSTRIDE, the scratch, two mbarriers). From an NCDHW x the halo goes
+# by input planes of 32 channels x 5 rows x CT3_XW = 24 columns (the tensor copies' box) into
+# a ring of CT3_RING = 7 slots (CT3_SHARED_FLOATS_NCDHW: the weights, the ring, the scratch,
+# 7 mbarriers).
 _CT3_TILE = (4, 4, 16)
 _CT3_HALO = tuple(t + 1 for t in _CT3_TILE)
-_CT3_CI, _CT3_BN, _CT3_XCS = 32, 32, 440
-
-
-def _ct3_shared(halo_floats: int) -> int:
-    """``conv_transpose3d_s2k3``'s shared memory in bytes for halo buffers of
-    ``halo_floats``, each rounded up to 1024 bytes."""
-    return 4 * (27 * _CT3_CI * _CT3_BN + 2 * (-(-halo_floats // 256) * 256) + 8 * _CT3_BN + 4)
-
-
-_CT3_SHARED = _ct3_shared(_CT3_CI * math.prod(_CT3_HALO))
-_CT3_SHARED_NCDHW = _ct3_shared(_CT3_CI * _CT3_XCS)
+_CT3_CI, _CT3_BN = 32, 32
+_CT3_XW, _CT3_RING = 24, 7
+_CT3_PLANE_BOX = (_CT3_XW, _CT3_HALO[1], 1, _CT3_CI, 1)  # W, H, D, C, N
+_CT3_WEIGHTS_SCRATCH = 27 * _CT3_CI * _CT3_BN + 8 * _CT3_BN  # floats
+_CT3_SHARED = 4 * (_CT3_WEIGHTS_SCRATCH + 2 * (-(-(_CT3_CI * math.prod(_CT3_HALO)) // 256) * 256)
+                   + 4)
+_CT3_SHARED_NCDHW = 4 * (_CT3_WEIGHTS_SCRATCH + _CT3_RING * math.prod(_CT3_PLANE_BOX)
+                         + 2 * _CT3_RING)
 _NO_TENSOR_MAP = TensorMap()  # the argument where the halo goes by cp.async
 
 
@@ -334,10 +333,17 @@ def _transposed_s2k3(mode: str, x, w, bias, *, out_shape, runs: tuple[int, int],
     if blocks == 0 or k == 0:
         return
     by_four = not x_ncdhw and c % 4 == 0 and x.data.ptr % 16 == 0
-    # The tensor copies' map of x (16-byte strides: C % 4 == 0), where the driver makes one.
-    tensor_map = by_four and float32_tensor_map(
-        x.data.ptr, (c, wd, h, d, n), (4 * c, 4 * c * wd, 4 * c * wd * h, 4 * c * wd * h * d),
-        (_CT3_CI,) + _CT3_HALO[::-1] + (1,))
+    # The tensor copies' map of x (16-byte strides: C % 4 == 0, or W % 4 == 0 for an NCDHW
+    # x), where the driver makes one.
+    if x_ncdhw:
+        tensor_map = wd % 4 == 0 and x.data.ptr % 16 == 0 and float32_tensor_map(
+            x.data.ptr, (wd, h, d, c, n), (4 * wd, 4 * wd * h, 4 * wd * h * d,
+                                           4 * wd * h * d * c), _CT3_PLANE_BOX, swizzle=False)
+    else:
+        tensor_map = by_four and float32_tensor_map(
+            x.data.ptr, (c, wd, h, d, n),
+            (4 * c, 4 * c * wd, 4 * c * wd * h, 4 * c * wd * h * d),
+            (_CT3_CI,) + _CT3_HALO[::-1] + (1,))
     shared = _CT3_SHARED_NCDHW if x_ncdhw else _CT3_SHARED
     i32, f32 = numpy.int32, numpy.float32
     get_kernel(_FILE, f"conv_transpose3d_s2k3<{passes}, {mode}, {cpp_bool(x_ncdhw)}>",

@@ -336,6 +336,50 @@ def test_transposed_3d_stride2_reads_channels_last_x_as_it_is(rng, monkeypatch, 
 
 
 @pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
+@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("x_shape, c_out, offset, sms", [
+    ((2, 32, 9, 6, 32), 64, 0, 1),  # tensor copies; one block takes all 24 tiles
+    ((2, 32, 9, 6, 32), 64, 1, 3),  # x 4 bytes past a 16-byte boundary: copies by cp.async
+    ((3, 5, 6, 7, 12), 7, 0, 2),    # C_in 5 (zeros past it), a partial tile on every axis
+])
+def test_transposed_3d_stride2_ncdhw_planes_go_round_the_ring(rng, monkeypatch, x_shape, c_out,
+                                                                offset, sms, build, precision):
+    # An NCDHW x goes by input planes through conv_transpose3d_s2k3's ring of 7 slots; with
+    # few multiprocessors each block takes many tiles, so the ring goes round many times.
+    # The result is bitwise that of the same values stored channels-last (the same products
+    # in the same order), and close to the reference.
+    import cufused._kernels.conv_gemm as conv
+
+    monkeypatch.setattr(conv, "sm_count", lambda: sms)
+    calls = _s2k3_route(monkeypatch, x_shape, c_out, 1)
+    maps, make_map = [], conv.float32_tensor_map
+
+    def recorded_map(*args, **kw):
+        maps.append((kw, make_map(*args, **kw)))
+        return maps[-1][1]
+
+    monkeypatch.setattr(conv, "float32_tensor_map", recorded_map)
+    host = (rng.standard_normal(x_shape), rng.standard_normal((x_shape[1], c_out, 3, 3, 3)),
+            rng.standard_normal(c_out))
+    x_first, w, b = to_gpu(*host)
+    x_ncdhw = cp.full(x_first.size + offset, cp.nan, dtype=cp.float32)[offset:].reshape(x_shape)
+    x_ncdhw[...] = x_first
+    opts = dict(stride=2, padding=1, output_padding=1, precision=precision)
+    with kernels_built(build):
+        out = poisoned((x_shape[0], c_out) + tuple(2 * s for s in x_shape[2:]))
+        assert cufused.conv_transpose3d(x_ncdhw, w, b, **opts, out=out) is out
+        last = cufused.conv_transpose3d(_channels_last(x_first), w, b, **opts)
+    assert len(calls) == 2, "the implicit-GEMM route did not run"
+    # The planes' map (unswizzled): none asked for where x is misaligned.
+    planes = [made for kw, made in maps if kw.get("swizzle") is False]
+    assert len(planes) == (0 if offset else 1)
+    assert all(made is not None for made in planes), "the driver made no map of the planes"
+    np.testing.assert_array_equal(out.get(), last.get())
+    ref = cufused.conv_transpose3d(*host, stride=2, padding=1, output_padding=1)
+    assert_close(out.get(), ref, TOL[precision])
+
+
+@pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
 def test_transposed_3d_stride2_replays_with_new_values(rng, monkeypatch, precision):
     # Warm calls into the same out replay the whole call's graph, which reads x in place:
     # new values of x reach the result, bitwise that of a call without any replay.

@@ -77,12 +77,59 @@ def test_transposed_conv_geometry_is_the_sources():
     assert (defines["CT3_CI"], defines["CT3_BN"]) == (conv._CT3_CI, conv._CT3_BN)
     assert 4 * defines["CT3_SHARED_FLOATS"] == conv._CT3_SHARED
     assert defines["CT3_HFLOATS"] == conv._CT3_CI * math.prod(conv._CT3_HALO)
-    # An NCDHW x's halo: a plane of CT3_XCS floats a channel, at least the halo's positions.
-    # An A fragment's lane (gid, tig) reads position gid of channel tig: 8 tig + gid banks
-    # apart (mod 32) where the stride is 8 or 24 mod 32, so the 32 lanes hit 32 banks.
-    assert defines["CT3_XCS"] == conv._CT3_XCS >= math.prod(conv._CT3_HALO)
-    assert len({(tig * conv._CT3_XCS + gid) % 32 for tig in range(4) for gid in range(8)}) == 32
+    assert (defines["CT3_HH"], defines["CT3_HW"]) == conv._CT3_HALO[1:]
+    # An NCDHW x's input planes: a tensor copy's box of CT3_XW columns (96-byte rows) x 5
+    # rows x 32 channels. An A fragment's lane (gid, tig) reads position gid of channel tig,
+    # CT3_XCS = 120 floats a channel: 24 tig + gid banks on (mod 32), the 32 lanes' banks
+    # all different.
+    assert conv._CT3_PLANE_BOX == (defines["CT3_XW"], defines["CT3_HH"], 1, defines["CT3_CI"], 1)
+    assert defines["CT3_XW"] >= defines["CT3_HW"] and 4 * defines["CT3_XW"] % 16 == 0
+    xcs = defines["CT3_XCS"]
+    assert len({(tig * xcs + gid) % 32 for tig in range(4) for gid in range(8)}) == 32
+    assert defines["CT3_SLOT"] == math.prod(conv._CT3_PLANE_BOX)
+    assert defines["CT3_RING"] == conv._CT3_RING
     assert 4 * defines["CT3_SHARED_FLOATS_NCDHW"] == conv._CT3_SHARED_NCDHW
+    # Each ring slot starts 128-byte aligned (the tensor copies' destinations).
+    assert 4 * defines["CT3_WFLOATS"] % 1024 == 0 and 4 * defines["CT3_SLOT"] % 128 == 0
+
+
+@pytest.mark.parametrize("halves", [True, False])
+def test_transposed_conv_plane_ring_holds_each_plane_until_read(halves):
+    # conv_transpose3d_s2k3's ring of input planes (NCDHW x), stepped as its loop issues the
+    # copies and reads the planes: input plane p of the block's i-th tile is ring number 5 i
+    # + p, in slot number % 7. The warpgroup path (halves) reads planes 0 to 2, then after a
+    # barrier planes 2 to 4; the mma.sync path all five. No copy may land in a slot whose
+    # plane is still to be read, and every plane read is the one its slot holds.
+    conv = LAUNCHERS["conv_gemm.cu"]
+    ring, planes = conv._CT3_RING, conv._CT3_TILE[0] + 1
+    early, tiles = (4 if halves else 2), 9
+    unread = {i * planes + p for i in range(tiles) for p in range(planes)}
+    slots: dict[int, int] = {}
+
+    def copy(i, first, last):
+        for number in range(i * planes + first, i * planes + last + 1):
+            assert slots.get(number % ring) not in unread, (i, number)
+            slots[number % ring] = number
+
+    def read(i, done, *also):  # planes read until the next barrier; `done` not read again
+        for p in done + also:
+            assert slots[(i * planes + p) % ring] == i * planes + p, (i, p)
+        unread.difference_update(i * planes + p for p in done)
+
+    copy(0, 0, early - 1)  # before the weights are staged
+    for i in range(tiles):
+        more = i + 1 < tiles
+        copy(i, early, planes - 1)
+        if more:
+            copy(i + 1, 0, 1)
+        if halves:
+            read(i, (0, 1), 2)
+            if more:
+                copy(i + 1, 2, 3)
+            read(i, (2, 3, 4))
+        else:
+            read(i, (0, 1, 2, 3, 4))
+    assert not unread
 
 
 def test_transposed_conv_result_pass_takes_tiles_in_a_grid_stride(launches, monkeypatch):
