@@ -1386,16 +1386,27 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
 #define CT3_SHARED_FLOATS (CT3_WFLOATS + 2 * CT3_HSTRIDE + 8 * CT3_BN + 4)
 // An NCDHW x (X_NCDHW) goes by input d planes into a ring of CT3_RING slots: a slot holds
 // CT3_CI channels of CT3_HH rows x CT3_XW columns (a tensor copy's box; its rows multiples of
-// 16 bytes), channel c's values CT3_XCS floats on: 24 mod 32, so that an A fragment's lanes
-// (tig: channel, gid: position) read 32 different banks. A tile reads CT3_TD + 1 planes.
-#define CT3_XW 24
+// 16 bytes), channel c's values CT3_XCS floats on. A tile reads CT3_TD + 1 planes. The
+// reduction's order takes each 8 channels as 0, 2, 4, 6, 1, 3, 5, 7 (ct3_k_channel): an A
+// fragment's lanes (tig, gid) read position gid of channels 2 tig and 2 tig + 1, whose
+// planes start 8 tig and 8 tig + 4 banks on (CT3_XCS = 4 mod 32), 32 different banks.
+#define CT3_XW 20
 #define CT3_XCS (CT3_HH * CT3_XW)
 #define CT3_SLOT (CT3_CI * CT3_XCS)
-#define CT3_RING 7
+#define CT3_RING 9
 // The weights, the ring, the scratch and the slots' mbarriers.
 #define CT3_SHARED_FLOATS_NCDHW (CT3_WFLOATS + CT3_RING * CT3_SLOT + 8 * CT3_BN + 2 * CT3_RING)
-static_assert(CT3_XW >= CT3_HW && CT3_XW % 4 == 0 && CT3_XCS % 32 == 24,
-              "a plane's rows hold the halo's, a channel's plane spread over the banks");
+static_assert(CT3_XW >= CT3_HW && CT3_XW % 4 == 0 && CT3_XCS % 32 == 4,
+              "a plane's rows hold the halo's, channels 2 apart 8 banks apart");
+
+// X_NCDHW: the input channel at reduction index k (within each 8: 0, 2, 4, 6, 1, 3, 5, 7),
+// and the reduction index of channel c.
+__device__ __forceinline__ constexpr int ct3_k_channel(int k) {
+    return (k & ~7) | ((k & 3) << 1) | ((k >> 2) & 1);
+}
+__device__ __forceinline__ constexpr int ct3_channel_k(int c) {
+    return (c & ~7) | ((c & 1) << 2) | ((c >> 1) & 3);
+}
 static_assert(CT3_CI == 32, "a row is 8 chunks of 16 bytes, swizzled by its low 3 bits");
 
 // A compile-time int for conv_transpose3d_s2k3's generic lambdas: a class's rw, the channels
@@ -1427,9 +1438,10 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const float* p) {
     ldmatrix_x4(r, (unsigned)__cvta_generic_to_shared(p));
 }
 
-// An 8 x 8 TF32 A fragment (mma_tf32's order) from a plane of channels CT3_XCS floats apart,
-// a = the shared address of this lane's value a[0] (position gid, channel tig): a[1] is 8
-// positions on, a[2] and a[3] 4 channels on.
+// An 8 x 8 TF32 A fragment (mma_tf32's order) from a plane of channels CT3_XCS floats apart
+// in ct3_k_channel's order, a = the shared address of this lane's value a[0] (position gid,
+// reduction index tig: channel 2 tig): a[1] is 8 positions on, a[2] and a[3] (reduction
+// index tig + 4: channel 2 tig + 1) a channel on.
 __device__ __forceinline__ void ld_fragment_planes(unsigned (&r)[4], unsigned a) {
     asm volatile(
         "ld.shared.b32 %0, [%4];\n\t"
@@ -1437,7 +1449,7 @@ __device__ __forceinline__ void ld_fragment_planes(unsigned (&r)[4], unsigned a)
         "ld.shared.b32 %2, [%4+%5];\n\t"
         "ld.shared.b32 %3, [%4+%6];"
         : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-        : "r"(a), "n"(16 * CT3_XCS), "n"(16 * CT3_XCS + 32));
+        : "r"(a), "n"(4 * CT3_XCS), "n"(4 * CT3_XCS + 32));
 }
 
 #if HALO_WGMMA
@@ -1543,9 +1555,6 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
     // The warpgroup MMA path (below): a tile's rows in two halves, the first reading input
     // planes 0 to 2 of the tile, the second planes 2 to 4.
     constexpr bool HALVES = HALO_WGMMA && PASSES == 1;
-    // X_NCDHW: the planes of a tile copied before the barrier that starts it (the ring's
-    // schedule, below).
-    constexpr int EARLY = HALVES ? 4 : 2;
     // Two halo buffers, or the ring of planes; per buffer or slot one mbarrier.
     constexpr int HALO_FLOATS = X_NCDHW ? CT3_RING * CT3_SLOT : 2 * CT3_HSTRIDE;
     constexpr int BARRIERS = X_NCDHW ? CT3_RING : 2;
@@ -1704,10 +1713,10 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         asm volatile("cp.async.wait_all;" ::: "memory");
     };
 
-    // The first tile's halo (X_NCDHW: its first EARLY planes) is on its way while the weights
-    // are staged.
+    // The first tile's halo (X_NCDHW: its planes 0 to 3) is on its way while the weights are
+    // staged.
     if (X_NCDHW)
-        copy_planes(pos.n, pos.t, 0, 0, EARLY - 1);
+        copy_planes(pos.n, pos.t, 0, 0, CT3_TD - 1);
     else
         copy_halo(pos.n, pos.t, 0);
     // CT3_STAGE loads in flight a thread, so that their memory latencies overlap.
@@ -1726,7 +1735,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         for (int u = 0; u < CT3_STAGE; ++u) {
             const int i = i0 + u * CONV_THREADS;
             const int tap = i % 27, co = i / 27, o = co % CT3_BN, c = co / CT3_BN;
-            wt[tap * CT3_BN * CT3_CI + ct3_swizzled(o, c)] =
+            wt[tap * CT3_BN * CT3_CI + ct3_swizzled(o, X_NCDHW ? ct3_channel_k(c) : c)] =
                 PASSES == 1 ? __uint_as_float(to_tf32(v[u])) : v[u];
         }
     }
@@ -1743,35 +1752,32 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
     const int q = lane >> 3, rr = lane & 7;
     // The halo position of this lane's A row in tile row `row` (a (d, h) row of CT3_TW base
     // positions), at input offset 0; X_NCDHW: the float offset of this lane's value a[0]
-    // (position gid, channel tig) in the row's input plane.
+    // (position gid, channel 2 tig) in the row's input plane.
     auto row_position = [&](int row) {
-        if (X_NCDHW) return tig * CT3_XCS + row % CT3_TH * CT3_XW + gid;
+        if (X_NCDHW) return 2 * tig * CT3_XCS + row % CT3_TH * CT3_XW + gid;
         return ((row / CT3_TH) * CT3_HH + row % CT3_TH) * CT3_HW + rr + 8 * (q & 1);
     };
     const long long plane = (long long)Do * Ho * Wo;
     float run_sums[4][2] = {};
 
-    // X_NCDHW: the ring's schedule. Reads free a tile's planes at the barrier that starts
-    // the next tile, the halves' planes 0 and 1 at the barrier between the halves. So with
-    // CT3_RING = 7 slots, at the start of the block's i-th tile its planes EARLY to 4 and
-    // the next tile's planes 0 and 1 go (their slots held planes of tile i - 1), and with
-    // HALVES the next tile's planes 2 and 3 go between the halves (in the slots of tile i's
-    // planes 0 and 1).
+    // X_NCDHW: the ring's schedule. The barrier that starts the block's i-th tile frees the
+    // five slots of tile i - 1's planes: tile i's plane 4 and the next tile's planes 0 to 3
+    // go there (CT3_RING = 9 slots). With HALVES the first half reads planes 0 to 2, so plane
+    // 4 has that half's time to arrive.
     int buf = 0;
     unsigned tile = 0;  // X_NCDHW: the block's tiles so far
     for (bool more = true; more; ++tile) {
         TilePos next = pos;
         if (X_NCDHW) {
-            // cp.async: the planes that the first half reads came before this barrier.
-            if (HALVES && !tensor_copies) asm volatile("cp.async.wait_all;" ::: "memory");
             __syncthreads();  // the previous tile's planes read (and the weights in)
             more = segments.next(next);
-            copy_planes(pos.n, pos.t, tile, EARLY, CT3_TD);
-            if (more) copy_planes(next.n, next.t, tile + 1, 0, 1);
-            await_planes(tile, 0, HALVES ? 2 : CT3_TD);
-            if (!HALVES && !tensor_copies) {
+            copy_planes(pos.n, pos.t, tile, CT3_TD, CT3_TD);
+            if (more) copy_planes(next.n, next.t, tile + 1, 0, CT3_TD - 1);
+            if (tensor_copies) {
+                await_planes(tile, 0, HALVES ? 2 : CT3_TD);
+            } else {
                 asm volatile("cp.async.wait_all;" ::: "memory");
-                __syncthreads();  // all the tile's planes in
+                __syncthreads();  // this thread's copies in, then all threads'
             }
         } else {
             await_halo(buf);
@@ -1946,14 +1952,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
             };
 #pragma unroll 1
             for (int s = 0; s < CT3_TD / 2; ++s) {
-                if (X_NCDHW && s == 1) {
-                    // Planes 0 and 1 read: the next tile's planes 2 and 3 take their slots;
-                    // the second half reads planes 2 to 4.
-                    if (!tensor_copies) asm volatile("cp.async.wait_all;" ::: "memory");
-                    __syncthreads();
-                    if (more) copy_planes(next.n, next.t, tile + 1, 2, 3);
-                    await_planes(tile, 3, CT3_TD);
-                }
+                if (X_NCDHW && s == 1) await_planes(tile, 3, CT3_TD);  // the second half's
                 by_offsets((2 * s + (warp >> 2)) * CT3_TH + (warp & 3));
             }
         } else

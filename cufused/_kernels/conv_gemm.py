@@ -288,13 +288,13 @@ def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, stride: tuple[int,
 # 32 input channels (CT3_CI), 32 output channels a block (CT3_BN), CT3_SHARED_FLOATS floats
 # of shared memory (the weights, two halo buffers of 5 x 5 x 17 positions x 32 channels, each
 # 1024-byte aligned: CT3_HSTRIDE, the scratch, two mbarriers). From an NCDHW x the halo goes
-# by input planes of 32 channels x 5 rows x CT3_XW = 24 columns (the tensor copies' box) into
-# a ring of CT3_RING = 7 slots (CT3_SHARED_FLOATS_NCDHW: the weights, the ring, the scratch,
-# 7 mbarriers).
+# by input planes of 32 channels x 5 rows x CT3_XW = 20 columns (the tensor copies' box) into
+# a ring of CT3_RING = 9 slots (CT3_SHARED_FLOATS_NCDHW: the weights, the ring, the scratch,
+# 9 mbarriers).
 _CT3_TILE = (4, 4, 16)
 _CT3_HALO = tuple(t + 1 for t in _CT3_TILE)
 _CT3_CI, _CT3_BN = 32, 32
-_CT3_XW, _CT3_RING = 24, 7
+_CT3_XW, _CT3_RING = 20, 9
 _CT3_PLANE_BOX = (_CT3_XW, _CT3_HALO[1], 1, _CT3_CI, 1)  # W, H, D, C, N
 _CT3_WEIGHTS_SCRATCH = 27 * _CT3_CI * _CT3_BN + 8 * _CT3_BN  # floats
 _CT3_SHARED = 4 * (_CT3_WEIGHTS_SCRATCH + 2 * (-(-(_CT3_CI * math.prod(_CT3_HALO)) // 256) * 256)

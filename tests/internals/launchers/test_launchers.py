@@ -78,14 +78,16 @@ def test_transposed_conv_geometry_is_the_sources():
     assert 4 * defines["CT3_SHARED_FLOATS"] == conv._CT3_SHARED
     assert defines["CT3_HFLOATS"] == conv._CT3_CI * math.prod(conv._CT3_HALO)
     assert (defines["CT3_HH"], defines["CT3_HW"]) == conv._CT3_HALO[1:]
-    # An NCDHW x's input planes: a tensor copy's box of CT3_XW columns (96-byte rows) x 5
-    # rows x 32 channels. An A fragment's lane (gid, tig) reads position gid of channel tig,
-    # CT3_XCS = 120 floats a channel: 24 tig + gid banks on (mod 32), the 32 lanes' banks
-    # all different.
+    # An NCDHW x's input planes: a tensor copy's box of CT3_XW columns (80-byte rows) x 5
+    # rows x 32 channels, CT3_XCS = 100 floats a channel. An A fragment's lane (gid, tig)
+    # reads position gid of channels 2 tig (a[0]) and 2 tig + 1 (a[2]): each of the two
+    # loads' 32 lanes hit 32 different banks.
     assert conv._CT3_PLANE_BOX == (defines["CT3_XW"], defines["CT3_HH"], 1, defines["CT3_CI"], 1)
     assert defines["CT3_XW"] >= defines["CT3_HW"] and 4 * defines["CT3_XW"] % 16 == 0
     xcs = defines["CT3_XCS"]
-    assert len({(tig * xcs + gid) % 32 for tig in range(4) for gid in range(8)}) == 32
+    for odd in (0, 1):
+        assert len({((2 * tig + odd) * xcs + gid) % 32
+                    for tig in range(4) for gid in range(8)}) == 32
     assert defines["CT3_SLOT"] == math.prod(conv._CT3_PLANE_BOX)
     assert defines["CT3_RING"] == conv._CT3_RING
     assert 4 * defines["CT3_SHARED_FLOATS_NCDHW"] == conv._CT3_SHARED_NCDHW
@@ -97,12 +99,13 @@ def test_transposed_conv_geometry_is_the_sources():
 def test_transposed_conv_plane_ring_holds_each_plane_until_read(halves):
     # conv_transpose3d_s2k3's ring of input planes (NCDHW x), stepped as its loop issues the
     # copies and reads the planes: input plane p of the block's i-th tile is ring number 5 i
-    # + p, in slot number % 7. The warpgroup path (halves) reads planes 0 to 2, then after a
-    # barrier planes 2 to 4; the mma.sync path all five. No copy may land in a slot whose
-    # plane is still to be read, and every plane read is the one its slot holds.
+    # + p, in slot number % 9. After the barrier that starts tile i go tile i's plane 4 and
+    # the next tile's planes 0 to 3. The warpgroup path (halves) reads planes 0 to 2, then
+    # planes 2 to 4; the mma.sync path all five. No copy may land in a slot whose plane is
+    # still to be read, and every plane read is the one its slot holds.
     conv = LAUNCHERS["conv_gemm.cu"]
     ring, planes = conv._CT3_RING, conv._CT3_TILE[0] + 1
-    early, tiles = (4 if halves else 2), 9
+    tiles = 12
     unread = {i * planes + p for i in range(tiles) for p in range(planes)}
     slots: dict[int, int] = {}
 
@@ -116,16 +119,13 @@ def test_transposed_conv_plane_ring_holds_each_plane_until_read(halves):
             assert slots[(i * planes + p) % ring] == i * planes + p, (i, p)
         unread.difference_update(i * planes + p for p in done)
 
-    copy(0, 0, early - 1)  # before the weights are staged
+    copy(0, 0, planes - 2)  # before the weights are staged
     for i in range(tiles):
-        more = i + 1 < tiles
-        copy(i, early, planes - 1)
-        if more:
-            copy(i + 1, 0, 1)
+        copy(i, planes - 1, planes - 1)
+        if i + 1 < tiles:
+            copy(i + 1, 0, planes - 2)
         if halves:
             read(i, (0, 1), 2)
-            if more:
-                copy(i + 1, 2, 3)
             read(i, (2, 3, 4))
         else:
             read(i, (0, 1, 2, 3, 4))
