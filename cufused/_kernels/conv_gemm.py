@@ -9,6 +9,7 @@ import numpy
 
 from .._cuda import (MAX_GRID_X, TensorMap, arch_target, fits_grid_yz, float32_tensor_map,
                      get_kernel, optional, resident_blocks, shared_per_block, sm_count)
+from .._layout import stored_in
 from ._common import (clamp_middle, cpp_bool, definition_args, element_strides_3d,
                       skips_max)
 
@@ -320,6 +321,15 @@ def transposed_s2k3_takes(c_in: int, kernel, stride, padding, output_padding, di
             and max(_CT3_SHARED, _CT3_SHARED_NCDHW) <= shared_per_block())
 
 
+def transposed_s2k3_reads_ncdhw(passes: int) -> bool:
+    """Whether ``conv_transpose3d_s2k3`` reads an NCDHW input in place (its input planes
+    through a ring in shared memory) on the current device: in TF32 on the warpgroup-MMA
+    build (sm_90a), whose two halves of a tile read planes 0 to 2 and 2 to 4, so that a
+    tile's last plane has half a tile to arrive. The ``mma.sync`` path reads all five planes
+    from the tile's start; there a channels-last copy of the input is faster."""
+    return passes == 1 and arch_target(_FILE) == "sm_90a"
+
+
 def _transposed_s2k3(mode: str, x, w, bias, *, out_shape, runs: tuple[int, int], clamp,
                      passes: int, y=None, partial=None, factor=None,
                      x_ncdhw: bool = False) -> None:
@@ -388,14 +398,18 @@ def conv_transpose3d_softmax_sums(xp, x, w, bias, *, out_shape, clamp, passes: i
 
 def conv_transpose3d_implicit_gemm(x, w, bias, y, *, passes: int) -> None:
     """``y`` (N, C_out, Do, Ho, Wo), contiguous, = conv_transpose3d(x, w) + bias for ``x``
-    contiguous (NCDHW, read as it is) or stored channels-last, contiguous ``w`` and a problem
-    that :func:`transposed_s2k3_takes` (stride 2, padding 1). The rows of an output channel whose weight holds a non-finite
-    value are then recomputed by the definition (``conv_transpose_rows_nonfinite_weight``:
-    the implicit GEMM multiplies the zeros past the input's far edge too), which costs a
-    finite weight one check per row on the device."""
+    stored channels-last, or contiguous (NCDHW, read as it is) in TF32 (``passes`` 1),
+    contiguous ``w`` and a problem that :func:`transposed_s2k3_takes` (stride 2, padding 1).
+    The rows of an output channel whose weight holds a non-finite value are then recomputed
+    by the definition (``conv_transpose_rows_nonfinite_weight``: the implicit GEMM multiplies
+    the zeros past the input's far edge too), which costs a finite weight one check per row
+    on the device."""
+    x_ncdhw = not stored_in(x, "nhwc")
+    if x_ncdhw and passes != 1:
+        raise ValueError("conv_transpose3d_s2k3 reads an NCDHW x in TF32 only")
     _transposed_s2k3("CT3_CONV", x, w, bias, out_shape=y.shape,
                      runs=transposed_s2k3_runs(x.shape, w.shape[1], stores=True),
-                     clamp=(0.0, 0.0), passes=passes, y=y, x_ncdhw=bool(x.flags.c_contiguous))
+                     clamp=(0.0, 0.0), passes=passes, y=y, x_ncdhw=x_ncdhw)
     if y.size:
         rows = y.shape[0] * y.shape[1]
         get_kernel(_FILE, "conv_transpose_rows_nonfinite_weight")(

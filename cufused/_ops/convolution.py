@@ -153,7 +153,9 @@ def _igemm_route(x, weight, args: ConvArgs, precision: str, bias,
     of the flipped weight (:func:`_stride1_forward_args`), and the transposed 3-D
     convolutions that ``conv_transpose3d_s2k3`` takes (pipeline C's: stride 2, a 3 x 3 x 3
     kernel, padding 1; :func:`~cufused._kernels.conv_gemm.transposed_s2k3_takes`) from a
-    dense NCDHW input or a packed channels-last one (NDHWC memory), read as it is."""
+    packed channels-last input (NDHWC memory) as it is, and from a dense NCDHW one as it is
+    (:func:`~cufused._kernels.conv_gemm.transposed_s2k3_reads_ncdhw`) or through a
+    channels-last copy."""
     from .._kernels.conv_gemm import channel_tiles_fit, transposed_s2k3_takes
 
     if (precision == "ieee" or (bias is not None and not bias.flags.c_contiguous)
@@ -286,11 +288,18 @@ def _igemm_2d(x, weight, bias, y, *, args: ConvArgs, flip: bool, passes: int) ->
 
 
 def _igemm_transposed_3d(x, weight, bias, y, *, passes: int) -> None:
-    """``conv_transpose3d_s2k3`` on ``x``, contiguous (NCDHW) or stored channels-last."""
+    """``conv_transpose3d_s2k3`` on ``x`` stored channels-last, on a contiguous (NCDHW) ``x``
+    where the kernel reads one in place, or on a channels-last copy of it."""
     import cupy
 
-    from .._kernels.conv_gemm import conv_transpose3d_implicit_gemm
+    from .._kernels.conv_gemm import conv_transpose3d_implicit_gemm, transposed_s2k3_reads_ncdhw
+    from .._kernels.layout import transpose_channels
+    from .._layout import empty_in_layout
 
+    if not stored_in(x, "nhwc") and not transposed_s2k3_reads_ncdhw(passes):
+        x_last = empty_in_layout(x.shape, "nhwc")
+        transpose_channels(x, x_last, to_channels_last=True)
+        x = x_last
     conv_transpose3d_implicit_gemm(x, cupy.ascontiguousarray(weight), bias, y, passes=passes)
 
 

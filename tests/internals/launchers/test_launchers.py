@@ -95,6 +95,15 @@ def test_transposed_conv_geometry_is_the_sources():
     assert 4 * defines["CT3_WFLOATS"] % 1024 == 0 and 4 * defines["CT3_SLOT"] % 128 == 0
 
 
+def test_transposed_conv_reads_ncdhw_in_tf32_on_the_warpgroup_build(monkeypatch):
+    # The ring of input planes pays where the tiles go in two halves (sm_90a, TF32); the
+    # mma.sync path (3xTF32, the portable build) takes a channels-last copy of x instead.
+    conv = LAUNCHERS["conv_gemm.cu"]
+    for target, passes, reads in (("sm_90a", 1, True), ("sm_90a", 3, False), (None, 1, False)):
+        monkeypatch.setattr(conv, "arch_target", lambda filename, target=target: target)
+        assert conv.transposed_s2k3_reads_ncdhw(passes) is reads
+
+
 @pytest.mark.parametrize("halves", [True, False])
 def test_transposed_conv_plane_ring_holds_each_plane_until_read(halves):
     # conv_transpose3d_s2k3's ring of input planes (NCDHW x), stepped as its loop issues the
@@ -725,11 +734,17 @@ def test_conv_gemm_launchers(launches, monkeypatch):
         assert launches[-1].grid == (128,) and launches[-1].args[4:8] == (128, 64, 32, 64)
         # x's element strides (channels-last): n, c, d, h, w.
         assert launches[-1].args[-5:] == (32 * 5 * 6 * 17, 1, 32 * 6 * 17, 32 * 17, 32)
-        # An NCDHW x is read as it is: its halo goes a value at a time into planes of
-        # channels (neither by_four nor a tensor map), in the larger shared memory.
-        conv.conv_transpose3d_implicit_gemm(Dev((2, 32, 5, 6, 17)), w, None,
-                                            Dev((2, 64, 10, 12, 34)), passes=passes)
-        assert launches[-2].name == f"conv_transpose3d_s2k3<{passes}, CT3_CONV, true>"
+        # An NCDHW x is read as it is in TF32, by input planes (here without a tensor map:
+        # by cp.async), in the ring's shared memory.
+        x_first = Dev((2, 32, 5, 6, 17))
+        if passes == 3:
+            with pytest.raises(ValueError, match="TF32 only"):
+                conv.conv_transpose3d_implicit_gemm(x_first, w, None, Dev((2, 64, 10, 12, 34)),
+                                                    passes=passes)
+            continue
+        conv.conv_transpose3d_implicit_gemm(x_first, w, None, Dev((2, 64, 10, 12, 34)),
+                                            passes=passes)
+        assert launches[-2].name == "conv_transpose3d_s2k3<1, CT3_CONV, true>"
         assert launches[-2].args[-4:-1] == (0, 1, 0)
         assert launches[-2].shared_mem == conv._CT3_SHARED_NCDHW
         assert launches[-1].args[-5:] == (32 * 5 * 6 * 17, 5 * 6 * 17, 6 * 17, 17, 1)
