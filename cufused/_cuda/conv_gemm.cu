@@ -362,6 +362,11 @@ template <int TW, int BN>
 struct HaloTile {
     static constexpr int W = TW, N = BN, COL_WARPS = TW / 8;
     static_assert(COL_WARPS * (BN / 32) == CONV_THREADS / 32, "8 columns x 32 channels a warp");
+    // Warp w's first column and first output channel in the tile.
+    static __device__ __forceinline__ int warp_col(int w) { return (w & (COL_WARPS - 1)) * 8; }
+    static __device__ __forceinline__ int warp_k(int w) {
+        return (int)((unsigned)w / COL_WARPS) * 32;
+    }
 };
 using NarrowTile = HaloTile<HALO_TW, CONV_BN>;  // conv2d_halo, conv2d_halo_pool_stats
 using BandTile = HaloTile<2 * HALO_TW, CONV_BN / 2>;  // conv2d_halo_bands
@@ -651,8 +656,7 @@ __device__ __forceinline__ void halo_tiles(const float* __restrict__ x,
     const int tid = threadIdx.x;
     const int lane = tid & 31, warp = tid >> 5;
     const int gid = lane >> 2, tig = lane & 3;
-    const int warp_col = (warp & (Tile::COL_WARPS - 1)) * 8;
-    const int warp_k = (int)((unsigned)warp / Tile::COL_WARPS) * 32;
+    const int warp_col = Tile::warp_col(warp), warp_k = Tile::warp_k(warp);
     const int k0 = blockIdx.y * Tile::N;
     const int khw = kh * kw;
     const bool one_chunk = C <= cc;
@@ -1061,7 +1065,7 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
     extern __shared__ float smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, tig = lane & 3;
-    const int warp_col = (warp & 3) * 8, warp_k = (warp >> 2) * 32;
+    const int warp_col = NarrowTile::warp_col(warp), warp_k = NarrowTile::warp_k(warp);
     const int k0 = blockIdx.y * CONV_BN;
     const int hsize = halo_floats<KSIZE>(cc, hr, hc);
     float* staged = halo_scratch<PASSES, KSIZE>(smem, hsize);  // [channel][row * WIDTH + column]
@@ -1119,7 +1123,7 @@ conv2d_halo_bands(const float* __restrict__ x, const float* __restrict__ w,
     extern __shared__ float smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, tig = lane & 3;
-    const int warp_col = (warp & (BandTile::COL_WARPS - 1)) * 8;
+    const int warp_col = BandTile::warp_col(warp);
     const int k0 = blockIdx.y * BandTile::N;
     const int hsize = halo_floats<KSIZE, BandTile::W>(0, 0, 0);
     float* staged = halo_scratch<1, KSIZE>(smem, hsize);  // [channel][row * Q + column]
@@ -1161,8 +1165,10 @@ conv2d_halo_bands(const float* __restrict__ x, const float* __restrict__ w,
     halo_tiles<1, KSIZE, HALO_BLOCKS_PER_SM, BandTile>(
         x, w, C, H, W, K, KSIZE, KSIZE, P, Q, 1, 1, ph, pw, 1, 1, Fixed::CC, Fixed::HR,
         Fixed::HC, halo_shared<1, KSIZE>(smem, hsize), bands, store, [](int) { return 1.0f; });
-    // The copies have read the scratch before the block leaves it.
-    if (threadIdx.x < BandTile::N) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    // The copies have read the scratch before the block leaves it (their writes complete
+    // with the grid).
+    if (threadIdx.x < BandTile::N)
+        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
 #else
     __trap();
 #endif
