@@ -1358,12 +1358,14 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
 // CT3_TH x CT3_TW base positions of one sample (256 rows, 16 (d, h) rows of 16 w positions)
 // and CT3_BN output channels.
 // The whole weight slice (27 taps x CT3_BN x CT3_CI) is staged once per block; the input
-// halo ((T + 1)^3 positions x CT3_CI channels, zeros outside the input and past C) takes
-// turns in two buffers, the next tile's copied (one tensor copy on sm_90a where C % 4 == 0,
-// else cp.async) while this tile's MMAs run.
-// Both are channel-contiguous (the input comes channels-last), so that ldmatrix loads four
-// 8 x 4 TF32 fragments in one instruction; the 16-byte chunks of a row are swizzled by the
-// row's low 3 bits, which puts the 8 rows of each fragment on distinct banks.
+// halo ((T + 1)^3 positions x CT3_CI channels, zeros outside the input and past C) of a
+// channels-last input takes turns in two buffers, the next tile's copied (one tensor copy on
+// sm_90a where C % 4 == 0, else cp.async) while this tile's MMAs run.
+// Both are channel-contiguous, so that ldmatrix loads four 8 x 4 TF32 fragments in one
+// instruction; the 16-byte chunks of a row are swizzled by the row's low 3 bits, which puts
+// the 8 rows of each fragment on distinct banks. An NCDHW input (X_NCDHW) goes by input d
+// planes into a ring of slots instead (CT3_RING), its fragments by four shared loads
+// (ld_fragment_planes).
 // The warpgroup-MMA path ("tf32" on sm_90a) takes the tile in two halves of 128 rows, all
 // eight classes' accumulators at once, its MMAs grouped by input offset (below); the
 // mma.sync path gives each warp two (d, h) rows and runs the classes one after another (rw
@@ -1413,6 +1415,12 @@ __device__ __forceinline__ constexpr int ct3_k_channel(int k) {
 __device__ __forceinline__ constexpr int ct3_channel_k(int c) {
     return (c & ~7) | ((c & 1) << 2) | ((c >> 1) & 3);
 }
+__device__ __forceinline__ constexpr bool ct3_orders_invert() {
+    for (int c = 0; c < CT3_CI; ++c)
+        if (ct3_k_channel(ct3_channel_k(c)) != c) return false;
+    return true;
+}
+static_assert(ct3_orders_invert(), "the weights staged in the order the fragments read");
 static_assert(CT3_CI == 32, "a row is 8 chunks of 16 bytes, swizzled by its low 3 bits");
 
 // A compile-time int for conv_transpose3d_s2k3's generic lambdas: a class's rw, the channels
@@ -1541,14 +1549,15 @@ struct alignas(64) CT3TensorMap {
 // shared memory (CT3_SHARED_FLOATS_NCDHW where X_NCDHW); blocks take the runs of
 // SampleSegments (each sample's tiles in `splits` runs). x (N, D, H, W, C) channels-last,
 // by_four: C % 4 == 0 and x 16-byte aligned (the halo is copied 16 bytes at a time); or
-// where X_NCDHW, x (N, C, D, H, W) contiguous, its halo copied a value at a time into planes
-// of channels (by_four and tma unused); w (C, K, 3, 3, 3) as ConvTranspose3d keeps it; y (N, K,
-// Do, Ho, Wo) contiguous, a plane Do * Ho * Wo below 2**31; pairs: Wo even and y 8-byte
-// aligned (outputs stored in float2 pairs). bias may be null. tma: tmap is x's map (dims C,
-// W, H, D, N; box CT3_CI x (T + 1)^3 x 1; the 128-byte swizzle), and the sm_90a build copies
-// each halo with one tensor copy; else (and in the portable build) with cp.async. The clamp is
-// [lo, hi]; ref is the softmax exponents' reference (clamp_middle's, a parameter so that it
-// takes no register).
+// where X_NCDHW, x (N, C, D, H, W) contiguous, its input planes copied into the ring (by_four
+// unused); w (C, K, 3, 3, 3) as ConvTranspose3d keeps it; y (N, K, Do, Ho, Wo) contiguous, a
+// plane Do * Ho * Wo below 2**31; pairs: Wo even and y 8-byte aligned (outputs stored in
+// float2 pairs). bias may be null. tma: tmap is x's map, and the sm_90a build copies each
+// halo with one tensor copy (dims C, W, H, D, N; box CT3_CI x (T + 1)^3 x 1; the 128-byte
+// swizzle), or where X_NCDHW each input plane (dims W, H, D, C, N, W % 4 == 0; box CT3_XW x
+// CT3_HH x 1 x CT3_CI x 1; no swizzle); else (and in the portable build) with cp.async. The
+// clamp is [lo, hi]; ref is the softmax exponents' reference (clamp_middle's, a parameter so
+// that it takes no register).
 template <int PASSES, int OUT, bool X_NCDHW>
 __global__ void __launch_bounds__(CONV_THREADS, 1)
 conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
@@ -1561,9 +1570,8 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
     // The warpgroup MMA path (below): a tile's rows in two halves, the first reading input
     // planes 0 to 2 of the tile, the second planes 2 to 4.
     constexpr bool HALVES = HALO_WGMMA && PASSES == 1;
-    // Two halo buffers, or the ring of planes; per buffer or slot one mbarrier.
+    // Two halo buffers, or the ring of planes.
     constexpr int HALO_FLOATS = X_NCDHW ? CT3_RING * CT3_SLOT : 2 * CT3_HSTRIDE;
-    constexpr int BARRIERS = X_NCDHW ? CT3_RING : 2;
     // The halo's tensor copies (sm_90a; tmap made).
     const bool tensor_copies = HALO_WGMMA && tma;
     extern __shared__ float smem[];
@@ -1573,6 +1581,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
     float* scratch = halo + HALO_FLOATS;      // [warp][channel] run sums
 #if HALO_WGMMA
     // Per halo buffer or ring slot: the mbarrier its tensor copies complete.
+    constexpr int BARRIERS = X_NCDHW ? CT3_RING : 2;
     unsigned long long* filled = reinterpret_cast<unsigned long long*>(scratch + 8 * CT3_BN);
 #endif
     // ct3_weight_desc's swizzle is that of ct3_swizzled only from a 1024-byte aligned start,
@@ -1657,7 +1666,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
     // Planes first to last of the tile at t of sample n, the block's i-th: CT3_CI channels
     // of CT3_HH rows x CT3_XW columns from (d0 + p, h0, w0) each, zeros outside the input and
     // past C. One tensor copy a plane (thread 0); else the rows' CT3_HW values by cp.async,
-    // one commit group.
+    // one commit group (none for first > last).
     auto copy_planes = [&](int n, int t, unsigned i, int first, int last) {
         int d0, h0, w0;
         tile_origin(t, d0, h0, w0);
@@ -1778,12 +1787,16 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
             __syncthreads();  // the previous tile's planes read (and the weights in)
             more = segments.next(next);
             copy_planes(pos.n, pos.t, tile, CT3_TD, CT3_TD);
-            if (more) copy_planes(next.n, next.t, tile + 1, 0, CT3_TD - 1);
+            // (cp.async: an empty group where no tile follows, so that the wait below leaves
+            // exactly the next tile's group in flight.)
+            copy_planes(next.n, next.t, tile + 1, 0, more ? CT3_TD - 1 : -1);
             if (tensor_copies) {
                 await_planes(tile, 0, HALVES ? 2 : CT3_TD);
             } else {
-                asm volatile("cp.async.wait_all;" ::: "memory");
-                __syncthreads();  // this thread's copies in, then all threads'
+                // This thread's copies of the tile's planes in (all groups but the newest),
+                // then all threads'.
+                asm volatile("cp.async.wait_group 1;" ::: "memory");
+                __syncthreads();
             }
         } else {
             await_halo(buf);
@@ -1811,7 +1824,8 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         auto plane_a_address = [&](unsigned plane, int position, int o) -> unsigned {
             return plane + 4 * (position + ((o >> 1) & 1) * CT3_XW + (o & 1));
         };
-        // The A fragment of reduction step ks (channels 8 ks to 8 ks + 7) from a_address's a.
+        // The A fragment of reduction step ks (channels 8 ks to 8 ks + 7) from a_address's or
+        // plane_a_address's a.
         auto a_fragment = [&](unsigned (&f)[4], unsigned a, int ks) {
             if (X_NCDHW)
                 ld_fragment_planes(f, a + ks * (8 * CT3_XCS * 4));
@@ -1879,8 +1893,8 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         };
 #if HALO_WGMMA
         if (PASSES == 1) {
-            // The warpgroup MMA (m64n32k8, A from the ldmatrix fragments, B read by the tensor
-            // cores from the staged weights). The tile goes in two halves of 128 rows, a
+            // The warpgroup MMA (m64n32k8, A from the fragments in registers (a_fragment), B
+            // read by the tensor cores from the staged weights). The tile goes in two halves of 128 rows, a
             // warpgroup's 64 x 32 MMA tile each (d rows 2 s + warpgroup, a warp's h row), with
             // the accumulators of all eight classes (128 a thread). Per input offset (a, b, c)
             // in order, one commit group: the offset's A fragments, loaded once, times the
@@ -1889,9 +1903,9 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
             // go in the mma.sync path's order (offsets ascending). A class's last offset is
             // its own index: the class is done with its group, and its epilogue runs while the
             // next groups do (pass 2: a pair of rw = 0 and 1 after the second's group). The A
-            // fragments of a tile row are loaded once per offset, 8 ldmatrix rounds for its 27
-            // taps: the shared-memory reads of the MMA steps (fragments and weights) bound
-            // the tensor cores.
+            // fragments of a tile row are loaded once per offset, 8 rounds for its 27 taps:
+            // the shared-memory reads of the MMA steps (fragments and weights) bound the
+            // tensor cores.
             static_assert(CT3_TD == 4 && CT3_TH == 4, "two halves of two warpgroups' h rows");
             const unsigned long long desc0 = ct3_weight_desc(wt);
             // The epilogue of class r, done; pass 2 stores a pair of rw = 0 and 1 after the

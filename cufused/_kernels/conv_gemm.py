@@ -321,13 +321,16 @@ def transposed_s2k3_takes(c_in: int, kernel, stride, padding, output_padding, di
             and max(_CT3_SHARED, _CT3_SHARED_NCDHW) <= shared_per_block())
 
 
-def transposed_s2k3_reads_ncdhw(passes: int) -> bool:
-    """Whether ``conv_transpose3d_s2k3`` reads an NCDHW input in place (its input planes
-    through a ring in shared memory) on the current device: in TF32 on the warpgroup-MMA
-    build (sm_90a), whose two halves of a tile read planes 0 to 2 and 2 to 4, so that a
-    tile's last plane has half a tile to arrive. The ``mma.sync`` path reads all five planes
-    from the tile's start; there a channels-last copy of the input is faster."""
-    return passes == 1 and arch_target(_FILE) == "sm_90a"
+def transposed_s2k3_reads_ncdhw(x, passes: int) -> bool:
+    """Whether ``conv_transpose3d_s2k3`` reads the contiguous NCDHW ``x`` in place (its input
+    planes through a ring in shared memory, by tensor copies) on the current device: in TF32
+    on the warpgroup-MMA build (sm_90a), whose two halves of a tile read planes 0 to 2 and 2
+    to 4, so that a tile's last plane has half a tile to arrive, and where the planes' tensor
+    map can be made (W a multiple of 4, x 16-byte aligned). The ``mma.sync`` path reads all
+    five planes from the tile's start, and copies by ``cp.async`` cost their issue; there a
+    channels-last copy of the input is faster."""
+    return (passes == 1 and x.shape[4] % 4 == 0 and x.data.ptr % 16 == 0
+            and arch_target(_FILE) == "sm_90a")
 
 
 def _transposed_s2k3(mode: str, x, w, bias, *, out_shape, runs: tuple[int, int], clamp,
@@ -405,8 +408,9 @@ def conv_transpose3d_implicit_gemm(x, w, bias, y, *, passes: int) -> None:
     the zeros past the input's far edge too), which costs a finite weight one check per row
     on the device."""
     x_ncdhw = not stored_in(x, "nhwc")
-    if x_ncdhw and passes != 1:
-        raise ValueError("conv_transpose3d_s2k3 reads an NCDHW x in TF32 only")
+    if x_ncdhw and (passes != 1 or not x.flags.c_contiguous):
+        raise ValueError("conv_transpose3d_s2k3 takes x stored channels-last, or contiguous "
+                         "(NCDHW) in TF32")
     _transposed_s2k3("CT3_CONV", x, w, bias, out_shape=y.shape,
                      runs=transposed_s2k3_runs(x.shape, w.shape[1], stores=True),
                      clamp=(0.0, 0.0), passes=passes, y=y, x_ncdhw=x_ncdhw)

@@ -296,7 +296,7 @@ def _igemm_transposed_3d(x, weight, bias, y, *, passes: int) -> None:
     from .._kernels.layout import transpose_channels
     from .._layout import empty_in_layout
 
-    if not stored_in(x, "nhwc") and not transposed_s2k3_reads_ncdhw(passes):
+    if not stored_in(x, "nhwc") and not transposed_s2k3_reads_ncdhw(x, passes):
         x_last = empty_in_layout(x.shape, "nhwc")
         transpose_channels(x, x_last, to_channels_last=True)
         x = x_last

@@ -96,12 +96,17 @@ def test_transposed_conv_geometry_is_the_sources():
 
 
 def test_transposed_conv_reads_ncdhw_in_tf32_on_the_warpgroup_build(monkeypatch):
-    # The ring of input planes pays where the tiles go in two halves (sm_90a, TF32); the
-    # mma.sync path (3xTF32, the portable build) takes a channels-last copy of x instead.
+    # The ring of input planes pays where the tiles go in two halves (sm_90a, TF32) and the
+    # planes go by tensor copies (W % 4 == 0, x 16-byte aligned); elsewhere (the mma.sync
+    # path: 3xTF32, the portable build; copies by cp.async) x takes a channels-last copy.
     conv = LAUNCHERS["conv_gemm.cu"]
-    for target, passes, reads in (("sm_90a", 1, True), ("sm_90a", 3, False), (None, 1, False)):
+    aligned, odd_w = Dev((2, 32, 4, 6, 16), ptr=1 << 20), Dev((2, 32, 4, 6, 17), ptr=1 << 20)
+    shifted = Dev((2, 32, 4, 6, 16), ptr=(1 << 20) + 4)
+    for target, x, passes, reads in (("sm_90a", aligned, 1, True), ("sm_90a", aligned, 3, False),
+                                     (None, aligned, 1, False), ("sm_90a", odd_w, 1, False),
+                                     ("sm_90a", shifted, 1, False)):
         monkeypatch.setattr(conv, "arch_target", lambda filename, target=target: target)
-        assert conv.transposed_s2k3_reads_ncdhw(passes) is reads
+        assert conv.transposed_s2k3_reads_ncdhw(x, passes) is reads
 
 
 @pytest.mark.parametrize("halves", [True, False])
@@ -738,7 +743,7 @@ def test_conv_gemm_launchers(launches, monkeypatch):
         # by cp.async), in the ring's shared memory.
         x_first = Dev((2, 32, 5, 6, 17))
         if passes == 3:
-            with pytest.raises(ValueError, match="TF32 only"):
+            with pytest.raises(ValueError, match="in TF32"):
                 conv.conv_transpose3d_implicit_gemm(x_first, w, None, Dev((2, 64, 10, 12, 34)),
                                                     passes=passes)
             continue
