@@ -6,7 +6,11 @@ pass 2's output positions with the paired stores, with float64 products, against
 reference (no GPU); and the staged weights read through the wgmma build's 128-byte-swizzle
 descriptor (ct3_weight_desc, its stride and swizzle fields read from the source), against the
 weights. It works on positions and channels: the lanes' fragments, the order of the classes
-and the output pointers are the GPU tests' to check. Run it after changing the kernel's
+and the output pointers are the GPU tests' to check, but for an NCDHW x (X_NCDHW): there
+each block's ring of input planes (ring numbers, slots, the 20-column planes) and the A
+fragments that the lanes load from it (ld_fragment_planes' addresses, the reduction's
+channel order 0, 2, 4, 6, 1, 3, 5, 7 and the weights staged in it) are emulated too, and
+each load's 32 lanes checked for 32 different banks. Run it after changing the kernel's
 index math (and change it alongside).
 
 Usage: python scripts/emulate_conv_transpose3d.py
@@ -26,11 +30,16 @@ from cufused import reference
 from cufused._kernels._common import clamp_middle
 from cufused._kernels.conv_gemm import _CT3_BN as BN
 from cufused._kernels.conv_gemm import _CT3_CI as CI
-from cufused._kernels.conv_gemm import _CT3_TILE, sample_segments
+from cufused._kernels.conv_gemm import _CT3_RING as RING
+from cufused._kernels.conv_gemm import _CT3_TILE
+from cufused._kernels.conv_gemm import _CT3_XW as XW
+from cufused._kernels.conv_gemm import sample_segments
 
 TD, TH, TW = _CT3_TILE
 HH, HW = TH + 1, TW + 1
 HPOS = (TD + 1) * HH * HW
+XCS = HH * XW  # CT3_XCS: a channel's values in a plane
+SLOT = CI * XCS
 
 CASES = [  # x shape (N, C_in, D, H, W), C_out, output padding, clamp, resident blocks
     ((1, 5, 3, 6, 19), 7, (1, 1, 0), (-0.5, 1.0), 3),  # C_in % 4 != 0, cut tiles, odd W_out
@@ -38,6 +47,8 @@ CASES = [  # x shape (N, C_in, D, H, W), C_out, output padding, clamp, resident 
     ((2, 32, 5, 4, 16), 40, (1, 1, 1), (-2.0, 3.0), 3),  # every input channel, 2 channel tiles
     ((3, 3, 1, 1, 1), 1, (0, 0, 0), (0.0, 1.0), 132),  # one base position a sample
 ]
+# Through the plane ring also: one block a channel tile takes 24 tiles (the ring goes round).
+RING_CASES = CASES + [((2, 6, 9, 6, 20), 5, (1, 1, 1), (-1.0, 1.0), 1)]
 
 
 def swizzled(row, c):
@@ -61,8 +72,15 @@ def tap_at(r: int, t: int):
     return kernel, (a, b, c)
 
 
-def staged_weights(w, k0):
-    """The block's shared weights: [tap][o][c] in swizzled rows of o, zeros past C and K."""
+def channel_k(c):
+    """ct3_channel_k: the reduction index of input channel c where X_NCDHW (each 8 channels
+    in the order 0, 2, 4, 6, 1, 3, 5, 7)."""
+    return (c & ~7) | ((c & 1) << 2) | ((c >> 1) & 3)
+
+
+def staged_weights(w, k0, planes=False):
+    """The block's shared weights: [tap][o][k] in swizzled rows of o, zeros past C and K;
+    channel c at reduction index k = c, or channel_k(c) where ``planes`` (X_NCDHW)."""
     c_total, k_total = w.shape[:2]
     wt = np.zeros(27 * BN * CI)
     o, c = np.meshgrid(np.arange(BN), np.arange(CI), indexing="ij")
@@ -70,8 +88,55 @@ def staged_weights(w, k0):
     for tap in range(27):
         vals = np.zeros((BN, CI))
         vals[keep] = w[c[keep], k0 + o[keep], tap // 9, (tap // 3) % 3, tap % 3]
-        wt[tap * BN * CI + swizzled(o, c)] = vals
+        wt[tap * BN * CI + swizzled(o, channel_k(c) if planes else c)] = vals
     return wt
+
+
+class PlaneRing:
+    """A block's ring of input planes (X_NCDHW): CT3_RING slots of CI channels x HH rows x
+    XW columns, NaN until written; input plane p of the block's i-th tile is ring number
+    (TD + 1) i + p, in slot number % CT3_RING. Slots keep what earlier tiles left there, so
+    that a read of the wrong slot reads another tile's values."""
+
+    def __init__(self):
+        self.slots = np.full(RING * SLOT, np.nan)
+        self.tile = 0  # the block's tiles so far
+        self.banks_ok = True
+
+    def slot_base(self, p: int) -> int:
+        return (self.tile * (TD + 1) + p) % RING * SLOT
+
+    def stage(self, x, n, origin):
+        """The tile's TD + 1 planes from (d0 + p, h0, w0), as the tensor copies bring them:
+        zeros outside the input and past C."""
+        _, c_total, d_in, h_in, w_in = x.shape
+        d0, h0, w0 = origin
+        h, col = np.meshgrid(h0 + np.arange(HH), w0 + np.arange(XW), indexing="ij")
+        inside = (h < h_in) & (col < w_in)
+        for p in range(TD + 1):
+            plane = np.zeros((CI, HH, XW))
+            if d0 + p < d_in:
+                for c in range(min(c_total, CI)):
+                    plane[c][inside] = x[n, c, d0 + p, h[inside], col[inside]]
+            self.slots[self.slot_base(p):self.slot_base(p) + SLOT] = plane.ravel()
+
+    def fragments(self, row: int, offset: tuple[int, int, int]) -> np.ndarray:
+        """The A operand [16 rows, CI reduction indices] of tile row ``row`` at input offset
+        (a, b, c) as the 32 lanes load it (row_position, plane_address, plane_a_address,
+        ld_fragment_planes: a[0] at the lane's address, a[1] 8 positions on, a[2] and a[3]
+        a channel on, step ks 8 channels on); every load's lanes on 32 different banks."""
+        a, b, c = offset
+        lane = np.arange(32)
+        gid, tig = lane >> 2, lane & 3
+        first = (self.slot_base(row // TH + a) + 2 * tig * XCS + (row % TH) * XW + gid
+                 + b * XW + c)
+        frag = np.full((16, CI), np.nan)
+        for ks in range(CI // 8):
+            for dm, dk, step in ((0, 0, 0), (8, 0, 8), (0, 4, XCS), (8, 4, XCS + 8)):
+                at = first + ks * 8 * XCS + step
+                self.banks_ok &= len(set((at % 32).tolist())) == 32
+                frag[gid + dm, 8 * ks + tig + dk] = self.slots[at]
+        return frag
 
 
 def tile_origin(t: int, tiles_h: int, tiles_w: int) -> tuple[int, int, int]:
@@ -81,10 +146,11 @@ def tile_origin(t: int, tiles_h: int, tiles_w: int) -> tuple[int, int, int]:
     return td * TD, (th - td * tiles_h) * TH, tw * TW
 
 
-def tile_classes(x, wt, bias, n, origin, out_shape):
+def tile_classes(x, wt, bias, n, origin, out_shape, ring=None):
     """One tile's classes r = 0 .. 7: ``(r, acc, od, oh, ow, inside)``, acc[row, column,
-    channel] = conv + bias over the swizzled halo and weights, the rows' and columns' output
-    positions and which of them lie inside the output ([row, column, 1])."""
+    channel] = conv + bias over the swizzled halo and weights (or the fragments that the
+    lanes load from the block's PlaneRing ``ring``), the rows' and columns' output positions
+    and which of them lie inside the output ([row, column, 1])."""
     _, c_total, d_in, h_in, w_in = x.shape
     d_out, h_out, w_out = out_shape[2:]
     d0, h0, w0 = origin
@@ -98,26 +164,34 @@ def tile_classes(x, wt, bias, n, origin, out_shape):
         vals = np.zeros(HPOS)
         vals[inside] = x[n, c, d[inside], h[inside], ww[inside]]
         halo[swizzled(p, c)] = vals
+    if ring is not None:
+        ring.stage(x, n, origin)
     for r in range(8):
         rd, rh, rw = r >> 2, (r >> 1) & 1, r & 1
         acc = np.broadcast_to(bias, (TD * TH, TW, BN)).copy()
         for t in range(taps_of(r)):
             (kd, kh, kw), (a, bb, cc) = tap_at(r, t)
-            pos = ((pd * HH + ph) * HW + (a * HH + bb) * HW + cc)[:, None] + m[None, :]
-            av = halo[swizzled(pos[..., None], c_idx)]
+            if ring is None:
+                pos = ((pd * HH + ph) * HW + (a * HH + bb) * HW + cc)[:, None] + m[None, :]
+                av = halo[swizzled(pos[..., None], c_idx)]
+            else:
+                av = np.stack([ring.fragments(row, (a, bb, cc)) for row in rows])
             bv = wt[(kd * 9 + kh * 3 + kw) * BN * CI + swizzled(o_idx[:, None], c_idx)]
             acc += av @ bv.T
         od, oh, ow = 2 * (d0 + pd) + rd, 2 * (h0 + ph) + rh, 2 * (w0 + m) + rw
         inside_out = ((od < d_out) & (oh < h_out))[:, None] & (ow < w_out)
         yield r, acc, od, oh, ow, inside_out[..., None]
+    if ring is not None:
+        ring.tile += 1
 
 
-def emulate(x, w, bias, out_shape, clamp, scale, slots):
+def emulate(x, w, bias, out_shape, clamp, scale, slots, rings=None):
     """Both passes over the kernel's run schedule (SampleSegments: runs of tiles for
     ``slots`` resident blocks per channel tile, as the launcher cuts them): pass 1's per-run
     sums of exp(clamp(y) - ref) (partial[n, k, run], ref the clamp's middle as the launcher
     passes it), the factors as softmax_finalize forms them, and pass 2's outputs
-    exp(clamp(y) - ref) * factor with the paired stores."""
+    exp(clamp(y) - ref) * factor with the paired stores. With ``rings`` (a list), each
+    block reads an NCDHW x through its own PlaneRing, appended there."""
     n_total, _, d_in, h_in, w_in = x.shape
     k_total = w.shape[1]
     lo, hi = clamp
@@ -133,16 +207,23 @@ def emulate(x, w, bias, out_shape, clamp, scale, slots):
         if out_pass == "result":
             factor = scale / partial.sum(axis=2)
         for k0 in range(0, k_total, BN):
-            wt = staged_weights(w, k0)
+            wt = staged_weights(w, k0, rings is not None)
             k = k0 + np.arange(BN)
             bias_k = np.where(k < k_total, bias[np.minimum(k, k_total - 1)], 0.0)
-            for _, items in segments(n_total, tiles, splits, blocks):
+            block_rings: dict[int, PlaneRing] = {}
+            for block, items in segments(n_total, tiles, splits, blocks):
+                ring = None
+                if rings is not None:
+                    if block not in block_rings:
+                        block_rings[block] = PlaneRing()
+                        rings.append(block_rings[block])
+                    ring = block_rings[block]
                 sums = np.zeros(BN)
                 for n, t, run in items:
                     origin = tile_origin(t, tiles_h, tiles_w)
                     kept = None
                     for r, acc, od, oh, ow, inside in tile_classes(x, wt, bias_k, n, origin,
-                                                                  out_shape):
+                                                                  out_shape, ring):
                         ex = np.exp(np.clip(acc, lo, hi) - ref)
                         if out_pass == "sums":
                             # Every channel of the block, those past K too (never stored).
@@ -198,18 +279,20 @@ def check_weight_descriptor(rng) -> bool:
     return ok
 
 
-def case_error(rng, shape, cout, op, clamp, slots) -> float:
+def case_error(rng, shape, cout, op, clamp, slots, rings=None) -> float:
     """The emulation's largest relative error against the float64 reference of the
     convolution, clamp, softmax over each (sample, channel) and scale, on random operands
-    (inf where an output was never written)."""
+    (inf where an output was never written); through PlaneRings where ``rings`` is given."""
     x = rng.standard_normal(shape)
     w = rng.standard_normal((shape[1], cout, 3, 3, 3))
     b, scale = rng.standard_normal(cout), rng.standard_normal(cout)
     y = reference.conv_transpose(x, w, b, (2, 2, 2), (1, 1, 1), op, (1, 1, 1), 1)
     ref = reference.softmax(np.clip(y, *clamp), (2, 3, 4)) * scale[:, None, None, None]
-    got = emulate(x, w, b, ref.shape, clamp, scale, slots)
+    got = emulate(x, w, b, ref.shape, clamp, scale, slots, rings)
     err = (np.abs(got - ref) / np.abs(ref).max()).max()
-    print(f"x {shape} C_out {cout} output padding {op} clamp {clamp}: max error {err:.1e}")
+    read = "NCDHW x, plane ring" if rings is not None else "channels-last x"
+    print(f"x {shape} C_out {cout} output padding {op} clamp {clamp} ({read}): "
+          f"max error {err:.1e}")
     return float(err) if not np.isnan(err) else float("inf")
 
 
@@ -217,8 +300,13 @@ def main() -> int:
     argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     rng = np.random.default_rng(0)
     errors = [case_error(rng, *case) for case in CASES]
+    rings: list[PlaneRing] = []
+    errors += [case_error(rng, *case, rings=rings) for case in RING_CASES]
+    banks_ok = all(ring.banks_ok for ring in rings) and max(r.tile for r in rings) > RING
+    print(f"plane ring fragments: 32 banks a load, rings gone round: "
+          f"{'ok' if banks_ok else 'FAILED'}")
     descriptor_ok = check_weight_descriptor(rng)
-    return 0 if descriptor_ok and max(errors) < 1e-9 else 1
+    return 0 if descriptor_ok and banks_ok and max(errors) < 1e-9 else 1
 
 
 if __name__ == "__main__":
