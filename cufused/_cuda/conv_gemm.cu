@@ -1893,19 +1893,18 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         };
 #if HALO_WGMMA
         if (PASSES == 1) {
-            // The warpgroup MMA (m64n32k8, A from the fragments in registers (a_fragment), B
-            // read by the tensor cores from the staged weights). The tile goes in two halves of 128 rows, a
-            // warpgroup's 64 x 32 MMA tile each (d rows 2 s + warpgroup, a warp's h row), with
-            // the accumulators of all eight classes (128 a thread). Per input offset (a, b, c)
-            // in order, one commit group: the offset's A fragments, loaded once, times the
-            // weights of every class r that reads it (r >= (a, b, c) bitwise, the tap of
-            // kernel index 2 - 2 a per axis where r has 1, else 1), so that each class's taps
-            // go in the mma.sync path's order (offsets ascending). A class's last offset is
-            // its own index: the class is done with its group, and its epilogue runs while the
-            // next groups do (pass 2: a pair of rw = 0 and 1 after the second's group). The A
-            // fragments of a tile row are loaded once per offset, 8 rounds for its 27 taps:
-            // the shared-memory reads of the MMA steps (fragments and weights) bound the
-            // tensor cores.
+            // The warpgroup MMA (m64n32k8, A from the fragments in registers (a_fragment), B read
+            // by the tensor cores from the staged weights). The tile goes in two halves of 128
+            // rows, a warpgroup's 64 x 32 MMA tile each (d rows 2 s + warpgroup, a warp's h row),
+            // with the accumulators of all eight classes (128 a thread). Per input offset (a, b, c)
+            // in order, one commit group: the offset's A fragments, loaded once, times the weights
+            // of every class r that reads it (r >= (a, b, c) bitwise, the tap of kernel index
+            // 2 - 2 a per axis where r has 1, else 1), so that each class's taps go in the mma.sync
+            // path's order (offsets ascending). A class's last offset is its own index: the class
+            // is done with its group, and its epilogue runs while the next groups do (pass 2: a
+            // pair of rw = 0 and 1 after the second's group). The A fragments of a tile row are
+            // loaded once per offset, 8 rounds for its 27 taps: the shared-memory reads of the MMA
+            // steps (fragments and weights) bound the tensor cores.
             static_assert(CT3_TD == 4 && CT3_TH == 4, "two halves of two warpgroups' h rows");
             const unsigned long long desc0 = ct3_weight_desc(wt);
             // The epilogue of class r, done; pass 2 stores a pair of rw = 0 and 1 after the

@@ -321,6 +321,12 @@ def transposed_s2k3_takes(c_in: int, kernel, stride, padding, output_padding, di
             and max(_CT3_SHARED, _CT3_SHARED_NCDHW) <= shared_per_block())
 
 
+def _planes_mappable(x) -> bool:
+    """Whether the input planes of the contiguous NCDHW ``x`` meet a tensor map's strides and
+    alignment (W a multiple of 4, x 16-byte aligned)."""
+    return x.shape[4] % 4 == 0 and x.data.ptr % 16 == 0
+
+
 def transposed_s2k3_reads_ncdhw(x, passes: int) -> bool:
     """Whether ``conv_transpose3d_s2k3`` reads the contiguous NCDHW ``x`` in place (its input
     planes through a ring in shared memory, by tensor copies) on the current device: in TF32
@@ -329,8 +335,7 @@ def transposed_s2k3_reads_ncdhw(x, passes: int) -> bool:
     map can be made (W a multiple of 4, x 16-byte aligned). The ``mma.sync`` path reads all
     five planes from the tile's start, and copies by ``cp.async`` cost their issue; there a
     channels-last copy of the input is faster."""
-    return (passes == 1 and x.shape[4] % 4 == 0 and x.data.ptr % 16 == 0
-            and arch_target(_FILE) == "sm_90a")
+    return passes == 1 and _planes_mappable(x) and arch_target(_FILE) == "sm_90a"
 
 
 def _transposed_s2k3(mode: str, x, w, bias, *, out_shape, runs: tuple[int, int], clamp,
@@ -349,7 +354,7 @@ def _transposed_s2k3(mode: str, x, w, bias, *, out_shape, runs: tuple[int, int],
     # The tensor copies' map of x (16-byte strides: C % 4 == 0, or W % 4 == 0 for an NCDHW
     # x), where the driver makes one.
     if x_ncdhw:
-        tensor_map = wd % 4 == 0 and x.data.ptr % 16 == 0 and float32_tensor_map(
+        tensor_map = _planes_mappable(x) and float32_tensor_map(
             x.data.ptr, (wd, h, d, c, n), (4 * wd, 4 * wd * h, 4 * wd * h * d,
                                            4 * wd * h * d * c), _CT3_PLANE_BOX, swizzle=False)
     else:
