@@ -1737,6 +1737,9 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
     // CT3_STAGE loads in flight a thread, so that their memory latencies overlap.
     constexpr int CT3_STAGE = 12;
     static_assert(CT3_WFLOATS % (CT3_STAGE * CONV_THREADS) == 0, "whole rounds of loads");
+    // CT3_CONV: the block's output channels k0 + o (bits o) whose weight holds a non-finite
+    // value among this thread's.
+    unsigned nonfinite = 0;
     for (int i0 = tid; i0 < CT3_WFLOATS; i0 += CT3_STAGE * CONV_THREADS) {
         float v[CT3_STAGE];
 #pragma unroll
@@ -1752,7 +1755,19 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
             const int tap = i % 27, co = i / 27, o = co % CT3_BN, c = co / CT3_BN;
             wt[tap * CT3_BN * CT3_CI + ct3_swizzled(o, X_NCDHW ? ct3_channel_k(c) : c)] =
                 PASSES == 1 ? __uint_as_float(to_tf32(v[u])) : v[u];
+            if (OUT == CT3_CONV) nonfinite |= (unsigned)!isfinite(v[u]) << o;
         }
+    }
+    // CT3_CONV: the block's output channels whose weight holds a non-finite value, from the
+    // warps' in the scratch (unused by this epilogue otherwise).
+    unsigned nonfinite_channels = 0;
+    if (OUT == CT3_CONV) {
+        unsigned* const warp_channels = reinterpret_cast<unsigned*>(scratch);
+        nonfinite = __reduce_or_sync(0xffffffffu, nonfinite);
+        if (lane == 0) warp_channels[warp] = nonfinite;
+        __syncthreads();
+#pragma unroll
+        for (int v = 0; v < CONV_THREADS / 32; ++v) nonfinite_channels |= warp_channels[v];
     }
 #if HALO_WGMMA
     // The weights, stored by the generic proxy, are read by wgmma through the async proxy.
@@ -2049,6 +2064,30 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
             }
         }
 
+        if (OUT == CT3_CONV && nonfinite_channels) {
+            // The implicit GEMM multiplies the zeros past the input's far edge too (output
+            // 2 D - 1 of output padding 1 reads input D), which a non-finite weight turns into
+            // NaNs that the definition does not have, and 3xTF32 splits an infinite weight
+            // into a NaN residual: the tile's outputs of such channels are rewritten by the
+            // definition (bias plus the products of real inputs), once all are stored.
+            __syncthreads();
+            const long long xw = X_NCDHW ? 1 : C, xh = W * xw, xd = H * xh;
+            const TransposedConvDefinition conv{
+                x, w, C, K, D, H, W, Do, Ho, Wo, 3, 3, 3, 2, 2, 2, 1, 1, 1, 1, 1, 1,
+                (long long)C * D * H * W, X_NCDHW ? D * xd : 1, xd, xh, xw};
+            constexpr int OH = 2 * CT3_TH, OW = 2 * CT3_TW, OUTPUTS = 2 * CT3_TD * OH * OW;
+            for (int e = tid; e < CT3_BN * OUTPUTS; e += CONV_THREADS) {
+                const int j = e / OUTPUTS, r = e % OUTPUTS;
+                const int od = 2 * d0 + r / (OH * OW), oh = 2 * h0 + r / OW % OH,
+                          ow = 2 * w0 + r % OW;
+                if (!((nonfinite_channels >> j) & 1) || k0 + j >= K || od >= Do || oh >= Ho ||
+                    ow >= Wo)
+                    continue;
+                const long long o = ((long long)od * Ho + oh) * Wo + ow;
+                y[((long long)pos.n * K + k0 + j) * plane + o] =
+                    conv.at(pos.n, k0 + j, o, bias ? bias[k0 + j] : 0.0f);
+            }
+        }
         if (SUMS && pos.t + 1 == pos.end) {
             // The run's sums: over the lanes of one tig, then the 8 warps.
 #pragma unroll
@@ -2075,25 +2114,6 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         pos = next;
         buf ^= 1;
     }
-}
-
-// The public conv_transpose3d on conv_transpose3d_s2k3 (CT3_CONV) where an output channel's
-// weight holds a non-finite value (TransposedConvDefinition): the implicit GEMM's zeros past
-// the input's far edge meet it. A block per (n, c) row of the rows = N * C (a grid-stride loop
-// past the grid's limit) checks channel c's weight and goes on where it is finite; else it
-// rewrites y[n, c, :] (contiguous) by the definition plus bias[c], from x (element strides
-// xn, xc, xd, xh, xw).
-__global__ void conv_transpose_rows_nonfinite_weight(
-    const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
-    float* __restrict__ y, index_t rows, int C, int c_in_group, int c_out_group, int Di,
-    int Hi, int Wi, int Do, int Ho, int Wo, int KD, int KH, int KW, int sd, int sh, int sw,
-    int pd, int ph, int pw, int dd, int dh, int dw, index_t xn, index_t xc, index_t xd,
-    index_t xh, index_t xw) {
-    const TransposedConvDefinition conv{x,  w,  c_in_group, c_out_group, Di, Hi, Wi, Do, Ho,
-                                        Wo, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
-                                        xn, xc, xd, xh, xw};
-    for (index_t r = blockIdx.x; r < rows; r += gridDim.x)
-        conv.rewrite_nonfinite_row(bias, y, C, r);
 }
 
 // The public forward convolution where an output channel's weight holds a non-finite value,
