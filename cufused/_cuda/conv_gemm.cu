@@ -1594,8 +1594,27 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
     const int tiles_w = (W + CT3_TW - 1) / CT3_TW, tiles_h = (H + CT3_TH - 1) / CT3_TH;
     const int tiles = ((D + CT3_TD - 1) / CT3_TD) * tiles_h * tiles_w;
     const SampleSegments segments{tiles, tiles, splits, (long long)N * splits};
+    // CT3_CONV with HALVES (a tile a run, the blocks in a grid stride): where the blocks' last
+    // round holds at most half as many tiles as there are blocks, its tiles go in halves
+    // (bit s of `halves`: half s) to twice as many blocks, so that the busiest blocks finish
+    // half a tile sooner. The tiles before `tail` go whole.
+    // The block's i-th tile (SUMS: the tile after p's where i > 0) and its halves; false where
+    // the block has none.
+    auto block_tile = [&](unsigned i, TilePos& p, unsigned& halves) -> bool {
+        halves = 3;
+        if (SUMS) return i == 0 ? segments.first(p) : segments.next(p);
+        const long long units = segments.runs, leftover = units % gridDim.x;
+        const long long tail =
+            HALVES && OUT == CT3_CONV && 2 * leftover <= gridDim.x ? units - leftover : units;
+        const long long u = blockIdx.x + (long long)i * gridDim.x;
+        if (u < tail || tail == units) return segments.open(u, p);
+        if (u >= tail + gridDim.x) return false;
+        halves = 1u << (blockIdx.x & 1);
+        return segments.open(tail + blockIdx.x / 2, p);
+    };
     TilePos pos;
-    if (!segments.first(pos)) return;
+    unsigned halves;
+    if (!block_tile(0, pos, halves)) return;
 
     // The tile at t: its first base position.
     auto tile_origin = [&](int t, int& d0, int& h0, int& w0) {
@@ -1798,9 +1817,10 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
     unsigned tile = 0;  // X_NCDHW: the block's tiles so far
     for (bool more = true; more; ++tile) {
         TilePos next = pos;
+        unsigned next_halves;
         if (X_NCDHW) {
             __syncthreads();  // the previous tile's planes read (and the weights in)
-            more = segments.next(next);
+            more = block_tile(tile + 1, next, next_halves);
             copy_planes(pos.n, pos.t, tile, CT3_TD, CT3_TD);
             // (cp.async: an empty group where no tile follows, so that the wait below leaves
             // exactly the next tile's group in flight.)
@@ -1816,7 +1836,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         } else {
             await_halo(buf);
             __syncthreads();  // this tile's halo (and the weights) in; the other buffer free
-            more = segments.next(next);
+            more = block_tile(tile + 1, next, next_halves);
             if (more) copy_halo(next.n, next.t, buf ^ 1);
         }
         const unsigned hb = (unsigned)__cvta_generic_to_shared(halo + buf * CT3_HSTRIDE);
@@ -1987,7 +2007,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
 #pragma unroll 1
             for (int s = 0; s < CT3_TD / 2; ++s) {
                 if (X_NCDHW && s == 1) await_planes(tile, 3, CT3_TD);  // the second half's
-                by_offsets((2 * s + (warp >> 2)) * CT3_TH + (warp & 3));
+                if ((halves >> s) & 1) by_offsets((2 * s + (warp >> 2)) * CT3_TH + (warp & 3));
             }
         } else
 #endif
@@ -2069,7 +2089,8 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
             // 2 D - 1 of output padding 1 reads input D), which a non-finite weight turns into
             // NaNs that the definition does not have, and 3xTF32 splits an infinite weight
             // into a NaN residual: the tile's outputs of such channels are rewritten by the
-            // definition (bias plus the products of real inputs), once all are stored.
+            // definition (bias plus the products of real inputs), once all are stored (the
+            // block's halves of it).
             __syncthreads();
             const long long xw = X_NCDHW ? 1 : C, xh = W * xw, xd = H * xh;
             const TransposedConvDefinition conv{
@@ -2078,11 +2099,10 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
             constexpr int OH = 2 * CT3_TH, OW = 2 * CT3_TW, OUTPUTS = 2 * CT3_TD * OH * OW;
             for (int e = tid; e < CT3_BN * OUTPUTS; e += CONV_THREADS) {
                 const int j = e / OUTPUTS, r = e % OUTPUTS;
-                const int od = 2 * d0 + r / (OH * OW), oh = 2 * h0 + r / OW % OH,
-                          ow = 2 * w0 + r % OW;
-                if (!((nonfinite_channels >> j) & 1) || k0 + j >= K || od >= Do || oh >= Ho ||
-                    ow >= Wo)
-                    continue;
+                const int od_tile = r / (OH * OW);  // half od_tile / CT3_TD's
+                const int od = 2 * d0 + od_tile, oh = 2 * h0 + r / OW % OH, ow = 2 * w0 + r % OW;
+                const bool mine = (nonfinite_channels >> j) & (halves >> (od_tile / CT3_TD)) & 1;
+                if (!mine || k0 + j >= K || od >= Do || oh >= Ho || ow >= Wo) continue;
                 const long long o = ((long long)od * Ho + oh) * Wo + ow;
                 y[((long long)pos.n * K + k0 + j) * plane + o] =
                     conv.at(pos.n, k0 + j, o, bias ? bias[k0 + j] : 0.0f);
@@ -2112,6 +2132,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
             // The next write of the scratch follows the next tile's barrier.
         }
         pos = next;
+        halves = next_halves;
         buf ^= 1;
     }
 }

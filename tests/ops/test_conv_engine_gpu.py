@@ -346,6 +346,7 @@ def test_transposed_3d_stride2_reads_channels_last_x_as_it_is(rng, monkeypatch, 
     ((2, 32, 9, 6, 32), 64, 0, 1),  # tensor copies; one block takes all 24 tiles
     ((2, 32, 9, 6, 32), 64, 1, 3),  # x 4 bytes past a 16-byte boundary: copies by cp.async
     ((3, 5, 6, 7, 12), 7, 0, 2),    # C_in 5 (zeros past it), a partial tile on every axis
+    ((1, 32, 9, 6, 32), 64, 0, 10),  # 5 blocks, 12 tiles: the last two in halves (sm_90a)
 ])
 def test_transposed_3d_stride2_ncdhw_planes_go_round_the_ring(rng, monkeypatch, x_shape, c_out,
                                                                 offset, sms, build):
@@ -406,14 +407,24 @@ def test_transposed_3d_stride2_replays_with_new_values(rng, monkeypatch, precisi
 
 @pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
 @pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("x_shape, sms", [
+    ((2, 5, 3, 4, 5), None),
+    ((3, 5, 5, 4, 5), 4),  # 4 blocks, 6 tiles: the last two in halves (sm_90a, TF32)
+])
 def test_transposed_3d_stride2_non_finite_values_as_the_definition(rng, monkeypatch, build,
-                                                                   precision):
+                                                                   precision, x_shape, sms):
     # An infinite or NaN weight meets only real inputs, as in the definition (the float64
     # reference): also on the far-edge planes of output_padding 1, where the implicit GEMM
-    # multiplies the zeros past the input (those rows are recomputed by the definition). An
-    # infinite input value gives the reference's infinities and NaNs; the other values agree.
-    calls = _s2k3_route(monkeypatch, (2, 5, 3, 4, 5), 6, 1)
-    x = rng.standard_normal((2, 5, 3, 4, 5))
+    # multiplies the zeros past the input (each block rewrites its tiles' outputs of those
+    # channels by the definition, each half of a tile split between two blocks by its own).
+    # An infinite input value gives the reference's infinities and NaNs; the other values
+    # agree.
+    import cufused._kernels.conv_gemm as conv
+
+    if sms is not None:
+        monkeypatch.setattr(conv, "sm_count", lambda: sms)
+    calls = _s2k3_route(monkeypatch, x_shape, 6, 1)
+    x = rng.standard_normal(x_shape)
     w = rng.standard_normal((5, 6, 3, 3, 3))
     b = rng.standard_normal(6)
     w[1, 2, 0, 1, 2], w[3, 4, 2, 2, 0], x[1, 2, 1, 2, 3] = np.inf, np.nan, -np.inf
