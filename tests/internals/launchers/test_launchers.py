@@ -146,6 +146,42 @@ def test_transposed_conv_plane_ring_holds_each_plane_until_read(halves):
     assert not unread
 
 
+def test_transposed_conv_last_round_goes_in_halves():
+    # conv_transpose3d_s2k3's public convolution on the warpgroup path (block_tile): the
+    # blocks take the tiles in a grid stride; where the last round holds at most half as many
+    # tiles as there are blocks, its tiles go in halves (bits of `halves`) to twice as many
+    # blocks. Stepped as the kernel computes it: every half of every tile is taken once, and
+    # the busiest block's work is the fewest tiles that whole tiles and halves allow.
+    def taken(units, blocks, b):
+        leftover = units % blocks
+        tail = units - leftover if 2 * leftover <= blocks else units
+        for i in range(units + 1):
+            u = b + i * blocks
+            if u < tail or tail == units:
+                if u >= units:
+                    return
+                yield u, 3
+            elif u < tail + blocks and tail + b // 2 < units:
+                yield tail + b // 2, 1 << (b & 1)
+                return
+            else:
+                return
+
+    for units in range(1, 40):
+        for blocks in range(1, min(units, 20) + 1):
+            halves = [(t, h) for b in range(blocks) for t, bits in taken(units, blocks, b)
+                      for h in (0, 1) if bits >> h & 1]
+            assert sorted(halves) == [(t, h) for t in range(units) for h in (0, 1)]
+            busiest = max(sum(bin(bits).count("1") for _, bits in taken(units, blocks, b))
+                          for b in range(blocks)) / 2
+            rounds, leftover = divmod(units, blocks)
+            assert busiest == (rounds + 0.5 * (0 < 2 * leftover <= blocks)
+                               + (2 * leftover > blocks))
+    # Canonical C: 2048 tiles a channel tile on 66 blocks; the busiest take 31.5, not 32.
+    assert max(sum(bin(bits).count("1") for _, bits in taken(2048, 66, b))
+               for b in range(66)) == 63
+
+
 def test_transposed_conv_result_pass_takes_tiles_in_a_grid_stride(launches, monkeypatch):
     # Pass 1 cuts each sample's tiles into runs (its sums reduce per run); pass 2, which
     # stores, makes every tile a run, so that the blocks running together take neighbouring
