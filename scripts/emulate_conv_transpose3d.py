@@ -186,12 +186,13 @@ def tile_classes(x, wt, bias, n, origin, out_shape, ring=None):
 
 
 def emulate(x, w, bias, out_shape, clamp, scale, slots, rings=None):
-    """Both passes over the kernel's run schedule (SampleSegments: runs of tiles for
-    ``slots`` resident blocks per channel tile, as the launcher cuts them): pass 1's per-run
-    sums of exp(clamp(y) - ref) (partial[n, k, run], ref the clamp's middle as the launcher
-    passes it), the factors as softmax_finalize forms them, and pass 2's outputs
-    exp(clamp(y) - ref) * factor with the paired stores. With ``rings`` (a list), each
-    block reads an NCDHW x through its own PlaneRing, appended there."""
+    """Both passes over the kernel's run schedule (SampleSegments for ``slots`` resident
+    blocks per channel tile, as the launcher cuts them: pass 1 runs of tiles, pass 2 a tile
+    a run, in a grid stride): pass 1's per-run sums of exp(clamp(y) - ref) (partial[n, k,
+    run], ref the clamp's middle as the launcher passes it), the factors as softmax_finalize
+    forms them, and pass 2's outputs exp(clamp(y) - ref) * factor with the paired stores.
+    With ``rings`` (a list), each block reads an NCDHW x through its own PlaneRing, appended
+    there."""
     n_total, _, d_in, h_in, w_in = x.shape
     k_total = w.shape[1]
     lo, hi = clamp
@@ -211,7 +212,9 @@ def emulate(x, w, bias, out_shape, clamp, scale, slots, rings=None):
             k = k0 + np.arange(BN)
             bias_k = np.where(k < k_total, bias[np.minimum(k, k_total - 1)], 0.0)
             block_rings: dict[int, PlaneRing] = {}
-            for block, items in segments(n_total, tiles, splits, blocks):
+            runs = ((splits, blocks) if out_pass == "sums"
+                    else (tiles, min(n_total * tiles, slots)))
+            for block, items in segments(n_total, tiles, *runs):
                 ring = None
                 if rings is not None:
                     if block not in block_rings:

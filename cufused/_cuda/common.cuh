@@ -367,9 +367,10 @@ __device__ __forceinline__ void interleave_classes(const float* __restrict__ cla
 // of x[i] * w[ci, c, k] over the (input, tap) pairs with o = i * stride - padding + k *
 // dilation, so a non-finite weight meets only real inputs. A convolution algorithm that also
 // multiplies zeros (those a stride inserts, padding, the zeros past the input's edge of a
-// sub-pixel implicit GEMM) puts NaNs where the definition has no product: the rows of an
-// output channel with a non-finite weight are recomputed with this. x (N, C_in, Di, Hi, Wi)
-// in element strides xn .. xw; w (C_in, C / groups, KD, KH, KW) contiguous.
+// sub-pixel implicit GEMM) puts NaNs where the definition has no product: the outputs of an
+// output channel with a non-finite weight are recomputed with this (whole rows, or a tile's
+// outputs at a time, at). x (N, C_in, Di, Hi, Wi) in element strides xn .. xw; w (C_in, C /
+// groups, KD, KH, KW) contiguous.
 struct TransposedConvDefinition {
     const float* x;
     const float* w;

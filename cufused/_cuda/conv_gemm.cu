@@ -1547,7 +1547,8 @@ struct alignas(64) CT3TensorMap {
 
 // Grid (blocks, ceil(K / CT3_BN)), CONV_THREADS threads, CT3_SHARED_FLOATS floats of dynamic
 // shared memory (CT3_SHARED_FLOATS_NCDHW where X_NCDHW); blocks take the runs of
-// SampleSegments (each sample's tiles in `splits` runs). x (N, D, H, W, C) channels-last,
+// SampleSegments (each sample's tiles in `splits` runs; a tile a run, splits = the tiles,
+// where OUT stores: block_tile). x (N, D, H, W, C) channels-last,
 // by_four: C % 4 == 0 and x 16-byte aligned (the halo is copied 16 bytes at a time); or
 // where X_NCDHW, x (N, C, D, H, W) contiguous, its input planes copied into the ring (by_four
 // unused); w (C, K, 3, 3, 3) as ConvTranspose3d keeps it; y (N, K, Do, Ho, Wo) contiguous, a

@@ -338,16 +338,17 @@ def transposed_s2k3_reads_ncdhw(x, passes: int) -> bool:
     return passes == 1 and _planes_mappable(x) and arch_target(_FILE) == "sm_90a"
 
 
-def _transposed_s2k3(mode: str, x, w, bias, *, out_shape, runs: tuple[int, int], clamp,
-                     passes: int, y=None, partial=None, factor=None,
-                     x_ncdhw: bool = False) -> None:
+def _transposed_s2k3(mode: str, x, w, bias, *, out_shape, clamp, passes: int, y=None,
+                     partial=None, factor=None, x_ncdhw: bool = False) -> None:
     """Launch ``conv_transpose3d_s2k3<passes, mode, x_ncdhw>`` for ``x`` (N, C_in, D, H, W)
     stored channels-last (packed NDHWC), or contiguous where ``x_ncdhw``, contiguous ``w``
-    (C_in, C_out, 3, 3, 3) and the output ``out_shape``, over ``runs`` =
-    :func:`transposed_s2k3_runs` (``partial`` has room for its splits)."""
+    (C_in, C_out, 3, 3, 3) and the output ``out_shape``, over the runs of
+    :func:`transposed_s2k3_runs` (``partial`` has room for their splits): a tile a run where
+    the kernel stores its results (all modes but the sums, whose tile schedule takes a run
+    a tile)."""
     n, c, d, h, wd = x.shape
     k = w.shape[1]
-    splits, blocks = runs
+    splits, blocks = transposed_s2k3_runs(x.shape, k, stores=mode != "CT3_SOFTMAX_SUMS")
     if blocks == 0 or k == 0:
         return
     by_four = not x_ncdhw and c % 4 == 0 and x.data.ptr % 16 == 0
@@ -399,8 +400,8 @@ def conv_transpose3d_softmax_sums(xp, x, w, bias, *, out_shape, clamp, passes: i
     k = w.shape[1]
     runs = transposed_s2k3_runs(x.shape, k)
     partial = xp.empty((x.shape[0], k, runs[0], 2), dtype=xp.float32)
-    _transposed_s2k3("CT3_SOFTMAX_SUMS", x, w, bias, out_shape=out_shape, runs=runs,
-                     clamp=clamp, passes=passes, partial=partial)
+    _transposed_s2k3("CT3_SOFTMAX_SUMS", x, w, bias, out_shape=out_shape, clamp=clamp,
+                     passes=passes, partial=partial)
     return partial, runs[0]
 
 
@@ -415,9 +416,8 @@ def conv_transpose3d_implicit_gemm(x, w, bias, y, *, passes: int) -> None:
     if x_ncdhw and (passes != 1 or not x.flags.c_contiguous):
         raise ValueError("conv_transpose3d_s2k3 takes x stored channels-last, or contiguous "
                          "(NCDHW) in TF32")
-    _transposed_s2k3("CT3_CONV", x, w, bias, out_shape=y.shape,
-                     runs=transposed_s2k3_runs(x.shape, w.shape[1], stores=True),
-                     clamp=(0.0, 0.0), passes=passes, y=y, x_ncdhw=x_ncdhw)
+    _transposed_s2k3("CT3_CONV", x, w, bias, out_shape=y.shape, clamp=(0.0, 0.0),
+                     passes=passes, y=y, x_ncdhw=x_ncdhw)
 
 
 def conv_nonfinite_weight_rows(x, w, bias, y, *, groups: int, stride, padding,
@@ -444,6 +444,5 @@ def conv_nonfinite_weight_rows(x, w, bias, y, *, groups: int, stride, padding,
 def conv_transpose3d_softmax(x, w, bias, out, factor, *, clamp, passes: int) -> None:
     """Pass 2: ``out`` (N, C_out, Do, Ho, Wo), contiguous, = exp(clamp(y) - ref) * factor[n,
     c], ref the clamp's middle (:func:`clamp_middle`), the convolution computed again."""
-    _transposed_s2k3("CT3_SOFTMAX", x, w, bias, out_shape=out.shape,
-                     runs=transposed_s2k3_runs(x.shape, w.shape[1], stores=True),
-                     clamp=clamp, passes=passes, y=out, factor=factor)
+    _transposed_s2k3("CT3_SOFTMAX", x, w, bias, out_shape=out.shape, clamp=clamp,
+                     passes=passes, y=out, factor=factor)

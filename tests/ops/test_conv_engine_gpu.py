@@ -410,6 +410,7 @@ def test_transposed_3d_stride2_replays_with_new_values(rng, monkeypatch, precisi
 @pytest.mark.parametrize("x_shape, sms", [
     ((2, 5, 3, 4, 5), None),
     ((3, 5, 5, 4, 5), 4),  # 4 blocks, 6 tiles: the last two in halves (sm_90a, TF32)
+    ((3, 5, 5, 4, 8), 4),  # the same with W % 4 == 0: x read in place (the plane ring)
 ])
 def test_transposed_3d_stride2_non_finite_values_as_the_definition(rng, monkeypatch, build,
                                                                    precision, x_shape, sms):

@@ -763,10 +763,12 @@ def test_conv_gemm_launchers(launches, monkeypatch):
                                       clamp=(0.0, 1.0), passes=passes)
         assert launches[-1].name == f"conv_transpose3d_s2k3<{passes}, CT3_SOFTMAX, false>"
         assert launches[-1].grid == (16, 2) and launches[-1].args[-4:-1] == (1, 1, 0)
-        # The public conv_transpose3d's route: the convolution stored (non-finite weights'
-        # outputs rewritten by the definition in the same launch).
+        # The public conv_transpose3d's route: the convolution stored, one launch (non-finite
+        # weights' outputs rewritten by the definition in it).
+        before = len(launches)
         conv.conv_transpose3d_implicit_gemm(x, w, Dev((64,)), Dev((2, 64, 10, 12, 34)),
                                             passes=passes)
+        assert len(launches) == before + 1
         assert launches[-1].name == f"conv_transpose3d_s2k3<{passes}, CT3_CONV, false>"
         assert launches[-1].grid == (16, 2) and launches[-1].args[-4:-1] == (1, 1, 0)
         assert launches[-1].shared_mem == conv._CT3_SHARED
