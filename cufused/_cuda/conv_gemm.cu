@@ -1571,6 +1571,11 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
     // The warpgroup MMA path (below): a tile's rows in two halves, the first reading input
     // planes 0 to 2 of the tile, the second planes 2 to 4.
     constexpr bool HALVES = HALO_WGMMA && PASSES == 1;
+    // CT3_CONV in TF32 rewrites the outputs of a channel whose weight holds a non-finite value
+    // itself (after each tile's stores, below). In 3xTF32 that code slows the mma.sync main
+    // loop (its registers and schedule): conv_transpose_rows_nonfinite_weight does it after
+    // the kernel there.
+    constexpr bool REWRITES = OUT == CT3_CONV && PASSES == 1;
     // Two halo buffers, or the ring of planes.
     constexpr int HALO_FLOATS = X_NCDHW ? CT3_RING * CT3_SLOT : 2 * CT3_HSTRIDE;
     // The halo's tensor copies (sm_90a; tmap made).
@@ -1757,8 +1762,8 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
     // CT3_STAGE loads in flight a thread, so that their memory latencies overlap.
     constexpr int CT3_STAGE = 12;
     static_assert(CT3_WFLOATS % (CT3_STAGE * CONV_THREADS) == 0, "whole rounds of loads");
-    // CT3_CONV: the block's output channels k0 + o (bits o) whose weight holds a non-finite
-    // value among this thread's.
+    // CT3_CONV in TF32: the block's output channels k0 + o (bits o) whose weight holds a
+    // non-finite value among this thread's (REWRITES, below).
     unsigned nonfinite = 0;
     for (int i0 = tid; i0 < CT3_WFLOATS; i0 += CT3_STAGE * CONV_THREADS) {
         float v[CT3_STAGE];
@@ -1775,13 +1780,13 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
             const int tap = i % 27, co = i / 27, o = co % CT3_BN, c = co / CT3_BN;
             wt[tap * CT3_BN * CT3_CI + ct3_swizzled(o, X_NCDHW ? ct3_channel_k(c) : c)] =
                 PASSES == 1 ? __uint_as_float(to_tf32(v[u])) : v[u];
-            if (OUT == CT3_CONV) nonfinite |= (unsigned)!isfinite(v[u]) << o;
+            if (REWRITES) nonfinite |= (unsigned)!isfinite(v[u]) << o;
         }
     }
-    // CT3_CONV: the block's output channels whose weight holds a non-finite value, from the
+    // REWRITES: the block's output channels whose weight holds a non-finite value, from the
     // warps' in the scratch (unused by this epilogue otherwise).
     unsigned nonfinite_channels = 0;
-    if (OUT == CT3_CONV) {
+    if (REWRITES) {
         unsigned* const warp_channels = reinterpret_cast<unsigned*>(scratch);
         nonfinite = __reduce_or_sync(0xffffffffu, nonfinite);
         if (lane == 0) warp_channels[warp] = nonfinite;
@@ -2085,7 +2090,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
             }
         }
 
-        if (OUT == CT3_CONV && nonfinite_channels) {
+        if (REWRITES && nonfinite_channels) {
             // The implicit GEMM multiplies the zeros past the input's far edge too (output
             // 2 D - 1 of output padding 1 reads input D), which a non-finite weight turns into
             // NaNs that the definition does not have, and 3xTF32 splits an infinite weight
@@ -2136,6 +2141,26 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         halves = next_halves;
         buf ^= 1;
     }
+}
+
+// The public conv_transpose3d on conv_transpose3d_s2k3<3, CT3_CONV, false> (3xTF32, which
+// does not rewrite them itself: REWRITES) where an output channel's weight holds a
+// non-finite value (TransposedConvDefinition): the implicit GEMM's zeros past the input's far
+// edge meet it. A block per (n, c) row of the rows = N * C (a grid-stride loop
+// past the grid's limit) checks channel c's weight and goes on where it is finite; else it
+// rewrites y[n, c, :] (contiguous) by the definition plus bias[c], from x (element strides
+// xn, xc, xd, xh, xw).
+__global__ void conv_transpose_rows_nonfinite_weight(
+    const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
+    float* __restrict__ y, index_t rows, int C, int c_in_group, int c_out_group, int Di,
+    int Hi, int Wi, int Do, int Ho, int Wo, int KD, int KH, int KW, int sd, int sh, int sw,
+    int pd, int ph, int pw, int dd, int dh, int dw, index_t xn, index_t xc, index_t xd,
+    index_t xh, index_t xw) {
+    const TransposedConvDefinition conv{x,  w,  c_in_group, c_out_group, Di, Hi, Wi, Do, Ho,
+                                        Wo, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
+                                        xn, xc, xd, xh, xw};
+    for (index_t r = blockIdx.x; r < rows; r += gridDim.x)
+        conv.rewrite_nonfinite_row(bias, y, C, r);
 }
 
 // The public forward convolution where an output channel's weight holds a non-finite value,

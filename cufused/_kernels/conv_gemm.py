@@ -7,7 +7,7 @@ import math
 
 import numpy
 
-from .._cuda import (TensorMap, arch_target, fits_grid_yz, float32_tensor_map,
+from .._cuda import (MAX_GRID_X, TensorMap, arch_target, fits_grid_yz, float32_tensor_map,
                      get_kernel, optional, resident_blocks, shared_per_block, sm_count)
 from .._layout import stored_in
 from ._common import (clamp_middle, cpp_bool, definition_args, element_strides_3d,
@@ -410,14 +410,23 @@ def conv_transpose3d_implicit_gemm(x, w, bias, y, *, passes: int) -> None:
     stored channels-last, or contiguous (NCDHW, read as it is) in TF32 (``passes`` 1),
     contiguous ``w`` and a problem that :func:`transposed_s2k3_takes` (stride 2, padding 1).
     The outputs of a channel whose weight holds a non-finite value are rewritten by the
-    definition in the same launch (the implicit GEMM multiplies the zeros past the input's
-    far edge too); a finite weight costs each block a check of the weights it stages."""
+    definition (the implicit GEMM multiplies the zeros past the input's far edge too): in
+    TF32 in the same launch, a finite weight costing each block a check of the weights it
+    stages; in 3xTF32 by ``conv_transpose_rows_nonfinite_weight`` after it, a check per
+    (sample, channel) row."""
     x_ncdhw = not stored_in(x, "nhwc")
     if x_ncdhw and (passes != 1 or not x.flags.c_contiguous):
         raise ValueError("conv_transpose3d_s2k3 takes x stored channels-last, or contiguous "
                          "(NCDHW) in TF32")
     _transposed_s2k3("CT3_CONV", x, w, bias, out_shape=y.shape, clamp=(0.0, 0.0),
                      passes=passes, y=y, x_ncdhw=x_ncdhw)
+    if passes == 3 and y.size:
+        rows = y.shape[0] * y.shape[1]
+        get_kernel(_FILE, "conv_transpose_rows_nonfinite_weight")(
+            (min(rows, MAX_GRID_X),), (256,),
+            (x, w, optional(bias), y, numpy.int64(rows), numpy.int32(y.shape[1]),
+             *definition_args(x, w, y.shape, groups=1, c_out_group=w.shape[1],
+                              stride=(2, 2, 2), padding=(1, 1, 1), dilation=(1, 1, 1))))
 
 
 def conv_nonfinite_weight_rows(x, w, bias, y, *, groups: int, stride, padding,

@@ -416,10 +416,10 @@ def test_transposed_3d_stride2_non_finite_values_as_the_definition(rng, monkeypa
                                                                    precision, x_shape, sms):
     # An infinite or NaN weight meets only real inputs, as in the definition (the float64
     # reference): also on the far-edge planes of output_padding 1, where the implicit GEMM
-    # multiplies the zeros past the input (each block rewrites its tiles' outputs of those
-    # channels by the definition, each half of a tile split between two blocks by its own).
-    # An infinite input value gives the reference's infinities and NaNs; the other values
-    # agree.
+    # multiplies the zeros past the input (in TF32 each block rewrites its tiles' outputs of
+    # those channels by the definition, each half of a tile split between two blocks by its
+    # own; in 3xTF32 a kernel after it recomputes their rows). An infinite input value gives
+    # the reference's infinities and NaNs; the other values agree.
     import cufused._kernels.conv_gemm as conv
 
     if sms is not None:

@@ -763,15 +763,22 @@ def test_conv_gemm_launchers(launches, monkeypatch):
                                       clamp=(0.0, 1.0), passes=passes)
         assert launches[-1].name == f"conv_transpose3d_s2k3<{passes}, CT3_SOFTMAX, false>"
         assert launches[-1].grid == (16, 2) and launches[-1].args[-4:-1] == (1, 1, 0)
-        # The public conv_transpose3d's route: the convolution stored, one launch (non-finite
-        # weights' outputs rewritten by the definition in it).
+        # The public conv_transpose3d's route: the convolution stored; non-finite weights'
+        # outputs rewritten by the definition in that launch (TF32), or after it by a check
+        # of each (sample, channel) row's weight (3xTF32).
         before = len(launches)
         conv.conv_transpose3d_implicit_gemm(x, w, Dev((64,)), Dev((2, 64, 10, 12, 34)),
                                             passes=passes)
-        assert len(launches) == before + 1
-        assert launches[-1].name == f"conv_transpose3d_s2k3<{passes}, CT3_CONV, false>"
-        assert launches[-1].grid == (16, 2) and launches[-1].args[-4:-1] == (1, 1, 0)
-        assert launches[-1].shared_mem == conv._CT3_SHARED
+        stored = launches[before]
+        assert stored.name == f"conv_transpose3d_s2k3<{passes}, CT3_CONV, false>"
+        assert stored.grid == (16, 2) and stored.args[-4:-1] == (1, 1, 0)
+        assert stored.shared_mem == conv._CT3_SHARED
+        assert len(launches) == before + (2 if passes == 3 else 1)
+        if passes == 3:
+            assert launches[-1].name == "conv_transpose_rows_nonfinite_weight"
+            assert launches[-1].grid == (128,) and launches[-1].args[4:8] == (128, 64, 32, 64)
+            # x's element strides (channels-last): n, c, d, h, w.
+            assert launches[-1].args[-5:] == (32 * 5 * 6 * 17, 1, 32 * 6 * 17, 32 * 17, 32)
         # An NCDHW x is read as it is in TF32, by input planes (here without a tensor map:
         # by cp.async), in the ring's shared memory.
         x_first = Dev((2, 32, 5, 6, 17))
