@@ -2093,10 +2093,9 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
         if (REWRITES && nonfinite_channels) {
             // The implicit GEMM multiplies the zeros past the input's far edge too (output
             // 2 D - 1 of output padding 1 reads input D), which a non-finite weight turns into
-            // NaNs that the definition does not have, and 3xTF32 splits an infinite weight
-            // into a NaN residual: the tile's outputs of such channels are rewritten by the
-            // definition (bias plus the products of real inputs), once all are stored (the
-            // block's halves of it).
+            // NaNs that the definition does not have: the tile's outputs of such channels are
+            // rewritten by the definition (bias plus the products of real inputs), once all
+            // are stored (the block's halves of it).
             __syncthreads();
             const long long xw = X_NCDHW ? 1 : C, xh = W * xw, xd = H * xh;
             const TransposedConvDefinition conv{
