@@ -422,15 +422,11 @@ struct TransposedConvDefinition {
         return v;
     }
 
-    // Where the weight of output channel c = r % C is not finite, rewrites the (n, c) row r
-    // of out (contiguous rows of plane() values) by the definition plus bias[c], each thread
-    // of the block the outputs o = threadIdx.x + k blockDim.x, and returns the row; else
-    // nullptr (the whole block alike).
-    __device__ float* rewrite_nonfinite_row(const float* bias, float* out, int C,
-                                            index_t r) const {
-        const index_t n = r / C;
-        const int c = (int)(r - n * C);
-        if (block_finite_weight(c)) return nullptr;
+    // Rewrites the (n, c) row of out (contiguous rows of plane() values, C channels) by the
+    // definition plus bias[c], each thread of the block the outputs o = threadIdx.x + k
+    // blockDim.x, and returns the row.
+    __device__ float* rewrite_row(const float* bias, float* out, int C, index_t n,
+                                  int c) const {
         const float b = bias ? bias[c] : 0.0f;
         const index_t length = plane();
         float* row = out + (n * C + c) * length;

@@ -2145,21 +2145,21 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
 // The public conv_transpose3d on conv_transpose3d_s2k3<3, CT3_CONV, false> (3xTF32, which
 // does not rewrite them itself: REWRITES) where an output channel's weight holds a
 // non-finite value (TransposedConvDefinition): the implicit GEMM's zeros past the input's far
-// edge meet it. A block per (n, c) row of the rows = N * C (a grid-stride loop
-// past the grid's limit) checks channel c's weight and goes on where it is finite; else it
-// rewrites y[n, c, :] (contiguous) by the definition plus bias[c], from x (element strides
-// xn, xc, xd, xh, xw).
+// edge meet it. Block (c, j) checks output channel c's weight and returns where it is finite;
+// else it rewrites y[n, c, :] (contiguous, C channels) for the samples n = j, j + gridDim.y,
+// ... by the definition plus bias[c], from x (element strides xn, xc, xd, xh, xw).
 __global__ void conv_transpose_rows_nonfinite_weight(
     const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
-    float* __restrict__ y, index_t rows, int C, int c_in_group, int c_out_group, int Di,
+    float* __restrict__ y, index_t N, int C, int c_in_group, int c_out_group, int Di,
     int Hi, int Wi, int Do, int Ho, int Wo, int KD, int KH, int KW, int sd, int sh, int sw,
     int pd, int ph, int pw, int dd, int dh, int dw, index_t xn, index_t xc, index_t xd,
     index_t xh, index_t xw) {
     const TransposedConvDefinition conv{x,  w,  c_in_group, c_out_group, Di, Hi, Wi, Do, Ho,
                                         Wo, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
                                         xn, xc, xd, xh, xw};
-    for (index_t r = blockIdx.x; r < rows; r += gridDim.x)
-        conv.rewrite_nonfinite_row(bias, y, C, r);
+    const int c = blockIdx.x;
+    if (conv.block_finite_weight(c)) return;
+    for (index_t n = blockIdx.y; n < N; n += gridDim.y) conv.rewrite_row(bias, y, C, n, c);
 }
 
 // The public forward convolution where an output channel's weight holds a non-finite value,

@@ -455,15 +455,15 @@ softmax_rows_cluster(const float* y, float* out, const float* __restrict__ bias,
 
 // Pipeline C's exact rows for an output channel whose transposed-convolution weight holds a
 // non-finite value (TransposedConvDefinition): one NaN where the definition has no product
-// turns a whole softmax row into NaN. A block per (n, c) row of the rows = N * C (a
-// grid-stride loop past the grid's limit): the block checks the weight slice of channel c
-// and goes on when it is finite, so a finite-weight call costs one read of the weight per
-// row. Otherwise it recomputes the row from the pooled input x (element strides xn, xc, xd,
-// xh, xw) by the definition plus bias[c], clamps it to [lo, hi], and rewrites out[n, c, :]
-// (contiguous) with the softmax times scale[c].
+// turns a whole softmax row into NaN. Block (c, j) checks the weight slice of output channel
+// c and returns where it is finite, so a finite-weight call costs a few blocks' reads of
+// each channel's weight. Otherwise it recomputes the rows (n, c) of the samples n = j, j +
+// gridDim.y, ... from the pooled input x (element strides xn, xc, xd, xh, xw) by the
+// definition plus bias[c], clamps them to [lo, hi], and rewrites out[n, c, :] (contiguous, C
+// channels) with the softmax times scale[c].
 __global__ void softmax_rows_nonfinite_weight(
     const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
-    const float* __restrict__ scale, float* __restrict__ out, index_t rows, int C,
+    const float* __restrict__ scale, float* __restrict__ out, index_t N, int C,
     int c_in_group, int c_out_group, int Di, int Hi, int Wi, int Do, int Ho, int Wo, int KD,
     int KH, int KW, int sd, int sh, int sw, int pd, int ph, int pw, int dd, int dh, int dw,
     index_t xn, index_t xc, index_t xd, index_t xh, index_t xw, float lo, float hi) {
@@ -472,13 +472,12 @@ __global__ void softmax_rows_nonfinite_weight(
     const TransposedConvDefinition conv{x,  w,  c_in_group, c_out_group, Di, Hi, Wi, Do, Ho,
                                         Wo, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
                                         xn, xc, xd, xh, xw};
+    const int c = blockIdx.x;
+    if (conv.block_finite_weight(c)) return;
     const index_t length = conv.plane();
-    // The block's threads take every row alike: the reductions' barriers are uniform, and
-    // the next row's weight check (a barrier) orders its use of scratch and maxima.
-    for (index_t r = blockIdx.x; r < rows; r += gridDim.x) {
-        float* row = conv.rewrite_nonfinite_row(bias, out, C, r);
-        if (!row) continue;
-        const int c = (int)(r % C);
+    // The reductions' barriers are uniform: the block's threads take every row alike.
+    for (index_t n = blockIdx.y; n < N; n += gridDim.y) {
+        float* row = conv.rewrite_row(bias, out, C, n, c);
         // Each thread clamps the outputs it wrote.
         float m = -INFINITY;
         for (index_t o = threadIdx.x; o < length; o += blockDim.x) {

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy
 
+from .._cuda import MAX_GRID_YZ
+
 # Aim for at least this many blocks in a split reduction.
 _TARGET_BLOCKS = 2048
 # The widest clamp after which a softmax skips its running maximum: exponents taken from the
@@ -49,6 +51,14 @@ def element_strides_3d(a) -> tuple:
     with a unit depth's (0)."""
     strides = [s // a.itemsize for s in a.strides]
     return tuple(numpy.int64(s) for s in strides[:2] + [0] * (5 - a.ndim) + strides[2:])
+
+
+def channel_sample_grid(channels: int, samples: int) -> tuple[int, int]:
+    """The grid of a kernel whose block (c, j) checks output channel c's weight and returns
+    where it is finite, else recomputes the channel's rows of the samples j, j + gridDim.y,
+    ...: enough blocks for a recomputation to fill the device (256 at least, and a block for
+    every 256 samples), about 1/256 of a block per (sample, channel) row for the checks."""
+    return channels, min(samples, MAX_GRID_YZ, max(-(-256 // channels), -(-samples // 256)))
 
 
 def definition_args(x, w, out_shape: tuple[int, ...], *, groups: int, c_out_group: int, stride,

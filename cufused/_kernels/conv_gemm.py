@@ -7,11 +7,11 @@ import math
 
 import numpy
 
-from .._cuda import (MAX_GRID_X, TensorMap, arch_target, fits_grid_yz, float32_tensor_map,
+from .._cuda import (TensorMap, arch_target, fits_grid_yz, float32_tensor_map,
                      get_kernel, optional, resident_blocks, shared_per_block, sm_count)
 from .._layout import stored_in
-from ._common import (clamp_middle, cpp_bool, definition_args, element_strides_3d,
-                      skips_max)
+from ._common import (channel_sample_grid, clamp_middle, cpp_bool, definition_args,
+                      element_strides_3d, skips_max)
 
 _FILE = "conv_gemm.cu"
 _TILE_M, _TILE_K, _THREADS = 128, 64, 256  # CONV_BM, CONV_BN, CONV_THREADS
@@ -412,8 +412,8 @@ def conv_transpose3d_implicit_gemm(x, w, bias, y, *, passes: int) -> None:
     The outputs of a channel whose weight holds a non-finite value are rewritten by the
     definition (the implicit GEMM multiplies the zeros past the input's far edge too): in
     TF32 in the same launch, a finite weight costing each block a check of the weights it
-    stages; in 3xTF32 by ``conv_transpose_rows_nonfinite_weight`` after it, a check per
-    (sample, channel) row."""
+    stages; in 3xTF32 by ``conv_transpose_rows_nonfinite_weight`` after it, whose blocks
+    check a channel's weight each (:func:`~cufused._kernels._common.channel_sample_grid`)."""
     x_ncdhw = not stored_in(x, "nhwc")
     if x_ncdhw and (passes != 1 or not x.flags.c_contiguous):
         raise ValueError("conv_transpose3d_s2k3 takes x stored channels-last, or contiguous "
@@ -421,10 +421,9 @@ def conv_transpose3d_implicit_gemm(x, w, bias, y, *, passes: int) -> None:
     _transposed_s2k3("CT3_CONV", x, w, bias, out_shape=y.shape, clamp=(0.0, 0.0),
                      passes=passes, y=y, x_ncdhw=x_ncdhw)
     if passes == 3 and y.size:
-        rows = y.shape[0] * y.shape[1]
         get_kernel(_FILE, "conv_transpose_rows_nonfinite_weight")(
-            (min(rows, MAX_GRID_X),), (256,),
-            (x, w, optional(bias), y, numpy.int64(rows), numpy.int32(y.shape[1]),
+            channel_sample_grid(y.shape[1], y.shape[0]), (256,),
+            (x, w, optional(bias), y, numpy.int64(y.shape[0]), numpy.int32(y.shape[1]),
              *definition_args(x, w, y.shape, groups=1, c_out_group=w.shape[1],
                               stride=(2, 2, 2), padding=(1, 1, 1), dilation=(1, 1, 1))))
 
@@ -434,16 +433,15 @@ def conv_nonfinite_weight_rows(x, w, bias, y, *, groups: int, stride, padding,
     """Recompute by the definition the output channels of the forward convolution ``y =
     conv(x, w) + bias`` (2-D or 3-D; ``y`` in any strides) whose weight holds a non-finite
     value (see the kernel): the padding's zeros meet every tap, as the definition (and the
-    float64 reference) has them. A call with a finite weight costs a check of each channel's
-    weight on the device (read once where there are 256 channels or more), no host sync."""
+    float64 reference) has them. A call with a finite weight costs a few checks of each
+    channel's weight on the device (:func:`~cufused._kernels._common.channel_sample_grid`),
+    no host sync."""
     w = w if w.flags.c_contiguous else w.copy()
     n, k = y.shape[:2]
     if y.size == 0:
         return
-    # Blocks per channel: enough for a recomputation to fill the device, each reading the
-    # channel's weight.
     get_kernel(_FILE, "conv_nonfinite_weight_rows")(
-        (k, min(n, -(-256 // k))), (128,),
+        channel_sample_grid(k, n), (128,),
         (x, w, optional(bias), y, numpy.int64(n),
          *definition_args(x, w, y.shape, groups=groups, c_out_group=k // groups, stride=stride,
                           padding=padding, dilation=dilation),

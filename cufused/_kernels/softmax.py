@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy
 
 from .._cuda import MAX_GRID_X, MAX_GRID_YZ, fits_grid_yz, get_kernel, launch_1d, optional
-from ._common import cpp_bool, definition_args, skips_max, split_count
+from ._common import channel_sample_grid, cpp_bool, definition_args, skips_max, split_count
 from .layout import class_geometry
 
 _FILE = "softmax.cu"
@@ -237,17 +237,17 @@ def softmax_rows_nonfinite_weight(xp, x, weight, out, *, groups: int, stride, pa
     """Pipeline C's rows whose output channel has a non-finite transposed-convolution weight,
     recomputed by the definition after :func:`softmax_rows` (see the kernel): the convolution
     algorithm's NaNs from the zeros it inserts would otherwise differ from PyTorch's. A call
-    with a finite weight costs one weight check per row on the device, no host sync.
+    with a finite weight costs a few checks of each channel's weight on the device
+    (:func:`~cufused._kernels._common.channel_sample_grid`), no host sync.
 
     ``x`` is the (pooled) convolution input, logical (N, C_in, D, H, W) in any strides;
     ``groups``, ``stride``, ``padding``, ``dilation`` the transposed convolution's checked
     options; ``out`` the contiguous result.
     """
     w = xp.ascontiguousarray(weight)
-    rows = out.shape[0] * out.shape[1]
     get_kernel(_FILE, "softmax_rows_nonfinite_weight")(
-        (min(rows, MAX_GRID_X),), (256,),
-        (x, w, optional(bias), optional(scale), out, numpy.int64(rows),
+        channel_sample_grid(out.shape[1], out.shape[0]), (256,),
+        (x, w, optional(bias), optional(scale), out, numpy.int64(out.shape[0]),
          numpy.int32(out.shape[1]),
          *definition_args(x, w, out.shape, groups=groups, c_out_group=w.shape[1], stride=stride,
                           padding=padding, dilation=dilation),

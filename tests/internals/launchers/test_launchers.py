@@ -764,8 +764,8 @@ def test_conv_gemm_launchers(launches, monkeypatch):
         assert launches[-1].name == f"conv_transpose3d_s2k3<{passes}, CT3_SOFTMAX, false>"
         assert launches[-1].grid == (16, 2) and launches[-1].args[-4:-1] == (1, 1, 0)
         # The public conv_transpose3d's route: the convolution stored; non-finite weights'
-        # outputs rewritten by the definition in that launch (TF32), or after it by a check
-        # of each (sample, channel) row's weight (3xTF32).
+        # outputs rewritten by the definition in that launch (TF32), or after it by blocks
+        # (channel, samples) that check the channel's weight (3xTF32).
         before = len(launches)
         conv.conv_transpose3d_implicit_gemm(x, w, Dev((64,)), Dev((2, 64, 10, 12, 34)),
                                             passes=passes)
@@ -776,7 +776,7 @@ def test_conv_gemm_launchers(launches, monkeypatch):
         assert len(launches) == before + (2 if passes == 3 else 1)
         if passes == 3:
             assert launches[-1].name == "conv_transpose_rows_nonfinite_weight"
-            assert launches[-1].grid == (128,) and launches[-1].args[4:8] == (128, 64, 32, 64)
+            assert launches[-1].grid == (64, 2) and launches[-1].args[4:8] == (2, 64, 32, 64)
             # x's element strides (channels-last): n, c, d, h, w.
             assert launches[-1].args[-5:] == (32 * 5 * 6 * 17, 1, 32 * 6 * 17, 32 * 17, 32)
         # An NCDHW x is read as it is in TF32, by input planes (here without a tensor map:
@@ -983,8 +983,8 @@ def test_softmax_launchers(launches, monkeypatch):
         stride=(2, 2, 2), padding=(1, 1, 1), dilation=(1, 1, 1), bias=None, scale=Dev((6,)),
         clamp=narrow)
     check_all(launches, "softmax.cu")
-    # rows, C, groups
-    assert launches[-1].grid == (12,) and launches[-1].args[5:9] == (12, 6, 2, 3)
+    # N, C, input and output channels a group
+    assert launches[-1].grid == (6, 2) and launches[-1].args[5:9] == (2, 6, 2, 3)
     clusters = [launch for launch in launches if launch.name.startswith("softmax_rows_cluster")]
     assert all(launch.shared_mem == launch.shared_bytes > 0 for launch in clusters)
 
@@ -1072,6 +1072,18 @@ def test_get_kernel_grants_what_the_static_shared_memory_leaves(monkeypatch):
     for need in (48 * 1024 - 252, 48 * 1024, 48 * 1024 - 100):
         assert cuda.get_kernel("normalization.cu", name, shared_bytes=need) is kernel
     assert kernel.max_dynamic_shared_size_bytes == 48 * 1024  # the largest, kept
+
+
+def test_channel_sample_grid():
+    # The non-finite-weight kernels' grid: a block per channel and at least 256 a problem,
+    # a block per 256 samples, within the grid's y limit.
+    from cufused._kernels._common import channel_sample_grid
+
+    assert channel_sample_grid(64, 32) == (64, 4)  # pipeline C's: 256 blocks for 2048 rows
+    assert channel_sample_grid(6, 2) == (6, 2) and channel_sample_grid(300, 7) == (300, 1)
+    assert channel_sample_grid(1, 1) == (1, 1) and channel_sample_grid(1, 1000) == (1, 256)
+    assert channel_sample_grid(1024, 2**21) == (1024, 8192)
+    assert channel_sample_grid(64, 2**25) == (64, 65535)
 
 
 def test_launcher_calls_match_their_signatures():
