@@ -440,8 +440,7 @@ def finish_numpy(result: numpy.ndarray, dtype, out: numpy.ndarray | None) -> num
     return out
 
 
-def forward(xp, x: Any, out: Any, shape: tuple[int, ...], *, reference, gpu,
-            gpu_allocates: bool = False) -> Any:
+def forward(xp, x: Any, out: Any, shape: tuple[int, ...], *, reference, gpu) -> Any:
     """The end of every op and pipeline, called once every argument is checked, ``out`` last
     (:func:`check_out`), and the per-channel parameters flattened (:func:`per_channel`), as
     Chainer's ``forward_cpu`` / ``forward_gpu`` follow ``check_type_forward``.
@@ -449,14 +448,13 @@ def forward(xp, x: Any, out: Any, shape: tuple[int, ...], *, reference, gpu,
     An empty ``x`` gives the empty result of ``shape`` (``out`` if given); NumPy input runs
     ``reference()``, the float64 reference with the checked arguments bound, and casts its
     result to ``x.dtype`` (into ``out`` if given); CuPy input returns ``gpu(out)``, with ``out``
-    allocated first unless ``gpu_allocates`` (a GPU path that picks its own result buffer when
-    ``out`` is None).
+    allocated first where it is None.
     """
     if x.size == 0:  # the callers' checks leave only the batch axis empty (softmax: any axis)
         return out if out is not None else xp.empty(shape, dtype=x.dtype)
     if xp is numpy:
         return finish_numpy(run_reference(reference), x.dtype, out)
-    if out is None and not gpu_allocates:
+    if out is None:
         out = xp.empty(shape, dtype=x.dtype)
     return gpu(out)
 

@@ -221,14 +221,12 @@ def _launch(entry: _Graph, stream) -> None:
     entry.graph.launch(stream=stream)
 
 
-def warm_calls(public: Callable, *, launch_without_out: bool = True) -> Callable:
+def warm_calls(public: Callable) -> Callable:
     """``public`` (a pipeline or building block taking ``out`` as a keyword) with its warm
     calls launched straight from their raw arguments: a call whose raw arguments, device,
     stream and settings equal those of an earlier call that replayed a graph launches that
     graph again (without ``out``: the one writing to the result it allocates), skipping the
-    argument checks (module docstring). ``launch_without_out=False`` leaves calls without
-    ``out`` to ``public`` (a GPU path that picks its own result buffer has no graph for
-    them)."""
+    argument checks (module docstring)."""
     # A call without "out" among its keywords then has none.
     if inspect.signature(public).parameters["out"].kind is not inspect.Parameter.KEYWORD_ONLY:
         raise TypeError(f"{public.__name__} must take out as a keyword-only parameter")
@@ -251,9 +249,7 @@ def warm_calls(public: Callable, *, launch_without_out: bool = True) -> Callable
             return public(*args, **kwargs)
         out = kwargs.get("out")
         if out is None:
-            if launch_without_out:
-                return _call_without_out(public, args, kwargs, stream, cupy)
-            return public(*args, **kwargs)
+            return _call_without_out(public, args, kwargs, stream, cupy)
         if not is_cupy_array(out):
             return public(*args, **kwargs)
         key = _raw_key(public, args, kwargs, stream, cupy)

@@ -383,10 +383,8 @@ def _convolve(nd: int, transposed: bool, x, weight, bias, *, stride, padding, ou
     else:
         ref = partial(reference.conv, x, weight, bias, args.stride, args.padding,
                       args.dilation, args.groups)
-    # The plan picks the result's buffer when out is None (it may write it directly).
     return forward(xp, x, out, args.out_shape, reference=ref,
-                   gpu=replayed(partial(_conv_gpu, x, weight, args, precision, bias)),
-                   gpu_allocates=True)
+                   gpu=replayed(partial(_conv_gpu, x, weight, args, precision, bias)))
 
 
 def _conv_gpu(x, weight, args: ConvArgs, precision: str, bias, out):
@@ -457,8 +455,7 @@ def _convolution_op(nd: int, transposed: bool) -> Callable:
                              output_padding=0, dilation=dilation, groups=groups,
                              precision=precision, out=out)
     conv.__name__ = conv.__qualname__ = f"conv{'_transpose' if transposed else ''}{nd}d"
-    # Without out, the plan picks the result's buffer (no whole-call graph).
-    return warm_calls(conv, launch_without_out=False)
+    return warm_calls(conv)
 
 
 conv2d, conv3d = _convolution_op(2, False), _convolution_op(3, False)

@@ -619,10 +619,9 @@ def test_building_blocks_warm_calls(rng, quick_plans, fresh, launches, name, mak
     assert launches[0] >= 2
 
 
-@pytest.mark.parametrize("name, make", [b for b in BLOCKS if b[0] != "conv2d"])
+@pytest.mark.parametrize("name, make", BLOCKS)
 def test_building_blocks_calls_without_out(rng, quick_plans, fresh, launches, monkeypatch,
                                            name, make):
-    # (A convolution without out lets its plan pick the result's buffer: no whole-call graph.)
     fn = getattr(cufused, name)
     args, kwargs = _block_args(rng, make)
     _check_calls_without_out(fn, args, kwargs, rng, launches, monkeypatch)

@@ -494,8 +494,8 @@ def test_pipeline_capture_in_cuda_graph(rng, layout, method):
         # the raw arguments; inside the caller's capture the same call must record its kernels.
         for _ in range(3):
             cufused.conv2d_groupnorm_scale_maxpool_clamp(*garrays, **opts, out=out)
-        # A building block without out whose plan picks its own buffer (and, pinned
-        # sub-pixel, gathers its weight through an index the plan owns).
+        # A building block without out; its plan, where pinned sub-pixel, gathers its
+        # weight through an index the plan owns.
         ct_x, ct_w = rng.random((2, 4, 5, 6)), rng.standard_normal((4, 3, 3, 3))
         ct_args = to_gpu(ct_x, ct_w)
         for _ in range(3):
