@@ -56,8 +56,9 @@ def element_strides_3d(a) -> tuple:
 def channel_sample_grid(channels: int, samples: int) -> tuple[int, int]:
     """The grid of a kernel whose block (c, j) checks output channel c's weight and returns
     where it is finite, else recomputes the channel's rows of the samples j, j + gridDim.y,
-    ...: enough blocks for a recomputation to fill the device (256 at least, and a block for
-    every 256 samples), about 1/256 of a block per (sample, channel) row for the checks."""
+    ...: enough blocks for a recomputation to fill the device (256, where there are as many
+    rows, and a block for every 256 samples), about 1/256 of a block per (sample, channel)
+    row for the checks."""
     return channels, min(samples, MAX_GRID_YZ, max(-(-256 // channels), -(-samples // 256)))
 
 

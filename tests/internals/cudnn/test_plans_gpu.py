@@ -148,13 +148,13 @@ def test_graph_buffers_leave_the_default_pool_alone(rng, plan_graphs_only):
 
 
 @pytest.mark.parametrize("direct_wins", [False, True])
-def test_autotuned_plan_replay_decision(rng, monkeypatch, direct_wins):
+def test_autotuned_plan_replay_decision(rng, monkeypatch, plan_graphs_only, direct_wins):
     # The autotuner times its chosen plan replayed and issued directly and keeps direct calls
     # only where they win (_direct_wins). Which way a tiny convolution's timings fall is a
     # measurement of the host, so each outcome is forced here (the rule itself is
     # unit-tested in test_conv_keys). Either way none of the graphs of the autotuner's
     # operands is kept; a replaying plan then captures one graph for the caller's operands,
-    # a direct one none.
+    # a direct one none (the calls as a whole-call graph's capture makes them: nested).
     from cufused import _cudnn
     from cufused._cudnn import _autotune
 

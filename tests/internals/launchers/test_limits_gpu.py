@@ -221,9 +221,9 @@ def test_group_norm_of_a_channels_last_sample_past_2_31(free_memory):
 
 
 def test_nonfinite_weight_rows_past_the_grid(free_memory):
-    # 2**25 x 64 rows of one value, past the blocks a grid has for a channel's samples: the
-    # rows of the channel with an infinite weight are rewritten (the softmax of one value is
-    # 1), each block taking 512 samples, the others kept.
+    # 2**25 x 64 rows of one value, past the grid's 65535 blocks a channel: the rows of the
+    # channel with an infinite weight are rewritten (the softmax of one value is 1), each
+    # block's loop taking 512 or 513 samples, the others kept.
     from cufused._kernels.softmax import softmax_rows_nonfinite_weight
 
     n, c = 2**25, 64
