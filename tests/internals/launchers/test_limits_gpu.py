@@ -236,13 +236,15 @@ def test_nonfinite_weight_rows_past_the_grid(free_memory):
     assert bool((out[:, 63] == 1.0).all()) and bool((out[:, :63] == 7.0).all())
 
 
-@pytest.mark.parametrize("precision", ["tf32", "3xtf32"])
-def test_conv_transpose3d_rows_past_the_grid(precision, free_memory):
-    # (2**21, 1024) rows of one output (stride 2, padding 1: only the centre tap meets the
-    # input), exact in TF32; the last channel's corner tap is infinite and meets no input.
+@pytest.mark.parametrize("precision, n, k", [("tf32", 2**21, 1024), ("3xtf32", 2**21, 1024),
+                                             ("3xtf32", 2**25 + 3, 2)])
+def test_conv_transpose3d_rows_past_the_grid(precision, n, k, free_memory):
+    # n x k rows of one output (stride 2, padding 1: only the centre tap meets the input),
+    # exact in TF32; the last channel's corner tap is infinite and meets no input. In 3xTF32
+    # the check after the kernel rewrites that channel's rows: 2**25 + 3 samples pass the
+    # grid's 65535 blocks a channel (each block's loop takes 512 or 513).
     from cufused._cudnn import plan_options
 
-    n, k = 2**21, 1024
     x = ((cp.arange(n) % 8) + 1).astype(cp.float32).reshape(n, 1, 1, 1, 1)
     w = cp.ones((1, k, 3, 3, 3), dtype=cp.float32)
     centre = ((cp.arange(k) % 16) / 8).astype(cp.float32)
