@@ -324,6 +324,15 @@ def _arch_target(filename: str, device: int) -> str | None:
 _arch_failed: set[tuple[str, int]] = set()
 
 
+def _build_target(filename: str, device: int, portable: bool) -> str | None:
+    """The target ``filename``'s kernels are built for on ``device``: None (the portable
+    build) where ``portable``, where the device has no target of its own, or once a build
+    for that target failed there."""
+    if portable or (filename, device) in _arch_failed:
+        return None
+    return _arch_target(filename, device)
+
+
 def arch_target(filename: str) -> str | None:
     """The architecture's own target (``ARCH_TARGETS``) that :func:`get_kernel` builds
     ``filename``'s kernels for on the current device, or None: the portable build (no such
@@ -331,20 +340,13 @@ def arch_target(filename: str) -> str | None:
     the device: NVRTC lacks it)."""
     import cupy
 
-    if _portable.get():
-        return None
-    device = cupy.cuda.runtime.getDevice()
-    if (filename, device) in _arch_failed:
-        return None
-    return _arch_target(filename, device)
+    return _build_target(filename, cupy.cuda.runtime.getDevice(), _portable.get())
 
 
 def _build(filename: str, name: str, device: int, portable: bool):
     import cupy
 
-    arch = None
-    if not portable and (filename, device) not in _arch_failed:
-        arch = _arch_target(filename, device)
+    arch = _build_target(filename, device, portable)
     if arch is not None:
         try:
             return _CubinKernel(filename, name, arch)
