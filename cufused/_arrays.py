@@ -336,11 +336,14 @@ def _may_share_elements(a: numpy.ndarray, b: numpy.ndarray) -> bool:
 
 
 def check_out(out: Any, shape: tuple[int, ...], dtype, xp, like: Any, *,
-              inputs: dict[str, Any] | None = None, in_place: bool = False) -> None:
+              inputs: dict[str, Any] | None = None, in_place: bool = False,
+              channels_last: bool = False) -> None:
     """``out=`` must match the result's shape, dtype and array library/device exactly, be
     writeable, and share no memory with ``inputs`` (name -> array), except that with
     ``in_place`` it may be exactly an input (an op that reads each value before writing it);
-    a NumPy ``out`` may interleave with an input (the reference computes its result first)."""
+    a NumPy ``out`` may interleave with an input (the reference computes its result first).
+    A CuPy ``out`` must be C-contiguous, or with ``channels_last`` also packed channels-last
+    (the convolutions: NHWC / NDHWC memory)."""
     if out is None:
         return
     get_array_module(out=out, x=like)
@@ -351,7 +354,12 @@ def check_out(out: Any, shape: tuple[int, ...], dtype, xp, like: Any, *,
             + ("" if out.dtype.isnative else " in non-native byte order")
         )
     if xp is not numpy and not out.flags.c_contiguous:
-        raise ValueError("out must be C-contiguous")
+        if not channels_last:
+            raise ValueError("out must be C-contiguous")
+        from ._layout import stored_in  # (_layout imports this module)
+
+        if not stored_in(out, "nhwc"):
+            raise ValueError("out must be C-contiguous or packed channels-last")
     check_writeable(out, "out")
     if xp is numpy and _elements_overlap(out):
         raise ValueError("out has elements that share memory (a stride of 0, or strides that "

@@ -1102,6 +1102,89 @@ conv2d_halo(const float* __restrict__ x, const float* __restrict__ w,
         [](int) { return 1.0f; });
 }
 
+// Floats between two pixels of conv2d_halo_nhwc's staged tile: its 64 channels and 8 more,
+// so that each pixel starts 16-byte aligned and the accumulators' float2 stores (channels
+// 2 tig, 2 tig + 1 of pixels warp_col + gid) fall on distinct banks in each half warp
+// (8 gid + 2 tig mod 32 for gid 0..3).
+#define HALO_NHWC_STRIDE (CONV_BN + 8)
+
+// The staged tile's kn channels of HALO_TH x HALO_TW pixels into the channels-last yt (the
+// tile's first pixel and channel; Q, K the output's columns and channels; rows and columns
+// past p_left, q_left skipped), V floats a store (V = 4 needs K a multiple of 4 and y 16-byte
+// aligned): CONV_BN / V threads write one pixel's run of channels, the block's threads
+// STEP pixels at a time.
+template <int V>
+__device__ __forceinline__ void store_staged_pixels(const float* staged, float* yt, int kn,
+                                                    int p_left, int q_left, int Q, int K) {
+    using Vec = typename FloatVec<V>::type;
+    constexpr int LANES = CONV_BN / V;
+    constexpr int STEP = CONV_THREADS / LANES;
+    const int kl = V * (threadIdx.x % LANES);
+    if (kl >= kn) return;
+#pragma unroll 4
+    for (int px = threadIdx.x / LANES; px < HALO_TH * HALO_TW; px += STEP) {
+        const int row = px / HALO_TW, col = px % HALO_TW;
+        if (row < p_left && col < q_left)
+            *reinterpret_cast<Vec*>(yt + ((long long)row * Q + col) * K + kl)
+                = *reinterpret_cast<const Vec*>(staged + px * HALO_NHWC_STRIDE + kl);
+    }
+}
+
+// conv2d_halo (one tile at a time) into a channels-last y: y[((n * P + p) * Q + q) * K + k].
+// A tile's 4 x 32 pixels x 64 channels are staged pixel-major and written as each pixel's
+// run of channels; with K = 64 a tile row is one contiguous 8 KB run of y and the blocks
+// running together (neighbouring tiles) write neighbouring runs, where an NCHW y takes
+// 128-byte pieces of rows 64 KB apart.
+template <int PASSES, int KSIZE>
+__global__ void __launch_bounds__(CONV_THREADS, halo_blocks_per_sm<PASSES, KSIZE, false>())
+conv2d_halo_nhwc(const float* __restrict__ x, const float* __restrict__ w,
+                 const float* __restrict__ bias, float* __restrict__ y, int N, int C, int H,
+                 int W, int K, int kh, int kw, int P, int Q, int sh, int sw, int ph, int pw,
+                 int dh, int dw, int cc, int hr, int hc) {
+    constexpr int BLOCKS = halo_blocks_per_sm<PASSES, KSIZE, false>();
+    extern __shared__ float smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gid = lane >> 2, tig = lane & 3;
+    const int warp_col = NarrowTile::warp_col(warp), warp_k = NarrowTile::warp_k(warp);
+    const int k0 = blockIdx.y * CONV_BN;
+    const int hsize = halo_floats<KSIZE>(cc, hr, hc);
+    float* staged = halo_scratch<PASSES, KSIZE>(smem, hsize);  // [pixel][channel - k0]
+    const int kn = min(CONV_BN, K - k0);
+    const ChannelBias tile_bias = channel_bias(bias, k0 + warp_k, tig, K);
+    const bool by_four = (K & 3) == 0 && (reinterpret_cast<unsigned long long>(y) & 15) == 0;
+    auto store = [&](const TilePos& pos, const float (&acc)[2][4][4]) {
+        // Row gid + 8 half of MMA tile i is pixel (row 2 i + half, column warp_col + gid), its
+        // values e of tile j channel warp_k + 8 j + 2 tig + e of the block's (each_output);
+        // channels past K are staged too, and not stored.
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    float2 v = make_float2(acc[i][j][2 * half], acc[i][j][2 * half + 1]);
+                    if (tile_bias.any) {
+                        v.x += tile_bias.b[j][0];
+                        v.y += tile_bias.b[j][1];
+                    }
+                    const int px = (2 * i + half) * HALO_TW + warp_col + gid;
+                    *reinterpret_cast<float2*>(staged + px * HALO_NHWC_STRIDE + warp_k + 8 * j
+                                               + 2 * tig) = v;
+                }
+        __syncthreads();
+        const int p0 = pos.tr * HALO_TH, q0 = pos.tc * HALO_TW;
+        float* yt = y + (((long long)pos.n * P + p0) * Q + q0) * K + k0;
+        if (by_four)
+            store_staged_pixels<4>(staged, yt, kn, P - p0, Q - q0, Q, K);
+        else
+            store_staged_pixels<1>(staged, yt, kn, P - p0, Q - q0, Q, K);
+    };
+    halo_tiles<PASSES, KSIZE, BLOCKS>(
+        x, w, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
+        halo_shared<PASSES, KSIZE>(smem, hsize), TileGroups<1>{N, P, Q}, store,
+        [](int) { return 1.0f; });
+}
+
 // conv2d_halo in TF32 for 3 x 3 kernels at stride and dilation 1 (FixedHalo) on the wgmma
 // build, where the output rows are 65 to 128 columns: tiles of 4 x 64 pixels x 32 channels
 // (BandTile), a block taking the two tiles of a band of 4 whole output rows one after the

@@ -22,6 +22,7 @@ _HALO_BLOCKS_PER_SM = 2  # HALO_BLOCKS_PER_SM: the grid's blocks per multiproces
 _POOL_SCRATCH_FLOATS = 4 * _TILE_K + 2 * 4 * _TILE_K
 _FIXED_KSIZE, _FIXED_CC = 3, 8  # FixedHalo's instantiation and its channels per chunk
 _BAND_TW, _BAND_TK = 64, 32  # BandTile: conv2d_halo_bands' tile columns and channels
+_HALO_NHWC_STRIDE = _TILE_K + 8  # HALO_NHWC_STRIDE: floats a staged pixel
 
 
 def fixed_ksize(c: int, kernel: tuple[int, int], stride: tuple[int, int],
@@ -99,13 +100,16 @@ def _halo_scratch_offset(cc: int, hr: int, hc: int, ksize: int, passes: int) -> 
 
 
 def halo_shared_bytes(cc: int, hr: int, hc: int, ksize: int, passes: int,
-                      pool: int = 0, span: int = 1) -> int:
+                      pool: int = 0, span: int = 1, channels_last: bool = False) -> int:
     """Dynamic shared memory of a halo kernel (``halo_shared`` in conv_gemm.cu): what
     :func:`_halo_scratch_offset` counts and the epilogue's scratch: the pooling epilogue's
-    (``pool`` > 0) or the group of ``span`` output tiles ``conv2d_halo`` stages."""
+    (``pool`` > 0), the output tile ``conv2d_halo_nhwc`` stages pixel-major
+    (``channels_last``) or the group of ``span`` output tiles ``conv2d_halo`` stages."""
     floats = _halo_scratch_offset(cc, hr, hc, ksize, passes)
     if pool:
         floats += _POOL_SCRATCH_FLOATS
+    elif channels_last:
+        floats += _HALO_TH * _HALO_TW * _HALO_NHWC_STRIDE
     else:
         floats += _TILE_K * halo_out_stride(span)
     return 4 * floats
@@ -151,6 +155,13 @@ def halo_bands_shared(n: int, k: int, p: int, q: int, y_address: int) -> int:
     return shared if fits else 0
 
 
+def takes_channels_last(c: int, kernel: tuple[int, int], stride: tuple[int, int],
+                        dilation: tuple[int, int], passes: int) -> bool:
+    """Whether :func:`conv2d_implicit_gemm` writes this problem into a channels-last ``y``
+    (``conv2d_halo_nhwc``: the halo kernel takes it, :func:`halo_geometry`)."""
+    return halo_geometry(c, kernel, stride, dilation, passes, channels_last=True) is not None
+
+
 def channel_tiles_fit(out_channels: int) -> bool:
     """Whether the 2-D implicit GEMMs' grid holds the output channels' tiles (its y
     dimension)."""
@@ -158,19 +169,20 @@ def channel_tiles_fit(out_channels: int) -> bool:
 
 
 def halo_geometry(c: int, kernel: tuple[int, int], stride: tuple[int, int],
-                  dilation: tuple[int, int], passes: int,
-                  pool: int = 0) -> tuple[int, int, int, int, int] | None:
+                  dilation: tuple[int, int], passes: int, pool: int = 0,
+                  channels_last: bool = False) -> tuple[int, int, int, int, int] | None:
     """``(cc, hr, hc, ksize, shared_bytes)`` of the halo kernel for the problem on the
-    current device (:func:`halo_chunk`, :func:`fixed_ksize`, :func:`halo_shared_bytes`), or
-    None where it does not take it: no chunk of input channels whose halo fits, or more
-    shared memory than a block may have there (3xTF32's 3 x 3 kernel without pooling passes
-    the 99 KB of compute capability 8.6, 8.9 and 12.0)."""
+    current device (:func:`halo_chunk`, :func:`fixed_ksize`, :func:`halo_shared_bytes` with
+    ``pool`` and ``channels_last``), or None where it does not take it: no chunk of input
+    channels whose halo fits, or more shared memory than a block may have there (3xTF32's
+    3 x 3 kernel without pooling passes the 99 KB of compute capability 8.6, 8.9 and
+    12.0)."""
     wgmma = _wgmma_sum(c, passes)
     cc, hr, hc = halo_chunk(c, kernel, stride, dilation, passes, wgmma=wgmma)
     if cc < 1:
         return None
     ksize = fixed_ksize(c, kernel, stride, dilation, passes, wgmma=wgmma)
-    shared = halo_shared_bytes(cc, hr, hc, ksize, passes, pool)
+    shared = halo_shared_bytes(cc, hr, hc, ksize, passes, pool, channels_last=channels_last)
     return (cc, hr, hc, ksize, shared) if shared <= shared_per_block() else None
 
 
@@ -197,12 +209,14 @@ def sample_segments(n: int, tiles: int, slots: int) -> tuple[int, int]:
 def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tuple[int, int],
                          dilation: tuple[int, int], passes: int) -> None:
     """``y = conv2d(x, w) + bias`` for contiguous NCHW float32 ``x``, OIHW ``w`` (groups 1)
-    and NCHW ``y`` of the convolution's output shape; ``passes`` 1 (TF32) or 3 (3xTF32).
+    and ``y`` of the convolution's output shape, contiguous NCHW or packed channels-last
+    (NHWC memory); ``passes`` 1 (TF32) or 3 (3xTF32).
 
     The halo kernel runs where a chunk of input channels fits its shared memory (every
     kernel of up to 72 values at moderate stride and dilation) and the device grants what
     it then needs (:func:`halo_geometry`), in bands of whole rows where
-    :func:`halo_bands_shared` takes the problem, else the gathering one."""
+    :func:`halo_bands_shared` takes the problem, else the gathering one. A channels-last
+    ``y`` needs the halo kernel (:func:`takes_channels_last`)."""
     n, c, h, wd = x.shape
     k, _, kh, kw = w.shape
     p, q = y.shape[2:]
@@ -213,6 +227,15 @@ def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tup
     geometry = (x, w, optional(bias), y, i32(n), i32(c), i32(h), i32(wd), i32(k), i32(kh),
                 i32(kw), i32(p), i32(q), i32(stride[0]), i32(stride[1]), i32(padding[0]),
                 i32(padding[1]), i32(dilation[0]), i32(dilation[1]))
+    if not y.flags.c_contiguous:  # packed channels-last: conv2d_halo_nhwc
+        cc, hr, hc, ksize, shared = halo_geometry(c, (kh, kw), stride, dilation, passes,
+                                                  channels_last=True)
+        tiles = n * -(-p // _HALO_TH) * -(-q // _HALO_TW)
+        blocks = min(tiles, sm_count() * _HALO_BLOCKS_PER_SM)
+        get_kernel(_FILE, f"conv2d_halo_nhwc<{passes}, {ksize}>", shared_bytes=shared)(
+            (blocks, -(-k // _TILE_K)), (_THREADS,), geometry + (i32(cc), i32(hr), i32(hc)),
+            shared_mem=shared)
+        return
     halo = halo_geometry(c, (kh, kw), stride, dilation, passes)
     bands = halo_bands_shared(n, k, p, q, y.data.ptr) if halo and halo[3] and passes == 1 else 0
     if bands:

@@ -36,8 +36,9 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
     input layout where it needs to) or on an engine of cufused's (:func:`own_engine`).
 
     Returns ``(y, layout)``: with ``convert_output`` the result is NCHW/NCDHW (written to
-    ``out`` if given) plus ``bias``; without it ``y`` is in the plan's output layout ("nchw",
-    or a channels-last view for "nhwc") for a fused kernel to read, and ``bias`` must be None.
+    ``out`` if given: contiguous, or packed channels-last) plus ``bias``; without it ``y`` is
+    in the plan's output layout ("nchw", or a channels-last view for "nhwc") for a fused
+    kernel to read, and ``bias`` must be None.
     ``batch_statistics``: the caller normalizes each output channel by its batch statistics
     (pipeline B), which admits the DFT engine, whose error is relative to a plane's norm
     rather than to each output. A caller that puts the input in the plan's layout itself, or
@@ -68,7 +69,17 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
         if not args.transposed:
             raise
         return _transposed_as_forward(x, weight, args, precision, bias=bias, out=out), "nchw"
-    return plan.apply(x, weight, bias=bias, out=out, convert_output=convert_output)
+    return _apply_plan(plan, x, weight, bias, out, convert_output=convert_output)
+
+
+def _apply_plan(plan, x, weight, bias, out, *, convert_output: bool = True):
+    """``plan.apply``; a packed channels-last ``out`` (which the plans' results are not
+    written into) gets the NCHW result copied in."""
+    if out is None or out.flags.c_contiguous:
+        return plan.apply(x, weight, bias=bias, out=out, convert_output=convert_output)
+    y, layout = plan.apply(x, weight, bias=bias)
+    out[...] = y
+    return out, layout
 
 
 def own_engine(x, weight, args: ConvArgs, precision: str, *, bias=None, out=None,
@@ -85,7 +96,8 @@ def own_engine(x, weight, args: ConvArgs, precision: str, *, bias=None, out=None
     routes = {name: run for name, run in routes.items() if run is not None}
     if not routes:
         return None
-    name = _settled_conv_engine(x, weight.shape, args, bias is not None, precision, routes)
+    name = _settled_conv_engine(x, weight.shape, args, bias is not None, precision, routes,
+                                out)
     if name not in routes or (name == "fft" and _caller_capturing()):
         return None
     return name, routes[name]
@@ -144,28 +156,34 @@ def fastest(candidates: dict[str, Callable[[], Any]]) -> str:
 def _igemm_route(x, weight, args: ConvArgs, precision: str, bias,
                  out) -> Callable[..., None] | None:
     """How cufused's implicit GEMM computes the convolution ``args`` of ``x`` and ``weight``:
-    ``run(x, weight, bias, y)`` writes it, plus ``bias``, into a contiguous NCHW / NCDHW
-    ``y``; None where the engine does not take the problem ("ieee", which runs on cuDNN or
-    the DFT engine, included).
+    ``run(x, weight, bias, y)`` writes it, plus ``bias``, into ``y`` (``out``'s layout:
+    contiguous NCHW / NCDHW where ``out`` is None); None where the engine does not take the
+    problem ("ieee", which runs on cuDNN or the DFT engine, included).
 
     The implicit GEMM computes 2-D convolutions of one group on dense NCHW operands (any
-    sizes, strides, padding, dilation), a stride-1 transposed one as the forward convolution
+    sizes, strides, padding, dilation) into NCHW or, where its halo kernel takes the problem
+    (:func:`~cufused._kernels.conv_gemm.takes_channels_last`), packed channels-last outputs,
+    a stride-1 transposed one as the forward convolution
     of the flipped weight (:func:`_stride1_forward_args`), and the transposed 3-D
     convolutions that ``conv_transpose3d_s2k3`` takes (pipeline C's: stride 2, a 3 x 3 x 3
     kernel, padding 1; :func:`~cufused._kernels.conv_gemm.transposed_s2k3_takes`) from a
     packed channels-last input (NDHWC memory) as it is, and from a dense NCDHW one as it is
     (:func:`~cufused._kernels.conv_gemm.transposed_s2k3_reads_ncdhw`) or through a
     channels-last copy."""
-    from .._kernels.conv_gemm import channel_tiles_fit, transposed_s2k3_takes
+    from .._kernels.conv_gemm import (channel_tiles_fit, takes_channels_last,
+                                      transposed_s2k3_takes)
 
-    if (precision == "ieee" or (bias is not None and not bias.flags.c_contiguous)
-            or (out is not None and not out.flags.c_contiguous)):
+    if precision == "ieee" or (bias is not None and not bias.flags.c_contiguous):
         return None
     passes = mma_passes(precision)
+    channels_last = out is not None and not out.flags.c_contiguous
     if x.ndim == 4:
         forward_args = (_stride1_forward_args(args, weight.shape[2:]) if args.transposed
                         else args)
         if (not x.flags.c_contiguous or forward_args is None or forward_args.groups != 1
+                or (channels_last and not takes_channels_last(
+                    x.shape[1], weight.shape[2:], forward_args.stride, forward_args.dilation,
+                    passes))
                 or not (args.transposed or weight.flags.c_contiguous)
                 or not channel_tiles_fit(args.out_shape[1])
                 # the int32 reduction (and its tile's end)
@@ -174,7 +192,7 @@ def _igemm_route(x, weight, args: ConvArgs, precision: str, bias,
                     forward_args.dilation, weight.shape[2:], forward_args.padding))):
             return None
         return partial(_igemm_2d, args=forward_args, flip=args.transposed, passes=passes)
-    if ((x.flags.c_contiguous or stored_in(x, "nhwc")) and args.transposed
+    if ((x.flags.c_contiguous or stored_in(x, "nhwc")) and args.transposed and not channels_last
             and transposed_s2k3_takes(x.shape[1], weight.shape[2:], args.stride, args.padding,
                                       args.output_padding, args.dilation, args.groups,
                                       args.out_shape)):
@@ -223,28 +241,33 @@ def _fft_transposed_2d(x, weight, bias, y, *, padding: tuple[int, int], passes: 
 
 
 def _settled_conv_engine(x, w_shape, args: ConvArgs, bias: bool, precision: str,
-                         routes: dict[str, Callable[..., None]]) -> str:
+                         routes: dict[str, Callable[..., None]], out=None) -> str:
     """The engine of a problem that the engines ``routes`` (name: ``run``) compute from ``x``
-    (settled_engine), keyed and timed with the layout that ``x`` is stored in: packed
-    NC(D)HW, else packed channels-last (the only other layout the routes take)."""
+    into ``out`` (settled_engine), keyed and timed with the layouts that ``x`` and ``out``
+    are stored in: packed NC(D)HW, else packed channels-last (the only other layout the
+    routes take; no ``out``: NC(D)HW)."""
     x_layout = "nchw" if x.flags.c_contiguous else "nhwc"
+    y_layout = "nchw" if out is None or out.flags.c_contiguous else "nhwc"
     return settled_engine(
-        (tuple(x.shape), x_layout, tuple(w_shape), args, bias, precision, tuple(routes)),
-        lambda: _fastest_engine(x.shape, x_layout, w_shape, args, bias, precision, routes))
+        (tuple(x.shape), x_layout, y_layout, tuple(w_shape), args, bias, precision,
+         tuple(routes)),
+        lambda: _fastest_engine(x.shape, x_layout, y_layout, w_shape, args, bias, precision,
+                                routes))
 
 
-def _fastest_engine(x_shape, x_layout: str, w_shape, args: ConvArgs, bias: bool,
-                    precision: str, routes: dict[str, Callable[..., None]]) -> str:
+def _fastest_engine(x_shape, x_layout: str, y_layout: str, w_shape, args: ConvArgs,
+                    bias: bool, precision: str, routes: dict[str, Callable[..., None]]) -> str:
     """Time the engines' ``routes`` and the cuDNN plan that ``precision`` runs on cuDNN
     (TF32, or exact float32 for "ieee" and 3xTF32) on random operands, the input in
-    ``x_layout``, the output NCHW / NCDHW, L2 flushed; the fastest of the routes where cuDNN
-    has no plan."""
+    ``x_layout`` and the output in ``y_layout`` (cuDNN's through :func:`_apply_plan`), L2
+    flushed; the fastest of the routes where cuDNN has no plan."""
     from .._cudnn import UnsupportedConvolution
+    from .._layout import empty_in_layout
     from .._timing import random_operand
 
     x, w = random_operand(x_shape, x_layout), random_operand(w_shape)
     b = random_operand((args.out_shape[1],)) if bias else None
-    y = _empty_nchw(args.out_shape)
+    y = empty_in_layout(args.out_shape, y_layout)
     candidates = {name: partial(run, x, w, b, y) for name, run in routes.items()}
     try:
         plan = _plan(x_shape, w_shape, args, precision, bias, True, True, False)
@@ -253,7 +276,7 @@ def _fastest_engine(x_shape, x_layout: str, w_shape, args: ConvArgs, bias: bool,
     if plan is None and len(candidates) == 1:
         return next(iter(candidates))
     if plan is not None:
-        candidates = {"cudnn": lambda: plan.apply(x, w, bias=b, out=y), **candidates}
+        candidates = {"cudnn": lambda: _apply_plan(plan, x, w, b, y), **candidates}
     return fastest(candidates)
 
 
@@ -374,7 +397,7 @@ def _convolve(nd: int, transposed: bool, x, weight, bias, *, stride, padding, ou
     check_conv_memory(x.shape, args, xp)
     check_per_channel(bias, "bias", args.out_shape[1])
     check_out(out, args.out_shape, x.dtype, xp, x, inputs={"x": x, "weight": weight,
-                                                          "bias": bias})
+                                                          "bias": bias}, channels_last=True)
     # Every check passed: a strided bias becomes a contiguous device array.
     bias = per_channel(bias, args.out_shape[1], xp)
     if transposed:
@@ -418,12 +441,15 @@ _COMMON_DOC = """
         problem (cuDNN's exact float32 stands in for ``"3xtf32"``). ``None`` uses the
         default (:func:`cufused.get_default_precision`). Ignored on the NumPy path.
     out : array, optional
-        Destination with exactly the result's shape and dtype.
+        Destination with exactly the result's shape and dtype. On the GPU it is C-contiguous
+        or packed channels-last (NHWC / NDHWC memory, PyTorch's ``channels_last``); the
+        implicit GEMM writes a 2-D forward convolution's channels-last result directly.
 
     Returns
     -------
     array
-        {rdesc}, same array library and dtype as ``x``.
+        {rdesc}, same array library and dtype as ``x`` (``out`` where given, else
+        C-contiguous).
 
     Raises
     ------

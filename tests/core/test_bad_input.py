@@ -467,16 +467,26 @@ def test_bad_input_does_no_gpu_work():
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device with CuPy")
 @pytest.mark.gpu
 def test_gpu_out_must_be_c_contiguous():
-    # The kernels write out densely: a strided out of the right shape is refused, untouched.
+    # The kernels write out densely: a strided out of the right shape is refused, untouched;
+    # the convolutions also take a packed channels-last out, the other functions do not.
     import cupy
 
     d = arrays(cupy)
     base = cupy.full((2, 8, 6, 12), cupy.nan, cupy.float32)
-    with pytest.raises(ValueError, match="out must be C-contiguous"):
+    with pytest.raises(ValueError, match="out must be C-contiguous or packed channels-last"):
         cufused.conv2d(d["x4"], d["w"], out=base[..., ::2])
-    with pytest.raises(ValueError, match="out must be C-contiguous"):
-        cufused.softmax(d["x4"], axis=1, out=cupy.empty((2, 4, 8, 16), cupy.float32)[..., ::2])
+    with pytest.raises(ValueError, match="out must be C-contiguous or packed channels-last"):
+        cufused.conv2d(d["x4"], d["w"], out=base.transpose(0, 1, 3, 2)[:, :, :6, :6])
     assert bool(cupy.isnan(base).all())
+    channels_last = cupy.empty((2, 8, 8, 4), cupy.float32).transpose(0, 3, 1, 2)
+    with pytest.raises(ValueError, match="out must be C-contiguous$"):
+        cufused.softmax(d["x4"], axis=1, out=channels_last)
+    with pytest.raises(ValueError, match="out must be C-contiguous$"):
+        cufused.softmax(d["x4"], axis=1, out=cupy.empty((2, 4, 8, 16), cupy.float32)[..., ::2])
+    y = cufused.conv2d(d["x4"], d["w"])
+    out = cupy.empty((2, 6, 6, 8), cupy.float32).transpose(0, 3, 1, 2)
+    assert cufused.conv2d(d["x4"], d["w"], out=out) is out
+    assert bool(cupy.allclose(out, y, rtol=1e-6, atol=1e-6))
 
 
 def raises_without_allocating(call, name: str) -> None:

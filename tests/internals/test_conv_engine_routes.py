@@ -66,7 +66,7 @@ def test_own_engine_routes(monkeypatch, batch_statistics, settled, capturing):
     monkeypatch.setattr(convolution, "_fft_route",
                         lambda *a: asked.append(a[3]) or runs["fft"])
     monkeypatch.setattr(convolution, "_settled_conv_engine",
-                        lambda x, w_shape, a, bias, precision, routes:
+                        lambda x, w_shape, a, bias, precision, routes, out:
                         keys.append(tuple(routes)) or settled)
     monkeypatch.setattr(convolution, "_caller_capturing", lambda: capturing)
     engine = convolution.own_engine(x, w, args, "ieee", batch_statistics=batch_statistics)

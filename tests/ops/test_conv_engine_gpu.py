@@ -6,6 +6,8 @@ C's transposed 3-D convolution on its engine, the pipelines, non-finite values, 
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -229,6 +231,89 @@ def test_builds_agree_with_the_reference(rng, shapes, options, precision):
     if precision == "tf32":
         np.testing.assert_array_equal(got["native"].view(np.uint32),
                                       got["portable"].view(np.uint32))
+
+
+def _poisoned_channels_last(shape, *, offset: int = 0):
+    """A NaN-filled packed channels-last (NHWC / NDHWC memory) array of logical ``shape``,
+    ``offset`` floats into its buffer (4: not 16-byte aligned)."""
+    nd = len(shape)
+    physical = (shape[0], *shape[2:], shape[1])
+    buffer = cp.full(math.prod(physical) + offset, cp.nan, dtype=cp.float32)
+    return buffer[offset:].reshape(physical).transpose(0, nd - 1, *range(1, nd - 1))
+
+
+def _kernel_names(monkeypatch) -> list:
+    """The names of the conv_gemm.cu kernels fetched from now on (each launch fetches its
+    kernel)."""
+    import cufused._kernels.conv_gemm as conv
+
+    names, get_kernel = [], conv.get_kernel
+    monkeypatch.setattr(conv, "get_kernel",
+                        lambda filename, name, **kw: names.append(name)
+                        or get_kernel(filename, name, **kw))
+    return names
+
+
+@pytest.mark.parametrize("engine", ["igemm", "cudnn"])
+@pytest.mark.parametrize("precision", ["3xtf32", "tf32", "ieee"])
+@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("fn, x_shape, w_shape, options, offset", [
+    ("conv2d", (2, 8, 30, 36), (64, 8, 3, 3), dict(padding=1), 0),  # float4 stores
+    ("conv2d", (3, 5, 17, 13), (70, 5, 3, 3), dict(), 0),  # K past one tile, not 4k
+    ("conv2d", (1, 6, 19, 23), (12, 6, 3, 5),
+     dict(stride=(2, 1), padding=(1, 2), dilation=(1, 2)), 4),  # misaligned out
+    ("conv_transpose2d", (2, 7, 9, 11), (7, 5, 3, 3), dict(padding=1), 0),  # as forward
+    ("conv_transpose2d", (2, 4, 5, 6), (4, 6, 3, 3), dict(stride=2), 0),  # cuDNN, copied
+    ("conv3d", (2, 4, 5, 6, 7), (6, 4, 3, 3, 3), dict(padding=1), 0),  # cuDNN, copied
+])
+def test_channels_last_out(rng, monkeypatch, fn, x_shape, w_shape, options, offset, precision,
+                           engine, build):
+    # A packed channels-last out (PyTorch's channels_last memory) gets the result that a
+    # contiguous out gets: the implicit GEMM writes a 2-D forward convolution's (and a
+    # stride-1 transposed one's) directly (conv2d_halo_nhwc: float4 runs of channels where
+    # K % 4 == 0 and out is 16-byte aligned, else a float a thread), the other routes copy
+    # their NCHW result in.
+    x = rng.standard_normal(x_shape)
+    w = rng.standard_normal(w_shape) * 0.3
+    b = rng.standard_normal(w_shape[1] if fn.startswith("conv_transpose") else w_shape[0])
+    call = getattr(cufused, fn)
+    ref = call(x, w, b, **options)
+    direct = (engine == "igemm" and precision != "ieee" and len(x_shape) == 4
+              and (fn == "conv2d" or options.get("stride", 1) == 1))
+    with kernels_built(build), plan_options(engine=engine):
+        dense = call(*to_gpu(x, w, b), **options, precision=precision)
+        names = _kernel_names(monkeypatch)
+        for _ in range(3):  # a first call, then warm ones (whole-call graphs)
+            out = _poisoned_channels_last(ref.shape, offset=offset)
+            got = call(*to_gpu(x, w, b), **options, precision=precision, out=out)
+            assert got is out
+            if direct:  # the same kernel's sums: equal bits
+                np.testing.assert_array_equal(got.get().view(np.uint32),
+                                              dense.get().view(np.uint32))
+            else:  # cuDNN's result copied in (its sums' order may vary by an ulp)
+                assert_close(got.get(), dense.get(), 1e-6)
+    assert_close(got.get(), ref, TOL[precision])
+    passes = 3 if precision == "3xtf32" else 1
+    assert any(n.startswith(f"conv2d_halo_nhwc<{passes}, ") for n in names) == direct, names
+
+
+def test_channels_last_out_non_finite_weight(rng, monkeypatch):
+    # The implicit GEMM hands the channels-last out itself to conv2d_halo_nhwc, and a
+    # non-finite weight's channel is rewritten there by the definition (any strides).
+    x = rng.standard_normal((2, 8, 12, 20))
+    w = rng.standard_normal((16, 8, 3, 3))
+    w[3, 2, 1, 1] = np.inf
+    with np.errstate(all="ignore"):
+        ref = reference.conv(x, w, None, (1, 1), (1, 1), (1, 1), 1)
+    names = _kernel_names(monkeypatch)
+    out = _poisoned_channels_last(ref.shape)
+    cufused.conv2d(*to_gpu(x, w), padding=1, precision="tf32", out=out)
+    assert "conv2d_halo_nhwc<1, 3>" in names and "conv_nonfinite_weight_rows" in names
+    got = out.get()
+    for test in (np.isnan, np.isposinf, np.isneginf):
+        np.testing.assert_array_equal(test(got), test(ref))
+    finite = np.isfinite(ref)
+    assert_close(got[finite], ref[finite], TOL["tf32"])
 
 
 def _s2k3_route(monkeypatch, x_shape, c_out, output_padding) -> list:

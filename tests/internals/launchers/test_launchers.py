@@ -680,6 +680,11 @@ def test_conv_gemm_launchers(launches, monkeypatch):
                 conv.conv2d_implicit_gemm(Dev(x), Dev(w), bias, Dev(y), stride=stride,
                                           padding=(0, 0), dilation=dilation, passes=passes)
                 assert launches[-1].name == f"{kernel}<{passes}{rest}>"
+                if kernel == "conv2d_halo":  # a channels-last y: the same geometry
+                    conv.conv2d_implicit_gemm(Dev(x), Dev(w), bias, Dev(y, "nhwc"),
+                                              stride=stride, padding=(0, 0),
+                                              dilation=dilation, passes=passes)
+                    assert launches[-1].name == f"conv2d_halo_nhwc<{passes}{rest[:-3]}>"
     # Tiles in pairs past one wave of blocks (here 10 tiles, one multiprocessor: 2 blocks);
     # one at a time where a block's shared memory holds one staged tile but not two.
     monkeypatch.setattr(conv, "sm_count", lambda: 1)
@@ -1050,6 +1055,32 @@ def test_bands_route(launches, monkeypatch):
     conv.conv2d_implicit_gemm(x, w, None, Dev((48, 64, 18, 70)), stride=(1, 1),
                               padding=(0, 0), dilation=(1, 1), passes=1)
     assert launches[-1].name == "conv2d_halo<1, 3, 2>" and len(launches) == 4
+
+
+def test_channels_last_route(launches, monkeypatch):
+    """conv2d_implicit_gemm writes a packed channels-last y with conv2d_halo_nhwc (the
+    geometry compiled in or as arguments, both precisions) and gives it the halo kernel's
+    shared memory with the pixel-major tile's scratch."""
+    conv = LAUNCHERS["conv_gemm.cu"]
+    monkeypatch.setattr(conv, "sm_count", lambda: 132)
+    monkeypatch.setattr(conv, "arch_target", lambda filename: "sm_90a")
+    x = Dev((48, 8, 20, 72))
+    for passes in (1, 3):
+        for w, stride, name in ((Dev((64, 8, 3, 3)), (1, 1), f"conv2d_halo_nhwc<{passes}, 3>"),
+                                (Dev((64, 8, 5, 5)), (2, 2), f"conv2d_halo_nhwc<{passes}, 0>")):
+            kh = w.shape[2]
+            y = Dev((48, 64, (20 - kh) // stride[0] + 1, (72 - kh) // stride[1] + 1), "nhwc")
+            assert conv.takes_channels_last(8, (kh, kh), stride, (1, 1), passes)
+            conv.conv2d_implicit_gemm(x, w, None, y, stride=stride, padding=(0, 0),
+                                      dilation=(1, 1), passes=passes)
+            launch = launches[-1]
+            assert launch.name == name
+            cc, hr, hc, ksize, shared = conv.halo_geometry(8, (kh, kh), stride, (1, 1), passes,
+                                                           channels_last=True)
+            assert launch.shared_mem == shared == conv.halo_shared_bytes(
+                cc, hr, hc, ksize, passes) - 4 * 64 * (4 * 32 + 4) + 4 * 128 * 72
+            tiles = 48 * -(-y.shape[2] // 4) * -(-y.shape[3] // 32)
+            assert launch.grid == (min(tiles, 264), 1)
 
 
 def test_get_kernel_grants_what_the_static_shared_memory_leaves(monkeypatch):
