@@ -181,3 +181,24 @@ def test_warm_calls_keep_what_calls_inside_a_caller_capture_allocate(monkeypatch
         assert call([1]) == "ran"
     assert call(np.ones(2)) == "ran"  # not a CuPy input: no capture query
     assert len(entered) == 3
+
+
+def test_graph_keys_hash_once_and_equal_their_items():
+    # A graph's key keeps its hash (warm calls look their graph up with the key they kept)
+    # and is the plain tuple of its items as a dict key: the out-less launch builds the key
+    # around its fresh result as a plain tuple and must find the graph cached under it.
+    hashed = []
+
+    class Counted:
+        def __hash__(self):
+            hashed.append(1)
+            return 7
+
+    items = ("f", (("array", 1, (2, 3), (12, 4), "f"),), (), Counted(), 0)
+    key = _call_graphs._GraphKey(items)
+    assert key == items and hash(key) == hash(items) and len(hashed) == 2
+    cache = {key: "graph"}
+    assert cache[key] == "graph" and len(hashed) == 2  # the kept hash, then identity
+    assert cache[tuple(items)] == "graph" and len(hashed) == 3
+    head, result, tail = _call_graphs.split_at_result(key)
+    assert (*head, result, *tail) == items and type(head) is tuple
