@@ -29,6 +29,11 @@
 #define HALO_WGMMA 0
 #endif
 
+// A tensor map of the tensor memory accelerator (the driver's CUtensorMap), by value.
+struct alignas(64) TensorMap {
+    unsigned long long words[16];
+};
+
 #if HALO_WGMMA
 // The shared-memory descriptor of a K-major 8 x 32 TF32 operand without swizzle at p: core
 // matrices of 8 rows x 4 values (128 bytes), the two along K 128 bytes apart (leading
@@ -1130,17 +1135,66 @@ __device__ __forceinline__ void store_staged_pixels(const float* staged, float* 
     }
 }
 
+// The tensor stores' staged tile (conv2d_halo_nhwc<..., true>): two boxes of 32 channels x
+// HALO_TH x HALO_TW pixels, each pixel's 32 channels a 128-byte row whose 16-byte chunks are
+// XORed with the pixel's index mod 8 (the tensor map's 128-byte swizzle, from a 1024-byte
+// aligned start). The accumulators' float2 stores of a half warp then cover the 8 chunks of
+// 8 pixels (gid): no bank conflict without padding, which a tensor store's box cannot have.
+// The scratch holds two such tiles (NHWC_TENSOR_SCRATCH floats with the alignment's slack;
+// conv_gemm.py: _NHWC_TENSOR_SCRATCH), one staged while the other's stores read it.
+#define NHWC_BOX_FLOATS (HALO_TH * HALO_TW * 32)
+#define NHWC_TENSOR_SCRATCH (4 * NHWC_BOX_FLOATS + 255)
+
+__device__ __forceinline__ int nhwc_box_offset(int px, int kl) {
+    return (kl >> 5) * NHWC_BOX_FLOATS + px * 32 + ((((kl & 31) >> 2) ^ (px & 7)) << 2)
+           + (kl & 3);
+}
+
+// One tensor store of the box at shared address src to the 4-D map at coordinates (c0, ...,
+// c3), in the thread's bulk group; the map clips what lies past its dimensions.
+__device__ __forceinline__ void tensor_store_4d(const TensorMap& map, unsigned src, int c0,
+                                                int c1, int c2, int c3) {
+#if HALO_WGMMA
+    asm volatile(
+        "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];"
+        :: "l"(reinterpret_cast<unsigned long long>(&map)), "r"(src), "r"(c0), "r"(c1),
+           "r"(c2), "r"(c3) : "memory");
+#else
+    __trap();
+#endif
+}
+
+// This thread's bulk copies but its PENDING most recent groups have read their
+// shared-memory sources.
+template <int PENDING>
+__device__ __forceinline__ void bulk_wait_read() {
+#if HALO_WGMMA
+    asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(PENDING) : "memory");
+#endif
+}
+
 // conv2d_halo (one tile at a time) into a channels-last y: y[((n * P + p) * Q + q) * K + k].
 // A tile's 4 x 32 pixels x 64 channels are staged pixel-major and written as each pixel's
 // run of channels; with K = 64 a tile row is one contiguous 8 KB run of y and the blocks
 // running together (neighbouring tiles) write neighbouring runs, where an NCHW y takes
-// 128-byte pieces of rows 64 KB apart.
-template <int PASSES, int KSIZE>
+// 128-byte pieces of rows 64 KB apart. TENSOR_STORE (the wgmma build; the launcher needs K %
+// 4 == 0, y 16-byte aligned and NHWC_TENSOR_SCRATCH floats of scratch): ymap is y's map (dims
+// K, Q, P, N; box 32 x HALO_TW x HALO_TH x 1; the 128-byte swizzle), which clips the tile's
+// rows, columns and channels past y's; one thread writes the tile by two tensor stores that
+// the block does not wait for: tiles take the scratch's two buffers in turn, and a tile's
+// stores have read theirs before the tile after next stages there. Else the threads write
+// the tile (store_staged_pixels). TENSOR_STORE is compiled for the other targets too, where
+// it traps.
+template <int PASSES, int KSIZE, bool TENSOR_STORE>
 __global__ void __launch_bounds__(CONV_THREADS, halo_blocks_per_sm<PASSES, KSIZE, false>())
 conv2d_halo_nhwc(const float* __restrict__ x, const float* __restrict__ w,
                  const float* __restrict__ bias, float* __restrict__ y, int N, int C, int H,
                  int W, int K, int kh, int kw, int P, int Q, int sh, int sw, int ph, int pw,
-                 int dh, int dw, int cc, int hr, int hc) {
+                 int dh, int dw, int cc, int hr, int hc, const __grid_constant__ TensorMap ymap) {
+    if constexpr (TENSOR_STORE && !HALO_WGMMA) {
+        __trap();
+        return;
+    }
     constexpr int BLOCKS = halo_blocks_per_sm<PASSES, KSIZE, false>();
     extern __shared__ float smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1149,10 +1203,14 @@ conv2d_halo_nhwc(const float* __restrict__ x, const float* __restrict__ w,
     const int k0 = blockIdx.y * CONV_BN;
     const int hsize = halo_floats<KSIZE>(cc, hr, hc);
     float* staged = halo_scratch<PASSES, KSIZE>(smem, hsize);  // [pixel][channel - k0]
+    if constexpr (TENSOR_STORE)  // the swizzled boxes (nhwc_box_offset) start 1024-byte aligned
+        staged += (-(int)__cvta_generic_to_shared(staged) >> 2) & 255;
     const int kn = min(CONV_BN, K - k0);
     const ChannelBias tile_bias = channel_bias(bias, k0 + warp_k, tig, K);
     const bool by_four = (K & 3) == 0 && (reinterpret_cast<unsigned long long>(y) & 15) == 0;
+    int buf = 0;
     auto store = [&](const TilePos& pos, const float (&acc)[2][4][4]) {
+        float* box = staged + buf * 2 * NHWC_BOX_FLOATS;
         // Row gid + 8 half of MMA tile i is pixel (row 2 i + half, column warp_col + gid), its
         // values e of tile j channel warp_k + 8 j + 2 tig + e of the block's (each_output);
         // channels past K are staged too, and not stored.
@@ -1168,11 +1226,35 @@ conv2d_halo_nhwc(const float* __restrict__ x, const float* __restrict__ w,
                         v.y += tile_bias.b[j][1];
                     }
                     const int px = (2 * i + half) * HALO_TW + warp_col + gid;
-                    *reinterpret_cast<float2*>(staged + px * HALO_NHWC_STRIDE + warp_k + 8 * j
-                                               + 2 * tig) = v;
+                    const int kl = warp_k + 8 * j + 2 * tig;
+                    *reinterpret_cast<float2*>(
+                        TENSOR_STORE ? box + nhwc_box_offset(px, kl)
+                                     : staged + px * HALO_NHWC_STRIDE + kl) = v;
                 }
-        __syncthreads();
         const int p0 = pos.tr * HALO_TH, q0 = pos.tc * HALO_TW;
+        if constexpr (TENSOR_STORE) {
+            // The staged values, written through the generic proxy, before the tensor stores
+            // read them through the async one.
+#if HALO_WGMMA
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                const unsigned src = (unsigned)__cvta_generic_to_shared(box);
+                for (int b = 0; 32 * b < kn; ++b)
+                    tensor_store_4d(ymap, src + 4 * b * NHWC_BOX_FLOATS, k0 + 32 * b, q0, p0,
+                                    pos.n);
+#if HALO_WGMMA
+                asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+#endif
+                // The previous tile's stores have read the other buffer, which the next tile
+                // stages into after a barrier of halo_tiles.
+                bulk_wait_read<1>();
+            }
+            buf ^= 1;
+            return;
+        }
+        __syncthreads();
         float* yt = y + (((long long)pos.n * P + p0) * Q + q0) * K + k0;
         if (by_four)
             store_staged_pixels<4>(staged, yt, kn, P - p0, Q - q0, Q, K);
@@ -1183,6 +1265,9 @@ conv2d_halo_nhwc(const float* __restrict__ x, const float* __restrict__ w,
         x, w, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
         halo_shared<PASSES, KSIZE>(smem, hsize), TileGroups<1>{N, P, Q}, store,
         [](int) { return 1.0f; });
+    // The tensor stores have read the scratch before the block leaves it (their writes
+    // complete with the grid).
+    if (TENSOR_STORE && threadIdx.x == 0) bulk_wait_read<0>();
 }
 
 // conv2d_halo in TF32 for 3 x 3 kernels at stride and dilation 1 (FixedHalo) on the wgmma
@@ -1623,11 +1708,6 @@ __device__ __forceinline__ constexpr int ct3_offset_shift(int o) {
     return ((o >> 2) * CT3_HH + ((o >> 1) & 1)) * CT3_HW + (o & 1);
 }
 
-// A tensor map of the tensor memory accelerator (the driver's CUtensorMap), by value.
-struct alignas(64) CT3TensorMap {
-    unsigned long long words[16];
-};
-
 // Grid (blocks, ceil(K / CT3_BN)), CONV_THREADS threads, CT3_SHARED_FLOATS floats of dynamic
 // shared memory (CT3_SHARED_FLOATS_NCDHW where X_NCDHW); blocks take the runs of
 // SampleSegments (each sample's tiles in `splits` runs; a tile a run, splits = the tiles,
@@ -1649,7 +1729,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
                       float2* __restrict__ partial, const float* __restrict__ factor, int N,
                       int C, int D, int H, int W, int K, int Do, int Ho, int Wo, float lo,
                       float hi, float ref, int splits, int by_four, int pairs, int tma,
-                      const __grid_constant__ CT3TensorMap tmap) {
+                      const __grid_constant__ TensorMap tmap) {
     constexpr bool SUMS = OUT == CT3_SOFTMAX_SUMS;
     // The warpgroup MMA path (below): a tile's rows in two halves, the first reading input
     // planes 0 to 2 of the tile, the second planes 2 to 4.

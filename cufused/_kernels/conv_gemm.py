@@ -23,6 +23,11 @@ _POOL_SCRATCH_FLOATS = 4 * _TILE_K + 2 * 4 * _TILE_K
 _FIXED_KSIZE, _FIXED_CC = 3, 8  # FixedHalo's instantiation and its channels per chunk
 _BAND_TW, _BAND_TK = 64, 32  # BandTile: conv2d_halo_bands' tile columns and channels
 _HALO_NHWC_STRIDE = _TILE_K + 8  # HALO_NHWC_STRIDE: floats a staged pixel
+# conv2d_halo_nhwc's tensor stores: a box of 32 channels (128 bytes) x the tile's pixels, and
+# their scratch (NHWC_TENSOR_SCRATCH: two tiles of two boxes, and a 1024-byte alignment's slack).
+_NHWC_BOX = (32, _HALO_TW, _HALO_TH, 1)
+_NHWC_TENSOR_SCRATCH = 4 * 32 * _HALO_TH * _HALO_TW + 255
+_NO_TENSOR_MAP = TensorMap()  # the argument of a kernel that copies by other means
 
 
 def fixed_ksize(c: int, kernel: tuple[int, int], stride: tuple[int, int],
@@ -162,6 +167,28 @@ def takes_channels_last(c: int, kernel: tuple[int, int], stride: tuple[int, int]
     return halo_geometry(c, kernel, stride, dilation, passes, channels_last=True) is not None
 
 
+def _nhwc_tensor_store(y, cc: int, hr: int, hc: int, ksize: int, passes: int,
+                       thread_shared: int) -> tuple[TensorMap | None, int]:
+    """``(map, shared bytes)`` of ``conv2d_halo_nhwc`` into the packed channels-last ``y``
+    (N, K, P, Q) for the halo geometry ``(cc, hr, hc, ksize)``: the tensor map through which
+    its tiles go out by tensor stores, or None and ``thread_shared`` where its threads store
+    them. The tensor stores need the wgmma build (sm_90a), K a multiple of 4 (16-byte
+    strides), a 16-byte aligned ``y``, a map from the driver, and a block's shared memory for
+    two tiles' scratch keeping as many blocks a multiprocessor as the threads' scratch, up to
+    the kernel's launch bounds."""
+    n, k, p, q = y.shape
+    if k % 4 or y.data.ptr % 16 or arch_target(_FILE) != "sm_90a":
+        return None, thread_shared
+    shared = 4 * (_halo_scratch_offset(cc, hr, hc, ksize, passes) + _NHWC_TENSOR_SCRATCH)
+    bound = _HALO_BLOCKS_PER_SM if passes == 1 else 1
+    if (shared > shared_per_block()
+            or min(bound, resident_blocks(shared)) < min(bound, resident_blocks(thread_shared))):
+        return None, thread_shared
+    y_map = float32_tensor_map(y.data.ptr, (k, q, p, n), (4 * k, 4 * k * q, 4 * k * q * p),
+                               _NHWC_BOX)
+    return (y_map, shared) if y_map else (None, thread_shared)
+
+
 def channel_tiles_fit(out_channels: int) -> bool:
     """Whether the 2-D implicit GEMMs' grid holds the output channels' tiles (its y
     dimension)."""
@@ -232,8 +259,11 @@ def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tup
                                                   channels_last=True)
         tiles = n * -(-p // _HALO_TH) * -(-q // _HALO_TW)
         blocks = min(tiles, sm_count() * _HALO_BLOCKS_PER_SM)
-        get_kernel(_FILE, f"conv2d_halo_nhwc<{passes}, {ksize}>", shared_bytes=shared)(
-            (blocks, -(-k // _TILE_K)), (_THREADS,), geometry + (i32(cc), i32(hr), i32(hc)),
+        y_map, shared = _nhwc_tensor_store(y, cc, hr, hc, ksize, passes, shared)
+        get_kernel(_FILE, f"conv2d_halo_nhwc<{passes}, {ksize}, {cpp_bool(bool(y_map))}>",
+                   shared_bytes=shared)(
+            (blocks, -(-k // _TILE_K)), (_THREADS,),
+            geometry + (i32(cc), i32(hr), i32(hc), (y_map or _NO_TENSOR_MAP).as_argument()),
             shared_mem=shared)
         return
     halo = halo_geometry(c, (kh, kw), stride, dilation, passes)
@@ -325,7 +355,6 @@ _CT3_SHARED = 4 * (_CT3_WEIGHTS_SCRATCH + 2 * (-(-(_CT3_CI * math.prod(_CT3_HALO
                    + 4)
 _CT3_SHARED_NCDHW = 4 * (_CT3_WEIGHTS_SCRATCH + _CT3_RING * math.prod(_CT3_PLANE_BOX)
                          + 2 * _CT3_RING)
-_NO_TENSOR_MAP = TensorMap()  # the argument where the halo goes by cp.async
 
 
 def transposed_s2k3_takes(c_in: int, kernel, stride, padding, output_padding, dilation,

@@ -31,7 +31,8 @@ _LAYOUT_NAMES = {2: "NCHW", 3: "NCDHW"}
 
 
 def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bool = True,
-                out=None, bias=None, batch_statistics: bool = False):
+                out=None, bias=None, batch_statistics: bool = False,
+                definition_nans: bool = False):
     """Run the convolution of checked CuPy arrays on cuDNN (the plan converts ``x`` to its
     input layout where it needs to) or on an engine of cufused's (:func:`own_engine`).
 
@@ -41,8 +42,13 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
     kernel to read, and ``bias`` must be None.
     ``batch_statistics``: the caller normalizes each output channel by its batch statistics
     (pipeline B), which admits the DFT engine, whose error is relative to a plane's norm
-    rather than to each output. A caller that puts the input in the plan's layout itself, or
-    reads class blocks, uses :func:`gpu_conv_plan`.
+    rather than to each output. ``definition_nans`` (a forward convolution): an output
+    channel whose weight holds a non-finite value gets the definition's values, every tap
+    multiplying the input or a padding zero (0 * inf is NaN). cufused's implicit GEMM computes
+    them so; after a cuDNN plan, which may skip the padding or spread the value (FFT,
+    Winograd), or the DFT engine, :func:`_nonfinite_weight_rows` rewrites such channels.
+    A caller that puts the input in the plan's layout itself, or reads class blocks, uses
+    :func:`gpu_conv_plan`.
     """
     from .._cudnn import UnsupportedConvolution
 
@@ -61,6 +67,8 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
                 pass
         y = out if out is not None else _empty_nchw(args.out_shape)
         engine[1](x, weight, bias, y)
+        if definition_nans and engine[0] != "igemm":
+            _nonfinite_weight_rows(x, weight, bias, y, args)
         return y, "nchw"
     try:
         plan = _plan(x.shape, weight.shape, args, precision, bias is not None, True,
@@ -69,7 +77,20 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
         if not args.transposed:
             raise
         return _transposed_as_forward(x, weight, args, precision, bias=bias, out=out), "nchw"
-    return _apply_plan(plan, x, weight, bias, out, convert_output=convert_output)
+    y, layout = _apply_plan(plan, x, weight, bias, out, convert_output=convert_output)
+    if definition_nans:
+        _nonfinite_weight_rows(x, weight, bias, y, args)
+    return y, layout
+
+
+def _nonfinite_weight_rows(x, weight, bias, y, args: ConvArgs) -> None:
+    """The forward convolution ``args``' output channels of ``y`` (any strides) whose weight
+    holds a non-finite value, rewritten by the definition
+    (:func:`~cufused._kernels.conv_gemm.conv_nonfinite_weight_rows`)."""
+    from .._kernels.conv_gemm import conv_nonfinite_weight_rows
+
+    conv_nonfinite_weight_rows(x, weight, bias, y, groups=args.groups, stride=args.stride,
+                               padding=args.padding, dilation=args.dilation)
 
 
 def _apply_plan(plan, x, weight, bias, out, *, convert_output: bool = True):
@@ -411,13 +432,9 @@ def _convolve(nd: int, transposed: bool, x, weight, bias, *, stride, padding, ou
 
 
 def _conv_gpu(x, weight, args: ConvArgs, precision: str, bias, out):
-    from .._kernels.conv_gemm import conv_nonfinite_weight_rows
-
-    y, _ = conv_on_gpu(x, weight, args, precision, out=out, bias=bias)
-    if not args.transposed:  # the definition's NaNs of a non-finite weight (semantics.rst)
-        conv_nonfinite_weight_rows(x, weight, bias, y, groups=args.groups, stride=args.stride,
-                                   padding=args.padding, dilation=args.dilation)
-    return y
+    # The definition's NaNs of a non-finite weight (semantics.rst).
+    return conv_on_gpu(x, weight, args, precision, out=out, bias=bias,
+                       definition_nans=not args.transposed)[0]
 
 
 _COMMON_DOC = """

@@ -19,8 +19,7 @@ from .._arrays import (Size, check_float_dtype, check_ndim, check_out, check_per
                        check_required, check_scalar, check_sizes, forward, get_array_module,
                        per_channel)
 from .._call_graphs import warm_calls
-from .._kernels.conv_gemm import (channel_tiles_fit, conv2d_pool_stats, conv_nonfinite_weight_rows,
-                                  halo_geometry)
+from .._kernels.conv_gemm import channel_tiles_fit, conv2d_pool_stats, halo_geometry
 from .._kernels.layout import transpose_channels
 from .._kernels.normalization import (channel_affine, coef_array, group_affine_rows,
                                       group_norm_coefficients)
@@ -177,10 +176,9 @@ def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, gn_
                           centered_sums=centered_sums, gamma=gn_weight, beta=gn_bias,
                           scale=scale, lo=lo, hi=hi, moments=moments)
     else:
-        y, _ = conv_on_gpu(x, weight, args, precision, convert_output=False)
         # A non-finite weight's NaNs by the definition, as the public conv2d places them.
-        conv_nonfinite_weight_rows(x, weight, None, y, groups=args.groups, stride=args.stride,
-                                   padding=args.padding, dilation=args.dilation)
+        y, _ = conv_on_gpu(x, weight, args, precision, convert_output=False,
+                           definition_nans=True)
         # From a channels-last conv output the pass stores the extrema channels-last and the
         # affine pass transposes them into out.
         variant = fused_pass_variant(y, k)

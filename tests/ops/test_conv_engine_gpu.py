@@ -297,23 +297,32 @@ def test_channels_last_out(rng, monkeypatch, fn, x_shape, w_shape, options, offs
     assert any(n.startswith(f"conv2d_halo_nhwc<{passes}, ") for n in names) == direct, names
 
 
-def test_channels_last_out_non_finite_weight(rng, monkeypatch):
-    # The implicit GEMM hands the channels-last out itself to conv2d_halo_nhwc, and a
-    # non-finite weight's channel is rewritten there by the definition (any strides).
+@pytest.mark.parametrize("engine", ["igemm", "cudnn"])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
+def test_non_finite_weight_by_the_definition(rng, monkeypatch, precision, layout, engine):
+    # A channel whose weight holds an infinity or a NaN as the definition has it, the
+    # padding's zeros meeting every tap (0 * inf: NaN), into a contiguous or a channels-last
+    # out: the implicit GEMM multiplies every tap itself (no rewrite after it), cuDNN's
+    # result gets such channels rewritten (conv_nonfinite_weight_rows).
     x = rng.standard_normal((2, 8, 12, 20))
     w = rng.standard_normal((16, 8, 3, 3))
-    w[3, 2, 1, 1] = np.inf
+    w[3, 2, 0, 0], w[9, 0, 2, 1], w[12, 7, 1, 1] = np.inf, np.nan, -np.inf
     with np.errstate(all="ignore"):
         ref = reference.conv(x, w, None, (1, 1), (1, 1), (1, 1), 1)
     names = _kernel_names(monkeypatch)
-    out = _poisoned_channels_last(ref.shape)
-    cufused.conv2d(*to_gpu(x, w), padding=1, precision="tf32", out=out)
-    assert "conv2d_halo_nhwc<1, 3>" in names and "conv_nonfinite_weight_rows" in names
+    out = _poisoned_channels_last(ref.shape) if layout == "nhwc" else poisoned(ref.shape)
+    with plan_options(engine=engine):
+        cufused.conv2d(*to_gpu(x, w), padding=1, precision=precision, out=out)
+    assert ("conv_nonfinite_weight_rows" in names) == (engine == "cudnn"), names
+    if engine == "igemm":
+        kernel = "conv2d_halo_nhwc<" if layout == "nhwc" else "conv2d_halo<"
+        assert any(n.startswith(kernel) for n in names), names
     got = out.get()
     for test in (np.isnan, np.isposinf, np.isneginf):
         np.testing.assert_array_equal(test(got), test(ref))
     finite = np.isfinite(ref)
-    assert_close(got[finite], ref[finite], TOL["tf32"])
+    assert_close(got[finite], ref[finite], TOL[precision])
 
 
 def _s2k3_route(monkeypatch, x_shape, c_out, output_padding) -> list:

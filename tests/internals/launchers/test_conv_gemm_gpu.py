@@ -198,11 +198,63 @@ def test_bands_of_whole_rows(rng, monkeypatch, x_shape, c_out, padding, with_bia
 
 
 @pytest.mark.parametrize("passes", [1, 3])
+@pytest.mark.parametrize("sms", [1, 8])
+@pytest.mark.parametrize("x_shape, w_shape, padding", [
+    ((2, 8, 30, 36), (64, 8, 3, 3), (1, 1)),    # a channel tile of two boxes
+    ((3, 5, 17, 61), (68, 5, 3, 3), (0, 0)),    # K past a tile, rows and columns clipped
+    ((2, 19, 11, 37), (36, 19, 3, 3), (1, 1)),  # 3 chunks; the second box of 4 channels
+    ((3, 6, 9, 33), (12, 6, 5, 5), (2, 2)),     # the geometry as arguments
+])
+def test_tensor_stores_into_channels_last(rng, monkeypatch, x_shape, w_shape, padding, sms,
+                                          passes):
+    # On the wgmma build conv2d_halo_nhwc writes a packed channels-last y by tensor stores
+    # (K % 4 == 0, y 16-byte aligned): the float64 reference's values and the thread stores'
+    # bits, NaN and infinities where the reference has them, nothing written outside y (a
+    # view 16 bytes into a NaN buffer), with blocks taking many tiles (one multiprocessor:
+    # the tiles take the scratch's two buffers in turn) or a few.
+    from cufused._kernels import conv_gemm
+
+    if conv_gemm.arch_target(conv_gemm._FILE) != "sm_90a":
+        pytest.skip("the tensor stores run on the wgmma build (compute capability 9.0)")
+    names = launched_names(monkeypatch, conv_gemm, sms)
+    tensor_store = conv_gemm._nhwc_tensor_store
+    x = rng.standard_normal(x_shape)
+    w = rng.standard_normal(w_shape) * 0.3
+    bias = rng.standard_normal(w_shape[0])
+    for nonfinite in (False, True):
+        if nonfinite:
+            x[0, 0, 2, 3], x[-1, -1, -1, -1], w[w_shape[0] // 2, 0, 0, 0] = np.nan, np.inf, np.inf
+        ref = reference.conv(x, w, bias, (1, 1), padding, (1, 1), 1)
+        n, k, p, q = ref.shape
+        to_gpu = [cp.asarray(a, cp.float32) for a in (x, w, bias)]
+        outs = []
+        for tensor, kind in ((True, "true>"), (False, "false>")):
+            monkeypatch.setattr(conv_gemm, "_nhwc_tensor_store", tensor_store if tensor
+                                else lambda y, *geometry: (None, geometry[-1]))
+            buf = cp.full(ref.size + 8, cp.nan, dtype=cp.float32)
+            y = buf[4:4 + ref.size].reshape(n, p, q, k).transpose(0, 3, 1, 2)
+            conv_gemm.conv2d_implicit_gemm(*to_gpu, y, stride=(1, 1), padding=padding,
+                                           dilation=(1, 1), passes=passes)
+            assert names[-1].startswith(f"conv2d_halo_nhwc<{passes}, ")
+            assert names[-1].endswith(kind)
+            assert bool(cp.isnan(buf[:4]).all()) and bool(cp.isnan(buf[-4:]).all())
+            got = y.get()
+            if nonfinite:
+                for mask in (np.isnan, np.isposinf, np.isneginf):
+                    np.testing.assert_array_equal(mask(got), mask(ref))
+            else:
+                assert_close(got, ref, 2e-3 if passes == 1 else 1e-5)
+            outs.append(y)
+        assert bool(cp.array_equal(outs[0], outs[1], equal_nan=True))
+
+
+@pytest.mark.parametrize("passes", [1, 3])
 @pytest.mark.parametrize("k", [3, 5, 9])  # halo: 3 x 3 compiled in, 5 x 5; gathering
 def test_non_finite_inputs_propagate(rng, passes, k):
     x = rng.standard_normal((1, 4, 6, 6))
     w = rng.standard_normal((8, 4, k, k))
     x[0, 1, 2, 3], x[0, 2, 0, 0], w[5, 0, 1, 1] = np.nan, np.inf, -np.inf
+    w[6, 1, 0, 0] = np.inf  # a corner tap: the padding's zeros meet it (0 * inf: NaN)
     pad = (k // 2, k // 2)
     ref = reference.conv(x, w, None, (1, 1), pad, (1, 1), 1)
     y = cp.empty(ref.shape, dtype=cp.float32)

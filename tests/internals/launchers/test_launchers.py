@@ -31,7 +31,7 @@ PACKAGE = pathlib.Path(cufused._cuda.__file__).resolve().parent.parent
 LAUNCHERS = {filename: importlib.import_module(f"cufused._kernels.{filename[:-3]}")
              for filename in KERNELS}
 SCALARS = {"int": np.int32, "index_t": np.int64, "float": np.float32, "double": np.float64}
-STRUCTS = {"CT3TensorMap"}  # by value: CuPy's CPointer to the struct's bytes
+STRUCTS = {"TensorMap"}  # by value: CuPy's CPointer to the struct's bytes
 
 
 # ------------------------------------------------------------------- kernel signatures
@@ -488,9 +488,8 @@ def run_pipeline_a_fused(monkeypatch, *, size: int, k: int, with_bias: bool,
     args = cached_conv_args((n, cin, size, size), (c, cin, 3, 3), 2, transposed=False,
                             stride=1, padding=1, dilation=1, groups=1)
     monkeypatch.setattr(pipeline_a, "conv_on_gpu",
-                        lambda x, weight, args, precision, convert_output: (
+                        lambda x, weight, args, precision, convert_output, definition_nans: (
                             Dev(args.out_shape), None))
-    monkeypatch.setattr(pipeline_a, "conv_nonfinite_weight_rows", lambda *a, **kw: None)
     monkeypatch.setattr(LAUNCHERS["conv_gemm.cu"], "sm_count", lambda: 132)
     pipeline_a._fused(FakeXp, Dev((n, cin, size, size)), Dev((c, cin, 3, 3)), args, "tf32",
                       Dev((n, c, size // k, size // k)), k=k, num_groups=2,
@@ -667,6 +666,8 @@ def test_fused_pass_rejects_a_channels_last_ext_it_cannot_store(launches):
 def test_conv_gemm_launchers(launches, monkeypatch):
     conv = LAUNCHERS["conv_gemm.cu"]
     monkeypatch.setattr(conv, "sm_count", lambda: 132)
+    monkeypatch.setattr(conv, "arch_target", lambda filename: None)  # the portable build
+    monkeypatch.setattr(conv, "float32_tensor_map", lambda *args: cufused._cuda.TensorMap())
     cases = [  # x, w, y, stride, dilation, kernel, its template arguments after passes
         ((2, 8, 20, 18), (64, 8, 3, 3), (2, 64, 18, 16), (1, 1), (1, 1), "conv2d_halo",
          ", 3, 1"),
@@ -680,11 +681,19 @@ def test_conv_gemm_launchers(launches, monkeypatch):
                 conv.conv2d_implicit_gemm(Dev(x), Dev(w), bias, Dev(y), stride=stride,
                                           padding=(0, 0), dilation=dilation, passes=passes)
                 assert launches[-1].name == f"{kernel}<{passes}{rest}>"
-                if kernel == "conv2d_halo":  # a channels-last y: the same geometry
+                if kernel != "conv2d_halo":
+                    continue
+                # A channels-last y: the same geometry, its tiles stored by the threads (the
+                # portable build) or by tensor stores (sm_90a).
+                for target, stores in ((None, "false"), ("sm_90a", "true")):
+                    monkeypatch.setattr(conv, "arch_target",
+                                        lambda filename, target=target: target)
                     conv.conv2d_implicit_gemm(Dev(x), Dev(w), bias, Dev(y, "nhwc"),
                                               stride=stride, padding=(0, 0),
                                               dilation=dilation, passes=passes)
-                    assert launches[-1].name == f"conv2d_halo_nhwc<{passes}{rest[:-3]}>"
+                    assert launches[-1].name == (
+                        f"conv2d_halo_nhwc<{passes}{rest[:-3]}, {stores}>")
+                monkeypatch.setattr(conv, "arch_target", lambda filename: None)
     # Tiles in pairs past one wave of blocks (here 10 tiles, one multiprocessor: 2 blocks);
     # one at a time where a block's shared memory holds one staged tile but not two.
     monkeypatch.setattr(conv, "sm_count", lambda: 1)
@@ -859,6 +868,52 @@ def test_halo_span(monkeypatch):
             assert conv.halo_span(265, passes, alone, paired) == span
     monkeypatch.setattr(conv, "shared_per_block", lambda: 99 * 1024)
     assert conv.halo_span(16384, 1, 70 * 1024, 100 * 1024) == 1  # the pair does not fit
+
+
+def test_channels_last_tensor_stores(launches, monkeypatch):
+    # conv2d_halo_nhwc stores its tiles by tensor stores on the wgmma build where K % 4 == 0,
+    # y is 16-byte aligned, the driver makes the map (dims K, Q, P, N; 16-byte strides; boxes
+    # of 32 channels x 32 x 4 pixels) and the scratch of two tiles keeps the blocks a
+    # multiprocessor that the threads' scratch has (two in TF32, one in 3xTF32); else its
+    # threads store them.
+    conv = LAUNCHERS["conv_gemm.cu"]
+    monkeypatch.setattr(conv, "sm_count", lambda: 132)
+    maps = []
+    made = {"map": True}
+    monkeypatch.setattr(conv, "float32_tensor_map", lambda *args, **kw: maps.append(args)
+                        or (conv.TensorMap() if made["map"] else None))
+    x, w = Dev((2, 8, 20, 18)), Dev((64, 8, 3, 3))
+
+    def launch(y, passes=1, target="sm_90a", c_out=64):
+        monkeypatch.setattr(conv, "arch_target", lambda filename: target)
+        conv.conv2d_implicit_gemm(x, Dev((c_out, 8, 3, 3)) if c_out != 64 else w, None, y,
+                                  stride=(1, 1), padding=(0, 0), dilation=(1, 1),
+                                  passes=passes)
+        return launches[-1]
+
+    thread_shared = conv.halo_geometry(8, (3, 3), (1, 1), (1, 1), 1, channels_last=True)[-1]
+    y = Dev((2, 64, 18, 16), "nhwc", ptr=1 << 20)
+    for passes in (1, 3):
+        run = launch(y, passes)
+        assert run.name == f"conv2d_halo_nhwc<{passes}, 3, true>"
+        assert run.shared_mem == 4 * (conv._halo_scratch_offset(8, 6, 34, 3, passes)
+                                      + 4 * 32 * 4 * 32 + 255)
+        assert maps[-1] == ((1 << 20), (64, 16, 18, 2), (4 * 64, 4 * 64 * 16, 4 * 64 * 16 * 18),
+                            (32, 32, 4, 1))
+    assert launch(y, 1).shared_mem > thread_shared
+    for y, target, c_out in ((Dev((2, 64, 18, 16), "nhwc", ptr=(1 << 20) + 4), "sm_90a", 64),
+                             (Dev((2, 70, 18, 16), "nhwc"), "sm_90a", 70),
+                             (Dev((2, 64, 18, 16), "nhwc"), None, 64)):
+        run = launch(y, 1, target, c_out)
+        assert run.name == "conv2d_halo_nhwc<1, 3, false>" and run.shared_mem == thread_shared
+    made["map"] = False  # the driver refuses the map
+    assert launch(Dev((2, 64, 18, 16), "nhwc"), 1).name == "conv2d_halo_nhwc<1, 3, false>"
+    made["map"] = True
+    # A multiprocessor holding one block of the two tiles' scratch but two of the threads'.
+    monkeypatch.setattr(conv, "resident_blocks", lambda shared: 2 if shared <= thread_shared
+                        else 1)
+    assert launch(Dev((2, 64, 18, 16), "nhwc"), 1).name == "conv2d_halo_nhwc<1, 3, false>"
+    assert launch(Dev((2, 64, 18, 16), "nhwc"), 3).name == "conv2d_halo_nhwc<3, 3, true>"
 
 
 def test_halo_bands_shared(monkeypatch):
@@ -1064,10 +1119,11 @@ def test_channels_last_route(launches, monkeypatch):
     conv = LAUNCHERS["conv_gemm.cu"]
     monkeypatch.setattr(conv, "sm_count", lambda: 132)
     monkeypatch.setattr(conv, "arch_target", lambda filename: "sm_90a")
+    monkeypatch.setattr(conv, "float32_tensor_map", lambda *args: None)  # threads store
     x = Dev((48, 8, 20, 72))
     for passes in (1, 3):
-        for w, stride, name in ((Dev((64, 8, 3, 3)), (1, 1), f"conv2d_halo_nhwc<{passes}, 3>"),
-                                (Dev((64, 8, 5, 5)), (2, 2), f"conv2d_halo_nhwc<{passes}, 0>")):
+        for w, stride, ksize in ((Dev((64, 8, 3, 3)), (1, 1), 3), (Dev((64, 8, 5, 5)), (2, 2), 0)):
+            name = f"conv2d_halo_nhwc<{passes}, {ksize}, false>"
             kh = w.shape[2]
             y = Dev((48, 64, (20 - kh) // stride[0] + 1, (72 - kh) // stride[1] + 1), "nhwc")
             assert conv.takes_channels_last(8, (kh, kh), stride, (1, 1), passes)
