@@ -15,7 +15,8 @@ too), an offset of the input (means far from zero), the layout of the input and 
 precision and engine (cufused's implicit GEMM forced, or the autotuner's choice; a fifth of
 the ``conv_transpose3d`` draws take pipeline C's form, which that engine computes). The block
 runs on CuPy float32 copies: twice without ``out`` (a first and a warm call), then twice into
-``out`` (a NaN-filled array or, for the blocks that allow it, ``x`` itself); each result, and
+``out`` (a NaN-filled array, for the convolutions contiguous or packed channels-last, or for
+the blocks that allow it ``x`` itself); each result, and
 each running buffer that ``batch_norm`` updates, is compared with the same public function on
 the float64 NumPy arrays (the reference path): the shape, the dtype (the input's), and the
 relative norm error under 5e-3 for ``"tf32"`` (2e-2 with an offset input), 1e-4 otherwise
@@ -303,9 +304,10 @@ def _host(value: Any) -> np.ndarray:
 
 
 def _runs(fn: Callable, args: list, options: dict, extra: dict, *, repeat: int,
-          into_x: bool) -> list[tuple[str, list, str | None]]:
-    """``repeat`` calls of ``fn`` without ``out``, then ``repeat`` into ``out`` (NaN-filled, or
-    ``x`` itself with ``into_x``): (label, the result and the updated running buffers on the
+          into_x: bool, out_layout: str = "dense") -> list[tuple[str, list, str | None]]:
+    """``repeat`` calls of ``fn`` without ``out``, then ``repeat`` into ``out`` (NaN-filled in
+    ``out_layout``, or ``x`` itself with ``into_x``): (label, the result and the updated
+    running buffers on the
     host, what is wrong with the returned array or None) each. The running buffers (and with
     ``into_x``, ``x``) are reset in place before each call, so that the warm calls see the
     operands of the first at the same addresses. The first result must still hold its values
@@ -333,7 +335,7 @@ def _runs(fn: Callable, args: list, options: dict, extra: dict, *, repeat: int,
         else:
             label = "out"
             if out is None:  # allocated once: the warm call gets the same out
-                out = xp.empty(runs[0][1][0].shape, dtype=x.dtype)
+                out = _laid_out(xp.empty(runs[0][1][0].shape, dtype=x.dtype), out_layout)
             out.fill(np.nan)
             y = fn(*args, **options, **extra, out=out)
         problem = None
@@ -402,10 +404,11 @@ def run_case(block: str, seed: int, *, nonfinite: bool = False,
     if args[0].ndim < 3:
         layout = "dense" if args[0].ndim < 2 else "transposed"
     into_x = block in IN_PLACE and layout == "dense" and bool(rng.random() < 0.5)
-    extra, engine = {}, None
+    extra, engine, out_layout = {}, None, "dense"
     if block in CONVOLUTIONS:
         extra["precision"] = rng.choice([None, "ieee", "tf32", "3xtf32"])
         engine = str(rng.choice(["igemm", "auto"]))
+        out_layout = str(rng.choice(["dense", "channels_last"]))
     planted = []
     if nonfinite and args[0].size:  # an empty x leaves nothing to plant in (or to spread to)
         args, options, planted = _plant(rng, args, options)
@@ -418,7 +421,7 @@ def run_case(block: str, seed: int, *, nonfinite: bool = False,
     refs = [ref, *(ref_options[k].reshape(-1) for k in BUFFERS if k in options)]
     draw = dict(shapes=[getattr(a, "shape", a) for a in args],
                 options={k: getattr(v, "shape", v) for k, v in options.items()},
-                offset=offset, layout=layout, into_x=into_x, **extra)
+                offset=offset, layout=layout, out_layout=out_layout, into_x=into_x, **extra)
     if engine is not None:
         draw["engine"] = engine
     if planted:
@@ -429,7 +432,7 @@ def run_case(block: str, seed: int, *, nonfinite: bool = False,
         torch_refs = _torch_outputs(block, args, options)  # before x is written in place
         cpu_args = [_laid_out(a, layout) if i in laid_out else a for i, a in enumerate(args)]
         runs = _runs(fn, cpu_args, _with_buffer_copies(options), extra, repeat=1,
-                     into_x=into_x)
+                     into_x=into_x, out_layout=out_layout)
         return draw, *_worst(runs, torch_refs, 1e-9), False
     worst = (0.0, "")
     if nonfinite:
@@ -440,7 +443,8 @@ def run_case(block: str, seed: int, *, nonfinite: bool = False,
                 for i, a in enumerate(args)]
     gpu_options = {k: _to_gpu(v) for k, v in options.items()}
     with plan_options(engine=engine):
-        runs = _runs(fn, gpu_args, gpu_options, extra, repeat=2, into_x=into_x)
+        runs = _runs(fn, gpu_args, gpu_options, extra, repeat=2, into_x=into_x,
+                     out_layout=out_layout)
     tol = _tolerance(extra.get("precision"), offset)
     # A value planted where a convolution multiplies it: the placement is the algorithm's.
     lenient = nonfinite and block in CONVOLUTIONS and any(p[0] in (0, 1) for p in planted)

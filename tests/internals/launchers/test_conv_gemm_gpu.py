@@ -95,6 +95,19 @@ def test_output_rows_of_any_alignment(rng, offset, q_extra):
     assert bool(cp.isnan(outside))
 
 
+def assert_written_inside(buf, y, ref, nonfinite: bool, tol: float) -> None:
+    """``y``, a view 4 floats into the NaN-filled ``buf`` (4 more after it), against the
+    float64 reference ``ref``: NaN and infinities where ``ref`` has them (``nonfinite``),
+    else its values to ``tol``; nothing written outside ``y``."""
+    assert bool(cp.isnan(buf[:4]).all()) and bool(cp.isnan(buf[-4:]).all())
+    got = y.get()
+    if nonfinite:
+        for mask in (np.isnan, np.isposinf, np.isneginf):
+            np.testing.assert_array_equal(mask(got), mask(ref))
+    else:
+        assert_close(got, ref, tol)
+
+
 def launched_names(monkeypatch, conv_gemm, sms: int) -> list[str]:
     """The names of the kernels that ``conv_gemm`` launches from now on (a list that grows),
     its grids sized for ``sms`` multiprocessors."""
@@ -180,13 +193,7 @@ def test_bands_of_whole_rows(rng, monkeypatch, x_shape, c_out, padding, with_bia
             conv_gemm.conv2d_implicit_gemm(*to_gpu, y, stride=(1, 1), padding=padding,
                                            dilation=(1, 1), passes=1)
             assert names[-1].startswith(name)
-            assert bool(cp.isnan(buf[:4]).all()) and bool(cp.isnan(buf[-4:]).all())
-            got = y.get()
-            if nonfinite:
-                for mask in (np.isnan, np.isposinf, np.isneginf):
-                    np.testing.assert_array_equal(mask(got), mask(ref))
-            else:
-                assert_close(got, ref, 2e-3)
+            assert_written_inside(buf, y, ref, nonfinite, 2e-3)
             outs.append(y)
         assert bool(cp.array_equal(outs[0], outs[1], equal_nan=True))
     monkeypatch.setattr(conv_gemm, "halo_bands_shared", bands)
@@ -237,13 +244,7 @@ def test_tensor_stores_into_channels_last(rng, monkeypatch, x_shape, w_shape, pa
                                            dilation=(1, 1), passes=passes)
             assert names[-1].startswith(f"conv2d_halo_nhwc<{passes}, ")
             assert names[-1].endswith(kind)
-            assert bool(cp.isnan(buf[:4]).all()) and bool(cp.isnan(buf[-4:]).all())
-            got = y.get()
-            if nonfinite:
-                for mask in (np.isnan, np.isposinf, np.isneginf):
-                    np.testing.assert_array_equal(mask(got), mask(ref))
-            else:
-                assert_close(got, ref, 2e-3 if passes == 1 else 1e-5)
+            assert_written_inside(buf, y, ref, nonfinite, 2e-3 if passes == 1 else 1e-5)
             outs.append(y)
         assert bool(cp.array_equal(outs[0], outs[1], equal_nan=True))
 
