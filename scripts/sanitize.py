@@ -1,8 +1,9 @@
 """The kernels under NVIDIA's compute-sanitizer (device): random cases of the two fuzzers
-(``fuzz_pipelines.py``, ``fuzz_blocks.py``) run under each tool, in the device's builds and
-in the portable ones (``portable_builds``: the ``mma.sync`` path every other architecture
-takes), with cuDNN's heuristic plans (``plan_options(autotune=False)``: timing every plan
-would take the tool's time).
+(``fuzz_pipelines.py``, ``fuzz_blocks.py``) and the halo kernels' store paths
+(``halo_store_cases.py``: tile pairs, bands, tensor stores, many tiles a block) run under
+each tool, in the device's builds and in the portable ones (``portable_builds``: the
+``mma.sync`` path every other architecture takes), with cuDNN's heuristic plans
+(``plan_options(autotune=False)``: timing every plan would take the tool's time).
 
 Tools: ``racecheck`` (shared-memory hazards between threads), ``memcheck`` (out-of-bounds
 and misaligned accesses), ``synccheck`` (barriers), ``initcheck`` (reads of global memory
@@ -13,7 +14,8 @@ does not finish. memcheck and initcheck see CuPy's memory pool as the driver giv
 access past an array that lands in a neighbouring pooled block, or a read of pooled memory
 that an earlier array wrote, goes unreported.
 
-Usage: python scripts/sanitize.py [--tools racecheck memcheck] [--fuzzers pipelines blocks]
+Usage: python scripts/sanitize.py [--tools racecheck memcheck]
+                                  [--fuzzers pipelines blocks halo_stores]
                                   [--builds device portable] [--seconds 40] [--seed 1]
 """
 
@@ -31,7 +33,8 @@ import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
-FUZZERS = {"pipelines": "fuzz_pipelines", "blocks": "fuzz_blocks"}
+FUZZERS = {"pipelines": "fuzz_pipelines", "blocks": "fuzz_blocks",
+           "halo_stores": "halo_store_cases"}
 # A function named in a report: "at <name>+0x..", "at void <name><..>(..)+0x.." (a return
 # type before the name).
 _REPORTED = re.compile(r"\bat (?:[\w:]+ )?([A-Za-z_]\w*)(?=[<(+])")
