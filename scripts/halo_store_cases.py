@@ -1,6 +1,7 @@
 """The halo kernels' ways of writing their results, each with two blocks taking many tiles
 (device): conv2d_halo's tile pairs, conv2d_halo_bands' bulk copies, conv2d_halo_nhwc's tensor
-stores and thread stores (the geometry compiled in and as arguments) and
+stores, stores from the accumulators and thread stores (the geometry compiled in and as
+arguments) and
 conv2d_halo_pool_stats' pooling epilogue, in TF32 and 3xTF32, against the float64 reference
 (relative norm error under 3e-3 in TF32, 1e-5 in 3xTF32) on fresh random operands. The grids
 are sized for one multiprocessor, so that each block steps through its scratch buffers,
@@ -23,7 +24,7 @@ import numpy as np
 CONV_CASES = [
     ((3, 8, 14, 260), (64, 8, 3, 3), "nchw"),  # tile pairs and a last tile alone
     ((2, 8, 10, 72), (64, 8, 3, 3), "nchw"),   # bands of 4 whole rows (TF32)
-    ((3, 8, 14, 70), (68, 8, 3, 3), "nhwc"),   # tensor stores, two channel tiles
+    ((3, 8, 14, 70), (68, 8, 3, 3), "nhwc"),   # tensor (3xTF32: direct) stores, 2 channel tiles
     ((3, 5, 11, 40), (70, 5, 3, 3), "nhwc"),   # thread stores (K % 4 != 0)
     ((2, 6, 9, 37), (12, 6, 5, 5), "nhwc"),    # tensor stores, the geometry as arguments
 ]

@@ -378,12 +378,13 @@ using BandTile = HaloTile<2 * HALO_TW, CONV_BN / 2>;  // conv2d_halo_bands
 
 // The blocks a multiprocessor that a halo kernel's launch bounds promise: two (128 registers a
 // thread) in TF32, and in 3xTF32 where the wgmma build compiles the geometry in and the
-// epilogue pools (halo_tiles' residuals-first sum; conv2d_halo's staged output tile does not
-// fit twice); else one. The launcher's grid is sm_count x HALO_BLOCKS_PER_SM either way
-// (blocks past those resident wait).
-template <int PASSES, int KSIZE, bool POOLS>
+// epilogue stages no output tile (UNSTAGED: it pools, or stores straight from the
+// accumulators; halo_tiles' residuals-first sum; a staged output tile does not fit twice);
+// else one. The launcher's grid is sm_count x HALO_BLOCKS_PER_SM either way (blocks past
+// those resident wait).
+template <int PASSES, int KSIZE, bool UNSTAGED>
 __host__ __device__ constexpr int halo_blocks_per_sm() {
-    return PASSES == 1 || (HALO_WGMMA && KSIZE > 0 && POOLS) ? HALO_BLOCKS_PER_SM : 1;
+    return PASSES == 1 || (HALO_WGMMA && KSIZE > 0 && UNSTAGED) ? HALO_BLOCKS_PER_SM : 1;
 }
 
 // V consecutive floats as one access (8- or 16-byte aligned for V = 2, 4).
@@ -1135,7 +1136,7 @@ __device__ __forceinline__ void store_staged_pixels(const float* staged, float* 
     }
 }
 
-// The tensor stores' staged tile (conv2d_halo_nhwc<..., true>): two boxes of 32 channels x
+// The tensor stores' staged tile (conv2d_halo_nhwc<..., NHWC_TENSOR>): two boxes of 32 channels x
 // HALO_TH x HALO_TW pixels, each pixel's 32 channels a 128-byte row whose 16-byte chunks are
 // XORed with the pixel's index mod 8 (the tensor map's 128-byte swizzle, from a 1024-byte
 // aligned start). The accumulators' float2 stores of a half warp then cover the 8 chunks of
@@ -1173,29 +1174,69 @@ __device__ __forceinline__ void bulk_wait_read() {
 #endif
 }
 
+// A tile's accumulators straight into the channels-last yt (the tile's first pixel and the
+// block's first channel; Q, K the output's columns and channels; rows and columns past
+// p_left, q_left and channels past kn skipped), the block's bias (CONV_BN floats in shared
+// memory, zeros where there is none) added: a lane's two channels of a pixel as one float2
+// (K even, y 8-byte aligned), so that each warp instruction writes 8 pixels' whole 32-byte
+// sectors, which the L2 joins into the pixels' 128-byte lines (the four j of the warp's 32
+// channels).
+__device__ __forceinline__ void store_pixels_direct(const float (&acc)[2][4][4], float* yt,
+                                                    const float* bias, int col, int kl,
+                                                    int p_left, int q_left, int Q, int K,
+                                                    int kn) {
+    if (col >= q_left) return;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = 2 * i + half;
+            if (row >= p_left) continue;
+            float* at = yt + ((long long)row * Q + col) * K + kl;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                if (kl + 8 * j >= kn) continue;
+                const float2 b = *reinterpret_cast<const float2*>(bias + kl + 8 * j);
+                *reinterpret_cast<float2*>(at + 8 * j)
+                    = make_float2(acc[i][j][2 * half] + b.x, acc[i][j][2 * half + 1] + b.y);
+            }
+        }
+}
+
+// conv2d_halo_nhwc's ways of writing its tiles (STORE).
+#define NHWC_THREADS 0  // staged, then the threads' float4 (or float) stores
+#define NHWC_TENSOR 1   // staged, then tensor stores (the wgmma build)
+#define NHWC_DIRECT 2   // from the accumulators (store_pixels_direct), no staging
+
 // conv2d_halo (one tile at a time) into a channels-last y: y[((n * P + p) * Q + q) * K + k].
 // A tile's 4 x 32 pixels x 64 channels are staged pixel-major and written as each pixel's
 // run of channels; with K = 64 a tile row is one contiguous 8 KB run of y and the blocks
 // running together (neighbouring tiles) write neighbouring runs, where an NCHW y takes
-// 128-byte pieces of rows 64 KB apart. TENSOR_STORE (the wgmma build; the launcher needs K %
-// 4 == 0, y 16-byte aligned and NHWC_TENSOR_SCRATCH floats of scratch): ymap is y's map (dims
-// K, Q, P, N; box 32 x HALO_TW x HALO_TH x 1; the 128-byte swizzle), which clips the tile's
-// rows, columns and channels past y's; one thread writes the tile by two tensor stores that
-// the block does not wait for: tiles take the scratch's two buffers in turn, and a tile's
-// stores have read theirs before the tile after next stages there. Else the threads write
-// the tile (store_staged_pixels). TENSOR_STORE is compiled for the other targets too, where
-// it traps.
-template <int PASSES, int KSIZE, bool TENSOR_STORE>
-__global__ void __launch_bounds__(CONV_THREADS, halo_blocks_per_sm<PASSES, KSIZE, false>())
+// 128-byte pieces of rows 64 KB apart. STORE:
+//  * NHWC_TENSOR (the wgmma build; the launcher needs K % 4 == 0, y 16-byte aligned and
+//    NHWC_TENSOR_SCRATCH floats of scratch): ymap is y's map (dims K, Q, P, N; box 32 x
+//    HALO_TW x HALO_TH x 1; the 128-byte swizzle), which clips the tile's rows, columns and
+//    channels past y's; one thread writes the tile by two tensor stores that the block does
+//    not wait for: tiles take the scratch's two buffers in turn, and a tile's stores have
+//    read theirs before the tile after next stages there. Compiled for the other targets
+//    too, where it traps.
+//  * NHWC_DIRECT (K even, y 8-byte aligned): store_pixels_direct, no scratch; in 3xTF32 on
+//    the wgmma build with the geometry compiled in two blocks share a multiprocessor, where
+//    the staged tile leaves room for one.
+//  * NHWC_THREADS: store_staged_pixels.
+template <int PASSES, int KSIZE, int STORE>
+__global__ void __launch_bounds__(CONV_THREADS,
+                                  halo_blocks_per_sm<PASSES, KSIZE, STORE == NHWC_DIRECT>())
 conv2d_halo_nhwc(const float* __restrict__ x, const float* __restrict__ w,
                  const float* __restrict__ bias, float* __restrict__ y, int N, int C, int H,
                  int W, int K, int kh, int kw, int P, int Q, int sh, int sw, int ph, int pw,
                  int dh, int dw, int cc, int hr, int hc, const __grid_constant__ TensorMap ymap) {
+    constexpr bool TENSOR_STORE = STORE == NHWC_TENSOR;
     if constexpr (TENSOR_STORE && !HALO_WGMMA) {
         __trap();
         return;
     }
-    constexpr int BLOCKS = halo_blocks_per_sm<PASSES, KSIZE, false>();
+    constexpr int BLOCKS = halo_blocks_per_sm<PASSES, KSIZE, STORE == NHWC_DIRECT>();
     extern __shared__ float smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, tig = lane & 3;
@@ -1208,8 +1249,31 @@ conv2d_halo_nhwc(const float* __restrict__ x, const float* __restrict__ w,
     const int kn = min(CONV_BN, K - k0);
     const ChannelBias tile_bias = channel_bias(bias, k0 + warp_k, tig, K);
     const bool by_four = (K & 3) == 0 && (reinterpret_cast<unsigned long long>(y) & 15) == 0;
+    if constexpr (STORE == NHWC_DIRECT) {
+        // The block's bias in the scratch (halo_tiles passes a barrier before the first tile's
+        // epilogue).
+        if (threadIdx.x < CONV_BN)
+            staged[threadIdx.x] = bias != nullptr && (int)threadIdx.x < kn
+                                      ? __ldg(bias + k0 + threadIdx.x) : 0.0f;
+    }
     int buf = 0;
     auto store = [&](const TilePos& pos, const float (&acc)[2][4][4]) {
+        const int p0 = pos.tr * HALO_TH, q0 = pos.tc * HALO_TW;
+        if constexpr (STORE == NHWC_DIRECT) {
+            // Everything from the arguments and the thread's index again, read by an
+            // instruction the compiler does not hoist: at two blocks a multiprocessor no
+            // register is left to hold a lane's column over the main loop (it spilled).
+            unsigned tid;
+            asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+            const int w = tid >> 5, l = tid & 31;
+            const int kb = blockIdx.y * CONV_BN;
+            store_pixels_direct(acc, y + (((long long)pos.n * P + p0) * Q + q0) * K + kb,
+                                halo_scratch<PASSES, KSIZE>(smem, hsize),
+                                NarrowTile::warp_col(w) + (l >> 2),
+                                NarrowTile::warp_k(w) + 2 * (l & 3), P - p0, Q - q0, Q, K,
+                                min(CONV_BN, K - kb));
+            return;
+        }
         float* box = staged + buf * 2 * NHWC_BOX_FLOATS;
         // Row gid + 8 half of MMA tile i is pixel (row 2 i + half, column warp_col + gid), its
         // values e of tile j channel warp_k + 8 j + 2 tig + e of the block's (each_output);
@@ -1231,7 +1295,6 @@ conv2d_halo_nhwc(const float* __restrict__ x, const float* __restrict__ w,
                         TENSOR_STORE ? box + nhwc_box_offset(px, kl)
                                      : staged + px * HALO_NHWC_STRIDE + kl) = v;
                 }
-        const int p0 = pos.tr * HALO_TH, q0 = pos.tc * HALO_TW;
         if constexpr (TENSOR_STORE) {
             // The staged values, written through the generic proxy, before the tensor stores
             // read them through the async one.

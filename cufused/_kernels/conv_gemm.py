@@ -167,26 +167,51 @@ def takes_channels_last(c: int, kernel: tuple[int, int], stride: tuple[int, int]
     return halo_geometry(c, kernel, stride, dilation, passes, channels_last=True) is not None
 
 
-def _nhwc_tensor_store(y, cc: int, hr: int, hc: int, ksize: int, passes: int,
-                       thread_shared: int) -> tuple[TensorMap | None, int]:
-    """``(map, shared bytes)`` of ``conv2d_halo_nhwc`` into the packed channels-last ``y``
-    (N, K, P, Q) for the halo geometry ``(cc, hr, hc, ksize)``: the tensor map through which
-    its tiles go out by tensor stores, or None and ``thread_shared`` where its threads store
-    them. The tensor stores need the wgmma build (sm_90a), K a multiple of 4 (16-byte
-    strides), a 16-byte aligned ``y``, a map from the driver, and a block's shared memory for
-    two tiles' scratch keeping as many blocks a multiprocessor as the threads' scratch, up to
-    the kernel's launch bounds."""
+def _nhwc_store(y, cc: int, hr: int, hc: int, ksize: int, passes: int,
+                thread_shared: int) -> tuple[str, TensorMap | None, int]:
+    """``(store, map, shared bytes)`` of ``conv2d_halo_nhwc`` into the packed channels-last
+    ``y`` (N, K, P, Q) for the halo geometry ``(cc, hr, hc, ksize)``, ``thread_shared`` the
+    bytes with the threads' staged tile: on the wgmma build (sm_90a) ``"NHWC_DIRECT"`` where
+    :func:`_nhwc_direct_shared` takes the problem, else ``"NHWC_TENSOR"`` where
+    :func:`_nhwc_tensor` does; else ``"NHWC_THREADS"``, without a map."""
+    if arch_target(_FILE) == "sm_90a":
+        direct = _nhwc_direct_shared(y, cc, hr, hc, ksize, passes)
+        if direct:
+            return "NHWC_DIRECT", None, direct
+        tensor = _nhwc_tensor(y, cc, hr, hc, ksize, passes, thread_shared)
+        if tensor is not None:
+            return ("NHWC_TENSOR", *tensor)
+    return "NHWC_THREADS", None, thread_shared
+
+
+def _nhwc_direct_shared(y, cc: int, hr: int, hc: int, ksize: int, passes: int) -> int:
+    """The shared memory of ``conv2d_halo_nhwc``'s stores from the accumulators (no staged
+    tile; the block's bias in the scratch), or 0 where they do not pay or apply: they take
+    3xTF32 with the geometry compiled in (``ksize``), K even and ``y`` 8-byte aligned, where
+    two blocks then share a multiprocessor (one holds a staged tile)."""
+    shared = 4 * (_halo_scratch_offset(cc, hr, hc, ksize, passes) + _TILE_K)
+    if (passes != 3 or not ksize or y.shape[1] % 2 or y.data.ptr % 8
+            or shared > shared_per_block() or resident_blocks(shared) < _HALO_BLOCKS_PER_SM):
+        return 0
+    return shared
+
+
+def _nhwc_tensor(y, cc: int, hr: int, hc: int, ksize: int, passes: int,
+                 thread_shared: int) -> tuple[TensorMap, int] | None:
+    """``(map, shared bytes)`` of ``conv2d_halo_nhwc``'s tensor stores through ``y``'s map, or
+    None where they do not apply: they need K a multiple of 4 (16-byte strides), a 16-byte
+    aligned ``y``, a map from the driver, and a scratch of two tiles that keeps the blocks a
+    multiprocessor that the threads' scratch (``thread_shared`` bytes) has, up to the
+    kernel's launch bounds."""
     n, k, p, q = y.shape
-    if k % 4 or y.data.ptr % 16 or arch_target(_FILE) != "sm_90a":
-        return None, thread_shared
     shared = 4 * (_halo_scratch_offset(cc, hr, hc, ksize, passes) + _NHWC_TENSOR_SCRATCH)
     bound = _HALO_BLOCKS_PER_SM if passes == 1 else 1
-    if (shared > shared_per_block()
+    if (k % 4 or y.data.ptr % 16 or shared > shared_per_block()
             or min(bound, resident_blocks(shared)) < min(bound, resident_blocks(thread_shared))):
-        return None, thread_shared
+        return None
     y_map = float32_tensor_map(y.data.ptr, (k, q, p, n), (4 * k, 4 * k * q, 4 * k * q * p),
                                _NHWC_BOX)
-    return (y_map, shared) if y_map else (None, thread_shared)
+    return (y_map, shared) if y_map else None
 
 
 def channel_tiles_fit(out_channels: int) -> bool:
@@ -259,9 +284,8 @@ def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tup
                                                   channels_last=True)
         tiles = n * -(-p // _HALO_TH) * -(-q // _HALO_TW)
         blocks = min(tiles, sm_count() * _HALO_BLOCKS_PER_SM)
-        y_map, shared = _nhwc_tensor_store(y, cc, hr, hc, ksize, passes, shared)
-        get_kernel(_FILE, f"conv2d_halo_nhwc<{passes}, {ksize}, {cpp_bool(bool(y_map))}>",
-                   shared_bytes=shared)(
+        store, y_map, shared = _nhwc_store(y, cc, hr, hc, ksize, passes, shared)
+        get_kernel(_FILE, f"conv2d_halo_nhwc<{passes}, {ksize}, {store}>", shared_bytes=shared)(
             (blocks, -(-k // _TILE_K)), (_THREADS,),
             geometry + (i32(cc), i32(hr), i32(hc), (y_map or _NO_TENSOR_MAP).as_argument()),
             shared_mem=shared)

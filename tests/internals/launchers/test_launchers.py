@@ -668,6 +668,7 @@ def test_conv_gemm_launchers(launches, monkeypatch):
     monkeypatch.setattr(conv, "sm_count", lambda: 132)
     monkeypatch.setattr(conv, "arch_target", lambda filename: None)  # the portable build
     monkeypatch.setattr(conv, "float32_tensor_map", lambda *args: cufused._cuda.TensorMap())
+    direct_shared = conv._nhwc_direct_shared
     cases = [  # x, w, y, stride, dilation, kernel, its template arguments after passes
         ((2, 8, 20, 18), (64, 8, 3, 3), (2, 64, 18, 16), (1, 1), (1, 1), "conv2d_halo",
          ", 3, 1"),
@@ -684,8 +685,10 @@ def test_conv_gemm_launchers(launches, monkeypatch):
                 if kernel != "conv2d_halo":
                     continue
                 # A channels-last y: the same geometry, its tiles stored by the threads (the
-                # portable build) or by tensor stores (sm_90a).
-                for target, stores in ((None, "false"), ("sm_90a", "true")):
+                # portable build), on sm_90a from the accumulators (3xTF32, the geometry
+                # compiled in) or by tensor stores.
+                direct = "NHWC_DIRECT" if passes == 3 and rest == ", 3, 1" else "NHWC_TENSOR"
+                for target, stores in ((None, "NHWC_THREADS"), ("sm_90a", direct)):
                     monkeypatch.setattr(conv, "arch_target",
                                         lambda filename, target=target: target)
                     conv.conv2d_implicit_gemm(Dev(x), Dev(w), bias, Dev(y, "nhwc"),
@@ -693,6 +696,13 @@ def test_conv_gemm_launchers(launches, monkeypatch):
                                               dilation=dilation, passes=passes)
                     assert launches[-1].name == (
                         f"conv2d_halo_nhwc<{passes}{rest[:-3]}, {stores}>")
+                if direct == "NHWC_DIRECT":  # where those would not pay: tensor stores
+                    monkeypatch.setattr(conv, "_nhwc_direct_shared", lambda *args: 0)
+                    conv.conv2d_implicit_gemm(Dev(x), Dev(w), bias, Dev(y, "nhwc"),
+                                              stride=stride, padding=(0, 0),
+                                              dilation=dilation, passes=passes)
+                    assert launches[-1].name == "conv2d_halo_nhwc<3, 3, NHWC_TENSOR>"
+                    monkeypatch.setattr(conv, "_nhwc_direct_shared", direct_shared)
                 monkeypatch.setattr(conv, "arch_target", lambda filename: None)
     # Tiles in pairs past one wave of blocks (here 10 tiles, one multiprocessor: 2 blocks);
     # one at a time where a block's shared memory holds one staged tile but not two.
@@ -870,50 +880,63 @@ def test_halo_span(monkeypatch):
     assert conv.halo_span(16384, 1, 70 * 1024, 100 * 1024) == 1  # the pair does not fit
 
 
-def test_channels_last_tensor_stores(launches, monkeypatch):
-    # conv2d_halo_nhwc stores its tiles by tensor stores on the wgmma build where K % 4 == 0,
-    # y is 16-byte aligned, the driver makes the map (dims K, Q, P, N; 16-byte strides; boxes
-    # of 32 channels x 32 x 4 pixels) and the scratch of two tiles keeps the blocks a
-    # multiprocessor that the threads' scratch has (two in TF32, one in 3xTF32); else its
-    # threads store them.
+def test_channels_last_stores(launches, monkeypatch):
+    # conv2d_halo_nhwc on the wgmma build stores its tiles from the accumulators in 3xTF32
+    # with the geometry compiled in (K even, y 8-byte aligned; two blocks a multiprocessor
+    # then), else by tensor stores where K % 4 == 0, y is 16-byte aligned, the driver makes
+    # the map (dims K, Q, P, N; 16-byte strides; boxes of 32 channels x 32 x 4 pixels) and
+    # the scratch of two tiles keeps the blocks a multiprocessor that the threads' scratch
+    # has (two in TF32, one in 3xTF32); else its threads store them.
     conv = LAUNCHERS["conv_gemm.cu"]
     monkeypatch.setattr(conv, "sm_count", lambda: 132)
     maps = []
     made = {"map": True}
     monkeypatch.setattr(conv, "float32_tensor_map", lambda *args, **kw: maps.append(args)
                         or (conv.TensorMap() if made["map"] else None))
-    x, w = Dev((2, 8, 20, 18)), Dev((64, 8, 3, 3))
-
-    def launch(y, passes=1, target="sm_90a", c_out=64):
+    def launch(y, passes=1, target="sm_90a", c=8):
         monkeypatch.setattr(conv, "arch_target", lambda filename: target)
-        conv.conv2d_implicit_gemm(x, Dev((c_out, 8, 3, 3)) if c_out != 64 else w, None, y,
+        conv.conv2d_implicit_gemm(Dev((2, c, 20, 18)), Dev((y.shape[1], c, 3, 3)), None, y,
                                   stride=(1, 1), padding=(0, 0), dilation=(1, 1),
                                   passes=passes)
         return launches[-1]
 
     thread_shared = conv.halo_geometry(8, (3, 3), (1, 1), (1, 1), 1, channels_last=True)[-1]
+    offset = {passes: conv._halo_scratch_offset(8, 6, 34, 3, passes) for passes in (1, 3)}
     y = Dev((2, 64, 18, 16), "nhwc", ptr=1 << 20)
-    for passes in (1, 3):
-        run = launch(y, passes)
-        assert run.name == f"conv2d_halo_nhwc<{passes}, 3, true>"
-        assert run.shared_mem == 4 * (conv._halo_scratch_offset(8, 6, 34, 3, passes)
-                                      + 4 * 32 * 4 * 32 + 255)
-        assert maps[-1] == ((1 << 20), (64, 16, 18, 2), (4 * 64, 4 * 64 * 16, 4 * 64 * 16 * 18),
-                            (32, 32, 4, 1))
-    assert launch(y, 1).shared_mem > thread_shared
-    for y, target, c_out in ((Dev((2, 64, 18, 16), "nhwc", ptr=(1 << 20) + 4), "sm_90a", 64),
-                             (Dev((2, 70, 18, 16), "nhwc"), "sm_90a", 70),
-                             (Dev((2, 64, 18, 16), "nhwc"), None, 64)):
-        run = launch(y, 1, target, c_out)
-        assert run.name == "conv2d_halo_nhwc<1, 3, false>" and run.shared_mem == thread_shared
+    run = launch(y, 1)
+    assert run.name == "conv2d_halo_nhwc<1, 3, NHWC_TENSOR>"
+    assert run.shared_mem == 4 * (offset[1] + 4 * 32 * 4 * 32 + 255) > thread_shared
+    assert maps[-1] == ((1 << 20), (64, 16, 18, 2), (4 * 64, 4 * 64 * 16, 4 * 64 * 16 * 18),
+                        (32, 32, 4, 1))
+    run = launch(y, 3)
+    assert run.name == "conv2d_halo_nhwc<3, 3, NHWC_DIRECT>"
+    assert run.shared_mem == 4 * (offset[3] + 64) and len(maps) == 1
+    # 3xTF32 past one chunk of input channels takes the geometry as arguments: tensor stores.
+    assert launch(Dev((2, 64, 18, 16), "nhwc"), 3, c=9).name == (
+        "conv2d_halo_nhwc<3, 0, NHWC_TENSOR>")
+    for y, target, passes, name in (
+            (Dev((2, 64, 18, 16), "nhwc", ptr=(1 << 20) + 8), "sm_90a", 3, "NHWC_DIRECT"),
+            (Dev((2, 64, 18, 16), "nhwc", ptr=(1 << 20) + 8), "sm_90a", 1, "NHWC_THREADS"),
+            (Dev((2, 64, 18, 16), "nhwc", ptr=(1 << 20) + 4), "sm_90a", 3, "NHWC_THREADS"),
+            (Dev((2, 70, 18, 16), "nhwc"), "sm_90a", 1, "NHWC_THREADS"),
+            (Dev((2, 70, 18, 16), "nhwc"), "sm_90a", 3, "NHWC_DIRECT"),
+            (Dev((2, 7, 18, 16), "nhwc"), "sm_90a", 3, "NHWC_THREADS"),
+            (Dev((2, 64, 18, 16), "nhwc"), None, 1, "NHWC_THREADS"),
+            (Dev((2, 64, 18, 16), "nhwc"), None, 3, "NHWC_THREADS")):
+        run = launch(y, passes, target)
+        assert run.name == f"conv2d_halo_nhwc<{passes}, 3, {name}>", (y.shape, passes, target)
+        if name == "NHWC_THREADS":
+            assert run.shared_mem == conv.halo_geometry(8, (3, 3), (1, 1), (1, 1), passes,
+                                                        channels_last=True)[-1]
     made["map"] = False  # the driver refuses the map
-    assert launch(Dev((2, 64, 18, 16), "nhwc"), 1).name == "conv2d_halo_nhwc<1, 3, false>"
+    assert launch(Dev((2, 64, 18, 16), "nhwc"), 1).name == "conv2d_halo_nhwc<1, 3, NHWC_THREADS>"
     made["map"] = True
-    # A multiprocessor holding one block of the two tiles' scratch but two of the threads'.
+    # A multiprocessor holding one block of the two tiles' scratch (or of the direct stores'
+    # shared memory) but two of the threads'.
     monkeypatch.setattr(conv, "resident_blocks", lambda shared: 2 if shared <= thread_shared
                         else 1)
-    assert launch(Dev((2, 64, 18, 16), "nhwc"), 1).name == "conv2d_halo_nhwc<1, 3, false>"
-    assert launch(Dev((2, 64, 18, 16), "nhwc"), 3).name == "conv2d_halo_nhwc<3, 3, true>"
+    assert launch(Dev((2, 64, 18, 16), "nhwc"), 1).name == "conv2d_halo_nhwc<1, 3, NHWC_THREADS>"
+    assert launch(Dev((2, 64, 18, 16), "nhwc"), 3).name == "conv2d_halo_nhwc<3, 3, NHWC_TENSOR>"
 
 
 def test_halo_bands_shared(monkeypatch):
@@ -1120,10 +1143,11 @@ def test_channels_last_route(launches, monkeypatch):
     monkeypatch.setattr(conv, "sm_count", lambda: 132)
     monkeypatch.setattr(conv, "arch_target", lambda filename: "sm_90a")
     monkeypatch.setattr(conv, "float32_tensor_map", lambda *args: None)  # threads store
+    monkeypatch.setattr(conv, "_nhwc_direct_shared", lambda *args: 0)
     x = Dev((48, 8, 20, 72))
     for passes in (1, 3):
         for w, stride, ksize in ((Dev((64, 8, 3, 3)), (1, 1), 3), (Dev((64, 8, 5, 5)), (2, 2), 0)):
-            name = f"conv2d_halo_nhwc<{passes}, {ksize}, false>"
+            name = f"conv2d_halo_nhwc<{passes}, {ksize}, NHWC_THREADS>"
             kh = w.shape[2]
             y = Dev((48, 64, (20 - kh) // stride[0] + 1, (72 - kh) // stride[1] + 1), "nhwc")
             assert conv.takes_channels_last(8, (kh, kh), stride, (1, 1), passes)
