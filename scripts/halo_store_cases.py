@@ -1,7 +1,7 @@
 """The halo kernels' ways of writing their results, each with two blocks taking many tiles
 (device): conv2d_halo's tile pairs, conv2d_halo_bands' bulk copies, conv2d_halo_nhwc's tensor
-stores, stores from the accumulators and thread stores (the geometry compiled in and as
-arguments) and
+stores and thread stores (the geometry compiled in and as arguments),
+conv2d_halo_nhwc_direct's stores from the accumulators and
 conv2d_halo_pool_stats' pooling epilogue, in TF32 and 3xTF32, against the float64 reference
 (relative norm error under 3e-3 in TF32, 1e-5 in 3xTF32) on fresh random operands. The grids
 are sized for one multiprocessor, so that each block steps through its scratch buffers,

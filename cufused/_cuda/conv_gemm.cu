@@ -1174,39 +1174,9 @@ __device__ __forceinline__ void bulk_wait_read() {
 #endif
 }
 
-// A tile's accumulators straight into the channels-last yt (the tile's first pixel and the
-// block's first channel; Q, K the output's columns and channels; rows and columns past
-// p_left, q_left and channels past kn skipped), the block's bias (CONV_BN floats in shared
-// memory, zeros where there is none) added: a lane's two channels of a pixel as one float2
-// (K even, y 8-byte aligned), so that each warp instruction writes 8 pixels' whole 32-byte
-// sectors, which the L2 joins into the pixels' 128-byte lines (the four j of the warp's 32
-// channels).
-__device__ __forceinline__ void store_pixels_direct(const float (&acc)[2][4][4], float* yt,
-                                                    const float* bias, int col, int kl,
-                                                    int p_left, int q_left, int Q, int K,
-                                                    int kn) {
-    if (col >= q_left) return;
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int row = 2 * i + half;
-            if (row >= p_left) continue;
-            float* at = yt + ((long long)row * Q + col) * K + kl;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                if (kl + 8 * j >= kn) continue;
-                const float2 b = *reinterpret_cast<const float2*>(bias + kl + 8 * j);
-                *reinterpret_cast<float2*>(at + 8 * j)
-                    = make_float2(acc[i][j][2 * half] + b.x, acc[i][j][2 * half + 1] + b.y);
-            }
-        }
-}
-
-// conv2d_halo_nhwc's ways of writing its tiles (STORE).
-#define NHWC_THREADS 0  // staged, then the threads' float4 (or float) stores
-#define NHWC_TENSOR 1   // staged, then tensor stores (the wgmma build)
-#define NHWC_DIRECT 2   // from the accumulators (store_pixels_direct), no staging
+// conv2d_halo_nhwc's ways of writing its staged tiles (STORE).
+#define NHWC_THREADS 0  // the threads' float4 (or float) stores
+#define NHWC_TENSOR 1   // tensor stores (the wgmma build)
 
 // conv2d_halo (one tile at a time) into a channels-last y: y[((n * P + p) * Q + q) * K + k].
 // A tile's 4 x 32 pixels x 64 channels are staged pixel-major and written as each pixel's
@@ -1220,13 +1190,9 @@ __device__ __forceinline__ void store_pixels_direct(const float (&acc)[2][4][4],
 //    not wait for: tiles take the scratch's two buffers in turn, and a tile's stores have
 //    read theirs before the tile after next stages there. Compiled for the other targets
 //    too, where it traps.
-//  * NHWC_DIRECT (K even, y 8-byte aligned): store_pixels_direct, no scratch; in 3xTF32 on
-//    the wgmma build with the geometry compiled in two blocks share a multiprocessor, where
-//    the staged tile leaves room for one.
 //  * NHWC_THREADS: store_staged_pixels.
 template <int PASSES, int KSIZE, int STORE>
-__global__ void __launch_bounds__(CONV_THREADS,
-                                  halo_blocks_per_sm<PASSES, KSIZE, STORE == NHWC_DIRECT>())
+__global__ void __launch_bounds__(CONV_THREADS, halo_blocks_per_sm<PASSES, KSIZE, false>())
 conv2d_halo_nhwc(const float* __restrict__ x, const float* __restrict__ w,
                  const float* __restrict__ bias, float* __restrict__ y, int N, int C, int H,
                  int W, int K, int kh, int kw, int P, int Q, int sh, int sw, int ph, int pw,
@@ -1236,7 +1202,7 @@ conv2d_halo_nhwc(const float* __restrict__ x, const float* __restrict__ w,
         __trap();
         return;
     }
-    constexpr int BLOCKS = halo_blocks_per_sm<PASSES, KSIZE, STORE == NHWC_DIRECT>();
+    constexpr int BLOCKS = halo_blocks_per_sm<PASSES, KSIZE, false>();
     extern __shared__ float smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, tig = lane & 3;
@@ -1249,31 +1215,9 @@ conv2d_halo_nhwc(const float* __restrict__ x, const float* __restrict__ w,
     const int kn = min(CONV_BN, K - k0);
     const ChannelBias tile_bias = channel_bias(bias, k0 + warp_k, tig, K);
     const bool by_four = (K & 3) == 0 && (reinterpret_cast<unsigned long long>(y) & 15) == 0;
-    if constexpr (STORE == NHWC_DIRECT) {
-        // The block's bias in the scratch (halo_tiles passes a barrier before the first tile's
-        // epilogue).
-        if (threadIdx.x < CONV_BN)
-            staged[threadIdx.x] = bias != nullptr && (int)threadIdx.x < kn
-                                      ? __ldg(bias + k0 + threadIdx.x) : 0.0f;
-    }
     int buf = 0;
     auto store = [&](const TilePos& pos, const float (&acc)[2][4][4]) {
         const int p0 = pos.tr * HALO_TH, q0 = pos.tc * HALO_TW;
-        if constexpr (STORE == NHWC_DIRECT) {
-            // Everything from the arguments and the thread's index again, read by an
-            // instruction the compiler does not hoist: at two blocks a multiprocessor no
-            // register is left to hold a lane's column over the main loop (it spilled).
-            unsigned tid;
-            asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-            const int w = tid >> 5, l = tid & 31;
-            const int kb = blockIdx.y * CONV_BN;
-            store_pixels_direct(acc, y + (((long long)pos.n * P + p0) * Q + q0) * K + kb,
-                                halo_scratch<PASSES, KSIZE>(smem, hsize),
-                                NarrowTile::warp_col(w) + (l >> 2),
-                                NarrowTile::warp_k(w) + 2 * (l & 3), P - p0, Q - q0, Q, K,
-                                min(CONV_BN, K - kb));
-            return;
-        }
         float* box = staged + buf * 2 * NHWC_BOX_FLOATS;
         // Row gid + 8 half of MMA tile i is pixel (row 2 i + half, column warp_col + gid), its
         // values e of tile j channel warp_k + 8 j + 2 tig + e of the block's (each_output);
@@ -1331,6 +1275,75 @@ conv2d_halo_nhwc(const float* __restrict__ x, const float* __restrict__ w,
     // The tensor stores have read the scratch before the block leaves it (their writes
     // complete with the grid).
     if (TENSOR_STORE && threadIdx.x == 0) bulk_wait_read<0>();
+}
+
+// A tile's accumulators (each_output's layout: row gid + 8 half of MMA tile i is pixel (row
+// 2 i + half, column `col`), value e of tile j channel kl + 8 j + e) straight into the
+// channels-last yt (the tile's first pixel and the block's first channel; K even, y 8-byte
+// aligned), bias (the block's CONV_BN channels in shared memory, zeros where there is none)
+// added; rows past p_left, columns past q_left and channels past kn skipped. A lane's two
+// channels of a pixel go as one float2, so that each warp instruction writes 8 pixels' whole
+// 32-byte sectors, which the L2 joins into the pixels' 128-byte lines (the four j of the
+// warp's 32 channels).
+__device__ __forceinline__ void store_pixels_direct(const float (&acc)[2][4][4], float* yt,
+                                                    const float* bias, int col, int kl,
+                                                    int p_left, int q_left, int Q, int K,
+                                                    int kn) {
+    if (col >= q_left) return;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        if (kl + 8 * j >= kn) continue;
+        const float2 b = *reinterpret_cast<const float2*>(bias + kl + 8 * j);
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = 2 * i + half;
+                if (row < p_left)
+                    *reinterpret_cast<float2*>(yt + ((long long)row * Q + col) * K + kl + 8 * j)
+                        = make_float2(acc[i][j][2 * half] + b.x, acc[i][j][2 * half + 1] + b.y);
+            }
+    }
+}
+
+// conv2d_halo (one tile at a time) into a channels-last y (K even, y 8-byte aligned) with
+// each tile stored straight from the accumulators (store_pixels_direct). Without a staged
+// tile, 3xTF32 on the wgmma build with the geometry compiled in fits two blocks a
+// multiprocessor (halo_tiles' residuals-first sum), where conv2d_halo_nhwc, whose staged
+// tile takes 33-66 KB, leaves room for one. Shared memory: halo_scratch's offset and CONV_BN
+// floats, the block's bias.
+template <int PASSES, int KSIZE>
+__global__ void __launch_bounds__(CONV_THREADS, halo_blocks_per_sm<PASSES, KSIZE, true>())
+conv2d_halo_nhwc_direct(const float* __restrict__ x, const float* __restrict__ w,
+                        const float* __restrict__ bias, float* __restrict__ y, int N, int C,
+                        int H, int W, int K, int kh, int kw, int P, int Q, int sh, int sw,
+                        int ph, int pw, int dh, int dw, int cc, int hr, int hc) {
+    extern __shared__ float smem[];
+    const int k0 = blockIdx.y * CONV_BN;
+    const int hsize = halo_floats<KSIZE>(cc, hr, hc);
+    // The bias, read by the epilogues after the barrier that halo_tiles passes first.
+    if (threadIdx.x < CONV_BN)
+        halo_scratch<PASSES, KSIZE>(smem, hsize)[threadIdx.x]
+            = bias != nullptr && k0 + (int)threadIdx.x < K ? __ldg(bias + k0 + threadIdx.x)
+                                                           : 0.0f;
+    auto store = [&](const TilePos& pos, const float (&acc)[2][4][4]) {
+        // Everything from the arguments and the thread's index again, read by an instruction
+        // that the compiler does not hoist: at two blocks a multiprocessor no register is
+        // left to hold a lane's column over the main loop (it spilled).
+        unsigned tid;
+        asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
+        const int warp = tid >> 5, lane = tid & 31;
+        const int kb = blockIdx.y * CONV_BN, p0 = pos.tr * HALO_TH, q0 = pos.tc * HALO_TW;
+        store_pixels_direct(acc, y + (((long long)pos.n * P + p0) * Q + q0) * K + kb,
+                            halo_scratch<PASSES, KSIZE>(smem, hsize),
+                            NarrowTile::warp_col(warp) + (lane >> 2),
+                            NarrowTile::warp_k(warp) + 2 * (lane & 3), P - p0, Q - q0, Q, K,
+                            min(CONV_BN, K - kb));
+    };
+    halo_tiles<PASSES, KSIZE, halo_blocks_per_sm<PASSES, KSIZE, true>()>(
+        x, w, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
+        halo_shared<PASSES, KSIZE>(smem, hsize), TileGroups<1>{N, P, Q}, store,
+        [](int) { return 1.0f; });
 }
 
 // conv2d_halo in TF32 for 3 x 3 kernels at stride and dilation 1 (FixedHalo) on the wgmma

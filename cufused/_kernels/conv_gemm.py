@@ -167,47 +167,35 @@ def takes_channels_last(c: int, kernel: tuple[int, int], stride: tuple[int, int]
     return halo_geometry(c, kernel, stride, dilation, passes, channels_last=True) is not None
 
 
-def _nhwc_store(y, cc: int, hr: int, hc: int, ksize: int, passes: int,
-                thread_shared: int) -> tuple[str, TensorMap | None, int]:
-    """``(store, map, shared bytes)`` of ``conv2d_halo_nhwc`` into the packed channels-last
-    ``y`` (N, K, P, Q) for the halo geometry ``(cc, hr, hc, ksize)``, ``thread_shared`` the
-    bytes with the threads' staged tile: on the wgmma build (sm_90a) ``"NHWC_DIRECT"`` where
-    :func:`_nhwc_direct_shared` takes the problem, else ``"NHWC_TENSOR"`` where
-    :func:`_nhwc_tensor` does; else ``"NHWC_THREADS"``, without a map."""
-    if arch_target(_FILE) == "sm_90a":
-        direct = _nhwc_direct_shared(y, cc, hr, hc, ksize, passes)
-        if direct:
-            return "NHWC_DIRECT", None, direct
-        tensor = _nhwc_tensor(y, cc, hr, hc, ksize, passes, thread_shared)
-        if tensor is not None:
-            return ("NHWC_TENSOR", *tensor)
-    return "NHWC_THREADS", None, thread_shared
-
-
-def _nhwc_direct_shared(y, cc: int, hr: int, hc: int, ksize: int, passes: int) -> int:
-    """The shared memory of ``conv2d_halo_nhwc``'s stores from the accumulators (no staged
-    tile; the block's bias in the scratch), or 0 where they do not pay or apply: they take
-    3xTF32 with the geometry compiled in (``ksize``), K even and ``y`` 8-byte aligned, where
-    two blocks then share a multiprocessor (one holds a staged tile)."""
+def nhwc_direct_shared(y, cc: int, hr: int, hc: int, ksize: int, passes: int) -> int:
+    """The shared memory of ``conv2d_halo_nhwc_direct`` (tiles stored from the accumulators,
+    the block's bias in the scratch) into the packed channels-last ``y`` (N, K, P, Q) for
+    the halo geometry ``(cc, hr, hc, ksize)``, or 0 where it does not pay or apply: it takes
+    3xTF32 on the wgmma build (sm_90a) with the geometry compiled in (``ksize``), K even and
+    ``y`` 8-byte aligned (float2 stores), where two blocks then share a multiprocessor (one
+    holds a staged tile)."""
     shared = 4 * (_halo_scratch_offset(cc, hr, hc, ksize, passes) + _TILE_K)
     if (passes != 3 or not ksize or y.shape[1] % 2 or y.data.ptr % 8
-            or shared > shared_per_block() or resident_blocks(shared) < _HALO_BLOCKS_PER_SM):
+            or shared > shared_per_block() or resident_blocks(shared) < _HALO_BLOCKS_PER_SM
+            or arch_target(_FILE) != "sm_90a"):
         return 0
     return shared
 
 
 def _nhwc_tensor(y, cc: int, hr: int, hc: int, ksize: int, passes: int,
                  thread_shared: int) -> tuple[TensorMap, int] | None:
-    """``(map, shared bytes)`` of ``conv2d_halo_nhwc``'s tensor stores through ``y``'s map, or
-    None where they do not apply: they need K a multiple of 4 (16-byte strides), a 16-byte
-    aligned ``y``, a map from the driver, and a scratch of two tiles that keeps the blocks a
-    multiprocessor that the threads' scratch (``thread_shared`` bytes) has, up to the
-    kernel's launch bounds."""
+    """``(map, shared bytes)`` of ``conv2d_halo_nhwc``'s tensor stores through the packed
+    channels-last ``y``'s map (its threads store the tiles otherwise), or None where they do
+    not apply: they need the wgmma build (sm_90a), K a multiple of 4 (16-byte strides), a
+    16-byte aligned ``y``, a map from the driver, and a scratch of two tiles that keeps the
+    blocks a multiprocessor that the threads' scratch (``thread_shared`` bytes) has, up to
+    the kernel's launch bounds."""
     n, k, p, q = y.shape
     shared = 4 * (_halo_scratch_offset(cc, hr, hc, ksize, passes) + _NHWC_TENSOR_SCRATCH)
     bound = _HALO_BLOCKS_PER_SM if passes == 1 else 1
     if (k % 4 or y.data.ptr % 16 or shared > shared_per_block()
-            or min(bound, resident_blocks(shared)) < min(bound, resident_blocks(thread_shared))):
+            or min(bound, resident_blocks(shared)) < min(bound, resident_blocks(thread_shared))
+            or arch_target(_FILE) != "sm_90a"):
         return None
     y_map = float32_tensor_map(y.data.ptr, (k, q, p, n), (4 * k, 4 * k * q, 4 * k * q * p),
                                _NHWC_BOX)
@@ -279,18 +267,25 @@ def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tup
     geometry = (x, w, optional(bias), y, i32(n), i32(c), i32(h), i32(wd), i32(k), i32(kh),
                 i32(kw), i32(p), i32(q), i32(stride[0]), i32(stride[1]), i32(padding[0]),
                 i32(padding[1]), i32(dilation[0]), i32(dilation[1]))
-    if not y.flags.c_contiguous:  # packed channels-last: conv2d_halo_nhwc
-        cc, hr, hc, ksize, shared = halo_geometry(c, (kh, kw), stride, dilation, passes,
-                                                  channels_last=True)
-        tiles = n * -(-p // _HALO_TH) * -(-q // _HALO_TW)
-        blocks = min(tiles, sm_count() * _HALO_BLOCKS_PER_SM)
-        store, y_map, shared = _nhwc_store(y, cc, hr, hc, ksize, passes, shared)
+    channels_last = not y.flags.c_contiguous  # packed channels-last
+    halo = halo_geometry(c, (kh, kw), stride, dilation, passes, channels_last=channels_last)
+    tiles = n * -(-p // _HALO_TH) * -(-q // _HALO_TW)
+    if channels_last:  # conv2d_halo_nhwc_direct, or conv2d_halo_nhwc
+        cc, hr, hc, ksize, shared = halo
+        grid = (min(tiles, sm_count() * _HALO_BLOCKS_PER_SM), -(-k // _TILE_K))
+        direct = nhwc_direct_shared(y, cc, hr, hc, ksize, passes)
+        if direct:
+            get_kernel(_FILE, f"conv2d_halo_nhwc_direct<{passes}, {ksize}>",
+                       shared_bytes=direct)(
+                grid, (_THREADS,), geometry + (i32(cc), i32(hr), i32(hc)), shared_mem=direct)
+            return
+        tensor = _nhwc_tensor(y, cc, hr, hc, ksize, passes, shared)
+        y_map, shared = tensor or (_NO_TENSOR_MAP, shared)
+        store = "NHWC_TENSOR" if tensor else "NHWC_THREADS"
         get_kernel(_FILE, f"conv2d_halo_nhwc<{passes}, {ksize}, {store}>", shared_bytes=shared)(
-            (blocks, -(-k // _TILE_K)), (_THREADS,),
-            geometry + (i32(cc), i32(hr), i32(hc), (y_map or _NO_TENSOR_MAP).as_argument()),
+            grid, (_THREADS,), geometry + (i32(cc), i32(hr), i32(hc), y_map.as_argument()),
             shared_mem=shared)
         return
-    halo = halo_geometry(c, (kh, kw), stride, dilation, passes)
     bands = halo_bands_shared(n, k, p, q, y.data.ptr) if halo and halo[3] and passes == 1 else 0
     if bands:
         kernel = get_kernel(_FILE, "conv2d_halo_bands", shared_bytes=bands)
@@ -308,7 +303,6 @@ def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tup
             return
     if halo is not None:
         cc, hr, hc, ksize, shared = halo
-        tiles = n * -(-p // _HALO_TH) * -(-q // _HALO_TW)
         paired = halo_shared_bytes(cc, hr, hc, ksize, passes, span=2)
         span = halo_span(tiles, passes, shared, paired)
         shared = paired if span == 2 else shared

@@ -213,21 +213,22 @@ def test_bands_of_whole_rows(rng, monkeypatch, x_shape, c_out, padding, with_bia
     ((3, 6, 9, 33), (12, 6, 5, 5), (2, 2)),     # the geometry as arguments
 ])
 def test_channels_last_stores(rng, monkeypatch, x_shape, w_shape, padding, sms, passes):
-    # On the wgmma build conv2d_halo_nhwc writes a packed channels-last y from the
-    # accumulators (3xTF32, the geometry compiled in: one chunk of input channels) or by
-    # tensor stores (K % 4 == 0, y 16-byte aligned): the float64 reference's values and the
-    # thread stores' bits, NaN and infinities where the reference has them, nothing written
-    # outside y (a view 16 bytes into a NaN buffer), with blocks taking many tiles (one
-    # multiprocessor: the tiles take the tensor stores' two buffers in turn) or a few.
+    # On the wgmma build conv2d_halo_nhwc writes a packed channels-last y by tensor stores (K
+    # % 4 == 0, y 16-byte aligned), and 3xTF32 with the geometry compiled in (one chunk of
+    # input channels) from the accumulators (conv2d_halo_nhwc_direct): the float64
+    # reference's values and the thread stores' bits, NaN and infinities where the reference
+    # has them, nothing written outside y (a view 16 bytes into a NaN buffer), with blocks
+    # taking many tiles (one multiprocessor: the tiles take the tensor stores' two buffers in
+    # turn) or a few.
     from cufused._kernels import conv_gemm
 
     if conv_gemm.arch_target(conv_gemm._FILE) != "sm_90a":
         pytest.skip("these stores run on the wgmma build (compute capability 9.0)")
     names = launched_names(monkeypatch, conv_gemm, sms)
-    direct, tensor = conv_gemm._nhwc_direct_shared, conv_gemm._nhwc_tensor
+    direct, tensor = conv_gemm.nhwc_direct_shared, conv_gemm._nhwc_tensor
     paths = ["NHWC_TENSOR", "NHWC_THREADS"]
     if passes == 3 and x_shape[1] <= 8 and w_shape[2] == 3:
-        paths.insert(0, "NHWC_DIRECT")
+        paths.insert(0, "direct")
     x = rng.standard_normal(x_shape)
     w = rng.standard_normal(w_shape) * 0.3
     bias = rng.standard_normal(w_shape[0])
@@ -239,16 +240,19 @@ def test_channels_last_stores(rng, monkeypatch, x_shape, w_shape, padding, sms, 
         to_gpu = [cp.asarray(a, cp.float32) for a in (x, w, bias)]
         outs = []
         for path in paths:
-            monkeypatch.setattr(conv_gemm, "_nhwc_direct_shared",
-                                direct if path == "NHWC_DIRECT" else lambda *args: 0)
+            monkeypatch.setattr(conv_gemm, "nhwc_direct_shared",
+                                direct if path == "direct" else lambda *args: 0)
             monkeypatch.setattr(conv_gemm, "_nhwc_tensor",
                                 tensor if path == "NHWC_TENSOR" else lambda *args: None)
             buf = cp.full(ref.size + 8, cp.nan, dtype=cp.float32)
             y = buf[4:4 + ref.size].reshape(n, p, q, k).transpose(0, 3, 1, 2)
             conv_gemm.conv2d_implicit_gemm(*to_gpu, y, stride=(1, 1), padding=padding,
                                            dilation=(1, 1), passes=passes)
-            assert names[-1].startswith(f"conv2d_halo_nhwc<{passes}, ")
-            assert names[-1].endswith(f"{path}>")
+            if path == "direct":
+                assert names[-1] == "conv2d_halo_nhwc_direct<3, 3>"
+            else:
+                assert names[-1].startswith(f"conv2d_halo_nhwc<{passes}, ")
+                assert names[-1].endswith(f"{path}>")
             assert_written_inside(buf, y, ref, nonfinite, 2e-3 if passes == 1 else 1e-5)
             outs.append(y)
         for other in outs[1:]:

@@ -668,7 +668,7 @@ def test_conv_gemm_launchers(launches, monkeypatch):
     monkeypatch.setattr(conv, "sm_count", lambda: 132)
     monkeypatch.setattr(conv, "arch_target", lambda filename: None)  # the portable build
     monkeypatch.setattr(conv, "float32_tensor_map", lambda *args: cufused._cuda.TensorMap())
-    direct_shared = conv._nhwc_direct_shared
+    direct_shared = conv.nhwc_direct_shared
     cases = [  # x, w, y, stride, dilation, kernel, its template arguments after passes
         ((2, 8, 20, 18), (64, 8, 3, 3), (2, 64, 18, 16), (1, 1), (1, 1), "conv2d_halo",
          ", 3, 1"),
@@ -685,25 +685,24 @@ def test_conv_gemm_launchers(launches, monkeypatch):
                 if kernel != "conv2d_halo":
                     continue
                 # A channels-last y: the same geometry, its tiles stored by the threads (the
-                # portable build), on sm_90a from the accumulators (3xTF32, the geometry
-                # compiled in) or by tensor stores.
-                direct = "NHWC_DIRECT" if passes == 3 and rest == ", 3, 1" else "NHWC_TENSOR"
-                for target, stores in ((None, "NHWC_THREADS"), ("sm_90a", direct)):
-                    monkeypatch.setattr(conv, "arch_target",
-                                        lambda filename, target=target: target)
-                    conv.conv2d_implicit_gemm(Dev(x), Dev(w), bias, Dev(y, "nhwc"),
-                                              stride=stride, padding=(0, 0),
-                                              dilation=dilation, passes=passes)
-                    assert launches[-1].name == (
-                        f"conv2d_halo_nhwc<{passes}{rest[:-3]}, {stores}>")
-                if direct == "NHWC_DIRECT":  # where those would not pay: tensor stores
-                    monkeypatch.setattr(conv, "_nhwc_direct_shared", lambda *args: 0)
-                    conv.conv2d_implicit_gemm(Dev(x), Dev(w), bias, Dev(y, "nhwc"),
-                                              stride=stride, padding=(0, 0),
-                                              dilation=dilation, passes=passes)
-                    assert launches[-1].name == "conv2d_halo_nhwc<3, 3, NHWC_TENSOR>"
-                    monkeypatch.setattr(conv, "_nhwc_direct_shared", direct_shared)
+                # portable build) or on sm_90a by tensor stores; there 3xTF32 with the
+                # geometry compiled in stores them from the accumulators (and by tensor
+                # stores where that would not pay).
+                monkeypatch.setattr(conv, "arch_target", lambda filename: "sm_90a")
+                conv.conv2d_implicit_gemm(Dev(x), Dev(w), bias, Dev(y, "nhwc"), stride=stride,
+                                          padding=(0, 0), dilation=dilation, passes=passes)
+                assert launches[-1].name == (
+                    "conv2d_halo_nhwc_direct<3, 3>" if passes == 3 and rest == ", 3, 1"
+                    else f"conv2d_halo_nhwc<{passes}{rest[:-3]}, NHWC_TENSOR>")
+                monkeypatch.setattr(conv, "nhwc_direct_shared", lambda *args: 0)
+                conv.conv2d_implicit_gemm(Dev(x), Dev(w), bias, Dev(y, "nhwc"), stride=stride,
+                                          padding=(0, 0), dilation=dilation, passes=passes)
+                assert launches[-1].name == f"conv2d_halo_nhwc<{passes}{rest[:-3]}, NHWC_TENSOR>"
+                monkeypatch.setattr(conv, "nhwc_direct_shared", direct_shared)
                 monkeypatch.setattr(conv, "arch_target", lambda filename: None)
+                conv.conv2d_implicit_gemm(Dev(x), Dev(w), bias, Dev(y, "nhwc"), stride=stride,
+                                          padding=(0, 0), dilation=dilation, passes=passes)
+                assert launches[-1].name == f"conv2d_halo_nhwc<{passes}{rest[:-3]}, NHWC_THREADS>"
     # Tiles in pairs past one wave of blocks (here 10 tiles, one multiprocessor: 2 blocks);
     # one at a time where a block's shared memory holds one staged tile but not two.
     monkeypatch.setattr(conv, "sm_count", lambda: 1)
@@ -881,18 +880,20 @@ def test_halo_span(monkeypatch):
 
 
 def test_channels_last_stores(launches, monkeypatch):
-    # conv2d_halo_nhwc on the wgmma build stores its tiles from the accumulators in 3xTF32
-    # with the geometry compiled in (K even, y 8-byte aligned; two blocks a multiprocessor
-    # then), else by tensor stores where K % 4 == 0, y is 16-byte aligned, the driver makes
-    # the map (dims K, Q, P, N; 16-byte strides; boxes of 32 channels x 32 x 4 pixels) and
-    # the scratch of two tiles keeps the blocks a multiprocessor that the threads' scratch
-    # has (two in TF32, one in 3xTF32); else its threads store them.
+    # On the wgmma build 3xTF32 with the geometry compiled in stores its tiles into a
+    # channels-last y with K even, 8-byte aligned from the accumulators
+    # (conv2d_halo_nhwc_direct: two blocks a multiprocessor). conv2d_halo_nhwc stores them by
+    # tensor stores where K % 4 == 0, y is 16-byte aligned, the driver makes the map (dims K,
+    # Q, P, N; 16-byte strides; boxes of 32 channels x 32 x 4 pixels) and the scratch of two
+    # tiles keeps the blocks a multiprocessor that the threads' scratch has (two in TF32,
+    # one in 3xTF32); else its threads store them.
     conv = LAUNCHERS["conv_gemm.cu"]
     monkeypatch.setattr(conv, "sm_count", lambda: 132)
     maps = []
     made = {"map": True}
     monkeypatch.setattr(conv, "float32_tensor_map", lambda *args, **kw: maps.append(args)
                         or (conv.TensorMap() if made["map"] else None))
+
     def launch(y, passes=1, target="sm_90a", c=8):
         monkeypatch.setattr(conv, "arch_target", lambda filename: target)
         conv.conv2d_implicit_gemm(Dev((2, c, 20, 18)), Dev((y.shape[1], c, 3, 3)), None, y,
@@ -909,30 +910,35 @@ def test_channels_last_stores(launches, monkeypatch):
     assert maps[-1] == ((1 << 20), (64, 16, 18, 2), (4 * 64, 4 * 64 * 16, 4 * 64 * 16 * 18),
                         (32, 32, 4, 1))
     run = launch(y, 3)
-    assert run.name == "conv2d_halo_nhwc<3, 3, NHWC_DIRECT>"
-    assert run.shared_mem == 4 * (offset[3] + 64) and len(maps) == 1
+    assert run.name == "conv2d_halo_nhwc_direct<3, 3>"
+    assert run.shared_mem == 4 * (offset[3] + 64) and run.grid == (10, 1) and len(maps) == 1
+    assert launch(Dev((2, 64, 18, 16)), 3).name == "conv2d_halo<3, 3, 1>"  # NCHW: staged
     # 3xTF32 past one chunk of input channels takes the geometry as arguments: tensor stores.
     assert launch(Dev((2, 64, 18, 16), "nhwc"), 3, c=9).name == (
         "conv2d_halo_nhwc<3, 0, NHWC_TENSOR>")
+    assert launch(Dev((2, 64, 18, 16)), 3, c=9).name == "conv2d_halo<3, 0, 1>"
     for y, target, passes, name in (
-            (Dev((2, 64, 18, 16), "nhwc", ptr=(1 << 20) + 8), "sm_90a", 3, "NHWC_DIRECT"),
+            (Dev((2, 64, 18, 16), "nhwc", ptr=(1 << 20) + 8), "sm_90a", 3, "direct"),
             (Dev((2, 64, 18, 16), "nhwc", ptr=(1 << 20) + 8), "sm_90a", 1, "NHWC_THREADS"),
             (Dev((2, 64, 18, 16), "nhwc", ptr=(1 << 20) + 4), "sm_90a", 3, "NHWC_THREADS"),
             (Dev((2, 70, 18, 16), "nhwc"), "sm_90a", 1, "NHWC_THREADS"),
-            (Dev((2, 70, 18, 16), "nhwc"), "sm_90a", 3, "NHWC_DIRECT"),
+            (Dev((2, 70, 18, 16), "nhwc"), "sm_90a", 3, "direct"),
             (Dev((2, 7, 18, 16), "nhwc"), "sm_90a", 3, "NHWC_THREADS"),
             (Dev((2, 64, 18, 16), "nhwc"), None, 1, "NHWC_THREADS"),
             (Dev((2, 64, 18, 16), "nhwc"), None, 3, "NHWC_THREADS")):
         run = launch(y, passes, target)
-        assert run.name == f"conv2d_halo_nhwc<{passes}, 3, {name}>", (y.shape, passes, target)
+        want = ("conv2d_halo_nhwc_direct<3, 3>" if name == "direct"
+                else f"conv2d_halo_nhwc<{passes}, 3, {name}>")
+        assert run.name == want, (y.shape, passes, target)
         if name == "NHWC_THREADS":
             assert run.shared_mem == conv.halo_geometry(8, (3, 3), (1, 1), (1, 1), passes,
                                                         channels_last=True)[-1]
     made["map"] = False  # the driver refuses the map
     assert launch(Dev((2, 64, 18, 16), "nhwc"), 1).name == "conv2d_halo_nhwc<1, 3, NHWC_THREADS>"
     made["map"] = True
-    # A multiprocessor holding one block of the two tiles' scratch (or of the direct stores'
-    # shared memory) but two of the threads'.
+    # A multiprocessor holding one block of the two tiles' scratch, or of the direct stores'
+    # shared memory, but two of the threads' staged tile: tensor stores in 3xTF32 (one block
+    # either way), the threads' in TF32.
     monkeypatch.setattr(conv, "resident_blocks", lambda shared: 2 if shared <= thread_shared
                         else 1)
     assert launch(Dev((2, 64, 18, 16), "nhwc"), 1).name == "conv2d_halo_nhwc<1, 3, NHWC_THREADS>"
@@ -1143,7 +1149,7 @@ def test_channels_last_route(launches, monkeypatch):
     monkeypatch.setattr(conv, "sm_count", lambda: 132)
     monkeypatch.setattr(conv, "arch_target", lambda filename: "sm_90a")
     monkeypatch.setattr(conv, "float32_tensor_map", lambda *args: None)  # threads store
-    monkeypatch.setattr(conv, "_nhwc_direct_shared", lambda *args: 0)
+    monkeypatch.setattr(conv, "nhwc_direct_shared", lambda *args: 0)
     x = Dev((48, 8, 20, 72))
     for passes in (1, 3):
         for w, stride, ksize in ((Dev((64, 8, 3, 3)), (1, 1), 3), (Dev((64, 8, 5, 5)), (2, 2), 0)):
