@@ -1139,8 +1139,9 @@ __device__ __forceinline__ void store_staged_pixels(const float* staged, float* 
 // The tensor stores' staged tile (conv2d_halo_nhwc<..., NHWC_TENSOR>): two boxes of 32 channels x
 // HALO_TH x HALO_TW pixels, each pixel's 32 channels a 128-byte row whose 16-byte chunks are
 // XORed with the pixel's index mod 8 (the tensor map's 128-byte swizzle, from a 1024-byte
-// aligned start). The accumulators' float2 stores of a half warp then cover the 8 chunks of
-// 8 pixels (gid): no bank conflict without padding, which a tensor store's box cannot have.
+// aligned start). A box cannot take the padding that keeps the threads' staged pixels
+// conflict-free: a half warp's float2 stores of the accumulators (4 pixels, gid 0-3 or 4-7)
+// meet each bank at most twice.
 // The scratch holds two such tiles (NHWC_TENSOR_SCRATCH floats with the alignment's slack;
 // conv_gemm.py: _NHWC_TENSOR_SCRATCH), one staged while the other's stores read it.
 #define NHWC_BOX_FLOATS (HALO_TH * HALO_TW * 32)

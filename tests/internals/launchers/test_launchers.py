@@ -109,6 +109,54 @@ def test_transposed_conv_reads_ncdhw_in_tf32_on_the_warpgroup_build(monkeypatch)
         assert conv.transposed_s2k3_reads_ncdhw(x, passes) is reads
 
 
+def test_channels_last_tensor_store_layout_is_the_maps():
+    # conv2d_halo_nhwc's tensor stores: nhwc_box_offset (conv_gemm.cu's expression, evaluated
+    # here) puts channel kl of tile pixel px in box kl / 32 (NHWC_BOX_FLOATS floats on, the
+    # scratch NHWC_TENSOR_SCRATCH floats for two tiles and the alignment's slack) where the
+    # map's 128-byte swizzle expects the box's dense element (32 channels, then HALO_TW
+    # columns, then HALO_TH rows): the 16-byte chunk XORed with the 128-byte row's index mod
+    # 8. Each half warp's float2 stores of the accumulators (lanes gid, tig: pixel
+    # warp_col + gid of a tile row, channels warp_k + 8 j + 2 tig) fall on each bank at most
+    # twice (the threads' 72-float pixels: once).
+    conv = LAUNCHERS["conv_gemm.cu"]
+    text = source("conv_gemm.cu")
+    defines = {"HALO_TH": conv._HALO_TH, "HALO_TW": conv._HALO_TW, "CONV_BN": conv._TILE_K}
+    for name in ("NHWC_BOX_FLOATS", "NHWC_TENSOR_SCRATCH", "HALO_NHWC_STRIDE"):
+        expr = re.search(rf"^#define {name} (.+)$", text, re.M).group(1)
+        defines[name] = eval(re.sub(r"\b[A-Z_]+\b", lambda m: str(defines[m.group(0)]), expr))
+    body = re.search(r"int nhwc_box_offset\(int px, int kl\) \{\s*return ([^;]+);", text)
+    offset = eval(f"lambda px, kl: {' '.join(body.group(1).split())}", dict(defines))
+    box = defines["NHWC_BOX_FLOATS"]
+    assert box == 32 * conv._HALO_TW * conv._HALO_TH == conv._NHWC_BOX[0] * 32 * 4
+    assert defines["NHWC_TENSOR_SCRATCH"] == conv._NHWC_TENSOR_SCRATCH == 4 * box + 255
+    assert defines["HALO_NHWC_STRIDE"] == conv._HALO_NHWC_STRIDE
+    pixels = conv._HALO_TH * conv._HALO_TW
+    seen = set()
+    for px in range(pixels):
+        for kl in range(conv._TILE_K):
+            at = offset(px, kl)
+            seen.add(at)
+            byte = 4 * (at % box)
+            row, chunk = byte // 128, (byte % 128) // 16
+            dense = row * 128 + (chunk ^ (row % 8)) * 16 + byte % 16
+            assert (at // box, dense // 4) == (kl // 32, px * 32 + kl % 32), (px, kl)
+    assert seen == set(range(2 * box))
+    for layout, most in ((offset, 2), (lambda px, kl: px * defines["HALO_NHWC_STRIDE"] + kl, 1)):
+        for warp_col in range(0, conv._HALO_TW, 8):
+            for warp_k in (0, 32):
+                for row in range(conv._HALO_TH):
+                    for j in range(4):
+                        for half_warp in (range(16), range(16, 32)):
+                            words = {}
+                            for lane in half_warp:
+                                gid, tig = lane >> 2, lane & 3
+                                at = layout(row * conv._HALO_TW + warp_col + gid,
+                                            warp_k + 8 * j + 2 * tig)
+                                for word in (at, at + 1):
+                                    words.setdefault(word % 32, set()).add(word)
+                            assert max(len(w) for w in words.values()) == most
+
+
 @pytest.mark.parametrize("halves", [True, False])
 def test_transposed_conv_plane_ring_holds_each_plane_until_read(halves):
     # conv_transpose3d_s2k3's ring of input planes (NCDHW x), stepped as its loop issues the
