@@ -1166,8 +1166,15 @@ __device__ __forceinline__ void tensor_store_4d(const TensorMap& map, unsigned s
 #endif
 }
 
-// This thread's bulk copies but its PENDING most recent groups have read their
-// shared-memory sources.
+// This thread's bulk copies issued since its last commit, as one bulk group.
+__device__ __forceinline__ void bulk_commit_group() {
+#if HALO_WGMMA
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+#endif
+}
+
+// This thread's bulk groups but its PENDING most recent ones have read their shared-memory
+// sources.
 template <int PENDING>
 __device__ __forceinline__ void bulk_wait_read() {
 #if HALO_WGMMA
@@ -1252,9 +1259,7 @@ conv2d_halo_nhwc(const float* __restrict__ x, const float* __restrict__ w,
                 for (int b = 0; 32 * b < kn; ++b)
                     tensor_store_4d(ymap, src + 4 * b * NHWC_BOX_FLOATS, k0 + 32 * b, q0, p0,
                                     pos.n);
-#if HALO_WGMMA
-                asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-#endif
+                bulk_commit_group();
                 // The previous tile's stores have read the other buffer, which the next tile
                 // stages into after a barrier of halo_tiles.
                 bulk_wait_read<1>();
@@ -1378,8 +1383,7 @@ conv2d_halo_bands(const float* __restrict__ x, const float* __restrict__ w,
     auto store = [&](const TilePos& pos, const float (&acc)[2][4][4]) {
         if (pos.tc == bands.last()) {
             // The previous band's copies have read the scratch.
-            if (threadIdx.x < BandTile::N)
-                asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+            if (threadIdx.x < BandTile::N) bulk_wait_read<0>();
             __syncthreads();
         }
         // Fragment row r of the warp's 32 is pixel (row r / 8, column warp_col + r % 8). No
@@ -1404,7 +1408,7 @@ conv2d_halo_bands(const float* __restrict__ x, const float* __restrict__ w,
             asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
                          :: "l"(y + run), "r"(src), "r"(4 * min(HALO_TH, P - p0) * Q)
                          : "memory");
-            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+            bulk_commit_group();
         }
     };
     halo_tiles<1, KSIZE, HALO_BLOCKS_PER_SM, BandTile>(
@@ -1412,8 +1416,7 @@ conv2d_halo_bands(const float* __restrict__ x, const float* __restrict__ w,
         Fixed::HC, halo_shared<1, KSIZE>(smem, hsize), bands, store, [](int) { return 1.0f; });
     // The copies have read the scratch before the block leaves it (their writes complete
     // with the grid).
-    if (threadIdx.x < BandTile::N)
-        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+    if (threadIdx.x < BandTile::N) bulk_wait_read<0>();
 #else
     __trap();
 #endif
