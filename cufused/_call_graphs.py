@@ -126,7 +126,7 @@ def _value_key(value: Any):
 class _GraphKey(tuple):
     """A graph's key (:func:`_call_key`) that is hashed once: a warm call launched from its raw
     arguments looks its graph up (and moves it to the cache's end) with the key it kept, and
-    hashing the nested key took about half a microsecond each time. Equal to, and hashed as,
+    hashing the nested key takes about half a microsecond each time. Equal to, and hashed as,
     the plain tuple of its items."""
 
     def __new__(cls, items):

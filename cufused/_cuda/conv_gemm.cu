@@ -1335,7 +1335,7 @@ conv2d_halo_nhwc_direct(const float* __restrict__ x, const float* __restrict__ w
     auto store = [&](const TilePos& pos, const float (&acc)[2][4][4]) {
         // Everything from the arguments and the thread's index again, read by an instruction
         // that the compiler does not hoist: at two blocks a multiprocessor no register is
-        // left to hold a lane's column over the main loop (it spilled).
+        // left to hold a lane's column over the main loop (held there, it spills).
         unsigned tid;
         asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
         const int warp = tid >> 5, lane = tid & 31;
