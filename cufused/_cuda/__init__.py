@@ -46,6 +46,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "conv2d_halo_nhwc<3, 3, NHWC_THREADS>",
         "conv2d_halo_nhwc<3, 3, NHWC_TENSOR>",
         "conv2d_halo_nhwc_direct<3, 3>",
+        "conv2d_nhwc_held_weights",
         "conv2d_halo_pool_stats<1, 0, 2>",
         "conv2d_halo_pool_stats<3, 0, 2>",
         "conv2d_halo_pool_stats<1, 0, 4>",

@@ -1352,6 +1352,212 @@ conv2d_halo_nhwc_direct(const float* __restrict__ x, const float* __restrict__ w
         [](int) { return 1.0f; });
 }
 
+// conv2d_nhwc_held_weights: 3xTF32 for 3 x 3 kernels at stride and dilation 1 of up to 8
+// input channels (one FixedHalo chunk) into a packed channels-last y, on the wgmma build.
+// The roles of the halo kernels' MMAs are swapped: the block's 64 output channels are M and
+// their weights wgmma's A operand, held in registers for every tile the block takes (two
+// planes a tap: the finite high part and the residual, 72 registers), and the tile's pixels
+// are N, read by the tensor cores from the staged halo. Per tile and tap each of the 4
+// output rows is one m64n32k8 step per product, so no fragment is loaded into registers
+// between MMAs: a tile's 108 steps go out as one commit group, and while they run the
+// warpgroup copies the next tile's halo and splits it. One warpgroup a block, three blocks a
+// multiprocessor (168 registers).
+//
+// The halo (HALO_TH + 2 rows x HALO_TW + 2 columns x 8 channels, zeros outside x and past C)
+// is copied by cp.async into a raw plane laid out [row][k half][column][4 channels]: the 8
+// columns of a row from any column on are one K-major core matrix per k half (8 pixels x 16
+// bytes, 128 contiguous bytes), the halves HELD_HC * 16 bytes apart (the descriptor's
+// leading offset) and the next 8 columns 128 bytes on (its stride offset), so that tap (u,
+// v) of output row r is the descriptor of row r + u, column v. The tensor cores read a
+// float32 as its TF32 truncation, so the raw plane is the high part; the split writes the
+// residual x - trunc(x) rounded to TF32 (zero for a non-finite x) and the finite high part
+// (zero for a non-finite x) into planes of the same layout. Products: the finite high
+// weight times the residual x, the residual weight times the finite x, then the high ones
+// (finite high weight times raw x), all residual products first (the tensor cores'
+// accumulation truncates: while the accumulator holds only residual products that loses
+// nothing). A non-finite weight's high part takes part as zero: the launcher rewrites the
+// channels of such weights by the definition (conv_nonfinite_weight_rows).
+//
+// The tile's outputs plus bias are staged as conv2d_halo_nhwc's two swizzled boxes
+// (nhwc_box_offset) and written by thread 0's two tensor stores through ymap (dims K, Q, P,
+// N; box 32 x HALO_TW x HALO_TH x 1), which clips what lies past y; the next tile's staging
+// waits until they have read the boxes. Grid (blocks, ceil(K / 64)), block 128, shared
+// memory HELD_SHARED_FLOATS floats (conv_gemm.py: _HELD_SHARED). Compiled for the other
+// targets too, where it traps.
+#define HELD_THREADS 128
+#define HELD_BLOCKS_PER_SM 3
+#define HELD_HR (HALO_TH + 2)
+#define HELD_HC (HALO_TW + 2)
+#define HELD_PLANE (HELD_HR * 2 * HELD_HC * 4)
+#define HELD_SHARED_FLOATS (2 * NHWC_BOX_FLOATS + 6 * HELD_PLANE + 255)
+
+#if HALO_WGMMA
+// The descriptor of a held-weights halo plane at p (see conv2d_nhwc_held_weights): K-major
+// core matrices without swizzle, the k halves HELD_HC * 16 bytes apart (leading offset), 8
+// columns 128 bytes apart (stride offset). Step (row, column) adds row * 2 * HELD_HC +
+// column: the plane lies in the shared window (under 228 KB), so the 14-bit address field's
+// sum carries into no other field.
+__device__ __forceinline__ unsigned long long held_halo_desc(const float* p) {
+    const unsigned long long a = (unsigned)__cvta_generic_to_shared(p);
+    return ((a & 0x3FFFF) >> 4) | ((unsigned long long)HELD_HC << 16) | (8ull << 32);
+}
+#endif
+
+__global__ void __launch_bounds__(HELD_THREADS, HELD_BLOCKS_PER_SM)
+conv2d_nhwc_held_weights(const float* __restrict__ x, const float* __restrict__ w,
+                         const float* __restrict__ bias, int N, int C, int H, int W, int K,
+                         int P, int Q, int ph, int pw, const __grid_constant__ TensorMap ymap) {
+#if HALO_WGMMA
+    extern __shared__ float smem[];
+    // The boxes (128-byte swizzle) start 1024-byte aligned; the halo planes follow:
+    // raw[2], residual[2], finite[2], a buffer each for this tile and the next.
+    float* boxes = smem + ((-(int)__cvta_generic_to_shared(smem) >> 2) & 255);
+    float* raw = boxes + 2 * NHWC_BOX_FLOATS;
+    float* residual = raw + 2 * HELD_PLANE;
+    float* finite = residual + 2 * HELD_PLANE;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gid = lane >> 2, tig = lane & 3;
+    const int k0 = blockIdx.y * CONV_BN;
+    // wgmma's A fragments of every tap (mma_tf32's layout): rows output channels k0 + 16
+    // warp + gid (+ 8), columns input channels tig (+ 4). [0] finite high part, [1] residual.
+    unsigned a[2][9][4];
+#pragma unroll
+    for (int tap = 0; tap < 9; ++tap)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int k = k0 + 16 * warp + gid + 8 * (e & 1), c = tig + 4 * (e >> 1);
+            unsigned hi, hi_finite;
+            split_operand<3>(k < K && c < C ? __ldg(w + ((long long)k * C + c) * 9 + tap)
+                                            : 0.0f,
+                             hi, hi_finite, a[1][tap][e]);
+            a[0][tap][e] = hi_finite;
+        }
+    // The bias of the lane's two channels; without one -0.0, which adds nothing (a -0.0
+    // output stays -0.0).
+    float b[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int k = k0 + 16 * warp + gid + 8 * h;
+        b[h] = bias != nullptr && k < K ? __ldg(bias + k) : -0.0f;
+    }
+    const int tiles_w = (Q + HALO_TW - 1) / HALO_TW;
+    const int tiles_sample = (P + HALO_TH - 1) / HALO_TH * tiles_w;
+    const long long tiles = (long long)N * tiles_sample;
+    // Tile index -> sample n and its first output row and column.
+    auto place = [&](long long tile, int& n, int& p0, int& q0) {
+        n = (int)(tile / tiles_sample);
+        const int t = (int)(tile - (long long)n * tiles_sample);
+        p0 = t / tiles_w * HALO_TH;
+        q0 = t % tiles_w * HALO_TW;
+    };
+    constexpr int TURNS = (HELD_PLANE + HELD_THREADS - 1) / HELD_THREADS;
+    // The copies of the tile's halo into raw plane buf, a float each (zeros outside), as one
+    // cp.async group; index i of a plane is (row, k half, column, channel % 4), channel
+    // fastest (a warp's loads: 4 channels x 8 columns, whole 32-byte sectors).
+    auto copy_halo = [&](long long tile, int buf) {
+        int n, p0, q0;
+        place(tile, n, p0, q0);
+        const float* xs = x + (long long)n * C * H * W;
+#pragma unroll
+        for (int turn = 0; turn < TURNS; ++turn) {
+            const int i = tid + turn * HELD_THREADS;
+            if (HELD_PLANE % HELD_THREADS != 0 && i >= HELD_PLANE) break;
+            const int col = (i >> 2) % HELD_HC, rest = (i >> 2) / HELD_HC;
+            const int c = 4 * (rest & 1) + (i & 3), h = p0 + (rest >> 1) - ph, ww = q0 + col - pw;
+            const bool valid = c < C && h >= 0 && h < H && ww >= 0 && ww < W;
+            copy_or_zero_async<1>(raw + buf * HELD_PLANE + i,
+                                  valid ? xs + ((long long)c * H + h) * W + ww : xs, valid);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    // Plane buf's residual and finite high parts from its raw copies (this thread's own,
+    // after their wait), published to the tensor cores' (async) proxy.
+    auto split_halo = [&](int buf) {
+        asm volatile("cp.async.wait_all;" ::: "memory");
+#pragma unroll
+        for (int turn = 0; turn < TURNS; ++turn) {
+            const int i = tid + turn * HELD_THREADS;
+            if (HELD_PLANE % HELD_THREADS != 0 && i >= HELD_PLANE) break;
+            const float v = raw[buf * HELD_PLANE + i];
+            const bool is_finite = fabsf(v) < INFINITY;
+            const float high = __uint_as_float(__float_as_uint(v) & 0xffffe000u);
+            residual[buf * HELD_PLANE + i] =
+                __uint_as_float(to_tf32(is_finite ? v - high : 0.0f));
+            finite[buf * HELD_PLANE + i] = is_finite ? v : 0.0f;
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    };
+    long long tile = blockIdx.x;
+    if (tile >= tiles) return;
+    copy_halo(tile, 0);
+    split_halo(0);
+    __syncthreads();
+    for (int buf = 0; tile < tiles; tile += gridDim.x, buf ^= 1) {
+        const long long next = tile + gridDim.x;
+        if (next < tiles) copy_halo(next, buf ^ 1);
+        float acc[HALO_TH][4][4];
+#pragma unroll
+        for (int e = 0; e < HALO_TH * 16; ++e) (&acc[0][0][0])[e] = 0.0f;
+        pin_registers<HALO_TH * 16>(&acc[0][0][0]);
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+        const unsigned long long high = held_halo_desc(raw + buf * HELD_PLANE),
+                                 low = held_halo_desc(residual + buf * HELD_PLANE),
+                                 high_finite = held_halo_desc(finite + buf * HELD_PLANE);
+        // Step of output row r, tap (u, v): the halo from row r + u, column v. The rows go
+        // innermost: each accumulator's next step is HALO_TH steps on.
+        auto steps = [&](int tap, int q, unsigned long long plane) {
+#pragma unroll
+            for (int r = 0; r < HALO_TH; ++r)
+                wgmma_tf32(acc[r], a[q][tap],
+                           plane + (r + tap / 3) * 2 * HELD_HC + tap % 3);
+        };
+#pragma unroll
+        for (int tap = 0; tap < 9; ++tap) {
+            steps(tap, 0, low);
+            steps(tap, 1, high_finite);
+        }
+#pragma unroll
+        for (int tap = 0; tap < 9; ++tap) steps(tap, 0, high);
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        if (next < tiles) split_halo(buf ^ 1);
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+        pin_registers<HALO_TH * 16>(&acc[0][0][0]);
+        // The previous tile's stores have read the boxes; every thread's split of the next
+        // halo is in.
+        if (tid == 0) bulk_wait_read<0>();
+        __syncthreads();
+        int n, p0, q0;
+        place(tile, n, p0, q0);
+        // acc[r][j][e]: channel 16 warp + gid + 8 (e >> 1), pixel (r, 8 j + 2 tig + (e & 1)).
+#pragma unroll
+        for (int r = 0; r < HALO_TH; ++r)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    boxes[nhwc_box_offset(r * HALO_TW + 8 * j + 2 * tig + (e & 1),
+                                          16 * warp + gid + 8 * (e >> 1))] =
+                        acc[r][j][e] + b[e >> 1];
+        // The staged values, written through the generic proxy, before the tensor stores
+        // read them through the async one.
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncthreads();
+        if (tid == 0) {
+            const unsigned src = (unsigned)__cvta_generic_to_shared(boxes);
+            for (int box = 0; box < 2 && k0 + 32 * box < K; ++box)
+                tensor_store_4d(ymap, src + 4 * box * NHWC_BOX_FLOATS, k0 + 32 * box, q0, p0,
+                                n);
+            bulk_commit_group();
+        }
+    }
+    // The tensor stores have read the boxes before the block leaves (their writes complete
+    // with the grid).
+    if (tid == 0) bulk_wait_read<0>();
+#else
+    __trap();
+#endif
+}
+
 // conv2d_halo in TF32 for 3 x 3 kernels at stride and dilation 1 (FixedHalo) on the wgmma
 // build, where the output rows are 65 to 128 columns: tiles of 4 x 64 pixels x 32 channels
 // (BandTile), a block taking the two tiles of a band of 4 whole output rows one after the

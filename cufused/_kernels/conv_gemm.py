@@ -28,6 +28,12 @@ _HALO_NHWC_STRIDE = _TILE_K + 8  # HALO_NHWC_STRIDE: floats a staged pixel
 _NHWC_BOX = (32, _HALO_TW, _HALO_TH, 1)
 _NHWC_TENSOR_SCRATCH = 4 * 32 * _HALO_TH * _HALO_TW + 255
 _NO_TENSOR_MAP = TensorMap()  # the argument of a kernel that copies by other means
+# conv2d_nhwc_held_weights: HELD_THREADS, HELD_BLOCKS_PER_SM, and its shared memory
+# (HELD_SHARED_FLOATS: one tile's two boxes, six halo planes of HELD_PLANE floats, the
+# 1024-byte alignment's slack).
+_HELD_THREADS, _HELD_BLOCKS_PER_SM = 128, 3
+_HELD_PLANE = (_HALO_TH + 2) * 2 * (_HALO_TW + 2) * 4
+_HELD_SHARED = 4 * (2 * 32 * _HALO_TH * _HALO_TW + 6 * _HELD_PLANE + 255)
 
 
 def fixed_ksize(c: int, kernel: tuple[int, int], stride: tuple[int, int],
@@ -182,6 +188,30 @@ def nhwc_direct_shared(y, cc: int, hr: int, hc: int, ksize: int, passes: int) ->
     return shared
 
 
+def _nhwc_map(y) -> TensorMap | None:
+    """The tensor map of the packed channels-last ``y`` (N, K, P, Q) that the halo kernels'
+    tensor stores write through (dims K, Q, P, N; a box of 32 channels x a tile's pixels),
+    or None where the driver makes none."""
+    n, k, p, q = y.shape
+    return float32_tensor_map(y.data.ptr, (k, q, p, n), (4 * k, 4 * k * q, 4 * k * q * p),
+                              _NHWC_BOX)
+
+
+def held_weights_map(y, ksize: int, passes: int) -> TensorMap | None:
+    """The map (:func:`_nhwc_map`) through which ``conv2d_nhwc_held_weights`` writes the
+    packed channels-last ``y``, or None where that kernel does not take the problem: it
+    takes 3xTF32 with the geometry compiled in (``ksize``: 3 x 3 at stride and dilation 1,
+    up to 8 input channels) on the wgmma build (sm_90a), K a multiple of 4 and ``y``
+    16-byte aligned (the map's strides and address), where three blocks share a
+    multiprocessor."""
+    if (passes != 3 or not ksize or y.shape[1] % 4 or y.data.ptr % 16
+            or _HELD_SHARED > shared_per_block()
+            or resident_blocks(_HELD_SHARED) < _HELD_BLOCKS_PER_SM
+            or arch_target(_FILE) != "sm_90a"):
+        return None
+    return _nhwc_map(y)
+
+
 def _nhwc_tensor(y, cc: int, hr: int, hc: int, ksize: int, passes: int,
                  thread_shared: int) -> tuple[TensorMap, int] | None:
     """``(map, shared bytes)`` of ``conv2d_halo_nhwc``'s tensor stores through the packed
@@ -190,15 +220,14 @@ def _nhwc_tensor(y, cc: int, hr: int, hc: int, ksize: int, passes: int,
     16-byte aligned ``y``, a map from the driver, and a scratch of two tiles that keeps the
     blocks a multiprocessor that the threads' scratch (``thread_shared`` bytes) has, up to
     the kernel's launch bounds."""
-    n, k, p, q = y.shape
+    k = y.shape[1]
     shared = 4 * (_halo_scratch_offset(cc, hr, hc, ksize, passes) + _NHWC_TENSOR_SCRATCH)
     bound = _HALO_BLOCKS_PER_SM if passes == 1 else 1
     if (k % 4 or y.data.ptr % 16 or shared > shared_per_block()
             or min(bound, resident_blocks(shared)) < min(bound, resident_blocks(thread_shared))
             or arch_target(_FILE) != "sm_90a"):
         return None
-    y_map = float32_tensor_map(y.data.ptr, (k, q, p, n), (4 * k, 4 * k * q, 4 * k * q * p),
-                               _NHWC_BOX)
+    y_map = _nhwc_map(y)
     return (y_map, shared) if y_map else None
 
 
@@ -270,8 +299,21 @@ def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tup
     channels_last = not y.flags.c_contiguous  # packed channels-last
     halo = halo_geometry(c, (kh, kw), stride, dilation, passes, channels_last=channels_last)
     tiles = n * -(-p // _HALO_TH) * -(-q // _HALO_TW)
-    if channels_last:  # conv2d_halo_nhwc_direct, or conv2d_halo_nhwc
+    if channels_last:  # conv2d_nhwc_held_weights, conv2d_halo_nhwc_direct, conv2d_halo_nhwc
         cc, hr, hc, ksize, shared = halo
+        y_map = held_weights_map(y, ksize, passes)
+        if y_map:
+            get_kernel(_FILE, "conv2d_nhwc_held_weights", shared_bytes=_HELD_SHARED)(
+                (min(tiles, sm_count() * _HELD_BLOCKS_PER_SM), -(-k // _TILE_K)),
+                (_HELD_THREADS,),
+                (x, w, optional(bias), i32(n), i32(c), i32(h), i32(wd), i32(k), i32(p), i32(q),
+                 i32(padding[0]), i32(padding[1]), y_map.as_argument()),
+                shared_mem=_HELD_SHARED)
+            # Its high products take a non-finite weight as zero: such channels by the
+            # definition.
+            conv_nonfinite_weight_rows(x, w, bias, y, groups=1, stride=stride,
+                                       padding=padding, dilation=dilation)
+            return
         grid = (min(tiles, sm_count() * _HALO_BLOCKS_PER_SM), -(-k // _TILE_K))
         direct = nhwc_direct_shared(y, cc, hr, hc, ksize, passes)
         if direct:

@@ -287,15 +287,20 @@ def test_channels_last_out(rng, monkeypatch, fn, x_shape, w_shape, options, offs
             out = _poisoned_channels_last(ref.shape, offset=offset)
             got = call(*to_gpu(x, w, b), **options, precision=precision, out=out)
             assert got is out
-            if direct:  # the same kernel's sums: equal bits
+            # 3xTF32 on the wgmma build: the weights held in registers, which sum in
+            # another order than the NCHW kernel.
+            held = "conv2d_nhwc_held_weights" in names
+            if direct and not held:  # the same kernel's sums: equal bits
                 np.testing.assert_array_equal(got.get().view(np.uint32),
                                               dense.get().view(np.uint32))
             else:  # cuDNN's result copied in (its sums' order may vary by an ulp)
                 assert_close(got.get(), dense.get(), 1e-6)
     assert_close(got.get(), ref, TOL[precision])
     passes = 3 if precision == "3xtf32" else 1
-    # conv2d_halo_nhwc, or in 3xTF32 on the wgmma build the stores from the accumulators.
-    writers = (f"conv2d_halo_nhwc<{passes}, ", "conv2d_halo_nhwc_direct<3, 3>")
+    # conv2d_halo_nhwc, or in 3xTF32 on the wgmma build the held weights or the stores from
+    # the accumulators.
+    writers = (f"conv2d_halo_nhwc<{passes}, ", "conv2d_halo_nhwc_direct<3, 3>",
+               "conv2d_nhwc_held_weights")
     assert any(n.startswith(writers) for n in names) == direct, names
 
 
@@ -305,8 +310,12 @@ def test_channels_last_out(rng, monkeypatch, fn, x_shape, w_shape, options, offs
 def test_non_finite_weight_by_the_definition(rng, monkeypatch, precision, layout, engine):
     # A channel whose weight holds an infinity or a NaN as the definition has it, the
     # padding's zeros meeting every tap (0 * inf: NaN), into a contiguous or a channels-last
-    # out: the implicit GEMM multiplies every tap itself (no rewrite after it), cuDNN's
-    # result gets such channels rewritten (conv_nonfinite_weight_rows).
+    # out: the implicit GEMM multiplies every tap itself (no rewrite after it), but for the
+    # held weights (3xTF32 into a channels-last out on the wgmma build), whose high products
+    # take a non-finite weight as zero; cuDNN's result and the held weights' get such
+    # channels rewritten (conv_nonfinite_weight_rows).
+    from cufused._kernels.conv_gemm import _FILE, arch_target
+
     x = rng.standard_normal((2, 8, 12, 20))
     w = rng.standard_normal((16, 8, 3, 3))
     w[3, 2, 0, 0], w[9, 0, 2, 1], w[12, 7, 1, 1] = np.inf, np.nan, -np.inf
@@ -316,11 +325,13 @@ def test_non_finite_weight_by_the_definition(rng, monkeypatch, precision, layout
     out = _poisoned_channels_last(ref.shape) if layout == "nhwc" else poisoned(ref.shape)
     with plan_options(engine=engine):
         cufused.conv2d(*to_gpu(x, w), padding=1, precision=precision, out=out)
-    assert ("conv_nonfinite_weight_rows" in names) == (engine == "cudnn"), names
+    held = (engine == "igemm" and precision == "3xtf32" and layout == "nhwc"
+            and arch_target(_FILE) == "sm_90a")
+    assert ("conv2d_nhwc_held_weights" in names) == held, names
+    assert ("conv_nonfinite_weight_rows" in names) == (engine == "cudnn" or held), names
     if engine == "igemm":
-        # In 3xTF32 on the wgmma build a channels-last out takes the stores from the
-        # accumulators (conv2d_halo_nhwc_direct).
-        kernel = "conv2d_halo_nhwc" if layout == "nhwc" else "conv2d_halo<"
+        kernel = (("conv2d_halo_nhwc", "conv2d_nhwc_held_weights") if layout == "nhwc"
+                  else "conv2d_halo<")
         assert any(n.startswith(kernel) for n in names), names
     got = out.get()
     for test in (np.isnan, np.isposinf, np.isneginf):

@@ -215,20 +215,23 @@ def test_bands_of_whole_rows(rng, monkeypatch, x_shape, c_out, padding, with_bia
 def test_channels_last_stores(rng, monkeypatch, x_shape, w_shape, padding, sms, passes):
     # On the wgmma build conv2d_halo_nhwc writes a packed channels-last y by tensor stores (K
     # % 4 == 0, y 16-byte aligned), and 3xTF32 with the geometry compiled in (one chunk of
-    # input channels) from the accumulators (conv2d_halo_nhwc_direct): the float64
-    # reference's values and the thread stores' bits, NaN and infinities where the reference
-    # has them, nothing written outside y (a view 16 bytes into a NaN buffer), with blocks
-    # taking many tiles (one multiprocessor: the tiles take the tensor stores' two buffers in
-    # turn) or a few.
+    # input channels) from the accumulators (conv2d_halo_nhwc_direct) or, first, with the
+    # weights held in registers (conv2d_nhwc_held_weights, then the channels of non-finite
+    # weights by the definition): the float64 reference's values, the thread stores' bits
+    # (the held weights sum in another order), NaN and infinities where the reference has
+    # them, nothing written outside y (a view 16 bytes into a NaN buffer), with blocks taking
+    # many tiles (one multiprocessor: the tiles take the tensor stores' two buffers in turn)
+    # or a few.
     from cufused._kernels import conv_gemm
 
     if conv_gemm.arch_target(conv_gemm._FILE) != "sm_90a":
         pytest.skip("these stores run on the wgmma build (compute capability 9.0)")
     names = launched_names(monkeypatch, conv_gemm, sms)
-    direct, tensor = conv_gemm.nhwc_direct_shared, conv_gemm._nhwc_tensor
+    held, direct, tensor = (conv_gemm.held_weights_map, conv_gemm.nhwc_direct_shared,
+                            conv_gemm._nhwc_tensor)
     paths = ["NHWC_TENSOR", "NHWC_THREADS"]
     if passes == 3 and x_shape[1] <= 8 and w_shape[2] == 3:
-        paths.insert(0, "direct")
+        paths[:0] = ["held", "direct"]
     x = rng.standard_normal(x_shape)
     w = rng.standard_normal(w_shape) * 0.3
     bias = rng.standard_normal(w_shape[0])
@@ -240,6 +243,8 @@ def test_channels_last_stores(rng, monkeypatch, x_shape, w_shape, padding, sms, 
         to_gpu = [cp.asarray(a, cp.float32) for a in (x, w, bias)]
         outs = []
         for path in paths:
+            monkeypatch.setattr(conv_gemm, "held_weights_map",
+                                held if path == "held" else lambda *args: None)
             monkeypatch.setattr(conv_gemm, "nhwc_direct_shared",
                                 direct if path == "direct" else lambda *args: 0)
             monkeypatch.setattr(conv_gemm, "_nhwc_tensor",
@@ -248,13 +253,16 @@ def test_channels_last_stores(rng, monkeypatch, x_shape, w_shape, padding, sms, 
             y = buf[4:4 + ref.size].reshape(n, p, q, k).transpose(0, 3, 1, 2)
             conv_gemm.conv2d_implicit_gemm(*to_gpu, y, stride=(1, 1), padding=padding,
                                            dilation=(1, 1), passes=passes)
-            if path == "direct":
+            if path == "held":
+                assert names[-2:] == ["conv2d_nhwc_held_weights", "conv_nonfinite_weight_rows"]
+            elif path == "direct":
                 assert names[-1] == "conv2d_halo_nhwc_direct<3, 3>"
             else:
                 assert names[-1].startswith(f"conv2d_halo_nhwc<{passes}, ")
                 assert names[-1].endswith(f"{path}>")
             assert_written_inside(buf, y, ref, nonfinite, 2e-3 if passes == 1 else 1e-5)
-            outs.append(y)
+            if path != "held":
+                outs.append(y)
         for other in outs[1:]:
             assert bool(cp.array_equal(outs[0], other, equal_nan=True))
 

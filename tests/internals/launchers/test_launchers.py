@@ -157,6 +157,64 @@ def test_channels_last_tensor_store_layout_is_the_maps():
                             assert max(len(w) for w in words.values()) == most
 
 
+def test_held_weights_operands_are_the_convolutions():
+    # conv2d_nhwc_held_weights, read from conv_gemm.cu and run in float64 here: the halo
+    # copies' index split (i -> row, k half, column, channel), the descriptor's operand
+    # (K-major core matrices without swizzle: pixel n, channel k at 16 bytes a start unit +
+    # n // 8 stride units of 128 bytes + k // 4 leading units of HELD_HC * 16 bytes + 16 (n
+    # % 8) + 4 (k % 4)) at each step's start (row r, tap), and the accumulators' pixels and
+    # channels give the convolution; the shared memory is the launcher's.
+    conv = LAUNCHERS["conv_gemm.cu"]
+    text = source("conv_gemm.cu")
+    defines = {"HALO_TH": conv._HALO_TH, "HALO_TW": conv._HALO_TW}
+    for name in ("NHWC_BOX_FLOATS", "HELD_HR", "HELD_HC", "HELD_PLANE", "HELD_SHARED_FLOATS"):
+        expr = re.search(rf"^#define {name} (.+)$", text, re.M).group(1)
+        defines[name] = eval(re.sub(r"\b[A-Z_]+\b", lambda m: str(defines[m.group(0)]), expr))
+    assert defines["HELD_PLANE"] == conv._HELD_PLANE
+    assert 4 * defines["HELD_SHARED_FLOATS"] == conv._HELD_SHARED
+    hc, plane = defines["HELD_HC"], defines["HELD_PLANE"]
+    desc = re.search(r"held_halo_desc\(const float\* p\) \{.*?return ([^;]+);", text, re.S)
+    lead, stride = re.search(r"\(unsigned long long\)(\w+) << 16\) \| \((\d+)ull << 32\)",
+                             desc.group(1)).groups()
+    lead, stride = defines[lead], int(stride)  # in 16-byte units
+    step = re.search(r"wgmma_tf32\(acc\[r\], a\[q\]\[tap\],\s*plane \+ ([^;]+)\);",
+                     text).group(1)
+    start = eval(f"lambda r, tap: {step.replace('/', '//')}", dict(defines))
+    split = re.search(r"const int col = ([^,]+), rest = ([^;]+);\s*"
+                      r"const int c = ([^,]+), h = p0 \+ \(rest >> 1\)", text)
+    col_of, rest_of, c_of = (eval(f"lambda i, rest=0: {e.replace('/', '//')}", dict(defines))
+                             for e in split.groups())
+    rng = np.random.default_rng(5)
+    for c in (8, 3):
+        x = rng.standard_normal((c, defines["HELD_HR"], hc))  # one tile's halo
+        w = rng.standard_normal((64, c, 3, 3))
+        raw = np.zeros(plane)
+        for i in range(plane):
+            col, rest = col_of(i), rest_of(i)
+            ch = c_of(i, rest)
+            raw[i] = x[ch, rest >> 1, col] if ch < c else 0.0
+        y = np.zeros((64, conv._HALO_TH, conv._HALO_TW))
+        for r in range(conv._HALO_TH):
+            for tap in range(9):
+                for n in range(conv._HALO_TW):
+                    for k in range(8):
+                        byte = 16 * (start(r, tap) + stride * (n // 8) + lead * (k // 4)
+                                     + n % 8) + 4 * (k % 4)
+                        if k < c:
+                            y[:, r, n] += w[:, k, tap // 3, tap % 3] * raw[byte // 4]
+        want = sum(np.einsum("mk,krn->mrn", w[:, :, u, v],
+                             x[:, u:u + conv._HALO_TH, v:v + conv._HALO_TW])
+                   for u in range(3) for v in range(3))
+        np.testing.assert_allclose(y, want, rtol=1e-12, atol=1e-12)
+    # Each accumulator element (warp, lane, r, j, e) stages one pixel and channel of the tile.
+    staged = {(r * conv._HALO_TW + 8 * j + 2 * (lane & 3) + (e & 1),
+               16 * warp + (lane >> 2) + 8 * (e >> 1))
+              for warp in range(4) for lane in range(32) for r in range(conv._HALO_TH)
+              for j in range(4) for e in range(4)}
+    assert staged == {(px, kl) for px in range(conv._HALO_TH * conv._HALO_TW)
+                      for kl in range(64)}
+
+
 @pytest.mark.parametrize("halves", [True, False])
 def test_transposed_conv_plane_ring_holds_each_plane_until_read(halves):
     # conv_transpose3d_s2k3's ring of input planes (NCDHW x), stepped as its loop issues the
@@ -716,7 +774,7 @@ def test_conv_gemm_launchers(launches, monkeypatch):
     monkeypatch.setattr(conv, "sm_count", lambda: 132)
     monkeypatch.setattr(conv, "arch_target", lambda filename: None)  # the portable build
     monkeypatch.setattr(conv, "float32_tensor_map", lambda *args: cufused._cuda.TensorMap())
-    direct_shared = conv.nhwc_direct_shared
+    direct_shared, held_map = conv.nhwc_direct_shared, conv.held_weights_map
     cases = [  # x, w, y, stride, dilation, kernel, its template arguments after passes
         ((2, 8, 20, 18), (64, 8, 3, 3), (2, 64, 18, 16), (1, 1), (1, 1), "conv2d_halo",
          ", 3, 1"),
@@ -734,19 +792,35 @@ def test_conv_gemm_launchers(launches, monkeypatch):
                     continue
                 # A channels-last y: the same geometry, its tiles stored by the threads (the
                 # portable build) or on sm_90a by tensor stores; there 3xTF32 with the
-                # geometry compiled in stores them from the accumulators (and by tensor
-                # stores where that would not pay).
+                # geometry compiled in runs with the weights held in registers (then the
+                # channels of non-finite weights by the definition), else from the
+                # accumulators (and by tensor stores where neither applies).
                 monkeypatch.setattr(conv, "arch_target", lambda filename: "sm_90a")
                 conv.conv2d_implicit_gemm(Dev(x), Dev(w), bias, Dev(y, "nhwc"), stride=stride,
                                           padding=(0, 0), dilation=dilation, passes=passes)
+                if passes == 3 and rest == ", 3, 1":
+                    held, rows = launches[-2:]
+                    assert (held.name, rows.name) == ("conv2d_nhwc_held_weights",
+                                                      "conv_nonfinite_weight_rows")
+                    assert held.grid == (10, 1) and held.block == (128,)  # 2 x 5 tiles
+                    assert held.shared_mem == 4 * (2 * 4096 + 6 * 6 * 2 * 34 * 4 + 255)
+                    if bias is not None:
+                        assert argument(held, "bias") is bias and argument(rows, "bias") is bias
+                    monkeypatch.setattr(conv, "held_weights_map", lambda *args: None)
+                    conv.conv2d_implicit_gemm(Dev(x), Dev(w), bias, Dev(y, "nhwc"),
+                                              stride=stride, padding=(0, 0),
+                                              dilation=dilation, passes=passes)
+                    monkeypatch.setattr(conv, "held_weights_map", held_map)
                 assert launches[-1].name == (
                     "conv2d_halo_nhwc_direct<3, 3>" if passes == 3 and rest == ", 3, 1"
                     else f"conv2d_halo_nhwc<{passes}{rest[:-3]}, NHWC_TENSOR>")
+                monkeypatch.setattr(conv, "held_weights_map", lambda *args: None)
                 monkeypatch.setattr(conv, "nhwc_direct_shared", lambda *args: 0)
                 conv.conv2d_implicit_gemm(Dev(x), Dev(w), bias, Dev(y, "nhwc"), stride=stride,
                                           padding=(0, 0), dilation=dilation, passes=passes)
                 assert launches[-1].name == f"conv2d_halo_nhwc<{passes}{rest[:-3]}, NHWC_TENSOR>"
                 monkeypatch.setattr(conv, "nhwc_direct_shared", direct_shared)
+                monkeypatch.setattr(conv, "held_weights_map", held_map)
                 monkeypatch.setattr(conv, "arch_target", lambda filename: None)
                 conv.conv2d_implicit_gemm(Dev(x), Dev(w), bias, Dev(y, "nhwc"), stride=stride,
                                           padding=(0, 0), dilation=dilation, passes=passes)
@@ -928,8 +1002,10 @@ def test_halo_span(monkeypatch):
 
 
 def test_channels_last_stores(launches, monkeypatch):
-    # On the wgmma build 3xTF32 with the geometry compiled in stores its tiles into a
-    # channels-last y with K even, 8-byte aligned from the accumulators
+    # On the wgmma build 3xTF32 with the geometry compiled in runs with the weights held in
+    # registers (conv2d_nhwc_held_weights: tensor stores through y's map, three blocks a
+    # multiprocessor, then conv_nonfinite_weight_rows), else into a channels-last y with K
+    # even, 8-byte aligned it stores its tiles from the accumulators
     # (conv2d_halo_nhwc_direct: two blocks a multiprocessor). conv2d_halo_nhwc stores them by
     # tensor stores where K % 4 == 0, y is 16-byte aligned, the driver makes the map (dims K,
     # Q, P, N; 16-byte strides; boxes of 32 channels x 32 x 4 pixels) and the scratch of two
@@ -947,6 +1023,9 @@ def test_channels_last_stores(launches, monkeypatch):
         conv.conv2d_implicit_gemm(Dev((2, c, 20, 18)), Dev((y.shape[1], c, 3, 3)), None, y,
                                   stride=(1, 1), padding=(0, 0), dilation=(1, 1),
                                   passes=passes)
+        if launches[-1].name == "conv_nonfinite_weight_rows":
+            assert launches[-2].name == "conv2d_nhwc_held_weights"
+            return launches[-2]
         return launches[-1]
 
     thread_shared = conv.halo_geometry(8, (3, 3), (1, 1), (1, 1), 1, channels_last=True)[-1]
@@ -958,8 +1037,13 @@ def test_channels_last_stores(launches, monkeypatch):
     assert maps[-1] == ((1 << 20), (64, 16, 18, 2), (4 * 64, 4 * 64 * 16, 4 * 64 * 16 * 18),
                         (32, 32, 4, 1))
     run = launch(y, 3)
+    assert run.name == "conv2d_nhwc_held_weights" and len(maps) == 2 and maps[1] == maps[0]
+    assert run.shared_mem == 4 * (2 * 4096 + 6 * 1632 + 255) and run.grid == (10, 1)
+    made["map"] = False  # the driver refuses the map: the stores from the accumulators
+    run = launch(y, 3)
     assert run.name == "conv2d_halo_nhwc_direct<3, 3>"
-    assert run.shared_mem == 4 * (offset[3] + 64) and run.grid == (10, 1) and len(maps) == 1
+    assert run.shared_mem == 4 * (offset[3] + 64) and run.grid == (10, 1)
+    made["map"] = True
     assert launch(Dev((2, 64, 18, 16)), 3).name == "conv2d_halo<3, 3, 1>"  # NCHW: staged
     # 3xTF32 past one chunk of input channels takes the geometry as arguments: tensor stores.
     assert launch(Dev((2, 64, 18, 16), "nhwc"), 3, c=9).name == (
@@ -984,6 +1068,13 @@ def test_channels_last_stores(launches, monkeypatch):
     made["map"] = False  # the driver refuses the map
     assert launch(Dev((2, 64, 18, 16), "nhwc"), 1).name == "conv2d_halo_nhwc<1, 3, NHWC_THREADS>"
     made["map"] = True
+    # A multiprocessor holding two blocks of the held weights' shared memory, not three.
+    held_blocks = {"n": 2}
+    monkeypatch.setattr(conv, "resident_blocks", lambda shared: held_blocks["n"]
+                        if shared == conv._HELD_SHARED else 228 * 1024 // (shared + 1024))
+    assert launch(Dev((2, 64, 18, 16), "nhwc"), 3).name == "conv2d_halo_nhwc_direct<3, 3>"
+    held_blocks["n"] = 3
+    assert launch(Dev((2, 64, 18, 16), "nhwc"), 3).name == "conv2d_nhwc_held_weights"
     # A multiprocessor holding one block of the two tiles' scratch, or of the direct stores'
     # shared memory, but two of the threads' staged tile: tensor stores in 3xTF32 (one block
     # either way), the threads' in TF32.
