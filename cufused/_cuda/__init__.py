@@ -55,6 +55,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "conv2d_halo_pool_stats<3, 3, 2>",
         "conv2d_halo_pool_stats<1, 3, 4>",
         "conv2d_halo_pool_stats<3, 3, 4>",
+        "conv2d_held_weights_pool_stats",
         "conv_transpose3d_s2k3<1, CT3_SOFTMAX_SUMS, false>",
         "conv_transpose3d_s2k3<3, CT3_SOFTMAX_SUMS, false>",
         "conv_transpose3d_s2k3<1, CT3_SOFTMAX, false>",

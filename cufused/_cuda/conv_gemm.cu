@@ -1352,16 +1352,16 @@ conv2d_halo_nhwc_direct(const float* __restrict__ x, const float* __restrict__ w
         [](int) { return 1.0f; });
 }
 
-// conv2d_nhwc_held_weights: 3xTF32 for 3 x 3 kernels at stride and dilation 1 of up to 8
-// input channels (one FixedHalo chunk) into a packed channels-last y, on the wgmma build.
-// The roles of the halo kernels' MMAs are swapped: the block's 64 output channels are M and
-// their weights wgmma's A operand, held in registers for every tile the block takes (two
-// planes a tap: the finite high part and the residual, 72 registers), and the tile's pixels
-// are N, read by the tensor cores from the staged halo. Per tile and tap each of the 4
-// output rows is one m64n32k8 step per product, so no fragment is loaded into registers
-// between MMAs: a tile's 108 steps go out as one commit group, and while they run the
-// warpgroup copies the next tile's halo and splits it. One warpgroup a block, three blocks a
-// multiprocessor (168 registers).
+// The held-weights kernels (conv2d_nhwc_held_weights, conv2d_held_weights_pool_stats): 3xTF32
+// for 3 x 3 kernels at stride and dilation 1 of up to 8 input channels (one FixedHalo chunk),
+// on the wgmma build. The roles of the halo kernels' MMAs are swapped: the block's 64 output
+// channels are M and their weights wgmma's A operand, held in registers for every tile the
+// block takes (two planes a tap: the finite high part and the residual, 72 registers), and
+// a tile's 4 x 32 pixels are N, read by the tensor cores from the staged halo. Per tile and
+// tap each of the 4 output rows is one m64n32k8 step per product, so no fragment is loaded
+// into registers between MMAs: a tile's 108 steps go out as one commit group, and while they
+// run the warpgroup copies the next tile's halo and splits it. One warpgroup a block, three
+// blocks a multiprocessor (168 registers).
 //
 // The halo (HALO_TH + 2 rows x HALO_TW + 2 columns x 8 channels, zeros outside x and past C)
 // is copied by cp.async into a raw plane laid out [row][k half][column][4 channels]: the 8
@@ -1375,44 +1375,41 @@ conv2d_halo_nhwc_direct(const float* __restrict__ x, const float* __restrict__ w
 // weight times the residual x, the residual weight times the finite x, then the high ones
 // (finite high weight times raw x), all residual products first (the tensor cores'
 // accumulation truncates: while the accumulator holds only residual products that loses
-// nothing). A non-finite weight's high part takes part as zero: the launcher rewrites the
-// channels of such weights by the definition (conv_nonfinite_weight_rows).
-//
-// The tile's outputs plus bias are staged as conv2d_halo_nhwc's two swizzled boxes
-// (nhwc_box_offset) and written by thread 0's two tensor stores through ymap (dims K, Q, P,
-// N; box 32 x HALO_TW x HALO_TH x 1), which clips what lies past y; the next tile's staging
-// waits until they have read the boxes. Grid (blocks, ceil(K / 64)), block 128, shared
-// memory HELD_SHARED_FLOATS floats (conv_gemm.py: _HELD_SHARED). Compiled for the other
-// targets too, where it traps.
+// nothing). A non-finite weight's high part takes part as zero: each kernel says how its
+// channels get the definition's values.
 #define HELD_THREADS 128
 #define HELD_BLOCKS_PER_SM 3
 #define HELD_HR (HALO_TH + 2)
 #define HELD_HC (HALO_TW + 2)
 #define HELD_PLANE (HELD_HR * 2 * HELD_HC * 4)
-#define HELD_SHARED_FLOATS (2 * NHWC_BOX_FLOATS + 6 * HELD_PLANE + 255)
+// Shared memory: halo planes for this tile and the next (raw, residual, finite), then
+// conv2d_nhwc_held_weights' two output boxes 1024-byte aligned (conv_gemm.py: _HELD_SHARED).
+#define HELD_SHARED_FLOATS (6 * HELD_PLANE + 2 * NHWC_BOX_FLOATS + 255)
 
 #if HALO_WGMMA
-// The descriptor of a held-weights halo plane at p (see conv2d_nhwc_held_weights): K-major
-// core matrices without swizzle, the k halves HELD_HC * 16 bytes apart (leading offset), 8
-// columns 128 bytes apart (stride offset). Step (row, column) adds row * 2 * HELD_HC +
-// column: the plane lies in the shared window (under 228 KB), so the 14-bit address field's
-// sum carries into no other field.
+// The descriptor of a held-weights halo plane at p: K-major core matrices without swizzle,
+// the k halves HELD_HC * 16 bytes apart (leading offset), 8 columns 128 bytes apart (stride
+// offset). Step (row, column) adds row * 2 * HELD_HC + column: the plane lies in the shared
+// window (under 228 KB), so the 14-bit address field's sum carries into no other field.
 __device__ __forceinline__ unsigned long long held_halo_desc(const float* p) {
     const unsigned long long a = (unsigned)__cvta_generic_to_shared(p);
     return ((a & 0x3FFFF) >> 4) | ((unsigned long long)HELD_HC << 16) | (8ull << 32);
 }
-#endif
 
-__global__ void __launch_bounds__(HELD_THREADS, HELD_BLOCKS_PER_SM)
-conv2d_nhwc_held_weights(const float* __restrict__ x, const float* __restrict__ w,
-                         const float* __restrict__ bias, int N, int C, int H, int W, int K,
-                         int P, int Q, int ph, int pw, const __grid_constant__ TensorMap ymap) {
-#if HALO_WGMMA
-    extern __shared__ float smem[];
-    // The boxes (128-byte swizzle) start 1024-byte aligned; the halo planes follow:
-    // raw[2], residual[2], finite[2], a buffer each for this tile and the next.
-    float* boxes = smem + ((-(int)__cvta_generic_to_shared(smem) >> 2) & 255);
-    float* raw = boxes + 2 * NHWC_BOX_FLOATS;
+// The held-weights main loop over the tiles of `schedule` (TileGroups<1>, SampleSegments)
+// for output channels k0 = blockIdx.y * 64 .., the weights times sign(k). A thread's
+// accumulator acc[r][j][e] is channel k0 + 16 warp + gid + 8 (e >> 1) at tile pixel (r, 8 j
+// + 2 tig + (e & 1)). Where `nonfinite` is given, nonfinite[kl] says whether channel k0 + kl
+// has a non-finite weight (published by the first tile's barrier). Per tile: wait() from
+// every thread, a barrier (the next halo's planes published, this tile's MMAs done),
+// epilogue(pos, acc).
+template <class Schedule, class Sign, class Wait, class Epilogue>
+__device__ __forceinline__ void held_tiles(const float* __restrict__ x,
+                                           const float* __restrict__ w, int C, int H, int W,
+                                           int K, int ph, int pw, float* smem,
+                                           const Schedule& schedule, Sign sign, Wait wait,
+                                           Epilogue epilogue, int* nonfinite) {
+    float* raw = smem;
     float* residual = raw + 2 * HELD_PLANE;
     float* finite = residual + 2 * HELD_PLANE;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1421,43 +1418,32 @@ conv2d_nhwc_held_weights(const float* __restrict__ x, const float* __restrict__ 
     // wgmma's A fragments of every tap (mma_tf32's layout): rows output channels k0 + 16
     // warp + gid (+ 8), columns input channels tig (+ 4). [0] finite high part, [1] residual.
     unsigned a[2][9][4];
+    bool bad[2] = {false, false};
 #pragma unroll
     for (int tap = 0; tap < 9; ++tap)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const int k = k0 + 16 * warp + gid + 8 * (e & 1), c = tig + 4 * (e >> 1);
+            const float v = k < K && c < C ? __ldg(w + ((long long)k * C + c) * 9 + tap) : 0.0f;
+            bad[e & 1] |= !(fabsf(v) < INFINITY);
             unsigned hi, hi_finite;
-            split_operand<3>(k < K && c < C ? __ldg(w + ((long long)k * C + c) * 9 + tap)
-                                            : 0.0f,
-                             hi, hi_finite, a[1][tap][e]);
+            split_operand<3>(k < K ? v * sign(k) : v, hi, hi_finite, a[1][tap][e]);
             a[0][tap][e] = hi_finite;
         }
-    // The bias of the lane's two channels; without one -0.0, which adds nothing (a -0.0
-    // output stays -0.0).
-    float b[2];
+    if (nonfinite != nullptr) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int k = k0 + 16 * warp + gid + 8 * h;
-        b[h] = bias != nullptr && k < K ? __ldg(bias + k) : -0.0f;
+        for (int h = 0; h < 2; ++h) {
+            const unsigned any = __ballot_sync(0xffffffffu, bad[h]);
+            if (tig == 0) nonfinite[16 * warp + gid + 8 * h] = (any >> lane) & 15u;
+        }
     }
-    const int tiles_w = (Q + HALO_TW - 1) / HALO_TW;
-    const int tiles_sample = (P + HALO_TH - 1) / HALO_TH * tiles_w;
-    const long long tiles = (long long)N * tiles_sample;
-    // Tile index -> sample n and its first output row and column.
-    auto place = [&](long long tile, int& n, int& p0, int& q0) {
-        n = (int)(tile / tiles_sample);
-        const int t = (int)(tile - (long long)n * tiles_sample);
-        p0 = t / tiles_w * HALO_TH;
-        q0 = t % tiles_w * HALO_TW;
-    };
     constexpr int TURNS = (HELD_PLANE + HELD_THREADS - 1) / HELD_THREADS;
     // The copies of the tile's halo into raw plane buf, a float each (zeros outside), as one
     // cp.async group; index i of a plane is (row, k half, column, channel % 4), channel
     // fastest (a warp's loads: 4 channels x 8 columns, whole 32-byte sectors).
-    auto copy_halo = [&](long long tile, int buf) {
-        int n, p0, q0;
-        place(tile, n, p0, q0);
-        const float* xs = x + (long long)n * C * H * W;
+    auto copy_halo = [&](const TilePos& pos, int buf) {
+        const int p0 = pos.tr * HALO_TH, q0 = pos.tc * HALO_TW;
+        const float* xs = x + (long long)pos.n * C * H * W;
 #pragma unroll
         for (int turn = 0; turn < TURNS; ++turn) {
             const int i = tid + turn * HELD_THREADS;
@@ -1487,14 +1473,18 @@ conv2d_nhwc_held_weights(const float* __restrict__ x, const float* __restrict__ 
         }
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     };
-    long long tile = blockIdx.x;
-    if (tile >= tiles) return;
-    copy_halo(tile, 0);
+    TilePos pos;
+    if (!schedule.first(pos)) return;
+    copy_halo(pos, 0);
     split_halo(0);
     __syncthreads();
-    for (int buf = 0; tile < tiles; tile += gridDim.x, buf ^= 1) {
-        const long long next = tile + gridDim.x;
-        if (next < tiles) copy_halo(next, buf ^ 1);
+    for (int buf = 0;; buf ^= 1) {
+        bool more;
+        {
+            TilePos next = pos;
+            more = schedule.next(next);
+            if (more) copy_halo(next, buf ^ 1);
+        }
         float acc[HALO_TH][4][4];
 #pragma unroll
         for (int e = 0; e < HALO_TH * 16; ++e) (&acc[0][0][0])[e] = 0.0f;
@@ -1508,8 +1498,7 @@ conv2d_nhwc_held_weights(const float* __restrict__ x, const float* __restrict__ 
         auto steps = [&](int tap, int q, unsigned long long plane) {
 #pragma unroll
             for (int r = 0; r < HALO_TH; ++r)
-                wgmma_tf32(acc[r], a[q][tap],
-                           plane + (r + tap / 3) * 2 * HELD_HC + tap % 3);
+                wgmma_tf32(acc[r], a[q][tap], plane + (r + tap / 3) * 2 * HELD_HC + tap % 3);
         };
 #pragma unroll
         for (int tap = 0; tap < 9; ++tap) {
@@ -1519,16 +1508,51 @@ conv2d_nhwc_held_weights(const float* __restrict__ x, const float* __restrict__ 
 #pragma unroll
         for (int tap = 0; tap < 9; ++tap) steps(tap, 0, high);
         asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-        if (next < tiles) split_halo(buf ^ 1);
+        if (more) split_halo(buf ^ 1);
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
         pin_registers<HALO_TH * 16>(&acc[0][0][0]);
-        // The previous tile's stores have read the boxes; every thread's split of the next
-        // halo is in.
-        if (tid == 0) bulk_wait_read<0>();
+        wait();
         __syncthreads();
-        int n, p0, q0;
-        place(tile, n, p0, q0);
-        // acc[r][j][e]: channel 16 warp + gid + 8 (e >> 1), pixel (r, 8 j + 2 tig + (e & 1)).
+        epilogue(pos, acc);
+        if (!more) return;
+        schedule.next(pos);  // the tile copied above: no position held over the MMAs
+    }
+}
+#endif
+
+// conv2d_nhwc_held_weights: the held-weights convolution into a packed channels-last y
+// (held_tiles over TileGroups<1>). The tile's outputs plus bias are staged as
+// conv2d_halo_nhwc's two swizzled boxes (nhwc_box_offset) and written by thread 0's two
+// tensor stores through ymap (dims K, Q, P, N; box 32 x HALO_TW x HALO_TH x 1), which clips
+// what lies past y; the next tile's staging waits until they have read the boxes. A channel
+// with a non-finite weight is left to the launcher, which rewrites it by the definition
+// (conv_nonfinite_weight_rows). Grid (blocks, ceil(K / 64)), block 128, shared memory
+// HELD_SHARED_FLOATS floats. Compiled for the other targets too, where it traps.
+__global__ void __launch_bounds__(HELD_THREADS, HELD_BLOCKS_PER_SM)
+conv2d_nhwc_held_weights(const float* __restrict__ x, const float* __restrict__ w,
+                         const float* __restrict__ bias, int N, int C, int H, int W, int K,
+                         int P, int Q, int ph, int pw, const __grid_constant__ TensorMap ymap) {
+#if HALO_WGMMA
+    extern __shared__ float smem[];
+    float* boxes = smem + 6 * HELD_PLANE;  // 1024-byte aligned (the 128-byte swizzle)
+    boxes += (-(int)__cvta_generic_to_shared(boxes) >> 2) & 255;
+    // The bias of the lane's two channels; without one -0.0, which adds nothing (a -0.0
+    // output stays -0.0).
+    float b[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int k = blockIdx.y * CONV_BN + (threadIdx.x >> 5) * 16 + (threadIdx.x & 31) / 4
+                      + 8 * h;
+        b[h] = bias != nullptr && k < K ? __ldg(bias + k) : -0.0f;
+    }
+    // The previous tile's stores have read the boxes.
+    auto wait = [] {
+        if (threadIdx.x == 0) bulk_wait_read<0>();
+    };
+    auto store = [&](const TilePos& pos, const float (&acc)[HALO_TH][4][4]) {
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        const int gid = lane >> 2, tig = lane & 3;
+        const int k0 = blockIdx.y * CONV_BN;
 #pragma unroll
         for (int r = 0; r < HALO_TH; ++r)
 #pragma unroll
@@ -1538,21 +1562,23 @@ conv2d_nhwc_held_weights(const float* __restrict__ x, const float* __restrict__ 
                     boxes[nhwc_box_offset(r * HALO_TW + 8 * j + 2 * tig + (e & 1),
                                           16 * warp + gid + 8 * (e >> 1))] =
                         acc[r][j][e] + b[e >> 1];
-        // The staged values, written through the generic proxy, before the tensor stores
-        // read them through the async one.
+        // The staged values, written through the generic proxy, before the tensor stores read
+        // them through the async one.
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
         __syncthreads();
-        if (tid == 0) {
+        if (threadIdx.x == 0) {
             const unsigned src = (unsigned)__cvta_generic_to_shared(boxes);
             for (int box = 0; box < 2 && k0 + 32 * box < K; ++box)
-                tensor_store_4d(ymap, src + 4 * box * NHWC_BOX_FLOATS, k0 + 32 * box, q0, p0,
-                                n);
+                tensor_store_4d(ymap, src + 4 * box * NHWC_BOX_FLOATS, k0 + 32 * box,
+                                pos.tc * HALO_TW, pos.tr * HALO_TH, pos.n);
             bulk_commit_group();
         }
-    }
+    };
+    held_tiles(x, w, C, H, W, K, ph, pw, smem, TileGroups<1>{N, P, Q},
+               [](int) { return 1.0f; }, wait, store, nullptr);
     // The tensor stores have read the boxes before the block leaves (their writes complete
     // with the grid).
-    if (tid == 0) bulk_wait_read<0>();
+    if (threadIdx.x == 0) bulk_wait_read<0>();
 #else
     __trap();
 #endif
@@ -1795,6 +1821,124 @@ conv2d_halo_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
         x, w, C, H, W, K, kh, kw, P, Q, sh, sw, ph, pw, dh, dw, cc, hr, hc,
         halo_shared<PASSES, KSIZE>(smem, hsize), segments, pool_stats,
         [&](int k) { return window_sign(sign_a, sign_b, k); });
+}
+
+// conv2d_held_weights_pool_stats: conv2d_halo_pool_stats<3, 3, 4>'s ext and partial (4 x 4
+// windows) from the held-weights convolution (held_tiles over SampleSegments, the weights
+// times sign[k]), in 3xTF32 on the wgmma build. A lane holds two channels (k0 + 16 warp +
+// gid + 8 h) of each tile row's pixels 8 j + 2 tig + e: a window is the tile's 4 rows of
+// lanes tig and tig ^ 1, whose maxima meet by one shuffle; a run's sums of a channel are its
+// four tig lanes', which meet by two shuffles at the run's end (2 x 2 windows, two a lane,
+// spill at the register bound: they stay on conv2d_halo_pool_stats).
+// The run's offset of a channel is its acc at the run's first pixel (lane tig = 0's). A
+// channel with a non-finite weight gets NaN sums: its group's statistics are then not
+// finite, and pipeline A recomputes such planes from x and w by the definition
+// (pool_affine_nonfinite_conv), as it does for the NaN and infinities that such a weight
+// puts in the halo kernels' sums. Shared memory HELD_POOL_SHARED_FLOATS floats: the halo
+// planes, then per channel of the block (bias, sign) and its non-finite weight flag. Grid
+// (blocks, ceil(K / 64)), block 128. Compiled for the other targets too, where it traps.
+#define HELD_POOL_SHARED_FLOATS (6 * HELD_PLANE + 3 * CONV_BN)
+
+__global__ void __launch_bounds__(HELD_THREADS, HELD_BLOCKS_PER_SM)
+conv2d_held_weights_pool_stats(const float* __restrict__ x, const float* __restrict__ w,
+                               const float* __restrict__ bias,
+                               const float* __restrict__ sign_a,
+                               const float* __restrict__ sign_b, float* __restrict__ ext,
+                               float4* __restrict__ partial, int N, int C, int H, int W, int K,
+                               int P, int Q, int ph, int pw, int Ho, int Wo, int splits) {
+#if HALO_WGMMA
+    extern __shared__ float smem[];
+    float2* params = reinterpret_cast<float2*>(smem + 6 * HELD_PLANE);  // (bias, sign)
+    int* nonfinite = reinterpret_cast<int*>(params + CONV_BN);
+    const int k0 = blockIdx.y * CONV_BN;
+    if (threadIdx.x < CONV_BN) {  // published by held_tiles' first barrier
+        const int k = k0 + threadIdx.x;
+        params[threadIdx.x] = k < K ? make_float2(bias != nullptr ? __ldg(bias + k) : 0.0f,
+                                                  window_sign(sign_a, sign_b, k))
+                                    : make_float2(0.0f, 1.0f);
+    }
+    const int tiles_w = (Q + HALO_TW - 1) / HALO_TW;
+    const int tiles = ((P + HALO_TH - 1) / HALO_TH) * tiles_w;
+    const SampleSegments segments{tiles, tiles_w, splits, (long long)N * splits};
+    // The lane's channels' run offsets and sums; whether the next tile opens a run.
+    float offset[2];
+    float2 sum[2];
+    bool fresh = true;
+    auto stats = [&](const TilePos& pos, const float (&acc)[HALO_TH][4][4]) {
+        const int lane = threadIdx.x & 31, tig = lane & 3;
+        const int kl0 = (threadIdx.x >> 5) * 16 + (lane >> 2);  // the lane's channel h = 0
+        if (fresh) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                offset[h] = __shfl_sync(0xffffffffu, acc[0][0][2 * h], lane & ~3);
+                sum[h] = make_float2(0.0f, 0.0f);
+            }
+            fresh = false;
+        }
+        const int p0 = pos.tr * HALO_TH, q0 = pos.tc * HALO_TW;
+        const bool whole = p0 + HALO_TH <= P && q0 + HALO_TW <= Q;
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int r = 0; r < HALO_TH; ++r)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e)
+                        if (whole || (p0 + r < P && q0 + 8 * j + 2 * tig + e < Q)) {
+                            const float d = acc[r][j][2 * h + e] - offset[h];
+                            sum[h].x += d;
+                            sum[h].y = fmaf(d, d, sum[h].y);
+                        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int kl = kl0 + 8 * h;
+            const float2 bs = params[kl];
+            float* ext_k = ext + ((long long)pos.n * K + k0 + kl) * Ho * Wo;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int col = q0 + 8 * j + 2 * tig;
+                float m = acc[0][j][2 * h];
+#pragma unroll
+                for (int r = 0; r < HALO_TH; ++r)
+                    m = fmaxf(m, fmaxf(acc[r][j][2 * h], acc[r][j][2 * h + 1]));
+                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+                const int ho = p0 / 4, wo = col / 4;
+                if ((tig & 1) == 0 && k0 + kl < K && ho < Ho && wo < Wo)
+                    ext_k[(long long)ho * Wo + wo] = fmaf(bs.y, m, bs.x);
+            }
+        }
+        if (pos.t + 1 != pos.end) return;
+        fresh = true;
+        // The run's pixels: whole tiles but those at the output's bottom and right edges.
+        int count = 0;
+        for (int t = segments.begin(pos.run); t < pos.end; ++t) {
+            const int tr = t / tiles_w, tc = t - tr * tiles_w;
+            count += min(HALO_TH, P - tr * HALO_TH) * min(HALO_TW, Q - tc * HALO_TW);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float2 total = sum[h];
+#pragma unroll
+            for (int step = 1; step < 4; step <<= 1) {
+                total.x += __shfl_xor_sync(0xffffffffu, total.x, step);
+                total.y += __shfl_xor_sync(0xffffffffu, total.y, step);
+            }
+            const int kl = kl0 + 8 * h;
+            if (tig == 0 && k0 + kl < K) {
+                const float2 bs = params[kl];
+                const bool bad = nonfinite[kl] != 0;
+                partial[((long long)pos.n * K + k0 + kl) * splits + pos.run] = make_float4(
+                    bad ? NAN : bs.y * total.x, bad ? NAN : total.y, fmaf(bs.y, offset[h], bs.x),
+                    __int_as_float(count));
+            }
+        }
+    };
+    held_tiles(x, w, C, H, W, K, ph, pw, smem, segments,
+               [&](int k) { return window_sign(sign_a, sign_b, k); }, [] {}, stats, nonfinite);
+#else
+    __trap();
+#endif
 }
 
 // ---------------------------------------------------------------------------------------

@@ -28,12 +28,14 @@ _HALO_NHWC_STRIDE = _TILE_K + 8  # HALO_NHWC_STRIDE: floats a staged pixel
 _NHWC_BOX = (32, _HALO_TW, _HALO_TH, 1)
 _NHWC_TENSOR_SCRATCH = 4 * 32 * _HALO_TH * _HALO_TW + 255
 _NO_TENSOR_MAP = TensorMap()  # the argument of a kernel that copies by other means
-# conv2d_nhwc_held_weights: HELD_THREADS, HELD_BLOCKS_PER_SM, and its shared memory
-# (HELD_SHARED_FLOATS: one tile's two boxes, six halo planes of HELD_PLANE floats, the
-# 1024-byte alignment's slack).
+# The held-weights kernels: HELD_THREADS, HELD_BLOCKS_PER_SM, and their shared memory: six
+# halo planes of HELD_PLANE floats, then conv2d_nhwc_held_weights' two output boxes and the
+# 1024-byte alignment's slack (HELD_SHARED_FLOATS), conv2d_held_weights_pool_stats' (bias,
+# sign) and flag per channel (HELD_POOL_SHARED_FLOATS).
 _HELD_THREADS, _HELD_BLOCKS_PER_SM = 128, 3
 _HELD_PLANE = (_HALO_TH + 2) * 2 * (_HALO_TW + 2) * 4
-_HELD_SHARED = 4 * (2 * 32 * _HALO_TH * _HALO_TW + 6 * _HELD_PLANE + 255)
+_HELD_SHARED = 4 * (6 * _HELD_PLANE + 2 * 32 * _HALO_TH * _HALO_TW + 255)
+_HELD_POOL_SHARED = 4 * (6 * _HELD_PLANE + 3 * _TILE_K)
 
 
 def fixed_ksize(c: int, kernel: tuple[int, int], stride: tuple[int, int],
@@ -197,17 +199,22 @@ def _nhwc_map(y) -> TensorMap | None:
                               _NHWC_BOX)
 
 
+def _held_weights_take(ksize: int, passes: int, shared: int) -> bool:
+    """Whether a held-weights kernel of ``shared`` bytes of shared memory takes the problem:
+    3xTF32 with the geometry compiled in (``ksize``: 3 x 3 at stride and dilation 1, up to 8
+    input channels) on the wgmma build (sm_90a), where three blocks share a
+    multiprocessor."""
+    return (passes == 3 and bool(ksize) and shared <= shared_per_block()
+            and resident_blocks(shared) >= _HELD_BLOCKS_PER_SM
+            and arch_target(_FILE) == "sm_90a")
+
+
 def held_weights_map(y, ksize: int, passes: int) -> TensorMap | None:
     """The map (:func:`_nhwc_map`) through which ``conv2d_nhwc_held_weights`` writes the
-    packed channels-last ``y``, or None where that kernel does not take the problem: it
-    takes 3xTF32 with the geometry compiled in (``ksize``: 3 x 3 at stride and dilation 1,
-    up to 8 input channels) on the wgmma build (sm_90a), K a multiple of 4 and ``y``
-    16-byte aligned (the map's strides and address), where three blocks share a
-    multiprocessor."""
-    if (passes != 3 or not ksize or y.shape[1] % 4 or y.data.ptr % 16
-            or _HELD_SHARED > shared_per_block()
-            or resident_blocks(_HELD_SHARED) < _HELD_BLOCKS_PER_SM
-            or arch_target(_FILE) != "sm_90a"):
+    packed channels-last ``y``, or None where that kernel does not take the problem
+    (:func:`_held_weights_take`; K a multiple of 4 and ``y`` 16-byte aligned: the map's
+    strides and address)."""
+    if y.shape[1] % 4 or y.data.ptr % 16 or not _held_weights_take(ksize, passes, _HELD_SHARED):
         return None
     return _nhwc_map(y)
 
@@ -370,7 +377,9 @@ def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, stride: tuple[int,
     values minus the shift (the value at the run's first pixel), as
     :func:`cufused._kernels.normalization.group_affine_rows` takes them.
 
-    Needs ``pool`` 2 or 4 and a problem the halo kernel takes (:func:`halo_geometry`)."""
+    Needs ``pool`` 2 or 4 and a problem the halo kernel takes (:func:`halo_geometry`). 4 x
+    4 windows run on the held-weights kernel where it takes the problem
+    (``conv2d_held_weights_pool_stats``, :func:`_held_weights_take`)."""
     n, c, h, wd = x.shape
     k, _, kh, kw = w.shape
     halo = halo_geometry(c, (kh, kw), stride, dilation, passes, pool) if pool in (2, 4) else None
@@ -381,12 +390,22 @@ def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, stride: tuple[int,
     cc, hr, hc, ksize, shared = halo
     p = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
     q = (wd + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    held = pool == 4 and _held_weights_take(ksize, passes, _HELD_POOL_SHARED)
     splits, blocks = sample_segments(n, -(-p // _HALO_TH) * -(-q // _HALO_TW),
-                                     sm_count() * _HALO_BLOCKS_PER_SM)
+                                     sm_count() * (_HELD_BLOCKS_PER_SM if held
+                                                   else _HALO_BLOCKS_PER_SM))
     partial = xp.empty((n, k, splits, 4), dtype=xp.float32)
     if blocks == 0 or k == 0:
         return partial, splits
     i32 = numpy.int32
+    if held:
+        get_kernel(_FILE, "conv2d_held_weights_pool_stats", shared_bytes=_HELD_POOL_SHARED)(
+            (blocks, -(-k // _TILE_K)), (_HELD_THREADS,),
+            (x, w, optional(bias), optional(sign_a), optional(sign_b), ext, partial, i32(n),
+             i32(c), i32(h), i32(wd), i32(k), i32(p), i32(q), i32(padding[0]),
+             i32(padding[1]), i32(p // pool), i32(q // pool), i32(splits)),
+            shared_mem=_HELD_POOL_SHARED)
+        return partial, splits
     get_kernel(_FILE, f"conv2d_halo_pool_stats<{passes}, {ksize}, {pool}>",
                shared_bytes=shared)(
         (blocks, -(-k // _TILE_K)), (_THREADS,),

@@ -96,7 +96,7 @@ def ours_bn_no_bias(v):
 def make(case, rng):
     """(parameter names, float64 values) with mixed signs."""
     n = rng.standard_normal
-    if case == "A":
+    if case in ("A", "A, 4 x 4 windows"):
         return (["x", "weight", "conv_bias", "gn_weight", "gn_bias", "scale"],
                 [rng.random((2, 3, 10, 10)), n((8, 3, 3, 3)) * 0.3, n(8) * 0.1, n(8),
                  n(8) * 0.1, n(8)])
@@ -136,6 +136,8 @@ def make(case, rng):
 
 CASES = {"A": (torch_a, ours_a),
          "A, 1 x 1 convolution output": (partial(torch_a, pool=1), partial(ours_a, pool=1)),
+         # 3xTF32's epilogue with the weights held in registers on the wgmma build.
+         "A, 4 x 4 windows": (partial(torch_a, pool=4), partial(ours_a, pool=4)),
          "B": (torch_b, ours_b), "B, 1 x 1 pooled": (torch_b, ours_b),
          "C": (torch_c, ours_c),
          "group_norm rows": (torch_gn, ours_gn), "group_norm split": (torch_gn, ours_gn),
@@ -214,7 +216,8 @@ def test_gpu_c_infinite_weight_on_every_path(rng, plant, precision, method, monk
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device with CuPy")
-@pytest.mark.parametrize("plant", [p for p in PLANTS if p[0] == "A"], ids=_ids)
+@pytest.mark.parametrize("plant", [p for p in PLANTS if p[0] in ("A", "A, 4 x 4 windows")],
+                         ids=_ids)
 def test_gpu_a_on_the_convolution_epilogue(rng, plant, monkeypatch):
     # Pipeline A with its pass in the convolution's epilogue (3xTF32 on the implicit GEMM:
     # the convolution output is never stored, and the channels with a non-finite parameter
@@ -227,7 +230,8 @@ def test_gpu_a_on_the_convolution_epilogue(rng, plant, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device with CuPy")
-@pytest.mark.parametrize("plant", [p for p in PLANTS if p[0] == "A"], ids=_ids)
+@pytest.mark.parametrize("plant", [p for p in PLANTS if p[0] in ("A", "A, 4 x 4 windows")],
+                         ids=_ids)
 def test_gpu_a_on_the_convolution_epilogue_with_strided_operands(rng, plant, monkeypatch):
     # The same with x channels-last and the weight a transposed view: the channels with a
     # non-finite parameter are recomputed from the contiguous copies that the convolution

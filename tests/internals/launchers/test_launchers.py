@@ -862,6 +862,21 @@ def test_conv_gemm_launchers(launches, monkeypatch):
                                        stride=(1, 1), padding=(0, 0), dilation=(1, 1), pool=2,
                                        passes=passes)
                 assert launches[-1].name == f"conv2d_halo_pool_stats<{passes}, {ksize}, 2>"
+                # 4 x 4 windows in 3xTF32 with the geometry compiled in: the held weights on
+                # the wgmma build, 5 tiles a sample in runs for 396 slots (3 blocks a
+                # multiprocessor).
+                partial, splits = conv.conv2d_pool_stats(
+                    FakeXp, Dev((2, c, 20, 18)), Dev((64, c, 3, 3)), None, Dev((2, 64, 4, 4)),
+                    sign_a=None, sign_b=Dev((64,)), stride=(1, 1), padding=(1, 1),
+                    dilation=(1, 1), pool=4, passes=passes)
+                if passes == 3 and target and ksize:
+                    held = launches[-1]
+                    assert held.name == "conv2d_held_weights_pool_stats"
+                    assert (splits, held.grid, held.block) == (5, (10, 1), (128,))
+                    assert held.shared_mem == 4 * (6 * 1632 + 3 * 64)
+                    assert argument(held, "splits") == 5 and partial.shape == (2, 64, 5, 4)
+                else:
+                    assert launches[-1].name == f"conv2d_halo_pool_stats<{passes}, {ksize}, 4>"
     # Rows of 70 columns in TF32 on the wgmma build: bands of 4 whole rows (2 samples x 5),
     # 32 channels a block (2 channel blocks sharing the 264 slots), each channel's staged band
     # 4 * 70 + 4 floats apart.
@@ -1118,6 +1133,7 @@ def test_halo_kernels_within_the_devices_shared_memory(launches, monkeypatch):
     conv = LAUNCHERS["conv_gemm.cu"]
     monkeypatch.setattr(conv, "sm_count", lambda: 132)
     monkeypatch.setattr(conv, "shared_per_block", lambda: 99 * 1024)
+    monkeypatch.setattr(conv, "arch_target", lambda filename: None)  # the portable build
     x, w = Dev((2, 8, 20, 18)), Dev((64, 8, 3, 3))
     for passes, kernel in ((1, "conv2d_halo<1, 3, 1>"), (3, "conv2d_igemm<3>")):
         conv.conv2d_implicit_gemm(x, w, None, Dev((2, 64, 18, 16)), stride=(1, 1),
