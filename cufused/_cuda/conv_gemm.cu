@@ -1470,6 +1470,8 @@ __device__ __forceinline__ void held_tiles(const float* __restrict__ x,
             residual[buf * HELD_PLANE + i] =
                 __uint_as_float(to_tf32(is_finite ? v - high : 0.0f));
             finite[buf * HELD_PLANE + i] = is_finite ? v : 0.0f;
+            // A NaN whose payload lies in the low 13 bits only would read as an infinity.
+            if (v != v) raw[buf * HELD_PLANE + i] = NAN;
         }
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     };
@@ -1877,8 +1879,11 @@ conv2d_held_weights_pool_stats(const float* __restrict__ x, const float* __restr
         }
         const int p0 = pos.tr * HALO_TH, q0 = pos.tc * HALO_TW;
         const bool whole = p0 + HALO_TH <= P && q0 + HALO_TW <= Q;
+        // The tile's 32 values a channel summed apart, then added to the run's sums: chains
+        // of 32 + the run's tiles additions, not 32 times the tiles.
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+        for (int h = 0; h < 2; ++h) {
+            float2 tile_sum = make_float2(0.0f, 0.0f);
 #pragma unroll
             for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -1887,9 +1892,12 @@ conv2d_held_weights_pool_stats(const float* __restrict__ x, const float* __restr
                     for (int e = 0; e < 2; ++e)
                         if (whole || (p0 + r < P && q0 + 8 * j + 2 * tig + e < Q)) {
                             const float d = acc[r][j][2 * h + e] - offset[h];
-                            sum[h].x += d;
-                            sum[h].y = fmaf(d, d, sum[h].y);
+                            tile_sum.x += d;
+                            tile_sum.y = fmaf(d, d, tile_sum.y);
                         }
+            sum[h].x += tile_sum.x;
+            sum[h].y += tile_sum.y;
+        }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int kl = kl0 + 8 * h;

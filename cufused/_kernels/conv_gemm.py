@@ -310,12 +310,16 @@ def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tup
         cc, hr, hc, ksize, shared = halo
         y_map = held_weights_map(y, ksize, passes)
         if y_map:
-            get_kernel(_FILE, "conv2d_nhwc_held_weights", shared_bytes=_HELD_SHARED)(
-                (min(tiles, sm_count() * _HELD_BLOCKS_PER_SM), -(-k // _TILE_K)),
-                (_HELD_THREADS,),
-                (x, w, optional(bias), i32(n), i32(c), i32(h), i32(wd), i32(k), i32(p), i32(q),
-                 i32(padding[0]), i32(padding[1]), y_map.as_argument()),
-                shared_mem=_HELD_SHARED)
+            held = get_kernel(_FILE, "conv2d_nhwc_held_weights", shared_bytes=_HELD_SHARED)
+            # Where the sm_90a build has just failed (an NVRTC without the target), the
+            # kernel came in the portable build, which traps: the halo kernels run instead.
+            y_map = y_map if arch_target(_FILE) == "sm_90a" else None
+        if y_map:
+            held((min(tiles, sm_count() * _HELD_BLOCKS_PER_SM), -(-k // _TILE_K)),
+                 (_HELD_THREADS,),
+                 (x, w, optional(bias), i32(n), i32(c), i32(h), i32(wd), i32(k), i32(p),
+                  i32(q), i32(padding[0]), i32(padding[1]), y_map.as_argument()),
+                 shared_mem=_HELD_SHARED)
             # Its high products take a non-finite weight as zero: such channels by the
             # definition.
             conv_nonfinite_weight_rows(x, w, bias, y, groups=1, stride=stride,
@@ -379,7 +383,11 @@ def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, stride: tuple[int,
 
     Needs ``pool`` 2 or 4 and a problem the halo kernel takes (:func:`halo_geometry`). 4 x
     4 windows run on the held-weights kernel where it takes the problem
-    (``conv2d_held_weights_pool_stats``, :func:`_held_weights_take`)."""
+    (``conv2d_held_weights_pool_stats``, :func:`_held_weights_take`), which takes a
+    non-finite weight's high part as zero: there a channel with a non-finite weight gets
+    NaN sums and extrema of those values, and the caller recomputes its planes by the
+    definition (pipeline A: ``pool_affine_nonfinite_conv``, which the NaN statistics
+    flag)."""
     n, c, h, wd = x.shape
     k, _, kh, kw = w.shape
     halo = halo_geometry(c, (kh, kw), stride, dilation, passes, pool) if pool in (2, 4) else None
@@ -390,7 +398,14 @@ def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, stride: tuple[int,
     cc, hr, hc, ksize, shared = halo
     p = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
     q = (wd + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
-    held = pool == 4 and _held_weights_take(ksize, passes, _HELD_POOL_SHARED)
+    held = None
+    if pool == 4 and _held_weights_take(ksize, passes, _HELD_POOL_SHARED):
+        held = get_kernel(_FILE, "conv2d_held_weights_pool_stats",
+                          shared_bytes=_HELD_POOL_SHARED)
+        # Where the sm_90a build has just failed (an NVRTC without the target), the kernel
+        # came in the portable build, which traps: the halo kernel runs instead.
+        if arch_target(_FILE) != "sm_90a":
+            held = None
     splits, blocks = sample_segments(n, -(-p // _HALO_TH) * -(-q // _HALO_TW),
                                      sm_count() * (_HELD_BLOCKS_PER_SM if held
                                                    else _HALO_BLOCKS_PER_SM))
@@ -399,7 +414,7 @@ def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, stride: tuple[int,
         return partial, splits
     i32 = numpy.int32
     if held:
-        get_kernel(_FILE, "conv2d_held_weights_pool_stats", shared_bytes=_HELD_POOL_SHARED)(
+        held(
             (blocks, -(-k // _TILE_K)), (_HELD_THREADS,),
             (x, w, optional(bias), optional(sign_a), optional(sign_b), ext, partial, i32(n),
              i32(c), i32(h), i32(wd), i32(k), i32(p), i32(q), i32(padding[0]),

@@ -206,9 +206,12 @@ def test_held_weights_operands_are_the_convolutions():
                              x[:, u:u + conv._HALO_TH, v:v + conv._HALO_TW])
                    for u in range(3) for v in range(3))
         np.testing.assert_allclose(y, want, rtol=1e-12, atol=1e-12)
-    # Each accumulator element (warp, lane, r, j, e) stages one pixel and channel of the tile.
-    staged = {(r * conv._HALO_TW + 8 * j + 2 * (lane & 3) + (e & 1),
-               16 * warp + (lane >> 2) + 8 * (e >> 1))
+    # Each accumulator element (warp, lane, r, j, e) stages one pixel and channel of the tile
+    # (the kernel's box index arguments).
+    px, kl = re.search(r"boxes\[nhwc_box_offset\((r \* HALO_TW[^,]+),\s*([^\]]+)\)\]",
+                       text).groups()
+    where = eval(f"lambda warp, gid, tig, r, j, e: ({px}, {kl})", dict(defines))
+    staged = {where(warp, lane >> 2, lane & 3, r, j, e)
               for warp in range(4) for lane in range(32) for r in range(conv._HALO_TH)
               for j in range(4) for e in range(4)}
     assert staged == {(px, kl) for px in range(conv._HALO_TH * conv._HALO_TW)
@@ -1090,6 +1093,30 @@ def test_channels_last_stores(launches, monkeypatch):
     assert launch(Dev((2, 64, 18, 16), "nhwc"), 3).name == "conv2d_halo_nhwc_direct<3, 3>"
     held_blocks["n"] = 3
     assert launch(Dev((2, 64, 18, 16), "nhwc"), 3).name == "conv2d_nhwc_held_weights"
+    # The sm_90a build failing when the held kernels are first built (an NVRTC without the
+    # target) leaves the portable build, whose held kernels trap: the halo kernels run.
+    fetch = conv.get_kernel
+    build = {"target": "sm_90a"}
+
+    def get_kernel(filename, name, **kw):
+        if "held" in name:
+            build["target"] = None
+        return fetch(filename, name, **kw)
+
+    monkeypatch.setattr(conv, "get_kernel", get_kernel)
+    monkeypatch.setattr(conv, "arch_target", lambda filename: build["target"])
+    count = len(launches)
+    conv.conv2d_implicit_gemm(Dev((2, 8, 20, 18)), Dev((64, 8, 3, 3)), None,
+                              Dev((2, 64, 18, 16), "nhwc"), stride=(1, 1), padding=(0, 0),
+                              dilation=(1, 1), passes=3)
+    assert [run.name for run in launches[count:]] == ["conv2d_halo_nhwc<3, 3, NHWC_THREADS>"]
+    build["target"] = "sm_90a"
+    partial, splits = conv.conv2d_pool_stats(
+        FakeXp, Dev((2, 8, 20, 18)), Dev((64, 8, 3, 3)), None, Dev((2, 64, 4, 4)),
+        sign_a=None, sign_b=None, stride=(1, 1), padding=(0, 0), dilation=(1, 1), pool=4,
+        passes=3)
+    assert launches[-1].name == "conv2d_halo_pool_stats<3, 3, 4>"
+    assert splits == conv.sample_segments(2, 5, 132 * 2)[0] == argument(launches[-1], "splits")
     # A multiprocessor holding one block of the two tiles' scratch, or of the direct stores'
     # shared memory, but two of the threads' staged tile: tensor stores in 3xTF32 (one block
     # either way), the threads' in TF32.
