@@ -2,7 +2,8 @@
 (device): conv2d_halo's tile pairs, conv2d_halo_bands' bulk copies, conv2d_halo_nhwc's tensor
 stores and thread stores (the geometry compiled in and as arguments),
 conv2d_halo_nhwc_direct's stores from the accumulators, conv2d_nhwc_held_weights' halo planes
-and tensor stores, and conv2d_halo_pool_stats' pooling epilogue, in TF32 and 3xTF32, against
+and tensor stores, and the pooling epilogues of conv2d_halo_pool_stats (TF32) and
+conv2d_held_weights_pool_stats (3xTF32 on the wgmma build), in TF32 and 3xTF32, against
 the float64 reference (relative norm error under 3e-3 in TF32, 1e-5 in 3xTF32) on fresh
 random operands. The grids are sized for one multiprocessor, so that each block steps through
 its scratch buffers, tile pairs and bands many times: the cases that ``scripts/sanitize.py
