@@ -1182,6 +1182,25 @@ __device__ __forceinline__ void bulk_wait_read() {
 #endif
 }
 
+// A tile staged at `boxes` as two boxes of 32 channels (nhwc_box_offset), channels k0 ..
+// k0 + kn of y's map from pixel (p0, q0) of sample n, written by thread 0's tensor stores
+// in one bulk group once every thread's staging is published: the staged values, written
+// through the generic proxy, before the tensor stores read them through the async one. The
+// map clips rows, columns and channels past y.
+__device__ __forceinline__ void tensor_store_tile(const TensorMap& map, const float* boxes,
+                                                  int k0, int kn, int q0, int p0, int n) {
+#if HALO_WGMMA
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned src = (unsigned)__cvta_generic_to_shared(boxes);
+        for (int b = 0; b < 2 && 32 * b < kn; ++b)
+            tensor_store_4d(map, src + 4 * b * NHWC_BOX_FLOATS, k0 + 32 * b, q0, p0, n);
+        bulk_commit_group();
+    }
+}
+
 // conv2d_halo_nhwc's ways of writing its staged tiles (STORE).
 #define NHWC_THREADS 0  // the threads' float4 (or float) stores
 #define NHWC_TENSOR 1   // tensor stores (the wgmma build)
@@ -1248,22 +1267,10 @@ conv2d_halo_nhwc(const float* __restrict__ x, const float* __restrict__ w,
                                      : staged + px * HALO_NHWC_STRIDE + kl) = v;
                 }
         if constexpr (TENSOR_STORE) {
-            // The staged values, written through the generic proxy, before the tensor stores
-            // read them through the async one.
-#if HALO_WGMMA
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                const unsigned src = (unsigned)__cvta_generic_to_shared(box);
-                for (int b = 0; 32 * b < kn; ++b)
-                    tensor_store_4d(ymap, src + 4 * b * NHWC_BOX_FLOATS, k0 + 32 * b, q0, p0,
-                                    pos.n);
-                bulk_commit_group();
-                // The previous tile's stores have read the other buffer, which the next tile
-                // stages into after a barrier of halo_tiles.
-                bulk_wait_read<1>();
-            }
+            tensor_store_tile(ymap, box, k0, kn, q0, p0, pos.n);
+            // The previous tile's stores have read the other buffer, which the next tile
+            // stages into after a barrier of halo_tiles.
+            if (threadIdx.x == 0) bulk_wait_read<1>();
             buf ^= 1;
             return;
         }
@@ -1564,17 +1571,8 @@ conv2d_nhwc_held_weights(const float* __restrict__ x, const float* __restrict__ 
                     boxes[nhwc_box_offset(r * HALO_TW + 8 * j + 2 * tig + (e & 1),
                                           16 * warp + gid + 8 * (e >> 1))] =
                         acc[r][j][e] + b[e >> 1];
-        // The staged values, written through the generic proxy, before the tensor stores read
-        // them through the async one.
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            const unsigned src = (unsigned)__cvta_generic_to_shared(boxes);
-            for (int box = 0; box < 2 && k0 + 32 * box < K; ++box)
-                tensor_store_4d(ymap, src + 4 * box * NHWC_BOX_FLOATS, k0 + 32 * box,
-                                pos.tc * HALO_TW, pos.tr * HALO_TH, pos.n);
-            bulk_commit_group();
-        }
+        tensor_store_tile(ymap, boxes, k0, K - k0, pos.tc * HALO_TW, pos.tr * HALO_TH,
+                          pos.n);
     };
     held_tiles(x, w, C, H, W, K, ph, pw, smem, TileGroups<1>{N, P, Q},
                [](int) { return 1.0f; }, wait, store, nullptr);
