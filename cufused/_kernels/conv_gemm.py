@@ -193,8 +193,11 @@ def nhwc_direct_shared(y, cc: int, hr: int, hc: int, ksize: int, passes: int) ->
 def _nhwc_map(y) -> TensorMap | None:
     """The tensor map of the packed channels-last ``y`` (N, K, P, Q) that the halo kernels'
     tensor stores write through (dims K, Q, P, N; a box of 32 channels x a tile's pixels),
-    or None where the driver makes none."""
+    or None where there is none: K not a multiple of 4 or ``y`` not 16-byte aligned (a map's
+    strides and address), or the driver refuses it."""
     n, k, p, q = y.shape
+    if k % 4 or y.data.ptr % 16:
+        return None
     return float32_tensor_map(y.data.ptr, (k, q, p, n), (4 * k, 4 * k * q, 4 * k * q * p),
                               _NHWC_BOX)
 
@@ -212,25 +215,28 @@ def _held_weights_take(ksize: int, passes: int, shared: int) -> bool:
 def held_weights_map(y, ksize: int, passes: int) -> TensorMap | None:
     """The map (:func:`_nhwc_map`) through which ``conv2d_nhwc_held_weights`` writes the
     packed channels-last ``y``, or None where that kernel does not take the problem
-    (:func:`_held_weights_take`; K a multiple of 4 and ``y`` 16-byte aligned: the map's
-    strides and address)."""
-    if y.shape[1] % 4 or y.data.ptr % 16 or not _held_weights_take(ksize, passes, _HELD_SHARED):
-        return None
-    return _nhwc_map(y)
+    (:func:`_held_weights_take`) or there is no map."""
+    return _nhwc_map(y) if _held_weights_take(ksize, passes, _HELD_SHARED) else None
+
+
+def _sm90a_kernel(name: str, shared: int):
+    """``name`` of conv_gemm.cu fetched for a path of its wgmma build (sm_90a), or None where
+    that build has just failed when first built (an NVRTC without the target): the kernel
+    then came in the portable build, where such paths trap, and the caller takes another."""
+    kernel = get_kernel(_FILE, name, shared_bytes=shared)
+    return kernel if arch_target(_FILE) == "sm_90a" else None
 
 
 def _nhwc_tensor(y, cc: int, hr: int, hc: int, ksize: int, passes: int,
                  thread_shared: int) -> tuple[TensorMap, int] | None:
     """``(map, shared bytes)`` of ``conv2d_halo_nhwc``'s tensor stores through the packed
     channels-last ``y``'s map (its threads store the tiles otherwise), or None where they do
-    not apply: they need the wgmma build (sm_90a), K a multiple of 4 (16-byte strides), a
-    16-byte aligned ``y``, a map from the driver, and a scratch of two tiles that keeps the
-    blocks a multiprocessor that the threads' scratch (``thread_shared`` bytes) has, up to
-    the kernel's launch bounds."""
-    k = y.shape[1]
+    not apply: they need the wgmma build (sm_90a), a map (:func:`_nhwc_map`), and a scratch
+    of two tiles that keeps the blocks a multiprocessor that the threads' scratch
+    (``thread_shared`` bytes) has, up to the kernel's launch bounds."""
     shared = 4 * (_halo_scratch_offset(cc, hr, hc, ksize, passes) + _NHWC_TENSOR_SCRATCH)
     bound = _HALO_BLOCKS_PER_SM if passes == 1 else 1
-    if (k % 4 or y.data.ptr % 16 or shared > shared_per_block()
+    if (shared > shared_per_block()
             or min(bound, resident_blocks(shared)) < min(bound, resident_blocks(thread_shared))
             or arch_target(_FILE) != "sm_90a"):
         return None
@@ -309,12 +315,8 @@ def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tup
     if channels_last:  # conv2d_nhwc_held_weights, conv2d_halo_nhwc_direct, conv2d_halo_nhwc
         cc, hr, hc, ksize, shared = halo
         y_map = held_weights_map(y, ksize, passes)
-        if y_map:
-            held = get_kernel(_FILE, "conv2d_nhwc_held_weights", shared_bytes=_HELD_SHARED)
-            # Where the sm_90a build has just failed (an NVRTC without the target), the
-            # kernel came in the portable build, which traps: the halo kernels run instead.
-            y_map = y_map if arch_target(_FILE) == "sm_90a" else None
-        if y_map:
+        held = y_map and _sm90a_kernel("conv2d_nhwc_held_weights", _HELD_SHARED)
+        if held:
             held((min(tiles, sm_count() * _HELD_BLOCKS_PER_SM), -(-k // _TILE_K)),
                  (_HELD_THREADS,),
                  (x, w, optional(bias), i32(n), i32(c), i32(h), i32(wd), i32(k), i32(p),
@@ -340,20 +342,17 @@ def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tup
             shared_mem=shared)
         return
     bands = halo_bands_shared(n, k, p, q, y.data.ptr) if halo and halo[3] and passes == 1 else 0
-    if bands:
-        kernel = get_kernel(_FILE, "conv2d_halo_bands", shared_bytes=bands)
-        # Where the sm_90a build has just failed (an NVRTC without the target), the kernel
-        # came in the portable build, which traps: the pairs of conv2d_halo run instead.
-        if arch_target(_FILE) == "sm_90a":
-            # Every block resident: the channel halves of a band run side by side (the
-            # second reads its halos from L2).
-            channel_blocks = -(-k // _BAND_TK)
-            slots = max(1, sm_count() * _HALO_BLOCKS_PER_SM // channel_blocks)
-            kernel((min(n * -(-p // _HALO_TH), slots), channel_blocks), (_THREADS,),
-                   (x, w, optional(bias), y, i32(n), i32(c), i32(h), i32(wd), i32(k), i32(p),
-                    i32(q), i32(padding[0]), i32(padding[1]), i32(band_channel_stride(q))),
-                   shared_mem=bands)
-            return
+    kernel = bands and _sm90a_kernel("conv2d_halo_bands", bands)  # else conv2d_halo's pairs
+    if kernel:
+        # Every block resident: the channel halves of a band run side by side (the second
+        # reads its halos from L2).
+        channel_blocks = -(-k // _BAND_TK)
+        slots = max(1, sm_count() * _HALO_BLOCKS_PER_SM // channel_blocks)
+        kernel((min(n * -(-p // _HALO_TH), slots), channel_blocks), (_THREADS,),
+               (x, w, optional(bias), y, i32(n), i32(c), i32(h), i32(wd), i32(k), i32(p),
+                i32(q), i32(padding[0]), i32(padding[1]), i32(band_channel_stride(q))),
+               shared_mem=bands)
+        return
     if halo is not None:
         cc, hr, hc, ksize, shared = halo
         paired = halo_shared_bytes(cc, hr, hc, ksize, passes, span=2)
@@ -398,14 +397,8 @@ def conv2d_pool_stats(xp, x, w, bias, ext, *, sign_a, sign_b, stride: tuple[int,
     cc, hr, hc, ksize, shared = halo
     p = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
     q = (wd + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
-    held = None
-    if pool == 4 and _held_weights_take(ksize, passes, _HELD_POOL_SHARED):
-        held = get_kernel(_FILE, "conv2d_held_weights_pool_stats",
-                          shared_bytes=_HELD_POOL_SHARED)
-        # Where the sm_90a build has just failed (an NVRTC without the target), the kernel
-        # came in the portable build, which traps: the halo kernel runs instead.
-        if arch_target(_FILE) != "sm_90a":
-            held = None
+    held = (_sm90a_kernel("conv2d_held_weights_pool_stats", _HELD_POOL_SHARED)
+            if pool == 4 and _held_weights_take(ksize, passes, _HELD_POOL_SHARED) else None)
     splits, blocks = sample_segments(n, -(-p // _HALO_TH) * -(-q // _HALO_TW),
                                      sm_count() * (_HELD_BLOCKS_PER_SM if held
                                                    else _HALO_BLOCKS_PER_SM))
