@@ -2741,24 +2741,365 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
     }
 }
 
-// The public conv_transpose3d on conv_transpose3d_s2k3<3, CT3_CONV, false> (3xTF32, which
-// does not rewrite them itself: REWRITES) where an output channel's weight holds a
-// non-finite value (TransposedConvDefinition): the implicit GEMM's zeros past the input's far
-// edge meet it. Block (c, j) checks output channel c's weight and returns where it is finite;
-// else it rewrites y[n, c, :] (contiguous, C channels) for the samples n = j, j + gridDim.y,
-// ... by the definition plus bias[c], from x (element strides xn, xc, xd, xh, xw).
+// conv_transpose3d_s2k3_groups: conv_transpose3d_s2k3's problem (stride 2, 3 x 3 x 3 kernel,
+// padding 1, at most 32 input channels) in 3xTF32 on the wgmma build, from a packed
+// channels-last x (N, D, H, W, C) into a packed channels-last y (N, Do, Ho, Wo, K). Two
+// weight planes (finite high part and residual) of all 27 taps take 432 KB for 64 output
+// channels, twice the shared memory; a block instead computes the classes (rd, rh, rw) of one
+// of four groups of at most 8 taps (ctg_group_classes: the class with 8 taps, two with 4,
+// one with 4 and two with 2, the rest), whose weights it stages once (128 KB) for every tile
+// it takes; the launcher shares the blocks among the groups by their cost. Output channels
+// k0 = 64 blockIdx.y .. are wgmma's N (B from the staged weights, ct3_weight_desc's layout);
+// a tile of 1 x 4 x 32 base positions is M, a warpgroup's 64 of
+// them (rows 2 g and 2 g + 1) per MMA, each warp's 16 from the halo (2 x 5 x 33 positions x
+// 32 channels by one tensor copy, ct3_swizzled rows, two buffers) by ldmatrix, split into
+// high part, finite high part and residual in registers. Per tap a step sum: for each half
+// of its 4 steps the residual products (the finite high weight times the residual x, the
+// residual weight times the finite high x), then the high ones, into zeroed registers added
+// to the accumulator in float32 once done, so that the tensor cores' truncating accumulation
+// spans 12 products of one tap; the fragments load while the other half's MMAs run, and a
+// finished class's stores go out a few after each of the next class's taps. A channel whose
+// weight holds a non-finite value (its high part staged as zero) is left to the launcher,
+// which rewrites it by the definition (conv_transpose_rows_nonfinite_weight).
+#define CTG_THREADS 256
+#define CTG_TH 4
+#define CTG_TW 32
+#define CTG_BN 64
+#define CTG_HH (CTG_TH + 1)
+#define CTG_HW (CTG_TW + 1)
+#define CTG_HFLOATS (2 * CTG_HH * CTG_HW * CT3_CI)
+#define CTG_HSTRIDE ((CTG_HFLOATS + 255) / 256 * 256)
+#define CTG_SLOTS 8
+#define CTG_TAP_FLOATS (CTG_BN * CT3_CI)
+#define CTG_PLANE_FLOATS (CTG_SLOTS * CTG_TAP_FLOATS)
+// The two weight planes, two halo buffers and their mbarriers (conv_gemm.py: _CTG_SHARED).
+#define CTG_SHARED_FLOATS (2 * CTG_PLANE_FLOATS + 2 * CTG_HSTRIDE + 4)
+
+// The classes (bit r = 4 rd + 2 rh + rw) of group g, and the taps of class r.
+__device__ __forceinline__ constexpr unsigned ctg_group_classes(int g) {
+    return g == 0 ? 0x80u : g == 1 ? 0x28u : g == 2 ? 0x46u : 0x11u;
+}
+__device__ __forceinline__ constexpr int ctg_class_taps(int r) {
+    return (1 + ((r >> 2) & 1)) * (1 + ((r >> 1) & 1)) * (1 + (r & 1));
+}
+// The first weight slot of class r in its group (the group's classes in ascending order).
+__device__ __forceinline__ constexpr int ctg_first_slot(unsigned classes, int r) {
+    int s = 0;
+    for (int c = 0; c < r; ++c)
+        if ((classes >> c) & 1) s += ctg_class_taps(c);
+    return s;
+}
+__device__ __forceinline__ constexpr bool ctg_groups_fit() {
+    for (int g = 0; g < 4; ++g)
+        if (ctg_first_slot(ctg_group_classes(g), 8) > CTG_SLOTS) return false;
+    return (ctg_group_classes(0) | ctg_group_classes(1) | ctg_group_classes(2) |
+            ctg_group_classes(3)) == 0xFFu;
+}
+static_assert(ctg_groups_fit(), "every class in one group, at most CTG_SLOTS taps a group");
+
+#if HALO_WGMMA
+#define WGMMA_D32(d)                                                                          \
+    "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), \
+        "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]),           \
+        "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),           \
+        "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]),           \
+        "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]),           \
+        "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+
+// wgmma_tf32's step for 64 columns (8-column tiles j = 0 .. 7).
+__device__ __forceinline__ void wgmma_tf32_n64(float (&d)[8][4], const unsigned (&a)[4],
+                                               unsigned long long b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, 1, 1, 1;"
+        : WGMMA_D32(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+// One group's classes over the block's tiles (conv_transpose3d_s2k3_groups).
+template <int G>
+__device__ __forceinline__ void ctg_tiles(const float* __restrict__ x,
+                                          const float* __restrict__ w,
+                                          const float* __restrict__ bias, float* __restrict__ y,
+                                          int N, int C, int D, int H, int W, int K, int Do,
+                                          int Ho, int Wo, int first, int count,
+                                          const TensorMap& tmap, float* smem) {
+    constexpr unsigned CLASSES = ctg_group_classes(G);
+    float* const wt = smem;  // [plane][slot][o][c]: plane 0 finite high parts, 1 residuals
+    float* const halo = smem + 2 * CTG_PLANE_FLOATS;
+    unsigned long long* const filled =
+        reinterpret_cast<unsigned long long*>(halo + 2 * CTG_HSTRIDE);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gid = lane >> 2, tig = lane & 3, q = lane >> 3, rr = lane & 7;
+    const int k0 = blockIdx.y * CTG_BN;
+    const int tiles_w = (W + CTG_TW - 1) / CTG_TW, tiles_h = (H + CTG_TH - 1) / CTG_TH;
+    const long long tiles = (long long)N * D * tiles_h * tiles_w;
+    long long t = first;
+    if (t >= tiles) return;
+    // Tile t: sample n, input plane d, rows h0 .., columns w0 ...
+    auto tile_origin = [&](long long t, int& n, int& d, int& h0, int& w0) {
+        const long long rows = t / tiles_w;
+        w0 = (int)(t - rows * tiles_w) * CTG_TW;
+        const long long planes = rows / tiles_h;
+        h0 = (int)(rows - planes * tiles_h) * CTG_TH;
+        n = (int)(planes / D);
+        d = (int)(planes - (long long)n * D);
+    };
+    auto copy_halo = [&](long long t, int b) {
+        if (tid != 0) return;
+        int n, d, h0, w0;
+        tile_origin(t, n, d, h0, w0);
+        tensor_copy_5d((unsigned)__cvta_generic_to_shared(halo + b * CTG_HSTRIDE), &tmap, 0,
+                       w0, h0, d, n, (unsigned)__cvta_generic_to_shared(filled + b),
+                       CTG_HFLOATS * 4);
+    };
+    if (tid == 0) {
+        for (int b = 0; b < 2; ++b)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;"
+                         :: "r"((unsigned)__cvta_generic_to_shared(filled + b)) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    copy_halo(t, 0);
+    // The group's weights while the first halo arrives: slot s of class r holds the tap of
+    // its input offset o (o within r bitwise, ascending), rows o = output channels.
+    constexpr int SLOTS = ctg_first_slot(CLASSES, 8);
+    for (int i = tid; i < SLOTS * CTG_TAP_FLOATS; i += CTG_THREADS) {
+        const int slot = i / CTG_TAP_FLOATS, rest = i % CTG_TAP_FLOATS;
+        const int o = rest / CT3_CI, c = rest % CT3_CI;
+        int tap = 0;
+#pragma unroll
+        for (int r = 0; r < 8; ++r) {
+            if (!((CLASSES >> r) & 1)) continue;
+            int s = ctg_first_slot(CLASSES, r);
+#pragma unroll
+            for (int off = 0; off < 8; ++off)
+                if ((off & r) == off) {
+                    if (s == slot) tap = ct3_tap(r, off);
+                    ++s;
+                }
+        }
+        const float v = c < C && k0 + o < K ? __ldg(w + ((long long)c * K + k0 + o) * 27 + tap)
+                                            : 0.0f;
+        unsigned hi, hi_finite, lo;
+        split_operand<3>(v, hi, hi_finite, lo);
+        const int at = slot * CTG_TAP_FLOATS + ct3_swizzled(o, c);
+        wt[at] = __uint_as_float(hi_finite);
+        wt[CTG_PLANE_FLOATS + at] = __uint_as_float(lo);
+    }
+    // The weights, stored by the generic proxy, are read by wgmma through the async proxy.
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+
+    const unsigned long long desc_high = ct3_weight_desc(wt),
+                             desc_low = ct3_weight_desc(wt + CTG_PLANE_FLOATS);
+    // This warp's 16 positions: tile row `row`, columns col0 ..; this lane's ldmatrix row
+    // is position col0 + rr + 8 (q & 1), chunk q / 2 (step 0).
+    const int row = 2 * (warp >> 2) + ((warp >> 1) & 1), col0 = 16 * (warp & 1);
+    // A finished class's outputs plus bias wait in `pending` while the next class's taps run,
+    // a few stored after each tap's MMAs go out, so that the stores drain beside the MMAs
+    // (stored at once, every warp waits on the memory system between its MMAs). Item i =
+    // 8 h + j (position row gid + 8 h of the warp's 16, channels k0 + 8 j + 2 tig + (0, 1))
+    // is stored from pending[i - pending_first], the items shifted down as they go; base[h]
+    // is the position's offset in y (channel k0 + 2 tig), -1 outside y.
+    float pending[16][2] = {};
+    int pending_first = 16;  // none
+    long long base[2] = {-1, -1};
+    auto store_pending = [&](auto count_constant) {
+        constexpr int COUNT = decltype(count_constant)::value;
+#pragma unroll
+        for (int s = 0; s < COUNT; ++s) {
+            const int i = pending_first + s;
+            if (i >= 16) break;
+            const long long at = (i >> 3) ? base[1] : base[0];
+            const int j = i & 7;
+            if (at >= 0 && k0 + 8 * j + 2 * tig < K)
+                *reinterpret_cast<float2*>(y + at + 8 * j) =
+                    make_float2(pending[s][0], pending[s][1]);
+        }
+#pragma unroll
+        for (int e = 0; e + COUNT < 16; ++e) {
+            pending[e][0] = pending[e + COUNT][0];
+            pending[e][1] = pending[e + COUNT][1];
+        }
+        pending_first += COUNT;
+    };
+    unsigned phases = 0;
+    for (int buf = 0;; buf ^= 1) {
+        mbarrier_wait_parity((unsigned)__cvta_generic_to_shared(filled + buf),
+                             (phases >> buf) & 1);
+        phases ^= 1u << buf;
+        __syncthreads();  // the halo in, the weights staged; the other buffer read
+        const long long next = t + count;
+        const bool more = next < tiles;
+        if (more) copy_halo(next, buf ^ 1);
+        int n, d, h0, w0;
+        tile_origin(t, n, d, h0, w0);
+        const unsigned hb = (unsigned)__cvta_generic_to_shared(halo + buf * CTG_HSTRIDE);
+        // The fragments of input offset o = (a, b, c) at reduction steps 2 half and 2 half +
+        // 1, split: [s][0] high part, [1] finite high part, [2] residual.
+        auto load_half = [&](int o, int half, unsigned (&f)[2][3][4]) {
+            const int p = (((o >> 2) * CTG_HH + row + ((o >> 1) & 1)) * CTG_HW) + col0 + rr +
+                          8 * (q & 1) + (o & 1);
+            const unsigned a = hb + p * (CT3_CI * 4) + (((q >> 1) ^ (p & 7)) << 4);
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {
+                unsigned raw[4];
+                ldmatrix_x4(raw, a ^ ((2 * half + s) << 5));
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    split_operand<3>(__uint_as_float(raw[e]), f[s][0][e], f[s][1][e],
+                                     f[s][2][e]);
+            }
+        };
+        // Steps 2 half and 2 half + 1 of the tap in `slot` into the step sum: the residual
+        // products, then the high ones; one commit group.
+        auto mma_half = [&](float (&step)[8][4], const unsigned (&f)[2][3][4], int slot,
+                            int half) {
+            const unsigned long long high = desc_high + slot * (CTG_TAP_FLOATS * 4 / 16),
+                                     low = desc_low + slot * (CTG_TAP_FLOATS * 4 / 16);
+            asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {
+                wgmma_tf32_n64(step, f[s][2], high + 2 * (2 * half + s));
+                wgmma_tf32_n64(step, f[s][1], low + 2 * (2 * half + s));
+            }
+#pragma unroll
+            for (int s = 0; s < 2; ++s) wgmma_tf32_n64(step, f[s][0], high + 2 * (2 * half + s));
+            asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        };
+        // Class r of the group (compiled in: the stores per tap).
+        auto run_class = [&](auto r_constant) {
+            constexpr int r = decltype(r_constant)::value;
+            if (!((CLASSES >> r) & 1)) return;
+            float acc[8][4], step[8][4];
+#pragma unroll
+            for (int e = 0; e < 32; ++e) (&acc[0][0])[e] = 0.0f;
+            // [half]: the fragments of steps 0 and 1, 2 and 3; each half's next load while the
+            // other half's MMAs run.
+            unsigned frags[2][2][3][4];
+            load_half(0, 0, frags[0]);
+            int slot = ctg_first_slot(CLASSES, r);
+            // A loop at run time: unrolled, the compiler hoists the offsets' addresses and
+            // loads past the registers.
+#pragma unroll 1
+            for (int off = 0; off < 8; ++off) {
+                if ((off & r) != off) continue;
+#pragma unroll
+                for (int e = 0; e < 32; ++e) (&step[0][0])[e] = 0.0f;
+                pin_registers<32>(&step[0][0]);
+                pin_registers<24>(&frags[0][0][0][0]);
+                mma_half(step, frags[0], slot, 0);
+                load_half(off, 1, frags[1]);
+                pin_registers<24>(&frags[1][0][0][0]);
+                mma_half(step, frags[1], slot, 1);
+                // The previous class's items, spread evenly over this class's taps.
+                store_pending(CT3Int<16 / ctg_class_taps(r)>{});
+                asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+                int next_off = off + 1;
+                while (next_off < 8 && (next_off & r) != next_off) ++next_off;
+                if (next_off < 8) {
+                    pin_registers<24>(&frags[0][0][0][0]);
+                    load_half(next_off, 0, frags[0]);
+                }
+                asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+                pin_registers<32>(&step[0][0]);
+                pin_registers<24>(&frags[1][0][0][0]);
+#pragma unroll
+                for (int e = 0; e < 32; ++e) (&acc[0][0])[e] += (&step[0][0])[e];
+                ++slot;
+            }
+            // Class r's outputs become the pending items.
+            const int rd = r >> 2, rh = (r >> 1) & 1, rw = r & 1;
+            const int od = 2 * d + rd, oh = 2 * (h0 + row) + rh;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int ow = 2 * (w0 + col0 + gid + 8 * h) + rw;
+                base[h] = od < Do && oh < Ho && ow < Wo
+                              ? ((((long long)n * Do + od) * Ho + oh) * Wo + ow) * K + k0 +
+                                    2 * tig
+                              : -1;
+            }
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                const int k = k0 + 8 * (i & 7) + 2 * tig;
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    pending[i][e] = acc[i & 7][2 * (i >> 3) + e] +
+                                    (bias != nullptr && k < K ? __ldg(bias + k + e) : 0.0f);
+            }
+            pending_first = 0;
+        };
+        run_class(CT3Int<0>{});
+        run_class(CT3Int<1>{});
+        run_class(CT3Int<2>{});
+        run_class(CT3Int<3>{});
+        run_class(CT3Int<4>{});
+        run_class(CT3Int<5>{});
+        run_class(CT3Int<6>{});
+        run_class(CT3Int<7>{});
+        if (!more) break;
+        t = next;
+    }
+    store_pending(CT3Int<16>{});
+}
+#endif
+
+// Grid (blocks, ceil(K / 64)), CTG_THREADS threads, CTG_SHARED_FLOATS floats of dynamic
+// shared memory; blocks [0, b1) compute group 0, [b1, b2) group 1, [b2, b3) group 2, [b3,
+// gridDim.x) group 3, each group's blocks taking the tiles (sample, input plane, 4-row band,
+// 32-column band; tiles_w fastest) in a grid stride. tmap: x's map (dims C, W, H, D, N; box
+// 32 x 33 x 5 x 2 x 1; the 128-byte swizzle). K even and y 8-byte aligned (float2 stores).
+// Compiled for the other targets too, where it traps.
+__global__ void __launch_bounds__(CTG_THREADS, 1)
+conv_transpose3d_s2k3_groups(const float* __restrict__ x, const float* __restrict__ w,
+                             const float* __restrict__ bias, float* __restrict__ y, int N,
+                             int C, int D, int H, int W, int K, int Do, int Ho, int Wo, int b1,
+                             int b2, int b3, const __grid_constant__ TensorMap tmap) {
+#if HALO_WGMMA
+    extern __shared__ float smem[];
+    if ((__cvta_generic_to_shared(smem) & 1023) != 0) __trap();
+    const int b = blockIdx.x;
+    if (b < b1)
+        ctg_tiles<0>(x, w, bias, y, N, C, D, H, W, K, Do, Ho, Wo, b, b1, tmap, smem);
+    else if (b < b2)
+        ctg_tiles<1>(x, w, bias, y, N, C, D, H, W, K, Do, Ho, Wo, b - b1, b2 - b1, tmap, smem);
+    else if (b < b3)
+        ctg_tiles<2>(x, w, bias, y, N, C, D, H, W, K, Do, Ho, Wo, b - b2, b3 - b2, tmap, smem);
+    else
+        ctg_tiles<3>(x, w, bias, y, N, C, D, H, W, K, Do, Ho, Wo, b - b3, gridDim.x - b3, tmap,
+                     smem);
+#else
+    __trap();
+#endif
+}
+
+// The public conv_transpose3d on conv_transpose3d_s2k3<3, CT3_CONV, false> and
+// conv_transpose3d_s2k3_groups (3xTF32, where neither rewrites them itself: REWRITES) where
+// an output channel's weight holds a non-finite value (TransposedConvDefinition): the
+// implicit GEMM's zeros past the input's far edge meet it. Block (c, j) checks output channel
+// c's weight and returns where it is finite; else it rewrites y[n, c, :] for the samples n =
+// j, j + gridDim.y, ... by the definition plus bias[c], from x (element strides xn, xc, xd,
+// xh, xw) into y (element strides yn, yc, yd, yh, yw).
 __global__ void conv_transpose_rows_nonfinite_weight(
     const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
-    float* __restrict__ y, index_t N, int C, int c_in_group, int c_out_group, int Di,
-    int Hi, int Wi, int Do, int Ho, int Wo, int KD, int KH, int KW, int sd, int sh, int sw,
-    int pd, int ph, int pw, int dd, int dh, int dw, index_t xn, index_t xc, index_t xd,
-    index_t xh, index_t xw) {
+    float* __restrict__ y, index_t N, int c_in_group, int c_out_group, int Di, int Hi, int Wi,
+    int Do, int Ho, int Wo, int KD, int KH, int KW, int sd, int sh, int sw, int pd, int ph,
+    int pw, int dd, int dh, int dw, index_t xn, index_t xc, index_t xd, index_t xh, index_t xw,
+    index_t yn, index_t yc, index_t yd, index_t yh, index_t yw) {
     const TransposedConvDefinition conv{x,  w,  c_in_group, c_out_group, Di, Hi, Wi, Do, Ho,
                                         Wo, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
                                         xn, xc, xd, xh, xw};
     const int c = blockIdx.x;
     if (conv.block_finite_weight(c)) return;
-    for (index_t n = blockIdx.y; n < N; n += gridDim.y) conv.rewrite_row(bias, y, C, n, c);
+    const float b = bias ? bias[c] : 0.0f;
+    const index_t hw = (index_t)Ho * Wo, plane = conv.plane();
+    for (index_t n = blockIdx.y; n < N; n += gridDim.y)
+        for (index_t o = threadIdx.x; o < plane; o += blockDim.x) {
+            const index_t od = o / hw, r = o - od * hw, oh = r / Wo, ow = r - oh * Wo;
+            y[n * yn + c * yc + od * yd + oh * yh + ow * yw] = conv.at(n, c, o, b);
+        }
 }
 
 // The public forward convolution where an output channel's weight holds a non-finite value,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import numpy
@@ -559,12 +560,88 @@ def conv_transpose3d_implicit_gemm(x, w, bias, y, *, passes: int) -> None:
                          "(NCDHW) in TF32")
     _transposed_s2k3("CT3_CONV", x, w, bias, out_shape=y.shape, clamp=(0.0, 0.0),
                      passes=passes, y=y, x_ncdhw=x_ncdhw)
-    if passes == 3 and y.size:
+    if passes == 3:
+        _transposed_s2k3_nonfinite_rows(x, w, bias, y)
+
+
+def _transposed_s2k3_nonfinite_rows(x, w, bias, y) -> None:
+    """``conv_transpose_rows_nonfinite_weight`` after a 3xTF32 ``conv_transpose3d_s2k3`` or
+    ``conv_transpose3d_s2k3_groups`` into ``y`` (any strides): the channels whose weight holds
+    a non-finite value rewritten by the definition, each block checking a channel's weight
+    (:func:`~cufused._kernels._common.channel_sample_grid`)."""
+    if y.size:
         get_kernel(_FILE, "conv_transpose_rows_nonfinite_weight")(
             channel_sample_grid(y.shape[1], y.shape[0]), (256,),
-            (x, w, optional(bias), y, numpy.int64(y.shape[0]), numpy.int32(y.shape[1]),
+            (x, w, optional(bias), y, numpy.int64(y.shape[0]),
              *definition_args(x, w, y.shape, groups=1, c_out_group=w.shape[1],
-                              stride=(2, 2, 2), padding=(1, 1, 1), dilation=(1, 1, 1))))
+                              stride=(2, 2, 2), padding=(1, 1, 1), dilation=(1, 1, 1)),
+             *element_strides_3d(y)))
+
+
+# conv_transpose3d_s2k3_groups: tiles of 1 x 4 x 32 base positions (1, CTG_TH, CTG_TW), 64
+# output channels a block (CTG_BN), CTG_SHARED_FLOATS floats of shared memory (two weight
+# planes of 8 taps x 64 x 32, two halo buffers of 2 x 5 x 33 positions x 32 channels, each
+# 1024-byte aligned, two mbarriers); the classes in four groups (ctg_group_classes) of 8, 8,
+# 8 and 3 taps and 1, 2, 3 and 2 classes. A group's time per tile is about its taps plus
+# 2.4 for each class's stores (each group alone on an H200's multiprocessors): the groups'
+# blocks in those shares.
+_CTG_TILE = (1, 4, 32)
+_CTG_BN = 64
+_CTG_HALO_BOX = (_CT3_CI, _CTG_TILE[2] + 1, _CTG_TILE[1] + 1, 2, 1)  # C, W, H, D, N
+_CTG_SHARED = 4 * (2 * 8 * _CTG_BN * _CT3_CI
+                   + 2 * (-(-math.prod(_CTG_HALO_BOX) // 256) * 256) + 4)
+_CTG_GROUP_COSTS = (8 + 2.4, 8 + 2 * 2.4, 8 + 3 * 2.4, 3 + 2 * 2.4)
+
+
+def transposed_s2k3_groups_take(c_in: int, y, passes: int) -> bool:
+    """Whether ``conv_transpose3d_s2k3_groups`` computes a problem that
+    :func:`transposed_s2k3_takes` of ``c_in`` input channels into ``y``: in 3xTF32
+    (``passes`` 3) on the wgmma build (sm_90a) with its shared memory granted, ``c_in`` a
+    multiple of 4 (the tensor copies' strides of a channels-last x), ``y`` packed
+    channels-last with an even number of channels, 8-byte aligned (float2 stores). Fetching
+    the kernel here builds it on a first call: where the wgmma build fails, the portable one
+    comes, in which it traps, and the route is another."""
+    return (passes == 3 and c_in % 4 == 0 and y.shape[1] % 2 == 0 and y.data.ptr % 8 == 0
+            and stored_in(y, "nhwc") and _CTG_SHARED <= shared_per_block()
+            and arch_target(_FILE) == "sm_90a"
+            and _sm90a_kernel("conv_transpose3d_s2k3_groups", _CTG_SHARED) is not None)
+
+
+def transposed_s2k3_group_blocks(k: int) -> tuple[int, ...]:
+    """The first block of groups 1, 2 and 3 and the blocks of ``conv_transpose3d_s2k3_groups``
+    for ``k`` output channels: a block a multiprocessor for each of the channel tiles, the
+    groups' shares by their costs (one block each at least)."""
+    blocks = max(len(_CTG_GROUP_COSTS), sm_count() // -(-k // _CTG_BN))
+    shares = [max(1, round(blocks * t / sum(_CTG_GROUP_COSTS))) for t in _CTG_GROUP_COSTS[:-1]]
+    starts = tuple(itertools.accumulate(shares))
+    return starts + (max(blocks, starts[-1] + 1),)
+
+
+def conv_transpose3d_groups(x, w, bias, y) -> bool:
+    """``y`` (N, C_out, Do, Ho, Wo) = conv_transpose3d(x, w) + bias in 3xTF32 on
+    ``conv_transpose3d_s2k3_groups`` for a problem that it takes
+    (:func:`transposed_s2k3_groups_take`), ``x`` packed channels-last and 16-byte aligned,
+    contiguous ``w`` (C_in, C_out, 3, 3, 3); the channels whose weight holds a non-finite
+    value then rewritten by the definition. False, with nothing launched, where the driver
+    makes no tensor map of ``x``."""
+    n, c, d, h, wd = x.shape
+    k = w.shape[1]
+    tensor_map = float32_tensor_map(x.data.ptr, (c, wd, h, d, n),
+                                    (4 * c, 4 * c * wd, 4 * c * wd * h, 4 * c * wd * h * d),
+                                    _CTG_HALO_BOX)
+    if tensor_map is None:
+        return False
+    if n and k and d and h and wd:
+        b1, b2, b3, blocks = transposed_s2k3_group_blocks(k)
+        i32 = numpy.int32
+        get_kernel(_FILE, "conv_transpose3d_s2k3_groups", shared_bytes=_CTG_SHARED)(
+            (blocks, -(-k // _CTG_BN)), (_THREADS,),
+            (x, w, optional(bias), y, i32(n), i32(c), i32(d), i32(h), i32(wd), i32(k),
+             *(i32(s) for s in y.shape[2:]), i32(b1), i32(b2), i32(b3),
+             tensor_map.as_argument()),
+            shared_mem=_CTG_SHARED)
+    _transposed_s2k3_nonfinite_rows(x, w, bias, y)
+    return True
 
 
 def conv_nonfinite_weight_rows(x, w, bias, y, *, groups: int, stride, padding,

@@ -190,9 +190,11 @@ def _igemm_route(x, weight, args: ConvArgs, precision: str, bias,
     kernel, padding 1; :func:`~cufused._kernels.conv_gemm.transposed_s2k3_takes`) from a
     packed channels-last input (NDHWC memory) as it is, and from a dense NCDHW one as it is
     (:func:`~cufused._kernels.conv_gemm.transposed_s2k3_reads_ncdhw`) or through a
-    channels-last copy."""
+    channels-last copy, into a contiguous output, and in 3xTF32 into a packed channels-last
+    one where ``conv_transpose3d_s2k3_groups`` takes the problem
+    (:func:`~cufused._kernels.conv_gemm.transposed_s2k3_groups_take`)."""
     from .._kernels.conv_gemm import (channel_tiles_fit, takes_channels_last,
-                                      transposed_s2k3_takes)
+                                      transposed_s2k3_groups_take, transposed_s2k3_takes)
 
     if precision == "ieee" or (bias is not None and not bias.flags.c_contiguous):
         return None
@@ -213,12 +215,15 @@ def _igemm_route(x, weight, args: ConvArgs, precision: str, bias,
                     forward_args.dilation, weight.shape[2:], forward_args.padding))):
             return None
         return partial(_igemm_2d, args=forward_args, flip=args.transposed, passes=passes)
-    if ((x.flags.c_contiguous or stored_in(x, "nhwc")) and args.transposed and not channels_last
+    if not ((x.flags.c_contiguous or stored_in(x, "nhwc")) and args.transposed
             and transposed_s2k3_takes(x.shape[1], weight.shape[2:], args.stride, args.padding,
                                       args.output_padding, args.dilation, args.groups,
                                       args.out_shape)):
+        return None
+    if not channels_last:
         return partial(_igemm_transposed_3d, passes=passes)
-    return None
+    return _igemm_transposed_3d_groups if transposed_s2k3_groups_take(x.shape[1], out,
+                                                                        passes) else None
 
 
 def _caller_capturing() -> bool:
@@ -345,6 +350,31 @@ def _igemm_transposed_3d(x, weight, bias, y, *, passes: int) -> None:
         transpose_channels(x, x_last, to_channels_last=True)
         x = x_last
     conv_transpose3d_implicit_gemm(x, cupy.ascontiguousarray(weight), bias, y, passes=passes)
+
+
+def _igemm_transposed_3d_groups(x, weight, bias, y) -> None:
+    """``conv_transpose3d_s2k3_groups`` (3xTF32) into the packed channels-last ``y`` from
+    ``x`` stored channels-last and 16-byte aligned, else from a channels-last copy of it;
+    where the driver makes no tensor map of that input, ``conv_transpose3d_s2k3`` into a
+    contiguous result copied into ``y``."""
+    import cupy
+
+    from .._kernels.conv_gemm import conv_transpose3d_groups
+    from .._kernels.layout import transpose_channels
+    from .._layout import empty_in_layout
+
+    weight = cupy.ascontiguousarray(weight)
+    if not (stored_in(x, "nhwc") and x.data.ptr % 16 == 0):
+        x_last = empty_in_layout(x.shape, "nhwc")
+        if x.flags.c_contiguous:
+            transpose_channels(x, x_last, to_channels_last=True)
+        else:
+            x_last[...] = x
+        x = x_last
+    if not conv_transpose3d_groups(x, weight, bias, y):
+        y_nc = _empty_nchw(y.shape)
+        _igemm_transposed_3d(x, weight, bias, y_nc, passes=3)
+        y[...] = y_nc
 
 
 def _empty_nchw(shape):

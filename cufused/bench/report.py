@@ -95,8 +95,8 @@ def _conv_lines(result: dict) -> list[str]:
     """A row per case and precision: the convolution alone, cufused's and PyTorch's."""
     lines = ["convolutions alone (ms): cufused plan as the pipeline runs it (NCHW input "
              "where the pipeline gets one) and for an input in any layout (free), cufused public "
-             "call (NCHW in/out) and PyTorch's, without / with a bias; 2-D: cufused public "
-             "call into a channels-last out (NCHW in) and PyTorch's on channels_last tensors",
+             "call (NCHW in/out) and PyTorch's, without / with a bias; cufused public call "
+             "into a channels-last out (NCHW in) and PyTorch's on channels-last tensors",
              f"{'case':<4} {'prec':<5} {'plan':>7} {'free':>7} {'public':>7} {'torch':>7} "
              f"{'torch/public':>12} {'+bias':>7} {'torch':>7} {'torch/public':>12} "
              f"{'pub cl':>7} {'free/cl':>7} {'torch cl':>8}  plan / free strategy"]

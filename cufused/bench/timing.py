@@ -197,12 +197,11 @@ def _timed_calls(case: Case, precision: str, inputs: dict, out, rng, torch_calls
     }
     if free_plan is not plan:  # else (C) the pipeline already runs the layout-free plan
         fns["conv_free"] = lambda: free_plan.run(*free_operands)
-    channels_last = len(case.conv["x_shape"]) == 4  # 2-D: the implicit GEMM writes NHWC
-    if channels_last:
-        # The public convolution into a channels-last out (NHWC memory), NCHW input.
-        y_last = empty_in_layout(tuple(case.conv["y_shape"]), "nhwc")
-        fns["conv_public_cl"] = lambda: conv_fn(xc, wc, **conv_opts, precision=precision,
-                                                out=y_last)
+    # The public convolution into a channels-last out (NHWC / NDHWC memory), NCHW / NCDHW
+    # input: the implicit GEMM writes such outputs itself.
+    y_last = empty_in_layout(tuple(case.conv["y_shape"]), "nhwc")
+    fns["conv_public_cl"] = lambda: conv_fn(xc, wc, **conv_opts, precision=precision,
+                                            out=y_last)
     if torch_calls:
         import torch
 
@@ -211,9 +210,10 @@ def _timed_calls(case: Case, precision: str, inputs: dict, out, rng, torch_calls
         xt, wt, bt = (torch.as_tensor(a, device="cuda") for a in (xc, wc, bc))
         fns["torch_conv"] = lambda: torch_conv(xt, wt, **conv_opts)
         fns["torch_conv_bias"] = lambda: torch_conv(xt, wt, bt, **conv_opts)
-        if channels_last:  # PyTorch's channels_last input and weight (NHWC out)
-            xl, wl = (t.to(memory_format=torch.channels_last) for t in (xt, wt))
-            fns["torch_conv_cl"] = lambda: torch_conv(xl, wl, **conv_opts)
+        # PyTorch's channels_last (channels_last_3d) input and weight: a channels-last out.
+        last = torch.channels_last if xt.ndim == 4 else torch.channels_last_3d
+        xl, wl = (t.to(memory_format=last) for t in (xt, wt))
+        fns["torch_conv_cl"] = lambda: torch_conv(xl, wl, **conv_opts)
     return fns, plan, free_plan
 
 

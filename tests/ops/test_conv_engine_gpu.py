@@ -404,6 +404,50 @@ def _channels_last(a, offset: int = 0):
     return buf.transpose(0, 4, 1, 2, 3)
 
 
+@pytest.mark.parametrize("x_layout", ["ncdhw", "ndhwc", "ndhwc+4"])
+@pytest.mark.parametrize("x_shape, c_out, output_padding, bias", [
+    ((2, 32, 4, 6, 17), 64, 1, True),           # pipeline C's form
+    ((1, 8, 3, 5, 40), 20, (0, 1, 0), False),   # a partial column band; C_out below 64
+    ((2, 12, 2, 9, 31), 130, (1, 0, 1), True),  # three channel tiles
+    ((1, 4, 1, 1, 1), 2, 0, True),              # one input value: class (0, 0, 0) only
+    ((1, 6, 3, 4, 5), 10, 1, True),             # C_in % 4 != 0: another route
+    ((1, 8, 3, 4, 5), 9, 1, True),              # odd C_out: another route
+])
+def test_transposed_3d_stride2_into_channels_last_out(rng, monkeypatch, x_shape, c_out,
+                                                      output_padding, bias, x_layout):
+    # 3xTF32 into a packed channels-last out (NDHWC memory) on the implicit GEMM:
+    # conv_transpose3d_s2k3_groups on the wgmma build where C_in % 4 == 0 and C_out is even,
+    # from x as it is (channels-last, 16-byte aligned) or through a channels-last copy; there
+    # an input with infinities and a NaN, a weight with an infinity (its channel rewritten by
+    # the definition after the kernel): the definition's values and NaN / infinity placement
+    # in a NaN-poisoned out. Other problems go to cuDNN (finite operands).
+    from cufused._kernels.conv_gemm import _FILE, arch_target
+
+    taken = x_shape[1] % 4 == 0 and c_out % 2 == 0 and arch_target(_FILE) == "sm_90a"
+    x = rng.standard_normal(x_shape)
+    w = rng.standard_normal((x_shape[1], c_out, 3, 3, 3)) * 0.3
+    if taken:
+        x.flat[rng.integers(x.size, size=3)] = np.inf, -np.inf, np.nan
+        w[0, c_out - 1, 1, 2, 0] = np.inf
+    b = rng.standard_normal(c_out) if bias else None
+    opts = dict(stride=2, padding=1, output_padding=output_padding)
+    with np.errstate(all="ignore"):
+        ref = cufused.conv_transpose3d(x, w, b, **opts)
+    xg, wg, bg = to_gpu(x, w, b)
+    if x_layout != "ncdhw":
+        xg = _channels_last(xg, 4 if x_layout == "ndhwc+4" else 0)
+    names = _kernel_names(monkeypatch)
+    out = _poisoned_channels_last(ref.shape)
+    with plan_options(engine="igemm"):
+        assert cufused.conv_transpose3d(xg, wg, bg, **opts, precision="3xtf32", out=out) is out
+    assert ("conv_transpose3d_s2k3_groups" in names) == taken, names
+    got = out.get()
+    for test in (np.isnan, np.isposinf, np.isneginf):
+        np.testing.assert_array_equal(test(got), test(ref))
+    finite = np.isfinite(ref)
+    assert_close(got[finite], ref[finite], 2e-6)
+
+
 @pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
 @pytest.mark.parametrize("build", ["native", "portable"])
 @pytest.mark.parametrize("x_shape, c_out, offset", [

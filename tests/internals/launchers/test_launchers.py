@@ -939,9 +939,10 @@ def test_conv_gemm_launchers(launches, monkeypatch):
         assert len(launches) == before + (2 if passes == 3 else 1)
         if passes == 3:
             assert launches[-1].name == "conv_transpose_rows_nonfinite_weight"
-            assert launches[-1].grid == (64, 2) and launches[-1].args[4:8] == (2, 64, 32, 64)
-            # x's element strides (channels-last): n, c, d, h, w.
-            assert launches[-1].args[-5:] == (32 * 5 * 6 * 17, 1, 32 * 6 * 17, 32 * 17, 32)
+            assert launches[-1].grid == (64, 2) and launches[-1].args[4:7] == (2, 32, 64)
+            # x's element strides (channels-last), then y's (contiguous): n, c, d, h, w.
+            assert launches[-1].args[-10:-5] == (32 * 5 * 6 * 17, 1, 32 * 6 * 17, 32 * 17, 32)
+            assert launches[-1].args[-5:] == (64 * 10 * 12 * 34, 10 * 12 * 34, 12 * 34, 34, 1)
         # An NCDHW x is read as it is in TF32, by input planes (here without a tensor map:
         # by cp.async), in the ring's shared memory.
         x_first = Dev((2, 32, 5, 6, 17))
@@ -977,6 +978,9 @@ def test_conv_gemm_launchers(launches, monkeypatch):
                                   Dev((2, 64, 10, 12, 34)), Dev((128,)), clamp=(0.0, 1.0),
                                   passes=1)
     assert len(maps) == 1 and launches[-1].args[-4:-1] == (0, 1, 0)
+    # conv_transpose3d_s2k3_groups (test_transposed_3d_class_groups: its geometry).
+    assert conv.conv_transpose3d_groups(Dev((2, 32, 5, 6, 17), "nhwc"), Dev((32, 64, 3, 3, 3)),
+                                        None, Dev((2, 64, 10, 12, 34), "nhwc"))
     check_all(launches, "conv_gemm.cu")
     halo = [launch for launch in launches if launch.name.startswith("conv2d_halo<")]
     # 2 samples x 5 x 1 tiles of 4 x 32 pixels: a block per tile (fewer tiles than 2 blocks
@@ -1124,6 +1128,48 @@ def test_channels_last_stores(launches, monkeypatch):
                         else 1)
     assert launch(Dev((2, 64, 18, 16), "nhwc"), 1).name == "conv2d_halo_nhwc<1, 3, NHWC_THREADS>"
     assert launch(Dev((2, 64, 18, 16), "nhwc"), 3).name == "conv2d_halo_nhwc<3, 3, NHWC_TENSOR>"
+
+
+def test_transposed_3d_class_groups(launches, monkeypatch):
+    # conv_transpose3d_s2k3_groups: 3xTF32 on the wgmma build into a packed channels-last y
+    # of an even number of channels, 8-byte aligned, from C_in % 4 == 0; a block a
+    # multiprocessor for each channel tile of 64, shared among the four groups by their costs;
+    # the rows of non-finite weights checked after it, y in its (channels-last) strides.
+    conv = LAUNCHERS["conv_gemm.cu"]
+    monkeypatch.setattr(conv, "sm_count", lambda: 132)
+    monkeypatch.setattr(conv, "arch_target", lambda filename: "sm_90a")
+    y = Dev((2, 64, 10, 12, 34), "nhwc")
+    assert conv.transposed_s2k3_groups_take(32, y, 3)
+    assert conv._CTG_SHARED == 4 * (2 * 8 * 64 * 32 + 2 * 10752 + 4) <= 227 * 1024
+    for c_in, y_other, passes in ((32, y, 1), (30, y, 3), (32, Dev((2, 64, 10, 12, 34)), 3),
+                                  (32, Dev((2, 63, 10, 12, 34), "nhwc"), 3),
+                                  (32, Dev((2, 64, 10, 12, 34), "nhwc", ptr=(1 << 20) + 4), 3)):
+        assert not conv.transposed_s2k3_groups_take(c_in, y_other, passes)
+    monkeypatch.setattr(conv, "arch_target", lambda filename: None)  # the portable build
+    assert not conv.transposed_s2k3_groups_take(32, y, 3)
+    monkeypatch.setattr(conv, "arch_target", lambda filename: "sm_90a")
+    monkeypatch.setattr(conv, "shared_per_block", lambda: 200 * 1024)
+    assert not conv.transposed_s2k3_groups_take(32, y, 3)
+    # Costs 10.4 : 12.8 : 15.2 : 7.8 of 132 blocks, and of 44 for each of 3 channel tiles.
+    assert conv.transposed_s2k3_group_blocks(64) == (30, 67, 110, 132)
+    assert conv.transposed_s2k3_group_blocks(130) == (10, 22, 36, 44)
+    monkeypatch.setattr(conv, "sm_count", lambda: 2)  # one block a group at least
+    assert conv.transposed_s2k3_group_blocks(64) == (1, 2, 3, 4)
+    monkeypatch.setattr(conv, "sm_count", lambda: 132)
+    monkeypatch.setattr(conv, "float32_tensor_map", lambda *args: None)
+    x, w = Dev((2, 32, 5, 6, 17), "nhwc"), Dev((32, 64, 3, 3, 3))
+    assert not conv.conv_transpose3d_groups(x, w, None, y) and not launches
+    monkeypatch.setattr(conv, "float32_tensor_map", lambda *args: conv._NO_TENSOR_MAP)
+    assert conv.conv_transpose3d_groups(x, w, Dev((64,)), y)
+    run, rows = launches
+    assert run.name == "conv_transpose3d_s2k3_groups" and run.grid == (132, 1)
+    assert run.shared_mem == conv._CTG_SHARED and run.args[4:13] == (2, 32, 5, 6, 17, 64, 10,
+                                                                     12, 34)
+    assert run.args[13:16] == (30, 67, 110)
+    assert rows.name == "conv_transpose_rows_nonfinite_weight"
+    assert rows.args[-5:] == (64 * 10 * 12 * 34, 1, 64 * 12 * 34, 64 * 34, 64)
+    for launch in launches:
+        check_launch(launch)
 
 
 def test_halo_bands_shared(monkeypatch):
