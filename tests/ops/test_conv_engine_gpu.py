@@ -349,9 +349,8 @@ def _s2k3_route(monkeypatch, x_shape, c_out, output_padding) -> list:
 
     if shared_per_block() < conv._CT3_SHARED:
         pytest.skip("conv_transpose3d_s2k3 needs 217 KiB of shared memory a block")
-    d, h, w = x_shape[2:]
     op = (output_padding,) * 3 if isinstance(output_padding, int) else output_padding
-    out_shape = (x_shape[0], c_out, 2 * d - 1 + op[0], 2 * h - 1 + op[1], 2 * w - 1 + op[2])
+    out_shape = conv_transpose_shape(x_shape, c_out, output_padding)
     assert conv.transposed_s2k3_takes(x_shape[1], (3, 3, 3), (2, 2, 2), (1, 1, 1), op,
                                       (1, 1, 1), 1, out_shape)
     return count_calls(monkeypatch, conv, "conv_transpose3d_implicit_gemm")
@@ -404,6 +403,13 @@ def _channels_last(a, offset: int = 0):
     return buf.transpose(0, 4, 1, 2, 3)
 
 
+def conv_transpose_shape(x_shape, c_out: int, output_padding) -> tuple[int, ...]:
+    """The output shape of a transposed 3-D convolution of stride 2, padding 1, a 3 x 3 x 3
+    kernel."""
+    op = (output_padding,) * 3 if isinstance(output_padding, int) else output_padding
+    return (x_shape[0], c_out, *(2 * s - 1 + o for s, o in zip(x_shape[2:], op)))
+
+
 @pytest.mark.parametrize("x_layout", ["ncdhw", "ndhwc", "ndhwc+4"])
 @pytest.mark.parametrize("x_shape, c_out, output_padding, bias", [
     ((2, 32, 4, 6, 17), 64, 1, True),           # pipeline C's form
@@ -420,10 +426,13 @@ def test_transposed_3d_stride2_into_channels_last_out(rng, monkeypatch, x_shape,
     # from x as it is (channels-last, 16-byte aligned) or through a channels-last copy; there
     # an input with infinities and a NaN, a weight with an infinity (its channel rewritten by
     # the definition after the kernel): the definition's values and NaN / infinity placement
-    # in a NaN-poisoned out. Other problems go to cuDNN (finite operands).
+    # in a NaN-poisoned out. Other problems go to cuDNN (finite operands), and an out whose
+    # channels-last memory is C-contiguous too (one position) to the contiguous route.
     from cufused._kernels.conv_gemm import _FILE, arch_target
 
-    taken = x_shape[1] % 4 == 0 and c_out % 2 == 0 and arch_target(_FILE) == "sm_90a"
+    out = _poisoned_channels_last(conv_transpose_shape(x_shape, c_out, output_padding))
+    taken = (x_shape[1] % 4 == 0 and c_out % 2 == 0 and arch_target(_FILE) == "sm_90a"
+             and not out.flags.c_contiguous)
     x = rng.standard_normal(x_shape)
     w = rng.standard_normal((x_shape[1], c_out, 3, 3, 3)) * 0.3
     if taken:
@@ -437,7 +446,6 @@ def test_transposed_3d_stride2_into_channels_last_out(rng, monkeypatch, x_shape,
     if x_layout != "ncdhw":
         xg = _channels_last(xg, 4 if x_layout == "ndhwc+4" else 0)
     names = _kernel_names(monkeypatch)
-    out = _poisoned_channels_last(ref.shape)
     with plan_options(engine="igemm"):
         assert cufused.conv_transpose3d(xg, wg, bg, **opts, precision="3xtf32", out=out) is out
     assert ("conv_transpose3d_s2k3_groups" in names) == taken, names
