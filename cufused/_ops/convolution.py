@@ -190,9 +190,10 @@ def _igemm_route(x, weight, args: ConvArgs, precision: str, bias,
     kernel, padding 1; :func:`~cufused._kernels.conv_gemm.transposed_s2k3_takes`) from a
     packed channels-last input (NDHWC memory) as it is, and from a dense NCDHW one as it is
     (:func:`~cufused._kernels.conv_gemm.transposed_s2k3_reads_ncdhw`) or through a
-    channels-last copy, into a contiguous output, and in 3xTF32 into a packed channels-last
-    one where ``conv_transpose3d_s2k3_groups`` takes the problem
-    (:func:`~cufused._kernels.conv_gemm.transposed_s2k3_groups_take`)."""
+    channels-last copy, into a contiguous output; into a packed channels-last one in 3xTF32
+    where ``conv_transpose3d_s2k3_groups`` takes the problem
+    (:func:`~cufused._kernels.conv_gemm.transposed_s2k3_groups_take`), else through a
+    contiguous result transposed into it."""
     from .._kernels.conv_gemm import (channel_tiles_fit, takes_channels_last,
                                       transposed_s2k3_groups_take, transposed_s2k3_takes)
 
@@ -222,8 +223,9 @@ def _igemm_route(x, weight, args: ConvArgs, precision: str, bias,
         return None
     if not channels_last:
         return partial(_igemm_transposed_3d, passes=passes)
-    return _igemm_transposed_3d_groups if transposed_s2k3_groups_take(x.shape[1], out,
-                                                                        passes) else None
+    if transposed_s2k3_groups_take(x.shape[1], out, passes):
+        return _igemm_transposed_3d_groups
+    return partial(_igemm_transposed_3d_copied, passes=passes) if stored_in(out, "nhwc") else None
 
 
 def _caller_capturing() -> bool:
@@ -355,8 +357,7 @@ def _igemm_transposed_3d(x, weight, bias, y, *, passes: int) -> None:
 def _igemm_transposed_3d_groups(x, weight, bias, y) -> None:
     """``conv_transpose3d_s2k3_groups`` (3xTF32) into the packed channels-last ``y`` from
     ``x`` stored channels-last and 16-byte aligned, else from a channels-last copy of it;
-    where the driver makes no tensor map of that input, ``conv_transpose3d_s2k3`` into a
-    contiguous result copied into ``y``."""
+    where the driver makes no tensor map of that input, :func:`_igemm_transposed_3d_copied`."""
     import cupy
 
     from .._kernels.conv_gemm import conv_transpose3d_groups
@@ -372,9 +373,17 @@ def _igemm_transposed_3d_groups(x, weight, bias, y) -> None:
             x_last[...] = x
         x = x_last
     if not conv_transpose3d_groups(x, weight, bias, y):
-        y_nc = _empty_nchw(y.shape)
-        _igemm_transposed_3d(x, weight, bias, y_nc, passes=3)
-        y[...] = y_nc
+        _igemm_transposed_3d_copied(x, weight, bias, y, passes=3)
+
+
+def _igemm_transposed_3d_copied(x, weight, bias, y, *, passes: int) -> None:
+    """:func:`_igemm_transposed_3d` into a contiguous result, transposed into the packed
+    channels-last ``y``."""
+    from .._kernels.layout import transpose_channels
+
+    y_nc = _empty_nchw(y.shape)
+    _igemm_transposed_3d(x, weight, bias, y_nc, passes=passes)
+    transpose_channels(y_nc, y, to_channels_last=True)
 
 
 def _empty_nchw(shape):

@@ -426,8 +426,9 @@ def test_transposed_3d_stride2_into_channels_last_out(rng, monkeypatch, x_shape,
     # from x as it is (channels-last, 16-byte aligned) or through a channels-last copy; there
     # an input with infinities and a NaN, a weight with an infinity (its channel rewritten by
     # the definition after the kernel): the definition's values and NaN / infinity placement
-    # in a NaN-poisoned out. Other problems go to cuDNN (finite operands), and an out whose
-    # channels-last memory is C-contiguous too (one position) to the contiguous route.
+    # in a NaN-poisoned out. Other problems take conv_transpose3d_s2k3's result transposed
+    # into out (finite operands), an out whose channels-last memory is C-contiguous too (one
+    # position) the contiguous route.
     from cufused._kernels.conv_gemm import _FILE, arch_target
 
     out = _poisoned_channels_last(conv_transpose_shape(x_shape, c_out, output_padding))
@@ -449,6 +450,7 @@ def test_transposed_3d_stride2_into_channels_last_out(rng, monkeypatch, x_shape,
     with plan_options(engine="igemm"):
         assert cufused.conv_transpose3d(xg, wg, bg, **opts, precision="3xtf32", out=out) is out
     assert ("conv_transpose3d_s2k3_groups" in names) == taken, names
+    assert any(n.startswith("conv_transpose3d_s2k3<3, CT3_CONV") for n in names) != taken, names
     got = out.get()
     for test in (np.isnan, np.isposinf, np.isneginf):
         np.testing.assert_array_equal(test(got), test(ref))
