@@ -3,7 +3,9 @@
 stores and thread stores (the geometry compiled in and as arguments),
 conv2d_halo_nhwc_direct's stores from the accumulators, conv2d_nhwc_held_weights' halo planes
 and tensor stores, and the pooling epilogues of conv2d_halo_pool_stats (TF32) and
-conv2d_held_weights_pool_stats (3xTF32 on the wgmma build), in TF32 and 3xTF32, against
+conv2d_held_weights_pool_stats (3xTF32 on the wgmma build), in TF32 and 3xTF32, and
+conv_transpose3d_s2k3_groups' stores spread over the next class's taps (3xTF32 on the wgmma
+build, one block a group; skipped elsewhere), against
 the float64 reference (relative norm error under 3e-3 in TF32, 1e-5 in 3xTF32) on fresh
 random operands. The grids are sized for one multiprocessor, so that each block steps through
 its scratch buffers, tile pairs and bands many times: the cases that ``scripts/sanitize.py
@@ -69,6 +71,30 @@ def _pool_case(conv_gemm, rng, passes: int) -> float:
     return float(np.abs(ext.get() - want).max() / np.abs(want).max())
 
 
+def _groups_case(conv_gemm, rng) -> float | None:
+    """The relative error of conv_transpose3d_s2k3_groups into a NaN-filled channels-last y:
+    two channel tiles, the last row and column tiles partial, each group's block taking its
+    24 tiles; None where the kernel does not run (not the wgmma build)."""
+    import cupy
+
+    from cufused import reference
+    from cufused._layout import empty_in_layout
+
+    x = rng.standard_normal((2, 12, 3, 6, 40)).astype(np.float32)
+    w = (rng.standard_normal((12, 66, 3, 3, 3)) * 0.3).astype(np.float32)
+    b = rng.standard_normal(66).astype(np.float32)
+    ref = reference.conv_transpose(x.astype(np.float64), w, b, (2, 2, 2), (1, 1, 1),
+                                   (1, 1, 1), (1, 1, 1), 1)
+    x_last = empty_in_layout(x.shape, "nhwc")
+    x_last[...] = cupy.asarray(x)
+    y = empty_in_layout(ref.shape, "nhwc")
+    y.fill(np.nan)
+    if not (conv_gemm.transposed_s2k3_groups_take(x.shape[1], y, 3)
+            and conv_gemm.conv_transpose3d_groups(x_last, cupy.asarray(w), cupy.asarray(b), y)):
+        return None
+    return float(np.linalg.norm(y.get() - ref) / np.linalg.norm(ref))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=1, help="random seed (1)")
@@ -83,16 +109,22 @@ def main(argv: list[str] | None = None) -> int:
                                                           or get_kernel(filename, name, **kw))
     rng = np.random.default_rng(args.seed)
     ran = failed = 0
-    cases = [(case, passes) for case in CONV_CASES + [None] for passes in (1, 3)]
-    for case, passes in cases:
-        err = (_pool_case(conv_gemm, rng, passes) if case is None
-               else _conv_case(conv_gemm, rng, *case, passes))
+    cases = [(case, passes) for case in CONV_CASES + ["pool 4"] for passes in (1, 3)]
+    for case, passes in cases + [("class groups", 3)]:
+        if case == "pool 4":
+            err = _pool_case(conv_gemm, rng, passes)
+        elif case == "class groups":
+            err = _groups_case(conv_gemm, rng)
+            if err is None:
+                print("skip conv_transpose3d_s2k3_groups: not the wgmma build", flush=True)
+                continue
+        else:
+            err = _conv_case(conv_gemm, rng, *case, passes)
         ok = err < (3e-3 if passes == 1 else 1e-5)
         ran, failed = ran + 1, failed + (not ok)
-        # The convolution's kernel (the held weights' rewrite of non-finite channels after it).
-        kernel = next(name for name in reversed(names) if name != "conv_nonfinite_weight_rows")
-        print(f"{'ok' if ok else 'FAIL'} {kernel}: {case or 'pool 4'}, error {err:.1e}",
-              flush=True)
+        # The convolution's kernel (not the rewrite of non-finite channels after it).
+        kernel = next(name for name in reversed(names) if "nonfinite" not in name)
+        print(f"{'ok' if ok else 'FAIL'} {kernel}: {case}, error {err:.1e}", flush=True)
     print(f"cases run: {ran}; failed: {failed}")
     return 1 if failed else 0
 

@@ -2094,6 +2094,16 @@ __device__ __forceinline__ void tensor_copy_5d(unsigned dst, const void* map, in
            "r"(c2), "r"(c3), "r"(c4), "r"(bar) : "memory");
 }
 
+// Thread 0 initializes `count` mbarriers at bars (one arrival a phase), ordered before the
+// tensor copies that complete them; the caller's barrier publishes them to the block.
+__device__ __forceinline__ void init_mbarriers(unsigned long long* bars, int count) {
+    if (threadIdx.x != 0) return;
+    for (int b = 0; b < count; ++b)
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;"
+                     :: "r"((unsigned)__cvta_generic_to_shared(bars + b)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
 // Wait until the phase of the mbarrier at bar with this parity completes.
 __device__ __forceinline__ void mbarrier_wait_parity(unsigned bar, unsigned parity) {
     asm volatile(
@@ -2260,13 +2270,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
                        CT3_HFLOATS * 4);
     };
     if (tensor_copies) {
-        if (tid == 0) {
-            for (int b = 0; b < BARRIERS; ++b)
-                asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;"
-                             :: "r"((unsigned)__cvta_generic_to_shared(filled + b)) : "memory");
-            // The barriers' initialization before the tensor copies complete them.
-            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        }
+        init_mbarriers(filled, BARRIERS);
         __syncthreads();  // initialized before any thread waits on them
     }
 #endif
@@ -2855,13 +2859,8 @@ __device__ __forceinline__ void ctg_tiles(const float* __restrict__ x,
                        w0, h0, d, n, (unsigned)__cvta_generic_to_shared(filled + b),
                        CTG_HFLOATS * 4);
     };
-    if (tid == 0) {
-        for (int b = 0; b < 2; ++b)
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;"
-                         :: "r"((unsigned)__cvta_generic_to_shared(filled + b)) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-    __syncthreads();
+    init_mbarriers(filled, 2);
+    __syncthreads();  // initialized before any thread waits on them
     copy_halo(t, 0);
     // The group's weights while the first halo arrives: slot s of class r holds the tap of
     // its input offset o (o within r bitwise, ascending), rows o = output channels.

@@ -586,9 +586,9 @@ def _transposed_s2k3_nonfinite_rows(x, w, bias, y) -> None:
 # 2.4 for each class's stores (each group alone on an H200's multiprocessors): the groups'
 # blocks in those shares.
 _CTG_TILE = (1, 4, 32)
-_CTG_BN = 64
+_CTG_BN, _CTG_SLOTS = 64, 8
 _CTG_HALO_BOX = (_CT3_CI, _CTG_TILE[2] + 1, _CTG_TILE[1] + 1, 2, 1)  # C, W, H, D, N
-_CTG_SHARED = 4 * (2 * 8 * _CTG_BN * _CT3_CI
+_CTG_SHARED = 4 * (2 * _CTG_SLOTS * _CTG_BN * _CT3_CI
                    + 2 * (-(-math.prod(_CTG_HALO_BOX) // 256) * 256) + 4)
 _CTG_GROUP_COSTS = (8 + 2.4, 8 + 2 * 2.4, 8 + 3 * 2.4, 3 + 2 * 2.4)
 

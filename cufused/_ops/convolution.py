@@ -344,13 +344,9 @@ def _igemm_transposed_3d(x, weight, bias, y, *, passes: int) -> None:
     import cupy
 
     from .._kernels.conv_gemm import conv_transpose3d_implicit_gemm, transposed_s2k3_reads_ncdhw
-    from .._kernels.layout import transpose_channels
-    from .._layout import empty_in_layout
 
     if not stored_in(x, "nhwc") and not transposed_s2k3_reads_ncdhw(x, passes):
-        x_last = empty_in_layout(x.shape, "nhwc")
-        transpose_channels(x, x_last, to_channels_last=True)
-        x = x_last
+        x = _channels_last_copy(x)
     conv_transpose3d_implicit_gemm(x, cupy.ascontiguousarray(weight), bias, y, passes=passes)
 
 
@@ -361,17 +357,10 @@ def _igemm_transposed_3d_groups(x, weight, bias, y) -> None:
     import cupy
 
     from .._kernels.conv_gemm import conv_transpose3d_groups
-    from .._kernels.layout import transpose_channels
-    from .._layout import empty_in_layout
 
     weight = cupy.ascontiguousarray(weight)
     if not (stored_in(x, "nhwc") and x.data.ptr % 16 == 0):
-        x_last = empty_in_layout(x.shape, "nhwc")
-        if x.flags.c_contiguous:
-            transpose_channels(x, x_last, to_channels_last=True)
-        else:
-            x_last[...] = x
-        x = x_last
+        x = _channels_last_copy(x)
     if not conv_transpose3d_groups(x, weight, bias, y):
         _igemm_transposed_3d_copied(x, weight, bias, y, passes=3)
 
@@ -384,6 +373,20 @@ def _igemm_transposed_3d_copied(x, weight, bias, y, *, passes: int) -> None:
     y_nc = _empty_nchw(y.shape)
     _igemm_transposed_3d(x, weight, bias, y_nc, passes=passes)
     transpose_channels(y_nc, y, to_channels_last=True)
+
+
+def _channels_last_copy(x):
+    """A packed channels-last copy of ``x`` (N, C, *spatial): the tiled transpose of a
+    contiguous ``x``, else an element-wise copy (``x`` stored channels-last, unaligned)."""
+    from .._kernels.layout import transpose_channels
+    from .._layout import empty_in_layout
+
+    x_last = empty_in_layout(x.shape, "nhwc")
+    if x.flags.c_contiguous:
+        transpose_channels(x, x_last, to_channels_last=True)
+    else:
+        x_last[...] = x
+    return x_last
 
 
 def _empty_nchw(shape):
