@@ -98,6 +98,22 @@ __device__ __forceinline__ void split_operand(float x, unsigned& hi, unsigned& h
     }
 }
 
+// split_operand<3>'s planes of a value in five to seven instructions instead of about
+// thirteen, for operands that go straight to the tensor cores: the high part is the value
+// truncated to TF32, which the tensor cores do themselves to the raw value (hi: the value as
+// it is; a NaN quieted, so that no payload in the dropped bits alone leaves an infinity), and
+// the residual, exact in float32, is truncated by them too (its lowest two of up to thirteen
+// bits, 2^-22 of the value). The planes' roles are split_operand's.
+__device__ __forceinline__ void split_truncated(unsigned raw, unsigned& hi, unsigned& hi_finite,
+                                                unsigned& lo) {
+    const float x = __uint_as_float(raw);
+    const bool finite = fabsf(x) < INFINITY;
+    const unsigned high = raw & 0xFFFFE000u;
+    hi = finite ? raw : __float_as_uint(x + x);
+    hi_finite = finite ? high : 0u;
+    lo = finite ? __float_as_uint(x - __uint_as_float(high)) : 0u;
+}
+
 // One 8-deep reduction step of a warp's 32 x 32 tile from split operands (split_operand's
 // planes: a[plane][i] the A fragment of 16-row MMA tile i, b[plane][j] the B fragment of
 // 8-column tile j) into sum (the accumulator, or for PASSES = 3 the registers of the current
@@ -2756,15 +2772,17 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
 // k0 = 64 blockIdx.y .. are wgmma's N (B from the staged weights, ct3_weight_desc's layout);
 // a tile of 1 x 4 x 32 base positions is M, a warpgroup's 64 of
 // them (rows 2 g and 2 g + 1) per MMA, each warp's 16 from the halo (2 x 5 x 33 positions x
-// 32 channels by one tensor copy, ct3_swizzled rows, two buffers) by ldmatrix, split into
-// high part, finite high part and residual in registers. Per tap a step sum: for each half
+// 32 channels by one tensor copy, ct3_swizzled rows, two buffers) by ldmatrix, split in
+// registers by split_truncated (the fragments' split is most of a tap's instructions, and the
+// kernel's issue rate its bound before the tensor cores'). Per tap a step sum: for each half
 // of its 4 steps the residual products (the finite high weight times the residual x, the
 // residual weight times the finite high x), then the high ones, into zeroed registers added
 // to the accumulator in float32 once done, so that the tensor cores' truncating accumulation
 // spans 12 products of one tap; the fragments load while the other half's MMAs run, and a
-// finished class's stores go out a few after each of the next class's taps. A channel whose
-// weight holds a non-finite value (its high part staged as zero) is left to the launcher,
-// which rewrites it by the definition (conv_transpose_rows_nonfinite_weight).
+// finished class's stores go out in shares after the next class's first taps. The bias is the
+// accumulators' start. A channel whose weight holds a non-finite value (its high part staged
+// as zero) is left to the launcher, which rewrites it by the definition
+// (conv_transpose_rows_nonfinite_weight).
 #define CTG_THREADS 256
 #define CTG_TH 4
 #define CTG_TW 32
@@ -2896,34 +2914,44 @@ __device__ __forceinline__ void ctg_tiles(const float* __restrict__ x,
     // This warp's 16 positions: tile row `row`, columns col0 ..; this lane's ldmatrix row
     // is position col0 + rr + 8 (q & 1), chunk q / 2 (step 0).
     const int row = 2 * (warp >> 2) + ((warp >> 1) & 1), col0 = 16 * (warp & 1);
-    // A finished class's outputs plus bias wait in `pending` while the next class's taps run,
-    // a few stored after each tap's MMAs go out, so that the stores drain beside the MMAs
-    // (stored at once, every warp waits on the memory system between its MMAs). Item i =
-    // 8 h + j (position row gid + 8 h of the warp's 16, channels k0 + 8 j + 2 tig + (0, 1))
-    // is stored from pending[i - pending_first], the items shifted down as they go; base[h]
-    // is the position's offset in y (channel k0 + 2 tig), -1 outside y.
-    float pending[16][2] = {};
-    int pending_first = 16;  // none
-    long long base[2] = {-1, -1};
-    auto store_pending = [&](auto count_constant) {
-        constexpr int COUNT = decltype(count_constant)::value;
+    // A finished class's outputs wait in `pending` while the next class's taps run, a share
+    // stored after each of its first taps' MMAs go out, so that the stores drain beside the
+    // MMAs (stored at once, every warp waits on the memory system between its MMAs). Item i =
+    // 8 h + j: position row gid + 8 h of the warp's 16, channels k0 + 8 j + 2 tig + (0, 1);
+    // at[h] is the position's address in y at channel k0 + 2 tig; bit i of `inside`: item i
+    // lies in y.
+    float pending[16][2];
+    float* at[2] = {y, y};
+    unsigned inside = 0;
+    // The share of tap `tap` of a class of TAPS taps: at least 4 items a tap, so that at most
+    // four taps compare their index.
+    auto store_share = [&](int tap, auto taps_constant) {
+        constexpr int TAPS = decltype(taps_constant)::value;
+        constexpr int SHARE = TAPS > 4 ? 4 : 16 / TAPS;
 #pragma unroll
-        for (int s = 0; s < COUNT; ++s) {
-            const int i = pending_first + s;
-            if (i >= 16) break;
-            const long long at = (i >> 3) ? base[1] : base[0];
-            const int j = i & 7;
-            if (at >= 0 && k0 + 8 * j + 2 * tig < K)
-                *reinterpret_cast<float2*>(y + at + 8 * j) =
-                    make_float2(pending[s][0], pending[s][1]);
-        }
+        for (int part = 0; part < 16 / SHARE; ++part) {
+            if (tap != part) continue;
 #pragma unroll
-        for (int e = 0; e + COUNT < 16; ++e) {
-            pending[e][0] = pending[e + COUNT][0];
-            pending[e][1] = pending[e + COUNT][1];
+            for (int i = part * SHARE; i < (part + 1) * SHARE; ++i)
+                if ((inside >> i) & 1)
+                    *reinterpret_cast<float2*>(at[i >> 3] + 8 * (i & 7)) =
+                        make_float2(pending[i][0], pending[i][1]);
         }
-        pending_first += COUNT;
     };
+    // The accumulators' start: the bias of this thread's channels (k0 + 8 j + 2 tig + e).
+    float start[8][2];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int k = k0 + 8 * j + 2 * tig + e;
+            start[j][e] = bias != nullptr && k < K ? __ldg(bias + k) : 0.0f;
+        }
+    // Bit j + 8 h: channel pair j of this thread inside y (K is even).
+    unsigned channels = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+        if (k0 + 8 * j + 2 * tig < K) channels |= 0x101u << j;
     unsigned phases = 0;
     for (int buf = 0;; buf ^= 1) {
         mbarrier_wait_parity((unsigned)__cvta_generic_to_shared(filled + buf),
@@ -2937,7 +2965,7 @@ __device__ __forceinline__ void ctg_tiles(const float* __restrict__ x,
         tile_origin(t, n, d, h0, w0);
         const unsigned hb = (unsigned)__cvta_generic_to_shared(halo + buf * CTG_HSTRIDE);
         // The fragments of input offset o = (a, b, c) at reduction steps 2 half and 2 half +
-        // 1, split: [s][0] high part, [1] finite high part, [2] residual.
+        // 1, split (split_truncated): [s][0] high part, [1] finite high part, [2] residual.
         auto load_half = [&](int o, int half, unsigned (&f)[2][3][4]) {
             const int p = (((o >> 2) * CTG_HH + row + ((o >> 1) & 1)) * CTG_HW) + col0 + rr +
                           8 * (q & 1) + (o & 1);
@@ -2948,8 +2976,7 @@ __device__ __forceinline__ void ctg_tiles(const float* __restrict__ x,
                 ldmatrix_x4(raw, a ^ ((2 * half + s) << 5));
 #pragma unroll
                 for (int e = 0; e < 4; ++e)
-                    split_operand<3>(__uint_as_float(raw[e]), f[s][0][e], f[s][1][e],
-                                     f[s][2][e]);
+                    split_truncated(raw[e], f[s][0][e], f[s][1][e], f[s][2][e]);
             }
         };
         // Steps 2 half and 2 half + 1 of the tap in `slot` into the step sum: the residual
@@ -2968,67 +2995,64 @@ __device__ __forceinline__ void ctg_tiles(const float* __restrict__ x,
             for (int s = 0; s < 2; ++s) wgmma_tf32_n64(step, f[s][0], high + 2 * (2 * half + s));
             asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
         };
-        // Class r of the group (compiled in: the stores per tap).
+        // Class r of the group (compiled in: its taps and the stores per tap).
         auto run_class = [&](auto r_constant) {
             constexpr int r = decltype(r_constant)::value;
             if (!((CLASSES >> r) & 1)) return;
+            constexpr int TAPS = ctg_class_taps(r);
             float acc[8][4], step[8][4];
 #pragma unroll
-            for (int e = 0; e < 32; ++e) (&acc[0][0])[e] = 0.0f;
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[j][e] = start[j][e & 1];
             // [half]: the fragments of steps 0 and 1, 2 and 3; each half's next load while the
             // other half's MMAs run.
             unsigned frags[2][2][3][4];
             load_half(0, 0, frags[0]);
-            int slot = ctg_first_slot(CLASSES, r);
+            const int first_slot = ctg_first_slot(CLASSES, r);
             // A loop at run time: unrolled, the compiler hoists the offsets' addresses and
-            // loads past the registers.
+            // loads past the registers. The offsets are r's subsets in ascending order, the
+            // next one (off - r) & r.
 #pragma unroll 1
-            for (int off = 0; off < 8; ++off) {
-                if ((off & r) != off) continue;
+            for (int tap = 0, off = 0; tap < TAPS; ++tap, off = (off - r) & r) {
 #pragma unroll
                 for (int e = 0; e < 32; ++e) (&step[0][0])[e] = 0.0f;
                 pin_registers<32>(&step[0][0]);
                 pin_registers<24>(&frags[0][0][0][0]);
-                mma_half(step, frags[0], slot, 0);
+                mma_half(step, frags[0], first_slot + tap, 0);
                 load_half(off, 1, frags[1]);
                 pin_registers<24>(&frags[1][0][0][0]);
-                mma_half(step, frags[1], slot, 1);
-                // The previous class's items, spread evenly over this class's taps.
-                store_pending(CT3Int<16 / ctg_class_taps(r)>{});
+                mma_half(step, frags[1], first_slot + tap, 1);
+                // The previous class's items, a share after each of this class's first taps.
+                store_share(tap, CT3Int<TAPS>{});
                 asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
-                int next_off = off + 1;
-                while (next_off < 8 && (next_off & r) != next_off) ++next_off;
-                if (next_off < 8) {
+                if (tap + 1 < TAPS) {
                     pin_registers<24>(&frags[0][0][0][0]);
-                    load_half(next_off, 0, frags[0]);
+                    load_half((off - r) & r, 0, frags[0]);
                 }
                 asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
                 pin_registers<32>(&step[0][0]);
                 pin_registers<24>(&frags[1][0][0][0]);
 #pragma unroll
                 for (int e = 0; e < 32; ++e) (&acc[0][0])[e] += (&step[0][0])[e];
-                ++slot;
             }
             // Class r's outputs become the pending items.
             const int rd = r >> 2, rh = (r >> 1) & 1, rw = r & 1;
             const int od = 2 * d + rd, oh = 2 * (h0 + row) + rh;
+            inside = 0;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int ow = 2 * (w0 + col0 + gid + 8 * h) + rw;
-                base[h] = od < Do && oh < Ho && ow < Wo
-                              ? ((((long long)n * Do + od) * Ho + oh) * Wo + ow) * K + k0 +
-                                    2 * tig
-                              : -1;
+                const bool in = od < Do && oh < Ho && ow < Wo;
+                at[h] = y + (in ? ((((long long)n * Do + od) * Ho + oh) * Wo + ow) * K + k0 +
+                                      2 * tig
+                                : 0);
+                if (in) inside |= channels & (0xFFu << (8 * h));
             }
 #pragma unroll
-            for (int i = 0; i < 16; ++i) {
-                const int k = k0 + 8 * (i & 7) + 2 * tig;
+            for (int i = 0; i < 16; ++i)
 #pragma unroll
-                for (int e = 0; e < 2; ++e)
-                    pending[i][e] = acc[i & 7][2 * (i >> 3) + e] +
-                                    (bias != nullptr && k < K ? __ldg(bias + k + e) : 0.0f);
-            }
-            pending_first = 0;
+                for (int e = 0; e < 2; ++e) pending[i][e] = acc[i & 7][2 * (i >> 3) + e];
         };
         run_class(CT3Int<0>{});
         run_class(CT3Int<1>{});
@@ -3041,7 +3065,8 @@ __device__ __forceinline__ void ctg_tiles(const float* __restrict__ x,
         if (!more) break;
         t = next;
     }
-    store_pending(CT3Int<16>{});
+    // The last class's items.
+    store_share(0, CT3Int<1>{});
 }
 #endif
 
