@@ -582,15 +582,15 @@ def _transposed_s2k3_nonfinite_rows(x, w, bias, y) -> None:
 # output channels a block (CTG_BN), CTG_SHARED_FLOATS floats of shared memory (two weight
 # planes of 8 taps x 64 x 32, two halo buffers of 2 x 5 x 33 positions x 32 channels, each
 # 1024-byte aligned, two mbarriers); the classes in four groups (ctg_group_classes) of 8, 8,
-# 8 and 3 taps and 1, 2, 3 and 2 classes. A group's time per tile is about its taps plus
-# 2.4 for each class's stores (each group alone on an H200's multiprocessors): the groups'
-# blocks in those shares.
+# 8 and 3 taps and 1, 2, 3 and 2 classes. The groups' blocks in the shares of the fastest
+# split of an H200's 132 multiprocessors among them (a sweep of splits around the groups'
+# times alone, 0.219, 0.231, 0.259 and 0.126 ms, on the canonical C).
 _CTG_TILE = (1, 4, 32)
 _CTG_BN, _CTG_SLOTS = 64, 8
 _CTG_HALO_BOX = (_CT3_CI, _CTG_TILE[2] + 1, _CTG_TILE[1] + 1, 2, 1)  # C, W, H, D, N
 _CTG_SHARED = 4 * (2 * _CTG_SLOTS * _CTG_BN * _CT3_CI
                    + 2 * (-(-math.prod(_CTG_HALO_BOX) // 256) * 256) + 4)
-_CTG_GROUP_COSTS = (8 + 2.4, 8 + 2 * 2.4, 8 + 3 * 2.4, 3 + 2 * 2.4)
+_CTG_GROUP_COSTS = (35, 37, 41, 19)
 
 
 def transposed_s2k3_groups_take(c_in: int, y, passes: int) -> bool:

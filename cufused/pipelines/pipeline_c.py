@@ -4,9 +4,10 @@ The pool runs first, writing the convolution's input directly in the layout its 
 wants; after the clamp to [lo, hi] the softmax needs no max pass (exp(v - the clamp's middle)
 within e^+-30 for hi - lo <= 60), so one statistics read and one normalize-and-scale pass
 follow, in place in the output when the layout allows. On cufused's tensor-core convolution
-(stride 2, 3 x 3 x 3 kernels) the convolution output is never stored: one pass takes the softmax
-sums in the convolution's epilogue, a second computes the convolution again and writes the
-result.
+(stride 2, 3 x 3 x 3 kernels) in TF32 the convolution output is never stored: one pass takes
+the softmax sums in the convolution's epilogue, a second computes the convolution again and
+writes the result. In 3xTF32, whose convolution costs three times the MMAs, the class groups'
+kernel writes it once, channels-last, and the softmax's two passes read it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from .._arrays import (Size, check_float_dtype, check_ndim, check_out, check_per
                        check_required, check_sizes, forward, get_array_module, per_channel)
 from .._cudnn import UnsupportedConvolution
 from .._call_graphs import warm_calls
-from .._kernels.conv_gemm import (conv_transpose3d_softmax, conv_transpose3d_softmax_sums,
+from .._kernels.conv_gemm import (conv_transpose3d_groups, conv_transpose3d_softmax,
+                                  conv_transpose3d_softmax_sums, transposed_s2k3_groups_take,
                                   transposed_s2k3_takes)
 from .._kernels.pooling import pool_into
 from .._kernels.softmax import softmax_finalize, softmax_rows, softmax_rows_nonfinite_weight
@@ -147,15 +149,22 @@ def _fused(xp, x, weight, args, precision, out, *, k, pooled_shape, conv_bias, s
     """The average pool into the convolution's input layout, the transposed convolution, then
     the clamped softmax times ``scale`` into ``out``: on cuDNN, the softmax reads the plan's
     output layout; on cufused's implicit GEMM (``recompute``; None: where
-    :func:`_recompute_applies`), the convolution runs twice, the softmax sums in its first
-    pass's epilogue and the result written by its second."""
+    :func:`_recompute_applies`), in 3xTF32 where the class groups take the problem
+    (:func:`_fused_class_groups`) the softmax reads their channels-last result, otherwise the
+    convolution runs twice, the softmax sums in its first pass's epilogue and the result
+    written by its second."""
     if recompute is None:
         recompute = _recompute_applies(xp, x, weight, args, precision, k, pooled_shape,
                                        conv_bias is not None, lo, hi)
+    options = dict(k=k, pooled_shape=pooled_shape, conv_bias=conv_bias, scale=scale, lo=lo,
+                   hi=hi)
+    if recompute and mma_passes(precision) == 3:
+        y = empty_in_layout(out.shape, "nhwc")
+        if (transposed_s2k3_groups_take(pooled_shape[1], y, 3)
+                and _fused_class_groups(xp, x, weight, args, out, y, **options)):
+            return out
     if recompute:
-        return _fused_recompute(xp, x, weight, args, precision, out, k=k,
-                                pooled_shape=pooled_shape, conv_bias=conv_bias, scale=scale,
-                                lo=lo, hi=hi)
+        return _fused_recompute(xp, x, weight, args, precision, out, **options)
     n, c = out.shape[:2]
     try:
         plan = gpu_conv_plan(pooled_shape, weight.shape, args, precision, convert_input=False,
@@ -200,12 +209,33 @@ def _fused_recompute(xp, x, weight, args, precision, out, *, k, pooled_shape, co
                                   scale=scale, lo=lo, hi=hi)
 
 
+def _fused_class_groups(xp, x, weight, args, out, y, *, k, pooled_shape, conv_bias, scale, lo,
+                        hi) -> bool:
+    """The pool into a channels-last input, the transposed convolution in 3xTF32 on the class
+    groups (:func:`~cufused._kernels.conv_gemm.conv_transpose3d_groups`) into the
+    channels-last ``y``, then the clamped softmax of ``y`` plus ``conv_bias`` times ``scale``
+    into ``out``. False, with nothing written to ``out``, where the driver makes no tensor map
+    of the pooled input."""
+    n, c = out.shape[:2]
+    x_pooled = empty_in_layout(pooled_shape, "nhwc")
+    pool_into(xp.ascontiguousarray(x), x_pooled, (k, k, k), (k, k, k), (0, 0, 0), is_max=False)
+    if not conv_transpose3d_groups(x_pooled, xp.ascontiguousarray(weight), None, y):
+        return False
+    sn, sc, *_, ss = (s // y.itemsize for s in y.strides)
+    softmax_rows(xp, y, out, rows=n * c, length=math.prod(out.shape[2:]), channels=c,
+                 strides=(sn, sc, ss), layout="nhwc", bias=conv_bias, scale=scale,
+                 clamp=(lo, hi))
+    _nonfinite_weight_rows(xp, x_pooled, weight, args, out, conv_bias=conv_bias, scale=scale,
+                           lo=lo, hi=hi)
+    return True
+
+
 def _recompute_applies(xp, x, weight, args, precision, k, pooled_shape, bias: bool, lo,
                        hi) -> bool:
-    """Whether :func:`_fused` runs on cufused's implicit GEMM (``conv_transpose3d_s2k3``): a
-    tensor-core precision, a problem that its kernels take, and the implicit GEMM forced or
-    this path measured faster than cuDNN's (:func:`~._common.runs_on_igemm`, once per
-    problem)."""
+    """Whether :func:`_fused` runs on cufused's implicit GEMM (``conv_transpose3d_s2k3``, in
+    3xTF32 its class groups where they take the problem): a tensor-core precision, a problem
+    that its kernels take, and the implicit GEMM forced or this path measured faster than
+    cuDNN's (:func:`~._common.runs_on_igemm`, once per problem)."""
     if precision == "ieee" or not transposed_s2k3_takes(
             pooled_shape[1], weight.shape[2:], args.stride, args.padding, args.output_padding,
             args.dilation, args.groups, args.out_shape, (lo, hi)):

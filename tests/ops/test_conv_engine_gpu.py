@@ -426,9 +426,9 @@ def test_transposed_3d_stride2_into_channels_last_out(rng, monkeypatch, x_shape,
     # from x as it is (channels-last, 16-byte aligned) or through a channels-last copy; there
     # an input with infinities and a NaN, a weight with an infinity (its channel rewritten by
     # the definition after the kernel): the definition's values and NaN / infinity placement
-    # in a NaN-poisoned out. Other problems take conv_transpose3d_s2k3's result transposed
-    # into out (finite operands), an out whose channels-last memory is C-contiguous too (one
-    # position) the contiguous route.
+    # in a NaN-poisoned out, a NaN with its payload in its lowest bits included. Other problems
+    # take conv_transpose3d_s2k3's result transposed into out (finite operands), an out whose
+    # channels-last memory is C-contiguous too (one position) the contiguous route.
     from cufused._kernels.conv_gemm import _FILE, arch_target
 
     out = _poisoned_channels_last(conv_transpose_shape(x_shape, c_out, output_padding))
@@ -439,11 +439,16 @@ def test_transposed_3d_stride2_into_channels_last_out(rng, monkeypatch, x_shape,
     if taken:
         x.flat[rng.integers(x.size, size=3)] = np.inf, -np.inf, np.nan
         w[0, c_out - 1, 1, 2, 0] = np.inf
+        # A NaN whose payload lies in the 13 bits below TF32's (an infinity once truncated).
+        low_nan = int(rng.integers(x.size))
+        x.flat[low_nan] = np.nan
     b = rng.standard_normal(c_out) if bias else None
     opts = dict(stride=2, padding=1, output_padding=output_padding)
     with np.errstate(all="ignore"):
         ref = cufused.conv_transpose3d(x, w, b, **opts)
     xg, wg, bg = to_gpu(x, w, b)
+    if taken:
+        xg.reshape(-1).view(cp.uint32)[low_nan] = 0x7F800001
     if x_layout != "ncdhw":
         xg = _channels_last(xg, 4 if x_layout == "ndhwc+4" else 0)
     names = _kernel_names(monkeypatch)

@@ -1150,9 +1150,9 @@ def test_transposed_3d_class_groups(launches, monkeypatch):
     monkeypatch.setattr(conv, "arch_target", lambda filename: "sm_90a")
     monkeypatch.setattr(conv, "shared_per_block", lambda: 200 * 1024)
     assert not conv.transposed_s2k3_groups_take(32, y, 3)
-    # Costs 10.4 : 12.8 : 15.2 : 7.8 of 132 blocks, and of 44 for each of 3 channel tiles.
-    assert conv.transposed_s2k3_group_blocks(64) == (30, 67, 110, 132)
-    assert conv.transposed_s2k3_group_blocks(130) == (10, 22, 36, 44)
+    # Shares 35 : 37 : 41 : 19 of 132 blocks, and of 44 for each of 3 channel tiles.
+    assert conv.transposed_s2k3_group_blocks(64) == (35, 72, 113, 132)
+    assert conv.transposed_s2k3_group_blocks(130) == (12, 24, 38, 44)
     monkeypatch.setattr(conv, "sm_count", lambda: 2)  # one block a group at least
     assert conv.transposed_s2k3_group_blocks(64) == (1, 2, 3, 4)
     monkeypatch.setattr(conv, "sm_count", lambda: 132)
@@ -1165,7 +1165,7 @@ def test_transposed_3d_class_groups(launches, monkeypatch):
     assert run.name == "conv_transpose3d_s2k3_groups" and run.grid == (132, 1)
     assert run.shared_mem == conv._CTG_SHARED and run.args[4:13] == (2, 32, 5, 6, 17, 64, 10,
                                                                      12, 34)
-    assert run.args[13:16] == (30, 67, 110)
+    assert run.args[13:16] == (35, 72, 113)
     assert rows.name == "conv_transpose_rows_nonfinite_weight"
     assert rows.args[-5:] == (64 * 10 * 12 * 34, 1, 64 * 12 * 34, 64 * 34, 64)
     for launch in launches:
