@@ -96,18 +96,21 @@ def _conv_lines(result: dict) -> list[str]:
     lines = ["convolutions alone (ms): cufused plan as the pipeline runs it (NCHW input "
              "where the pipeline gets one) and for an input in any layout (free), cufused public "
              "call (NCHW in/out) and PyTorch's, without / with a bias; cufused public call "
-             "into a channels-last out (NCHW in) and PyTorch's on channels-last tensors",
+             "into a channels-last out from an NCHW input (pub cl) and from a channels-last one "
+             "(cl>cl), and PyTorch's on channels-last tensors",
              f"{'case':<4} {'prec':<5} {'plan':>7} {'free':>7} {'public':>7} {'torch':>7} "
              f"{'torch/public':>12} {'+bias':>7} {'torch':>7} {'torch/public':>12} "
-             f"{'pub cl':>7} {'free/cl':>7} {'torch cl':>8}  plan / free strategy"]
+             f"{'pub cl':>7} {'free/cl':>7} {'cl>cl':>7} {'free/cl>cl':>10} {'torch cl':>8}  "
+             "plan / free strategy"]
     for r in result["rows"]:
-        tc, tb, pb, fr, cl, tl = (r.get(k, float("nan")) for k in (
+        tc, tb, pb, fr, cl, cc, tl = (r.get(k, float("nan")) for k in (
             "torch_conv", "torch_conv_bias", "conv_public_bias", "conv_free", "conv_public_cl",
-            "torch_conv_cl"))
+            "conv_public_cl_in", "torch_conv_cl"))
         lines.append(f"{r['case']:<4} {r['precision']:<5} {r['conv']:7.3f} {fr:7.3f} "
                      f"{r['conv_public']:7.3f} {tc:7.3f} {tc / r['conv_public']:12.2f} "
                      f"{pb:7.3f} {tb:7.3f} {tb / pb:12.2f} {cl:7.3f} {fr / cl:7.2f} "
-                     f"{tl:8.3f}  {r['conv_layout']} / {r.get('conv_free_layout', '-')}")
+                     f"{cc:7.3f} {fr / cc:10.2f} {tl:8.3f}  {r['conv_layout']} / "
+                     f"{r.get('conv_free_layout', '-')}")
     return lines
 
 

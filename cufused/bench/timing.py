@@ -202,6 +202,11 @@ def _timed_calls(case: Case, precision: str, inputs: dict, out, rng, torch_calls
     y_last = empty_in_layout(tuple(case.conv["y_shape"]), "nhwc")
     fns["conv_public_cl"] = lambda: conv_fn(xc, wc, **conv_opts, precision=precision,
                                             out=y_last)
+    # The same from a channels-last input, as PyTorch's channels_last calls below get theirs.
+    x_last = empty_in_layout(tuple(case.conv["x_shape"]), "nhwc")
+    x_last[...] = xc
+    fns["conv_public_cl_in"] = lambda: conv_fn(x_last, wc, **conv_opts, precision=precision,
+                                               out=y_last)
     if torch_calls:
         import torch
 
