@@ -182,7 +182,8 @@ def _igemm_route(x, weight, args: ConvArgs, precision: str, bias,
     problem ("ieee", which runs on cuDNN or the DFT engine, included).
 
     The implicit GEMM computes 2-D convolutions of one group on dense NCHW operands (any
-    sizes, strides, padding, dilation) into NCHW or, where its halo kernel takes the problem
+    sizes, strides, padding, dilation; a packed channels-last input through an NCHW copy,
+    :func:`_nchw_copy`) into NCHW or, where its halo kernel takes the problem
     (:func:`~cufused._kernels.conv_gemm.takes_channels_last`), packed channels-last outputs,
     a stride-1 transposed one as the forward convolution
     of the flipped weight (:func:`_stride1_forward_args`), and the transposed 3-D
@@ -204,7 +205,8 @@ def _igemm_route(x, weight, args: ConvArgs, precision: str, bias,
     if x.ndim == 4:
         forward_args = (_stride1_forward_args(args, weight.shape[2:]) if args.transposed
                         else args)
-        if (not x.flags.c_contiguous or forward_args is None or forward_args.groups != 1
+        if (not (x.flags.c_contiguous or stored_in(x, "nhwc")) or forward_args is None
+                or forward_args.groups != 1
                 or (channels_last and not takes_channels_last(
                     x.shape[1], weight.shape[2:], forward_args.stride, forward_args.dilation,
                     passes))
@@ -331,10 +333,11 @@ def _flipped(weight):
 
 def _igemm_2d(x, weight, bias, y, *, args: ConvArgs, flip: bool, passes: int) -> None:
     """The 2-D implicit GEMM of the forward convolution ``args`` (of the :func:`_flipped`
-    weight where ``flip``)."""
+    weight where ``flip``) on a contiguous ``x``, else on an NCHW copy of it."""
     from .._kernels.conv_gemm import conv2d_implicit_gemm
 
-    conv2d_implicit_gemm(x, _flipped(weight) if flip else weight, bias, y, stride=args.stride,
+    conv2d_implicit_gemm(x if x.flags.c_contiguous else _nchw_copy(x),
+                         _flipped(weight) if flip else weight, bias, y, stride=args.stride,
                          padding=args.padding, dilation=args.dilation, passes=passes)
 
 
@@ -387,6 +390,16 @@ def _channels_last_copy(x):
     else:
         x_last[...] = x
     return x_last
+
+
+def _nchw_copy(x):
+    """A contiguous (NCHW / NCDHW) copy of ``x`` stored packed channels-last (the tiled
+    transpose)."""
+    from .._kernels.layout import transpose_channels
+
+    x_nc = _empty_nchw(x.shape)
+    transpose_channels(x, x_nc, to_channels_last=False)
+    return x_nc
 
 
 def _empty_nchw(shape):

@@ -254,6 +254,41 @@ def _kernel_names(monkeypatch) -> list:
     return names
 
 
+@pytest.mark.parametrize("out_layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
+@pytest.mark.parametrize("fn, x_shape, w_shape, options", [
+    ("conv2d", (2, 8, 30, 36), (64, 8, 3, 3), dict(padding=1)),  # A's form
+    ("conv2d", (1, 5, 17, 13), (7, 5, 3, 3), dict(stride=2)),
+    ("conv_transpose2d", (2, 7, 9, 11), (7, 5, 3, 3), dict(padding=1)),  # as forward
+])
+def test_channels_last_input_2d(rng, monkeypatch, fn, x_shape, w_shape, options, precision,
+                                out_layout):
+    # A packed channels-last x (PyTorch's channels_last memory) takes the implicit GEMM
+    # through an NCHW copy (a tiled transpose): the bits of the same call on the NCHW x.
+    import cufused._kernels.layout as layout
+
+    x = rng.standard_normal(x_shape)
+    w = rng.standard_normal(w_shape) * 0.3
+    b = rng.standard_normal(w_shape[1] if fn.startswith("conv_transpose") else w_shape[0])
+    call = getattr(cufused, fn)
+    ref = call(x, w, b, **options)
+    xg, wg, bg = to_gpu(x, w, b)
+
+    def out():
+        return (poisoned(ref.shape) if out_layout == "nchw"
+                else _poisoned_channels_last(ref.shape))
+
+    with plan_options(engine="igemm"):
+        dense = call(xg, wg, bg, **options, precision=precision, out=out())
+        names = _kernel_names(monkeypatch)
+        copies = count_calls(monkeypatch, layout, "transpose_channels")
+        for _ in range(2):  # a first call, then a warm one (a whole-call graph)
+            got = call(_channels_last(xg), wg, bg, **options, precision=precision, out=out())
+    assert copies and any(n.startswith("conv2d") for n in names), names
+    np.testing.assert_array_equal(got.get().view(np.uint32), dense.get().view(np.uint32))
+    assert_close(got.get(), ref, TOL[precision])
+
+
 @pytest.mark.parametrize("engine", ["igemm", "cudnn"])
 @pytest.mark.parametrize("precision", ["3xtf32", "tf32", "ieee"])
 @pytest.mark.parametrize("build", ["native", "portable"])
@@ -395,12 +430,11 @@ def test_transposed_3d_stride2_on_the_implicit_gemm(rng, monkeypatch, x_shape, c
 
 
 def _channels_last(a, offset: int = 0):
-    """``a`` (N, C, D, H, W) as a logical NCDHW view of packed NDHWC memory that starts
-    ``offset`` float32 values into its allocation."""
-    last = a.transpose(0, 2, 3, 4, 1)
-    buf = cp.full(last.size + offset, cp.nan, dtype=cp.float32)[offset:].reshape(last.shape)
-    buf[...] = last
-    return buf.transpose(0, 4, 1, 2, 3)
+    """``a`` (N, C, *spatial) as a logical view of packed channels-last memory (NHWC / NDHWC)
+    that starts ``offset`` float32 values into its allocation."""
+    buf = _poisoned_channels_last(a.shape, offset=offset)
+    buf[...] = a
+    return buf
 
 
 def conv_transpose_shape(x_shape, c_out: int, output_padding) -> tuple[int, ...]:

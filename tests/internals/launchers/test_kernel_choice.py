@@ -151,7 +151,9 @@ _S2 = dict(stride=2, padding=1)
     (False, (2, 8, 20, 20), (16, 8, 3, 3), dict(padding=1), "tf32", "nchw", "_igemm_2d"),
     (True, (2, 8, 20, 20), (8, 16, 5, 5), dict(padding=1), "3xtf32", "nchw", "_igemm_2d"),
     (False, (2, 8, 20, 20), (16, 8, 3, 3), dict(padding=1), "ieee", "nchw", None),
-    (False, (2, 8, 20, 20), (16, 8, 3, 3), dict(padding=1), "tf32", "nhwc", None),
+    # A channels-last input through an NCHW copy; other strides stay on cuDNN.
+    (False, (2, 8, 20, 20), (16, 8, 3, 3), dict(padding=1), "tf32", "nhwc", "_igemm_2d"),
+    (False, (2, 8, 20, 20), (16, 8, 3, 3), dict(padding=1), "tf32", "strided", None),
     (False, (2, 8, 20, 20), (16, 4, 3, 3), dict(groups=2), "tf32", "nchw", None),
     (True, (2, 8, 20, 20), (8, 16, 4, 4), _S2, "tf32", "nchw", None),
     # Pipeline C's transposed 3-D convolution; other 3-D ones stay on cuDNN.
