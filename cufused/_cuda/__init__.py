@@ -64,6 +64,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "conv_transpose3d_s2k3<1, CT3_CONV, true>",
         "conv_transpose3d_s2k3<3, CT3_CONV, false>",
         "conv_transpose3d_s2k3_groups",
+        "conv_transpose3d_s2k3_groups_softmax_sums",
         "conv_transpose_rows_nonfinite_weight",
         "conv_nonfinite_weight_rows",
     ),

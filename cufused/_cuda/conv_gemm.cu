@@ -2794,8 +2794,9 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
 #define CTG_SLOTS 8
 #define CTG_TAP_FLOATS (CTG_BN * CT3_CI)
 #define CTG_PLANE_FLOATS (CTG_SLOTS * CTG_TAP_FLOATS)
-// The two weight planes, two halo buffers and their mbarriers (conv_gemm.py: _CTG_SHARED).
-#define CTG_SHARED_FLOATS (2 * CTG_PLANE_FLOATS + 2 * CTG_HSTRIDE + 4)
+// The two weight planes, two halo buffers, their mbarriers and the softmax sums' scratch (8
+// warps x 64 channels; conv_gemm.py: _CTG_SHARED).
+#define CTG_SHARED_FLOATS (2 * CTG_PLANE_FLOATS + 2 * CTG_HSTRIDE + 4 + 8 * CTG_BN)
 
 // The classes (bit r = 4 rd + 2 rh + rw) of group g, and the taps of class r.
 __device__ __forceinline__ constexpr unsigned ctg_group_classes(int g) {
@@ -2840,19 +2841,30 @@ __device__ __forceinline__ void wgmma_tf32_n64(float (&d)[8][4], const unsigned 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
-// One group's classes over the block's tiles (conv_transpose3d_s2k3_groups).
-template <int G>
+// The softmax sums of conv_transpose3d_s2k3_groups_softmax_sums: sums[n * K + k] = (ref,
+// the sum of exp(clamp(y) - ref) over the outputs of sample n, channel k), ref =
+// clamp_middle(lo, hi).
+struct CtgSums {
+    float2* sums;
+    float lo, hi;
+};
+
+// One group's classes over the block's tiles (conv_transpose3d_s2k3_groups; SUMS: also the
+// softmax sums, CtgSums).
+template <int G, bool SUMS>
 __device__ __forceinline__ void ctg_tiles(const float* __restrict__ x,
                                           const float* __restrict__ w,
                                           const float* __restrict__ bias, float* __restrict__ y,
                                           int N, int C, int D, int H, int W, int K, int Do,
                                           int Ho, int Wo, int first, int count,
-                                          const TensorMap& tmap, float* smem) {
+                                          const TensorMap& tmap, float* smem,
+                                          const CtgSums& softmax) {
     constexpr unsigned CLASSES = ctg_group_classes(G);
     float* const wt = smem;  // [plane][slot][o][c]: plane 0 finite high parts, 1 residuals
     float* const halo = smem + 2 * CTG_PLANE_FLOATS;
     unsigned long long* const filled =
         reinterpret_cast<unsigned long long*>(halo + 2 * CTG_HSTRIDE);
+    float* const scratch = halo + 2 * CTG_HSTRIDE + 4;  // [warp][channel]: SUMS
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int gid = lane >> 2, tig = lane & 3, q = lane >> 3, rr = lane & 7;
     const int k0 = blockIdx.y * CTG_BN;
@@ -2952,6 +2964,35 @@ __device__ __forceinline__ void ctg_tiles(const float* __restrict__ x,
 #pragma unroll
     for (int j = 0; j < 8; ++j)
         if (k0 + 8 * j + 2 * tig < K) channels |= 0x101u << j;
+    // SUMS: this thread's sums of sample sum_n's channels k0 + 8 j + 2 tig + e, added to
+    // `sums` (over the lanes of one tig, then the 8 warps) when the block's tiles move on to
+    // another sample and after its last tile: the tiles of one sample follow each other.
+    const float ref = clamp_middle(softmax.lo, softmax.hi);
+    float sample_sums[8][2] = {};
+    int sum_n = -1;
+    auto flush_sums = [&]() {
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float v = sample_sums[j][e];
+#pragma unroll
+                for (int step = 4; step < 32; step <<= 1)
+                    v += __shfl_xor_sync(0xFFFFFFFFu, v, step);
+                if (gid == 0) scratch[warp * CTG_BN + 8 * j + 2 * tig + e] = v;
+                sample_sums[j][e] = 0.0f;
+            }
+        __syncthreads();
+        if (tid < CTG_BN && k0 + tid < K) {
+            float v = 0.0f;
+#pragma unroll
+            for (int i = 0; i < CTG_THREADS / 32; ++i) v += scratch[i * CTG_BN + tid];
+            float2* const pair = softmax.sums + (long long)sum_n * K + k0 + tid;
+            pair->x = ref;
+            atomicAdd(&pair->y, v);
+        }
+        // The next writes of the scratch follow the next tile's barrier.
+    };
     unsigned phases = 0;
     for (int buf = 0;; buf ^= 1) {
         mbarrier_wait_parity((unsigned)__cvta_generic_to_shared(filled + buf),
@@ -2963,6 +3004,10 @@ __device__ __forceinline__ void ctg_tiles(const float* __restrict__ x,
         if (more) copy_halo(next, buf ^ 1);
         int n, d, h0, w0;
         tile_origin(t, n, d, h0, w0);
+        if (SUMS && n != sum_n) {
+            if (sum_n >= 0) flush_sums();
+            sum_n = n;
+        }
         const unsigned hb = (unsigned)__cvta_generic_to_shared(halo + buf * CTG_HSTRIDE);
         // The fragments of input offset o = (a, b, c) at reduction steps 2 half and 2 half +
         // 1, split (split_truncated): [s][0] high part, [1] finite high part, [2] residual.
@@ -3052,7 +3097,12 @@ __device__ __forceinline__ void ctg_tiles(const float* __restrict__ x,
 #pragma unroll
             for (int i = 0; i < 16; ++i)
 #pragma unroll
-                for (int e = 0; e < 2; ++e) pending[i][e] = acc[i & 7][2 * (i >> 3) + e];
+                for (int e = 0; e < 2; ++e) {
+                    pending[i][e] = acc[i & 7][2 * (i >> 3) + e];
+                    if (SUMS && ((inside >> i) & 1))
+                        sample_sums[i & 7][e] += exp_near(
+                            clamp_nan_mm(pending[i][e], softmax.lo, softmax.hi), ref);
+                }
         };
         run_class(CT3Int<0>{});
         run_class(CT3Int<1>{});
@@ -3067,6 +3117,34 @@ __device__ __forceinline__ void ctg_tiles(const float* __restrict__ x,
     }
     // The last class's items.
     store_share(0, CT3Int<1>{});
+    if (SUMS) flush_sums();
+}
+
+// The block's group of conv_transpose3d_s2k3_groups(_softmax_sums): blocks [0, b1) group 0,
+// [b1, b2) group 1, [b2, b3) group 2, the rest group 3.
+template <bool SUMS>
+__device__ __forceinline__ void ctg_group_tiles(const float* __restrict__ x,
+                                                const float* __restrict__ w,
+                                                const float* __restrict__ bias,
+                                                float* __restrict__ y, int N, int C, int D,
+                                                int H, int W, int K, int Do, int Ho, int Wo,
+                                                int b1, int b2, int b3, const TensorMap& tmap,
+                                                const CtgSums& softmax) {
+    extern __shared__ float smem[];
+    if ((__cvta_generic_to_shared(smem) & 1023) != 0) __trap();
+    const int b = blockIdx.x;
+    if (b < b1)
+        ctg_tiles<0, SUMS>(x, w, bias, y, N, C, D, H, W, K, Do, Ho, Wo, b, b1, tmap, smem,
+                           softmax);
+    else if (b < b2)
+        ctg_tiles<1, SUMS>(x, w, bias, y, N, C, D, H, W, K, Do, Ho, Wo, b - b1, b2 - b1, tmap,
+                           smem, softmax);
+    else if (b < b3)
+        ctg_tiles<2, SUMS>(x, w, bias, y, N, C, D, H, W, K, Do, Ho, Wo, b - b2, b3 - b2, tmap,
+                           smem, softmax);
+    else
+        ctg_tiles<3, SUMS>(x, w, bias, y, N, C, D, H, W, K, Do, Ho, Wo, b - b3, gridDim.x - b3,
+                           tmap, smem, softmax);
 }
 #endif
 
@@ -3082,18 +3160,26 @@ conv_transpose3d_s2k3_groups(const float* __restrict__ x, const float* __restric
                              int C, int D, int H, int W, int K, int Do, int Ho, int Wo, int b1,
                              int b2, int b3, const __grid_constant__ TensorMap tmap) {
 #if HALO_WGMMA
-    extern __shared__ float smem[];
-    if ((__cvta_generic_to_shared(smem) & 1023) != 0) __trap();
-    const int b = blockIdx.x;
-    if (b < b1)
-        ctg_tiles<0>(x, w, bias, y, N, C, D, H, W, K, Do, Ho, Wo, b, b1, tmap, smem);
-    else if (b < b2)
-        ctg_tiles<1>(x, w, bias, y, N, C, D, H, W, K, Do, Ho, Wo, b - b1, b2 - b1, tmap, smem);
-    else if (b < b3)
-        ctg_tiles<2>(x, w, bias, y, N, C, D, H, W, K, Do, Ho, Wo, b - b2, b3 - b2, tmap, smem);
-    else
-        ctg_tiles<3>(x, w, bias, y, N, C, D, H, W, K, Do, Ho, Wo, b - b3, gridDim.x - b3, tmap,
-                     smem);
+    ctg_group_tiles<false>(x, w, bias, y, N, C, D, H, W, K, Do, Ho, Wo, b1, b2, b3, tmap,
+                           CtgSums{nullptr, 0.0f, 0.0f});
+#else
+    __trap();
+#endif
+}
+
+// conv_transpose3d_s2k3_groups, and pipeline C's softmax sums of y (CtgSums; sums zeroed by
+// the launcher), torch.clamp's NaN kept (clamp_nan_mm).
+__global__ void __launch_bounds__(CTG_THREADS, 1)
+conv_transpose3d_s2k3_groups_softmax_sums(const float* __restrict__ x,
+                                          const float* __restrict__ w,
+                                          const float* __restrict__ bias,
+                                          float* __restrict__ y, int N, int C, int D, int H,
+                                          int W, int K, int Do, int Ho, int Wo, int b1, int b2,
+                                          int b3, float2* __restrict__ sums, float lo,
+                                          float hi, const __grid_constant__ TensorMap tmap) {
+#if HALO_WGMMA
+    ctg_group_tiles<true>(x, w, bias, y, N, C, D, H, W, K, Do, Ho, Wo, b1, b2, b3, tmap,
+                          CtgSums{sums, lo, hi});
 #else
     __trap();
 #endif

@@ -581,15 +581,16 @@ def _transposed_s2k3_nonfinite_rows(x, w, bias, y) -> None:
 # conv_transpose3d_s2k3_groups: tiles of 1 x 4 x 32 base positions (1, CTG_TH, CTG_TW), 64
 # output channels a block (CTG_BN), CTG_SHARED_FLOATS floats of shared memory (two weight
 # planes of 8 taps x 64 x 32, two halo buffers of 2 x 5 x 33 positions x 32 channels, each
-# 1024-byte aligned, two mbarriers); the classes in four groups (ctg_group_classes) of 8, 8,
-# 8 and 3 taps and 1, 2, 3 and 2 classes. The groups' blocks in the shares of the fastest
-# split of an H200's 132 multiprocessors among them (a sweep of splits around the groups'
-# times alone, 0.219, 0.231, 0.259 and 0.126 ms, on the canonical C).
+# 1024-byte aligned, two mbarriers, the softmax sums' scratch); the classes in four groups
+# (ctg_group_classes) of 8, 8, 8 and 3 taps and 1, 2, 3 and 2 classes. The groups' blocks
+# in the shares of the fastest split of an H200's 132 multiprocessors among them (a sweep of
+# splits around the groups' times alone, 0.219, 0.231, 0.259 and 0.126 ms, on the canonical
+# C).
 _CTG_TILE = (1, 4, 32)
 _CTG_BN, _CTG_SLOTS = 64, 8
 _CTG_HALO_BOX = (_CT3_CI, _CTG_TILE[2] + 1, _CTG_TILE[1] + 1, 2, 1)  # C, W, H, D, N
 _CTG_SHARED = 4 * (2 * _CTG_SLOTS * _CTG_BN * _CT3_CI
-                   + 2 * (-(-math.prod(_CTG_HALO_BOX) // 256) * 256) + 4)
+                   + 2 * (-(-math.prod(_CTG_HALO_BOX) // 256) * 256) + 4 + 8 * _CTG_BN)
 _CTG_GROUP_COSTS = (35, 37, 41, 19)
 
 
@@ -617,13 +618,17 @@ def transposed_s2k3_group_blocks(k: int) -> tuple[int, ...]:
     return starts + (max(blocks, starts[-1] + 1),)
 
 
-def conv_transpose3d_groups(x, w, bias, y) -> bool:
+def conv_transpose3d_groups(x, w, bias, y, *, softmax_sums=None, clamp=None) -> bool:
     """``y`` (N, C_out, Do, Ho, Wo) = conv_transpose3d(x, w) + bias in 3xTF32 on
     ``conv_transpose3d_s2k3_groups`` for a problem that it takes
     (:func:`transposed_s2k3_groups_take`), ``x`` packed channels-last and 16-byte aligned,
     contiguous ``w`` (C_in, C_out, 3, 3, 3); the channels whose weight holds a non-finite
-    value then rewritten by the definition. False, with nothing launched, where the driver
-    makes no tensor map of ``x``."""
+    value then rewritten by the definition. With ``softmax_sums``, zeros of shape (N * C_out,
+    2), also ``softmax_sums[n * C_out + k]`` = (ref, the sum of exp(clamp(y[n, k]) - ref)),
+    ref the middle of ``clamp = (lo, hi)`` (the kernel's values: a channel with a non-finite
+    weight is left to the caller), as :func:`~cufused._kernels.softmax.softmax_finalize`
+    reads partials. False, with nothing launched, where the driver makes no tensor map of
+    ``x``."""
     n, c, d, h, wd = x.shape
     k = w.shape[1]
     tensor_map = float32_tensor_map(x.data.ptr, (c, wd, h, d, n),
@@ -634,10 +639,15 @@ def conv_transpose3d_groups(x, w, bias, y) -> bool:
     if n and k and d and h and wd:
         b1, b2, b3, blocks = transposed_s2k3_group_blocks(k)
         i32 = numpy.int32
-        get_kernel(_FILE, "conv_transpose3d_s2k3_groups", shared_bytes=_CTG_SHARED)(
+        name, sums = "conv_transpose3d_s2k3_groups", ()
+        if softmax_sums is not None:
+            lo, hi = clamp
+            name += "_softmax_sums"
+            sums = (softmax_sums, numpy.float32(lo), numpy.float32(hi))
+        get_kernel(_FILE, name, shared_bytes=_CTG_SHARED)(
             (blocks, -(-k // _CTG_BN)), (_THREADS,),
             (x, w, optional(bias), y, i32(n), i32(c), i32(d), i32(h), i32(wd), i32(k),
-             *(i32(s) for s in y.shape[2:]), i32(b1), i32(b2), i32(b3),
+             *(i32(s) for s in y.shape[2:]), i32(b1), i32(b2), i32(b3), *sums,
              tensor_map.as_argument()),
             shared_mem=_CTG_SHARED)
     _transposed_s2k3_nonfinite_rows(x, w, bias, y)

@@ -121,11 +121,8 @@ def softmax_rows(xp, y, out, *, rows: int, length: int, channels: int, strides,
         length //= parts
         strides = (channels * length, length, 1)
     n = rows // channels * parts
-    sn, _, ss = strides
-    # 16-byte loads of 4 channels of a position (both passes), and stores of 4 positions.
-    loads4 = (vec4 and channels_last and channels % 4 == 0 and sn % 4 == 0 and ss % 4 == 0
-              and y.data.ptr % 16 == 0)
-    stores4 = loads4 and length % 4 == 0 and out.data.ptr % 16 == 0
+    loads4, stores4 = _vec4_accesses(y, out, length, channels, strides,
+                                     vec4 and channels_last)
     partial, splits = softmax_stats(
         xp, y, n=n, partial_rows=parts * rows, length=length, channels=channels,
         strides=strides, quads=stats_quads(channels) if loads4 else 0,
@@ -142,6 +139,34 @@ def softmax_rows(xp, y, out, *, rows: int, length: int, channels: int, strides,
     else:
         softmax_apply(y, out, coef[0], coef[1], rows=rows, length=length, channels=channels,
                       bias=bias, clamp=clamp)
+
+
+def _vec4_accesses(y, out, length: int, channels: int, strides, vec4: bool):
+    """(loads4, stores4) of the channels-last passes over ``y`` (element ``strides`` (sn, sc,
+    ss)) into ``out``: 16-byte loads of 4 channels of a position (both passes), and stores
+    of 4 positions."""
+    sn, _, ss = strides
+    loads4 = (vec4 and channels % 4 == 0 and sn % 4 == 0 and ss % 4 == 0
+              and y.data.ptr % 16 == 0)
+    return loads4, loads4 and length % 4 == 0 and out.data.ptr % 16 == 0
+
+
+def softmax_normalize_channels_last(y, out, partial, *, n: int, length: int, channels: int,
+                                    strides, scale, clamp) -> None:
+    """The normalize pass of :func:`softmax_rows` from channels-last ``y`` (element
+    ``strides`` (sn, sc, ss)) into contiguous ``out``, from each row's (reference, sum)
+    ``partial`` (N * channels, 2) that a pass of the caller's took: clamped, times
+    ``scale[c]``."""
+    import cupy
+
+    rows = n * channels
+    coef = cupy.empty((2, rows), dtype=cupy.float32)
+    softmax_finalize(partial, coef[0], coef[1], rows=rows, channels=channels, splits=1,
+                     parts=1, scale=scale)
+    softmax_apply_transpose(y, out, coef[0], coef[1], n=n, length=length, channels=channels,
+                            strides=strides,
+                            stores4=_vec4_accesses(y, out, length, channels, strides, True)[1],
+                            bias=None, clamp=clamp)
 
 
 def softmax_rows_cluster(y, out, *, rows: int, channels: int, geometry, bias, scale,

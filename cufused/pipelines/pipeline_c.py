@@ -7,7 +7,8 @@ follow, in place in the output when the layout allows. On cufused's tensor-core 
 (stride 2, 3 x 3 x 3 kernels) in TF32 the convolution output is never stored: one pass takes
 the softmax sums in the convolution's epilogue, a second computes the convolution again and
 writes the result. In 3xTF32, whose convolution costs three times the MMAs, the class groups'
-kernel writes it once, channels-last, and the softmax's two passes read it.
+kernel writes it once, channels-last, with the softmax sums in its epilogue, and the
+softmax's normalize pass reads it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from .._kernels.conv_gemm import (conv_transpose3d_groups, conv_transpose3d_soft
                                   conv_transpose3d_softmax_sums, transposed_s2k3_groups_take,
                                   transposed_s2k3_takes)
 from .._kernels.pooling import pool_into
-from .._kernels.softmax import softmax_finalize, softmax_rows, softmax_rows_nonfinite_weight
+from .._kernels.softmax import (softmax_finalize, softmax_normalize_channels_last, softmax_rows,
+                                softmax_rows_nonfinite_weight)
 from .._layout import empty_in_layout
 from .._ops._conv_args import cached_conv_args, check_conv_memory
 from .._ops.convolution import conv_on_gpu, conv_transpose3d, gpu_conv_plan
@@ -150,9 +152,9 @@ def _fused(xp, x, weight, args, precision, out, *, k, pooled_shape, conv_bias, s
     the clamped softmax times ``scale`` into ``out``: on cuDNN, the softmax reads the plan's
     output layout; on cufused's implicit GEMM (``recompute``; None: where
     :func:`_recompute_applies`), in 3xTF32 where the class groups take the problem
-    (:func:`_fused_class_groups`) the softmax reads their channels-last result, otherwise the
-    convolution runs twice, the softmax sums in its first pass's epilogue and the result
-    written by its second."""
+    (:func:`_fused_class_groups`) the normalize pass reads their channels-last result,
+    otherwise the convolution runs twice, the softmax sums in its first pass's epilogue and
+    the result written by its second."""
     if recompute is None:
         recompute = _recompute_applies(xp, x, weight, args, precision, k, pooled_shape,
                                        conv_bias is not None, lo, hi)
@@ -211,20 +213,22 @@ def _fused_recompute(xp, x, weight, args, precision, out, *, k, pooled_shape, co
 
 def _fused_class_groups(xp, x, weight, args, out, y, *, k, pooled_shape, conv_bias, scale, lo,
                         hi) -> bool:
-    """The pool into a channels-last input, the transposed convolution in 3xTF32 on the class
-    groups (:func:`~cufused._kernels.conv_gemm.conv_transpose3d_groups`) into the
-    channels-last ``y``, then the clamped softmax of ``y`` plus ``conv_bias`` times ``scale``
-    into ``out``. False, with nothing written to ``out``, where the driver makes no tensor map
-    of the pooled input."""
+    """The pool into a channels-last input, the transposed convolution plus ``conv_bias`` in
+    3xTF32 on the class groups (:func:`~cufused._kernels.conv_gemm.conv_transpose3d_groups`)
+    into the channels-last ``y`` with the softmax sums in its epilogue, then the normalize
+    pass of the clamped softmax times ``scale`` from ``y`` into ``out``. False, with nothing
+    written to ``out``, where the driver makes no tensor map of the pooled input."""
     n, c = out.shape[:2]
     x_pooled = empty_in_layout(pooled_shape, "nhwc")
     pool_into(xp.ascontiguousarray(x), x_pooled, (k, k, k), (k, k, k), (0, 0, 0), is_max=False)
-    if not conv_transpose3d_groups(x_pooled, xp.ascontiguousarray(weight), None, y):
+    sums = xp.zeros((n * c, 2), dtype=xp.float32)
+    if not conv_transpose3d_groups(x_pooled, xp.ascontiguousarray(weight), conv_bias, y,
+                                   softmax_sums=sums, clamp=(lo, hi)):
         return False
     sn, sc, *_, ss = (s // y.itemsize for s in y.strides)
-    softmax_rows(xp, y, out, rows=n * c, length=math.prod(out.shape[2:]), channels=c,
-                 strides=(sn, sc, ss), layout="nhwc", bias=conv_bias, scale=scale,
-                 clamp=(lo, hi))
+    softmax_normalize_channels_last(y, out, sums, n=n, length=math.prod(out.shape[2:]),
+                                    channels=c, strides=(sn, sc, ss), scale=scale,
+                                    clamp=(lo, hi))
     _nonfinite_weight_rows(xp, x_pooled, weight, args, out, conv_bias=conv_bias, scale=scale,
                            lo=lo, hi=hi)
     return True

@@ -138,6 +138,28 @@ def test_both_builds_agree(rng, monkeypatch, c_in):
 
 
 @pytest.mark.parametrize("precision", ["tf32", "3xtf32"])
+def test_non_finite_values_as_the_reference(rng, precision):
+    # A NaN and an infinity in x, an infinite weight: the float64 reference's NaN and
+    # infinity placement (3xTF32: the class groups' sums in the epilogue see the NaN rows;
+    # the infinite weight's channel recomputed by the definition), its values elsewhere.
+    x, w, scale, cb = _arrays(rng, (2, 16, 8, 10, 34), 8)
+    x[0, 3, 2, 4, 5], x[1, 7, 1, 1, 1] = np.nan, np.inf
+    w[2, 5, 1, 1, 1] = np.inf
+    with np.errstate(all="ignore"):
+        ref = pipeline_c(x, w, scale, **_opts(1, 2), conv_bias=cb)
+    out = poisoned(ref.shape)
+    args = to_gpu(x, w, scale, cb)
+    with plan_options(engine="igemm"):
+        pipeline_c(*args[:3], **_opts(1, 2), conv_bias=args[3], precision=precision, out=out)
+    got = out.get()
+    for test in (np.isnan, np.isposinf, np.isneginf):
+        np.testing.assert_array_equal(test(got), test(ref))
+    assert np.isnan(ref).any()
+    finite = np.isfinite(ref)
+    assert rel_err(got[finite], ref[finite]) < TOL[precision]
+
+
+@pytest.mark.parametrize("precision", ["tf32", "3xtf32"])
 def test_without_bias_or_scale(rng, precision):
     x, w, _, _ = _arrays(rng, (2, 6, 8, 10, 20), 12)
     ref = pipeline_c(x, w, None, **_opts(1, 2))
