@@ -2841,9 +2841,9 @@ __device__ __forceinline__ void wgmma_tf32_n64(float (&d)[8][4], const unsigned 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
-// The softmax sums of conv_transpose3d_s2k3_groups_softmax_sums: sums[n * K + k] = (ref,
-// the sum of exp(clamp(y) - ref) over the outputs of sample n, channel k), ref =
-// clamp_middle(lo, hi).
+// The softmax sums of conv_transpose3d_s2k3_groups_softmax_sums: sums[(n * K + k) *
+// gridDim.x + blockIdx.x] = (ref, the sum of exp(clamp(y) - ref) over the block's outputs of
+// sample n, channel k), ref = clamp_middle(lo, hi); (-inf, 0) where the block has none.
 struct CtgSums {
     float2* sums;
     float lo, hi;
@@ -2871,7 +2871,17 @@ __device__ __forceinline__ void ctg_tiles(const float* __restrict__ x,
     const int tiles_w = (W + CTG_TW - 1) / CTG_TW, tiles_h = (H + CTG_TH - 1) / CTG_TH;
     const long long tiles = (long long)N * D * tiles_h * tiles_w;
     long long t = first;
-    if (t >= tiles) return;
+    // SUMS: the block's pairs (-inf, 0) of samples from .. to - 1, of which it has no outputs.
+    auto mark_empty = [&](int from, int to) {
+        if (!SUMS || tid >= CTG_BN || k0 + tid >= K) return;
+        for (int m = from; m < to; ++m)
+            softmax.sums[((long long)m * K + k0 + tid) * gridDim.x + blockIdx.x] =
+                make_float2(-INFINITY, 0.0f);
+    };
+    if (t >= tiles) {
+        mark_empty(0, N);
+        return;
+    }
     // Tile t: sample n, input plane d, rows h0 .., columns w0 ...
     auto tile_origin = [&](long long t, int& n, int& d, int& h0, int& w0) {
         const long long rows = t / tiles_w;
@@ -2964,9 +2974,10 @@ __device__ __forceinline__ void ctg_tiles(const float* __restrict__ x,
 #pragma unroll
     for (int j = 0; j < 8; ++j)
         if (k0 + 8 * j + 2 * tig < K) channels |= 0x101u << j;
-    // SUMS: this thread's sums of sample sum_n's channels k0 + 8 j + 2 tig + e, added to
-    // `sums` (over the lanes of one tig, then the 8 warps) when the block's tiles move on to
-    // another sample and after its last tile: the tiles of one sample follow each other.
+    // SUMS: this thread's sums of sample sum_n's channels k0 + 8 j + 2 tig + e, summed over
+    // the lanes of one tig, then the 8 warps, into the block's pair of each row when the
+    // block's tiles move on to another sample and after its last tile: a block's tiles of
+    // one sample follow each other, so each pair is written once, in a fixed order of sums.
     const float ref = clamp_middle(softmax.lo, softmax.hi);
     float sample_sums[8][2] = {};
     int sum_n = -1;
@@ -2987,9 +2998,8 @@ __device__ __forceinline__ void ctg_tiles(const float* __restrict__ x,
             float v = 0.0f;
 #pragma unroll
             for (int i = 0; i < CTG_THREADS / 32; ++i) v += scratch[i * CTG_BN + tid];
-            float2* const pair = softmax.sums + (long long)sum_n * K + k0 + tid;
-            pair->x = ref;
-            atomicAdd(&pair->y, v);
+            softmax.sums[((long long)sum_n * K + k0 + tid) * gridDim.x + blockIdx.x] =
+                make_float2(ref, v);
         }
         // The next writes of the scratch follow the next tile's barrier.
     };
@@ -3006,6 +3016,7 @@ __device__ __forceinline__ void ctg_tiles(const float* __restrict__ x,
         tile_origin(t, n, d, h0, w0);
         if (SUMS && n != sum_n) {
             if (sum_n >= 0) flush_sums();
+            mark_empty(sum_n + 1, n);
             sum_n = n;
         }
         const unsigned hb = (unsigned)__cvta_generic_to_shared(halo + buf * CTG_HSTRIDE);
@@ -3117,7 +3128,10 @@ __device__ __forceinline__ void ctg_tiles(const float* __restrict__ x,
     }
     // The last class's items.
     store_share(0, CT3Int<1>{});
-    if (SUMS) flush_sums();
+    if (SUMS) {
+        flush_sums();
+        mark_empty(sum_n + 1, N);
+    }
 }
 
 // The block's group of conv_transpose3d_s2k3_groups(_softmax_sums): blocks [0, b1) group 0,
@@ -3167,8 +3181,8 @@ conv_transpose3d_s2k3_groups(const float* __restrict__ x, const float* __restric
 #endif
 }
 
-// conv_transpose3d_s2k3_groups, and pipeline C's softmax sums of y (CtgSums; sums zeroed by
-// the launcher), torch.clamp's NaN kept (clamp_nan_mm).
+// conv_transpose3d_s2k3_groups, and pipeline C's softmax sums of y (CtgSums), torch.clamp's
+// NaN kept (clamp_nan_mm).
 __global__ void __launch_bounds__(CTG_THREADS, 1)
 conv_transpose3d_s2k3_groups_softmax_sums(const float* __restrict__ x,
                                           const float* __restrict__ w,

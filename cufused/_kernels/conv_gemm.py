@@ -618,17 +618,37 @@ def transposed_s2k3_group_blocks(k: int) -> tuple[int, ...]:
     return starts + (max(blocks, starts[-1] + 1),)
 
 
-def conv_transpose3d_groups(x, w, bias, y, *, softmax_sums=None, clamp=None) -> bool:
+def conv_transpose3d_groups(x, w, bias, y) -> bool:
     """``y`` (N, C_out, Do, Ho, Wo) = conv_transpose3d(x, w) + bias in 3xTF32 on
     ``conv_transpose3d_s2k3_groups`` for a problem that it takes
     (:func:`transposed_s2k3_groups_take`), ``x`` packed channels-last and 16-byte aligned,
     contiguous ``w`` (C_in, C_out, 3, 3, 3); the channels whose weight holds a non-finite
-    value then rewritten by the definition. With ``softmax_sums``, zeros of shape (N * C_out,
-    2), also ``softmax_sums[n * C_out + k]`` = (ref, the sum of exp(clamp(y[n, k]) - ref)),
-    ref the middle of ``clamp = (lo, hi)`` (the kernel's values: a channel with a non-finite
-    weight is left to the caller), as :func:`~cufused._kernels.softmax.softmax_finalize`
-    reads partials. False, with nothing launched, where the driver makes no tensor map of
-    ``x``."""
+    value then rewritten by the definition. False, with nothing launched, where the driver
+    makes no tensor map of ``x``."""
+    return _class_groups(x, w, bias, y, "conv_transpose3d_s2k3_groups", ())
+
+
+def conv_transpose3d_groups_softmax_sums(xp, x, w, bias, y, *, clamp):
+    """:func:`conv_transpose3d_groups`, and pipeline C's softmax partials of each row of
+    ``y``: (N * C_out, splits, 2), as :func:`~cufused._kernels.softmax.softmax_finalize`
+    reads them, a block's (ref, the sum of exp(clamp(y) - ref) over its outputs of the row),
+    ref the middle of ``clamp = (lo, hi)``; the kernel's values (a channel with a non-finite
+    weight is left to the caller). None, with nothing launched, where the driver makes no
+    tensor map of ``x``."""
+    partial = xp.empty((y.shape[0] * y.shape[1], transposed_s2k3_group_blocks(y.shape[1])[-1],
+                        2), dtype=xp.float32)
+    lo, hi = clamp
+    name = "conv_transpose3d_s2k3_groups_softmax_sums"
+    if not _class_groups(x, w, bias, y, name, (partial, numpy.float32(lo), numpy.float32(hi))):
+        return None
+    return partial
+
+
+def _class_groups(x, w, bias, y, name: str, extra: tuple) -> bool:
+    """Launch ``name`` (conv_transpose3d_s2k3_groups or its softmax sums' form, whose
+    arguments after the groups' blocks are ``extra``), then the rewrite of channels with a
+    non-finite weight; False, with nothing launched, where the driver makes no tensor map
+    of ``x``."""
     n, c, d, h, wd = x.shape
     k = w.shape[1]
     tensor_map = float32_tensor_map(x.data.ptr, (c, wd, h, d, n),
@@ -639,15 +659,10 @@ def conv_transpose3d_groups(x, w, bias, y, *, softmax_sums=None, clamp=None) -> 
     if n and k and d and h and wd:
         b1, b2, b3, blocks = transposed_s2k3_group_blocks(k)
         i32 = numpy.int32
-        name, sums = "conv_transpose3d_s2k3_groups", ()
-        if softmax_sums is not None:
-            lo, hi = clamp
-            name += "_softmax_sums"
-            sums = (softmax_sums, numpy.float32(lo), numpy.float32(hi))
         get_kernel(_FILE, name, shared_bytes=_CTG_SHARED)(
             (blocks, -(-k // _CTG_BN)), (_THREADS,),
             (x, w, optional(bias), y, i32(n), i32(c), i32(d), i32(h), i32(wd), i32(k),
-             *(i32(s) for s in y.shape[2:]), i32(b1), i32(b2), i32(b3), *sums,
+             *(i32(s) for s in y.shape[2:]), i32(b1), i32(b2), i32(b3), *extra,
              tensor_map.as_argument()),
             shared_mem=_CTG_SHARED)
     _transposed_s2k3_nonfinite_rows(x, w, bias, y)

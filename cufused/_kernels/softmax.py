@@ -154,15 +154,15 @@ def _vec4_accesses(y, out, length: int, channels: int, strides, vec4: bool):
 def softmax_normalize_channels_last(y, out, partial, *, n: int, length: int, channels: int,
                                     strides, scale, clamp) -> None:
     """The normalize pass of :func:`softmax_rows` from channels-last ``y`` (element
-    ``strides`` (sn, sc, ss)) into contiguous ``out``, from each row's (reference, sum)
-    ``partial`` (N * channels, 2) that a pass of the caller's took: clamped, times
-    ``scale[c]``."""
+    ``strides`` (sn, sc, ss)) into contiguous ``out``, from the (reference, sum) pairs of
+    each row, ``partial`` (N * channels, splits, 2), that a pass of the caller's took:
+    clamped, times ``scale[c]``."""
     import cupy
 
     rows = n * channels
     coef = cupy.empty((2, rows), dtype=cupy.float32)
-    softmax_finalize(partial, coef[0], coef[1], rows=rows, channels=channels, splits=1,
-                     parts=1, scale=scale)
+    softmax_finalize(partial, coef[0], coef[1], rows=rows, channels=channels,
+                     splits=partial.shape[1], parts=1, scale=scale)
     softmax_apply_transpose(y, out, coef[0], coef[1], n=n, length=length, channels=channels,
                             strides=strides,
                             stores4=_vec4_accesses(y, out, length, channels, strides, True)[1],

@@ -24,9 +24,9 @@ from .._arrays import (Size, check_float_dtype, check_ndim, check_out, check_per
                        check_required, check_sizes, forward, get_array_module, per_channel)
 from .._cudnn import UnsupportedConvolution
 from .._call_graphs import warm_calls
-from .._kernels.conv_gemm import (conv_transpose3d_groups, conv_transpose3d_softmax,
-                                  conv_transpose3d_softmax_sums, transposed_s2k3_groups_take,
-                                  transposed_s2k3_takes)
+from .._kernels.conv_gemm import (conv_transpose3d_groups_softmax_sums,
+                                  conv_transpose3d_softmax, conv_transpose3d_softmax_sums,
+                                  transposed_s2k3_groups_take, transposed_s2k3_takes)
 from .._kernels.pooling import pool_into
 from .._kernels.softmax import (softmax_finalize, softmax_normalize_channels_last, softmax_rows,
                                 softmax_rows_nonfinite_weight)
@@ -221,12 +221,12 @@ def _fused_class_groups(xp, x, weight, args, out, y, *, k, pooled_shape, conv_bi
     n, c = out.shape[:2]
     x_pooled = empty_in_layout(pooled_shape, "nhwc")
     pool_into(xp.ascontiguousarray(x), x_pooled, (k, k, k), (k, k, k), (0, 0, 0), is_max=False)
-    sums = xp.zeros((n * c, 2), dtype=xp.float32)
-    if not conv_transpose3d_groups(x_pooled, xp.ascontiguousarray(weight), conv_bias, y,
-                                   softmax_sums=sums, clamp=(lo, hi)):
+    partial = conv_transpose3d_groups_softmax_sums(xp, x_pooled, xp.ascontiguousarray(weight),
+                                                   conv_bias, y, clamp=(lo, hi))
+    if partial is None:
         return False
     sn, sc, *_, ss = (s // y.itemsize for s in y.strides)
-    softmax_normalize_channels_last(y, out, sums, n=n, length=math.prod(out.shape[2:]),
+    softmax_normalize_channels_last(y, out, partial, n=n, length=math.prod(out.shape[2:]),
                                     channels=c, strides=(sn, sc, ss), scale=scale,
                                     clamp=(lo, hi))
     _nonfinite_weight_rows(xp, x_pooled, weight, args, out, conv_bias=conv_bias, scale=scale,

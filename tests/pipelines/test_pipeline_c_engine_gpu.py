@@ -58,7 +58,7 @@ def test_matches_reference(rng, monkeypatch, precision, case):
     from cufused._kernels.conv_gemm import _FILE, arch_target
 
     calls = count_calls(monkeypatch, c_module, "conv_transpose3d_softmax")
-    groups = count_calls(monkeypatch, c_module, "conv_transpose3d_groups")
+    groups = count_calls(monkeypatch, c_module, "conv_transpose3d_groups_softmax_sums")
     out = poisoned(ref.shape)
     args = to_gpu(x, w, scale, cb)
     with plan_options(engine="igemm"):

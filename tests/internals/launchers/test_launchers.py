@@ -980,10 +980,10 @@ def test_conv_gemm_launchers(launches, monkeypatch):
     assert len(maps) == 1 and launches[-1].args[-4:-1] == (0, 1, 0)
     # conv_transpose3d_s2k3_groups, with the softmax sums too
     # (test_transposed_3d_class_groups: its geometry).
-    for sums in (None, Dev((128, 2))):
-        assert conv.conv_transpose3d_groups(
-            Dev((2, 32, 5, 6, 17), "nhwc"), Dev((32, 64, 3, 3, 3)), None,
-            Dev((2, 64, 10, 12, 34), "nhwc"), softmax_sums=sums, clamp=(0.0, 1.0))
+    operands = (Dev((2, 32, 5, 6, 17), "nhwc"), Dev((32, 64, 3, 3, 3)), None,
+                Dev((2, 64, 10, 12, 34), "nhwc"))
+    assert conv.conv_transpose3d_groups(*operands)
+    assert conv.conv_transpose3d_groups_softmax_sums(FakeXp, *operands, clamp=(0.0, 1.0))
     check_all(launches, "conv_gemm.cu")
     halo = [launch for launch in launches if launch.name.startswith("conv2d_halo<")]
     # 2 samples x 5 x 1 tiles of 4 x 32 pixels: a block per tile (fewer tiles than 2 blocks
@@ -1171,12 +1171,16 @@ def test_transposed_3d_class_groups(launches, monkeypatch):
     assert run.args[13:16] == (35, 72, 113)
     assert rows.name == "conv_transpose_rows_nonfinite_weight"
     assert rows.args[-5:] == (64 * 10 * 12 * 34, 1, 64 * 12 * 34, 64 * 34, 64)
-    # Pipeline C's softmax sums in the epilogue: (ref, sum) pairs a row, the clamp's bounds.
-    sums = Dev((2 * 64, 2))
-    assert conv.conv_transpose3d_groups(x, w, None, y, softmax_sums=sums, clamp=(-0.5, 1.0))
+    # Pipeline C's softmax sums in the epilogue: a (ref, sum) pair a row a block, the clamp's
+    # bounds.
+    sums = conv.conv_transpose3d_groups_softmax_sums(FakeXp, x, w, None, y, clamp=(-0.5, 1.0))
     run = launches[2]
+    assert sums.shape == (2 * 64, 132, 2)
     assert run.name == "conv_transpose3d_s2k3_groups_softmax_sums" and run.grid == (132, 1)
     assert run.args[13:19] == (35, 72, 113, sums, -0.5, 1.0)
+    monkeypatch.setattr(conv, "float32_tensor_map", lambda *args: None)
+    assert conv.conv_transpose3d_groups_softmax_sums(FakeXp, x, w, None, y,
+                                                     clamp=(-0.5, 1.0)) is None
     for launch in launches:
         check_launch(launch)
 
