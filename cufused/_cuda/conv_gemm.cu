@@ -2982,6 +2982,7 @@ __device__ __forceinline__ void ctg_tiles(const float* __restrict__ x,
     float sample_sums[8][2] = {};
     int sum_n = -1;
     auto flush_sums = [&]() {
+        __syncthreads();  // the scratch read by the previous flush, whatever came between
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -3001,7 +3002,6 @@ __device__ __forceinline__ void ctg_tiles(const float* __restrict__ x,
             softmax.sums[((long long)sum_n * K + k0 + tid) * gridDim.x + blockIdx.x] =
                 make_float2(ref, v);
         }
-        // The next writes of the scratch follow the next tile's barrier.
     };
     unsigned phases = 0;
     for (int buf = 0;; buf ^= 1) {

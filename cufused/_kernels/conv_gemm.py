@@ -599,15 +599,23 @@ _CTG_GROUP_COSTS_SUMS = (33, 35, 42, 22)
 
 def transposed_s2k3_groups_take(c_in: int, y, passes: int) -> bool:
     """Whether ``conv_transpose3d_s2k3_groups`` computes a problem that
-    :func:`transposed_s2k3_takes` of ``c_in`` input channels into ``y``: in 3xTF32
-    (``passes`` 3) on the wgmma build (sm_90a) with its shared memory granted, ``c_in`` a
-    multiple of 4 (the tensor copies' strides of a channels-last x), ``y`` packed
-    channels-last with an even number of channels, 8-byte aligned (float2 stores). Fetching
-    the kernel here builds it on a first call: where the wgmma build fails, the portable one
-    comes, in which it traps, and the route is another."""
-    return (passes == 3 and c_in % 4 == 0 and y.shape[1] % 2 == 0 and y.data.ptr % 8 == 0
-            and stored_in(y, "nhwc") and _CTG_SHARED <= shared_per_block()
-            and arch_target(_FILE) == "sm_90a"
+    :func:`transposed_s2k3_takes` of ``c_in`` input channels into ``y``: ``y`` packed
+    channels-last, 8-byte aligned (float2 stores), and the channels and precision that
+    :func:`transposed_s2k3_groups_take_channels` admits."""
+    return (y.data.ptr % 8 == 0 and stored_in(y, "nhwc")
+            and transposed_s2k3_groups_take_channels(c_in, y.shape[1], passes))
+
+
+def transposed_s2k3_groups_take_channels(c_in: int, c_out: int, passes: int) -> bool:
+    """Whether ``conv_transpose3d_s2k3_groups`` computes a problem that
+    :func:`transposed_s2k3_takes` of ``c_in`` input and ``c_out`` output channels into a
+    packed channels-last y, 8-byte aligned: in 3xTF32 (``passes`` 3) on the wgmma build
+    (sm_90a) with its shared memory granted, ``c_in`` a multiple of 4 (the tensor copies'
+    strides of a channels-last x), ``c_out`` even. Fetching the kernel here builds it on a
+    first call: where the wgmma build fails, the portable one comes, in which it traps, and
+    the route is another."""
+    return (passes == 3 and c_in % 4 == 0 and c_out % 2 == 0
+            and _CTG_SHARED <= shared_per_block() and arch_target(_FILE) == "sm_90a"
             and _sm90a_kernel("conv_transpose3d_s2k3_groups", _CTG_SHARED) is not None)
 
 
@@ -632,13 +640,22 @@ def conv_transpose3d_groups(x, w, bias, y) -> bool:
                          transposed_s2k3_group_blocks(w.shape[1]))
 
 
+def transposed_s2k3_groups_sums_fit(y_shape) -> bool:
+    """Whether the softmax partials of :func:`conv_transpose3d_groups_softmax_sums` for a y of
+    ``y_shape`` (N, C_out, Do, Ho, Wo), a pair for each row and block, take no more memory
+    than y: more blocks than half a row's outputs (small outputs, many rows) would make them
+    the larger buffer."""
+    return 2 * transposed_s2k3_group_blocks(y_shape[1], _CTG_GROUP_COSTS_SUMS)[-1] <= math.prod(
+        y_shape[2:])
+
+
 def conv_transpose3d_groups_softmax_sums(xp, x, w, bias, y, *, clamp):
     """:func:`conv_transpose3d_groups`, and pipeline C's softmax partials of each row of
     ``y``: (N * C_out, splits, 2), as :func:`~cufused._kernels.softmax.softmax_finalize`
     reads them, a block's (ref, the sum of exp(clamp(y) - ref) over its outputs of the row),
-    ref the middle of ``clamp = (lo, hi)``; the kernel's values (a channel with a non-finite
-    weight is left to the caller). None, with nothing launched, where the driver makes no
-    tensor map of ``x``."""
+    ref the middle of ``clamp = (lo, hi)``: the kernel's values, so that the rows of a
+    channel with a non-finite weight (rewritten in ``y`` by the definition) are left to the
+    caller. None, with nothing launched, where the driver makes no tensor map of ``x``."""
     blocks = transposed_s2k3_group_blocks(y.shape[1], _CTG_GROUP_COSTS_SUMS)
     partial = xp.empty((y.shape[0] * y.shape[1], blocks[-1], 2), dtype=xp.float32)
     lo, hi = clamp

@@ -26,7 +26,8 @@ from .._cudnn import UnsupportedConvolution
 from .._call_graphs import warm_calls
 from .._kernels.conv_gemm import (conv_transpose3d_groups_softmax_sums,
                                   conv_transpose3d_softmax, conv_transpose3d_softmax_sums,
-                                  transposed_s2k3_groups_take, transposed_s2k3_takes)
+                                  transposed_s2k3_groups_sums_fit,
+                                  transposed_s2k3_groups_take_channels, transposed_s2k3_takes)
 from .._kernels.pooling import pool_into
 from .._kernels.softmax import (softmax_finalize, softmax_normalize_channels_last, softmax_rows,
                                 softmax_rows_nonfinite_weight)
@@ -151,20 +152,20 @@ def _fused(xp, x, weight, args, precision, out, *, k, pooled_shape, conv_bias, s
     """The average pool into the convolution's input layout, the transposed convolution, then
     the clamped softmax times ``scale`` into ``out``: on cuDNN, the softmax reads the plan's
     output layout; on cufused's implicit GEMM (``recompute``; None: where
-    :func:`_recompute_applies`), in 3xTF32 where the class groups take the problem
-    (:func:`_fused_class_groups`) the normalize pass reads their channels-last result,
-    otherwise the convolution runs twice, the softmax sums in its first pass's epilogue and
-    the result written by its second."""
+    :func:`_recompute_applies`), in 3xTF32 where the class groups take the problem and their
+    softmax partials fit (:func:`_fused_class_groups`) the normalize pass reads their
+    channels-last result, otherwise the convolution runs twice, the softmax sums in its first
+    pass's epilogue and the result written by its second."""
     if recompute is None:
         recompute = _recompute_applies(xp, x, weight, args, precision, k, pooled_shape,
                                        conv_bias is not None, lo, hi)
     options = dict(k=k, pooled_shape=pooled_shape, conv_bias=conv_bias, scale=scale, lo=lo,
                    hi=hi)
-    if recompute and mma_passes(precision) == 3:
-        y = empty_in_layout(out.shape, "nhwc")
-        if (transposed_s2k3_groups_take(pooled_shape[1], y, 3)
-                and _fused_class_groups(xp, x, weight, args, out, y, **options)):
-            return out
+    if (recompute and transposed_s2k3_groups_sums_fit(out.shape)
+            and transposed_s2k3_groups_take_channels(pooled_shape[1], out.shape[1],
+                                                     mma_passes(precision))
+            and _fused_class_groups(xp, x, weight, args, out, **options)):
+        return out
     if recompute:
         return _fused_recompute(xp, x, weight, args, precision, out, **options)
     n, c = out.shape[:2]
@@ -211,14 +212,15 @@ def _fused_recompute(xp, x, weight, args, precision, out, *, k, pooled_shape, co
                                   scale=scale, lo=lo, hi=hi)
 
 
-def _fused_class_groups(xp, x, weight, args, out, y, *, k, pooled_shape, conv_bias, scale, lo,
+def _fused_class_groups(xp, x, weight, args, out, *, k, pooled_shape, conv_bias, scale, lo,
                         hi) -> bool:
     """The pool into a channels-last input, the transposed convolution plus ``conv_bias`` in
     3xTF32 on the class groups (:func:`~cufused._kernels.conv_gemm.conv_transpose3d_groups`)
-    into the channels-last ``y`` with the softmax sums in its epilogue, then the normalize
-    pass of the clamped softmax times ``scale`` from ``y`` into ``out``. False, with nothing
-    written to ``out``, where the driver makes no tensor map of the pooled input."""
+    into a channels-last y with the softmax sums in its epilogue, then the normalize pass of
+    the clamped softmax times ``scale`` from y into ``out``. False, with nothing written to
+    ``out``, where the driver makes no tensor map of the pooled input."""
     n, c = out.shape[:2]
+    y = empty_in_layout(out.shape, "nhwc")
     x_pooled = empty_in_layout(pooled_shape, "nhwc")
     pool_into(xp.ascontiguousarray(x), x_pooled, (k, k, k), (k, k, k), (0, 0, 0), is_max=False)
     partial = conv_transpose3d_groups_softmax_sums(xp, x_pooled, xp.ascontiguousarray(weight),

@@ -1181,6 +1181,13 @@ def test_transposed_3d_class_groups(launches, monkeypatch):
     monkeypatch.setattr(conv, "float32_tensor_map", lambda *args: None)
     assert conv.conv_transpose3d_groups_softmax_sums(FakeXp, x, w, None, y,
                                                      clamp=(-0.5, 1.0)) is None
+    # The partials fit where no larger than y: twice the 132 blocks' pairs a row at most.
+    assert conv.transposed_s2k3_groups_sums_fit((2, 64, 1, 12, 22))
+    assert not conv.transposed_s2k3_groups_sums_fit((2, 64, 1, 1, 263))
+    monkeypatch.setattr(conv, "shared_per_block", lambda: 227 * 1024)
+    assert conv.transposed_s2k3_groups_take_channels(32, 64, 3)
+    for c_in, c_out, passes in ((32, 64, 1), (30, 64, 3), (32, 63, 3)):
+        assert not conv.transposed_s2k3_groups_take_channels(c_in, c_out, passes)
     for launch in launches:
         check_launch(launch)
 
