@@ -5,7 +5,8 @@ conv2d_halo_nhwc_direct's stores from the accumulators, conv2d_nhwc_held_weights
 and tensor stores, and the pooling epilogues of conv2d_halo_pool_stats (TF32) and
 conv2d_held_weights_pool_stats (3xTF32 on the wgmma build), in TF32 and 3xTF32, and
 conv_transpose3d_s2k3_groups' stores spread over the next class's taps (3xTF32 on the wgmma
-build, one block a group; skipped elsewhere), against
+build, one block a group; skipped elsewhere) and its softmax sums' form (each block's pairs
+of two samples, its flush after its last tile included), against
 the float64 reference (relative norm error under 3e-3 in TF32, 1e-5 in 3xTF32) on fresh
 random operands. The grids are sized for one multiprocessor, so that each block steps through
 its scratch buffers, tile pairs and bands many times: the cases that ``scripts/sanitize.py
@@ -71,10 +72,12 @@ def _pool_case(conv_gemm, rng, passes: int) -> float:
     return float(np.abs(ext.get() - want).max() / np.abs(want).max())
 
 
-def _groups_case(conv_gemm, rng) -> float | None:
+def _groups_case(conv_gemm, rng, sums: bool) -> float | None:
     """The relative error of conv_transpose3d_s2k3_groups into a NaN-filled channels-last y:
     two channel tiles, the last row and column tiles partial, each group's block taking its
-    24 tiles; None where the kernel does not run (not the wgmma build)."""
+    24 tiles (12 a sample); with ``sums`` its softmax sums' form, the larger of y's error and
+    the rows' sums' (each row's pairs against the float64 sum of exp(clamp(y) - ref)); None
+    where the kernel does not run (not the wgmma build)."""
     import cupy
 
     from cufused import reference
@@ -89,10 +92,23 @@ def _groups_case(conv_gemm, rng) -> float | None:
     x_last[...] = cupy.asarray(x)
     y = empty_in_layout(ref.shape, "nhwc")
     y.fill(np.nan)
-    if not (conv_gemm.transposed_s2k3_groups_take(x.shape[1], y, 3)
-            and conv_gemm.conv_transpose3d_groups(x_last, cupy.asarray(w), cupy.asarray(b), y)):
+    if not conv_gemm.transposed_s2k3_groups_take(x.shape[1], y, 3):
         return None
-    return float(np.linalg.norm(y.get() - ref) / np.linalg.norm(ref))
+    operands = (x_last, cupy.asarray(w), cupy.asarray(b), y)
+    lo, hi = -0.5, 1.0
+    partial = (conv_gemm.conv_transpose3d_groups_softmax_sums(cupy, *operands, clamp=(lo, hi))
+               if sums else conv_gemm.conv_transpose3d_groups(*operands) or None)
+    if partial is None:
+        return None
+    err = float(np.linalg.norm(y.get() - ref) / np.linalg.norm(ref))
+    if not sums:
+        return err
+    pairs, middle = partial.get().astype(np.float64), lo + 0.5 * (hi - lo)
+    got = np.where(pairs[..., 0] == -np.inf, 0.0,
+                   pairs[..., 1] * np.exp(pairs[..., 0] - middle)).sum(axis=1)
+    want = np.exp(np.clip(ref, lo, hi) - middle).reshape(ref.shape[0] * ref.shape[1], -1)
+    want = want.sum(axis=1)
+    return max(err, float(np.abs(got - want).max() / np.abs(want).max()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,13 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(args.seed)
     ran = failed = 0
     cases = [(case, passes) for case in CONV_CASES + ["pool 4"] for passes in (1, 3)]
-    for case, passes in cases + [("class groups", 3)]:
+    for case, passes in cases + [("class groups", 3), ("class groups, softmax sums", 3)]:
         if case == "pool 4":
             err = _pool_case(conv_gemm, rng, passes)
-        elif case == "class groups":
-            err = _groups_case(conv_gemm, rng)
+        elif case.startswith("class groups"):
+            err = _groups_case(conv_gemm, rng, sums=case.endswith("sums"))
             if err is None:
-                print("skip conv_transpose3d_s2k3_groups: not the wgmma build", flush=True)
+                print(f"skip {case}: not the wgmma build", flush=True)
                 continue
         else:
             err = _conv_case(conv_gemm, rng, *case, passes)
