@@ -2138,6 +2138,35 @@ __device__ __forceinline__ float clamp_nan_mm(float v, float lo, float hi) {
     return r;
 }
 
+// The block's sums of channels c = 8 j + 2 tig + e (c < 8 J) of a 256-thread block whose
+// warps hold an m16n8 accumulator layout's per-thread sums[j][e]: over the lanes of one tig
+// (shuffles), then over the 8 warps through scratch ([warp][8 J] floats), thread c calling
+// write(c, sum); sums are reset to 0. The caller orders any earlier read of scratch before
+// this call's writes.
+template <int J, typename Write>
+__device__ __forceinline__ void block_channel_sums(float (&sums)[J][2], float* scratch,
+                                                   Write write) {
+    const int tid = threadIdx.x, warp = tid >> 5, gid = (tid & 31) >> 2, tig = tid & 3;
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            float v = sums[j][e];
+#pragma unroll
+            for (int step = 4; step < 32; step <<= 1)
+                v += __shfl_xor_sync(0xffffffffu, v, step);
+            if (gid == 0) scratch[warp * 8 * J + 8 * j + 2 * tig + e] = v;
+            sums[j][e] = 0.0f;
+        }
+    __syncthreads();
+    if (tid < 8 * J) {
+        float v = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v += scratch[i * 8 * J + tid];
+        write(tid, v);
+    }
+}
+
 // exp(v - ref) for v within 30 of ref (ref = clamp_middle(lo, hi), the launcher's clamp
 // width) or NaN, from the flush-to-zero ex2 instruction. v - ref is exact from |ref| = 60 on
 // (the two are within a factor of 2) and within 2^-24 * 30 below; v * log2(e) - ref * log2(e)
@@ -2733,27 +2762,12 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
             }
         }
         if (SUMS && pos.t + 1 == pos.end) {
-            // The run's sums: over the lanes of one tig, then the 8 warps.
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    float s = run_sums[j][e];
-#pragma unroll
-                    for (int step = 4; step < 32; step <<= 1)
-                        s += __shfl_xor_sync(0xffffffffu, s, step);
-                    if (gid == 0) scratch[warp * CT3_BN + j * 8 + 2 * tig + e] = s;
-                    run_sums[j][e] = 0.0f;
-                }
-            __syncthreads();
-            if (tid < CT3_BN && k0 + tid < K) {
-                float s = 0.0f;
-#pragma unroll
-                for (int v = 0; v < 8; ++v) s += scratch[v * CT3_BN + tid];
-                partial[((long long)pos.n * K + k0 + tid) * splits + pos.run] =
-                    make_float2(ref, s);
-            }
-            // The next write of the scratch follows the next tile's barrier.
+            // The run's sums; the next write of the scratch follows the next tile's barrier.
+            block_channel_sums(run_sums, scratch, [&](int c, float s) {
+                if (k0 + c < K)
+                    partial[((long long)pos.n * K + k0 + c) * splits + pos.run] =
+                        make_float2(ref, s);
+            });
         }
         pos = next;
         halves = next_halves;
@@ -2983,25 +2997,11 @@ __device__ __forceinline__ void ctg_tiles(const float* __restrict__ x,
     int sum_n = -1;
     auto flush_sums = [&]() {
         __syncthreads();  // the scratch read by the previous flush, whatever came between
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                float v = sample_sums[j][e];
-#pragma unroll
-                for (int step = 4; step < 32; step <<= 1)
-                    v += __shfl_xor_sync(0xFFFFFFFFu, v, step);
-                if (gid == 0) scratch[warp * CTG_BN + 8 * j + 2 * tig + e] = v;
-                sample_sums[j][e] = 0.0f;
-            }
-        __syncthreads();
-        if (tid < CTG_BN && k0 + tid < K) {
-            float v = 0.0f;
-#pragma unroll
-            for (int i = 0; i < CTG_THREADS / 32; ++i) v += scratch[i * CTG_BN + tid];
-            softmax.sums[((long long)sum_n * K + k0 + tid) * gridDim.x + blockIdx.x] =
-                make_float2(ref, v);
-        }
+        block_channel_sums(sample_sums, scratch, [&](int c, float v) {
+            if (k0 + c < K)
+                softmax.sums[((long long)sum_n * K + k0 + c) * gridDim.x + blockIdx.x] =
+                    make_float2(ref, v);
+        });
     };
     unsigned phases = 0;
     for (int buf = 0;; buf ^= 1) {

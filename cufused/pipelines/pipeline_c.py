@@ -159,15 +159,15 @@ def _fused(xp, x, weight, args, precision, out, *, k, pooled_shape, conv_bias, s
     if recompute is None:
         recompute = _recompute_applies(xp, x, weight, args, precision, k, pooled_shape,
                                        conv_bias is not None, lo, hi)
-    options = dict(k=k, pooled_shape=pooled_shape, conv_bias=conv_bias, scale=scale, lo=lo,
-                   hi=hi)
-    if (recompute and transposed_s2k3_groups_sums_fit(out.shape)
-            and transposed_s2k3_groups_take_channels(pooled_shape[1], out.shape[1],
-                                                     mma_passes(precision))
-            and _fused_class_groups(xp, x, weight, args, out, **options)):
-        return out
     if recompute:
-        return _fused_recompute(xp, x, weight, args, precision, out, **options)
+        x_pooled = _pooled_in_layout(xp, x, k, pooled_shape, "nhwc")
+        options = dict(conv_bias=conv_bias, scale=scale, lo=lo, hi=hi)
+        if (transposed_s2k3_groups_sums_fit(out.shape)
+                and transposed_s2k3_groups_take_channels(pooled_shape[1], out.shape[1],
+                                                         mma_passes(precision))
+                and _fused_class_groups(xp, x_pooled, weight, args, out, **options)):
+            return out
+        return _fused_recompute(xp, x_pooled, weight, args, precision, out, **options)
     n, c = out.shape[:2]
     try:
         plan = gpu_conv_plan(pooled_shape, weight.shape, args, precision, convert_input=False,
@@ -178,9 +178,7 @@ def _fused(xp, x, weight, args, precision, out, *, k, pooled_shape, conv_bias, s
                                 convert_output=False)
     else:
         # The pool writes the conv input straight into the plan's input layout.
-        x_pooled = empty_in_layout(pooled_shape, plan.x_layout)
-        pool_into(xp.ascontiguousarray(x), x_pooled, (k, k, k), (k, k, k), (0, 0, 0),
-                  is_max=False)
+        x_pooled = _pooled_in_layout(xp, x, k, pooled_shape, plan.x_layout)
         y, layout = plan.apply(x_pooled, weight, out=out, convert_output=False)
     strides = [s // y.itemsize for s in y.strides]
     length = math.prod(out.shape[2:])
@@ -191,14 +189,19 @@ def _fused(xp, x, weight, args, precision, out, *, k, pooled_shape, conv_bias, s
                                   scale=scale, lo=lo, hi=hi)
 
 
-def _fused_recompute(xp, x, weight, args, precision, out, *, k, pooled_shape, conv_bias, scale,
-                     lo, hi):
-    """The pool into a channels-last input, the softmax sums in the convolution's epilogue,
-    each row's factor, then the convolution again with the normalize and the scale as its
-    epilogue, into ``out``."""
-    n, c = out.shape[:2]
-    x_pooled = empty_in_layout(pooled_shape, "nhwc")
+def _pooled_in_layout(xp, x, k: int, pooled_shape, layout: str):
+    """``x``'s average pool (window and stride ``k``) into a new array of ``pooled_shape`` in
+    ``layout``."""
+    x_pooled = empty_in_layout(pooled_shape, layout)
     pool_into(xp.ascontiguousarray(x), x_pooled, (k, k, k), (k, k, k), (0, 0, 0), is_max=False)
+    return x_pooled
+
+
+def _fused_recompute(xp, x_pooled, weight, args, precision, out, *, conv_bias, scale, lo, hi):
+    """From the channels-last pooled input ``x_pooled``: the softmax sums in the
+    convolution's epilogue, each row's factor, then the convolution again with the normalize
+    and the scale as its epilogue, into ``out``."""
+    n, c = out.shape[:2]
     w = xp.ascontiguousarray(weight)
     passes = mma_passes(precision)
     partial_sums, splits = conv_transpose3d_softmax_sums(
@@ -212,17 +215,16 @@ def _fused_recompute(xp, x, weight, args, precision, out, *, k, pooled_shape, co
                                   scale=scale, lo=lo, hi=hi)
 
 
-def _fused_class_groups(xp, x, weight, args, out, *, k, pooled_shape, conv_bias, scale, lo,
+def _fused_class_groups(xp, x_pooled, weight, args, out, *, conv_bias, scale, lo,
                         hi) -> bool:
-    """The pool into a channels-last input, the transposed convolution plus ``conv_bias`` in
-    3xTF32 on the class groups (:func:`~cufused._kernels.conv_gemm.conv_transpose3d_groups`)
-    into a channels-last y with the softmax sums in its epilogue, then the normalize pass of
-    the clamped softmax times ``scale`` from y into ``out``. False, with nothing written to
-    ``out``, where the driver makes no tensor map of the pooled input."""
+    """From the channels-last pooled input ``x_pooled``: the transposed convolution plus
+    ``conv_bias`` in 3xTF32 on the class groups
+    (:func:`~cufused._kernels.conv_gemm.conv_transpose3d_groups`) into a channels-last y with
+    the softmax sums in its epilogue, then the normalize pass of the clamped softmax times
+    ``scale`` from y into ``out``. False, with nothing written to ``out``, where the driver
+    makes no tensor map of the pooled input."""
     n, c = out.shape[:2]
     y = empty_in_layout(out.shape, "nhwc")
-    x_pooled = empty_in_layout(pooled_shape, "nhwc")
-    pool_into(xp.ascontiguousarray(x), x_pooled, (k, k, k), (k, k, k), (0, 0, 0), is_max=False)
     partial = conv_transpose3d_groups_softmax_sums(xp, x_pooled, xp.ascontiguousarray(weight),
                                                    conv_bias, y, clamp=(lo, hi))
     if partial is None:
