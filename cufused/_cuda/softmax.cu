@@ -211,6 +211,12 @@ __global__ void softmax_apply(const float* y, float* out, const float* __restric
     }
 }
 
+// Element (channel ch, position p) of softmax_apply_transpose's 32 x 128 tile: the groups of
+// 4 positions XOR the channel's quad (ch / 4).
+__device__ __forceinline__ int transpose_slot(int ch, int p) {
+    return ch * 128 + (p ^ ((ch >> 2) << 2));
+}
+
 // The same for a channels-last input y[n, s, c] (strides sn, 1 for c, ss), writing the
 // contiguous (N, C, S) output: a 128-position x 32-channel tile in shared memory turns the
 // transpose into coalesced reads and writes. VEC = 1: a thread loads 16 positions of one
@@ -259,7 +265,10 @@ __global__ void softmax_apply_transpose(const float* __restrict__ y, float* __re
                 }
             }
         } else {
-            __shared__ __align__(16) float tile[32][132];  // [channel][position]: float4 rows
+            // [channel][position], position groups of 4 swizzled by the channel's quad
+            // (transpose_slot): a warp's scalar stores (8 quads x 4 positions of one channel
+            // offset q) fall in 32 banks, and its float4 reads of a row stay whole.
+            __shared__ __align__(16) float tile[32 * 128];
             const int quad = threadIdx.x & 7;
             const int lane = (threadIdx.x >> 3) + 4 * threadIdx.y;
             const int c = c0 + quad * 4;
@@ -282,7 +291,7 @@ __global__ void softmax_apply_transpose(const float* __restrict__ y, float* __re
                     const float t[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
 #pragma unroll
                     for (int q = 0; q < 4; ++q)
-                        tile[quad * 4 + q][lane + 32 * j] =
+                        tile[transpose_slot(quad * 4 + q, lane + 32 * j)] =
                             expf(load_value<CLAMP>(&t[q], b[q], lo, hi) - m[q]) * f[q];
                 }
             }
@@ -295,7 +304,7 @@ __global__ void softmax_apply_transpose(const float* __restrict__ y, float* __re
                 const index_t p = p0 + pq * 4;
                 if (c0 + ch < C && p < S)
                     *reinterpret_cast<float4*>(out + (n * C + c0 + ch) * S + p) =
-                        *reinterpret_cast<const float4*>(&tile[ch][pq * 4]);
+                        *reinterpret_cast<const float4*>(&tile[transpose_slot(ch, pq * 4)]);
             }
         }
         __syncthreads();  // the next sample's tile overwrites this one's
