@@ -60,12 +60,15 @@ __global__ void transpose_batched(const float* __restrict__ in, float* __restric
     }
 }
 
-// out[n, s, c] = in[n, c, s] for C % 8 == 0 and 16-byte aligned buffers: a thread gathers 8
-// channels of one position (loads coalesced across the warp's positions) and writes them as two
-// 16-byte stores, a full 32-byte sector. Unlike a 32 x 32 tile it does not idle when there are
-// few channels (pipeline A's input has 8).
-__global__ void nchw_to_nhwc8(const float* __restrict__ in, float* __restrict__ out, index_t N,
-                              int C, index_t S) {
+// Between NC(D)HW and packed channels-last for C % 8 == 0 and 16-byte aligned buffers: a
+// thread moves 8 channels of one position, one 4-byte access a channel on the NC(D)HW side
+// (coalesced across the warp's positions) and two 16-byte accesses, a full 32-byte sector, on
+// the channels-last side. Unlike a 32 x 32 tile it does not idle when there are few channels
+// (pipeline A's input has 8). TO_CHANNELS_LAST: out[n, s, c] = in[n, c, s], else
+// out[n, c, s] = in[n, s, c].
+template <bool TO_CHANNELS_LAST>
+__global__ void transpose_channels8(const float* __restrict__ in, float* __restrict__ out,
+                                    index_t N, int C, index_t S) {
     const int groups = C / 8;
     const index_t total = N * groups * S;
     for (index_t i = blockIdx.x * (index_t)blockDim.x + threadIdx.x; i < total;
@@ -74,13 +77,21 @@ __global__ void nchw_to_nhwc8(const float* __restrict__ in, float* __restrict__ 
         const index_t rest = i / S;
         const int g = (int)(rest % groups);
         const index_t n = rest / groups;
-        const float* src = in + (n * C + g * 8) * S + s;
-        float v[8];
+        const index_t planar = (n * C + g * 8) * S + s, last = (n * S + s) * C + g * 8;
+        if (TO_CHANNELS_LAST) {
+            float v[8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) v[j] = __ldg(src + j * S);
-        float4* dst = reinterpret_cast<float4*>(out + (n * S + s) * C + g * 8);
-        dst[0] = make_float4(v[0], v[1], v[2], v[3]);
-        dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+            for (int j = 0; j < 8; ++j) v[j] = __ldg(in + planar + j * S);
+            float4* dst = reinterpret_cast<float4*>(out + last);
+            dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+            dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+        } else {
+            const float4* src = reinterpret_cast<const float4*>(in + last);
+            const float4 a = __ldg(src), b = __ldg(src + 1);
+            const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int j = 0; j < 8; ++j) out[planar + j * S] = v[j];
+        }
     }
 }
 

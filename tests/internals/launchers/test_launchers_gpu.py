@@ -131,9 +131,11 @@ def test_transpose_channels_affine(rng):
     assert_close(np.nan_to_num(got), np.nan_to_num(ref), 1e-6)
 
 
-@pytest.mark.parametrize("shape", [(3, 20, 9, 12), (2, 37, 5, 7), (1, 4, 2_200_000)])
+@pytest.mark.parametrize("shape", [(3, 20, 9, 12), (2, 37, 5, 7), (1, 4, 2_200_000),
+                                   (3, 8, 9, 13), (2, 16, 3, 5, 7)])
 def test_transpose_channels_both_ways(rng, shape):
-    # NCHW -> channels-last and back (+ bias), partial tiles; the last shape has more than
+    # NCHW -> channels-last and back (+ bias, and without it: 8 and 16 channels take the
+    # kernel of 8 channels a thread both ways), partial tiles; the third shape has more than
     # 65535 tiles of positions per sample (once past the grid's y limit).
     from cufused._kernels.layout import transpose_channels
     from cufused._layout import empty_in_layout
@@ -147,6 +149,9 @@ def test_transpose_channels_both_ways(rng, shape):
     back = poisoned(shape)
     transpose_channels(nhwc, back, to_channels_last=False, bias=bias)
     assert bool((back == x + bias.reshape(1, -1, *[1] * (len(shape) - 2))).all())
+    back = poisoned(shape)
+    transpose_channels(nhwc, back, to_channels_last=False)
+    assert bool((back == x).all())
 
 
 @pytest.mark.parametrize("layout,pool,c,h,w,variants", [
