@@ -2146,6 +2146,7 @@ __device__ __forceinline__ float clamp_nan_mm(float v, float lo, float hi) {
 template <int J, typename Write>
 __device__ __forceinline__ void block_channel_sums(float (&sums)[J][2], float* scratch,
                                                    Write write) {
+    static_assert(CONV_THREADS == 256, "8 warps");
     const int tid = threadIdx.x, warp = tid >> 5, gid = (tid & 31) >> 2, tig = tid & 3;
 #pragma unroll
     for (int j = 0; j < J; ++j)
@@ -2801,6 +2802,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
 #define CTG_TH 4
 #define CTG_TW 32
 #define CTG_BN 64
+static_assert(CTG_THREADS == 256, "8 warps (block_channel_sums)");
 #define CTG_HH (CTG_TH + 1)
 #define CTG_HW (CTG_TW + 1)
 #define CTG_HFLOATS (2 * CTG_HH * CTG_HW * CT3_CI)

@@ -14,7 +14,8 @@ def transpose_channels(src, dst, *, to_channels_last: bool, bias=None, affine=No
     """Copy contiguous NC(D)HW ``src`` to channels-last ``dst`` or back (+ ``bias[c]``).
 
     Both arrays have the same logical shape; ``src``'s memory is in the source layout and
-    ``dst``'s in the other one. One tiled-transpose kernel, coalesced on both sides. Back to
+    ``dst``'s in the other one. A tiled transpose, coalesced on both sides (8 channels a
+    thread where C is 8 or 16, without bias or affine, buffers 16-byte aligned). Back to
     NC(D)HW, ``affine = (coef, lo, hi)`` instead writes ``clip(coef[0, k] * (src - coef[1, k])
     + coef[2, k], lo, hi)`` with k = n * C + c (coef: (3, N * C), a normalization's
     coefficients as ``stats_finalize`` forms them).
@@ -24,8 +25,8 @@ def transpose_channels(src, dst, *, to_channels_last: bool, bias=None, affine=No
     a, b = (c, s) if to_channels_last else (s, c)
     if src.size == 0:
         return
-    # Few channels idle most of a 32 x 32 tile: 8 channels per thread instead (measured
-    # faster for C = 8, slower for C >= 32).
+    # Few channels idle most of a 32 x 32 tile: 8 channels per thread instead (to
+    # channels-last measured faster for C = 8, slower for C >= 32).
     if (bias is None and affine is None and c in (8, 16)
             and src.data.ptr % 16 == 0 and dst.data.ptr % 16 == 0):
         transpose_channels8(src, dst, to_channels_last=to_channels_last, n=n, c=c, s=s)

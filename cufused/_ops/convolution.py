@@ -379,8 +379,9 @@ def _igemm_transposed_3d_copied(x, weight, bias, y, *, passes: int) -> None:
 
 
 def _channels_last_copy(x):
-    """A packed channels-last copy of ``x`` (N, C, *spatial): the tiled transpose of a
-    contiguous ``x``, else an element-wise copy (``x`` stored channels-last, unaligned)."""
+    """A packed channels-last copy of ``x`` (N, C, *spatial): the transpose of a contiguous
+    ``x`` (:func:`~cufused._kernels.layout.transpose_channels`), else an element-wise copy
+    (``x`` stored channels-last, unaligned)."""
     from .._kernels.layout import transpose_channels
     from .._layout import empty_in_layout
 
@@ -393,8 +394,8 @@ def _channels_last_copy(x):
 
 
 def _nchw_copy(x):
-    """A contiguous (NCHW / NCDHW) copy of ``x`` stored packed channels-last (the tiled
-    transpose)."""
+    """A contiguous (NCHW / NCDHW) copy of ``x`` stored packed channels-last
+    (:func:`~cufused._kernels.layout.transpose_channels`)."""
     from .._kernels.layout import transpose_channels
 
     x_nc = _empty_nchw(x.shape)

@@ -133,13 +133,17 @@ def test_transpose_channels_affine(rng):
 
 @pytest.mark.parametrize("shape", [(3, 20, 9, 12), (2, 37, 5, 7), (1, 4, 2_200_000),
                                    (3, 8, 9, 13), (2, 16, 3, 5, 7)])
-def test_transpose_channels_both_ways(rng, shape):
+def test_transpose_channels_both_ways(rng, shape, monkeypatch):
     # NCHW -> channels-last and back (+ bias, and without it: 8 and 16 channels take the
     # kernel of 8 channels a thread both ways), partial tiles; the third shape has more than
     # 65535 tiles of positions per sample (once past the grid's y limit).
+    from cufused._kernels import layout
     from cufused._kernels.layout import transpose_channels
     from cufused._layout import empty_in_layout
 
+    launched, get_kernel = [], layout.get_kernel
+    monkeypatch.setattr(layout, "get_kernel",
+                        lambda f, name, **kw: launched.append(name) or get_kernel(f, name, **kw))
     x = cp.asarray(rng.standard_normal(shape), dtype=cp.float32)
     bias = cp.asarray(rng.standard_normal(shape[1]), dtype=cp.float32)
     nhwc = empty_in_layout(shape, "nhwc")
@@ -152,6 +156,9 @@ def test_transpose_channels_both_ways(rng, shape):
     back = poisoned(shape)
     transpose_channels(nhwc, back, to_channels_last=False)
     assert bool((back == x).all())
+    by_eight = ["transpose_channels8<true>", "transpose_channels8<false>"]
+    assert [name for name in launched if name.startswith("transpose_channels8")] == (
+        by_eight if shape[1] in (8, 16) else [])
 
 
 @pytest.mark.parametrize("layout,pool,c,h,w,variants", [
