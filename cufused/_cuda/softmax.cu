@@ -224,9 +224,10 @@ __device__ __forceinline__ int transpose_slot(int ch, int p) {
 // 16-byte aligned buffers): a thread loads 4 channels of a position and stores 4 positions of
 // a channel, 16-byte accesses, a quarter of the memory instructions.
 // Grid (ceil(S / 128), ceil(C / 32), min(N, 65535)), block (32, 8): a block takes the samples
-// blockIdx.z + k * gridDim.z.
+// blockIdx.z + k * gridDim.z. Six blocks a multiprocessor at least (40 registers a thread):
+// left to itself the compiler takes 80 for VEC = 4, three blocks, too few loads in flight.
 template <bool CLAMP, int VEC>
-__global__ void softmax_apply_transpose(const float* __restrict__ y, float* __restrict__ out,
+__global__ void __launch_bounds__(256, 6) softmax_apply_transpose(const float* __restrict__ y, float* __restrict__ out,
                                         const float* __restrict__ bias,
                                         const float* __restrict__ shift,
                                         const float* __restrict__ factor, index_t N, index_t S,
