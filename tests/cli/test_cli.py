@@ -178,7 +178,9 @@ def test_bench_refuses_an_unwritable_output_before_running(tmp_path, option):
                                   "bench_h200_a_held_pool.json",
                                   "bench_h200_c_groups.json",
                                   "bench_h200_ac_split.json",
-                                  "bench_h200_ac_sums.json"])
+                                  "bench_h200_ac_sums.json",
+                                  "bench_h200_ab_compile.json",
+                                  "bench_h200_c_compile.json"])
 def test_bench_table_and_plot_from_committed_result(tmp_path, name):
     # The committed device results (docs/_static/bench*.json, H200 and H100) render as the
     # bench command prints them, and as a bar chart.
