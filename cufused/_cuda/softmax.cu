@@ -227,11 +227,11 @@ __device__ __forceinline__ int transpose_slot(int ch, int p) {
 // blockIdx.z + k * gridDim.z. Six blocks a multiprocessor at least (40 registers a thread):
 // left to itself the compiler takes 80 for VEC = 4, three blocks, too few loads in flight.
 template <bool CLAMP, int VEC>
-__global__ void __launch_bounds__(256, 6) softmax_apply_transpose(const float* __restrict__ y, float* __restrict__ out,
-                                        const float* __restrict__ bias,
-                                        const float* __restrict__ shift,
-                                        const float* __restrict__ factor, index_t N, index_t S,
-                                        int C, index_t sn, index_t ss, float lo, float hi) {
+__global__ void __launch_bounds__(256, 6)
+softmax_apply_transpose(const float* __restrict__ y, float* __restrict__ out,
+                        const float* __restrict__ bias, const float* __restrict__ shift,
+                        const float* __restrict__ factor, index_t N, index_t S, int C,
+                        index_t sn, index_t ss, float lo, float hi) {
     const index_t p0 = (index_t)blockIdx.x * 128;
     const int c0 = blockIdx.y * 32;
     // First samples first: the statistics pass read them last, so they may still be in L2.
