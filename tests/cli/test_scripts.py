@@ -232,6 +232,42 @@ def test_sanitize_counts_reports_per_kernel():
     assert not sanitize.is_third_party("conv_transpose3d_s2k3")
 
 
+@pytest.mark.parametrize("error,status", [(0.0, 0), (1.0, 1)])
+def test_halo_store_cases_dispatches_every_case(monkeypatch, capsys, error, status):
+    """scripts/halo_store_cases.py runs each case by its kind (the convolutions' tuples, the
+    pool's and the class groups' names), names the kernel each launched, counts the
+    failures and sets the exit status: its three case functions stand in for the GPU."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        cases = importlib.import_module("halo_store_cases")
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    from cufused._kernels import conv_gemm
+
+    # main() replaces both; monkeypatch puts the originals back.
+    monkeypatch.setattr(conv_gemm, "sm_count", conv_gemm.sm_count)
+    monkeypatch.setattr(conv_gemm, "get_kernel", lambda filename, name, **kw: None)
+
+    def case_of(kind):
+        def run(module, *args, **kwargs):
+            module.get_kernel("conv_gemm.cu", kind)
+            return error
+        return run
+
+    monkeypatch.setattr(cases, "_conv_case", case_of("conv"))
+    monkeypatch.setattr(cases, "_pool_case", case_of("pool"))
+    monkeypatch.setattr(cases, "_groups_case", case_of("groups"))
+    assert cases.main([]) == status
+    lines = capsys.readouterr().out.splitlines()
+    verdict = "FAIL" if status else "ok"
+    runs = 2 * len(cases.CONV_CASES) + 2 + 2
+    assert sum(line.startswith(f"{verdict} conv: ") for line in lines) == 2 * len(cases.CONV_CASES)
+    assert sum(line == f"{verdict} pool: pool 4, error {error:.1e}" for line in lines) == 2
+    assert f"{verdict} groups: class groups, error {error:.1e}" in lines
+    assert f"{verdict} groups: class groups, softmax sums, error {error:.1e}" in lines
+    assert lines[-1] == f"cases run: {runs}; failed: {runs if status else 0}"
+
+
 @pytest.mark.parametrize("path", SHELL_SCRIPTS, ids=lambda p: p.name)
 def test_shell_script_parses(path):
     res = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=60)
