@@ -4,7 +4,8 @@
 #   bash scripts/ncu_kernels.sh CASE PRECISION                 one pipeline call
 #   bash scripts/ncu_kernels.sh conv CASE PRECISION MODE       one public conv, MODE replay|direct
 #   bash scripts/ncu_kernels.sh detail CASE PRECISION          the call's own (non-cuDNN) kernels:
-#       time, DRAM / SM / L2 use, occupancy and its limiter, the top warp stall reasons
+#       time, DRAM / SM / L2 use, tensor and shared pipes, issue slots, occupancy and its
+#       limiter, the top warp stall reasons
 if [ "$1" = detail ]; then
   metrics=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
   metrics+=,sm__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sector_hit_rate.pct
@@ -12,6 +13,9 @@ if [ "$1" = detail ]; then
   metrics+=,launch__occupancy_limit_shared_mem,launch__occupancy_limit_registers
   metrics+=,launch__occupancy_limit_warps,sm__warps_active.avg.pct_of_peak_sustained_active
   metrics+=,launch__grid_size,launch__block_size,smsp__inst_executed.sum
+  metrics+=,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active
+  metrics+=,sm__pipe_shared_cycles_active.avg.pct_of_peak_sustained_active
+  metrics+=,smsp__issue_active.avg.pct_of_peak_sustained_active
   for r in long_scoreboard barrier lg_throttle mio_throttle short_scoreboard wait math_pipe_throttle \
            membar drain; do
     metrics+=,smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio
@@ -27,7 +31,10 @@ short = {"gpu__time_duration.sum": "us", "dram__throughput.avg.pct_of_peak_susta
          "launch__registers_per_thread": "regs", "launch__occupancy_limit_shared_mem": "lim_smem",
          "launch__occupancy_limit_registers": "lim_regs", "launch__occupancy_limit_warps": "lim_warps",
          "sm__warps_active.avg.pct_of_peak_sustained_active": "warps%", "launch__grid_size": "grid",
-         "launch__block_size": "block", "smsp__inst_executed.sum": "inst"}
+         "launch__block_size": "block", "smsp__inst_executed.sum": "inst",
+         "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active": "tensor%",
+         "sm__pipe_shared_cycles_active.avg.pct_of_peak_sustained_active": "shared_pipe%",
+         "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue%"}
 def flush(name, vals):
     if name:
         stalls = sorted(((float(v), k) for k, v in vals.items() if k.startswith("stall_")), reverse=True)[:3]

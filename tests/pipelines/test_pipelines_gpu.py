@@ -558,7 +558,7 @@ def test_pipeline_a_sample_past_2_31_elements(rng, monkeypatch, precision):
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32", "3xtf32"])
 def test_pipeline_b_batch_past_2_31_elements(rng, precision):
     # A convolution output of 2684355 * 8 * 10 * 10 > 2**31 elements over the batch (a
     # sample's are few): BatchNorm's statistics and running buffers span the whole batch, so
@@ -592,11 +592,16 @@ def test_pipeline_b_batch_past_2_31_elements(rng, precision):
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("precision", ["ieee", "tf32"])
-def test_pipeline_c_batch_past_2_31_elements(rng, precision):
+@pytest.mark.parametrize("precision", ["ieee", "tf32", "3xtf32"])
+def test_pipeline_c_batch_past_2_31_elements(rng, monkeypatch, precision):
     # A convolution output (and result) of 65537 * 16 * 8 * 16 * 16 > 2**31 elements over the
     # batch: the softmax is per sample, so samples at the start, middle and end are checked
-    # against the float64 reference of each alone.
+    # against the float64 reference of each alone. "3xtf32" on cufused's implicit GEMM
+    # (forced): the class groups with the softmax sums in their epilogue on the wgmma build.
+    from cufused._cudnn import plan_options
+    from cufused._kernels.conv_gemm import _FILE, arch_target
+    from cufused.pipelines import pipeline_c
+
     n = 2**31 // 32768 + 1
     x = cp.random.default_rng(int(rng.integers(2**31))).random((n, 4, 8, 16, 16),
                                                               dtype=cp.float32)
@@ -604,9 +609,12 @@ def test_pipeline_c_batch_past_2_31_elements(rng, precision):
                      rng.standard_normal(16))
     opts = dict(stride=2, padding=1, output_padding=1, pool_kernel=2, clamp_min=-0.3,
                 clamp_max=0.4)
-    got = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
-        x, w, s, conv_bias=b, precision=precision, **opts)
+    calls = count_calls(monkeypatch, pipeline_c, "conv_transpose3d_groups_softmax_sums")
+    with plan_options(engine="igemm" if precision == "3xtf32" else "auto"):
+        got = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
+            x, w, s, conv_bias=b, precision=precision, **opts)
     assert got.shape == (n, 16, 8, 16, 16) and got.size > 2**31
+    assert bool(calls) == (precision == "3xtf32" and arch_target(_FILE) == "sm_90a")
     for i in (0, n // 2, n - 1):
         ref = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
             x[i:i + 1].get(), w.get(), s.get(), conv_bias=b.get(), **opts)
