@@ -3,9 +3,9 @@
 # gpu_check.sh's install). Usage:
 #   bash scripts/ncu_kernels.sh CASE PRECISION                 one pipeline call
 #   bash scripts/ncu_kernels.sh conv CASE PRECISION MODE       one public conv, MODE replay|direct
-#   bash scripts/ncu_kernels.sh detail CASE PRECISION          the call's own (non-cuDNN) kernels:
-#       time, DRAM / SM / L2 use, tensor and shared pipes, issue slots, occupancy and its
-#       limiter, the top warp stall reasons
+#   bash scripts/ncu_kernels.sh detail CASE PRECISION          the call's own kernels (not
+#       cuDNN's, cuBLAS's or the DFT engine's): time, DRAM / SM / L2 use, tensor and shared
+#       pipes, issue slots, occupancy and its limiter, the top warp stall reasons
 if [ "$1" = detail ]; then
   metrics=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
   metrics+=,sm__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sector_hit_rate.pct
