@@ -127,9 +127,8 @@ def softmax_rows(xp, y, out, *, rows: int, length: int, channels: int, strides,
         xp, y, n=n, partial_rows=parts * rows, length=length, channels=channels,
         strides=strides, quads=stats_quads(channels) if loads4 else 0,
         channels_last=channels_last, bias=bias, clamp=clamp)
-    coef = xp.empty((2, rows), dtype=xp.float32)
-    softmax_finalize(partial, coef[0], coef[1], rows=rows, channels=channels, splits=splits,
-                     parts=parts, scale=scale)
+    coef = softmax_finalize(xp, partial, rows=rows, channels=channels, splits=splits, parts=parts,
+                            scale=scale)
     if layout == "classes":
         softmax_apply_subpixel(y, out, coef[0], coef[1], bias=bias, clamp=clamp)
     elif channels_last:
@@ -151,18 +150,14 @@ def _vec4_accesses(y, out, length: int, channels: int, strides, vec4: bool):
     return loads4, loads4 and length % 4 == 0 and out.data.ptr % 16 == 0
 
 
-def softmax_normalize_channels_last(y, out, partial, *, n: int, length: int, channels: int,
+def softmax_normalize_channels_last(xp, y, out, partial, *, n: int, length: int, channels: int,
                                     strides, scale, clamp) -> None:
     """The normalize pass of :func:`softmax_rows` from channels-last ``y`` (element
     ``strides`` (sn, sc, ss)) into contiguous ``out``, from the (reference, sum) pairs of
     each row, ``partial`` (N * channels, splits, 2), that a pass of the caller's took:
     clamped, times ``scale[c]``."""
-    import cupy
-
-    rows = n * channels
-    coef = cupy.empty((2, rows), dtype=cupy.float32)
-    softmax_finalize(partial, coef[0], coef[1], rows=rows, channels=channels,
-                     splits=partial.shape[1], parts=1, scale=scale)
+    coef = softmax_finalize(xp, partial, rows=n * channels, channels=channels,
+                            splits=partial.shape[1], parts=1, scale=scale)
     softmax_apply_transpose(y, out, coef[0], coef[1], n=n, length=length, channels=channels,
                             strides=strides,
                             stores4=_vec4_accesses(y, out, length, channels, strides, True)[1],
@@ -211,14 +206,16 @@ def softmax_stats(xp, y, *, n: int, partial_rows: int, length: int, channels: in
     return partial, splits
 
 
-def softmax_finalize(partial, coef_a, coef_b, *, rows: int, channels: int, splits: int,
-                     parts: int, scale) -> None:
-    """Each row's (shift, factor) from its ``parts * splits`` partials, times ``scale[c]``."""
+def softmax_finalize(xp, partial, *, rows: int, channels: int, splits: int, parts: int, scale):
+    """Each row's (shift, factor) from its ``parts * splits`` partials, times ``scale[c]``:
+    a new (2, rows) float32 array, the shifts in row 0 and the factors in row 1."""
+    coef = xp.empty((2, rows), dtype=xp.float32)
     i32 = numpy.int32
     get_kernel(_FILE, "softmax_finalize")(
         (-(-rows * 32 // 256),), (256,),
         (partial, numpy.int64(rows), i32(channels), i32(splits), i32(parts), optional(scale),
-         coef_a, coef_b))
+         coef[0], coef[1]))
+    return coef
 
 
 def softmax_apply_subpixel(y, out, coef_a, coef_b, *, bias, clamp) -> None:

@@ -206,9 +206,8 @@ def _fused_recompute(xp, x_pooled, weight, args, precision, out, *, conv_bias, s
     passes = mma_passes(precision)
     partial_sums, splits = conv_transpose3d_softmax_sums(
         xp, x_pooled, w, conv_bias, out_shape=out.shape, clamp=(lo, hi), passes=passes)
-    coef = xp.empty((2, n * c), dtype=xp.float32)
-    softmax_finalize(partial_sums, coef[0], coef[1], rows=n * c, channels=c, splits=splits,
-                     parts=1, scale=scale)
+    coef = softmax_finalize(xp, partial_sums, rows=n * c, channels=c, splits=splits, parts=1,
+                            scale=scale)
     conv_transpose3d_softmax(x_pooled, w, conv_bias, out, coef[1], clamp=(lo, hi),
                              passes=passes)
     return _nonfinite_weight_rows(xp, x_pooled, weight, args, out, conv_bias=conv_bias,
@@ -230,7 +229,7 @@ def _fused_class_groups(xp, x_pooled, weight, args, out, *, conv_bias, scale, lo
     if partial is None:
         return False
     sn, sc, *_, ss = (s // y.itemsize for s in y.strides)
-    softmax_normalize_channels_last(y, out, partial, n=n, length=math.prod(out.shape[2:]),
+    softmax_normalize_channels_last(xp, y, out, partial, n=n, length=math.prod(out.shape[2:]),
                                     channels=c, strides=(sn, sc, ss), scale=scale,
                                     clamp=(lo, hi))
     _nonfinite_weight_rows(xp, x_pooled, weight, args, out, conv_bias=conv_bias, scale=scale,
