@@ -2788,8 +2788,8 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
 // a tile of 1 x 4 x 32 base positions is M, a warpgroup's 64 of
 // them (rows 2 g and 2 g + 1) per MMA, each warp's 16 from the halo (2 x 5 x 33 positions x
 // 32 channels by one tensor copy, ct3_swizzled rows, two buffers) by ldmatrix, split in
-// registers by split_truncated (the fragments' split is most of a tap's instructions, and the
-// kernel's issue rate its bound before the tensor cores'). Per tap a step sum: for each half
+// registers by split_truncated (the weights and two halo buffers fill the shared memory: no
+// room for the halo's split planes). Per tap a step sum: for each half
 // of its 4 steps the residual products (the finite high weight times the residual x, the
 // residual weight times the finite high x), then the high ones, into zeroed registers added
 // to the accumulator in float32 once done, so that the tensor cores' truncating accumulation
