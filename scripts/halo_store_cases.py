@@ -19,6 +19,7 @@ Usage: python scripts/halo_store_cases.py [--seed 1] [--seconds 0]
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import numpy as np
@@ -125,17 +126,18 @@ def main(argv: list[str] | None = None) -> int:
                                                           or get_kernel(filename, name, **kw))
     rng = np.random.default_rng(args.seed)
     ran = failed = 0
-    cases = [(case, passes) for case in CONV_CASES + ["pool 4"] for passes in (1, 3)]
-    for case, passes in cases + [("class groups", 3), ("class groups, softmax sums", 3)]:
-        if case == "pool 4":
-            err = _pool_case(conv_gemm, rng, passes)
-        elif isinstance(case, str) and case.startswith("class groups"):
-            err = _groups_case(conv_gemm, rng, sums=case.endswith("sums"))
-            if err is None:
-                print(f"skip {case}: not the wgmma build", flush=True)
-                continue
-        else:
-            err = _conv_case(conv_gemm, rng, *case, passes)
+    # (case, passes, its error: None where its kernel does not run on this build)
+    cases = ([(case, passes, functools.partial(_conv_case, conv_gemm, rng, *case, passes))
+              for case in CONV_CASES for passes in (1, 3)]
+             + [("pool 4", passes, functools.partial(_pool_case, conv_gemm, rng, passes))
+                for passes in (1, 3)]
+             + [(case, 3, functools.partial(_groups_case, conv_gemm, rng, sums=sums))
+                for case, sums in (("class groups", False), ("class groups, softmax sums", True))])
+    for case, passes, error in cases:
+        err = error()
+        if err is None:
+            print(f"skip {case}: not the wgmma build", flush=True)
+            continue
         ok = err < (3e-3 if passes == 1 else 1e-5)
         ran, failed = ran + 1, failed + (not ok)
         # The convolution's kernel (not the rewrite of non-finite channels after it).
