@@ -197,6 +197,19 @@ def _cupy_view(t: torch.Tensor, cupy, name: str) -> Any:
     return view
 
 
+class _RawStream:
+    """A raw ``cudaStream_t`` handle under the CUDA stream protocol, the form in which CuPy
+    takes a foreign stream (``cupy.cuda.Stream.from_external``)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
 def _current_stream(device: int, cupy, raw: int | None = None) -> Any:
     """CuPy's handle of PyTorch's current stream on ``device`` (cached per stream); ``raw`` is
     that stream's handle where the caller has read it already."""
@@ -205,7 +218,9 @@ def _current_stream(device: int, cupy, raw: int | None = None) -> Any:
     if stream is None:
         if len(_STREAMS) >= 64:
             _STREAMS.clear()
-        stream = _STREAMS[key] = cupy.cuda.ExternalStream(key[0], device)
+        # The stream carries no device (CuPy's -1): callers launch on it only with its
+        # device current.
+        stream = _STREAMS[key] = cupy.cuda.Stream.from_external(_RawStream(key[0]))
     return stream
 
 
