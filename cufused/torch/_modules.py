@@ -10,6 +10,7 @@ KernelBench times a model): the result then carries a backward that raises.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -87,6 +88,39 @@ def _square_window(kernel_size: int | tuple[int, ...], nd: int, name: str) -> in
     return kernel_size
 
 
+def _sides(value: Any) -> tuple:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def _require(name: str, value: Any, expected: Any) -> None:
+    """Refuse a submodule setting that the fused call has no option for: a ``ValueError``
+    naming it unless each side of ``value`` is ``expected``."""
+    if any(side != expected for side in _sides(value)):
+        raise ValueError(f"{name} must be {expected!r}, as the fused pipeline computes, got "
+                         f"{value!r}")
+
+
+def _check_convolution(conv: torch.nn.Module, name: str) -> None:
+    """``conv`` (an ``nn.Conv2d`` / ``nn.ConvTranspose2d`` / ``3d``) as the fused pipelines
+    convolve: no dilation, zero padding."""
+    _require(f"{name}.dilation", conv.dilation, 1)
+    _require(f"{name}.padding_mode", conv.padding_mode, "zeros")
+
+
+def _pool_window(pool: torch.nn.Module, nd: int, name: str) -> int:
+    """The window of ``pool`` (an ``nn.MaxPool2d`` / ``nn.AvgPool3d``) as the fused pipelines
+    pool: square, its stride the window, no padding, no dilation, floor mode, no divisor
+    override; any other setting is refused."""
+    k = _square_window(pool.kernel_size, nd, f"{name}.kernel_size")
+    _require(f"{name}.stride", pool.stride, k)
+    _require(f"{name}.padding", pool.padding, 0)
+    _require(f"{name}.ceil_mode", pool.ceil_mode, False)
+    _require(f"{name}.dilation", getattr(pool, "dilation", 1), 1)
+    _require(f"{name}.return_indices", getattr(pool, "return_indices", False), False)
+    _require(f"{name}.divisor_override", getattr(pool, "divisor_override", None), None)
+    return k
+
+
 def _check_channel_scale(scale_shape: tuple[int, ...], channels: int) -> None:
     """``x * scale`` with ``scale`` of ``scale_shape`` must give each of the ``channels``
     channels of an (N, C, H, W) ``x`` one value, as the fused pipeline scales: one value, or
@@ -131,7 +165,10 @@ class Conv2dGroupNormScaleMaxPoolClamp(_ForwardOnlyModule):
     -----
     The submodules and parameters are the KernelBench model's (``conv``, ``group_norm``,
     ``scale``, ``maxpool``), created in the same order, so the same seed gives the same
-    parameters and ``state_dict`` loads both ways. Forward-only (see the module docstring).
+    parameters and ``state_dict`` loads both ways. ``forward`` refuses (``ValueError``) a
+    submodule setting that the fused call has no option for: a dilated, grouped or non-zero
+    padded ``conv``, a ``maxpool`` whose stride is not its window or with padding, dilation or
+    ``ceil_mode``. Forward-only (see the module docstring).
 
     Examples
     --------
@@ -164,10 +201,11 @@ class Conv2dGroupNormScaleMaxPoolClamp(_ForwardOnlyModule):
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         conv, gn = self.conv, self.group_norm
+        _check_convolution(conv, "conv")
+        _require("conv.groups", conv.groups, 1)
         return _ops.conv2d_groupnorm_scale_maxpool_clamp.default(
             x, conv.weight, conv.bias, gn.weight, gn.bias, self.scale,
-            num_groups=gn.num_groups,
-            pool_kernel=_square_window(self.maxpool.kernel_size, 2, "maxpool_kernel_size"),
+            num_groups=gn.num_groups, pool_kernel=_pool_window(self.maxpool, 2, "maxpool"),
             clamp_min=self.clamp_min, clamp_max=self.clamp_max, stride=conv.stride,
             padding=conv.padding, eps=gn.eps, precision=self.precision)
 
@@ -203,7 +241,10 @@ class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(_ForwardOnlyModule):
     Submodules and parameters are the KernelBench model's (``conv_transpose``, ``batch_norm``,
     ``tanh``, ``max_pool``, ``group_norm``), so ``state_dict`` loads both ways. The fused call
     uses one epsilon for both norms; when ``batch_norm.eps`` and ``group_norm.eps`` differ, the
-    building blocks run instead. Forward-only (see the module docstring).
+    building blocks run instead; the pool takes ``max_pool``'s window. ``forward`` refuses
+    (``ValueError``), in both modes, a dilated ``conv_transpose`` or a ``max_pool`` whose
+    stride is not its window or with padding, dilation or ``ceil_mode``. Forward-only (see the
+    module docstring).
 
     Examples
     --------
@@ -234,7 +275,9 @@ class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(_ForwardOnlyModule):
         return ct.weight, ct.bias, bn.weight, bn.bias, gn.weight, gn.bias
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
-        bn = self.batch_norm
+        bn, ct = self.batch_norm, self.conv_transpose
+        _check_convolution(ct, "conv_transpose")
+        k = _pool_window(self.max_pool, 2, "max_pool")
         # BatchNorm's bookkeeping, as nn.BatchNorm2d.forward does it, except that the batch
         # is counted with the running statistics' update, once the call that updates them has
         # succeeded: a call that fails its checks first leaves the module as it was.
@@ -243,7 +286,7 @@ class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(_ForwardOnlyModule):
                    and bn.num_batches_tracked is not None)
         if counted and bn.momentum is None:  # cumulative moving average, this batch included
             momentum = 1.0 / (float(bn.num_batches_tracked) + 1.0)
-        ct, gn = self.conv_transpose, self.group_norm
+        gn = self.group_norm
         batch_stats = self.training or (bn.running_mean is None and bn.running_var is None)
         track = not self.training or bn.track_running_stats
         running_mean = bn.running_mean if track else None
@@ -252,7 +295,7 @@ class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(_ForwardOnlyModule):
             y = _ops.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm.default(
                 x, ct.weight, bn.weight, bn.bias, gn.weight, gn.bias, num_groups=gn.num_groups,
                 stride=ct.stride, padding=ct.padding, output_padding=ct.output_padding,
-                groups=ct.groups, conv_bias=ct.bias, pool_kernel=2, eps=bn.eps,
+                groups=ct.groups, conv_bias=ct.bias, pool_kernel=k, eps=bn.eps,
                 running_mean=running_mean, running_var=running_var, momentum=momentum,
                 precision=self.precision)
             if counted:
@@ -260,8 +303,7 @@ class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(_ForwardOnlyModule):
             return y
         y = _ops.conv_transpose2d.default(
             x, ct.weight, ct.bias, stride=ct.stride, padding=ct.padding,
-            output_padding=ct.output_padding, dilation=ct.dilation, groups=ct.groups,
-            precision=self.precision)
+            output_padding=ct.output_padding, groups=ct.groups, precision=self.precision)
         # In training the blocks update copies of the running statistics, which replace them
         # once the last block has succeeded, as the fused call's checks come before its update.
         staged = [b.clone() if batch_stats and b is not None else b
@@ -269,7 +311,7 @@ class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(_ForwardOnlyModule):
         y = _ops.batch_norm.default(y, bn.weight, bn.bias, running_mean=staged[0],
                                     running_var=staged[1], training=batch_stats,
                                     momentum=momentum, eps=bn.eps, activation="tanh")
-        y = _ops.max_pool2d.default(y, 2, 2)
+        y = _ops.max_pool2d.default(y, k, k)
         y = _ops.group_norm.default(y, gn.num_groups, gn.weight, gn.bias, eps=gn.eps)
         for buffer, new in zip((running_mean, running_var), staged):
             if new is not buffer:
@@ -305,6 +347,8 @@ class ConvTranspose3dAvgPoolClampSoftmaxMultiply(_ForwardOnlyModule):
     -----
     Submodules and parameters are the KernelBench model's (``avg_pool``, ``conv_transpose``,
     ``scale`` of shape ``(1, out_channels, 1, 1, 1)``), so ``state_dict`` loads both ways.
+    ``forward`` refuses (``ValueError``) a dilated ``conv_transpose`` or an ``avg_pool`` whose
+    stride is not its window or with padding, ``ceil_mode`` or a ``divisor_override``.
     Forward-only (see the module docstring).
 
     Examples
@@ -339,9 +383,10 @@ class ConvTranspose3dAvgPoolClampSoftmaxMultiply(_ForwardOnlyModule):
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         ct = self.conv_transpose
+        _check_convolution(ct, "conv_transpose")
         return _ops.conv_transpose3d_avgpool_clamp_softmax_multiply.default(
             x, ct.weight, self.scale, stride=ct.stride, padding=ct.padding,
             output_padding=ct.output_padding,
-            pool_kernel=_square_window(self.avg_pool.kernel_size, 3, "pool_kernel_size"),
+            pool_kernel=_pool_window(self.avg_pool, 3, "avg_pool"),
             clamp_min=self.clamp_min, clamp_max=self.clamp_max, conv_bias=ct.bias,
             groups=ct.groups, precision=self.precision)

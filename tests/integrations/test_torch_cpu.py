@@ -307,6 +307,55 @@ def test_modules_take_a_square_tuple_pool_window():
         ours("C")(2, 3, 3, 2, 1, 1, (2, 1, 2), 0.0, 1.0)
 
 
+@pytest.mark.parametrize("name, path, value, message", [
+    ("A", "conv.dilation", (2, 2), r"conv.dilation must be 1"),
+    ("A", "conv.padding_mode", "reflect", r"conv.padding_mode must be 'zeros'"),
+    ("A", "conv.groups", 3, r"conv.groups must be 1"),
+    ("A", "maxpool.stride", 1, r"maxpool.stride must be 4"),
+    ("A", "maxpool.padding", 1, r"maxpool.padding must be 0"),
+    ("A", "maxpool.dilation", 2, r"maxpool.dilation must be 1"),
+    ("A", "maxpool.ceil_mode", True, r"maxpool.ceil_mode must be False"),
+    ("A", "maxpool.return_indices", True, r"maxpool.return_indices must be False"),
+    ("B", "conv_transpose.dilation", (2, 2), r"conv_transpose.dilation must be 1"),
+    ("B", "max_pool.stride", 1, r"max_pool.stride must be 2"),
+    ("B", "max_pool.kernel_size", (2, 3), r"max_pool.kernel_size must be an int or 2 equal"),
+    ("B", "max_pool.ceil_mode", True, r"max_pool.ceil_mode must be False"),
+    ("C", "conv_transpose.dilation", (1, 2, 1), r"conv_transpose.dilation must be 1"),
+    ("C", "avg_pool.stride", 1, r"avg_pool.stride must be 2"),
+    ("C", "avg_pool.padding", 1, r"avg_pool.padding must be 0"),
+    ("C", "avg_pool.ceil_mode", True, r"avg_pool.ceil_mode must be False"),
+    ("C", "avg_pool.divisor_override", 3, r"avg_pool.divisor_override must be None"),
+])
+@pytest.mark.parametrize("training", [True, False])
+def test_modules_refuse_submodule_settings_the_fused_call_lacks(name, path, value, message,
+                                                                training):
+    # A submodule setting either takes effect or is refused: the fused call has no option for
+    # these, and PyTorch's forward of the same submodules would honour them.
+    init, shape = SMALL[name]
+    model = ours(name)(*init).train(training)
+    owner, attr = path.split(".")
+    setattr(getattr(model, owner), attr, value)
+    before = [t.clone() for t in model.state_dict().values()]
+    with torch.no_grad(), pytest.raises(ValueError, match=message):
+        model(torch.rand(shape))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.state_dict().values()))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_module_b_pools_with_its_max_pool_window(training):
+    # The window is the max_pool submodule's, in the fused call and in the building blocks.
+    init, shape = SMALL["B"]
+    ref, mine = make_pair("B", init, dtype=torch.float64)
+    for model in (ref, mine):
+        model.max_pool = torch.nn.MaxPool2d(3)
+        model.train(training)
+    x = torch.rand(shape, dtype=torch.float64)
+    with torch.no_grad():
+        got, want = mine(x), ref(x)
+    assert got.shape == want.shape == (shape[0], init[1], 3, 3)
+    assert rel_err(got.numpy(), want.numpy()) < 1e-12
+
+
 @pytest.mark.parametrize("scale_shape", [(6, 1, 1), (1, 6, 1, 1), (), (1,), 1, (1, 1, 1, 1)])
 def test_module_a_scales_each_channel_as_x_times_scale(scale_shape):
     model = ours("A")(3, 6, 3, 2, scale_shape, 2, -1.0, 1.0).double()
