@@ -103,20 +103,25 @@ def plan_options(*, autotune: bool | None = None, pins: tuple[str, ...] | None =
     "igemm" (the implicit GEMM: TF32 and 3xTF32), "fft" (pipeline B's convolution through
     DFTs: "ieee" and 3xTF32) or "cudnn" (tests and benchmarks; a problem that the forced
     engine does not take runs on cuDNN), or "auto": the fastest one measured (the default).
-    Every option left as None keeps its current setting.
+    Every option left as None keeps its current setting; on exit the options given get back
+    the settings they had on entry, and the others keep any change made meanwhile.
     """
     if engine not in (None, "auto", "igemm", "fft", "cudnn"):
         raise ValueError(
             f"engine must be 'auto', 'igemm', 'fft', 'cudnn' or None, not {engine!r}")
-    saved = dict(_config)
+    changed: dict[str, Any] = {}
     if autotune is not None:
-        _config["autotune"] = autotune
+        changed["autotune"] = autotune
     if pins is not None:
-        _config["pins"] = tuple(pins)
+        changed["pins"] = tuple(pins)
     if replay is not None:
-        _config["replay"] = replay
+        changed["replay"] = replay
     if engine is not None:
-        _config["engine"] = None if engine == "auto" else engine
+        changed["engine"] = None if engine == "auto" else engine
+    # Only the settings changed here are restored: another thread's setter calls meanwhile
+    # (set_conv_autotune, set_conv_graph_replay) stand.
+    saved = {key: _config[key] for key in changed}
+    _config.update(changed)
     try:
         yield
     finally:

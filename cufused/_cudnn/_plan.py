@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ from .._timing import random_operand
 # same operands come before one is captured (a one-off call is not worth a capture).
 _MAX_REPLAYS = 8
 _CALLS_BEFORE_CAPTURE = 2
+_REPLAYS_LOCK = threading.Lock()  # a plan's graphs are evicted and added under it
 
 
 def operand_key(a) -> tuple:
@@ -210,9 +212,10 @@ class ConvPlan:
             self._replays = None
             return None
         replay = functools.partial(_launch_graph, graph, stream, kept)
-        if len(replays) >= _MAX_REPLAYS:
-            replays.pop(next(iter(replays)))  # the oldest
-        replays[key] = replay
+        with _REPLAYS_LOCK:  # threads capturing at once must not evict the same graph
+            if len(replays) >= _MAX_REPLAYS:
+                replays.pop(next(iter(replays)))  # the oldest
+            replays[key] = replay
         return replay
 
     def apply(self, x, w, *, bias=None, out=None, convert_output: bool = True):

@@ -135,7 +135,7 @@ def _named_padding(name: str, stride, dilation, kernel, nd: int) -> tuple[int, .
 def cached_conv_args(x_shape, w_shape, nd: int, **options) -> ConvArgs:
     """:func:`check_conv_args` (keyword options), remembered for recent argument values."""
     try:
-        key = (x_shape, w_shape, nd, *(_typed(v) for v in options.values()))
+        key = (x_shape, w_shape, nd, tuple(options), *(_typed(v) for v in options.values()))
         args = _ARGS_CACHE.get(key)
     except TypeError:  # an unhashable option: validate it the slow way (and fail there)
         return check_conv_args(x_shape, w_shape, nd, **options)

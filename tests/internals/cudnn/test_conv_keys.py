@@ -30,6 +30,38 @@ def test_output_shape_matches_torch(transposed, opts):
     assert args.out_shape == tuple(ref)
 
 
+def test_checked_arguments_cache_keys_the_option_names():
+    from cufused._ops._conv_args import cached_conv_args
+
+    # The same values under other names (keywords in another order) are another call.
+    x_shape, w_shape = (1, 2, 13, 13), (3, 2, 3, 3)
+    first = cached_conv_args(x_shape, w_shape, 2, transposed=False, stride=2, padding=1)
+    second = cached_conv_args(x_shape, w_shape, 2, transposed=False, padding=2, stride=1)
+    assert first.out_shape == (1, 3, 7, 7)
+    assert second.out_shape == (1, 3, 15, 15)
+    assert second == check_conv_args(x_shape, w_shape, 2, transposed=False, stride=1,
+                                     padding=2)
+
+
+def test_plan_options_restore_only_what_they_change():
+    import cufused
+    from cufused._cudnn import plan_options
+    from cufused._cudnn._config import _config
+
+    saved = dict(_config)
+    try:
+        with plan_options(replay=True):  # meanwhile another thread switches autotuning off
+            cufused.set_conv_autotune(False)
+        assert _config["autotune"] is False and _config["replay"] == saved["replay"]
+        with plan_options(engine="igemm", autotune=True):
+            cufused.set_conv_graph_replay(False)
+            assert _config["engine"] == "igemm" and _config["autotune"] is True
+        assert _config["replay"] is False and _config["engine"] == saved["engine"]
+        assert _config["autotune"] is False
+    finally:
+        _config.update(saved)
+
+
 def test_plan_cache_key_separates_what_changes_the_plan():
     base = dict(kind="fprop", x_shape=(1, 3, 8, 8), w_shape=(4, 3, 3, 3), y_shape=(1, 4, 6, 6),
                 stride=(1, 1), padding=(0, 0), dilation=(1, 1), precision="ieee")
