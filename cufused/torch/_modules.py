@@ -88,36 +88,38 @@ def _square_window(kernel_size: int | tuple[int, ...], nd: int, name: str) -> in
     return kernel_size
 
 
-def _sides(value: Any) -> tuple:
-    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
-
-
-def _require(name: str, value: Any, expected: Any) -> None:
+def _require(module: torch.nn.Module, name: str, attr: str, expected: Any,
+             default: Any = None) -> None:
     """Refuse a submodule setting that the fused call has no option for: a ``ValueError``
-    naming it unless each side of ``value`` is ``expected``."""
-    if any(side != expected for side in _sides(value)):
-        raise ValueError(f"{name} must be {expected!r}, as the fused pipeline computes, got "
-                         f"{value!r}")
+    naming ``name.attr`` unless each side of the setting (``default`` where ``module`` has
+    none) is ``expected``."""
+    value = getattr(module, attr, default)
+    sides = value if isinstance(value, (tuple, list)) else (value,)
+    if sides.count(expected) != len(sides):
+        raise ValueError(f"{name}.{attr} must be {expected!r}, as the fused pipeline computes, "
+                         f"got {value!r}")
 
 
 def _check_convolution(conv: torch.nn.Module, name: str) -> None:
     """``conv`` (an ``nn.Conv2d`` / ``nn.ConvTranspose2d`` / ``3d``) as the fused pipelines
     convolve: no dilation, zero padding."""
-    _require(f"{name}.dilation", conv.dilation, 1)
-    _require(f"{name}.padding_mode", conv.padding_mode, "zeros")
+    _require(conv, name, "dilation", 1)
+    _require(conv, name, "padding_mode", "zeros")
 
 
 def _pool_window(pool: torch.nn.Module, nd: int, name: str) -> int:
     """The window of ``pool`` (an ``nn.MaxPool2d`` / ``nn.AvgPool3d``) as the fused pipelines
     pool: square, its stride the window, no padding, no dilation, floor mode, no divisor
     override; any other setting is refused."""
-    k = _square_window(pool.kernel_size, nd, f"{name}.kernel_size")
-    _require(f"{name}.stride", pool.stride, k)
-    _require(f"{name}.padding", pool.padding, 0)
-    _require(f"{name}.ceil_mode", pool.ceil_mode, False)
-    _require(f"{name}.dilation", getattr(pool, "dilation", 1), 1)
-    _require(f"{name}.return_indices", getattr(pool, "return_indices", False), False)
-    _require(f"{name}.divisor_override", getattr(pool, "divisor_override", None), None)
+    k = pool.kernel_size
+    if not isinstance(k, int):
+        k = _square_window(k, nd, f"{name}.kernel_size")
+    _require(pool, name, "stride", k)
+    _require(pool, name, "padding", 0)
+    _require(pool, name, "ceil_mode", False)
+    _require(pool, name, "dilation", 1, 1)
+    _require(pool, name, "return_indices", False, False)
+    _require(pool, name, "divisor_override", None)
     return k
 
 
@@ -202,7 +204,7 @@ class Conv2dGroupNormScaleMaxPoolClamp(_ForwardOnlyModule):
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         conv, gn = self.conv, self.group_norm
         _check_convolution(conv, "conv")
-        _require("conv.groups", conv.groups, 1)
+        _require(conv, "conv", "groups", 1)
         return _ops.conv2d_groupnorm_scale_maxpool_clamp.default(
             x, conv.weight, conv.bias, gn.weight, gn.bias, self.scale,
             num_groups=gn.num_groups, pool_kernel=_pool_window(self.maxpool, 2, "maxpool"),
