@@ -11,10 +11,10 @@ import numpy
 
 from .._arrays import import_cupy
 from .._cuda import capturing, wait_for_devices
-from ._config import _config, cudnn_handle, import_cudnn, plan_options
+from ._config import _config, cudnn_handle, import_cudnn
 from ._graphs import (ConvProblem, Strategy, _build_graph, _Part, _part_specs, runnable_plans,
                       strategies)
-from ._plan import ConvPlan, _graph_buffer_pool
+from ._plan import ConvPlan, _graph_buffer_pool, timed_replay
 from .._timing import LONG_CALL_MS, issue_ms, l2_flush_buffer, random_operand, time_ms
 
 _plans: dict[tuple, ConvPlan] = {}
@@ -255,7 +255,7 @@ def _decide_replay(plan: ConvPlan, call, rounds: int = 11) -> None:
     issue = {True: [], False: []}
     for _ in range(rounds):
         for replay in (True, False):
-            with plan_options(replay=replay):
+            with timed_replay(replay):
                 times[replay].append(time_ms(call, repeat=1, batch=1, flush=flush))
                 issue[replay].append(issue_ms(call))
     if plan._replays is not None:

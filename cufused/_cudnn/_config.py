@@ -118,8 +118,8 @@ def plan_options(*, autotune: bool | None = None, pins: tuple[str, ...] | None =
         changed["replay"] = replay
     if engine is not None:
         changed["engine"] = None if engine == "auto" else engine
-    # Only the settings changed here are restored: another thread's setter calls meanwhile
-    # (set_conv_autotune, set_conv_graph_replay) stand.
+    # Only the settings given here are restored: changes made meanwhile to the others (by
+    # another thread's set_conv_autotune, say) stand.
     saved = {key: _config[key] for key in changed}
     _config.update(changed)
     try:

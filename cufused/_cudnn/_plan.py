@@ -41,6 +41,19 @@ _plans_in_use: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "cufused_plans_in_use", default=None)
 
 
+# The autotuner's timing of a plan's replayed and direct calls, in this thread only (None:
+# set_conv_graph_replay's process-wide setting).
+_timed_replay: contextvars.ContextVar[bool | None] = contextvars.ContextVar(
+    "cufused_timed_replay", default=None)
+
+
+def timed_replay(enabled: bool):
+    """Within the block, this thread's plans replay graphs (``enabled``) or run directly,
+    whatever the process-wide setting: the autotuner times both ways without changing what
+    other threads run."""
+    return scoped_value(_timed_replay, enabled)
+
+
 @contextlib.contextmanager
 def plans_in_use():
     """Collect, in the list this yields, every plan that runs inside the block."""
@@ -177,7 +190,8 @@ class ConvPlan:
         """The graph launcher for ``_launch``: cached, captured now (on the second call with
         these operands), or None (replay off, a capture in progress, a failed capture)."""
         replays = self._replays  # another thread's failed capture may set it to None
-        if not _config["replay"] or replays is None:
+        enabled = _timed_replay.get()
+        if not (_config["replay"] if enabled is None else enabled) or replays is None:
             return None
         cupy = import_cupy()
         stream = cupy.cuda.get_current_stream()
@@ -212,10 +226,12 @@ class ConvPlan:
             self._replays = None
             return None
         replay = functools.partial(_launch_graph, graph, stream, kept)
+        evicted = None  # released after the lock: a graph's destruction takes time
         with _REPLAYS_LOCK:  # threads capturing at once must not evict the same graph
             if len(replays) >= _MAX_REPLAYS:
-                replays.pop(next(iter(replays)))  # the oldest
+                evicted = replays.pop(next(iter(replays)))  # the oldest
             replays[key] = replay
+        del evicted
         return replay
 
     def apply(self, x, w, *, bias=None, out=None, convert_output: bool = True):

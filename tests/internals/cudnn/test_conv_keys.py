@@ -101,7 +101,7 @@ def test_direct_wins_only_beyond_margin_and_host_cost(replayed, direct, replayed
 @pytest.mark.parametrize("direct_wins", [False, True])
 def test_decide_replay_times_both_ways_alternately(monkeypatch, direct_wins):
     from cufused import _cudnn
-    from cufused._cudnn import _autotune
+    from cufused._cudnn import _autotune, _plan
 
     plan = types.SimpleNamespace(_replays={"autotune operands": "graph"},
                                  _calls={"other operands": 1})
@@ -109,14 +109,15 @@ def test_decide_replay_times_both_ways_alternately(monkeypatch, direct_wins):
 
     def fake_time_ms(call, repeat, batch, flush):
         assert (repeat, batch, flush) == (1, 1, "flush")  # single calls after an L2 flush
-        seen.append(_cudnn._config["replay"])
+        assert _cudnn._config["replay"] is True  # this thread's plans only, not the process's
+        seen.append(_plan._timed_replay.get())
         call()
-        return 1.0 if _cudnn._config["replay"] else 0.5
+        return 1.0 if _plan._timed_replay.get() else 0.5
 
     def fake_issue_ms(call):
-        issued.append(_cudnn._config["replay"])
+        issued.append(_plan._timed_replay.get())
         call()
-        return 0.01 if _cudnn._config["replay"] else 0.02
+        return 0.01 if _plan._timed_replay.get() else 0.02
 
     def fake_direct_wins(*medians):
         assert medians == (1.0, 0.5, 0.01, 0.02)  # replayed, direct, and their host times
@@ -129,7 +130,7 @@ def test_decide_replay_times_both_ways_alternately(monkeypatch, direct_wins):
     calls = []
     _cudnn._decide_replay(plan, lambda: calls.append(1), rounds=3)
     assert seen == issued == [True, False] * 3 and len(calls) == 12
-    assert _cudnn._config["replay"] is True  # restored
+    assert _cudnn._config["replay"] is True and _plan._timed_replay.get() is None
     assert plan._calls == {}
     assert plan._replays == (None if direct_wins else {})
 
