@@ -100,11 +100,33 @@ def _require(module: torch.nn.Module, name: str, attr: str, expected: Any,
                          f"got {value!r}")
 
 
-def _check_convolution(conv: torch.nn.Module, name: str) -> None:
-    """``conv`` (an ``nn.Conv2d`` / ``nn.ConvTranspose2d`` / ``3d``) as the fused pipelines
-    convolve: no dilation, zero padding."""
+def _check_transposed(conv: torch.nn.Module, name: str) -> None:
+    """``conv`` (an ``nn.ConvTranspose2d`` / ``3d``) as the fused pipelines convolve: no
+    dilation, zero padding (PyTorch's transposed convolutions have no other mode)."""
     _require(conv, name, "dilation", 1)
     _require(conv, name, "padding_mode", "zeros")
+
+
+def _conv_padding(conv: torch.nn.Conv2d, name: str) -> int | tuple[int, ...]:
+    """The padding of ``conv`` as pipeline A takes it, ints (``"valid"`` and ``"same"`` as
+    the ints they mean), after refusing what the fused call cannot express: dilation, an
+    uneven ``"same"``, or a ``padding_mode`` other than ``"zeros"`` where it pads."""
+    _require(conv, name, "dilation", 1)
+    padding = conv.padding
+    if padding == "valid":
+        padding = 0
+    elif padding == "same":  # stride 1, which nn.Conv2d checks
+        total = [k - 1 for k in conv.kernel_size]
+        if any(t % 2 for t in total):
+            raise ValueError(f"{name}.padding='same' with an even kernel pads one side more "
+                             f"(PyTorch's extra element goes after the input), which the "
+                             f"fused pipeline does not do: give the padding as ints")
+        padding = tuple(t // 2 for t in total)
+    sides = padding if isinstance(padding, (tuple, list)) else (padding,)
+    if conv.padding_mode != "zeros" and sides.count(0) != len(sides):
+        raise ValueError(f"{name}.padding_mode must be 'zeros' where the convolution pads, as "
+                         f"the fused pipeline pads, got {conv.padding_mode!r}")
+    return padding
 
 
 def _pool_window(pool: torch.nn.Module, nd: int, name: str) -> int:
@@ -114,7 +136,8 @@ def _pool_window(pool: torch.nn.Module, nd: int, name: str) -> int:
     k = pool.kernel_size
     if not isinstance(k, int):
         k = _square_window(k, nd, f"{name}.kernel_size")
-    _require(pool, name, "stride", k)
+    if pool.stride is not None:  # None: the window, as in PyTorch's pools
+        _require(pool, name, "stride", k)
     _require(pool, name, "padding", 0)
     _require(pool, name, "ceil_mode", False)
     _require(pool, name, "dilation", 1, 1)
@@ -168,9 +191,10 @@ class Conv2dGroupNormScaleMaxPoolClamp(_ForwardOnlyModule):
     The submodules and parameters are the KernelBench model's (``conv``, ``group_norm``,
     ``scale``, ``maxpool``), created in the same order, so the same seed gives the same
     parameters and ``state_dict`` loads both ways. ``forward`` refuses (``ValueError``) a
-    submodule setting that the fused call has no option for: a dilated, grouped or non-zero
-    padded ``conv``, a ``maxpool`` whose stride is not its window or with padding, dilation or
-    ``ceil_mode``. Forward-only (see the module docstring).
+    submodule setting that the fused call has no option for: a dilated or grouped ``conv``,
+    one that pads with a ``padding_mode`` other than ``"zeros"`` or pads ``"same"`` unevenly,
+    a ``maxpool`` whose stride is not its window or with padding, dilation, ``ceil_mode`` or
+    ``return_indices``. Forward-only (see the module docstring).
 
     Examples
     --------
@@ -203,13 +227,13 @@ class Conv2dGroupNormScaleMaxPoolClamp(_ForwardOnlyModule):
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         conv, gn = self.conv, self.group_norm
-        _check_convolution(conv, "conv")
+        padding = _conv_padding(conv, "conv")
         _require(conv, "conv", "groups", 1)
         return _ops.conv2d_groupnorm_scale_maxpool_clamp.default(
             x, conv.weight, conv.bias, gn.weight, gn.bias, self.scale,
             num_groups=gn.num_groups, pool_kernel=_pool_window(self.maxpool, 2, "maxpool"),
             clamp_min=self.clamp_min, clamp_max=self.clamp_max, stride=conv.stride,
-            padding=conv.padding, eps=gn.eps, precision=self.precision)
+            padding=padding, eps=gn.eps, precision=self.precision)
 
 
 class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(_ForwardOnlyModule):
@@ -244,8 +268,9 @@ class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(_ForwardOnlyModule):
     ``tanh``, ``max_pool``, ``group_norm``), so ``state_dict`` loads both ways. The fused call
     uses one epsilon for both norms; when ``batch_norm.eps`` and ``group_norm.eps`` differ, the
     building blocks run instead; the pool takes ``max_pool``'s window. ``forward`` refuses
-    (``ValueError``), in both modes, a dilated ``conv_transpose`` or a ``max_pool`` whose
-    stride is not its window or with padding, dilation or ``ceil_mode``. Forward-only (see the
+    (``ValueError``), in both modes, a dilated ``conv_transpose`` or one with a
+    ``padding_mode`` other than ``"zeros"``, and a ``max_pool`` whose stride is not its window
+    or with padding, dilation, ``ceil_mode`` or ``return_indices``. Forward-only (see the
     module docstring).
 
     Examples
@@ -278,7 +303,7 @@ class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(_ForwardOnlyModule):
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         bn, ct = self.batch_norm, self.conv_transpose
-        _check_convolution(ct, "conv_transpose")
+        _check_transposed(ct, "conv_transpose")
         k = _pool_window(self.max_pool, 2, "max_pool")
         # BatchNorm's bookkeeping, as nn.BatchNorm2d.forward does it, except that the batch
         # is counted with the running statistics' update, once the call that updates them has
@@ -349,8 +374,9 @@ class ConvTranspose3dAvgPoolClampSoftmaxMultiply(_ForwardOnlyModule):
     -----
     Submodules and parameters are the KernelBench model's (``avg_pool``, ``conv_transpose``,
     ``scale`` of shape ``(1, out_channels, 1, 1, 1)``), so ``state_dict`` loads both ways.
-    ``forward`` refuses (``ValueError``) a dilated ``conv_transpose`` or an ``avg_pool`` whose
-    stride is not its window or with padding, ``ceil_mode`` or a ``divisor_override``.
+    ``forward`` refuses (``ValueError``) a dilated ``conv_transpose`` or one with a
+    ``padding_mode`` other than ``"zeros"``, and an ``avg_pool`` whose stride is not its window
+    or with padding, ``ceil_mode`` or a ``divisor_override``.
     Forward-only (see the module docstring).
 
     Examples
@@ -385,7 +411,7 @@ class ConvTranspose3dAvgPoolClampSoftmaxMultiply(_ForwardOnlyModule):
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         ct = self.conv_transpose
-        _check_convolution(ct, "conv_transpose")
+        _check_transposed(ct, "conv_transpose")
         return _ops.conv_transpose3d_avgpool_clamp_softmax_multiply.default(
             x, ct.weight, self.scale, stride=ct.stride, padding=ct.padding,
             output_padding=ct.output_padding,

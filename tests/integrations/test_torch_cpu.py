@@ -309,7 +309,8 @@ def test_modules_take_a_square_tuple_pool_window():
 
 @pytest.mark.parametrize("name, path, value, message", [
     ("A", "conv.dilation", (2, 2), r"conv.dilation must be 1"),
-    ("A", "conv.padding_mode", "reflect", r"conv.padding_mode must be 'zeros'"),
+    ("A", "conv.kernel_size", (4, 4), r"conv.padding='same' with an even kernel"),
+    ("A", "conv.padding", (1, 0), r"conv.padding_mode must be 'zeros' where the conv"),
     ("A", "conv.groups", 3, r"conv.groups must be 1"),
     ("A", "maxpool.stride", 1, r"maxpool.stride must be 4"),
     ("A", "maxpool.padding", 1, r"maxpool.padding must be 0"),
@@ -320,11 +321,16 @@ def test_modules_take_a_square_tuple_pool_window():
     ("B", "max_pool.stride", 1, r"max_pool.stride must be 2"),
     ("B", "max_pool.kernel_size", (2, 3), r"max_pool.kernel_size must be an int or 2 equal"),
     ("B", "max_pool.ceil_mode", True, r"max_pool.ceil_mode must be False"),
+    ("B", "max_pool.padding", 1, r"max_pool.padding must be 0"),
+    ("B", "max_pool.return_indices", True, r"max_pool.return_indices must be False"),
+    ("B", "conv_transpose.padding_mode", "reflect", r"conv_transpose.padding_mode must be"),
     ("C", "conv_transpose.dilation", (1, 2, 1), r"conv_transpose.dilation must be 1"),
     ("C", "avg_pool.stride", 1, r"avg_pool.stride must be 2"),
     ("C", "avg_pool.padding", 1, r"avg_pool.padding must be 0"),
     ("C", "avg_pool.ceil_mode", True, r"avg_pool.ceil_mode must be False"),
     ("C", "avg_pool.divisor_override", 3, r"avg_pool.divisor_override must be None"),
+    ("C", "avg_pool.kernel_size", (2, 1, 2), r"avg_pool.kernel_size must be an int or 3"),
+    ("C", "conv_transpose.padding_mode", "reflect", r"conv_transpose.padding_mode must be"),
 ])
 @pytest.mark.parametrize("training", [True, False])
 def test_modules_refuse_submodule_settings_the_fused_call_lacks(name, path, value, message,
@@ -333,12 +339,52 @@ def test_modules_refuse_submodule_settings_the_fused_call_lacks(name, path, valu
     # these, and PyTorch's forward of the same submodules would honour them.
     init, shape = SMALL[name]
     model = ours(name)(*init).train(training)
+    if path == "conv.kernel_size":  # an even kernel padded "same" pads one side more
+        model.conv.padding = "same"
+    if path == "conv.padding":  # a padding mode other than zeros, where the conv pads
+        model.conv.padding_mode = "reflect"
     owner, attr = path.split(".")
     setattr(getattr(model, owner), attr, value)
     before = [t.clone() for t in model.state_dict().values()]
     with torch.no_grad(), pytest.raises(ValueError, match=message):
         model(torch.rand(shape))
     assert all(torch.equal(a, b) for a, b in zip(before, model.state_dict().values()))
+
+
+@pytest.mark.parametrize("settings", [
+    dict(conv=dict(padding="same")), dict(conv=dict(padding="valid")),
+    dict(conv=dict(padding=(1, 2))), dict(conv=dict(padding=0, padding_mode="reflect")),
+    dict(maxpool=dict(stride=None)), dict(maxpool=dict(stride=(4, 4), padding=(0, 0))),
+])
+def test_module_a_takes_the_submodule_settings_the_fused_call_expresses(settings):
+    init, shape = SMALL["A"]
+    ref, mine = make_pair("A", init, dtype=torch.float64)
+    for model in (ref, mine):
+        for owner, values in settings.items():
+            for attr, value in values.items():
+                setattr(getattr(model, owner), attr, value)
+    x = torch.rand(shape, dtype=torch.float64)
+    with torch.no_grad():
+        got, want = mine(x), ref(x)
+    assert got.shape == want.shape
+    assert rel_err(got.numpy(), want.numpy()) < 1e-12
+
+
+def test_pytorch_streams_reach_cupy_through_the_stream_protocol():
+    import warnings
+
+    cupy = pytest.importorskip("cupy")
+    from cufused.torch import _kernels
+
+    key = (0x1234, 0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # CuPy 14 deprecates ExternalStream
+            stream = _kernels._current_stream(0, cupy, raw=key[0])
+        assert isinstance(stream, cupy.cuda.Stream) and stream.ptr == key[0]
+        assert _kernels._current_stream(0, cupy, raw=key[0]) is stream  # cached
+    finally:
+        _kernels._STREAMS.pop(key, None)  # a foreign stream: dropped, not destroyed
 
 
 @pytest.mark.parametrize("training", [True, False])
