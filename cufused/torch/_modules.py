@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .._ops._conv_args import _named_padding
+
 __all__ = [
     "Conv2dGroupNormScaleMaxPoolClamp",
     "ConvTranspose2dBatchNormTanhMaxPoolGroupNorm",
@@ -113,15 +115,11 @@ def _conv_padding(conv: torch.nn.Conv2d, name: str) -> int | tuple[int, ...]:
     uneven ``"same"``, or a ``padding_mode`` other than ``"zeros"`` where it pads."""
     _require(conv, name, "dilation", 1)
     padding = conv.padding
-    if padding == "valid":
-        padding = 0
-    elif padding == "same":  # stride 1, which nn.Conv2d checks
-        total = [k - 1 for k in conv.kernel_size]
-        if any(t % 2 for t in total):
-            raise ValueError(f"{name}.padding='same' with an even kernel pads one side more "
-                             f"(PyTorch's extra element goes after the input), which the "
-                             f"fused pipeline does not do: give the padding as ints")
-        padding = tuple(t // 2 for t in total)
+    if isinstance(padding, str):
+        try:
+            padding = _named_padding(padding, conv.stride, conv.dilation, conv.kernel_size, 2)
+        except ValueError as err:
+            raise ValueError(f"{name}.{err}") from None
     sides = padding if isinstance(padding, (tuple, list)) else (padding,)
     if conv.padding_mode != "zeros" and sides.count(0) != len(sides):
         raise ValueError(f"{name}.padding_mode must be 'zeros' where the convolution pads, as "

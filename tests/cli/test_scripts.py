@@ -234,9 +234,9 @@ def test_sanitize_counts_reports_per_kernel():
 
 @pytest.mark.parametrize("error,status", [(0.0, 0), (1.0, 1)])
 def test_halo_store_cases_dispatches_every_case(monkeypatch, capsys, error, status):
-    """scripts/halo_store_cases.py runs each case by its kind (the convolutions' tuples, the
-    pool's and the class groups' names), names the kernel each launched, counts the
-    failures and sets the exit status: its three case functions stand in for the GPU."""
+    """scripts/halo_store_cases.py runs each case through the case function it carries (the
+    convolutions', the pool's and the class groups'), names the kernel each launched, counts
+    the failures and sets the exit status: its three case functions stand in for the GPU."""
     sys.path.insert(0, str(SCRIPTS))
     try:
         cases = importlib.import_module("halo_store_cases")

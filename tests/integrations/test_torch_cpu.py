@@ -309,7 +309,7 @@ def test_modules_take_a_square_tuple_pool_window():
 
 @pytest.mark.parametrize("name, path, value, message", [
     ("A", "conv.dilation", (2, 2), r"conv.dilation must be 1"),
-    ("A", "conv.kernel_size", (4, 4), r"conv.padding='same' with an even kernel"),
+    ("A", "conv.kernel_size", (4, 4), r"conv.padding='same' with dilation \* \(kernel - 1\)"),
     ("A", "conv.padding", (1, 0), r"conv.padding_mode must be 'zeros' where the conv"),
     ("A", "conv.groups", 3, r"conv.groups must be 1"),
     ("A", "maxpool.stride", 1, r"maxpool.stride must be 4"),
