@@ -132,7 +132,7 @@ def _extremum_stats_name(variant: str, *, channels_last: bool, fixed: int, rows_
 
 
 def pool_extremum_stats(xp, y, ext, pool: int, *, bias, sign_a, sign_b, shift_group: int,
-                   per_sample: bool, variant: str, ext_block: int | None = None):
+                   per_sample: bool, variant: str, ext_block: int):
     """Launch the fused window-extremum + statistics pass; return (partial, shift, splits):
     partial (N, C, splits, 2) float64 sums of ``d`` and ``d * d``, ``d = y + bias - shift``,
     shift each statistics row's first value, 0 where infinite.
@@ -144,8 +144,8 @@ def pool_extremum_stats(xp, y, ext, pool: int, *, bias, sign_a, sign_b, shift_gr
     channels-last for a variant that ``stores_ext_channels_last``. A channels-last
     ``ext`` is stored in blocks of ``ext_block`` channels (a multiple of 4 dividing C; see
     ``blocked_channels_last`` in common.cuh), whatever its strides say: pipeline B passes its
-    contiguous ``out`` with a GroupNorm group per block. None: C where ``ext`` is stored
-    channels-last, else NCHW.
+    contiguous ``out`` with a GroupNorm group per block. 0: ``ext`` is NCHW. The caller says
+    which, since strides cannot: where H = W = 1, or C = 1, an array's strides may fit both.
     """
     n, c, h, w = y.shape
     ho, wo = h // pool, w // pool
@@ -153,8 +153,6 @@ def pool_extremum_stats(xp, y, ext, pool: int, *, bias, sign_a, sign_b, shift_gr
     vec2 = (not channels_last and fixed and sw == 1 and sh % 2 == 0 and sc % 2 == 0
             and sn % 2 == 0 and y.data.ptr % 8 == 0)
     rows_t = fixed * c // 128
-    if ext_block is None:  # an ext whose strides fit both layouts (C = 1, one position) is NCHW
-        ext_block = c if stored_in(ext, "nhwc") and not stored_in(ext, "nchw") else 0
     ext_channels_last = ext_block > 0
     if ext_channels_last and not (_CHANNELS_LAST_EXT.get(fixed) == variant
                                   and ext.data.ptr % 16 == 0 and ext_block % 4 == 0

@@ -277,6 +277,11 @@ def main(argv=None) -> int:
     """Run ``python -m cufused`` with ``argv`` (default: the process's); the exit status."""
     args = _parser().parse_args(argv)
     start = time.perf_counter()
-    code = args.func(args)
+    try:
+        code = args.func(args)
+    except BrokenPipeError:  # the reader of stdout left (``| head``): no traceback
+        # Python flushes stdout at exit; pointing it at devnull keeps that flush quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     print(f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
     return code

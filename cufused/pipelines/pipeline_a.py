@@ -182,11 +182,11 @@ def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, gn_
         # From a channels-last conv output the pass stores the extrema channels-last and the
         # affine pass transposes them into out.
         variant = fused_pass_variant(y, k)
-        ext = (empty_in_layout(out.shape, "nhwc") if stores_ext_channels_last(variant, k)
-               else out)
+        ext_channels_last = stores_ext_channels_last(variant, k)
+        ext = empty_in_layout(out.shape, "nhwc") if ext_channels_last else out
         partial, shift, splits = pool_extremum_stats(
             xp, y, ext, k, bias=conv_bias, sign_a=gn_weight, sign_b=scale, shift_group=cg,
-            per_sample=True, variant=variant)
+            per_sample=True, variant=variant, ext_block=c if ext_channels_last else 0)
         coef = coef_array(xp, n * c)
         group_norm_coefficients(partial, shift, coef, rows=n * num_groups,
                                 row_len=cg * splits, count=cg * h * w, channels=c,

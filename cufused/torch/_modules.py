@@ -52,7 +52,10 @@ class _ForwardOnlyModule(torch.nn.Module):
     tensors that ``_run`` passes to the operators (the subclass's ``_weights()``) requiring
     grad, through :class:`_NoBackward` (the operators themselves refuse such inputs). The
     tensors are named, not found by ``parameters()``: a ``DataParallel`` replica holds its
-    weights as plain tensors."""
+    weights as plain tensors. ``_SUBMODULES`` names the subclass's layers and the class each
+    must be: the fused call computes those classes' operations, whatever is installed."""
+
+    _SUBMODULES: dict[str, type] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The fused pipeline of ``x`` with this module's parameters (and, for the BatchNorm
@@ -72,6 +75,11 @@ class _ForwardOnlyModule(torch.nn.Module):
             requiring grad it has a ``grad_fn`` whose backward raises: cufused is
             forward-only.
         """
+        for name, cls in self._SUBMODULES.items():
+            kind = type(getattr(self, name))
+            if kind is not cls:
+                raise ValueError(f"{name} must be a torch.nn.{cls.__name__}, as the fused "
+                                 f"pipeline computes, got {kind.__module__}.{kind.__qualname__}")
         if torch.is_grad_enabled():
             tracked = [t for t in self._weights() if t is not None and t.requires_grad]
             if tracked or x.requires_grad:
@@ -219,6 +227,9 @@ class Conv2dGroupNormScaleMaxPoolClamp(_ForwardOnlyModule):
         self.clamp_max = float(clamp_max)
         self.precision = precision
 
+    _SUBMODULES = {"conv": torch.nn.Conv2d, "group_norm": torch.nn.GroupNorm,
+                   "maxpool": torch.nn.MaxPool2d}
+
     def _weights(self) -> tuple[torch.Tensor | None, ...]:
         conv, gn = self.conv, self.group_norm
         return conv.weight, conv.bias, gn.weight, gn.bias, self.scale
@@ -295,6 +306,10 @@ class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(_ForwardOnlyModule):
         self.groups = groups
         self.precision = precision
 
+    _SUBMODULES = {"conv_transpose": torch.nn.ConvTranspose2d,
+                   "batch_norm": torch.nn.BatchNorm2d, "tanh": torch.nn.Tanh,
+                   "max_pool": torch.nn.MaxPool2d, "group_norm": torch.nn.GroupNorm}
+
     def _weights(self) -> tuple[torch.Tensor | None, ...]:
         ct, bn, gn = self.conv_transpose, self.batch_norm, self.group_norm
         return ct.weight, ct.bias, bn.weight, bn.bias, gn.weight, gn.bias
@@ -317,6 +332,11 @@ class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(_ForwardOnlyModule):
         running_mean = bn.running_mean if track else None
         running_var = bn.running_var if track else None
         if batch_stats and bn.eps == gn.eps:
+            if running_mean is None and running_var is None:
+                # Stand-ins that the call updates and nobody reads: Inductor (PyTorch 2.13)
+                # fails on an optional mutable argument left None.
+                running_mean = x.new_zeros(ct.out_channels)
+                running_var = x.new_ones(ct.out_channels)
             y = _ops.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm.default(
                 x, ct.weight, bn.weight, bn.bias, gn.weight, gn.bias, num_groups=gn.num_groups,
                 stride=ct.stride, padding=ct.padding, output_padding=ct.output_padding,
@@ -402,6 +422,8 @@ class ConvTranspose3dAvgPoolClampSoftmaxMultiply(_ForwardOnlyModule):
         self.clamp_max = float(clamp_max)
         self.scale = torch.nn.Parameter(torch.ones(1, out_channels, 1, 1, 1))
         self.precision = precision
+
+    _SUBMODULES = {"avg_pool": torch.nn.AvgPool3d, "conv_transpose": torch.nn.ConvTranspose3d}
 
     def _weights(self) -> tuple[torch.Tensor | None, ...]:
         ct = self.conv_transpose

@@ -50,6 +50,19 @@ def test_check_without_gpu_compares_with_pytorch():
 
 
 @pytest.mark.oracle
+def test_check_whose_reader_leaves_exits_without_a_traceback():
+    # ``python -m cufused check | head -1``: the lines after the reader has gone are dropped.
+    proc = subprocess.Popen([sys.executable, "-m", "cufused", "check"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=300)
+    assert first.strip()
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert proc.returncode in (0, 1)
+
+
+@pytest.mark.oracle
 def test_check_without_gpu_catches_a_semantic_error(monkeypatch, capsys):
     # The CPU check compares with an independent implementation: a pipeline that differs
     # from PyTorch's by a little (GroupNorm eps 1e-3 instead of 1e-5) fails it.

@@ -228,6 +228,52 @@ def test_torch_compile_fullgraph_cpu(name, backend):
         assert torch.allclose(mine.state_dict()[key], value, rtol=1e-6, atol=0), key
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_module_b_without_running_statistics_compiles_with_inductor(training):
+    # BatchNorm without running statistics: the fused call gets stand-in buffers, since
+    # Inductor fails on an optional mutable argument left None.
+    init, shape = SMALL["B"]
+    ref, mine = make_pair("B", init)
+    for model in (ref, mine):
+        model.batch_norm.track_running_stats = False
+        model.batch_norm.running_mean = model.batch_norm.running_var = None
+        model.train(training)
+    x = torch.rand(shape)
+    torch._dynamo.reset()
+    compiled = torch.compile(mine, fullgraph=True)
+    with torch.no_grad():
+        assert rel_err(compiled(x).numpy(), ref(x).numpy()) < 1e-5
+
+
+@pytest.mark.parametrize("name, path, replacement", [
+    ("A", "conv", lambda: type("Conv2dSubclass", (torch.nn.Conv2d,), {})(3, 8, 3)),
+    ("A", "group_norm", lambda: torch.nn.Identity()),
+    ("A", "maxpool", lambda: torch.nn.AvgPool2d(4)),
+    ("B", "conv_transpose", lambda: torch.nn.Conv2d(4, 8, 5)),
+    ("B", "batch_norm", lambda: torch.nn.InstanceNorm2d(8)),
+    ("B", "tanh", lambda: torch.nn.Identity()),
+    ("B", "max_pool", lambda: torch.nn.AvgPool2d(2)),
+    ("B", "group_norm", lambda: torch.nn.BatchNorm2d(8)),
+    ("C", "avg_pool", lambda: torch.nn.MaxPool3d(2)),
+    ("C", "conv_transpose",
+     lambda: type("ConvTranspose3dSubclass", (torch.nn.ConvTranspose3d,), {})(3, 4, 3, 2, 1, 1)),
+])
+@pytest.mark.parametrize("training", [True, False])
+def test_modules_refuse_a_submodule_of_another_class(name, path, replacement, training):
+    # The fused call runs the operations of the classes the module was built with: a layer
+    # swapped for another kind is refused, before any buffer changes.
+    init, shape = SMALL[name]
+    model = ours(name)(*init).train(training)
+    setattr(model, path, replacement())  # a subclass, too, may change what forward computes
+    before = [t.clone() for t in model.state_dict().values()]
+    kind = type(getattr(model, path)).__qualname__
+    with torch.no_grad(), pytest.raises(ValueError, match=rf"{path} must be a torch\.nn\.\w+, "
+                                                          rf"as the fused pipeline computes, "
+                                                          rf"got .*{kind}"):
+        model(torch.rand(shape))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.state_dict().values()))
+
+
 @pytest.mark.parametrize("name", ["A", "B", "C"])
 def test_torch_export(name):
     init, shape = SMALL[name]

@@ -86,6 +86,22 @@ def test_pipeline_a_one_channel_one_window(rng, method, precision):
         assert_close(out.get(), ref, PIPELINE_TOL[precision])
 
 
+@pytest.mark.parametrize("pool", [2, 3])
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+def test_pipeline_a_one_position_out_with_channels_last_strides(rng, pool, precision):
+    # A (N, C, 1, 1) out whose strides are a channels-last tensor's (PyTorch's channels_last
+    # through DLPack) is contiguous as NCHW too: the fused pass stores NCHW there.
+    arrays, opts = pipeline_a_args(rng, n=2, cin=3, h=5, w=5, cout=8, groups=2, pool=pool)
+    ref = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts)
+    out = poisoned((2, 1, 1, 8)).transpose(0, 3, 1, 2)
+    assert out.shape == ref.shape and out.strides == (32, 4, 32, 32)
+    for method in ("fused", "unfused"):
+        out[...] = cp.nan
+        cufused.conv2d_groupnorm_scale_maxpool_clamp(
+            *to_gpu(*arrays), **opts, method=method, precision=precision, out=out)
+        assert_close(out.get(), ref, PIPELINE_TOL[precision])
+
+
 def test_pipeline_a_dropped_rows_count_in_stats(rng, layout):
     # 126 // 4 = 31 windows; rows/cols 124-125 are pooled away but shape the statistics.
     arrays, opts = pipeline_a_args(rng, n=2, cin=3, h=128, w=128, cout=8, groups=2)

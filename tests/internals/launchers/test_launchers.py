@@ -743,7 +743,7 @@ def test_pooling_launchers(launches):
         partial, shift, splits = pool.pool_extremum_stats(
             FakeXp, y, ext, k, bias=Dev((shape[1],)), sign_a=None, sign_b=None, shift_group=2,
             per_sample=per_sample, variant=pool.fused_pass_variant(y, k, variant),
-            ext_block=None if isinstance(ext_as, str) else ext_as)
+            ext_block={"nchw": 0, "nhwc": shape[1]}.get(ext_as, ext_as))
         assert partial.shape == (shape[0], shape[1], splits, 2) and partial.dtype == np.float64
         assert shift.shape == ((shape[0] if per_sample else 1) * shape[1] // 2,)
         assert launches[-1].args[-1] == (0 if ext_as == "nchw" else
@@ -769,7 +769,7 @@ def test_fused_pass_rejects_a_channels_last_ext_it_cannot_store(launches):
     with pytest.raises(ValueError, match="channels-last ext"):
         pool.pool_extremum_stats(FakeXp, y, Dev((2, 8, 4, 4), "nhwc"), 2, bias=None,
                                  sign_a=None, sign_b=None, shift_group=1, per_sample=False,
-                                 variant="scalar")
+                                 variant="scalar", ext_block=8)
     assert not launches
 
 

@@ -190,7 +190,8 @@ def test_fused_pass_variants_match_scalar(rng, layout, pool, c, h, w, variants):
     ext_shape = (n, c, h // pool, w // pool)
     for variant in ["scalar", *variants]:
         kernel, _, ext_layout = variant.partition(">")
-        for block in ([4, group] if ext_layout == "blocked" else [None]):
+        for block in ([4, group] if ext_layout == "blocked"
+                      else [c if ext_layout == "nhwc" else 0]):
             if ext_layout == "nhwc":
                 ext = empty_in_layout(ext_shape, "nhwc")
                 ext[...] = cp.nan
@@ -201,10 +202,11 @@ def test_fused_pass_variants_match_scalar(rng, layout, pool, c, h, w, variants):
                 per_sample=True, variant=pooling.fused_pass_variant(y, pool, kernel),
                 ext_block=block)
             ext = ext.get()
-            if block:  # (N, C / block, P, block) memory -> NCHW
+            if ext_layout == "blocked":  # (N, C / block, P, block) memory -> NCHW
                 ext = (ext.reshape(n, c // block, -1, block).transpose(0, 1, 3, 2)
                        .reshape(ext_shape))
-            results[variant if block in (None, 4) else f"{variant} {block}"] = (
+            results[variant if ext_layout != "blocked" or block == 4
+                    else f"{variant} {block}"] = (
                 ext, partial.get().sum(axis=2), shift.get())
     ext_s, sums_s, shift_s = results["scalar"]
     assert not np.isnan(ext_s).any()
@@ -245,7 +247,7 @@ def test_fused_pass_constant_rows_normalize_to_the_bias(rng, layout, pool, c, h,
     ext = poisoned((n, c, h // pool, w // pool))
     partial, shift, splits = pooling.pool_extremum_stats(
         cp, y, ext, pool, bias=bias, sign_a=gn_weight, sign_b=scale, shift_group=group,
-        per_sample=True, variant=pooling.fused_pass_variant(y, pool, variant))
+        per_sample=True, variant=pooling.fused_pass_variant(y, pool, variant), ext_block=0)
     coef = coef_array(cp, n * c)
     group_norm_coefficients(partial, shift, coef, rows=n * 4, row_len=group * splits,
                             count=group * h * w, channels=c, num_groups=4, eps=1e-5,
