@@ -181,6 +181,11 @@ def avg_pool(x, kernel_size, stride, padding):
     return win.mean(axis=tuple(range(-len(kernel_size), 0)))
 
 
+def _scaled(y, scale):
+    """``y`` times a per-channel ``scale``; None leaves it unscaled, as the public calls do."""
+    return y if scale is None else y * _channel_view(scale, y.ndim)
+
+
 def softmax(x, axes):
     """Softmax over ``axes`` (a tuple), max-shifted."""
     x = _f64(x)
@@ -192,10 +197,11 @@ def softmax(x, axes):
 def conv2d_groupnorm_scale_maxpool_clamp(x, weight, conv_bias, gn_weight, gn_bias, scale, *,
                                          num_groups, pool_kernel, clamp_min, clamp_max,
                                          stride, padding, eps):
-    """Pipeline A: ``clamp(max_pool2d(group_norm(conv2d(x)) * scale), clamp_min, clamp_max)``."""
+    """Pipeline A: ``clamp(max_pool2d(group_norm(conv2d(x)) * scale), clamp_min, clamp_max)``
+    (``scale`` None: no scaling)."""
     xp = _xp(x)
     y = conv(x, weight, conv_bias, stride, padding, (1, 1), 1)
-    y = group_norm(y, num_groups, gn_weight, gn_bias, eps) * _channel_view(scale, 4)
+    y = _scaled(group_norm(y, num_groups, gn_weight, gn_bias, eps), scale)
     y = max_pool(y, pool_kernel, pool_kernel, (0, 0))
     return xp.minimum(xp.maximum(y, clamp_min), clamp_max)
 
@@ -218,10 +224,10 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(x, weight, scale, *, stride,
                                                     clamp_max, conv_bias, groups):
     """Pipeline C: ``softmax(clamp(conv_transpose3d(avg_pool3d(x))), axis=(2, 3, 4)) * scale``.
 
-    The average pool runs first, on the input.
+    The average pool runs first, on the input; ``scale`` None: no scaling.
     """
     xp = _xp(x)
     y = avg_pool(x, pool_kernel, pool_kernel, (0, 0, 0))
     y = conv_transpose(y, weight, conv_bias, stride, padding, output_padding, (1, 1, 1), groups)
     y = xp.minimum(xp.maximum(y, clamp_min), clamp_max)
-    return softmax(y, (2, 3, 4)) * _channel_view(scale, 5)
+    return _scaled(softmax(y, (2, 3, 4)), scale)

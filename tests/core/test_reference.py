@@ -418,3 +418,23 @@ def test_reference_on_cupy_matches_numpy(rng):
     want = reference.batch_norm(x[:, :4], None, None, rm, rv, True, 0.1, 1e-5, "tanh")
     assert rel_err(cupy.asnumpy(y), want) < 1e-12
     assert rel_err(cupy.asnumpy(grm), rm) < 1e-12 and rel_err(cupy.asnumpy(grv), rv) < 1e-12
+
+
+def test_reference_pipelines_take_no_scale_as_no_scaling(rng):
+    # The float64 reference called directly: scale None is a scale of ones, as in the public
+    # calls (which pass ones for it).
+    from cufused import reference
+
+    x, w = rng.random((2, 3, 9, 9)), rng.standard_normal((4, 3, 3, 3))
+    a = dict(num_groups=2, pool_kernel=(2, 2), clamp_min=-0.5, clamp_max=0.7, stride=(1, 1),
+             padding=(0, 0), eps=1e-5)
+    gw, gb = mixed(rng, 4), rng.standard_normal(4)
+    got = reference.conv2d_groupnorm_scale_maxpool_clamp(x, w, None, gw, gb, None, **a)
+    want = reference.conv2d_groupnorm_scale_maxpool_clamp(x, w, None, gw, gb, np.ones(4), **a)
+    assert got.shape == (2, 4, 3, 3) and np.array_equal(got, want)
+    x, w = rng.random((2, 3, 4, 6, 4)), rng.standard_normal((3, 5, 3, 3, 3))
+    c = dict(stride=(2, 2, 2), padding=(1, 1, 1), output_padding=(1, 1, 1),
+             pool_kernel=(2, 2, 2), clamp_min=0.0, clamp_max=1.0, conv_bias=None, groups=1)
+    got = reference.conv_transpose3d_avgpool_clamp_softmax_multiply(x, w, None, **c)
+    want = reference.conv_transpose3d_avgpool_clamp_softmax_multiply(x, w, np.ones(5), **c)
+    assert got.shape == (2, 5, 4, 6, 4) and np.array_equal(got, want)
