@@ -87,6 +87,15 @@ class _ForwardOnlyModule(torch.nn.Module):
         return self._run(x)
 
 
+@torch.compiler.disable(reason="BatchNorm's momentum=None reads num_batches_tracked on the "
+                                "host, as nn.BatchNorm2d does; the fused call takes a float")
+def _cumulative_momentum(num_batches_tracked: torch.Tensor) -> float:
+    """The weight of this batch in a cumulative moving average (``momentum=None``). Compiled
+    models run it outside the graph: ``fullgraph=True`` refuses it by this reason, as it
+    refuses ``nn.BatchNorm2d`` with ``momentum=None``."""
+    return 1.0 / (float(num_batches_tracked) + 1.0)
+
+
 def _square_window(kernel_size: int | tuple[int, ...], nd: int, name: str) -> int:
     """A pool window as the fused operators take it: one int, its side (a tuple of ``nd``
     equal sides, as ``nn.MaxPool2d`` / ``nn.AvgPool3d`` keep it, gives that side)."""
@@ -325,7 +334,7 @@ class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(_ForwardOnlyModule):
         counted = (self.training and bn.track_running_stats
                    and bn.num_batches_tracked is not None)
         if counted and bn.momentum is None:  # cumulative moving average, this batch included
-            momentum = 1.0 / (float(bn.num_batches_tracked) + 1.0)
+            momentum = _cumulative_momentum(bn.num_batches_tracked)
         gn = self.group_norm
         batch_stats = self.training or (bn.running_mean is None and bn.running_var is None)
         track = not self.training or bn.track_running_stats

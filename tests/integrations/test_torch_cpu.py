@@ -245,6 +245,29 @@ def test_module_b_without_running_statistics_compiles_with_inductor(training):
         assert rel_err(compiled(x).numpy(), ref(x).numpy()) < 1e-5
 
 
+def test_module_b_cumulative_momentum_under_compile():
+    # momentum=None reads num_batches_tracked on the host: a compiled model runs that read
+    # outside its graph, and fullgraph=True refuses it with the reason, as it refuses
+    # nn.BatchNorm2d's; the update matches the eager module's either way.
+    init, shape = SMALL["B"]
+    ref, mine = make_pair("B", init)
+    for model in (ref, mine):
+        model.batch_norm.momentum = None
+    x = torch.rand(shape)
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.raises(torch._dynamo.exc.Unsupported,
+                                        match="reads num_batches_tracked on the host"):
+        torch.compile(mine, fullgraph=True, backend="aot_eager")(x)
+    assert mine.batch_norm.num_batches_tracked.item() == 0
+    torch._dynamo.reset()
+    compiled = torch.compile(mine, backend="aot_eager")
+    with torch.no_grad():
+        for _ in range(2):
+            assert rel_err(compiled(x).numpy(), ref(x).numpy()) < 1e-5
+    for key, value in ref.state_dict().items():
+        assert torch.allclose(mine.state_dict()[key], value, rtol=1e-5, atol=0), key
+
+
 @pytest.mark.parametrize("name, path, replacement", [
     ("A", "conv", lambda: type("Conv2dSubclass", (torch.nn.Conv2d,), {})(3, 8, 3)),
     ("A", "group_norm", lambda: torch.nn.Identity()),
