@@ -42,8 +42,10 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const unsigned (&a)[4],
           "f"(c[1]), "f"(c[2]), "f"(c[3]));
 }
 
-// NaN-propagating max/min (fmaxf/fminf drop NaN; PyTorch's pooling keeps it).
-__device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
+// NaN-propagating max/min of a running extremum a and a later value b (fmaxf/fminf drop NaN;
+// PyTorch's pooling keeps it). Equal values keep a, as PyTorch keeps a window's first: the max
+// of (-0, +0) is -0.
+__device__ __forceinline__ float nan_max(float a, float b) { return (b > a || b != b) ? b : a; }
 
 // -1 where a * b < 0 in exact arithmetic, else +1 (also for a zero or NaN factor): the sign of
 // the slope that chooses a pooling window's max or min. The float32 product of two tiny
@@ -51,7 +53,7 @@ __device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a 
 __device__ __forceinline__ float product_sign(float a, float b) {
     return (a < 0.0f && b > 0.0f) || (a > 0.0f && b < 0.0f) ? -1.0f : 1.0f;
 }
-__device__ __forceinline__ float nan_min(float a, float b) { return (a < b || a != a) ? a : b; }
+__device__ __forceinline__ float nan_min(float a, float b) { return (b < a || b != b) ? b : a; }
 
 // tanh without tanhf's branch: a warp whose |x| fall on both sides of tanhf's cutoff runs
 // both of its paths, and pipeline B's GroupNorm maps every value through tanh. An odd

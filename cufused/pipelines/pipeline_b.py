@@ -17,12 +17,13 @@ from .._arrays import (Size, check_float_dtype, check_ndim, check_out, check_per
                        check_required, check_scalar, check_sizes, forward, get_array_module,
                        per_channel)
 from .._call_graphs import warm_calls
-from .._kernels.normalization import group_norm_rows, group_rows_fit_channels_last
+from .._kernels.normalization import (channel_affine, group_norm_rows,
+                                      group_rows_fit_channels_last)
 from .._kernels.pooling import (fused_pass_variant, pool_bn_tanh_nonfinite,
                                 pool_extremum_stats, stores_ext_channels_last)
 from .._ops._conv_args import cached_conv_args, check_conv_memory
 from .._ops.convolution import conv_on_gpu, conv_transpose2d
-from .._ops.normalization import (batch_norm, bn_coefficients, check_channel_values,
+from .._ops.normalization import (bn_coefficients, check_channel_values,
                                   check_group_values, check_num_groups, check_running_buffer,
                                   check_running_pair, coefficients_of_statistics, group_norm)
 from .._ops.pooling import max_pool2d
@@ -144,8 +145,12 @@ def _unfused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, b
     y = conv_transpose2d(x, weight, conv_bias, stride=args.stride, padding=args.padding,
                          output_padding=args.output_padding, groups=args.groups,
                          precision=precision)
-    y = batch_norm(y, bn_weight, bn_bias, running_mean=running_mean, running_var=running_var,
-                   momentum=momentum, eps=eps, activation="tanh", out=y)
+    # BatchNorm + tanh as a * y + b, as the fused route and the reference compute them also
+    # without a weight or a bias (the public batch_norm then takes PyTorch CUDA's centered
+    # form, which keeps a channel with an infinite weight finite).
+    coef = bn_coefficients(xp, y, bn_weight, bn_bias, running_mean, running_var, True,
+                           momentum, eps, centered_only=False)
+    channel_affine(y, y, coef, inner=y.shape[2] * y.shape[3], activation="tanh")
     return group_norm(max_pool2d(y, k), num_groups, gn_weight, gn_bias, eps=eps, out=out)
 
 

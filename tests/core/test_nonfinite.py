@@ -302,3 +302,26 @@ def test_gpu_c_infinite_weight_with_a_wide_clamp(rng, value):
     want = torch_c(values, "cuda", torch.float64, clamp).cpu().numpy()
     got = ours_c([cp.asarray(v, dtype=cp.float32) for v in values], clamp).get()
     assert_same_placement(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device with CuPy")
+@pytest.mark.parametrize("method", ["fused", "unfused"])
+@pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan])
+def test_gpu_b_nonfinite_bn_weight_without_a_bias_on_both_routes(rng, method, value):
+    # Pipeline B keeps BatchNorm's a * y + b without a bias too (semantics.rst), on either
+    # route: a channel with a non-finite weight is NaN, and so is its GroupNorm group.
+    import cupy as cp
+
+    from conftest import pipeline_b_args
+
+    (x, w, bw, _, gw, gb), opts = pipeline_b_args(rng)
+    bw = bw.copy()
+    bw[1] = value
+    ref = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(x, w, bw, None, gw, gb,
+                                                                     **opts)
+    assert np.isnan(ref[:, :4]).all() and np.isfinite(ref[:, 4:]).all()
+    got = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+        *(cp.asarray(a, dtype=cp.float32) for a in (x, w, bw)), None,
+        *(cp.asarray(a, dtype=cp.float32) for a in (gw, gb)), **opts, method=method)
+    assert_same_placement(got.get(), ref)

@@ -392,3 +392,29 @@ def test_tensor_past_2_31_elements(rng):
         del y
     del x
     cp.get_default_memory_pool().free_all_blocks()
+
+
+@pytest.mark.parametrize("pool", [cufused.max_pool2d, cufused.max_pool3d])
+def test_max_pool_of_signed_zeros_keeps_the_first(pool):
+    # PyTorch keeps a window's first of equal values: the max of (-0, +0) is -0, of (+0, -0)
+    # is +0.
+    nd = 2 if pool is cufused.max_pool2d else 3
+    x = np.zeros((1, 2) + (2,) * nd, np.float32)
+    x[0, 0].flat[0] = -0.0  # -0 first, then +0
+    x[0, 1].flat[1:] = -0.0  # +0 first, then -0
+    got = pool(cp.asarray(x), 2).get()
+    assert got.shape == (1, 2) + (1,) * nd
+    assert np.signbit(got[0, 0]).all() and not np.signbit(got[0, 1]).any()
+
+
+def test_batch_norm_inference_of_a_denormal_variance(rng):
+    # 1 / sqrt(running_var + eps) of a denormal running_var with eps 0 is finite (1e20), as in
+    # PyTorch; in float32 with denormals flushed it would be infinite.
+    x = rng.standard_normal((3, 4, 5))
+    rm, rv = np.zeros(4, np.float32), np.full(4, 1e-40, np.float32)
+    assert 0 < rv[0] < np.finfo(np.float32).tiny
+    ref = cufused.batch_norm(x, running_mean=rm, running_var=rv, training=False, eps=0.0)
+    got = cufused.batch_norm(*to_gpu(x), running_mean=cp.asarray(rm), running_var=cp.asarray(rv),
+                             training=False, eps=0.0)
+    assert np.isfinite(ref).all()
+    assert_close(got.get(), ref, 1e-4)
