@@ -159,9 +159,8 @@ __global__ void stats_finalize(const double2* __restrict__ partial,
             }
         }
     } else if (threadIdx.x == 0) {
-        // In double: a denormal running_var (with eps 0) would flush to zero in float32 here.
         stats = NormMoments{running_mean[row], running_mean_lo ? running_mean_lo[row] : 0.0f,
-                            (float)(1.0 / sqrt((double)running_var[row] + (double)eps))};
+                            rsqrtf(running_var[row] + eps)};
     }
     __syncthreads();
     const NormMoments m = stats;
