@@ -17,7 +17,8 @@ import sys
 import numpy as np
 
 __all__ = [
-    "conv", "conv_transpose", "group_norm", "batch_norm", "max_pool", "avg_pool", "softmax",
+    "conv", "conv_transpose", "group_norm", "batch_norm", "max_pool", "avg_pool", "clamp",
+    "softmax",
     "conv2d_groupnorm_scale_maxpool_clamp", "conv_transpose2d_batchnorm_tanh_maxpool_groupnorm",
     "conv_transpose3d_avgpool_clamp_softmax_multiply",
 ]
@@ -111,7 +112,8 @@ def group_norm(x, num_groups, weight, bias, eps):
     shape = (n, num_groups, x.shape[1] // num_groups, -1)
     rstd = (1.0 / xp.sqrt(var + eps)).reshape(n, num_groups, 1, 1)
     return _affine(x.reshape(shape), rstd, mean.reshape(n, num_groups, 1, 1),
-                   _grouped(weight, shape), _grouped(bias, shape)).reshape(x.shape)
+                   _grouped(weight, shape), _grouped(bias, shape),
+                   zero_bias=weight is not None).reshape(x.shape)
 
 
 def _grouped(p, shape):
@@ -119,12 +121,18 @@ def _grouped(p, shape):
     return None if p is None else _f64(p).reshape(1, *shape[1:3], 1)
 
 
-def _affine(x, rstd, mean, weight, bias):
+def _affine(x, rstd, mean, weight, bias, *, zero_bias: bool = True):
     """``weight * (x - mean) * rstd + bias`` in PyTorch's form ``a * x + b`` with
     ``a = rstd * weight`` and ``b = bias - mean * a``, so that an infinite weight or bias gives
-    the infinities and NaNs that PyTorch gives."""
+    the infinities and NaNs that PyTorch gives. Without a bias, ``b`` is ``0 - mean * a``
+    where PyTorch adds a zero bias (a zero shift +0, so a -0 input of a zero-mean channel
+    gives +0), else ``-mean * a`` (``zero_bias`` False: PyTorch's GroupNorm without a weight
+    either)."""
     a = rstd if weight is None else rstd * weight
-    b = -mean * a if bias is None else bias - mean * a
+    if bias is not None:
+        b = bias - mean * a
+    else:
+        b = 0.0 - mean * a if zero_bias else -mean * a
     return a * x + b
 
 
@@ -170,15 +178,31 @@ def _windows(x, kernel_size, stride, padding, fill):
 
 
 def max_pool(x, kernel_size, stride, padding):
-    """Max pooling (floor mode, implicit ``-inf`` padding; NaN in a window gives NaN)."""
+    """Max pooling (floor mode, implicit ``-inf`` padding; NaN in a window gives NaN). A
+    window's first of equal values is kept, as PyTorch's scan over the window does (``v >
+    max or isnan(v)``): -0 before +0 gives -0."""
+    xp = _xp(x)
     win = _windows(x, kernel_size, stride, padding, -np.inf)
-    return win.max(axis=tuple(range(-len(kernel_size), 0)))
+    flat = win.reshape(win.shape[:-len(kernel_size)] + (-1,))
+    out = flat[..., 0]
+    for i in range(1, flat.shape[-1]):
+        value = flat[..., i]
+        out = xp.where((value > out) | xp.isnan(value), value, out)
+    return out
 
 
 def avg_pool(x, kernel_size, stride, padding):
     """Average pooling (floor mode, zero padding counted in the divisor as PyTorch's default)."""
     win = _windows(x, kernel_size, stride, padding, 0.0)
     return win.mean(axis=tuple(range(-len(kernel_size), 0)))
+
+
+def clamp(y, lo, hi):
+    """``torch.clamp(y, lo, hi)``: ``min(max(y, lo), hi)`` that keeps ``y`` where it equals a
+    bound (a -0 clamped to [0, 1] stays -0) and a NaN as NaN; ``hi`` where ``lo > hi``."""
+    xp = _xp(y)
+    y = xp.where(y < lo, lo, y)
+    return xp.where(hi < y, hi, y)
 
 
 def _scaled(y, scale):
@@ -199,11 +223,10 @@ def conv2d_groupnorm_scale_maxpool_clamp(x, weight, conv_bias, gn_weight, gn_bia
                                          stride, padding, eps):
     """Pipeline A: ``clamp(max_pool2d(group_norm(conv2d(x)) * scale), clamp_min, clamp_max)``
     (``scale`` None: no scaling)."""
-    xp = _xp(x)
     y = conv(x, weight, conv_bias, stride, padding, (1, 1), 1)
     y = _scaled(group_norm(y, num_groups, gn_weight, gn_bias, eps), scale)
     y = max_pool(y, pool_kernel, pool_kernel, (0, 0))
-    return xp.minimum(xp.maximum(y, clamp_min), clamp_max)
+    return clamp(y, clamp_min, clamp_max)
 
 
 def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(x, weight, bn_weight, bn_bias, gn_weight,
@@ -226,8 +249,7 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(x, weight, scale, *, stride,
 
     The average pool runs first, on the input; ``scale`` None: no scaling.
     """
-    xp = _xp(x)
     y = avg_pool(x, pool_kernel, pool_kernel, (0, 0, 0))
     y = conv_transpose(y, weight, conv_bias, stride, padding, output_padding, (1, 1, 1), groups)
-    y = xp.minimum(xp.maximum(y, clamp_min), clamp_max)
+    y = clamp(y, clamp_min, clamp_max)
     return _scaled(softmax(y, (2, 3, 4)), scale)

@@ -65,8 +65,11 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "conv_transpose3d_s2k3<3, CT3_CONV, false>",
         "conv_transpose3d_s2k3_groups",
         "conv_transpose3d_s2k3_groups_softmax_sums",
-        "conv_transpose_rows_nonfinite_weight",
-        "conv_nonfinite_weight_rows",
+        "conv_nonfinite_weight_rows<ForwardConvDefinition>",
+        "conv_nonfinite_weight_rows<TransposedConvDefinition>",
+        "conv_nonfinite_input_scan",
+        "conv_nonfinite_input_windows<ForwardConvDefinition>",
+        "conv_nonfinite_input_windows<TransposedConvDefinition>",
     ),
     "fft_conv.cu": (
         "fft_conv_scan",

@@ -365,6 +365,42 @@ __device__ __forceinline__ void interleave_classes(const float* __restrict__ cla
     }
 }
 
+// A position (od, oh, ow) of a plane of Do x Ho x Wo outputs (which may pass 2**31), stepped
+// by a fixed count of outputs with carries: a loop over a plane's outputs then divides by
+// neither Ho * Wo nor Wo, whose 64-bit divisions are calls that made its registers spill.
+struct PlaneWalk {
+    int3 at, step;
+    int Ho, Wo;
+
+    // From output first by stride outputs a step (both below 2**31).
+    __device__ PlaneWalk(int first, int stride, int Ho_, int Wo_)
+        : at(position(first, Ho_, Wo_)), step(position(stride, Ho_, Wo_)), Ho(Ho_), Wo(Wo_) {}
+
+    __device__ static int3 position(int o, int Ho, int Wo) {
+        int od = 0, r = o;
+        if ((index_t)Ho * Wo <= o) {  // else o lies in the first layer
+            od = o / (Ho * Wo);
+            r = o - od * (Ho * Wo);
+        }
+        const int oh = r / Wo;
+        return make_int3(od, oh, r - oh * Wo);
+    }
+
+    __device__ void advance() {
+        at.z += step.z;
+        if (at.z >= Wo) {
+            at.z -= Wo;
+            ++at.y;
+        }
+        at.y += step.y;
+        if (at.y >= Ho) {
+            at.y -= Ho;
+            ++at.x;
+        }
+        at.x += step.x;
+    }
+};
+
 // A transposed 3-D convolution by its definition (PyTorch's): output o of channel c is the sum
 // of x[i] * w[ci, c, k] over the (input, tap) pairs with o = i * stride - padding + k *
 // dilation, so a non-finite weight meets only real inputs. A convolution algorithm that also
@@ -401,9 +437,14 @@ struct TransposedConvDefinition {
     __device__ index_t plane() const { return (index_t)Do * Ho * Wo; }
 
     // b plus output o (flat over the Do x Ho x Wo plane) of sample n, channel c.
-    __device__ float at(index_t n, int c, index_t o, float b) const {
+    __device__ __forceinline__ float at(index_t n, int c, index_t o, float b) const {
         const int od = (int)(o / ((index_t)Ho * Wo)), r = (int)(o % ((index_t)Ho * Wo));
-        const int oh = r / Wo, ow = r - oh * Wo;
+        const int oh = r / Wo;
+        return at(n, c, od, oh, r - oh * Wo, b);
+    }
+
+    // b plus output (od, oh, ow) of sample n, channel c.
+    __device__ __forceinline__ float at(index_t n, int c, int od, int oh, int ow, float b) const {
         const float* xs = x + n * xn + (index_t)(c / c_out_group) * c_in_group * xc;
         float v = b;
         for (int kd = 0; kd < KD; ++kd) {
@@ -424,6 +465,27 @@ struct TransposedConvDefinition {
         return v;
     }
 
+    // Whether output (od, oh, ow)'s window (the inputs that reach it) holds a position that
+    // mask (a sample's Di x Hi x Wi marks) marks.
+    __device__ __forceinline__ bool window_marked(const unsigned char* mask, int od, int oh,
+                                                  int ow) const {
+        bool marked = false;
+        for (int kd = 0; kd < KD; ++kd) {
+            const int td = od + pd - kd * dd;
+            if (td < 0 || td % sd || td / sd >= Di) continue;
+            for (int kh = 0; kh < KH; ++kh) {
+                const int th = oh + ph - kh * dh;
+                if (th < 0 || th % sh || th / sh >= Hi) continue;
+                const unsigned char* row = mask + ((index_t)(td / sd) * Hi + th / sh) * Wi;
+                for (int kw = 0; kw < KW; ++kw) {
+                    const int tw = ow + pw - kw * dw;
+                    marked |= tw >= 0 && tw % sw == 0 && tw / sw < Wi && row[tw / sw];
+                }
+            }
+        }
+        return marked;
+    }
+
     // Rewrites the (n, c) row of out (contiguous rows of plane() values, C channels) by the
     // definition plus bias[c], each thread of the block the outputs o = threadIdx.x + k
     // blockDim.x, and returns the row.
@@ -434,5 +496,71 @@ struct TransposedConvDefinition {
         float* row = out + (n * C + c) * length;
         for (index_t o = threadIdx.x; o < length; o += blockDim.x) row[o] = at(n, c, o, b);
         return row;
+    }
+};
+
+// A forward convolution by its definition (PyTorch's): output o of channel c is the sum of
+// x[i] * w[c, ci, k] over every tap k, i = o * stride - padding + k * dilation, a tap past the
+// input's edge multiplying a padding zero (0 * inf and 0 * NaN are NaN). x (N, C_in, Di, Hi,
+// Wi) in element strides xn .. xw; w (C, C_in / groups, KD, KH, KW) contiguous.
+struct ForwardConvDefinition {
+    const float* x;
+    const float* w;
+    int c_in_group, c_out_group, Di, Hi, Wi, Do, Ho, Wo, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd,
+        dh, dw;
+    index_t xn, xc, xd, xh, xw;
+
+    // Whether output channel c's weight is finite, for the whole block (one barrier).
+    __device__ bool block_finite_weight(int c) const {
+        const int count = c_in_group * KD * KH * KW;
+        const float* wc = w + (index_t)c * count;
+        int nonfinite = 0;
+        for (int i = threadIdx.x; i < count; i += blockDim.x) nonfinite |= !isfinite(wc[i]);
+        return !__syncthreads_or(nonfinite);
+    }
+
+    // Outputs per (sample, channel) row.
+    __device__ index_t plane() const { return (index_t)Do * Ho * Wo; }
+
+    // Calls take(offset, mark, tap) for every tap of output (od, oh, ow) in (kd, kh, kw)
+    // order: offset the input position's element offset within a channel plane of x and mark
+    // its index in a sample's Di x Hi x Wi marks, both -1 where the tap meets the padding.
+    template <class Take>
+    __device__ __forceinline__ void taps(int od, int oh, int ow, Take take) const {
+        for (int kd = 0; kd < KD; ++kd) {
+            const long long id = (long long)od * sd - pd + (long long)kd * dd;
+            for (int kh = 0; kh < KH; ++kh) {
+                const long long ih = (long long)oh * sh - ph + (long long)kh * dh;
+                for (int kw = 0; kw < KW; ++kw) {
+                    const long long iw = (long long)ow * sw - pw + (long long)kw * dw;
+                    const bool inside =
+                        id >= 0 && id < Di && ih >= 0 && ih < Hi && iw >= 0 && iw < Wi;
+                    take(inside ? id * xd + ih * xh + iw * xw : -1,
+                         inside ? (id * Hi + ih) * Wi + iw : -1, (kd * KH + kh) * KW + kw);
+                }
+            }
+        }
+    }
+
+    // b plus output (od, oh, ow) of sample n, channel c.
+    __device__ __forceinline__ float at(index_t n, int c, int od, int oh, int ow, float b) const {
+        const int count = KD * KH * KW;
+        const float* xs = x + n * xn + (index_t)(c / c_out_group) * c_in_group * xc;
+        const float* wc = w + (index_t)c * c_in_group * count;
+        float v = b;
+        taps(od, oh, ow, [&](index_t offset, index_t, int tap) {
+            for (int ci = 0; ci < c_in_group; ++ci)
+                v += (offset >= 0 ? xs[ci * xc + offset] : 0.0f) * wc[ci * count + tap];
+        });
+        return v;
+    }
+
+    // Whether output (od, oh, ow)'s window holds a position that mask (a sample's marks)
+    // marks.
+    __device__ __forceinline__ bool window_marked(const unsigned char* mask, int od, int oh,
+                                                  int ow) const {
+        bool marked = false;
+        taps(od, oh, ow, [&](index_t, index_t mark, int) { marked |= mark >= 0 && mask[mark]; });
+        return marked;
     }
 };

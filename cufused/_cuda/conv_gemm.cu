@@ -2228,7 +2228,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
     constexpr bool HALVES = HALO_WGMMA && PASSES == 1;
     // CT3_CONV in TF32 rewrites the outputs of a channel whose weight holds a non-finite value
     // itself (after each tile's stores, below). In 3xTF32 that code slows the mma.sync main
-    // loop (its registers and schedule): conv_transpose_rows_nonfinite_weight does it after
+    // loop (its registers and schedule): conv_nonfinite_weight_rows does it after
     // the kernel there.
     constexpr bool REWRITES = OUT == CT3_CONV && PASSES == 1;
     // Two halo buffers, or the ring of planes.
@@ -2797,7 +2797,7 @@ conv_transpose3d_s2k3(const float* __restrict__ x, const float* __restrict__ w,
 // finished class's stores go out in shares after the next class's first taps. The bias is the
 // accumulators' start. A channel whose weight holds a non-finite value (its high part staged
 // as zero) is left to the launcher, which rewrites it by the definition
-// (conv_transpose_rows_nonfinite_weight).
+// (conv_nonfinite_weight_rows).
 #define CTG_THREADS 256
 #define CTG_TH 4
 #define CTG_TW 32
@@ -3201,82 +3201,99 @@ conv_transpose3d_s2k3_groups_softmax_sums(const float* __restrict__ x,
 #endif
 }
 
-// The public conv_transpose3d on conv_transpose3d_s2k3<3, CT3_CONV, false> and
-// conv_transpose3d_s2k3_groups (3xTF32, where neither rewrites them itself: REWRITES) where
-// an output channel's weight holds a non-finite value (TransposedConvDefinition): the
-// implicit GEMM's zeros past the input's far edge meet it. Block (c, j) checks output channel
-// c's weight and returns where it is finite; else it rewrites y[n, c, :] for the samples n =
-// j, j + gridDim.y, ... by the definition plus bias[c], from x (element strides xn, xc, xd,
-// xh, xw) into y (element strides yn, yc, yd, yh, yw).
-__global__ void conv_transpose_rows_nonfinite_weight(
-    const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
-    float* __restrict__ y, index_t N, int c_in_group, int c_out_group, int Di, int Hi, int Wi,
-    int Do, int Ho, int Wo, int KD, int KH, int KW, int sd, int sh, int sw, int pd, int ph,
-    int pw, int dd, int dh, int dw, index_t xn, index_t xc, index_t xd, index_t xh, index_t xw,
-    index_t yn, index_t yc, index_t yd, index_t yh, index_t yw) {
-    const TransposedConvDefinition conv{x,  w,  c_in_group, c_out_group, Di, Hi, Wi, Do, Ho,
-                                        Wo, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
-                                        xn, xc, xd, xh, xw};
-    const int c = blockIdx.x;
-    if (conv.block_finite_weight(c)) return;
-    const float b = bias ? bias[c] : 0.0f;
-    const index_t hw = (index_t)Ho * Wo, plane = conv.plane();
-    for (index_t n = blockIdx.y; n < N; n += gridDim.y)
-        for (index_t o = threadIdx.x; o < plane; o += blockDim.x) {
-            const index_t od = o / hw, r = o - od * hw, oh = r / Wo, ow = r - oh * Wo;
-            y[n * yn + c * yc + od * yd + oh * yh + ow * yw] = conv.at(n, c, o, b);
-        }
-}
-
-// The public forward convolution where an output channel's weight holds a non-finite value,
-// by its definition (PyTorch's): every tap multiplies the input or a padding zero (0 * inf
-// and 0 * NaN are NaN), which an algorithm that skips the padding does not, and an FFT or
-// Winograd algorithm spreads a non-finite weight past its products. Block (c, j) checks
-// output channel c's weight (w (C, C_in / groups, KD, KH, KW) contiguous) and returns where
-// it is finite; else it rewrites y[n, c, :] for the samples n = j, j + gridDim.y, ... as
-// bias[c] plus the sum of the products, from x (N, C_in, Di, Hi, Wi) in element strides xn ..
-// xw into y in element strides yn .. yw.
+// The outputs of an output channel whose weight holds a non-finite value, by the definition
+// (ForwardConvDefinition or TransposedConvDefinition, PyTorch's): a forward convolution's
+// taps multiply the input or a padding zero (0 * inf and 0 * NaN are NaN), which an algorithm
+// that skips the padding does not, and an FFT or Winograd algorithm spreads the value past
+// its products; a transposed convolution's meet only real inputs, where an implicit GEMM (the
+// sub-pixel kind's zeros past the input's far edge, cufused's conv_transpose3d_s2k3 in
+// 3xTF32) or a forward convolution of the stride's spread input meets zeros too. Block (c,
+// j) checks output channel c's weight and returns where it is finite; else it rewrites y[n,
+// c, :] for the samples n = j, j + gridDim.y, ... as bias[c] plus the sum of the products,
+// from x (N, C_in, Di, Hi, Wi) in element strides xn .. xw into y in element strides yn ..
+// yw.
+template <class Definition>
 __global__ void conv_nonfinite_weight_rows(
     const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
     float* __restrict__ y, index_t N, int c_in_group, int c_out_group, int Di, int Hi, int Wi,
     int Do, int Ho, int Wo, int KD, int KH, int KW, int sd, int sh, int sw, int pd, int ph,
     int pw, int dd, int dh, int dw, index_t xn, index_t xc, index_t xd, index_t xh, index_t xw,
     index_t yn, index_t yc, index_t yd, index_t yh, index_t yw) {
+    const Definition conv{x,  w,  c_in_group, c_out_group, Di, Hi, Wi, Do, Ho,
+                          Wo, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
+                          xn, xc, xd, xh, xw};
     const int c = blockIdx.x;
-    const int taps = KD * KH * KW;
-    const float* wc = w + (index_t)c * c_in_group * taps;
-    int nonfinite = 0;
-    for (int i = threadIdx.x; i < c_in_group * taps; i += blockDim.x)
-        nonfinite |= !isfinite(wc[i]);
-    if (!__syncthreads_or(nonfinite)) return;
+    if (conv.block_finite_weight(c)) return;
     const float b = bias ? bias[c] : 0.0f;
-    const float* xg = x + (index_t)(c / c_out_group) * c_in_group * xc;
-    const index_t hw = (index_t)Ho * Wo, plane = Do * hw;
+    const index_t plane = conv.plane();
     for (index_t n = blockIdx.y; n < N; n += gridDim.y) {
-        for (index_t o = threadIdx.x; o < plane; o += blockDim.x) {
-            const int od = (int)(o / hw);
-            const index_t r = o - od * hw;  // Ho * Wo may pass 2**31
-            const int oh = (int)(r / Wo), ow = (int)(r - (index_t)oh * Wo);
-            float v = b;
-            for (int kd = 0; kd < KD; ++kd) {
-                const long long id = (long long)od * sd - pd + (long long)kd * dd;
-                for (int kh = 0; kh < KH; ++kh) {
-                    const long long ih = (long long)oh * sh - ph + (long long)kh * dh;
-                    for (int kw = 0; kw < KW; ++kw) {
-                        const long long iw = (long long)ow * sw - pw + (long long)kw * dw;
-                        const bool inside = id >= 0 && id < Di && ih >= 0 && ih < Hi &&
-                                            iw >= 0 && iw < Wi;
-                        const int tap = (kd * KH + kh) * KW + kw;
-                        for (int ci = 0; ci < c_in_group; ++ci) {
-                            const float xv =
-                                inside ? xg[n * xn + ci * xc + id * xd + ih * xh + iw * xw]
-                                       : 0.0f;
-                            v += xv * wc[ci * taps + tap];
-                        }
-                    }
+        PlaneWalk walk(threadIdx.x, blockDim.x, Ho, Wo);
+        for (index_t o = threadIdx.x; o < plane; o += blockDim.x, walk.advance()) {
+            const int3 p = walk.at;
+            y[n * yn + c * yc + p.x * yd + p.y * yh + p.z * yw] = conv.at(n, c, p.x, p.y, p.z, b);
+        }
+    }
+}
+
+// The positions of x (N, C, Di, Hi, Wi in element strides xn .. xw) that hold a non-finite
+// value in some channel: mask[n * Di * Hi * Wi + position] = 1 (else 0), and flags[n] = 1 for
+// a sample that holds one (flags zeroed before the launch). A thread a position, the
+// channels in turn (a warp's loads of one channel coalesce along W).
+__global__ void conv_nonfinite_input_scan(const float* __restrict__ x,
+                                          unsigned char* __restrict__ mask,
+                                          unsigned* __restrict__ flags, index_t N, int C,
+                                          int Di, int Hi, int Wi, index_t xn, index_t xc,
+                                          index_t xd, index_t xh, index_t xw) {
+    const index_t spatial = (index_t)Di * Hi * Wi, positions = N * spatial;
+    for (index_t i = (index_t)blockIdx.x * blockDim.x + threadIdx.x; i < positions;
+         i += (index_t)gridDim.x * blockDim.x) {
+        const index_t n = i / spatial, p = i - n * spatial, hw = (index_t)Hi * Wi;
+        const index_t d = p / hw, r = p - d * hw, h = r / Wi;
+        const float* src = x + n * xn + d * xd + h * xh + (r - h * Wi) * xw;
+        bool bad = false;
+#pragma unroll 8
+        for (int c = 0; c < C; ++c) bad |= !isfinite(src[c * xc]);
+        mask[i] = bad;
+        if (bad) flags[n] = 1u;
+    }
+}
+
+// After a convolution algorithm that spreads a non-finite input past its products (cuDNN's
+// FFT and Winograd plans), the outputs whose window holds a position that
+// conv_nonfinite_input_scan marked, by the definition (ForwardConvDefinition or
+// TransposedConvDefinition) plus bias[c], into y (element strides yn .. yw). Each warp takes
+// 32 samples at a time, reads their flags at once (a call without a non-finite input costs a
+// flag a sample), and for each flagged one checks the outputs of the channels blockIdx.y,
+// blockIdx.y + gridDim.y, ... by their windows.
+template <class Definition>
+__global__ void conv_nonfinite_input_windows(
+    const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
+    float* __restrict__ y, const unsigned char* __restrict__ mask,
+    const unsigned* __restrict__ flags, index_t N, int C, int c_in_group, int c_out_group,
+    int Di, int Hi, int Wi, int Do, int Ho, int Wo, int KD, int KH, int KW, int sd, int sh,
+    int sw, int pd, int ph, int pw, int dd, int dh, int dw, index_t xn, index_t xc, index_t xd,
+    index_t xh, index_t xw, index_t yn, index_t yc, index_t yd, index_t yh, index_t yw) {
+    const Definition conv{x,  w,  c_in_group, c_out_group, Di, Hi, Wi, Do, Ho,
+                          Wo, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
+                          xn, xc, xd, xh, xw};
+    const index_t plane = conv.plane(), spatial = (index_t)Di * Hi * Wi;
+    const int lane = threadIdx.x & 31;
+    const index_t warps = (index_t)gridDim.x * (blockDim.x / 32);
+    for (index_t first = ((index_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * 32;
+         first < N; first += warps * 32) {
+        unsigned flagged = __ballot_sync(~0u, first + lane < N && flags[first + lane]);
+        for (; flagged; flagged &= flagged - 1) {
+            const index_t n = first + __ffs(flagged) - 1;
+            const unsigned char* marks = mask + n * spatial;
+            for (int c = blockIdx.y; c < C; c += gridDim.y) {
+                PlaneWalk walk(lane, 32, Ho, Wo);
+                for (index_t o = lane; o < plane; o += 32, walk.advance()) {
+                    const int3 p = walk.at;
+                    if (conv.window_marked(marks, p.x, p.y, p.z))
+                        y[n * yn + c * yc + p.x * yd + p.y * yh + p.z * yw] =
+                            conv.at(n, c, p.x, p.y, p.z, bias ? bias[c] : 0.0f);
                 }
             }
-            y[n * yn + c * yc + od * yd + oh * yh + ow * yw] = v;
         }
     }
 }

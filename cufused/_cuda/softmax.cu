@@ -470,10 +470,13 @@ softmax_rows_cluster(const float* y, float* out, const float* __restrict__ bias,
 // each channel's weight. Otherwise it recomputes the rows (n, c) of the samples n = j, j +
 // gridDim.y, ... from the pooled input x (element strides xn, xc, xd, xh, xw) by the
 // definition plus bias[c], clamps them to [lo, hi], and rewrites out[n, c, :] (contiguous, C
-// channels) with the softmax times scale[c].
+// channels) with the softmax times scale[c]. Where sample_flags is given (a convolution
+// algorithm that spreads a non-finite input past its products: cuDNN's FFT and Winograd
+// plans), the rows of every sample it flags are recomputed too.
 __global__ void softmax_rows_nonfinite_weight(
     const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
-    const float* __restrict__ scale, float* __restrict__ out, index_t N, int C,
+    const float* __restrict__ scale, const unsigned* __restrict__ sample_flags,
+    float* __restrict__ out, index_t N, int C,
     int c_in_group, int c_out_group, int Di, int Hi, int Wi, int Do, int Ho, int Wo, int KD,
     int KH, int KW, int sd, int sh, int sw, int pd, int ph, int pw, int dd, int dh, int dw,
     index_t xn, index_t xc, index_t xd, index_t xh, index_t xw, float lo, float hi) {
@@ -483,10 +486,12 @@ __global__ void softmax_rows_nonfinite_weight(
                                         Wo, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
                                         xn, xc, xd, xh, xw};
     const int c = blockIdx.x;
-    if (conv.block_finite_weight(c)) return;
+    const bool finite_weight = conv.block_finite_weight(c);
+    if (finite_weight && !sample_flags) return;
     const index_t length = conv.plane();
     // The reductions' barriers are uniform: the block's threads take every row alike.
     for (index_t n = blockIdx.y; n < N; n += gridDim.y) {
+        if (finite_weight && !sample_flags[n]) continue;
         float* row = conv.rewrite_row(bias, out, C, n, c);
         // Each thread clamps the outputs it wrote.
         float m = -INFINITY;

@@ -13,7 +13,7 @@ from .._arrays import import_cupy
 from .._cuda import capturing, wait_for_devices
 from ._config import _config, cudnn_handle, import_cudnn
 from ._graphs import (ConvProblem, Strategy, _build_graph, _Part, _part_specs, runnable_plans,
-                      strategies)
+                      spreads_nonfinite, strategies)
 from ._plan import ConvPlan, _graph_buffer_pool, timed_replay
 from .._timing import LONG_CALL_MS, issue_ms, l2_flush_buffer, random_operand, time_ms
 
@@ -125,6 +125,8 @@ def _chosen_parts(problem: ConvProblem, strategy: Strategy, tune: bool, handle):
                 best = part
         if best is None:
             return _SHORT_OF_MEMORY if short_of_memory else None
+        best.spreads_nonfinite = spreads_nonfinite(spec, problem.precision, handle, graph,
+                                                   best.plan_index)
         best.resolve_direct()
         parts.append(best)
     return parts, y_shape, index

@@ -173,7 +173,10 @@ def _part_specs(problem: ConvProblem, strategy: Strategy):
     return specs, y_shape, index
 
 
-def _build_graph(spec: _PartSpec, precision: str, handle):
+def _build_graph(spec: _PartSpec, precision: str, handle, deselect=()):
+    """The graph of ``spec`` and its tensors, its plans from cuDNN's heuristics; in "ieee"
+    without the tensor cores' plans, and without the plans of the numerical notes named in
+    ``deselect``."""
     cudnn = import_cudnn()
     f32 = cudnn.data_type.FLOAT
     graph = cudnn.pygraph(io_data_type=f32, intermediate_data_type=f32, compute_data_type=f32,
@@ -198,12 +201,40 @@ def _build_graph(spec: _PartSpec, precision: str, handle):
     graph.validate()
     graph.build_operation_graph()
     graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    notes = [getattr(cudnn.numerical_note, name) for name in deselect]
     if precision == "ieee":
         # Keep float32 float32: no TF32 tensor cores, no down-converted inputs.
-        graph.deselect_numeric_notes([cudnn.numerical_note.TENSOR_CORE,
-                                      cudnn.numerical_note.DOWN_CONVERT_INPUTS])
+        notes += [cudnn.numerical_note.TENSOR_CORE, cudnn.numerical_note.DOWN_CONVERT_INPUTS]
+    if notes:
+        graph.deselect_numeric_notes(notes)
     graph.check_support()
     return graph, tensors
+
+
+# The numerical notes of cuDNN's algorithms that transform their operands (FFT, Winograd): an
+# infinite input meets the other values of its tile or plane there and comes back as NaN
+# beyond the outputs that its products reach (semantics.rst).
+_SPREADING_NOTES = ("FFT", "WINOGRAD", "WINOGRAD_TILE_4x4", "WINOGRAD_TILE_6x6",
+                    "WINOGRAD_TILE_13x13")
+
+
+def spreads_nonfinite(spec: _PartSpec, precision: str, handle, graph, index: int) -> bool:
+    """Whether plan ``index`` of ``spec``'s ``graph`` is an FFT or Winograd algorithm's:
+    the Python binding gives no plan's numerical notes, so a graph built alike with those
+    notes deselected is asked to build the plan, which it refuses for such an engine. True
+    where the probe lists another plan at ``index`` or fails otherwise: the outputs are then
+    checked for a non-finite input, which costs a scan of the input and never changes a
+    correct output."""
+    cudnn = import_cudnn()
+    names = [n for n in _SPREADING_NOTES if hasattr(cudnn.numerical_note, n)]
+    try:
+        probe, _ = _build_graph(spec, precision, handle, deselect=names)
+        if probe.get_plan_name_at_index(index) != graph.get_plan_name_at_index(index):
+            return True
+        probe.build_plan_at_index(index)
+    except Exception:  # noqa: BLE001 - cuDNN refuses a deselected plan in several ways
+        return True
+    return False
 
 
 # Engines that fault on problems that cuDNN accepts, by the graphs they fault in: a fault ends
@@ -242,6 +273,7 @@ class _Part:
     plan_index: int
     workspace_size: int
     milliseconds: float = float("nan")
+    spreads_nonfinite: bool = False  # an FFT or Winograd plan (see spreads_nonfinite)
     _direct: Any = None  # resolved backend call (see _direct_executor), False when unavailable
 
     def resolve_direct(self) -> None:

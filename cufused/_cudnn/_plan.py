@@ -102,6 +102,12 @@ class ConvPlan:
         return self._replays is not None
 
     @property
+    def spreads_nonfinite(self) -> bool:
+        """Whether a part runs an FFT or Winograd plan, which spreads a non-finite input past
+        the outputs its products reach (``spreads_nonfinite`` of ``_graphs``)."""
+        return any(part.spreads_nonfinite for part in self.parts)
+
+    @property
     def layout(self) -> str:
         """The layout of the output as written: "nchw", "nhwc" or "classes"."""
         return self.strategy.y_layout

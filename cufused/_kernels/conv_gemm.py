@@ -552,7 +552,7 @@ def conv_transpose3d_implicit_gemm(x, w, bias, y, *, passes: int) -> None:
     The outputs of a channel whose weight holds a non-finite value are rewritten by the
     definition (the implicit GEMM multiplies the zeros past the input's far edge too): in
     TF32 in the same launch, a finite weight costing each block a check of the weights it
-    stages; in 3xTF32 by ``conv_transpose_rows_nonfinite_weight`` after it, whose blocks
+    stages; in 3xTF32 by ``conv_nonfinite_weight_rows`` after it, whose blocks
     check a channel's weight each (:func:`~cufused._kernels._common.channel_sample_grid`)."""
     x_ncdhw = not stored_in(x, "nhwc")
     if x_ncdhw and (passes != 1 or not x.flags.c_contiguous):
@@ -565,17 +565,11 @@ def conv_transpose3d_implicit_gemm(x, w, bias, y, *, passes: int) -> None:
 
 
 def _transposed_s2k3_nonfinite_rows(x, w, bias, y) -> None:
-    """``conv_transpose_rows_nonfinite_weight`` after a 3xTF32 ``conv_transpose3d_s2k3`` or
-    ``conv_transpose3d_s2k3_groups`` into ``y`` (any strides): the channels whose weight holds
-    a non-finite value rewritten by the definition, each block checking a channel's weight
-    (:func:`~cufused._kernels._common.channel_sample_grid`)."""
-    if y.size:
-        get_kernel(_FILE, "conv_transpose_rows_nonfinite_weight")(
-            channel_sample_grid(y.shape[1], y.shape[0]), (256,),
-            (x, w, optional(bias), y, numpy.int64(y.shape[0]),
-             *definition_args(x, w, y.shape, groups=1, c_out_group=w.shape[1],
-                              stride=(2, 2, 2), padding=(1, 1, 1), dilation=(1, 1, 1)),
-             *element_strides_3d(y)))
+    """The channels of a 3xTF32 ``conv_transpose3d_s2k3`` or ``conv_transpose3d_s2k3_groups``
+    result ``y`` whose weight holds a non-finite value, rewritten by the definition
+    (:func:`conv_nonfinite_weight_rows`)."""
+    conv_nonfinite_weight_rows(x, w, bias, y, groups=1, stride=(2, 2, 2), padding=(1, 1, 1),
+                               dilation=(1, 1, 1), transposed=True)
 
 
 # conv_transpose3d_s2k3_groups: tiles of 1 x 4 x 32 base positions (1, CTG_TH, CTG_TW), 64
@@ -691,23 +685,66 @@ def _class_groups(x, w, bias, y, name: str, extra: tuple, blocks: tuple[int, ...
     return True
 
 
-def conv_nonfinite_weight_rows(x, w, bias, y, *, groups: int, stride, padding,
-                               dilation) -> None:
-    """Recompute by the definition the output channels of the forward convolution ``y =
-    conv(x, w) + bias`` (2-D or 3-D; ``y`` in any strides) whose weight holds a non-finite
-    value (see the kernel): the padding's zeros meet every tap, as the definition (and the
-    float64 reference) has them. A call with a finite weight costs a few checks of each
-    channel's weight on the device (:func:`~cufused._kernels._common.channel_sample_grid`),
-    no host sync."""
+def conv_nonfinite_weight_rows(x, w, bias, y, *, groups: int, stride, padding, dilation,
+                               transposed: bool = False) -> None:
+    """Recompute by the definition the output channels of the convolution ``y = conv(x, w) +
+    bias`` (forward, or ``transposed``; 2-D or 3-D; ``y`` in any strides) whose weight holds a
+    non-finite value (see the kernel): a forward convolution's padding zeros meet every tap,
+    a transposed one's weight meets only real inputs, as the definition (and the float64
+    reference) has them. A call with a finite weight costs a few checks of each channel's
+    weight on the device (:func:`~cufused._kernels._common.channel_sample_grid`), no host
+    sync."""
     w = w if w.flags.c_contiguous else w.copy()
     n, k = y.shape[:2]
     if y.size == 0:
         return
-    get_kernel(_FILE, "conv_nonfinite_weight_rows")(
+    get_kernel(_FILE, f"conv_nonfinite_weight_rows<{_definition(transposed)}>")(
         channel_sample_grid(k, n), (128,),
         (x, w, optional(bias), y, numpy.int64(n),
          *definition_args(x, w, y.shape, groups=groups, c_out_group=k // groups, stride=stride,
                           padding=padding, dilation=dilation),
+         *element_strides_3d(y)))
+
+
+def _definition(transposed: bool) -> str:
+    """The template argument of a convolution-by-definition kernel (common.cuh)."""
+    return "TransposedConvDefinition" if transposed else "ForwardConvDefinition"
+
+
+def conv_nonfinite_input_flags(xp, x):
+    """``(mask, flags)`` of ``x`` (N, C, *spatial; any strides): ``mask`` (uint8, N x
+    spatial) 1 at each position that holds a non-finite value in some channel, ``flags``
+    (uint32, N) 1 for each sample that holds one; computed on the device, no host sync."""
+    n, c = x.shape[:2]
+    spatial = math.prod(x.shape[2:])
+    mask = xp.empty(n * spatial, dtype=xp.uint8)
+    flags = xp.zeros(n, dtype=xp.uint32)
+    if mask.size:
+        i32 = numpy.int32
+        lift = (1,) * (5 - x.ndim)
+        get_kernel(_FILE, "conv_nonfinite_input_scan")(
+            (min(-(-mask.size // 256), sm_count() * 8),), (256,),
+            (x, mask, flags, numpy.int64(n), i32(c),
+             *(i32(v) for v in lift + tuple(x.shape[2:])), *element_strides_3d(x)))
+    return mask, flags
+
+
+def conv_nonfinite_input_windows(x, w, bias, y, mask, flags, *, transposed: bool, groups: int,
+                                 stride, padding, dilation) -> None:
+    """After a convolution algorithm that spreads a non-finite input past its products
+    (cuDNN's FFT and Winograd plans): the outputs of ``y = conv(x, w) + bias`` (forward, or
+    ``transposed``; ``y`` in any strides) whose window holds a position that ``mask`` marks,
+    in the samples that ``flags`` marks (:func:`conv_nonfinite_input_flags`), rewritten by
+    the definition. A call without a non-finite input costs a flag check a sample."""
+    w = w if w.flags.c_contiguous else w.copy()
+    n, k = y.shape[:2]
+    if y.size == 0:
+        return
+    get_kernel(_FILE, f"conv_nonfinite_input_windows<{_definition(transposed)}>")(
+        (min(-(-n // 256), 16), sm_count() * 2), (256,),
+        (x, w, optional(bias), y, mask, flags, numpy.int64(n), numpy.int32(k),
+         *definition_args(x, w, y.shape, groups=groups, c_out_group=k // groups,
+                          stride=stride, padding=padding, dilation=dilation),
          *element_strides_3d(y)))
 
 

@@ -255,7 +255,8 @@ def softmax_apply(y, out, coef_a, coef_b, *, rows: int, length: int, channels: i
 
 
 def softmax_rows_nonfinite_weight(xp, x, weight, out, *, groups: int, stride, padding,
-                                  dilation, bias, scale, clamp: tuple[float, float]) -> None:
+                                  dilation, bias, scale, clamp: tuple[float, float],
+                                  sample_flags=None) -> None:
     """Pipeline C's rows whose output channel has a non-finite transposed-convolution weight,
     recomputed by the definition after :func:`softmax_rows` (see the kernel): the convolution
     algorithm's NaNs from the zeros it inserts would otherwise differ from PyTorch's. A call
@@ -264,12 +265,15 @@ def softmax_rows_nonfinite_weight(xp, x, weight, out, *, groups: int, stride, pa
 
     ``x`` is the (pooled) convolution input, logical (N, C_in, D, H, W) in any strides;
     ``groups``, ``stride``, ``padding``, ``dilation`` the transposed convolution's checked
-    options; ``out`` the contiguous result.
+    options; ``out`` the contiguous result. ``sample_flags`` (uint32, N; optional): the
+    samples whose rows are all recomputed too, those where x holds a non-finite value after
+    an algorithm that spreads it (``conv_gemm.conv_nonfinite_input_flags``).
     """
     w = xp.ascontiguousarray(weight)
     get_kernel(_FILE, "softmax_rows_nonfinite_weight")(
         channel_sample_grid(out.shape[1], out.shape[0]), (256,),
-        (x, w, optional(bias), optional(scale), out, numpy.int64(out.shape[0]),
+        (x, w, optional(bias), optional(scale), optional(sample_flags), out,
+         numpy.int64(out.shape[0]),
          numpy.int32(out.shape[1]),
          *definition_args(x, w, out.shape, groups=groups, c_out_group=w.shape[1], stride=stride,
                           padding=padding, dilation=dilation),

@@ -42,11 +42,15 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
     kernel to read, and ``bias`` must be None.
     ``batch_statistics``: the caller normalizes each output channel by its batch statistics
     (pipeline B), which admits the DFT engine, whose error is relative to a plane's norm
-    rather than to each output. ``definition_nans`` (a forward convolution): an output
-    channel whose weight holds a non-finite value gets the definition's values, every tap
-    multiplying the input or a padding zero (0 * inf is NaN). cufused's implicit GEMM computes
-    them so; after a cuDNN plan, which may skip the padding or spread the value (FFT,
-    Winograd), or the DFT engine, :func:`_nonfinite_weight_rows` rewrites such channels.
+    rather than to each output. ``definition_nans``: non-finite operands give the
+    definition's NaN and infinities. An output channel whose weight holds a non-finite value
+    gets the definition's values: a forward convolution's taps multiply the input or a
+    padding zero (0 * inf is NaN), a transposed one's only real inputs. cufused's implicit
+    GEMM computes forward convolutions and ``conv_transpose3d_s2k3``'s so; after the other
+    routes (cuDNN's plans, which may skip the padding or spread the value, the DFT engine, a
+    transposed convolution run as a forward one) :func:`_nonfinite_weight_rows` rewrites such
+    channels. After a cuDNN plan that spreads a non-finite input past its products (FFT,
+    Winograd), :func:`_nonfinite_input_windows` rewrites the outputs whose window holds one.
     A caller that puts the input in the plan's layout itself, or reads class blocks, uses
     :func:`gpu_conv_plan`.
     """
@@ -67,7 +71,10 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
                 pass
         y = out if out is not None else _empty_nchw(args.out_shape)
         engine[1](x, weight, bias, y)
-        if definition_nans and engine[0] != "igemm":
+        # The implicit GEMM's forward convolutions and conv_transpose3d_s2k3 (3-D) take a
+        # non-finite weight as the definition does; a stride-1 transposed 2-D one runs as a
+        # forward one, whose padding meets the weight.
+        if definition_nans and (engine[0] != "igemm" or (args.transposed and x.ndim == 4)):
             _nonfinite_weight_rows(x, weight, bias, y, args)
         return y, "nchw"
     try:
@@ -76,21 +83,43 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
     except UnsupportedConvolution:
         if not args.transposed:
             raise
-        return _transposed_as_forward(x, weight, args, precision, bias=bias, out=out), "nchw"
+        y = _transposed_as_forward(x, weight, args, precision, bias=bias, out=out,
+                                   definition_nans=definition_nans)
+        if definition_nans:
+            _nonfinite_weight_rows(x, weight, bias, y, args)
+        return y, "nchw"
     y, layout = _apply_plan(plan, x, weight, bias, out, convert_output=convert_output)
     if definition_nans:
         _nonfinite_weight_rows(x, weight, bias, y, args)
+        if plan.spreads_nonfinite:
+            _nonfinite_input_windows(x, weight, bias, y, args)
     return y, layout
 
 
 def _nonfinite_weight_rows(x, weight, bias, y, args: ConvArgs) -> None:
-    """The forward convolution ``args``' output channels of ``y`` (any strides) whose weight
-    holds a non-finite value, rewritten by the definition
+    """The output channels of ``y`` (any strides) whose weight holds a non-finite value,
+    rewritten by the definition of the convolution ``args``
     (:func:`~cufused._kernels.conv_gemm.conv_nonfinite_weight_rows`)."""
     from .._kernels.conv_gemm import conv_nonfinite_weight_rows
 
     conv_nonfinite_weight_rows(x, weight, bias, y, groups=args.groups, stride=args.stride,
-                               padding=args.padding, dilation=args.dilation)
+                               padding=args.padding, dilation=args.dilation,
+                               transposed=args.transposed)
+
+
+def _nonfinite_input_windows(x, weight, bias, y, args: ConvArgs) -> None:
+    """The outputs of ``y`` (any strides) whose window holds a non-finite value of ``x``,
+    rewritten by the definition of the convolution ``args`` after a plan that spreads such a
+    value (:func:`~cufused._kernels.conv_gemm.conv_nonfinite_input_windows`); a scan of x
+    finds them on the device."""
+    import cupy
+
+    from .._kernels.conv_gemm import conv_nonfinite_input_flags, conv_nonfinite_input_windows
+
+    mask, flags = conv_nonfinite_input_flags(cupy, x)
+    conv_nonfinite_input_windows(x, weight, bias, y, mask, flags, transposed=args.transposed,
+                                 groups=args.groups, stride=args.stride, padding=args.padding,
+                                 dilation=args.dilation)
 
 
 def _apply_plan(plan, x, weight, bias, out, *, convert_output: bool = True):
@@ -409,12 +438,16 @@ def _empty_nchw(shape):
     return cupy.empty(shape, dtype=cupy.float32)
 
 
-def _transposed_as_forward(x, weight, args: ConvArgs, precision: str, *, bias=None, out=None):
+def _transposed_as_forward(x, weight, args: ConvArgs, precision: str, *, bias=None, out=None,
+                           definition_nans: bool = False):
     """A transposed convolution that no cuDNN data-gradient plan computes, as a forward one:
     the input spread out by the stride (zeros between its values) and padded by
     ``dilation * (k - 1) - padding`` on each side (plus ``output_padding`` at the far end;
     cropped where negative), convolved with the spatially flipped weight, in and out channels
-    swapped per group. The spread input costs stride**d times the input's memory."""
+    swapped per group. The spread input costs stride**d times the input's memory.
+    ``definition_nans`` as :func:`conv_on_gpu`'s, for the forward convolution (a non-finite
+    input's outputs are the transposed one's; a non-finite weight's are not: the caller
+    rewrites those channels)."""
     import cupy
 
     nd = x.ndim - 2
@@ -436,7 +469,7 @@ def _transposed_as_forward(x, weight, args: ConvArgs, precision: str, *, bias=No
     as_forward = ConvArgs(False, (1,) * nd, (0,) * nd, (0,) * nd, args.dilation, g,
                           args.out_shape)
     y, _ = conv_on_gpu(cupy.ascontiguousarray(z), cupy.ascontiguousarray(flipped), as_forward,
-                       precision, out=out, bias=bias)
+                       precision, out=out, bias=bias, definition_nans=definition_nans)
     return y
 
 
@@ -488,9 +521,9 @@ def _convolve(nd: int, transposed: bool, x, weight, bias, *, stride, padding, ou
 
 
 def _conv_gpu(x, weight, args: ConvArgs, precision: str, bias, out):
-    # The definition's NaNs of a non-finite weight (semantics.rst).
+    # The definition's NaN and infinities of non-finite operands (semantics.rst).
     return conv_on_gpu(x, weight, args, precision, out=out, bias=bias,
-                       definition_nans=not args.transposed)[0]
+                       definition_nans=True)[0]
 
 
 _COMMON_DOC = """

@@ -13,7 +13,7 @@ from .._arrays import Size, check_bool
 from .._ops.normalization import part_of_batch, torch_cuda_native_form
 from .._ops.softmax import normalize_axes
 from ._graph import Array, _check_params, _each_chunk, _empty_batch, _Graph, _map_chunks
-from ._statistics import (_batch_statistics, _channel_moments, _normalize,
+from ._statistics import (_batch_statistics, _channel_moments, _normalize, check_split_every,
                           _normalized_batch)
 
 _TYPE_ERROR = """    TypeError
@@ -206,6 +206,7 @@ def batch_norm(x: Array, weight: Any = None, bias: Any = None, *, running_mean: 
     """
     params = dict(weight=weight, bias=bias, running_mean=running_mean, running_var=running_var)
     return_running_stats = check_bool(return_running_stats, "return_running_stats")
+    check_split_every(split_every)  # in inference too, where no reduction reads it
     if not check_bool(training, "training"):
         if return_running_stats:
             raise ValueError("return_running_stats applies in training only: inference leaves "

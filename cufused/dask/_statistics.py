@@ -119,6 +119,16 @@ def _copy(buf):
     return None if buf is None else buf.copy()
 
 
+def check_split_every(split_every: int | None) -> int:
+    """The tree reduction's ``split_every`` checked (an int >= 2; None: ``SPLIT_EVERY``)."""
+    split_every = SPLIT_EVERY if split_every is None else split_every
+    if isinstance(split_every, bool) or not isinstance(split_every, numbers.Integral):
+        raise TypeError(f"split_every must be an int, got {split_every!r}")
+    if split_every < 2:
+        raise ValueError(f"split_every must be an int >= 2, got {split_every!r}")
+    return int(split_every)
+
+
 def _batch_statistics(graph: _Graph, moments: list, running_mean, running_var,
                       momentum: float, split_every: int | None) -> str:
     """Phase 2 in ``graph``: each chunk's partial moments (``moments``, a task each) under a
@@ -129,12 +139,7 @@ def _batch_statistics(graph: _Graph, moments: list, running_mean, running_var,
     buffers when it computes, even where two are built from equal inputs.
     """
     momentum = float(momentum)  # checked by the caller's probe; the single call's float
-    split_every = SPLIT_EVERY if split_every is None else split_every
-    if isinstance(split_every, bool) or not isinstance(split_every, numbers.Integral):
-        raise TypeError(f"split_every must be an int, got {split_every!r}")
-    if split_every < 2:
-        raise ValueError(f"split_every must be an int >= 2, got {split_every!r}")
-    split_every = int(split_every)
+    split_every = check_split_every(split_every)
     keys = [(graph.key_name("moments"), i) for i in range(len(moments))]
     graph.dsk.update(zip(keys, moments))
     merge, depth = graph.key_name("merge"), 0

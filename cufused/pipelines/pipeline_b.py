@@ -160,8 +160,10 @@ def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, bn_
     ``out``) and the batch statistics; BatchNorm as per-channel coefficients (and the running
     buffers updated); channels with a non-finite parameter recomputed; BatchNorm + tanh and
     the GroupNorm applied to the extrema in place."""
+    # One group: a non-finite operand's values (the definition's or a spreading plan's) make
+    # every BatchNorm channel NaN alike; groups keep another group's channels finite.
     y, _ = conv_on_gpu(x, weight, args, precision, convert_output=False,
-                       batch_statistics=True)
+                       batch_statistics=True, definition_nans=args.groups > 1)
     c = y.shape[1]
     # The pooled extrema go into out, and the GroupNorm maps them in place. From a
     # channels-last conv output the pass stores them channels-last with 16-byte stores, in
@@ -216,7 +218,7 @@ def _chunk_extrema_sums(x, weight, conv_bias, bn_weight, *, stride, padding, out
     check_conv_memory(x.shape, args, xp)
     n, c, h, w = args.out_shape
     y, _ = conv_on_gpu(x, weight, args, precision, convert_output=False,
-                       batch_statistics=True)
+                       batch_statistics=True, definition_nans=args.groups > 1)  # as _fused
     pooled = xp.empty((n, c, h // pool, w // pool), dtype=x.dtype)
     partial, shift, _ = pool_extremum_stats(
         xp, y, pooled, pool, bias=per_channel(conv_bias, c, xp),

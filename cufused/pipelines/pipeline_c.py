@@ -24,7 +24,8 @@ from .._arrays import (Size, check_float_dtype, check_ndim, check_out, check_per
                        check_required, check_sizes, forward, get_array_module, per_channel)
 from .._cudnn import UnsupportedConvolution
 from .._call_graphs import warm_calls
-from .._kernels.conv_gemm import (conv_transpose3d_groups_softmax_sums,
+from .._kernels.conv_gemm import (conv_nonfinite_input_flags,
+                                  conv_transpose3d_groups_softmax_sums,
                                   conv_transpose3d_softmax, conv_transpose3d_softmax_sums,
                                   transposed_s2k3_groups_sums_fit,
                                   transposed_s2k3_groups_take_channels, transposed_s2k3_takes)
@@ -121,12 +122,14 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
                      pooled_shape=pooled_shape, conv_bias=conv_bias, scale=scale, lo=lo, hi=hi))
 
 
-def _nonfinite_weight_rows(xp, x_pooled, weight, args, out, *, conv_bias, scale, lo, hi):
-    """Rows of an output channel with a non-finite weight, recomputed by the definition."""
+def _nonfinite_weight_rows(xp, x_pooled, weight, args, out, *, conv_bias, scale, lo, hi,
+                           sample_flags=None):
+    """Rows of an output channel with a non-finite weight, and every row of a sample that
+    ``sample_flags`` marks, recomputed by the definition."""
     softmax_rows_nonfinite_weight(xp, x_pooled, weight, out, groups=args.groups,
                                   stride=args.stride, padding=args.padding,
                                   dilation=args.dilation, bias=conv_bias, scale=scale,
-                                  clamp=(lo, hi))
+                                  clamp=(lo, hi), sample_flags=sample_flags)
     return out
 
 
@@ -169,24 +172,28 @@ def _fused(xp, x, weight, args, precision, out, *, k, pooled_shape, conv_bias, s
             return out
         return _fused_recompute(xp, x_pooled, weight, args, precision, out, **options)
     n, c = out.shape[:2]
+    sample_flags = None
     try:
         plan = gpu_conv_plan(pooled_shape, weight.shape, args, precision, convert_input=False,
                              convert_output=False, accept_classes=True)
     except UnsupportedConvolution:  # conv_on_gpu's route for what no cuDNN plan computes
         x_pooled = avg_pool3d(x, k)
         y, layout = conv_on_gpu(x_pooled, weight, args, precision, out=out,
-                                convert_output=False)
+                                convert_output=False, definition_nans=True)
     else:
         # The pool writes the conv input straight into the plan's input layout.
         x_pooled = _pooled_in_layout(xp, x, k, pooled_shape, plan.x_layout)
         y, layout = plan.apply(x_pooled, weight, out=out, convert_output=False)
+        if plan.spreads_nonfinite:
+            # A sample holding a non-finite value: each of its rows by the definition.
+            sample_flags = conv_nonfinite_input_flags(xp, x_pooled)[1]
     strides = [s // y.itemsize for s in y.strides]
     length = math.prod(out.shape[2:])
     softmax_rows(xp, y, out, rows=n * c, length=length, channels=c,
                  strides=(strides[0], strides[1], strides[-1]),
                  layout=layout, bias=conv_bias, scale=scale, clamp=(lo, hi))
     return _nonfinite_weight_rows(xp, x_pooled, weight, args, out, conv_bias=conv_bias,
-                                  scale=scale, lo=lo, hi=hi)
+                                  scale=scale, lo=lo, hi=hi, sample_flags=sample_flags)
 
 
 def _pooled_in_layout(xp, x, k: int, pooled_shape, layout: str):

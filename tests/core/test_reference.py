@@ -159,6 +159,50 @@ def test_max_pool_propagates_nan(rng):
     assert np.allclose(got[~np.isnan(ref)], ref[~np.isnan(ref)], rtol=0, atol=0)
 
 
+def _same_zeros(got, ref) -> bool:
+    """Equal values with equal signs of zero."""
+    return np.array_equal(got, ref) and np.array_equal(np.signbit(got), np.signbit(ref))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_signed_zeros_like_torch(dtype):
+    # PyTorch CPU's zero signs: a max pool keeps a window's first of equal values (-0 before
+    # +0), a clamp keeps a value equal to its bound, and a norm without a bias adds a zero
+    # bias (+0) except GroupNorm without a weight either.
+    zeros = np.array([[[[-0.0, 0.0], [0.0, -0.0]]]], dtype)  # (1, 1, 2, 2)
+    pooled = cufused.max_pool2d(zeros.reshape(1, 1, 1, 4), (1, 2))
+    assert _same_zeros(pooled, F.max_pool2d(torch.from_numpy(zeros.reshape(1, 1, 1, 4)),
+                                            (1, 2)).numpy())
+    assert np.signbit(pooled).tolist() == [[[[True, False]]]]
+    pooled3 = cufused.max_pool3d(zeros.reshape(1, 1, 1, 2, 2), (1, 2, 2))
+    assert _same_zeros(pooled3, F.max_pool3d(torch.from_numpy(zeros.reshape(1, 1, 1, 2, 2)),
+                                             (1, 2, 2)).numpy())
+    assert np.signbit(pooled3).all()
+    x = np.array([[[-0.0, 0.0, 1.0, -1.0], [0.0, -0.0, 2.0, -2.0]]], dtype)  # (1, 2, 4)
+    for w in (None, np.array([2.0, 0.0], dtype)):
+        for b in (None, np.array([-0.0, 0.0], dtype)):
+            tw, tb = (None if a is None else torch.from_numpy(a) for a in (w, b))
+            tx = torch.from_numpy(x)
+            assert _same_zeros(cufused.group_norm(x, 2, w, b),
+                               F.group_norm(tx, 2, tw, tb).numpy())
+            assert _same_zeros(cufused.batch_norm(x, w, b),
+                               F.batch_norm(tx, None, None, tw, tb, training=True).numpy())
+            rm, rv = np.zeros(2, dtype), np.ones(2, dtype)
+            assert _same_zeros(
+                cufused.batch_norm(x, w, b, running_mean=rm, running_var=rv, training=False),
+                F.batch_norm(tx, torch.from_numpy(rm), torch.from_numpy(rv), tw, tb,
+                             training=False).numpy())
+    # Pipeline A with a zero scale: every value a signed zero through the pool and the clamp.
+    rng = np.random.default_rng(0)
+    arrays, opts = args_a(rng, positive=False)
+    arrays = list(arrays)
+    arrays[-1] = np.zeros_like(arrays[-1])
+    arrays[-2] = None  # no GroupNorm bias: the zero scale keeps each value's sign
+    got = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts)
+    ref = torch_a(*arrays, **opts)
+    assert _same_zeros(got, ref) and np.signbit(ref).any() and not np.signbit(ref).all()
+
+
 # ---------------------------------------------------------------------------------- softmax
 
 

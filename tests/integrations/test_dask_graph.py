@@ -84,6 +84,12 @@ def test_input_errors_name_the_argument(rng):
     for not_int in (2.5, True, "2"):
         with pytest.raises(TypeError, match="split_every must be an int"):
             b(chunked(x, (5,)), *params, **options, split_every=not_int)
+    # batch_norm checks it in inference too, where no reduction reads it.
+    ones = np.ones(x.shape[1], np.float32)
+    for bad, error in ((1, ValueError), (2.5, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="split_every"):
+            cdask.batch_norm(chunked(x, (5,)), running_mean=ones, running_var=ones,
+                             training=False, split_every=bad)
     with pytest.raises(ValueError, match="more than 1 value per channel"):
         b(chunked(x[:1, :, :1, :1], (1,)), np.ones((4, 4, 1, 1), np.float32), *params[1:],
           **{**options, "stride": 1, "padding": 0, "output_padding": 0, "pool_kernel": 1})

@@ -8,7 +8,10 @@ import pytest
 
 import cufused
 
-from conftest import GPU, CONV_CASES, TOL, assert_close, poisoned, to_gpu
+from cufused import reference
+
+from conftest import (GPU, CONV_CASES, TOL, _pinned, assert_close, pipeline_c_args, poisoned,
+                      to_gpu)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("quick_plans")]
 
@@ -70,6 +73,144 @@ def test_conv_non_finite_weight_meets_the_padding(rng, case, precision, engine, 
         np.testing.assert_array_equal(test(got), test(ref))
     finite = np.isfinite(ref)
     assert_close(got[finite], ref[finite], TOL["tf32" if precision == "tf32" else "ieee"])
+
+
+TRANSPOSED_NON_FINITE_WEIGHT_CASES = {
+    # stride 1 (the implicit GEMM's forward route, whose padding meets the weight), a stride
+    # that inserts zeros, groups, and pipeline C's 3-D geometry (conv_transpose3d_s2k3)
+    "2d stride 1": ((2, 6, 9, 7), (6, 5, 5, 5), dict(padding=1),
+                    {(1, 2, 0, 0): np.inf, (4, 0, 4, 4): np.nan}),
+    "2d stride 2 groups": ((2, 4, 5, 6), (4, 3, 3, 3),
+                           dict(stride=2, padding=1, output_padding=1, groups=2),
+                           {(0, 1, 0, 0): -np.inf, (3, 2, 2, 1): np.nan}),
+    "3d stride 2": ((2, 8, 4, 5, 6), (8, 6, 3, 3, 3), dict(stride=2, padding=1,
+                                                          output_padding=1),
+                    {(2, 3, 0, 0, 0): np.inf, (5, 1, 2, 2, 2): np.nan}),
+}
+
+
+@pytest.mark.parametrize("engine", [None, "igemm"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32", "3xtf32"])
+@pytest.mark.parametrize("case", list(TRANSPOSED_NON_FINITE_WEIGHT_CASES))
+def test_conv_transpose_non_finite_weight_by_the_definition(rng, case, precision, engine):
+    # A transposed convolution's weight meets only real inputs (never the zeros a stride
+    # inserts, the padding, or the zeros past the input's far edge), whichever engine runs.
+    from cufused._cudnn import plan_options
+
+    x_shape, w_shape, options, planted = TRANSPOSED_NON_FINITE_WEIGHT_CASES[case]
+    x = rng.standard_normal(x_shape)
+    w = rng.standard_normal(w_shape)
+    for index, value in planted.items():
+        w[index] = value
+    fn = cufused.conv_transpose2d if len(x_shape) == 4 else cufused.conv_transpose3d
+    with np.errstate(all="ignore"):
+        ref = fn(x, w, **options)
+    with plan_options(engine=engine):
+        got = fn(*to_gpu(x, w), **options, precision=precision, out=poisoned(ref.shape)).get()
+    for test in (np.isnan, np.isposinf, np.isneginf):
+        np.testing.assert_array_equal(test(got), test(ref))
+    finite = np.isfinite(ref)
+    assert_close(got[finite], ref[finite], TOL["tf32" if precision == "tf32" else "ieee"])
+
+
+NON_FINITE_INPUT_CASES = {
+    # Shapes where cuDNN's heuristics or timings may take an FFT or Winograd plan, which
+    # spreads an input's infinity to NaN past the outputs its products reach.
+    "conv2d 3x3": (cufused.conv2d, (4, 64, 28, 28), (64, 64, 3, 3), dict(padding=1)),
+    "conv2d 5x5 groups": (cufused.conv2d, (3, 8, 17, 13), (6, 4, 5, 5),
+                          dict(padding=2, groups=2)),
+    "conv_transpose2d B": (cufused.conv_transpose2d, (4, 64, 32, 32), (64, 128, 5, 5),
+                           dict(padding=1)),
+    "conv_transpose2d stride 2": (cufused.conv_transpose2d, (3, 6, 7, 5), (6, 4, 3, 3),
+                                  dict(stride=2, padding=1, output_padding=1, groups=2)),
+    "conv_transpose3d C": (cufused.conv_transpose3d, (2, 32, 6, 8, 8), (32, 64, 3, 3, 3),
+                           dict(stride=2, padding=1, output_padding=1)),
+}
+
+
+def _plant_non_finite(rng, x) -> None:
+    """An infinity, a negative infinity and a NaN at random positions of the first and last
+    samples (the middle ones stay finite)."""
+    for n, value in ((0, np.inf), (-1, -np.inf), (-1, np.nan)):
+        x[(n, *(int(rng.integers(s)) for s in x.shape[1:]))] = value
+
+
+@pytest.mark.parametrize("autotune", [False, True])
+@pytest.mark.parametrize("case", list(NON_FINITE_INPUT_CASES))
+def test_conv_non_finite_input_by_the_definition(rng, case, autotune):
+    # Exact float32: an input's infinity gives infinities (or NaN where it meets a zero
+    # weight or the opposite infinity) on the outputs whose window holds it, and nowhere
+    # else, whichever plan runs.
+    from cufused._cudnn import plan_options
+
+    fn, x_shape, w_shape, options = NON_FINITE_INPUT_CASES[case]
+    x = rng.standard_normal(x_shape)
+    w = rng.standard_normal(w_shape)
+    _plant_non_finite(rng, x)
+    with np.errstate(all="ignore"):
+        ref = fn(x, w, **options)
+    with plan_options(autotune=autotune):
+        got = fn(*to_gpu(x, w), **options, precision="ieee", out=poisoned(ref.shape)).get()
+    for test in (np.isnan, np.isposinf, np.isneginf):
+        np.testing.assert_array_equal(test(got), test(ref))
+    finite = np.isfinite(ref)
+    assert_close(got[finite], ref[finite], TOL["ieee"])
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_non_finite_input_windows_rewrite_only_their_windows(rng, transposed):
+    # After a plan that spreads a non-finite input: the scan flags the samples that hold one
+    # and marks their positions; the rewrite writes exactly the outputs whose window holds a
+    # marked position, by the definition, and leaves every other output (here a NaN poison)
+    # alone.
+    from cufused._kernels.conv_gemm import (conv_nonfinite_input_flags,
+                                            conv_nonfinite_input_windows)
+
+    options = dict(stride=(2, 1), padding=(1, 2), dilation=(1, 2), groups=2)
+    x = rng.standard_normal((3, 4, 9, 7))
+    w = rng.standard_normal((4, 3, 3, 3) if transposed else (6, 2, 3, 3))
+    b = rng.standard_normal(6)
+    x[0, 1, 4, 0], x[2, 3, 8, 6], x[2, 0, 0, 3] = np.inf, np.nan, -np.inf
+    fn = reference.conv_transpose if transposed else reference.conv
+    extra = ((0, 0),) if transposed else ()
+    args = (options["stride"], options["padding"], *extra, options["dilation"], 2)
+    with np.errstate(all="ignore"):
+        ref = fn(x, w, b, *args)
+        # The outputs whose window holds a marked position (any channel of the sample).
+        marked = np.broadcast_to(~np.isfinite(x).all(axis=1, keepdims=True), x.shape)
+        windows = fn(marked.astype(float), np.ones_like(w), None, *args) > 0
+    xg, wg, bg = to_gpu(x, w, b)
+    y = poisoned(ref.shape)
+    mask, flags = conv_nonfinite_input_flags(cp, xg)
+    assert flags.get().tolist() == [1, 0, 1]
+    assert mask.get().reshape(3, 9, 7).sum() == 3
+    conv_nonfinite_input_windows(xg, wg, bg, y, mask, flags, transposed=transposed,
+                                 **options)
+    got = y.get()
+    assert np.isnan(got[~windows]).all() and windows.any() and not windows[1].any()
+    for test in (np.isnan, np.isposinf, np.isneginf):
+        np.testing.assert_array_equal(test(got[windows]), test(ref[windows]))
+    finite = windows & np.isfinite(ref)
+    assert_close(got[finite], ref[finite], TOL["ieee"])
+
+
+@pytest.mark.parametrize("pin", ["subpixel nchw", "nchw"])
+def test_pipeline_c_rows_of_a_spreading_plan_by_the_definition(rng, monkeypatch, pin):
+    # On a plan that spreads a non-finite input (here every plan taken for one), each row of
+    # a sample that holds one is recomputed by the definition, the clamp and the softmax.
+    from cufused._cudnn import ConvPlan
+
+    monkeypatch.setattr(ConvPlan, "spreads_nonfinite", property(lambda plan: True))
+    (x, w, scale), options = pipeline_c_args(rng, n=3)
+    x[0, 1, 2, 3, 4], x[2, 2, 7, 9, 5] = np.inf, -np.inf
+    fn = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply
+    with np.errstate(all="ignore"):
+        ref = fn(x, w, scale, **options)
+    with _pinned(pin):
+        got = fn(*to_gpu(x, w, scale), **options, precision="ieee", method="fused",
+                 out=poisoned(ref.shape)).get()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+    assert_close(got, ref, TOL["ieee"])
 
 
 @pytest.mark.parametrize("precision", ["ieee", "tf32"])

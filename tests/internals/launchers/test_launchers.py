@@ -370,11 +370,15 @@ class FakeXp:
 
     float32 = np.float32
     float64 = np.float64
+    uint8 = np.uint8
+    uint32 = np.uint32
 
     @staticmethod
     def empty(shape, dtype=None):
-        assert dtype in (np.float32, np.float64)
+        assert dtype in (np.float32, np.float64, np.uint8, np.uint32)
         return Dev(shape if isinstance(shape, tuple) else (shape,), dtype=dtype)
+
+    zeros = empty
 
     @staticmethod
     def ascontiguousarray(a):
@@ -650,7 +654,7 @@ def test_pipeline_b_statistics_center_on_the_float64_mean(launches, monkeypatch)
                             padding=1, output_padding=0, groups=1)
     monkeypatch.setattr(pipeline_b, "conv_on_gpu",
                         lambda x, weight, args, precision, convert_output,
-                        batch_statistics: (Dev(args.out_shape), None))
+                        batch_statistics, definition_nans: (Dev(args.out_shape), None))
     oh, ow = args.out_shape[2:]
     pipeline_b._fused(FakeXp, Dev((n, cin, h, w)), Dev((cin, c, 3, 3)), args, "ieee",
                       Dev((n, c, oh // 2, ow // 2)), k=2, num_groups=2, conv_bias=Dev((c,)),
@@ -682,7 +686,7 @@ def test_pipeline_b_groupnorm_of_one_pooled_value_keeps_the_centered_form(
                             stride=1, padding=1, output_padding=0, groups=1)
     monkeypatch.setattr(pipeline_b, "conv_on_gpu",
                         lambda x, weight, args, precision, convert_output,
-                        batch_statistics: (Dev(args.out_shape, "nhwc"), None))
+                        batch_statistics, definition_nans: (Dev(args.out_shape, "nhwc"), None))
     oh, ow = args.out_shape[2:]
     pipeline_b._fused(FakeXp, Dev((n, cin, size, size)), Dev((cin, c, 3, 3)), args, "ieee",
                       Dev((n, c, oh // 2, ow // 2)), k=2, num_groups=2, conv_bias=None,
@@ -805,7 +809,7 @@ def test_conv_gemm_launchers(launches, monkeypatch):
                 if passes == 3 and rest == ", 3, 1":
                     held, rows = launches[-2:]
                     assert (held.name, rows.name) == ("conv2d_nhwc_held_weights",
-                                                      "conv_nonfinite_weight_rows")
+                                                      "conv_nonfinite_weight_rows<ForwardConvDefinition>")
                     assert held.grid == (10, 1) and held.block == (128,)  # 2 x 5 tiles
                     assert held.shared_mem == 4 * (2 * 4096 + 6 * 6 * 2 * 34 * 4 + 255)
                     if bias is not None:
@@ -939,7 +943,7 @@ def test_conv_gemm_launchers(launches, monkeypatch):
         assert stored.shared_mem == conv._CT3_SHARED
         assert len(launches) == before + (2 if passes == 3 else 1)
         if passes == 3:
-            assert launches[-1].name == "conv_transpose_rows_nonfinite_weight"
+            assert launches[-1].name == "conv_nonfinite_weight_rows<TransposedConvDefinition>"
             assert launches[-1].grid == (64, 2) and launches[-1].args[4:7] == (2, 32, 64)
             # x's element strides (channels-last), then y's (contiguous): n, c, d, h, w.
             assert launches[-1].args[-10:-5] == (32 * 5 * 6 * 17, 1, 32 * 6 * 17, 32 * 17, 32)
@@ -962,10 +966,35 @@ def test_conv_gemm_launchers(launches, monkeypatch):
     conv.conv_nonfinite_weight_rows(Dev((2, 4, 8, 3)), Dev((6, 2, 2, 5)), Dev((6,)),
                                     Dev((2, 6, 4, 1), "nhwc"), groups=2, stride=(3, 2),
                                     padding=(2, 1), dilation=(1, 1))
-    assert launches[-1].name == "conv_nonfinite_weight_rows"
+    assert launches[-1].name == "conv_nonfinite_weight_rows<ForwardConvDefinition>"
     assert launches[-1].grid == (6, 2) and launches[-1].args[4:7] == (2, 2, 3)
     assert launches[-1].args[7:22] == (1, 8, 3, 1, 4, 1, 1, 2, 5, 1, 3, 2, 0, 2, 1)
     assert launches[-1].args[-10:] == (96, 24, 0, 3, 1, 24, 1, 0, 6, 6)
+    # After a plan that spreads a non-finite input: the scan (a thread a position of x, its
+    # channels in turn) and the outputs of the flagged samples' marked windows, forward or
+    # transposed; the flags of 32 samples a warp, the channels on grid.y.
+    x_cl = Dev((300, 4, 8, 3), "nhwc")
+    mask, flags = conv.conv_nonfinite_input_flags(FakeXp, x_cl)
+    scan = launches[-1]
+    assert scan.name == "conv_nonfinite_input_scan" and scan.block == (256,)
+    assert scan.grid == (min(-(-300 * 24 // 256), 132 * 8),)
+    assert mask.shape == (300 * 24,) and mask.dtype == np.uint8
+    assert flags.shape == (300,) and flags.dtype == np.uint32
+    assert argument(scan, "N") == 300 and argument(scan, "C") == 4
+    assert (argument(scan, "Di"), argument(scan, "Hi"), argument(scan, "Wi")) == (1, 8, 3)
+    assert scan.args[-5:] == (96, 1, 0, 12, 4)
+    for transposed, w_shape, y_shape in ((False, (6, 2, 2, 5), (300, 6, 4, 1)),
+                                         (True, (4, 3, 2, 5), (300, 6, 9, 9))):
+        conv.conv_nonfinite_input_windows(
+            x_cl, Dev(w_shape), None, Dev(y_shape), mask, flags, transposed=transposed,
+            groups=2, stride=(3, 2), padding=(2, 1), dilation=(1, 1))
+        windows = launches[-1]
+        kind = "TransposedConvDefinition" if transposed else "ForwardConvDefinition"
+        assert windows.name == f"conv_nonfinite_input_windows<{kind}>"
+        assert windows.grid == (2, 264) and windows.block == (256,)
+        assert argument(windows, "mask") is mask and argument(windows, "flags") is flags
+        assert (argument(windows, "c_in_group"), argument(windows, "c_out_group")) == (2, 3)
+        assert argument(windows, "C") == 6 and argument(windows, "N") == 300
     # Where the driver makes x's map: its geometry (dims C, W, H, D, N; byte strides; the
     # box of one halo), the flag on. C_in not a multiple of 4 (4-byte strides): no map asked.
     maps = []
@@ -1049,7 +1078,7 @@ def test_channels_last_stores(launches, monkeypatch):
         conv.conv2d_implicit_gemm(Dev((2, c, 20, 18)), Dev((y.shape[1], c, 3, 3)), None, y,
                                   stride=(1, 1), padding=(0, 0), dilation=(1, 1),
                                   passes=passes)
-        if launches[-1].name == "conv_nonfinite_weight_rows":
+        if launches[-1].name == "conv_nonfinite_weight_rows<ForwardConvDefinition>":
             assert launches[-2].name == "conv2d_nhwc_held_weights"
             return launches[-2]
         return launches[-1]
@@ -1170,7 +1199,7 @@ def test_transposed_3d_class_groups(launches, monkeypatch):
     assert run.shared_mem == conv._CTG_SHARED and run.args[4:13] == (2, 32, 5, 6, 17, 64, 10,
                                                                      12, 34)
     assert run.args[13:16] == (35, 72, 113)
-    assert rows.name == "conv_transpose_rows_nonfinite_weight"
+    assert rows.name == "conv_nonfinite_weight_rows<TransposedConvDefinition>"
     assert rows.args[-5:] == (64 * 10 * 12 * 34, 1, 64 * 12 * 34, 64 * 34, 64)
     # Pipeline C's softmax sums in the epilogue: a (ref, sum) pair a row a block, the clamp's
     # bounds.
@@ -1321,8 +1350,16 @@ def test_softmax_launchers(launches, monkeypatch):
         stride=(2, 2, 2), padding=(1, 1, 1), dilation=(1, 1, 1), bias=None, scale=Dev((6,)),
         clamp=narrow)
     check_all(launches, "softmax.cu")
-    # N, C, input and output channels a group
-    assert launches[-1].grid == (6, 2) and launches[-1].args[5:9] == (2, 6, 2, 3)
+    # N, C, input and output channels a group; no sample flags
+    assert launches[-1].grid == (6, 2) and launches[-1].args[6:10] == (2, 6, 2, 3)
+    assert argument(launches[-1], "sample_flags") == 0
+    flags = Dev((2,), dtype=np.uint32)
+    softmax.softmax_rows_nonfinite_weight(
+        FakeXp, Dev((2, 4, 3, 4, 5)), Dev((4, 3, 3, 3, 3)), Dev((2, 6, 6, 8, 10)), groups=2,
+        stride=(2, 2, 2), padding=(1, 1, 1), dilation=(1, 1, 1), bias=None, scale=None,
+        clamp=narrow, sample_flags=flags)
+    check_launch(launches[-1])
+    assert argument(launches[-1], "sample_flags") is flags
     clusters = [launch for launch in launches if launch.name.startswith("softmax_rows_cluster")]
     assert all(launch.shared_mem == launch.shared_bytes > 0 for launch in clusters)
 
