@@ -68,8 +68,8 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "conv_nonfinite_weight_rows<ForwardConvDefinition>",
         "conv_nonfinite_weight_rows<TransposedConvDefinition>",
         "conv_nonfinite_input_scan",
-        "conv_nonfinite_input_windows<ForwardConvDefinition>",
-        "conv_nonfinite_input_windows<TransposedConvDefinition>",
+        "conv_nonfinite_input_samples<ForwardConvDefinition>",
+        "conv_nonfinite_input_samples<TransposedConvDefinition>",
     ),
     "fft_conv.cu": (
         "fft_conv_scan",

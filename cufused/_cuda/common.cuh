@@ -367,7 +367,7 @@ __device__ __forceinline__ void interleave_classes(const float* __restrict__ cla
 
 // A position (od, oh, ow) of a plane of Do x Ho x Wo outputs (which may pass 2**31), stepped
 // by a fixed count of outputs with carries: a loop over a plane's outputs then divides by
-// neither Ho * Wo nor Wo, whose 64-bit divisions are calls that made its registers spill.
+// neither Ho * Wo nor Wo (a 64-bit division is a call in SASS, whose live registers spill).
 struct PlaneWalk {
     int3 at, step;
     int Ho, Wo;
@@ -465,27 +465,6 @@ struct TransposedConvDefinition {
         return v;
     }
 
-    // Whether output (od, oh, ow)'s window (the inputs that reach it) holds a position that
-    // mask (a sample's Di x Hi x Wi marks) marks.
-    __device__ __forceinline__ bool window_marked(const unsigned char* mask, int od, int oh,
-                                                  int ow) const {
-        bool marked = false;
-        for (int kd = 0; kd < KD; ++kd) {
-            const int td = od + pd - kd * dd;
-            if (td < 0 || td % sd || td / sd >= Di) continue;
-            for (int kh = 0; kh < KH; ++kh) {
-                const int th = oh + ph - kh * dh;
-                if (th < 0 || th % sh || th / sh >= Hi) continue;
-                const unsigned char* row = mask + ((index_t)(td / sd) * Hi + th / sh) * Wi;
-                for (int kw = 0; kw < KW; ++kw) {
-                    const int tw = ow + pw - kw * dw;
-                    marked |= tw >= 0 && tw % sw == 0 && tw / sw < Wi && row[tw / sw];
-                }
-            }
-        }
-        return marked;
-    }
-
     // Rewrites the (n, c) row of out (contiguous rows of plane() values, C channels) by the
     // definition plus bias[c], each thread of the block the outputs o = threadIdx.x + k
     // blockDim.x, and returns the row.
@@ -522,11 +501,12 @@ struct ForwardConvDefinition {
     // Outputs per (sample, channel) row.
     __device__ index_t plane() const { return (index_t)Do * Ho * Wo; }
 
-    // Calls take(offset, mark, tap) for every tap of output (od, oh, ow) in (kd, kh, kw)
-    // order: offset the input position's element offset within a channel plane of x and mark
-    // its index in a sample's Di x Hi x Wi marks, both -1 where the tap meets the padding.
-    template <class Take>
-    __device__ __forceinline__ void taps(int od, int oh, int ow, Take take) const {
+    // b plus output (od, oh, ow) of sample n, channel c.
+    __device__ __forceinline__ float at(index_t n, int c, int od, int oh, int ow, float b) const {
+        const int taps = KD * KH * KW;
+        const float* xs = x + n * xn + (index_t)(c / c_out_group) * c_in_group * xc;
+        const float* wc = w + (index_t)c * c_in_group * taps;
+        float v = b;
         for (int kd = 0; kd < KD; ++kd) {
             const long long id = (long long)od * sd - pd + (long long)kd * dd;
             for (int kh = 0; kh < KH; ++kh) {
@@ -535,32 +515,13 @@ struct ForwardConvDefinition {
                     const long long iw = (long long)ow * sw - pw + (long long)kw * dw;
                     const bool inside =
                         id >= 0 && id < Di && ih >= 0 && ih < Hi && iw >= 0 && iw < Wi;
-                    take(inside ? id * xd + ih * xh + iw * xw : -1,
-                         inside ? (id * Hi + ih) * Wi + iw : -1, (kd * KH + kh) * KW + kw);
+                    const int tap = (kd * KH + kh) * KW + kw;
+                    for (int ci = 0; ci < c_in_group; ++ci)
+                        v += (inside ? xs[ci * xc + id * xd + ih * xh + iw * xw] : 0.0f) *
+                             wc[ci * taps + tap];
                 }
             }
         }
-    }
-
-    // b plus output (od, oh, ow) of sample n, channel c.
-    __device__ __forceinline__ float at(index_t n, int c, int od, int oh, int ow, float b) const {
-        const int count = KD * KH * KW;
-        const float* xs = x + n * xn + (index_t)(c / c_out_group) * c_in_group * xc;
-        const float* wc = w + (index_t)c * c_in_group * count;
-        float v = b;
-        taps(od, oh, ow, [&](index_t offset, index_t, int tap) {
-            for (int ci = 0; ci < c_in_group; ++ci)
-                v += (offset >= 0 ? xs[ci * xc + offset] : 0.0f) * wc[ci * count + tap];
-        });
         return v;
-    }
-
-    // Whether output (od, oh, ow)'s window holds a position that mask (a sample's marks)
-    // marks.
-    __device__ __forceinline__ bool window_marked(const unsigned char* mask, int od, int oh,
-                                                  int ow) const {
-        bool marked = false;
-        taps(od, oh, ow, [&](index_t, index_t mark, int) { marked |= mark >= 0 && mask[mark]; });
-        return marked;
     }
 };

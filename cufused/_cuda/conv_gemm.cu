@@ -3235,65 +3235,67 @@ __global__ void conv_nonfinite_weight_rows(
     }
 }
 
-// The positions of x (N, C, Di, Hi, Wi in element strides xn .. xw) that hold a non-finite
-// value in some channel: mask[n * Di * Hi * Wi + position] = 1 (else 0), and flags[n] = 1 for
-// a sample that holds one (flags zeroed before the launch). A thread a position, the
-// channels in turn (a warp's loads of one channel coalesce along W).
+// flags[n] = 1 for each sample n of x (N, C, Di, Hi, Wi in element strides xn .. xw) that
+// holds a non-finite value (flags zeroed before the launch). A thread a position, the channels
+// in turn (a warp's loads of one channel coalesce along W).
 __global__ void conv_nonfinite_input_scan(const float* __restrict__ x,
-                                          unsigned char* __restrict__ mask,
                                           unsigned* __restrict__ flags, index_t N, int C,
                                           int Di, int Hi, int Wi, index_t xn, index_t xc,
                                           index_t xd, index_t xh, index_t xw) {
-    const index_t spatial = (index_t)Di * Hi * Wi, positions = N * spatial;
-    for (index_t i = (index_t)blockIdx.x * blockDim.x + threadIdx.x; i < positions;
+    const index_t spatial = (index_t)Di * Hi * Wi, hw = (index_t)Hi * Wi;
+    for (index_t i = (index_t)blockIdx.x * blockDim.x + threadIdx.x; i < N * spatial;
          i += (index_t)gridDim.x * blockDim.x) {
-        const index_t n = i / spatial, p = i - n * spatial, hw = (index_t)Hi * Wi;
+        const index_t n = i / spatial, p = i - n * spatial;
         const index_t d = p / hw, r = p - d * hw, h = r / Wi;
         const float* src = x + n * xn + d * xd + h * xh + (r - h * Wi) * xw;
         bool bad = false;
 #pragma unroll 8
         for (int c = 0; c < C; ++c) bad |= !isfinite(src[c * xc]);
-        mask[i] = bad;
         if (bad) flags[n] = 1u;
     }
 }
 
-// After a convolution algorithm that spreads a non-finite input past its products (cuDNN's
-// FFT and Winograd plans), the outputs whose window holds a position that
-// conv_nonfinite_input_scan marked, by the definition (ForwardConvDefinition or
-// TransposedConvDefinition) plus bias[c], into y (element strides yn .. yw). Each warp takes
-// 32 samples at a time, reads their flags at once (a call without a non-finite input costs a
-// flag a sample), and for each flagged one checks the outputs of the channels blockIdx.y,
-// blockIdx.y + gridDim.y, ... by their windows.
+// After a convolution algorithm that spreads a non-finite input over its sample's outputs
+// (cuDNN's FFT and Winograd plans: an infinity meets the other values of its tile or plane in
+// the transform and comes back as NaN), every output of each sample that
+// conv_nonfinite_input_scan flagged, by the definition (ForwardConvDefinition or
+// TransposedConvDefinition) plus bias[c], into y (element strides yn .. yw). Block (i, j)
+// takes the samples 256 i ... 256 i + 255 (then 256 gridDim.x further on): its threads read
+// their flags at once (a call without a non-finite input costs a flag a sample), and for each
+// flagged sample the block computes the channels j, j + gridDim.y, ....
 template <class Definition>
-__global__ void conv_nonfinite_input_windows(
+__global__ void conv_nonfinite_input_samples(
     const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias,
-    float* __restrict__ y, const unsigned char* __restrict__ mask,
-    const unsigned* __restrict__ flags, index_t N, int C, int c_in_group, int c_out_group,
-    int Di, int Hi, int Wi, int Do, int Ho, int Wo, int KD, int KH, int KW, int sd, int sh,
-    int sw, int pd, int ph, int pw, int dd, int dh, int dw, index_t xn, index_t xc, index_t xd,
-    index_t xh, index_t xw, index_t yn, index_t yc, index_t yd, index_t yh, index_t yw) {
+    float* __restrict__ y, const unsigned* __restrict__ flags, index_t N, int C,
+    int c_in_group, int c_out_group, int Di, int Hi, int Wi, int Do, int Ho, int Wo, int KD,
+    int KH, int KW, int sd, int sh, int sw, int pd, int ph, int pw, int dd, int dh, int dw,
+    index_t xn, index_t xc, index_t xd, index_t xh, index_t xw, index_t yn, index_t yc,
+    index_t yd, index_t yh, index_t yw) {
     const Definition conv{x,  w,  c_in_group, c_out_group, Di, Hi, Wi, Do, Ho,
                           Wo, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd, dh, dw,
                           xn, xc, xd, xh, xw};
-    const index_t plane = conv.plane(), spatial = (index_t)Di * Hi * Wi;
-    const int lane = threadIdx.x & 31;
-    const index_t warps = (index_t)gridDim.x * (blockDim.x / 32);
-    for (index_t first = ((index_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * 32;
-         first < N; first += warps * 32) {
-        unsigned flagged = __ballot_sync(~0u, first + lane < N && flags[first + lane]);
-        for (; flagged; flagged &= flagged - 1) {
-            const index_t n = first + __ffs(flagged) - 1;
-            const unsigned char* marks = mask + n * spatial;
+    __shared__ int flagged[256];
+    __shared__ int count;
+    const index_t plane = conv.plane();
+    for (index_t first = (index_t)blockIdx.x * 256; first < N;
+         first += (index_t)gridDim.x * 256) {
+        if (threadIdx.x == 0) count = 0;
+        __syncthreads();
+        if (first + threadIdx.x < N && flags[first + threadIdx.x])
+            flagged[atomicAdd(&count, 1)] = threadIdx.x;
+        __syncthreads();
+        for (int f = 0; f < count; ++f) {
+            const index_t n = first + flagged[f];
             for (int c = blockIdx.y; c < C; c += gridDim.y) {
-                PlaneWalk walk(lane, 32, Ho, Wo);
-                for (index_t o = lane; o < plane; o += 32, walk.advance()) {
+                const float b = bias ? bias[c] : 0.0f;
+                PlaneWalk walk(threadIdx.x, blockDim.x, Ho, Wo);
+                for (index_t o = threadIdx.x; o < plane; o += blockDim.x, walk.advance()) {
                     const int3 p = walk.at;
-                    if (conv.window_marked(marks, p.x, p.y, p.z))
-                        y[n * yn + c * yc + p.x * yd + p.y * yh + p.z * yw] =
-                            conv.at(n, c, p.x, p.y, p.z, bias ? bias[c] : 0.0f);
+                    y[n * yn + c * yc + p.x * yd + p.y * yh + p.z * yw] =
+                        conv.at(n, c, p.x, p.y, p.z, b);
                 }
             }
         }
+        __syncthreads();
     }
 }

@@ -712,37 +712,34 @@ def _definition(transposed: bool) -> str:
 
 
 def conv_nonfinite_input_flags(xp, x):
-    """``(mask, flags)`` of ``x`` (N, C, *spatial; any strides): ``mask`` (uint8, N x
-    spatial) 1 at each position that holds a non-finite value in some channel, ``flags``
-    (uint32, N) 1 for each sample that holds one; computed on the device, no host sync."""
+    """``flags`` (uint32, N): 1 for each sample of ``x`` (N, C, *spatial; any strides) that
+    holds a non-finite value, computed on the device (no host sync)."""
     n, c = x.shape[:2]
-    spatial = math.prod(x.shape[2:])
-    mask = xp.empty(n * spatial, dtype=xp.uint8)
     flags = xp.zeros(n, dtype=xp.uint32)
-    if mask.size:
+    if x.size:
         i32 = numpy.int32
         lift = (1,) * (5 - x.ndim)
         get_kernel(_FILE, "conv_nonfinite_input_scan")(
-            (min(-(-mask.size // 256), sm_count() * 8),), (256,),
-            (x, mask, flags, numpy.int64(n), i32(c),
-             *(i32(v) for v in lift + tuple(x.shape[2:])), *element_strides_3d(x)))
-    return mask, flags
+            (min(-(-(x.size // c) // 256), sm_count() * 8),), (256,),
+            (x, flags, numpy.int64(n), i32(c), *(i32(v) for v in lift + tuple(x.shape[2:])),
+             *element_strides_3d(x)))
+    return flags
 
 
-def conv_nonfinite_input_windows(x, w, bias, y, mask, flags, *, transposed: bool, groups: int,
+def conv_nonfinite_input_samples(x, w, bias, y, flags, *, transposed: bool, groups: int,
                                  stride, padding, dilation) -> None:
-    """After a convolution algorithm that spreads a non-finite input past its products
-    (cuDNN's FFT and Winograd plans): the outputs of ``y = conv(x, w) + bias`` (forward, or
-    ``transposed``; ``y`` in any strides) whose window holds a position that ``mask`` marks,
-    in the samples that ``flags`` marks (:func:`conv_nonfinite_input_flags`), rewritten by
-    the definition. A call without a non-finite input costs a flag check a sample."""
+    """After a convolution algorithm that spreads a non-finite input over its sample's
+    outputs (cuDNN's FFT and Winograd plans): every output of each sample that ``flags``
+    marks (:func:`conv_nonfinite_input_flags`) of ``y = conv(x, w) + bias`` (forward, or
+    ``transposed``; ``y`` in any strides), rewritten by the definition. A call without a
+    non-finite input costs a flag check a sample."""
     w = w if w.flags.c_contiguous else w.copy()
     n, k = y.shape[:2]
     if y.size == 0:
         return
-    get_kernel(_FILE, f"conv_nonfinite_input_windows<{_definition(transposed)}>")(
-        (min(-(-n // 256), 16), sm_count() * 2), (256,),
-        (x, w, optional(bias), y, mask, flags, numpy.int64(n), numpy.int32(k),
+    get_kernel(_FILE, f"conv_nonfinite_input_samples<{_definition(transposed)}>")(
+        (min(-(-n // 256), 16), min(k, sm_count() * 2)), (256,),
+        (x, w, optional(bias), y, flags, numpy.int64(n), numpy.int32(k),
          *definition_args(x, w, y.shape, groups=groups, c_out_group=k // groups,
                           stride=stride, padding=padding, dilation=dilation),
          *element_strides_3d(y)))

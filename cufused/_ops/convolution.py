@@ -49,8 +49,9 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
     GEMM computes forward convolutions and ``conv_transpose3d_s2k3``'s so; after the other
     routes (cuDNN's plans, which may skip the padding or spread the value, the DFT engine, a
     transposed convolution run as a forward one) :func:`_nonfinite_weight_rows` rewrites such
-    channels. After a cuDNN plan that spreads a non-finite input past its products (FFT,
-    Winograd), :func:`_nonfinite_input_windows` rewrites the outputs whose window holds one.
+    channels. After a cuDNN plan that spreads a non-finite input over its sample's outputs
+    (FFT, Winograd), :func:`_nonfinite_input_samples` rewrites the outputs of a sample that
+    holds one.
     A caller that puts the input in the plan's layout itself, or reads class blocks, uses
     :func:`gpu_conv_plan`.
     """
@@ -92,7 +93,7 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
     if definition_nans:
         _nonfinite_weight_rows(x, weight, bias, y, args)
         if plan.spreads_nonfinite:
-            _nonfinite_input_windows(x, weight, bias, y, args)
+            _nonfinite_input_samples(x, weight, bias, y, args)
     return y, layout
 
 
@@ -107,18 +108,18 @@ def _nonfinite_weight_rows(x, weight, bias, y, args: ConvArgs) -> None:
                                transposed=args.transposed)
 
 
-def _nonfinite_input_windows(x, weight, bias, y, args: ConvArgs) -> None:
-    """The outputs of ``y`` (any strides) whose window holds a non-finite value of ``x``,
+def _nonfinite_input_samples(x, weight, bias, y, args: ConvArgs) -> None:
+    """Every output of ``y`` (any strides) of a sample where ``x`` holds a non-finite value,
     rewritten by the definition of the convolution ``args`` after a plan that spreads such a
-    value (:func:`~cufused._kernels.conv_gemm.conv_nonfinite_input_windows`); a scan of x
-    finds them on the device."""
+    value over its sample (:func:`~cufused._kernels.conv_gemm.conv_nonfinite_input_samples`);
+    a scan of x flags the samples on the device."""
     import cupy
 
-    from .._kernels.conv_gemm import conv_nonfinite_input_flags, conv_nonfinite_input_windows
+    from .._kernels.conv_gemm import conv_nonfinite_input_flags, conv_nonfinite_input_samples
 
-    mask, flags = conv_nonfinite_input_flags(cupy, x)
-    conv_nonfinite_input_windows(x, weight, bias, y, mask, flags, transposed=args.transposed,
-                                 groups=args.groups, stride=args.stride, padding=args.padding,
+    conv_nonfinite_input_samples(x, weight, bias, y, conv_nonfinite_input_flags(cupy, x),
+                                 transposed=args.transposed, groups=args.groups,
+                                 stride=args.stride, padding=args.padding,
                                  dilation=args.dilation)
 
 

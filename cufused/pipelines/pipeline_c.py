@@ -186,7 +186,7 @@ def _fused(xp, x, weight, args, precision, out, *, k, pooled_shape, conv_bias, s
         y, layout = plan.apply(x_pooled, weight, out=out, convert_output=False)
         if plan.spreads_nonfinite:
             # A sample holding a non-finite value: each of its rows by the definition.
-            sample_flags = conv_nonfinite_input_flags(xp, x_pooled)[1]
+            sample_flags = conv_nonfinite_input_flags(xp, x_pooled)
     strides = [s // y.itemsize for s in y.strides]
     length = math.prod(out.shape[2:])
     softmax_rows(xp, y, out, rows=n * c, length=length, channels=c,

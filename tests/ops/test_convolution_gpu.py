@@ -158,40 +158,59 @@ def test_conv_non_finite_input_by_the_definition(rng, case, autotune):
 
 
 @pytest.mark.parametrize("transposed", [False, True])
-def test_non_finite_input_windows_rewrite_only_their_windows(rng, transposed):
-    # After a plan that spreads a non-finite input: the scan flags the samples that hold one
-    # and marks their positions; the rewrite writes exactly the outputs whose window holds a
-    # marked position, by the definition, and leaves every other output (here a NaN poison)
-    # alone.
+def test_non_finite_input_samples_rewrite_only_their_samples(rng, transposed):
+    # After a plan that spreads a non-finite input over its sample: the scan flags the
+    # samples that hold one, and the rewrite writes every output of those samples by the
+    # definition and leaves every other sample's (here a NaN poison) alone.
     from cufused._kernels.conv_gemm import (conv_nonfinite_input_flags,
-                                            conv_nonfinite_input_windows)
+                                            conv_nonfinite_input_samples)
 
     options = dict(stride=(2, 1), padding=(1, 2), dilation=(1, 2), groups=2)
-    x = rng.standard_normal((3, 4, 9, 7))
+    x = rng.standard_normal((300, 4, 9, 7))
     w = rng.standard_normal((4, 3, 3, 3) if transposed else (6, 2, 3, 3))
     b = rng.standard_normal(6)
-    x[0, 1, 4, 0], x[2, 3, 8, 6], x[2, 0, 0, 3] = np.inf, np.nan, -np.inf
+    flagged = [0, 2, 255, 256, 299]  # in both blocks' samples
+    for n, value in zip(flagged, (np.inf, np.nan, -np.inf, np.inf, np.nan)):
+        x[(n, *(int(rng.integers(s)) for s in x.shape[1:]))] = value
     fn = reference.conv_transpose if transposed else reference.conv
     extra = ((0, 0),) if transposed else ()
     args = (options["stride"], options["padding"], *extra, options["dilation"], 2)
     with np.errstate(all="ignore"):
-        ref = fn(x, w, b, *args)
-        # The outputs whose window holds a marked position (any channel of the sample).
-        marked = np.broadcast_to(~np.isfinite(x).all(axis=1, keepdims=True), x.shape)
-        windows = fn(marked.astype(float), np.ones_like(w), None, *args) > 0
+        ref = fn(x[flagged], w, b, *args)
     xg, wg, bg = to_gpu(x, w, b)
-    y = poisoned(ref.shape)
-    mask, flags = conv_nonfinite_input_flags(cp, xg)
-    assert flags.get().tolist() == [1, 0, 1]
-    assert mask.get().reshape(3, 9, 7).sum() == 3
-    conv_nonfinite_input_windows(xg, wg, bg, y, mask, flags, transposed=transposed,
-                                 **options)
+    y = poisoned((300, 6, *ref.shape[2:]))
+    flags = conv_nonfinite_input_flags(cp, xg)
+    assert np.flatnonzero(flags.get()).tolist() == flagged
+    conv_nonfinite_input_samples(xg, wg, bg, y, flags, transposed=transposed, **options)
     got = y.get()
-    assert np.isnan(got[~windows]).all() and windows.any() and not windows[1].any()
+    assert np.isnan(np.delete(got, flagged, axis=0)).all()
+    got = got[flagged]
     for test in (np.isnan, np.isposinf, np.isneginf):
-        np.testing.assert_array_equal(test(got[windows]), test(ref[windows]))
-    finite = windows & np.isfinite(ref)
+        np.testing.assert_array_equal(test(got), test(ref))
+    finite = np.isfinite(ref)
+    assert finite.any() and not finite.all()
     assert_close(got[finite], ref[finite], TOL["ieee"])
+
+
+def test_conv_transpose2d_of_b_on_an_fft_plan(rng):
+    # Pipeline B's transposed convolution at batch 16 runs cuDNN's FFT plan in exact float32
+    # (H200, cuDNN 9.19), which spreads an input's infinity to NaN over its sample: the
+    # samples that hold one are rewritten by the definition. Compared where the samples hold
+    # a non-finite value (the float64 reference of three samples), finite elsewhere.
+    from cufused._cudnn import plan_options
+
+    x = rng.standard_normal((16, 64, 32, 32))
+    w = rng.standard_normal((64, 128, 5, 5)) * 0.05
+    x[0, 1, 5, 5], x[9, 63, 0, 31], x[9, 2, 17, 4] = np.inf, -np.inf, np.nan
+    with plan_options(autotune=True):
+        got = cufused.conv_transpose2d(*to_gpu(x, w), padding=1, precision="ieee").get()
+    with np.errstate(all="ignore"):
+        ref = cufused.conv_transpose2d(x[[0, 1, 9]], w, padding=1)
+    for test in (np.isnan, np.isposinf, np.isneginf):
+        np.testing.assert_array_equal(test(got[[0, 1, 9]]), test(ref))
+    finite = np.isfinite(ref)
+    assert_close(got[[0, 1, 9]][finite], ref[finite], TOL["ieee"])
+    assert np.isfinite(np.delete(got, [0, 9], axis=0)).all()
 
 
 @pytest.mark.parametrize("pin", ["subpixel nchw", "nchw"])

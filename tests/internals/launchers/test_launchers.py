@@ -971,30 +971,30 @@ def test_conv_gemm_launchers(launches, monkeypatch):
     assert launches[-1].args[7:22] == (1, 8, 3, 1, 4, 1, 1, 2, 5, 1, 3, 2, 0, 2, 1)
     assert launches[-1].args[-10:] == (96, 24, 0, 3, 1, 24, 1, 0, 6, 6)
     # After a plan that spreads a non-finite input: the scan (a thread a position of x, its
-    # channels in turn) and the outputs of the flagged samples' marked windows, forward or
-    # transposed; the flags of 32 samples a warp, the channels on grid.y.
+    # channels in turn) and the outputs of the flagged samples, forward or transposed; each
+    # block reads 256 samples' flags, the channels on grid.y.
     x_cl = Dev((300, 4, 8, 3), "nhwc")
-    mask, flags = conv.conv_nonfinite_input_flags(FakeXp, x_cl)
+    flags = conv.conv_nonfinite_input_flags(FakeXp, x_cl)
     scan = launches[-1]
     assert scan.name == "conv_nonfinite_input_scan" and scan.block == (256,)
-    assert scan.grid == (min(-(-300 * 24 // 256), 132 * 8),)
-    assert mask.shape == (300 * 24,) and mask.dtype == np.uint8
+    assert scan.grid == (-(-300 * 24 // 256),)
     assert flags.shape == (300,) and flags.dtype == np.uint32
+    assert argument(scan, "flags") is flags
     assert argument(scan, "N") == 300 and argument(scan, "C") == 4
     assert (argument(scan, "Di"), argument(scan, "Hi"), argument(scan, "Wi")) == (1, 8, 3)
     assert scan.args[-5:] == (96, 1, 0, 12, 4)
     for transposed, w_shape, y_shape in ((False, (6, 2, 2, 5), (300, 6, 4, 1)),
                                          (True, (4, 3, 2, 5), (300, 6, 9, 9))):
-        conv.conv_nonfinite_input_windows(
-            x_cl, Dev(w_shape), None, Dev(y_shape), mask, flags, transposed=transposed,
+        conv.conv_nonfinite_input_samples(
+            x_cl, Dev(w_shape), None, Dev(y_shape), flags, transposed=transposed,
             groups=2, stride=(3, 2), padding=(2, 1), dilation=(1, 1))
-        windows = launches[-1]
+        samples = launches[-1]
         kind = "TransposedConvDefinition" if transposed else "ForwardConvDefinition"
-        assert windows.name == f"conv_nonfinite_input_windows<{kind}>"
-        assert windows.grid == (2, 264) and windows.block == (256,)
-        assert argument(windows, "mask") is mask and argument(windows, "flags") is flags
-        assert (argument(windows, "c_in_group"), argument(windows, "c_out_group")) == (2, 3)
-        assert argument(windows, "C") == 6 and argument(windows, "N") == 300
+        assert samples.name == f"conv_nonfinite_input_samples<{kind}>"
+        assert samples.grid == (2, 6) and samples.block == (256,)
+        assert argument(samples, "flags") is flags
+        assert (argument(samples, "c_in_group"), argument(samples, "c_out_group")) == (2, 3)
+        assert argument(samples, "C") == 6 and argument(samples, "N") == 300
     # Where the driver makes x's map: its geometry (dims C, W, H, D, N; byte strides; the
     # box of one halo), the flag on. C_in not a multiple of 4 (4-byte strides): no map asked.
     maps = []
