@@ -365,6 +365,16 @@ __device__ __forceinline__ void interleave_classes(const float* __restrict__ cla
     }
 }
 
+// v as a double, a denormal one included: the kernels are built with -ftz=true, under which
+// the float-to-double conversion (cvt.ftz.f64.f32) flushes a denormal to zero, so such a
+// value is converted from its bits (its significand times 2^-149).
+__device__ __forceinline__ double exact_double(float v) {
+    const unsigned bits = __float_as_uint(v);
+    if (bits & 0x7f800000u) return (double)v;  // normal, infinite or NaN
+    const double magnitude = (double)(bits & 0x007fffffu) * 0x1p-149;
+    return bits >> 31 ? -magnitude : magnitude;
+}
+
 // A position (od, oh, ow) of a plane of Do x Ho x Wo outputs (which may pass 2**31), stepped
 // by a fixed count of outputs with carries: a loop over a plane's outputs then divides by
 // neither Ho * Wo nor Wo (a 64-bit division is a call in SASS, whose live registers spill).

@@ -105,7 +105,7 @@ __device__ __forceinline__ double2 partial_moments(const Partial* __restrict__ p
 
 // rstd in double of a variance: rounding can push it below 0 (0 then); a NaN stays NaN.
 __device__ __forceinline__ double inverse_std(double var, float eps) {
-    return 1.0 / sqrt((var < 0.0 ? 0.0 : var) + (double)eps);
+    return 1.0 / sqrt((var < 0.0 ? 0.0 : var) + exact_double(eps));
 }
 
 // One block per statistics row. The row's partials (double2: sum d, sum d * d, d = value -
@@ -159,8 +159,11 @@ __global__ void stats_finalize(const double2* __restrict__ partial,
             }
         }
     } else if (threadIdx.x == 0) {
+        // In double from the exact values: a denormal running variance (or eps) is not
+        // flushed to zero, and a negative or NaN one gives NaN, as in PyTorch.
         stats = NormMoments{running_mean[row], running_mean_lo ? running_mean_lo[row] : 0.0f,
-                            rsqrtf(running_var[row] + eps)};
+                            (float)(1.0 / sqrt(exact_double(running_var[row]) +
+                                               exact_double(eps)))};
     }
     __syncthreads();
     const NormMoments m = stats;

@@ -319,6 +319,29 @@ def test_batch_norm_infinity_as_a_channels_first_value(rng, first):
     assert_close(rv_g.get()[keep], rv[keep], 1e-5)
 
 
+def test_batch_norm_inference_of_denormal_and_odd_running_variances(rng):
+    # 1 / sqrt(running_var + eps) from the exact values (the kernels flush float32 denormals):
+    # a denormal variance with eps 0 gives a large finite factor as in PyTorch, not an
+    # infinity; 0 gives infinities, a negative or NaN variance NaN, an infinite one zeros.
+    running_var = np.array([1e-40, 3e-45, 0.0, -1.0, np.nan, np.inf, 2.0], dtype=np.float32)
+    c = running_var.size
+    x = rng.standard_normal((2, c, 3, 5)).astype(np.float32)
+    running_mean = rng.standard_normal(c).astype(np.float32)
+    tiny = float(np.float32(3e-45))  # 2**-148: eps the same in float32 and float64
+    for eps, weight in ((0.0, None), (tiny, rng.standard_normal(c).astype(np.float32))):
+        with np.errstate(all="ignore"):
+            ref = cufused.batch_norm(x.astype(np.float64), weight, running_mean=running_mean,
+                                     running_var=running_var, training=False, eps=eps)
+        got = cufused.batch_norm(*to_gpu(x), *to_gpu(weight), running_mean=cp.asarray(
+            running_mean), running_var=cp.asarray(running_var), training=False, eps=eps,
+            out=poisoned(x.shape)).get()
+        for test in (np.isnan, np.isposinf, np.isneginf):
+            np.testing.assert_array_equal(test(got), test(ref))
+        finite = np.isfinite(ref)
+        assert finite[:, :2].all() and np.abs(ref[:, 0]).max() > 1e18
+        assert_close(got[finite], ref[finite], 1e-5)
+
+
 # avg_pool3d's window must fit in the unpadded input, as in PyTorch.
 @pytest.mark.parametrize("nd, is_max", [(2, True), (2, False), (3, True)])
 def test_pooling_windows_far_larger_than_the_input(rng, nd, is_max):
