@@ -87,8 +87,14 @@ def check_conv_args(x_shape, w_shape, nd: int, *, transposed: bool, stride, padd
 
 def check_conv_memory(x_shape, args: ConvArgs, xp):
     """Check before any work that the convolution's output, and on the reference path its
-    padded (or, transposed, uncropped) intermediate, fit in memory."""
+    padded (or, transposed, uncropped) intermediate, fit in memory; on the GPU, that every
+    spatial size of its input and output is below 2**31 (32-bit kernel arguments, as the
+    pools')."""
     check_fits(args.out_shape, xp, "the convolution output")
+    if xp is not numpy and any(s >= 2**31 for s in (*x_shape[2:], *args.out_shape[2:])):
+        raise ValueError(f"the convolution's spatial sizes must each be below 2**31 on the GPU "
+                         f"(32-bit kernel arguments), got x {tuple(x_shape)} and output "
+                         f"{tuple(args.out_shape)}")
     if xp is numpy:
         if args.transposed:
             lead = args.out_shape[:2]

@@ -228,7 +228,8 @@ def _igemm_route(x, weight, args: ConvArgs, precision: str, bias,
     from .._kernels.conv_gemm import (channel_tiles_fit, takes_channels_last,
                                       transposed_s2k3_groups_take, transposed_s2k3_takes)
 
-    if precision == "ieee" or (bias is not None and not bias.flags.c_contiguous):
+    if (precision == "ieee" or (bias is not None and not bias.flags.c_contiguous)
+            or x.shape[0] >= 2**31):  # the launchers' 32-bit sample counts
         return None
     passes = mma_passes(precision)
     channels_last = out is not None and not out.flags.c_contiguous

@@ -347,3 +347,16 @@ def test_pool_axis_past_32_bits(free_memory):
     x = cp.random.default_rng(3).random((2, 3, 5, 4), dtype=cp.float32)
     got = cufused.max_pool2d(x, 2, stride=2**31 - 1)
     assert (got.get() == cufused.max_pool2d(x.get(), 2, stride=2**31 - 1)).all()
+
+
+def test_convolution_axis_past_32_bits(free_memory):
+    # A convolution whose input or output has an axis of 2**31 or more positions is refused
+    # by name on the GPU, before any work (the kernels' sizes are 32-bit; stride-0 views
+    # allocate nothing): a forward one's input, a transposed one's output.
+    wide = cp.broadcast_to(cp.zeros(1, cp.float32), (1, 1, 1, 2**31 + 2))
+    w = cp.ones((1, 1, 1, 3), cp.float32)
+    with pytest.raises(ValueError, match="spatial sizes must each be below 2\\*\\*31"):
+        cufused.conv2d(wide, w)
+    half = cp.broadcast_to(cp.zeros(1, cp.float32), (1, 1, 1, 2**30 + 1))
+    with pytest.raises(ValueError, match="spatial sizes must each be below 2\\*\\*31"):
+        cufused.conv_transpose2d(half, cp.ones((1, 1, 1, 2), cp.float32), stride=(1, 2))
