@@ -396,18 +396,20 @@ struct PlaneWalk {
         return make_int3(od, oh, r - oh * Wo);
     }
 
+    // Unsigned sums: a size near 2**31 plus a step stays below 2**32.
     __device__ void advance() {
-        at.z += step.z;
-        if (at.z >= Wo) {
-            at.z -= Wo;
-            ++at.y;
+        unsigned z = (unsigned)at.z + (unsigned)step.z, y = (unsigned)at.y + (unsigned)step.y;
+        if (z >= (unsigned)Wo) {
+            z -= (unsigned)Wo;
+            ++y;
         }
-        at.y += step.y;
-        if (at.y >= Ho) {
-            at.y -= Ho;
+        if (y >= (unsigned)Ho) {
+            y -= (unsigned)Ho;
             ++at.x;
         }
         at.x += step.x;
+        at.y = (int)y;
+        at.z = (int)z;
     }
 };
 

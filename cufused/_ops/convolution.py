@@ -32,7 +32,7 @@ _LAYOUT_NAMES = {2: "NCHW", 3: "NCDHW"}
 
 def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bool = True,
                 out=None, bias=None, batch_statistics: bool = False,
-                definition_nans: bool = False):
+                definition_nans: bool = False, definition_inputs: bool = False):
     """Run the convolution of checked CuPy arrays on cuDNN (the plan converts ``x`` to its
     input layout where it needs to) or on an engine of cufused's (:func:`own_engine`).
 
@@ -42,16 +42,16 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
     kernel to read, and ``bias`` must be None.
     ``batch_statistics``: the caller normalizes each output channel by its batch statistics
     (pipeline B), which admits the DFT engine, whose error is relative to a plane's norm
-    rather than to each output. ``definition_nans``: non-finite operands give the
-    definition's NaN and infinities. An output channel whose weight holds a non-finite value
-    gets the definition's values: a forward convolution's taps multiply the input or a
-    padding zero (0 * inf is NaN), a transposed one's only real inputs. cufused's implicit
-    GEMM computes forward convolutions and ``conv_transpose3d_s2k3``'s so; after the other
-    routes (cuDNN's plans, which may skip the padding or spread the value, the DFT engine, a
-    transposed convolution run as a forward one) :func:`_nonfinite_weight_rows` rewrites such
-    channels. After a cuDNN plan that spreads a non-finite input over its sample's outputs
-    (FFT, Winograd), :func:`_nonfinite_input_samples` rewrites the outputs of a sample that
-    holds one.
+    rather than to each output. ``definition_nans``: an output channel whose weight holds a
+    non-finite value gets the definition's values: a forward convolution's taps multiply the
+    input or a padding zero (0 * inf is NaN), a transposed one's only real inputs. cufused's
+    implicit GEMM computes forward convolutions and ``conv_transpose3d_s2k3``'s so; after the
+    other routes (cuDNN's plans, which may skip the padding or spread the value, the DFT
+    engine, a transposed convolution run as a forward one) :func:`_nonfinite_weight_rows`
+    rewrites such channels. ``definition_inputs``: after a cuDNN plan that spreads a
+    non-finite input over its sample's outputs (FFT, Winograd), the outputs of a sample that
+    holds one get the definition's values (:func:`_nonfinite_input_samples`); the other
+    engines compute them so.
     A caller that puts the input in the plan's layout itself, or reads class blocks, uses
     :func:`gpu_conv_plan`.
     """
@@ -85,15 +85,15 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
         if not args.transposed:
             raise
         y = _transposed_as_forward(x, weight, args, precision, bias=bias, out=out,
-                                   definition_nans=definition_nans)
+                                   definition_inputs=definition_inputs)
         if definition_nans:
             _nonfinite_weight_rows(x, weight, bias, y, args)
         return y, "nchw"
     y, layout = _apply_plan(plan, x, weight, bias, out, convert_output=convert_output)
     if definition_nans:
         _nonfinite_weight_rows(x, weight, bias, y, args)
-        if plan.spreads_nonfinite:
-            _nonfinite_input_samples(x, weight, bias, y, args)
+    if definition_inputs and plan.spreads_nonfinite:
+        _nonfinite_input_samples(x, weight, bias, y, args)
     return y, layout
 
 
@@ -441,15 +441,15 @@ def _empty_nchw(shape):
 
 
 def _transposed_as_forward(x, weight, args: ConvArgs, precision: str, *, bias=None, out=None,
-                           definition_nans: bool = False):
+                           definition_inputs: bool = False):
     """A transposed convolution that no cuDNN data-gradient plan computes, as a forward one:
     the input spread out by the stride (zeros between its values) and padded by
     ``dilation * (k - 1) - padding`` on each side (plus ``output_padding`` at the far end;
     cropped where negative), convolved with the spatially flipped weight, in and out channels
     swapped per group. The spread input costs stride**d times the input's memory.
-    ``definition_nans`` as :func:`conv_on_gpu`'s, for the forward convolution (a non-finite
-    input's outputs are the transposed one's; a non-finite weight's are not: the caller
-    rewrites those channels)."""
+    ``definition_inputs`` as :func:`conv_on_gpu`'s, for the forward convolution, whose
+    outputs of a non-finite input are the transposed one's (those of a non-finite weight are
+    not: the caller rewrites such channels)."""
     import cupy
 
     nd = x.ndim - 2
@@ -471,7 +471,7 @@ def _transposed_as_forward(x, weight, args: ConvArgs, precision: str, *, bias=No
     as_forward = ConvArgs(False, (1,) * nd, (0,) * nd, (0,) * nd, args.dilation, g,
                           args.out_shape)
     y, _ = conv_on_gpu(cupy.ascontiguousarray(z), cupy.ascontiguousarray(flipped), as_forward,
-                       precision, out=out, bias=bias, definition_nans=definition_nans)
+                       precision, out=out, bias=bias, definition_inputs=definition_inputs)
     return y
 
 
@@ -525,7 +525,7 @@ def _convolve(nd: int, transposed: bool, x, weight, bias, *, stride, padding, ou
 def _conv_gpu(x, weight, args: ConvArgs, precision: str, bias, out):
     # The definition's NaN and infinities of non-finite operands (semantics.rst).
     return conv_on_gpu(x, weight, args, precision, out=out, bias=bias,
-                       definition_nans=True)[0]
+                       definition_nans=True, definition_inputs=True)[0]
 
 
 _COMMON_DOC = """

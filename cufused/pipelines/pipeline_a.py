@@ -176,9 +176,10 @@ def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, gn_
                           centered_sums=centered_sums, gamma=gn_weight, beta=gn_bias,
                           scale=scale, lo=lo, hi=hi, moments=moments)
     else:
-        # A non-finite weight's NaNs by the definition, as the public conv2d places them.
+        # Non-finite operands' NaN and infinities by the definition, as the public conv2d
+        # places them.
         y, _ = conv_on_gpu(x, weight, args, precision, convert_output=False,
-                           definition_nans=True)
+                           definition_nans=True, definition_inputs=True)
         # From a channels-last conv output the pass stores the extrema channels-last and the
         # affine pass transposes them into out.
         variant = fused_pass_variant(y, k)

@@ -179,7 +179,8 @@ def _fused(xp, x, weight, args, precision, out, *, k, pooled_shape, conv_bias, s
     except UnsupportedConvolution:  # conv_on_gpu's route for what no cuDNN plan computes
         x_pooled = avg_pool3d(x, k)
         y, layout = conv_on_gpu(x_pooled, weight, args, precision, out=out,
-                                convert_output=False, definition_nans=True)
+                                convert_output=False, definition_nans=True,
+                                definition_inputs=True)
     else:
         # The pool writes the conv input straight into the plan's input layout.
         x_pooled = _pooled_in_layout(xp, x, k, pooled_shape, plan.x_layout)

@@ -602,8 +602,8 @@ def run_pipeline_a_fused(monkeypatch, *, size: int, k: int, with_bias: bool,
     args = cached_conv_args((n, cin, size, size), (c, cin, 3, 3), 2, transposed=False,
                             stride=1, padding=1, dilation=1, groups=1)
     monkeypatch.setattr(pipeline_a, "conv_on_gpu",
-                        lambda x, weight, args, precision, convert_output, definition_nans: (
-                            Dev(args.out_shape), None))
+                        lambda x, weight, args, precision, convert_output, definition_nans,
+                        definition_inputs: (Dev(args.out_shape), None))
     monkeypatch.setattr(LAUNCHERS["conv_gemm.cu"], "sm_count", lambda: 132)
     pipeline_a._fused(FakeXp, Dev((n, cin, size, size)), Dev((c, cin, 3, 3)), args, "tf32",
                       Dev((n, c, size // k, size // k)), k=k, num_groups=2,
@@ -654,7 +654,8 @@ def test_pipeline_b_statistics_center_on_the_float64_mean(launches, monkeypatch)
                             padding=1, output_padding=0, groups=1)
     monkeypatch.setattr(pipeline_b, "conv_on_gpu",
                         lambda x, weight, args, precision, convert_output,
-                        batch_statistics, definition_nans: (Dev(args.out_shape), None))
+                        batch_statistics, definition_nans, definition_inputs: (
+                            Dev(args.out_shape), None))
     oh, ow = args.out_shape[2:]
     pipeline_b._fused(FakeXp, Dev((n, cin, h, w)), Dev((cin, c, 3, 3)), args, "ieee",
                       Dev((n, c, oh // 2, ow // 2)), k=2, num_groups=2, conv_bias=Dev((c,)),
@@ -686,7 +687,8 @@ def test_pipeline_b_groupnorm_of_one_pooled_value_keeps_the_centered_form(
                             stride=1, padding=1, output_padding=0, groups=1)
     monkeypatch.setattr(pipeline_b, "conv_on_gpu",
                         lambda x, weight, args, precision, convert_output,
-                        batch_statistics, definition_nans: (Dev(args.out_shape, "nhwc"), None))
+                        batch_statistics, definition_nans, definition_inputs: (
+                            Dev(args.out_shape, "nhwc"), None))
     oh, ow = args.out_shape[2:]
     pipeline_b._fused(FakeXp, Dev((n, cin, size, size)), Dev((cin, c, 3, 3)), args, "ieee",
                       Dev((n, c, oh // 2, ow // 2)), k=2, num_groups=2, conv_bias=None,
