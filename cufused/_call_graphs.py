@@ -10,7 +10,7 @@ reads its operands where they are, so new values at the same addresses are compu
 whatever differs (another buffer, layout, stride pattern, option or stream) is another key.
 
 A public function wrapped by :func:`warm_calls` also remembers, by its raw arguments (each
-array's address, shape, strides and dtype, every other value, the device, the stream and the
+array's address, device, shape, strides and dtype, every other value, the device, the stream and the
 settings), the graph that its checked call launched: a later call with the same raw arguments
 launches that graph without checking them again, since the checks read nothing else. A call
 without ``out`` remembers the shape and dtype of its result and the graph's key without it:
@@ -191,21 +191,27 @@ def _run(gpu: functools.partial, out):
     key = _call_key(gpu, out, cupy)
     if key is None:
         return _direct(gpu, out)
+    # The lock covers the cache's bookkeeping and the launches, not a direct call's work
+    # (a first call's plan search takes seconds, which other threads' warm launches would
+    # wait for).
     with _lock:
         entry = _graphs.get(key)
         if entry is not None:
             _graphs.move_to_end(key)
             _launch_recorded(entry, key, stream)
             return out
-        if key in _direct_keys:
-            return _direct(gpu, out)
-        calls = _counts.get(key, 0) + 1
-        if calls < _CALLS_BEFORE_CAPTURE:
-            if len(_counts) >= _MAX_COUNTED:
-                _counts.clear()
-            _counts[key] = calls
-            return _direct(gpu, out)
-        _counts.pop(key, None)
+        direct = key in _direct_keys
+        if not direct:
+            calls = _counts.get(key, 0) + 1
+            direct = calls < _CALLS_BEFORE_CAPTURE
+            if direct:
+                if len(_counts) >= _MAX_COUNTED:
+                    _counts.clear()
+                _counts[key] = calls
+            else:
+                _counts.pop(key, None)
+    if direct:
+        return _direct(gpu, out)
     entry = _capture(gpu, out, cupy)
     dropped: list = []
     with _lock:
@@ -370,7 +376,8 @@ def value_key_function(array_type: type, array_part: Callable,
 @functools.cache
 def _cupy_value_key(cupy) -> Callable:
     return value_key_function(
-        cupy.ndarray, lambda a: (a.data.ptr, a.shape, a.strides, a.dtype.char), False)
+        cupy.ndarray,
+        lambda a: (a.data.ptr, a.data.device_id, a.shape, a.strides, a.dtype.char), False)
 
 
 def _raw_key(public: Callable, args: tuple, kwargs: dict, stream, cupy):

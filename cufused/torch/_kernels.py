@@ -158,7 +158,7 @@ _VIEWS: dict[tuple, Any] = {}
 # CuPy handles of PyTorch's streams, by (stream, device).
 _STREAMS: dict[tuple[int, int], Any] = {}
 _TORCH_MALLOC = None
-# Warm calls by their raw arguments (each tensor's address, shape, strides and dtype, every
+# Warm calls by their raw arguments (each tensor's address, device, shape, strides and dtype, every
 # other value, the device, the stream, cufused's settings) -> the result's shape, byte
 # strides and dtype char, and the key of the whole-call graph that the cufused call launched,
 # before and after the result's part: a later call allocates its result and launches the
@@ -251,7 +251,7 @@ def _launch_elsewhere(fn: Callable, args: list, kwargs: dict, device: int, strea
 
 # The part of a warm call's key for one argument (TypeError for one it cannot key).
 _raw = _call_graphs.value_key_function(
-    torch.Tensor, lambda t: (t.data_ptr(), t.shape, t.stride(), t.dtype), True)
+    torch.Tensor, lambda t: (t.data_ptr(), t.get_device(), t.shape, t.stride(), t.dtype), True)
 
 
 def _warm_key(name: str, args: tuple, kwargs: dict, device: int) -> tuple | None:

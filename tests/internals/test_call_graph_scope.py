@@ -37,8 +37,8 @@ def test_without_call_graphs_is_scoped_to_its_context():
 class _Array:
     """What a raw-argument key reads of a CuPy array."""
 
-    def __init__(self, ptr):
-        self.data = types.SimpleNamespace(ptr=ptr)
+    def __init__(self, ptr, device_id=0):
+        self.data = types.SimpleNamespace(ptr=ptr, device_id=device_id)
         self.shape, self.strides, self.dtype = (1,), (4,), np.dtype(np.float32)
 
 
@@ -83,6 +83,10 @@ def test_raw_key_ends_with_the_settings_and_the_default_precision():
     assert key != _call_graphs._raw_key(len, (_Array(1),), {"eps": 1e-5}, stream, fake_cupy)
     assert _call_graphs._raw_key(len, (_Array(1),), {"eps": object()}, stream,
                                  fake_cupy) is None
+    # An array at the same address on another device is another argument: its checks (a
+    # device mismatch) must run.
+    assert (_call_graphs._raw_key(len, (_Array(1, device_id=1),), {}, stream, fake_cupy)
+            != _call_graphs._raw_key(len, (_Array(1),), {}, stream, fake_cupy))
 
 
 def test_caller_captures_keep_every_block_until_clear_caches(monkeypatch):
