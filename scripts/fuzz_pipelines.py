@@ -130,7 +130,7 @@ def group_norm_as(y, num_groups, weight, bias, *, gpu: bool, eps: float = 1e-5):
     import torch
     import torch.nn.functional as F
 
-    if not gpu or math.prod(y.shape[2:]) != 1:
+    if not gpu or math.prod(y.shape[2:]) != 1 or y.shape[0] == 0:  # (an empty batch: no rows)
         return F.group_norm(y, num_groups, weight, bias, eps=eps)
     rows = y.reshape(y.shape[0], num_groups, -1)
     mean = rows.mean(dim=2, keepdim=True)
