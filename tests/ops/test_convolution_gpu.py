@@ -57,22 +57,33 @@ NON_FINITE_WEIGHT_CASES = {
 def test_conv_non_finite_weight_meets_the_padding(rng, case, precision, engine, conv_pin):
     # PyTorch's placement, whichever algorithm runs: a non-finite weight times a padding zero
     # is NaN (0 * inf, 0 * NaN), and an infinite one times an input its signed infinity.
+    fn = cufused.conv2d if len(NON_FINITE_WEIGHT_CASES[case][0]) == 4 else cufused.conv3d
+    _check_non_finite_weight(rng, fn, *NON_FINITE_WEIGHT_CASES[case], precision, engine)
+
+
+def _check_non_finite_weight(rng, fn, x_shape, w_shape, options, planted, precision,
+                             engine) -> None:
+    """``fn``'s NaN and infinities on the GPU with ``planted`` weight values (index: value)
+    where the float64 reference puts them, its finite values close."""
     from cufused._cudnn import plan_options
 
-    x_shape, w_shape, options, planted = NON_FINITE_WEIGHT_CASES[case]
     x = rng.standard_normal(x_shape)
     w = rng.standard_normal(w_shape)
     for index, value in planted.items():
         w[index] = value
-    fn = cufused.conv2d if len(x_shape) == 4 else cufused.conv3d
     with np.errstate(all="ignore"):
         ref = fn(x, w, **options)
     with plan_options(engine=engine):
         got = fn(*to_gpu(x, w), **options, precision=precision, out=poisoned(ref.shape)).get()
+    _assert_same_placement(got, ref, TOL["tf32" if precision == "tf32" else "ieee"])
+
+
+def _assert_same_placement(got, ref, tol: float) -> None:
+    """NaN, +inf and -inf at the same positions; the finite values within ``tol``."""
     for test in (np.isnan, np.isposinf, np.isneginf):
         np.testing.assert_array_equal(test(got), test(ref))
     finite = np.isfinite(ref)
-    assert_close(got[finite], ref[finite], TOL["tf32" if precision == "tf32" else "ieee"])
+    assert_close(got[finite], ref[finite], tol)
 
 
 TRANSPOSED_NON_FINITE_WEIGHT_CASES = {
@@ -95,22 +106,10 @@ TRANSPOSED_NON_FINITE_WEIGHT_CASES = {
 def test_conv_transpose_non_finite_weight_by_the_definition(rng, case, precision, engine):
     # A transposed convolution's weight meets only real inputs (never the zeros a stride
     # inserts, the padding, or the zeros past the input's far edge), whichever engine runs.
-    from cufused._cudnn import plan_options
-
-    x_shape, w_shape, options, planted = TRANSPOSED_NON_FINITE_WEIGHT_CASES[case]
-    x = rng.standard_normal(x_shape)
-    w = rng.standard_normal(w_shape)
-    for index, value in planted.items():
-        w[index] = value
+    x_shape = TRANSPOSED_NON_FINITE_WEIGHT_CASES[case][0]
     fn = cufused.conv_transpose2d if len(x_shape) == 4 else cufused.conv_transpose3d
-    with np.errstate(all="ignore"):
-        ref = fn(x, w, **options)
-    with plan_options(engine=engine):
-        got = fn(*to_gpu(x, w), **options, precision=precision, out=poisoned(ref.shape)).get()
-    for test in (np.isnan, np.isposinf, np.isneginf):
-        np.testing.assert_array_equal(test(got), test(ref))
-    finite = np.isfinite(ref)
-    assert_close(got[finite], ref[finite], TOL["tf32" if precision == "tf32" else "ieee"])
+    _check_non_finite_weight(rng, fn, *TRANSPOSED_NON_FINITE_WEIGHT_CASES[case], precision,
+                             engine)
 
 
 NON_FINITE_INPUT_CASES = {
@@ -151,10 +150,7 @@ def test_conv_non_finite_input_by_the_definition(rng, case, autotune):
         ref = fn(x, w, **options)
     with plan_options(autotune=autotune):
         got = fn(*to_gpu(x, w), **options, precision="ieee", out=poisoned(ref.shape)).get()
-    for test in (np.isnan, np.isposinf, np.isneginf):
-        np.testing.assert_array_equal(test(got), test(ref))
-    finite = np.isfinite(ref)
-    assert_close(got[finite], ref[finite], TOL["ieee"])
+    _assert_same_placement(got, ref, TOL["ieee"])
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -184,12 +180,8 @@ def test_non_finite_input_samples_rewrite_only_their_samples(rng, transposed):
     conv_nonfinite_input_samples(xg, wg, bg, y, flags, transposed=transposed, **options)
     got = y.get()
     assert np.isnan(np.delete(got, flagged, axis=0)).all()
-    got = got[flagged]
-    for test in (np.isnan, np.isposinf, np.isneginf):
-        np.testing.assert_array_equal(test(got), test(ref))
-    finite = np.isfinite(ref)
-    assert finite.any() and not finite.all()
-    assert_close(got[finite], ref[finite], TOL["ieee"])
+    assert np.isfinite(ref).any() and not np.isfinite(ref).all()
+    _assert_same_placement(got[flagged], ref, TOL["ieee"])
 
 
 def test_conv_transpose2d_of_b_on_an_fft_plan(rng):
@@ -206,10 +198,7 @@ def test_conv_transpose2d_of_b_on_an_fft_plan(rng):
         got = cufused.conv_transpose2d(*to_gpu(x, w), padding=1, precision="ieee").get()
     with np.errstate(all="ignore"):
         ref = cufused.conv_transpose2d(x[[0, 1, 9]], w, padding=1)
-    for test in (np.isnan, np.isposinf, np.isneginf):
-        np.testing.assert_array_equal(test(got[[0, 1, 9]]), test(ref))
-    finite = np.isfinite(ref)
-    assert_close(got[[0, 1, 9]][finite], ref[finite], TOL["ieee"])
+    _assert_same_placement(got[[0, 1, 9]], ref, TOL["ieee"])
     assert np.isfinite(np.delete(got, [0, 9], axis=0)).all()
 
 
