@@ -413,6 +413,21 @@ struct PlaneWalk {
     }
 };
 
+// The operands and geometry of a convolution by its definition (TransposedConvDefinition,
+// ForwardConvDefinition; brace-initialized in this order): x (N, C_in, Di, Hi, Wi) in element
+// strides xn .. xw, the contiguous weight, the input and output channels per group, the input,
+// output and kernel sizes, strides, paddings and dilations (2-D as 3-D with a unit depth).
+struct ConvGeometry {
+    const float* x;
+    const float* w;
+    int c_in_group, c_out_group, Di, Hi, Wi, Do, Ho, Wo, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd,
+        dh, dw;
+    index_t xn, xc, xd, xh, xw;
+
+    // Outputs per (sample, channel) row.
+    __device__ index_t plane() const { return (index_t)Do * Ho * Wo; }
+};
+
 // A transposed 3-D convolution by its definition (PyTorch's): output o of channel c is the sum
 // of x[i] * w[ci, c, k] over the (input, tap) pairs with o = i * stride - padding + k *
 // dilation, so a non-finite weight meets only real inputs. A convolution algorithm that also
@@ -421,13 +436,7 @@ struct PlaneWalk {
 // output channel with a non-finite weight are recomputed with this (whole rows, or a tile's
 // outputs at a time, at). x (N, C_in, Di, Hi, Wi) in element strides xn .. xw; w (C_in, C /
 // groups, KD, KH, KW) contiguous.
-struct TransposedConvDefinition {
-    const float* x;
-    const float* w;
-    int c_in_group, c_out_group, Di, Hi, Wi, Do, Ho, Wo, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd,
-        dh, dw;
-    index_t xn, xc, xd, xh, xw;
-
+struct TransposedConvDefinition : ConvGeometry {
     // w[ci, col, tap] for input channel ci_local of output channel c's group.
     __device__ float weight(int c, int ci_local, int tap) const {
         const int group = c / c_out_group, col = c - group * c_out_group;
@@ -445,8 +454,6 @@ struct TransposedConvDefinition {
         return !__syncthreads_or(nonfinite);
     }
 
-    // Outputs per (sample, channel) row.
-    __device__ index_t plane() const { return (index_t)Do * Ho * Wo; }
 
     // b plus output o (flat over the Do x Ho x Wo plane) of sample n, channel c.
     __device__ __forceinline__ float at(index_t n, int c, index_t o, float b) const {
@@ -494,13 +501,7 @@ struct TransposedConvDefinition {
 // x[i] * w[c, ci, k] over every tap k, i = o * stride - padding + k * dilation, a tap past the
 // input's edge multiplying a padding zero (0 * inf and 0 * NaN are NaN). x (N, C_in, Di, Hi,
 // Wi) in element strides xn .. xw; w (C, C_in / groups, KD, KH, KW) contiguous.
-struct ForwardConvDefinition {
-    const float* x;
-    const float* w;
-    int c_in_group, c_out_group, Di, Hi, Wi, Do, Ho, Wo, KD, KH, KW, sd, sh, sw, pd, ph, pw, dd,
-        dh, dw;
-    index_t xn, xc, xd, xh, xw;
-
+struct ForwardConvDefinition : ConvGeometry {
     // Whether output channel c's weight is finite, for the whole block (one barrier).
     __device__ bool block_finite_weight(int c) const {
         const int count = c_in_group * KD * KH * KW;
@@ -510,8 +511,6 @@ struct ForwardConvDefinition {
         return !__syncthreads_or(nonfinite);
     }
 
-    // Outputs per (sample, channel) row.
-    __device__ index_t plane() const { return (index_t)Do * Ho * Wo; }
 
     // b plus output (od, oh, ow) of sample n, channel c.
     __device__ __forceinline__ float at(index_t n, int c, int od, int oh, int ow, float b) const {
