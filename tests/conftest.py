@@ -68,6 +68,15 @@ def assert_close(out, ref, tol: float) -> None:
     assert worst <= 50 * tol * max(scale, 1e-30), f"max abs error {worst:.3e}, |ref|max {scale:.3e}"
 
 
+def assert_nonfinite_placement(got, ref, tol: float) -> None:
+    """NaN, +inf and -inf at the same positions; the finite values within ``tol``
+    (:func:`assert_close`)."""
+    for test in (np.isnan, np.isposinf, np.isneginf):
+        np.testing.assert_array_equal(test(got), test(ref))
+    finite = np.isfinite(ref)
+    assert_close(got[finite], ref[finite], tol)
+
+
 def mixed(rng, n, dtype=np.float64):
     """Mixed-sign per-channel parameters bounded away from zero."""
     return (rng.uniform(0.5, 1.5, n) * rng.choice([-1.0, 1.0], n)).astype(dtype)

@@ -694,21 +694,27 @@ def conv_nonfinite_weight_rows(x, w, bias, y, *, groups: int, stride, padding, d
     reference) has them. A call with a finite weight costs a few checks of each channel's
     weight on the device (:func:`~cufused._kernels._common.channel_sample_grid`), no host
     sync."""
-    w = w if w.flags.c_contiguous else w.copy()
     n, k = y.shape[:2]
     if y.size == 0:
         return
-    get_kernel(_FILE, f"conv_nonfinite_weight_rows<{_definition(transposed)}>")(
-        channel_sample_grid(k, n), (128,),
-        (x, w, optional(bias), y, numpy.int64(n),
-         *definition_args(x, w, y.shape, groups=groups, c_out_group=k // groups, stride=stride,
-                          padding=padding, dilation=dilation),
+    _by_definition("conv_nonfinite_weight_rows", channel_sample_grid(k, n), 128, x, w, bias, y,
+                   (numpy.int64(n),), transposed=transposed, groups=groups, stride=stride,
+                   padding=padding, dilation=dilation)
+
+
+def _by_definition(kernel: str, grid: tuple[int, ...], threads: int, x, w, bias, y,
+                   head: tuple, *, transposed: bool, groups: int, stride, padding,
+                   dilation) -> None:
+    """Launch ``kernel``, a template over the convolution's definition (common.cuh), with
+    its arguments ``(x, w, bias, y, *head, definition, y's strides)``."""
+    w = w if w.flags.c_contiguous else w.copy()
+    name = "TransposedConvDefinition" if transposed else "ForwardConvDefinition"
+    get_kernel(_FILE, f"{kernel}<{name}>")(
+        grid, (threads,),
+        (x, w, optional(bias), y, *head,
+         *definition_args(x, w, y.shape, groups=groups, c_out_group=y.shape[1] // groups,
+                          stride=stride, padding=padding, dilation=dilation),
          *element_strides_3d(y)))
-
-
-def _definition(transposed: bool) -> str:
-    """The template argument of a convolution-by-definition kernel (common.cuh)."""
-    return "TransposedConvDefinition" if transposed else "ForwardConvDefinition"
 
 
 def conv_nonfinite_input_flags(xp, x):
@@ -733,16 +739,13 @@ def conv_nonfinite_input_samples(x, w, bias, y, flags, *, transposed: bool, grou
     marks (:func:`conv_nonfinite_input_flags`) of ``y = conv(x, w) + bias`` (forward, or
     ``transposed``; ``y`` in any strides), rewritten by the definition. A call without a
     non-finite input costs a flag check a sample."""
-    w = w if w.flags.c_contiguous else w.copy()
     n, k = y.shape[:2]
     if y.size == 0:
         return
-    get_kernel(_FILE, f"conv_nonfinite_input_samples<{_definition(transposed)}>")(
-        (min(-(-n // 256), 16), min(k, sm_count() * 2)), (256,),
-        (x, w, optional(bias), y, flags, numpy.int64(n), numpy.int32(k),
-         *definition_args(x, w, y.shape, groups=groups, c_out_group=k // groups,
-                          stride=stride, padding=padding, dilation=dilation),
-         *element_strides_3d(y)))
+    grid = (min(-(-n // 256), 16), min(k, sm_count() * 2))
+    _by_definition("conv_nonfinite_input_samples", grid, 256, x, w, bias, y,
+                   (flags, numpy.int64(n), numpy.int32(k)), transposed=transposed,
+                   groups=groups, stride=stride, padding=padding, dilation=dilation)
 
 
 def conv_transpose3d_softmax(x, w, bias, out, factor, *, clamp, passes: int) -> None:

@@ -177,10 +177,10 @@ def _fused(xp, x, weight, args, precision, out, *, k, pooled_shape, conv_bias, s
         plan = gpu_conv_plan(pooled_shape, weight.shape, args, precision, convert_input=False,
                              convert_output=False, accept_classes=True)
     except UnsupportedConvolution:  # conv_on_gpu's route for what no cuDNN plan computes
+        # A channel with a non-finite weight gets its rows by the definition at the end.
         x_pooled = avg_pool3d(x, k)
         y, layout = conv_on_gpu(x_pooled, weight, args, precision, out=out,
-                                convert_output=False, definition_nans=True,
-                                definition_inputs=True)
+                                convert_output=False, definition_inputs=True)
     else:
         # The pool writes the conv input straight into the plan's input layout.
         x_pooled = _pooled_in_layout(xp, x, k, pooled_shape, plan.x_layout)

@@ -10,8 +10,8 @@ import cufused
 
 from cufused import reference
 
-from conftest import (GPU, CONV_CASES, TOL, _pinned, assert_close, pipeline_c_args, poisoned,
-                      to_gpu)
+from conftest import (GPU, CONV_CASES, TOL, _pinned, assert_close, assert_nonfinite_placement,
+                      pipeline_c_args, poisoned, to_gpu)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("quick_plans")]
 
@@ -75,15 +75,7 @@ def _check_non_finite_weight(rng, fn, x_shape, w_shape, options, planted, precis
         ref = fn(x, w, **options)
     with plan_options(engine=engine):
         got = fn(*to_gpu(x, w), **options, precision=precision, out=poisoned(ref.shape)).get()
-    _assert_same_placement(got, ref, TOL["tf32" if precision == "tf32" else "ieee"])
-
-
-def _assert_same_placement(got, ref, tol: float) -> None:
-    """NaN, +inf and -inf at the same positions; the finite values within ``tol``."""
-    for test in (np.isnan, np.isposinf, np.isneginf):
-        np.testing.assert_array_equal(test(got), test(ref))
-    finite = np.isfinite(ref)
-    assert_close(got[finite], ref[finite], tol)
+    assert_nonfinite_placement(got, ref, TOL["tf32" if precision == "tf32" else "ieee"])
 
 
 TRANSPOSED_NON_FINITE_WEIGHT_CASES = {
@@ -150,7 +142,7 @@ def test_conv_non_finite_input_by_the_definition(rng, case, autotune):
         ref = fn(x, w, **options)
     with plan_options(autotune=autotune):
         got = fn(*to_gpu(x, w), **options, precision="ieee", out=poisoned(ref.shape)).get()
-    _assert_same_placement(got, ref, TOL["ieee"])
+    assert_nonfinite_placement(got, ref, TOL["ieee"])
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -181,7 +173,7 @@ def test_non_finite_input_samples_rewrite_only_their_samples(rng, transposed):
     got = y.get()
     assert np.isnan(np.delete(got, flagged, axis=0)).all()
     assert np.isfinite(ref).any() and not np.isfinite(ref).all()
-    _assert_same_placement(got[flagged], ref, TOL["ieee"])
+    assert_nonfinite_placement(got[flagged], ref, TOL["ieee"])
 
 
 def test_conv_transpose2d_of_b_on_an_fft_plan(rng):
@@ -198,7 +190,7 @@ def test_conv_transpose2d_of_b_on_an_fft_plan(rng):
         got = cufused.conv_transpose2d(*to_gpu(x, w), padding=1, precision="ieee").get()
     with np.errstate(all="ignore"):
         ref = cufused.conv_transpose2d(x[[0, 1, 9]], w, padding=1)
-    _assert_same_placement(got[[0, 1, 9]], ref, TOL["ieee"])
+    assert_nonfinite_placement(got[[0, 1, 9]], ref, TOL["ieee"])
     assert np.isfinite(np.delete(got, [0, 9], axis=0)).all()
 
 

@@ -3,11 +3,12 @@ spread-out input (and the pipelines take that route too)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import cufused
 
-from conftest import GPU, assert_close
+from conftest import GPU, assert_close, assert_nonfinite_placement
 
 pytestmark = pytest.mark.gpu
 
@@ -71,3 +72,23 @@ def test_pipelines_take_the_forward_route(rng, monkeypatch):
     got = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
         *(cp.asarray(a, dtype=cp.float32) for a in (x, w, s)), **opts)
     assert_close(got.get(), ref, 1e-5)
+
+
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+def test_pipeline_c_forward_route_non_finite_weight(rng, monkeypatch, precision):
+    # The forward route (padding 0: not a problem of conv_transpose3d_s2k3) leaves such
+    # channels to the pipeline's rewrite of their softmax rows.
+    _no_cudnn_plan(monkeypatch)
+    x = rng.random((2, 3, 4, 6, 6))
+    w = rng.standard_normal((3, 5, 3, 3, 3)) * 0.3
+    w[0, 1, 0, 0, 0], w[2, 3, 1, 2, 1] = np.inf, np.nan
+    s = rng.standard_normal(5)
+    opts = dict(stride=2, padding=0, output_padding=1, pool_kernel=2, clamp_min=-0.5,
+                clamp_max=1.0)
+    ref = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(x, w, s, **opts)
+    assert np.isnan(ref[:, 3]).all() and np.isfinite(ref[:, [0, 1, 2, 4]]).all()
+    out = cp.full(ref.shape, cp.nan, dtype=cp.float32)
+    got = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
+        *(cp.asarray(a, dtype=cp.float32) for a in (x, w, s)), precision=precision, out=out,
+        **opts)
+    assert_nonfinite_placement(got.get(), ref, {"ieee": 1e-5, "tf32": 5e-3}[precision])
