@@ -152,9 +152,9 @@ def check_per_channel(value: Any, name: str, channels: int, *, allow_scalar: boo
     number or an array of one value stands for every channel.
 
     ``broadcast_ndim`` is the ndim of the (N, C, ...) tensor that the parameter multiplies by
-    broadcasting (``y * scale`` in PyTorch): an array of 2 or more dimensions must then put its
-    C values on the channel axis under NumPy's trailing alignment (``(C, 1, 1)`` against
-    (N, C, H, W), ``(C, 1, 1, 1)`` against (N, C, D, H, W)); ``(C,)`` stays per channel.
+    broadcasting (``y * scale`` in PyTorch): an array of another shape than those four must
+    then put its C values on the channel axis under NumPy's trailing alignment (``(C, 1, 1,
+    1)`` against (N, C, D, H, W)), not on an axis that ``y * scale`` would scale instead.
     """
     if value is None:
         return
@@ -169,6 +169,8 @@ def check_per_channel(value: Any, name: str, channels: int, *, allow_scalar: boo
         raise TypeError(f"{name} must be {kinds}, got {type(value).__name__}")
     if value.shape == (channels,):  # the usual case
         return
+    if value.shape in ((channels, 1, 1), (1, channels, 1, 1), (1, channels, 1, 1, 1)):
+        return  # the layouts per channel that every parameter takes
     fits = broadcast_ndim is None or value.ndim <= broadcast_ndim
     if allow_scalar and value.size == 1 and fits:  # one value for every channel
         return

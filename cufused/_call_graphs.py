@@ -213,6 +213,11 @@ def _run(gpu: functools.partial, out):
     if direct:
         return _direct(gpu, out)
     entry = _capture(gpu, out, cupy)
+    if entry is not None and tuple(_config.values()) != key[-1]:
+        # Another thread changed the settings during the capture, whose plan choices may have
+        # read either: the graph is not kept under this key's settings.
+        _release([entry])
+        return _direct(gpu, out)
     dropped: list = []
     with _lock:
         if entry is None:

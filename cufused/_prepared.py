@@ -42,7 +42,12 @@ class PreparedCall:
         self._keep = keep
 
     def __call__(self) -> Any:
-        """Run the bound call again (on the current stream) and return its result."""
+        """Run the bound call again (on the current stream) and return its result.
+
+        Every replay writes the same result and temporaries, so replays on streams that are
+        not ordered with each other (two threads' streams, say) must not overlap, as with a
+        ``torch.cuda.CUDAGraph``'s replays: order them with an event, or prepare one call
+        per stream."""
         if self._graph is None:
             return self.function(*self.args, **self.kwargs)
         cupy = import_cupy()
@@ -96,7 +101,9 @@ def prepare(function: Callable, *args: Any, **kwargs: Any) -> PreparedCall:
     ``prepare`` itself runs the call once (it checks the arguments and builds the plans and
     kernels the graph reuses): that call writes ``out`` and, in pipeline B, updates the
     running buffers, as every later call does. The graph keeps its temporaries (the
-    convolution output included) for as long as the prepared call lives. A call that cannot
+    convolution output included) for as long as the prepared call lives, so replays on
+    streams not ordered with each other must not overlap (one prepared call per stream). A
+    call that cannot
     be captured (a cuDNN engine that refuses graph capture), or whose convolution the
     autotuner measured faster issued directly than replayed, is prepared without a graph:
     each call then runs the function, as a call on NumPy arrays does.

@@ -199,10 +199,11 @@ def avg_pool(x, kernel_size, stride, padding):
 
 def clamp(y, lo, hi):
     """``torch.clamp(y, lo, hi)``: ``min(max(y, lo), hi)`` that keeps ``y`` where it equals a
-    bound (a -0 clamped to [0, 1] stays -0) and a NaN as NaN; ``hi`` where ``lo > hi``."""
+    bound (a -0 clamped to [0, 1] stays -0) and a NaN as NaN; ``hi`` where ``lo > hi``; NaN
+    everywhere for a NaN bound."""
     xp = _xp(y)
-    y = xp.where(y < lo, lo, y)
-    return xp.where(hi < y, hi, y)
+    y = xp.where((y < lo) | (lo != lo), lo, y)
+    return xp.where((hi < y) | (hi != hi), hi, y)
 
 
 def _scaled(y, scale):

@@ -61,14 +61,15 @@ __device__ __forceinline__ float nan_min(float a, float b) { return (b < a || b 
 // sign(x) * (1 - t) / (1 + t), t = exp(-2|x|): within ~5 ulp (tanhf: 2). t comes from the
 // flush-to-zero ex2 instruction, which exp2f wraps in a denormal fix-up (3 more
 // instructions); a denormal t (|x| > 43) makes no difference to 1 - t or 1 + t. NaN and
-// +-inf map as tanhf maps them.
+// +-inf map as tanhf maps them, and a zero keeps its sign (the polynomial's sum gives +0 for
+// -0).
 __device__ __forceinline__ float tanh_branchless(float x) {
     const float a = fabsf(x);
     const float x2 = x * x;
     float p = fmaf(x2, 62.0f / 2835.0f, -17.0f / 315.0f);
     p = fmaf(p, x2, 2.0f / 15.0f);
     p = fmaf(p, x2, -1.0f / 3.0f);
-    const float small = fmaf(p * x2, x, x);
+    const float small = copysignf(fmaf(p * x2, x, x), x);
     float t;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(t) : "f"(-2.88539008f * a));  // 2 / ln 2
     const float large = copysignf(__fdividef(1.0f - t, 1.0f + t), x);

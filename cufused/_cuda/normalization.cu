@@ -34,12 +34,16 @@ __global__ void key_stats_partial(const float* __restrict__ x, double2* __restri
     index_t j = j_begin + threadIdx.x;
     index_t o = j / inner;
     index_t i = j - o * inner;
+    // The block's step in (outer, inner) coordinates, so that a step costs one carry at most
+    // whatever inner's size.
+    const index_t step_o = blockDim.x / inner, step_i = blockDim.x - step_o * inner;
     for (; j < j_end; j += blockDim.x) {
         const float d = __ldg(base + o * outer_stride + i) - shift;
         s1 += d;
         s2 = fmaf(d, d, s2);
-        i += blockDim.x;
-        while (i >= inner) { i -= inner; ++o; }
+        i += step_i;
+        o += step_o;
+        if (i >= inner) { i -= inner; ++o; }
     }
     const double2 sums = block_sum(make_double2(s1, s2), scratch);
     if (threadIdx.x == 0) partial[key * splits + split] = sums;

@@ -57,8 +57,10 @@ def set_conv_graph_replay(enabled: bool) -> None:
     each again, which takes a few tens of microseconds of host time per call where issuing
     the parts takes up to a few hundred (FFT and sub-pixel plans). Each graph keeps its own
     workspace, prepared weight and, where the plan writes another layout than the NCHW
-    result, its intermediate output (up to 8 graphs per plan; :func:`clear_plan_cache` frees
-    them). A call made while the stream is being captured always runs directly, and so does a
+    result, its intermediate output (up to 8 graphs per plan, and the graphs of all plans
+    within 1/8 of the device's memory, the oldest dropped first; a call whose buffers alone
+    would pass that runs directly; :func:`clear_plan_cache` frees them). A call made while the
+    stream is being captured always runs directly, and so does a
     plan whose direct calls the autotuner measured faster on the device by more than the host
     time they add.
 

@@ -7,12 +7,13 @@ import contextlib
 import contextvars
 import functools
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy
 
-from .._arrays import import_cupy
+from .._arrays import _memory_limit, import_cupy
 from .._cuda import capturing, stream_key
 from .._kernels.layout import add_channel_bias, interleave_classes, transpose_channels
 from .._layout import empty_in_layout, stored_in
@@ -26,6 +27,16 @@ from .._timing import random_operand
 _MAX_REPLAYS = 8
 _CALLS_BEFORE_CAPTURE = 2
 _REPLAYS_LOCK = threading.Lock()  # a plan's graphs are evicted and added under it
+#: The plans' graphs of one device keep at most this fraction of its memory in buffers
+#: (workspace, prepared weight, converted input and output): a new graph first drops the
+#: oldest graphs of any plan until its buffers fit, and one whose buffers alone pass it is
+#: not captured (its calls run directly, as a call whose buffers do not fit in memory does).
+KEPT_FRACTION = 1 / 8
+# The kept graphs in capture order: (id of the plan's graph table, key) -> (table, bytes).
+_kept: OrderedDict[tuple, tuple[dict, int]] = OrderedDict()
+_kept_bytes: dict[int, int] = {}  # device -> bytes that its plans' graphs keep
+# The count that marks a key whose calls run directly (past the budget); never reaches a capture.
+_NEVER = -(2**62)
 
 
 def operand_key(a) -> tuple:
@@ -65,6 +76,23 @@ def plans_in_use():
 def _graph_buffer_pool():
     """The memory pool of the buffers that captured plan graphs keep."""
     return import_cupy().cuda.MemoryPool()
+
+
+def _drop_kept(replays: dict, key: tuple):
+    """Remove the graph of ``key`` from its plan's table ``replays`` and from the budget
+    (under ``_REPLAYS_LOCK``); return it, to be released after the lock."""
+    replay = replays.pop(key, None)
+    entry = _kept.pop((id(replays), key), None)
+    if entry is not None:
+        _kept_bytes[key[1]] -= entry[1]
+    return replay
+
+
+def forget_kept() -> None:
+    """Empty the budget's record (the plan cache is cleared: its graphs go with the plans)."""
+    with _REPLAYS_LOCK:
+        _kept.clear()
+        _kept_bytes.clear()
 
 
 def _launch_graph(graph, stream, buffers) -> None:
@@ -218,8 +246,20 @@ class ConvPlan:
         # Allocated on the caller's stream, outside the capture, from a pool of their own:
         # buffers that outlive the call would shift the addresses that the default pool hands
         # out to later calls' temporaries, and new addresses mean new keys and more captures.
-        with cupy.cuda.using_allocator(_graph_buffer_pool().malloc):
-            kept = buffers()
+        pool = _graph_buffer_pool()
+        try:
+            with cupy.cuda.using_allocator(pool.malloc):
+                kept = buffers()
+        except cupy.cuda.memory.OutOfMemoryError:  # the direct call needs none of them
+            self._calls[key] = _NEVER
+            return None
+        nbytes = sum(b.nbytes for b in kept if b is not None)
+        limit = KEPT_FRACTION * _memory_limit(cupy)
+        if nbytes > limit:
+            self._calls[key] = _NEVER
+            del kept
+            pool.free_all_blocks()
+            return None
         side = cupy.cuda.Stream(non_blocking=True)
         try:
             with side:
@@ -232,11 +272,18 @@ class ConvPlan:
             self._replays = None
             return None
         replay = functools.partial(_launch_graph, graph, stream, kept)
-        evicted = None  # released after the lock: a graph's destruction takes time
+        evicted = []  # released after the lock: a graph's destruction takes time
         with _REPLAYS_LOCK:  # threads capturing at once must not evict the same graph
             if len(replays) >= _MAX_REPLAYS:
-                evicted = replays.pop(next(iter(replays)))  # the oldest
+                evicted.append(_drop_kept(replays, next(iter(replays))))  # the oldest
+            device = key[1]
+            for kept_key in [k for k in _kept if k[1][1] == device]:  # the oldest first
+                if _kept_bytes.get(device, 0) + nbytes <= limit:
+                    break
+                evicted.append(_drop_kept(_kept[kept_key][0], kept_key[1]))
             replays[key] = replay
+            _kept[id(replays), key] = (replays, nbytes)
+            _kept_bytes[device] = _kept_bytes.get(device, 0) + nbytes
         del evicted
         return replay
 

@@ -10,9 +10,10 @@ from typing import Any
 import cufused
 
 from .._arrays import Size, check_bool
-from .._ops.normalization import part_of_batch, torch_cuda_native_form
+from .._ops.normalization import torch_cuda_native_form
 from .._ops.softmax import normalize_axes
-from ._graph import Array, _check_params, _each_chunk, _empty_batch, _Graph, _map_chunks
+from ._graph import (Array, _check_params, _each_chunk, _empty_batch, _Graph, _map_chunks,
+                     _probing)
 from ._statistics import (_batch_statistics, _channel_moments, _normalize, check_split_every,
                           _normalized_batch)
 
@@ -216,7 +217,7 @@ def batch_norm(x: Array, weight: Any = None, bias: Any = None, *, running_mean: 
             momentum=momentum, eps=eps, activation=activation))
     empty = _empty_batch(x, "batch_norm")
     _check_params(params)
-    with part_of_batch(x.shape[0]):
+    with _probing(x):
         probe = cufused.batch_norm(empty, weight, bias, running_mean=running_mean,
                                    running_var=running_var, momentum=momentum, eps=eps,
                                    activation=activation)

@@ -4,6 +4,7 @@ per-device lock that GPU tasks take (package docstring)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -184,13 +185,27 @@ def new_array(name: str, layer: dict, dependency: Array, chunks: tuple, meta: An
                                     _determ_token=uuid.uuid4().hex))
 
 
+@contextlib.contextmanager
+def _probing(x: Array):
+    """The single call's checks on ``_empty_batch``'s probe as part of ``x``'s batch
+    (``part_of_batch``); an error's message names ``x``'s shape where it names the probe's."""
+    probe, shape = str((0, *x.shape[1:])), str(tuple(x.shape))
+    try:
+        with part_of_batch(x.shape[0]):
+            yield
+    except (TypeError, ValueError) as err:
+        if err.args and isinstance(err.args[0], str) and probe in err.args[0]:
+            err.args = (err.args[0].replace(probe, shape), *err.args[1:])
+        raise
+
+
 def _map_chunks(func: Callable, x: Array, params: dict[str, Any], options: dict[str, Any],
                 empty=None) -> Array:
     """``func(chunk, *params.values(), **options)`` on every batch chunk of ``x``."""
     if empty is None:
         empty = _empty_batch(x, func.__name__)
     _check_params({**params, **options})
-    with part_of_batch(x.shape[0]):  # checks everything, computes nothing
+    with _probing(x):  # checks everything, computes nothing
         probe = func(empty, *params.values(), **options)
     graph = _Graph(func.__name__, x)
     keyed = {k: v for k, v in options.items() if _is_array(v)}

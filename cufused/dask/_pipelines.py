@@ -12,12 +12,11 @@ import numpy
 import cufused
 
 from .._arrays import Size, check_bool, get_array_module, per_channel
-from .._ops.normalization import part_of_batch
 from .._precision import resolve_precision
 from ..pipelines._common import check_pipeline_pool, gpu_method
 from ..pipelines.pipeline_b import _chunk_extrema_sums, _chunk_normalized
 from ._blocks import _shared_sections, _with_sections
-from ._graph import Array, _check_params, _each_chunk, _empty_batch, _Graph
+from ._graph import Array, _check_params, _each_chunk, _empty_batch, _Graph, _probing
 from ._statistics import (_batch_statistics, _channel_moments, _normalize,
                           _normalized_batch, _shifted_moments, _without_numpy_warnings)
 
@@ -96,17 +95,22 @@ def _flip_channels(xp, weight, conv_bias, bn_weight, groups: int, channels: int)
     return flipped, conv_bias, sign
 
 
-def _pool_moments_phase(x, weight, bias, sign, *, stride, padding, output_padding, groups: int,
-                        pool: int | None, precision: str):
+def _pool_moments_phase(x, weight, bias, bn_weight, *, stride, padding, output_padding,
+                        groups: int, pool: int | None, precision: str):
     """Phase 1 of pipeline B on one chunk, composed of the public operations: ``(pooled
     extrema, channel moments)`` of the transposed convolution (with its bias, as the single
-    call's statistics include it).
+    call's statistics include it), its output channels negated where ``bn_weight < 0``
+    (``_flip_channels``, from the parameters as they are when the graph runs).
 
-    ``weight``, ``bias`` and ``sign`` are ``_flip_channels``'s. NumPy chunks run in float64, as
-    the reference does end to end. ``pool=None`` returns the whole convolution output instead
-    of the extrema (for ``_normalize_pooled``'s exact route)."""
-    if get_array_module(x=x) is numpy:
-        x = x.astype(numpy.float64, copy=False)
+    NumPy chunks run in float64, as the reference does end to end. ``pool=None`` returns the
+    whole convolution output instead of the extrema (for ``_normalize_pooled``'s exact
+    route)."""
+    xp = get_array_module(x=x)
+    if xp is numpy:
+        x, weight, bias = (None if a is None else a.astype(numpy.float64, copy=False)
+                           for a in (x, weight, bias))
+    weight, bias, sign = _flip_channels(xp, weight, bias, bn_weight, groups,
+                                        weight.shape[1] * groups)
     y = cufused.conv_transpose2d(x, weight, bias, stride=stride, padding=padding,
                                  output_padding=output_padding, groups=groups,
                                  precision=precision)
@@ -172,7 +176,8 @@ def _phases(xp, weight, conv_bias, bn_weight, *, conv_shape: tuple[int, ...], po
     channels are negated where ``bn_weight < 0`` (``_flip_channels``; NumPy's in float64). An
     infinite BatchNorm factor (``_factor_may_overflow``) takes the exact route: the whole
     convolution output crosses to phase 3, which pools after the tanh, as the single call does
-    for such channels.
+    for such channels. The route is chosen from ``bn_weight``'s values when the graph is
+    built; the tasks read every parameter when the graph runs.
     """
     exact = _factor_may_overflow(bn_weight, eps, numpy.float64 if xp is numpy else numpy.float32)
     if xp is not numpy and not exact and gpu_method("fused", conv_shape) == "fused":
@@ -181,14 +186,9 @@ def _phases(xp, weight, conv_bias, bn_weight, *, conv_shape: tuple[int, ...], po
                 dict(weight=weight, conv_bias=conv_bias, bn_weight=bn_weight),
                 functools.partial(_normalize_extrema, num_groups=num_groups, eps=eps,
                                   centered_sums=conv_bias is None))
-    if xp is numpy:  # the reference's float64 end to end
-        weight, conv_bias = (None if a is None else a.astype(numpy.float64)
-                             for a in (weight, conv_bias))
-    flipped = _flip_channels(xp, weight, conv_bias, bn_weight, conv_options["groups"],
-                             conv_shape[1])
     return (functools.partial(_pool_moments_phase, pool=None if exact else pool,
                               precision=precision, **conv_options),
-            dict(zip(("weight", "conv_bias", "sign"), flipped)),
+            dict(weight=weight, conv_bias=conv_bias, bn_weight=bn_weight),
             functools.partial(_normalize_pooled, num_groups=num_groups, eps=eps, dtype=dtype,
                               pool=pool if exact else None))
 
@@ -293,12 +293,12 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     precision = resolve_precision(precision)
     conv_options = dict(stride=stride, padding=padding, output_padding=output_padding,
                         groups=groups)
-    with part_of_batch(x.shape[0]):
+    with _probing(x):
         probe = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
             empty, weight, bn_weight, bn_bias, gn_weight, gn_bias, num_groups=num_groups,
             conv_bias=conv_bias, pool_kernel=pool_kernel, eps=eps, running_mean=running_mean,
             running_var=running_var, momentum=momentum, precision=precision, **conv_options)
-    conv_shape = cufused.conv_transpose2d(empty, weight, **conv_options).shape
+        conv_shape = cufused.conv_transpose2d(empty, weight, **conv_options).shape
     graph = _Graph("conv_transpose2d_batchnorm_tanh_maxpool_groupnorm", x)
     phase1, constants, phase3 = _phases(
         get_array_module(x=empty), weight, conv_bias, bn_weight,

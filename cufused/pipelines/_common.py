@@ -61,12 +61,19 @@ def check_method(method: str) -> None:
     check_choice(method, "method", METHODS)
 
 
+# The most values of a sample that the fused pass takes: its in-plane positions are 32-bit
+# ints, which its loops step past the plane's end by up to a step of 256 positions and its
+# split ranges (up to 2048 a plane) round up, so a margin below 2**31 keeps them from wrapping.
+FUSED_SAMPLE_VALUES = 2**31 - 2**16
+
+
 def gpu_method(method: str, conv_out_shape: tuple[int, ...], *, groups: int = 1) -> str:
-    """The GPU method that runs: the fused pass indexes within a sample with 32-bit offsets,
-    and launches a block per (sample, group) where ``groups`` is given, so a larger sample of
-    the convolution output, or more (sample, group) rows than a grid holds, takes the unfused
-    building blocks, which index with 64 bits and launch over slices of the batch."""
-    if method == "fused" and (math.prod(conv_out_shape[1:]) >= 2**31
+    """The GPU method that runs: the fused pass indexes within a sample with 32-bit offsets
+    (:data:`FUSED_SAMPLE_VALUES`), and launches a block per (sample, group) where ``groups``
+    is given, so a larger sample of the convolution output, or more (sample, group) rows than
+    a grid holds, takes the unfused building blocks, which index with 64 bits and launch over
+    slices of the batch."""
+    if method == "fused" and (math.prod(conv_out_shape[1:]) > FUSED_SAMPLE_VALUES
                               or conv_out_shape[0] * groups > MAX_GRID_X):
         return "unfused"
     return method

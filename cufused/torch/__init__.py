@@ -12,7 +12,9 @@ least per-call overhead), with fake kernels so that ``torch.compile(fullgraph=Tr
 
 The operators are forward-only: a call with an input that requires grad while grad mode is on
 raises ``RuntimeError`` (run under ``torch.no_grad()`` or ``torch.inference_mode()``). The
-modules also run in grad mode, with a result whose backward raises ``NotImplementedError``.
+modules also run in grad mode, with a result whose backward raises ``NotImplementedError``
+(compiled and exported models too: the backward is an operator, ``_no_backward``, traced by
+its fake kernel).
 
 The three ``nn.Module`` classes take the constructor arguments of the KernelBench level 2
 models in their order, create the same submodules and parameters (same initialization, same
@@ -27,7 +29,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("cufused.torch needs PyTorch: install torch (the oracle extra, or "
                       "PyTorch's CPU build on a machine without a GPU)") from exc
 
-from cufused.torch._kernels import _cpu_kernel, _cuda_kernel, _fake_kernel
+from cufused.torch._kernels import (_cpu_kernel, _cuda_kernel, _fake_kernel, no_backward_fake,
+                                    refuse_backward)
 from cufused.torch._kernels import _cupy_view as _cupy_view
 from cufused.torch._modules import (
     Conv2dGroupNormScaleMaxPoolClamp,
@@ -52,3 +55,7 @@ for _name, (_schema, _shape) in OPERATORS.items():
     _LIB.impl(_name, _cuda_kernel(_name, _shape), "CUDA")
     torch.library.register_fake(f"cufused::{_name}", _fake_kernel(_name, _shape), lib=_LIB)
 del _name, _schema, _shape
+# The backward of a module's result in grad mode: traced whole, it raises where it runs.
+_LIB.define("_no_backward(str name, Tensor grad, Tensor[] inputs) -> Tensor[]")
+_LIB.impl("_no_backward", refuse_backward, "CompositeExplicitAutograd")
+torch.library.register_fake("cufused::_no_backward", no_backward_fake, lib=_LIB)

@@ -36,6 +36,22 @@ def _forward_only(name: str) -> RuntimeError:
         "torch.inference_mode(), or pass tensors that do not require grad.")
 
 
+def refuse_backward(name: str, grad: torch.Tensor,
+                    inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The kernel of ``cufused::_no_backward``, the backward of a forward-only module's result
+    in grad mode (``_modules._NoBackward``): it raises."""
+    raise NotImplementedError(
+        f"{name} is forward-only: cufused has no backward. Its result in grad mode depends on "
+        "the parameters and the input, but no gradient flows through it.")
+
+
+def no_backward_fake(name: str, grad: torch.Tensor,
+                     inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The fake kernel of ``cufused::_no_backward``: a gradient's shape for each input, so
+    that a traced backward is whole and raises only where it runs."""
+    return [torch.empty_like(t) for t in inputs]
+
+
 def _check_no_grad(name: str, args: tuple, kwargs: dict) -> None:
     if torch.is_grad_enabled():
         for a in (*args, *kwargs.values()):
@@ -43,15 +59,15 @@ def _check_no_grad(name: str, args: tuple, kwargs: dict) -> None:
                 raise _forward_only(name)
 
 
-def _check_devices(name: str, args: tuple, kwargs: dict) -> None:
+def _check_devices(name: str, names: list, args: tuple, kwargs: dict) -> None:
     """Every tensor on ``x``'s device (the fake kernel is also the Meta one, which the
     dispatcher picks where any argument is a meta tensor), as PyTorch's own operators
-    require; ``ValueError``, as the eager kernels raise."""
+    require; ``ValueError`` naming the argument, as the eager kernels raise."""
     device = args[0].device
-    for a in (*args[1:], *kwargs.values()):
+    for arg, a in (*zip(names[1:], args[1:]), *kwargs.items()):
         if isinstance(a, torch.Tensor) and a.device != device:
-            raise ValueError(f"cufused::{name} got a tensor on {a.device} with x on {device}: "
-                             "every tensor of a call must be on the same device")
+            raise ValueError(f"cufused::{name}: {arg} is a tensor on {a.device} with x on "
+                             f"{device}: every tensor of a call must be on the same device")
 
 
 def _numpy_dtype(t: torch.Tensor, arg: str) -> numpy.dtype:
@@ -121,7 +137,7 @@ def _fake_kernel(name: str, shape: Callable) -> Callable:
 
     def fake(*args, **kwargs):
         _check_no_grad(name, args, kwargs)
-        _check_devices(name, args, kwargs)
+        _check_devices(name, names, args, kwargs)
         size = shape(*args, **kwargs)
         _eager_checks(fn, names, args, kwargs)
         return args[0].new_empty(size)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.nn.utils import parametrize
 
 from .._ops._conv_args import _named_padding
 
@@ -29,22 +30,27 @@ _ops = torch.ops.cufused
 
 
 class _NoBackward(torch.autograd.Function):
-    """A module's result in grad mode: ``run(x)`` runs with grad mode off (inside ``forward``),
-    and the result is recorded against ``x`` and the parameters that require grad with a
-    backward that raises, so that a loss built on it fails at ``backward()`` instead of leaving
-    those parameters without a gradient."""
+    """A module's result in grad mode: ``run(x)`` runs with grad mode off, and the result is
+    recorded against ``x`` and the parameters that require grad with a backward that raises
+    (``torch.ops.cufused._no_backward``), so that a loss built on it fails at ``backward()``
+    instead of leaving those parameters without a gradient. The backward is an operator with
+    a fake kernel, so that ``torch.compile(fullgraph=True)`` and ``torch.export`` trace it;
+    it raises only where it runs."""
 
     @staticmethod
     def forward(ctx, name: str, run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
                 *params: torch.Tensor) -> torch.Tensor:
         ctx.name = name
-        return run(x)
+        ctx.save_for_backward(*(t for t, needs in zip((x, *params), ctx.needs_input_grad[2:])
+                                if needs))
+        with torch.no_grad():
+            return run(x)
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor) -> None:
-        raise NotImplementedError(
-            f"{ctx.name} is forward-only: cufused has no backward. Its result in grad mode "
-            "depends on the parameters and the input, but no gradient flows through it.")
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grads = iter(_ops._no_backward.default(ctx.name, grad, list(ctx.saved_tensors)))
+        return (None, None, *(next(grads) if needs else None
+                              for needs in ctx.needs_input_grad[2:]))
 
 
 class _ForwardOnlyModule(torch.nn.Module):
@@ -76,15 +82,26 @@ class _ForwardOnlyModule(torch.nn.Module):
             forward-only.
         """
         for name, cls in self._SUBMODULES.items():
-            kind = type(getattr(self, name))
-            if kind is not cls:
-                raise ValueError(f"{name} must be a torch.nn.{cls.__name__}, as the fused "
-                                 f"pipeline computes, got {kind.__module__}.{kind.__qualname__}")
+            _check_layer(getattr(self, name), name, cls)
         if torch.is_grad_enabled():
             tracked = [t for t in self._weights() if t is not None and t.requires_grad]
             if tracked or x.requires_grad:
                 return _NoBackward.apply(type(self).__name__, self._run, x, *tracked)
         return self._run(x)
+
+
+def _check_layer(module: torch.nn.Module, name: str, cls: type) -> None:
+    """Refuse a layer whose computation the fused call would not reproduce: a class other
+    than ``cls`` (a parametrized ``cls``, whose parameters the fused call reads through the
+    parametrizations, is one), or forward hooks (``torch.nn.utils.prune``'s among them), which
+    the fused call, not calling the layer, would skip."""
+    kind = type(module)
+    if kind is not cls and not (parametrize.is_parametrized(module) and kind.__bases__ == (cls,)):
+        raise ValueError(f"{name} must be a torch.nn.{cls.__name__}, as the fused pipeline "
+                         f"computes, got {kind.__module__}.{kind.__qualname__}")
+    if module._forward_pre_hooks or module._forward_hooks:
+        raise ValueError(f"{name} has forward hooks, which the fused pipeline does not run "
+                         "(it reads the layer's parameters, it does not call the layer)")
 
 
 @torch.compiler.disable(reason="BatchNorm's momentum=None reads num_batches_tracked on the "
@@ -161,8 +178,10 @@ def _pool_window(pool: torch.nn.Module, nd: int, name: str) -> int:
     return k
 
 
-def _check_channel_scale(scale_shape: tuple[int, ...], channels: int) -> None:
-    """``x * scale`` with ``scale`` of ``scale_shape`` must give each of the ``channels``
+def _check_channel_scale(scale_shape: tuple[int, ...], channels: int,
+                         name: str = "scale_shape") -> None:
+    """``x * scale`` with ``scale`` of ``scale_shape`` (the argument ``name``) must give each
+    of the ``channels``
     channels of an (N, C, H, W) ``x`` one value, as the fused pipeline scales: one value, or
     the C values on axis -3 (``(C, 1, 1)``, ``(1, C, 1, 1)``). PyTorch aligns a ``(C,)``
     scale with the width instead."""
@@ -170,7 +189,7 @@ def _check_channel_scale(scale_shape: tuple[int, ...], channels: int) -> None:
     per_channel = (len(shape) in (3, 4) and shape[-3] == channels
                    and all(s == 1 for i, s in enumerate(shape) if i != len(shape) - 3))
     if not (per_channel or (len(shape) <= 4 and all(s == 1 for s in shape))):
-        raise ValueError(f"scale_shape must give each of the {channels} output channels one "
+        raise ValueError(f"{name} must give each of the {channels} output channels one "
                          f"value under x * scale's broadcasting, as the fused pipeline scales: "
                          f"({channels}, 1, 1), (1, {channels}, 1, 1) or one value; got "
                          f"{shape} (PyTorch aligns a ({channels},) scale with the width)")
@@ -247,6 +266,7 @@ class Conv2dGroupNormScaleMaxPoolClamp(_ForwardOnlyModule):
         conv, gn = self.conv, self.group_norm
         padding = _conv_padding(conv, "conv")
         _require(conv, "conv", "groups", 1)
+        _check_channel_scale(tuple(self.scale.shape), conv.out_channels, "scale's shape")
         return _ops.conv2d_groupnorm_scale_maxpool_clamp.default(
             x, conv.weight, conv.bias, gn.weight, gn.bias, self.scale,
             num_groups=gn.num_groups, pool_kernel=_pool_window(self.maxpool, 2, "maxpool"),

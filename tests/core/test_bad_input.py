@@ -151,11 +151,11 @@ CASES = {
                        "scale"),
     "A scale (1, 1, 1, C)": (lambda d: pipeline_a(d, scale=d["c8"].reshape(1, 1, 1, 8)),
                              ValueError, "scale"),
-    "C scale (C, 1, 1)": (lambda d: pipeline_c(d, scale=d["c4"].reshape(4, 1, 1)), ValueError,
-                          "scale"),
+    "C scale (C, 1)": (lambda d: pipeline_c(d, scale=d["c4"].reshape(4, 1)), ValueError,
+                       "scale"),
     # The message's example has the pipeline's own ndim.
-    "C scale (1, C, 1, 1)": (lambda d: pipeline_c(d, scale=d["c4"].reshape(1, 4, 1, 1)),
-                             ValueError, r"^scale must .* or \(1, 4, 1, 1, 1\)"),
+    "C scale (1, 1, C, 1, 1)": (lambda d: pipeline_c(d, scale=d["c4"].reshape(1, 1, 4, 1, 1)),
+                                ValueError, r"^scale must .* or \(1, 4, 1, 1, 1\)"),
 }
 
 
@@ -371,13 +371,15 @@ def test_scale_of_one_value_broadcasts(xp):
 
 
 def test_scale_on_the_channel_axis_is_per_channel(xp):
+    # The C values on the channel axis of y * scale, or in any of the layouts per channel
+    # that every parameter takes ((C,), (C, 1, 1), (1, C, 1, 1), (1, C, 1, 1, 1)).
     d = arrays(xp)
     want = pipeline_a(d, scale=d["c8"])
-    for shape in ((8, 1, 1), (1, 8, 1, 1)):
+    for shape in ((8, 1, 1), (1, 8, 1, 1), (1, 8, 1, 1, 1)):
         got = pipeline_a(d, scale=d["c8"].reshape(shape))
         np.testing.assert_allclose(_host(got), _host(want), rtol=1e-6)
     want = pipeline_c(d, scale=d["c4"])
-    for shape in ((4, 1, 1, 1), (1, 4, 1, 1, 1)):
+    for shape in ((4, 1, 1), (1, 4, 1, 1), (4, 1, 1, 1), (1, 4, 1, 1, 1)):
         got = pipeline_c(d, scale=d["c4"].reshape(shape))
         np.testing.assert_allclose(_host(got), _host(want), rtol=1e-6)
 

@@ -482,3 +482,12 @@ def test_reference_pipelines_take_no_scale_as_no_scaling(rng):
     got = reference.conv_transpose3d_avgpool_clamp_softmax_multiply(x, w, None, **c)
     want = reference.conv_transpose3d_avgpool_clamp_softmax_multiply(x, w, np.ones(5), **c)
     assert got.shape == (2, 5, 4, 6, 4) and np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("bounds", [(np.nan, 1.0), (0.0, np.nan), (np.nan, np.nan)])
+def test_reference_clamp_of_a_nan_bound_like_torch(bounds):
+    # The pipelines refuse a NaN bound; the reference's clamp, as torch.clamp, gives NaN.
+    y = np.array([-1.0, -0.0, 0.5, 2.0, np.inf, np.nan])
+    got = cufused.reference.clamp(y, *bounds)
+    assert np.isnan(got).all()
+    np.testing.assert_array_equal(got, torch.clamp(torch.from_numpy(y), *bounds).numpy())

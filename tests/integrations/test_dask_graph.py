@@ -119,6 +119,10 @@ def test_input_errors_name_the_argument(rng):
         cdask.group_norm(chunked(np.ones((1, 6), np.float32), (1,)), 6)
     with pytest.raises(ValueError, match=r"more than 1 value per channel .* \(1, 4, 1, 1\)"):
         cdask.batch_norm(chunked(np.ones((1, 4, 1, 1), np.float32), (1,)))
+    with pytest.raises(ValueError, match=r"x \(shape \(4, 3, 2, 2\)\) would be empty"):
+        cdask.conv2d(chunked(np.ones((4, 3, 2, 2)), (2, 2)), np.ones((2, 3, 5, 5)))
+    with pytest.raises(ValueError, match=r"zero-sized non-batch dimension: shape \(4, 0, 2, 2\)"):
+        cdask.conv2d(chunked(np.ones((4, 0, 2, 2)), (2, 2)), np.ones((2, 0, 1, 1)))
     with pytest.raises(ValueError, match="convolution output would have shape"):
         cdask.conv2d(chunked(np.ones((2, 4, 8, 8)), (1, 1)), np.ones((8, 4, 3, 3)),
                      padding=2**20)  # a sample past memory: at build, not at compute
@@ -239,7 +243,7 @@ def test_each_array_parameter_is_one_key_of_the_graph(rng, chunks):
     c = cdask.conv_transpose3d_avgpool_clamp_softmax_multiply(chunked(xc, chunks), *params_c,
                                                               **options_c)
     for lazy, names in ((y, ("bn_weight", "bn_bias", "gn_weight", "gn_bias", "running_mean",
-                             "running_var", "weight", "conv_bias", "sign")),
+                             "running_var", "weight", "conv_bias")),
                         (c, ("weight", "scale", "conv_bias"))):
         layer = dict(lazy.dask.layers[lazy.name])
         constants = {k: v for k, v in layer.items() if isinstance(v, np.ndarray)}
@@ -247,6 +251,21 @@ def test_each_array_parameter_is_one_key_of_the_graph(rng, chunks):
         assert not any(list(arrays_in(task)) for task in layer.values()
                        if not isinstance(task, np.ndarray))
     assert [s.chunks for s in stats] == [((8,),)] * 2
+
+
+def test_pipeline_b_reads_its_parameters_when_the_graph_runs(rng):
+    # As every cufused.dask function: a parameter changed in place after the graph is built
+    # counts (the convolution's weight and bias, and the signs of bn_weight, which decide
+    # which extremum each channel's windows keep).
+    x, params, options = case_b(rng, np.float64)
+    lazy = cdask.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(chunked(x, (2, 3)), *params,
+                                                                   **options)
+    weight, bn_weight = params[:2]
+    weight *= 0.5
+    bn_weight *= -1.0
+    options["conv_bias"] += 1.0
+    want = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(x, *params, **options)
+    assert_close(lazy.compute(), want, 1e-12)
 
 
 # ------------------------------------------------------------------------------ the benchmark

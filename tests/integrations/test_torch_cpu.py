@@ -164,9 +164,30 @@ def test_forward_only_errors():
         assert model(x).shape == (2, 8, 4, 4)
     with torch.inference_mode():
         assert model(x).shape == (2, 8, 4, 4)
+
+
+@pytest.mark.parametrize("name", ["A", "B", "C"])
+def test_modules_in_grad_mode_trace_whole(name):
+    # In grad mode a module compiles with fullgraph=True and exports, its result's backward
+    # traced as an operator that raises where it runs.
+    init, shape = SMALL[name]
+    ref, mine = make_pair(name, init)
+    x = torch.rand(shape)
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="forward-only"):
-        torch.compile(model, fullgraph=True, backend="aot_eager")(x)
+    got = torch.compile(mine, fullgraph=True, backend="aot_eager")(x)
+    with torch.no_grad():
+        want = ref(x)
+    assert got.requires_grad and rel_err(got.detach().numpy(), want.numpy()) < 1e-5
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        got.sum().backward()
+    assert all(p.grad is None for p in mine.parameters())
+    program = torch.export.export(mine.eval(), (x,))
+    ops = {str(n.target) for n in program.graph_module.modules() if hasattr(n, "graph")
+           for n in n.graph.nodes if n.op == "call_function"}
+    assert any(op.startswith("cufused.") for op in ops), ops
+    ref.eval()
+    with torch.no_grad():
+        assert rel_err(program.module()(x).numpy(), ref(x).numpy()) < 1e-5
 
 
 @pytest.mark.parametrize("name", ["A", "B", "C"])
@@ -295,6 +316,44 @@ def test_modules_refuse_a_submodule_of_another_class(name, path, replacement, tr
                                                           rf"got .*{kind}"):
         model(torch.rand(shape))
     assert all(torch.equal(a, b) for a, b in zip(before, model.state_dict().values()))
+
+
+@pytest.mark.parametrize("name, path", [("A", "conv"), ("B", "conv_transpose"),
+                                        ("C", "conv_transpose")])
+def test_modules_refuse_a_layer_with_forward_hooks(name, path):
+    from torch.nn.utils import prune
+
+    # Pruning computes a layer's weight in a forward pre-hook, which the fused call (reading
+    # the parameters, not calling the layer) would skip: refused. A parametrized layer, whose
+    # weight the parametrization computes on access, runs.
+    init, shape = SMALL[name]
+    ref, mine = make_pair(name, init)
+    x = torch.rand(shape)
+    with torch.no_grad():
+        for model in (ref, mine):
+            torch.nn.utils.parametrizations.weight_norm(getattr(model, path))
+        assert rel_err(mine(x).numpy(), ref(x).numpy()) < 1e-5
+        pruned = ours(name)(*init)
+        prune.l1_unstructured(getattr(pruned, path), "weight", 0.5)
+        with pytest.raises(ValueError, match=f"{path} has forward hooks"):
+            pruned(x)
+
+
+def test_module_a_refuses_a_scale_of_another_shape():
+    # A (C,) scale, which x * scale aligns with the width, set after construction.
+    init, shape = SMALL["A"]
+    model = ours("A")(*init)
+    model.scale = torch.nn.Parameter(torch.ones(model.conv.out_channels))
+    with torch.no_grad(), pytest.raises(ValueError, match=r"scale's shape must give each"):
+        model(torch.rand(shape))
+
+
+def test_traced_call_names_the_tensor_on_another_device():
+    with torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        x = torch.empty(2, 4, 3, 3, device="meta")
+        weight = mode.from_tensor(torch.ones(4))
+        with pytest.raises(ValueError, match="weight is a tensor on cpu with x on meta"):
+            torch.ops.cufused.group_norm(x, 2, weight)
 
 
 @pytest.mark.parametrize("name", ["A", "B", "C"])

@@ -147,6 +147,42 @@ def test_graph_buffers_leave_the_default_pool_alone(rng, plan_graphs_only):
     assert graph_pool.used_bytes() == 0 and graph_pool.total_bytes() == 0
 
 
+def test_graph_buffers_within_the_device_budget(rng, plan_graphs_only, monkeypatch):
+    # The plans' graphs keep at most KEPT_FRACTION of the device's memory in buffers: a new
+    # graph drops the oldest (another operand's, another plan's) until it fits, and one that
+    # cannot fit alone is not captured, its calls running directly with the same results.
+    from cufused import _cudnn
+    from cufused._arrays import _memory_limit
+    from cufused._cudnn import _plan
+
+    xs, ws = (2, 6, 9, 7), (6, 4, 3, 3)
+    xg, wg = to_gpu(rng.standard_normal(xs), rng.standard_normal(ws))
+    outs = [cp.empty((2, 4, 11, 9), dtype=cp.float32) for _ in range(3)]
+    cufused.clear_plan_cache()
+    with _pinned("nhwc"):
+        for _ in range(2):
+            cufused.conv_transpose2d(xg, wg, out=outs[0])
+        plan = [p for k, p in _cudnn._plans.items() if k[1].x_shape == xs][-1]
+        (kept,) = _plan._kept_bytes.values()
+        assert len(plan._replays) == 1 and kept > 0
+        # Room for one graph: the next operands' graph replaces the first.
+        monkeypatch.setattr(_plan, "KEPT_FRACTION", 1.5 * kept / _memory_limit(cp))
+        for _ in range(2):
+            cufused.conv_transpose2d(xg, wg, out=outs[1])
+        assert len(plan._replays) == 1 and list(_plan._kept_bytes.values()) == [kept]
+        # Room for none: the calls run directly.
+        monkeypatch.setattr(_plan, "KEPT_FRACTION", 0.5 * kept / _memory_limit(cp))
+        for _ in range(3):
+            outs[2].fill(cp.nan)
+            cufused.conv_transpose2d(xg, wg, out=outs[2])
+        assert len(plan._replays) == 1
+    want = cufused.conv_transpose2d(xg.get().astype(float), wg.get().astype(float))
+    for out in outs:
+        assert_close(out.get(), want, TOL["ieee"])
+    cufused.clear_plan_cache()
+    assert not _plan._kept and not _plan._kept_bytes
+
+
 @pytest.mark.parametrize("direct_wins", [False, True])
 def test_autotuned_plan_replay_decision(rng, monkeypatch, plan_graphs_only, direct_wins):
     # The autotuner times its chosen plan replayed and issued directly and keeps direct calls

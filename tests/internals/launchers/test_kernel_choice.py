@@ -123,6 +123,8 @@ def test_strategy_score_handicaps_input_conversions():
 @pytest.mark.parametrize("shape,groups,expected", [
     ((128, 64, 126, 126), 8, "fused"),      # A's canonical convolution output
     ((1, 64, 5798, 5798), 16, "unfused"),   # a sample past 2**31 values
+    ((1, 1, 1, 2**31 - 1), 1, "unfused"),   # a plane whose 32-bit loops would wrap
+    ((1, 1, 1, 2**31 - 2**16), 1, "fused"),
     ((2**28, 8, 4, 4), 8, "unfused"),       # 2**31 (sample, group) rows: past a grid
     ((2**28 - 1, 8, 4, 4), 8, "fused"),
 ])
