@@ -401,6 +401,17 @@ def test_tanh_accuracy():
     assert np.abs(got[finite] - ref[finite]).max() < 2e-7
     nonzero = finite & (ref != 0)
     assert (np.abs(got[nonzero] - ref[nonzero]) / np.abs(ref[nonzero])).max() < 6e-7
+    # A zero keeps its sign: with a bias of -0, x = -0 maps to -0 and x = +0 to +0.
+    signed = (np.array([-0.0, 0.0], dtype=np.float32).reshape(1, 1, 2), ones.get(),
+              np.full(1, -0.0, dtype=np.float32))
+    opts = dict(running_mean=zeros.get(), running_var=ones.get(), eps=0.0, training=False,
+                activation="tanh")
+    want = cufused.batch_norm(*signed, **opts).ravel()
+    got = cufused.batch_norm(*(cp.asarray(a) for a in signed),
+                             **{k: cp.asarray(v) if isinstance(v, np.ndarray) else v
+                                for k, v in opts.items()}).get().ravel()
+    assert np.signbit(want).tolist() == [True, False]
+    assert np.signbit(got).tolist() == [True, False] and (got == 0).all()
 
 
 def test_tensor_past_2_31_elements(rng):
