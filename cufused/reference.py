@@ -99,21 +99,25 @@ def group_norm(x, num_groups, weight, bias, eps):
     xp = _xp(x)
     x = _f64(x)
     n = x.shape[0]
-    rows = x.reshape(n, num_groups, -1)
-    # Deviations from the row's first finite value, as the GPU path sums them: a constant
-    # group's variance is exactly 0 (NaN with eps = 0, and bias with eps > 0, as in PyTorch),
-    # not the square of the rounding error of its mean.
-    first = rows[:, :, :1]
-    shift = xp.where(xp.isfinite(first), first, 0.0)
-    d = rows - shift
-    mean_d = d.mean(axis=2, keepdims=True)
-    var = ((d - mean_d) ** 2).mean(axis=2, keepdims=True)
-    mean = shift + mean_d
+    mean, var = _moments(x.reshape(n, num_groups, -1), (2,))
     shape = (n, num_groups, x.shape[1] // num_groups, -1)
     rstd = (1.0 / xp.sqrt(var + eps)).reshape(n, num_groups, 1, 1)
     return _affine(x.reshape(shape), rstd, mean.reshape(n, num_groups, 1, 1),
                    _grouped(weight, shape), _grouped(bias, shape),
                    zero_bias=weight is not None).reshape(x.shape)
+
+
+def _moments(x, axes: tuple[int, ...]):
+    """Mean and biased variance of ``x`` over ``axes`` (kept as size-1 axes), from the
+    deviations to the first value of each set when it is finite (else 0), as the GPU path sums
+    them: a constant set's variance is exactly 0 (NaN with eps = 0, and bias with eps > 0, as in
+    PyTorch), not the square of the rounding error of its mean."""
+    xp = _xp(x)
+    first = x[tuple(slice(0, 1) if axis in axes else slice(None) for axis in range(x.ndim))]
+    shift = xp.where(xp.isfinite(first), first, 0.0)
+    d = x - shift
+    mean_d = d.mean(axis=axes, keepdims=True)
+    return shift + mean_d, ((d - mean_d) ** 2).mean(axis=axes, keepdims=True)
 
 
 def _grouped(p, shape):
@@ -148,8 +152,7 @@ def batch_norm(x, weight, bias, running_mean, running_var, training, momentum, e
     x = _f64(x)
     axes = (0,) + tuple(range(2, x.ndim))
     if training:
-        mean = x.mean(axis=axes)
-        var = x.var(axis=axes)
+        mean, var = (m.reshape(x.shape[1]) for m in _moments(x, axes))
         count = x.size // x.shape[1]
         if running_mean is not None:
             running_mean[...] = (1 - momentum) * _f64(running_mean) + momentum * mean

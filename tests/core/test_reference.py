@@ -491,3 +491,14 @@ def test_reference_clamp_of_a_nan_bound_like_torch(bounds):
     got = cufused.reference.clamp(y, *bounds)
     assert np.isnan(got).all()
     np.testing.assert_array_equal(got, torch.clamp(torch.from_numpy(y), *bounds).numpy())
+
+
+def test_reference_batch_statistics_of_a_constant_channel():
+    # Deviations from the channel's first value: a constant channel of large magnitude has a
+    # variance of exactly 0 (not the square of its mean's rounding error), as in GroupNorm.
+    x = np.full((999, 2, 1, 1), 1e14 / 3)
+    x[:, 1, 0, 0] = values = np.linspace(-1.0, 1.0, 999)
+    rm, rv = np.zeros(2), np.ones(2)
+    cufused.reference.batch_norm(x, None, None, rm, rv, True, 0.1, 1e-5)
+    assert rv[0] == 0.9 and rm[0] == 0.1 * (1e14 / 3)
+    assert abs(rv[1] - (0.9 + 0.1 * values.var() * 999 / 998)) < 1e-15
