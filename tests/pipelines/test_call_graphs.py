@@ -455,14 +455,14 @@ def test_default_precision_changed_during_a_call(rng, quick_plans, fresh, monkey
 def test_settings_changed_during_a_capture(rng, quick_plans, fresh, monkeypatch):
     # Another thread changes a plan setting while a call is captured: the capture may have
     # read either setting, so its graph is kept under neither key, and the call runs directly.
-    from cufused._cudnn import _config
+    from cufused._cudnn._config import _config
 
     x, w = to_gpu(rng.random((2, 3, 9, 8)), rng.random((4, 3, 3, 3)))
     out = cp.empty((2, 4, 9, 8), cp.float32)
     capture = _call_graphs._capture
 
     def changing(*args):
-        _config._config["replay"] = False  # a setting that the capture itself survives
+        _config["replay"] = False  # a setting that the capture itself survives
         entry = capture(*args)
         captured.append(entry is not None)
         return entry
@@ -471,10 +471,10 @@ def test_settings_changed_during_a_capture(rng, quick_plans, fresh, monkeypatch)
     monkeypatch.setattr(_call_graphs, "_capture", changing)
     try:
         for _ in range(3):
-            _config._config["replay"] = True
+            _config["replay"] = True
             cufused.conv2d(x, w, padding=1, out=out)
     finally:
-        _config._config["replay"] = True
+        _config["replay"] = True
     assert captured == [True] and not _call_graphs._graphs
     assert_same_as_direct(out, _direct(cufused.conv2d, x, w, padding=1),
                           _direct(cufused.conv2d, x, w, padding=1))
