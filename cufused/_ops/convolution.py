@@ -72,10 +72,10 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
                 pass
         y = out if out is not None else _empty_nchw(args.out_shape)
         engine[1](x, weight, bias, y)
-        # The implicit GEMM's forward convolutions and conv_transpose3d_s2k3 (3-D) take a
-        # non-finite weight as the definition does; a stride-1 transposed 2-D one runs as a
-        # forward one, whose padding meets the weight.
-        if definition_nans and (engine[0] != "igemm" or (args.transposed and x.ndim == 4)):
+        # The DFT engine, the implicit GEMM's forward convolutions and conv_transpose3d_s2k3
+        # (3-D) take a non-finite weight as the definition does; a stride-1 transposed 2-D
+        # one runs as a forward one, whose padding meets the weight.
+        if definition_nans and engine[0] == "igemm" and args.transposed and x.ndim == 4:
             _nonfinite_weight_rows(x, weight, bias, y, args)
         return y, "nchw"
     try:

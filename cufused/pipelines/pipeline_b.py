@@ -160,13 +160,11 @@ def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, bn_
     ``out``) and the batch statistics; BatchNorm as per-channel coefficients (and the running
     buffers updated); channels with a non-finite parameter recomputed; BatchNorm + tanh and
     the GroupNorm applied to the extrema in place."""
-    # One group: a non-finite weight's values (the definition's or an algorithm's) make
-    # its BatchNorm channel NaN alike; groups keep another group's channels finite. A
-    # spreading plan's non-finite input by the definition: one that reaches no output (a
-    # padding past dilation * (k - 1)) leaves the sample finite.
+    # Non-finite weights and inputs by the definition: a weight's tap or an input that
+    # reaches no output (cropped by the padding) leaves its channel or sample finite, where
+    # an algorithm may multiply it by padding zeros or spread it.
     y, _ = conv_on_gpu(x, weight, args, precision, convert_output=False,
-                       batch_statistics=True, definition_nans=args.groups > 1,
-                       definition_inputs=True)
+                       batch_statistics=True, definition_nans=True, definition_inputs=True)
     c = y.shape[1]
     # The pooled extrema go into out, and the GroupNorm maps them in place. From a
     # channels-last conv output the pass stores them channels-last with 16-byte stores, in
@@ -221,8 +219,7 @@ def _chunk_extrema_sums(x, weight, conv_bias, bn_weight, *, stride, padding, out
     check_conv_memory(x.shape, args, xp)
     n, c, h, w = args.out_shape
     y, _ = conv_on_gpu(x, weight, args, precision, convert_output=False,  # as _fused's
-                       batch_statistics=True, definition_nans=args.groups > 1,
-                       definition_inputs=True)
+                       batch_statistics=True, definition_nans=True, definition_inputs=True)
     pooled = xp.empty((n, c, h // pool, w // pool), dtype=x.dtype)
     partial, shift, _ = pool_extremum_stats(
         xp, y, pooled, pool, bias=per_channel(conv_bias, c, xp),

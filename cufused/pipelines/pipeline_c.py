@@ -119,7 +119,21 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
             output_padding=args.output_padding, pool_kernel=(k, k, k), clamp_min=lo,
             clamp_max=hi, conv_bias=conv_bias, groups=args.groups),
         gpu=gpu_path(method, _fused, _unfused, xp, x, weight, args, precision, k=k,
-                     pooled_shape=pooled_shape, conv_bias=conv_bias, scale=scale, lo=lo, hi=hi))
+                     pooled_shape=pooled_shape, conv_bias=conv_bias, scale=scale,
+                     lo=_float32_bound(lo), hi=_float32_bound(hi)))
+
+
+def _float32_bound(bound: float) -> float:
+    """A clamp bound as the float32 GPU path takes it: a finite bound past float32's range
+    saturates to its largest value. The clamped values then lie where the reference's do
+    (every one of a row at a bound beyond the data gives a uniform softmax), where the bound
+    cast to float32, an infinity, would clamp a row to infinities and its softmax to NaN."""
+    if not math.isfinite(bound):
+        return bound
+    return min(max(bound, -_FLOAT32_MAX), _FLOAT32_MAX)
+
+
+_FLOAT32_MAX = float(numpy.finfo(numpy.float32).max)
 
 
 def _nonfinite_weight_rows(xp, x_pooled, weight, args, out, *, conv_bias, scale, lo, hi,

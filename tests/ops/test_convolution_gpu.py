@@ -92,7 +92,7 @@ TRANSPOSED_NON_FINITE_WEIGHT_CASES = {
 }
 
 
-@pytest.mark.parametrize("engine", [None, "igemm"])
+@pytest.mark.parametrize("engine", [None, "igemm", "fft"])
 @pytest.mark.parametrize("precision", ["ieee", "tf32", "3xtf32"])
 @pytest.mark.parametrize("case", list(TRANSPOSED_NON_FINITE_WEIGHT_CASES))
 def test_conv_transpose_non_finite_weight_by_the_definition(rng, case, precision, engine):

@@ -158,11 +158,34 @@ def test_pipeline_c(rng, layout, method, precision, clamp):
     assert rel_err(out.get(), ref) < PIPELINE_TOL[precision]
 
 
-@pytest.mark.parametrize("bound", [1e10, -1e10, 3e38, -3e38])
+@pytest.mark.parametrize("engine", ["cudnn", "igemm", "fft"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32", "3xtf32"])
+def test_pipeline_b_non_finite_weight_on_a_tap_that_reaches_no_output(rng, engine, precision):
+    # The padding crops every output that the weight's tap (0, 0) would reach, so its infinity
+    # and NaN meet no value by the definition and every channel stays finite, on every
+    # engine (an algorithm may multiply it by the padding's zeros).
+    from cufused._cudnn import plan_options
+
+    x = rng.random((4, 3, 2, 2))
+    w = rng.standard_normal((3, 4, 5, 5))
+    w[:, 0, 0, 0], w[1, 2, 0, 0] = np.inf, np.nan
+    params = [mixed(rng, 4) for _ in range(4)]
+    opts = dict(num_groups=2, padding=2)
+    ref = cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(x, w, *params, **opts)
+    assert np.isfinite(ref).all()
+    out = poisoned(ref.shape)
+    with plan_options(engine=engine):
+        cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+            *to_gpu(x, w, *params), **opts, precision=precision, out=out)
+    assert_close(out.get(), ref, PIPELINE_TOL[precision])
+
+
+@pytest.mark.parametrize("bound", [1e10, -1e10, 3e38, -3e38, 1e39, -1e39])
 @pytest.mark.parametrize("engine", ["cudnn", "igemm"])
 def test_pipeline_c_clamp_bounds_far_from_zero(rng, engine, bound):
     # Both bounds at one huge value: every value clamps to it, and the softmax is uniform
-    # (every path forms each exponent from v - clamp_middle(clamp_min, clamp_max)).
+    # (every path forms each exponent from v - clamp_middle(clamp_min, clamp_max)); past
+    # float32's range too (the reference's values all at the bound).
     from cufused._cudnn import plan_options
 
     arrays, opts = pipeline_c_args(rng)
