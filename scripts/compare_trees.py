@@ -103,9 +103,10 @@ def _run_tree(tree: str, args) -> list[dict]:
     command = [sys.executable, __file__, "--child", "--repeat", str(args.repeat),
                "--cases", *args.cases, "--precisions", *args.precisions,
                *(["--without-out"] if args.without_out else [])]
-    lines = subprocess.run(command, env=env, check=True, capture_output=True,
-                           text=True).stdout.splitlines()
-    return [json.loads(line) for line in lines if line.startswith("{")]
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode:  # the child's own error, not only its exit status
+        sys.exit(f"{tree}: the timing process failed (exit {done.returncode}):\n{done.stderr}")
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
 def _table(trees: list[str], runs: dict) -> list[str]:

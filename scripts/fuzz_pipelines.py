@@ -326,13 +326,17 @@ def run_case(rng, name: str, *, nonfinite: bool = False,
         tol = 2e-2 if offset else 5e-3
     else:
         tol = 3e-4 if offset else 1e-4
+    import cupy
+
     gpu_args = [_to_gpu(a) for a in args]
     gpu_options = {k: _to_gpu(v) for k, v in options.items()}
     if nonfinite and name == "C":
         ignore = _float32_underflow(name, args, options)
     with plan_options(engine=engine):
-        for _ in range(3):
-            out = fn(*gpu_args, **gpu_options, precision=precision)
+        for i in range(3):  # then into NaN-poisoned outs: an element left unwritten fails
+            poisoned = {} if i == 0 else dict(out=cupy.full(ref.shape, cupy.nan,
+                                                            dtype=cupy.float32))
+            out = fn(*gpu_args, **gpu_options, precision=precision, **poisoned)
             errors.append((_placement_error(out.get(), ref, ignore, floor=SCALE_FLOOR[name])
                            if nonfinite
                            else rel_err(out, ref)) / tol)
@@ -351,6 +355,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.cpu and not args.nonfinite:
         parser.error("--cpu compares with PyTorch only with --nonfinite")
+    if not args.cpu:
+        from cufused._arrays import gpu_available
+
+        if not gpu_available():
+            parser.error("no CUDA GPU: the GPU path needs one (--cpu --nonfinite runs the "
+                         "NumPy path)")
     rng = np.random.default_rng(args.seed)
     ran = {name: 0 for name in args.cases}
     failed = 0

@@ -18,6 +18,10 @@ case "$what" in
   tests|bench|check|all|compare|dask) ;;
   *) echo "usage: bash scripts/gpu_check.sh [tests|bench|check|all|compare|dask] ..." >&2; exit 2 ;;
 esac
+if [ "$what" = compare ] && [ $# -lt 1 ]; then
+  echo "usage: bash scripts/gpu_check.sh compare OLD_TREE [compare_trees.py options...]" >&2
+  exit 2
+fi
 out=${OUT:-gpu_check_out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then

@@ -15,6 +15,11 @@ from .. import reference
 from .._arrays import import_cupy, is_cupy_array
 
 
+#: The largest relative error (:func:`rel_err`) against the float64 reference that ``check``
+#: and ``bench`` accept of a pipeline's result, per precision.
+TOLERANCE = {"ieee": 1e-4, "tf32": 5e-3, "3xtf32": 1e-4}
+
+
 def rel_err(out, ref) -> float:
     """``||out - ref|| / ||ref||`` in float64; NaN in ``out`` where ``ref`` has none gives inf.
 

@@ -16,7 +16,7 @@ import numpy
 
 import cufused
 
-from .cases import Case, on_gpu, torch_pipeline
+from .cases import Case, on_gpu, rel_err, torch_pipeline
 
 L2_FLUSH_BYTES = 256 * 1024 * 1024
 
@@ -222,20 +222,37 @@ def _timed_calls(case: Case, precision: str, inputs: dict, out, rng, torch_calls
     return fns, plan, free_plan
 
 
+#: The timed calls whose results ``bench_case`` checks (``err_<name>`` in its rows).
+RESULT_CALLS = ("fused", "prepared", "unfused")
+
+
+def _result_errors(fns: dict, out, reference) -> dict:
+    """``err_<name>``: the relative error (:func:`~.cases.rel_err`) against the float64
+    ``reference`` of each of :data:`RESULT_CALLS`' results, ``out`` NaN-poisoned before each
+    call (the fused and prepared calls write it; an element left unwritten counts as NaN)."""
+    errors = {}
+    for name in RESULT_CALLS:
+        out.fill(numpy.nan)
+        errors[f"err_{name}"] = rel_err(fns[name](), reference)
+    return errors
+
+
 @contextlib.contextmanager
 def _pytorch_at(precision: str, active: bool):
-    """Where ``active``: PyTorch set to ``precision`` and without autograd for the block."""
+    """Where ``active``: PyTorch set to ``precision`` and without autograd for the block (its
+    TF32 switches restored after it)."""
     if not active:
         yield
         return
     import torch
 
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     set_torch_precision(precision)
     try:
         with torch.no_grad():
             yield
     finally:
-        set_torch_precision("ieee")
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def _compare(timer: Timer, fns: dict, precision: str, *, torch_calls: bool) -> dict:
@@ -271,12 +288,14 @@ def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_e
     rng = rng or numpy.random.default_rng(0)
     inputs = case.make_inputs(rng)
     gpu = on_gpu(inputs)
+    reference = case.reference(gpu)  # float64, on the GPU
     out = cupy.empty(case.output_shape, dtype=cupy.float32)
     torch_calls = _torch_calls(case, gpu, eager=torch_eager, compiled=torch_compile)
     rows = []
     for precision in precisions:
         fns, plan, free_plan = _timed_calls(case, precision, inputs, out, rng, torch_calls)
         row = _compare(timer, fns, precision, torch_calls=bool(torch_calls))
+        row.update(_result_errors(fns, out, reference))
         row.update(_host_times(fns, precision, lambda: case.run_cufused(
             inputs, precision=precision)))
         # Device ms per call of 20 fused calls back to back (CUDA events around them).

@@ -403,3 +403,35 @@ def test_bench_conv_engine(monkeypatch, name, epilogue, igemm, engine):
     assert all(a.transposed == (c["kind"] == "dgrad") and a.out_shape == c["y_shape"]
                for a in asked) and asked
     assert flags == ([] if name == "C" or epilogue else [name == "B"])
+
+
+def test_bench_checks_the_results_it_times(capsys):
+    # Each timed cufused result (its out NaN-poisoned first) against the float64 reference:
+    # the errors go into the rows, and a result past its precision's tolerance fails bench.
+    import numpy as np
+
+    from cufused.bench.cli import _report_errors
+    from cufused.bench.timing import RESULT_CALLS, _result_errors
+
+    reference = np.linspace(1.0, 2.0, 12)
+    out = np.empty(12, dtype=np.float32)
+
+    def writes(values):
+        def call():
+            out[:len(values)] = values
+            return out
+        return call
+
+    fns = {"fused": writes(reference), "prepared": writes(reference[:11]),
+           "unfused": lambda: reference * (1 + 1e-3)}
+    errors = _result_errors(fns, out, reference)
+    assert set(errors) == {f"err_{name}" for name in RESULT_CALLS}
+    assert errors["err_fused"] < 1e-7 and errors["err_prepared"] == float("inf")
+    assert abs(errors["err_unfused"] - 1e-3) < 1e-9
+    rows = [dict(case="A", precision="tf32", **errors)]
+    assert _report_errors(rows) == 1
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-1].startswith("FAIL A tf32 prepared: inf")
+    rows[0]["err_prepared"] = 0.0
+    assert _report_errors(rows) == 0
+    assert "tf32 1.0e-03 (< 5e-03)" in capsys.readouterr().out
