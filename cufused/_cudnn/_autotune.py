@@ -260,13 +260,12 @@ def _decide_replay(plan: ConvPlan, call, rounds: int = 11) -> None:
             with timed_replay(replay):
                 times[replay].append(time_ms(call, repeat=1, batch=1, flush=flush))
                 issue[replay].append(issue_ms(call))
-    if plan._replays is not None:
-        plan._replays.clear()  # the graphs of the autotuner's operands
     plan._calls.clear()
     replayed, direct, replayed_issue, direct_issue = (
         float(numpy.median(t)) for t in (times[True], times[False], issue[True], issue[False]))
-    if _direct_wins(replayed, direct, replayed_issue, direct_issue):
-        plan._replays = None
+    # The graphs of the autotuner's operands go, and with them replay where direct wins.
+    plan.drop_replays(keep_replaying=not _direct_wins(replayed, direct, replayed_issue,
+                                                      direct_issue))
 
 
 def _direct_wins(replayed_ms: float, direct_ms: float, replayed_issue_ms: float,

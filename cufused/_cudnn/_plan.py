@@ -7,6 +7,7 @@ import contextlib
 import contextvars
 import functools
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,10 +33,13 @@ _REPLAYS_LOCK = threading.Lock()  # a plan's graphs are evicted and added under 
 #: oldest graphs of any plan until its buffers fit, and one whose buffers alone pass it is
 #: not captured (its calls run directly, as a call whose buffers do not fit in memory does).
 KEPT_FRACTION = 1 / 8
-# The kept graphs in capture order: (id of the plan's graph table, key) -> (table, bytes).
-_kept: OrderedDict[tuple, tuple[dict, int]] = OrderedDict()
+# The kept graphs in capture order: (id(plan), key) -> (a weak reference to the plan,
+# bytes). Weak: a plan that nothing else holds (an autotuner's candidate that lost) goes,
+# with its graphs, as it did before the budget; its entries then leave at the next capture.
+_kept: OrderedDict[tuple, tuple[weakref.ref, int]] = OrderedDict()
 _kept_bytes: dict[int, int] = {}  # device -> bytes that its plans' graphs keep
-# The count that marks a key whose calls run directly (past the budget); never reaches a capture.
+# The count that marks a key whose calls run directly (past the budget): no call reaches a
+# capture from it (until a plan's counts are cleared, after 8 * _MAX_REPLAYS keys).
 _NEVER = -(2**62)
 
 
@@ -78,14 +82,22 @@ def _graph_buffer_pool():
     return import_cupy().cuda.MemoryPool()
 
 
-def _drop_kept(replays: dict, key: tuple):
-    """Remove the graph of ``key`` from its plan's table ``replays`` and from the budget
-    (under ``_REPLAYS_LOCK``); return it, to be released after the lock."""
-    replay = replays.pop(key, None)
-    entry = _kept.pop((id(replays), key), None)
-    if entry is not None:
-        _kept_bytes[key[1]] -= entry[1]
-    return replay
+def _drop_kept(plan_id: int, key: tuple):
+    """Remove the graph of ``key`` from the budget and from its plan's table, where the plan
+    lives (under ``_REPLAYS_LOCK``); return the graph, to be released after the lock."""
+    entry = _kept.pop((plan_id, key), None)
+    if entry is None:
+        return None
+    _kept_bytes[key[1]] -= entry[1]
+    plan = entry[0]()
+    replays = None if plan is None else plan._replays
+    return None if replays is None else replays.pop(key, None)
+
+
+def _drop_dead() -> None:
+    """Remove from the budget the graphs of plans that are gone (under ``_REPLAYS_LOCK``)."""
+    for plan_id, key in [k for k, (ref, _) in _kept.items() if ref() is None]:
+        _drop_kept(plan_id, key)
 
 
 def forget_kept() -> None:
@@ -220,6 +232,17 @@ class ConvPlan:
         else:
             work(buffers())
 
+    def drop_replays(self, *, keep_replaying: bool = True) -> None:
+        """Drop this plan's graphs (from the budget too); without ``keep_replaying`` its calls
+        run directly from then on."""
+        with _REPLAYS_LOCK:
+            dropped = [_drop_kept(id(self), key) for key in list(self._replays or ())]
+            if self._replays is not None:
+                self._replays.clear()
+            if not keep_replaying:
+                self._replays = None
+        del dropped  # released after the lock: a graph's destruction takes time
+
     def _replay(self, kind, operands, buffers, work):
         """The graph launcher for ``_launch``: cached, captured now (on the second call with
         these operands), or None (replay off, a capture in progress, a failed capture)."""
@@ -250,8 +273,11 @@ class ConvPlan:
         try:
             with cupy.cuda.using_allocator(pool.malloc):
                 kept = buffers()
-        except cupy.cuda.memory.OutOfMemoryError:  # the direct call needs none of them
+        except cupy.cuda.memory.OutOfMemoryError:
+            # The direct call takes its buffers from the default pool, which may hold them;
+            # what this pool took before the failure goes back to the device.
             self._calls[key] = _NEVER
+            pool.free_all_blocks()
             return None
         nbytes = sum(b.nbytes for b in kept if b is not None)
         limit = KEPT_FRACTION * _memory_limit(cupy)
@@ -269,20 +295,24 @@ class ConvPlan:
                 finally:
                     graph = side.end_capture()
         except Exception:  # noqa: BLE001 - an engine that cannot be captured runs directly
-            self._replays = None
+            self.drop_replays(keep_replaying=False)
             return None
         replay = functools.partial(_launch_graph, graph, stream, kept)
         evicted = []  # released after the lock: a graph's destruction takes time
         with _REPLAYS_LOCK:  # threads capturing at once must not evict the same graph
+            _drop_dead()
+            evicted.append(_drop_kept(id(self), key))  # another thread's capture of this key
+            evicted.append(replays.pop(key, None))
             if len(replays) >= _MAX_REPLAYS:
-                evicted.append(_drop_kept(replays, next(iter(replays))))  # the oldest
+                oldest = next(iter(replays))
+                evicted += [_drop_kept(id(self), oldest), replays.pop(oldest, None)]
             device = key[1]
-            for kept_key in [k for k in _kept if k[1][1] == device]:  # the oldest first
+            for plan_id, kept_key in [k for k in _kept if k[1][1] == device]:  # oldest first
                 if _kept_bytes.get(device, 0) + nbytes <= limit:
                     break
-                evicted.append(_drop_kept(_kept[kept_key][0], kept_key[1]))
+                evicted.append(_drop_kept(plan_id, kept_key))
             replays[key] = replay
-            _kept[id(replays), key] = (replays, nbytes)
+            _kept[id(self), key] = (weakref.ref(self), nbytes)
             _kept_bytes[device] = _kept_bytes.get(device, 0) + nbytes
         del evicted
         return replay

@@ -211,7 +211,7 @@ def _chunk_extrema_sums(x, weight, conv_bias, bn_weight, *, stride, padding, out
     them, so that the chunks' merged moments give the running mean's update, and an
     infinite bias makes its channel's mean that infinity and its variance NaN, as in the
     single call (whose statistics skip the bias and add it to the mean) and PyTorch. The
-    sample of ``y`` has fewer than 2**31 elements (``gpu_method``).
+    sample of ``y`` has at most ``FUSED_SAMPLE_VALUES`` elements (``gpu_method``).
     """
     xp = get_array_module(x=x)
     args = cached_conv_args(x.shape, weight.shape, 2, transposed=True, stride=stride,

@@ -13,8 +13,9 @@ least per-call overhead), with fake kernels so that ``torch.compile(fullgraph=Tr
 The operators are forward-only: a call with an input that requires grad while grad mode is on
 raises ``RuntimeError`` (run under ``torch.no_grad()`` or ``torch.inference_mode()``). The
 modules also run in grad mode, with a result whose backward raises ``NotImplementedError``
-(compiled and exported models too: the backward is an operator, ``_no_backward``, traced by
-its fake kernel).
+(compiled models too: the backward is an operator, ``_no_backward``, traced by its fake
+kernel); ``torch.export`` traces a module in grad mode, and the exported program runs the
+operator without autograd (its result does not require grad).
 
 The three ``nn.Module`` classes take the constructor arguments of the KernelBench level 2
 models in their order, create the same submodules and parameters (same initialization, same

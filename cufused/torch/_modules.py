@@ -54,9 +54,9 @@ class _NoBackward(torch.autograd.Function):
 
 
 class _ForwardOnlyModule(torch.nn.Module):
-    """``forward`` runs the subclass's ``_run(x)``; in grad mode with ``x`` or one of the
-    tensors that ``_run`` passes to the operators (the subclass's ``_weights()``) requiring
-    grad, through :class:`_NoBackward` (the operators themselves refuse such inputs). The
+    """``forward`` runs the subclass's ``_run(x, weights)`` on its ``_weights()``, read once;
+    in grad mode with ``x`` or one of those tensors requiring grad, through
+    :class:`_NoBackward` (the operators themselves refuse such inputs). The
     tensors are named, not found by ``parameters()``: a ``DataParallel`` replica holds its
     weights as plain tensors. ``_SUBMODULES`` names the subclass's layers and the class each
     must be: the fused call computes those classes' operations, whatever is installed."""
@@ -83,11 +83,15 @@ class _ForwardOnlyModule(torch.nn.Module):
         """
         for name, cls in self._SUBMODULES.items():
             _check_layer(getattr(self, name), name, cls)
+        # Read once: a parametrized weight is computed at each read (spectral_norm's power
+        # iteration, which updates its vectors, among them).
+        weights = self._weights()
         if torch.is_grad_enabled():
-            tracked = [t for t in self._weights() if t is not None and t.requires_grad]
+            tracked = [t for t in weights if t is not None and t.requires_grad]
             if tracked or x.requires_grad:
-                return _NoBackward.apply(type(self).__name__, self._run, x, *tracked)
-        return self._run(x)
+                return _NoBackward.apply(type(self).__name__,
+                                         lambda x: self._run(x, weights), x, *tracked)
+        return self._run(x, weights)
 
 
 def _check_layer(module: torch.nn.Module, name: str, cls: type) -> None:
@@ -179,19 +183,21 @@ def _pool_window(pool: torch.nn.Module, nd: int, name: str) -> int:
 
 
 def _check_channel_scale(scale_shape: tuple[int, ...], channels: int,
-                         name: str = "scale_shape") -> None:
+                         name: str = "scale_shape", ndim: int = 4) -> None:
     """``x * scale`` with ``scale`` of ``scale_shape`` (the argument ``name``) must give each
-    of the ``channels``
-    channels of an (N, C, H, W) ``x`` one value, as the fused pipeline scales: one value, or
-    the C values on axis -3 (``(C, 1, 1)``, ``(1, C, 1, 1)``). PyTorch aligns a ``(C,)``
-    scale with the width instead."""
+    of the ``channels`` channels of an (N, C, ...) ``x`` of ``ndim`` dimensions one value, as
+    the fused pipeline scales: one value, or the C values on the channel axis under
+    broadcasting (``(C, 1, 1)`` or ``(1, C, 1, 1)`` in 4-D). PyTorch aligns a ``(C,)`` scale
+    with the width instead."""
     shape = (scale_shape,) if isinstance(scale_shape, int) else tuple(scale_shape)
-    per_channel = (len(shape) in (3, 4) and shape[-3] == channels
-                   and all(s == 1 for i, s in enumerate(shape) if i != len(shape) - 3))
-    if not (per_channel or (len(shape) <= 4 and all(s == 1 for s in shape))):
+    axis = len(shape) - (ndim - 1)  # the channel axis, aligned from the right
+    per_channel = (len(shape) in (ndim - 1, ndim) and shape[axis] == channels
+                   and all(s == 1 for i, s in enumerate(shape) if i != axis))
+    if not (per_channel or (len(shape) <= ndim and all(s == 1 for s in shape))):
+        ones = (1,) * (ndim - 2)
         raise ValueError(f"{name} must give each of the {channels} output channels one "
                          f"value under x * scale's broadcasting, as the fused pipeline scales: "
-                         f"({channels}, 1, 1), (1, {channels}, 1, 1) or one value; got "
+                         f"{(channels, *ones)}, {(1, channels, *ones)} or one value; got "
                          f"{shape} (PyTorch aligns a ({channels},) scale with the width)")
 
 
@@ -262,13 +268,14 @@ class Conv2dGroupNormScaleMaxPoolClamp(_ForwardOnlyModule):
         conv, gn = self.conv, self.group_norm
         return conv.weight, conv.bias, gn.weight, gn.bias, self.scale
 
-    def _run(self, x: torch.Tensor) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, weights: tuple) -> torch.Tensor:
         conv, gn = self.conv, self.group_norm
         padding = _conv_padding(conv, "conv")
         _require(conv, "conv", "groups", 1)
-        _check_channel_scale(tuple(self.scale.shape), conv.out_channels, "scale's shape")
+        conv_weight, conv_bias, gn_weight, gn_bias, scale = weights
+        _check_channel_scale(tuple(scale.shape), conv.out_channels, "scale's shape")
         return _ops.conv2d_groupnorm_scale_maxpool_clamp.default(
-            x, conv.weight, conv.bias, gn.weight, gn.bias, self.scale,
+            x, conv_weight, conv_bias, gn_weight, gn_bias, scale,
             num_groups=gn.num_groups, pool_kernel=_pool_window(self.maxpool, 2, "maxpool"),
             clamp_min=self.clamp_min, clamp_max=self.clamp_max, stride=conv.stride,
             padding=padding, eps=gn.eps, precision=self.precision)
@@ -343,9 +350,10 @@ class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(_ForwardOnlyModule):
         ct, bn, gn = self.conv_transpose, self.batch_norm, self.group_norm
         return ct.weight, ct.bias, bn.weight, bn.bias, gn.weight, gn.bias
 
-    def _run(self, x: torch.Tensor) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, weights: tuple) -> torch.Tensor:
         bn, ct = self.batch_norm, self.conv_transpose
         _check_transposed(ct, "conv_transpose")
+        ct_weight, ct_bias, bn_weight, bn_bias, gn_weight, gn_bias = weights
         k = _pool_window(self.max_pool, 2, "max_pool")
         # BatchNorm's bookkeeping, as nn.BatchNorm2d.forward does it, except that the batch
         # is counted with the running statistics' update, once the call that updates them has
@@ -367,26 +375,26 @@ class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(_ForwardOnlyModule):
                 running_mean = x.new_zeros(ct.out_channels)
                 running_var = x.new_ones(ct.out_channels)
             y = _ops.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm.default(
-                x, ct.weight, bn.weight, bn.bias, gn.weight, gn.bias, num_groups=gn.num_groups,
+                x, ct_weight, bn_weight, bn_bias, gn_weight, gn_bias, num_groups=gn.num_groups,
                 stride=ct.stride, padding=ct.padding, output_padding=ct.output_padding,
-                groups=ct.groups, conv_bias=ct.bias, pool_kernel=k, eps=bn.eps,
+                groups=ct.groups, conv_bias=ct_bias, pool_kernel=k, eps=bn.eps,
                 running_mean=running_mean, running_var=running_var, momentum=momentum,
                 precision=self.precision)
             if counted:
                 bn.num_batches_tracked.add_(1)
             return y
         y = _ops.conv_transpose2d.default(
-            x, ct.weight, ct.bias, stride=ct.stride, padding=ct.padding,
+            x, ct_weight, ct_bias, stride=ct.stride, padding=ct.padding,
             output_padding=ct.output_padding, groups=ct.groups, precision=self.precision)
         # In training the blocks update copies of the running statistics, which replace them
         # once the last block has succeeded, as the fused call's checks come before its update.
         staged = [b.clone() if batch_stats and b is not None else b
                   for b in (running_mean, running_var)]
-        y = _ops.batch_norm.default(y, bn.weight, bn.bias, running_mean=staged[0],
+        y = _ops.batch_norm.default(y, bn_weight, bn_bias, running_mean=staged[0],
                                     running_var=staged[1], training=batch_stats,
                                     momentum=momentum, eps=bn.eps, activation="tanh")
         y = _ops.max_pool2d.default(y, k, k)
-        y = _ops.group_norm.default(y, gn.num_groups, gn.weight, gn.bias, eps=gn.eps)
+        y = _ops.group_norm.default(y, gn.num_groups, gn_weight, gn_bias, eps=gn.eps)
         for buffer, new in zip((running_mean, running_var), staged):
             if new is not buffer:
                 buffer.copy_(new)
@@ -458,12 +466,14 @@ class ConvTranspose3dAvgPoolClampSoftmaxMultiply(_ForwardOnlyModule):
         ct = self.conv_transpose
         return ct.weight, ct.bias, self.scale
 
-    def _run(self, x: torch.Tensor) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, weights: tuple) -> torch.Tensor:
         ct = self.conv_transpose
         _check_transposed(ct, "conv_transpose")
+        ct_weight, ct_bias, scale = weights
+        _check_channel_scale(tuple(scale.shape), ct.out_channels, "scale's shape", ndim=5)
         return _ops.conv_transpose3d_avgpool_clamp_softmax_multiply.default(
-            x, ct.weight, self.scale, stride=ct.stride, padding=ct.padding,
+            x, ct_weight, scale, stride=ct.stride, padding=ct.padding,
             output_padding=ct.output_padding,
             pool_kernel=_pool_window(self.avg_pool, 3, "avg_pool"),
-            clamp_min=self.clamp_min, clamp_max=self.clamp_max, conv_bias=ct.bias,
+            clamp_min=self.clamp_min, clamp_max=self.clamp_max, conv_bias=ct_bias,
             groups=ct.groups, precision=self.precision)

@@ -186,8 +186,10 @@ def test_modules_in_grad_mode_trace_whole(name):
            for n in n.graph.nodes if n.op == "call_function"}
     assert any(op.startswith("cufused.") for op in ops), ops
     ref.eval()
+    exported = program.module()(x)  # in grad mode: the operator without autograd
+    assert not exported.requires_grad
     with torch.no_grad():
-        assert rel_err(program.module()(x).numpy(), ref(x).numpy()) < 1e-5
+        assert rel_err(exported.numpy(), ref(x).numpy()) < 1e-5
 
 
 @pytest.mark.parametrize("name", ["A", "B", "C"])
@@ -331,7 +333,8 @@ def test_modules_refuse_a_layer_with_forward_hooks(name, path):
     x = torch.rand(shape)
     with torch.no_grad():
         for model in (ref, mine):
-            torch.nn.utils.parametrizations.weight_norm(getattr(model, path))
+            layer = torch.nn.utils.parametrizations.weight_norm(getattr(model, path))
+            layer.parametrizations.weight.original0.mul_(2.0)  # the norm no longer the weight's
         assert rel_err(mine(x).numpy(), ref(x).numpy()) < 1e-5
         pruned = ours(name)(*init)
         prune.l1_unstructured(getattr(pruned, path), "weight", 0.5)
@@ -339,13 +342,35 @@ def test_modules_refuse_a_layer_with_forward_hooks(name, path):
             pruned(x)
 
 
-def test_module_a_refuses_a_scale_of_another_shape():
-    # A (C,) scale, which x * scale aligns with the width, set after construction.
-    init, shape = SMALL["A"]
-    model = ours("A")(*init)
-    model.scale = torch.nn.Parameter(torch.ones(model.conv.out_channels))
+@pytest.mark.parametrize("name, shape", [("A", lambda c: (c,)), ("C", lambda c: (c, 1, 1)),
+                                         ("C", lambda c: (1, c, 1, 1))])
+def test_modules_refuse_a_scale_of_another_shape(name, shape):
+    # A scale set after construction that x * scale would not align with the channels.
+    init, x_shape = SMALL[name]
+    model = ours(name)(*init)
+    layer = model.conv if name == "A" else model.conv_transpose
+    model.scale = torch.nn.Parameter(torch.ones(shape(layer.out_channels)))
     with torch.no_grad(), pytest.raises(ValueError, match=r"scale's shape must give each"):
-        model(torch.rand(shape))
+        model(torch.rand(x_shape))
+
+
+@pytest.mark.parametrize("name", ["A", "B", "C"])
+def test_modules_read_a_parametrized_weight_once(name):
+    # spectral_norm's power iteration updates its vectors at each read of the weight: in
+    # grad mode as without it, one read a call, as the KernelBench model's layer makes.
+    init, shape = SMALL[name]
+    ref, mine = make_pair(name, init)
+    path = "conv" if name == "A" else "conv_transpose"
+    for model in (ref, mine):
+        torch.nn.utils.parametrizations.spectral_norm(getattr(model, path))
+    mine.load_state_dict(ref.state_dict())
+    x = torch.rand(shape)
+    got = mine(x)
+    with torch.no_grad():
+        want = ref(x)
+    assert got.requires_grad and rel_err(got.detach().numpy(), want.numpy()) < 1e-5
+    vectors = [getattr(m, path).parametrizations.weight[0]._u for m in (mine, ref)]
+    assert torch.equal(*vectors)
 
 
 def test_traced_call_names_the_tensor_on_another_device():
