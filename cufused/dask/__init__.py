@@ -26,8 +26,9 @@ The result equals the single call on the concatenated batch to float32 rounding.
 chunks pipeline B's phases run the single call's kernels (``pipeline_b``'s chunk phases): one
 read of the convolution output for the extrema and the sums, one pass over the extrema for
 BatchNorm, tanh and GroupNorm. On NumPy chunks, for samples of more convolution outputs than
-the fused pass takes (``FUSED_SAMPLE_VALUES``, 2**31 - 2**16) and for an infinite BatchNorm weight (whose windows need the whole convolution output
-in phase 3, as in the single call) they compose the public operations.
+the fused pass takes (``FUSED_SAMPLE_VALUES``, 2**31 - 2**16) and for an infinite BatchNorm
+weight (whose windows need the whole convolution output in phase 3, as in the single call)
+they compose the public operations.
 
 Running buffers are updated in place by the statistics task, once each time a computation
 runs it (``compute``/``persist`` of the result, or of anything depending on it). The
