@@ -105,6 +105,7 @@ def test_decide_replay_times_both_ways_alternately(monkeypatch, direct_wins):
 
     plan = types.SimpleNamespace(_replays={"autotune operands": "graph"},
                                  _calls={"other operands": 1})
+    plan.drop_replays = types.MethodType(_plan.ConvPlan.drop_replays, plan)
     seen, issued = [], []
 
     def fake_time_ms(call, repeat, batch, flush):
