@@ -47,8 +47,8 @@ _here = os.path.dirname(__file__)
 os.makedirs(os.path.join(_here, "generated"), exist_ok=True)
 for _suffix in ("", "_h200_all", "_h200_canonical", "_h200_a_compile", "_h200_c",
                 "_h200_ac_split", "_h200_ac_sums", "_h200_ac_issue25", "_h200_b_compile",
-                "_h200_ab_compile", "_h200_c_compile", "_h100", "_h100_canonical",
-                "_h100_batch1", "_h100_batch8"):
+                "_h200_ab_compile", "_h200_c_compile", "_h200_issue26", "_h100",
+                "_h100_canonical", "_h100_batch1", "_h100_batch8"):
     with open(os.path.join(_here, "_static", f"bench{_suffix}.json")) as fh:
         _bench = json.load(fh)
     with open(os.path.join(_here, "generated", f"bench_table{_suffix}.txt"), "w") as fh:

@@ -195,7 +195,8 @@ def test_bench_refuses_an_unwritable_output_before_running(tmp_path, option):
                                   "bench_h200_ac_issue25.json",
                                   "bench_h200_b_compile.json",
                                   "bench_h200_ab_compile.json",
-                                  "bench_h200_c_compile.json"])
+                                  "bench_h200_c_compile.json",
+                                  "bench_h200_issue26.json"])
 def test_bench_table_and_plot_from_committed_result(tmp_path, name):
     # The committed device results (docs/_static/bench*.json, H200 and H100) render as the
     # bench command prints them, and as a bar chart.
