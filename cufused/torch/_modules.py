@@ -34,8 +34,8 @@ class _NoBackward(torch.autograd.Function):
     recorded against ``x`` and the parameters that require grad with a backward that raises
     (``torch.ops.cufused._no_backward``), so that a loss built on it fails at ``backward()``
     instead of leaving those parameters without a gradient. The backward is an operator with
-    a fake kernel, so that ``torch.compile(fullgraph=True)`` and ``torch.export`` trace it;
-    it raises only where it runs."""
+    a fake kernel, so that ``torch.compile(fullgraph=True)`` traces it; it raises only where
+    it runs. (``torch.export`` traces the forward; its program runs without autograd.)"""
 
     @staticmethod
     def forward(ctx, name: str, run: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
