@@ -94,6 +94,13 @@ def _drop_kept(plan_id: int, key: tuple):
     return None if replays is None else replays.pop(key, None)
 
 
+def _drop_graphs(plan_id: int, replays: dict, keys) -> list:
+    """Remove the graphs of ``keys`` from a plan's table and from the budget (under
+    ``_REPLAYS_LOCK``); return them, to be released after the lock."""
+    return [graph for key in keys
+            for graph in (_drop_kept(plan_id, key), replays.pop(key, None))]
+
+
 def _drop_dead() -> None:
     """Remove from the budget the graphs of plans that are gone (under ``_REPLAYS_LOCK``)."""
     for plan_id, key in [k for k, (ref, _) in _kept.items() if ref() is None]:
@@ -236,9 +243,8 @@ class ConvPlan:
         """Drop this plan's graphs (from the budget too); without ``keep_replaying`` its calls
         run directly from then on."""
         with _REPLAYS_LOCK:
-            dropped = [_drop_kept(id(self), key) for key in list(self._replays or ())]
-            if self._replays is not None:
-                self._replays.clear()
+            replays = self._replays
+            dropped = [] if replays is None else _drop_graphs(id(self), replays, list(replays))
             if not keep_replaying:
                 self._replays = None
         del dropped  # released after the lock: a graph's destruction takes time
@@ -301,11 +307,9 @@ class ConvPlan:
         evicted = []  # released after the lock: a graph's destruction takes time
         with _REPLAYS_LOCK:  # threads capturing at once must not evict the same graph
             _drop_dead()
-            evicted.append(_drop_kept(id(self), key))  # another thread's capture of this key
-            evicted.append(replays.pop(key, None))
+            evicted += _drop_graphs(id(self), replays, [key])  # another thread's capture
             if len(replays) >= _MAX_REPLAYS:
-                oldest = next(iter(replays))
-                evicted += [_drop_kept(id(self), oldest), replays.pop(oldest, None)]
+                evicted += _drop_graphs(id(self), replays, [next(iter(replays))])  # oldest
             device = key[1]
             for plan_id, kept_key in [k for k in _kept if k[1][1] == device]:  # oldest first
                 if _kept_bytes.get(device, 0) + nbytes <= limit:
