@@ -86,10 +86,11 @@ def _call_dtype(t: torch.Tensor, arg: str, cuda: bool) -> numpy.dtype:
     return _numpy_dtype(t, arg)
 
 
-# The most values of a stand-in held in memory of its own (running buffers and per-channel
-# parameters, whose contiguity and writeability cufused checks); a larger tensor's stand-in
-# repeats one zero.
+# The most values of a stand-in held in memory of its own; a larger one repeats one zero
+# (a weight's shape is all its checks read). The running buffers, which cufused updates in
+# place and so checks for contiguity and writeability, get one of their own at any size.
 _STAND_IN_VALUES = 2**20
+_UPDATED_IN_PLACE = frozenset({"running_mean", "running_var"})
 
 
 def _stand_in(value: Any, arg: str, cuda: bool) -> Any:
@@ -98,7 +99,7 @@ def _stand_in(value: Any, arg: str, cuda: bool) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
     dtype, shape = _call_dtype(value, arg, cuda), tuple(value.shape)
-    if value.numel() > _STAND_IN_VALUES:
+    if value.numel() > _STAND_IN_VALUES and arg not in _UPDATED_IN_PLACE:
         return numpy.lib.stride_tricks.as_strided(numpy.zeros(1, dtype), shape,
                                                   (0,) * len(shape), writeable=False)
     if value.is_contiguous():

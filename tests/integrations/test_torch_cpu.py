@@ -595,6 +595,19 @@ def test_operators_name_bad_dtypes_devices_and_options():
         2, 8, 4, 4)
 
 
+@pytest.mark.parametrize("channels", [4, 2**20 + 4])
+def test_fake_kernel_takes_running_buffers_of_any_size(channels):
+    # The fake kernel's stand-ins keep a running buffer contiguous and writeable at any size,
+    # so that a traced call passes where the eager one does, and fails where it fails.
+    x = torch.empty(2, channels, 2, device="meta")
+    running = [torch.zeros(channels, device="meta"), torch.ones(channels, device="meta")]
+    y = torch.ops.cufused.batch_norm(x, running_mean=running[0], running_var=running[1])
+    assert y.shape == x.shape
+    strided = torch.zeros(2 * channels, device="meta")[::2]
+    with pytest.raises(ValueError, match="running_mean must be contiguous"):
+        torch.ops.cufused.batch_norm(x, running_mean=strided, running_var=running[1])
+
+
 class _Meta(tuple):
     """The shape of a meta tensor that the test creates (collection needs no PyTorch)."""
 
