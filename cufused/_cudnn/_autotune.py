@@ -307,10 +307,14 @@ def clear_plan_cache() -> None:
         _plans.clear()
     # A call queued on another stream than the one a plan's memory (the sub-pixel weight
     # index) was allocated on may still read it.
-    wait_for_devices(key[0] for key, _ in dropped)
+    devices = {key[0] for key, _ in dropped}
+    wait_for_devices(devices)
     dropped.clear()
     forget_kept()
     for hook in _clear_hooks:
         hook()
     if _graph_buffer_pool.cache_info().currsize:  # the dropped graphs' buffers
-        _graph_buffer_pool().free_all_blocks()
+        cupy = import_cupy()
+        for device in devices:  # a pool frees the current device's blocks only
+            with cupy.cuda.Device(device):
+                _graph_buffer_pool().free_all_blocks()

@@ -240,3 +240,34 @@ def test_strategies_short_of_memory_are_skipped(monkeypatch):
     made["nchw"] = None
     with pytest.raises(_cudnn.UnsupportedConvolution):
         _autotune._choose(problem, True, False, False, True, None)
+
+
+def test_clearing_the_plans_frees_the_graph_buffers_of_each_of_their_devices(monkeypatch):
+    # A CuPy pool frees the blocks of its current device only: the plans' graph buffers on
+    # each device that had plans go back to that device.
+    import contextlib
+    import functools
+
+    from cufused._cudnn import _autotune
+
+    current, freed = [0], []
+
+    @contextlib.contextmanager
+    def device(d):
+        previous, current[0] = current[0], d
+        try:
+            yield
+        finally:
+            current[0] = previous
+
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=device))
+    pool = types.SimpleNamespace(free_all_blocks=lambda: freed.append(current[0]))
+    monkeypatch.setattr(_autotune, "import_cupy", lambda: fake_cupy)
+    monkeypatch.setattr(_autotune, "wait_for_devices", lambda devices: None)
+    monkeypatch.setattr(_autotune, "_graph_buffer_pool", functools.cache(lambda: pool))
+    _autotune._graph_buffer_pool()
+    monkeypatch.setattr(_autotune, "_plans", {(1, "problem"): object(),
+                                              (3, "problem"): object()})
+    _autotune.clear_plan_cache()
+    assert sorted(freed) == [1, 3] and current == [0]
+    assert not _autotune._plans
