@@ -18,11 +18,15 @@ typedef long long index_t;
 // infinities. A finite shift only keeps |mean| >> std accurate.
 __device__ __forceinline__ float finite_shift(float v) { return isinf(v) ? 0.0f : v; }
 
-// x rounded to TF32 (to nearest, ties away from zero), as the bits of a float32.
+// x rounded to TF32 (to nearest, ties away from zero), as the bits of a float32: half a TF32
+// unit added to the magnitude's bits, the 13 low bits cleared, as cvt.rna.tf32.f32 does for
+// finite values below (2 - 2^-11) * 2^127. Above it cvt.rna gives an infinity, and a NaN whose
+// payload lies in the 13 low bits alone becomes one: here the first keeps its truncation
+// (TF32's largest finite value, as the tensor cores read it), the second is quieted.
 __device__ __forceinline__ unsigned to_tf32(float x) {
-    unsigned r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
+    const unsigned raw = __float_as_uint(x), magnitude = raw & 0x7FFFFFFFu;
+    const unsigned rounded = (magnitude < 0x7F7FF000u ? raw + 0x1000u : raw) & 0xFFFFE000u;
+    return magnitude > 0x7F800000u ? rounded | 0x00400000u : rounded;
 }
 
 // d += a * b for one mma.sync m16n8k8 step (TF32 operands, float32 accumulation; the

@@ -701,3 +701,99 @@ def test_output_past_2_31_elements(rng, monkeypatch, precision, x_shape, w_shape
     del x, out
     cp.get_default_memory_pool().free_all_blocks()
     torch.cuda.empty_cache()
+
+
+# Finite values that cvt.rna.tf32 carries to an infinity (from (2 - 2^-11) * 2^127), one just
+# below that boundary, and float32's largest.
+_NEAR_MAX = np.array([3.40199e38, 3.40205e38, 3.4025e38, np.finfo(np.float32).max],
+                     dtype=np.float32)
+
+
+def test_tf32_rounding_is_cvt_rna_below_overflow():
+    # to_tf32 over every float32 bit pattern: cvt.rna.tf32.f32's bits below the boundary
+    # where it overflows; past it (finite) the truncation, TF32's largest value; infinities
+    # as they are; NaNs quieted, their sign kept.
+    from cufused._cuda import COMPILE_OPTIONS, source
+
+    probe = r"""
+extern "C" __global__ void to_tf32_probe(unsigned long long* mismatches) {
+    unsigned long long bad = 0;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+         i < (1ull << 32); i += (unsigned long long)gridDim.x * blockDim.x) {
+        const unsigned raw = (unsigned)i, magnitude = raw & 0x7FFFFFFFu;
+        const unsigned got = to_tf32(__uint_as_float(raw));
+        unsigned want;
+        asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(want) : "f"(__uint_as_float(raw)));
+        if (magnitude >= 0x7F7FF000u && magnitude < 0x7F800000u)
+            want = (raw & 0x80000000u) | 0x7F7FE000u;
+        else if (magnitude == 0x7F800000u)
+            want = raw;
+        else if (magnitude > 0x7F800000u)
+            want = ((got & 0x80000000u) == (raw & 0x80000000u)
+                    && (got & 0x7FFFFFFFu) > 0x7F800000u) ? got : ~got;
+        bad += got != want;
+    }
+    atomicAdd(mismatches, bad);
+}
+"""
+    kernel = cp.RawModule(code=source("common.cuh") + probe,
+                          options=COMPILE_OPTIONS).get_function("to_tf32_probe")
+    mismatches = cp.zeros(1, dtype=cp.uint64)
+    kernel((4096,), (256,), (mismatches,))
+    assert int(mismatches.get()[0]) == 0
+
+
+@pytest.mark.parametrize("precision", ["3xtf32", "tf32"])
+@pytest.mark.parametrize("fn, x_shape, w_shape, options, out_layout", [
+    ("conv2d", (2, 8, 30, 36), (64, 8, 3, 3), dict(padding=1), "nchw"),   # FixedHalo
+    ("conv2d", (2, 8, 30, 36), (64, 8, 3, 3), dict(padding=1), "nhwc"),   # held weights
+    ("conv2d", (3, 5, 17, 13), (70, 5, 3, 3), dict(), "nchw"),            # C < 8
+    ("conv2d", (1, 6, 19, 23), (12, 6, 3, 5),
+     dict(stride=(2, 1), padding=(1, 2), dilation=(1, 2)), "nchw"),      # the geometry as data
+    ("conv_transpose2d", (2, 7, 9, 11), (7, 5, 3, 3), dict(padding=1), "nchw"),  # as forward
+    ("conv_transpose3d", (2, 32, 4, 6, 17), (32, 64, 3, 3, 3),
+     dict(stride=2, padding=1, output_padding=1), "nchw"),               # pipeline C's form
+    ("conv_transpose3d", (2, 32, 4, 6, 17), (32, 64, 3, 3, 3),
+     dict(stride=2, padding=1, output_padding=1), "nhwc"),               # the class groups
+])
+def test_values_near_float32_max_and_nan_payloads_as_float32(rng, monkeypatch, fn, x_shape,
+                                                             w_shape, options, out_layout,
+                                                             precision):
+    # Finite operands near float32's largest value give finite products where float32's do,
+    # in either precision (TF32 rounding carried them to infinity, and 3xTF32 made NaN of
+    # an infinite high part and its residual); in "3xtf32" a NaN whose payload lies in the 13
+    # bits that TF32 drops stays a NaN. Inputs and weights within 0.25, one large value a
+    # sample in x (input channel 1) and one large weight (input channel 0), so that every
+    # float32 sum stays finite.
+    transposed = fn.startswith("conv_transpose")
+    x = rng.uniform(-0.25, 0.25, x_shape).astype(np.float32)
+    w = rng.uniform(-0.25, 0.25, w_shape).astype(np.float32)
+    for n in range(x_shape[0]):
+        position = tuple(rng.integers(s) for s in x_shape[2:])
+        x[(n, 1, *position)] = _NEAR_MAX[rng.integers(4)] * rng.choice([-1, 1])
+    k = rng.integers(w_shape[1] if transposed else w_shape[0])
+    tap = tuple(rng.integers(s) for s in w_shape[2:])
+    w[(0, k, *tap) if transposed else (k, 0, *tap)] = -_NEAR_MAX[2]
+    low_nan = (0, 0, *(s // 2 for s in x_shape[2:]))
+    if precision == "3xtf32":
+        x[low_nan] = np.nan
+    call = getattr(cufused, fn)
+    with np.errstate(all="ignore"):
+        ref = call(x.astype(np.float64), w.astype(np.float64), **options)
+    xg, wg = to_gpu(x, w)
+    if precision == "3xtf32":
+        xg.view(cp.uint32)[low_nan] = 0x7F800001
+    out = (poisoned(ref.shape) if out_layout == "nchw"
+           else _poisoned_channels_last(ref.shape))
+    names = _kernel_names(monkeypatch)
+    assert call(xg, wg, **options, precision=precision, out=out) is out
+    assert names, "the implicit-GEMM route did not run"
+    got = out.get()
+    for test in (np.isnan, np.isposinf, np.isneginf):
+        np.testing.assert_array_equal(test(got), test(ref))
+    assert np.isnan(ref).any() == (precision == "3xtf32")
+    large = np.isfinite(ref) & (np.abs(ref) > 1e30)
+    small = np.isfinite(ref) & ~large
+    assert large.any() and small.any()
+    assert_close(got[large], ref[large], TOL[precision])
+    assert_close(got[small], ref[small], TOL[precision])
