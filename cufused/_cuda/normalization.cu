@@ -108,8 +108,8 @@ __device__ __forceinline__ double2 partial_moments(const Partial* __restrict__ p
 }
 
 // rstd in double of a variance: rounding can push it below 0 (0 then); a NaN stays NaN.
-__device__ __forceinline__ double inverse_std(double var, float eps) {
-    return 1.0 / sqrt((var < 0.0 ? 0.0 : var) + exact_double(eps));
+__device__ __forceinline__ double inverse_std(double var, double eps) {
+    return 1.0 / sqrt((var < 0.0 ? 0.0 : var) + eps);
 }
 
 // One block per statistics row. The row's partials (double2: sum d, sum d * d, d = value -
@@ -132,7 +132,7 @@ __global__ void stats_finalize(const double2* __restrict__ partial,
                                index_t n_outer, index_t outer_stride, int row_len, double count,
                                const float* __restrict__ gamma, const float* __restrict__ beta,
                                const float* __restrict__ scale, float* __restrict__ coef,
-                               index_t K, int C, int G, float eps, int training,
+                               index_t K, int C, int G, double eps, int training,
                                int centered_sums, int centered_only, float* running_mean,
                                float* running_var, const float* __restrict__ running_mean_lo,
                                const float* __restrict__ mean_offset, float momentum,
@@ -163,11 +163,10 @@ __global__ void stats_finalize(const double2* __restrict__ partial,
             }
         }
     } else if (threadIdx.x == 0) {
-        // In double from the exact values: a denormal running variance (or eps) is not
-        // flushed to zero, and a negative or NaN one gives NaN, as in PyTorch.
+        // In double from the exact values: a denormal running variance is not flushed to
+        // zero, and a negative or NaN one gives NaN, as in PyTorch.
         stats = NormMoments{running_mean[row], running_mean_lo ? running_mean_lo[row] : 0.0f,
-                            (float)(1.0 / sqrt(exact_double(running_var[row]) +
-                                               exact_double(eps)))};
+                            (float)(1.0 / sqrt(exact_double(running_var[row]) + eps))};
     }
     __syncthreads();
     const NormMoments m = stats;
@@ -319,7 +318,7 @@ __global__ void group_affine_rows(const float* x, float* y, const float4* __rest
                                   int row_len, double count, const float* __restrict__ gamma,
                                   const float* __restrict__ beta,
                                   const float* __restrict__ scale, int C, int G, int HW,
-                                  float eps, int centered_sums, float lo, float hi,
+                                  double eps, int centered_sums, float lo, float hi,
                                   float2* __restrict__ moments) {
     __shared__ double2 scratch[32];
     using Row = GroupNormRow<ACT_NONE, VEC>;
@@ -348,7 +347,7 @@ __global__ void group_affine_rows(const float* x, float* y, const float4* __rest
 // the squares allow give rstd 0 and (for a finite v - mean) the outputs the bias, as PyTorch
 // gives, whose Welford mean stays finite.
 __device__ __forceinline__ NormMoments row_moments(float s1, float s2, float shift, int len,
-                                                   float eps, double2* scratch) {
+                                                   double eps, double2* scratch) {
     const double2 mv = shifted_moments(block_sum(make_double2(s1, s2), scratch), shift, len);
     return NormMoments::of(mv.x, (float)inverse_std(mv.y, eps));
 }
@@ -405,7 +404,7 @@ __device__ __forceinline__ void copy_to_shared(float* dst, const float* src, int
 template <int PRE, bool CACHE, int VEC>
 __global__ void group_norm_rows(const float* x, float* y, const float* __restrict__ pre,
                                 const float* __restrict__ gamma, const float* __restrict__ beta,
-                                int C, int G, int HW, float eps, int centered_only) {
+                                int C, int G, int HW, double eps, int centered_only) {
     extern __shared__ float4 cache[];
     __shared__ double2 scratch[32];
     using Row = GroupNormRow<PRE, VEC>;
@@ -447,7 +446,7 @@ template <int PRE, int VEC, bool X_BLOCKED>
 __global__ void group_norm_rows_cached(const float* x, float* y, const float* __restrict__ pre,
                                        const float* __restrict__ gamma,
                                        const float* __restrict__ beta, int C, int G, int HW,
-                                       float eps, int block) {
+                                       double eps, int block) {
     extern __shared__ float4 cache[];
     float* row_cache = reinterpret_cast<float*>(cache);
     __shared__ double2 scratch[32];

@@ -66,7 +66,7 @@ def _stats_finalize(mode: str, rows: int, *, partial, shift, n_outer: int, outer
         (optional(partial), optional(shift), numpy.int64(n_outer), numpy.int64(outer_stride),
          numpy.int32(row_len), numpy.float64(count), optional(gamma), optional(beta),
          optional(scale), coef, numpy.int64(coef.shape[1]), numpy.int32(channels),
-         numpy.int32(groups), numpy.float32(eps), numpy.int32(training),
+         numpy.int32(groups), numpy.float64(eps), numpy.int32(training),
          numpy.int32(centered_sums), numpy.int32(centered_only), optional(running_mean),
          optional(running_var), optional(running_mean_lo), optional(mean_offset),
          numpy.float32(momentum), optional(moments)))
@@ -153,7 +153,7 @@ def group_affine_rows(x, y, partial, *, num_groups: int, count: int, eps: float,
     get_kernel(_FILE, f"group_affine_rows<{_ACT['clamp']}, {vec}>")(
         (rows,), (256,),
         (x, y, partial, i32(cg * partial.shape[2]), numpy.float64(count), optional(gamma),
-         optional(beta), optional(scale), i32(c), i32(num_groups), i32(hw), numpy.float32(eps),
+         optional(beta), optional(scale), i32(c), i32(num_groups), i32(hw), numpy.float64(eps),
          i32(centered_sums), numpy.float32(lo), numpy.float32(hi), optional(moments)))
 
 
@@ -227,7 +227,7 @@ def group_norm_rows(x, y, weight, bias, *, num_groups: int, eps: float, pre=None
         name = f"group_norm_rows<{act}, {cpp_bool(cache)}, {vec}>"
     shared = length * 4 if cache else 0
     args = (optional(pre), optional(weight), optional(bias),
-            numpy.int32(c), numpy.int32(num_groups), numpy.int32(hw), numpy.float32(eps))
+            numpy.int32(c), numpy.int32(num_groups), numpy.int32(hw), numpy.float64(eps))
     if name.startswith("group_norm_rows_cached"):
         if hw == 1:
             raise ValueError("x_block needs rows of more than one value per channel")

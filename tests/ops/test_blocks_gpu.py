@@ -37,11 +37,12 @@ def test_group_norm(rng, shape, groups):
     assert_close(out.get(), ref, 1e-4)
 
 
-@pytest.mark.parametrize("eps", [0.0, 1e-5])
+@pytest.mark.parametrize("eps", [0.0, 1e-46, 1e-5])
 @pytest.mark.parametrize("shape", [(2, 4, 3, 3), (2, 8, 6, 10)])
 def test_group_norm_of_a_constant_group(rng, shape, eps):
     # A constant group's variance is exactly 0 (the sums of x - x0): NaN with eps = 0, and
-    # with eps > 0 its bias (NaN for an infinite weight), where the reference puts them.
+    # with eps > 0 its bias (NaN for an infinite weight), where the reference puts them; an
+    # eps below float32's smallest value (1e-46) too.
     x = rng.standard_normal(shape).astype(np.float32).astype(np.float64)
     c = shape[1]
     x[0, :c // 2] = 0.1
