@@ -32,8 +32,8 @@ from .._ops.convolution import conv2d, conv_on_gpu
 from .._ops.normalization import check_group_values, check_num_groups, group_norm
 from .._ops.pooling import max_pool2d
 from .._precision import mma_passes, resolve_precision
-from ._common import (check_method, check_pipeline_pool, clamp_bounds, gpu_method, gpu_path,
-                      ones_if_none, runs_on_igemm, shared_doc_sections)
+from ._common import (as_float32, check_method, check_pipeline_pool, clamp_bounds, gpu_method,
+                      gpu_path, ones_if_none, runs_on_igemm, shared_doc_sections)
 
 
 @warm_calls
@@ -127,7 +127,7 @@ def conv2d_groupnorm_scale_maxpool_clamp(
         gpu=gpu_path(gpu_method(method, args.out_shape, groups=num_groups), _fused, _unfused,
                      xp, x, weight, args, precision, k=k, num_groups=num_groups,
                      conv_bias=conv_bias, gn_weight=gn_weight, gn_bias=gn_bias, scale=scale,
-                     eps=eps, lo=lo, hi=hi))
+                     eps=eps, lo=as_float32(lo), hi=as_float32(hi)))
 
 
 def _unfused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, gn_weight,

@@ -86,6 +86,24 @@ def test_pipeline_a_one_channel_one_window(rng, method, precision):
         assert_close(out.get(), ref, PIPELINE_TOL[precision])
 
 
+@pytest.mark.parametrize("method", ["fused", "unfused"])
+@pytest.mark.parametrize("bounds", [(-1e39, 1e39), (-1e39, 0.5), (-np.inf, 3e38)])
+def test_pipeline_a_clamp_bounds_past_float32(rng, bounds, method):
+    # A finite bound past float32's range clamps as float32's infinity (every float32 value
+    # lies within it), with no NumPy overflow warning on the way (an error here).
+    import warnings
+
+    arrays, opts = pipeline_a_args(rng)
+    opts.update(clamp_min=bounds[0], clamp_max=bounds[1])
+    ref = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts)
+    out = poisoned(ref.shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cufused.conv2d_groupnorm_scale_maxpool_clamp(*to_gpu(*arrays), **opts, method=method,
+                                                     out=out)
+    assert_close(out.get(), ref, PIPELINE_TOL["ieee"])
+
+
 @pytest.mark.parametrize("pool", [2, 3])
 @pytest.mark.parametrize("precision", ["ieee", "tf32"])
 def test_pipeline_a_one_position_out_with_channels_last_strides(rng, pool, precision):
