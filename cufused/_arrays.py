@@ -138,9 +138,13 @@ def check_ndim(x: Any, name: str, ndims: tuple[int, ...], layout: str) -> None:
 
 
 def check_sizes(x: Any, name: str) -> None:
-    """Every dimension but the batch must be positive."""
+    """Every dimension but the batch must be positive; on the GPU the channels fewer than
+    2**31 (the kernels take the count as a 32-bit argument)."""
     if any(s <= 0 for s in x.shape[1:]):
         raise ValueError(f"{name} has a zero-sized non-batch dimension: shape {x.shape}")
+    if is_cupy_array(x) and x.ndim > 1 and x.shape[1] >= 2**31:
+        raise ValueError(f"{name} must have fewer than 2**31 channels on the GPU (32-bit kernel "
+                         f"arguments), got shape {x.shape}")
 
 
 def check_per_channel(value: Any, name: str, channels: int, *, allow_scalar: bool = False,

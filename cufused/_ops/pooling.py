@@ -21,6 +21,14 @@ from .._kernels.pooling import pool_into
 __all__ = ["max_pool2d", "max_pool3d", "avg_pool2d", "avg_pool3d"]
 
 
+def check_gpu_spatial_sizes(x: Any) -> None:
+    """A pool's input on the GPU: each spatial size below 2**31 (32-bit kernel arguments; the
+    options are below 2**31 by :func:`ntuple`)."""
+    if any(s >= 2**31 for s in x.shape[2:]):
+        raise ValueError(f"x's spatial sizes must each be below 2**31 on the GPU (32-bit "
+                         f"kernel arguments), got shape {x.shape}")
+
+
 def check_pool_args(in_size, nd: int, kernel_size, stride, padding, *, name: str = "x",
                     unpadded_window: bool = False, kernel_name: str = "kernel_size"):
     """Validate pooling options; return ``(kernel, stride, padding, out_size)`` tuples.
@@ -60,9 +68,8 @@ def _pool(nd: int, is_max: bool, x, kernel_size, stride, padding, out):
     if xp is numpy:  # the reference pads its input
         check_fits((*x.shape[:2], *(s + 2 * p for s, p in zip(x.shape[2:], padding))), xp,
                    "the padded input of the pool")
-    elif any(s >= 2**31 for s in x.shape[2:]):  # the options are below 2**31 (ntuple)
-        raise ValueError(f"x's spatial sizes must each be below 2**31 on the GPU (32-bit "
-                         f"kernel arguments), got shape {x.shape}")
+    else:
+        check_gpu_spatial_sizes(x)
     fn = reference.max_pool if is_max else reference.avg_pool
     check_out(out, x.shape[:2] + out_size, x.dtype, xp, x, inputs={"x": x})
     return forward(xp, x, out, x.shape[:2] + out_size,

@@ -35,7 +35,7 @@ from .._kernels.softmax import (softmax_finalize, softmax_normalize_channels_las
 from .._layout import empty_in_layout
 from .._ops._conv_args import cached_conv_args, check_conv_memory
 from .._ops.convolution import conv_on_gpu, conv_transpose3d, gpu_conv_plan
-from .._ops.pooling import avg_pool3d
+from .._ops.pooling import avg_pool3d, check_gpu_spatial_sizes
 from .._ops.softmax import softmax
 from .._precision import mma_passes, resolve_precision
 from ._common import (check_method, check_pipeline_pool, clamp_bounds, gpu_path, ones_if_none,
@@ -94,6 +94,8 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
     check_float_dtype(xp, x=x, weight=weight, conv_bias=conv_bias)
     check_ndim(x, "x", (5,), "NCDHW")
     check_sizes(x, "x")
+    if xp is not numpy:  # the pool reads x itself
+        check_gpu_spatial_sizes(x)
     k, pooled = check_pipeline_pool(pool_kernel, x.shape[2:], unpadded_window=True)
     pooled_shape = x.shape[:2] + pooled
     args = cached_conv_args(pooled_shape, weight.shape, 3, transposed=True, stride=stride,

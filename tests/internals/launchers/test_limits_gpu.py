@@ -349,6 +349,22 @@ def test_pool_axis_past_32_bits(free_memory):
     assert (got.get() == cufused.max_pool2d(x.get(), 2, stride=2**31 - 1)).all()
 
 
+def test_pipeline_c_input_axis_and_channels_past_32_bits():
+    # Pipeline C pools x itself: an axis of x of 2**31 or more positions is refused by name
+    # (its pooled input and output pass: (1, 1, 1, 1, 2**30 + 1)), as 2**31 or more channels
+    # are everywhere on the GPU (stride-0 views allocate nothing).
+    wide = cp.broadcast_to(cp.zeros(1, cp.float32), (1, 1, 2, 2, 2**31 + 2))
+    with pytest.raises(ValueError, match="x's spatial sizes must each be below 2\\*\\*31"):
+        cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
+            wide, cp.ones((1, 1, 1, 1, 1), cp.float32), 1.0, stride=1, padding=0,
+            output_padding=0, pool_kernel=2, clamp_min=0.0, clamp_max=1.0)
+    many = cp.broadcast_to(cp.zeros(1, cp.float32), (1, 2**31, 2, 2))
+    for call in (lambda: cufused.max_pool2d(many, 2), lambda: cufused.group_norm(many, 1),
+                 lambda: cufused.batch_norm(many)):
+        with pytest.raises(ValueError, match="x must have fewer than 2\\*\\*31 channels"):
+            call()
+
+
 def test_convolution_axis_past_32_bits(free_memory):
     # A convolution whose input or output has an axis of 2**31 or more positions is refused
     # by name on the GPU, before any work (the kernels' sizes are 32-bit; stride-0 views
