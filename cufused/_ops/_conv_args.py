@@ -76,11 +76,12 @@ def check_conv_args(x_shape, w_shape, nd: int, *, transposed: bool, stride, padd
                      // stride[i] + 1 for i in range(nd))
         out_channels = w_shape[0]
     if any(s <= 0 for s in size):
-        raise ValueError(
-            f"the convolution output of {x_name} (shape {tuple(x_shape)}) would be empty: "
-            f"kernel {tuple(k)} with padding {padding}, dilation {dilation} is larger than the "
-            "input"
-        )
+        uncropped = tuple(s + 2 * p for s, p in zip(size, padding))
+        why = (f"padding {padding} crops its {uncropped} positions to {size}"
+               if transposed else f"kernel {tuple(k)} with padding {padding}, dilation "
+               f"{dilation} is larger than the input")
+        raise ValueError(f"the convolution output of {x_name} (shape {tuple(x_shape)}) would "
+                         f"be empty: {why}")
     return ConvArgs(transposed, stride, padding, output_padding, dilation, groups,
                     (n, out_channels, *size))
 

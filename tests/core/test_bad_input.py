@@ -86,6 +86,8 @@ CASES = {
                           "padding"),
     "conv huge output": (lambda d: cufused.conv_transpose2d(d["x4"], d["wt"], stride=2**30),
                          ValueError, "memory"),
+    "transposed conv output cropped away": (lambda d: cufused.conv_transpose2d(
+        d["x4"], d["wt"], padding=100), ValueError, r"padding \(100, 100\) crops its"),
     "pool kernel None": (lambda d: cufused.max_pool2d(d["x4"], None), TypeError, "kernel_size"),
     "pool kernel float": (lambda d: cufused.max_pool2d(d["x4"], 2.0), TypeError, "kernel_size"),
     "pool stride float": (lambda d: cufused.avg_pool2d(d["x4"], 2, 1.5), TypeError, "stride"),
