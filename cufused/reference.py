@@ -183,14 +183,18 @@ def _windows(x, kernel_size, stride, padding, fill):
 def max_pool(x, kernel_size, stride, padding):
     """Max pooling (floor mode, implicit ``-inf`` padding; NaN in a window gives NaN). A
     window's first of equal values is kept, as PyTorch's scan over the window does (``v >
-    max or isnan(v)``): -0 before +0 gives -0."""
+    max or isnan(v)``): -0 before +0 gives -0. The window's offsets are visited in that
+    (row-major) order, each as a strided view of the padded input: the memory taken is the
+    padded input's and the output's, whatever the window."""
     xp = _xp(x)
-    win = _windows(x, kernel_size, stride, padding, -np.inf)
-    flat = win.reshape(win.shape[:-len(kernel_size)] + (-1,))
-    out = flat[..., 0]
-    for i in range(1, flat.shape[-1]):
-        value = flat[..., i]
-        out = xp.where((value > out) | xp.isnan(value), value, out)
+    padded = xp.pad(_f64(x), [(0, 0), (0, 0)] + [(p, p) for p in padding],
+                    constant_values=-np.inf)
+    out_size = [(n - k) // s + 1 for n, k, s in zip(padded.shape[2:], kernel_size, stride)]
+    out = None
+    for offset in itertools.product(*(range(k) for k in kernel_size)):
+        value = padded[(slice(None), slice(None)) + tuple(
+            slice(o, o + s * (m - 1) + 1, s) for o, s, m in zip(offset, stride, out_size))]
+        out = value if out is None else xp.where((value > out) | xp.isnan(value), value, out)
     return out
 
 
