@@ -10,9 +10,9 @@ import pytest
 
 import cufused
 
-from conftest import (CONSTANT_LEVELS, GPU, TOL, _pinned, assert_close, count_calls, mixed,
-                      pipeline_a_args, pipeline_b_args, pipeline_c_args, poisoned, rel_err,
-                      to_gpu, torch_cuda)
+from conftest import (CONSTANT_LEVELS, GPU, TOL, _pinned, assert_close,
+                      assert_nonfinite_placement, count_calls, mixed, pipeline_a_args,
+                      pipeline_b_args, pipeline_c_args, poisoned, rel_err, to_gpu, torch_cuda)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("quick_plans")]
 
@@ -196,6 +196,29 @@ def test_pipeline_b_non_finite_weight_on_a_tap_that_reaches_no_output(rng, engin
         cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
             *to_gpu(x, w, *params), **opts, precision=precision, out=out)
     assert_close(out.get(), ref, PIPELINE_TOL[precision])
+
+
+@pytest.mark.parametrize("engine", ["cudnn", "igemm"])
+@pytest.mark.parametrize("precision", ["tf32", "3xtf32"])
+def test_pipeline_c_nan_with_its_payload_in_the_low_bits(rng, precision, engine):
+    # A NaN whose payload lies in the 13 bits that TF32 drops (an infinity where the tensor
+    # cores read it as stored): its sample's rows NaN, as the reference's (the pool's
+    # arithmetic quiets it before the convolution).
+    from cufused._cudnn import plan_options
+
+    arrays, opts = pipeline_c_args(rng)
+    position = (1, 2, 3, 4, 5)
+    arrays[0][position] = np.nan
+    with np.errstate(invalid="ignore"):
+        ref = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(*arrays, **opts)
+    assert np.isnan(ref[1]).all() and np.isfinite(ref[0]).all()
+    gpu = to_gpu(*arrays)
+    gpu[0].view(cp.uint32)[position] = 0x7F800001
+    out = poisoned(ref.shape)
+    with plan_options(engine=engine):
+        cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(*gpu, **opts,
+                                                                precision=precision, out=out)
+    assert_nonfinite_placement(out.get(), ref, PIPELINE_TOL[precision])
 
 
 @pytest.mark.parametrize("bound", [1e10, -1e10, 3e38, -3e38, 1e39, -1e39])
