@@ -96,6 +96,10 @@ def check_conv_memory(x_shape, args: ConvArgs, xp):
         raise ValueError(f"the convolution's spatial sizes must each be below 2**31 on the GPU "
                          f"(32-bit kernel arguments), got x {tuple(x_shape)} and output "
                          f"{tuple(args.out_shape)}")
+    if xp is not numpy and args.out_shape[1] >= 2**31:
+        raise ValueError(f"the convolution output must have fewer than 2**31 channels on the "
+                         f"GPU (32-bit kernel arguments): weight gives "
+                         f"{args.out_shape[1]}")
     if xp is numpy:
         if args.transposed:
             lead = args.out_shape[:2]

@@ -363,6 +363,18 @@ def test_pipeline_c_input_axis_and_channels_past_32_bits():
                  lambda: cufused.batch_norm(many)):
         with pytest.raises(ValueError, match="x must have fewer than 2\\*\\*31 channels"):
             call()
+    # A convolution output of 2**31 channels, refused by name before any work.
+    x = cp.ones((2, 1, 1, 1), cp.float32)
+    w = cp.broadcast_to(cp.zeros(1, cp.float32), (2**31, 1, 1, 1))
+    wt = cp.broadcast_to(cp.zeros(1, cp.float32), (1, 2**31, 1, 1))
+    for call in (lambda: cufused.conv2d(x, w), lambda: cufused.conv_transpose2d(x, wt),
+                 lambda: cufused.conv2d_groupnorm_scale_maxpool_clamp(
+                     x, w, None, None, None, None, num_groups=1, pool_kernel=1,
+                     clamp_min=0.0, clamp_max=1.0),
+                 lambda: cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
+                     x, wt, None, None, None, None, num_groups=1, pool_kernel=1)):
+        with pytest.raises(ValueError, match="output must have fewer than 2\\*\\*31 channels"):
+            call()
 
 
 def test_convolution_axis_past_32_bits(free_memory):
