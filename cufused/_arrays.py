@@ -191,6 +191,13 @@ def check_per_channel(value: Any, name: str, channels: int, *, allow_scalar: boo
         )
 
 
+def as_float32(value: float) -> float:
+    """``value`` as float32 GPU kernels take it (a finite value past float32's range an
+    infinity), cast without NumPy's overflow warning (before any GPU work, by the callers)."""
+    with numpy.errstate(over="ignore"):
+        return float(numpy.float32(value))
+
+
 def per_channel(value: Any, channels: int, xp):
     """The 1-D contiguous array of ``channels`` values of a parameter that
     :func:`check_per_channel` accepted (a number or one value repeated for every channel);
@@ -200,7 +207,9 @@ def per_channel(value: Any, channels: int, xp):
     if value is None:
         return None
     if isinstance(value, numbers.Real):
-        return xp.full(channels, value, dtype=xp.float32 if xp is not numpy else numpy.float64)
+        if xp is numpy:
+            return numpy.full(channels, value, dtype=numpy.float64)
+        return xp.full(channels, as_float32(value), dtype=xp.float32)
     if value.shape == (channels,):
         return xp.ascontiguousarray(value)
     if value.size == channels:  # (1, C, 1, 1) and the like, C = 1 included

@@ -55,13 +55,6 @@ def clamp_bounds(clamp_min, clamp_max) -> tuple[float, float]:
             check_scalar(clamp_max, "clamp_max", finite=False, nan=False))
 
 
-def as_float32(value: float) -> float:
-    """``value`` as float32 GPU kernels take it (a finite value past float32's range an
-    infinity), cast here, before any GPU work, without NumPy's overflow warning."""
-    with numpy.errstate(over="ignore"):
-        return float(numpy.float32(value))
-
-
 def check_method(method: str) -> None:
     """``method`` must be one of :data:`METHODS` ("fused" or "unfused"): ``ValueError``
     naming it otherwise."""

@@ -15,9 +15,9 @@ from typing import Any
 import numpy
 
 from .. import reference
-from .._arrays import (Size, check_float_dtype, check_ndim, check_out, check_per_channel,
-                       check_required, check_scalar, check_sizes, forward, get_array_module,
-                       per_channel)
+from .._arrays import (Size, as_float32, check_float_dtype, check_ndim, check_out,
+                       check_per_channel, check_required, check_scalar, check_sizes, forward,
+                       get_array_module, per_channel)
 from .._call_graphs import warm_calls
 from .._kernels.conv_gemm import channel_tiles_fit, conv2d_pool_stats, halo_geometry
 from .._kernels.layout import transpose_channels
@@ -32,8 +32,8 @@ from .._ops.convolution import conv2d, conv_on_gpu
 from .._ops.normalization import check_group_values, check_num_groups, group_norm
 from .._ops.pooling import max_pool2d
 from .._precision import mma_passes, resolve_precision
-from ._common import (as_float32, check_method, check_pipeline_pool, clamp_bounds, gpu_method,
-                      gpu_path, ones_if_none, runs_on_igemm, shared_doc_sections)
+from ._common import (check_method, check_pipeline_pool, clamp_bounds, gpu_method, gpu_path,
+                      ones_if_none, runs_on_igemm, shared_doc_sections)
 
 
 @warm_calls

@@ -104,6 +104,25 @@ def test_pipeline_a_clamp_bounds_past_float32(rng, bounds, method):
     assert_close(out.get(), ref, PIPELINE_TOL["ieee"])
 
 
+@pytest.mark.parametrize("method", ["fused", "unfused"])
+def test_pipeline_a_scale_number_past_float32(rng, method):
+    # A scale given as a number past float32's range is float32's infinity, as in NumPy's and
+    # PyTorch's float32 arithmetic (the reference's values where it is infinite), with no
+    # overflow warning on the way (an error here).
+    import warnings
+
+    arrays, opts = pipeline_a_args(rng)
+    opts.update(clamp_min=-np.inf, clamp_max=np.inf)
+    with np.errstate(invalid="ignore"):
+        ref = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays[:5], np.inf, **opts)
+    out = poisoned(ref.shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cufused.conv2d_groupnorm_scale_maxpool_clamp(*to_gpu(*arrays[:5]), 1e39, **opts,
+                                                     method=method, out=out)
+    assert_nonfinite_placement(out.get(), ref, PIPELINE_TOL["ieee"])
+
+
 @pytest.mark.parametrize("pool", [2, 3])
 @pytest.mark.parametrize("precision", ["ieee", "tf32"])
 def test_pipeline_a_one_position_out_with_channels_last_strides(rng, pool, precision):
