@@ -518,8 +518,10 @@ def clear_caches() -> None:
     >>> import cufused
     >>> cufused.clear_caches()
     """
-    clear_plan_cache()  # calls _clear (registered below)
+    # The captures first: the plans they hold then go with the cache, and their graphs'
+    # buffers back to the device.
     release_caller_captures()
+    clear_plan_cache()  # calls _clear (registered below)
 
 
 def _clear() -> None:

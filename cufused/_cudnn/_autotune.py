@@ -14,7 +14,7 @@ from .._cuda import capturing, wait_for_devices
 from ._config import _config, cudnn_handle, import_cudnn
 from ._graphs import (ConvProblem, Strategy, _build_graph, _Part, _part_specs, runnable_plans,
                       spreads_nonfinite, strategies)
-from ._plan import ConvPlan, _graph_buffer_pool, forget_kept, timed_replay
+from ._plan import ConvPlan, forget_kept, free_graph_buffers, timed_replay
 from .._timing import LONG_CALL_MS, issue_ms, l2_flush_buffer, random_operand, time_ms
 
 _plans: dict[tuple, ConvPlan] = {}
@@ -307,14 +307,9 @@ def clear_plan_cache() -> None:
         _plans.clear()
     # A call queued on another stream than the one a plan's memory (the sub-pixel weight
     # index) was allocated on may still read it.
-    devices = {key[0] for key, _ in dropped}
-    wait_for_devices(devices)
+    wait_for_devices(key[0] for key, _ in dropped)
     dropped.clear()
     forget_kept()
     for hook in _clear_hooks:
         hook()
-    if _graph_buffer_pool.cache_info().currsize:  # the dropped graphs' buffers
-        cupy = import_cupy()
-        for device in devices:  # a pool frees the current device's blocks only
-            with cupy.cuda.Device(device):
-                _graph_buffer_pool().free_all_blocks()
+    free_graph_buffers()  # the dropped graphs' buffers

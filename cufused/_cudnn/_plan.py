@@ -82,6 +82,20 @@ def _graph_buffer_pool():
     return import_cupy().cuda.MemoryPool()
 
 
+_graph_buffer_devices: set[int] = set()  # the devices where that pool has allocated
+
+
+def free_graph_buffers() -> None:
+    """Return to each device the pool's blocks that no graph holds any more (a CuPy pool
+    frees its current device's blocks only)."""
+    if not _graph_buffer_devices:
+        return
+    cupy = import_cupy()
+    for device in sorted(_graph_buffer_devices):
+        with cupy.cuda.Device(device):
+            _graph_buffer_pool().free_all_blocks()
+
+
 def _drop_kept(plan_id: int, key: tuple):
     """Remove the graph of ``key`` from the budget and from its plan's table, where the plan
     lives (under ``_REPLAYS_LOCK``); return the graph, to be released after the lock."""
@@ -276,6 +290,7 @@ class ConvPlan:
         # buffers that outlive the call would shift the addresses that the default pool hands
         # out to later calls' temporaries, and new addresses mean new keys and more captures.
         pool = _graph_buffer_pool()
+        _graph_buffer_devices.add(key[1])
         try:
             with cupy.cuda.using_allocator(pool.malloc):
                 kept = buffers()
@@ -306,6 +321,8 @@ class ConvPlan:
         replay = functools.partial(_launch_graph, graph, stream, kept)
         evicted = []  # released after the lock: a graph's destruction takes time
         with _REPLAYS_LOCK:  # threads capturing at once must not evict the same graph
+            if self._replays is not replays:  # dropped meanwhile: this graph runs once
+                return replay
             _drop_dead()
             evicted += _drop_graphs(id(self), replays, [key])  # another thread's capture
             if len(replays) >= _MAX_REPLAYS:

@@ -77,7 +77,8 @@ def check_conv_args(x_shape, w_shape, nd: int, *, transposed: bool, stride, padd
         out_channels = w_shape[0]
     if any(s <= 0 for s in size):
         uncropped = tuple(s + 2 * p for s, p in zip(size, padding))
-        why = (f"padding {padding} crops its {uncropped} positions to {size}"
+        why = (f"padding {padding} crops its {uncropped} positions to "
+               f"{tuple(max(s, 0) for s in size)}"
                if transposed else f"kernel {tuple(k)} with padding {padding}, dilation "
                f"{dilation} is larger than the input")
         raise ValueError(f"the convolution output of {x_name} (shape {tuple(x_shape)}) would "

@@ -242,13 +242,13 @@ def test_strategies_short_of_memory_are_skipped(monkeypatch):
         _autotune._choose(problem, True, False, False, True, None)
 
 
-def test_clearing_the_plans_frees_the_graph_buffers_of_each_of_their_devices(monkeypatch):
-    # A CuPy pool frees the blocks of its current device only: the plans' graph buffers on
-    # each device that had plans go back to that device.
+def test_clearing_the_plans_frees_the_graph_buffers_of_each_device_they_were_on(monkeypatch):
+    # A CuPy pool frees the blocks of its current device only: the plans' graph buffers go
+    # back to every device the pool allocated on, also where no plan is left to clear (a
+    # plan that a caller's capture held until after the last clear).
     import contextlib
-    import functools
 
-    from cufused._cudnn import _autotune
+    from cufused._cudnn import _autotune, _plan
 
     current, freed = [0], []
 
@@ -262,12 +262,13 @@ def test_clearing_the_plans_frees_the_graph_buffers_of_each_of_their_devices(mon
 
     fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(Device=device))
     pool = types.SimpleNamespace(free_all_blocks=lambda: freed.append(current[0]))
-    monkeypatch.setattr(_autotune, "import_cupy", lambda: fake_cupy)
+    monkeypatch.setattr(_plan, "import_cupy", lambda: fake_cupy)
+    monkeypatch.setattr(_plan, "_graph_buffer_pool", lambda: pool)
+    monkeypatch.setattr(_plan, "_graph_buffer_devices", {3, 1})
     monkeypatch.setattr(_autotune, "wait_for_devices", lambda devices: None)
-    monkeypatch.setattr(_autotune, "_graph_buffer_pool", functools.cache(lambda: pool))
-    _autotune._graph_buffer_pool()
-    monkeypatch.setattr(_autotune, "_plans", {(1, "problem"): object(),
-                                              (3, "problem"): object()})
-    _autotune.clear_plan_cache()
-    assert sorted(freed) == [1, 3] and current == [0]
-    assert not _autotune._plans
+    for plans in ({(1, "problem"): object()}, {}):
+        freed.clear()
+        monkeypatch.setattr(_autotune, "_plans", plans)
+        _autotune.clear_plan_cache()
+        assert freed == [1, 3] and current == [0]
+        assert not _autotune._plans
