@@ -26,9 +26,10 @@ The result equals the single call on the concatenated batch to float32 rounding.
 chunks pipeline B's phases run the single call's kernels (``pipeline_b``'s chunk phases): one
 read of the convolution output for the extrema and the sums, one pass over the extrema for
 BatchNorm, tanh and GroupNorm. On NumPy chunks, for samples of more convolution outputs than
-the fused pass takes (``FUSED_SAMPLE_VALUES``, 2**31 - 2**16) and for an infinite BatchNorm
-weight (whose windows need the whole convolution output in phase 3, as in the single call)
-they compose the public operations.
+the fused pass takes (``FUSED_SAMPLE_VALUES``, 2**31 - 2**16) and for a BatchNorm factor
+that can be infinite (an infinite weight, or ``bn_weight / sqrt(eps)`` past the range:
+its windows need the whole convolution output in phase 3, as in the single call) they
+compose the public operations; that whole output then crosses from phase 1 to phase 3.
 
 Running buffers are updated in place by the statistics task, once each time a computation
 runs it (``compute``/``persist`` of the result, or of anything depending on it). The
@@ -36,7 +37,11 @@ threaded and synchronous schedulers, and distributed workers in this process, ru
 caller's buffers; a task in another process (distributed workers in processes of their own,
 dask's ``"processes"`` scheduler) updates that process's copy, so there
 ``return_running_stats=True`` returns the updated buffers as dask arrays to compute along with
-the result. Statistics tasks that run at once take turns on the buffers.
+the result. Statistics tasks that run at once take turns on the buffers, in an order Dask
+chooses: graphs that share running buffers are computed one after the other. One built
+graph is one call: a distributed scheduler does not run again a task whose result the
+cluster still holds, so there a second ``compute`` of a persisted graph moves the buffers
+once.
 
 With CuPy chunks the tasks of a process take turns on each device (one at a time), so that
 the threaded scheduler's threads do not interleave their chunks on the device's stream.
@@ -45,7 +50,7 @@ Every call builds its graph directly (a dict of tasks over the keys of ``x``'s c
 key names unique to the call: the readable prefix ``cufused-<function>-`` and a random token,
 not a hash of the inputs, since hashing would copy every CuPy parameter to the host. Two
 equal calls are therefore not deduplicated: computed together, each runs (and in training
-each updates the running buffers, as two single calls would).
+each updates the running buffers, as two single calls would, in an order Dask chooses).
 """
 
 from __future__ import annotations
