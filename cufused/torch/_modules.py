@@ -54,7 +54,8 @@ class _NoBackward(torch.autograd.Function):
 
 
 class _ForwardOnlyModule(torch.nn.Module):
-    """``forward`` runs the subclass's ``_run(x, weights)`` on its ``_weights()``, read once;
+    """``forward`` checks the subclass's layer settings (``_settings()``, before any weight
+    is read), then runs ``_run(x, weights, settings)`` on its ``_weights()``, read once;
     in grad mode with ``x`` or one of those tensors requiring grad, through
     :class:`_NoBackward` (the operators themselves refuse such inputs). The
     tensors are named, not found by ``parameters()``: a ``DataParallel`` replica holds its
@@ -83,15 +84,16 @@ class _ForwardOnlyModule(torch.nn.Module):
         """
         for name, cls in self._SUBMODULES.items():
             _check_layer(getattr(self, name), name, cls)
-        # Read once: a parametrized weight is computed at each read (spectral_norm's power
-        # iteration, which updates its vectors, among them).
+        settings = self._settings()
+        # Read once, after the settings' checks: a parametrized weight is computed at each
+        # read (spectral_norm's power iteration, which updates its vectors, among them).
         weights = self._weights()
         if torch.is_grad_enabled():
             tracked = [t for t in weights if t is not None and t.requires_grad]
             if tracked or x.requires_grad:
                 return _NoBackward.apply(type(self).__name__,
-                                         lambda x: self._run(x, weights), x, *tracked)
-        return self._run(x, weights)
+                                         lambda x: self._run(x, weights, settings), x, *tracked)
+        return self._run(x, weights, settings)
 
 
 def _check_layer(module: torch.nn.Module, name: str, cls: type) -> None:
@@ -268,17 +270,20 @@ class Conv2dGroupNormScaleMaxPoolClamp(_ForwardOnlyModule):
         conv, gn = self.conv, self.group_norm
         return conv.weight, conv.bias, gn.weight, gn.bias, self.scale
 
-    def _run(self, x: torch.Tensor, weights: tuple) -> torch.Tensor:
+    def _settings(self) -> dict:
+        _require(self.conv, "conv", "groups", 1)
+        return dict(padding=_conv_padding(self.conv, "conv"),
+                    pool=_pool_window(self.maxpool, 2, "maxpool"))
+
+    def _run(self, x: torch.Tensor, weights: tuple, settings: dict) -> torch.Tensor:
         conv, gn = self.conv, self.group_norm
-        padding = _conv_padding(conv, "conv")
-        _require(conv, "conv", "groups", 1)
         conv_weight, conv_bias, gn_weight, gn_bias, scale = weights
         _check_channel_scale(tuple(scale.shape), conv.out_channels, "scale's shape")
         return _ops.conv2d_groupnorm_scale_maxpool_clamp.default(
             x, conv_weight, conv_bias, gn_weight, gn_bias, scale,
-            num_groups=gn.num_groups, pool_kernel=_pool_window(self.maxpool, 2, "maxpool"),
+            num_groups=gn.num_groups, pool_kernel=settings["pool"],
             clamp_min=self.clamp_min, clamp_max=self.clamp_max, stride=conv.stride,
-            padding=padding, eps=gn.eps, precision=self.precision)
+            padding=settings["padding"], eps=gn.eps, precision=self.precision)
 
 
 class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(_ForwardOnlyModule):
@@ -350,30 +355,35 @@ class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(_ForwardOnlyModule):
         ct, bn, gn = self.conv_transpose, self.batch_norm, self.group_norm
         return ct.weight, ct.bias, bn.weight, bn.bias, gn.weight, gn.bias
 
-    def _run(self, x: torch.Tensor, weights: tuple) -> torch.Tensor:
+    def _settings(self) -> dict:
+        _check_transposed(self.conv_transpose, "conv_transpose")
+        return dict(pool=_pool_window(self.max_pool, 2, "max_pool"))
+
+    def _run(self, x: torch.Tensor, weights: tuple, settings: dict) -> torch.Tensor:
         bn, ct = self.batch_norm, self.conv_transpose
-        _check_transposed(ct, "conv_transpose")
         ct_weight, ct_bias, bn_weight, bn_bias, gn_weight, gn_bias = weights
-        k = _pool_window(self.max_pool, 2, "max_pool")
+        k = settings["pool"]
         # BatchNorm's bookkeeping, as nn.BatchNorm2d.forward does it, except that the batch
         # is counted with the running statistics' update, once the call that updates them has
         # succeeded: a call that fails its checks first leaves the module as it was.
         momentum = 0.0 if bn.momentum is None else bn.momentum
-        counted = (self.training and bn.track_running_stats
+        # The batch_norm layer's own mode decides, as nn.BatchNorm2d's forward reads it
+        # (model.train() with model.batch_norm.eval() freezes its statistics).
+        counted = (bn.training and bn.track_running_stats
                    and bn.num_batches_tracked is not None)
         if counted and bn.momentum is None:  # cumulative moving average, this batch included
             momentum = _cumulative_momentum(bn.num_batches_tracked)
         gn = self.group_norm
-        batch_stats = self.training or (bn.running_mean is None and bn.running_var is None)
-        track = not self.training or bn.track_running_stats
+        batch_stats = bn.training or (bn.running_mean is None and bn.running_var is None)
+        track = not bn.training or bn.track_running_stats
         running_mean = bn.running_mean if track else None
         running_var = bn.running_var if track else None
+        if batch_stats and running_mean is None and running_var is None:
+            # Stand-ins that the call updates and nobody reads: Inductor (PyTorch 2.13) fails
+            # on an optional mutable argument left None.
+            running_mean = x.new_zeros(ct.out_channels)
+            running_var = x.new_ones(ct.out_channels)
         if batch_stats and bn.eps == gn.eps:
-            if running_mean is None and running_var is None:
-                # Stand-ins that the call updates and nobody reads: Inductor (PyTorch 2.13)
-                # fails on an optional mutable argument left None.
-                running_mean = x.new_zeros(ct.out_channels)
-                running_var = x.new_ones(ct.out_channels)
             y = _ops.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm.default(
                 x, ct_weight, bn_weight, bn_bias, gn_weight, gn_bias, num_groups=gn.num_groups,
                 stride=ct.stride, padding=ct.padding, output_padding=ct.output_padding,
@@ -466,14 +476,17 @@ class ConvTranspose3dAvgPoolClampSoftmaxMultiply(_ForwardOnlyModule):
         ct = self.conv_transpose
         return ct.weight, ct.bias, self.scale
 
-    def _run(self, x: torch.Tensor, weights: tuple) -> torch.Tensor:
+    def _settings(self) -> dict:
+        _check_transposed(self.conv_transpose, "conv_transpose")
+        return dict(pool=_pool_window(self.avg_pool, 3, "avg_pool"))
+
+    def _run(self, x: torch.Tensor, weights: tuple, settings: dict) -> torch.Tensor:
         ct = self.conv_transpose
-        _check_transposed(ct, "conv_transpose")
         ct_weight, ct_bias, scale = weights
         _check_channel_scale(tuple(scale.shape), ct.out_channels, "scale's shape", ndim=5)
         return _ops.conv_transpose3d_avgpool_clamp_softmax_multiply.default(
             x, ct_weight, scale, stride=ct.stride, padding=ct.padding,
             output_padding=ct.output_padding,
-            pool_kernel=_pool_window(self.avg_pool, 3, "avg_pool"),
+            pool_kernel=settings["pool"],
             clamp_min=self.clamp_min, clamp_max=self.clamp_max, conv_bias=ct_bias,
             groups=ct.groups, precision=self.precision)

@@ -150,6 +150,27 @@ def test_module_b_eval_uses_running_statistics_cpu():
     assert torch.equal(mine.batch_norm.running_mean, ref.batch_norm.running_mean)
 
 
+@pytest.mark.parametrize("model_training, bn_training", [(True, False), (False, True)])
+def test_module_b_follows_its_batch_norm_layers_mode(model_training, bn_training):
+    # nn.BatchNorm2d reads its own mode: model.train() then model.batch_norm.eval() freezes
+    # the statistics (fine-tuning), and the reverse normalizes with the batch's.
+    init, shape = SMALL["B"]
+    ref, mine = make_pair("B", init, dtype=torch.float64)
+    with torch.no_grad():
+        for model in (ref, mine):
+            model.batch_norm.running_mean.uniform_(-0.5, 0.5)
+            model.batch_norm.running_var.uniform_(0.5, 2.0)
+        mine.load_state_dict(ref.state_dict())
+        for model in (ref, mine):
+            model.train(model_training)
+            model.batch_norm.train(bn_training)
+        x = torch.rand(shape, dtype=torch.float64)
+        got, want = mine(x), ref(x)
+    assert rel_err(got.numpy(), want.numpy()) < 1e-12
+    for key, value in ref.state_dict().items():
+        assert torch.allclose(mine.state_dict()[key], value, rtol=1e-12, atol=0), key
+
+
 def test_forward_only_errors():
     init, shape = SMALL["A"]
     model = ours("A")(*init)
@@ -251,15 +272,18 @@ def test_torch_compile_fullgraph_cpu(name, backend):
         assert torch.allclose(mine.state_dict()[key], value, rtol=1e-6, atol=0), key
 
 
+@pytest.mark.parametrize("eps", [1e-5, 1e-3])
 @pytest.mark.parametrize("training", [True, False])
-def test_module_b_without_running_statistics_compiles_with_inductor(training):
-    # BatchNorm without running statistics: the fused call gets stand-in buffers, since
-    # Inductor fails on an optional mutable argument left None.
+def test_module_b_without_running_statistics_compiles_with_inductor(training, eps):
+    # BatchNorm without running statistics: the fused call (or, with another eps than
+    # GroupNorm's, the building blocks' batch_norm) gets stand-in buffers, since Inductor
+    # fails on an optional mutable argument left None.
     init, shape = SMALL["B"]
     ref, mine = make_pair("B", init)
     for model in (ref, mine):
         model.batch_norm.track_running_stats = False
         model.batch_norm.running_mean = model.batch_norm.running_var = None
+        model.batch_norm.eps = eps
         model.train(training)
     x = torch.rand(shape)
     torch._dynamo.reset()
@@ -371,6 +395,24 @@ def test_modules_read_a_parametrized_weight_once(name):
     assert got.requires_grad and rel_err(got.detach().numpy(), want.numpy()) < 1e-5
     vectors = [getattr(m, path).parametrizations.weight[0]._u for m in (mine, ref)]
     assert torch.equal(*vectors)
+
+
+@pytest.mark.parametrize("name, path, setting, value", [
+    ("A", "maxpool", "ceil_mode", True), ("B", "max_pool", "ceil_mode", True),
+    ("C", "avg_pool", "ceil_mode", True), ("A", "conv", "groups", 2),
+    ("B", "conv_transpose", "dilation", (2, 2))])
+def test_modules_check_their_settings_before_reading_a_weight(name, path, setting, value):
+    # A refused setting leaves a parametrized weight unread: spectral_norm's vectors, which
+    # each read updates, stay as they were.
+    init, shape = SMALL[name]
+    model = ours(name)(*init)
+    conv = "conv" if name == "A" else "conv_transpose"
+    torch.nn.utils.parametrizations.spectral_norm(getattr(model, conv))
+    setattr(getattr(model, path), setting, value)
+    vector = getattr(model, conv).parametrizations.weight[0]._u.clone()
+    with torch.no_grad(), pytest.raises(ValueError):
+        model(torch.rand(shape))
+    assert torch.equal(getattr(model, conv).parametrizations.weight[0]._u, vector)
 
 
 def test_traced_call_names_the_tensor_on_another_device():
