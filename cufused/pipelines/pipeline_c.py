@@ -32,7 +32,7 @@ from .._kernels.conv_gemm import (conv_nonfinite_input_flags,
 from .._kernels.pooling import pool_into
 from .._kernels.softmax import (softmax_finalize, softmax_normalize_channels_last, softmax_rows,
                                 softmax_rows_nonfinite_weight)
-from .._layout import empty_in_layout
+from .._layout import empty_in_layout, layout_strides
 from .._ops._conv_args import cached_conv_args, check_conv_memory
 from .._ops.convolution import conv_on_gpu, conv_transpose3d, gpu_conv_plan
 from .._ops.pooling import avg_pool3d, check_gpu_spatial_sizes
@@ -204,7 +204,9 @@ def _fused(xp, x, weight, args, precision, out, *, k, pooled_shape, conv_bias, s
         if plan.spreads_nonfinite:
             # A sample holding a non-finite value: each of its rows by the definition.
             sample_flags = conv_nonfinite_input_flags(xp, x_pooled)
-    strides = [s // y.itemsize for s in y.strides]
+    # y is dense in its layout (out itself, or the plan's own buffer): its strides follow from
+    # the shape, where y.strides may give a size-1 axis any stride (out[..., None] has a 0).
+    strides = layout_strides(y.shape, layout)
     length = math.prod(out.shape[2:])
     softmax_rows(xp, y, out, rows=n * c, length=length, channels=c,
                  strides=(strides[0], strides[1], strides[-1]),

@@ -217,6 +217,27 @@ def test_pipeline_b_non_finite_weight_on_a_tap_that_reaches_no_output(rng, engin
     assert_close(out.get(), ref, PIPELINE_TOL[precision])
 
 
+@pytest.mark.parametrize("view", ["zero stride", "negative stride"])
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+def test_pipeline_c_out_whose_size_1_axis_has_any_stride(rng, precision, view):
+    # An output of one position wide: out[..., None] (stride 0) and out[..., ::-1] (stride
+    # -4) of that axis are C-contiguous, and the softmax reads the rows of the convolution
+    # written into out by their dense strides.
+    x = rng.random((2, 4, 6, 6, 2))
+    w = rng.standard_normal((4, 5, 3, 3, 1)) * 0.3
+    opts = dict(stride=1, padding=0, output_padding=0, pool_kernel=2, clamp_min=-0.2,
+                clamp_max=0.4)
+    ref = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(x, w, 1.5, **opts)
+    assert ref.shape == (2, 5, 5, 5, 1)
+    dense = poisoned(ref.shape[:-1])
+    out = dense[..., None] if view == "zero stride" else poisoned(ref.shape)[..., ::-1]
+    assert out.flags.c_contiguous and out.strides[-1] in (0, -4)
+    got = cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(
+        *to_gpu(x, w), 1.5, **opts, precision=precision, out=out)
+    assert got is out
+    assert_close(out.get(), ref, PIPELINE_TOL[precision])
+
+
 @pytest.mark.parametrize("engine", ["cudnn", "igemm"])
 @pytest.mark.parametrize("precision", ["tf32", "3xtf32"])
 def test_pipeline_c_nan_with_its_payload_in_the_low_bits(rng, precision, engine):
