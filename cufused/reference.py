@@ -170,11 +170,17 @@ def batch_norm(x, weight, bias, running_mean, running_var, training, momentum, e
     return out
 
 
+def _padded(x, padding, fill):
+    """An (N, C, *spatial) array in float64, each spatial axis padded by ``fill``."""
+    return _xp(x).pad(_f64(x), [(0, 0), (0, 0)] + [(p, p) for p in padding],
+                      constant_values=fill)
+
+
 def _windows(x, kernel_size, stride, padding, fill):
     """Pooling windows of an (N, C, *spatial) array: shape (N, C, *out, *kernel)."""
     xp = _xp(x)
     nd = x.ndim - 2
-    padded = xp.pad(_f64(x), [(0, 0), (0, 0)] + [(p, p) for p in padding], constant_values=fill)
+    padded = _padded(x, padding, fill)
     win = xp.lib.stride_tricks.sliding_window_view(padded, kernel_size,
                                                    axis=tuple(range(2, 2 + nd)))
     return win[(slice(None), slice(None)) + tuple(slice(None, None, s) for s in stride)]
@@ -187,8 +193,7 @@ def max_pool(x, kernel_size, stride, padding):
     (row-major) order, each as a strided view of the padded input: the memory taken is the
     padded input's and the output's, whatever the window."""
     xp = _xp(x)
-    padded = xp.pad(_f64(x), [(0, 0), (0, 0)] + [(p, p) for p in padding],
-                    constant_values=-np.inf)
+    padded = _padded(x, padding, -np.inf)
     out_size = [(n - k) // s + 1 for n, k, s in zip(padded.shape[2:], kernel_size, stride)]
     out = None
     for offset in itertools.product(*(range(k) for k in kernel_size)):

@@ -90,25 +90,26 @@ def check_conv_args(x_shape, w_shape, nd: int, *, transposed: bool, stride, padd
 def check_conv_memory(x_shape, args: ConvArgs, xp):
     """Check before any work that the convolution's output, and on the reference path its
     padded (or, transposed, uncropped) intermediate, fit in memory; on the GPU, that every
-    spatial size of its input and output is below 2**31 (32-bit kernel arguments, as the
-    pools')."""
+    spatial size of its input and output, and its output channels, are below 2**31 (32-bit
+    kernel arguments, as the pools')."""
     check_fits(args.out_shape, xp, "the convolution output")
-    if xp is not numpy and any(s >= 2**31 for s in (*x_shape[2:], *args.out_shape[2:])):
-        raise ValueError(f"the convolution's spatial sizes must each be below 2**31 on the GPU "
-                         f"(32-bit kernel arguments), got x {tuple(x_shape)} and output "
-                         f"{tuple(args.out_shape)}")
-    if xp is not numpy and args.out_shape[1] >= 2**31:
-        raise ValueError(f"the convolution output must have fewer than 2**31 channels on the "
-                         f"GPU (32-bit kernel arguments): weight gives "
-                         f"{args.out_shape[1]}")
-    if xp is numpy:
-        if args.transposed:
-            lead = args.out_shape[:2]
-            inner = tuple(o + 2 * p for o, p in zip(args.out_shape[2:], args.padding))
-        else:
-            lead = x_shape[:2]
-            inner = tuple(s + 2 * p for s, p in zip(x_shape[2:], args.padding))
-        check_fits((*lead, *inner), xp, "the padded input of the convolution output")
+    if xp is not numpy:
+        if any(s >= 2**31 for s in (*x_shape[2:], *args.out_shape[2:])):
+            raise ValueError(f"the convolution's spatial sizes must each be below 2**31 on the "
+                             f"GPU (32-bit kernel arguments), got x {tuple(x_shape)} and "
+                             f"output {tuple(args.out_shape)}")
+        if args.out_shape[1] >= 2**31:
+            raise ValueError(f"the convolution output must have fewer than 2**31 channels on "
+                             f"the GPU (32-bit kernel arguments): weight gives "
+                             f"{args.out_shape[1]}")
+        return
+    if args.transposed:
+        lead = args.out_shape[:2]
+        inner = tuple(o + 2 * p for o, p in zip(args.out_shape[2:], args.padding))
+    else:
+        lead = x_shape[:2]
+        inner = tuple(s + 2 * p for s, p in zip(x_shape[2:], args.padding))
+    check_fits((*lead, *inner), xp, "the padded input of the convolution output")
 
 
 # Checked arguments of recent calls: validating the options costs more host time than
