@@ -44,7 +44,7 @@ from typing import Any
 
 from ._arrays import _byte_span, _memory_limit, import_cupy, is_cupy_array, other_device
 from ._capture import _inside, capture_call, kept_for_caller_capture, release_caller_captures
-from ._cuda import capturing, stream_key, wait_for_devices
+from ._cuda import capturing, release_after_devices, stream_key
 from ._cudnn import _config, clear_plan_cache, on_clear_plan_cache
 from ._precision import default_precision, resolve_precision
 from ._scoped import scoped_value
@@ -96,13 +96,12 @@ class _Graph:
 
 
 def _release(graphs: list) -> None:
-    """Drop graphs that may still run on the device: each waits for its device first, since
-    what they read (a plan's weight index from CuPy's pool) may go back to a pool on
-    another stream than the one they run on (outside ``_lock``)."""
-    if not graphs:
-        return
-    wait_for_devices(g.device for g in graphs)
-    graphs.clear()
+    """Drop graphs that may still run on the device (emptying ``graphs``): each waits for
+    its device first, since what they read (a plan's weight index from CuPy's pool) may go
+    back to a pool on another stream than the one they run on (outside ``_lock``; see
+    :func:`~cufused._cuda.release_after_devices`)."""
+    if graphs:
+        release_after_devices({g.device for g in graphs}, graphs)
 
 
 def _value_key(value: Any):

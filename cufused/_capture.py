@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 from ._arrays import import_cupy
 from ._blas import bind_blas_stream
-from ._cuda import wait_for_devices
+from ._cuda import own_capture_scope, release_after_devices
 from ._cudnn import plans_in_use
 from ._scoped import scoped_value
 
@@ -85,8 +85,7 @@ def release_caller_captures() -> None:
     """Let go of what :func:`kept_for_caller_capture` kept, once the devices it was used on
     are idle (a caller's graph launched last may still run; the caller's graphs that recorded
     those calls must not be launched again)."""
-    wait_for_devices(entry[2] for entry in _caller_captures)
-    _caller_captures.clear()
+    release_after_devices({entry[2] for entry in _caller_captures}, _caller_captures)
 
 
 class _TooLarge(MemoryError):
@@ -129,7 +128,7 @@ def capture_call(call: Callable[[], Any], *, limit: float | None = None) -> Capt
     side = cupy.cuda.Stream(non_blocking=True)
     try:
         with (scoped_value(_inside, True), scoped_value(_own_capture, True),
-              plans_in_use() as plans,
+              own_capture_scope(), plans_in_use() as plans,
               cupy.cuda.using_allocator(malloc), side):
             bind_blas_stream(side)
             side.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)

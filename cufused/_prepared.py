@@ -11,6 +11,7 @@ from typing import Any
 
 from ._arrays import import_cupy, is_cupy_array, other_device
 from ._capture import capture_call
+from ._cuda import capturing, release_after_devices
 from ._precision import get_default_precision
 
 
@@ -63,7 +64,7 @@ class PreparedCall:
         # index from CuPy's pool) could otherwise go back to a pool on another stream.
         if getattr(self, "_graph", None) is not None:
             with contextlib.suppress(Exception):  # at interpreter exit CuPy may be gone
-                import_cupy().cuda.Device(self._device).synchronize()
+                release_after_devices([self._device], [self._graph, self._keep])
 
     def __repr__(self) -> str:
         kind = "CUDA graph" if self._graph is not None else "a call each time"
@@ -129,6 +130,8 @@ def prepare(function: Callable, *args: Any, **kwargs: Any) -> PreparedCall:
         ``TypeError``.
     ValueError
         The call's own ``ValueError`` (the arguments are checked by running it once).
+    RuntimeError
+        The current stream is being captured into a CUDA graph (prepare the call before).
 
     Examples
     --------
@@ -146,6 +149,12 @@ def prepare(function: Callable, *args: Any, **kwargs: Any) -> PreparedCall:
     if ("precision" in inspect.signature(function).parameters
             and kwargs.get("precision") is None):
         kwargs = {**kwargs, "precision": get_default_precision()}
+    if (any(map(is_cupy_array, (*args, *kwargs.values())))
+            and capturing(import_cupy().cuda.get_current_stream())):
+        # Its first call would be recorded into that capture, and its wait for the call then
+        # break the capture.
+        raise RuntimeError("prepare() cannot run while the current stream is being captured "
+                           "into a CUDA graph: prepare the call before the capture")
     device = other_device(args, kwargs)
     if device is not None:  # the call, its capture and its replays on the array's device
         with import_cupy().cuda.Device(device):

@@ -106,7 +106,14 @@ def _run_tree(tree: str, args) -> list[dict]:
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode:  # the child's own error, not only its exit status
         sys.exit(f"{tree}: the timing process failed (exit {done.returncode}):\n{done.stderr}")
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    # The child imports the first cufused on its path: the tree's, unless the tree lacks one
+    # and another (an installed copy, the tree on the caller's PYTHONPATH) answers instead.
+    home = os.path.join(os.path.abspath(tree), "cufused", "")
+    for row in rows:
+        if not os.path.abspath(row["file"]).startswith(home):
+            sys.exit(f"{tree}: the timing process imported {row['file']}, not the tree's")
+    return rows
 
 
 def _table(trees: list[str], runs: dict) -> list[str]:
@@ -146,6 +153,11 @@ def main(argv=None) -> int:
         return 0
     if not args.trees:
         parser.error("give at least one tree")
+    for tree in args.trees:
+        if not os.path.isfile(os.path.join(tree, "cufused", "__init__.py")):
+            parser.error(f"{tree} holds no cufused/ package (give the folder above it)")
+    if args.rounds < 1 or args.repeat < 1:
+        parser.error("--rounds and --repeat must be at least 1")
     runs = {tree: [] for tree in args.trees}
     for _ in range(args.rounds):
         for tree in args.trees:

@@ -6,6 +6,10 @@
 #   bash scripts/ncu_kernels.sh detail CASE PRECISION          the call's own kernels (not
 #       cuDNN's, cuBLAS's or the DFT engine's): time, DRAM / SM / L2 use, tensor and shared
 #       pipes, issue slots, occupancy and its limiter, the top warp stall reasons
+if [ -z "$1" ] || [ "$1" = -h ] || [ "$1" = --help ]; then
+  sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'
+  exit 0
+fi
 if [ "$1" = detail ]; then
   metrics=gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed
   metrics+=,sm__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sector_hit_rate.pct
@@ -48,7 +52,11 @@ for line in sys.stdin:
         key = m.group(1)
         key = "stall_" + key[len("smsp__average_warps_issue_stalled_"):-len("_per_issue_active.ratio")] if "issue_stalled" in key else short.get(key, key)
         unit = m.group(2) or ""
-        vals[key] = m.group(3).replace(",", "") + ("" if key == "us" or unit in ("%", "inst", "block") or unit.startswith("reg") else unit)
+        value = m.group(3).replace(",", "")
+        if key == "us":  # ncu scales the unit of the duration to its size
+            scale = {"nsecond": 1e-3, "usecond": 1, "msecond": 1e3, "second": 1e6}[unit]
+            value = "%.1f" % (float(value) * scale)
+        vals[key] = value + ("" if key == "us" or unit in ("%", "inst", "block") or unit.startswith("reg") else unit)
     elif re.match(r"^  \S", line) and "(" in line:
         flush(name, vals)
         name, vals = line.strip(), {}

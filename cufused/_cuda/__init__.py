@@ -583,16 +583,69 @@ def stream_key(stream):
     return ptr if ptr != _PER_THREAD_STREAM else (ptr, threading.get_ident())
 
 
-def wait_for_devices(devices) -> None:
-    """Wait until each device (id) in ``devices`` has done its queued work: before memory
-    that the work may still read goes back to a pool, where another stream would reuse it."""
-    devices = set(devices)
-    if not devices:
-        return
+# A device's synchronization is illegal while any of its streams is being captured, and it
+# invalidates that capture; so is freeing device memory (cudaFree). cufused's own captures
+# (each thread's) and the releases below exclude each other: a release during a capture
+# waits, with what it holds, until the last capture in progress ends.
+_release_state = threading.Condition()
+_captures_under_way = 0
+_releasing = False
+_deferred_devices: set = set()
+_deferred_held: list = []
+
+
+@contextlib.contextmanager
+def own_capture_scope():
+    """Around one of cufused's own graph captures: it starts once no release is under way,
+    and the releases asked for meanwhile (:func:`release_after_devices`) wait for its end."""
+    global _captures_under_way
+    with _release_state:
+        while _releasing:
+            _release_state.wait()
+        _captures_under_way += 1
+    try:
+        yield
+    finally:
+        with _release_state:
+            _captures_under_way -= 1
+        _release_deferred()
+
+
+def release_after_devices(devices, held: list) -> None:
+    """Let go of the references in ``held`` (emptied) once each device (id) in ``devices``
+    has done its queued work: the memory that the work may still read would otherwise go
+    back to a pool, where another stream would reuse it, or to the device. Where one of
+    cufused's captures is under way (in any thread) both wait until the last one ends."""
+    with _release_state:
+        _deferred_devices.update(devices)
+        _deferred_held.extend(held)
+    held.clear()
+    _release_deferred()
+
+
+def _release_deferred() -> None:
+    """Synchronize the deferred devices and drop the deferred references, unless a capture
+    or another release is under way (which then does it)."""
+    global _releasing
     import cupy
 
-    for device in devices:
-        cupy.cuda.Device(device).synchronize()
+    while True:
+        with _release_state:
+            if _releasing or _captures_under_way or not (_deferred_devices or _deferred_held):
+                return
+            _releasing = True
+            devices = set(_deferred_devices)
+            held = list(_deferred_held)
+            _deferred_devices.clear()
+            _deferred_held.clear()
+        try:
+            for device in devices:
+                cupy.cuda.Device(device).synchronize()
+            held.clear()  # what they free (a graph's own pool: cudaFree) goes here
+        finally:
+            with _release_state:
+                _releasing = False
+                _release_state.notify_all()
 
 
 def capturing(stream) -> bool:

@@ -10,7 +10,7 @@ import threading
 import numpy
 
 from .._arrays import import_cupy
-from .._cuda import capturing, wait_for_devices
+from .._cuda import capturing, release_after_devices
 from ._config import _config, cudnn_handle, import_cudnn
 from ._graphs import (ConvProblem, Strategy, _build_graph, _Part, _part_specs, runnable_plans,
                       spreads_nonfinite, strategies)
@@ -307,8 +307,7 @@ def clear_plan_cache() -> None:
         _plans.clear()
     # A call queued on another stream than the one a plan's memory (the sub-pixel weight
     # index) was allocated on may still read it.
-    wait_for_devices(key[0] for key, _ in dropped)
-    dropped.clear()
+    release_after_devices({key[0] for key, _ in dropped}, dropped)
     forget_kept()
     for hook in _clear_hooks:
         hook()

@@ -15,7 +15,7 @@ from typing import Any
 import numpy
 
 from .._arrays import _memory_limit, import_cupy
-from .._cuda import capturing, stream_key
+from .._cuda import capturing, own_capture_scope, stream_key
 from .._kernels.layout import add_channel_bias, interleave_classes, transpose_channels
 from .._layout import empty_in_layout, stored_in
 from .._scoped import scoped_value
@@ -309,7 +309,7 @@ class ConvPlan:
             return None
         side = cupy.cuda.Stream(non_blocking=True)
         try:
-            with side:
+            with own_capture_scope(), side:
                 side.begin_capture()
                 try:
                     work(kept)

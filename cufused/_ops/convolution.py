@@ -77,7 +77,7 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
         # one runs as a forward one, whose padding meets the weight.
         if definition_nans and engine[0] == "igemm" and args.transposed and x.ndim == 4:
             _nonfinite_weight_rows(x, weight, bias, y, args)
-        return y, "nchw"
+        return y, _layout_of(y)
     try:
         plan = _plan(x.shape, weight.shape, args, precision, bias is not None, True,
                      convert_output, False)
@@ -88,7 +88,7 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
                                    definition_inputs=definition_inputs)
         if definition_nans:
             _nonfinite_weight_rows(x, weight, bias, y, args)
-        return y, "nchw"
+        return y, _layout_of(y)
     y, layout = _apply_plan(plan, x, weight, bias, out, convert_output=convert_output)
     if definition_nans:
         _nonfinite_weight_rows(x, weight, bias, y, args)
@@ -128,9 +128,15 @@ def _apply_plan(plan, x, weight, bias, out, *, convert_output: bool = True):
     written into) gets the NCHW result copied in."""
     if out is None or out.flags.c_contiguous:
         return plan.apply(x, weight, bias=bias, out=out, convert_output=convert_output)
-    y, layout = plan.apply(x, weight, bias=bias)
+    y, _ = plan.apply(x, weight, bias=bias)
     out[...] = y
-    return out, layout
+    return out, "nhwc"
+
+
+def _layout_of(y) -> str:
+    """The layout of a result in NCHW or packed channels-last memory (``out``'s, where the
+    caller gave one)."""
+    return "nchw" if y.flags.c_contiguous else "nhwc"
 
 
 def own_engine(x, weight, args: ConvArgs, precision: str, *, bias=None, out=None,

@@ -15,7 +15,7 @@ import numpy
 from .. import __version__
 from .._arrays import gpu_available
 from .cases import TOLERANCE, make_cases, rel_err, torch_pipeline
-from .report import format_table, plot
+from .report import format_table, plot, plot_format
 from .timing import RESULT_CALLS, Timer, add_floors, bench_case, measure_ceilings
 
 
@@ -42,6 +42,12 @@ def describe(case) -> str:
     return f"{case.name}: {case.pipeline}({shapes}; {options}) -> {case.output_shape}"
 
 
+def _case_rng(seed: int, case) -> numpy.random.Generator:
+    """The generator of a case's inputs: the seed and the case's own letter, so that
+    ``--cases`` draws the same inputs for a case as a run over all of them."""
+    return numpy.random.default_rng([seed, ord(case.name)])
+
+
 def _row(path: str, precision: str, err: float, tol: float, seconds: float) -> bool:
     ok = err < tol
     print(f"   {path:<14} {precision:<6} {err:>10.3e}  < {tol:<8.0e} {'ok' if ok else 'FAIL':<5}"
@@ -66,21 +72,22 @@ def _check_gpu_cases(cupy, cases, seed: int) -> int:
     print(f"cufused {__version__} check on {device}: each pipeline against the float64 "
           "reference computed on the GPU (cufused.reference on CuPy arrays: the same code as "
           "the NumPy reference)")
-    print(f"metric: {METRIC}; tolerance: {TOLERANCE['ieee']:.0e} (ieee), "
-          f"{TOLERANCE['tf32']:.0e} (tf32); inputs: seed {seed}; cuDNN's heuristic "
+    print(f"metric: {METRIC}; tolerance: "
+          + ", ".join(f"{t:.0e} ({p})" for p, t in TOLERANCE.items())
+          + f"; inputs: seed {seed}; cuDNN's heuristic "
           "convolution plans (no autotuning: bench checks the routes that autotuning picks, "
           "cufused's own convolution engines among them)", flush=True)
     failed = 0
-    for i, case in enumerate(cases):
+    for case in cases:
         print(describe(case), flush=True)
         start = time.perf_counter()
-        inputs = case.make_inputs(numpy.random.default_rng([seed, i]))
+        inputs = case.make_inputs(_case_rng(seed, case))
         gpu = {k: cupy.asarray(v) for k, v in inputs.items()}
         inputs["_gpu"] = gpu
         ref = case.reference(gpu)
         cupy.cuda.get_current_stream().synchronize()
         print(f"   float64 reference on the GPU ({time.perf_counter() - start:.1f} s)", flush=True)
-        for precision in ("ieee", "tf32"):
+        for precision in TOLERANCE:
             for method in ("fused", "unfused"):
                 start = time.perf_counter()
                 # NaN-poisoned: an element the call leaves unwritten fails the check.
@@ -112,10 +119,10 @@ def _check_cpu(cases, seed: int) -> int:
               f"PyTorch {torch.__version__} on the CPU, both in float64, at small sizes")
         print(f"metric: {METRIC}; tolerance: {CPU_TOLERANCE:.0e}; inputs: seed {seed}")
     failed = 0
-    for i, case in enumerate(cases):
+    for case in cases:
         print(describe(case), flush=True)
         start = time.perf_counter()
-        inputs = case.make_inputs(numpy.random.default_rng([seed, i]))
+        inputs = case.make_inputs(_case_rng(seed, case))
         arrays = [a.astype(numpy.float64) for a in inputs.values()]
         out = getattr(cufused, case.pipeline)(*arrays, **case.options)
         if torch is None:
@@ -191,6 +198,11 @@ def cmd_bench(args) -> int:
             print("python -m cufused bench: error: --plot needs matplotlib "
                   "(the bench extra)", file=sys.stderr)
             return 2
+        if plot_format(args.plot) is None:
+            print(f"python -m cufused bench: error: --plot: {args.plot} does not end in an "
+                  "image format that matplotlib writes (.png, .svg, .pdf, ...)",
+                  file=sys.stderr)
+            return 2
     if not gpu_available():
         print("no CUDA GPU available: bench needs one", file=sys.stderr)
         return 1
@@ -198,7 +210,13 @@ def cmd_bench(args) -> int:
     cases = make_cases(small=args.quick, batch=args.batch)
     if args.cases:
         cases = [c for c in cases if c.name in args.cases]
-    result = {"header": _header(), "ceilings": measure_ceilings(timer), "rows": []}
+    header = {**_header(), "options": {
+        "precisions": list(args.precisions),
+        "repeat": args.repeat, "quick": args.quick, "batch": args.batch,
+        "torch_compile": not args.no_compile}, "cases": {
+            c.name: {"pipeline": c.pipeline, "shapes": c.shapes, "options": c.options}
+            for c in cases}}
+    result = {"header": header, "ceilings": measure_ceilings(timer), "rows": []}
     for i, case in enumerate(cases):
         _progress(i, len(cases), f"case {case.name}")
         rows = bench_case(case, timer, precisions=tuple(args.precisions),

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 def format_table(result: dict) -> str:
     """The side-by-side table of a ``bench`` result: the pipelines, the host time per call,
@@ -48,7 +50,10 @@ def _host_lines(result: dict) -> list[str]:
 def _pipeline_lines(result: dict) -> list[str]:
     """The header, the ceilings and a row per case and precision: times, speedups, floors."""
     ceil = result["ceilings"]
-    lines = [" ".join(f"{k}={v}" for k, v in result["header"].items()),
+    header = result["header"]
+    lines = [" ".join(f"{k}={v}" for k, v in header.items() if not isinstance(v, dict)),
+             *([" ".join(f"{k}={v}" for k, v in header["options"].items())]
+               if "options" in header else []),
              f"ceilings: copy {ceil['copy_TBps']:.2f} TB/s, fp32 {ceil['fp32_TFLOPs']:.1f} "
              f"TFLOP/s" + (f", tf32 {ceil['tf32_TFLOPs']:.0f} TFLOP/s" if 'tf32_TFLOPs' in ceil
                            else ""),
@@ -114,8 +119,18 @@ def _conv_lines(result: dict) -> list[str]:
     return lines
 
 
+def plot_format(path: str) -> str | None:
+    """The image format of ``path``'s extension that matplotlib writes, or None (then
+    ``--plot`` is refused before the benchmark runs; needs matplotlib)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    extension = os.path.splitext(path)[1][1:].lower()
+    return extension if extension in FigureCanvasBase.get_supported_filetypes() else None
+
+
 def plot(result: dict, path: str) -> None:
-    """Bar chart of the bench result (needs matplotlib: the ``bench`` extra)."""
+    """Bar chart of the bench result (needs matplotlib: the ``bench`` extra), in the format
+    that ``path``'s extension names (:func:`plot_format`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -134,4 +149,5 @@ def plot(result: dict, path: str) -> None:
     ax.set_title(result["header"]["device"])
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format=plot_format(path))
+    plt.close(fig)

@@ -90,9 +90,8 @@ def measure_ceilings(timer: Timer) -> dict:
     m = cupy.random.default_rng(0).random((8192, 8192), dtype=cupy.float32)
     ms = timer(lambda: m @ m)
     result["fp32_TFLOPs"] = 2 * 8192**3 / (ms * 1e-3) / 1e12
-    try:
-        import torch
-
+    torch = torch_on_cuda()
+    if torch is not None:
         t = torch.rand(8192, 8192, device="cuda")
         allowed = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -101,9 +100,17 @@ def measure_ceilings(timer: Timer) -> dict:
         finally:
             torch.backends.cuda.matmul.allow_tf32 = allowed
         result["tf32_TFLOPs"] = 2 * 8192**3 / (ms * 1e-3) / 1e12
-    except ImportError:
-        pass
     return result
+
+
+def torch_on_cuda():
+    """PyTorch where it is installed and sees a CUDA device, else None (a CPU build, or one
+    whose driver is too old: the benchmark then runs without PyTorch's rows)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
 
 
 def set_torch_precision(precision: str) -> None:
@@ -151,19 +158,15 @@ def _torch_calls(case: Case, gpu: dict, *, eager: bool, compiled: bool) -> dict:
     """PyTorch's pipeline, eager and compiled as asked, as calls on tensors that share the
     case's CuPy inputs; none without PyTorch."""
     calls = {}
-    if eager or compiled:
-        try:
-            import torch
-
-            targs = [torch.as_tensor(v, device="cuda") for v in gpu.values()]
-            fn = torch_pipeline(case)
-            if eager:
-                calls["torch_eager"] = fn
-            if compiled:
-                calls["torch_compile"] = torch.compile(fn)
-                calls["torch_compile_ro"] = torch.compile(fn, mode="reduce-overhead")
-        except ImportError:
-            pass
+    torch = torch_on_cuda()
+    if (eager or compiled) and torch is not None:
+        targs = [torch.as_tensor(v, device="cuda") for v in gpu.values()]
+        fn = torch_pipeline(case)
+        if eager:
+            calls["torch_eager"] = fn
+        if compiled:
+            calls["torch_compile"] = torch.compile(fn)
+            calls["torch_compile_ro"] = torch.compile(fn, mode="reduce-overhead")
     return {k: (lambda f=f: f(*targs)) for k, f in calls.items()}
 
 
@@ -190,7 +193,8 @@ def _timed_calls(case: Case, precision: str, inputs: dict, out, rng, torch_calls
     fns = {
         "fused": lambda: case.run_cufused(inputs, precision=precision, out=out),
         "prepared": prepared,
-        "unfused": lambda: case.run_cufused(inputs, precision=precision, method="unfused"),
+        "unfused": lambda: case.run_cufused(inputs, precision=precision, method="unfused",
+                                            out=out),
         "conv": lambda: plan.run(*operands),
         "conv_public": lambda: conv_fn(xc, wc, **conv_opts, precision=precision),
         "conv_public_bias": lambda: conv_fn(xc, wc, bc, **conv_opts, precision=precision),
@@ -229,7 +233,7 @@ RESULT_CALLS = ("fused", "prepared", "unfused")
 def _result_errors(fns: dict, out, reference) -> dict:
     """``err_<name>``: the relative error (:func:`~.cases.rel_err`) against the float64
     ``reference`` of each of :data:`RESULT_CALLS`' results, ``out`` NaN-poisoned before each
-    call (the fused and prepared calls write it; an element left unwritten counts as NaN)."""
+    call (each of them writes it; an element left unwritten counts as NaN)."""
     errors = {}
     for name in RESULT_CALLS:
         out.fill(numpy.nan)

@@ -104,6 +104,11 @@ def test_check_seed_draws_the_inputs(monkeypatch):
         runs.setdefault(seed, []).append(list(drawn))
     assert runs[1][0] == runs[1][1] and len(runs[1][0]) == 2
     assert runs[1][0] != runs[2][0] and runs[1][0][0] != runs[1][0][1]
+    # A case draws the same inputs alone as among the others (a failure found in a full
+    # run reproduces with --cases).
+    drawn.clear()
+    assert cli.main(["check", "--cases", "C", "--seed", "1"]) == 0
+    assert drawn == runs[1][0][1:]
 
 
 def test_check_without_gpu_or_torch_says_so(monkeypatch, capsys):
@@ -178,6 +183,16 @@ def test_bench_refuses_an_unwritable_output_before_running(tmp_path, option):
         assert option in res.stderr and "Traceback" not in res.stderr
 
 
+def test_bench_refuses_a_plot_format_before_running(tmp_path):
+    # matplotlib picks the format by the extension only when it saves, after the run.
+    pytest.importorskip("matplotlib")
+    for name in ("out.xyz", "noextension"):
+        res = run("bench", "--quick", "--plot", str(tmp_path / name))
+        assert res.returncode == 2, res.stderr
+        assert "--plot" in res.stderr and "Traceback" not in res.stderr
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("name", ["bench.json", "bench_h200_all.json",
                                   "bench_h200_canonical.json",
                                   "bench_h200_a_compile.json", "bench_h100.json",
@@ -224,6 +239,23 @@ def test_bench_table_and_plot_from_committed_result(tmp_path, name):
     pytest.importorskip("matplotlib")
     plot(result, str(tmp_path / "bench.png"))
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_table_states_how_it_ran():
+    # The run's options head the table (the header's nested parts are not printed raw).
+    import json
+    import pathlib
+
+    from cufused.bench.report import format_table
+
+    path = pathlib.Path(__file__).parents[2] / "docs" / "_static" / "bench_h200_issue26.json"
+    result = json.loads(path.read_text())
+    result["header"]["options"] = {"precisions": ["tf32"], "repeat": 20, "quick": False,
+                                   "batch": None, "torch_compile": True}
+    result["header"]["cases"] = {"A": {"pipeline": "p", "shapes": {"x": [1]}, "options": {}}}
+    head = format_table(result).splitlines()
+    assert "precisions=['tf32'] repeat=20 quick=False batch=None torch_compile=True" in head[:3]
+    assert not any("pipeline" in line for line in head[:3])
 
 
 def test_bench_host_table():

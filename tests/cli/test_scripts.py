@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import json
 import pathlib
 import py_compile
 import re
@@ -306,3 +307,35 @@ def test_required_gpu_fails_the_run_without_one(tmp_path):
     env["CUFUSED_REQUIRE_GPU"] = "0"
     free = subprocess.run(args, env=env, capture_output=True, text=True, cwd=tmp_path)
     assert free.returncode == 0, free.stdout + free.stderr
+
+
+def _compare_trees():
+    spec = importlib.util.spec_from_file_location("compare_trees", SCRIPTS / "compare_trees.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compare_trees_times_only_the_trees_given(tmp_path, monkeypatch, capsys):
+    # A tree without cufused/ is refused before any timing; a timing process that imported
+    # another copy of cufused (an installed one, or a tree further on PYTHONPATH) stops the
+    # comparison, since its figures would be that copy's.
+    trees = _compare_trees()
+    with pytest.raises(SystemExit) as refused:
+        trees.main([str(tmp_path)])
+    assert refused.value.code == 2 and "holds no cufused/" in capsys.readouterr().err
+    tree = tmp_path / "old"
+    (tree / "cufused").mkdir(parents=True)
+    (tree / "cufused" / "__init__.py").write_text("")
+    elsewhere = str(ROOT / "cufused" / "__init__.py")
+    def child(file):
+        row = dict(case="A", precision="tf32", ms=1.0, host_us=1.0, file=str(file))
+        return lambda *a, **k: subprocess.CompletedProcess(a, 0, json.dumps(row) + "\n", "")
+
+    args = trees.argparse.Namespace(repeat=1, cases=["A"], precisions=["tf32"],
+                                    without_out=False)
+    monkeypatch.setattr(trees.subprocess, "run", child(elsewhere))
+    with pytest.raises(SystemExit, match="not the tree's"):
+        trees._run_tree(str(tree), args)
+    monkeypatch.setattr(trees.subprocess, "run", child(tree / "cufused" / "__init__.py"))
+    assert trees._run_tree(str(tree), args)[0]["ms"] == 1.0

@@ -206,3 +206,79 @@ def test_graph_keys_hash_once_and_equal_their_items():
     assert cache[tuple(items)] == "graph" and len(hashed) == 3
     head, result, tail = _call_graphs.split_at_result(key)
     assert (*head, result, *tail) == items and type(head) is tuple
+
+
+class _Held:
+    """A reference whose release the test observes (a graph and its memory)."""
+
+
+def test_releases_wait_for_cufused_captures_in_any_thread(monkeypatch):
+    # Synchronizing a device (or freeing its memory) while one of its streams is captured is
+    # illegal and invalidates the capture: a release asked for during one of cufused's
+    # captures, in another thread, waits until the capture ends and then runs; a capture
+    # asked for during a release starts after it.
+    import weakref
+
+    cupy = pytest.importorskip("cupy")
+    from cufused import _cuda
+
+    synced, capturing = [], [0]
+    syncing, go_on = threading.Event(), threading.Event()
+
+    class Device:
+        def __init__(self, device):
+            self.device = device
+
+        def synchronize(self):
+            assert not capturing[0], "synchronized during a capture"
+            synced.append(self.device)
+            syncing.set()
+            assert go_on.wait(10)
+
+    monkeypatch.setattr(cupy.cuda, "Device", Device)
+    go_on.set()
+    held = _Held()
+    gone = weakref.ref(held)
+    items = [held]
+    del held
+    _cuda.release_after_devices([0], items)  # no capture: at once
+    assert synced == [0] and gone() is None and items == []
+
+    in_capture, leave = threading.Event(), threading.Event()
+
+    def capture():
+        with _cuda.own_capture_scope():
+            capturing[0] += 1
+            in_capture.set()
+            assert leave.wait(10)
+            capturing[0] -= 1
+
+    worker = threading.Thread(target=capture)
+    worker.start()
+    assert in_capture.wait(10)
+    held = _Held()
+    gone = weakref.ref(held)
+    _cuda.release_after_devices([1], [held])
+    del held
+    assert synced == [0] and gone() is not None  # waits for the capture
+    leave.set()
+    worker.join(10)
+    assert synced == [0, 1] and gone() is None  # the capture's end released it
+
+    # A capture asked for while a release synchronizes starts once the release is done.
+    syncing.clear()
+    go_on.clear()
+    releaser = threading.Thread(target=_cuda.release_after_devices, args=([2], [_Held()]))
+    releaser.start()
+    assert syncing.wait(10)
+    in_capture.clear()
+    leave.clear()
+    worker = threading.Thread(target=capture)
+    worker.start()
+    assert not in_capture.wait(0.2)
+    go_on.set()
+    releaser.join(10)
+    assert in_capture.wait(10)
+    leave.set()
+    worker.join(10)
+    assert synced == [0, 1, 2] and not _cuda._deferred_held and not _cuda._captures_under_way

@@ -39,6 +39,32 @@ def test_conv_matches_reference(rng, case, precision, conv_pin):
     assert_close(got.get(), ref, TOL[precision])
 
 
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_conv_weight_with_a_strided_unit_axis(rng, transposed, precision, conv_pin):
+    # A weight of one filter (one input channel of a transposed convolution) sliced with a
+    # step: C-contiguous by its flags, its unit axis's stride not the packed one. Every plan
+    # reads it as the weight it is (a transposed weight also through a 1 x k kernel whose
+    # unit height axis has stride 0).
+    x = rng.standard_normal((2, 1 if transposed else 4, 9, 8))
+    w = rng.standard_normal((2, 6 if transposed else 4, 3, 3))[::2]  # (1, ., 3, 3)
+    fn = cufused.conv_transpose2d if transposed else cufused.conv2d
+    opts = dict(stride=2, padding=1) if transposed else dict(padding=1)
+    wg = cp.asarray(rng.standard_normal((2, *w.shape[1:])), dtype=cp.float32)[::2]
+    wg[...] = cp.asarray(w, dtype=cp.float32)
+    assert wg.flags.c_contiguous and wg.strides[0] != wg[0].nbytes
+    (xg,) = to_gpu(x)
+    ref = fn(x, w, **opts)
+    out = poisoned(ref.shape)
+    assert fn(xg, wg, precision=precision, out=out, **opts) is out
+    assert_close(out.get(), ref, TOL[precision])
+    # A 1 x 3 kernel made with None: its new axis has stride 0.
+    w13 = cp.asarray(rng.standard_normal((1, w.shape[1], 3)), dtype=cp.float32)[:, :, None]
+    assert w13.strides[2] == 0
+    ref = fn(x, w13.get(), **opts)
+    assert_close(fn(xg, w13, precision=precision, **opts).get(), ref, TOL[precision])
+
+
 NON_FINITE_WEIGHT_CASES = {
     # the weights' non-finite taps at the edges, where they meet the padding (a tap that meets
     # only padding included: (0, 4) of a 5-wide kernel on a 3-wide padded input)

@@ -527,6 +527,42 @@ def test_threads(rng, quick_plans, fresh, launches):
     assert launches[0] >= 4 * 4 and len(_call_graphs._shortcuts) == 4
 
 
+def test_threads_evicting_while_others_capture(rng, quick_plans, fresh, monkeypatch):
+    # More keys than the cache holds, from four threads on their own streams: graphs are
+    # dropped (their release waits for the device) while other threads capture theirs, which
+    # a device's synchronization during a capture would break (an error in the dropping
+    # thread, the capturing key run directly from then on).
+    import threading
+
+    monkeypatch.setattr(_call_graphs, "MAX_GRAPHS", 2)
+    fn, make = PIPELINES["A"]
+    args, kwargs = make(rng)
+    args = to_gpu(*args)
+    ref = _direct(fn, *args, **kwargs)
+    outs = [[cp.full(ref.shape, cp.nan, dtype=cp.float32) for _ in range(3)] for _ in range(4)]
+    errors = []
+
+    def work(mine):
+        try:
+            with cp.cuda.Stream(non_blocking=True) as stream:
+                for _ in range(4):
+                    for out in mine:
+                        fn(*args, **kwargs, out=out)
+                stream.synchronize()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(mine,)) for mine in outs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for out in (o for mine in outs for o in mine):
+        assert_same_as_direct(out, ref, _direct(fn, *args, **kwargs))
+    assert len(_call_graphs._graphs) <= 2
+
+
 def test_devices(rng, quick_plans, fresh, launches):
     # The same call on each device, operands there: a key per device, each result its own.
     if cp.cuda.runtime.getDeviceCount() < 2:

@@ -179,6 +179,30 @@ def test_a_plan_is_not_built_inside_a_capture(rng):
 
 
 @pytest.mark.gpu
+def test_prepare_refuses_a_stream_under_capture(rng, quick_plans):
+    # Its first call would be recorded into the caller's capture and its wait for the call
+    # would break that capture: it says so before any work, and the capture goes on.
+    x = cp.asarray(rng.random((2, 3, 9, 8)), dtype=cp.float32)
+    w = cp.asarray(rng.random((4, 3, 3, 3)), dtype=cp.float32)
+    ref = cufused.conv2d(x, w)
+    out = cp.empty_like(ref)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        cufused.conv2d(x, w, out=out)
+        stream.begin_capture()
+        try:
+            with pytest.raises(RuntimeError, match="being captured"):
+                cufused.prepare(cufused.conv2d, x, w, out=out)
+            cufused.conv2d(x, w, out=out)
+        finally:
+            graph = stream.end_capture()
+        out.fill(cp.nan)
+        graph.launch()
+    stream.synchronize()
+    cp.testing.assert_array_equal(out, ref)
+
+
+@pytest.mark.gpu
 def test_the_graph_keeps_the_plans_it_reads(rng, quick_plans):
     # A sub-pixel plan gathers its weight through an index that the plan owns: clearing the
     # plan cache must not free what the prepared call's graph reads.
