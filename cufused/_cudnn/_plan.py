@@ -211,11 +211,13 @@ class ConvPlan:
 
     def _buffers(self, w):
         """(where the prepared weight goes, or None where the graphs read ``w`` itself;
-        the workspace, or None)."""
+        the workspace, or None). ``w`` comes from :meth:`_operands`: in ``x_layout``, or
+        C-contiguous, which for an NCHW plan is its layout in memory (the contiguity flags
+        pass a unit axis of any stride, which ``stored_in`` does not)."""
         cupy = import_cupy()
         if self.weight_index is not None:  # the gathered sub-kernels (subpixel)
             w_buffer = cupy.empty(self.weight_index.shape, dtype=numpy.float32)
-        elif stored_in(w, self.x_layout):
+        elif self.x_layout == "nchw" or stored_in(w, self.x_layout):
             w_buffer = None
         else:
             w_buffer = empty_in_layout(w.shape, self.x_layout)
