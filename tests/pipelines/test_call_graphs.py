@@ -495,57 +495,24 @@ def test_no_launch_from_raw_arguments_past_a_temporary(rng, quick_plans, fresh, 
     assert launches[0] >= 2 and not _call_graphs._shortcuts
 
 
-def test_threads(rng, quick_plans, fresh, launches):
-    # Four threads call the same pipeline on shared inputs, each into its own out on its own
-    # stream (keys differ by out and stream; captures and launches race on the shared cache).
+def _threads_calling(case: str, rng, outs_per_thread: int, rounds: int) -> tuple:
+    """Four threads, each on its own stream, call pipeline ``case`` on shared inputs, ``rounds``
+    times into each of its ``outs_per_thread`` outs (captures, launches and evictions race on
+    the shared cache); returns the outs and the reference. Every call must succeed."""
     import threading
 
-    fn, make = PIPELINES["C"]
+    fn, make = PIPELINES[case]
     args, kwargs = make(rng)
     args = to_gpu(*args)
     ref = _direct(fn, *args, **kwargs)
-    outs = [cp.full(ref.shape, cp.nan, dtype=cp.float32) for _ in range(4)]
-    errors = []
-
-    def work(out):
-        try:
-            with cp.cuda.Stream(non_blocking=True) as stream:
-                for _ in range(6):
-                    fn(*args, **kwargs, out=out)
-                stream.synchronize()
-        except Exception as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(out,)) for out in outs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
-    for out in outs:
-        assert_same_as_direct(out, ref, _direct(fn, *args, **kwargs))
-    assert launches[0] >= 4 * 4 and len(_call_graphs._shortcuts) == 4
-
-
-def test_threads_evicting_while_others_capture(rng, quick_plans, fresh, monkeypatch):
-    # More keys than the cache holds, from four threads on their own streams: graphs are
-    # dropped (their release waits for the device) while other threads capture theirs, which
-    # a device's synchronization during a capture would break (an error in the dropping
-    # thread, the capturing key run directly from then on).
-    import threading
-
-    monkeypatch.setattr(_call_graphs, "MAX_GRAPHS", 2)
-    fn, make = PIPELINES["A"]
-    args, kwargs = make(rng)
-    args = to_gpu(*args)
-    ref = _direct(fn, *args, **kwargs)
-    outs = [[cp.full(ref.shape, cp.nan, dtype=cp.float32) for _ in range(3)] for _ in range(4)]
+    outs = [[cp.full(ref.shape, cp.nan, dtype=cp.float32) for _ in range(outs_per_thread)]
+            for _ in range(4)]
     errors = []
 
     def work(mine):
         try:
             with cp.cuda.Stream(non_blocking=True) as stream:
-                for _ in range(4):
+                for _ in range(rounds):
                     for out in mine:
                         fn(*args, **kwargs, out=out)
                 stream.synchronize()
@@ -560,6 +527,22 @@ def test_threads_evicting_while_others_capture(rng, quick_plans, fresh, monkeypa
     assert not errors
     for out in (o for mine in outs for o in mine):
         assert_same_as_direct(out, ref, _direct(fn, *args, **kwargs))
+
+
+def test_threads(rng, quick_plans, fresh, launches):
+    # Four threads call the same pipeline, each into its own out on its own stream (keys
+    # differ by out and stream).
+    _threads_calling("C", rng, outs_per_thread=1, rounds=6)
+    assert launches[0] >= 4 * 4 and len(_call_graphs._shortcuts) == 4
+
+
+def test_threads_evicting_while_others_capture(rng, quick_plans, fresh, monkeypatch):
+    # More keys than the cache holds: graphs are dropped (their release waits for the device)
+    # while other threads capture theirs, which a device's synchronization during a capture
+    # would break (an error in the dropping thread, the capturing key run directly from then
+    # on).
+    monkeypatch.setattr(_call_graphs, "MAX_GRAPHS", 2)
+    _threads_calling("A", rng, outs_per_thread=3, rounds=4)
     assert len(_call_graphs._graphs) <= 2
 
 
