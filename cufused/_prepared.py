@@ -60,11 +60,14 @@ class PreparedCall:
         return self.result
 
     def __del__(self):
-        # A replay may still run: what its graph reads but does not own (a plan's weight
-        # index from CuPy's pool) could otherwise go back to a pool on another stream.
+        # A replay may still run: what its graph reads or writes (the bound arrays, a plan's
+        # weight index from CuPy's pool) could otherwise go back to a pool on another stream.
         if getattr(self, "_graph", None) is not None:
             with contextlib.suppress(Exception):  # at interpreter exit CuPy may be gone
-                release_after_devices([self._device], [self._graph, self._keep])
+                release_after_devices(
+                    [self._device],
+                    [self._graph, self._keep, self.args, self.kwargs, self.result],
+                    stream=import_cupy().cuda.get_current_stream())
 
     def __repr__(self) -> str:
         kind = "CUDA graph" if self._graph is not None else "a call each time"

@@ -54,7 +54,7 @@ for line in sys.stdin:
         unit = m.group(2) or ""
         value = m.group(3).replace(",", "")
         if key == "us":  # ncu scales the unit of the duration to its size
-            scale = {"nsecond": 1e-3, "usecond": 1, "msecond": 1e3, "second": 1e6}[unit]
+            scale = {"n": 1e-3, "u": 1, "m": 1e3, "s": 1e6}[unit[0]]  # nsecond or ns
             value = "%.1f" % (float(value) * scale)
         vals[key] = value + ("" if key == "us" or unit in ("%", "inst", "block") or unit.startswith("reg") else unit)
     elif re.match(r"^  \S", line) and "(" in line:

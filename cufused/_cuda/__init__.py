@@ -585,19 +585,20 @@ def stream_key(stream):
 
 # A device's synchronization is illegal while any of its streams is being captured, and it
 # invalidates that capture; so is freeing device memory (cudaFree). cufused's own captures
-# (each thread's) and the releases below exclude each other: a release during a capture
-# waits, with what it holds, until the last capture in progress ends.
+# (each thread's) and the releases below exclude each other: a release asked for during a
+# capture is queued, with what it holds, and done where the last capture in progress ends.
 _release_state = threading.Condition()
 _captures_under_way = 0
 _releasing = False
-_deferred_devices: set = set()
-_deferred_held: list = []
+# Queued releases: (devices, references), each done as a whole.
+_queued: list = []
 
 
 @contextlib.contextmanager
 def own_capture_scope():
     """Around one of cufused's own graph captures: it starts once no release is under way,
-    and the releases asked for meanwhile (:func:`release_after_devices`) wait for its end."""
+    and the releases asked for meanwhile (:func:`release_after_devices`) are done at the end
+    of the last capture in progress (their failure is not the capture's)."""
     global _captures_under_way
     with _release_state:
         while _releasing:
@@ -608,40 +609,45 @@ def own_capture_scope():
     finally:
         with _release_state:
             _captures_under_way -= 1
-        _release_deferred()
+        with contextlib.suppress(Exception):  # left queued for the next release
+            _release_queued()
 
 
-def release_after_devices(devices, held: list) -> None:
+def release_after_devices(devices, held: list, *, stream=None) -> None:
     """Let go of the references in ``held`` (emptied) once each device (id) in ``devices``
     has done its queued work: the memory that the work may still read would otherwise go
     back to a pool, where another stream would reuse it, or to the device. Where one of
-    cufused's captures is under way (in any thread) both wait until the last one ends."""
-    with _release_state:
-        _deferred_devices.update(devices)
-        _deferred_held.extend(held)
+    cufused's captures is under way (in any thread), or ``stream`` (the caller's current one)
+    is being captured, the release is queued and done by the next call here or the end of
+    the last capture."""
+    entry = (frozenset(devices), list(held))
     held.clear()
-    _release_deferred()
+    with _release_state:
+        _queued.append(entry)
+    del entry
+    if stream is None or not capturing(stream):
+        _release_queued()
 
 
-def _release_deferred() -> None:
-    """Synchronize the deferred devices and drop the deferred references, unless a capture
-    or another release is under way (which then does it)."""
+def _release_queued() -> None:
+    """Do the queued releases, unless a capture or another release is under way (which then
+    does them); a failed synchronization leaves its entries queued."""
     global _releasing
     import cupy
 
     while True:
         with _release_state:
-            if _releasing or _captures_under_way or not (_deferred_devices or _deferred_held):
+            if _releasing or _captures_under_way or not _queued:
                 return
             _releasing = True
-            devices = set(_deferred_devices)
-            held = list(_deferred_held)
-            _deferred_devices.clear()
-            _deferred_held.clear()
         try:
-            for device in devices:
+            with _release_state:
+                pending = _queued[:]
+            for device in set().union(*(devices for devices, _ in pending)):
                 cupy.cuda.Device(device).synchronize()
-            held.clear()  # what they free (a graph's own pool: cudaFree) goes here
+            with _release_state:
+                del _queued[:len(pending)]  # entries queued meanwhile stay
+            pending.clear()  # what they free (a graph's own pool: cudaFree) goes here
         finally:
             with _release_state:
                 _releasing = False

@@ -16,7 +16,8 @@ from .. import __version__
 from .._arrays import gpu_available
 from .cases import TOLERANCE, make_cases, rel_err, torch_pipeline
 from .report import format_table, plot, plot_format
-from .timing import RESULT_CALLS, Timer, add_floors, bench_case, measure_ceilings
+from .timing import (RESULT_CALLS, Timer, add_floors, bench_case, measure_ceilings,
+                     torch_on_cuda)
 
 
 def _progress(i: int, n: int, label: str) -> None:
@@ -213,7 +214,7 @@ def cmd_bench(args) -> int:
     header = {**_header(), "options": {
         "precisions": list(args.precisions),
         "repeat": args.repeat, "quick": args.quick, "batch": args.batch,
-        "torch_compile": not args.no_compile}, "cases": {
+        "torch_compile": not args.no_compile and torch_on_cuda() is not None}, "cases": {
             c.name: {"pipeline": c.pipeline, "shapes": c.shapes, "options": c.options}
             for c in cases}}
     result = {"header": header, "ceilings": measure_ceilings(timer), "rows": []}

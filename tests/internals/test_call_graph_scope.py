@@ -281,4 +281,21 @@ def test_releases_wait_for_cufused_captures_in_any_thread(monkeypatch):
     assert in_capture.wait(10)
     leave.set()
     worker.join(10)
-    assert synced == [0, 1, 2] and not _cuda._deferred_held and not _cuda._captures_under_way
+    assert synced == [0, 1, 2] and not _cuda._queued and not _cuda._captures_under_way
+
+    # A failed synchronization keeps its release queued (its memory may still be read); the
+    # next release does it.
+    def failing(self):
+        raise RuntimeError("sticky")
+
+    monkeypatch.setattr(Device, "synchronize", failing)
+    held = _Held()
+    gone = weakref.ref(held)
+    with pytest.raises(RuntimeError, match="sticky"):
+        _cuda.release_after_devices([3], [held])
+    del held
+    assert gone() is not None and len(_cuda._queued) == 1
+    monkeypatch.undo()
+    monkeypatch.setattr(cupy.cuda, "Device", Device)
+    _cuda.release_after_devices([], [])
+    assert synced == [0, 1, 2, 3] and gone() is None and not _cuda._queued
