@@ -494,7 +494,12 @@ def _capture(gpu: functools.partial, out, cupy) -> _Graph | None:
     """The call captured (not run) as a cache entry, or None where it is not to be kept."""
     captured = capture_call(functools.partial(gpu, out),
                             limit=MAX_TEMPORARY_FRACTION * _memory_limit(cupy))
-    if captured is None or captured.result is not out:
+    if captured is None:
+        return None
+    if captured.result is not out:  # its memory goes as a release's (capture_call)
+        held = [captured]
+        del captured
+        release_after_devices((), held)
         return None
     return _Graph(captured.graph, cupy.cuda.runtime.getDevice(), captured.nbytes,
                   (captured.keep, captured.stream))

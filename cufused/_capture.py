@@ -126,6 +126,8 @@ def capture_call(call: Callable[[], Any], *, limit: float | None = None) -> Capt
         return block
 
     side = cupy.cuda.Stream(non_blocking=True)
+    plans: list = []
+    result = None
     try:
         with (scoped_value(_inside, True), scoped_value(_own_capture, True),
               own_capture_scope(), plans_in_use() as plans,
@@ -140,7 +142,12 @@ def capture_call(call: Callable[[], Any], *, limit: float | None = None) -> Capt
                 raise
             graph = side.end_capture()
     except Exception:  # noqa: BLE001 - an engine that refuses capture, or _TooLarge
-        return None
-    if not all(plan.replays for plan in plans):
+        graph = None
+    if graph is None or not all(plan.replays for plan in plans):
+        # Its pool's memory goes back to the device (cudaFree) as a release does, not
+        # during another thread's capture.
+        held = [pool, blocks, graph, result]
+        del pool, blocks, graph, result
+        release_after_devices((), held)
         return None
     return Capture(graph, result, pool.total_bytes(), side, (blocks, pool, plans))

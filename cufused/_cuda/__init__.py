@@ -590,7 +590,7 @@ def stream_key(stream):
 _release_state = threading.Condition()
 _captures_under_way = 0
 _releasing = False
-# Queued releases: (devices, references), each done as a whole.
+# Queued releases: (devices, references, what runs after them or None), each done whole.
 _queued: list = []
 
 
@@ -613,14 +613,14 @@ def own_capture_scope():
             _release_queued()
 
 
-def release_after_devices(devices, held: list, *, stream=None) -> None:
+def release_after_devices(devices, held: list, *, stream=None, then=None) -> None:
     """Let go of the references in ``held`` (emptied) once each device (id) in ``devices``
-    has done its queued work: the memory that the work may still read would otherwise go
-    back to a pool, where another stream would reuse it, or to the device. Where one of
-    cufused's captures is under way (in any thread), or ``stream`` (the caller's current one)
-    is being captured, the release is queued and done by the next call here or the end of
-    the last capture."""
-    entry = (frozenset(devices), list(held))
+    has done its queued work, then call ``then()`` (a pool's ``free_all_blocks``): the memory
+    that the work may still read would otherwise go back to a pool, where another stream
+    would reuse it, or to the device. Where one of cufused's captures is under way (in any
+    thread), or ``stream`` (the caller's current one) is being captured, the release is
+    queued and done by the next call here or the end of the last capture."""
+    entry = (frozenset(devices), list(held), then)
     held.clear()
     with _release_state:
         _queued.append(entry)
@@ -643,11 +643,14 @@ def _release_queued() -> None:
         try:
             with _release_state:
                 pending = _queued[:]
-            for device in set().union(*(devices for devices, _ in pending)):
+            for device in set().union(*(entry[0] for entry in pending)):
                 cupy.cuda.Device(device).synchronize()
             with _release_state:
                 del _queued[:len(pending)]  # entries queued meanwhile stay
+            then = [entry[2] for entry in pending if entry[2] is not None]
             pending.clear()  # what they free (a graph's own pool: cudaFree) goes here
+            for action in then:
+                action()
         finally:
             with _release_state:
                 _releasing = False

@@ -311,4 +311,5 @@ def clear_plan_cache() -> None:
     forget_kept()
     for hook in _clear_hooks:
         hook()
-    free_graph_buffers()  # the dropped graphs' buffers
+    # The dropped graphs' buffers, after their releases (cudaFree, which a capture refuses).
+    release_after_devices((), [], then=free_graph_buffers)

@@ -258,12 +258,14 @@ def test_releases_wait_for_cufused_captures_in_any_thread(monkeypatch):
     assert in_capture.wait(10)
     held = _Held()
     gone = weakref.ref(held)
-    _cuda.release_after_devices([1], [held])
+    freed = []
+    _cuda.release_after_devices([1], [held], then=lambda: freed.append(gone() is None))
     del held
-    assert synced == [0] and gone() is not None  # waits for the capture
+    assert synced == [0] and gone() is not None and not freed  # waits for the capture
     leave.set()
     worker.join(10)
-    assert synced == [0, 1] and gone() is None  # the capture's end released it
+    # The capture's end released it, then ran what follows the release (a pool's free).
+    assert synced == [0, 1] and gone() is None and freed == [True]
 
     # A capture asked for while a release synchronizes starts once the release is done.
     syncing.clear()
