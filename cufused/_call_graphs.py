@@ -215,7 +215,8 @@ def _run(gpu: functools.partial, out):
     if entry is not None and tuple(_config.values()) != key[-1]:
         # Another thread changed the settings during the capture, whose plan choices may have
         # read either: the graph is not kept under this key's settings.
-        _release([entry])
+        dropped, entry = [entry], None  # the release holds it alone
+        _release(dropped)
         return _direct(gpu, out)
     dropped: list = []
     with _lock:
@@ -225,6 +226,7 @@ def _run(gpu: functools.partial, out):
             replaced = _graphs.pop(key, None)  # another thread's capture of this key
             if replaced is not None:
                 dropped.append(replaced)
+                replaced = None
             _graphs[key] = entry
             # Eviction keeps the newest graph, so this one is in the cache to launch.
             dropped += _evict(_memory_limit(cupy) * MAX_TOTAL_FRACTION, key[4])

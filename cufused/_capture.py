@@ -85,7 +85,9 @@ def release_caller_captures() -> None:
     """Let go of what :func:`kept_for_caller_capture` kept, once the devices it was used on
     are idle (a caller's graph launched last may still run; the caller's graphs that recorded
     those calls must not be launched again)."""
-    release_after_devices({entry[2] for entry in _caller_captures}, _caller_captures)
+    entries = _caller_captures[:]
+    del _caller_captures[:len(entries)]  # those appended meanwhile by other threads stay
+    release_after_devices({entry[2] for entry in entries}, entries)
 
 
 class _TooLarge(MemoryError):

@@ -63,11 +63,14 @@ class PreparedCall:
         # A replay may still run: what its graph reads or writes (the bound arrays, a plan's
         # weight index from CuPy's pool) could otherwise go back to a pool on another stream.
         if getattr(self, "_graph", None) is not None:
+            # The release holds them alone, so that they go where it drops them.
+            held = [self._graph, self._keep, self.args, self.kwargs, self.result]
+            self._graph = self._keep = self.args = self.kwargs = self.result = None
             with contextlib.suppress(Exception):  # at interpreter exit CuPy may be gone
-                release_after_devices(
-                    [self._device],
-                    [self._graph, self._keep, self.args, self.kwargs, self.result],
-                    stream=import_cupy().cuda.get_current_stream())
+                cupy = import_cupy()
+                with cupy.cuda.Device(self._device):
+                    stream = cupy.cuda.get_current_stream()  # may be under capture
+                release_after_devices([self._device], held, stream=stream)
 
     def __repr__(self) -> str:
         kind = "CUDA graph" if self._graph is not None else "a call each time"

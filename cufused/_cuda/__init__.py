@@ -618,20 +618,22 @@ def release_after_devices(devices, held: list, *, stream=None, then=None) -> Non
     has done its queued work, then call ``then()`` (a pool's ``free_all_blocks``): the memory
     that the work may still read would otherwise go back to a pool, where another stream
     would reuse it, or to the device. Where one of cufused's captures is under way (in any
-    thread), or ``stream`` (the caller's current one) is being captured, the release is
-    queued and done by the next call here or the end of the last capture."""
-    entry = (frozenset(devices), list(held), then)
+    thread), or ``stream`` (the caller's current one, when it may be captured) is being
+    captured, the release is queued and done by a later call here or the end of the last
+    capture; the queue waits while such a stream is captured."""
+    refs = list(held)
     held.clear()
     with _release_state:
-        _queued.append(entry)
-    del entry
-    if stream is None or not capturing(stream):
-        _release_queued()
+        _queued.append((frozenset(devices), refs, then, stream))
+    refs = None  # the queue holds them alone: they go where it drops them
+    _release_queued()
 
 
 def _release_queued() -> None:
     """Do the queued releases, unless a capture or another release is under way (which then
-    does them); a failed synchronization leaves its entries queued."""
+    does them), or a stream that a queued release names is being captured. A release whose
+    device fails to synchronize stays queued (the error is raised after the others are
+    done)."""
     global _releasing
     import cupy
 
@@ -639,22 +641,40 @@ def _release_queued() -> None:
         with _release_state:
             if _releasing or _captures_under_way or not _queued:
                 return
+            if any(entry[3] is not None and capturing(entry[3]) for entry in _queued):
+                return
             _releasing = True
+        pending = then = None
+        errors = []
         try:
             with _release_state:
                 pending = _queued[:]
+            failed = set()
             for device in set().union(*(entry[0] for entry in pending)):
-                cupy.cuda.Device(device).synchronize()
-            with _release_state:
-                del _queued[:len(pending)]  # entries queued meanwhile stay
-            then = [entry[2] for entry in pending if entry[2] is not None]
-            pending.clear()  # what they free (a graph's own pool: cudaFree) goes here
+                try:
+                    cupy.cuda.Device(device).synchronize()
+                except Exception as exc:  # noqa: BLE001 - raised below, the rest done first
+                    failed.add(device)
+                    errors.append(exc)
+            done = [entry for entry in pending if not entry[0] & failed]
+            with _release_state:  # entries queued meanwhile, and the failed ones, stay
+                _queued[:] = [e for e in _queued if not any(e is d for d in done)]
+            then = [entry[2] for entry in done if entry[2] is not None]
+            for entry in done:
+                entry[1].clear()  # what they free (a graph's own pool: cudaFree) goes here
+            pending = done = None
             for action in then:
-                action()
+                try:
+                    action()
+                except Exception as exc:  # noqa: BLE001 - raised below, the rest run first
+                    errors.append(exc)
         finally:
+            pending = then = None
             with _release_state:
                 _releasing = False
                 _release_state.notify_all()
+        if errors:
+            raise errors[0]
 
 
 def capturing(stream) -> bool:

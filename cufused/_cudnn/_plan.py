@@ -15,7 +15,7 @@ from typing import Any
 import numpy
 
 from .._arrays import _memory_limit, import_cupy
-from .._cuda import capturing, own_capture_scope, stream_key
+from .._cuda import capturing, own_capture_scope, release_after_devices, stream_key
 from .._kernels.layout import add_channel_bias, interleave_classes, transpose_channels
 from .._layout import empty_in_layout, stored_in
 from .._scoped import scoped_value
@@ -298,16 +298,17 @@ class ConvPlan:
                 kept = buffers()
         except cupy.cuda.memory.OutOfMemoryError:
             # The direct call takes its buffers from the default pool, which may hold them;
-            # what this pool took before the failure goes back to the device.
+            # what this pool took before the failure goes back to the device (as a release,
+            # not during another thread's capture).
             self._calls[key] = _NEVER
-            pool.free_all_blocks()
+            release_after_devices((), [], then=free_graph_buffers)
             return None
         nbytes = sum(b.nbytes for b in kept if b is not None)
         limit = KEPT_FRACTION * _memory_limit(cupy)
         if nbytes > limit:
             self._calls[key] = _NEVER
             del kept
-            pool.free_all_blocks()
+            release_after_devices((), [], then=free_graph_buffers)
             return None
         side = cupy.cuda.Stream(non_blocking=True)
         try:

@@ -285,19 +285,60 @@ def test_releases_wait_for_cufused_captures_in_any_thread(monkeypatch):
     worker.join(10)
     assert synced == [0, 1, 2] and not _cuda._queued and not _cuda._captures_under_way
 
-    # A failed synchronization keeps its release queued (its memory may still be read); the
-    # next release does it.
-    def failing(self):
-        raise RuntimeError("sticky")
 
-    monkeypatch.setattr(Device, "synchronize", failing)
-    held = _Held()
-    gone = weakref.ref(held)
-    with pytest.raises(RuntimeError, match="sticky"):
-        _cuda.release_after_devices([3], [held])
-    del held
-    assert gone() is not None and len(_cuda._queued) == 1
-    monkeypatch.undo()
+def test_release_queue_failures_finalizers_and_captured_streams(monkeypatch):
+    # A failed synchronization keeps its release queued (its memory may still be read) and
+    # the others are done; a release asked for during a release (a finalizer) is done by it;
+    # while a stream a queued release names is captured, the queue waits.
+    import weakref
+
+    cupy = pytest.importorskip("cupy")
+    from cufused import _cuda
+
+    synced, failing, nested = [], {3}, []
+
+    class Device:
+        def __init__(self, device):
+            self.device = device
+
+        def synchronize(self):
+            if self.device in failing:
+                raise RuntimeError("sticky")
+            synced.append(self.device)
+            if nested:  # a finalizer that runs here and releases its own graph
+                _cuda.release_after_devices([7], [nested.pop()])
+
+    class Stream:
+        def __init__(self):
+            self.captured = True
+
+        def is_capturing(self):
+            return self.captured
+
     monkeypatch.setattr(cupy.cuda, "Device", Device)
+
+    def queued(devices, **kwargs):
+        held = _Held()
+        _cuda.release_after_devices(devices, [held], **kwargs)
+        return weakref.ref(held)
+
+    with _cuda.own_capture_scope():  # both queued, done at its end
+        on3, on4 = queued([3]), queued([4])
+    assert synced == [4] and on4() is None and on3() is not None and len(_cuda._queued) == 1
+    failing.clear()
     _cuda.release_after_devices([], [])
-    assert synced == [0, 1, 2, 3] and gone() is None and not _cuda._queued
+    assert synced == [4, 3] and on3() is None and not _cuda._queued
+
+    nested.append(_Held())
+    on7 = weakref.ref(nested[0])
+    on6 = queued([6])
+    assert synced == [4, 3, 6, 7] and on6() is None and on7() is None and not _cuda._queued
+
+    stream = Stream()
+    on8 = queued([8], stream=stream)
+    on9 = queued([9])
+    assert synced == [4, 3, 6, 7] and on8() is not None and on9() is not None
+    stream.captured = False
+    _cuda.release_after_devices([], [])
+    assert synced[4:] in ([8, 9], [9, 8]) and on8() is None and on9() is None
+    assert not _cuda._queued
