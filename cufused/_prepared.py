@@ -110,10 +110,9 @@ def prepare(function: Callable, *args: Any, **kwargs: Any) -> PreparedCall:
     running buffers, as every later call does. The graph keeps its temporaries (the
     convolution output included) for as long as the prepared call lives, so replays on
     streams not ordered with each other must not overlap (one prepared call per stream). A
-    call that cannot
-    be captured (a cuDNN engine that refuses graph capture), or whose convolution the
-    autotuner measured faster issued directly than replayed, is prepared without a graph:
-    each call then runs the function, as a call on NumPy arrays does.
+    call that cannot be captured (a cuDNN engine that refuses graph capture), or whose
+    convolution the autotuner measured faster issued directly than replayed, is prepared
+    without a graph: each call then runs the function, as a call on NumPy arrays does.
 
     Parameters
     ----------

@@ -644,7 +644,6 @@ def _release_queued() -> None:
             if any(entry[3] is not None and capturing(entry[3]) for entry in _queued):
                 return
             _releasing = True
-        pending = then = None
         errors = []
         try:
             with _release_state:
@@ -662,14 +661,12 @@ def _release_queued() -> None:
             then = [entry[2] for entry in done if entry[2] is not None]
             for entry in done:
                 entry[1].clear()  # what they free (a graph's own pool: cudaFree) goes here
-            pending = done = None
             for action in then:
                 try:
                     action()
                 except Exception as exc:  # noqa: BLE001 - raised below, the rest run first
                     errors.append(exc)
         finally:
-            pending = then = None
             with _release_state:
                 _releasing = False
                 _release_state.notify_all()

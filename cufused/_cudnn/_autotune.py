@@ -14,7 +14,7 @@ from .._cuda import capturing, release_after_devices
 from ._config import _config, cudnn_handle, import_cudnn
 from ._graphs import (ConvProblem, Strategy, _build_graph, _Part, _part_specs, runnable_plans,
                       spreads_nonfinite, strategies)
-from ._plan import ConvPlan, forget_kept, free_graph_buffers, timed_replay
+from ._plan import ConvPlan, forget_kept, release_graph_buffers, timed_replay
 from .._timing import LONG_CALL_MS, issue_ms, l2_flush_buffer, random_operand, time_ms
 
 _plans: dict[tuple, ConvPlan] = {}
@@ -311,5 +311,4 @@ def clear_plan_cache() -> None:
     forget_kept()
     for hook in _clear_hooks:
         hook()
-    # The dropped graphs' buffers, after their releases (cudaFree, which a capture refuses).
-    release_after_devices((), [], then=free_graph_buffers)
+    release_graph_buffers()  # the dropped graphs' buffers, after their releases

@@ -96,6 +96,12 @@ def free_graph_buffers() -> None:
             _graph_buffer_pool().free_all_blocks()
 
 
+def release_graph_buffers() -> None:
+    """:func:`free_graph_buffers` as a release does it (``release_after_devices``): not
+    during a capture, whose cudaFree would break it."""
+    release_after_devices((), [], then=free_graph_buffers)
+
+
 def _drop_kept(plan_id: int, key: tuple):
     """Remove the graph of ``key`` from the budget and from its plan's table, where the plan
     lives (under ``_REPLAYS_LOCK``); return the graph, to be released after the lock."""
@@ -298,17 +304,16 @@ class ConvPlan:
                 kept = buffers()
         except cupy.cuda.memory.OutOfMemoryError:
             # The direct call takes its buffers from the default pool, which may hold them;
-            # what this pool took before the failure goes back to the device (as a release,
-            # not during another thread's capture).
+            # what this pool took before the failure goes back to the device.
             self._calls[key] = _NEVER
-            release_after_devices((), [], then=free_graph_buffers)
+            release_graph_buffers()
             return None
         nbytes = sum(b.nbytes for b in kept if b is not None)
         limit = KEPT_FRACTION * _memory_limit(cupy)
         if nbytes > limit:
             self._calls[key] = _NEVER
             del kept
-            release_after_devices((), [], then=free_graph_buffers)
+            release_graph_buffers()
             return None
         side = cupy.cuda.Stream(non_blocking=True)
         try:

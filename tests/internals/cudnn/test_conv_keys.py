@@ -265,12 +265,8 @@ def test_clearing_the_plans_frees_the_graph_buffers_of_each_device_they_were_on(
     monkeypatch.setattr(_plan, "import_cupy", lambda: fake_cupy)
     monkeypatch.setattr(_plan, "_graph_buffer_pool", lambda: pool)
     monkeypatch.setattr(_plan, "_graph_buffer_devices", {3, 1})
-    def release(devices, held, then=None):
-        held.clear()
-        if then is not None:
-            then()
-
-    monkeypatch.setattr(_autotune, "release_after_devices", release)
+    monkeypatch.setattr(_autotune, "release_after_devices",
+                        lambda devices, held: held.clear())
     for plans in ({(1, "problem"): object()}, {}):
         freed.clear()
         monkeypatch.setattr(_autotune, "_plans", plans)
