@@ -55,14 +55,43 @@ def import_cupy():
     return cupy
 
 
-def gpu_available() -> bool:
-    """True when CuPy imports and sees at least one CUDA device."""
+def gpu_unavailable_reason() -> str | None:
+    """Why the GPU path cannot run here, or None when CuPy sees a CUDA device.
+
+    The reasons a user acts on differently are told apart: CuPy not installed, no NVIDIA
+    driver or no device ("no CUDA GPU"), a driver older than the CUDA that CuPy is built for,
+    and any other error of the CUDA runtime.
+    """
     try:
         import cupy
+    except ImportError:
+        return f"CuPy is not installed ({_CUDA_EXTRA_HINT})"
+    runtime = cupy.cuda.runtime
+    try:
+        count = runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 - CUDARuntimeError, or a broken installation
+        try:
+            driver, built_for = runtime.driverGetVersion(), runtime.runtimeGetVersion()
+        except Exception:  # noqa: BLE001 - the same broken installation
+            driver = built_for = None
+        if driver == 0:
+            return "no CUDA GPU"
+        if driver is not None and driver < built_for:
+            return (f"the NVIDIA driver supports CUDA {_cuda_version(driver)}, older than the "
+                    f"CUDA {_cuda_version(built_for)} CuPy is built for: update the driver, or "
+                    f"install the CuPy of the driver's CUDA (cufused[cuda12] for CUDA 12)")
+        return f"CuPy cannot use a CUDA GPU ({type(exc).__name__}: {exc})"
+    return None if count > 0 else "no CUDA GPU"
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # noqa: BLE001 - no CuPy, no driver or no device
-        return False
+
+def _cuda_version(number: int) -> str:
+    """CUDA's encoded version (1000 * major + 10 * minor) as ``major.minor``."""
+    return f"{number // 1000}.{number % 1000 // 10}"
+
+
+def gpu_available() -> bool:
+    """True when CuPy imports and sees at least one CUDA device."""
+    return gpu_unavailable_reason() is None
 
 
 def check_required(**arrays: Any) -> None:

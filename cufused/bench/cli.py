@@ -13,7 +13,7 @@ import time
 import numpy
 
 from .. import __version__
-from .._arrays import gpu_available
+from .._arrays import gpu_unavailable_reason
 from .cases import TOLERANCE, make_cases, rel_err, torch_pipeline
 from .report import format_table, plot, plot_format
 from .timing import (RESULT_CALLS, Timer, add_floors, bench_case, measure_ceilings,
@@ -104,7 +104,7 @@ def _check_gpu_cases(cupy, cases, seed: int) -> int:
     return 1 if failed else 0
 
 
-def _check_cpu(cases, seed: int) -> int:
+def _check_cpu(cases, seed: int, no_gpu: str) -> int:
     try:
         import torch
     except ImportError:
@@ -112,11 +112,11 @@ def _check_cpu(cases, seed: int) -> int:
     import cufused
 
     if torch is None:
-        print("no CUDA GPU, and PyTorch is not installed: there is no independent oracle to "
+        print(f"{no_gpu}, and PyTorch is not installed: there is no independent oracle to "
               "compare cufused's CPU path (the float64 NumPy reference) with. It runs below at "
               f"small sizes, unchecked. To compare it with PyTorch CPU: {INSTALL_TORCH_CPU}")
     else:
-        print(f"no CUDA GPU: checking cufused's CPU path (the float64 NumPy reference) against "
+        print(f"{no_gpu}: checking cufused's CPU path (the float64 NumPy reference) against "
               f"PyTorch {torch.__version__} on the CPU, both in float64, at small sizes")
         print(f"metric: {METRIC}; tolerance: {CPU_TOLERANCE:.0e}; inputs: seed {seed}")
     failed = 0
@@ -143,11 +143,13 @@ def _check_cpu(cases, seed: int) -> int:
 
 
 def cmd_check(args) -> int:
-    gpu = gpu_available()
-    cases = make_cases(small=args.small or not gpu)
+    no_gpu = gpu_unavailable_reason()
+    cases = make_cases(small=args.small or no_gpu is not None)
     if args.cases:
         cases = [c for c in cases if c.name in args.cases]
-    return _check_gpu(cases, args.seed) if gpu else _check_cpu(cases, args.seed)
+    if no_gpu is None:
+        return _check_gpu(cases, args.seed)
+    return _check_cpu(cases, args.seed, no_gpu)
 
 
 def _header() -> dict:
@@ -190,22 +192,23 @@ def cmd_bench(args) -> int:
     for option, path in (("--json", args.json), ("--plot", args.plot)):
         reason = path and _unwritable(path)
         if reason:
-            print(f"python -m cufused bench: error: {option}: {reason}", file=sys.stderr)
+            print(f"{_prog()} bench: error: {option}: {reason}", file=sys.stderr)
             return 2
     if args.plot:
         try:
             import matplotlib  # noqa: F401 - plot's dependency, checked before the run
         except ImportError:
-            print("python -m cufused bench: error: --plot needs matplotlib "
+            print(f"{_prog()} bench: error: --plot needs matplotlib "
                   "(the bench extra)", file=sys.stderr)
             return 2
         if plot_format(args.plot) is None:
-            print(f"python -m cufused bench: error: --plot: {args.plot} does not end in an "
+            print(f"{_prog()} bench: error: --plot: {args.plot} does not end in an "
                   "image format that matplotlib writes (.png, .svg, .pdf, ...)",
                   file=sys.stderr)
             return 2
-    if not gpu_available():
-        print("no CUDA GPU available: bench needs one", file=sys.stderr)
+    no_gpu = gpu_unavailable_reason()
+    if no_gpu is not None:
+        print(f"{no_gpu}: bench needs a CUDA GPU", file=sys.stderr)
         return 1
     timer = Timer(repeat=args.repeat)
     cases = make_cases(small=args.quick, batch=args.batch)
@@ -262,7 +265,13 @@ cufused: fused GPU operator pipelines for convolutional networks.
           the GPU; without one, cufused's CPU path against PyTorch CPU at small sizes
   bench   time the pipelines against PyTorch eager and torch.compile (needs a GPU)
 
-Run "python -m cufused COMMAND --help" for a command's options."""
+Run "%(prog)s COMMAND --help" for a command's options."""
+
+
+def _prog() -> str:
+    """How the command line was started: the ``cufused`` console script, or ``python -m
+    cufused``."""
+    return "cufused" if os.path.basename(sys.argv[0]) == "cufused" else "python -m cufused"
 
 
 def _int_at_least(minimum: int):
@@ -280,7 +289,7 @@ def _int_at_least(minimum: int):
 
 def _parser() -> argparse.ArgumentParser:
     """The parser of ``python -m cufused``: ``--version`` and the commands with their options."""
-    parser = argparse.ArgumentParser(prog="python -m cufused", description=DESCRIPTION,
+    parser = argparse.ArgumentParser(prog=_prog(), description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"cufused {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -70,7 +70,7 @@ def test_check_without_gpu_catches_a_semantic_error(monkeypatch, capsys):
 
     from cufused.bench import cli
 
-    monkeypatch.setattr(cli, "gpu_available", lambda: False)
+    monkeypatch.setattr(cli, "gpu_unavailable_reason", lambda: "no CUDA GPU")
     group_norm = F.group_norm
     monkeypatch.setattr(F, "group_norm", lambda *a, **k: group_norm(*a, **{**k, "eps": 1e-3}))
     assert cli.main(["check", "--cases", "A"]) == 1
@@ -86,7 +86,7 @@ def test_check_seed_draws_the_inputs(monkeypatch):
     from cufused.bench import cli
     from cufused.bench.cases import Case
 
-    monkeypatch.setattr(cli, "gpu_available", lambda: False)
+    monkeypatch.setattr(cli, "gpu_unavailable_reason", lambda: "no CUDA GPU")
     monkeypatch.setitem(sys.modules, "torch", None)  # the reference alone: quicker
     drawn = []
     make_inputs = Case.make_inputs
@@ -116,7 +116,7 @@ def test_check_without_gpu_or_torch_says_so(monkeypatch, capsys):
 
     from cufused.bench import cli
 
-    monkeypatch.setattr(cli, "gpu_available", lambda: False)
+    monkeypatch.setattr(cli, "gpu_unavailable_reason", lambda: "no CUDA GPU")
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
     assert cli.main(["check", "--cases", "C"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -153,7 +153,65 @@ def test_bench_without_gpu_says_so():
         pytest.skip("a GPU is present")
     res = run("bench", "--quick")
     assert res.returncode == 1
-    assert "no CUDA GPU available" in res.stderr
+    assert "no CUDA GPU: bench needs a CUDA GPU" in res.stderr
+
+
+class _FakeRuntime:
+    """CuPy's ``cuda.runtime`` as a machine without a usable GPU shows it."""
+
+    def __init__(self, count=None, driver=0, built_for=13020):
+        self.count, self.driver, self.built_for = count, driver, built_for
+
+    def getDeviceCount(self):
+        if self.count is None:
+            raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is "
+                               "insufficient for CUDA runtime version")
+        return self.count
+
+    def driverGetVersion(self):
+        return self.driver
+
+    def runtimeGetVersion(self):
+        return self.built_for
+
+
+@pytest.mark.parametrize("runtime, reason", [
+    (_FakeRuntime(driver=0), "no CUDA GPU"),
+    (_FakeRuntime(count=0, driver=13020), "no CUDA GPU"),
+    (_FakeRuntime(count=1, driver=13020), None),
+    (_FakeRuntime(driver=12040), "the NVIDIA driver supports CUDA 12.4, older than the CUDA "
+                                 "13.2 CuPy is built for"),
+    (_FakeRuntime(driver=13020), "CuPy cannot use a CUDA GPU (RuntimeError: "
+                                 "cudaErrorInsufficientDriver"),
+])
+def test_gpu_unavailable_reason_tells_what_to_do(monkeypatch, runtime, reason):
+    # A driver too old for the installed CuPy is not "no GPU": the user updates the driver or
+    # installs the other CuPy.
+    import types
+
+    from cufused._arrays import gpu_available, gpu_unavailable_reason
+
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    got = gpu_unavailable_reason()
+    assert got == reason if reason in (None, "no CUDA GPU") else got.startswith(reason)
+    assert gpu_available() is (reason is None)
+    monkeypatch.setitem(sys.modules, "cupy", None)  # not installed
+    assert gpu_unavailable_reason().startswith("CuPy is not installed (the GPU path needs")
+
+
+@pytest.mark.parametrize("argv0, prog", [("/usr/bin/cufused", "cufused"),
+                                         ("/x/cufused/__main__.py", "python -m cufused")])
+def test_usage_names_how_the_command_was_started(monkeypatch, capsys, argv0, prog):
+    from cufused.bench import cli
+
+    monkeypatch.setattr(sys, "argv", [argv0])
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: {prog} [-h]") and f'Run "{prog} COMMAND --help"' in out
+    assert cli.main(["bench", "--plot", "out.xyz"]) == 2
+    assert capsys.readouterr().err.startswith(f"{prog} bench: error: --plot")
 
 
 def test_unknown_command_fails():
