@@ -292,7 +292,8 @@ def check_choice(value: Any, name: str, choices: tuple, *, none: bool = False) -
 
 
 def ntuple(value: Any, n: int, name: str, *, minimum: int) -> tuple[int, ...]:
-    """Expand an int, a length-1 or a length-``n`` sequence of ints, each ``>= minimum``.
+    """Expand an int, a length-1 or a length-``n`` sequence of ints, each ``>= minimum``:
+    ``TypeError`` for another type, ``ValueError`` for another length or a value out of range.
 
     Examples
     --------
@@ -309,11 +310,13 @@ def ntuple(value: Any, n: int, name: str, *, minimum: int) -> tuple[int, ...]:
             items = tuple(value) * n if len(value) == 1 else tuple(value)
         else:
             raise TypeError(f"{name} must be an int or a sequence of {n} ints, got {value!r}")
-        if len(items) != n or not all(
+        if not all(
             type(v) is int or (isinstance(v, numbers.Integral) and not isinstance(v, bool))
             for v in items
         ):
             raise TypeError(f"{name} must be an int or a sequence of {n} ints, got {value!r}")
+        if len(items) != n:  # a wrong length is a wrong value, as PyTorch and NumPy read it
+            raise ValueError(f"{name} must be an int or a sequence of {n} ints, got {value!r}")
         items = tuple(int(v) for v in items)
     if any(v < minimum for v in items):
         raise ValueError(f"{name} must be >= {minimum}, got {value!r}")

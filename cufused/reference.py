@@ -214,6 +214,7 @@ def clamp(y, lo, hi):
     bound (a -0 clamped to [0, 1] stays -0) and a NaN as NaN; ``hi`` where ``lo > hi``; NaN
     everywhere for a NaN bound."""
     xp = _xp(y)
+    y = _f64(y)
     y = xp.where((y < lo) | (lo != lo), lo, y)
     return xp.where((hi < y) | (hi != hi), hi, y)
 

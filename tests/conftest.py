@@ -43,11 +43,14 @@ def pytest_unconfigure(config):
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is None:
         return
+    # The oracle-marked tests, and those (or whole modules) that import PyTorch themselves.
     missing = sum(NO_ORACLE in str(report.longrepr)
+                  or "could not import 'torch'" in str(report.longrepr)
                   for report in reporter.stats.get("skipped", []))
     if missing:
-        reporter.write_line(f"{missing} PyTorch-oracle tests did not run (PyTorch is not "
-                            f"installed); to run them: {ORACLE_COMMAND}", yellow=True, bold=True)
+        reporter.write_line(f"{missing} PyTorch-oracle tests (or modules of them) did not run "
+                            f"(PyTorch is not installed); to run them: {ORACLE_COMMAND}",
+                            yellow=True, bold=True)
 
 
 def rel_err(out, ref) -> float:

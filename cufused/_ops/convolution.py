@@ -568,9 +568,13 @@ _COMMON_DOC = """
     Raises
     ------
     TypeError
-        Arrays of different libraries, or an unsupported dtype.
+        An argument of the wrong type (``x`` or ``weight`` not an array, a non-int size, a
+        ``precision`` that is not a string), arrays of different libraries, or an
+        unsupported dtype.
     ValueError
-        Shapes or options that do not form a valid convolution.
+        Shapes or options that do not form a valid convolution, an option sequence of the
+        wrong length, an ``out`` of the wrong shape or dtype or sharing memory with an input,
+        or CuPy arrays on different devices.
 
     Examples
     --------

@@ -27,9 +27,10 @@ chunks pipeline B's phases run the single call's kernels (``pipeline_b``'s chunk
 read of the convolution output for the extrema and the sums, one pass over the extrema for
 BatchNorm, tanh and GroupNorm. On NumPy chunks, for samples of more convolution outputs than
 the fused pass takes (``FUSED_SAMPLE_VALUES``, 2**31 - 2**16) and for a BatchNorm factor
-that can be infinite (an infinite weight, or ``bn_weight / sqrt(eps)`` past the range:
-its windows need the whole convolution output in phase 3, as in the single call) they
-compose the public operations; that whole output then crosses from phase 1 to phase 3.
+that can be infinite (an infinite weight, or ``bn_weight / sqrt(eps)`` past the range) they
+compose the public operations, phase 1 passing the pooled extrema to phase 3 as before; only
+an infinite factor, whose windows need the whole convolution output in phase 3 (as in the
+single call), makes that whole output cross from phase 1 to phase 3.
 
 Running buffers are updated in place by the statistics task, once each time a computation
 runs it (``compute``/``persist`` of the result, or of anything depending on it). The

@@ -221,8 +221,8 @@ class Conv2dGroupNormScaleMaxPoolClamp(_ForwardOnlyModule):
         Shape of the ``scale`` parameter: ``(out_channels, 1, 1)`` (KernelBench's),
         ``(1, out_channels, 1, 1)`` or one value, the shapes by which ``x * scale`` scales
         each channel by one value.
-    maxpool_kernel_size : int
-        Max-pool window and stride.
+    maxpool_kernel_size : int or tuple of int
+        Max-pool window and stride: one side, or a tuple of equal sides.
     clamp_min, clamp_max : float
         Bounds of the final clamp, after the pool.
     precision : {"ieee", "tf32", "3xtf32"}, optional
@@ -427,8 +427,8 @@ class ConvTranspose3dAvgPoolClampSoftmaxMultiply(_ForwardOnlyModule):
         Transposed-convolution channels.
     kernel_size, stride, padding, output_padding : int or tuple of int
         Transposed-convolution options.
-    pool_kernel_size : int
-        Average-pool window and stride.
+    pool_kernel_size : int or tuple of int
+        Average-pool window and stride: one side, or a tuple of equal sides.
     clamp_min, clamp_max : float
         Bounds of the clamp of the convolution output (of the pooled input), before the
         softmax.

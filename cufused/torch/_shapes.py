@@ -21,7 +21,7 @@ def _expand(value: Any, n: int, name: str, minimum: int, check: bool) -> tuple:
     (symbolic values are left to cufused's checks when the call runs)."""
     if isinstance(value, (list, tuple)):
         if check and len(value) not in (1, n):
-            raise TypeError(f"{name} must be an int or a sequence of {n} ints, got {value!r}")
+            raise ValueError(f"{name} must be an int or a sequence of {n} ints, got {value!r}")
         value = tuple(value) * n if len(value) == 1 else tuple(value)
     else:
         value = (value,) * n

@@ -224,6 +224,22 @@ def test_signed_zeros_like_torch(dtype):
 # ---------------------------------------------------------------------------------- softmax
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_reference_functions_return_float64(dtype):
+    # The module's promise: float64 out whatever float dtype comes in (clamp included).
+    from cufused import reference
+
+    x = np.linspace(-2, 2, 2 * 4 * 6 * 6, dtype=dtype).reshape(2, 4, 6, 6)
+    results = {
+        "clamp": reference.clamp(x, 0.0, 0.5),
+        "max_pool": reference.max_pool(x, (2, 2), (2, 2), (0, 0)),
+        "softmax": reference.softmax(x, (2, 3)),
+    }
+    for name, y in results.items():
+        assert y.dtype == np.float64, name
+    np.testing.assert_array_equal(results["clamp"], np.clip(x.astype(np.float64), 0.0, 0.5))
+
+
 @pytest.mark.parametrize("shape,axis", [((3, 4), -1), ((2, 3, 5), 1), ((2, 3, 4, 5, 6), (2, 3, 4)),
                                         ((4, 3, 2), (0, 2)), ((7,), 0)])
 def test_softmax(rng, shape, axis):

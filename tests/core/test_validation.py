@@ -30,7 +30,8 @@ CASES = [
     # (callable, exception, message fragment)
     (lambda: cufused.conv2d(X4, W, stride=0), ValueError, "stride"),
     (lambda: cufused.conv2d(X4, W, padding=-1), ValueError, "padding"),
-    (lambda: cufused.conv2d(X4, W, dilation=(1, 1, 1)), TypeError, "dilation"),
+    (lambda: cufused.conv2d(X4, W, dilation=(1, 1, 1)), ValueError, "dilation"),
+    (lambda: cufused.conv2d(X4, W, dilation=(1, 1.0)), TypeError, "dilation"),
     (lambda: cufused.conv2d(X4, W, groups=3), ValueError, "groups"),
     (lambda: cufused.conv2d(X4, W, groups=0), ValueError, "groups"),
     (lambda: cufused.conv2d(X4, np.ones((8, 3, 3, 3), np.float32)), ValueError, "weight"),

@@ -650,13 +650,13 @@ _REFUSED_BY_SHAPE = [
     ("conv3d", (_meta(2, 4, 8, 8), _meta(6, 4, 3, 3)), {}, ValueError, "x must have 5 dim"),
     ("conv_transpose2d", (_meta(2, 4, 8, 8), _meta(4)), {}, ValueError,
      "weight must have 4 dim"),
-    ("conv2d", (_meta(2, 4, 8, 8), _meta(6, 4, 3, 3)), dict(stride=[]), TypeError,
+    ("conv2d", (_meta(2, 4, 8, 8), _meta(6, 4, 3, 3)), dict(stride=[]), ValueError,
      "stride must be an int or a sequence of 2 ints"),
-    ("conv2d", (_meta(2, 4, 8, 8), _meta(6, 4, 3, 3)), dict(stride=[1, 1, 1]), TypeError,
+    ("conv2d", (_meta(2, 4, 8, 8), _meta(6, 4, 3, 3)), dict(stride=[1, 1, 1]), ValueError,
      "stride must be an int or a sequence of 2 ints"),
     ("conv2d", (_meta(2, 4, 8, 8), _meta(6, 4, 3, 3)), dict(groups=0), ValueError,
      "groups must be >= 1"),
-    ("max_pool2d", (_meta(2, 4, 8, 8), []), {}, TypeError, "kernel_size must be an int"),
+    ("max_pool2d", (_meta(2, 4, 8, 8), []), {}, ValueError, "kernel_size must be an int"),
     ("max_pool2d", (_meta(2, 4, 8, 8), [3], [1], [2]), {}, ValueError,
      "padding must be at most half"),
     ("avg_pool3d", (_meta(1, 2, 4, 9, 9), [5]), dict(padding=[2]), ValueError,
@@ -765,7 +765,7 @@ def test_cuda_kernel_output_shape_fails_with_the_checks(monkeypatch):
         pool(x, [2, 2], [0, 0], [0, 0])
     with pytest.raises(ValueError, match="spatial size"):
         pool(x, [9, 9], [1, 1], [0, 0])
-    with pytest.raises(TypeError, match="kernel_size must be an int"):
+    with pytest.raises(ValueError, match="kernel_size must be an int"):
         pool(x, [], [1, 1], [0, 0])
     conv = _kernels._cuda_kernel("conv2d", cft.OPERATORS["conv2d"][1])
     with pytest.raises(ValueError, match="weight must have 4 dimensions"):
