@@ -17,6 +17,7 @@ from typing import Any, Union
 
 import numpy
 
+from ._layout import stored_in
 from ._scoped import scoped_value
 
 #: An option given once for every spatial dimension, or once per dimension.
@@ -403,8 +404,6 @@ def check_out(out: Any, shape: tuple[int, ...], dtype, xp, like: Any, *,
     if xp is not numpy and not out.flags.c_contiguous:
         if not channels_last:
             raise ValueError("out must be C-contiguous")
-        from ._layout import stored_in  # (_layout imports this module)
-
         if not stored_in(out, "nhwc"):
             raise ValueError("out must be C-contiguous or packed channels-last")
     check_writeable(out, "out")

@@ -74,6 +74,8 @@ _fresh_shortcuts: dict = {}
 # the buffers a memory pool cycles over do not drop the graphs of other calls.
 _MAX_FRESH_BUFFERS = 4
 _MAX_SHORTCUTS = 256
+# The functions that warm_calls returned: cufused's public functions on arrays.
+_public_functions: set = set()
 # The graph keys that _run launches, recorded for the public call around it (warm_calls).
 _launched: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "cufused_launched_graphs", default=None)
@@ -294,7 +296,17 @@ def warm_calls(public: Callable) -> Callable:
             _shortcuts[key] = graph_key
         return result
 
+    _public_functions.add(call)
     return call
+
+
+def is_public_function(function: Any) -> bool:
+    """Whether ``function`` is one of cufused's public functions on arrays (the building
+    blocks and the pipelines: the functions that :func:`warm_calls` returned)."""
+    try:
+        return function in _public_functions
+    except TypeError:  # unhashable
+        return False
 
 
 def _call_without_out(public: Callable, args: tuple, kwargs: dict, stream, cupy):

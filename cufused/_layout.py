@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from ._arrays import import_cupy
-
 
 def layout_strides(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
     """Element strides of a logical (N, C, *spatial) shape stored in ``layout``.
@@ -30,7 +28,7 @@ def layout_strides(shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
 
 def empty_in_layout(shape: tuple[int, ...], layout: str):
     """A CuPy float32 array of logical ``shape`` whose memory is in ``layout``."""
-    cupy = import_cupy()
+    import cupy  # a GPU path's buffer: CuPy is imported already
     if layout == "nchw":
         return cupy.empty(shape, dtype=cupy.float32)
     nd = len(shape)

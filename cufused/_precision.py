@@ -105,6 +105,11 @@ def default_precision(precision: str) -> Iterator[None]:
     precision : {"ieee", "tf32", "3xtf32"}
         The default inside the block.
 
+    Yields
+    ------
+    None
+        The block runs with ``precision`` as its default.
+
     Raises
     ------
     TypeError

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._arrays import import_cupy, is_cupy_array, other_device
+from ._call_graphs import is_public_function
 from ._capture import capture_call
 from ._cuda import capturing, release_after_devices
 from ._precision import get_default_precision
@@ -77,16 +78,6 @@ class PreparedCall:
         return f"<PreparedCall of cufused.{self.function.__name__} ({kind})>"
 
 
-def _array_function(function: Any) -> bool:
-    """Whether ``function`` is one of cufused's public functions on arrays: the building
-    blocks (``cufused._ops``) and the pipelines (``cufused.pipelines``)."""
-    import cufused
-
-    name = getattr(function, "__name__", None)
-    return (name in cufused.__all__ and getattr(cufused, name) is function
-            and function.__module__.startswith(("cufused._ops.", "cufused.pipelines.")))
-
-
 def prepare(function: Callable, *args: Any, **kwargs: Any) -> PreparedCall:
     """Prepare a call for a loop: run it once, capture it into a CUDA graph, and return a
     callable that replays the graph.
@@ -148,7 +139,7 @@ def prepare(function: Callable, *args: Any, **kwargs: Any) -> PreparedCall:
     array([[[[9., 9.],
              [9., 9.]]]], dtype=float32)
     """
-    if not _array_function(function):
+    if not is_public_function(function):
         raise TypeError(f"function must be one of cufused's functions on arrays (a pipeline or "
                         f"a building block), got {function!r}")
     if ("precision" in inspect.signature(function).parameters

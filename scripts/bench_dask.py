@@ -67,19 +67,20 @@ def b_phases_loop(chunks, weight, bn_weight, bn_bias, gn_weight, gn_bias, *, num
                   pool_kernel=2, eps=1e-5, precision):
     """Pipeline B over ``chunks`` as one batch without Dask: ``cufused.dask``'s phases, one
     after another in this thread."""
-    from cufused import dask as cdask
+    from cufused.dask._pipelines import _phases
+    from cufused.dask._statistics import _finish_statistics, _merge_moments
 
     x = chunks[0]
     xp = cufused._arrays.get_array_module(x=x)
     conv_shape = cufused.conv_transpose2d(x[:0], weight, stride=stride, padding=padding,
                                           output_padding=output_padding, groups=groups).shape
-    phase1, constants, phase3 = cdask._phases(
+    phase1, constants, phase3 = _phases(
         xp, weight, conv_bias, bn_weight, conv_shape=(1, *conv_shape[1:]), pool=pool_kernel,
         num_groups=num_groups, eps=eps, dtype=x.dtype, precision=precision, stride=stride,
         padding=padding, output_padding=output_padding, groups=groups)
     parts = [phase1(c, *constants.values()) for c in chunks]
-    mean, var, _, _ = cdask._finish_statistics(
-        cdask._merge_moments(*(moments for _, moments in parts)), None, None, 0.0)
+    mean, var, _, _ = _finish_statistics(
+        _merge_moments(*(moments for _, moments in parts)), None, None, 0.0)
     return [phase3(pooled, mean, var, bn_weight, bn_bias, gn_weight, gn_bias)
             for pooled, _ in parts]
 

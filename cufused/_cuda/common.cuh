@@ -57,7 +57,6 @@ __device__ __forceinline__ float nan_max(float a, float b) { return (b > a || b 
 __device__ __forceinline__ float product_sign(float a, float b) {
     return (a < 0.0f && b > 0.0f) || (a > 0.0f && b < 0.0f) ? -1.0f : 1.0f;
 }
-__device__ __forceinline__ float nan_min(float a, float b) { return (b < a || b != b) ? b : a; }
 
 // tanh without tanhf's branch: a warp whose |x| fall on both sides of tanhf's cutoff runs
 // both of its paths, and pipeline B's GroupNorm maps every value through tanh. An odd

@@ -1692,8 +1692,8 @@ conv2d_halo_bands(const float* __restrict__ x, const float* __restrict__ w,
 // first lane. Each lane sums over a run's tiles in registers; after the run's last tile a
 // warp reduces them over its lanes and the four column warps meet in the scratch. Scratch
 // (after the halo buffers): per channel (bias, sign, offset, unused), the sums [warp
-// column][channel] (float2).
-#define POOL_SCRATCH_FLOATS (4 * CONV_BN + 2 * 4 * CONV_BN)
+// column][channel] (float2): 4 * CONV_BN + 2 * 4 * CONV_BN floats, which the launcher adds
+// to the shared memory it asks for.
 
 // product_sign of sign_a[k] and sign_b[k] (either may be null: positive).
 __device__ __forceinline__ float window_sign(const float* __restrict__ sign_a,
@@ -1967,9 +1967,9 @@ conv2d_held_weights_pool_stats(const float* __restrict__ x, const float* __restr
 // Pipeline C's transposed 3-D convolution, stride 2, 3 x 3 x 3 kernel, padding 1, output
 // padding 0 or 1, groups 1, at most CT3_CI input channels: sub-pixel implicit GEMMs whose
 // epilogues take the clamped softmax's sums or write its result, so that the convolution
-// output is never stored (issue 26's "recompute" design: one pass for the sums, a second
-// that computes the convolution again and writes the result), or write the convolution
-// itself (the public conv_transpose3d).
+// output is never stored (the "recompute" design: one pass for the sums, a second that
+// computes the convolution again and writes the result; docs/design.rst), or write the
+// convolution itself (the public conv_transpose3d).
 //
 // Per axis, output o = 2 m + r takes tap 1 of input m (r = 0), or taps 2 of input m and 0 of
 // input m + 1 (r = 1): the eight residue classes r = (rd, rh, rw) of a base position m have

@@ -19,7 +19,8 @@ _TILE_M, _TILE_K, _THREADS = 128, 64, 256  # CONV_BM, CONV_BN, CONV_THREADS
 # conv2d_halo's output tile (HALO_TH x HALO_TW), staged reduction values and halo floats.
 _HALO_TH, _HALO_TW, _HALO_RC, _HALO_MAX = 4, 32, 72, 4800
 _HALO_BLOCKS_PER_SM = 2  # HALO_BLOCKS_PER_SM: the grid's blocks per multiprocessor
-# POOL_SCRATCH_FLOATS: per channel 4 floats, per warp column and channel 2.
+# The pooling epilogue's scratch (conv_gemm.cu): per channel 4 floats, per warp column and
+# channel 2.
 _POOL_SCRATCH_FLOATS = 4 * _TILE_K + 2 * 4 * _TILE_K
 _FIXED_KSIZE, _FIXED_CC = 3, 8  # FixedHalo's instantiation and its channels per chunk
 _BAND_TW, _BAND_TK = 64, 32  # BandTile: conv2d_halo_bands' tile columns and channels
@@ -577,17 +578,15 @@ def _transposed_s2k3_nonfinite_rows(x, w, bias, y) -> None:
 # planes of 8 taps x 64 x 32, two halo buffers of 2 x 5 x 33 positions x 32 channels, each
 # 1024-byte aligned, two mbarriers, the softmax sums' scratch); the classes in four groups
 # (ctg_group_classes) of 8, 8, 8 and 3 taps and 1, 2, 3 and 2 classes. The groups' blocks
-# in the shares of the fastest split of an H200's 132 multiprocessors among them (a sweep of
-# splits around the groups' times alone, 0.219, 0.231, 0.259 and 0.126 ms, on the canonical
-# C).
+# take shares of the multiprocessors in proportion to each group's cost (its time alone),
+# with and without the softmax sums in the epilogue (an exponential an output weighs more in
+# the groups of more classes): docs/design.rst, "Pipeline C on the tensor-core convolution".
 _CTG_TILE = (1, 4, 32)
 _CTG_BN, _CTG_SLOTS = 64, 8
 _CTG_HALO_BOX = (_CT3_CI, _CTG_TILE[2] + 1, _CTG_TILE[1] + 1, 2, 1)  # C, W, H, D, N
 _CTG_SHARED = 4 * (2 * _CTG_SLOTS * _CTG_BN * _CT3_CI
                    + 2 * (-(-math.prod(_CTG_HALO_BOX) // 256) * 256) + 4 + 8 * _CTG_BN)
 _CTG_GROUP_COSTS = (35, 37, 41, 19)
-# With the softmax sums in the epilogue (an exponential an output: more for the groups of
-# more classes), measured the same way: alone 0.243, 0.276, 0.322 and 0.178 ms.
 _CTG_GROUP_COSTS_SUMS = (33, 35, 42, 22)
 
 

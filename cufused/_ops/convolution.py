@@ -482,7 +482,7 @@ def _transposed_as_forward(x, weight, args: ConvArgs, precision: str, *, bias=No
 
 
 def gpu_conv_plan(x_shape, w_shape, args: ConvArgs, precision: str, *,
-                  convert_input: bool, convert_output: bool, accept_classes: bool = False):
+                  convert_input: bool, convert_output: bool, accept_classes: bool):
     """The cached cuDNN plan of this problem (no bias), for a caller that puts the input in
     the plan's ``x_layout`` itself before calling its ``apply``."""
     return _plan(x_shape, w_shape, args, precision, False, convert_input, convert_output,
@@ -544,8 +544,11 @@ _COMMON_DOC = """
         {wdesc}
     bias : array, optional
         One value per output channel.
-    stride, padding, dilation : int or tuple of int
+    stride, padding : int or tuple of int
         As in PyTorch; one value or one per spatial dimension.{padnote}{extra}
+    dilation : int or tuple of int
+        Spacing between the kernel's taps, as in PyTorch; one value or one per spatial
+        dimension.
     groups : int
         Blocked channel connections; must divide the input (and output) channels.
     precision : {{"ieee", "tf32", "3xtf32"}}, optional

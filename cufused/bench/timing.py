@@ -154,16 +154,15 @@ def public_conv(case: Case):
     return getattr(cufused, name), _conv_options(case)
 
 
-def _torch_calls(case: Case, gpu: dict, *, eager: bool, compiled: bool) -> dict:
-    """PyTorch's pipeline, eager and compiled as asked, as calls on tensors that share the
-    case's CuPy inputs; none without PyTorch."""
+def _torch_calls(case: Case, gpu: dict, *, compiled: bool) -> dict:
+    """PyTorch's pipeline, eager and (where asked) compiled, as calls on tensors that share
+    the case's CuPy inputs; none without PyTorch."""
     calls = {}
     torch = torch_on_cuda()
-    if (eager or compiled) and torch is not None:
+    if torch is not None:
         targs = [torch.as_tensor(v, device="cuda") for v in gpu.values()]
         fn = torch_pipeline(case)
-        if eager:
-            calls["torch_eager"] = fn
+        calls["torch_eager"] = fn
         if compiled:
             calls["torch_compile"] = torch.compile(fn)
             calls["torch_compile_ro"] = torch.compile(fn, mode="reduce-overhead")
@@ -280,8 +279,8 @@ def _host_times(fns: dict, precision: str, fused_new: Callable[[], Any]) -> dict
     return row
 
 
-def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_eager=True,
-               torch_compile=True, rng=None) -> list[dict]:
+def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"),
+               torch_compile=True) -> list[dict]:
     """Time one case: fused, prepared, unfused, the internal convolution (the pipeline's
     plan, and the plan for an input in any layout), the public convolution, PyTorch eager
     and compiled (default and "reduce-overhead"); the host microseconds per call of the
@@ -289,12 +288,12 @@ def bench_case(case: Case, timer: Timer, *, precisions=("ieee", "tf32"), torch_e
     back-to-back device time."""
     import cupy
 
-    rng = rng or numpy.random.default_rng(0)
+    rng = numpy.random.default_rng(0)
     inputs = case.make_inputs(rng)
     gpu = on_gpu(inputs)
     reference = case.reference(gpu)  # float64, on the GPU
     out = cupy.empty(case.output_shape, dtype=cupy.float32)
-    torch_calls = _torch_calls(case, gpu, eager=torch_eager, compiled=torch_compile)
+    torch_calls = _torch_calls(case, gpu, compiled=torch_compile)
     rows = []
     for precision in precisions:
         fns, plan, free_plan = _timed_calls(case, precision, inputs, out, rng, torch_calls)

@@ -69,12 +69,6 @@ from ._blocks import (avg_pool2d, avg_pool3d, batch_norm, conv2d, conv3d, conv_t
 from ._pipelines import (conv2d_groupnorm_scale_maxpool_clamp,
                          conv_transpose2d_batchnorm_tanh_maxpool_groupnorm,
                          conv_transpose3d_avgpool_clamp_softmax_multiply)
-from ._statistics import SPLIT_EVERY  # noqa: F401 - the default split_every
-
-# Internals at cufused.dask.<name>: scripts/bench_dask.py runs pipeline B's phases with them,
-# without Dask.
-from ._pipelines import _phases  # noqa: F401
-from ._statistics import _finish_statistics, _merge_moments  # noqa: F401
 
 # cufused's public functions on arrays, each of which this package defines over a dask batch
 # (imported above; cufused's settings and prepare are cufused's own).

@@ -71,7 +71,9 @@ _CONV_DOC = """{title}, each batch chunk running :func:`cufused.{name}`.
     {x}
     weight, bias : array
         NumPy or CuPy arrays of the chunks' library (``bias`` may be None).
-    stride, padding, {extra}dilation, groups
+    stride, padding, {extra}dilation : int or tuple of int
+        As in :func:`cufused.{name}`.
+    groups : int
         As in :func:`cufused.{name}`.
     precision : {{"ieee", "tf32", "3xtf32"}}, optional
         ``None`` is the caller's default (:func:`cufused.get_default_precision`) when the
@@ -237,7 +239,7 @@ _POOL_DOC = """{title}, each batch chunk running :func:`cufused.{name}`.
     Parameters
     ----------
     {x}
-    kernel_size, stride, padding
+    kernel_size, stride, padding : int or tuple of int
         As in :func:`cufused.{name}`.
 {returns}
     Examples

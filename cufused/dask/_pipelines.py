@@ -29,7 +29,7 @@ _PER_SAMPLE_DOC = """Pipeline {letter} over a dask batch: each chunk runs
     ----------
     x : dask.array.Array
         Input {xshape} chunked along the batch axis only, of NumPy or CuPy chunks.
-    {params}
+    {params} : array
         Parameters of the chunks' library (``scale`` may be a number), as in the single call.
     {options}
         As in :func:`cufused.{name}`.
@@ -44,7 +44,8 @@ conv2d_groupnorm_scale_maxpool_clamp = _each_chunk(
     cufused.conv2d_groupnorm_scale_maxpool_clamp, _with_sections(_PER_SAMPLE_DOC.format(
         letter="A", name="conv2d_groupnorm_scale_maxpool_clamp", why="GroupNorm is per sample",
         xshape="(N, C_in, H, W)", params="weight, conv_bias, gn_weight, gn_bias, scale",
-        options="num_groups, pool_kernel, clamp_min, clamp_max, stride, padding, eps",
+        options="num_groups, pool_kernel, clamp_min, clamp_max, stride, padding, eps : "
+                "int, float or tuple of int",
         example="""\
     >>> x = rng.random((3, 2, 8, 8), dtype=np.float32)
     >>> w = rng.standard_normal((4, 2, 3, 3), dtype=np.float32)
@@ -60,8 +61,9 @@ conv_transpose3d_avgpool_clamp_softmax_multiply = _each_chunk(
     _with_sections(_PER_SAMPLE_DOC.format(
         letter="C", name="conv_transpose3d_avgpool_clamp_softmax_multiply",
         why="the softmax is per sample and channel", xshape="(N, C_in, D, H, W)",
-        params="weight, scale, conv_bias",
-        options="stride, padding, output_padding, pool_kernel, clamp_min, clamp_max, groups",
+        params="weight, scale",
+        options="stride, padding, output_padding, pool_kernel, clamp_min, clamp_max, "
+                "conv_bias, groups : int, float, tuple of int or array",
         example="""\
     >>> x = rng.random((3, 2, 4, 4, 4))
     >>> w = rng.standard_normal((2, 3, 3, 3, 3))
@@ -238,13 +240,19 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     ----------
     x : dask.array.Array
         Input (N, C_in, H, W) chunked along the batch axis only, of NumPy or CuPy chunks.
-    weight, bn_weight, bn_bias, gn_weight, gn_bias, conv_bias
+    weight, bn_weight, bn_bias, gn_weight, gn_bias : array
         Parameters of the chunks' library, as in the single call.
-    num_groups, stride, padding, output_padding, groups, pool_kernel, eps, momentum
+    num_groups, stride, padding, output_padding, groups : int or tuple of int
         As in :func:`cufused.conv_transpose2d_batchnorm_tanh_maxpool_groupnorm`.
+    conv_bias : array, optional
+        Of the chunks' library, as in the single call.
+    pool_kernel, eps : int or float
+        As in the single call.
     running_mean, running_var : array, optional
         BatchNorm running buffers, updated in place by the statistics task, as in
         :func:`batch_norm`.
+    momentum : float
+        As in the single call.
     {precision}
     split_every : int, optional
         Partial moments merged per node of the tree reduction (default 8).
