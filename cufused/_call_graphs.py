@@ -45,9 +45,10 @@ from typing import Any
 from ._arrays import _byte_span, _memory_limit, import_cupy, is_cupy_array, other_device
 from ._capture import _inside, capture_call, kept_for_caller_capture, release_caller_captures
 from ._cuda import capturing, release_after_devices, stream_key
-from ._cudnn import _config, clear_plan_cache, on_clear_plan_cache
+from ._cudnn import clear_plan_cache, on_clear_plan_cache
 from ._precision import default_precision, resolve_precision
 from ._scoped import scoped_value
+from ._settings import _config
 
 #: Whole-call graphs kept at once (all devices); the least recently used goes first.
 MAX_GRAPHS = 8

@@ -16,7 +16,7 @@ import numpy
 
 import cufused
 from cufused import reference
-from cufused._cudnn import plan_options
+from cufused._settings import plan_options
 from cufused._kernels.conv_gemm import conv2d_implicit_gemm
 from cufused.bench.cases import make_cases, rel_err
 from cufused.bench.timing import Timer

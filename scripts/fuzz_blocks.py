@@ -54,7 +54,7 @@ from fuzz_pipelines import (_per_channel, _placement_error, _plant, _to_gpu,  # 
 
 import cufused
 from cufused._arrays import is_cupy_array
-from cufused._cudnn import plan_options
+from cufused._settings import plan_options
 from cufused._ops.normalization import torch_cuda_native_form
 
 CONVOLUTIONS = ("conv2d", "conv3d", "conv_transpose2d", "conv_transpose3d")

@@ -38,7 +38,7 @@ import time
 import numpy as np
 
 import cufused
-from cufused._cudnn import plan_options
+from cufused._settings import plan_options
 from cufused.bench.cases import rel_err
 
 

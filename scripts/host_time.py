@@ -24,7 +24,7 @@ import sys
 
 import cupy
 
-from cufused import _cudnn
+from cufused import _cudnn, _settings
 from cufused.bench.cases import make_cases
 from cufused.bench.timing import Timer, host_us_per_call, public_conv
 
@@ -52,14 +52,14 @@ def main():
             out = fn(x, w, precision=precision, **kw)
             times, calls = {}, {}
             for replay in (True, False):
-                with _cudnn.plan_options(replay=replay):
+                with _settings.plan_options(replay=replay):
                     call = lambda: fn(x, w, precision=precision, out=out, **kw)  # noqa: E731
                     call()
                     call()
                     times[replay] = host_us_per_call(call)
 
                 def timed(replay=replay):
-                    with _cudnn.plan_options(replay=replay):
+                    with _settings.plan_options(replay=replay):
                         fn(x, w, precision=precision, out=out, **kw)
                 calls[replay] = timed
             replayed, direct = device_ms([calls[True], calls[False]])
@@ -76,7 +76,7 @@ def main():
 def profile(name, precision, label=None, calls=300):
     fn, x, w, kw = canonical_convs()[name]
     label = label or {"A": "nchw", "B": "subpixel nchw", "C": "subpixel nchw"}[name]
-    with _cudnn.plan_options(autotune=False, pins=(label,)):
+    with _settings.plan_options(autotune=False, pins=(label,)):
         out = fn(x, w, precision=precision, **kw)
         for _ in range(3):
             fn(x, w, precision=precision, out=out, **kw)
@@ -92,7 +92,7 @@ def profile(name, precision, label=None, calls=300):
 
 def once(name, precision, mode):
     fn, x, w, kw = canonical_convs()[name]
-    with _cudnn.plan_options(replay=mode == "replay"):
+    with _settings.plan_options(replay=mode == "replay"):
         out = fn(x, w, precision=precision, **kw)
         for _ in range(3):
             fn(x, w, precision=precision, out=out, **kw)
@@ -112,7 +112,7 @@ def trace(name, precision, calls=3):
         if plan._replays is None:  # replay on even where the autotuner chose direct calls
             plan._replays = {}
     for mode in ("replay", "direct"):
-        with _cudnn.plan_options(replay=mode == "replay"):
+        with _settings.plan_options(replay=mode == "replay"):
             for _ in range(3):
                 fn(x, w, precision=precision, out=out, **kw)
             cupy.cuda.Device().synchronize()

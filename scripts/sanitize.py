@@ -81,7 +81,7 @@ def _child(fuzzer: str, portable: bool, argv: list[str]) -> int:
     """One fuzzer's main() in this process, with heuristic plans (and portable builds)."""
     sys.path.insert(0, str(SCRIPTS))
     from cufused._cuda import portable_builds
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
 
     main = __import__(FUZZERS[fuzzer]).main
     with contextlib.ExitStack() as scope:

@@ -119,7 +119,7 @@ def _no_call_graph_from_another_test():
 @pytest.fixture
 def quick_plans():
     """Heuristic cuDNN plans (no autotuning) keep the suite fast; tests opt back in."""
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
 
     with plan_options(autotune=False):
         yield
@@ -134,7 +134,7 @@ PIPELINE_PINS = ["nchw", "nhwc", "nchw>nhwc", "subpixel nchw"]
 
 
 def _pinned(pin):
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
 
     return plan_options(autotune=False, pins=(pin,))
 

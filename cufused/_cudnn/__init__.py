@@ -12,9 +12,8 @@ fused kernels downstream read a channels-last or class-major output directly.
 
 The modules, each importing only those above it:
 
-- ``_config``: the process settings (autotuning, pinned strategies, graph replay) with
-  ``set_conv_autotune``, ``set_conv_graph_replay`` and the scoped ``plan_options``; the
-  import of cuDNN Frontend and the pool of cuDNN handles (one borrowed per call).
+- ``_config``: the import of cuDNN Frontend and the pool of cuDNN handles (one borrowed per
+  call).
 - ``_graphs``: ``ConvProblem``, ``Strategy`` and ``strategies``; each strategy's graphs
   (the sub-pixel split), their building, and the execution of a graph's chosen plan.
 - ``_plan``: ``ConvPlan``, which feeds its graphs in its layouts and replays warm calls as
@@ -25,22 +24,23 @@ The modules, each importing only those above it:
 
 The layout conversions a plan runs are launchers (:mod:`cufused._kernels.layout`); the
 timing of candidates (CUDA events, random operands, the L2 flush) is :mod:`cufused._timing`.
-Settings and caches are shared objects (``_config``, ``_plans``); a test that replaces a
-function or a constant replaces it in the module that looks it up.
+The settings that choose and run plans are :mod:`cufused._settings`'s. Settings and caches
+are shared objects (``_settings._config``, ``_plans``); a test that replaces a function or a
+constant replaces it in the module that looks it up.
 """
 
 from ._autotune import (_INPUT_CONVERSION_MARGIN, UnsupportedConvolution, _choose,
                         _decide_replay, _plans, clear_plan_cache, conv_plan, on_clear_plan_cache,
                         strategy_score)
-from ._config import _config, import_cudnn, plan_options, set_conv_autotune, set_conv_graph_replay
+from ._config import import_cudnn
 from ._graphs import ConvProblem, Strategy, _part_specs, strategies
 from ._plan import ConvPlan, _graph_buffer_pool, plans_in_use
 
 __all__ = [
     "conv_plan", "ConvPlan", "ConvProblem", "Strategy", "strategies", "strategy_score",
-    "UnsupportedConvolution", "clear_plan_cache", "plan_options", "set_conv_autotune",
-    "set_conv_graph_replay", "import_cudnn", "plans_in_use", "on_clear_plan_cache",
+    "UnsupportedConvolution", "clear_plan_cache", "import_cudnn", "plans_in_use",
+    "on_clear_plan_cache",
     # private names that tests and scripts reach through the package
-    "_config", "_plans", "_choose", "_decide_replay", "_graph_buffer_pool", "_part_specs",
+    "_plans", "_choose", "_decide_replay", "_graph_buffer_pool", "_part_specs",
     "_INPUT_CONVERSION_MARGIN",
 ]

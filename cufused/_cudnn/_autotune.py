@@ -11,7 +11,8 @@ import numpy
 
 from .._arrays import import_cupy
 from .._cuda import capturing, release_after_devices
-from ._config import _config, cudnn_handle, import_cudnn
+from .._settings import _config
+from ._config import cudnn_handle, import_cudnn
 from ._graphs import (ConvProblem, Strategy, _build_graph, _Part, _part_specs, runnable_plans,
                       spreads_nonfinite, strategies)
 from ._plan import ConvPlan, forget_kept, release_graph_buffers, timed_replay

@@ -19,7 +19,8 @@ from .._cuda import capturing, own_capture_scope, release_after_devices, stream_
 from .._kernels.layout import add_channel_bias, interleave_classes, transpose_channels
 from .._layout import empty_in_layout, stored_in
 from .._scoped import scoped_value
-from ._config import _config, cudnn_handle
+from .._settings import _config
+from ._config import cudnn_handle
 from ._graphs import ConvProblem, Strategy, _aligned, _Part
 from .._timing import random_operand
 

@@ -175,7 +175,7 @@ def settled_engine(key: tuple, measure: Callable[[], str]) -> str:
     ...)``), cuDNN without autotuning or with cuDNN strategies pinned, else ``measure()``'s
     choice, measured once per device and key (cuDNN where the measurement's operands do not
     fit in the device's memory)."""
-    from .._cudnn import _config
+    from .._settings import _config
 
     if _config["engine"] is not None:
         return _config["engine"]

@@ -59,7 +59,7 @@ def _row(path: str, precision: str, err: float, tol: float, seconds: float) -> b
 def _check_gpu(cases, seed: int) -> int:
     import cupy
 
-    from .._cudnn import plan_options
+    from .._settings import plan_options
 
     # cuDNN's heuristic plans: the check is about results, and autotuning each new
     # convolution (every plan timed, tens of seconds for B) would dominate its run time.

@@ -390,7 +390,7 @@ def test_one_value_option_stands_for_every_dimension(xp):
     # PyTorch reads stride=(2,) as (2, 2) and a pool's stride=() as its window. Both
     # spellings of a convolution run directly: the second call with a key would replay a
     # graph, which may sum in another order than a direct call (float32 rounding).
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
 
     d = arrays(xp)
     with plan_options(replay=False):

@@ -222,7 +222,7 @@ def test_gpu_a_on_the_convolution_epilogue(rng, plant, monkeypatch):
     # Pipeline A with its pass in the convolution's epilogue (3xTF32 on the implicit GEMM:
     # the convolution output is never stored, and the channels with a non-finite parameter
     # are recomputed from x and w): NaN and inf where PyTorch puts them.
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
 
     with plan_options(engine="igemm"):
         _check_gpu_plant(rng, plant, "3xtf32", 1e-4, monkeypatch)
@@ -238,7 +238,7 @@ def test_gpu_a_on_the_convolution_epilogue_with_strided_operands(rng, plant, mon
     # reads, not from the caller's strided arrays.
     import cupy as cp
 
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
     from cufused.pipelines import pipeline_a
 
     def ours(v):
@@ -261,7 +261,7 @@ def test_gpu_c_on_the_convolution_epilogue(rng, plant, precision, rtol, monkeypa
     # Pipeline C on the implicit GEMM (the softmax sums in the convolution's epilogue, the
     # convolution computed again for the result; rows of a channel with a non-finite weight
     # recomputed by the definition): NaN and inf where PyTorch puts them.
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
     from cufused.pipelines import pipeline_c
 
     calls = count_calls(monkeypatch, pipeline_c, "conv_transpose3d_softmax")

@@ -22,7 +22,7 @@ cdask = pytest.importorskip("cufused.dask")
 @pytest.fixture
 def quick_plans():
     """Heuristic cuDNN plans (no autotuning for each new chunk size) keep the tests fast."""
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
 
     with plan_options(autotune=False):
         yield

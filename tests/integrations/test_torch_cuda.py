@@ -210,7 +210,7 @@ def test_warm_operator_calls_launch_from_their_raw_arguments(cuda, name, monkeyp
     import cupy
 
     import cufused
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
     from cufused.torch import _kernels
 
     # Without the graphs of earlier tests: a key whose graph was dropped runs directly.

@@ -14,7 +14,7 @@ import pytest
 import cufused
 from cufused import reference
 from cufused._cuda import portable_builds
-from cufused._cudnn import plan_options
+from cufused._settings import plan_options
 
 from conftest import (GPU, assert_close, count_calls, kernels_built, pipeline_a_args,
                       pipeline_b_args, pipeline_c_args, poisoned, to_gpu, torch_cuda)

@@ -91,7 +91,7 @@ def _check_non_finite_weight(rng, fn, x_shape, w_shape, options, planted, precis
                              engine) -> None:
     """``fn``'s NaN and infinities on the GPU with ``planted`` weight values (index: value)
     where the float64 reference puts them, its finite values close."""
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
 
     x = rng.standard_normal(x_shape)
     w = rng.standard_normal(w_shape)
@@ -158,7 +158,7 @@ def test_conv_non_finite_input_by_the_definition(rng, case, autotune):
     # Exact float32: an input's infinity gives infinities (or NaN where it meets a zero
     # weight or the opposite infinity) on the outputs whose window holds it, and nowhere
     # else, whichever plan runs.
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
 
     fn, x_shape, w_shape, options = NON_FINITE_INPUT_CASES[case]
     x = rng.standard_normal(x_shape)
@@ -207,7 +207,7 @@ def test_conv_transpose2d_of_b_on_an_fft_plan(rng):
     # (H200, cuDNN 9.19), which spreads an input's infinity to NaN over its sample: the
     # samples that hold one are rewritten by the definition. Compared where the samples hold
     # a non-finite value (the float64 reference of three samples), finite elsewhere.
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
 
     x = rng.standard_normal((16, 64, 32, 32))
     w = rng.standard_normal((64, 128, 5, 5)) * 0.05

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import cufused
-from cufused._cudnn import plan_options
+from cufused._settings import plan_options
 
 from conftest import (GPU, assert_close, count_calls, pipeline_b_args, poisoned, rel_err,
                       to_gpu)

@@ -58,7 +58,7 @@ def captures(monkeypatch):
 
 
 def _direct(fn, *args, **kwargs):
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
 
     with plan_options(replay=False):
         return fn(*args, **kwargs)
@@ -455,7 +455,7 @@ def test_default_precision_changed_during_a_call(rng, quick_plans, fresh, monkey
 def test_settings_changed_during_a_capture(rng, quick_plans, fresh, monkeypatch):
     # Another thread changes a plan setting while a call is captured: the capture may have
     # read either setting, so its graph is kept under neither key, and the call runs directly.
-    from cufused._cudnn._config import _config
+    from cufused._settings import _config
 
     x, w = to_gpu(rng.random((2, 3, 9, 8)), rng.random((4, 3, 3, 3)))
     out = cp.empty((2, 4, 9, 8), cp.float32)

@@ -13,7 +13,7 @@ import pytest
 import cufused
 import cufused.pipelines._common as pipelines_common
 import cufused.pipelines.pipeline_c as c_module
-from cufused._cudnn import plan_options
+from cufused._settings import plan_options
 from cufused._kernels._common import clamp_middle
 
 from conftest import GPU, count_calls, kernels_built, mixed, poisoned, rel_err, to_gpu

@@ -51,7 +51,7 @@ def test_infinite_clamp_bounds(rng, bounds, route):
     # forced (A's pass in its epilogue; C's two passes take clamps at most 60 wide, here the
     # bounds past each other, and C's other calls run on cuDNN), NaN and infinities where the
     # reference puts them.
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
 
     lo, hi = bounds
     method = "unfused" if route == "unfused" else "fused"
@@ -73,7 +73,7 @@ def test_infinite_clamp_bounds(rng, bounds, route):
 def test_pipeline_a_one_channel_one_window(rng, method, precision):
     # One output channel pooled to one position: the contiguous out's strides are those of
     # both layouts, and the fused pass stores its extrema there as NCHW.
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
 
     arrays, opts = pipeline_a_args(rng, n=2, cin=3, h=4, w=4, cout=1, groups=1, pool=2)
     ref = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts)
@@ -201,7 +201,7 @@ def test_pipeline_b_non_finite_weight_on_a_tap_that_reaches_no_output(rng, engin
     # The padding crops every output that the weight's tap (0, 0) would reach, so its infinity
     # and NaN meet no value by the definition and every channel stays finite, on every
     # engine (an algorithm may multiply it by the padding's zeros).
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
 
     x = rng.random((4, 3, 2, 2))
     w = rng.standard_normal((3, 4, 5, 5))
@@ -244,7 +244,7 @@ def test_pipeline_c_nan_with_its_payload_in_the_low_bits(rng, precision, engine)
     # A NaN whose payload lies in the 13 bits that TF32 drops (an infinity where the tensor
     # cores read it as stored): its sample's rows NaN, as the reference's (the pool's
     # arithmetic quiets it before the convolution).
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
 
     arrays, opts = pipeline_c_args(rng)
     position = (1, 2, 3, 4, 5)
@@ -267,7 +267,7 @@ def test_pipeline_c_clamp_bounds_far_from_zero(rng, engine, bound):
     # Both bounds at one huge value: every value clamps to it, and the softmax is uniform
     # (every path forms each exponent from v - clamp_middle(clamp_min, clamp_max)); past
     # float32's range too (the reference's values all at the bound).
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
 
     arrays, opts = pipeline_c_args(rng)
     opts.update(clamp_min=bound, clamp_max=bound)
@@ -294,7 +294,7 @@ def test_pipeline_c_extreme_scales_with_a_60_wide_clamp(rng, engine, precision, 
     # the factor to 0. From the clamp's middle both stay normal. On every softmax path: the
     # implicit GEMM's epilogue, the one-read cluster kernel (sm_90) and the statistics +
     # normalize pass.
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
 
     (x, w, scale), opts = pipeline_c_args(rng, **geometry)
     arrays = (x, w, scale * scale_by)
@@ -330,7 +330,7 @@ ZERO_WEIGHT_ROUTES = {
 
 @pytest.mark.parametrize("route", list(ZERO_WEIGHT_ROUTES))
 def test_pipelines_of_zero_weights_give_the_bias(rng, route):
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
 
     method, precision, plans = ZERO_WEIGHT_ROUTES[route]
     (x, w, _, gw, gb, scale), opts = pipeline_a_args(rng, cout=32, groups=4)
@@ -360,7 +360,7 @@ def test_pipeline_a_without_a_bias_centers_on_the_float64_mean(rng, monkeypatch,
     # TF32, 3xTF32 and a GEMM), spread 2.3 around 1028: without a convolution bias the sums
     # are of the normalized values, and each route centers on their float64 mean (the
     # float32 mean's rounding alone would leave about 1e-5 relative error).
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
     from cufused.pipelines import pipeline_a
 
     method, precision, plans = ZERO_WEIGHT_ROUTES[route]
@@ -652,7 +652,7 @@ def test_pipeline_a_sample_past_2_31_elements(rng, monkeypatch, precision):
     # indexes within a sample in 32 bits, so the call takes the unfused blocks ("tf32" and
     # "3xtf32": the convolution on cufused's implicit GEMM, forced); checked against PyTorch
     # CUDA in float32 (a float64 reference of 2**31 values would not fit the test).
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
     from cufused._kernels import conv_gemm
 
     torch = torch_cuda()
@@ -718,7 +718,7 @@ def test_pipeline_c_batch_past_2_31_elements(rng, monkeypatch, precision):
     # batch: the softmax is per sample, so samples at the start, middle and end are checked
     # against the float64 reference of each alone. "3xtf32" on cufused's implicit GEMM
     # (forced): the class groups with the softmax sums in their epilogue on the wgmma build.
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
     from cufused._kernels.conv_gemm import _FILE, arch_target
     from cufused.pipelines import pipeline_c
 
@@ -752,7 +752,7 @@ def test_pipeline_c_batch_past_2_31_elements(rng, monkeypatch, precision):
 
 
 def test_canonical_pipelines_match_torch_cuda(rng):
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
 
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():

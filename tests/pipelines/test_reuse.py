@@ -33,7 +33,7 @@ def _fill(a, rng, low=-1.0, high=1.0):
 
 def _cold(fn, *args, **kwargs):
     """The same call without any graph replay (each cuDNN call issued directly)."""
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
 
     with plan_options(replay=False):
         return fn(*args, **kwargs)
@@ -46,7 +46,7 @@ LAYOUT_PINS = ["nhwc", "nchw>nhwc", "nchw", "subpixel nchw", "subpixel nhwc"]
 
 @pytest.fixture(params=LAYOUT_PINS)
 def pin(request):
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
 
     with plan_options(autotune=False, pins=(request.param,)):
         yield request.param
@@ -147,7 +147,7 @@ def test_randomized_reuse_warm_equals_cold(rng):
     # Random sequences of calls over a small set of allocations, each call picking a shape,
     # a layout, a stride pattern and a precision; with autotuning (the plans' own replay
     # decisions). Every warm result must equal a cold one on the same operands.
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
 
     mems = [cp.cuda.alloc(2 * 8 * 16 * 16 * 4) for _ in range(2)]
     w = _fill(cp.empty((8, 8, 3, 3), cp.float32), rng)

@@ -45,8 +45,7 @@ def test_checked_arguments_cache_keys_the_option_names():
 
 def test_plan_options_restore_only_what_they_change():
     import cufused
-    from cufused._cudnn import plan_options
-    from cufused._cudnn._config import _config
+    from cufused._settings import _config, plan_options
 
     saved = dict(_config)
     try:
@@ -100,7 +99,7 @@ def test_direct_wins_only_beyond_margin_and_host_cost(replayed, direct, replayed
 
 @pytest.mark.parametrize("direct_wins", [False, True])
 def test_decide_replay_times_both_ways_alternately(monkeypatch, direct_wins):
-    from cufused import _cudnn
+    from cufused import _cudnn, _settings
     from cufused._cudnn import _autotune, _plan
 
     plan = types.SimpleNamespace(_replays={"autotune operands": "graph"},
@@ -110,7 +109,7 @@ def test_decide_replay_times_both_ways_alternately(monkeypatch, direct_wins):
 
     def fake_time_ms(call, repeat, batch, flush):
         assert (repeat, batch, flush) == (1, 1, "flush")  # single calls after an L2 flush
-        assert _cudnn._config["replay"] is True  # this thread's plans only, not the process's
+        assert _settings._config["replay"] is True  # this thread's plans only, not the process's
         seen.append(_plan._timed_replay.get())
         call()
         return 1.0 if _plan._timed_replay.get() else 0.5
@@ -131,7 +130,7 @@ def test_decide_replay_times_both_ways_alternately(monkeypatch, direct_wins):
     calls = []
     _cudnn._decide_replay(plan, lambda: calls.append(1), rounds=3)
     assert seen == issued == [True, False] * 3 and len(calls) == 12
-    assert _cudnn._config["replay"] is True and _plan._timed_replay.get() is None
+    assert _settings._config["replay"] is True and _plan._timed_replay.get() is None
     assert plan._calls == {}
     assert plan._replays == (None if direct_wins else {})
 

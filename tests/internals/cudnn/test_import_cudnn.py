@@ -3,14 +3,12 @@ extras to install."""
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
 
 import pytest
 
-# The package's _config is the options dict; the module is reached by name.
-_config = importlib.import_module("cufused._cudnn._config")
+from cufused._cudnn import _config
 
 
 @pytest.fixture

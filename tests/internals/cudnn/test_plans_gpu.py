@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 import cufused
+from cufused import _settings
 
 from conftest import GPU, CONV_CASES, TOL, _pinned, assert_close, to_gpu
 
@@ -52,7 +53,7 @@ def test_conv_plan_replays_graph(rng, case, conv_pin, plan_graphs_only):
     wg[...] = cp.asarray(rng.standard_normal(ws), dtype=cp.float32)
     y.fill(cp.nan)
     plan.run(x, wg, y)  # a replay
-    with _cudnn.plan_options(replay=False):
+    with _settings.plan_options(replay=False):
         plan.run(x, wg, direct)
     assert len(plan._replays) == 1 and not cp.isnan(y).any()
     assert_close(y.get(), direct.get(), 1e-6)
@@ -94,7 +95,7 @@ def test_replay_reads_this_calls_copy_of_a_misaligned_bias(rng, plan_graphs_only
     b = cp.asarray(rng.standard_normal(17), dtype=cp.float32)[1:]
     assert b.data.ptr % 16 == 4
     out = cp.empty((2, 16, 10, 10), dtype=cp.float32)
-    with _cudnn.plan_options(autotune=True, pins=("nchw+bias",)):
+    with _settings.plan_options(autotune=True, pins=("nchw+bias",)):
         for _ in range(3):
             cufused.conv2d(x, w, b, out=out)
         plan = [p for p in _cudnn._plans.values() if p is not None and p.problem.bias][-1]
@@ -198,7 +199,7 @@ def test_autotuned_plan_replay_decision(rng, monkeypatch, plan_graphs_only, dire
     cufused.clear_plan_cache()  # so that the plan is autotuned under this rule
     xs, ws = (2, 3, 9, 13), (5, 3, 3, 3)
     xg, wg = to_gpu(rng.standard_normal(xs), rng.standard_normal(ws))
-    with _cudnn.plan_options(autotune=True, replay=True):
+    with _settings.plan_options(autotune=True, replay=True):
         out = cufused.conv2d(xg, wg)
         plan = [p for k, p in _cudnn._plans.items() if k[1].x_shape == xs][-1]
         assert plan.replays is not direct_wins
@@ -218,7 +219,7 @@ def test_conv_autotune_times_both_layouts(rng):
 
     x = rng.standard_normal((2, 3, 9, 9))
     w = rng.standard_normal((4, 3, 2, 2))
-    with _cudnn.plan_options(autotune=True):
+    with _settings.plan_options(autotune=True):
         got = cufused.conv2d(*to_gpu(x, w), stride=2)
     assert_close(got.get(), cufused.conv2d(x, w, stride=2), TOL["ieee"])
     plans = [p for k, p in _cudnn._plans.items() if k[1].x_shape == (2, 3, 9, 9) and k[5]]
@@ -245,7 +246,7 @@ def test_conv_autotune_skips_the_engines_that_fault(rng, monkeypatch, precision)
     monkeypatch.setattr(_graphs._Part, "execute", recorded)
     x, w, b = (rng.standard_normal(s) for s in ((2, 6, 2, 1), (12, 2, 4, 1), (12,)))
     opts = dict(stride=3, padding=(2, 1), groups=3)
-    with _cudnn.plan_options(autotune=True):
+    with _settings.plan_options(autotune=True):
         got = cufused.conv2d(*to_gpu(x, w, b), **opts, precision=precision)
     cp.cuda.runtime.deviceSynchronize()
     assert_close(got.get(), cufused.conv2d(x, w, b, **opts), TOL[precision])
@@ -261,7 +262,7 @@ def test_conv_autotune_weighs_subpixel_split(rng):
     x = rng.standard_normal((2, 4, 4, 6, 8))
     w = rng.standard_normal((4, 3, 3, 3, 3))
     opts = dict(stride=2, padding=1, output_padding=1)
-    with _cudnn.plan_options(autotune=True):
+    with _settings.plan_options(autotune=True):
         got = cufused.conv_transpose3d(*to_gpu(x, w), **opts)
     assert_close(got.get(), cufused.conv_transpose3d(x, w, **opts), TOL["ieee"])
     plans = [p for k, p in _cudnn._plans.items() if k[1].x_shape == (2, 4, 4, 6, 8) and k[5]]
@@ -279,7 +280,7 @@ def test_conv_autotune_without_memory_for_its_operands(rng, monkeypatch):
 
     monkeypatch.setattr(_autotune, "random_operand", out_of_memory)
     x, w = rng.standard_normal((2, 3, 10, 7)), rng.standard_normal((5, 3, 3, 2))
-    with _cudnn.plan_options(autotune=True):
+    with _settings.plan_options(autotune=True):
         got = cufused.conv2d(*to_gpu(x, w), padding=1)
     assert_close(got.get(), cufused.conv2d(x, w, padding=1), TOL["ieee"])
     plans = [p for k, p in _cudnn._plans.items() if k[1].x_shape == x.shape and k[5]]

@@ -1544,8 +1544,9 @@ def test_only_the_launchers_launch_kernels():
 # Higher layers may import lower ones and their own; the front ends (dask, torch, benchmark,
 # the CLI) sit on top and are not listed.
 LAYERS = {"_arrays": 0, "_precision": 0, "_cuda": 0, "_blas": 0, "_layout": 0, "_subpixel": 0,
-          "_scoped": 0, "_timing": 0, "reference": 0, "_kernels": 1, "_cudnn": 2, "_ops": 3,
-          "_capture": 3, "_call_graphs": 3, "_prepared": 3, "pipelines": 4}
+          "_scoped": 0, "_settings": 0, "_timing": 0, "reference": 0, "_kernels": 1,
+          "_cudnn": 2, "_ops": 3, "_capture": 3, "_call_graphs": 3, "_prepared": 3,
+          "pipelines": 4}
 
 
 def test_imports_point_down():

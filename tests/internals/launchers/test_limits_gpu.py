@@ -50,7 +50,7 @@ C_KW = dict(stride=2, padding=1, output_padding=1, pool_kernel=2, clamp_min=0.0,
 def _pipeline_c_on_gpu(rng, shape, pin):
     """Float64 operands of pipeline C (4 -> 8 channels) and the result of its "ieee" GPU call
     (on the host) with the convolution strategy ``pin``."""
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
 
     x = rng.random(shape)
     w, s = 0.3 * rng.standard_normal((4, 8, 3, 3, 3)), mixed(rng, 8)
@@ -139,7 +139,7 @@ def test_pool_to_channels_last_input_plane_past_2_31(free_memory):
 
 @pytest.mark.parametrize("precision", ["tf32", "3xtf32"])
 def test_implicit_gemm_plane_past_2_31(precision, free_memory):
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
 
     k = 9
     x = cp.random.default_rng(0).random((1, 1, 46349, 46349), dtype=cp.float32)
@@ -243,7 +243,7 @@ def test_conv_transpose3d_rows_past_the_grid(precision, n, k, free_memory):
     # exact in TF32; the last channel's corner tap is infinite and meets no input. In 3xTF32
     # the check after the kernel rewrites that channel's rows: 2**25 + 3 samples pass the
     # grid's 65535 blocks a channel (each block's loop takes 512 or 513).
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
 
     x = ((cp.arange(n) % 8) + 1).astype(cp.float32).reshape(n, 1, 1, 1, 1)
     w = cp.ones((1, k, 3, 3, 3), dtype=cp.float32)
@@ -290,7 +290,7 @@ def test_subpixel_interleave_of_a_row_past_2_31(free_memory):
 def test_channels_past_the_grids_y_limit(case, free_memory):
     # More output channels than 65535 tiles of the launches that tile channels on grid.y:
     # the implicit GEMMs leave them to cuDNN, the pool and softmax passes take other kernels.
-    from cufused._cudnn import plan_options
+    from cufused._settings import plan_options
     from cufused._kernels.softmax import softmax_rows
 
     rng = cp.random.default_rng(9)
