@@ -11,7 +11,7 @@
 # Installs carried wheels from .whl/ (cuDNN Frontend, Dask) into /tmp/site when present.
 # Full logs go to $OUT (or ./gpu_check_out); a short summary is printed last. The exit status
 # is non-zero when a step failed; CUFUSED_REQUIRE_GPU=1 makes the tests fail, not skip, when
-# CuPy sees no device.
+# CuPy sees no device or PyTorch (the GPU tests' oracle) is missing.
 set -u -o pipefail
 what=${1:-all}; shift || true
 case "$what" in

@@ -29,6 +29,11 @@ def pytest_collection_modifyitems(config, items):
         # On the GPU machine (scripts/gpu_check.sh) a CuPy that sees no device is a failure,
         # not a reason to skip every GPU test.
         raise pytest.UsageError("CUFUSED_REQUIRE_GPU=1 but CuPy sees no CUDA device")
+    if not TORCH and os.environ.get("CUFUSED_REQUIRE_GPU") == "1":
+        # The GPU tests of NaN and inf placement compare with PyTorch CUDA: without it there,
+        # they would skip unseen.
+        raise pytest.UsageError("CUFUSED_REQUIRE_GPU=1 but PyTorch, the oracle of the GPU "
+                                "tests, is not installed")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device with CuPy")
     skip_oracle = pytest.mark.skip(reason=NO_ORACLE)
     for item in items:

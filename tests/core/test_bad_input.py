@@ -65,6 +65,24 @@ def pipeline_c(d, **changes):
     return cufused.conv_transpose3d_avgpool_clamp_softmax_multiply(*args.values(), **opts)
 
 
+def _module(d):
+    """The array module of the arguments ``d``."""
+    if isinstance(d["x4"], np.ndarray):
+        return np
+    import cupy
+
+    return cupy
+
+
+def _c_over_its_input(d):
+    """Pipeline C with ``out`` and ``x`` in one buffer (out's span covers x's)."""
+    xp = _module(d)
+    buffer = xp.zeros(4 * 8 * 8 * 8, dtype=xp.float32)
+    x = buffer[:d["x5"].size].reshape(d["x5"].shape)
+    x[...] = d["x5"]
+    return pipeline_c(d, x=x, out=buffer.reshape(1, 4, 8, 8, 8))
+
+
 CASES = {
     # name: (call(d), exception, fragment of the message)
     "conv x None": (lambda d: cufused.conv2d(None, d["w"]), TypeError, "x"),
@@ -148,6 +166,34 @@ CASES = {
                                      training=False, eps=-1e-5), ValueError, "eps must be >= 0"),
     "C conv of the pooled x empty": (lambda d: pipeline_c(d, padding=5), ValueError,
                                      "convolution output of the pooled x"),
+    # out: exactly the result's shape and dtype, and no memory of an input
+    "C out float64": (lambda d: pipeline_c(d, out=_module(d).empty((1, 4, 8, 8, 8))),
+                      ValueError, r"^out must have shape \(1, 4, 8, 8, 8\) and dtype float32"),
+    "C out with a leading axis": (
+        lambda d: pipeline_c(d, out=_module(d).empty((1, 1, 4, 8, 8, 8), np.float32)),
+        ValueError, r"^out must have shape \(1, 4, 8, 8, 8\)"),
+    "C out over x": (_c_over_its_input, ValueError, "^out overlaps the memory of x"),
+    # Per-channel parameters hold one value per channel (one for all is scale's alone)
+    "A conv_bias of C - 1 values": (lambda d: pipeline_a(d, conv_bias=d["c8"][:7]),
+                                    ValueError, "^conv_bias must hold one value per channel"),
+    "A conv_bias of one value": (lambda d: pipeline_a(d, conv_bias=d["c8"][:1]), ValueError,
+                                 "^conv_bias must hold one value per channel"),
+    "B conv_bias of C - 1 values": (lambda d: pipeline_b(d, conv_bias=d["c8"][:7]),
+                                    ValueError, "^conv_bias must hold one value per channel"),
+    "B gn_weight of C / 2 values": (lambda d: pipeline_b(d, gn_weight=d["c4"]), ValueError,
+                                    "^gn_weight must hold one value per channel"),
+    "C conv_bias of one value": (lambda d: pipeline_c(d, conv_bias=d["c4"][:1]), ValueError,
+                                 "^conv_bias must hold one value per channel"),
+    "batch_norm running buffers of C / 2 values": (
+        lambda d: cufused.batch_norm(d["x4"], running_mean=d["c2"].copy(),
+                                     running_var=d["c2"].copy()),
+        ValueError, "^running_mean must hold one value per channel"),
+    "batch_norm running buffers of C / 2 values in inference": (
+        lambda d: cufused.batch_norm(d["x4"], running_mean=d["c2"].copy(),
+                                     running_var=d["c2"].copy(), training=False),
+        ValueError, "^running_mean must hold one value per channel"),
+    "softmax axis below -ndim": (lambda d: cufused.softmax(d["x4"], axis=-5), ValueError,
+                                 "axis -5 is out of bounds"),
     # A scale broadcasts against (N, C, H, W) as in y * scale: C values off the channel axis
     "A scale (C, 1)": (lambda d: pipeline_a(d, scale=d["c8"].reshape(8, 1)), ValueError,
                        "scale"),
@@ -172,6 +218,19 @@ def test_out_may_not_alias_a_parameter_in_any_layout(xp):
     with pytest.raises(ValueError, match="^out overlaps the memory of weight"):
         cufused.batch_norm(x, x[0, :, 0, 0], out=x)
     assert bool(xp.isnan(out).all()) and bool((x == d["x4"]).all())
+
+
+@pytest.mark.parametrize("out_shape", [(2, 8, 5, 5), (2, 8, 4)])
+def test_pipeline_b_refuses_a_bad_out_before_updating_its_buffers(xp, out_shape):
+    # The running buffers are a side effect: a call refused for its out leaves them as given.
+    d = arrays(xp)
+    rm, rv = xp.zeros(8, xp.float32), xp.ones(8, xp.float32)
+    out = xp.full(out_shape, np.nan, dtype=xp.float32)
+    with pytest.raises(ValueError, match=r"^out must have shape \(2, 8, 4, 4\)"):
+        pipeline_b(d, running_mean=rm, running_var=rv, out=out)
+    assert bool((rm == 0).all()) and bool((rv == 1).all()) and bool(xp.isnan(out).all())
+    pipeline_b(d, running_mean=rm, running_var=rv)  # the same call with no out updates them
+    assert not bool((rm == 0).all())
 
 
 @pytest.mark.parametrize("shape", [(1,), (1, 1, 1), (1, 1, 1, 1)])

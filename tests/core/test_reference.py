@@ -122,6 +122,22 @@ def test_batch_norm(rng, training, shape, activation):
     assert rel_err(rm, rm_t.numpy()) < TOL and rel_err(rv, rv_t.numpy()) < TOL
 
 
+@pytest.mark.parametrize("value", [np.inf, -np.inf])
+def test_batch_norm_of_an_infinite_first_value(rng, value):
+    # The statistics shift each channel by a value of its own: an infinite first value must
+    # still give PyTorch's infinite mean (the running mean's update too) and NaN variance.
+    x = rng.standard_normal((3, 2, 4, 4))
+    x[0, 1, 0, 0] = value
+    rm, rv = np.zeros(2), np.ones(2)
+    rm_t, rv_t = t(rm.copy()), t(rv.copy())
+    got = cufused.batch_norm(x, running_mean=rm, running_var=rv)
+    ref = F.batch_norm(t(x), rm_t, rv_t, training=True).numpy()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+    assert rel_err(got[:, 0], ref[:, 0]) < TOL
+    assert rm[1] == rm_t[1].item() == value and np.isnan(rv[1]) and np.isnan(rv_t[1].item())
+    assert rel_err(rm[:1], rm_t[:1].numpy()) < TOL and rel_err(rv[:1], rv_t[:1].numpy()) < TOL
+
+
 def test_batch_norm_without_running_stats_leaves_nothing_to_update(rng):
     x = rng.standard_normal((3, 2, 4))
     got = cufused.batch_norm(x)
@@ -148,6 +164,18 @@ def test_pooling(rng, xs, opts, kind):
     got = getattr(cufused, name)(x, **opts)
     ref = getattr(F, name)(t(x), **opts).numpy()
     assert rel_err(got, ref) < TOL
+
+
+@pytest.mark.parametrize("dims", [2, 3])
+def test_max_pool_padding_is_minus_infinity(dims):
+    # The padding never wins a window, not even over an input of -inf (a finite fill would).
+    x = np.full((1, 2) + (5,) * dims, -np.inf)
+    x[0, 0, (1,) * dims] = -1e300
+    name = f"max_pool{dims}d"
+    got = getattr(cufused, name)(x, 3, stride=2, padding=1)
+    ref = getattr(F, name)(t(x), 3, stride=2, padding=1).numpy()
+    np.testing.assert_array_equal(got, ref)
+    assert np.isneginf(got[0, 1]).all()
 
 
 def test_max_pool_propagates_nan(rng):
@@ -240,6 +268,14 @@ def test_reference_functions_return_float64(dtype):
     np.testing.assert_array_equal(results["clamp"], np.clip(x.astype(np.float64), 0.0, 0.5))
 
 
+def test_softmax_of_values_whose_exp_overflows(rng):
+    # exp(1e3) overflows float64: the result needs the max shift (or its equivalent).
+    x = 1e3 + 50 * rng.standard_normal((2, 3, 4, 5))
+    got = cufused.softmax(x, (2, 3))
+    ref = F.softmax(t(x).flatten(2), dim=-1).reshape(x.shape).numpy()
+    assert np.isfinite(got).all() and rel_err(got, ref) < TOL
+
+
 @pytest.mark.parametrize("shape,axis", [((3, 4), -1), ((2, 3, 5), 1), ((2, 3, 4, 5, 6), (2, 3, 4)),
                                         ((4, 3, 2), (0, 2)), ((7,), 0)])
 def test_softmax(rng, shape, axis):
@@ -280,9 +316,9 @@ def args_a(rng, n=2, cin=3, h=14, w=11, cout=8, k=3, groups=4, pool=2, positive=
 @pytest.mark.parametrize("positive", [False, True])
 @pytest.mark.parametrize("geometry", [dict(), dict(n=1, h=13, w=17, pool=3, groups=2),
                                       dict(n=3, cin=1, cout=4, groups=1, k=1, pool=4),
-                                      dict(stride=2, padding=1)])
+                                      dict(stride=2, padding=1), dict(eps=0.5)])
 def test_pipeline_a(rng, positive, geometry):
-    conv_opts = {k: geometry.pop(k) for k in ("stride", "padding") if k in geometry}
+    conv_opts = {k: geometry.pop(k) for k in ("stride", "padding", "eps") if k in geometry}
     arrays, opts = args_a(rng, positive=positive, **geometry)
     got = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts, **conv_opts)
     assert rel_err(got, torch_a(*arrays, **opts, **conv_opts)) < TOL

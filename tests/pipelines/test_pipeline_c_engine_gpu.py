@@ -183,7 +183,10 @@ def test_problems_it_does_not_take_go_to_cudnn(rng, monkeypatch, opts):
     with plan_options(engine="igemm"):
         pipeline_c(*args[:3], **opts, conv_bias=args[3], precision="tf32", out=out)
     assert not calls
-    assert rel_err(out.get(), ref) < 10 * TOL["tf32"]
+    # TF32 leaves y about 1e-3 * |y| off, and exp(y - max) carries that error times up to
+    # the clamp's width: a clamp of width 200 gets ten times the usual bound.
+    wide = opts["clamp_max"] - opts["clamp_min"] > 60
+    assert rel_err(out.get(), ref) < (10 if wide else 1) * TOL["tf32"]
 
 
 def test_the_autotuner_picks_a_path(rng):
