@@ -59,15 +59,20 @@ def import_cupy():
 def gpu_unavailable_reason() -> str | None:
     """Why the GPU path cannot run here, or None when CuPy sees a CUDA device.
 
-    The reasons a user acts on differently are told apart: CuPy not installed, no NVIDIA
-    driver or no device ("no CUDA GPU"), a driver older than the CUDA that CuPy is built for,
-    and any other error of the CUDA runtime.
+    The reasons a user acts on differently are told apart: CuPy not installed, installed but
+    failing to import, no NVIDIA driver or no device ("no CUDA GPU"), a driver older than the
+    CUDA that CuPy is built for, and any other error of the CUDA runtime.
     """
     try:
         import cupy
-    except ImportError:
-        return f"CuPy is not installed ({_CUDA_EXTRA_HINT})"
-    runtime = cupy.cuda.runtime
+
+        runtime = cupy.cuda.runtime
+    except ModuleNotFoundError as exc:
+        if exc.name == "cupy":
+            return f"CuPy is not installed ({_CUDA_EXTRA_HINT})"
+        return f"CuPy is installed but cannot be imported ({_first_line(exc)})"
+    except Exception as exc:  # noqa: BLE001 - a broken installation, of any kind
+        return f"CuPy is installed but cannot be imported ({_first_line(exc)})"
     try:
         count = runtime.getDeviceCount()
     except Exception as exc:  # noqa: BLE001 - CUDARuntimeError, or a broken installation
@@ -75,14 +80,29 @@ def gpu_unavailable_reason() -> str | None:
             driver, built_for = runtime.driverGetVersion(), runtime.runtimeGetVersion()
         except Exception:  # noqa: BLE001 - the same broken installation
             driver = built_for = None
-        if driver == 0:
+        status = getattr(exc, "status", None)
+        if driver == 0 or status == _CUDA_ERROR_NO_DEVICE:
             return "no CUDA GPU"
-        if driver is not None and driver < built_for:
+        if (status == _CUDA_ERROR_INSUFFICIENT_DRIVER and driver is not None
+                and driver < built_for):
+            advice = "update the driver"
+            if driver // 1000 < built_for // 1000:
+                advice += (f", or replace CuPy by its build for CUDA {driver // 1000} (uninstall "
+                           f"cupy-cuda{built_for // 1000}x, then install "
+                           f"cufused[cuda{driver // 1000}])")
             return (f"the NVIDIA driver supports CUDA {_cuda_version(driver)}, older than the "
-                    f"CUDA {_cuda_version(built_for)} CuPy is built for: update the driver, or "
-                    f"install the CuPy of the driver's CUDA (cufused[cuda12] for CUDA 12)")
-        return f"CuPy cannot use a CUDA GPU ({type(exc).__name__}: {exc})"
+                    f"CUDA {_cuda_version(built_for)} CuPy is built for: {advice}")
+        return f"CuPy cannot use a CUDA GPU ({type(exc).__name__}: {_first_line(exc)})"
     return None if count > 0 else "no CUDA GPU"
+
+
+# The CUDA runtime's errors that gpu_unavailable_reason tells apart.
+_CUDA_ERROR_INSUFFICIENT_DRIVER, _CUDA_ERROR_NO_DEVICE = 35, 100
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _cuda_version(number: int) -> str:

@@ -271,7 +271,8 @@ Run "%(prog)s COMMAND --help" for a command's options."""
 def _prog() -> str:
     """How the command line was started: the ``cufused`` console script, or ``python -m
     cufused``."""
-    return "cufused" if os.path.basename(sys.argv[0]) == "cufused" else "python -m cufused"
+    script = os.path.splitext(os.path.basename(sys.argv[0]))[0]  # cufused.exe on Windows
+    return "cufused" if script == "cufused" else "python -m cufused"
 
 
 def _int_at_least(minimum: int):

@@ -156,16 +156,23 @@ def test_bench_without_gpu_says_so():
     assert "no CUDA GPU: bench needs a CUDA GPU" in res.stderr
 
 
+class _CudaError(RuntimeError):
+    """CuPy's CUDARuntimeError as far as the reason reads it: its message and status."""
+
+    def __init__(self, status, name):
+        super().__init__(f"{name}: ...")
+        self.status = status
+
+
 class _FakeRuntime:
     """CuPy's ``cuda.runtime`` as a machine without a usable GPU shows it."""
 
-    def __init__(self, count=None, driver=0, built_for=13020):
-        self.count, self.driver, self.built_for = count, driver, built_for
+    def __init__(self, count=None, driver=0, built_for=13020, error=(35, "insufficient")):
+        self.count, self.driver, self.built_for, self.error = count, driver, built_for, error
 
     def getDeviceCount(self):
         if self.count is None:
-            raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is "
-                               "insufficient for CUDA runtime version")
+            raise _CudaError(*self.error)
         return self.count
 
     def driverGetVersion(self):
@@ -176,13 +183,21 @@ class _FakeRuntime:
 
 
 @pytest.mark.parametrize("runtime, reason", [
-    (_FakeRuntime(driver=0), "no CUDA GPU"),
+    (_FakeRuntime(driver=0), "no CUDA GPU"),  # no driver at all
+    (_FakeRuntime(driver=13020, error=(100, "no device")), "no CUDA GPU"),
+    (_FakeRuntime(driver=12040, built_for=12090, error=(100, "no device")), "no CUDA GPU"),
     (_FakeRuntime(count=0, driver=13020), "no CUDA GPU"),
     (_FakeRuntime(count=1, driver=13020), None),
     (_FakeRuntime(driver=12040), "the NVIDIA driver supports CUDA 12.4, older than the CUDA "
-                                 "13.2 CuPy is built for"),
-    (_FakeRuntime(driver=13020), "CuPy cannot use a CUDA GPU (RuntimeError: "
-                                 "cudaErrorInsufficientDriver"),
+                                 "13.2 CuPy is built for: update the driver, or replace CuPy "
+                                 "by its build for CUDA 12 (uninstall cupy-cuda13x, then "
+                                 "install cufused[cuda12])"),
+    (_FakeRuntime(driver=13000), "the NVIDIA driver supports CUDA 13.0, older than the CUDA "
+                                 "13.2 CuPy is built for: update the driver"),
+    # Another error with an older driver of the same major version (which CUDA's minor
+    # version compatibility runs) is not the driver's.
+    (_FakeRuntime(driver=13000, error=(802, "system not ready")),
+     "CuPy cannot use a CUDA GPU (_CudaError: system not ready: ...)"),
 ])
 def test_gpu_unavailable_reason_tells_what_to_do(monkeypatch, runtime, reason):
     # A driver too old for the installed CuPy is not "no GPU": the user updates the driver or
@@ -193,14 +208,31 @@ def test_gpu_unavailable_reason_tells_what_to_do(monkeypatch, runtime, reason):
 
     fake = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime))
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    got = gpu_unavailable_reason()
-    assert got == reason if reason in (None, "no CUDA GPU") else got.startswith(reason)
+    assert gpu_unavailable_reason() == reason
     assert gpu_available() is (reason is None)
+
+
+def test_gpu_unavailable_reason_of_a_missing_or_broken_cupy(monkeypatch, tmp_path):
+    from cufused._arrays import gpu_unavailable_reason
+
     monkeypatch.setitem(sys.modules, "cupy", None)  # not installed
     assert gpu_unavailable_reason().startswith("CuPy is not installed (the GPU path needs")
+    # Installed, but its import fails (a library it loads is missing): not "not installed".
+    package = tmp_path / "cupy"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise OSError('libcudart.so.13: cannot open')\n")
+    monkeypatch.delitem(sys.modules, "cupy")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert gpu_unavailable_reason() == ("CuPy is installed but cannot be imported "
+                                        "(libcudart.so.13: cannot open)")
+    (package / "__init__.py").write_text("import cupy_backends_missing\n")
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+    assert gpu_unavailable_reason() == ("CuPy is installed but cannot be imported "
+                                        "(No module named 'cupy_backends_missing')")
 
 
 @pytest.mark.parametrize("argv0, prog", [("/usr/bin/cufused", "cufused"),
+                                         ("/opt/venv/Scripts/cufused.exe", "cufused"),
                                          ("/x/cufused/__main__.py", "python -m cufused")])
 def test_usage_names_how_the_command_was_started(monkeypatch, capsys, argv0, prog):
     from cufused.bench import cli
