@@ -534,6 +534,8 @@ def test_modules_refuse_submodule_settings_the_fused_call_lacks(name, path, valu
     dict(conv=dict(padding="same")), dict(conv=dict(padding="valid")),
     dict(conv=dict(padding=(1, 2))), dict(conv=dict(padding=0, padding_mode="reflect")),
     dict(maxpool=dict(stride=None)), dict(maxpool=dict(stride=(4, 4), padding=(0, 0))),
+    dict(group_norm=dict(eps=1e-2)), dict(conv=dict(stride=(2, 2))),
+    dict(conv=dict(stride=(2, 1), padding=1), group_norm=dict(eps=1e-2)),
 ])
 def test_module_a_takes_the_submodule_settings_the_fused_call_expresses(settings):
     init, shape = SMALL["A"]
@@ -579,6 +581,126 @@ def test_module_b_pools_with_its_max_pool_window(training):
         got, want = mine(x), ref(x)
     assert got.shape == want.shape == (shape[0], init[1], 3, 3)
     assert rel_err(got.numpy(), want.numpy()) < 1e-12
+
+
+# Module B's routes, (training, group_norm.eps): in training with the norms' epsilons equal one
+# fused call runs; with them apart, and in eval mode, the building blocks.
+_B_ROUTES = [(True, 1e-5), (True, 1e-3), (False, 1e-5)]
+
+
+def _b_pair(init, training, gn_eps, layer=None):
+    """Module B and its reference in float64, in ``training`` mode with ``gn_eps``, random
+    running statistics (the same in both) and, where given, ``layer`` (a copy in each) as
+    ``conv_transpose``."""
+    import copy
+
+    ref, mine = make_pair("B", init, dtype=torch.float64)
+    if layer is not None:
+        ref.conv_transpose = copy.deepcopy(layer).double()
+        mine.conv_transpose = copy.deepcopy(layer).double()
+    with torch.no_grad():
+        ref.batch_norm.running_mean.uniform_(-0.5, 0.5)
+        ref.batch_norm.running_var.uniform_(0.5, 2.0)
+    mine.load_state_dict(ref.state_dict())
+    for model in (ref, mine):
+        model.group_norm.eps = gn_eps
+        model.train(training)
+    return ref, mine
+
+
+@pytest.mark.parametrize("training, gn_eps", _B_ROUTES)
+def test_module_b_takes_its_conv_transposes_stride_and_output_padding(training, gn_eps):
+    # Each route convolves with the layer's stride and output_padding (set after construction:
+    # the KernelBench model has no argument for it). A 3 x 3 kernel at stride 2 gives an even
+    # size only with the extra row and column, so the pooled shape shows them, in eval mode too.
+    ref, mine = _b_pair([4, 8, 3, 2, 1, 1, 2], training, gn_eps)
+    for model in (ref, mine):
+        model.conv_transpose.output_padding = (1, 1)
+    x = torch.rand(3, 4, 7, 9, dtype=torch.float64)
+    with torch.no_grad():
+        got, want = mine(x), ref(x)
+    assert got.shape == want.shape == (3, 8, 7, 9)
+    assert rel_err(got.numpy(), want.numpy()) < 1e-12
+    for key, value in ref.state_dict().items():
+        assert torch.allclose(mine.state_dict()[key], value, rtol=1e-12, atol=0), key
+
+
+@pytest.mark.parametrize("gn_eps", [1e-5, 1e-3])  # one fused call; the building blocks
+def test_module_b_cumulative_momentum_over_different_batches(gn_eps):
+    # momentum=None weighs the batch counted n-th (from 0) by 1 / (n + 1), so the running
+    # statistics are the plain mean of the batches'. A batch of another scale each step tells
+    # those weights apart, which repeating one batch cannot (every average of it is itself).
+    init, shape = SMALL["B"]
+    ref, mine = _b_pair(init, True, gn_eps)
+    for model in (ref, mine):
+        model.batch_norm.momentum = None
+    gen = torch.Generator().manual_seed(5)
+    for step in range(3):
+        x = torch.rand(shape, generator=gen, dtype=torch.float64) * (step + 1)
+        with torch.no_grad():
+            got, want = mine(x), ref(x)
+        assert rel_err(got.numpy(), want.numpy()) < 1e-12, step
+        bn, ref_bn = mine.batch_norm, ref.batch_norm
+        assert int(bn.num_batches_tracked) == int(ref_bn.num_batches_tracked) == step + 1
+        for key in ("running_mean", "running_var"):
+            assert rel_err(getattr(bn, key).numpy(), getattr(ref_bn, key).numpy()) < 1e-12, \
+                (step, key)
+
+
+@pytest.mark.parametrize("training, gn_eps", _B_ROUTES)
+def test_module_b_with_untracked_running_statistics_kept(training, gn_eps):
+    # track_running_stats=False set after construction keeps the buffers: nn.BatchNorm2d then
+    # normalizes a training batch with its own statistics and leaves the buffers (and the
+    # batch count) alone; in eval mode it normalizes with the buffers.
+    init, shape = SMALL["B"]
+    ref, mine = _b_pair(init, training, gn_eps)
+    for model in (ref, mine):
+        model.batch_norm.track_running_stats = False
+    before = {key: value.clone() for key, value in ref.state_dict().items()}
+    x = torch.rand(shape, dtype=torch.float64)
+    with torch.no_grad():
+        got, want = mine(x), ref(x)
+    assert rel_err(got.numpy(), want.numpy()) < 1e-12
+    for key, value in before.items():
+        assert torch.equal(ref.state_dict()[key], value), key
+        assert torch.equal(mine.state_dict()[key], value), key
+
+
+def test_module_c_clamps_with_its_own_bounds():
+    # Bounds on either side of zero, and an input of both signs wide enough that the
+    # convolution's output crosses each bound, so that the result depends on both.
+    init = [3, 4, 3, 2, 1, 1, 2, -0.3, 0.4]
+    ref, mine = make_pair("C", init, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    x = 16 * (torch.rand(SMALL["C"][1], generator=gen, dtype=torch.float64) - 0.5)
+    with torch.no_grad():
+        got, want = mine(x), ref(x)
+        convolved = ref.conv_transpose(ref.avg_pool(x))
+    assert (convolved < -0.3).any() and (convolved > 0.4).any()
+    assert rel_err(got.numpy(), want.numpy()) < 1e-12
+
+
+@pytest.mark.parametrize("name, training, gn_eps", [
+    *(("B", training, gn_eps) for training, gn_eps in _B_ROUTES), ("C", True, None)])
+def test_modules_take_a_grouped_conv_transpose(name, training, gn_eps):
+    # A grouped layer installed in place of the KernelBench one (whose constructor makes it
+    # ungrouped): the fused call, and B's building blocks, convolve with its groups.
+    if name == "B":
+        layer = torch.nn.ConvTranspose2d(4, 8, 5, stride=1, padding=1, groups=2)
+        ref, mine = _b_pair([4, 8, 5, 1, 1, 1, 2], training, gn_eps, layer)
+        x = torch.rand(3, 4, 7, 9, dtype=torch.float64)
+    else:
+        ref, mine = make_pair("C", [4, 6, 3, 2, 1, 1, 2, -0.3, 0.4], dtype=torch.float64)
+        ref.conv_transpose = torch.nn.ConvTranspose3d(4, 6, 3, 2, 1, 1, groups=2).double()
+        mine.conv_transpose = torch.nn.ConvTranspose3d(4, 6, 3, 2, 1, 1, groups=2).double()
+        mine.load_state_dict(ref.state_dict())
+        x = torch.rand(2, 4, 6, 5, 7, dtype=torch.float64)
+    assert mine.conv_transpose.groups == 2
+    with torch.no_grad():
+        got, want = mine(x), ref(x)
+    assert rel_err(got.numpy(), want.numpy()) < 1e-12
+    for key, value in ref.state_dict().items():  # B's running statistics
+        assert torch.allclose(mine.state_dict()[key], value, rtol=1e-12, atol=0), key
 
 
 @pytest.mark.parametrize("scale_shape", [(6, 1, 1), (1, 6, 1, 1), (), (1,), 1, (1, 1, 1, 1)])
