@@ -32,7 +32,7 @@ def set_conv_autotune(enabled: bool) -> None:
     Raises
     ------
     TypeError
-        ``enabled`` is not a bool.
+        ``enabled`` is not a bool (NumPy's ``bool_`` is one).
 
     Examples
     --------
@@ -72,7 +72,7 @@ def set_conv_graph_replay(enabled: bool) -> None:
     Raises
     ------
     TypeError
-        ``enabled`` is not a bool.
+        ``enabled`` is not a bool: a string such as ``"no"`` is refused, not read as on.
 
     Examples
     --------
