@@ -92,7 +92,9 @@ def check_conv_memory(x_shape, args: ConvArgs, xp):
     padded (or, transposed, uncropped) intermediate, fit in memory; on the GPU, that every
     spatial size of its input and output, and its output channels, are below 2**31 (32-bit
     kernel arguments, as the pools')."""
-    check_fits(args.out_shape, xp, "the convolution output")
+    cause = (f" (from x, weight, stride {args.stride}, padding {args.padding}, dilation "
+             f"{args.dilation})")
+    check_fits(args.out_shape, xp, "the convolution output", cause)
     if xp is not numpy:
         if any(s >= 2**31 for s in (*x_shape[2:], *args.out_shape[2:])):
             raise ValueError(f"the convolution's spatial sizes must each be below 2**31 on the "
@@ -109,7 +111,7 @@ def check_conv_memory(x_shape, args: ConvArgs, xp):
     else:
         lead = x_shape[:2]
         inner = tuple(s + 2 * p for s, p in zip(x_shape[2:], args.padding))
-    check_fits((*lead, *inner), xp, "the padded input of the convolution output")
+    check_fits((*lead, *inner), xp, "the padded input of the convolution output", cause)
 
 
 # Checked arguments of recent calls: validating the options costs more host time than

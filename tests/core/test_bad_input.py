@@ -102,6 +102,9 @@ CASES = {
                           "groups"),
     "conv huge padding": (lambda d: cufused.conv2d(d["x4"], d["w"], padding=2**40), ValueError,
                           "padding"),
+    "conv padding past memory": (
+        lambda d: cufused.conv2d(d["x4"], d["w"], padding=2**31 - 1), ValueError,
+        r"memory \(from x, weight, stride \(1, 1\), padding \(2147483647, 2147483647\)"),
     "conv huge output": (lambda d: cufused.conv_transpose2d(d["x4"], d["wt"], stride=2**30),
                          ValueError, "memory"),
     "transposed conv output cropped away": (lambda d: cufused.conv_transpose2d(
@@ -480,6 +483,9 @@ def test_reference_path_raises_no_warnings():
         x5[0, 0, 0, 0, 0] = np.inf
         pipeline_c(d, x=x5)
         pipeline_a(d, scale=np.full(8, np.inf, np.float32))
+        # A number past float64's range (a long double) is an infinite scale, cast quietly.
+        got = pipeline_c(d, scale=np.longdouble("1e400"))
+    assert got.dtype == np.float32 and np.isposinf(got).any()
 
 
 def test_default_precision_is_process_wide_and_the_block_scoped():
