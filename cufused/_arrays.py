@@ -481,18 +481,21 @@ def memory_unchecked():
         yield
 
 
-def check_fits(shape: tuple[int, ...], xp, what: str, cause: str = "") -> None:
+def check_fits(shape: tuple[int, ...], xp, what: str,
+               cause: Callable[[], str] | None = None) -> None:
     """Raise ``ValueError`` before any work when an array of ``shape`` (float32 on the GPU,
     float64 in the reference) could not fit in memory; an empty batch (``shape[0] == 0``)
     counts one sample, which a non-empty one would need (and which cufused.dask's probe on an
-    empty batch checks for its chunks). ``cause`` names the arguments that set the size."""
+    empty batch checks for its chunks). ``cause()``, formatted only for the error, names the
+    arguments that set the size."""
     if not _MEMORY_CHECKED.get():
         return
     nbytes = math.prod(shape[1:]) * max(shape[0], 1) * (8 if xp is numpy else 4)
     if nbytes > _memory_limit(xp):
         per = " a sample" if shape[0] == 0 else ""
         raise ValueError(f"{what} would have shape {tuple(shape)} ({nbytes / 2**30:.3g} GiB"
-                         f"{per}), more than this machine's memory{cause}")
+                         f"{per}), more than this machine's memory"
+                         + (cause() if cause is not None else ""))
 
 
 def run_reference(fn, *args, **kwargs):

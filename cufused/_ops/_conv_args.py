@@ -92,8 +92,10 @@ def check_conv_memory(x_shape, args: ConvArgs, xp):
     padded (or, transposed, uncropped) intermediate, fit in memory; on the GPU, that every
     spatial size of its input and output, and its output channels, are below 2**31 (32-bit
     kernel arguments, as the pools')."""
-    cause = (f" (from x, weight, stride {args.stride}, padding {args.padding}, dilation "
-             f"{args.dilation})")
+    def cause() -> str:  # formatted only for the error: this check runs on every call
+        return (f" (from x, weight, stride {args.stride}, padding {args.padding}, dilation "
+                f"{args.dilation})")
+
     check_fits(args.out_shape, xp, "the convolution output", cause)
     if xp is not numpy:
         if any(s >= 2**31 for s in (*x_shape[2:], *args.out_shape[2:])):

@@ -130,7 +130,7 @@ def _apply_plan(plan, x, weight, bias, out, *, convert_output: bool = True):
         return plan.apply(x, weight, bias=bias, out=out, convert_output=convert_output)
     y, _ = plan.apply(x, weight, bias=bias)
     out[...] = y
-    return out, "nhwc"
+    return out, _layout_of(out)
 
 
 def _layout_of(y) -> str:
