@@ -233,6 +233,8 @@ CONV_CASES = [
     (2, True, (2, 6, 8, 12), (6, 4, 4, 4), dict(stride=2, padding=1, groups=2)),
     (2, True, (2, 4, 3, 8), (4, 3, 2, 2), dict(stride=2, padding=(1, 0))),  # sub-pixel crops
     (2, False, (2, 3, 8, 9), (4, 3, 3, 5), dict(padding="same", dilation=(2, 1))),
+    (2, False, (2, 3, 8, 9), (4, 3, 2, 4), dict(padding="same")),  # one more zero after
+    (3, False, (1, 2, 5, 6, 4), (3, 2, 2, 3, 4), dict(padding="same", dilation=(3, 1, 1))),
 ]
 
 

@@ -21,6 +21,11 @@ class ConvArgs:
     dilation: tuple[int, ...]
     groups: int
     out_shape: tuple[int, ...]
+    #: Zeros after the input along each spatial axis, beyond ``padding``: PyTorch's
+    #: ``padding="same"`` where ``dilation * (k - 1)`` is odd puts its extra element there.
+    #: Every route pads symmetrically, so the callers run on :func:`extended_input` (empty:
+    #: none).
+    extension: tuple[int, ...] = ()
 
 
 def check_conv_args(x_shape, w_shape, nd: int, *, transposed: bool, stride, padding,
@@ -32,8 +37,13 @@ def check_conv_args(x_shape, w_shape, nd: int, *, transposed: bool, stride, padd
     """
     stride = ntuple(stride, nd, "stride", minimum=1)
     dilation = ntuple(dilation, nd, "dilation", minimum=1)
+    extension = ()
     if isinstance(padding, str) and not transposed:
-        padding = _named_padding(padding, stride, dilation, w_shape[2:], nd)
+        padding, extension = _named_padding(padding, stride, dilation, w_shape[2:], nd)
+        if any(extension):
+            x_shape = (*x_shape[:2], *(s + e for s, e in zip(x_shape[2:], extension)))
+        else:
+            extension = ()
     padding = ntuple(padding, nd, "padding", minimum=0)
     output_padding = ntuple(output_padding, nd, "output_padding", minimum=0)
     if isinstance(groups, bool) or not isinstance(groups, (int, numpy.integer)):
@@ -84,7 +94,7 @@ def check_conv_args(x_shape, w_shape, nd: int, *, transposed: bool, stride, padd
         raise ValueError(f"the convolution output of {x_name} (shape {tuple(x_shape)}) would "
                          f"be empty: {why}")
     return ConvArgs(transposed, stride, padding, output_padding, dilation, groups,
-                    (n, out_channels, *size))
+                    (n, out_channels, *size), extension)
 
 
 def check_conv_memory(x_shape, args: ConvArgs, xp):
@@ -97,6 +107,8 @@ def check_conv_memory(x_shape, args: ConvArgs, xp):
                 f"{args.dilation})")
 
     check_fits(args.out_shape, xp, "the convolution output", cause)
+    if args.extension:  # the input that the routes convolve (extended_input)
+        x_shape = (*x_shape[:2], *(s + e for s, e in zip(x_shape[2:], args.extension)))
     if xp is not numpy:
         if any(s >= 2**31 for s in (*x_shape[2:], *args.out_shape[2:])):
             raise ValueError(f"the convolution's spatial sizes must each be below 2**31 on the "
@@ -128,25 +140,30 @@ def _typed(value):
     return type(value), value
 
 
-def _named_padding(name: str, stride, dilation, kernel, nd: int) -> tuple[int, ...]:
+def _named_padding(name: str, stride, dilation, kernel, nd: int
+                   ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """PyTorch's ``padding="valid"`` (none) or ``"same"`` (the output the input's size, at
-    stride 1: ``dilation * (k - 1)`` in all, split evenly; PyTorch puts an odd one's extra
-    element after the input, which symmetric padding cannot, so that is refused)."""
+    stride 1: ``dilation * (k - 1)`` zeros in all, half before the input and the rest after
+    it) as the symmetric padding and the extra zero after the input along each axis."""
     if name == "valid":
-        return (0,) * nd
+        return (0,) * nd, (0,) * nd
     if name != "same":
         raise ValueError(f"padding must be 'valid', 'same' or ints, got {name!r}")
     if any(s != 1 for s in stride):
         raise ValueError(f"padding='same' needs stride 1 (as in PyTorch), got stride={stride}")
     if len(kernel) != nd or min(kernel) < 1:
-        return (0,) * nd  # the weight's checks report it
+        return (0,) * nd, (0,) * nd  # the weight's checks report it
     total = [d * (k - 1) for d, k in zip(dilation, kernel)]
-    if any(t % 2 for t in total):
-        raise ValueError(
-            f"padding='same' with dilation * (kernel - 1) = {tuple(total)} pads unevenly "
-            f"(PyTorch puts the odd element after the input), which cufused does not "
-            f"support: give the padding as ints")
-    return tuple(t // 2 for t in total)
+    return tuple(t // 2 for t in total), tuple(t % 2 for t in total)
+
+
+def extended_input(x, args: ConvArgs, xp):
+    """``x`` with ``args.extension`` zeros after it along each spatial axis (a new array),
+    or ``x`` itself where there are none: the input that ``args``' symmetric padding
+    convolves."""
+    if not args.extension:
+        return x
+    return xp.pad(x, ((0, 0), (0, 0), *((0, e) for e in args.extension)))
 
 
 def cached_conv_args(x_shape, w_shape, nd: int, **options) -> ConvArgs:

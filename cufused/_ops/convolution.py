@@ -14,6 +14,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import numpy
 
 from .. import reference
 from .._arrays import (Size, check_float_dtype, check_ndim, check_out, check_per_channel,
@@ -23,7 +24,7 @@ from .._cuda import capturing
 from .._cudnn import on_clear_plan_cache
 from .._layout import stored_in
 from .._precision import mma_passes, resolve_precision
-from ._conv_args import ConvArgs, cached_conv_args, check_conv_memory
+from ._conv_args import ConvArgs, cached_conv_args, check_conv_memory, extended_input
 
 __all__ = ["conv2d", "conv3d", "conv_transpose2d", "conv_transpose3d"]
 
@@ -522,16 +523,18 @@ def _convolve(nd: int, transposed: bool, x, weight, bias, *, stride, padding, ou
         ref = partial(reference.conv_transpose, x, weight, bias, args.stride, args.padding,
                       args.output_padding, args.dilation, args.groups)
     else:
-        ref = partial(reference.conv, x, weight, bias, args.stride, args.padding,
-                      args.dilation, args.groups)
+        ref = partial(reference.conv, extended_input(x, args, xp) if xp is numpy else x,
+                      weight, bias, args.stride, args.padding, args.dilation, args.groups)
     return forward(xp, x, out, args.out_shape, reference=ref,
                    gpu=replayed(partial(_conv_gpu, x, weight, args, precision, bias)))
 
 
 def _conv_gpu(x, weight, args: ConvArgs, precision: str, bias, out):
+    import cupy
+
     # The definition's NaN and infinities of non-finite operands (semantics.rst).
-    return conv_on_gpu(x, weight, args, precision, out=out, bias=bias,
-                       definition_nans=True, definition_inputs=True)[0]
+    return conv_on_gpu(extended_input(x, args, cupy), weight, args, precision, out=out,
+                       bias=bias, definition_nans=True, definition_inputs=True)[0]
 
 
 _COMMON_DOC = """
@@ -610,7 +613,8 @@ conv_transpose2d, conv_transpose3d = _convolution_op(2, True), _convolution_op(3
 
 
 _NAMED_PADDING = """ ``padding`` may also be
-        ``"valid"`` (none) or ``"same"`` (stride 1; ``dilation * (k - 1)`` even on each axis)."""
+        ``"valid"`` (none) or ``"same"`` (stride 1; where ``dilation * (k - 1)`` is odd, the
+        extra zero goes after the input, as in PyTorch)."""
 
 _OUTPAD = """
     output_padding : int or tuple of int

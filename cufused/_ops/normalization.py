@@ -196,7 +196,8 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
     training : bool
         Normalize with the batch statistics (biased variance) instead of the running ones.
     momentum : float
-        Weight of the batch statistics in the running update, in [0, 1].
+        Weight of the batch statistics in the running update; finite (past [0, 1] it
+        extrapolates, as in PyTorch).
     eps : float
         Added to the variance; finite, > 0 in training and >= 0 in inference (as in
         PyTorch).
@@ -225,7 +226,7 @@ def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: An
     check_fits(x.shape, xp, "the result")
     c = x.shape[1]
     training = check_bool(training, "training")
-    momentum = check_scalar(momentum, "momentum", minimum=0.0, maximum=1.0)
+    momentum = check_scalar(momentum, "momentum")
     # PyTorch's rule: a positive eps in training (a constant channel's variance is 0).
     eps = check_scalar(eps, "eps", minimum=0.0, positive=training)
     check_choice(activation, "activation", ACTIVATIONS, none=True)

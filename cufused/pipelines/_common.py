@@ -51,9 +51,12 @@ def shared_doc_sections(shape: str):
 
 
 def clamp_bounds(clamp_min, clamp_max) -> tuple[float, float]:
-    """The clamp's bounds as floats: real numbers, infinities included (no bound, as in
-    ``torch.clamp``); NaN, which ``torch.clamp`` spreads to every value, is refused."""
-    return (check_scalar(clamp_min, "clamp_min", finite=False, nan=False),
+    """The clamp's bounds as floats: real numbers, infinities included, and None for no
+    bound (the infinity on its side), as ``torch.clamp`` takes them; NaN, which
+    ``torch.clamp`` spreads to every value, is refused."""
+    return (-math.inf if clamp_min is None else
+            check_scalar(clamp_min, "clamp_min", finite=False, nan=False),
+            math.inf if clamp_max is None else
             check_scalar(clamp_max, "clamp_max", finite=False, nan=False))
 
 

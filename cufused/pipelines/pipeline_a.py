@@ -27,7 +27,7 @@ from .._kernels.pooling import (fused_pass_variant, pool_affine_nonfinite,
                                 pool_affine_nonfinite_conv, pool_extremum_stats,
                                 stores_ext_channels_last)
 from .._layout import empty_in_layout
-from .._ops._conv_args import cached_conv_args, check_conv_memory
+from .._ops._conv_args import cached_conv_args, check_conv_memory, extended_input
 from .._ops.convolution import conv2d, conv_on_gpu
 from .._ops.normalization import check_group_values, check_num_groups, group_norm
 from .._ops.pooling import max_pool2d
@@ -40,7 +40,7 @@ from ._common import (check_method, check_pipeline_pool, clamp_bounds, gpu_metho
 @shared_doc_sections("(N, C_out, H_conv // k, W_conv // k)")
 def conv2d_groupnorm_scale_maxpool_clamp(
         x: Any, weight: Any, conv_bias: Any, gn_weight: Any, gn_bias: Any, scale: Any, *,
-        num_groups: int, pool_kernel: int, clamp_min: float, clamp_max: float,
+        num_groups: int, pool_kernel: int, clamp_min: float | None, clamp_max: float | None,
         stride: Size = 1, padding: Size = 0, eps: float = 1e-5,
         precision: str | None = None, method: str = "fused", out: Any = None) -> Any:
     """Pipeline A: ``clamp(max_pool2d(group_norm(conv2d(x)) * scale, k), clamp_min, clamp_max)``.
@@ -64,9 +64,9 @@ def conv2d_groupnorm_scale_maxpool_clamp(
     pool_kernel : int or tuple of int
         Max-pool window and stride (floor mode): one side, or a sequence of equal sides (one
         value or one per spatial dimension).
-    clamp_min, clamp_max : float
-        Bounds of the final clamp, infinities included (``clamp_min > clamp_max`` gives
-        ``clamp_max``, as ``torch.clamp``); not NaN.
+    clamp_min, clamp_max : float or None
+        Bounds of the final clamp, infinities included; None for no bound (``clamp_min >
+        clamp_max`` gives ``clamp_max``: all as ``torch.clamp``); not NaN.
     stride, padding : int or tuple of int
         Convolution options (``padding`` also ``"valid"`` or ``"same"``, as in
         :func:`cufused.conv2d`).
@@ -121,9 +121,9 @@ def conv2d_groupnorm_scale_maxpool_clamp(
         xp, x, out, shape,
         # A lambda: the ones for scale=None are made on the NumPy path only.
         reference=lambda: reference.conv2d_groupnorm_scale_maxpool_clamp(
-            x, weight, conv_bias, gn_weight, gn_bias, ones_if_none(scale, c, xp),
-            num_groups=num_groups, pool_kernel=(k, k), clamp_min=lo, clamp_max=hi,
-            stride=args.stride, padding=args.padding, eps=eps),
+            extended_input(x, args, xp), weight, conv_bias, gn_weight, gn_bias,
+            ones_if_none(scale, c, xp), num_groups=num_groups, pool_kernel=(k, k),
+            clamp_min=lo, clamp_max=hi, stride=args.stride, padding=args.padding, eps=eps),
         gpu=gpu_path(gpu_method(method, args.out_shape, groups=num_groups), _fused, _unfused,
                      xp, x, weight, args, precision, k=k, num_groups=num_groups,
                      conv_bias=conv_bias, gn_weight=gn_weight, gn_bias=gn_bias, scale=scale,
@@ -134,8 +134,8 @@ def _unfused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, g
              gn_bias, scale, eps, lo, hi):
     """The building blocks one after the other (the baseline, and 64-bit indexing)."""
     c = args.out_shape[1]
-    y = conv2d(x, weight, conv_bias, stride=args.stride, padding=args.padding,
-               precision=precision)
+    y = conv2d(extended_input(x, args, xp), weight, conv_bias, stride=args.stride,
+               padding=args.padding, precision=precision)
     y = group_norm(y, num_groups, gn_weight, gn_bias, eps=eps, out=y)
     if scale is not None:
         xp.multiply(y, scale.reshape(1, c, 1, 1), out=y)
@@ -154,7 +154,7 @@ def _fused(xp, x, weight, args, precision, out, *, k, num_groups, conv_bias, gn_
     :func:`_epilogue_applies`)."""
     n, c, h, w = args.out_shape
     cg = c // num_groups
-    y = None
+    x, y = extended_input(x, args, xp), None
     if epilogue is None:
         epilogue = _epilogue_applies(xp, x, weight, args, precision, k, num_groups,
                                      conv_bias is not None)

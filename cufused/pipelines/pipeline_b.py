@@ -73,7 +73,7 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     running_mean, running_var : array, optional
         BatchNorm running buffers, updated in place.
     momentum : float
-        BatchNorm momentum in [0, 1].
+        BatchNorm momentum; finite (past [0, 1] it extrapolates, as in PyTorch).
 
     Examples
     --------
@@ -105,7 +105,7 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
                                     name="the convolution output")
     check_group_values(args.out_shape[:2] + pooled, num_groups, "the pooled output")
     eps = check_scalar(eps, "eps", positive=True)
-    momentum = check_scalar(momentum, "momentum", minimum=0.0, maximum=1.0)
+    momentum = check_scalar(momentum, "momentum")
     check_channel_values(args.out_shape, "the convolution output")
     precision = resolve_precision(precision)
     check_method(method)

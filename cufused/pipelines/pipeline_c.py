@@ -47,7 +47,7 @@ from ._common import (check_method, check_pipeline_pool, clamp_bounds, gpu_path,
 def conv_transpose3d_avgpool_clamp_softmax_multiply(
         x: Any, weight: Any, scale: Any, *, stride: Size, padding: Size,
         output_padding: Size, pool_kernel: int,
-        clamp_min: float, clamp_max: float, conv_bias: Any = None, groups: int = 1,
+        clamp_min: float | None, clamp_max: float | None, conv_bias: Any = None, groups: int = 1,
         precision: str | None = None, method: str = "fused", out: Any = None) -> Any:
     """Pipeline C: ``softmax(clamp(conv_transpose3d(avg_pool3d(x, k))), axis=(2, 3, 4)) * scale``.
 
@@ -68,9 +68,9 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
     pool_kernel : int or tuple of int
         Average-pool window and stride: one side, or a sequence of equal sides (one value or
         one per spatial dimension).
-    clamp_min, clamp_max : float
-        Clamp bounds applied before the softmax, infinities included (``clamp_min >
-        clamp_max`` gives ``clamp_max``, as ``torch.clamp``); not NaN.
+    clamp_min, clamp_max : float or None
+        Clamp bounds applied before the softmax, infinities included; None for no bound
+        (``clamp_min > clamp_max`` gives ``clamp_max``: all as ``torch.clamp``); not NaN.
     conv_bias : array, optional
         Per-channel convolution bias.
     groups : int

@@ -149,22 +149,27 @@ def _check_transposed(conv: torch.nn.Module, name: str) -> None:
     _require(conv, name, "padding_mode", "zeros")
 
 
-def _conv_padding(conv: torch.nn.Conv2d, name: str) -> int | tuple[int, ...]:
+def _conv_padding(conv: torch.nn.Conv2d, name: str) -> tuple[int | tuple[int, ...],
+                                                               tuple[int, ...]]:
     """The padding of ``conv`` as pipeline A takes it, ints (``"valid"`` and ``"same"`` as
-    the ints they mean), after refusing what the fused call cannot express: dilation, an
-    uneven ``"same"``, or a ``padding_mode`` other than ``"zeros"`` where it pads."""
+    the ints they mean), and the zeros that an uneven ``"same"`` puts after the input
+    (``torch.nn.functional.pad``'s order, empty for none), after refusing what the fused call
+    cannot express: dilation, or a ``padding_mode`` other than ``"zeros"`` where it pads."""
     _require(conv, name, "dilation", 1)
-    padding = conv.padding
+    padding, after = conv.padding, ()
     if isinstance(padding, str):
         try:
-            padding = _named_padding(padding, conv.stride, conv.dilation, conv.kernel_size, 2)
+            padding, extension = _named_padding(padding, conv.stride, conv.dilation,
+                                                conv.kernel_size, 2)
         except ValueError as err:
             raise ValueError(f"{name}.{err}") from None
+        if any(extension):
+            after = tuple(v for e in reversed(extension) for v in (0, e))
     sides = padding if isinstance(padding, (tuple, list)) else (padding,)
-    if conv.padding_mode != "zeros" and sides.count(0) != len(sides):
+    if conv.padding_mode != "zeros" and (sides.count(0) != len(sides) or after):
         raise ValueError(f"{name}.padding_mode must be 'zeros' where the convolution pads, as "
                          f"the fused pipeline pads, got {conv.padding_mode!r}")
-    return padding
+    return padding, after
 
 
 def _pool_window(pool: torch.nn.Module, nd: int, name: str) -> int:
@@ -234,9 +239,9 @@ class Conv2dGroupNormScaleMaxPoolClamp(_ForwardOnlyModule):
     ``scale``, ``maxpool``), created in the same order, so the same seed gives the same
     parameters and ``state_dict`` loads both ways. ``forward`` refuses (``ValueError``) a
     submodule setting that the fused call has no option for: a dilated or grouped ``conv``,
-    one that pads with a ``padding_mode`` other than ``"zeros"`` or pads ``"same"`` unevenly,
-    a ``maxpool`` whose stride is not its window or with padding, dilation, ``ceil_mode`` or
-    ``return_indices``. Forward-only (see the module docstring).
+    one that pads with a ``padding_mode`` other than ``"zeros"``, a ``maxpool`` whose stride
+    is not its window or with padding, dilation, ``ceil_mode`` or ``return_indices``.
+    Forward-only (see the module docstring).
 
     Examples
     --------
@@ -272,13 +277,16 @@ class Conv2dGroupNormScaleMaxPoolClamp(_ForwardOnlyModule):
 
     def _settings(self) -> dict:
         _require(self.conv, "conv", "groups", 1)
-        return dict(padding=_conv_padding(self.conv, "conv"),
+        padding, after = _conv_padding(self.conv, "conv")
+        return dict(padding=padding, after=after,
                     pool=_pool_window(self.maxpool, 2, "maxpool"))
 
     def _run(self, x: torch.Tensor, weights: tuple, settings: dict) -> torch.Tensor:
         conv, gn = self.conv, self.group_norm
         conv_weight, conv_bias, gn_weight, gn_bias, scale = weights
         _check_channel_scale(tuple(scale.shape), conv.out_channels, "scale's shape")
+        if settings["after"]:  # an uneven padding="same": its extra zeros after the input
+            x = torch.nn.functional.pad(x, settings["after"])
         return _ops.conv2d_groupnorm_scale_maxpool_clamp.default(
             x, conv_weight, conv_bias, gn_weight, gn_bias, scale,
             num_groups=gn.num_groups, pool_kernel=settings["pool"],

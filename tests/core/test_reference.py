@@ -42,6 +42,10 @@ CONV_CASES = [
     ("conv2d", (2, 3, 8, 9), (4, 3, 2, 5), dict(padding="same", dilation=(2, 1))),
     ("conv2d", (1, 2, 6, 7), (3, 2, 3, 4), dict(padding="valid", stride=2)),
     ("conv3d", (1, 2, 5, 6, 7), (3, 2, 3, 1, 5), dict(padding="same")),
+    # An odd dilation * (k - 1): PyTorch puts the extra zero after the input.
+    ("conv2d", (2, 3, 8, 9), (4, 3, 2, 4), dict(padding="same")),
+    ("conv2d", (1, 4, 7, 6), (2, 2, 3, 2), dict(padding="same", dilation=(1, 3), groups=2)),
+    ("conv3d", (1, 2, 5, 6, 4), (3, 2, 2, 3, 4), dict(padding="same", dilation=(3, 1, 1))),
     ("conv_transpose2d", (2, 3, 5, 7), (3, 4, 3, 3), {}),
     ("conv_transpose2d", (2, 4, 8, 8), (4, 8, 5, 5), dict(stride=1, padding=1)),
     ("conv_transpose2d", (2, 4, 6, 5), (4, 3, 3, 4),
@@ -58,6 +62,7 @@ CONV_CASES = [
 ]
 
 
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel lengths")
 @pytest.mark.parametrize("name,xs,ws,opts", CONV_CASES)
 def test_convolutions(rng, name, xs, ws, opts):
     out_channels = ws[1] * opts.get("groups", 1) if "transpose" in name else ws[0]
@@ -107,15 +112,17 @@ def test_group_norm_mean_much_larger_than_std(rng):
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("shape", [(4, 3, 5, 6), (7, 5), (2, 3, 2, 3, 4)])
 @pytest.mark.parametrize("activation", [None, "tanh"])
-def test_batch_norm(rng, training, shape, activation):
+@pytest.mark.parametrize("momentum", [0.2, 1.7, -0.4])  # past [0, 1] it extrapolates
+def test_batch_norm(rng, training, shape, activation, momentum):
     c = shape[1]
     x = rng.standard_normal(shape) * 2 - 1
     w, b = mixed(rng, c), rng.standard_normal(c)
     rm, rv = rng.standard_normal(c), rng.uniform(0.5, 2, c)
     rm_t, rv_t = t(rm.copy()), t(rv.copy())
     got = cufused.batch_norm(x, w, b, running_mean=rm, running_var=rv, training=training,
-                             momentum=0.2, eps=1e-4, activation=activation)
-    ref = F.batch_norm(t(x), rm_t, rv_t, t(w), t(b), training=training, momentum=0.2, eps=1e-4)
+                             momentum=momentum, eps=1e-4, activation=activation)
+    ref = F.batch_norm(t(x), rm_t, rv_t, t(w), t(b), training=training, momentum=momentum,
+                       eps=1e-4)
     if activation:
         ref = torch.tanh(ref)
     assert rel_err(got, ref.numpy()) < TOL
@@ -316,10 +323,14 @@ def args_a(rng, n=2, cin=3, h=14, w=11, cout=8, k=3, groups=4, pool=2, positive=
 @pytest.mark.parametrize("positive", [False, True])
 @pytest.mark.parametrize("geometry", [dict(), dict(n=1, h=13, w=17, pool=3, groups=2),
                                       dict(n=3, cin=1, cout=4, groups=1, k=1, pool=4),
-                                      dict(stride=2, padding=1), dict(eps=0.5)])
+                                      dict(stride=2, padding=1), dict(eps=0.5),
+                                      dict(k=4, padding="same"), dict(k=2, padding="same"),
+                                      dict(clamp_min=None), dict(clamp_max=None)])
 def test_pipeline_a(rng, positive, geometry):
     conv_opts = {k: geometry.pop(k) for k in ("stride", "padding", "eps") if k in geometry}
+    clamp = {k: geometry.pop(k) for k in ("clamp_min", "clamp_max") if k in geometry}
     arrays, opts = args_a(rng, positive=positive, **geometry)
+    opts.update(clamp)  # None: no bound on that side, as torch.clamp takes it
     got = cufused.conv2d_groupnorm_scale_maxpool_clamp(*arrays, **opts, **conv_opts)
     assert rel_err(got, torch_a(*arrays, **opts, **conv_opts)) < TOL
 
@@ -399,6 +410,9 @@ def torch_c(x, w, scale, *, stride, padding, output_padding, pool_kernel, clamp_
     dict(stride=1, padding=0, output_padding=0, pool_kernel=3, clamp_min=-0.5, clamp_max=0.25),
     dict(stride=2, padding=0, output_padding=1, pool_kernel=2, clamp_min=-2.0, clamp_max=2.0,
          groups=2),
+    # None: no bound on that side, as torch.clamp takes it.
+    dict(stride=2, padding=1, output_padding=1, pool_kernel=2, clamp_min=None, clamp_max=0.5),
+    dict(stride=2, padding=1, output_padding=1, pool_kernel=2, clamp_min=-0.5, clamp_max=None),
 ])
 def test_pipeline_c(rng, opts):
     g = opts.get("groups", 1)

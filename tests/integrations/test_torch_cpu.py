@@ -488,7 +488,6 @@ def test_modules_take_a_square_tuple_pool_window():
 
 @pytest.mark.parametrize("name, path, value, message", [
     ("A", "conv.dilation", (2, 2), r"conv.dilation must be 1"),
-    ("A", "conv.kernel_size", (4, 4), r"conv.padding='same' with dilation \* \(kernel - 1\)"),
     ("A", "conv.padding", (1, 0), r"conv.padding_mode must be 'zeros' where the conv"),
     ("A", "conv.groups", 3, r"conv.groups must be 1"),
     ("A", "maxpool.stride", 1, r"maxpool.stride must be 4"),
@@ -518,8 +517,6 @@ def test_modules_refuse_submodule_settings_the_fused_call_lacks(name, path, valu
     # these, and PyTorch's forward of the same submodules would honour them.
     init, shape = SMALL[name]
     model = ours(name)(*init).train(training)
-    if path == "conv.kernel_size":  # an even kernel padded "same" pads one side more
-        model.conv.padding = "same"
     if path == "conv.padding":  # a padding mode other than zeros, where the conv pads
         model.conv.padding_mode = "reflect"
     owner, attr = path.split(".")
@@ -548,6 +545,21 @@ def test_module_a_takes_the_submodule_settings_the_fused_call_expresses(settings
     with torch.no_grad():
         got, want = mine(x), ref(x)
     assert got.shape == want.shape
+    assert rel_err(got.numpy(), want.numpy()) < 1e-12
+
+
+@pytest.mark.parametrize("kernel_size", [(4, 4), (2, 3)])
+def test_module_a_pads_an_even_kernel_same_as_pytorch(kernel_size):
+    # padding="same" with an even kernel side: one zero more after the input than before it.
+    init, shape = SMALL["A"]
+    init = [*init[:2], kernel_size, *init[3:]]
+    ref, mine = make_pair("A", init, dtype=torch.float64)
+    for model in (ref, mine):
+        model.conv.padding = "same"
+    x = torch.rand(shape, dtype=torch.float64)
+    with torch.no_grad():
+        got, want = mine(x), ref(x)
+    assert got.shape == want.shape == (shape[0], init[1], shape[2] // 4, shape[3] // 4)
     assert rel_err(got.numpy(), want.numpy()) < 1e-12
 
 

@@ -129,7 +129,7 @@ def test_bad_cuda_calls_raise_before_any_work(cuda):
         torch.ops.cufused.conv_transpose2d(x, w, stride=[2**20])
     rm, rv = torch.zeros(4, device="cuda"), torch.ones(4, device="cuda")
     with pytest.raises(ValueError, match="momentum"):
-        torch.ops.cufused.batch_norm(x, running_mean=rm, running_var=rv, momentum=2.0)
+        torch.ops.cufused.batch_norm(x, running_mean=rm, running_var=rv, momentum=float("inf"))
     assert not rm.any() and bool((rv == 1).all())
 
 

@@ -270,17 +270,18 @@ def test_group_norm_channels_last_input(rng, shape, groups):
 @pytest.mark.parametrize("shape", [(6, 7, 9, 11), (4, 7, 9, 11), (5, 3, 2)])
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("activation", [None, "tanh"])
-def test_batch_norm(rng, shape, training, activation):
+@pytest.mark.parametrize("momentum", [0.3, 1.6])  # past 1 it extrapolates, as in PyTorch
+def test_batch_norm(rng, shape, training, activation, momentum):
     x = 5.0 + 3.0 * rng.standard_normal(shape)
     c = shape[1]
     w, b = mixed(rng, c), rng.standard_normal(c)
     rm, rv = rng.standard_normal(c), rng.uniform(0.5, 2.0, c)
     rm_g, rv_g = to_gpu(rm, rv)
     ref = cufused.batch_norm(x, w, b, running_mean=rm, running_var=rv, training=training,
-                             momentum=0.3, activation=activation)
+                             momentum=momentum, activation=activation)
     out = poisoned(x.shape)
     cufused.batch_norm(*to_gpu(x, w, b), running_mean=rm_g, running_var=rv_g,
-                       training=training, momentum=0.3, activation=activation, out=out)
+                       training=training, momentum=momentum, activation=activation, out=out)
     assert_close(out.get(), ref, 1e-5)
     assert_close(rm_g.get(), rm, 1e-5)
     assert_close(rv_g.get(), rv, 1e-5)
