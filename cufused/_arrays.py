@@ -181,10 +181,26 @@ def check_float_dtype(xp, **arrays: Any) -> None:
             )
 
 
-def check_ndim(x: Any, name: str, ndims: tuple[int, ...], layout: str) -> None:
-    """Raise ``ValueError`` unless ``x.ndim`` is one of ``ndims``."""
-    if x.ndim not in ndims:
-        raise ValueError(f"{name} must be {layout} with ndim {ndims[0]}, got shape {x.shape}")
+def check_ndim(x: Any, name: str, ndim: int, layout: str, *, unbatched: bool = False) -> None:
+    """Raise ``ValueError`` unless ``x.ndim`` is ``ndim``; its message names the ``layout``,
+    and with ``unbatched`` also the layout without N (which the caller took before)."""
+    if x.ndim != ndim:
+        also = f" (or {layout[1:]}, unbatched, with ndim {ndim - 1})" if unbatched else ""
+        raise ValueError(f"{name} must be {layout} with ndim {ndim}{also}, got shape {x.shape}")
+
+
+def one_sample(run: Callable[[Any, Any], Any], x: Any, out: Any) -> Any:
+    """PyTorch's unbatched input, ``x`` without its batch axis: ``run(x[None],
+    out=out[None])`` (``out`` as given where it is no array, for the checks to refuse it),
+    which returns the batch of one; the result is ``out``, else that batch's sample."""
+    batch_out = out
+    if isinstance(out, numpy.ndarray) or is_cupy_array(out):
+        if out.ndim != x.ndim:
+            raise ValueError(f"out must have the unbatched result's ndim {x.ndim} (x has "
+                             f"shape {x.shape}), got shape {out.shape}")
+        batch_out = out[None]
+    result = run(x[None], out=batch_out)
+    return out if out is not None else result[0]
 
 
 def check_sizes(x: Any, name: str) -> None:

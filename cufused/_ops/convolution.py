@@ -18,7 +18,8 @@ import numpy
 
 from .. import reference
 from .._arrays import (Size, check_float_dtype, check_ndim, check_out, check_per_channel,
-                       check_required, check_sizes, forward, get_array_module, per_channel)
+                       check_required, check_sizes, forward, get_array_module, one_sample,
+                       per_channel)
 from .._call_graphs import replayed, warm_calls
 from .._cuda import capturing
 from .._cudnn import on_clear_plan_cache
@@ -507,7 +508,12 @@ def _convolve(nd: int, transposed: bool, x, weight, bias, *, stride, padding, ou
     check_required(x=x, weight=weight)
     xp = get_array_module(x=x, weight=weight, bias=bias)
     check_float_dtype(xp, x=x, weight=weight, bias=bias)
-    check_ndim(x, "x", (nd + 2,), _LAYOUT_NAMES[nd])
+    if x.ndim == nd + 1:  # unbatched, as PyTorch takes it
+        return one_sample(partial(_convolve, nd, transposed, weight=weight, bias=bias,
+                                  stride=stride, padding=padding,
+                                  output_padding=output_padding, dilation=dilation,
+                                  groups=groups, precision=precision), x, out)
+    check_ndim(x, "x", nd + 2, _LAYOUT_NAMES[nd], unbatched=True)
     check_sizes(x, "x")
     args = cached_conv_args(x.shape, weight.shape, nd, transposed=transposed, stride=stride,
                             padding=padding, output_padding=output_padding,
@@ -541,8 +547,10 @@ _COMMON_DOC = """
     Parameters
     ----------
     x : numpy.ndarray or cupy.ndarray
-        Input of shape {xshape}. NumPy arrays (float16/32/64) run the float64 reference on the
-        CPU; CuPy arrays (float32) run on the array's device and CuPy's current stream.
+        Input of shape {xshape}, or without the batch axis (unbatched, as PyTorch takes
+        it; the result then has none either). NumPy arrays (float16/32/64) run the float64
+        reference on the CPU; CuPy arrays (float32) run on the array's device and CuPy's
+        current stream.
     weight : array
         {wdesc}
     bias : array, optional

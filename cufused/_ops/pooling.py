@@ -14,7 +14,8 @@ import numpy
 
 from .. import reference
 from .._arrays import (Size, check_fits, check_float_dtype, check_ndim, check_out,
-                       check_required, check_sizes, forward, get_array_module, ntuple)
+                       check_required, check_sizes, forward, get_array_module, ntuple,
+                       one_sample)
 from .._call_graphs import replayed, warm_calls
 from .._kernels.pooling import pool_into
 
@@ -57,11 +58,14 @@ def check_pool_args(in_size, nd: int, kernel_size, stride, padding, *, name: str
     return kernel, stride, padding, out_size
 
 
-def _pool(nd: int, is_max: bool, x, kernel_size, stride, padding, out):
+def _pool(nd: int, is_max: bool, x, out, *, kernel_size, stride, padding):
     check_required(x=x)
     xp = get_array_module(x=x)
     check_float_dtype(xp, x=x)
-    check_ndim(x, "x", (nd + 2,), "NCHW" if nd == 2 else "NCDHW")
+    if x.ndim == nd + 1:  # unbatched, as PyTorch takes it
+        return one_sample(partial(_pool, nd, is_max, kernel_size=kernel_size, stride=stride,
+                                  padding=padding), x, out)
+    check_ndim(x, "x", nd + 2, "NCHW" if nd == 2 else "NCDHW", unbatched=True)
     check_sizes(x, "x")
     kernel, stride, padding, out_size = check_pool_args(
         x.shape[2:], nd, kernel_size, stride, padding, unpadded_window=nd == 3 and not is_max)
@@ -87,7 +91,7 @@ _DOC = """{title}
     Parameters
     ----------
     x : numpy.ndarray or cupy.ndarray
-        Shape {shape}.
+        Shape {shape}, or without the batch axis (unbatched, as PyTorch takes it).
     kernel_size : int or tuple of int
         Window size, one value or one per spatial dimension.
     stride : int or tuple of int, optional
@@ -100,7 +104,8 @@ _DOC = """{title}
     Returns
     -------
     array
-        Shape (N, C, {outdims}) with ``out = (in + 2 * padding - kernel) // stride + 1``.
+        Shape (N, C, {outdims}) (no N for an unbatched ``x``) with ``out = (in + 2 *
+        padding - kernel) // stride + 1``.
 
     Raises
     ------
@@ -121,7 +126,8 @@ def _pool_op(nd: int, is_max: bool, example_input: str, example_result: str):
     """The public pooling function of rank ``nd`` and kind ``is_max``, with its docstring."""
     def pool(x: Any, kernel_size: Size, stride: Size | None = None,
              padding: Size = 0, *, out: Any = None) -> Any:
-        return _pool(nd, is_max, x, kernel_size, stride, padding, out)
+        return _pool(nd, is_max, x, out, kernel_size=kernel_size, stride=stride,
+                     padding=padding)
 
     name = f"{'max' if is_max else 'avg'}_pool{nd}d"
     pool.__name__ = pool.__qualname__ = name

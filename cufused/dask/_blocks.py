@@ -91,10 +91,10 @@ _CONV_DOC = """{title}, each batch chunk running :func:`cufused.{name}`.
 """
 
 
-conv2d = _each_chunk(cufused.conv2d)
-conv3d = _each_chunk(cufused.conv3d)
-conv_transpose2d = _each_chunk(cufused.conv_transpose2d)
-conv_transpose3d = _each_chunk(cufused.conv_transpose3d)
+conv2d = _each_chunk(cufused.conv2d, ndim=4)
+conv3d = _each_chunk(cufused.conv3d, ndim=5)
+conv_transpose2d = _each_chunk(cufused.conv_transpose2d, ndim=4)
+conv_transpose3d = _each_chunk(cufused.conv_transpose3d, ndim=5)
 
 for _func, _title, _xshape, _wshape, _call in (
         (conv2d, "2-D convolution", "(3, 2, 6, 6)", "(4, 2, 3, 3)", "padding=1"),
@@ -257,7 +257,8 @@ def _chunked_pool(name: str, title: str, xshape: str, yshape: str) -> Callable:
     def pool(x: Array, kernel_size: Size, stride: Size | None = None,
              padding: Size = 0) -> Array:
         return _map_chunks(getattr(cufused, name), x, {},
-                           dict(kernel_size=kernel_size, stride=stride, padding=padding))
+                           dict(kernel_size=kernel_size, stride=stride, padding=padding),
+                           ndim=int(name[-2]) + 2)
 
     pool.__name__ = pool.__qualname__ = name
     pool.__doc__ = _POOL_DOC.format(title=title, name=name, x=_X, returns=_RETURNS,

@@ -200,8 +200,13 @@ def _probing(x: Array):
 
 
 def _map_chunks(func: Callable, x: Array, params: dict[str, Any], options: dict[str, Any],
-                empty=None) -> Array:
-    """``func(chunk, *params.values(), **options)`` on every batch chunk of ``x``."""
+                empty=None, *, ndim: int | None = None) -> Array:
+    """``func(chunk, *params.values(), **options)`` on every batch chunk of ``x``; ``x``
+    of ``ndim`` dimensions where given (a single call that also takes an input without its
+    batch axis, which a dask array here always has)."""
+    if ndim is not None and isinstance(x, da.Array) and x.ndim != ndim:
+        raise ValueError(f"x must have {ndim} dimensions, its batch axis first, got shape "
+                         f"{x.shape}")
     if empty is None:
         empty = _empty_batch(x, func.__name__)
     _check_params({**params, **options})
@@ -216,9 +221,10 @@ def _map_chunks(func: Callable, x: Array, params: dict[str, Any], options: dict[
 
 
 
-def _each_chunk(single: Callable, doc: str | None = None) -> Callable:
+def _each_chunk(single: Callable, doc: str | None = None, *, ndim: int | None = None
+                ) -> Callable:
     """``single`` over a dask batch, for a call independent per sample: every batch chunk runs
-    the single call.
+    the single call (on ``x`` of ``ndim`` dimensions where given: :func:`_map_chunks`).
 
     The function returned takes ``single``'s parameters but ``out`` and ``method`` (each chunk
     runs the default method); the positional parameters after ``x`` are the arrays that every
@@ -241,7 +247,8 @@ def _each_chunk(single: Callable, doc: str | None = None) -> Callable:
         x = options.pop("x")
         if "precision" in options:
             options["precision"] = resolve_precision(options["precision"])
-        return _map_chunks(single, x, {name: options.pop(name) for name in arrays}, options)
+        return _map_chunks(single, x, {name: options.pop(name) for name in arrays}, options,
+                           ndim=ndim)
 
     over_chunks.__signature__ = signature
     over_chunks.__name__ = over_chunks.__qualname__ = single.__name__

@@ -91,7 +91,7 @@ def conv2d_groupnorm_scale_maxpool_clamp(
                           gn_bias=gn_bias, scale=None if numpy.isscalar(scale) else scale)
     check_float_dtype(xp, x=x, weight=weight, conv_bias=conv_bias, gn_weight=gn_weight,
                       gn_bias=gn_bias)
-    check_ndim(x, "x", (4,), "NCHW")
+    check_ndim(x, "x", 4, "NCHW")
     check_sizes(x, "x")
     args = cached_conv_args(x.shape, weight.shape, 2, transposed=False, stride=stride,
                             padding=padding)

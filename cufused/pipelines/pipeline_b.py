@@ -94,7 +94,7 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     check_float_dtype(xp, x=x, weight=weight, bn_weight=bn_weight, bn_bias=bn_bias,
                       gn_weight=gn_weight, gn_bias=gn_bias, conv_bias=conv_bias,
                       running_mean=running_mean, running_var=running_var)
-    check_ndim(x, "x", (4,), "NCHW")
+    check_ndim(x, "x", 4, "NCHW")
     check_sizes(x, "x")
     args = cached_conv_args(x.shape, weight.shape, 2, transposed=True, stride=stride,
                             padding=padding, output_padding=output_padding, groups=groups)

@@ -92,7 +92,7 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
     xp = get_array_module(x=x, weight=weight, scale=None if numpy.isscalar(scale) else scale,
                           conv_bias=conv_bias)
     check_float_dtype(xp, x=x, weight=weight, conv_bias=conv_bias)
-    check_ndim(x, "x", (5,), "NCDHW")
+    check_ndim(x, "x", 5, "NCDHW")
     check_sizes(x, "x")
     if xp is not numpy:  # the pool reads x itself
         check_gpu_spatial_sizes(x)

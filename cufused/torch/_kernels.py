@@ -140,6 +140,8 @@ def _fake_kernel(name: str, shape: Callable) -> Callable:
         _check_no_grad(name, args, kwargs)
         _check_devices(name, names, args, kwargs)
         size = shape(*args, **kwargs)
+        if args[0].dim() == getattr(shape, "unbatched_ndim", None):
+            args = (args[0].unsqueeze(0), *args[1:])  # checked as the batch of one it is
         _eager_checks(fn, names, args, kwargs)
         return args[0].new_empty(size)
     return fake

@@ -7,7 +7,6 @@ symbolic sizes.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
 __all__ = ["OPERATORS"]
@@ -129,6 +128,18 @@ def _conv_transpose_shape(x, weight, bias=None, *, nd: int, stride=1, padding=0,
                                   output_padding, dilation, _check)]
 
 
+def _also_unbatched(shape: Callable, nd: int, **options: Any) -> Callable:
+    """``partial(shape, nd=nd, **options)`` (a convolution's or pool's output shape) also for
+    ``x`` without its batch axis, as the cufused functions take it: the batch of one's shape
+    without it. Its ``unbatched_ndim`` tells the fake kernel which ``x`` that is."""
+    def of(x, *args, **kwargs):
+        if x.dim() == nd + 1:
+            return shape(x.unsqueeze(0), *args, nd=nd, **options, **kwargs)[1:]
+        return shape(x, *args, nd=nd, **options, **kwargs)
+    of.unbatched_ndim = nd + 1
+    return of
+
+
 def _same_shape(x, *args, _check=True, **kwargs):
     return list(x.shape)
 
@@ -178,21 +189,21 @@ _POOL = "(Tensor x, int[{n}] kernel_size, int[{n}]? stride=None, int[{n}] paddin
 #: Every operator: name -> (schema, output-shape function). The argument names, order and
 #: defaults are those of the cufused function of the same name.
 OPERATORS: dict[str, tuple[str, Callable]] = {
-    "conv2d": (_CONV.format(n=2), partial(_conv_shape, nd=2)),
-    "conv3d": (_CONV.format(n=3), partial(_conv_shape, nd=3)),
-    "conv_transpose2d": (_CONV_T.format(n=2), partial(_conv_transpose_shape, nd=2)),
-    "conv_transpose3d": (_CONV_T.format(n=3), partial(_conv_transpose_shape, nd=3)),
+    "conv2d": (_CONV.format(n=2), _also_unbatched(_conv_shape, 2)),
+    "conv3d": (_CONV.format(n=3), _also_unbatched(_conv_shape, 3)),
+    "conv_transpose2d": (_CONV_T.format(n=2), _also_unbatched(_conv_transpose_shape, 2)),
+    "conv_transpose3d": (_CONV_T.format(n=3), _also_unbatched(_conv_transpose_shape, 3)),
     "group_norm": ("(Tensor x, int num_groups, Tensor? weight=None, Tensor? bias=None, *, "
                    "float eps=1e-05) -> Tensor", _same_shape),
     "batch_norm": ("(Tensor x, Tensor? weight=None, Tensor? bias=None, *, "
                    "Tensor(a!)? running_mean=None, Tensor(b!)? running_var=None, "
                    "bool training=True, float momentum=0.1, float eps=1e-05, "
                    "str? activation=None) -> Tensor", _same_shape),
-    "max_pool2d": (_POOL.format(n=2), partial(_pool_shape, nd=2)),
-    "max_pool3d": (_POOL.format(n=3), partial(_pool_shape, nd=3)),
-    "avg_pool2d": (_POOL.format(n=2), partial(_pool_shape, nd=2)),
+    "max_pool2d": (_POOL.format(n=2), _also_unbatched(_pool_shape, 2)),
+    "max_pool3d": (_POOL.format(n=3), _also_unbatched(_pool_shape, 3)),
+    "avg_pool2d": (_POOL.format(n=2), _also_unbatched(_pool_shape, 2)),
     # As PyTorch's, avg_pool3d's window must fit in the unpadded input.
-    "avg_pool3d": (_POOL.format(n=3), partial(_pool_shape, nd=3, unpadded_window=True)),
+    "avg_pool3d": (_POOL.format(n=3), _also_unbatched(_pool_shape, 3, unpadded_window=True)),
     "softmax": ("(Tensor x, int[1] axis=-1) -> Tensor", _same_shape),
     "conv2d_groupnorm_scale_maxpool_clamp": (
         "(Tensor x, Tensor weight, Tensor? conv_bias, Tensor? gn_weight, Tensor? gn_bias, "

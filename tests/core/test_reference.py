@@ -72,6 +72,27 @@ def test_convolutions(rng, name, xs, ws, opts):
     assert rel_err(got, ref) < TOL
 
 
+@pytest.mark.parametrize("name, x_shape, w_shape, opts", [
+    ("conv2d", (3, 9, 8), (4, 3, 3, 2), dict(padding=1, stride=(2, 1))),
+    ("conv3d", (2, 5, 6, 4), (3, 2, 2, 3, 2), dict(dilation=(1, 2, 1))),
+    ("conv_transpose2d", (3, 5, 4), (3, 2, 3, 3), dict(stride=2, output_padding=1)),
+    ("conv_transpose3d", (2, 3, 4, 3), (2, 4, 3, 3, 3), dict(stride=2, padding=1)),
+    ("max_pool2d", (3, 9, 8), None, dict(kernel_size=3, stride=2, padding=1)),
+    ("avg_pool3d", (2, 5, 6, 4), None, dict(kernel_size=2, padding=1)),
+])
+def test_unbatched_input_as_pytorch(rng, name, x_shape, w_shape, opts):
+    # Without its batch axis, as PyTorch's convolutions and pools take it: the result has none
+    # either, and is out where given.
+    x = rng.standard_normal(x_shape)
+    args = (x,) if w_shape is None else (x, rng.standard_normal(w_shape))
+    want = getattr(F, name)(*map(t, args), **opts).numpy()
+    got = getattr(cufused, name)(*args, **opts)
+    assert got.shape == want.shape and rel_err(got, want) < TOL
+    out = np.full(want.shape, np.nan)
+    assert getattr(cufused, name)(*args, **opts, out=out) is out
+    assert rel_err(out, want) < TOL
+
+
 # ---------------------------------------------------------------------------- normalization
 
 

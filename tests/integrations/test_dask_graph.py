@@ -84,6 +84,12 @@ def test_input_errors_name_the_argument(rng):
     for not_int in (2.5, True, "2"):
         with pytest.raises(TypeError, match="split_every must be an int"):
             b(chunked(x, (5,)), *params, **options, split_every=not_int)
+    # The single convolutions and pools also take an input without its batch axis; over a
+    # dask batch the first axis is always the batch.
+    with pytest.raises(ValueError, match=r"x must have 4 dimensions, its batch axis first"):
+        cdask.conv2d(da.ones((3, 6, 6), chunks={0: 1}), np.ones((2, 6, 3, 3)))
+    with pytest.raises(ValueError, match=r"x must have 5 dimensions, its batch axis first"):
+        cdask.avg_pool3d(da.ones((3, 6, 6, 6), chunks={0: 1}), 2)
     # batch_norm checks it in inference too, where no reduction reads it.
     ones = np.ones(x.shape[1], np.float32)
     for bad, error in ((1, ValueError), (2.5, TypeError), (True, TypeError)):

@@ -58,6 +58,25 @@ def test_pool_operators_take_one_element_lists(name, shape):
     assert rel_err(op(x, [2], **kwargs).numpy(), want.numpy()) < 1e-12
 
 
+@pytest.mark.parametrize("name, args, kwargs", [
+    ("conv2d", ((3, 9, 8), (4, 3, 3, 2)), dict(padding=[1, 0])),
+    ("conv_transpose3d", ((2, 3, 4, 3), (2, 4, 3, 3, 3)), dict(stride=[2, 2, 2])),
+    ("max_pool2d", ((3, 9, 8),), dict(kernel_size=[3, 3], stride=[2, 2])),
+    ("avg_pool3d", ((2, 5, 6, 4),), dict(kernel_size=[2, 2, 2])),
+])
+def test_block_operators_take_unbatched_input(name, args, kwargs):
+    # Without the batch axis, as torch.nn.functional's: eagerly and in the fake kernel that
+    # torch.compile and torch.export run.
+    tensors = [torch.rand(*shape, dtype=torch.float64) for shape in args]
+    op = getattr(torch.ops.cufused, name).default
+    torch.library.opcheck(op, tuple(tensors), kwargs)
+    want = getattr(torch.nn.functional, name)(*tensors, **kwargs)
+    got = op(*tensors, **kwargs)
+    assert got.shape == want.shape and rel_err(got.numpy(), want.numpy()) < 1e-12
+    compiled = torch.compile(lambda *t: op(*t, **kwargs), fullgraph=True, backend="aot_eager")
+    assert rel_err(compiled(*tensors).numpy(), want.numpy()) < 1e-12
+
+
 @pytest.mark.parametrize("scale", [2.0, None])
 def test_pipeline_scale_as_one_value_or_none(scale):
     # The function takes a number or None for scale; the operator a tensor of one value or None.
@@ -781,7 +800,7 @@ def _meta(*shape):
 _REFUSED_BY_SHAPE = [
     ("conv2d", (_meta(2, 4, 8, 8), _meta(6)), {}, ValueError, "weight must have 4 dim"),
     ("conv2d", (_meta(2, 4, 8, 8), _meta(6, 4, 3)), {}, ValueError, "weight must have 4 dim"),
-    ("conv3d", (_meta(2, 4, 8, 8), _meta(6, 4, 3, 3)), {}, ValueError, "x must have 5 dim"),
+    ("conv3d", (_meta(4, 8, 8), _meta(6, 4, 3, 3)), {}, ValueError, "x must have 5 dim"),
     ("conv_transpose2d", (_meta(2, 4, 8, 8), _meta(4)), {}, ValueError,
      "weight must have 4 dim"),
     ("conv2d", (_meta(2, 4, 8, 8), _meta(6, 4, 3, 3)), dict(stride=[]), ValueError,

@@ -56,6 +56,22 @@ def test_building_blocks_match_torch_functional_cuda(cuda, name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name, args, kwargs", [
+    ("conv2d", ((3, 9, 8), (4, 3, 3, 2)), dict(padding=[1, 0])),
+    ("conv_transpose3d", ((2, 3, 4, 3), (2, 4, 3, 3, 3)), dict(stride=[2, 2, 2])),
+    ("max_pool2d", ((3, 9, 8),), dict(kernel_size=[3, 3], stride=[2, 2])),
+])
+def test_block_operators_take_unbatched_input_cuda(cuda, name, args, kwargs):
+    tensors = [torch.rand(*shape, device="cuda") for shape in args]
+    op = getattr(torch.ops.cufused, name).default
+    torch.library.opcheck(op, tuple(tensors), kwargs)
+    want = getattr(torch.nn.functional, name)(*(t.double() for t in tensors), **kwargs)
+    got = op(*tensors, **kwargs)
+    assert got.shape == want.shape
+    assert rel_err(got.double().cpu().numpy(), want.cpu().numpy()) < 1e-5
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("sizes", ["small", "canonical"])
 @pytest.mark.parametrize("name", ["A", "B", "C"])
 def test_modules_match_kernelbench_cuda(cuda, name, sizes):

@@ -39,6 +39,30 @@ def test_conv_matches_reference(rng, case, precision, conv_pin):
     assert_close(got.get(), ref, TOL[precision])
 
 
+@pytest.mark.parametrize("name, x_shape, w_shape, opts", [
+    ("conv2d", (3, 9, 8), (4, 3, 3, 2), dict(padding=1)),
+    ("conv_transpose3d", (2, 3, 4, 3), (2, 4, 3, 3, 3), dict(stride=2, padding=1)),
+    ("max_pool2d", (3, 9, 8), None, dict(kernel_size=3, stride=2, padding=1)),
+    ("avg_pool3d", (2, 5, 6, 4), None, dict(kernel_size=2)),
+])
+def test_unbatched_input(rng, name, x_shape, w_shape, opts):
+    # Without the batch axis, as PyTorch takes it: into a NaN-poisoned out (three calls, the
+    # later ones replaying the whole-call graph) and without one.
+    fn = getattr(cufused, name)
+    args = (rng.standard_normal(x_shape),)
+    if w_shape is not None:
+        args += (rng.standard_normal(w_shape),)
+    ref = fn(*args, **opts)
+    assert ref.ndim == len(x_shape)
+    out = poisoned(ref.shape)
+    for _ in range(3):
+        assert fn(*to_gpu(*args), **opts, out=out) is out
+        assert_close(out.get(), ref, TOL["ieee"])
+    got = fn(*to_gpu(*args), **opts)
+    assert got.shape == ref.shape
+    assert_close(got.get(), ref, TOL["ieee"])
+
+
 @pytest.mark.parametrize("precision", ["ieee", "tf32"])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_conv_weight_with_a_strided_unit_axis(rng, transposed, precision, conv_pin):
