@@ -85,7 +85,8 @@ def conv_on_gpu(x, weight, args: ConvArgs, precision: str, *, convert_output: bo
                      convert_output, False)
     except UnsupportedConvolution:
         if not args.transposed:
-            raise
+            y = _forward_by_definition(x, weight, bias, args, out)
+            return y, _layout_of(y)
         y = _transposed_as_forward(x, weight, args, precision, bias=bias, out=out,
                                    definition_inputs=definition_inputs)
         if definition_nans:
@@ -108,6 +109,22 @@ def _nonfinite_weight_rows(x, weight, bias, y, args: ConvArgs) -> None:
     conv_nonfinite_weight_rows(x, weight, bias, y, groups=args.groups, stride=args.stride,
                                padding=args.padding, dilation=args.dilation,
                                transposed=args.transposed)
+
+
+def _forward_by_definition(x, weight, bias, args: ConvArgs, out):
+    """A forward convolution that no cuDNN plan computes, every output summed by its
+    definition in float32 (:func:`~cufused._kernels.conv_gemm.conv_nonfinite_input_samples`
+    with every sample marked): slow, exact to float32, and the definition's NaN and
+    infinities; into ``out`` (any strides) or a new NC(D)HW array."""
+    import cupy
+
+    from .._kernels.conv_gemm import conv_nonfinite_input_samples
+
+    y = out if out is not None else _empty_nchw(args.out_shape)
+    conv_nonfinite_input_samples(x, weight, bias, y, cupy.ones(x.shape[0], dtype=cupy.uint32),
+                                 transposed=False, groups=args.groups, stride=args.stride,
+                                 padding=args.padding, dilation=args.dilation)
+    return y
 
 
 def _nonfinite_input_samples(x, weight, bias, y, args: ConvArgs) -> None:
