@@ -10,6 +10,7 @@ clamp.
 from __future__ import annotations
 
 import numbers
+from dataclasses import replace
 from typing import Any
 
 import numpy
@@ -220,11 +221,14 @@ def _epilogue_applies(xp, x, weight, args, precision, k, num_groups, bias: bool)
                               mma_passes(precision), pool=k) is not None):
         return False
 
+    # x is the extended input already (_fused), and so is the random one of its shape.
+    unextended = replace(args, extension=())
+
     def path_of(random_x, random_weight, out):
         c = args.out_shape[1]
         ones, zeros = xp.ones(c, dtype=xp.float32), xp.zeros(c, dtype=xp.float32)
         return lambda epilogue: _fused(
-            xp, random_x, random_weight, args, precision, out, k=k, num_groups=num_groups,
+            xp, random_x, random_weight, unextended, precision, out, k=k, num_groups=num_groups,
             conv_bias=zeros if bias else None, gn_weight=ones, gn_bias=zeros, scale=ones,
             eps=1e-5, lo=0.0, hi=1.0, epilogue=epilogue)
 
