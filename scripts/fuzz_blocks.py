@@ -4,9 +4,10 @@
 The blocks are the convolutions (``conv2d``, ``conv3d``, ``conv_transpose2d``,
 ``conv_transpose3d``), ``group_norm``, ``batch_norm``, the pools (``max_pool2d``,
 ``max_pool3d``, ``avg_pool2d``, ``avg_pool3d``) and ``softmax``. Each case draws only what
-they document: the batch (1 to 3, now and then empty), channels (any count), groups,
-spatial sizes (1 among them), kernel, stride, padding, dilation and output padding (an int, a
-one-value sequence or one value per dimension), the bias and the affine parameters (None or
+they document: the batch (1 to 3, now and then empty; a convolution's input now and then
+unbatched), channels (any count), groups, spatial sizes (1 among them), kernel, stride,
+padding (also ``"same"``), dilation and output padding (an int, a one-value sequence or one
+value per dimension), the bias and the affine parameters (None or
 arrays in one of the per-channel layouts), eps, ``batch_norm``'s mode (training or inference,
 with or without running buffers, momentum 0 to 1, a fused tanh or none), the pools' stride
 (None, ``()`` or values) and padding, ``softmax``'s axis (an int or a tuple, negative ones
@@ -130,7 +131,11 @@ def _conv(rng: np.random.Generator, nd: int, transposed: bool) -> tuple[list, di
                 for r, p in zip(reach, padding)]
         w_shape = (cout, cin // groups, *kernel)
     options["padding"] = _option(rng, padding)
+    if not transposed and stride == [1] * nd and rng.random() < 0.2:
+        options["padding"] = "same"  # an odd reach puts its extra zero after the input
     x = rng.standard_normal((_batch(rng), cin, *size))
+    if len(x) and rng.random() < 0.1:
+        x = x[0]  # unbatched, as PyTorch takes it
     w = rng.standard_normal(w_shape) * 0.3
     return [x, w, _channel_param(rng, cout, nd + 2)], options
 
@@ -397,7 +402,9 @@ def run_case(block: str, seed: int, *, nonfinite: bool = False,
     if block in CONVOLUTIONS:
         extra["precision"] = rng.choice([None, "ieee", "tf32", "3xtf32"])
         engine = str(rng.choice(["igemm", "auto"]))
-        out_layout = str(rng.choice(["dense", "channels_last"]))
+        # An unbatched input's out is dense (channels-last has a batch axis).
+        if args[0].ndim == args[1].ndim:
+            out_layout = str(rng.choice(["dense", "channels_last"]))
     planted = []
     if nonfinite and args[0].size:  # an empty x leaves nothing to plant in (or to spread to)
         args, options, planted = _plant(rng, args, options)
