@@ -189,18 +189,33 @@ def check_ndim(x: Any, name: str, ndim: int, layout: str, *, unbatched: bool = F
         raise ValueError(f"{name} must be {layout} with ndim {ndim}{also}, got shape {x.shape}")
 
 
-def one_sample(run: Callable[[Any, Any], Any], x: Any, out: Any) -> Any:
+def one_sample(run: Callable[..., Any], x: Any, out: Any) -> Any:
     """PyTorch's unbatched input, ``x`` without its batch axis: ``run(x[None],
     out=out[None])`` (``out`` as given where it is no array, for the checks to refuse it),
-    which returns the batch of one; the result is ``out``, else that batch's sample."""
+    which returns the batch of one; the result is ``out``, else that batch's sample. The
+    batch axes have the stride of a packed batch, so that ``x`` and ``out`` keep their
+    layouts; an error names the batch of one's shapes, and says so."""
     batch_out = out
     if isinstance(out, numpy.ndarray) or is_cupy_array(out):
         if out.ndim != x.ndim:
             raise ValueError(f"out must have the unbatched result's ndim {x.ndim} (x has "
                              f"shape {x.shape}), got shape {out.shape}")
-        batch_out = out[None]
-    result = run(x[None], out=batch_out)
+        batch_out = _batch_of_one(out)
+    try:
+        result = run(_batch_of_one(x), out=batch_out)
+    except (TypeError, ValueError) as err:
+        if err.args and isinstance(err.args[0], str):
+            err.args = (f"{err.args[0]} (x of shape {x.shape}, without a batch axis, runs as "
+                        f"the batch of one x[None])", *err.args[1:])
+        raise
     return out if out is not None else result[0]
+
+
+def _batch_of_one(a: Any) -> Any:
+    """``a`` as a batch of one: a view with a leading axis of extent 1 whose stride is the
+    span of a packed sample (a ``None`` index gives it stride 0, which no layout has)."""
+    xp = sys.modules["cupy"] if is_cupy_array(a) else numpy
+    return xp.lib.stride_tricks.as_strided(a, (1, *a.shape), (a.size * a.itemsize, *a.strides))
 
 
 def check_sizes(x: Any, name: str) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy
 
+from .._arrays import as_float32
 from .._cuda import MAX_GRID_X, get_kernel, launch_1d, optional
 from .._layout import stored_in
 from ._common import cpp_bool, split_count
@@ -69,7 +70,7 @@ def _stats_finalize(mode: str, rows: int, *, partial, shift, n_outer: int, outer
          numpy.int32(groups), numpy.float64(eps), numpy.int32(training),
          numpy.int32(centered_sums), numpy.int32(centered_only), optional(running_mean),
          optional(running_var), optional(running_mean_lo), optional(mean_offset),
-         numpy.float32(momentum), optional(moments)))
+         numpy.float32(as_float32(momentum)), optional(moments)))
 
 
 def group_norm_coefficients(partial, shift, coef, *, rows: int, row_len: int, count: int,

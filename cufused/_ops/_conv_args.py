@@ -107,12 +107,15 @@ def check_conv_memory(x_shape, args: ConvArgs, xp):
                 f"{args.dilation})")
 
     check_fits(args.out_shape, xp, "the convolution output", cause)
+    given = tuple(x_shape)
     if args.extension:  # the input that the routes convolve (extended_input)
         x_shape = (*x_shape[:2], *(s + e for s, e in zip(x_shape[2:], args.extension)))
     if xp is not numpy:
         if any(s >= 2**31 for s in (*x_shape[2:], *args.out_shape[2:])):
+            padded = (f" (padded to {tuple(x_shape)} by padding='same')" if args.extension
+                      else "")
             raise ValueError(f"the convolution's spatial sizes must each be below 2**31 on the "
-                             f"GPU (32-bit kernel arguments), got x {tuple(x_shape)} and "
+                             f"GPU (32-bit kernel arguments), got x {given}{padded} and "
                              f"output {tuple(args.out_shape)}")
         if args.out_shape[1] >= 2**31:
             raise ValueError(f"the convolution output must have fewer than 2**31 channels on "

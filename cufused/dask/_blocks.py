@@ -168,7 +168,8 @@ def batch_norm(x: Array, weight: Any = None, bias: Any = None, *, running_mean: 
     training : bool
         Normalize with the batch statistics (biased variance) instead of the running ones.
     momentum : float
-        Weight of the batch statistics in the running update, in [0, 1].
+        Weight of the batch statistics in the running update; finite (past [0, 1] it
+        extrapolates, as in PyTorch).
     eps : float
         Added to the variance; > 0 in training, >= 0 in inference.
     activation : {None, "tanh"}

@@ -35,8 +35,8 @@ _SHARED_DOC = """\
     Raises
     ------
     TypeError
-        An argument of the wrong type (a required array or a clamp bound given as ``None``, a
-        non-int size), mixed array libraries or an unsupported dtype.
+        An argument of the wrong type (a required array given as ``None``, a non-int size),
+        mixed array libraries or an unsupported dtype.
     ValueError
         Inconsistent shapes or options, an ``out`` of the wrong shape or dtype or sharing
         memory with an input, or CuPy arrays on different devices.

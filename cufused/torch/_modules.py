@@ -285,7 +285,7 @@ class Conv2dGroupNormScaleMaxPoolClamp(_ForwardOnlyModule):
         conv, gn = self.conv, self.group_norm
         conv_weight, conv_bias, gn_weight, gn_bias, scale = weights
         _check_channel_scale(tuple(scale.shape), conv.out_channels, "scale's shape")
-        if settings["after"]:  # an uneven padding="same": its extra zeros after the input
+        if settings["after"] and x.dim() == 4:  # uneven "same" (the op refuses another x)
             x = torch.nn.functional.pad(x, settings["after"])
         return _ops.conv2d_groupnorm_scale_maxpool_clamp.default(
             x, conv_weight, conv_bias, gn_weight, gn_bias, scale,

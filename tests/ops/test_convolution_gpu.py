@@ -64,6 +64,20 @@ def test_unbatched_input(rng, name, x_shape, w_shape, opts):
 
 
 @pytest.mark.parametrize("precision", ["ieee", "tf32"])
+def test_unbatched_channels_last_input_and_out(rng, precision):
+    # (C, H, W) views of HWC memory are a batch of one stored channels-last: taken as such,
+    # out included (the implicit GEMM writes channels-last results directly).
+    x, w = rng.standard_normal((5, 9, 8)), rng.standard_normal((6, 5, 3, 3))
+    ref = cufused.conv2d(x, w, padding=1)
+    xg = cp.moveaxis(cp.asarray(np.moveaxis(x, 0, -1), dtype=cp.float32), -1, 0)
+    out = cp.moveaxis(cp.full((9, 8, 6), cp.nan, dtype=cp.float32), -1, 0)
+    (wg,) = to_gpu(w)
+    for _ in range(3):
+        assert cufused.conv2d(xg, wg, padding=1, precision=precision, out=out) is out
+        assert_close(out.get(), ref, TOL[precision])
+
+
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_conv_weight_with_a_strided_unit_axis(rng, transposed, precision, conv_pin):
     # A weight of one filter (one input channel of a transposed convolution) sliced with a
