@@ -40,10 +40,7 @@ def check_conv_args(x_shape, w_shape, nd: int, *, transposed: bool, stride, padd
     extension = ()
     if isinstance(padding, str) and not transposed:
         padding, extension = _named_padding(padding, stride, dilation, w_shape[2:], nd)
-        if any(extension):
-            x_shape = (*x_shape[:2], *(s + e for s, e in zip(x_shape[2:], extension)))
-        else:
-            extension = ()
+        x_shape = _extended_shape(x_shape, extension)
     padding = ntuple(padding, nd, "padding", minimum=0)
     output_padding = ntuple(output_padding, nd, "output_padding", minimum=0)
     if isinstance(groups, bool) or not isinstance(groups, (int, numpy.integer)):
@@ -108,8 +105,7 @@ def check_conv_memory(x_shape, args: ConvArgs, xp):
 
     check_fits(args.out_shape, xp, "the convolution output", cause)
     given = tuple(x_shape)
-    if args.extension:  # the input that the routes convolve (extended_input)
-        x_shape = (*x_shape[:2], *(s + e for s, e in zip(x_shape[2:], args.extension)))
+    x_shape = _extended_shape(x_shape, args.extension)  # what the routes convolve
     if xp is not numpy:
         if any(s >= 2**31 for s in (*x_shape[2:], *args.out_shape[2:])):
             padded = (f" (padded to {tuple(x_shape)} by padding='same')" if args.extension
@@ -147,17 +143,26 @@ def _named_padding(name: str, stride, dilation, kernel, nd: int
                    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """PyTorch's ``padding="valid"`` (none) or ``"same"`` (the output the input's size, at
     stride 1: ``dilation * (k - 1)`` zeros in all, half before the input and the rest after
-    it) as the symmetric padding and the extra zero after the input along each axis."""
+    it) as the symmetric padding and the extra zero after the input along each axis (empty
+    where there is none: :attr:`ConvArgs.extension`)."""
     if name == "valid":
-        return (0,) * nd, (0,) * nd
+        return (0,) * nd, ()
     if name != "same":
         raise ValueError(f"padding must be 'valid', 'same' or ints, got {name!r}")
     if any(s != 1 for s in stride):
         raise ValueError(f"padding='same' needs stride 1 (as in PyTorch), got stride={stride}")
     if len(kernel) != nd or min(kernel) < 1:
-        return (0,) * nd, (0,) * nd  # the weight's checks report it
+        return (0,) * nd, ()  # the weight's checks report it
     total = [d * (k - 1) for d, k in zip(dilation, kernel)]
-    return tuple(t // 2 for t in total), tuple(t % 2 for t in total)
+    extension = tuple(t % 2 for t in total)
+    return tuple(t // 2 for t in total), extension if any(extension) else ()
+
+
+def _extended_shape(x_shape, extension: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of :func:`extended_input` for an input of ``x_shape``."""
+    if not extension:
+        return tuple(x_shape)
+    return (*x_shape[:2], *(s + e for s, e in zip(x_shape[2:], extension)))
 
 
 def extended_input(x, args: ConvArgs, xp):

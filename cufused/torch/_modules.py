@@ -163,8 +163,7 @@ def _conv_padding(conv: torch.nn.Conv2d, name: str) -> tuple[int | tuple[int, ..
                                                 conv.kernel_size, 2)
         except ValueError as err:
             raise ValueError(f"{name}.{err}") from None
-        if any(extension):
-            after = tuple(v for e in reversed(extension) for v in (0, e))
+        after = tuple(v for e in reversed(extension) for v in (0, e))
     sides = padding if isinstance(padding, (tuple, list)) else (padding,)
     if conv.padding_mode != "zeros" and (sides.count(0) != len(sides) or after):
         raise ValueError(f"{name}.padding_mode must be 'zeros' where the convolution pads, as "
