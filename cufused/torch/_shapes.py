@@ -135,6 +135,9 @@ def _also_unbatched(shape: Callable, nd: int, **options: Any) -> Callable:
     def of(x, *args, **kwargs):
         if x.dim() == nd + 1:
             return shape(x.unsqueeze(0), *args, nd=nd, **options, **kwargs)[1:]
+        if x.dim() != nd + 2 and kwargs.get("_check", True):
+            raise ValueError(f"x must have {nd + 2} dimensions (N, C and {nd} spatial) or "
+                             f"{nd + 1} (unbatched), got shape {tuple(x.shape)}")
         return shape(x, *args, nd=nd, **options, **kwargs)
     of.unbatched_ndim = nd + 1
     return of

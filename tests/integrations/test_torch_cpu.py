@@ -77,6 +77,22 @@ def test_block_operators_take_unbatched_input(name, args, kwargs):
     assert rel_err(compiled(*tensors).numpy(), want.numpy()) < 1e-12
 
 
+@pytest.mark.parametrize("name, shape", [("conv2d", (3, 9)), ("max_pool3d", (1, 2, 3, 4, 5, 6))])
+def test_fake_kernel_names_both_ranks_for_a_wrong_ndim(name, shape):
+    # A traced call with x of neither rank fails as the eager call does, naming both ranks.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = (torch.rand(4, 3, 3, 3),) if name == "conv2d" else ([2, 2, 2],)
+    op = getattr(torch.ops.cufused, name).default
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(torch.rand(*shape))] + [
+            mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        nd = 3 if name == "max_pool3d" else 2
+        with pytest.raises(ValueError, match=rf"x must have {nd + 2} dimensions .* or "
+                                             rf"{nd + 1} \(unbatched\)"):
+            op(*fake)
+
+
 @pytest.mark.parametrize("scale", [2.0, None])
 def test_pipeline_scale_as_one_value_or_none(scale):
     # The function takes a number or None for scale; the operator a tensor of one value or None.
