@@ -13,7 +13,8 @@ convolutions, GroupNorm, the pools, softmax over non-batch axes, BatchNorm in in
 pipelines A and C. BatchNorm in training mode, alone or inside pipeline B, normalizes with the
 statistics of the whole batch, in three phases:
 
-1. per chunk, the per-channel partial moments (count, mean, M2) in float64; in pipeline B the
+1. per chunk, the per-channel partial moments (count, mean, M2) in float64, the mean an offset
+   from the chunk's first value (as the single call shifts its sums); in pipeline B the
    transposed convolution and each pooling window's extremum (the BatchNorm weight's sign
    decides max or min, since ``tanh(a * v + b)`` is monotone in ``v``) come with them, so
    only the extrema (k * k times fewer values for a k x k pool) cross to phase 3;

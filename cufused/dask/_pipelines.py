@@ -117,11 +117,11 @@ def _pool_moments_phase(x, weight, bias, bn_weight, *, stride, padding, output_p
                                  output_padding=output_padding, groups=groups,
                                  precision=precision)
     pooled = y if pool is None else cufused.max_pool2d(y, pool)
-    count, mean, m2 = _channel_moments(y)
+    moments = _channel_moments(y)
     if sign is not None:
         pooled *= sign.reshape(1, -1, 1, 1)
-        mean = mean * sign
-    return pooled, (count, mean, m2)
+        moments = moments.flipped(sign)
+    return pooled, moments
 
 
 @_without_numpy_warnings

@@ -9,7 +9,7 @@ import numbers
 import operator
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy
 from dask.array.utils import meta_from_array
@@ -41,26 +41,46 @@ def _without_numpy_warnings(func: Callable) -> Callable:
     return quiet
 
 
-@_without_numpy_warnings
-def _channel_moments(y) -> tuple[int, Any, Any]:
-    """Per-channel ``(count, mean, M2)`` of ``y`` (N, C, ...) over every axis but 1, in float64
-    arrays of ``y``'s library; ``M2`` is the sum of squared deviations from the mean.
+class Moments(NamedTuple):
+    """Per-channel partial moments of ``count`` values about a ``shift`` (float64 arrays of the
+    values' library): their mean is ``shift + offset`` and ``m2`` the sum of their squared
+    deviations from it. The shift is a value of the data (each channel's first, 0 where not
+    finite, as the single call's statistics take it), so that a constant channel's moments
+    stay exact through every merge and a mean far from 0 keeps the accuracy of its spread."""
 
-    On the GPU one read of ``y`` gives sums shifted by each channel's first value (0 where
-    infinite; ``key_stats_partial``, as ``batch_norm`` uses), summed in float64.
+    count: int
+    shift: Any
+    offset: Any
+    m2: Any
+
+    def flipped(self, sign) -> Moments:
+        """The moments of the values times ``sign`` (+-1 per channel)."""
+        return self._replace(shift=self.shift * sign, offset=self.offset * sign)
+
+
+@_without_numpy_warnings
+def _channel_moments(y) -> Moments:
+    """Per-channel :class:`Moments` of ``y`` (N, C, ...) over every axis but 1, shifted by each
+    channel's first value (0 where not finite), as the single call's statistics are.
+
+    On the GPU one read of ``y`` gives the shifted sums (``key_stats_partial``, as
+    ``batch_norm`` uses), summed in float64.
     """
     xp = get_array_module(y=y)
     n, c = y.shape[:2]
     count = y.size // c
     if count == 0:
         zeros = xp.zeros(c, dtype=numpy.float64)
-        return 0, zeros, zeros
+        return Moments(0, zeros, zeros, zeros)
     if xp is numpy:
         axes = (0,) + tuple(range(2, y.ndim))
         y = y.astype(numpy.float64, copy=False)
-        mean = y.mean(axis=axes)
-        m2 = numpy.square(y - mean.reshape((c,) + (1,) * (y.ndim - 2))).sum(axis=axes)
-        return count, mean, m2
+        first = y[(0, slice(None)) + (0,) * (y.ndim - 2)]
+        shift = numpy.where(numpy.isfinite(first), first, 0.0)
+        d = y - shift.reshape((c,) + (1,) * (y.ndim - 2))
+        offset = d.mean(axis=axes)
+        m2 = numpy.square(d - offset.reshape((c,) + (1,) * (y.ndim - 2))).sum(axis=axes)
+        return Moments(count, shift, offset, m2)
     y = xp.ascontiguousarray(y)
     hw = count // n
     partial, shift, _ = key_stats_partial(xp, y, c, n_outer=n, outer_stride=c * hw,
@@ -68,43 +88,51 @@ def _channel_moments(y) -> tuple[int, Any, Any]:
     return _shifted_moments(partial.sum(axis=1, dtype=xp.float64), shift, count)
 
 
-def _shifted_moments(sums, shift, count: int) -> tuple[int, Any, Any]:
-    """Per-channel ``(count, mean, M2)`` in float64 from each channel's ``count`` values'
-    sums ``(sum d, sum d * d)`` (``sums``, (C, 2) float64 CuPy) with ``d = value - shift``."""
+def _shifted_moments(sums, shift, count: int) -> Moments:
+    """Per-channel :class:`Moments` from each channel's ``count`` values' sums
+    ``(sum d, sum d * d)`` (``sums``, (C, 2) float64 CuPy) with ``d = value - shift``."""
     xp = get_array_module(sums=sums)
     offset = sums[:, 0] / count
     m2 = sums[:, 1] - sums[:, 0] * offset
     # Rounding can push M2 below 0: clamp it, keeping a NaN (NaN < 0 is false).
-    return count, shift.astype(xp.float64) + offset, xp.where(m2 < 0, 0.0, m2)
+    return Moments(count, shift.astype(xp.float64), offset, xp.where(m2 < 0, 0.0, m2))
 
 
 @_without_numpy_warnings
-def _merge_moments(*parts: tuple[int, Any, Any]) -> tuple[int, Any, Any]:
-    """The parallel combination of partial ``(count, mean, M2)`` moments (Chan et al.'s,
-    over all parts at once): the mean is the count-weighted sum of the parts' means over the
-    total count, which is exact where every part has the same float32-valued mean (a
-    constant channel of float32 values; each product and partial sum then fits float64's
-    53 bits for totals below 2**29) and keeps an infinite part's infinity as the single call
-    does (NaN where parts hold opposite ones), and M2 adds to the parts' own each part's
-    squared distance from it."""
-    counted = [part for part in parts if part[0] > 0]
+def _merge_moments(*parts: Moments) -> Moments:
+    """The parallel combination of partial :class:`Moments` (Chan et al.'s, over all parts at
+    once) about the first counted part's shift, which is the batch's first value as in the
+    single call: each part's mean moves to ``(shift_i - shift) + offset_i``, exactly 0 for a
+    constant channel; the offset is their count-weighted mean, which keeps an infinite part's
+    infinity as the single call does (NaN where parts hold opposite ones), and M2 adds to the
+    parts' own each part's squared distance from it."""
+    counted = [part for part in parts if part.count > 0]
     if len(counted) < 2:
         return counted[0] if counted else parts[0]
-    total = sum(n for n, _, _ in counted)
-    mean = sum(part_mean * n for n, part_mean, _ in counted) / total
-    m2 = sum(part_m2 + (part_mean - mean) ** 2 * n for n, part_mean, part_m2 in counted)
-    return total, mean, m2
+    total = sum(part.count for part in counted)
+    shift = counted[0].shift
+    moved = [(part.shift - shift) + part.offset for part in counted]
+    offset = sum(m * part.count for m, part in zip(moved, counted)) / total
+    m2 = sum(part.m2 + (m - offset) ** 2 * part.count for m, part in zip(moved, counted))
+    return Moments(total, shift, offset, m2)
 
 
 @_without_numpy_warnings
-def _finish_statistics(moments: tuple[int, Any, Any], running_mean, running_var,
+def _finish_statistics(moments: Moments, running_mean, running_var,
                        momentum: float) -> tuple[Any, Any, Any, Any]:
     """Batch ``(mean, biased variance)`` from the merged moments; the running buffers, when
     given, are updated in place as PyTorch does (unbiased variance) and returned as copies.
 
-    An empty batch leaves the buffers alone, as the single call does."""
-    count, mean, m2 = moments
+    On the GPU (float32 data) a sum of squared deviations from the shift past float32's range
+    gives an infinite variance, as the single call's statistics (and PyTorch's float32 sums)
+    give it. An empty batch leaves the buffers alone, as the single call does."""
+    count, shift, offset, m2 = moments
+    mean = shift + offset
     var = m2 / count if count else m2
+    xp = get_array_module(shift=shift)
+    if xp is not numpy:
+        shifted_squares = m2 + offset * offset * count
+        var = xp.where(shifted_squares > float(numpy.finfo(numpy.float32).max), numpy.inf, var)
     with _RUNNING_BUFFERS_LOCK:
         if count:
             unbiased = var * (count / (count - 1))  # count >= 2: checked with the graph

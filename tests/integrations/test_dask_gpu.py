@@ -121,6 +121,33 @@ def test_gpu_batch_norm_of_values_far_from_zero(rng):
 
 
 @pytest.mark.gpu
+def test_gpu_batch_norm_squares_past_float32_range(rng):
+    # Channel 0's values (about 1e18) square past float32's range in their sum (the chunks
+    # keep theirs in float64) though the variance (about 1e36) fits: the single call's variance
+    # is infinite (as PyTorch's float32 sums make it), so its output is the bias and its
+    # running variance infinite; the chunks' merged moments give the same. Channel 1 is
+    # ordinary.
+    import cupy as cp
+
+    x = rng.standard_normal((8, 2, 16, 16)).astype(np.float32)
+    x[:, 0] *= np.float32(1e18)
+    x = cp.asarray(x)
+    weight, bias = to_gpu(mixed(rng, 2), rng.standard_normal(2))
+    buffers = [{"running_mean": cp.zeros(2, cp.float32), "running_var": cp.ones(2, cp.float32)}
+               for _ in range(2)]
+    ref = cufused.batch_norm(x, weight, bias, **buffers[0]).get()
+    y = cdask.batch_norm(chunked(x, (4, 4)), weight, bias, **buffers[1]).compute().get()
+    assert np.all(ref[:, 0] == np.float32(bias[0].get()))
+    assert np.isposinf(buffers[0]["running_var"][0].get())
+    assert np.array_equal(y[:, 0], ref[:, 0])
+    assert_close(y[:, 1], ref[:, 1], 1e-6)
+    for name in ("running_mean", "running_var"):
+        got, want = buffers[1][name].get(), buffers[0][name].get()
+        assert np.array_equal(np.isinf(got), np.isinf(want))
+        assert_close(got[np.isfinite(want)], want[np.isfinite(want)], 1e-6)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("chunks", [(3, 3), (1, 2, 2, 1)])
 def test_gpu_pipeline_b_constant_channels_with_a_conv_bias(rng, quick_plans, chunks):
     # A 1 x 1 transposed convolution of a constant one-channel input: each output channel is

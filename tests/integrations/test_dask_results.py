@@ -297,6 +297,27 @@ def test_one_value_per_group_in_chunks_of_one(rng, scheduler):
     assert_close(rv, ref_rv, 1e-12)
 
 
+@pytest.mark.parametrize("chunks", CHUNKINGS)
+def test_batch_statistics_about_a_shift_whatever_the_chunks(rng, chunks):
+    # The chunks' moments are shifted by their first values, as the single call's sums are by
+    # the batch's: a constant channel far from 0 (1e30: its float64 mean of a sum rounds) has
+    # variance exactly 0 and the single call's result in every chunking (not +-1 from the
+    # square of a rounded mean); a mean 1e10 times its spread keeps the single call's
+    # accuracy in the running variance.
+    x = rng.standard_normal((5, 2, 3, 2)) + np.array([0.0, 1e10]).reshape(1, 2, 1, 1)
+    x[:, 0] = 1e30
+    bias = rng.standard_normal(2)
+    got, want = [(np.zeros(2), np.ones(2)) for _ in range(2)]
+    y = cdask.batch_norm(chunked(x, chunks), None, bias, running_mean=got[0],
+                         running_var=got[1], momentum=1.0).compute()
+    ref = cufused.batch_norm(x, None, bias, running_mean=want[0], running_var=want[1],
+                             momentum=1.0)
+    assert np.array_equal(y[:, 0], ref[:, 0]) and np.all(np.abs(ref[:, 0]) < 1)
+    assert got[1][0] == want[1][0] == 0.0 and got[0][0] == want[0][0] == 1e30
+    assert_close(y[:, 1], ref[:, 1], 1e-6)
+    assert abs(got[1][1] / want[1][1] - 1) < 1e-9
+
+
 @pytest.mark.filterwarnings("error")  # NaN and inf propagate silently
 def test_infinite_values_make_the_running_mean_infinite(rng):
     # As the single call (and PyTorch), on NumPy chunks: the batch mean of a channel holding
