@@ -22,6 +22,7 @@ import cufused
 from cufused import _call_graphs
 from cufused._arrays import check_fits, import_cupy, memory_unchecked
 from cufused._capture import pool_kept_by_caller
+from cufused._cuda import stream_key
 from cufused._ops.normalization import part_of_batch
 from cufused._cudnn import on_clear_plan_cache
 
@@ -279,9 +280,12 @@ def _warm_key(name: str, args: tuple, kwargs: dict, device: int) -> tuple | None
     settings = _call_graphs.settings_key()
     if settings is None:
         return None
+    raw = torch._C._cuda_getCurrentRawStream(device)
     try:
+        # The raw handle (key[5]) and the stream's identity: the per-thread default stream's
+        # handle names each thread's own.
         return (name, tuple(map(_raw, args)), tuple(kwargs), tuple(map(_raw, kwargs.values())),
-                device, torch._C._cuda_getCurrentRawStream(device), settings)
+                device, raw, stream_key(_RawStream(raw)), settings)
     except TypeError:
         return None
 

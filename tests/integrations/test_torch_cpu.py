@@ -93,6 +93,26 @@ def test_fake_kernel_names_both_ranks_for_a_wrong_ndim(name, shape):
             op(*fake)
 
 
+def test_warm_call_key_tells_the_threads_per_thread_default_streams_apart(monkeypatch):
+    # Handle 2 is each thread's own per-thread default stream: a warm call's key holds the
+    # thread there (a graph captured for one thread's stream is not another's), and only there.
+    import threading
+
+    from cufused.torch import _kernels
+
+    x = torch.rand(2, 3, 4, 4)
+    for handle, same in ((2, False), (7, True)):
+        monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: handle,
+                            raising=False)
+        keys = [_kernels._warm_key("max_pool2d", (x, [2, 2]), {}, 0)]
+        thread = threading.Thread(
+            target=lambda: keys.append(_kernels._warm_key("max_pool2d", (x, [2, 2]), {}, 0)))
+        thread.start()
+        thread.join()
+        assert keys[0] is not None and keys[0][5] == keys[1][5] == handle
+        assert (keys[0] == keys[1]) is same
+
+
 @pytest.mark.parametrize("scale", [2.0, None])
 def test_pipeline_scale_as_one_value_or_none(scale):
     # The function takes a number or None for scale; the operator a tensor of one value or None.
