@@ -161,7 +161,10 @@ def _cpu_kernel(name: str) -> Callable:
         _check_no_grad(name, args, kwargs)
         y = fn(*(numpy_of(a, arg) for a, arg in zip(args, names)),
                **{k: numpy_of(v, k) for k, v in kwargs.items()})
-        # A fresh contiguous tensor, as the fake kernel promises.
+        # A fresh contiguous tensor, as the fake kernel promises (torch.from_numpy gives an
+        # empty array zero strides).
+        if y.size == 0:
+            return torch.empty(y.shape, dtype=getattr(torch, y.dtype.name))
         return torch.from_numpy(numpy.ascontiguousarray(y))
     return cpu
 

@@ -16,6 +16,8 @@ import torch
 from torch.nn.utils import parametrize
 
 from .._ops._conv_args import _named_padding
+from .._precision import resolve_precision
+from ..pipelines._common import clamp_bounds
 
 __all__ = [
     "Conv2dGroupNormScaleMaxPoolClamp",
@@ -110,8 +112,31 @@ def _check_layer(module: torch.nn.Module, name: str, cls: type) -> None:
                          "(it reads the layer's parameters, it does not call the layer)")
 
 
-@torch.compiler.disable(reason="BatchNorm's momentum=None reads num_batches_tracked on the "
-                                "host, as nn.BatchNorm2d does; the fused call takes a float")
+def _clamp_bounds(clamp_min: Any, clamp_max: Any) -> tuple[float | None, float | None]:
+    """A module's clamp bounds as the fused call takes them: real numbers (infinities
+    included) as floats, None for no bound; anything else refused, naming the argument."""
+    clamp_bounds(clamp_min, clamp_max)
+    return tuple(None if v is None else float(v) for v in (clamp_min, clamp_max))
+
+
+def _checked_precision(precision: str | None) -> str | None:
+    """A module's precision, checked when the module is built: None (cufused's default when
+    the module runs) or one of the precisions."""
+    if precision is not None:
+        resolve_precision(precision)
+    return precision
+
+
+def _outside_compiled_graphs(reason: str) -> Callable:
+    """``torch.compiler.disable``, with ``reason`` where PyTorch takes one (2.8 and newer)."""
+    try:
+        return torch.compiler.disable(reason=reason)
+    except TypeError:
+        return torch.compiler.disable()
+
+
+@_outside_compiled_graphs("BatchNorm's momentum=None reads num_batches_tracked on the host, as "
+                          "nn.BatchNorm2d does; the fused call takes a float")
 def _cumulative_momentum(num_batches_tracked: torch.Tensor) -> float:
     """The weight of this batch in a cumulative moving average (``momentum=None``). Compiled
     models run it outside the graph: ``fullgraph=True`` refuses it by this reason, as it
@@ -227,8 +252,9 @@ class Conv2dGroupNormScaleMaxPoolClamp(_ForwardOnlyModule):
         each channel by one value.
     maxpool_kernel_size : int or tuple of int
         Max-pool window and stride: one side, or a tuple of equal sides.
-    clamp_min, clamp_max : float
-        Bounds of the final clamp, after the pool.
+    clamp_min, clamp_max : float or None
+        Bounds of the final clamp, after the pool (None: no bound on that side, as
+        ``torch.clamp`` takes it).
     precision : {"ieee", "tf32", "3xtf32"}, optional
         Convolution precision on the GPU; ``None`` uses cufused's default.
 
@@ -263,9 +289,8 @@ class Conv2dGroupNormScaleMaxPoolClamp(_ForwardOnlyModule):
         self.scale = torch.nn.Parameter(torch.ones(scale_shape))
         _square_window(maxpool_kernel_size, 2, "maxpool_kernel_size")
         self.maxpool = torch.nn.MaxPool2d(kernel_size=maxpool_kernel_size)
-        self.clamp_min = float(clamp_min)
-        self.clamp_max = float(clamp_max)
-        self.precision = precision
+        self.clamp_min, self.clamp_max = _clamp_bounds(clamp_min, clamp_max)
+        self.precision = _checked_precision(precision)
 
     _SUBMODULES = {"conv": torch.nn.Conv2d, "group_norm": torch.nn.GroupNorm,
                    "maxpool": torch.nn.MaxPool2d}
@@ -352,7 +377,7 @@ class ConvTranspose2dBatchNormTanhMaxPoolGroupNorm(_ForwardOnlyModule):
         self.max_pool = torch.nn.MaxPool2d(kernel_size=2, stride=2)
         self.group_norm = torch.nn.GroupNorm(num_groups=num_groups, num_channels=out_channels)
         self.groups = groups
-        self.precision = precision
+        self.precision = _checked_precision(precision)
 
     _SUBMODULES = {"conv_transpose": torch.nn.ConvTranspose2d,
                    "batch_norm": torch.nn.BatchNorm2d, "tanh": torch.nn.Tanh,
@@ -436,9 +461,9 @@ class ConvTranspose3dAvgPoolClampSoftmaxMultiply(_ForwardOnlyModule):
         Transposed-convolution options.
     pool_kernel_size : int or tuple of int
         Average-pool window and stride: one side, or a tuple of equal sides.
-    clamp_min, clamp_max : float
+    clamp_min, clamp_max : float or None
         Bounds of the clamp of the convolution output (of the pooled input), before the
-        softmax.
+        softmax (None: no bound on that side, as ``torch.clamp`` takes it).
     precision : {"ieee", "tf32", "3xtf32"}, optional
         Convolution precision on the GPU; ``None`` uses cufused's default.
 
@@ -472,10 +497,9 @@ class ConvTranspose3dAvgPoolClampSoftmaxMultiply(_ForwardOnlyModule):
         self.conv_transpose = torch.nn.ConvTranspose3d(
             in_channels, out_channels, kernel_size, stride=stride, padding=padding,
             output_padding=output_padding)
-        self.clamp_min = float(clamp_min)
-        self.clamp_max = float(clamp_max)
+        self.clamp_min, self.clamp_max = _clamp_bounds(clamp_min, clamp_max)
         self.scale = torch.nn.Parameter(torch.ones(1, out_channels, 1, 1, 1))
-        self.precision = precision
+        self.precision = _checked_precision(precision)
 
     _SUBMODULES = {"avg_pool": torch.nn.AvgPool3d, "conv_transpose": torch.nn.ConvTranspose3d}
 

@@ -210,7 +210,7 @@ OPERATORS: dict[str, tuple[str, Callable]] = {
     "softmax": ("(Tensor x, int[1] axis=-1) -> Tensor", _same_shape),
     "conv2d_groupnorm_scale_maxpool_clamp": (
         "(Tensor x, Tensor weight, Tensor? conv_bias, Tensor? gn_weight, Tensor? gn_bias, "
-        "Tensor? scale, *, int num_groups, int pool_kernel, float clamp_min, float clamp_max, "
+        "Tensor? scale, *, int num_groups, int pool_kernel, float? clamp_min, float? clamp_max, "
         "int[2] stride=1, int[2] padding=0, float eps=1e-05, str? precision=None, "
         "str method=\"fused\") -> Tensor",
         _pipeline_a_shape),
@@ -223,7 +223,7 @@ OPERATORS: dict[str, tuple[str, Callable]] = {
         _pipeline_b_shape),
     "conv_transpose3d_avgpool_clamp_softmax_multiply": (
         "(Tensor x, Tensor weight, Tensor? scale, *, int[3] stride, int[3] padding, "
-        "int[3] output_padding, int pool_kernel, float clamp_min, float clamp_max, "
+        "int[3] output_padding, int pool_kernel, float? clamp_min, float? clamp_max, "
         "Tensor? conv_bias=None, int groups=1, str? precision=None, str method=\"fused\") "
         "-> Tensor",
         _pipeline_c_shape),

@@ -747,6 +747,61 @@ def test_module_c_clamps_with_its_own_bounds():
     assert rel_err(got.numpy(), want.numpy()) < 1e-12
 
 
+@pytest.mark.parametrize("name", BLOCKS)
+def test_empty_batch_results_are_contiguous_as_the_fake_kernels(name):
+    # An empty batch's result has the strides of a contiguous tensor of its shape, as the
+    # fake kernel's and torch.nn.functional's have.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args, kwargs = samples("cpu", torch.float32)[name]
+    args = (args[0][:0],) + tuple(args[1:])
+    got = getattr(torch.ops.cufused, name)(*args, **kwargs)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = getattr(torch.ops.cufused, name)(*args, **kwargs)
+    assert got.shape == fake.shape and got.shape[0] == 0
+    assert got.stride() == fake.stride() == torch.empty(got.shape).stride()
+
+
+@pytest.mark.parametrize("name", ["A", "C"])
+@pytest.mark.parametrize("bounds", [(None, 0.4), (-0.3, None)])
+def test_modules_take_a_none_clamp_bound_as_torch_clamp(name, bounds):
+    # A None bound is no bound on that side, as torch.clamp takes it in the reference model;
+    # the operator's schema takes None too.
+    init = SMALL[name][0][:-2] + list(bounds)
+    ref, mine = make_pair(name, init, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    x = 16 * (torch.rand(SMALL[name][1], generator=gen, dtype=torch.float64) - 0.5)
+    both = make_pair(name, SMALL[name][0][:-2] + [-0.3, 0.4], dtype=torch.float64)[1]
+    with torch.no_grad():
+        got, want, clamped_both = mine(x), ref(x), both(x)
+    assert (mine.clamp_min, mine.clamp_max) == bounds
+    assert rel_err(got.numpy(), want.numpy()) < 1e-12
+    assert rel_err(clamped_both.numpy(), want.numpy()) > 1e-3  # the absent bound matters
+
+
+@pytest.mark.parametrize("name", ["A", "B", "C"])
+def test_modules_check_bounds_and_precision_when_built(name):
+    # As torch.nn modules check their options: a bad value fails at construction, naming it.
+    init = SMALL[name][0]
+    with pytest.raises(ValueError, match="precision must be one of"):
+        ours(name)(*init, precision="fp16")
+    if name != "B":
+        with pytest.raises(TypeError, match="clamp_min must be a real number"):
+            ours(name)(*init[:-2], "low", 1.0)
+        with pytest.raises(ValueError, match="clamp_max must not be NaN"):
+            ours(name)(*init[:-2], 0.0, float("nan"))
+
+
+def test_modules_outside_compiled_graphs_on_pytorch_without_a_reason(monkeypatch):
+    # PyTorch before 2.8 has torch.compiler.disable(fn=None, recursive=True), no reason.
+    from cufused.torch import _modules
+
+    calls = []
+    monkeypatch.setattr(torch.compiler, "disable",
+                        lambda fn=None, recursive=True: calls.append(fn) or (lambda f: f))
+    assert _modules._outside_compiled_graphs("why")(len)("ab") == 2 and calls == [None]
+
+
 @pytest.mark.parametrize("name, training, gn_eps", [
     *(("B", training, gn_eps) for training, gn_eps in _B_ROUTES), ("C", True, None)])
 def test_modules_take_a_grouped_conv_transpose(name, training, gn_eps):
