@@ -53,7 +53,10 @@ def _empty_batch(x: Any, func: str):
         raise TypeError(f"x has chunks of type {type(meta).__module__}.{type(meta).__name__}; "
                         "cufused.dask runs NumPy or CuPy chunks")
     xp = get_array_module(x=meta)
-    return xp.empty((0,) + tuple(x.shape[1:]), dtype=x.dtype)
+    if xp is numpy:
+        return numpy.empty((0,) + tuple(x.shape[1:]), dtype=x.dtype)
+    with xp.cuda.Device(meta.device.id):  # the chunks' device, as the single call's x's
+        return xp.empty((0,) + tuple(x.shape[1:]), dtype=x.dtype)
 
 
 def _check_params(params: dict[str, Any]) -> None:
@@ -90,12 +93,25 @@ _DEVICE_LOCKS: dict[int, threading.Lock] = {}
 _DEVICE_LOCKS_GUARD = threading.Lock()
 
 
+def _first_device(values) -> int | None:
+    """The device of the first CuPy array among ``values`` and the tuples among them (a
+    statistics task's partial moments), or None."""
+    for value in values:
+        if is_cupy_array(value):
+            return value.device.id
+        if isinstance(value, tuple):
+            device = _first_device(value)
+            if device is not None:
+                return device
+    return None
+
+
 def _one_at_a_time(func: Callable, *args, **kwargs):
-    """``func(*args, **kwargs)`` on the device of its first CuPy argument (the chunk; the
-    current device if none), made current (a scheduler's thread starts on device 0), and
-    holding that device's lock."""
+    """``func(*args, **kwargs)`` on the device of its first CuPy argument (the chunk, or a
+    statistics task's moments; the current device if none), made current (a scheduler's thread
+    starts on device 0), and holding that device's lock."""
     cupy = import_cupy()
-    device = next((a.device.id for a in args if is_cupy_array(a)), None)
+    device = _first_device(args)
     if device is None:
         device = cupy.cuda.runtime.getDevice()
     lock = _DEVICE_LOCKS.get(device)

@@ -373,3 +373,30 @@ def test_gpu_pipelines_on_a_local_cuda_cluster(rng, quick_plans, n_gpus):
             check_gpu_pipelines(rng, lambda arrays: dask.compute(*arrays, scheduler=client),
                                 spread)
         assert {t["worker"] for t in tasks.data} == set(workers)
+
+
+@pytest.mark.gpu
+def test_gpu_chunks_on_another_device_than_the_current_one(rng, quick_plans):
+    # Chunks and parameters on device 1 while device 0 is current (a scheduler thread's
+    # start): the graph's probe and every task, the statistics' merge included, run on
+    # device 1, as the single call runs on its x's device.
+    import cupy as cp
+
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs 2 devices")
+    with cp.cuda.Device(1):
+        x = cp.asarray(rng.random((6, 3, 5, 4), dtype=np.float32))
+        weight, bias = to_gpu(mixed(rng, 3), rng.standard_normal(3))
+        running = [cp.zeros(3, cp.float32), cp.ones(3, cp.float32)]
+    assert cp.cuda.runtime.getDevice() == 0
+    lazy = cdask.batch_norm(chunked(x, (2, 2, 2)), weight, bias, running_mean=running[0],
+                            running_var=running[1])
+    y = lazy.compute(scheduler="threads", num_workers=2)
+    with cp.cuda.Device(1):
+        ref_running = [cp.zeros(3, cp.float32), cp.ones(3, cp.float32)]
+        ref = cufused.batch_norm(x, weight, bias, running_mean=ref_running[0],
+                                 running_var=ref_running[1])
+    assert y.device.id == 1
+    assert_close(y.get(), ref.get(), 1e-6)
+    for got, want in zip(running, ref_running):
+        assert_close(got.get(), want.get(), 1e-6)
