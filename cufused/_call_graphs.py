@@ -527,7 +527,10 @@ def clear_caches() -> None:
     the CUDA graphs of warm convolution calls), the engine the autotuner measured fastest for
     each tensor-core problem, and the CUDA graphs of up to 8 warm pipeline or building-block
     calls across all devices, each with its temporaries (fewer where those pass a quarter of
-    a device's memory). All are rebuilt, or measured again, on next use. It also
+    a device's memory). The plans and engines grow by one per new problem (a new batch size
+    is one), as PyTorch's cuDNN benchmark cache does, and stay until this call: a process that
+    meets many shapes may call it now and then. All are rebuilt, or measured again, on next
+    use. It also
     frees the buffers and plans of the calls recorded into the caller's own CUDA-graph
     captures, which nothing else frees (each such call keeps its temporaries and result):
     those graphs must not be launched afterwards.
