@@ -114,7 +114,8 @@ def _group_norm_gpu(xp, x, num_groups, weight, bias, eps, out):
 
 
 @warm_calls
-@like_x_sections("``num_groups`` does not divide C, wrong parameter sizes, bad ``eps``.")
+@like_x_sections("``num_groups`` does not divide C, a single value per group across the batch,\n"
+                 "        wrong parameter sizes, bad ``eps``.")
 def group_norm(x: Any, num_groups: int, weight: Any = None, bias: Any = None, *,
                eps: float = 1e-5, out: Any = None) -> Any:
     """Group normalization, as ``torch.nn.functional.group_norm``.

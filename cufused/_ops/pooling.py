@@ -110,7 +110,8 @@ _DOC = """{title}
     Raises
     ------
     TypeError
-        Not an array, or an unsupported dtype.
+        Not an array, an unsupported dtype, or a window, stride or padding that is not an int
+        or a tuple of ints.
     ValueError
         Wrong ndim, bad options, a window larger than the padded input (for ``avg_pool3d``,
         as in PyTorch, larger than the unpadded input), or on the GPU a spatial size of
