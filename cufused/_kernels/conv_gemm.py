@@ -337,11 +337,16 @@ def conv2d_implicit_gemm(x, w, bias, y, *, stride: tuple[int, int], padding: tup
                 grid, (_THREADS,), geometry + (i32(cc), i32(hr), i32(hc)), shared_mem=direct)
             return
         tensor = _nhwc_tensor(y, cc, hr, hc, ksize, passes, shared)
-        y_map, shared = tensor or (_NO_TENSOR_MAP, shared)
-        store = "NHWC_TENSOR" if tensor else "NHWC_THREADS"
-        get_kernel(_FILE, f"conv2d_halo_nhwc<{passes}, {ksize}, {store}>", shared_bytes=shared)(
-            grid, (_THREADS,), geometry + (i32(cc), i32(hr), i32(hc), y_map.as_argument()),
-            shared_mem=shared)
+        kernel = tensor and _sm90a_kernel(
+            f"conv2d_halo_nhwc<{passes}, {ksize}, NHWC_TENSOR>", tensor[1])
+        if kernel:
+            y_map, shared = tensor
+        else:
+            y_map = _NO_TENSOR_MAP
+            kernel = get_kernel(_FILE, f"conv2d_halo_nhwc<{passes}, {ksize}, NHWC_THREADS>",
+                                shared_bytes=shared)
+        kernel(grid, (_THREADS,), geometry + (i32(cc), i32(hr), i32(hc), y_map.as_argument()),
+               shared_mem=shared)
         return
     bands = halo_bands_shared(n, k, p, q, y.data.ptr) if halo and halo[3] and passes == 1 else 0
     kernel = bands and _sm90a_kernel("conv2d_halo_bands", bands)  # else conv2d_halo's pairs

@@ -1457,6 +1457,28 @@ def test_channels_last_route(launches, monkeypatch):
             assert launch.grid == (min(tiles, 264), 1)
 
 
+def test_channels_last_tensor_stores_need_the_sm90a_build(launches, monkeypatch):
+    """conv2d_halo_nhwc stores through y's tensor map (NHWC_TENSOR) where the sm_90a build it
+    asked for came; where that build fails when the kernel is first built (the portable
+    kernel would trap), its threads store the tiles with the threads' scratch."""
+    conv = LAUNCHERS["conv_gemm.cu"]
+    monkeypatch.setattr(conv, "sm_count", lambda: 132)
+    monkeypatch.setattr(conv, "float32_tensor_map", lambda *args: types.SimpleNamespace(
+        as_argument=lambda: "map"))
+    monkeypatch.setattr(conv, "nhwc_direct_shared", lambda *args: 0)
+    x, w = Dev((48, 8, 20, 72)), Dev((64, 8, 3, 3))
+    thread_shared = conv.halo_geometry(8, (3, 3), (1, 1), (1, 1), 1, channels_last=True)[4]
+    for answers, store in ((["sm_90a"] * 2, "NHWC_TENSOR"), (["sm_90a", None], "NHWC_THREADS")):
+        answers = iter(answers)  # the decision, then after the build
+        monkeypatch.setattr(conv, "arch_target", lambda filename: next(answers))
+        conv.conv2d_implicit_gemm(x, w, None, Dev((48, 64, 18, 70), "nhwc"), stride=(1, 1),
+                                  padding=(0, 0), dilation=(1, 1), passes=1)
+        launch = launches[-1]
+        assert launch.name == f"conv2d_halo_nhwc<1, 3, {store}>"
+        assert (argument(launch, "ymap") == "map") == (store == "NHWC_TENSOR")
+        assert (launch.shared_mem == thread_shared) == (store == "NHWC_THREADS")
+
+
 def test_get_kernel_grants_what_the_static_shared_memory_leaves(monkeypatch):
     """A launch gets 48 KB less the kernel's static shared memory without a grant: past that
     the kernel is granted what the launch declares, once."""
