@@ -15,7 +15,9 @@
 // o < n_outer, i < inner, split into `splits` blocks per key (the split reduction that keeps
 // the GPU busy when there are few keys). partial[key * splits + split] = (sum d, sum d*d) in
 // double with d = x - shift, shift = the key's first element, 0 where infinite (written to
-// shift_out[key]); the sum of d is a double, as ChannelStats' (pooling.cu) is.
+// shift_out[key]). Both sums are doubles in each thread: a first value z standard deviations
+// from the mean scales sum d*d, and a float sum's rounding with it, by about 1 + z * z, which
+// the variance (sum d*d / n - mean(d)^2) keeps; a double's rounding stays below float32's.
 __global__ void key_stats_partial(const float* __restrict__ x, double2* __restrict__ partial,
                                   float* __restrict__ shift_out, index_t n_outer,
                                   index_t outer_stride, index_t key_stride, index_t inner,
@@ -29,8 +31,7 @@ __global__ void key_stats_partial(const float* __restrict__ x, double2* __restri
     const index_t total = n_outer * inner;
     index_t j_begin, j_end;
     split_range(total, splits, split, j_begin, j_end);
-    double s1 = 0.0;
-    float s2 = 0.0f;
+    double s1 = 0.0, s2 = 0.0;
     index_t j = j_begin + threadIdx.x;
     index_t o = j / inner;
     index_t i = j - o * inner;
@@ -38,9 +39,9 @@ __global__ void key_stats_partial(const float* __restrict__ x, double2* __restri
     // whatever inner's size.
     const index_t step_o = blockDim.x / inner, step_i = blockDim.x - step_o * inner;
     for (; j < j_end; j += blockDim.x) {
-        const float d = __ldg(base + o * outer_stride + i) - shift;
+        const double d = __ldg(base + o * outer_stride + i) - shift;
         s1 += d;
-        s2 = fmaf(d, d, s2);
+        s2 = fma(d, d, s2);
         i += step_i;
         o += step_o;
         if (i >= inner) { i -= inner; ++o; }
@@ -341,12 +342,11 @@ __global__ void group_affine_rows(const float* x, float* y, const float4* __rest
     });
 }
 
-// The moments of a row from its threads' float32 shifted sums (len values), combined and formed
-// in double as stats_finalize forms them (shifted_moments): a thread sums a share of the row,
-// so only deviations of about 3.4e38 over that share make the mean infinite; wider ones than
-// the squares allow give rstd 0 and (for a finite v - mean) the outputs the bias, as PyTorch
-// gives, whose Welford mean stays finite.
-__device__ __forceinline__ NormMoments row_moments(float s1, float s2, float shift, int len,
+// The moments of a row from its threads' shifted sums in double (len values; see
+// key_stats_partial for why double), combined and formed as stats_finalize forms them
+// (shifted_moments): deviations wider than float32's squares allow give rstd 0 and (for a
+// finite v - mean) the outputs the bias, as PyTorch gives, whose Welford mean stays finite.
+__device__ __forceinline__ NormMoments row_moments(double s1, double s2, float shift, int len,
                                                    double eps, double2* scratch) {
     const double2 mv = shifted_moments(block_sum(make_double2(s1, s2), scratch), shift, len);
     return NormMoments::of(mv.x, (float)inverse_std(mv.y, eps));
@@ -412,15 +412,15 @@ __global__ void group_norm_rows(const float* x, float* y, const float* __restric
     const int len = gn.len();
     const float* xr = x + Row::start(len);
     const float shift = gn.pre_map(gn.c0, xr[0]);
-    float s1 = 0.0f, s2 = 0.0f;
+    double s1 = 0.0, s2 = 0.0;
     for_each_vector<VEC, 4>(xr, (int)threadIdx.x, gn.n_vec, (int)blockDim.x,
                             [&](int q, float4& v) {
         gn.map_pre(v, gn.span(q));
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
-            const float d = gn.lane(v, k) - shift;
+            const double d = gn.lane(v, k) - shift;
             s1 += d;
-            s2 = fmaf(d, d, s2);
+            s2 = fma(d, d, s2);
         }
         if (CACHE) store_vec<VEC>(reinterpret_cast<float*>(cache), q, v);
     });
@@ -453,7 +453,8 @@ __global__ void group_norm_rows_cached(const float* x, float* y, const float* __
     using Row = GroupNormRow<PRE, VEC>;
     const Row gn = Row::of_block(pre, gamma, beta, C, G, HW);
     const int c0 = gn.c0, cg = gn.cg, len = gn.len();
-    float shift, s1 = 0.0f, s2 = 0.0f;
+    float shift;
+    double s1 = 0.0, s2 = 0.0;
     if constexpr (!X_BLOCKED) {
         // The shift comes from x, not from row_cache[0]: the warp of channel 0 maps the
         // cached row in place while other warps may not have read its first value yet.
@@ -465,9 +466,9 @@ __global__ void group_norm_rows_cached(const float* x, float* y, const float* __
             const ChannelAffine f = gn.pre_affine(c0 + c);
             return [&, f](float v) {
                 const float t = Row::pre_value(f, v);
-                const float d = t - shift;
+                const double d = t - shift;
                 s1 += d;
-                s2 = fmaf(d, d, s2);
+                s2 = fma(d, d, s2);
                 return t;
             };
         });
@@ -498,9 +499,9 @@ __global__ void group_norm_rows_cached(const float* x, float* y, const float* __
 #pragma unroll
                 for (int k = 0; k < 4; ++k) {
                     const float t = Row::pre_value(f[k], gn.lane(v[u], k));
-                    const float d = t - shift;
+                    const double d = t - shift;
                     s1 += d;
-                    s2 = fmaf(d, d, s2);
+                    s2 = fma(d, d, s2);
                     row_cache[(4 * quad + k) * HW + p] = t;
                 }
             }

@@ -248,6 +248,35 @@ def test_normalization_of_values_far_from_zero(rng, shape):
         assert_close(out.get(), norm(x.astype(np.float64), w, b), 1e-6)
 
 
+# Each statistics row's first value 1000 from a unit spread (z of about 110 to 450 standard
+# deviations of its row): the shift scales sum d*d by about 1 + z^2, and a float32 sum's
+# rounding with it (2e-4 of the output); the float64 sums keep float32 accuracy. Rows of
+# 12288 cached by channel, read channels-last in place, and split over blocks (35108 values);
+# BatchNorm's channels of 65536.
+@pytest.mark.parametrize("norm, shape, layout", [
+    ("group", (4, 8, 48, 64), "nchw"), ("group", (4, 8, 48, 64), "nhwc"),
+    ("group", (2, 8, 67, 131), "nchw"), ("batch", (16, 8, 64, 64), "nchw")])
+def test_normalization_of_a_first_value_far_out(rng, norm, shape, layout):
+    from cufused._layout import empty_in_layout
+
+    c = shape[1]
+    x = rng.standard_normal(shape).astype(np.float32)
+    if norm == "group":
+        x[:, ::c // 2, 0, 0] = 1000.0  # each (sample, group) row's first value
+
+        def run(a, w, b, **kw):
+            return cufused.group_norm(a, 2, w, b, **kw)
+    else:
+        x[0, :, 0, 0] = 1000.0  # each channel's first value
+        run = cufused.batch_norm
+    w, b = mixed(rng, c), rng.standard_normal(c)
+    x_gpu = empty_in_layout(shape, layout)
+    x_gpu[...] = cp.asarray(x)
+    out = poisoned(shape)
+    run(x_gpu, *to_gpu(w, b), out=out)
+    assert_close(out.get(), run(x.astype(np.float64), w, b), 2e-6)
+
+
 # Channels-last inputs read in place (groups of 4, 8, 32 channels; 16-byte output vectors
 # where H*W >= 4, scalar ones for (2, 16, 1, 3)) and one that is copied (groups of 3).
 @pytest.mark.parametrize("shape,groups", [((3, 24, 5, 7), 3), ((2, 16, 1, 3), 4),
