@@ -218,7 +218,7 @@ def batch_norm(x: Array, weight: Any = None, bias: Any = None, *, running_mean: 
         return _map_chunks(cufused.batch_norm, x, dict(weight=weight, bias=bias), dict(
             running_mean=running_mean, running_var=running_var, training=False,
             momentum=momentum, eps=eps, activation=activation))
-    empty = _empty_batch(x, "batch_norm")
+    empty = _empty_batch(x, "batch_norm", params)
     _check_params(params)
     with _probing(x):
         probe = cufused.batch_norm(empty, weight, bias, running_mean=running_mean,

@@ -26,10 +26,12 @@ from .._precision import resolve_precision
 Array = da.Array
 
 
-def _empty_batch(x: Any, func: str):
+def _empty_batch(x: Any, func: str, params: dict[str, Any] | None = None):
     """Check ``x``: a dask array chunked along axis 0 only, of NumPy or CuPy chunks with known
     sizes. Return an empty batch ``(0, *x.shape[1:])`` of its chunk type, on which the single
-    call checks the arguments and yields the result's shape and dtype without computing."""
+    call checks the arguments and yields the result's shape and dtype without computing: on
+    the device of the first CuPy array of ``params`` (where the single call needs the chunks),
+    else on the current one."""
     if not isinstance(x, da.Array):
         raise TypeError(
             f"x must be a dask.array.Array, got {type(x).__name__}: call cufused.{func} for a "
@@ -55,7 +57,8 @@ def _empty_batch(x: Any, func: str):
     xp = get_array_module(x=meta)
     if xp is numpy:
         return numpy.empty((0,) + tuple(x.shape[1:]), dtype=x.dtype)
-    with xp.cuda.Device(meta.device.id):  # the chunks' device, as the single call's x's
+    device = _first_device((params or {}).values())
+    with xp.cuda.Device(xp.cuda.runtime.getDevice() if device is None else device):
         return xp.empty((0,) + tuple(x.shape[1:]), dtype=x.dtype)
 
 
@@ -224,7 +227,7 @@ def _map_chunks(func: Callable, x: Array, params: dict[str, Any], options: dict[
         raise ValueError(f"x must have {ndim} dimensions, its batch axis first, got shape "
                          f"{x.shape}")
     if empty is None:
-        empty = _empty_batch(x, func.__name__)
+        empty = _empty_batch(x, func.__name__, {**params, **options})
     _check_params({**params, **options})
     with _probing(x):  # checks everything, computes nothing
         probe = func(empty, *params.values(), **options)

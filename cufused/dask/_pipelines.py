@@ -292,11 +292,11 @@ def conv_transpose2d_batchnorm_tanh_maxpool_groupnorm(
     >>> np.allclose(y, ref), np.allclose(rm_new, rm2), np.allclose(rv_new, rv2)
     (True, True, True)
     """
-    empty = _empty_batch(x, "conv_transpose2d_batchnorm_tanh_maxpool_groupnorm")
-    return_running_stats = check_bool(return_running_stats, "return_running_stats")
     params = dict(weight=weight, bn_weight=bn_weight, bn_bias=bn_bias, gn_weight=gn_weight,
                   gn_bias=gn_bias, conv_bias=conv_bias, running_mean=running_mean,
                   running_var=running_var)
+    empty = _empty_batch(x, "conv_transpose2d_batchnorm_tanh_maxpool_groupnorm", params)
+    return_running_stats = check_bool(return_running_stats, "return_running_stats")
     _check_params(params)
     precision = resolve_precision(precision)
     conv_options = dict(stride=stride, padding=padding, output_padding=output_padding,

@@ -377,9 +377,10 @@ def test_gpu_pipelines_on_a_local_cuda_cluster(rng, quick_plans, n_gpus):
 
 @pytest.mark.gpu
 def test_gpu_chunks_on_another_device_than_the_current_one(rng, quick_plans):
-    # Chunks and parameters on device 1 while device 0 is current (a scheduler thread's
-    # start): the graph's probe and every task, the statistics' merge included, run on
-    # device 1, as the single call runs on its x's device.
+    # Chunks and parameters on device 1 while device 0 is current (when the graph is built,
+    # and in every scheduler thread at its start): the graph's probe and every task, the
+    # statistics' merge included, run on device 1, as the single call runs on its x's device.
+    # (The result's chunks are joined on the caller's current device, by dask.)
     import cupy as cp
 
     if cp.cuda.runtime.getDeviceCount() < 2:
@@ -391,8 +392,8 @@ def test_gpu_chunks_on_another_device_than_the_current_one(rng, quick_plans):
     assert cp.cuda.runtime.getDevice() == 0
     lazy = cdask.batch_norm(chunked(x, (2, 2, 2)), weight, bias, running_mean=running[0],
                             running_var=running[1])
-    y = lazy.compute(scheduler="threads", num_workers=2)
     with cp.cuda.Device(1):
+        y = lazy.compute(scheduler="threads", num_workers=2)
         ref_running = [cp.zeros(3, cp.float32), cp.ones(3, cp.float32)]
         ref = cufused.batch_norm(x, weight, bias, running_mean=ref_running[0],
                                  running_var=ref_running[1])
