@@ -31,7 +31,7 @@ def _empty_batch(x: Any, func: str, params: dict[str, Any] | None = None):
     sizes. Return an empty batch ``(0, *x.shape[1:])`` of its chunk type, on which the single
     call checks the arguments and yields the result's shape and dtype without computing: on
     the device of the first CuPy array of ``params`` (where the single call needs the chunks),
-    else on the current one."""
+    else on the meta's (the data's, for ``from_array(..., asarray=False)``)."""
     if not isinstance(x, da.Array):
         raise TypeError(
             f"x must be a dask.array.Array, got {type(x).__name__}: call cufused.{func} for a "
@@ -58,7 +58,7 @@ def _empty_batch(x: Any, func: str, params: dict[str, Any] | None = None):
     if xp is numpy:
         return numpy.empty((0,) + tuple(x.shape[1:]), dtype=x.dtype)
     device = _first_device((params or {}).values())
-    with xp.cuda.Device(xp.cuda.runtime.getDevice() if device is None else device):
+    with xp.cuda.Device(meta.device.id if device is None else device):
         return xp.empty((0,) + tuple(x.shape[1:]), dtype=x.dtype)
 
 
