@@ -250,7 +250,7 @@ def test_normalization_of_values_far_from_zero(rng, shape):
 
 # Each statistics row's first value 1000 from a unit spread (z of about 110 to 450 standard
 # deviations of its row): the shift scales sum d*d by about 1 + z^2, and a float32 sum's
-# rounding with it (2e-4 of the output); the float64 sums keep float32 accuracy. Rows of
+# rounding with it (1.4e-4 of rstd); the float64 sums keep float32 accuracy. Rows of
 # 12288 cached by channel, read channels-last in place, and split over blocks (35108 values);
 # BatchNorm's channels of 65536.
 @pytest.mark.parametrize("norm, shape, layout", [
