@@ -146,9 +146,12 @@ def get_array_module(**arrays: Any):
         elif is_cupy_array(value):
             this = "cupy"
         else:
-            raise TypeError(
-                f"{name} must be a numpy.ndarray or cupy.ndarray, got {type(value).__name__}"
-            )
+            # A PyTorch tensor has operators of its own (by its class's module, without
+            # importing torch).
+            hint = ("; cufused.torch's operators and modules take torch tensors"
+                    if type(value).__module__.split(".")[0] == "torch" else "")
+            raise TypeError(f"{name} must be a numpy.ndarray or cupy.ndarray, got "
+                            f"{type(value).__name__}{hint}")
         if kind is None:
             kind, first = this, name
         elif this != kind:

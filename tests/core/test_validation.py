@@ -151,6 +151,13 @@ def test_bad_input_raises_with_a_clear_message(call, exc, fragment):
         call()
 
 
+def test_a_torch_tensor_is_pointed_to_cufused_torch():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"weight must be a numpy.ndarray or cupy.ndarray, got "
+                                        r"Tensor; cufused.torch's operators"):
+        cufused.conv2d(X4, torch.from_numpy(W))
+
+
 def test_mixing_numpy_and_cupy_is_a_type_error_naming_the_argument(monkeypatch):
     class FakeCupyArray:  # what get_array_module sees of a CuPy array: a cupy.ndarray
         pass
