@@ -11,13 +11,38 @@
 #define MODE_GROUP_NORM 0
 #define MODE_BATCH_NORM 1
 
+// A float32 sum of squares carried with its rounding errors: each square's exact low part
+// (an FMA) and each addition's (TwoSum), so that the sum keeps about double's accuracy in
+// float32 arithmetic, which every GPU runs at full rate (a double add and FMA per value would
+// leave GPUs of slow double arithmetic short of their memory rate). The _rn intrinsics keep
+// the compiler from contracting a square and a sum into one FMA, which would break TwoSum.
+// A square or a sum past float32's range gives infinity, as a float32 sum does.
+struct SquareSum {
+    float hi = 0.0f, lo = 0.0f;
+
+    __device__ __forceinline__ void add_square(float d) {
+        const float p = __fmul_rn(d, d);
+        const float e = fmaf(d, d, -p);  // d * d - p exactly
+        const float s = __fadd_rn(hi, p);
+        const float b = __fsub_rn(s, hi);
+        lo = __fadd_rn(lo, __fadd_rn(__fadd_rn(__fsub_rn(hi, __fsub_rn(s, b)),
+                                               __fsub_rn(p, b)), e));
+        hi = s;
+    }
+
+    __device__ __forceinline__ double value() const {
+        // An infinite or NaN square or sum makes the low part NaN: the sum is the high one.
+        return isfinite(hi) ? (double)hi + (double)lo : (double)hi;
+    }
+};
+
 // Shifted sums for one statistics key over x[o * outer_stride + key * key_stride + i],
 // o < n_outer, i < inner, split into `splits` blocks per key (the split reduction that keeps
 // the GPU busy when there are few keys). partial[key * splits + split] = (sum d, sum d*d) in
 // double with d = x - shift, shift = the key's first element, 0 where infinite (written to
-// shift_out[key]). Both sums are doubles in each thread: a first value z standard deviations
-// from the mean scales sum d*d, and a float sum's rounding with it, by about 1 + z * z, which
-// the variance (sum d*d / n - mean(d)^2) keeps; a double's rounding stays below float32's.
+// shift_out[key]). A first value z standard deviations from the mean scales sum d*d, and a
+// float32 sum's rounding with it, by about 1 + z * z, which the variance (sum d*d / n -
+// mean(d)^2) keeps: each thread sums d in double and d*d as a SquareSum.
 __global__ void key_stats_partial(const float* __restrict__ x, double2* __restrict__ partial,
                                   float* __restrict__ shift_out, index_t n_outer,
                                   index_t outer_stride, index_t key_stride, index_t inner,
@@ -31,7 +56,8 @@ __global__ void key_stats_partial(const float* __restrict__ x, double2* __restri
     const index_t total = n_outer * inner;
     index_t j_begin, j_end;
     split_range(total, splits, split, j_begin, j_end);
-    double s1 = 0.0, s2 = 0.0;
+    double s1 = 0.0;
+    SquareSum s2;
     index_t j = j_begin + threadIdx.x;
     index_t o = j / inner;
     index_t i = j - o * inner;
@@ -39,14 +65,14 @@ __global__ void key_stats_partial(const float* __restrict__ x, double2* __restri
     // whatever inner's size.
     const index_t step_o = blockDim.x / inner, step_i = blockDim.x - step_o * inner;
     for (; j < j_end; j += blockDim.x) {
-        const double d = __ldg(base + o * outer_stride + i) - shift;
+        const float d = __ldg(base + o * outer_stride + i) - shift;
         s1 += d;
-        s2 = fma(d, d, s2);
+        s2.add_square(d);
         i += step_i;
         o += step_o;
         if (i >= inner) { i -= inner; ++o; }
     }
-    const double2 sums = block_sum(make_double2(s1, s2), scratch);
+    const double2 sums = block_sum(make_double2(s1, s2.value()), scratch);
     if (threadIdx.x == 0) partial[key * splits + split] = sums;
 }
 
@@ -342,13 +368,14 @@ __global__ void group_affine_rows(const float* x, float* y, const float4* __rest
     });
 }
 
-// The moments of a row from its threads' shifted sums in double (len values; see
-// key_stats_partial for why double), combined and formed as stats_finalize forms them
+// The moments of a row from its threads' shifted sums (len values; d in double, d*d as a
+// SquareSum, for key_stats_partial's reason), combined and formed as stats_finalize forms them
 // (shifted_moments): deviations wider than float32's squares allow give rstd 0 and (for a
 // finite v - mean) the outputs the bias, as PyTorch gives, whose Welford mean stays finite.
-__device__ __forceinline__ NormMoments row_moments(double s1, double s2, float shift, int len,
-                                                   double eps, double2* scratch) {
-    const double2 mv = shifted_moments(block_sum(make_double2(s1, s2), scratch), shift, len);
+__device__ __forceinline__ NormMoments row_moments(double s1, const SquareSum& s2, float shift,
+                                                   int len, double eps, double2* scratch) {
+    const double2 mv = shifted_moments(block_sum(make_double2(s1, s2.value()), scratch), shift,
+                                       len);
     return NormMoments::of(mv.x, (float)inverse_std(mv.y, eps));
 }
 
@@ -412,15 +439,16 @@ __global__ void group_norm_rows(const float* x, float* y, const float* __restric
     const int len = gn.len();
     const float* xr = x + Row::start(len);
     const float shift = gn.pre_map(gn.c0, xr[0]);
-    double s1 = 0.0, s2 = 0.0;
+    double s1 = 0.0;
+    SquareSum s2;
     for_each_vector<VEC, 4>(xr, (int)threadIdx.x, gn.n_vec, (int)blockDim.x,
                             [&](int q, float4& v) {
         gn.map_pre(v, gn.span(q));
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
-            const double d = gn.lane(v, k) - shift;
+            const float d = gn.lane(v, k) - shift;
             s1 += d;
-            s2 = fma(d, d, s2);
+            s2.add_square(d);
         }
         if (CACHE) store_vec<VEC>(reinterpret_cast<float*>(cache), q, v);
     });
@@ -454,7 +482,8 @@ __global__ void group_norm_rows_cached(const float* x, float* y, const float* __
     const Row gn = Row::of_block(pre, gamma, beta, C, G, HW);
     const int c0 = gn.c0, cg = gn.cg, len = gn.len();
     float shift;
-    double s1 = 0.0, s2 = 0.0;
+    double s1 = 0.0;
+    SquareSum s2;
     if constexpr (!X_BLOCKED) {
         // The shift comes from x, not from row_cache[0]: the warp of channel 0 maps the
         // cached row in place while other warps may not have read its first value yet.
@@ -466,9 +495,9 @@ __global__ void group_norm_rows_cached(const float* x, float* y, const float* __
             const ChannelAffine f = gn.pre_affine(c0 + c);
             return [&, f](float v) {
                 const float t = Row::pre_value(f, v);
-                const double d = t - shift;
+                const float d = t - shift;
                 s1 += d;
-                s2 = fma(d, d, s2);
+                s2.add_square(d);
                 return t;
             };
         });
@@ -499,9 +528,9 @@ __global__ void group_norm_rows_cached(const float* x, float* y, const float* __
 #pragma unroll
                 for (int k = 0; k < 4; ++k) {
                     const float t = Row::pre_value(f[k], gn.lane(v[u], k));
-                    const double d = t - shift;
+                    const float d = t - shift;
                     s1 += d;
-                    s2 = fma(d, d, s2);
+                    s2.add_square(d);
                     row_cache[(4 * quad + k) * HW + p] = t;
                 }
             }

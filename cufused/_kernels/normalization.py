@@ -3,9 +3,10 @@ affine coefficients, the affine (+ activation) apply pass, and a one-block-per-r
 
 Statistics are sums shifted by each key's first value (so ``|mean| >> std`` stays accurate;
 ``key_stats_partial`` takes 0 for an infinite one), combined in float64 by ``stats_finalize``;
-``key_stats_partial`` and ``group_norm_rows`` sum ``d`` and ``d * d`` in float64 per thread (so
-``|mean| << std`` stays accurate, and so does a first value far from the mean, which scales
-``sum d * d`` and its rounding). Coefficients are a (3, K) float32 array (``coef_array``):
+``key_stats_partial`` and ``group_norm_rows`` sum ``d`` in float64 per thread (so
+``|mean| << std`` stays accurate) and ``d * d`` in float32 with its rounding errors carried
+(``SquareSum``: a first value far from the mean scales ``sum d * d`` and a plain sum's
+rounding). Coefficients are a (3, K) float32 array (``coef_array``):
 entry k maps ``v`` to ``coef[0, k] * (v - coef[1, k]) + coef[2, k]`` (``ChannelAffine`` in
 common.cuh: the centered form ``gamma * rstd * (v - mean) + beta`` where it is finite, on the
 float64 mean where the sums are of the normalized values themselves (``centered_sums``; not

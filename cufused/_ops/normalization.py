@@ -1,11 +1,11 @@
 """Normalization: ``group_norm`` and ``batch_norm`` (with a fused ``tanh``).
 
 GPU statistics are shifted sums (the shift is each row's first value, so ``|mean| >> std`` stays
-accurate; the split statistics take 0 for an infinite one); BatchNorm's, and GroupNorm's over
-long rows, sum the shifted values in float64 and combine their partial sums in float64, so that
-a mean small next to the spread (the running mean) keeps its accuracy too; GroupNorm's shorter
-rows sum in float32 per thread, combined in float64. The normalization is folded into a
-per-channel affine ``a * (x - center) + c`` applied in one pass.
+accurate; the split statistics take 0 for an infinite one): each thread sums the shifted
+values in float64, so that a mean small next to the spread (the running mean) keeps its
+accuracy too, and their squares in float32 with the rounding errors carried, so that a first
+value far from the mean does too; the threads' sums combine in float64. The normalization is
+folded into a per-channel affine ``a * (x - center) + c`` applied in one pass.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy
 import torch
 from torch.nn.utils import parametrize
 
@@ -114,9 +115,12 @@ def _check_layer(module: torch.nn.Module, name: str, cls: type) -> None:
 
 def _clamp_bounds(clamp_min: Any, clamp_max: Any) -> tuple[float | None, float | None]:
     """A module's clamp bounds as the fused call takes them: real numbers (infinities
-    included) as floats, None for no bound; anything else refused, naming the argument."""
-    clamp_bounds(clamp_min, clamp_max)
-    return tuple(None if v is None else float(v) for v in (clamp_min, clamp_max))
+    included; a one-value tensor or array as its number) as floats, None for no bound;
+    anything else refused, naming the argument."""
+    bounds = tuple(v.item() if isinstance(v, (torch.Tensor, numpy.ndarray)) and v.ndim == 0
+                   else v for v in (clamp_min, clamp_max))
+    clamp_bounds(*bounds)
+    return tuple(None if v is None else float(v) for v in bounds)
 
 
 def _checked_precision(precision: str | None) -> str | None:
@@ -281,7 +285,8 @@ class Conv2dGroupNormScaleMaxPoolClamp(_ForwardOnlyModule):
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, int],
                  num_groups: int, scale_shape: tuple[int, ...], maxpool_kernel_size: int,
-                 clamp_min: float, clamp_max: float, *, precision: str | None = None) -> None:
+                 clamp_min: float | None, clamp_max: float | None, *,
+                 precision: str | None = None) -> None:
         super().__init__()
         _check_channel_scale(scale_shape, out_channels)
         self.conv = torch.nn.Conv2d(in_channels, out_channels, kernel_size)
@@ -490,7 +495,8 @@ class ConvTranspose3dAvgPoolClampSoftmaxMultiply(_ForwardOnlyModule):
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, ...],
                  stride: int | tuple[int, ...], padding: int | tuple[int, ...],
                  output_padding: int | tuple[int, ...], pool_kernel_size: int,
-                 clamp_min: float, clamp_max: float, *, precision: str | None = None) -> None:
+                 clamp_min: float | None, clamp_max: float | None, *,
+                 precision: str | None = None) -> None:
         super().__init__()
         _square_window(pool_kernel_size, 3, "pool_kernel_size")
         self.avg_pool = torch.nn.AvgPool3d(pool_kernel_size)

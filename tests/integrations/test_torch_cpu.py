@@ -786,8 +786,13 @@ def test_modules_check_bounds_and_precision_when_built(name):
     with pytest.raises(ValueError, match="precision must be one of"):
         ours(name)(*init, precision="fp16")
     if name != "B":
+        # A 0-d tensor and a 0-d array, as float() takes them.
+        module = ours(name)(*init[:-2], torch.tensor(-0.5), torch.tensor([2.0])[0].numpy())
+        assert (module.clamp_min, module.clamp_max) == (-0.5, 2.0)
         with pytest.raises(TypeError, match="clamp_min must be a real number"):
             ours(name)(*init[:-2], "low", 1.0)
+        with pytest.raises(TypeError, match="clamp_max must be a real number"):
+            ours(name)(*init[:-2], 0.0, torch.tensor([1.0, 2.0]))
         with pytest.raises(ValueError, match="clamp_max must not be NaN"):
             ours(name)(*init[:-2], 0.0, float("nan"))
 
