@@ -13,7 +13,7 @@ import time
 import numpy
 
 from .. import __version__
-from .._arrays import gpu_unavailable_reason
+from .._arrays import CUPY_NOT_INSTALLED, NO_CUDA_GPU, gpu_unavailable_reason
 from .cases import TOLERANCE, make_cases, rel_err, torch_pipeline
 from .report import format_table, plot, plot_format
 from .timing import (RESULT_CALLS, Timer, add_floors, bench_case, measure_ceilings,
@@ -149,7 +149,12 @@ def cmd_check(args) -> int:
         cases = [c for c in cases if c.name in args.cases]
     if no_gpu is None:
         return _check_gpu(cases, args.seed)
-    return _check_cpu(cases, args.seed, no_gpu)
+    code = _check_cpu(cases, args.seed, no_gpu)
+    if no_gpu == NO_CUDA_GPU or no_gpu.startswith(CUPY_NOT_INSTALLED):
+        return code
+    # A GPU installation that does not work: the check of it has not passed.
+    print(f"GPU path NOT checked: {no_gpu}")
+    return 1
 
 
 def _header() -> dict:
@@ -326,13 +331,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """Run ``python -m cufused`` with ``argv`` (default: the process's); the exit status."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
         code = args.func(args)
     except BrokenPipeError:  # the reader of stdout left (``| head``): no traceback
         # Python flushes stdout at exit; pointing it at devnull keeps that flush quiet.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except ImportError as exc:  # a missing dependency (its message says what to install)
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 1
     print(f"({time.perf_counter() - start:.1f} s)", file=sys.stderr)
     return code

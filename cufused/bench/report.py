@@ -20,7 +20,7 @@ def _cell(row: dict, key: str, fmt: str = "7.3f") -> str:
 
 def _cells(row: dict, *cells: tuple[str, str]) -> str:
     """The row's case and precision, then each ``(key, format)`` cell, space-separated."""
-    return " ".join([f"{row['case']:<4} {row['precision']:<5}"]
+    return " ".join([f"{row['case']:<4} {row['precision']:<6}"]
                     + [_cell(row, key, fmt) for key, fmt in cells])
 
 
@@ -34,7 +34,7 @@ def _host_lines(result: dict) -> list[str]:
              "reduce-overhead; host us per call (back to back; fused: out given, new: "
              "without out); latency = one fused call after the flush / back-to-back device "
              "ms per call",
-             f"{'case':<4} {'prec':<5} {'prepared':>8} {'comp-ro':>8} {'host fused':>10} "
+             f"{'case':<4} {'prec':<6} {'prepared':>8} {'comp-ro':>8} {'host fused':>10} "
              f"{'new':>6} {'prepared':>8} {'eager':>7} {'compile':>7} {'comp-ro':>7} "
              f"{'latency':>7}"]
     for r in rows:
@@ -60,7 +60,7 @@ def _pipeline_lines(result: dict) -> list[str]:
              "median ms, L2 flushed; speedup = PyTorch time / cufused fused time; floor: the "
              "direct convolution's FLOPs at the GEMM rate, or the input and output at the "
              "copy bandwidth (FFT / Winograd plans may beat it)",
-             f"{'case':<4} {'prec':<5} {'fused':>7} {'unfused':>8} {'eager':>7} {'compile':>8} "
+             f"{'case':<4} {'prec':<6} {'fused':>7} {'unfused':>8} {'eager':>7} {'compile':>8} "
              f"{'xeager':>7} {'xcompile':>8} {'conv':>6} {'post':>6} "
              f"{'postfloor':>9} {'post/pf':>7} {'floor':>6} {'/floor':>6}  conv strategy"]
     for r in result["rows"]:
@@ -103,7 +103,7 @@ def _conv_lines(result: dict) -> list[str]:
              "call (NCHW in/out) and PyTorch's, without / with a bias; cufused public call "
              "into a channels-last out from an NCHW input (pub cl) and from a channels-last one "
              "(cl>cl), and PyTorch's on channels-last tensors",
-             f"{'case':<4} {'prec':<5} {'plan':>7} {'free':>7} {'public':>7} {'torch':>7} "
+             f"{'case':<4} {'prec':<6} {'plan':>7} {'free':>7} {'public':>7} {'torch':>7} "
              f"{'torch/public':>12} {'+bias':>7} {'torch':>7} {'torch/public':>12} "
              f"{'pub cl':>7} {'free/cl':>7} {'cl>cl':>7} {'free/cl>cl':>10} {'torch cl':>8}  "
              "plan / free strategy"]
@@ -111,7 +111,7 @@ def _conv_lines(result: dict) -> list[str]:
         tc, tb, pb, fr, cl, cc, tl = (r.get(k, float("nan")) for k in (
             "torch_conv", "torch_conv_bias", "conv_public_bias", "conv_free", "conv_public_cl",
             "conv_public_cl_in", "torch_conv_cl"))
-        lines.append(f"{r['case']:<4} {r['precision']:<5} {r['conv']:7.3f} {fr:7.3f} "
+        lines.append(f"{r['case']:<4} {r['precision']:<6} {r['conv']:7.3f} {fr:7.3f} "
                      f"{r['conv_public']:7.3f} {tc:7.3f} {tc / r['conv_public']:12.2f} "
                      f"{pb:7.3f} {tb:7.3f} {tb / pb:12.2f} {cl:7.3f} {fr / cl:7.2f} "
                      f"{cc:7.3f} {fr / cc:10.2f} {tl:8.3f}  {r['conv_layout']} / "

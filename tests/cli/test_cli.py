@@ -126,6 +126,39 @@ def test_check_without_gpu_or_torch_says_so(monkeypatch, capsys):
     assert lines[-1] == "the reference ran; nothing was compared (PyTorch is not installed)"
 
 
+@pytest.mark.parametrize("reason, code", [
+    ("no CUDA GPU", 0), ("CuPy is not installed (the GPU path needs CuPy)", 0),
+    ("CuPy is installed but cannot be imported (libnvrtc.so.13: cannot open)", 1),
+    ("the NVIDIA driver supports CUDA 12.4, older than the CUDA 13.0 CuPy is built for", 1)])
+def test_check_of_a_gpu_installation_that_does_not_work_fails(monkeypatch, capsys, reason,
+                                                               code):
+    # Without a GPU installation the CPU path's check is the whole check; with one that does
+    # not work (CuPy that cannot import, a driver too old), the GPU path has not been checked.
+    import sys
+
+    from cufused.bench import cli
+
+    monkeypatch.setattr(cli, "gpu_unavailable_reason", lambda: reason)
+    monkeypatch.setitem(sys.modules, "torch", None)  # the CPU path runs the reference only
+    assert cli.main(["check", "--cases", "C"]) == code
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == (f"GPU path NOT checked: {reason}" if code else
+                    "the reference ran; nothing was compared (PyTorch is not installed)")
+
+
+def test_a_missing_dependency_is_an_error_line_not_a_traceback(monkeypatch, capsys):
+    from cufused.bench import cli
+
+    def missing(args):
+        raise ImportError("the GPU path needs cuDNN Frontend: install cufused[cuda13]")
+
+    monkeypatch.setattr(cli, "cmd_check", missing)  # the parser takes it when built
+    assert cli.main(["check"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"{cli._parser().prog}: error: the GPU path needs cuDNN Frontend")
+    assert "Traceback" not in err
+
+
 @pytest.mark.gpu
 def test_check_on_gpu_canonical_sizes_within_30_s():
     # The main job on the device: every case and path passes, with the float64 references
