@@ -67,8 +67,9 @@ def set_default_precision(precision: str) -> None:
         float32 operand into two TF32 parts and sums three tensor-core products (float32
         accuracy) on cufused's own convolution where it applies (2-D, one group, forward or
         transposed with stride 1; transposed 3-D with stride 2, a 3 x 3 x 3 kernel, padding 1
-        and at most 32 input channels, pipeline C's) and the autotuner measures it faster than
-        cuDNN's exact float32; other convolutions run in ``"ieee"``. Pipeline B's
+        and at most 32 input channels, pipeline C's, on compute capability 9.0, whose blocks
+        get its 222 KiB of shared memory) and the autotuner measures it faster than cuDNN's
+        exact float32; other convolutions run in ``"ieee"``. Pipeline B's
         convolution may also run through discrete Fourier transforms in ``"ieee"`` (float32
         products) and ``"3xtf32"`` (three TF32 products), where the autotuner measures that
         faster.

@@ -212,7 +212,8 @@ def avg_pool(x, kernel_size, stride, padding):
 def clamp(y, lo, hi):
     """``torch.clamp(y, lo, hi)``: ``min(max(y, lo), hi)`` that keeps ``y`` where it equals a
     bound (a -0 clamped to [0, 1] stays -0) and a NaN as NaN; ``hi`` where ``lo > hi``; NaN
-    everywhere for a NaN bound."""
+    everywhere for a NaN bound. ``lo`` and ``hi`` are numbers, an infinity for no bound on
+    that side (the public functions pass one for a ``None`` bound)."""
     xp = _xp(y)
     y = _f64(y)
     y = xp.where((y < lo) | (lo != lo), lo, y)

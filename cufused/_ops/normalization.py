@@ -115,7 +115,9 @@ def _group_norm_gpu(xp, x, num_groups, weight, bias, eps, out):
 
 @warm_calls
 @like_x_sections("``num_groups`` does not divide C, a single value per group across the batch,\n"
-                 "        wrong parameter sizes, bad ``eps``.")
+                 "        wrong parameter sizes, bad ``eps``.",
+                 type_error="Mixed array libraries, an unsupported dtype, or ``num_groups`` or\n"
+                            "        ``eps`` of the wrong type.")
 def group_norm(x: Any, num_groups: int, weight: Any = None, bias: Any = None, *,
                eps: float = 1e-5, out: Any = None) -> Any:
     """Group normalization, as ``torch.nn.functional.group_norm``.
@@ -178,7 +180,10 @@ def check_running_buffer(buf: Any, name: str, channels: int, *, updated: bool = 
 
 @warm_calls
 @like_x_sections("Wrong parameter sizes, a single value per channel in training, missing running\n"
-                 "        statistics in inference, bad ``momentum`` / ``eps`` / ``activation``.")
+                 "        statistics in inference, bad ``momentum`` / ``eps``, an unknown\n"
+                 "        ``activation``.",
+                 type_error="Mixed array libraries, an unsupported dtype, or ``training``,\n"
+                            "        ``momentum``, ``eps`` or ``activation`` of the wrong type.")
 def batch_norm(x: Any, weight: Any = None, bias: Any = None, *, running_mean: Any = None,
                running_var: Any = None, training: bool = True, momentum: float = 0.1,
                eps: float = 1e-5, activation: str | None = None, out: Any = None) -> Any:

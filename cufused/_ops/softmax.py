@@ -38,7 +38,7 @@ def normalize_axes(axis: Any, ndim: int) -> tuple[int, ...]:
 
 
 @warm_calls
-@like_x_sections("An axis out of range or repeated.",
+@like_x_sections("A 0-d ``x``, no axis (``axis=()``), or an axis out of range or repeated.",
                  type_error="Not an array, an unsupported dtype, or a non-integer axis.")
 def softmax(x: Any, axis: Size = -1, *, out: Any = None) -> Any:
     """Softmax over ``axis``, as ``torch.softmax``, where ``axis`` may be a tuple of axes.

@@ -59,7 +59,7 @@ def conv2d_groupnorm_scale_maxpool_clamp(
         Per-output-channel convolution bias and GroupNorm affine.
     scale : array, float or None
         Per-channel multiplier after GroupNorm (e.g. shape (C_out, 1, 1)), one number (a
-        Python number or a 0-d array), or None for no scaling.
+        real number or a 0-d float array), or None for no scaling.
     num_groups : int
         GroupNorm groups; must divide C_out.
     pool_kernel : int or tuple of int

@@ -61,8 +61,8 @@ def conv_transpose3d_avgpool_clamp_softmax_multiply(
     weight : array
         ConvTranspose3d weight, shape (C_in, C_out / groups, kD, kH, kW).
     scale : array, float or None
-        Per-channel multiplier (e.g. shape (1, C_out, 1, 1, 1)), one number (a Python number
-        or a 0-d array), or None for no scaling.
+        Per-channel multiplier (e.g. shape (1, C_out, 1, 1, 1)), one number (a real number
+        or a 0-d float array), or None for no scaling.
     stride, padding, output_padding : int or tuple of int
         Transposed-convolution options.
     pool_kernel : int or tuple of int
