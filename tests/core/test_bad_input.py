@@ -101,7 +101,9 @@ CASES = {
     "conv groups float": (lambda d: cufused.conv2d(d["x4"], d["w"], groups=1.0), TypeError,
                           "groups"),
     "conv huge padding": (lambda d: cufused.conv2d(d["x4"], d["w"], padding=2**40), ValueError,
-                          "padding"),
+                          "padding must be at most 2147483647"),
+    "pool huge stride": (lambda d: cufused.max_pool2d(d["x4"], 2, stride=2**40), ValueError,
+                         "stride must be at most 2147483647"),
     "conv padding past memory": (
         lambda d: cufused.conv2d(d["x4"], d["w"], padding=2**31 - 1), ValueError,
         r"memory \(from x, weight, stride \(1, 1\), padding \(2147483647, 2147483647\)"),

@@ -252,6 +252,12 @@ def test_signed_zeros_like_torch(dtype):
     assert _same_zeros(pooled3, F.max_pool3d(torch.from_numpy(zeros.reshape(1, 1, 1, 2, 2)),
                                              (1, 2, 2)).numpy())
     assert np.signbit(pooled3).all()
+    from cufused import reference
+
+    signed = np.array([-0.0, 0.0, -1.0, 1.0], dtype)  # zeros on the bound 0 of [0, 1], and -0
+    for lo, hi in ((0.0, 1.0), (-0.0, 1.0), (-1.0, -0.0), (-1.0, 0.0)):  # on 0 as the upper one
+        assert _same_zeros(reference.clamp(signed, lo, hi),
+                           torch.clamp(torch.from_numpy(signed), lo, hi).numpy())
     x = np.array([[[-0.0, 0.0, 1.0, -1.0], [0.0, -0.0, 2.0, -2.0]]], dtype)  # (1, 2, 4)
     for w in (None, np.array([2.0, 0.0], dtype)):
         for b in (None, np.array([-0.0, 0.0], dtype)):

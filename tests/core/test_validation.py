@@ -142,6 +142,18 @@ CASES = [
     (lambda: cufused.group_norm(np.ma.masked_less(X4, 0.5), 2), TypeError, "x is a masked"),
     (lambda: cufused.set_conv_autotune("no"), TypeError, "enabled must be a bool"),
     (lambda: cufused.set_conv_graph_replay(1), TypeError, "enabled must be a bool"),
+    (lambda: cufused.group_norm(X4, 0), ValueError, "num_groups=0 must be positive"),
+    (lambda: cufused.group_norm(X4, -2), ValueError, "num_groups=-2 must be positive"),
+    (lambda: cufused.group_norm(X4, 2, C8[:4], C8[:3]), ValueError,
+     "bias must hold one value per channel"),
+    (lambda: cufused.conv2d(np.ones((1, 4, 5, 5)), np.ones((7, 2, 3, 3)), groups=2),
+     ValueError, "weight must have shape .* out_channels divisible by groups=2"),
+    (lambda: cufused.batch_norm(X4, momentum=float("inf")), ValueError,
+     "momentum must be finite"),
+    (lambda: pipeline_a(scale=np.ones((1, 1, 1, 1, 1))), ValueError,
+     "scale must hold one value per channel"),
+    (lambda: (lambda x: cufused.softmax(x, axis=(2, 3), out=x.swapaxes(2, 3)))(X4.copy()),
+     ValueError, r"out overlaps the memory of x \(only exactly the same array"),
 ]
 
 
@@ -149,6 +161,25 @@ CASES = [
 def test_bad_input_raises_with_a_clear_message(call, exc, fragment):
     with pytest.raises(exc, match=fragment):
         call()
+
+
+def test_numpy_scalars_and_the_first_axis_are_taken():
+    # NumPy integers and bools stand for ints and bools, and axis=-ndim is the first axis,
+    # as in NumPy and PyTorch.
+    x = np.random.default_rng(0).random((2, 4, 8, 8))
+    w = np.random.default_rng(1).random((8, 4, 3, 3))
+    assert np.array_equal(cufused.conv2d(x, w, stride=np.int64(2)), cufused.conv2d(x, w, stride=2))
+    assert np.array_equal(cufused.batch_norm(x, training=np.True_), cufused.batch_norm(x))
+    assert np.array_equal(cufused.softmax(x, axis=-4), cufused.softmax(x, axis=0))
+
+
+def test_the_convolution_argument_cache_keeps_the_types():
+    # A cached (1, 1) must not stand in for (True, 1) or (1.0, 1): after the valid call, the
+    # same call with a bool or a float size is still refused.
+    cufused.conv2d(X4, W[:, :4], stride=(1, 1))
+    for stride in ((True, 1), (1.0, 1)):
+        with pytest.raises(TypeError, match="stride"):
+            cufused.conv2d(X4, W[:, :4], stride=stride)
 
 
 def test_a_torch_tensor_is_pointed_to_cufused_torch():
