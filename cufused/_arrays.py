@@ -56,9 +56,15 @@ def import_cupy():
     return cupy
 
 
-#: gpu_unavailable_reason's answers where no GPU installation is there to fail: CuPy not
-#: installed (the answer's start), and no driver or device.
-CUPY_NOT_INSTALLED, NO_CUDA_GPU = "CuPy is not installed", "no CUDA GPU"
+# gpu_unavailable_reason's answers where no GPU installation is there to fail: CuPy not
+# installed (the answer's start), and no driver or device.
+_CUPY_NOT_INSTALLED, _NO_CUDA_GPU = "CuPy is not installed", "no CUDA GPU"
+
+
+def no_gpu_installation(reason: str) -> bool:
+    """Whether ``reason`` (:func:`gpu_unavailable_reason`'s) says that there is no GPU
+    installation (no CuPy, or no driver or device), rather than one that does not work."""
+    return reason == _NO_CUDA_GPU or reason.startswith(_CUPY_NOT_INSTALLED)
 
 
 def gpu_unavailable_reason() -> str | None:
@@ -74,7 +80,7 @@ def gpu_unavailable_reason() -> str | None:
         runtime = cupy.cuda.runtime
     except ModuleNotFoundError as exc:
         if exc.name == "cupy":
-            return f"{CUPY_NOT_INSTALLED} ({_CUDA_EXTRA_HINT})"
+            return f"{_CUPY_NOT_INSTALLED} ({_CUDA_EXTRA_HINT})"
         return f"CuPy is installed but cannot be imported ({_first_line(exc)})"
     except Exception as exc:  # noqa: BLE001 - a broken installation, of any kind
         return f"CuPy is installed but cannot be imported ({_first_line(exc)})"
@@ -87,7 +93,7 @@ def gpu_unavailable_reason() -> str | None:
             driver = built_for = None
         status = getattr(exc, "status", None)
         if driver == 0 or status == _CUDA_ERROR_NO_DEVICE:
-            return NO_CUDA_GPU
+            return _NO_CUDA_GPU
         if (status == _CUDA_ERROR_INSUFFICIENT_DRIVER and driver is not None
                 and driver < built_for):
             advice = "update the driver"
@@ -98,7 +104,7 @@ def gpu_unavailable_reason() -> str | None:
             return (f"the NVIDIA driver supports CUDA {_cuda_version(driver)}, older than the "
                     f"CUDA {_cuda_version(built_for)} CuPy is built for: {advice}")
         return f"CuPy cannot use a CUDA GPU ({type(exc).__name__}: {_first_line(exc)})"
-    return None if count > 0 else NO_CUDA_GPU
+    return None if count > 0 else _NO_CUDA_GPU
 
 
 # The CUDA runtime's errors that gpu_unavailable_reason tells apart.

@@ -13,7 +13,7 @@ import time
 import numpy
 
 from .. import __version__
-from .._arrays import CUPY_NOT_INSTALLED, NO_CUDA_GPU, gpu_unavailable_reason
+from .._arrays import gpu_unavailable_reason, no_gpu_installation
 from .cases import TOLERANCE, make_cases, rel_err, torch_pipeline
 from .report import format_table, plot, plot_format
 from .timing import (RESULT_CALLS, Timer, add_floors, bench_case, measure_ceilings,
@@ -150,7 +150,7 @@ def cmd_check(args) -> int:
     if no_gpu is None:
         return _check_gpu(cases, args.seed)
     code = _check_cpu(cases, args.seed, no_gpu)
-    if no_gpu == NO_CUDA_GPU or no_gpu.startswith(CUPY_NOT_INSTALLED):
+    if no_gpu_installation(no_gpu):
         return code
     # A GPU installation that does not work: the check of it has not passed.
     print(f"GPU path NOT checked: {no_gpu}")
